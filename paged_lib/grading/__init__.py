@@ -1,0 +1,143 @@
+"""Self-grading for the exercise notebooks.
+
+A check cell in an exercise notebook looks like this::
+
+    with grading.exercise("01.1", "KV bytes per token"):
+        grading.expect_equal(my_kv_bytes_per_token(SPECS["llama-2-70b"]), 327_680,
+                             what="bytes per token of LLaMA-2-70B",
+                             hint="2 (K and V) x layers x KV heads x head_dim x bytes")
+
+``exercise`` runs the block and prints exactly one verdict line, never a traceback:
+
+* ``✅ [01.1] KV bytes per token: correct``
+* ``❌ [01.1] KV bytes per token: bytes per token of LLaMA-2-70B: expected 327680, got 655360``
+  followed by an indented hint;
+* ``⏳ [01.1] KV bytes per token: not attempted yet ...`` when the learner's code still
+  raises ``NotImplementedError``.
+
+``make grade`` (:mod:`paged_lib.grading.scoreboard`) executes the exercise notebooks and
+collects these lines into a scoreboard. Chapter-specific checks live in
+``paged_lib/grading/chNN.py`` and are built from the ``expect_*`` helpers below.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import sys
+import traceback
+from collections.abc import Iterator
+from typing import Any
+
+PASS, FAIL, TODO = "✅", "❌", "⏳"
+VERDICT_RE = r"^(✅|❌|⏳) \[([\w.\-]+)\] "
+
+
+class CheckFailed(AssertionError):
+    """A check found a wrong answer. The message is what the learner reads."""
+
+    def __init__(self, message: str, hint: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+
+def fail(message: str, hint: str | None = None) -> None:
+    raise CheckFailed(message, hint)
+
+
+def expect_true(condition: bool, message: str, hint: str | None = None) -> None:
+    """Fail with ``message`` unless ``condition`` holds."""
+    if not condition:
+        fail(message, hint)
+
+
+def expect_equal(got: Any, expected: Any, what: str, hint: str | None = None) -> None:
+    """Exact equality (ints, strings, tuples, lists ...), reporting expected vs got."""
+    if type(got).__name__ == "Tensor":
+        got = got.tolist()
+    if got != expected:
+        detail = _first_difference(got, expected)
+        fail(f"{what}: expected {expected!r}, got {got!r}{detail}", hint)
+
+
+def expect_close(got: float, expected: float, what: str, rel: float = 1e-6, abs_: float = 0.0,
+                 hint: str | None = None) -> None:
+    """Floating-point equality within a relative (and optional absolute) tolerance."""
+    try:
+        ok = math.isclose(float(got), float(expected), rel_tol=rel, abs_tol=abs_)
+    except (TypeError, ValueError):
+        fail(f"{what}: expected a number close to {expected:.6g}, got {got!r}", hint)
+    if not ok:
+        fail(f"{what}: expected {expected:.6g}, got {float(got):.6g}", hint)
+
+
+def expect_tensor_close(got: Any, expected: Any, what: str, atol: float = 1e-5,
+                        rtol: float = 1e-5, hint: str | None = None) -> None:
+    """Compare tensors: shape first, then values; names the first wrong element.
+
+    NaN in ``got`` where ``expected`` is finite counts as wrong, which is how the kernel
+    checks catch reads of poisoned (never written) cache slots.
+    """
+    import torch
+
+    if not isinstance(got, torch.Tensor):
+        fail(f"{what}: expected a torch.Tensor, got {type(got).__name__}", hint)
+    expected = torch.as_tensor(expected)
+    if tuple(got.shape) != tuple(expected.shape):
+        fail(f"{what}: expected shape {tuple(expected.shape)}, got {tuple(got.shape)}", hint)
+    g = got.detach().to("cpu", torch.float64)
+    e = expected.detach().to("cpu", torch.float64)
+    bad = ~torch.isclose(g, e, rtol=rtol, atol=atol, equal_nan=True)
+    if bad.any():
+        n_bad = int(bad.sum())
+        first = tuple(int(i) for i in bad.nonzero()[0])
+        idx = ", ".join(map(str, first))
+        gv, ev = g[first].item(), e[first].item()
+        nan_note = " (NaN: did you read a slot past the end of the sequence?)" \
+            if math.isnan(gv) and not math.isnan(ev) else ""
+        fail(f"{what}: {n_bad} of {bad.numel()} elements differ; first at [{idx}]: "
+             f"expected {ev:.6g}, got {gv:.6g}{nan_note}", hint)
+
+
+def _first_difference(got: Any, expected: Any) -> str:
+    if isinstance(got, list | tuple) and isinstance(expected, list | tuple):
+        if len(got) != len(expected):
+            return f" (length {len(got)} instead of {len(expected)})"
+        for i, (g, e) in enumerate(zip(got, expected, strict=True)):
+            if g != e:
+                return f" (first difference at index {i}: expected {e!r}, got {g!r})"
+    return ""
+
+
+def _learner_frame(tb: Any) -> str:
+    """Where in the learner's own code an exception came from (a notebook cell)."""
+    frames = traceback.extract_tb(tb)
+    for fr in reversed(frames):
+        if fr.filename.startswith("<ipython-input") or "ipykernel" in fr.filename \
+                or fr.filename.startswith("/tmp/ipykernel"):
+            return f" (in your code: `{(fr.line or '').strip()}`, line {fr.lineno} of its cell)"
+    return ""
+
+
+@contextlib.contextmanager
+def exercise(ex_id: str, title: str) -> Iterator[None]:
+    """Run one exercise's checks and print a single verdict line (see module docstring)."""
+    try:
+        yield
+    except NotImplementedError:
+        _say(TODO, ex_id, title, "not attempted yet: fill in the `# YOUR CODE HERE` parts "
+             "above, run them, then run this cell again.")
+    except CheckFailed as err:
+        _say(FAIL, ex_id, title, err.message, err.hint)
+    except Exception as err:  # a bug in the learner's code: short report, no traceback
+        where = _learner_frame(sys.exc_info()[2])
+        _say(FAIL, ex_id, title, f"your code raised {type(err).__name__}: {err}{where}")
+    else:
+        _say(PASS, ex_id, title, "correct")
+
+
+def _say(mark: str, ex_id: str, title: str, message: str, hint: str | None = None) -> None:
+    print(f"{mark} [{ex_id}] {title}: {message}")
+    if hint:
+        print(f"   hint: {hint}")
