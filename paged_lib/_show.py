@@ -15,5 +15,6 @@ def show_source(*objs: Any) -> Any:
     """
     from IPython.display import Markdown
 
-    parts = [textwrap.dedent(inspect.getsource(o)).rstrip() for o in objs]
+    # A @triton.jit kernel is a JITFunction wrapping the Python function in ``.fn``.
+    parts = [textwrap.dedent(inspect.getsource(getattr(o, "fn", o))).rstrip() for o in objs]
     return Markdown("```python\n" + "\n\n".join(parts) + "\n```")

@@ -1,0 +1,66 @@
+# The course's single entry point. `make lab` to learn, `make test` to check everything.
+# Both create .venv on first use (Python 3.11+, pip; nothing else needed).
+
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+PORT   ?= 8888
+CHAPTER ?=
+# Same hash seed everywhere so set/dict iteration in notebooks is reproducible.
+export PYTHONHASHSEED := 0
+
+.PHONY: help venv lab test lint unit notebooks grading browser grade exercises execute clean
+
+help:
+	@echo "make lab        install (first time) and open the course in JupyterLab"
+	@echo "make test       install (first time) and run the whole test suite"
+	@echo "make grade      grade your exercises (CHAPTER=03 for one chapter)"
+	@echo "make exercises  regenerate exercises/ from solutions/ (course authors)"
+	@echo "make execute    re-execute notebooks/ and solutions/ in place (course authors)"
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e ".[test]"
+	@touch $(STAMP)
+
+lab: $(STAMP)
+	@echo "Starting JupyterLab on 127.0.0.1 (token-protected). Open the URL printed below."
+	$(BIN)/jupyter lab --no-browser --allow-root --ServerApp.ip=127.0.0.1 \
+		--ServerApp.port=$(PORT) --ServerApp.root_dir="$(CURDIR)" \
+		notebooks/00_setup_and_tour.ipynb
+
+test: lint unit notebooks grading browser
+	@echo "make test: all checks passed"
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+unit: $(STAMP)
+	$(BIN)/pytest -q -m "not browser" tests
+
+notebooks: $(STAMP)
+	$(BIN)/pytest -q -n 2 --dist loadscope --nbval notebooks solutions \
+		--nbval-sanitize-with tests/nbval_sanitize.cfg
+
+grading: $(STAMP)
+	$(BIN)/python tools/make_exercises.py --check
+
+browser: $(STAMP)
+	@if [ "$$CI" = "true" ]; then bash tools/ensure_chromium.sh; fi
+	$(BIN)/pytest -q -m browser tests/test_browser.py -rs
+
+grade: $(STAMP)
+	$(BIN)/python -m paged_lib.grading.scoreboard exercises $(if $(CHAPTER),--chapter $(CHAPTER))
+
+exercises: $(STAMP)
+	$(BIN)/python tools/make_exercises.py
+
+execute: $(STAMP)
+	$(BIN)/python tools/run_notebooks.py notebooks/*.ipynb solutions/*.ipynb
+
+clean:
+	rm -rf $(VENV) test-artifacts .pytest_cache .ruff_cache .hypothesis

@@ -1,0 +1,66 @@
+"""The grading helpers print one short, useful verdict line, never a traceback."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from paged_lib import grading
+from paged_lib.grading import ch00
+
+
+def _verdict(capsys, body) -> str:
+    with grading.exercise("99.1", "Thing"):
+        body()
+    return capsys.readouterr().out
+
+
+def test_pass(capsys):
+    assert _verdict(capsys, lambda: grading.expect_equal(3, 3, "x")) == \
+        "✅ [99.1] Thing: correct\n"
+
+
+def test_expected_vs_got_with_hint(capsys):
+    out = _verdict(capsys, lambda: grading.expect_equal(2, 3, "blocks", hint="round up"))
+    assert out == "❌ [99.1] Thing: blocks: expected 3, got 2\n   hint: round up\n"
+
+
+def test_lists_name_first_difference(capsys):
+    out = _verdict(capsys, lambda: grading.expect_equal([5, 2, 8], [5, 2, 9], "table"))
+    assert "first difference at index 2: expected 9, got 8" in out
+
+
+def test_not_implemented_is_not_attempted(capsys):
+    def body():
+        raise NotImplementedError()
+    assert _verdict(capsys, body).startswith("⏳ [99.1] Thing: not attempted yet")
+
+
+def test_other_exceptions_are_reported_short(capsys):
+    out = _verdict(capsys, lambda: {}["missing"])
+    assert out.startswith("❌ [99.1] Thing: your code raised KeyError") and "Traceback" not in out
+
+
+def test_tensor_close_names_first_wrong_element_and_nan(capsys):
+    expected = torch.zeros(2, 3)
+    got = expected.clone()
+    got[1, 2] = float("nan")
+    out = _verdict(capsys, lambda: grading.expect_tensor_close(got, expected, "out"))
+    assert "1 of 6 elements differ; first at [1, 2]" in out
+    assert "past the end of the sequence" in out
+
+
+def test_tensor_shape_mismatch(capsys):
+    out = _verdict(capsys, lambda: grading.expect_tensor_close(torch.zeros(2), torch.zeros(3),
+                                                               "out"))
+    assert "expected shape (3,), got (2,)" in out
+
+
+@pytest.mark.parametrize("fn, mark", [
+    (lambda n, b: -(-n // b), "✅"),
+    (lambda n, b: n // b, "❌"),
+    (lambda n, b: __import__("math").ceil(n / b), "❌"),  # float division fails at 10**18 + 1
+])
+def test_ch00_ceil_div(capsys, fn, mark):
+    ch00.check_ceil_div(fn)
+    assert capsys.readouterr().out.startswith(f"{mark} [00.1]")
