@@ -31,7 +31,7 @@ lab: $(STAMP)
 	@echo "Starting JupyterLab on 127.0.0.1 (token-protected). Open the URL printed below."
 	$(BIN)/jupyter lab --no-browser --allow-root --ServerApp.ip=127.0.0.1 \
 		--ServerApp.port=$(PORT) --ServerApp.root_dir="$(CURDIR)" \
-		notebooks/00_setup_and_tour.ipynb
+		--LabApp.default_url=/lab/tree/notebooks/00_setup_and_tour.ipynb
 
 test: lint unit notebooks grading browser
 	@echo "make test: all checks passed"
@@ -40,7 +40,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 
 unit: $(STAMP)
-	$(BIN)/pytest -q -m "not browser" tests
+	$(BIN)/pytest -q -n 2 --dist loadfile -m "not browser" tests
 
 notebooks: $(STAMP)
 	$(BIN)/pytest -q -n 2 --dist loadscope --nbval notebooks solutions \
