@@ -1,0 +1,127 @@
+"""Checks for chapter 01 (KV bytes). Each prints one verdict line; see paged_lib.grading."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from paged_lib import grading
+from paged_lib.accounting import SPECS, ModelSpec, kv_bytes_per_token, num_blocks
+
+# A tiny model whose numbers are all different, so a swapped field shows up.
+TOY = ModelSpec("toy-gqa", num_layers=3, hidden_size=96, num_heads=6, num_kv_heads=2,
+                head_dim=16, dtype_bytes=4)
+
+
+def _kv_hint(spec: ModelSpec, got: object) -> str:
+    """Name the likely slip from the wrong number a learner's formula produced."""
+    right = kv_bytes_per_token(spec)
+    slips = [
+        (right // 2, "K and V are both cached: multiply by 2."),
+        (right * spec.group_size, "only KV heads are cached (num_kv_heads, not num_heads): "
+                                  "with GQA several query heads share one KV head."),
+        (2 * spec.num_layers * spec.hidden_size * spec.dtype_bytes,
+         "hidden_size counts query heads x head_dim; the cache holds num_kv_heads x head_dim "
+         "per layer."),
+        (right // spec.dtype_bytes, "the answer is in bytes: multiply by spec.dtype_bytes."),
+        (right // spec.num_layers, "every layer has its own K and V: multiply by num_layers."),
+    ]
+    for wrong, hint in slips:
+        if wrong != right and got == wrong:
+            return hint
+    return "2 (K and V) x num_layers x num_kv_heads x head_dim x dtype_bytes."
+
+
+def check_kv_bytes_per_token(fn: Callable[[ModelSpec], int]) -> None:
+    """01.1: bytes of KV per token, on MHA, GQA and MQA models and other dtypes."""
+    cases = [SPECS["llama-2-70b"], SPECS["opt-13b"], SPECS["llama-2-7b"], SPECS["falcon-7b"],
+             SPECS["mistral-7b"].with_dtype("fp8"), SPECS["llama-2-13b"].with_dtype("fp32"),
+             TOY]
+    with grading.exercise("01.1", "KV bytes per token"):
+        for spec in cases:
+            got = fn(spec)
+            grading.expect_equal(got, kv_bytes_per_token(spec),
+                                 what=f"bytes per token of {spec.name} ({spec.attention}, "
+                                      f"{spec.dtype_bytes} B per value)",
+                                 hint=_kv_hint(spec, got))
+
+
+BLOCK_CASES = [(1000, 16), (0, 16), (16, 16), (17, 16), (1, 16), (2048, 16), (5, 1),
+               (100, 128), (7, 3)]
+
+
+def check_logical_blocks(fn: Callable[[int, int], int]) -> None:
+    """01.2: logical blocks for a request (ceil division, 0 tokens -> 0 blocks)."""
+    with grading.exercise("01.2", "Logical blocks"):
+        for n, bs in BLOCK_CASES:
+            got = fn(n, bs)
+            want = num_blocks(n, bs)
+            if got == n // bs and got != want:
+                hint = "a partly filled last block still counts: round up, not down."
+            elif isinstance(got, float) and got != int(got):
+                hint = "`/` gives a fraction of a block; blocks are whole: round up."
+            else:
+                hint = "ceil(num_tokens / block_size); 0 tokens need 0 blocks."
+            grading.expect_equal(got, want, what=f"blocks for {n} tokens at block size {bs}",
+                                 hint=hint)
+
+
+def _fill(num_tokens: int, block_size: int) -> float:
+    if num_tokens == 0:
+        return 0.0
+    return (num_tokens - (num_blocks(num_tokens, block_size) - 1) * block_size) / block_size
+
+
+def check_last_block_fill(fn: Callable[[int, int], float]) -> None:
+    """01.3: share of the last block that holds tokens (1.0 when it is full)."""
+    cases = [(1000, 16), (40, 16), (992, 16), (1, 16), (17, 16), (0, 16), (5, 1), (100, 128)]
+    with grading.exercise("01.3", "Last-block fill"):
+        for n, bs in cases:
+            got = fn(n, bs)
+            want = _fill(n, bs)
+            if got == 0.0 and n > 0 and n % bs == 0:
+                hint = ("when num_tokens is a multiple of block_size the last block is full "
+                        "(1.0), not empty: `n % bs` is 0 there.")
+            elif isinstance(got, int | float) and got == 100 * want:
+                hint = "return a fraction (0.5), not a percentage (50)."
+            else:
+                hint = ("tokens in the last block / block_size; the last block holds what is "
+                        "left after the full ones. 0 tokens: 0.0.")
+            grading.expect_close(got, want, what=f"fill of the last block for {n} tokens "
+                                                 f"at block size {bs}", rel=1e-9, hint=hint)
+
+
+def _max_requests(spec: ModelSpec, budget: int, context_len: int, block_size: int) -> int:
+    block_bytes = block_size * kv_bytes_per_token(spec)
+    return (budget // block_bytes) // num_blocks(context_len, block_size)
+
+
+def check_max_requests(fn: Callable[[ModelSpec, int, int, int], int]) -> None:
+    """01.4: how many requests fit in a KV budget, counting whole blocks."""
+    GiB = 2**30
+    l7, l70, falcon = SPECS["llama-2-7b"], SPECS["llama-2-70b"], SPECS["falcon-7b"]
+    blk7 = 16 * kv_bytes_per_token(l7)  # one 16-token block of llama-2-7b: 8 MiB
+    cases = [
+        (l7, 20 * GiB, 2048, 16),     # 2560 blocks / 128 per request
+        (l7, 125 * blk7, 1000, 16),   # 63 blocks per request, not 62.5: only 1 fits
+        (l7, 128 * blk7 - 1, 2048, 16),  # one byte short of a request: 0
+        (l7, 0, 2048, 16),
+        (l70, 40 * GiB, 4096, 32),
+        (falcon, 1 * GiB, 4096, 1),
+        (SPECS["llama-3-8b"], 50 * GiB, 8192, 16),
+    ]
+    with grading.exercise("01.4", "Requests that fit in a KV budget"):
+        for spec, budget, ctx, bs in cases:
+            got = fn(spec, budget, ctx, bs)
+            want = _max_requests(spec, budget, ctx, bs)
+            naive = budget // (ctx * kv_bytes_per_token(spec))
+            if got == naive and got != want:
+                hint = (f"each request takes whole blocks: {ctx} tokens at block size {bs} "
+                        f"occupy {num_blocks(ctx, bs)} blocks, i.e. "
+                        f"{num_blocks(ctx, bs) * bs} token slots.")
+            elif isinstance(got, float) and got != int(got):
+                hint = "only whole requests run: round down."
+            else:
+                hint = ("blocks in the budget = budget // (block_size x bytes per token); "
+                        "each request needs ceil(context_len / block_size) of them.")
+            grading.expect_equal(got, want, what=f"{spec.name}, budget {budget:,} B, "
+                                                 f"{ctx} tokens, block size {bs}", hint=hint)
