@@ -1,0 +1,112 @@
+"""vLLM's padded block tables and FlashInfer's CSR pages describe the same sequences."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from paged_lib.block_formats import (
+    csr_to_padded,
+    from_csr,
+    from_padded,
+    padded_to_csr,
+    to_csr,
+    to_padded,
+)
+from paged_lib.blocks import BlockAllocator, BlockTable
+
+FAST = settings(max_examples=150, derandomize=True, deadline=None)
+
+
+@st.composite
+def batches(draw):
+    """A batch: block size, per-sequence blocks (shared ids allowed, as after a fork)."""
+    block_size = draw(st.sampled_from([1, 2, 3, 16]))
+    seq_lens = draw(st.lists(st.integers(0, 40), min_size=1, max_size=6))
+    tables = [draw(st.lists(st.integers(0, 99), min_size=-(-n // block_size),
+                            max_size=-(-n // block_size))) for n in seq_lens]
+    return tables, seq_lens, block_size
+
+
+def slots_padded(block_tables, seq_lens, block_size):
+    return [[(int(block_tables[i, t // block_size]), t % block_size)
+             for t in range(int(seq_lens[i]))] for i in range(len(seq_lens))]
+
+
+def slots_csr(kv_indptr, kv_page_indices, kv_last_page_len, block_size):
+    out = []
+    for i in range(len(kv_last_page_len)):
+        start, end = int(kv_indptr[i]), int(kv_indptr[i + 1])
+        n = (end - start - 1) * block_size + int(kv_last_page_len[i]) if end > start else 0
+        out.append([(int(kv_page_indices[start + t // block_size]), t % block_size)
+                    for t in range(n)])
+    return out
+
+
+def test_worked_example_in_both_layouts():
+    # Two sequences: 40 tokens in blocks 5, 2, 9 and 20 tokens in blocks 0, 7 (size 16).
+    tables, lens = [[5, 2, 9], [0, 7]], [40, 20]
+    block_tables, seq_lens = to_padded(tables, lens, 16, pad=-1)
+    assert block_tables.tolist() == [[5, 2, 9], [0, 7, -1]]
+    assert block_tables.dtype == seq_lens.dtype == torch.int32
+    kv_indptr, kv_page_indices, kv_last_page_len = to_csr(tables, lens, 16)
+    assert kv_indptr.tolist() == [0, 3, 5]
+    assert kv_page_indices.tolist() == [5, 2, 9, 0, 7]
+    assert kv_last_page_len.tolist() == [8, 4]
+    assert {t.dtype for t in (kv_indptr, kv_page_indices, kv_last_page_len)} == {torch.int32}
+
+
+def test_fixed_width_like_vllm():
+    block_tables, _ = to_padded([[3]], [5], 16, max_blocks=4)
+    assert block_tables.tolist() == [[3, 0, 0, 0]]
+    with pytest.raises(ValueError, match="more than max_blocks=1"):
+        to_padded([[3, 4]], [17], 16, max_blocks=1)
+    csr = to_csr([[3, 4]], [17], 16)
+    with pytest.raises(ValueError, match="more than max_blocks=1"):
+        csr_to_padded(*csr, 16, max_blocks=1)
+
+
+def test_tables_must_match_lengths():
+    with pytest.raises(ValueError, match=r"sequence 0: 17 tokens in blocks of 16 need "
+                                         r"2 block\(s\), its table has 1"):
+        to_padded([[3]], [17], 16)
+    with pytest.raises(ValueError, match="2 block tables but 1 seq_lens"):
+        to_csr([[1], [2]], [1], 16)
+
+
+def test_real_block_tables_convert():
+    allocator = BlockAllocator(16)
+    a = BlockTable(allocator, 4)
+    for _ in range(6):
+        a.append_token()
+    b = a.fork()
+    b.append_token()  # copy-on-write of a's last block
+    tables, lens = [a.blocks, b.blocks], [a.num_tokens, b.num_tokens]
+    csr = to_csr(tables, lens, 4)
+    assert csr[1].tolist() == [0, 1, 0, 2] and csr[2].tolist() == [2, 3]
+    assert from_csr(*csr, 4) == (tables, lens)
+
+
+@FAST
+@given(batches())
+def test_lists_round_trip_through_both_layouts(batch):
+    tables, lens, bs = batch
+    assert from_padded(*to_padded(tables, lens, bs), bs) == (tables, lens)
+    assert from_csr(*to_csr(tables, lens, bs), bs) == (tables, lens)
+
+
+@FAST
+@given(batches(), st.integers(-1, 3))
+def test_converters_are_inverse_and_describe_the_same_slots(batch, extra_width):
+    tables, lens, bs = batch
+    width = max(len(t) for t in tables) + extra_width if extra_width >= 0 else None
+    padded = to_padded(tables, lens, bs, max_blocks=width, pad=-1)
+    csr = padded_to_csr(*padded, bs)
+    assert all(a.equal(b) for a, b in zip(csr, to_csr(tables, lens, bs), strict=True))
+    back = csr_to_padded(*csr, bs, max_blocks=width, pad=-1)
+    assert back[0].equal(padded[0]) and back[1].equal(padded[1])
+    assert slots_padded(*padded, bs) == slots_csr(*csr, bs)
+    last = csr[2].tolist()
+    assert all((1 <= x <= bs) if n else x == 0 for x, n in zip(last, lens, strict=True))
