@@ -1,0 +1,218 @@
+"""Chapter 4: online softmax over blocks, the paged references, pictures and graders."""
+
+from __future__ import annotations
+
+import itertools
+
+import matplotlib
+import pytest
+import torch
+
+import paged_lib  # noqa: F401  (sets up the interpreter before anything Triton)
+from paged_lib import attention as A
+from paged_lib.grading import ch04
+from paged_lib.kernels.reference import gather_kv, ref_paged_attention
+from paged_lib.viz import attention as viz
+
+matplotlib.use("Agg")
+F64 = torch.float64
+
+
+def _qkv(shape, n, d, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, d, generator=g, dtype=F64),
+            torch.randn(*shape, n, d, generator=g, dtype=F64),
+            torch.randn(*shape, n, d, generator=g, dtype=F64))
+
+
+@pytest.mark.parametrize("n,block_size", [(1, 4), (16, 16), (17, 16), (37, 8), (64, 5)])
+def test_blockwise_equals_full_softmax(n, block_size):
+    q, k, v = _qkv((3,), n, 8, seed=n)
+    torch.testing.assert_close(A.blockwise_attention(q, k, v, block_size),
+                               A.naive_attention(q, k, v), atol=1e-12, rtol=1e-12)
+
+
+def test_blockwise_with_fully_masked_blocks():
+    q, k, v = _qkv((2,), 40, 8)
+    mask = torch.ones(2, 40, dtype=torch.bool)
+    mask[:, :8] = False          # the whole first block: the running max starts at -inf
+    mask[0, 16:24] = False       # a whole block in the middle
+    mask[1, 35:] = False
+    v = v.masked_fill(~mask[..., None], 0.0)
+    scores = (k @ q[..., None])[..., 0] * 8 ** -0.5
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    expected = (probs[..., None, :] @ v)[..., 0, :]
+    got = A.blockwise_attention(q, k, v, 8, mask=mask)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, expected, atol=1e-12, rtol=1e-12)
+
+
+def test_trace_records_running_max_and_sum():
+    q, k, v = _qkv((), 30, 4)
+    trace = A.Trace()
+    A.blockwise_attention(q, k, v, 8, trace=trace)
+    assert len(trace.running_max) == len(trace.running_sum) == 4
+    maxes = torch.stack(trace.running_max)
+    assert (maxes[1:] >= maxes[:-1]).all()
+    scores = (k @ q) * 4 ** -0.5
+    assert float(maxes[-1]) == pytest.approx(float(scores.max()))
+    assert float(trace.running_sum[-1]) == pytest.approx(
+        float(torch.exp(scores - scores.max()).sum()))
+
+
+def _states(seed, parts=3, shape=(4,), d=6):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(parts):
+        s = torch.randn(*shape, 5, generator=g, dtype=F64) * (1 + 4 * i)
+        if i == 1:
+            s[0] = float("-inf")   # one query's block entirely masked
+        out.append(A.block_state(s, torch.randn(*shape, 5, d, generator=g, dtype=F64)))
+    return out
+
+
+def _close(x: A.SoftmaxState, y: A.SoftmaxState):
+    for a, b in zip(x, y, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_merge_commutative_associative_identity(seed):
+    a, b, c = _states(seed)
+    _close(A.merge(a, b), A.merge(b, a))
+    _close(A.merge(A.merge(a, b), c), A.merge(a, A.merge(b, c)))
+    _close(A.merge(a, A.empty_state(torch.zeros(4, 6, dtype=F64))), a)
+    for perm in itertools.permutations((a, b, c)):
+        _close(A.merge(A.merge(perm[0], perm[1]), perm[2]), A.merge(A.merge(a, b), c))
+
+
+def test_merge_of_two_empty_states_has_no_nan():
+    e = A.empty_state(torch.zeros(3, 4, dtype=F64))
+    m = A.merge(e, e)
+    assert torch.isinf(m.m).all() and (m.l == 0).all() and (m.acc == 0).all()
+
+
+def _poisoned(seed, num_blocks, block_size, kv_heads, d, tables, lens, dtype=F64):
+    g = torch.Generator().manual_seed(seed)
+    return ch04._poisoned_cache(g, num_blocks, block_size, kv_heads, d, tables, lens, dtype)
+
+
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2), (5, 1)])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_paged_blockwise_matches_reference(heads, block_size):
+    num_heads, kv_heads = heads
+    lens = [1, block_size, block_size + 1, 3 * block_size + 2]
+    tables = [[3, 3, 0, 7], [5, 99, 99, 99], [1, 1, 99, 99], [6, 2, 6, 4]]
+    k, v = _poisoned(1, 8, block_size, kv_heads, 8, tables, lens)
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(4, num_heads, 8, generator=g, dtype=F64)
+    bt = torch.tensor(tables, dtype=torch.int32)
+    ref = ref_paged_attention(q, k, v, bt % 8, torch.tensor(lens, dtype=torch.int32))
+    assert not ref.isnan().any()
+    for s, n in enumerate(lens):
+        got = A.paged_blockwise_attention(q[s], k, v, bt[s], n)
+        torch.testing.assert_close(got, ref[s], atol=1e-12, rtol=1e-12)
+
+
+def test_gather_kv_reads_only_the_sequence():
+    tables = [[4, 1, 4]]
+    k, _ = _poisoned(3, 6, 4, 2, 3, tables, [9])
+    got = gather_kv(k, torch.tensor(tables[0]), 9)
+    assert got.shape == (9, 2, 3) and not got.isnan().any()
+    torch.testing.assert_close(got[4:8], k[1])
+    torch.testing.assert_close(got[8], k[4, 0])
+
+
+def test_figures():
+    q, k, v = _qkv((), 40, 8)
+    trace = A.Trace()
+    A.blockwise_attention(q, k, v, 8, trace=trace, mask=torch.arange(40) >= 8)
+    assert isinstance(viz.running_softmax(trace, block_size=8), matplotlib.figure.Figure)
+    fig = viz.block_gather([5, 2, 9, 77], 40, 16, 12)
+    assert isinstance(fig, matplotlib.figure.Figure)
+    matplotlib.pyplot.close("all")
+
+
+# ---- graders: pass the right answer, fail a buggy one, say "not attempted" on stubs ----
+
+def _merge_ok(a, b):
+    return tuple(A.merge(A.SoftmaxState(*a), A.SoftmaxState(*b)))
+
+
+def _merge_nan_on_empty(a, b):
+    m = torch.maximum(a[0], b[0])
+    wa, wb = torch.exp(a[0] - m), torch.exp(b[0] - m)
+    return m, wa * a[1] + wb * b[1], wa[..., None] * a[2] + wb[..., None] * b[2]
+
+
+def _merge_no_rescale(a, b):
+    return torch.maximum(a[0], b[0]), a[1] + b[1], a[2] + b[2]
+
+
+def _gather_whole_blocks(cache, table, n):
+    bs = cache.shape[1]
+    return cache[table[: (n + bs - 1) // bs].long()].flatten(0, 1)
+
+
+def _gather_wrong_offset(cache, table, n):
+    t = torch.arange(n)
+    return cache[table.long()[t // cache.shape[1]], 0]
+
+
+def _decode_ok(q, k, v, table, n, scale):
+    return A.paged_blockwise_attention(q, k, v, table, n, scale)
+
+
+def _decode_reads_past_end(q, k, v, table, n, scale):
+    bs = k.shape[1]
+    nb = (n + bs - 1) // bs
+    kk = k[table[:nb].long()].flatten(0, 1)
+    vv = v[table[:nb].long()].flatten(0, 1)
+    group = q.shape[0] // k.shape[2]
+    kk, vv = kk.repeat_interleave(group, 1), vv.repeat_interleave(group, 1)
+    p = torch.softmax(torch.einsum("hd,nhd->hn", q, kk) * scale, -1)
+    return torch.einsum("hn,nhd->hd", p, vv)
+
+
+def _decode_wrong_gqa(q, k, v, table, n, scale):
+    kk, vv = gather_kv(k, table, n), gather_kv(v, table, n)
+    rep = q.shape[0] // k.shape[2]
+    kk, vv = kk.repeat(1, rep, 1), vv.repeat(1, rep, 1)   # h % kv_heads, not h // group
+    p = torch.softmax(torch.einsum("hd,nhd->hn", q, kk) * scale, -1)
+    return torch.einsum("hn,nhd->hd", p, vv)
+
+
+def _classify_ok():
+    return {i: ans for i, (_, ans, _) in enumerate(ch04.STATEMENTS, 1)}
+
+
+def _classify_all_both():
+    return {i: "both" for i in range(1, len(ch04.STATEMENTS) + 1)}
+
+
+def _stub(*args):
+    raise NotImplementedError()
+
+
+@pytest.mark.parametrize("check,good,bads", [
+    (ch04.check_merge_states, _merge_ok, [_merge_nan_on_empty, _merge_no_rescale]),
+    (ch04.check_gather_kv, gather_kv, [_gather_whole_blocks, _gather_wrong_offset]),
+    (ch04.check_paged_decode, _decode_ok, [_decode_reads_past_end, _decode_wrong_gqa]),
+    (ch04.check_flash_vs_paged, _classify_ok, [_classify_all_both, lambda: ["flash"]]),
+])
+def test_graders(capsys, check, good, bads):
+    check(good)
+    out = capsys.readouterr().out
+    assert out.startswith("✅") and out.count("\n") == 1, out
+    for bad in bads:
+        check(bad)
+        out = capsys.readouterr().out
+        assert out.startswith("❌"), out
+        assert "Traceback" not in out
+    check(_stub)
+    assert capsys.readouterr().out.startswith("⏳")
+
+
+def test_grader_names_nan_reads(capsys):
+    ch04.check_paged_decode(_decode_reads_past_end)
+    assert "NaN" in capsys.readouterr().out
