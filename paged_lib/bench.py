@@ -122,6 +122,17 @@ def sdpa_per_sequence(q: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor
     return torch.stack(outs)
 
 
+def sdpa_per_sequence_gqa(q: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]],
+                          scale: float) -> torch.Tensor:
+    """Contiguous attention the straightforward way: one SDPA call per sequence with
+    ``enable_gqa=True`` (one query token of every head against the KV heads)."""
+    outs = []
+    for s, (k, v) in enumerate(kv):
+        outs.append(F.scaled_dot_product_attention(q[s].unsqueeze(1), k, v, scale=scale,
+                                                   enable_gqa=True).squeeze(1))
+    return torch.stack(outs)
+
+
 def flex_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                          compiled: bool = False) -> Callable[[], torch.Tensor]:
@@ -173,13 +184,16 @@ def _median_ms(fn: Callable[[], object], repeats: int) -> float:
 def cpu_ratios(num_seqs: int = 16, num_heads: int = 32, num_kv_heads: int = 8,
                head_dim: int = 128, min_len: int = 512, max_len: int = 1536,
                block_size: int = 16, seed: int = 0, repeats: int = 5,
-               flex_repeats: int = 1) -> list[dict]:
+               flex_repeats: int = 1, sdpa_gqa: bool = True) -> list[dict]:
     """Time the torch backend, contiguous SDPA and FlexAttention paged on the CPU (fp32).
 
     Rows: ``{"impl", "ms", "vs_sdpa"}`` (``vs_sdpa``: time / contiguous SDPA's time).
     FlexAttention without ``torch.compile`` materializes scores over the whole cache and
     evaluates its mask element by element: seconds per call, so it runs ``flex_repeats``
-    times (0 leaves it out).
+    times (0 leaves it out). (Compiled FlexAttention is left out on the CPU: with torch
+    2.13 its paged form returned wrong values or failed to compile on our cases.)
+    ``sdpa_gqa`` adds the straightforward SDPA call with ``enable_gqa=True`` as a second,
+    slower contiguous baseline.
     """
     import warnings
 
@@ -193,6 +207,9 @@ def cpu_ratios(num_seqs: int = 16, num_heads: int = 32, num_kv_heads: int = 8,
     rows = []
     sdpa_ms = _median_ms(lambda: sdpa_per_sequence(case["q"], kv, case["scale"]), repeats)
     rows.append({"impl": "contiguous SDPA (per sequence)", "ms": sdpa_ms})
+    if sdpa_gqa:
+        ms = _median_ms(lambda: sdpa_per_sequence_gqa(case["q"], kv, case["scale"]), repeats)
+        rows.append({"impl": "contiguous SDPA, enable_gqa=True", "ms": ms})
     try:
         ms = _median_ms(lambda: paged_attention(*args, case["scale"], backend="torch"), repeats)
         rows.append({"impl": "paged, torch backend", "ms": ms})

@@ -185,6 +185,8 @@ def test_bench_case_and_bytes():
     args = [case[k] for k in ("q", "k_cache", "v_cache", "block_tables", "seq_lens")]
     got = bench.sdpa_per_sequence(case["q"], bench.contiguous_kv(case), case["scale"])
     torch.testing.assert_close(got, ref_paged_attention(*args), atol=1e-5, rtol=1e-5)
+    got_gqa = bench.sdpa_per_sequence_gqa(case["q"], bench.contiguous_kv(case), case["scale"])
+    torch.testing.assert_close(got_gqa, ref_paged_attention(*args), atol=1e-5, rtol=1e-5)
 
 
 def test_cpu_ratios_rows_and_table():
@@ -195,6 +197,7 @@ def test_cpu_ratios_rows_and_table():
     assert all(math.isfinite(r["ms"]) or "not available" in r["impl"] for r in rows)
     table = bench.format_table(rows)
     assert "FlexAttention paged (eager)" in table and "vs_sdpa" in table
+    assert "contiguous SDPA, enable_gqa=True" in table
 
 
 def test_gpu_sweep_refuses_without_a_gpu():
