@@ -4,8 +4,9 @@
     python -m paged_lib.grading.scoreboard --chapter 03    # one chapter
     python -m paged_lib.grading.scoreboard --strict        # unfinished counts as failed
 
-Each notebook runs in a fresh kernel in its own folder, cell after cell, and keeps going
-after an error so one unfinished exercise does not hide the next. Exercises are found
+Each notebook runs under nbval (``pytest --nbval-lax``): a fresh kernel in the notebook's
+own folder, one test per code cell, going on after an error so one unfinished exercise
+does not hide the next. Exercises are found
 by their Markdown headings (``### Exercise 03.2: title``); each check cell prints a
 verdict line (see :mod:`paged_lib.grading`) that is collected here.
 
@@ -15,9 +16,13 @@ Exit status: 1 if any exercise failed (or, with ``--strict``, is unfinished), el
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
+import subprocess
 import sys
+import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,8 +30,6 @@ from paged_lib.grading import FAIL, PASS, TODO, VERDICT_RE
 
 HEADING_RE = re.compile(r"^#+\s*Exercise\s+(\d+\.\d+)\s*[:.\-\u2014]\s*(.+?)\s*$", re.M)
 _VERDICT = re.compile(VERDICT_RE + r"(.*)$", re.M)
-# ipykernel warns on every start that its loopback TCP is unencrypted; not news here.
-QUIET_KERNEL = ["--IPKernelApp.log_level=ERROR"]
 STATUS = {PASS: "passed", FAIL: "failed", TODO: "not attempted"}
 
 
@@ -101,22 +104,49 @@ def collect(nb, path: Path) -> NotebookResult:
     return result
 
 
-def run_notebook(path: Path, timeout: int = 600):
-    """Execute a notebook in memory (never saved) and return it with outputs."""
+def run_notebooks(paths: list[Path], timeout: int = 600) -> list:
+    """Execute notebooks under nbval (``pytest --nbval-lax``) and return them with outputs.
+
+    Each code cell is one nbval test run in a fresh kernel per notebook, in the notebook's
+    folder; a failing cell does not stop the cells after it. Nothing is saved back.
+    """
     import nbformat
-    from nbclient import NotebookClient
 
-    nb = nbformat.read(path, as_version=4)
-    os.environ.setdefault("PYTHONHASHSEED", "0")
-    client = NotebookClient(nb, timeout=timeout, kernel_name="python3", allow_errors=True,
-                            extra_arguments=QUIET_KERNEL,
-                            resources={"metadata": {"path": str(path.parent)}})
-    client.execute()
-    return nb
+    with tempfile.TemporaryDirectory() as tmp:
+        record = Path(tmp) / "outputs.json"
+        cmd = [sys.executable, "-m", "pytest", "--nbval-lax", "-p", "no:cacheprovider",
+               "-p", "paged_lib.grading.nbval_plugin", f"--scoreboard-json={record}",
+               f"--nbval-cell-timeout={timeout}", "--tb=no", "-q", "--no-header", "-rN",
+               "-W", "ignore", *map(str, paths)]
+        env = {**os.environ, "PYTHONHASHSEED": os.environ.get("PYTHONHASHSEED", "0")}
+        proc = subprocess.run(cmd, env=env, text=True, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT)
+        if not record.exists():
+            raise RuntimeError(f"nbval did not run the notebooks:\n{proc.stdout or ''}")
+        recorded = json.loads(record.read_text())
+    notebooks = []
+    for path in paths:
+        nb = nbformat.read(path, as_version=4)
+        cells = recorded.get(str(path.resolve()), {})
+        code = [c for c in nb.cells if c.cell_type == "code"]
+        for k, cell in enumerate(code):
+            cell.outputs = [nbformat.from_dict(o) for o in cells.get(str(k), [])]
+        notebooks.append(nb)
+    return notebooks
 
 
-def grade(paths: list[Path], timeout: int = 600) -> list[NotebookResult]:
-    return [collect(run_notebook(p, timeout), p) for p in paths]
+def grade(paths: list[Path], timeout: int = 600, progress: bool = False) -> list[NotebookResult]:
+    """Run each notebook under nbval and read its exercises' verdicts."""
+    results = []
+    for path in map(Path, paths):
+        if progress:
+            print(f"  {path.name} ...", end="", flush=True)
+        start = time.perf_counter()
+        [nb] = run_notebooks([path], timeout)
+        results.append(collect(nb, path))
+        if progress:
+            print(f" {time.perf_counter() - start:.0f} s", flush=True)
+    return results
 
 
 def render(results: list[NotebookResult]) -> tuple[str, dict[str, int]]:
@@ -152,11 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     if not paths:
         print(f"no notebooks match {args.folder / pattern}", file=sys.stderr)
         return 2
-    print(f"Grading {len(paths)} notebook(s) in {args.folder}/ ...", flush=True)
-    results = []
-    for p in paths:
-        print(f"  running {p.name}", flush=True)
-        results.append(collect(run_notebook(p, args.timeout), p))
+    print(f"Grading {len(paths)} notebook(s) in {args.folder}/ (each runs under nbval):",
+          flush=True)
+    results = grade(paths, args.timeout, progress=True)
     text, counts = render(results)
     print("\n" + text)
     bad = counts["failed"] + (counts["not attempted"] if args.strict else 0)
