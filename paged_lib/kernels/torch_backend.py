@@ -51,8 +51,9 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     device = q.device
     compute_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    if fused is None:
-        fused = device.type == "cpu"
+    if fused is None:  # the fused op is private to PyTorch: fall back if it ever goes
+        fused = device.type == "cpu" and hasattr(
+            torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
     c = blocks_per_segment or max(1, SEGMENT_TOKENS // block_size)
     seg_tokens = c * block_size
 
