@@ -212,7 +212,10 @@ def test_explicit_scale():
     assert_matches_reference(paged_attention(*case, scale=0.3), case, scale=0.3)
 
 
-def test_agrees_with_flex_attention_paged():
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("heads, kv_heads, head_dim, block_size",
+                         [(8, 2, 64, 16), (5, 1, 80, 8)])
+def test_agrees_with_flex_attention_paged(backend, heads, kv_heads, head_dim, block_size):
     """PyTorch's FlexAttention PagedAttention (eager, CPU): an independent implementation.
 
     Not on a poisoned cache: eager FlexAttention computes scores over every slot and
@@ -222,12 +225,12 @@ def test_agrees_with_flex_attention_paged():
 
     from paged_lib.bench import flex_paged_attention
 
-    case = make_case([1, 16, 17, 45], 8, 2, 64, 16, seed=13, repeat_within=False,
-                     poison=False, device="cpu")
+    case = make_case([1, block_size, block_size + 1, 45], heads, kv_heads, head_dim,
+                     block_size, seed=13, repeat_within=False, poison=False, device="cpu")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        flex = flex_paged_attention(*case, scale=64 ** -0.5)()
-    ours = paged_attention(*(t.to(DEVICE) for t in case)).cpu()
+        flex = flex_paged_attention(*case, scale=head_dim ** -0.5)()
+    ours = paged_attention(*(t.to(DEVICE) for t in case), backend=backend).cpu()
     torch.testing.assert_close(ours, flex, atol=1e-5, rtol=1e-5)
     assert_matches_reference(flex, case)
 
