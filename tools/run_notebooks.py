@@ -26,10 +26,13 @@ def execute(path: Path, timeout: int = 600) -> float:
     os.environ.setdefault("PYTHONHASHSEED", "0")
     client = NotebookClient(nb, timeout=timeout, kernel_name="python3",
                             extra_arguments=["--IPKernelApp.log_level=ERROR"],
+                            record_timing=False,  # timestamps per cell only churn diffs
                             resources={"metadata": {"path": str(path.parent)}})
     start = time.perf_counter()
     client.execute()
     nb.metadata.pop("widgets", None)  # random model ids: storing them churns git diffs
+    for cell in nb.cells:
+        cell.metadata.pop("execution", None)
     elapsed = time.perf_counter() - start
     nbformat.write(nb, path)
     return elapsed
