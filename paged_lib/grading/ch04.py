@@ -101,16 +101,21 @@ def _cases(block_size: int) -> list[int]:
     return [1, block_size, block_size + 1, 3 * block_size + 5]
 
 
+def _sequences(g: torch.Generator, block_size: int, num_blocks: int,
+               spare: int) -> tuple[list[int], list[list[int]]]:
+    """The edge-case lengths and a block table for each, ``spare`` unused entries wide."""
+    lens = _cases(block_size)
+    max_blocks = max(-(-n // block_size) for n in lens) + spare
+    return lens, [_table(g, -(-n // block_size), max_blocks, num_blocks) for n in lens]
+
+
 def check_gather_kv(gather_kv: Callable) -> None:
     """04.2: the first ``seq_len`` tokens of one sequence, gathered through its block table."""
     with grading.exercise("04.2", "Gather K/V through a block table"):
         g = torch.Generator().manual_seed(42)
         for block_size, kv_heads, d in [(4, 1, 2), (16, 2, 8), (8, 3, 5)]:
             num_blocks = 12
-            lens = _cases(block_size)
-            max_blocks = max((n + block_size - 1) // block_size for n in lens) + 2
-            tables = [_table(g, (n + block_size - 1) // block_size, max_blocks, num_blocks)
-                      for n in lens]
+            lens, tables = _sequences(g, block_size, num_blocks, spare=2)
             cache, _ = _poisoned_cache(g, num_blocks, block_size, kv_heads, d, tables, lens)
             for table, n in zip(tables, lens, strict=True):
                 bt = torch.tensor(table, dtype=torch.int32)
@@ -130,10 +135,7 @@ def check_paged_decode(paged_decode: Callable) -> None:
         for (num_heads, kv_heads), d, block_size in [((1, 1), 4, 4), ((4, 4), 8, 8),
                                                      ((8, 2), 16, 16), ((5, 1), 6, 4)]:
             num_blocks = 16
-            lens = _cases(block_size)
-            max_blocks = max((n + block_size - 1) // block_size for n in lens) + 1
-            tables = [_table(g, (n + block_size - 1) // block_size, max_blocks, num_blocks)
-                      for n in lens]
+            lens, tables = _sequences(g, block_size, num_blocks, spare=1)
             k, v = _poisoned_cache(g, num_blocks, block_size, kv_heads, d, tables, lens)
             q = torch.randn(len(lens), num_heads, d, generator=g, dtype=torch.float64)
             safe = torch.tensor([[b % num_blocks for b in t] for t in tables], dtype=torch.int32)
