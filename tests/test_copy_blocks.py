@@ -49,7 +49,7 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("block_size,num_kv_heads,head_dim", [(4, 2, 16), (16, 1, 80),
                                                                (8, 3, 64)])
 def test_copies_exactly_the_pairs_in_every_layer(backend, dtype, block_size, num_kv_heads,
