@@ -1,0 +1,327 @@
+"""TinyLlama: the Llama architecture, small, reading and writing a *paged* KV cache.
+
+The layers are the ones every Llama has (RMSNorm, rotary position embeddings, grouped-
+query attention, a SwiGLU MLP). The one difference from a textbook Llama is where K and
+V live: each attention layer writes the new tokens' K/V into a paged cache through
+``slot_mapping`` (:func:`paged_lib.kernels.reshape_and_cache`) and reads it back through
+block tables (:func:`paged_lib.kernels.paged_prefill` / :func:`paged_attention`).
+
+Which slots and which blocks is not the model's business: the engine's model runner
+builds an :class:`AttentionMetadata` per step and passes it *explicitly* to
+:meth:`TinyLlama.forward` (no global context), so a learner can print it.
+
+Weights come from a transformers ``LlamaForCausalLM`` (:meth:`TinyLlama.from_hf`) or
+from a Hugging Face-format folder of ``config.json`` + ``model.safetensors``
+(:meth:`TinyLlama.from_pretrained`, which does not need transformers).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from paged_lib.accounting import ModelSpec
+from paged_lib.kernels import paged_attention, paged_prefill, reshape_and_cache
+
+#: Where the course's trained model lives (written by the training script).
+TINY_CODE_LLAMA_DIR = Path(__file__).parent / "data" / "tiny-code-llama"
+
+
+@dataclass(frozen=True)
+class TinyLlamaConfig(ModelSpec):
+    """A Llama's shape. A :class:`~paged_lib.accounting.ModelSpec` (same field names), so
+    chapter 01's ``kv_bytes_per_token(config)`` works on it; ``dtype_bytes`` is 4 (fp32).
+    """
+
+    name: str = "tiny-llama"
+    num_layers: int = 2
+    hidden_size: int = 64
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    dtype_bytes: int = 4
+    vocab_size: int = 264
+    intermediate_size: int = 128
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    max_position: int = 2048
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("vocab_size", "intermediate_size", "max_position"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"TinyLlamaConfig: {name} must be a positive integer, "
+                                 f"got {value!r}")
+
+    @classmethod
+    def from_hf_dict(cls, d: dict) -> TinyLlamaConfig:
+        """Read a Hugging Face ``LlamaConfig`` (as a dict, e.g. ``config.json``)."""
+        if d.get("attention_bias") or d.get("mlp_bias"):
+            raise ValueError("TinyLlama has no attention/MLP biases; this config sets them")
+        if d.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"TinyLlama's MLP is SwiGLU (silu), got {d['hidden_act']!r}")
+        rope = d.get("rope_parameters") or {}
+        if rope.get("rope_type", "default") != "default" or d.get("rope_scaling"):
+            raise ValueError(f"only plain RoPE is supported, got {rope or d['rope_scaling']}")
+        theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
+        heads = d["num_attention_heads"]
+        eos = d.get("eos_token_id")
+        return cls(name=d.get("_name_or_path") or "tiny-llama",
+                   num_layers=d["num_hidden_layers"], hidden_size=d["hidden_size"],
+                   num_heads=heads, num_kv_heads=d.get("num_key_value_heads") or heads,
+                   head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+                   vocab_size=d["vocab_size"], intermediate_size=d["intermediate_size"],
+                   rope_theta=float(theta), rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+                   max_position=d.get("max_position_embeddings", 2048),
+                   tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+                   bos_token_id=d.get("bos_token_id"),
+                   eos_token_id=eos[0] if isinstance(eos, list) else eos)
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything attention needs to find this step's tokens in the paged cache.
+
+    One step runs ``num_seqs`` sequences; sequence ``s`` brings ``query_lens[s]`` new
+    tokens (its whole prompt in a prefill, 1 in a decode), packed back to back.
+
+    * ``slot_mapping`` int64 ``[num_tokens]``: where each new token's K/V is written
+      (``block * block_size + offset``);
+    * ``block_tables`` int32 ``[num_seqs, max_blocks]``, padded with ``-1``;
+    * ``seq_lens`` int32 ``[num_seqs]``: tokens in the cache after this step's writes;
+    * ``query_lens`` int32 ``[num_seqs]``: new tokens per sequence;
+    * ``positions`` int64 ``[num_tokens]``: each new token's position (for RoPE).
+
+    When every ``query_len`` is 1 (a pure decode step) attention uses the decode kernel.
+    """
+
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    query_lens: torch.Tensor
+    positions: torch.Tensor
+
+    @property
+    def is_decode(self) -> bool:
+        return bool(self.query_lens.numel()) and int(self.query_lens.max()) == 1
+
+    @property
+    def logits_indices(self) -> torch.Tensor:
+        """Row of each sequence's last new token: the only one whose logits we sample."""
+        return (torch.cumsum(self.query_lens.long(), 0) - 1)
+
+
+class RMSNorm(nn.Module):
+    """``x / rms(x) * weight``, computed in fp32 like Hugging Face's Llama."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin ``[num_tokens, head_dim]`` of each position's rotation angles.
+
+    Dimension pair ``(i, i + head_dim/2)`` turns by ``position * theta^(-2i/head_dim)``
+    (the "rotate half" layout Hugging Face uses).
+    """
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    angles = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((angles, angles), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[num_tokens, heads, head_dim]`` by its tokens' angles."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class Attention(nn.Module):
+    """GQA self-attention whose K/V history lives in the paged cache."""
+
+    def __init__(self, cfg: TinyLlamaConfig):
+        super().__init__()
+        self.cfg = cfg
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.q_proj = nn.Linear(h, cfg.num_heads * d, bias=False)
+        self.k_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                backend: str) -> torch.Tensor:
+        cfg, n = self.cfg, x.shape[0]
+        q = apply_rope(self.q_proj(x).view(n, cfg.num_heads, cfg.head_dim), cos, sin)
+        k = apply_rope(self.k_proj(x).view(n, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+        v = self.v_proj(x).view(n, cfg.num_kv_heads, cfg.head_dim)
+        k_cache, v_cache = kv_cache
+        # 1. write: this step's K/V go to their slots (the cache now holds seq_lens tokens)
+        reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping, backend=backend)
+        # 2. read: attend over the whole history through the block tables
+        if meta.is_decode:
+            out = paged_attention(q.contiguous(), k_cache, v_cache, meta.block_tables,
+                                  meta.seq_lens, backend=backend)
+        else:
+            out = paged_prefill(q.contiguous(), k_cache, v_cache, meta.block_tables,
+                                meta.seq_lens, meta.query_lens, backend=backend)
+        return self.o_proj(out.reshape(n, cfg.num_heads * cfg.head_dim))
+
+
+class MLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, cfg: TinyLlamaConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block: attention, then MLP."""
+
+    def __init__(self, cfg: TinyLlamaConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, kv_cache, meta, backend):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class TinyLlama(nn.Module):
+    """A Llama decoder over packed tokens and a paged KV cache (see the module docstring).
+
+    Parameter names follow Hugging Face's ``LlamaForCausalLM`` without the ``model.``
+    prefix, so loading weights is a rename, not a conversion.
+    """
+
+    def __init__(self, config: TinyLlamaConfig):
+        super().__init__()
+        if not isinstance(config, TinyLlamaConfig):
+            raise ValueError(f"TinyLlama needs a TinyLlamaConfig, got {type(config).__name__}")
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    def forward(self, input_ids: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                meta: AttentionMetadata, backend: str = "torch") -> torch.Tensor:
+        """Hidden states ``[num_tokens, hidden_size]`` of the packed new tokens.
+
+        ``kv_caches[layer] = (k_cache, v_cache)``, each ``[num_blocks, block_size,
+        num_kv_heads, head_dim]``; this call writes the new tokens' K/V into them.
+        """
+        if len(kv_caches) != self.config.num_layers:
+            raise ValueError(f"need one (k_cache, v_cache) per layer: {self.config.num_layers}"
+                             f", got {len(kv_caches)}")
+        x = self.embed_tokens(input_ids)
+        cos, sin = rope_cos_sin(meta.positions, self.config.head_dim, self.config.rope_theta,
+                                x.dtype)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, cos, sin, kv_cache, meta, backend)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Next-token logits ``[rows, vocab_size]`` (fp32) from hidden states."""
+        return self.lm_head(hidden).float()
+
+    # ------------------------------------------------------------- loading weights
+
+    @classmethod
+    def from_hf(cls, hf_model) -> TinyLlama:
+        """The same weights as a transformers ``LlamaForCausalLM`` (exact copy, same dtype)."""
+        cfg = TinyLlamaConfig.from_hf_dict(hf_model.config.to_dict())
+        state = hf_model.state_dict()
+        model = cls(cfg).to(next(iter(state.values())).dtype)
+        model.load_hf_state_dict(state)
+        return model.eval()
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32) -> TinyLlama:
+        """Load a Hugging Face-format folder (``config.json`` + ``*.safetensors``).
+
+        Needs only ``safetensors``, not transformers: the course's shipped model loads on
+        any machine. Pickled ``.bin`` checkpoints are refused (they can run code).
+        """
+        from safetensors.torch import load_file
+
+        path = Path(path)
+        if not (path / "config.json").is_file():
+            raise ValueError(f"{path} has no config.json: not a Hugging Face model folder")
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise ValueError(f"{path} has no .safetensors weights (pickle files are not read)")
+        cfg = TinyLlamaConfig.from_hf_dict(json.loads((path / "config.json").read_text()))
+        state: dict[str, torch.Tensor] = {}
+        for f in files:
+            state.update(load_file(f))
+        model = cls(cfg).to(dtype)
+        model.load_hf_state_dict({k: v.to(dtype) for k, v in state.items()})
+        return model.eval()
+
+    def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Copy Hugging Face Llama weights in (``model.`` prefix dropped; tied head ok)."""
+        ours = {k.removeprefix("model."): v for k, v in state.items()
+                if "rotary_emb" not in k}
+        if "lm_head.weight" not in ours:
+            if not self.config.tie_word_embeddings:
+                raise ValueError("the checkpoint has no lm_head.weight and does not tie it "
+                                 "to the embeddings (tie_word_embeddings=False)")
+            ours["lm_head.weight"] = ours["embed_tokens.weight"]
+        missing, unexpected = self.load_state_dict(ours, strict=False)
+        if missing or unexpected:
+            raise ValueError(f"weights do not match TinyLlama: missing {missing}, "
+                             f"unexpected {unexpected}")
+
+
+def config_fields() -> list[str]:
+    """Names of :class:`TinyLlamaConfig`'s fields (for printing a config as a table)."""
+    return [f.name for f in fields(TinyLlamaConfig)]
+
+
+def load_tiny_code_llama(dtype: torch.dtype = torch.float32) -> TinyLlama:
+    """The course's small model trained on Python source (byte tokenizer:
+    :class:`paged_lib.tokenizer.ByteTokenizer`)."""
+    if not TINY_CODE_LLAMA_DIR.is_dir():
+        raise FileNotFoundError(
+            f"{TINY_CODE_LLAMA_DIR} does not exist yet: the shipped model has not been "
+            "trained into the repo (see its training script)")
+    return TinyLlama.from_pretrained(TINY_CODE_LLAMA_DIR, dtype)
