@@ -31,6 +31,8 @@ from typing import Any
 
 PASS, FAIL, TODO = "✅", "❌", "⏳"
 VERDICT_RE = r"^(✅|❌|⏳) \[([\w.\-]+)\] "
+# Lists that ``record_verdicts`` hands out; every verdict is appended to each of them.
+_recorders: list[list[tuple[str, str, str]]] = []
 
 
 class CheckFailed(AssertionError):
@@ -137,7 +139,24 @@ def exercise(ex_id: str, title: str) -> Iterator[None]:
         _say(PASS, ex_id, title, "correct")
 
 
+@contextlib.contextmanager
+def record_verdicts() -> Iterator[list[tuple[str, str, str]]]:
+    """Collect ``(mark, exercise id, message)`` of every verdict given inside the block.
+
+    Tools that run graders in-process (``tools/mutants.py``) read verdicts here instead
+    of parsing printed text.
+    """
+    seen: list[tuple[str, str, str]] = []
+    _recorders.append(seen)
+    try:
+        yield seen
+    finally:
+        _recorders.remove(seen)
+
+
 def _say(mark: str, ex_id: str, title: str, message: str, hint: str | None = None) -> None:
+    for seen in _recorders:
+        seen.append((mark, ex_id, message))
     print(f"{mark} [{ex_id}] {title}: {message}")
     if hint:
         print(f"   hint: {hint}")

@@ -1,0 +1,365 @@
+#!/usr/bin/env python
+"""Mutation testing of the graders: plant small bugs in each solution, count the ❌.
+
+    python tools/mutants.py solutions/03_block_tables.ipynb      # one chapter
+    python tools/mutants.py solutions/*.ipynb --cap 20 -v         # more mutants, show all
+
+For every exercise (a ``### Exercise NN.k`` heading, its ``### BEGIN SOLUTION`` regions
+and the check cell that prints its verdict) this makes small mutants of the code inside
+the solution regions with :mod:`ast`: an integer constant off by one, a ``+ 1``/``- 1``
+dropped, ``+``/``-`` and ``*``/``//``/``%`` swapped, a comparison flipped (``<`` vs
+``<=``, ``==`` vs ``!=`` ...), a statement dropped. Each mutant replaces the solution
+cell; the notebook's cells run in-process in a copy of the namespace the cells above
+built, then the check cell runs and ``paged_lib.grading.record_verdicts`` reads its
+verdict. A grader that answers ✅ to a mutant lets that bug through.
+
+Mutants that fail to define (they raise while the solution cell runs) are *invalid* and
+mutants that run past ``--timeout`` are *hung*; neither counts. A grader module may
+declare ``EQUIVALENT_MUTANTS = {"NN.k": {"<mutant label>": "why it changes nothing"}}``
+for mutants that compute the same thing; those do not count either.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import contextlib
+import copy
+import importlib
+import io
+import linecache
+import os
+import random
+import re
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+os.environ.setdefault("MPLBACKEND", "Agg")
+import paged_lib  # noqa: E402,F401,I001  (before anything imports triton)
+# isort: split
+import nbformat  # noqa: E402
+
+from paged_lib import grading  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+HEADING = re.compile(r"^#+\s*Exercise\s+(\d+\.\d+)", re.M)
+BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
+SWAPS = {ast.Add: ast.Sub, ast.Sub: ast.Add, ast.Mult: ast.FloorDiv, ast.FloorDiv: ast.Mult,
+         ast.Mod: ast.FloorDiv}
+FLIPS = {ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt, ast.Eq: ast.NotEq,
+         ast.NotEq: ast.Eq, ast.In: ast.NotIn, ast.NotIn: ast.In, ast.Is: ast.IsNot,
+         ast.IsNot: ast.Is}
+KINDS = ("constant", "off-by-one", "operator", "compare", "drop")
+
+
+class Hung(BaseException):
+    """Raised by the alarm; a BaseException so graders' ``except Exception`` let it by."""
+
+
+@dataclass
+class Exercise:
+    ex_id: str
+    solution_cells: list[int]
+    check_cell: int
+
+
+@dataclass
+class Outcome:
+    label: str
+    status: str  # killed, survived, invalid, hung, equivalent
+    detail: str = ""
+
+
+@dataclass
+class Report:
+    ex_id: str
+    outcomes: list[Outcome] = field(default_factory=list)
+    error: str = ""  # set when the unmutated solution does not get ✅
+
+    def count(self, *statuses: str) -> int:
+        return sum(o.status in statuses for o in self.outcomes)
+
+    @property
+    def counted(self) -> int:
+        return self.count("killed", "survived")
+
+    def line(self) -> str:
+        rate = f"{self.count('killed') / self.counted:.0%}" if self.counted else "n/a"
+        extra = ", ".join(f"{self.count(s)} {s}" for s in ("invalid", "hung", "equivalent")
+                          if self.count(s))
+        return (f"[{self.ex_id}] killed {self.count('killed')}/{self.counted} ({rate})"
+                + (f"; {extra}" if extra else ""))
+
+
+def find_exercises(nb: nbformat.NotebookNode) -> list[Exercise]:
+    """Each heading's solution cells and the first later code cell that is not one."""
+    found: list[Exercise] = []
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type == "markdown" and (m := HEADING.search(cell.source)):
+            found.append(Exercise(m.group(1), [], -1))
+        elif cell.cell_type == "code" and found and found[-1].check_cell < 0:
+            ex = found[-1]
+            if BEGIN in cell.source:
+                ex.solution_cells.append(i)
+            elif ex.solution_cells:
+                ex.check_cell = i
+    return [ex for ex in found if ex.solution_cells and ex.check_cell >= 0]
+
+
+def _regions(source: str) -> list[tuple[int, int]]:
+    """1-based line ranges strictly inside BEGIN/END SOLUTION markers."""
+    spans, start = [], None
+    for n, line in enumerate(source.split("\n"), 1):
+        if line.strip() == BEGIN:
+            start = n
+        elif line.strip() == END and start is not None:
+            spans.append((start, n))
+            start = None
+    return spans
+
+
+def _droppable(stmt: ast.stmt, tree: ast.AST) -> bool:
+    """Dropping it is a plausible slip, not an instant NameError or a missing return."""
+    if isinstance(stmt, ast.Return | ast.FunctionDef | ast.ClassDef | ast.Pass):
+        return False
+    if isinstance(stmt, ast.Assign | ast.AnnAssign):
+        targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
+        names = {t.id for t in targets if isinstance(t, ast.Name)}
+        if names:  # only a re-binding (x = x.clamp(...)) may be dropped
+            earlier = {t.id for n in ast.walk(tree) if isinstance(n, ast.Assign | ast.AnnAssign)
+                       and n.lineno < stmt.lineno
+                       for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+                       if isinstance(t, ast.Name)}
+            args = {a.arg for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)
+                    for a in n.args.args + n.args.kwonlyargs}
+            return names <= earlier | args
+    return True
+
+
+def _candidates(tree: ast.AST, spans: list[tuple[int, int]]) -> list[tuple[int, str, object]]:
+    """(index in ast.walk order, kind, argument) for every mutation inside the spans."""
+    skip: set[int] = set()
+    for node in ast.walk(tree):  # messages: mutating them is not a bug in the answer
+        if isinstance(node, ast.Raise | ast.JoinedStr):
+            skip |= {id(n) for n in ast.walk(node) if n is not node}
+    out: list[tuple[int, str, object]] = []
+    for i, node in enumerate(ast.walk(tree)):
+        end = getattr(node, "end_lineno", None)
+        if end is None or id(node) in skip or not any(
+                a < node.lineno and end < b for a, b in spans):
+            continue
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            out += [(i, "constant", +1), (i, "constant", -1)]
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add | ast.Sub) \
+                and isinstance(node.right, ast.Constant) and node.right.value == 1:
+            out.append((i, "off-by-one", None))
+        if isinstance(node, ast.BinOp | ast.AugAssign) and type(node.op) in SWAPS:
+            out.append((i, "operator", None))
+        if isinstance(node, ast.Compare):
+            out += [(i, "compare", k) for k, op in enumerate(node.ops) if type(op) in FLIPS]
+        if isinstance(node, ast.stmt) and _droppable(node, tree):
+            out.append((i, "drop", None))
+    return out
+
+
+def _apply(source: str, tree: ast.AST, index: int, kind: str, arg: object
+           ) -> tuple[ast.AST, str]:
+    """A mutated copy of ``tree`` and a label that names the change and its line."""
+    line = source.split("\n")[list(ast.walk(tree))[index].lineno - 1].strip()
+    new = copy.deepcopy(tree)
+    parents = {id(c): p for p in ast.walk(new) for c in ast.iter_child_nodes(p)}
+    node = list(ast.walk(new))[index]
+    before = ast.unparse(node).split("\n")[0]
+    replacement: ast.AST = node
+    if kind == "constant":
+        node.value += arg
+    elif kind == "off-by-one":
+        replacement = node.left
+    elif kind == "operator":
+        node.op = SWAPS[type(node.op)]()
+    elif kind == "compare":
+        node.ops[arg] = FLIPS[type(node.ops[arg])]()
+    elif kind == "drop":
+        replacement = ast.Pass()
+    if replacement is not node:
+        _replace(parents[id(node)], node, replacement)
+    after = ast.unparse(replacement).split("\n")[0]
+    label = f"{kind}: `{before}` -> `{after}`"
+    return ast.fix_missing_locations(new), label + (f" in `{line}`" if line != before else "")
+
+
+def _replace(parent: ast.AST, old: ast.AST, new: ast.AST) -> None:
+    for name, value in ast.iter_fields(parent):
+        if isinstance(value, list) and any(v is old for v in value):
+            value[[v is old for v in value].index(True)] = new
+        elif value is old:
+            setattr(parent, name, new)
+
+
+def mutants(source: str, ex_id: str, cap: int) -> list[tuple[str, str]]:
+    """Up to ``cap`` (label, source) mutants, the kinds taking turns, chosen by a fixed seed."""
+    code = _python(source)
+    tree = ast.parse(code)
+    by_kind: dict[str, list] = {k: [] for k in KINDS}
+    for cand in _candidates(tree, _regions(source)):
+        by_kind[cand[1]].append(cand)
+    for kind, cands in by_kind.items():
+        random.Random(f"{ex_id}:{kind}").shuffle(cands)
+    chosen, seen = [], {ast.unparse(tree)}
+    while len(chosen) < cap and any(by_kind.values()):
+        for kind in KINDS:
+            if by_kind[kind] and len(chosen) < cap:
+                mutated, label = _apply(code, tree, *by_kind[kind].pop())
+                text = ast.unparse(mutated)
+                if text not in seen:
+                    seen.add(text)
+                    chosen.append((label, text))
+    return chosen
+
+
+def _python(source: str) -> str:
+    """Cell source with IPython magics turned into plain Python."""
+    from IPython.core.inputtransformer2 import TransformerManager
+    return TransformerManager().transform_cell(source)
+
+
+_counter = iter(range(10**9))
+
+
+def run_cell(source: str, ns: dict, timeout: float = 0) -> None:
+    """Exec a cell with its source in linecache (``@triton.jit`` reads it back)."""
+    name = f"<mutant-cell-{next(_counter)}>"
+    code = _python(source)
+    linecache.cache[name] = (len(code), None, code.splitlines(True), name)
+    if timeout:
+        signal.signal(signal.SIGALRM, _alarm)
+        signal.setitimer(signal.ITIMER_REAL, timeout)
+    try:
+        exec(compile(code, name, "exec"), ns)
+    finally:
+        if timeout:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+        import matplotlib.pyplot as plt
+        plt.close("all")
+
+
+def _alarm(*_: object) -> None:
+    raise Hung()
+
+
+def _equivalent(ex_id: str) -> dict[str, str]:
+    module = f"paged_lib.grading.ch{ex_id.split('.')[0]}"
+    with contextlib.suppress(ImportError):
+        return getattr(importlib.import_module(module), "EQUIVALENT_MUTANTS", {}).get(ex_id, {})
+    return {}
+
+
+def _try(label: str, ex: Exercise, cells: list[str], ns: dict, timeout: float) -> Outcome:
+    """Run one mutant in ``ns``: solution cells, the cells up to the check, the check."""
+    quiet = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
+            for src in cells[:len(ex.solution_cells)]:
+                run_cell(src, ns, timeout)
+    except Hung:
+        return Outcome(label, "hung")
+    except Exception as err:
+        return Outcome(label, "invalid", f"{type(err).__name__}: {err}")
+    try:
+        with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet), \
+                grading.record_verdicts() as seen:
+            for src in cells[len(ex.solution_cells):]:
+                run_cell(src, ns, timeout)
+    except Hung:
+        return Outcome(label, "hung")
+    except Exception as err:
+        return Outcome(label, "killed", f"raised outside the grader: {type(err).__name__}")
+    marks = [m for m, i, _ in seen if i == ex.ex_id]
+    if marks and all(m == grading.PASS for m in marks):
+        return Outcome(label, "survived")
+    msg = next((t for m, i, t in seen if i == ex.ex_id and m != grading.PASS), "no verdict")
+    return Outcome(label, "killed", msg)
+
+
+def run_notebook(path: Path, cap: int = 12, triton_cap: int = 8, timeout: float = 30.0,
+                 log=print) -> list[Report]:
+    """Mutation-test every exercise of one solution notebook (see module docstring).
+
+    An exercise whose solution is a ``@triton.jit`` kernel gets ``triton_cap`` mutants:
+    each one runs the kernel in the interpreter, about a second on a CPU.
+    """
+    nb = nbformat.read(path, as_version=4)
+    exercises = {ex.solution_cells[0]: ex for ex in find_exercises(nb)}
+    ns: dict = {"__name__": "__main__"}
+    reports: list[Report] = []
+    done = set()
+    quiet = io.StringIO()
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type != "code" or i in done:
+            continue
+        ex = exercises.get(i)
+        if ex is None:
+            with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
+                run_cell(cell.source, ns)
+            continue
+        snapshot = dict(ns)
+        idx = list(range(ex.solution_cells[0], ex.check_cell + 1))
+        code = [i for i in idx if nb.cells[i].cell_type == "code"]
+        sols = [nb.cells[k].source for k in code if k in ex.solution_cells]
+        rest = [nb.cells[k].source for k in code if k not in ex.solution_cells]
+        start = time.perf_counter()
+        original = _try("original", ex, sols + rest, ns, 0)  # builds ns for what follows
+        report = Report(ex.ex_id)
+        done.update(code)
+        reports.append(report)
+        if original.status != "survived":
+            report.error = f"the solution itself does not pass: {original.detail}"
+            log(f"{path.name} [{ex.ex_id}] {report.error}")
+            continue
+        equivalent = _equivalent(ex.ex_id)
+        slow = any("@triton.jit" in s for s in sols)
+        n = triton_cap if slow else cap
+        for k, sol_cell in enumerate(ex.solution_cells):
+            per_cell = n // len(ex.solution_cells) + (k < n % len(ex.solution_cells))
+            for label, src in mutants(nb.cells[sol_cell].source, ex.ex_id, per_cell):
+                if label in equivalent:
+                    report.outcomes.append(Outcome(label, "equivalent", equivalent[label]))
+                    continue
+                mutated = list(sols)
+                mutated[k] = src
+                report.outcomes.append(
+                    _try(label, ex, mutated + rest, dict(snapshot), timeout))
+        log(f"{path.name} {report.line()} in {time.perf_counter() - start:.1f}s")
+    return reports
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("notebooks", nargs="+", type=Path)
+    parser.add_argument("--cap", type=int, default=12, help="mutants per exercise at most")
+    parser.add_argument("--triton-cap", type=int, default=8,
+                        help="mutants per exercise whose solution is a Triton kernel")
+    parser.add_argument("--timeout", type=float, default=30.0, help="seconds per mutant")
+    parser.add_argument("-v", "--verbose", action="store_true", help="list killed ones too")
+    args = parser.parse_args(argv)
+    reports = []
+    for path in args.notebooks:
+        reports += run_notebook(path, args.cap, args.triton_cap, args.timeout)
+    for rep in reports:
+        for o in rep.outcomes:
+            if o.status == "survived" or args.verbose:
+                print(f"  {o.status:9} [{rep.ex_id}] {o.label}  {o.detail[:100]}")
+    killed = sum(r.count("killed") for r in reports)
+    counted = sum(r.counted for r in reports)
+    print(f"kill rate {killed}/{counted} = {killed / max(counted, 1):.1%}")
+    broken = [r.ex_id for r in reports if r.error]
+    if broken:
+        print(f"solutions that do not pass their own check: {', '.join(broken)}")
+    return 0 if counted and killed >= 0.95 * counted and not broken else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
