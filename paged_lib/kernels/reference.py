@@ -45,3 +45,19 @@ def ref_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         probs = torch.softmax(scores, dim=-1)
         out[s] = torch.einsum("hn,nhd->hd", probs, v)
     return out.to(q.dtype)
+
+
+def ref_paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                      query_lens: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """The definition, in float64: new token ``i`` of a sequence with context ``c`` is a
+    decode query over the first ``c + i + 1`` tokens of the same block table."""
+    out = torch.empty_like(q)
+    row = 0
+    for s, (n, ql) in enumerate(zip(seq_lens.tolist(), query_lens.tolist(), strict=True)):
+        for i in range(ql):
+            visible = torch.tensor([n - ql + i + 1], dtype=torch.int32)
+            out[row] = ref_paged_attention(q[row:row + 1], k_cache, v_cache,
+                                           block_tables[s:s + 1], visible, scale)[0]
+            row += 1
+    return out
