@@ -1,0 +1,216 @@
+"""A request's state as it moves through the engine, and what the engine reports back.
+
+* :class:`SamplingParams` - what the caller asks for (length, temperature, n, beams).
+* :class:`Sequence` - one line of text being generated: its tokens, its block table,
+  how many of its tokens already have K/V in the cache.
+* :class:`SequenceGroup` - one request: the sequences that share its prompt (1 for
+  greedy, ``n`` for parallel sampling, ``beam_width`` for beam search). The scheduler
+  admits, preempts and finishes a group as a whole (all or nothing).
+* :class:`RequestOutput` / :class:`CompletionOutput` - the answer, one per prompt.
+* :class:`EngineStats` / :class:`RequestTimeline` - what happened, step by step, in a
+  shape that plots directly (one list entry per engine step).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from paged_lib.blocks import BlockTable
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to generate for one request.
+
+    ``temperature == 0`` is greedy. ``n > 1`` draws ``n`` samples that share the prompt's
+    blocks; ``beam_width`` switches to beam search. ``seed`` fixes the request's own
+    random generator, so its samples do not depend on what else is in the batch.
+    ``ignore_eos`` keeps generating past the end-of-sequence token (for benchmarks that
+    need exact output lengths). Values are checked by the engine, which names the
+    request in its error.
+    """
+
+    max_tokens: int
+    temperature: float = 0.0
+    n: int = 1
+    beam_width: int | None = None
+    seed: int | None = None
+    ignore_eos: bool = False
+
+    @property
+    def num_seqs(self) -> int:
+        """Sequences the request runs at once (blocks are reserved for all of them)."""
+        return self.beam_width if self.beam_width is not None else self.n
+
+    def problem(self) -> str | None:
+        """What is wrong with these parameters, or ``None`` (used for error messages)."""
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            return f"max_tokens must be an int >= 1, got {self.max_tokens!r}"
+        if not self.temperature >= 0:
+            return f"temperature must be >= 0, got {self.temperature!r}"
+        if not isinstance(self.n, int) or self.n < 1:
+            return f"n must be an int >= 1, got {self.n!r}"
+        if self.beam_width is not None:
+            if not isinstance(self.beam_width, int) or self.beam_width < 1:
+                return f"beam_width must be an int >= 1, got {self.beam_width!r}"
+            if self.n != 1 or self.temperature != 0:
+                return "beam search is deterministic: leave n=1 and temperature=0"
+        elif self.n > 1 and self.temperature == 0:
+            return f"n={self.n} greedy samples would all be equal: set temperature > 0"
+        return None
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"    # not admitted yet, or preempted by recompute
+    RUNNING = "running"    # its K/V is in the GPU pool
+    SWAPPED = "swapped"    # preempted by swap: its K/V is in the CPU pool
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One generated line of text and where its K/V lives.
+
+    ``num_cached`` counts the leading tokens whose K/V is in the cache. A token's K/V is
+    written when the token is *fed in*, so after a decode step the newest sampled token
+    is not cached yet: ``num_cached == num_tokens - 1`` while running.
+    """
+
+    seq_id: int
+    prompt_token_ids: list[int]
+    output_token_ids: list[int] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    block_table: BlockTable | None = None
+    num_cached: int = 0
+    status: SequenceStatus = SequenceStatus.WAITING
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_new_tokens(self) -> int:
+        """Tokens the next step feeds in: the whole text in a (re-)prefill, else 1."""
+        return self.num_tokens - self.num_cached
+
+    def append(self, token: int, logprob: float) -> None:
+        self.output_token_ids.append(token)
+        self.cumulative_logprob += logprob
+
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+
+@dataclass
+class RequestTimeline:
+    """When things happened to one request, in engine steps (for the timeline plot).
+
+    A request waits from ``arrival_step`` to its first admitted step, runs until it is
+    preempted or finished, and may be admitted again after a preemption.
+    """
+
+    arrival_step: int = 0
+    admitted_steps: list[int] = field(default_factory=list)
+    preempted_steps: list[int] = field(default_factory=list)
+    finished_step: int | None = None
+
+
+@dataclass(eq=False)
+class SequenceGroup:
+    """One request: its sequences (they share the prompt), params, and bookkeeping."""
+
+    request_id: int
+    seqs: list[Sequence]
+    params: SamplingParams
+    generator: torch.Generator | None = None
+    timeline: RequestTimeline = field(default_factory=RequestTimeline)
+    error: str | None = None
+    # beam search: finished beams kept as (token_ids, cumulative_logprob)
+    beam_done: list[tuple[list[int], float]] = field(default_factory=list)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.seqs[0].prompt_token_ids
+
+    def live_seqs(self) -> list[Sequence]:
+        return [s for s in self.seqs if not s.is_finished()]
+
+    def is_finished(self) -> bool:
+        return self.error is not None or not self.live_seqs()
+
+
+@dataclass(frozen=True)
+class CompletionOutput:
+    """One finished sequence: its generated tokens only, and the sum of their
+    log-probabilities under the model (temperature does not change it)."""
+
+    token_ids: list[int]
+    cumulative_logprob: float
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """The engine's answer to one prompt. ``outputs`` is best first (beam search) or in
+    sample order; it is empty and ``error`` says why when the request could not run."""
+
+    request_id: int
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    error: str | None = None
+
+
+@dataclass
+class EngineStats:
+    """What one ``generate`` call did, one entry per engine step in every list.
+
+    * ``batch_sizes`` - sequences that ran in the step;
+    * ``blocks_used`` - GPU blocks held after the step's allocations;
+    * ``step_kinds`` - ``"prefill"`` if the step admitted (or re-admitted) anything,
+      else ``"decode"`` (a prefill step also decodes the running sequences, as in Orca's
+      iteration-level scheduling);
+    * ``tokens_per_step`` - tokens generated (sampled) in the step;
+    * ``computed_tokens`` - tokens run through the model (prompt tokens count here);
+    * ``requests`` - one :class:`RequestTimeline` per prompt, in prompt order.
+
+    ``swapped_blocks`` counts block copies either way between GPU and CPU;
+    ``recomputed_tokens`` the tokens prefilled again after a recompute preemption.
+    """
+
+    steps: int = 0
+    preemptions: int = 0
+    swapped_blocks: int = 0
+    recomputed_tokens: int = 0
+    peak_blocks_used: int = 0
+    num_blocks: int = 0
+    block_size: int = 0
+    batch_sizes: list[int] = field(default_factory=list)
+    blocks_used: list[int] = field(default_factory=list)
+    step_kinds: list[str] = field(default_factory=list)
+    tokens_per_step: list[int] = field(default_factory=list)
+    computed_tokens: list[int] = field(default_factory=list)
+    requests: list[RequestTimeline] = field(default_factory=list)
+
+    @property
+    def generated_tokens(self) -> int:
+        return sum(self.tokens_per_step)
+
+    @property
+    def peak_batch_size(self) -> int:
+        return max(self.batch_sizes, default=0)
+
+    def record_step(self, kind: str, batch_size: int, blocks_used: int, generated: int,
+                    computed: int) -> None:
+        self.steps += 1
+        self.step_kinds.append(kind)
+        self.batch_sizes.append(batch_size)
+        self.blocks_used.append(blocks_used)
+        self.peak_blocks_used = max(self.peak_blocks_used, blocks_used)
+        self.tokens_per_step.append(generated)
+        self.computed_tokens.append(computed)
