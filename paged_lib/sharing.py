@@ -1,0 +1,301 @@
+"""How much KV memory sharing saves: parallel sampling and beam search, measured on blocks.
+
+The paper (Kwon et al., SOSP 2023, section 6.3) measures the memory vLLM saves by
+sharing KV blocks: 6.1%-9.8% for parallel sampling and 37.6%-55.2% for beam search on
+Alpaca; 16.2%-30.5% and 44.3%-66.3% on ShareGPT. This module reproduces the *kind* of
+measurement with chapter 03's real :class:`~paged_lib.blocks.BlockAllocator` and
+:class:`~paged_lib.blocks.BlockTable` (``fork`` and copy-on-write ``append_token``), and no
+model:
+
+* **Parallel sampling** (:func:`parallel_sampling_usage`): the prompt is prefilled into
+  one table, which is forked ``n - 1`` times; every sample then appends one token per
+  step. The prompt's full blocks stay shared; its last, partly filled block is copied
+  on each sample's first write (all but the last writer).
+* **Beam search** (:func:`beam_search_usage`): a seeded *synthetic* beam process. Each
+  step every live beam proposes its ``W`` most likely next tokens under random
+  log-probabilities (a fresh random softmax over a small vocabulary), the ``W`` best
+  candidates by cumulative log-probability survive, and :func:`beam_step` applies that
+  choice to the block tables: beams with no surviving child are freed, a parent's first
+  surviving child keeps its table, every further child forks it, then each survivor
+  appends its token (copy-on-write where the last block is shared).
+
+"Without sharing" is the same work with every sequence holding its own copy of all its
+tokens (``cdiv(num_tokens, block_size)`` blocks each), as a system without paging or
+copy-on-write must. A trace's requests are overlaid at their arrival steps with no
+memory limit and no scheduler, and the saving is ``1 - shared / unshared`` for the
+peak and for the time-averaged number of blocks.
+
+Assumptions, against the paper's real runs (OPT-13B on the real traces, under a
+scheduler): every sample and beam generates exactly the request's ``output_len`` tokens
+(no EOS, so no sample finishes early); beam scores come from random log-probabilities,
+not a model, so how often beams collapse onto one ancestor is only roughly like a real
+model's; the traces are synthetic (chapter 02) with the paper's mean lengths.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from paged_lib.blocks import BlockAllocator, BlockTable, Slot
+from paged_lib.util import cdiv
+from paged_lib.workloads import Request
+
+#: The paper's savings (section 6.3), as (low, high) over its widths 2, 4, 6.
+PAPER_SAVINGS: dict[tuple[str, str], tuple[float, float]] = {
+    ("alpaca", "parallel"): (0.061, 0.098),
+    ("alpaca", "beam"): (0.376, 0.552),
+    ("sharegpt", "parallel"): (0.162, 0.305),
+    ("sharegpt", "beam"): (0.443, 0.663),
+}
+MODES = ("parallel", "beam")
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Blocks one request holds after prefill (index 0) and after each decode step."""
+
+    shared: list[int]    # physical blocks in use, with fork and copy-on-write
+    unshared: list[int]  # blocks the same sequences hold when none is shared
+    copies: int          # copy-on-write block copies made
+
+    @property
+    def peak_ratio(self) -> float:
+        """Peak blocks with sharing over peak blocks without (below 1: sharing helps)."""
+        return max(self.shared) / max(self.unshared)
+
+
+def _unshared(tables: list[BlockTable], block_size: int) -> int:
+    return sum(cdiv(t.num_tokens, block_size) for t in tables)
+
+
+def _in_use(allocator: BlockAllocator) -> int:
+    return allocator.num_blocks - allocator.num_free
+
+
+def _pool(prompt_len: int, output_len: int, width: int, block_size: int) -> BlockAllocator:
+    """A pool that cannot run out: every sequence with its own copy of everything."""
+    for name, value in (("prompt_len", prompt_len), ("width", width),
+                        ("block_size", block_size)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    if output_len < 0:
+        raise ValueError(f"output_len must be >= 0, got {output_len}")
+    return BlockAllocator(width * cdiv(prompt_len + output_len, block_size) + width + 1)
+
+
+def _prefill(allocator: BlockAllocator, prompt_len: int, block_size: int) -> BlockTable:
+    table = BlockTable(allocator, block_size)
+    for _ in range(prompt_len):
+        table.append_token()
+    return table
+
+
+def parallel_sampling_usage(prompt_len: int, output_len: int, n: int,
+                            block_size: int = 16) -> Usage:
+    """``n`` samples of one prompt, each ``output_len`` tokens long, on shared blocks."""
+    allocator = _pool(prompt_len, output_len, n, block_size)
+    first = _prefill(allocator, prompt_len, block_size)
+    tables = [first] + [first.fork() for _ in range(n - 1)]
+    shared, unshared, copies = [_in_use(allocator)], [_unshared(tables, block_size)], 0
+    for _ in range(output_len):
+        copies += sum(t.append_token().copy is not None for t in tables)
+        shared.append(_in_use(allocator))
+        unshared.append(_unshared(tables, block_size))
+    return Usage(shared, unshared, copies)
+
+
+# ------------------------------------------------------------------ beam search
+
+
+@dataclass(frozen=True)
+class BeamStep:
+    """What one beam-search step did to the block tables.
+
+    ``tables[i]`` is new beam ``i`` (child of old beam ``parents[i]``), ``slots[i]`` where
+    its new token goes (``copy`` set on copy-on-write), ``freed`` the old beams that died.
+    """
+
+    tables: list[BlockTable]
+    slots: list[Slot]
+    freed: list[int]
+
+    @property
+    def copies(self) -> list[tuple[int, int]]:
+        return [s.copy for s in self.slots if s.copy is not None]
+
+
+BeamStepFn = Callable[[list[BlockTable], list[int]], BeamStep]
+
+
+def beam_step(tables: list[BlockTable], parents: list[int]) -> BeamStep:
+    """Apply one step's survivors to the beams' block tables.
+
+    ``parents[i]`` is the old beam that new beam ``i`` continues. Dead beams are freed
+    first (their blocks can serve this step's copies), then every child after a parent's
+    first forks it *before* anyone writes (a fork must see the parent's tokens, not a
+    sibling's), and only then does each new beam append its token.
+    """
+    if any(not 0 <= p < len(tables) for p in parents):
+        raise ValueError(f"parents {parents} must index the {len(tables)} live beams")
+    kept = set(parents)
+    freed = [i for i in range(len(tables)) if i not in kept]
+    for i in freed:
+        tables[i].free()
+    new, seen = [], set()
+    for p in parents:
+        new.append(tables[p] if p not in seen else tables[p].fork())
+        seen.add(p)
+    return BeamStep(new, [t.append_token() for t in new], freed)
+
+
+class RandomBeamScorer:
+    """Seeded stand-in for a model: each beam's next-token log-probabilities.
+
+    Every call draws logits ``N(0, sigma^2)`` over ``vocab`` tokens per beam and returns
+    their log-softmax ``[num_beams, vocab]``. ``sigma`` sets how peaked the
+    distributions are, hence how often one beam's children crowd out the others.
+    """
+
+    def __init__(self, seed: int = 0, vocab: int = 32, sigma: float = 2.0):
+        self.rng = np.random.default_rng(seed)
+        self.vocab, self.sigma = vocab, sigma
+
+    def __call__(self, num_beams: int) -> np.ndarray:
+        logits = self.rng.normal(0.0, self.sigma, size=(num_beams, self.vocab))
+        logits -= logits.max(axis=1, keepdims=True)
+        return logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
+
+
+def select_beams(scores: np.ndarray, logprobs: np.ndarray, width: int
+                 ) -> tuple[list[int], list[int], np.ndarray]:
+    """The ``width`` best (parent, token) candidates by cumulative log-probability.
+
+    Returns parents and tokens, best first, and the survivors' new scores. Ties go to
+    the lower parent index, then the lower token id (a stable, reproducible order).
+    """
+    cand = scores[:, None] + logprobs  # [num_beams, vocab]
+    flat = cand.ravel()
+    best = np.lexsort((np.arange(flat.size), -flat))[:width]
+    parents, tokens = np.divmod(best, logprobs.shape[1])
+    return parents.tolist(), tokens.tolist(), flat[best]
+
+
+@dataclass(frozen=True)
+class BeamFrame:
+    """One recorded step of a beam search (for pictures and the stepper widget)."""
+
+    step: int
+    parents: list[int]          # parent (old beam index) of each new beam
+    tokens: list[int]           # token each new beam appended
+    blocks: list[list[int]]     # each new beam's block table after the step
+    ref_counts: dict[int, int]  # ref count of every block in use
+    copies: list[tuple[int, int]]
+    freed_beams: list[int]      # old beams that died this step
+    freed_blocks: list[int]     # physical blocks that went back to the pool
+    scores: list[float]
+
+
+def beam_search_usage(prompt_len: int, output_len: int, beam_width: int,
+                      block_size: int = 16, seed: int = 0, step_fn: BeamStepFn = beam_step,
+                      record: list[BeamFrame] | None = None, **scorer_kw) -> Usage:
+    """A synthetic beam search of ``output_len`` steps over block tables.
+
+    ``step_fn`` applies each step's survivors (a learner's :func:`beam_step` can be
+    passed in). ``record``, if given, receives a :class:`BeamFrame` per step.
+    """
+    allocator = _pool(prompt_len, output_len, beam_width, block_size)
+    scorer = RandomBeamScorer(seed, **scorer_kw)
+    tables = [_prefill(allocator, prompt_len, block_size)]
+    scores = np.zeros(1)
+    shared, unshared, copies = [_in_use(allocator)], [_unshared(tables, block_size)], 0
+    if record is not None:
+        record.append(_frame(0, [0], [-1], tables, allocator, [], [], set(), scores))
+    for step in range(1, output_len + 1):
+        parents, tokens, scores = select_beams(scores, scorer(len(tables)), beam_width)
+        before = {b for i, t in enumerate(tables) if i not in set(parents) for b in t.blocks}
+        result = step_fn(tables, parents)
+        tables = list(result.tables)
+        copies += len(result.copies)
+        shared.append(_in_use(allocator))
+        unshared.append(_unshared(tables, block_size))
+        if record is not None:
+            record.append(_frame(step, parents, tokens, tables, allocator, result.copies,
+                                 result.freed, before, scores))
+    return Usage(shared, unshared, copies)
+
+
+def _frame(step, parents, tokens, tables, allocator, copies, freed, dead_blocks, scores):
+    in_use = {b for t in tables for b in t.blocks}
+    return BeamFrame(step, list(parents), list(tokens), [t.blocks for t in tables],
+                     {b: allocator.refcount(b) for b in sorted(in_use)}, list(copies),
+                     list(freed), sorted(b for b in dead_blocks if allocator.refcount(b) == 0),
+                     [round(float(s), 4) for s in scores])
+
+
+# ------------------------------------------------------------------ traces
+
+
+@dataclass(frozen=True)
+class Savings:
+    """Blocks with and without sharing over a whole trace, and the fraction saved."""
+
+    mode: str
+    width: int
+    peak_shared: int
+    peak_unshared: int
+    mean_shared: float
+    mean_unshared: float
+    copies: int
+
+    @property
+    def peak_saving(self) -> float:
+        return 1.0 - self.peak_shared / self.peak_unshared
+
+    @property
+    def mean_saving(self) -> float:
+        return 1.0 - self.mean_shared / self.mean_unshared
+
+
+def request_usage(request: Request, mode: str, width: int, block_size: int = 16,
+                  seed: int = 0) -> Usage:
+    """One request's usage under parallel sampling (``n = width``) or beam search."""
+    if mode == "parallel":
+        return parallel_sampling_usage(request.prompt_len, request.output_len, width,
+                                       block_size)
+    if mode == "beam":
+        return beam_search_usage(request.prompt_len, request.output_len, width, block_size,
+                                 seed)
+    raise ValueError(f"unknown mode {mode!r}: choose one of {MODES}")
+
+
+def trace_savings(requests: list[Request], mode: str, width: int, block_size: int = 16,
+                  seed: int = 0) -> Savings:
+    """Overlay every request's usage at its arrival step; compare peak and mean blocks.
+
+    Request ``i`` of a beam trace uses scorer seed ``seed + i``. The time average runs
+    from the first arrival to the last step any request holds blocks.
+    """
+    if not requests:
+        raise ValueError("trace_savings needs at least one request")
+    usages = [request_usage(r, mode, width, block_size, seed + i)
+              for i, r in enumerate(requests)]
+    starts = [int(np.ceil(r.arrival)) for r in requests]
+    horizon = max(s + len(u.shared) for s, u in zip(starts, usages, strict=True))
+    shared, unshared = np.zeros(horizon, np.int64), np.zeros(horizon, np.int64)
+    for s, u in zip(starts, usages, strict=True):
+        shared[s:s + len(u.shared)] += u.shared
+        unshared[s:s + len(u.unshared)] += u.unshared
+    window = slice(min(starts), horizon)
+    return Savings(mode, width, int(shared.max()), int(unshared.max()),
+                   float(shared[window].mean()), float(unshared[window].mean()),
+                   sum(u.copies for u in usages))
+
+
+def savings_table(traces: dict[str, list[Request]], widths: tuple[int, ...] = (2, 4, 6),
+                  block_size: int = 16, seed: int = 0) -> dict[tuple[str, str, int], Savings]:
+    """:func:`trace_savings` for every trace, mode and width: ``{(trace, mode, width): ...}``."""
+    return {(name, mode, w): trace_savings(reqs, mode, w, block_size, seed)
+            for name, reqs in traces.items() for mode in MODES for w in widths}

@@ -1,0 +1,241 @@
+"""Sharing KV blocks: fork, copy-on-write, beam steps, and the savings measurement.
+
+The property tests drive chapter 03's real ``BlockTable``/``BlockAllocator`` with random
+mixes of forks, appends, copies and frees, and simulate the cache's *contents* as a dict
+``(block, offset) -> token``: every table must read back exactly its own tokens, every
+ref count must equal the number of tables holding the block, nothing may leak.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from paged_lib import sharing
+from paged_lib.blocks import BlockAllocator, BlockTable, OutOfBlocks, Slot
+from paged_lib.util import cdiv
+from paged_lib.workloads import Request, alpaca_like, sharegpt_like
+
+
+class Cache:
+    """The KV cache's contents, one token id per slot, written the way the engine does."""
+
+    def __init__(self):
+        self.slots: dict[tuple[int, int], int] = {}
+
+    def write(self, slot: Slot, token: int, block_size: int) -> None:
+        if slot.copy is not None:
+            src, dst = slot.copy
+            for off in range(block_size):
+                if (src, off) in self.slots:
+                    self.slots[dst, off] = self.slots[src, off]
+                else:
+                    self.slots.pop((dst, off), None)
+        self.slots[slot.block, slot.offset] = token
+
+    def read(self, table: BlockTable) -> list[int]:
+        bs = table.block_size
+        return [self.slots[table.blocks[t // bs], t % bs] for t in range(table.num_tokens)]
+
+
+def check_ref_counts(alloc: BlockAllocator, tables: list[BlockTable]) -> None:
+    holders: dict[int, int] = {}
+    for t in tables:
+        for b in t.blocks:
+            holders[b] = holders.get(b, 0) + 1
+    for b in range(alloc.num_blocks):
+        assert alloc.refcount(b) == holders.get(b, 0), f"block {b}"
+    assert sorted(alloc.free_block_ids) == [b for b in range(alloc.num_blocks)
+                                            if b not in holders]
+
+
+# ------------------------------------------------------------------ property tests
+
+OPS = st.lists(st.tuples(st.sampled_from(["append", "append", "append", "fork", "free"]),
+                         st.integers(0, 1_000)), min_size=1, max_size=80)
+
+
+@settings(max_examples=120, deadline=None)
+@given(ops=OPS, block_size=st.integers(1, 5), num_blocks=st.integers(1, 12))
+def test_random_forks_appends_and_frees(ops, block_size, num_blocks):
+    alloc = BlockAllocator(num_blocks)
+    cache = Cache()
+    tables = [BlockTable(alloc, block_size)]
+    tokens: list[list[int]] = [[]]  # what each table must read back
+    for i, (op, pick) in enumerate(ops):
+        if not tables:
+            tables, tokens = [BlockTable(alloc, block_size)], [[]]
+        k = pick % len(tables)
+        if op == "append":
+            before = (list(alloc.ref_counts), list(alloc.free_block_ids), tables[k].blocks)
+            try:
+                slot = tables[k].append_token()
+            except OutOfBlocks:  # nothing may change
+                assert (list(alloc.ref_counts), list(alloc.free_block_ids),
+                        tables[k].blocks) == before
+            else:
+                cache.write(slot, i, block_size)
+                tokens[k].append(i)
+        elif op == "fork":
+            tables.append(tables[k].fork())
+            tokens.append(list(tokens[k]))
+        else:
+            tables.pop(k).free()
+            tokens.pop(k)
+        check_ref_counts(alloc, tables)
+        for table, own in zip(tables, tokens, strict=True):
+            assert cache.read(table) == own  # no sibling's write shows up here
+    for t in tables:
+        t.free()
+    assert alloc.num_free == num_blocks  # nothing leaked
+
+
+@settings(max_examples=60, deadline=None)
+@given(width=st.integers(1, 4), prompt_len=st.integers(1, 9), block_size=st.integers(1, 4),
+       steps=st.integers(1, 8), seed=st.integers(0, 10_000))
+def test_beam_steps_keep_every_beam_own_tokens(width, prompt_len, block_size, steps, seed):
+    """Random survivors each step, applied by beam_step; contents checked after each."""
+    rng = np.random.default_rng(seed)
+    alloc = BlockAllocator(width * cdiv(prompt_len + steps, block_size) + width)
+    cache = Cache()
+    table = BlockTable(alloc, block_size)
+    for t in range(prompt_len):
+        cache.write(table.append_token(), t, block_size)
+    tables, seqs = [table], [list(range(prompt_len))]
+    for step in range(steps):
+        parents = sorted(rng.integers(0, len(tables), size=width).tolist())
+        result = sharing.beam_step(tables, parents)
+        assert result.freed == sorted(set(range(len(seqs))) - set(parents))
+        seqs = [seqs[p] + [1000 * (step + 1) + i] for i, p in enumerate(parents)]
+        for i, slot in enumerate(result.slots):
+            cache.write(slot, seqs[i][-1], block_size)
+        tables = result.tables
+        check_ref_counts(alloc, tables)
+        assert [cache.read(t) for t in tables] == seqs
+    for t in tables:
+        t.free()
+    assert alloc.num_free == alloc.num_blocks
+
+
+# ------------------------------------------------------------------ beam_step by hand
+
+
+def test_beam_step_by_hand():
+    """Three beams of 6 tokens (block size 4); beam 0 gets two children, beam 1 dies."""
+    alloc = BlockAllocator(12)
+    root = BlockTable(alloc, 4)
+    for _ in range(6):
+        root.append_token()  # blocks [0, 1], block 1 half full
+    b1, b2 = root.fork(), root.fork()
+    b1.append_token()  # copies block 1 into 2
+    b2.append_token()  # copies block 1 into 3
+    root.append_token()  # block 1 now root's alone: in place
+    assert [root.blocks, b1.blocks, b2.blocks] == [[0, 1], [0, 2], [0, 3]]
+    result = sharing.beam_step([root, b1, b2], [0, 0, 2])
+    assert result.freed == [1]
+    assert result.tables[0] is root and result.tables[2] is b2
+    assert [t.blocks for t in result.tables] == [[0, 4], [0, 1], [0, 3]]
+    # root's first child copied the shared block 1 into the fresh 4 (the block b1 freed,
+    # 2, went to the back of the free list); the fork then wrote in place; b2 in place.
+    assert [s.copy for s in result.slots] == [(1, 4), None, None]
+    assert alloc.refcount(0) == 3 and alloc.refcount(2) == 0
+    assert result.copies == [(1, 4)]
+
+
+def test_beam_step_rejects_unknown_parents():
+    alloc = BlockAllocator(4)
+    table = BlockTable(alloc, 4)
+    with pytest.raises(ValueError, match="index the 1 live beams"):
+        sharing.beam_step([table], [1])
+    assert alloc.num_free == 4
+
+
+def test_select_beams_against_a_sort():
+    rng = np.random.default_rng(3)
+    scores = rng.normal(size=3)
+    logprobs = np.round(rng.normal(size=(3, 5)), 1)  # rounded: some exact ties
+    parents, tokens, new = sharing.select_beams(scores, logprobs, 4)
+    cands = sorted((-(scores[p] + logprobs[p, t]), p, t) for p in range(3) for t in range(5))
+    assert list(zip(parents, tokens, strict=True)) == [(p, t) for _, p, t in cands[:4]]
+    assert np.allclose(new, [-c for c, _, _ in cands[:4]])
+
+
+# ------------------------------------------------------------------ usage
+
+
+def test_parallel_sampling_done_when():
+    """n=4, 64-token prompt, block size 4, 32 new tokens: peak <= 0.75 of unshared."""
+    usage = sharing.parallel_sampling_usage(64, 32, 4, block_size=4)
+    # by hand: 16 shared prompt blocks + 4 x 8 own blocks, vs 4 x (16 + 8)
+    assert (max(usage.shared), max(usage.unshared)) == (48, 96)
+    assert usage.peak_ratio <= 0.75
+    assert usage.copies == 0  # the prompt fills its blocks exactly: nothing to copy
+
+
+def test_parallel_sampling_copies_the_partly_filled_prompt_block():
+    usage = sharing.parallel_sampling_usage(6, 1, 3, block_size=4)
+    assert usage.copies == 2  # the third writer finds block 1 its own
+    assert (usage.shared, usage.unshared) == ([2, 4], [6, 6])
+
+
+def test_beam_search_never_leaks_and_repeats_with_its_seed():
+    frames: list[sharing.BeamFrame] = []
+    usage = sharing.beam_search_usage(7, 12, 4, block_size=4, seed=5, record=frames)
+    for frame, in_use in zip(frames, usage.shared, strict=True):
+        assert in_use == len(frame.ref_counts)  # every used block is held by a beam
+        holders: dict[int, int] = {}
+        for blocks in frame.blocks:
+            for b in blocks:
+                holders[b] = holders.get(b, 0) + 1
+        assert frame.ref_counts == holders
+    again: list[sharing.BeamFrame] = []
+    sharing.beam_search_usage(7, 12, 4, block_size=4, seed=5, record=again)
+    assert again == frames
+    other: list[sharing.BeamFrame] = []
+    sharing.beam_search_usage(7, 12, 4, block_size=4, seed=6, record=other)
+    assert [f.parents for f in other] != [f.parents for f in frames]
+    assert any(len(set(f.parents)) < len(f.parents) for f in frames)  # some beams fork
+    assert any(f.freed_beams for f in frames)  # and some die
+
+
+def test_beam_search_shares_at_least_the_prompt():
+    usage = sharing.beam_search_usage(32, 16, 4, block_size=4, seed=0)
+    # 8 full prompt blocks shared by 4 beams saves at least 3 x 8 blocks at every step
+    assert all(u - s >= 24 for s, u in zip(usage.shared[1:], usage.unshared[1:], strict=True))
+
+
+@pytest.fixture(scope="module")
+def small_table():
+    traces = {"alpaca": alpaca_like(30, seed=1), "sharegpt": sharegpt_like(6, seed=1)}
+    return sharing.savings_table(traces, widths=(2, 6))
+
+
+def test_savings_grow_with_width_and_beams_save_more(small_table):
+    for trace in ("alpaca", "sharegpt"):
+        for mode in sharing.MODES:
+            two, six = small_table[trace, mode, 2], small_table[trace, mode, 6]
+            assert 0 < two.mean_saving < six.mean_saving < 1
+            assert 0 < two.peak_saving < 1
+        for w in (2, 6):
+            assert small_table[trace, "beam", w].mean_saving > \
+                small_table[trace, "parallel", w].mean_saving
+
+
+def test_trace_savings_overlays_arrivals():
+    reqs = [Request(4, 2, 0.0), Request(4, 2, 10.0)]  # never overlap
+    s = sharing.trace_savings(reqs, "parallel", 2, block_size=4)
+    one = sharing.parallel_sampling_usage(4, 2, 2, block_size=4)
+    assert (s.peak_shared, s.peak_unshared) == (max(one.shared), max(one.unshared))
+    together = sharing.trace_savings([Request(4, 2, 0.0)] * 2, "parallel", 2, block_size=4)
+    assert together.peak_shared == 2 * max(one.shared)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="unknown mode"):
+        sharing.request_usage(Request(4, 2, 0.0), "greedy", 2)
+    with pytest.raises(ValueError, match="width must be >= 1"):
+        sharing.parallel_sampling_usage(4, 2, 0)
+    with pytest.raises(ValueError, match="at least one request"):
+        sharing.trace_savings([], "beam", 2)
