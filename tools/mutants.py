@@ -285,11 +285,12 @@ def _try(label: str, ex: Exercise, cells: list[str], ns: dict, timeout: float) -
 
 
 def run_notebook(path: Path, cap: int = 12, triton_cap: int = 8, timeout: float = 30.0,
-                 log=print) -> list[Report]:
+                 log=print, equivalent: dict[str, str] | None = None) -> list[Report]:
     """Mutation-test every exercise of one solution notebook (see module docstring).
 
     An exercise whose solution is a ``@triton.jit`` kernel gets ``triton_cap`` mutants:
-    each one runs the kernel in the interpreter, about a second on a CPU.
+    each one runs the kernel in the interpreter, about a second on a CPU. ``equivalent``
+    (label -> reason) replaces what the grader modules declare (for tests of this tool).
     """
     nb = nbformat.read(path, as_version=4)
     exercises = {ex.solution_cells[0]: ex for ex in find_exercises(nb)}
@@ -319,14 +320,14 @@ def run_notebook(path: Path, cap: int = 12, triton_cap: int = 8, timeout: float 
             report.error = f"the solution itself does not pass: {original.detail}"
             log(f"{path.name} [{ex.ex_id}] {report.error}")
             continue
-        equivalent = _equivalent(ex.ex_id)
+        same = _equivalent(ex.ex_id) if equivalent is None else equivalent
         slow = any("@triton.jit" in s for s in sols)
         n = triton_cap if slow else cap
         for k, sol_cell in enumerate(ex.solution_cells):
             per_cell = n // len(ex.solution_cells) + (k < n % len(ex.solution_cells))
             for label, src in mutants(nb.cells[sol_cell].source, ex.ex_id, per_cell):
-                if label in equivalent:
-                    report.outcomes.append(Outcome(label, "equivalent", equivalent[label]))
+                if label in same:
+                    report.outcomes.append(Outcome(label, "equivalent", same[label]))
                     continue
                 mutated = list(sols)
                 mutated[k] = src

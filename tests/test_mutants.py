@@ -1,0 +1,136 @@
+"""Graders catch small bugs: mutants of every solution must get ❌ (tools/mutants.py).
+
+The slow part (every solution notebook, about a minute on 2 cores) runs once per module.
+The small tests first check the mutation machinery itself on a made-up notebook, so a
+kill rate of 100% cannot come from a tool that never plants a bug.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tools"))
+import mutants  # noqa: E402
+
+SOLUTIONS = sorted((ROOT / "solutions").glob("[0-9][0-9]_*.ipynb"))
+MIN_KILL_RATE = 0.95
+
+STRONG = """from paged_lib import grading
+def check(f):
+    with grading.exercise("99.1", "Last block"):
+        for n, b, want in [(0, 4, 0), (1, 4, 1), (4, 4, 4), (5, 4, 1), (8, 4, 4), (3, 1, 1)]:
+            grading.expect_equal(f(n, b), want, f"last_block({n}, {b})")
+"""
+WEAK = STRONG.replace("[(0, 4, 0), (1, 4, 1), (4, 4, 4), (5, 4, 1), (8, 4, 4), (3, 1, 1)]",
+                      "[(5, 4, 1)]")
+SOLUTION = """def last_block(n: int, b: int) -> int:
+    \"\"\"Tokens in the last block of n tokens, blocks of b (0 for none).\"\"\"
+    ### BEGIN SOLUTION
+    if n == 0:
+        return 0
+    blocks = (n + b - 1) // b
+    return n - (blocks - 1) * b
+    ### END SOLUTION
+"""
+LOOPING = SOLUTION.replace("""    if n == 0:
+        return 0
+    blocks = (n + b - 1) // b
+    return n - (blocks - 1) * b
+""", """    while n > b:
+        n -= b
+    return n
+""")
+
+
+def _toy(tmp_path: Path, grader: str, solution: str = SOLUTION) -> Path:
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(grader),
+                nbformat.v4.new_markdown_cell("### Exercise 99.1: Last block"),
+                nbformat.v4.new_code_cell(solution),
+                nbformat.v4.new_code_cell("check(last_block)")]
+    path = tmp_path / "99_toy.ipynb"
+    nbformat.write(nb, path)
+    return path
+
+
+def test_mutants_cover_every_kind_and_stay_inside_the_solution_region():
+    source = "LIMIT = 10\n" + SOLUTION
+    labels = [label for label, _ in mutants.mutants(source, "99.1", cap=100)]
+    assert {label.split(":")[0] for label in labels} == set(mutants.KINDS)
+    assert not any("LIMIT" in label for label in labels), "mutated code outside the markers"
+    assert "compare: `n == 0` -> `n != 0` in `if n == 0:`" in labels
+    assert "off-by-one: `n + b - 1` -> `n + b` in `blocks = (n + b - 1) // b`" in labels
+    assert "drop: `if n == 0:` -> `pass`" in labels
+    assert len(mutants.mutants(source, "99.1", cap=4)) == 4
+    assert mutants.mutants(source, "99.1", cap=6) == mutants.mutants(source, "99.1", cap=6)
+
+
+def _run(tmp_path: Path, grader: str, solution: str = SOLUTION, **kw) -> mutants.Report:
+    (report,) = mutants.run_notebook(_toy(tmp_path, grader, solution), log=lambda *_: None,
+                                     **{"cap": 100, **kw})
+    return report
+
+
+def test_a_strong_grader_kills_every_mutant(tmp_path):
+    report = _run(tmp_path, STRONG)
+    assert not report.error
+    assert report.counted >= 12 and report.count("killed") == report.counted
+
+
+def test_a_weak_grader_lets_mutants_survive(tmp_path):
+    report = _run(tmp_path, WEAK)
+    survivors = [o.label for o in report.outcomes if o.status == "survived"]
+    assert "drop: `if n == 0:` -> `pass`" in survivors
+    assert "constant: `0` -> `1` in `if n == 0:`" in survivors
+    assert report.count("killed") >= 1  # `n == 0` -> `n != 0` still fails on (5, 4)
+
+
+def test_declared_equivalent_mutants_are_not_counted(tmp_path):
+    label = "drop: `if n == 0:` -> `pass`"
+    report = _run(tmp_path, WEAK, equivalent={label: "the weak grader never asks for 0"})
+    assert [o.label for o in report.outcomes if o.status == "equivalent"] == [label]
+
+
+def test_a_solution_that_fails_its_own_check_is_reported(tmp_path):
+    report = _run(tmp_path, STRONG, SOLUTION.replace("return 0", "return 1"))
+    assert "does not pass" in report.error and not report.outcomes
+
+
+def test_a_mutant_that_hangs_is_stopped_and_not_counted(tmp_path):
+    report = _run(tmp_path, STRONG, LOOPING, timeout=0.5)
+    hung = [o.label for o in report.outcomes if o.status == "hung"]
+    assert "drop: `n -= b` -> `pass`" in hung  # the loop never ends for n = 5
+    assert report.counted == len(report.outcomes) - len(hung) > 0
+
+
+@pytest.fixture(scope="module")
+def reports() -> list[tuple[str, mutants.Report]]:
+    out = []
+    for path in SOLUTIONS:
+        out += [(path.name, r) for r in mutants.run_notebook(path, log=print)]
+    return out
+
+
+@pytest.mark.slow
+def test_every_solution_passes_its_own_check_in_process(reports):
+    broken = [f"{name} [{r.ex_id}]: {r.error}" for name, r in reports if r.error]
+    assert not broken, "\n".join(broken)
+
+
+@pytest.mark.slow
+def test_graders_kill_at_least_95_percent_of_mutants(reports):
+    lines = [f"{name} {r.line()}" for name, r in reports]
+    lines += [f"  survived [{r.ex_id}] {o.label}" for _, r in reports for o in r.outcomes
+              if o.status == "survived"]
+    print("\n".join(lines))
+    killed = sum(r.count("killed") for _, r in reports)
+    counted = sum(r.counted for _, r in reports)
+    assert counted >= 3 * len(reports), "too few mutants to measure anything"
+    assert killed >= MIN_KILL_RATE * counted, (
+        f"graders killed {killed} of {counted} mutants ({killed / counted:.1%}), "
+        f"below {MIN_KILL_RATE:.0%}:\n" + "\n".join(lines))
