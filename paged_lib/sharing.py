@@ -196,6 +196,8 @@ class BeamFrame:
     freed_beams: list[int]      # old beams that died this step
     freed_blocks: list[int]     # physical blocks that went back to the pool
     scores: list[float]
+    num_tokens: list[int]       # each new beam's length (prompt + generated)
+    block_size: int
 
 
 def beam_search_usage(prompt_len: int, output_len: int, beam_width: int,
@@ -232,7 +234,18 @@ def _frame(step, parents, tokens, tables, allocator, copies, freed, dead_blocks,
     return BeamFrame(step, list(parents), list(tokens), [t.blocks for t in tables],
                      {b: allocator.refcount(b) for b in sorted(in_use)}, list(copies),
                      list(freed), sorted(b for b in dead_blocks if allocator.refcount(b) == 0),
-                     [round(float(s), 4) for s in scores])
+                     [round(float(s), 4) for s in scores], [t.num_tokens for t in tables],
+                     tables[0].block_size)
+
+
+def record_beam_search(prompt_len: int = 6, output_len: int = 10, beam_width: int = 3,
+                       block_size: int = 4, seed: int = 0, step_fn: BeamStepFn = beam_step,
+                       **scorer_kw) -> tuple[list[BeamFrame], Usage]:
+    """A small beam search recorded step by step, for the beam-tree pictures."""
+    frames: list[BeamFrame] = []
+    usage = beam_search_usage(prompt_len, output_len, beam_width, block_size, seed, step_fn,
+                              frames, **scorer_kw)
+    return frames, usage
 
 
 # ------------------------------------------------------------------ traces

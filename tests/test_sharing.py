@@ -239,3 +239,83 @@ def test_bad_arguments():
         sharing.parallel_sampling_usage(4, 2, 0)
     with pytest.raises(ValueError, match="at least one request"):
         sharing.trace_savings([], "beam", 2)
+
+
+# ------------------------------------------------------------------ pictures
+
+
+@pytest.fixture
+def close_figures():
+    import matplotlib.pyplot as plt
+
+    yield
+    plt.close("all")
+
+
+@pytest.fixture(scope="module")
+def recorded():
+    return sharing.record_beam_search(prompt_len=6, output_len=10, beam_width=3,
+                                      block_size=4, seed=0)
+
+
+def test_describe_step_names_forks_deaths_copies_and_frees(recorded):
+    from paged_lib.viz import sharing as viz
+
+    frames, _ = recorded
+    assert viz.describe_step(frames[0]) == "step 0: the prompt (6 tokens) in blocks [0, 1]"
+    # step 1: three children of the prompt; the first two writers copy its half-full
+    # block 1, the third writes in place
+    assert frames[1].parents == [0, 0, 0] and frames[1].copies == [(1, 2), (1, 3)]
+    assert viz.describe_step(frames[1]) == ("step 1: forked 0->0,1,2 | none died | "
+                                            "copied 1->2, 1->3 | no block freed")
+    for f in frames[1:]:
+        text = viz.describe_step(f)
+        assert ("none died" not in text) == bool(f.freed_beams)
+        for src, dst in f.copies:
+            assert f"{src}->{dst}" in text
+
+
+def test_draw_beam_tree_colours_blocks_by_ref_count(recorded, close_figures):
+    from matplotlib.figure import Figure
+
+    from paged_lib.viz import sharing as viz
+
+    frames, _ = recorded
+    fig = viz.draw_beam_tree(frames, upto=1)
+    assert isinstance(fig, Figure)
+    blocks_ax = fig.axes[1]
+    labels = [t.get_text() for t in blocks_ax.texts]
+    assert labels == [f"#{b}" for blocks in frames[1].blocks for b in blocks]
+    cmap, norm = viz.ref_colormap(3)
+    filled = [p for p in blocks_ax.patches if p.get_facecolor()[:3] != (0.0, 0.0, 0.0)
+              and p.get_fill() and p.get_width() > 0]
+    shared_color = cmap(norm(3))  # block 0 is held by all three beams
+    assert any(tuple(p.get_facecolor()) == tuple(shared_color) for p in filled)
+    assert isinstance(viz.draw_beam_tree(frames), Figure)
+    with pytest.raises(ValueError, match="upto must be in 0..10"):
+        viz.draw_beam_tree(frames, upto=11)
+    with pytest.raises(ValueError, match="at least one recorded frame"):
+        viz.draw_beam_tree([])
+
+
+def test_stepper_replays_the_beam_search(recorded, close_figures):
+    import ipywidgets
+
+    from paged_lib.viz import sharing as viz
+
+    frames, _ = recorded
+    widget = viz.stepper(frames)
+    assert isinstance(widget, ipywidgets.VBox)
+    play, slider = widget.children[0].children
+    assert slider.max == play.max == len(frames) - 1
+    slider.value = 4  # redraws without error
+
+
+def test_plot_savings_draws_every_measurement(small_table, close_figures):
+    from paged_lib.viz import sharing as viz
+
+    fig = viz.plot_savings(small_table)
+    assert len(fig.axes) == 2
+    heights = sorted(round(bar.get_height(), 9) for ax in fig.axes
+                     for container in ax.containers for bar in container)
+    assert heights == sorted(round(s.mean_saving, 9) for s in small_table.values())
