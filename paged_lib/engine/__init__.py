@@ -12,6 +12,7 @@ The teaching hooks are small pure functions a chapter's exercise re-implements; 
 engine takes a replacement for each as a keyword argument (see :class:`LLMEngine`).
 """
 
+from paged_lib.engine.llm_engine import LLMEngine
 from paged_lib.engine.sequence import (
                                        CompletionOutput,
                                        EngineStats,
@@ -23,5 +24,5 @@ from paged_lib.engine.sequence import (
                                        SequenceStatus,
 )
 
-__all__ = ["CompletionOutput", "EngineStats", "RequestOutput", "RequestTimeline",
+__all__ = ["LLMEngine", "CompletionOutput", "EngineStats", "RequestOutput", "RequestTimeline",
            "SamplingParams", "Sequence", "SequenceGroup", "SequenceStatus"]

@@ -1,0 +1,163 @@
+"""The block manager: chapter 03's allocator and block tables, asked questions by the scheduler.
+
+Pure Python, no tensors. It answers "how many free blocks would this take?" *before*
+anything changes (so the scheduler can preempt someone first and never fails half way),
+then does it and returns :class:`~paged_lib.blocks.Slot`s (where each new token's K/V
+goes) or block mappings (what the model runner must copy).
+
+Two pools: the GPU pool the kernels read, and an optional CPU pool that preempted
+sequences are swapped into (chapter 07). A sequence's ``block_table`` lives in whichever
+pool holds its K/V.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from paged_lib.blocks import BlockAllocator, BlockTable, OutOfBlocks, Slot
+from paged_lib.engine.sequence import Sequence, SequenceGroup
+from paged_lib.util import cdiv
+
+
+def swap_mapping(tables: list[list[int]], allocate: Callable[[], int]) -> list[tuple[int, int]]:
+    """The block copies that move some block tables to another pool.
+
+    ``tables`` are the source block lists of one sequence group (sequences of a group may
+    share blocks: a forked prompt, beams with a common history). ``allocate()`` takes one
+    free block of the destination pool. Returns ``(src, dst)`` pairs, one per *distinct*
+    source block, in the order the blocks are first met reading the tables left to right,
+    top to bottom; a block shared by several tables is copied once.
+
+    Example: ``swap_mapping([[7, 3], [7, 5]], alloc)`` with ``alloc`` returning 0, 1, 2
+    gives ``[(7, 0), (3, 1), (5, 2)]``.
+    """
+    mapping: dict[int, int] = {}
+    for table in tables:
+        for block in table:
+            if block not in mapping:
+                mapping[block] = allocate()
+    return list(mapping.items())
+
+
+def append_blocks_needed(tables: Iterable[BlockTable]) -> int:
+    """Free blocks that appending one token to each of ``tables`` takes, all together.
+
+    A full last block (or none) needs a new block. A part-filled last block that others
+    also hold needs a copy (copy-on-write) - except for the last of its holders in this
+    group, which finds the block no longer shared and writes in place.
+    """
+    new, sharers = 0, {}
+    for table in tables:
+        if table.num_tokens % table.block_size == 0:
+            new += 1
+        else:
+            last = table.blocks[-1]
+            holders_here, allocator = sharers.get(last, (0, table.allocator))
+            sharers[last] = (holders_here + 1, allocator)
+    for block, (holders_here, allocator) in sharers.items():
+        outside = allocator.refcount(block) > holders_here
+        new += holders_here if outside else holders_here - 1
+    return new
+
+
+class BlockManager:
+    """Allocation decisions for the scheduler over a GPU pool and an optional CPU pool."""
+
+    def __init__(self, num_blocks: int, block_size: int, num_cpu_blocks: int = 0,
+                 swap_mapping_fn: Callable = swap_mapping):
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.gpu = BlockAllocator(num_blocks)
+        self.cpu = BlockAllocator(num_cpu_blocks) if num_cpu_blocks > 0 else None
+        self.swap_mapping = swap_mapping_fn
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.gpu.num_free
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.gpu.num_blocks - self.gpu.num_free
+
+    # ------------------------------------------------------------ prefill
+
+    def prefill_blocks_needed(self, group: SequenceGroup) -> int:
+        """Blocks to (re-)prefill every live sequence of a waiting group, unshared."""
+        return sum(cdiv(s.num_tokens, self.block_size) for s in group.live_seqs())
+
+    def allocate(self, seq: Sequence) -> list[Slot]:
+        """A fresh GPU table for ``seq`` with a slot for each of its tokens."""
+        if seq.block_table is not None:
+            raise ValueError(f"sequence {seq.seq_id} already holds blocks")
+        table = BlockTable(self.gpu, self.block_size)
+        seq.block_table = table
+        return [table.append_token() for _ in range(seq.num_tokens)]
+
+    # ------------------------------------------------------------ decode
+
+    def append_blocks_needed(self, group: SequenceGroup) -> int:
+        """Blocks one more token for every live sequence of a running group takes."""
+        return append_blocks_needed([s.block_table for s in group.live_seqs()])
+
+    def append_slot(self, seq: Sequence) -> Slot:
+        """The slot of ``seq``'s next token (copy-on-write if its last block is shared)."""
+        return seq.block_table.append_token()
+
+    def free(self, seq: Sequence) -> None:
+        """Give back ``seq``'s blocks (ref counts down; a block shared stays in use)."""
+        if seq.block_table is not None:
+            seq.block_table.free()
+            seq.block_table = None
+
+    # ------------------------------------------------------------ swapping (chapter 07)
+
+    def distinct_blocks(self, group: SequenceGroup) -> int:
+        """Blocks a group holds, a shared block counted once (what a swap copies)."""
+        return len({b for s in group.live_seqs() for b in s.block_table.blocks})
+
+    def can_swap_out(self, group: SequenceGroup) -> bool:
+        return self.cpu is not None and self.distinct_blocks(group) <= self.cpu.num_free
+
+    def swap_out(self, group: SequenceGroup) -> list[tuple[int, int]]:
+        """Move the group's tables to the CPU pool; ``(gpu, cpu)`` blocks to copy."""
+        if self.cpu is None:
+            raise ValueError("no CPU pool: create the engine with num_cpu_blocks > 0")
+        return self._move(group, self.cpu)
+
+    def swap_in(self, group: SequenceGroup) -> list[tuple[int, int]]:
+        """Move the group's tables back to the GPU pool; ``(cpu, gpu)`` blocks to copy."""
+        return self._move(group, self.gpu)
+
+    def _move(self, group: SequenceGroup, dst: BlockAllocator) -> list[tuple[int, int]]:
+        seqs = group.live_seqs()
+        needed = self.distinct_blocks(group)
+        if needed > dst.num_free:
+            raise OutOfBlocks(needed, dst.num_free, dst.num_blocks)
+        tables = [s.block_table.blocks for s in seqs]
+        pairs = self.swap_mapping(tables, dst.allocate)
+        mapping = dict(pairs)
+        _check_mapping(tables, pairs, mapping)
+        old_tables = [s.block_table for s in seqs]
+        for seq, blocks in zip(seqs, tables, strict=True):
+            new_blocks = [mapping[b] for b in blocks]
+            for b in new_blocks:  # each table holds one reference to each of its blocks
+                dst.incref(b)
+            seq.block_table = BlockTable(dst, self.block_size, new_blocks,
+                                         seq.block_table.num_tokens)
+        for dst_block in mapping.values():  # drop allocate()'s own reference
+            dst.free(dst_block)
+        for table in old_tables:  # the source blocks go back to their pool
+            table.free()
+        return pairs
+
+
+def _check_mapping(tables: list[list[int]], pairs: list[tuple[int, int]],
+                   mapping: dict[int, int]) -> None:
+    """A swap mapping must copy every distinct source block exactly once."""
+    sources = {b for t in tables for b in t}
+    if len(pairs) != len(mapping) or set(mapping) != sources:
+        raise ValueError(f"swap mapping {pairs} must name each block of {tables} exactly once "
+                         "as a source (shared blocks too: copied once)")
+    if len(set(mapping.values())) != len(mapping):
+        raise ValueError(f"swap mapping {pairs} sends two blocks to one destination")

@@ -1,0 +1,186 @@
+"""LLMEngine: prompts in, completions out, one :meth:`~LLMEngine.step` at a time.
+
+Each step: :meth:`Scheduler.schedule` (who runs, which blocks) -> ``ModelRunner.execute``
+(tensors, model) -> :func:`~paged_lib.engine.sampler.sample` -> :meth:`Scheduler.update`
+(append, finish, free). :attr:`LLMEngine.stats` records every step for the plots.
+
+The chapters' exercises re-implement three small functions and plug them back in::
+
+    LLMEngine(model, num_blocks, admission=my_can_admit,          # scheduler.can_admit
+              build_metadata=my_build_metadata,                  # model_runner.build_metadata
+              swap_mapping=my_swap_mapping)                      # block_manager.swap_mapping
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from paged_lib.engine.block_manager import BlockManager, swap_mapping
+from paged_lib.engine.model_runner import ModelRunner, build_metadata
+from paged_lib.engine.sampler import sample
+from paged_lib.engine.scheduler import Scheduler, can_admit
+from paged_lib.engine.sequence import (
+    CompletionOutput,
+    EngineStats,
+    RequestOutput,
+    SamplingParams,
+    Sequence,
+    SequenceGroup,
+)
+from paged_lib.model import TinyLlama
+from paged_lib.util import cdiv
+
+
+def worst_case_blocks(prompt_len: int, max_tokens: int, num_seqs: int, block_size: int) -> int:
+    """GPU blocks a request holds at its longest, alone in the pool.
+
+    Its last token's K/V is never written (nothing is generated after it), so a sequence
+    peaks at ``prompt_len + max_tokens - 1`` cached tokens. With ``num_seqs`` sequences
+    the prompt's full blocks are shared; everything after them is each sequence's own.
+    """
+    peak = cdiv(prompt_len + max_tokens - 1, block_size)
+    shared = prompt_len // block_size if num_seqs > 1 else 0
+    return shared + num_seqs * (peak - shared)
+
+
+class LLMEngine:
+    """A paged serving engine over a :class:`~paged_lib.model.TinyLlama`.
+
+    ``num_blocks`` GPU blocks of ``block_size`` tokens hold every request's K/V;
+    ``num_cpu_blocks`` more wait on the CPU for ``preemption="swap"``. The scheduler
+    admits at most ``max_num_seqs`` sequences and ``max_num_batched_tokens`` tokens per
+    step, and keeps ``watermark`` (a fraction of the pool, rounded down) free at
+    admission so running sequences have room to grow.
+    """
+
+    def __init__(self, model: TinyLlama, num_blocks: int, block_size: int = 16,
+                 num_cpu_blocks: int = 0, preemption: str = "recompute",
+                 attention_backend: str = "torch", *, max_num_seqs: int = 256,
+                 max_num_batched_tokens: int = 4096, watermark: float = 0.01,
+                 admission: Callable = can_admit, build_metadata: Callable = build_metadata,
+                 swap_mapping: Callable = swap_mapping):
+        if attention_backend not in ("torch", "triton"):
+            raise ValueError(f"attention_backend must be 'torch' or 'triton', "
+                             f"got {attention_backend!r}")
+        if not 0 <= watermark < 1:
+            raise ValueError(f"watermark is a fraction of the pool in [0, 1), got {watermark}")
+        self.model = model.eval()
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.watermark_blocks = int(watermark * num_blocks)
+        self.block_manager = BlockManager(num_blocks, block_size, num_cpu_blocks,
+                                          swap_mapping_fn=swap_mapping)
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs=max_num_seqs,
+                                   max_num_batched_tokens=max_num_batched_tokens,
+                                   watermark_blocks=self.watermark_blocks,
+                                   preemption=preemption, admission=admission)
+        self.runner = ModelRunner(model, num_blocks, block_size, num_cpu_blocks,
+                                  attention_backend, build_metadata_fn=build_metadata)
+        self.stats = EngineStats(num_blocks=num_blocks, block_size=block_size)
+        self._next_seq_id = 0
+
+    # ------------------------------------------------------------------ requests
+
+    def _check_request(self, i: int, prompt: list[int], params: SamplingParams) -> None:
+        """Bad input raises before anything runs, naming the request."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"request {i}: params must be SamplingParams, "
+                             f"got {type(params).__name__}")
+        if problem := params.problem():
+            raise ValueError(f"request {i}: {problem}")
+        if len(prompt) == 0:
+            raise ValueError(f"request {i}: the prompt is empty (give at least one token, "
+                             "e.g. BOS)")
+        vocab = self.model.config.vocab_size
+        for j, t in enumerate(prompt):
+            if not isinstance(t, int) or not 0 <= t < vocab:
+                raise ValueError(f"request {i}: token {t!r} at position {j} is not an id of "
+                                 f"this model's vocabulary (0..{vocab - 1})")
+
+    def _never_fits(self, prompt: list[int], params: SamplingParams) -> str | None:
+        need = worst_case_blocks(len(prompt), params.max_tokens, params.num_seqs,
+                                 self.block_size)
+        prompt_need = params.num_seqs * cdiv(len(prompt), self.block_size) \
+            if params.num_seqs > 1 else cdiv(len(prompt), self.block_size)
+        if need > self.num_blocks or prompt_need > self.num_blocks - self.watermark_blocks:
+            return (f"needs up to {need} blocks of {self.block_size} tokens "
+                    f"({len(prompt)} prompt + {params.max_tokens} new tokens"
+                    f"{f' x {params.num_seqs} sequences' if params.num_seqs > 1 else ''}) but "
+                    f"the whole pool has {self.num_blocks} blocks "
+                    f"({self.watermark_blocks} kept free at admission): it can never run")
+        return None
+
+    def add_request(self, request_id: int, prompt: list[int],
+                    params: SamplingParams) -> SequenceGroup:
+        """Queue a checked request; one that can never fit is returned already failed."""
+        seq = Sequence(self._next_seq_id, list(prompt))
+        self._next_seq_id += 1
+        gen = torch.Generator()
+        gen.manual_seed(params.seed if params.seed is not None
+                        else int(torch.randint(0, 2**62, (1,))))
+        group = SequenceGroup(request_id, [seq], params, generator=gen)
+        group.error = self._never_fits(prompt, params)
+        if group.error is None:
+            self.scheduler.add(group)
+        else:
+            group.timeline.arrival_step = self.scheduler.step
+        return group
+
+    # ------------------------------------------------------------------ the loop
+
+    def step(self) -> list[SequenceGroup]:
+        """One engine step; returns the groups that finished in it."""
+        out = self.scheduler.schedule()
+        if out.is_empty():
+            raise RuntimeError(
+                f"step {self.scheduler.step}: nothing could be scheduled although "
+                f"{len(self.scheduler.waiting)} groups wait and "
+                f"{len(self.scheduler.swapped)} are swapped out "
+                f"({self.block_manager.num_free_blocks} blocks free)")
+        logits = self.runner.execute(out)
+        samples = sample(logits, out)
+        s = self.stats
+        s.preemptions += len(out.preempted)
+        s.swapped_blocks += len(out.swap_out) + len(out.swap_in)
+        s.recomputed_tokens += out.recomputed_tokens
+        s.record_step(out.kind, len(out.scheduled), self.block_manager.num_used_blocks,
+                      sum(len(x) for x in samples), out.num_batched_tokens)
+        return self.scheduler.update(out, samples, self.model.config.eos_token_id)
+
+    def generate(self, prompts: list[list[int]],
+                 params: SamplingParams | list[SamplingParams]) -> list[RequestOutput]:
+        """Serve every prompt to the end; one :class:`RequestOutput` per prompt, in order.
+
+        All requests arrive at step 0. Input is checked first (a ``ValueError`` names the
+        bad request and nothing runs). A request too big for the whole pool comes back
+        with ``error`` set and no outputs, while the others run.
+        """
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
+        prompts = [list(p) for p in prompts]
+        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+            self._check_request(i, prompt, p)
+        self.stats = EngineStats(num_blocks=self.num_blocks, block_size=self.block_size)
+        groups = [self.add_request(i, p, sp) for i, (p, sp) in
+                  enumerate(zip(prompts, params, strict=True))]
+        self.stats.requests = [g.timeline for g in groups]
+        # bounded: every step produces a token, except steps redone after a preemption
+        limit = 4 * sum(len(p) + sp.max_tokens * sp.num_seqs
+                        for p, sp in zip(prompts, params, strict=True)) + 16
+        while self.scheduler.has_unfinished():
+            if self.stats.steps >= limit:
+                raise RuntimeError(f"no progress after {limit} steps (a scheduling bug?)")
+            self.step()
+        return [self._output(g) for g in groups]
+
+    @staticmethod
+    def _output(group: SequenceGroup) -> RequestOutput:
+        if group.error is not None:
+            return RequestOutput(group.request_id, group.prompt_token_ids, [], group.error)
+        outs = [CompletionOutput(list(s.output_token_ids), s.cumulative_logprob)
+                for s in group.seqs]
+        return RequestOutput(group.request_id, group.prompt_token_ids, outs)

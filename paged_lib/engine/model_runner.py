@@ -1,0 +1,117 @@
+"""The model runner: the only part of the engine that touches tensors.
+
+Per step it (1) performs the block copies the scheduler asked for - swap out to the CPU
+pool, swap in, copy-on-write - (2) turns the scheduled sequences into an
+:class:`~paged_lib.model.AttentionMetadata` with :func:`build_metadata`, (3) runs the
+model over the packed new tokens, and (4) returns the logits of each sequence's last
+token. The KV caches are allocated once, filled with NaN: a kernel that reads a slot
+nobody wrote turns the output into NaN instead of into a plausible wrong answer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from paged_lib.engine.scheduler import SchedulerOutput
+from paged_lib.model import AttentionMetadata, TinyLlama
+
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def build_metadata(block_tables: list[list[int]], seq_lens: list[int], query_lens: list[int],
+                   block_size: int) -> AttentionMetadata:
+    """Tensors for one step of a batch of sequences.
+
+    Sequence ``s`` holds ``seq_lens[s]`` tokens once this step's ``query_lens[s]`` new
+    ones are written; its K/V lives in ``block_tables[s]`` (physical blocks, logical
+    order). The new tokens are the last ``query_lens[s]`` positions, packed back to back.
+
+    Returns ``slot_mapping`` int64 ``[sum(query_lens)]`` (``block * block_size + offset``
+    of each new token), ``block_tables`` int32 ``[num_seqs, longest table]`` padded with
+    -1, ``seq_lens`` and ``query_lens`` int32 ``[num_seqs]``, ``positions`` int64.
+
+    Example (block size 4): a sequence in blocks ``[7, 2]`` with ``seq_len`` 6 decoding 1
+    token writes position 5, slot ``2 * 4 + 1 = 9``.
+    """
+    slots, positions = [], []
+    for table, seq_len, query_len in zip(block_tables, seq_lens, query_lens, strict=True):
+        for pos in range(seq_len - query_len, seq_len):
+            slots.append(table[pos // block_size] * block_size + pos % block_size)
+            positions.append(pos)
+    width = max((len(t) for t in block_tables), default=0)
+    padded = [t + [-1] * (width - len(t)) for t in block_tables]
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        block_tables=torch.tensor(padded, dtype=torch.int32).reshape(len(padded), width),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        query_lens=torch.tensor(query_lens, dtype=torch.int32),
+        positions=torch.tensor(positions, dtype=torch.int64))
+
+
+def allocate_kv_caches(model: TinyLlama, num_blocks: int, block_size: int,
+                       device: torch.device | str) -> KVCaches:
+    """One (K, V) pair per layer, ``[num_blocks, block_size, num_kv_heads, head_dim]``,
+    filled with NaN (a read of a slot never written shows up as NaN)."""
+    cfg = model.config
+    shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+    return [(torch.full(shape, float("nan"), dtype=model.dtype, device=device),
+             torch.full(shape, float("nan"), dtype=model.dtype, device=device))
+            for _ in range(cfg.num_layers)]
+
+
+def copy_blocks(src_caches: KVCaches, dst_caches: KVCaches,
+                pairs: list[tuple[int, int]]) -> None:
+    """Copy whole blocks ``src -> dst`` for every layer (swap between pools, or
+    copy-on-write inside one pool)."""
+    if not pairs:
+        return
+    device = src_caches[0][0].device
+    src = torch.tensor([p[0] for p in pairs], dtype=torch.int64, device=device)
+    dst = torch.tensor([p[1] for p in pairs], dtype=torch.int64,
+                       device=dst_caches[0][0].device)
+    for (sk, sv), (dk, dv) in zip(src_caches, dst_caches, strict=True):
+        dk[dst] = sk[src].to(dk.device)
+        dv[dst] = sv[src].to(dv.device)
+
+
+class ModelRunner:
+    """Owns the GPU (and CPU) KV caches and runs the model one step at a time."""
+
+    def __init__(self, model: TinyLlama, num_blocks: int, block_size: int,
+                 num_cpu_blocks: int = 0, backend: str = "torch",
+                 build_metadata_fn: Callable = build_metadata):
+        self.model = model
+        self.block_size = block_size
+        self.backend = backend
+        self.build_metadata = build_metadata_fn
+        self.kv_caches = allocate_kv_caches(model, num_blocks, block_size, model.device)
+        self.cpu_kv_caches = (allocate_kv_caches(model, num_cpu_blocks, block_size, "cpu")
+                              if num_cpu_blocks > 0 else [])
+
+    @torch.no_grad()
+    def execute(self, out: SchedulerOutput) -> torch.Tensor:
+        """Logits ``[num_scheduled_seqs, vocab_size]`` (fp32) of each sequence's last token."""
+        copy_blocks(self.kv_caches, self.cpu_kv_caches, out.swap_out)  # before reuse
+        copy_blocks(self.cpu_kv_caches, self.kv_caches, out.swap_in)
+        copy_blocks(self.kv_caches, self.kv_caches, out.blocks_to_copy)
+        if out.is_empty():
+            return torch.empty(0, self.model.config.vocab_size)
+        seqs = [s.seq for s in out.scheduled]
+        meta = self.build_metadata([s.block_table.blocks for s in seqs],
+                                   [s.num_tokens for s in seqs],
+                                   [s.num_new_tokens for s in out.scheduled], self.block_size)
+        meta = _to_device(meta, self.model.device)
+        ids = [t for sched in out.scheduled
+               for t in sched.seq.token_ids[sched.seq.num_tokens - sched.num_new_tokens:]]
+        input_ids = torch.tensor(ids, dtype=torch.int64, device=self.model.device)
+        hidden = self.model(input_ids, self.kv_caches, meta, backend=self.backend)
+        return self.model.compute_logits(hidden[meta.logits_indices.to(hidden.device)])
+
+
+def _to_device(meta: AttentionMetadata, device: torch.device) -> AttentionMetadata:
+    if meta.slot_mapping.device == device:
+        return meta
+    return AttentionMetadata(*(t.to(device) for t in (
+        meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_lens, meta.positions)))

@@ -1,0 +1,270 @@
+"""The scheduler: who runs this step, and which blocks they get (pure Python).
+
+Three queues of sequence groups: ``waiting`` (not admitted, or preempted by
+recompute), ``running`` (K/V in the GPU pool, in admission order) and ``swapped``
+(preempted by swap, K/V in the CPU pool). Every step (:meth:`Scheduler.schedule`):
+
+1. **Decode the running groups**, oldest first: each live sequence gets the slot of one
+   more token. When the pool cannot give a group its blocks, the *most recently
+   admitted* group is preempted, all of it: ``recompute`` frees its blocks and puts it
+   at the front of ``waiting``; ``swap`` copies its blocks to the CPU pool.
+2. **Swap in** swapped groups, first come first served, if nothing was preempted this
+   step and they fit.
+3. **Admit** waiting groups, first come first served, while :func:`can_admit` says yes
+   and nobody is left in ``swapped`` (swapped groups come back first). An admitted group
+   is prefilled in the same step as the decodes (iteration-level batching, as in Orca).
+
+Admission never splits a group: its blocks are counted for all its sequences at once.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from paged_lib.blocks import Slot
+from paged_lib.engine.block_manager import BlockManager
+from paged_lib.engine.sequence import Sequence, SequenceGroup, SequenceStatus
+
+PREEMPTION_MODES = ("recompute", "swap")
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What is left for the step when the scheduler considers the next waiting group."""
+
+    free_blocks: int             # free GPU blocks now
+    watermark_blocks: int        # blocks admission must leave free (room for decodes)
+    num_seqs: int                # sequences already scheduled this step
+    max_num_seqs: int
+    num_batched_tokens: int      # tokens already scheduled this step
+    max_num_batched_tokens: int
+
+
+def can_admit(blocks_needed: int, num_seqs: int, num_tokens: int, budget: Budget) -> bool:
+    """May a waiting group that needs ``blocks_needed`` free blocks for its ``num_seqs``
+    sequences and ``num_tokens`` prompt tokens join this step?
+
+    Yes when, after taking its blocks, at least ``watermark_blocks`` stay free, and
+    neither the sequence count nor the token count of the step goes over its maximum.
+    Example: 10 free, watermark 1, needs 9 -> True; needs 10 -> False.
+    """
+    return (budget.free_blocks - blocks_needed >= budget.watermark_blocks
+            and budget.num_seqs + num_seqs <= budget.max_num_seqs
+            and budget.num_batched_tokens + num_tokens <= budget.max_num_batched_tokens)
+
+
+@dataclass
+class ScheduledSeq:
+    """One sequence in this step: it feeds ``num_new_tokens`` tokens written at ``slots``."""
+
+    group: SequenceGroup
+    seq: Sequence
+    num_new_tokens: int
+    slots: list[Slot]
+    is_prefill: bool
+
+
+@dataclass
+class SchedulerOutput:
+    """Everything the model runner needs for one step, and what the scheduler did."""
+
+    step: int
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # GPU src -> dst
+    swap_out: list[tuple[int, int]] = field(default_factory=list)        # GPU -> CPU
+    swap_in: list[tuple[int, int]] = field(default_factory=list)         # CPU -> GPU
+    preempted: list[SequenceGroup] = field(default_factory=list)
+    admitted: list[SequenceGroup] = field(default_factory=list)
+    recomputed_tokens: int = 0
+
+    @property
+    def kind(self) -> str:
+        return "prefill" if any(s.is_prefill for s in self.scheduled) else "decode"
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    """Waiting / running / swapped queues over a :class:`BlockManager` (module docstring)."""
+
+    def __init__(self, block_manager: BlockManager, *, max_num_seqs: int = 256,
+                 max_num_batched_tokens: int = 4096, watermark_blocks: int = 0,
+                 preemption: str = "recompute", admission: Callable = can_admit):
+        if preemption not in PREEMPTION_MODES:
+            raise ValueError(f"preemption must be one of {PREEMPTION_MODES}, got {preemption!r}")
+        if preemption == "swap" and block_manager.cpu is None:
+            raise ValueError("preemption='swap' needs a CPU pool: set num_cpu_blocks > 0")
+        for name, v in (("max_num_seqs", max_num_seqs),
+                        ("max_num_batched_tokens", max_num_batched_tokens)):
+            if v < 1:
+                raise ValueError(f"{name} must be >= 1, got {v}")
+        self.bm = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.watermark_blocks = watermark_blocks
+        self.preemption = preemption
+        self.admission = admission
+        self.waiting: deque[SequenceGroup] = deque()
+        self.running: list[SequenceGroup] = []
+        self.swapped: deque[SequenceGroup] = deque()
+        self.step = 0
+
+    def add(self, group: SequenceGroup) -> None:
+        """A new request joins the back of the waiting queue."""
+        group.timeline.arrival_step = self.step
+        self.waiting.append(group)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    # ------------------------------------------------------------------ schedule
+
+    def schedule(self) -> SchedulerOutput:
+        """Decide this step (see the module docstring); changes queues and block tables."""
+        out = SchedulerOutput(step=self.step)
+        self._schedule_running(out)
+        if not out.preempted:
+            self._schedule_swapped(out)
+        if not self.swapped:
+            self._schedule_waiting(out)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput) -> None:
+        queue = deque(self.running)  # oldest first
+        kept: list[SequenceGroup] = []
+        while queue:
+            group = queue.popleft()
+            while self.bm.append_blocks_needed(group) > self.bm.num_free_blocks:
+                victim = queue.pop() if queue else group  # the newest group goes first
+                self._preempt(victim, out)
+                if victim is group:
+                    break
+            else:
+                self._schedule_decode(group, out)
+                kept.append(group)
+        self.running = kept
+
+    def _schedule_swapped(self, out: SchedulerOutput) -> None:
+        while self.swapped:
+            group = self.swapped[0]
+            # its blocks come back, then each live sequence may need one more block
+            need = self.bm.distinct_blocks(group) + len(group.live_seqs())
+            if not self.admission(need, len(group.live_seqs()), len(group.live_seqs()),
+                                  self._budget(out)):
+                break
+            self.swapped.popleft()
+            out.swap_in += self.bm.swap_in(group)
+            self._schedule_decode(group, out)
+            self.running.append(group)
+            group.timeline.admitted_steps.append(self.step)
+
+    def _schedule_waiting(self, out: SchedulerOutput) -> None:
+        while self.waiting:
+            group = self.waiting[0]
+            need = self.bm.prefill_blocks_needed(group)
+            seqs = group.live_seqs()
+            tokens = sum(s.num_tokens for s in seqs)
+            fits = self.admission(need, len(seqs), tokens, self._budget(out))
+            # progress rule: a group alone in an empty step is admitted if its blocks are
+            # free, even when its tokens exceed max_num_batched_tokens
+            alone = out.is_empty() and need <= self.bm.num_free_blocks
+            if not (fits or alone):
+                break
+            self.waiting.popleft()
+            for seq in seqs:
+                slots = self.bm.allocate(seq)
+                self._add_copies(slots, out)
+                seq.status = SequenceStatus.RUNNING
+                out.scheduled.append(ScheduledSeq(group, seq, seq.num_tokens, slots, True))
+                if seq.output_token_ids:
+                    out.recomputed_tokens += seq.num_tokens
+            self.running.append(group)
+            out.admitted.append(group)
+            group.timeline.admitted_steps.append(self.step)
+
+    def _schedule_decode(self, group: SequenceGroup, out: SchedulerOutput) -> None:
+        for seq in group.live_seqs():
+            slot = self.bm.append_slot(seq)
+            self._add_copies([slot], out)
+            seq.status = SequenceStatus.RUNNING
+            out.scheduled.append(ScheduledSeq(group, seq, 1, [slot], False))
+
+    @staticmethod
+    def _add_copies(slots: list[Slot], out: SchedulerOutput) -> None:
+        out.blocks_to_copy += [s.copy for s in slots if s.copy is not None]
+
+    def _budget(self, out: SchedulerOutput) -> Budget:
+        return Budget(self.bm.num_free_blocks, self.watermark_blocks, len(out.scheduled),
+                      self.max_num_seqs, out.num_batched_tokens, self.max_num_batched_tokens)
+
+    def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
+        """All or nothing: the whole group leaves the GPU pool.
+
+        ``swap`` falls back to ``recompute`` when the CPU pool is too full to take it.
+        """
+        out.preempted.append(group)
+        group.timeline.preempted_steps.append(self.step)
+        if self.preemption == "swap" and self.bm.can_swap_out(group):
+            out.swap_out += self.bm.swap_out(group)
+            for seq in group.live_seqs():
+                seq.status = SequenceStatus.SWAPPED
+            self.swapped.appendleft(group)
+            return
+        for seq in group.live_seqs():
+            self.bm.free(seq)
+            seq.num_cached = 0
+            seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(group)
+
+    # ------------------------------------------------------------------ update
+
+    def update(self, out: SchedulerOutput, samples: list[list[tuple[int, float]]],
+               eos_token_id: int | None) -> list[SequenceGroup]:
+        """Append each sequence's sampled token; finish and free; return finished groups.
+
+        ``samples[i]`` holds the (token, logprob) pairs drawn for ``out.scheduled[i]``:
+        one, or ``n`` for the prefill of an ``n > 1`` group (the prompt's table is then
+        forked, so the samples share its blocks).
+        """
+        for sched, drawn in zip(out.scheduled, samples, strict=True):
+            seq, group = sched.seq, sched.group
+            seq.num_cached = seq.num_tokens
+            if len(drawn) > 1:
+                self._fork(group, seq, drawn[1:])
+            seq.append(*drawn[0])
+        finished = []
+        for group in self.running:
+            for seq in group.live_seqs():
+                if self._is_done(seq, group, eos_token_id):
+                    seq.status = SequenceStatus.FINISHED
+                    self.bm.free(seq)
+            if group.is_finished():
+                group.timeline.finished_step = self.step
+                finished.append(group)
+        self.running = [g for g in self.running if not g.is_finished()]
+        self.step += 1
+        return finished
+
+    def _fork(self, group: SequenceGroup, parent: Sequence,
+              drawn: list[tuple[int, float]]) -> None:
+        base = max(s.seq_id for s in group.seqs) + 1
+        for k, (token, logprob) in enumerate(drawn):
+            child = Sequence(base + k, parent.prompt_token_ids, list(parent.output_token_ids),
+                             parent.cumulative_logprob, parent.block_table.fork(),
+                             parent.num_cached, SequenceStatus.RUNNING)
+            child.append(token, logprob)
+            group.seqs.append(child)
+
+    @staticmethod
+    def _is_done(seq: Sequence, group: SequenceGroup, eos_token_id: int | None) -> bool:
+        if len(seq.output_token_ids) >= group.params.max_tokens:
+            return True
+        return (not group.params.ignore_eos and eos_token_id is not None
+                and seq.output_token_ids[-1] == eos_token_id)
