@@ -21,7 +21,10 @@ for copy-on-write, which block to copy first. The engine does the writing.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+from paged_lib.util import cdiv
 
 
 class OutOfBlocks(RuntimeError):
@@ -111,13 +114,23 @@ class BlockAllocator:
 class BlockTable:
     """One sequence's logical-to-physical block map, filled token by token."""
 
-    def __init__(self, allocator: BlockAllocator, block_size: int):
+    def __init__(self, allocator: BlockAllocator, block_size: int,
+                 blocks: Sequence[int] = (), num_tokens: int = 0):
+        """A table over ``blocks`` already holding ``num_tokens`` tokens (default: empty).
+
+        The table *adopts* ``blocks``: the caller already holds one reference to each
+        (it allocated them, increfed them for a fork, or swapped them in), so nothing is
+        counted here.
+        """
         if block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {block_size}")
+        if cdiv(num_tokens, block_size) != len(blocks) or num_tokens < 0:
+            raise ValueError(f"{num_tokens} tokens at block size {block_size} need "
+                             f"{cdiv(max(num_tokens, 0), block_size)} blocks, got {len(blocks)}")
         self.allocator = allocator
         self.block_size = block_size
-        self._blocks: list[int] = []
-        self._num_tokens = 0
+        self._blocks: list[int] = list(blocks)
+        self._num_tokens = num_tokens
         self._freed = False
 
     @property
@@ -159,15 +172,30 @@ class BlockTable:
         self._num_tokens += 1
         return Slot(self._blocks[-1], offset, copy)
 
-    def fork(self) -> BlockTable:
-        """A second sequence sharing every block of this one; allocates nothing."""
+    def blocks_needed(self, num_new_tokens: int = 1) -> int:
+        """Free blocks that appending ``num_new_tokens`` tokens would take.
+
+        New blocks for the tokens past the last block, plus one for copy-on-write when
+        the first new token lands in a shared, part-filled last block. A scheduler asks
+        this before appending, so it never hits :class:`OutOfBlocks` half way.
+        """
         self._check_live()
-        child = BlockTable(self.allocator, self.block_size)
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        new = cdiv(self._num_tokens + num_new_tokens, self.block_size) - len(self._blocks)
+        shared_tail = (num_new_tokens > 0 and self._num_tokens % self.block_size != 0
+                       and self.allocator.refcount(self._blocks[-1]) > 1)
+        return new + int(shared_tail)
+
+    def fork(self) -> BlockTable:
+        """A second sequence sharing every block of this one; allocates nothing.
+
+        The child has this table's class, so a subclass's fork returns the subclass.
+        """
+        self._check_live()
         for block in self._blocks:
             self.allocator.incref(block)
-        child._blocks = list(self._blocks)
-        child._num_tokens = self._num_tokens
-        return child
+        return type(self)(self.allocator, self.block_size, self._blocks, self._num_tokens)
 
     def free(self) -> None:
         """Return every block (drop this table's references); the table is then dead.

@@ -185,17 +185,22 @@ def _draw(ax, state: PoolState, pool_columns: int, left_width: float | None = No
 
 
 def grow_requests(requests: dict[str, tuple[int, int]] | None = None, num_blocks: int = 5,
-                  block_size: int = 4) -> Iterator[PoolState]:
+                  block_size: int = 4, table_cls: type[BlockTable] = BlockTable,
+                  allocator: BlockAllocator | None = None) -> Iterator[PoolState]:
     """A scripted decode loop: yield the pool's state after every single token.
 
     ``requests`` maps a name to ``(arrival_step, num_tokens)``. Each step, every
     arrived, unfinished request appends one token (as a decode step does); a request
     that reaches its length is freed at once, and its blocks go back on the free list
     for the others. A request that finds no free block waits for a later step.
+
+    ``table_cls`` and ``allocator`` (a fresh pool of ``num_blocks`` if None) let a
+    learner's own table and allocator drive the same scenario.
     """
     if requests is None:
         requests = {"A": (0, 11), "B": (0, 6), "C": (1, 9)}
-    allocator = BlockAllocator(num_blocks)
+    allocator = BlockAllocator(num_blocks) if allocator is None else allocator
+    num_blocks = allocator.num_blocks
     live: dict[str, BlockTable] = {}
     done: set[str] = set()
     order = tuple(requests)
@@ -207,7 +212,7 @@ def grow_requests(requests: dict[str, tuple[int, int]] | None = None, num_blocks
         for name, (arrival, length) in requests.items():
             if name in done or arrival >= step:
                 continue
-            table = live.setdefault(name, BlockTable(allocator, block_size))
+            table = live.setdefault(name, table_cls(allocator, block_size))
             try:
                 slot = table.append_token()
             except OutOfBlocks as err:
@@ -224,11 +229,41 @@ def grow_requests(requests: dict[str, tuple[int, int]] | None = None, num_blocks
                 table.free()
                 del live[name]
                 done.add(name)
-                yield snapshot(live, allocator, f"step {step}: {name} finished, blocks "
-                               f"{returned} back on the free list", set(returned), order)
+                free = " ".join(map(str, allocator.free_block_ids))
+                yield snapshot(live, allocator, f"step {step}: {name} finished; blocks "
+                               f"{returned} go back tail first: free list {free}",
+                               set(returned), order)
         if not progress and all(a < step for a, _ in requests.values()):
             raise RuntimeError(f"step {step}: every request waits for a block; "
                                f"the pool of {num_blocks} is too small for this scenario")
+
+
+def fork_and_write(prompt_len: int = 6, num_samples: int = 2, block_size: int = 4,
+                   num_blocks: int = 8, table_cls: type[BlockTable] = BlockTable,
+                   allocator: BlockAllocator | None = None) -> list[PoolState]:
+    """Parallel sampling on one prompt: fork, then every sequence writes one token.
+
+    Frames: the prompt alone, after the forks (every block shared), then one frame per
+    write: the samples copy the shared, part-filled last block before writing
+    (copy-on-write) and the parent, by then its last holder, writes in place.
+    """
+    allocator = BlockAllocator(num_blocks) if allocator is None else allocator
+    parent = table_cls(allocator, block_size)
+    for _ in range(prompt_len):
+        parent.append_token()
+    tables = {"prompt": parent}
+    states = [snapshot(tables, allocator, f"a {prompt_len}-token prompt")]
+    for k in range(1, num_samples + 1):
+        tables[f"sample {k}"] = parent.fork()
+    states.append(snapshot(tables, allocator, f"after {num_samples} forks: every block "
+                           f"shared, nothing allocated"))
+    for name in [*tables][1:] + ["prompt"]:
+        slot = tables[name].append_token()
+        what = f"copy block {slot.copy[0]} into block {slot.copy[1]}, then write" \
+            if slot.copy else "write in place"
+        states.append(snapshot(tables, allocator, f"{name} appends a token: {what} "
+                               f"(block {slot.block}, offset {slot.offset})", {slot.block}))
+    return states
 
 
 def stepper(states: list[PoolState]):
