@@ -38,6 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from paged_lib.blocks import BlockAllocator, BlockTable, Slot
 from paged_lib.util import cdiv
@@ -105,6 +106,92 @@ def parallel_sampling_usage(prompt_len: int, output_len: int, n: int,
         shared.append(_in_use(allocator))
         unshared.append(_unshared(tables, block_size))
     return Usage(shared, unshared, copies)
+
+
+# ------------------------------------------------------------------ the cache side
+
+SlotWriter = Callable[[torch.Tensor, torch.Tensor, Slot, torch.Tensor, torch.Tensor], None]
+
+
+def apply_slot(k_cache: torch.Tensor, v_cache: torch.Tensor, slot: Slot, key: torch.Tensor,
+               value: torch.Tensor) -> None:
+    """Write one token's ``key``/``value`` ``[num_kv_heads, head_dim]`` where ``slot`` says.
+
+    On copy-on-write (``slot.copy = (src, dst)``) the whole block ``src`` is copied into
+    ``dst`` first, so ``dst`` holds the tokens the sequence shared before it gets the new
+    one; ``src`` itself is never written (other sequences still read it).
+    """
+    from paged_lib.kernels.copy_blocks import copy_blocks
+
+    if slot.copy is not None:
+        copy_blocks(k_cache, v_cache, [slot.copy], backend="torch")
+    k_cache[slot.block, slot.offset] = key
+    v_cache[slot.block, slot.offset] = value
+
+
+@dataclass(frozen=True)
+class SamplingDemo:
+    """Parallel sampling on a real (NaN-poisoned) cache, checked by attention."""
+
+    blocks: list[list[int]]            # each sample's block table at the end
+    copies: list[tuple[int, int]]      # copy-on-write copies, in order
+    blocks_in_use: int                 # with sharing
+    blocks_unshared: int               # if each sample held its own copy
+    max_error: float                   # paged attention vs each sample's own contiguous K/V
+
+
+def parallel_sampling_demo(write: SlotWriter = apply_slot, n: int = 4, prompt_len: int = 6,
+                           new_tokens: int = 5, block_size: int = 4, num_heads: int = 4,
+                           num_kv_heads: int = 2, head_dim: int = 16, seed: int = 0
+                           ) -> SamplingDemo:
+    """Prefill a prompt, fork it ``n`` ways, let each sample write its own tokens, attend.
+
+    Every K/V goes into the cache through ``write`` (:func:`apply_slot`, or a learner's
+    version). Then one decode query per sample runs through
+    :func:`paged_lib.kernels.paged_attention` over the *shared* blocks and is compared
+    with PyTorch's SDPA on that sample's own tokens, kept aside in contiguous tensors: a
+    missing or wrong copy shows up as a large error or NaN.
+    """
+    from paged_lib.kernels import paged_attention
+    from paged_lib.kernels.reference import sdpa_per_sequence
+
+    g = torch.Generator().manual_seed(seed)
+    num_blocks = n * cdiv(prompt_len + new_tokens, block_size) + 1
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.full(shape, float("nan"))
+    v_cache = torch.full(shape, float("nan"))
+    allocator = BlockAllocator(num_blocks)
+
+    def token() -> tuple[torch.Tensor, torch.Tensor]:
+        return (torch.randn(num_kv_heads, head_dim, generator=g),
+                torch.randn(num_kv_heads, head_dim, generator=g))
+
+    prompt = BlockTable(allocator, block_size)
+    own = [token() for _ in range(prompt_len)]
+    for kv in own:
+        write(k_cache, v_cache, prompt.append_token(), *kv)
+    tables = [prompt] + [prompt.fork() for _ in range(n - 1)]
+    history = [list(own) for _ in range(n)]
+    copies = []
+    for _ in range(new_tokens):
+        for table, hist in zip(tables, history, strict=True):
+            slot, kv = table.append_token(), token()
+            copies += [slot.copy] if slot.copy else []
+            write(k_cache, v_cache, slot, *kv)
+            hist.append(kv)
+    q = torch.randn(n, num_heads, head_dim, generator=g)
+    width = max(len(t.blocks) for t in tables)
+    block_tables = torch.tensor([t.blocks + [-1] * (width - len(t.blocks)) for t in tables],
+                                dtype=torch.int32)
+    seq_lens = torch.tensor([t.num_tokens for t in tables], dtype=torch.int32)
+    out = paged_attention(q, k_cache, v_cache, block_tables, seq_lens, backend="torch")
+    kv = [(torch.stack([k for k, _ in h], 1), torch.stack([v for _, v in h], 1))
+          for h in history]
+    want = sdpa_per_sequence(q, kv, head_dim ** -0.5)
+    err = (out - want).abs().max()
+    return SamplingDemo([t.blocks for t in tables], copies, _in_use(allocator),
+                        _unshared(tables, block_size),
+                        float("nan") if torch.isnan(err) else float(err))
 
 
 # ------------------------------------------------------------------ beam search
