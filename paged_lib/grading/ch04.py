@@ -2,7 +2,8 @@
 
 Each ``check_*`` calls the learner's function on several shapes and edge cases (a block
 whose scores are all ``-inf``, one-token sequences, a sequence that fills a block
-exactly, NaN-poisoned cache slots) and prints one verdict line.
+exactly, NaN-poisoned cache slots) and prints one verdict line. Exercise 04.2 reads its
+caches through :mod:`paged_lib.grading.block_reads`, which sees every block read.
 """
 
 from __future__ import annotations
@@ -13,10 +14,17 @@ import torch
 
 from paged_lib import attention as A
 from paged_lib import grading
-from paged_lib.kernels.reference import gather_kv as _ref_gather_kv
+from paged_lib.grading import block_reads
 from paged_lib.kernels.reference import ref_paged_attention
+from paged_lib.util import cdiv
 
 NEG_INF = float("-inf")
+
+#: Exercise id -> the library object it re-implements (chapter 04 must not show them).
+TWINS: dict[str, str] = {
+    "04.1": "paged_lib.attention.merge",
+    "04.2": "paged_lib.attention.paged_blockwise_attention",
+}
 
 
 def _state_of(scores: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -91,78 +99,103 @@ def _poisoned_cache(g: torch.Generator, num_blocks: int, block_size: int, num_kv
     return k, v
 
 
-def _table(g: torch.Generator, n_used: int, max_blocks: int, num_blocks: int) -> list[int]:
-    """A random block table: ``n_used`` real entries (repeats allowed), then garbage ids."""
-    real = torch.randint(0, num_blocks, (n_used,), generator=g).tolist()
-    return real + [num_blocks + 1000] * (max_blocks - n_used)
+def _sequences(g: torch.Generator, block_size: int, num_blocks: int
+               ) -> tuple[list[int], list[list[int]]]:
+    """Edge-case lengths (1, a full block, one more, several blocks) and their tables.
+
+    Tables hold distinct random blocks (nothing shared: a partly filled block is never
+    shared, see chapter 03) and one padding entry ``-1`` after the last used block.
+    """
+    lens = [1, block_size, block_size + 1, 3 * block_size + 5]
+    free = torch.randperm(num_blocks, generator=g).tolist()
+    tables = [[free.pop() for _ in range(cdiv(n, block_size))] + [-1] for n in lens]
+    return lens, tables
 
 
-def _cases(block_size: int) -> list[int]:
-    return [1, block_size, block_size + 1, 3 * block_size + 5]
+#: (query heads, KV heads), head_dim, block_size: every case has a sequence of 4 blocks,
+#: and two blocks laid end to end are longer than any dimension of one block's tensors.
+PAGED_CASES = [((1, 1), 4, 4), ((4, 4), 8, 8), ((8, 2), 6, 8), ((5, 1), 6, 4)]
 
 
-def _sequences(g: torch.Generator, block_size: int, num_blocks: int,
-               spare: int) -> tuple[list[int], list[list[int]]]:
-    """The edge-case lengths and a block table for each, ``spare`` unused entries wide."""
-    lens = _cases(block_size)
-    max_blocks = max(-(-n // block_size) for n in lens) + spare
-    return lens, [_table(g, -(-n // block_size), max_blocks, num_blocks) for n in lens]
+def check_paged_online(paged_decode: Callable) -> None:
+    """04.2: one sequence's decode attention, one block at a time, through its block table.
 
-
-def check_gather_kv(gather_kv: Callable) -> None:
-    """04.2: the first ``seq_len`` tokens of one sequence, gathered through its block table."""
-    with grading.exercise("04.2", "Gather K/V through a block table"):
-        g = torch.Generator().manual_seed(42)
-        for block_size, kv_heads, d in [(4, 1, 2), (16, 2, 8), (8, 3, 5)]:
-            num_blocks = 12
-            lens, tables = _sequences(g, block_size, num_blocks, spare=2)
-            cache, _ = _poisoned_cache(g, num_blocks, block_size, kv_heads, d, tables, lens)
-            for table, n in zip(tables, lens, strict=True):
-                bt = torch.tensor(table, dtype=torch.int32)
-                grading.expect_tensor_close(
-                    gather_kv(cache, bt, n), _ref_gather_kv(cache, bt, n),
-                    f"seq_len={n}, block_size={block_size}, block table {table}",
-                    atol=0, rtol=0,
-                    hint="token t lives in physical block block_table[t // block_size] at "
-                         "offset t % block_size; return only the first seq_len tokens, "
-                         "shape [seq_len, num_kv_heads, head_dim]")
-
-
-def check_paged_decode(paged_decode: Callable) -> None:
-    """04.3: one sequence's decode attention, block by block through its block table."""
-    with grading.exercise("04.3", "Blockwise attention through a block table"):
+    The caches are :class:`~paged_lib.grading.block_reads.BlockCache` proxies: the check
+    sees every block read and what the learner's code still holds, so gathering all
+    tokens first, or a softmax that needs the whole score row, fails even though its
+    numbers are right.
+    """
+    with grading.exercise("04.2", "Online-softmax attention through a block table"):
         g = torch.Generator().manual_seed(43)
-        for (num_heads, kv_heads), d, block_size in [((1, 1), 4, 4), ((4, 4), 8, 8),
-                                                     ((8, 2), 16, 16), ((5, 1), 6, 4)]:
+        for (num_heads, kv_heads), d, block_size in PAGED_CASES:
             num_blocks = 16
-            lens, tables = _sequences(g, block_size, num_blocks, spare=1)
+            lens, tables = _sequences(g, block_size, num_blocks)
             k, v = _poisoned_cache(g, num_blocks, block_size, kv_heads, d, tables, lens)
             q = torch.randn(len(lens), num_heads, d, generator=g, dtype=torch.float64)
-            safe = torch.tensor([[b % num_blocks for b in t] for t in tables], dtype=torch.int32)
+            width = max(len(t) for t in tables)
+            safe = torch.tensor([[max(b, 0) for b in t] + [0] * (width - len(t))
+                                 for t in tables], dtype=torch.int32)
             ref = ref_paged_attention(q, k, v, safe, torch.tensor(lens, dtype=torch.int32))
             for s, (table, n) in enumerate(zip(tables, lens, strict=True)):
-                got = paged_decode(q[s], k, v, torch.tensor(table, dtype=torch.int32), n,
-                                   d ** -0.5)
+                what = (f"seq_len={n}, heads {num_heads}/{kv_heads} (query/KV), "
+                        f"block_size={block_size}")
+                got = _run_watched(paged_decode, q[s], k, v, table, n, d ** -0.5, what)
+                grading.expect_true(isinstance(got, torch.Tensor),
+                                    f"{what}: expected a torch.Tensor, got {type(got).__name__}")
+                got = got.as_subclass(torch.Tensor)
+                grading.expect_true(got.dtype == q.dtype, f"{what}: expected dtype {q.dtype}, "
+                                    f"got {got.dtype}", hint="compute in q's dtype")
+                if got.shape == ref[s].shape and (got.isnan() & ~ref[s].isnan()).any():
+                    grading.fail(f"{what}: the output contains NaN: a slot past seq_len "
+                                 "reached it (the last block's tail holds NaN)",
+                                 hint="mask the last block's slots at or past seq_len: "
+                                      "score -inf AND value 0 (0 * NaN is NaN)")
                 grading.expect_tensor_close(
-                    got, ref[s], f"seq_len={n}, heads {num_heads}/{kv_heads} (query/KV), "
-                    f"block_size={block_size}", atol=1e-9, rtol=1e-9,
-                    hint="visit blocks j = 0 .. ceil(seq_len / block_size) - 1; in the last "
-                         "one mask slots past seq_len (scores -inf AND values zeroed: they "
-                         "may be NaN); query head h uses KV head h // (num_heads // "
-                         "num_kv_heads)")
+                    got, ref[s], what, atol=1e-9, rtol=1e-9,
+                    hint="rescale l and acc by exp(m_old - m_new) when the max grows; "
+                         "query head h uses KV head h // (num_heads // num_kv_heads)")
 
 
-#: Exercise 04.4: statement, answer ("flash", "paged" or "both"), hint if wrong.
+def _run_watched(paged_decode: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 table: list[int], n: int, scale: float, what: str) -> torch.Tensor:
+    """Call the learner's function on watched caches; fail on the first broken read rule."""
+    k_watch, v_watch, log = block_reads.watch(k, v, q.shape[0])
+    bt = torch.tensor(table, dtype=torch.int32)
+    error = None
+    with block_reads.active(log):
+        try:
+            got = paged_decode(q, k_watch, v_watch, bt, n, scale)
+        except NotImplementedError:
+            raise
+        except Exception as err:  # report a broken read rule before the crash it caused
+            error = err
+    if log.problem is None and error is None:
+        block_reads.check_order(log, table[:cdiv(n, k.shape[1])])
+    if log.problem is not None:
+        grading.fail(f"{what}: {log.problem}", log.hint)
+    if error is not None:
+        raise error
+    return got
+
+
+#: Exercise 04.3: statement, answer ("flash", "paged" or "both"), hint if wrong.
+#: "paged" means the vLLM paper's PagedAttention *and vLLM's own CUDA kernels* (v1: one
+#: sequence's logits in shared memory, a two-pass softmax; v2: 512-token partitions and a
+#: reduce kernel); the online softmax belongs to FlashAttention and the FlashAttention-,
+#: FlashInfer- and Triton-style paged kernels that combine the two.
 STATEMENTS: list[tuple[str, str, str]] = [
-    ("Splits the computation into tiles so the full row of scores never has to be written "
-     "to slow memory.", "flash",
-     "this is about *computing* attention with less memory traffic"),
+    ("Was designed to cut the traffic between GPU memory (HBM) and on-chip SRAM while "
+     "computing attention over one contiguous sequence.", "flash",
+     "which one was designed around SRAM vs HBM bandwidth?"),
     ("Stores a sequence's keys and values in fixed-size blocks that need not be contiguous.",
      "paged", "this is about *where* K/V live"),
-    ("Relies on the online softmax: a running max and sum, merged block by block.", "both",
-     "does either method need the whole score row at once?"),
-    ("Its saving is memory traffic (IO) during the attention computation.", "flash",
-     "which one was designed around SRAM vs HBM bandwidth?"),
+    ("Its kernel never holds a whole row of scores: a running max and sum are merged tile by "
+     "tile (the online softmax).", "flash",
+     "vLLM's own kernels are not like that: v1 keeps the logits of a sequence in shared "
+     "memory and runs a two-pass max/sum softmax; v2 adds partitions and a reduce"),
+    ("Its original kernel (vLLM v1) keeps one sequence's logits in shared memory and "
+     "computes the softmax in two passes: first the max, then the sum.", "paged",
+     "which paper's own CUDA kernel is described here?"),
     ("Its saving is KV-cache capacity: no reservation for the maximum length, at most one "
      "partly filled block per sequence.", "paged", "think of fragmentation"),
     ("Lets two sequences share the same physical K/V memory (parallel sampling, beam "
@@ -173,17 +206,20 @@ STATEMENTS: list[tuple[str, str, str]] = [
      "which one adds an indirection?"),
     ("In its original form, assumes each sequence's K/V is one contiguous tensor.", "flash",
      "which one was written before KV caches were paged?"),
+    ("Is part of the kernels vLLM runs today through its FlashAttention, FlashInfer and "
+     "Triton backends (online softmax over K/V read through a block table).", "both",
+     "those backends are FlashAttention-style kernels that read a paged cache"),
 ]
 
 
 def statements() -> str:
-    """The statements of exercise 04.4, numbered, for the notebook to print."""
+    """The statements of exercise 04.3, numbered, for the notebook to print."""
     return "\n".join(f"{i}. {text}" for i, (text, _, _) in enumerate(STATEMENTS, 1))
 
 
 def check_flash_vs_paged(classify: Callable[[], dict[int, str]]) -> None:
-    """04.4: classify each statement as "flash", "paged" or "both"."""
-    with grading.exercise("04.4", "FlashAttention vs PagedAttention"):
+    """04.3: classify each statement as "flash", "paged" or "both"."""
+    with grading.exercise("04.3", "FlashAttention vs PagedAttention"):
         answers = classify()
         grading.expect_true(isinstance(answers, dict),
                             f"expected a dict {{statement number: answer}}, got "

@@ -98,3 +98,39 @@ def block_gather(block_table: Sequence[int], seq_len: int, block_size: int,
     ax.axis("off")
     fig.tight_layout()
     return fig
+
+
+def block_reads(runs: dict[str, Sequence], block_table: Sequence[int]) -> Figure:
+    """The cache reads of several ways to compute the same attention, in time order.
+
+    ``runs`` maps a label to its reads (``ReadLog.reads`` of
+    :mod:`paged_lib.grading.block_reads`: kind "K"/"V", a physical block id or a tuple of
+    ids for a gather). Each read is a box as wide as the blocks it brings in; a row's
+    right edge says how many blocks' keys/values one read holds at once.
+    """
+    colors = {"K": "tab:blue", "V": "tab:orange"}
+    fig, ax = plt.subplots(figsize=(10, 0.9 + 0.8 * len(runs)))
+    for row, (label, reads) in enumerate(runs.items()):
+        y = len(runs) - 1 - row
+        x, widest = 0.0, 1
+        for r in reads:
+            ids = r.block if isinstance(r.block, tuple) else (r.block,)
+            logical = [block_table.index(b) if b in block_table else b for b in ids]
+            w = len(ids)
+            widest = max(widest, w)
+            ax.add_patch(Rectangle((x, y), 0.9 * w, 0.7, color=colors[r.kind], alpha=0.75))
+            names = ",".join(f"P{b}" for b in ids)
+            ax.text(x + 0.45 * w, y + 0.35, f"{r.kind} {names}\n(L{logical[0]}"
+                    + (f"-L{logical[-1]})" if w > 1 else ")"),
+                    ha="center", va="center", fontsize=7)
+            x += w
+        ax.text(-0.3, y + 0.35, label, ha="right", va="center", fontsize=9)
+        ax.text(x + 0.2, y + 0.35, f"{len(reads)} reads, up to {widest} block(s) per read",
+                va="center", fontsize=8, color="dimgray")
+    ax.set_xlim(-4.5, max(len(block_table) * 2 + 5, 12))
+    ax.set_ylim(-0.3, len(runs))
+    ax.set_title("cache reads in time order (K blue, V orange; Pn = physical, Ln = logical "
+                 "block)", fontsize=9)
+    ax.axis("off")
+    fig.tight_layout()
+    return fig
