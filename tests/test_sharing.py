@@ -319,3 +319,23 @@ def test_plot_savings_draws_every_measurement(small_table, close_figures):
     heights = sorted(round(bar.get_height(), 9) for ax in fig.axes
                      for container in ax.containers for bar in container)
     assert heights == sorted(round(s.mean_saving, 9) for s in small_table.values())
+
+
+# ------------------------------------------------------------------ the cache side
+
+
+def test_parallel_sampling_demo_matches_sdpa_on_each_sample():
+    demo = sharing.parallel_sampling_demo()
+    assert demo.max_error < 1e-5
+    assert demo.copies == [(1, 2), (1, 3), (1, 4)]  # 4 samples, the last writes in place
+    assert (demo.blocks_in_use, demo.blocks_unshared) == (9, 12)
+    assert all(blocks[0] == 0 for blocks in demo.blocks)  # the full prompt block is shared
+
+
+def test_parallel_sampling_demo_catches_a_write_without_copy():
+    def no_copy(k_cache, v_cache, slot, key, value):
+        k_cache[slot.block, slot.offset] = key
+        v_cache[slot.block, slot.offset] = value
+
+    demo = sharing.parallel_sampling_demo(no_copy)
+    assert not demo.max_error < 1e-3  # NaN or a large error
