@@ -1,0 +1,295 @@
+"""Train the course's tiny byte-level code model on the Python standard library.
+
+Chapter 06 onwards needs a real model whose generations a learner can read on a
+laptop. This script trains one from scratch, with nothing downloaded: the
+training text is the ``.py`` files of the Python that runs it
+(``sysconfig.get_paths()["stdlib"]``), the tokenizer is ``paged_lib.tokenizer``
+(one token per byte), the model is a plain ``transformers.LlamaForCausalLM``
+(GQA, RMSNorm, RoPE, SwiGLU) and the loop is plain PyTorch AdamW.
+
+Not run in CI. Retrain the shipped model with (about 25 minutes on 2 cores):
+
+    .venv/bin/python tools/train_tiny_model.py --minutes 22 --out paged_lib/data/tiny-code-llama
+
+Training stops at the time budget (``--minutes``) and the learning-rate
+schedule follows the elapsed fraction of it, so a faster machine simply takes
+more steps. For a step-for-step rerun pass ``--max-steps N`` (N from the
+shipped README): the schedule then follows steps and time is ignored.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import platform
+import sys
+import sysconfig
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from paged_lib.tokenizer import BOS_ID, EOS_ID, VOCAB_SIZE, ByteTokenizer  # noqa: E402
+
+MAX_BYTES = 10_000_000  # the shipped weights must stay under this (10 MB)
+HELD_OUT_EVERY = 20  # about 1 file in 20 is held out (chosen by a hash of its path)
+SKIP_DIRS = {"site-packages", "test", "tests", "idlelib", "__pycache__"}
+
+
+@dataclass
+class TrainConfig:
+    seq_len: int = 256  # bytes per window, after BOS
+    batch_size: int = 8
+    lr: float = 3e-3
+    min_lr_frac: float = 0.1  # cosine decays to lr * min_lr_frac
+    warmup_steps: int = 50
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    eval_windows: int = 256
+
+
+def model_config():
+    """A small Llama: ~2.3M parameters, fp32 weights ~9.2 MB (under the 10 MB cap)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,  # GQA: 4 query heads share each K/V head
+        head_dim=32,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        tie_word_embeddings=True,  # lm_head.weight is embed_tokens.weight
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        pad_token_id=EOS_ID,
+    )
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def stdlib_files() -> list[Path]:
+    """The stdlib's .py files, sorted, without tests, site-packages and IDLE."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = [
+        p
+        for p in root.rglob("*.py")
+        if not SKIP_DIRS.intersection(p.relative_to(root).parts[:-1])
+        and not p.name.startswith("test_")
+    ]
+    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+
+
+def is_held_out(rel_path: str) -> bool:
+    """Deterministic split by a hash of the relative path (stable across machines)."""
+    digest = hashlib.sha256(rel_path.encode()).digest()
+    return int.from_bytes(digest[:4], "little") % HELD_OUT_EVERY == 0
+
+
+def load_corpus() -> dict:
+    """Train and held-out byte streams: each file's bytes followed by EOS."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    parts: dict[str, list[int]] = {"train": [], "held_out": []}
+    counts = {"train": [0, 0], "held_out": [0, 0]}  # files, bytes
+    for path in stdlib_files():
+        split = "held_out" if is_held_out(path.relative_to(root).as_posix()) else "train"
+        data = path.read_bytes()
+        parts[split].extend(data)
+        parts[split].append(EOS_ID)
+        counts[split][0] += 1
+        counts[split][1] += len(data)
+    return {
+        "train": torch.tensor(parts["train"], dtype=torch.int16),
+        "held_out": torch.tensor(parts["held_out"], dtype=torch.int16),
+        "stats": {k: {"files": v[0], "bytes": v[1]} for k, v in counts.items()},
+        "stdlib": str(root),
+    }
+
+
+def windows(stream: torch.Tensor, starts: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """[len(starts), seq_len + 1] int64: BOS, then seq_len bytes from each start."""
+    idx = starts[:, None] + torch.arange(seq_len)[None, :]
+    bos = torch.full((len(starts), 1), BOS_ID, dtype=torch.long)
+    return torch.cat([bos, stream[idx].long()], dim=1)
+
+
+def eval_starts(stream: torch.Tensor, seq_len: int, count: int) -> torch.Tensor:
+    """Evenly spaced window starts: the same windows on every run."""
+    last = len(stream) - seq_len
+    return torch.linspace(0, last, count).long()
+
+
+# ----------------------------------------------------------------------------- train
+
+
+def lr_at(progress: float, step: int, cfg: TrainConfig) -> float:
+    """Linear warmup, then cosine decay from lr to lr * min_lr_frac over progress 0..1."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    cos = 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+    return cfg.lr * (cfg.min_lr_frac + (1 - cfg.min_lr_frac) * cos)
+
+
+@torch.no_grad()
+def mean_loss(model, stream: torch.Tensor, cfg: TrainConfig, count: int) -> float:
+    """Mean next-byte cross-entropy (nats) over fixed windows of ``stream``."""
+    model.eval()
+    starts = eval_starts(stream, cfg.seq_len, count)
+    total, n = 0.0, 0
+    for chunk in starts.split(32):
+        batch = windows(stream, chunk, cfg.seq_len)
+        out = model(input_ids=batch, labels=batch)
+        total += out.loss.item() * len(chunk)
+        n += len(chunk)
+    model.train()
+    return total / n
+
+
+def param_groups(model, weight_decay: float) -> list[dict]:
+    """Decay matrices only; norms (1-D weights) are not decayed."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+def train(args: argparse.Namespace) -> None:
+    from transformers import LlamaForCausalLM
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    cfg = TrainConfig(seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr)
+    corpus = load_corpus()
+    train_stream, held_stream = corpus["train"], corpus["held_out"]
+    print(f"stdlib {corpus['stdlib']}: {json.dumps(corpus['stats'])}", flush=True)
+
+    model = LlamaForCausalLM(model_config())
+    # Eager attention is faster than SDPA for these tiny shapes on CPU (measured);
+    # the choice is not saved, so loaders get transformers' default.
+    model.set_attn_implementation("eager")
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"parameters: {n_params:,}", flush=True)
+    opt = torch.optim.AdamW(
+        param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95)
+    )
+    gen = torch.Generator().manual_seed(args.seed)
+    budget_s = args.minutes * 60
+    t0 = time.perf_counter()
+    step, recent = 0, []
+    while True:
+        elapsed = time.perf_counter() - t0
+        progress = step / args.max_steps if args.max_steps else elapsed / budget_s
+        if progress >= 1.0:
+            break
+        lr = lr_at(progress, step, cfg)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        starts = torch.randint(
+            0, len(train_stream) - cfg.seq_len, (cfg.batch_size,), generator=gen
+        )
+        batch = windows(train_stream, starts, cfg.seq_len)
+        loss = model(input_ids=batch, labels=batch).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        recent = (recent + [loss.item()])[-50:]
+        step += 1
+        if step % args.log_every == 0:
+            print(
+                f"step {step:6d}  loss {loss.item():.3f}  "
+                f"bpb(avg50) {sum(recent) / len(recent) / math.log(2):.3f}  "
+                f"lr {lr:.2e}  {elapsed / 60:.1f} min",
+                flush=True,
+            )
+    train_time = time.perf_counter() - t0
+
+    train_eval = mean_loss(model, train_stream, cfg, cfg.eval_windows)
+    held_eval = mean_loss(model, held_stream, cfg, cfg.eval_windows)
+    print(
+        f"done: {step} steps in {train_time / 60:.1f} min; "
+        f"train {train_eval / math.log(2):.3f} bpb, "
+        f"held-out {held_eval / math.log(2):.3f} bpb",
+        flush=True,
+    )
+    save(model, args, cfg, corpus, n_params, step, train_time, train_eval, held_eval)
+
+
+def save(model, args, cfg, corpus, n_params, step, train_time, train_eval, held_eval) -> None:
+    """Weights (safetensors, fp32) + a training record the README is written from."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    weights = out / "model.safetensors"
+    size = weights.stat().st_size
+    if size > MAX_BYTES:
+        raise SystemExit(f"{weights} is {size:,} bytes, over the {MAX_BYTES:,} byte cap")
+    record = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "data": corpus["stats"],
+        "held_out_rule": f"sha256(relative path) first 4 bytes % {HELD_OUT_EVERY} == 0",
+        "train_config": asdict(cfg),
+        "seed": args.seed,
+        "minutes": args.minutes,
+        "max_steps": args.max_steps,
+        "threads": args.threads,
+        "steps": step,
+        "train_minutes": round(train_time / 60, 2),
+        "parameters": n_params,
+        "weights_bytes": size,
+        "train_loss_bpb": round(train_eval / math.log(2), 4),
+        "held_out_loss_bpb": round(held_eval / math.log(2), 4),
+        "samples": samples(model),
+    }
+    (out / "training.json").write_text(json.dumps(record, indent=2) + "\n")
+    print(json.dumps(record["samples"], indent=2))
+
+
+@torch.no_grad()
+def samples(model, prompts=("def ", "import ", "class "), n_tokens: int = 80) -> dict:
+    """Greedy continuations, to eyeball that the model writes Python-looking code."""
+    tok = ByteTokenizer()
+    model.eval()
+    result = {}
+    for prompt in prompts:
+        ids = torch.tensor([tok.encode(prompt)])
+        out = model.generate(
+            ids, max_new_tokens=n_tokens, do_sample=False, eos_token_id=None
+        )
+        result[prompt] = tok.decode(out[0].tolist())
+    return result
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--minutes", type=float, default=22.0, help="training time budget")
+    p.add_argument("--out", default="paged_lib/data/tiny-code-llama")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-steps", type=int, default=None, help="train exactly N steps")
+    p.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
+    p.add_argument("--batch-size", type=int, default=TrainConfig.batch_size)
+    p.add_argument("--seq-len", type=int, default=TrainConfig.seq_len)
+    p.add_argument("--lr", type=float, default=TrainConfig.lr)
+    p.add_argument("--log-every", type=int, default=50)
+    args = p.parse_args(argv)
+    if args.minutes <= 0 and not args.max_steps:
+        p.error("--minutes must be positive (or pass --max-steps)")
+    return args
+
+
+if __name__ == "__main__":
+    train(parse_args())
