@@ -349,6 +349,7 @@ class Savings:
     mean_shared: float
     mean_unshared: float
     copies: int
+    per_request_saving: float  # mean over requests of each one's own time-averaged saving
 
     @property
     def peak_saving(self) -> float:
@@ -375,6 +376,9 @@ def trace_savings(requests: list[Request], mode: str, width: int, block_size: in
                   seed: int = 0) -> Savings:
     """Overlay every request's usage at its arrival step; compare peak and mean blocks.
 
+    The overlay weighs each request by its blocks x steps, so long requests dominate;
+    ``per_request_saving`` counts every request once, to show how much that matters.
+
     Request ``i`` of a beam trace uses scorer seed ``seed + i``. The time average runs
     from the first arrival to the last step any request holds blocks.
     """
@@ -389,9 +393,10 @@ def trace_savings(requests: list[Request], mode: str, width: int, block_size: in
         shared[s:s + len(u.shared)] += u.shared
         unshared[s:s + len(u.unshared)] += u.unshared
     window = slice(min(starts), horizon)
+    own = np.mean([1.0 - sum(u.shared) / sum(u.unshared) for u in usages])
     return Savings(mode, width, int(shared.max()), int(unshared.max()),
                    float(shared[window].mean()), float(unshared[window].mean()),
-                   sum(u.copies for u in usages))
+                   sum(u.copies for u in usages), float(own))
 
 
 def savings_table(traces: dict[str, list[Request]], widths: tuple[int, ...] = (2, 4, 6),

@@ -339,3 +339,12 @@ def test_parallel_sampling_demo_catches_a_write_without_copy():
 
     demo = sharing.parallel_sampling_demo(no_copy)
     assert not demo.max_error < 1e-3  # NaN or a large error
+
+
+def test_per_request_saving_counts_each_request_once():
+    reqs = [Request(16, 16, 0.0), Request(4, 60, 0.0)]
+    s = sharing.trace_savings(reqs, "parallel", 2, block_size=4)
+    own = [sharing.parallel_sampling_usage(r.prompt_len, r.output_len, 2, 4) for r in reqs]
+    each = [1 - sum(u.shared) / sum(u.unshared) for u in own]
+    assert s.per_request_saving == pytest.approx(sum(each) / 2)
+    assert s.mean_saving < s.per_request_saving  # the long, short-prompt request weighs more
