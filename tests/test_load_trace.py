@@ -1,0 +1,76 @@
+"""The interpreter load tracer: programs, addresses mapped back to elements, masks, int32."""
+
+from __future__ import annotations
+
+import paged_lib  # noqa: F401  (sets up the interpreter before anything Triton)
+
+# isort: split
+import numpy as np
+import pytest
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpreterBuilder
+
+from paged_lib.device import interpreter_on
+from paged_lib.grading.load_trace import trace_loads
+
+pytestmark = pytest.mark.skipif(not interpreter_on(), reason="traces the interpreter only")
+
+
+@triton.jit
+def _copy_rows(x_ptr, out_ptr, idx_ptr, n, D: tl.constexpr, WIDE: tl.constexpr):
+    """out[i] = x[idx[i]] for i < n; WIDE casts the row id to int64 first."""
+    i = tl.program_id(0)
+    d = tl.arange(0, D)
+    row = tl.load(idx_ptr + i)
+    if WIDE:
+        row = row.to(tl.int64)
+    x = tl.load(x_ptr + row * D + d, mask=d < D - 1, other=0.0)  # the last column: masked
+    tl.store(out_ptr + i * D + d, x)
+
+
+def _run(wide: bool):
+    x = torch.arange(24, dtype=torch.float32).view(6, 4)
+    idx = torch.tensor([5, 0, 3], dtype=torch.int32)
+    out = torch.zeros(3, 4)
+    with trace_loads() as trace:
+        _copy_rows[(3,)](x, out, idx, 3, D=4, WIDE=wide)
+    return x, idx, out, trace
+
+
+def test_reads_are_mapped_to_programs_elements_and_masks():
+    x, idx, out, trace = _run(wide=True)
+    assert trace.programs() == [(0, 0, 0), (1, 0, 0), (2, 0, 0)]
+    reads = trace.reads_of(x)
+    assert len(reads) == 3  # one row load per program; the idx loads are elsewhere
+    for read, row in zip(reads, [5, 0, 3], strict=True):
+        assert read.index.tolist() == [[row, c] for c in range(4)]
+        assert read.mask.tolist() == [True, True, True, False]
+    idx_reads = trace.reads_of(idx)
+    assert [r.index.ravel().tolist() for r in idx_reads] == [[0], [1], [2]]
+    torch.testing.assert_close(out[:, :3], x[[5, 0, 3], :3])
+
+
+def test_32_bit_offsets_that_carry_a_row_index_are_found():
+    x, *_, trace = _run(wide=False)
+    narrow = trace.narrow_offsets(x, reach=4)
+    assert narrow and all(o.dtype == np.int32 for o in narrow)
+    assert {o.program for o in narrow} == {(0, 0, 0), (2, 0, 0)}  # row 0 stays below 4
+    x, *_, trace = _run(wide=True)
+    assert trace.narrow_offsets(x, reach=4) == []
+
+
+def test_builder_is_restored_even_after_an_error():
+    load, addptr = InterpreterBuilder.create_masked_load, InterpreterBuilder.create_addptr
+    with pytest.raises(RuntimeError), trace_loads():
+        raise RuntimeError("kernel failed")
+    assert InterpreterBuilder.create_masked_load is load
+    assert InterpreterBuilder.create_addptr is addptr
+
+
+def test_tracing_refuses_what_it_cannot_map():
+    with trace_loads() as trace:
+        pass
+    with pytest.raises(ValueError, match="contiguous"):
+        trace.reads_of(torch.zeros(4, 4).t())
