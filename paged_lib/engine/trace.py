@@ -1,0 +1,60 @@
+"""Serving a chapter-02 trace with the real engine, and what chapter 02's simulator predicts.
+
+:func:`trace_requests` turns a :mod:`paged_lib.workloads` trace (lengths only) into token
+prompts and ``SamplingParams(max_tokens=output_len, ignore_eos=True)``, so the engine
+produces exactly the trace's lengths.
+
+:func:`simulated_blocks` runs :func:`paged_lib.fragmentation.simulate_timeline` with the
+``"paged"`` policy on the same trace and returns its blocks in use per step and its
+preemption count. The engine and the simulator agree exactly, under one rule:
+
+    **The simulator gives the token being generated a slot in the step that generates
+    it; the engine writes a token's K/V one step later, when the token is fed back in.**
+    So at every step the engine holds what the simulator holds for the same trace with
+    every prompt one token shorter.
+
+:func:`simulated_blocks` applies that shift, so its numbers are comparable one for one
+with ``LLMEngine.stats.blocks_used`` and ``stats.preemptions``, for an engine that
+admits like the simulator: recompute preemption, no watermark, no limits on sequences
+or tokens per step, every request arriving at step 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from paged_lib.engine.sequence import SamplingParams
+from paged_lib.fragmentation import simulate_timeline
+from paged_lib.workloads import Request
+
+
+def trace_requests(requests: Sequence[Request], vocab_size: int, seed: int = 0
+                   ) -> tuple[list[list[int]], list[SamplingParams]]:
+    """Random prompts of the trace's prompt lengths and params for its output lengths."""
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(0, vocab_size, r.prompt_len).tolist() for r in requests]
+    params = [SamplingParams(max_tokens=r.output_len, ignore_eos=True) for r in requests]
+    return prompts, params
+
+
+def simulated_blocks(requests: Sequence[Request], num_blocks: int, block_size: int
+                     ) -> tuple[list[int], int]:
+    """(blocks in use at each step, preemptions) the simulator predicts for the engine.
+
+    Every request is taken as arriving at step 0, with its prompt one token shorter (the
+    rule in the module docstring); prompts must be at least 2 tokens long.
+    """
+    shifted = []
+    for i, r in enumerate(requests):
+        if r.prompt_len < 2:
+            raise ValueError(f"request {i}: the comparison needs prompts of >= 2 tokens, "
+                             f"got {r.prompt_len}")
+        shifted.append(Request(r.prompt_len - 1, r.output_len, 0.0))
+    tl = simulate_timeline(shifted, "paged", num_blocks * block_size, block_size,
+                           max_len=max(r.final_len for r in requests), record=True)
+    per_step = np.zeros(tl.num_steps, dtype=np.int64)
+    for a in tl.allocations:
+        per_step[a.start:a.end] += a.size // block_size
+    return per_step.tolist(), tl.preemptions
