@@ -125,6 +125,8 @@ def _droppable(stmt: ast.stmt, tree: ast.AST) -> bool:
     """Dropping it is a plausible slip, not an instant NameError or a missing return."""
     if isinstance(stmt, ast.Return | ast.FunctionDef | ast.ClassDef | ast.Pass):
         return False
+    if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant):
+        return False  # a docstring
     if isinstance(stmt, ast.Assign | ast.AnnAssign):
         targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
         names = {t.id for t in targets if isinstance(t, ast.Name)}
@@ -142,9 +144,12 @@ def _droppable(stmt: ast.stmt, tree: ast.AST) -> bool:
 def _candidates(tree: ast.AST, spans: list[tuple[int, int]]) -> list[tuple[int, str, object]]:
     """(index in ast.walk order, kind, argument) for every mutation inside the spans."""
     skip: set[int] = set()
+    only_up: set[int] = set()  # axis=0 -> axis=-1 is the same axis of a 1-D tensor
     for node in ast.walk(tree):  # messages: mutating them is not a bug in the answer
         if isinstance(node, ast.Raise | ast.JoinedStr):
             skip |= {id(n) for n in ast.walk(node) if n is not node}
+        if isinstance(node, ast.keyword) and node.arg in ("axis", "dim"):
+            only_up.add(id(node.value))
     out: list[tuple[int, str, object]] = []
     for i, node in enumerate(ast.walk(tree)):
         end = getattr(node, "end_lineno", None)
@@ -152,7 +157,7 @@ def _candidates(tree: ast.AST, spans: list[tuple[int, int]]) -> list[tuple[int, 
                 a < node.lineno and end < b for a, b in spans):
             continue
         if isinstance(node, ast.Constant) and type(node.value) is int:
-            out += [(i, "constant", +1), (i, "constant", -1)]
+            out += [(i, "constant", d) for d in (+1, -1) if d > 0 or id(node) not in only_up]
         if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add | ast.Sub) \
                 and isinstance(node.right, ast.Constant) and node.right.value == 1:
             out.append((i, "off-by-one", None))
@@ -280,7 +285,9 @@ def _try(label: str, ex: Exercise, cells: list[str], ns: dict, timeout: float) -
     marks = [m for m, i, _ in seen if i == ex.ex_id]
     if marks and all(m == grading.PASS for m in marks):
         return Outcome(label, "survived")
-    msg = next((t for m, i, t in seen if i == ex.ex_id and m != grading.PASS), "no verdict")
+    others = ", ".join(f"{m} [{i}]" for m, i, _ in seen)
+    msg = next((t for m, i, t in seen if i == ex.ex_id and m != grading.PASS),
+               f"no verdict for {ex.ex_id} (the check cell said: {others or 'nothing'})")
     return Outcome(label, "killed", msg)
 
 
