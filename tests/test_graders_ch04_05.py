@@ -216,3 +216,313 @@ def test_twins_name_real_objects():
     for dotted in ch04.TWINS.values():
         module, name = dotted.rsplit(".", 1)
         assert hasattr(importlib.import_module(module), name), dotted
+
+
+# ================================================================== chapter 05 (Triton)
+# isort: split
+import pytest  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from paged_lib.device import interpreter_on  # noqa: E402
+from paged_lib.grading import ch05  # noqa: E402
+
+needs_interpreter = pytest.mark.skipif(not interpreter_on(),
+                                       reason="the load trace needs Triton's interpreter")
+
+
+class Bugged:
+    """A kernel launched with ``BUG=bug``: one planted mistake per value."""
+
+    def __init__(self, kernel, bug: int):
+        self.kernel, self.bug = kernel, bug
+
+    def __getitem__(self, grid):
+        return lambda *a, **kw: self.kernel[grid](*a, BUG=self.bug, **kw)
+
+
+def _expect_fail(capsys, check, answer, ex_id: str, words: str) -> None:
+    out = _verdict(capsys, check, answer)
+    assert out.startswith(f"❌ [{ex_id}]") and words in out, (words, out)
+    assert "hint:" in out and "Traceback" not in out, out
+
+
+@triton.jit
+def _stub_kernel(x_ptr):
+    # YOUR CODE HERE
+    raise NotImplementedError()
+
+
+# ---------------------------------------------------------------- 05.1 2-D masked tile
+
+@triton.jit
+def _scale_tile(x_ptr, out_ptr, M, N, stride_x, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                BUG: tl.constexpr = 0):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows[:, None] < M) & (cols[None, :] < N)
+    load_mask = mask
+    if BUG == 1:  # no mask on the load
+        load_mask = rows[:, None] >= 0
+    if BUG == 2:  # rows only
+        load_mask = (rows[:, None] < M) & (cols[None, :] >= 0)
+    stride = stride_x
+    if BUG == 3:  # N as the row stride
+        stride = N
+    x = tl.load(x_ptr + rows[:, None] * stride + cols[None, :], mask=load_mask, other=0.0)
+    store_mask = mask
+    if BUG == 4:  # unmasked store
+        store_mask = rows[:, None] >= 0
+    tl.store(out_ptr + rows[:, None] * N + cols[None, :], 2 * x, mask=store_mask)
+
+
+@needs_interpreter
+def test_scale_tile_grader(capsys):
+    assert _verdict(capsys, ch05.check_scale_tile, _scale_tile).startswith("✅ [05.1]")
+    assert _verdict(capsys, ch05.check_scale_tile, _stub_kernel).startswith("⏳ [05.1]")
+    for bug, words in [(1, "outside the"), (2, "outside the"), (3, "stride_x, not N"),
+                       (4, "wrote past the last row")]:
+        _expect_fail(capsys, ch05.check_scale_tile, Bugged(_scale_tile, bug), "05.1", words)
+
+
+# ------------------------------------------------------------- 05.2 gather through a table
+
+@triton.jit
+def _gather_rows(x_ptr, idx_ptr, out_ptr, n, D: tl.constexpr, BLOCK_I: tl.constexpr,
+                 BUG: tl.constexpr = 0):
+    i = tl.program_id(0) * BLOCK_I + tl.arange(0, BLOCK_I)
+    d = tl.arange(0, D)
+    live = i < n
+    if BUG == 1:  # idx read without a mask
+        rows = tl.load(idx_ptr + i)
+    else:
+        rows = tl.load(idx_ptr + i, mask=live, other=0)
+    if BUG != 2:  # 2: no int64 cast
+        rows = rows.to(tl.int64)
+    if BUG == 3:  # i instead of idx[i]
+        rows = i.to(tl.int64)
+    x = tl.load(x_ptr + rows[:, None] * D + d[None, :], mask=live[:, None], other=0.0)
+    if BUG == 4:  # unmasked store
+        live = i >= 0
+    tl.store(out_ptr + i[:, None] * D + d[None, :], x, mask=live[:, None])
+
+
+@needs_interpreter
+def test_gather_rows_grader(capsys):
+    assert _verdict(capsys, ch05.check_gather_rows, _gather_rows).startswith("✅ [05.2]")
+    assert _verdict(capsys, ch05.check_gather_rows, _stub_kernel).startswith("⏳ [05.2]")
+    for bug, words in [(1, "past its n="), (2, "32 bits"), (3, "row idx[i] of x"),
+                       (4, "at i >= n")]:
+        _expect_fail(capsys, ch05.check_gather_rows, Bugged(_gather_rows, bug), "05.2", words)
+
+
+# ---------------------------------------------------------------------- 05.3 row softmax
+
+@triton.jit
+def _row_softmax(x_ptr, out_ptr, N, BLOCK_N: tl.constexpr, BUG: tl.constexpr = 0):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < N
+    if BUG == 1:  # padding lanes load 0, not -inf
+        x = tl.load(x_ptr + row * N + cols, mask=mask, other=0.0)
+    elif BUG == 3:  # no mask at all
+        x = tl.load(x_ptr + row * N + cols)
+        x = tl.where(mask, x, float("-inf"))
+    else:
+        x = tl.load(x_ptr + row * N + cols, mask=mask, other=float("-inf"))
+    if BUG == 2:  # no max subtracted
+        e = tl.exp(x)
+    else:
+        e = tl.exp(x - tl.max(x, axis=0))
+    tl.store(out_ptr + row * N + cols, e / tl.sum(e, axis=0), mask=mask)
+
+
+@needs_interpreter
+def test_row_softmax_grader(capsys):
+    assert _verdict(capsys, ch05.check_row_softmax, _row_softmax).startswith("✅ [05.3]")
+    assert _verdict(capsys, ch05.check_row_softmax, _stub_kernel).startswith("⏳ [05.3]")
+    for bug, words in [(1, "other=-inf"), (2, "subtract the row's max"),
+                       (3, "outside its row")]:
+        _expect_fail(capsys, ch05.check_row_softmax, Bugged(_row_softmax, bug), "05.3", words)
+
+
+# ------------------------------------------------ 05.4 online softmax over contiguous K
+
+@triton.jit
+def _online_attention(q_ptr, k_ptr, v_ptr, out_ptr, N, scale, D: tl.constexpr,
+                      TILE: tl.constexpr, BUG: tl.constexpr = 0):
+    b = tl.program_id(0)
+    d = tl.arange(0, D)
+    t = tl.arange(0, TILE)
+    q = tl.load(q_ptr + b * D + d)
+    m_i = tl.max(tl.full([TILE], float("-inf"), tl.float32), axis=0)
+    l_i = tl.sum(tl.zeros([TILE], tl.float32), axis=0)
+    acc = tl.zeros([D], tl.float32)
+    if BUG == 4:  # two passes: the max first, then everything again
+        for start in range(0, N, TILE):
+            tok = start + t
+            k = tl.load(k_ptr + (b * N + tok[:, None]) * D + d[None, :],
+                        mask=(tok < N)[:, None], other=0.0)
+            s = tl.where(tok < N, tl.sum(k * q[None, :], axis=1) * scale, float("-inf"))
+            m_i = tl.maximum(m_i, tl.max(s, axis=0))
+    for start in range(0, N, TILE):
+        tok = start + t
+        valid = tok < N
+        offs = (b * N + tok[:, None]) * D + d[None, :]
+        if BUG == 3:  # unmasked K, NaN hidden by tl.where below
+            k = tl.load(k_ptr + offs)
+        else:
+            k = tl.load(k_ptr + offs, mask=valid[:, None], other=0.0)
+        v = tl.load(v_ptr + offs, mask=valid[:, None], other=0.0)
+        s = tl.where(valid, tl.sum(k * q[None, :], axis=1) * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=0))
+        if BUG == 2:  # exp of the raw scores
+            alpha = 1.0
+            p = tl.exp(s)
+        else:
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new)
+        if BUG == 1:  # no rescale of what was summed so far
+            alpha = 1.0
+        l_i = l_i * alpha + tl.sum(p, axis=0)
+        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+        m_i = m_new
+    tl.store(out_ptr + b * D + d, acc / l_i)
+
+
+@needs_interpreter
+def test_online_attention_grader(capsys):
+    check = ch05.check_online_attention
+    assert _verdict(capsys, check, _online_attention).startswith("✅ [05.4]")
+    assert _verdict(capsys, check, _stub_kernel).startswith("⏳ [05.4]")
+    for bug, words in [(1, "rescale l and acc"), (2, "NaN or inf"), (3, "without a mask"),
+                       (4, "times over")]:
+        _expect_fail(capsys, check, Bugged(_online_attention, bug), "05.4", words)
+
+
+# -------------------------------------------------------------- 05.5 paged decode kernel
+
+@triton.jit
+def _decode(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, scale,
+            max_blocks, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
+            GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+            BUG: tl.constexpr = 0):
+    seq = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, HEAD_DIM)
+    t = tl.arange(0, BLOCK_SIZE)
+    heads = kv_head * GROUP + g
+    if BUG == 5:  # query head h paired with KV head h % NUM_KV_HEADS
+        heads = kv_head + g * NUM_KV_HEADS
+    rows = (g < GROUP)[:, None]
+    q_offs = (seq * NUM_KV_HEADS * GROUP + heads[:, None]) * HEAD_DIM + d[None, :]
+    q = tl.load(q_ptr + q_offs, mask=rows, other=0.0)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    for j in range(0, tl.cdiv(seq_len, BLOCK_SIZE)):
+        block = tl.load(block_tables_ptr + seq * max_blocks + j)
+        if BUG != 2:  # 2: no 64-bit block id
+            block = block.to(tl.int64)
+        valid = j * BLOCK_SIZE + t < seq_len
+        if BUG == 6:  # off by one
+            valid = j * BLOCK_SIZE + t <= seq_len
+        if BUG == 3:  # the block's start forgotten
+            valid = t < seq_len
+        offs = ((block * BLOCK_SIZE + t[:, None]) * NUM_KV_HEADS + kv_head) * HEAD_DIM \
+            + d[None, :]
+        if BUG == 1:  # unmasked K; the NaN is hidden by tl.where below
+            k = tl.load(k_cache_ptr + offs)
+        elif BUG == 7:  # the K tile loaded once per query head of the group
+            k = tl.zeros([BLOCK_SIZE, HEAD_DIM], tl.float32)
+            for _ in tl.static_range(GROUP):
+                k += tl.load(k_cache_ptr + offs, mask=valid[:, None], other=0.0) / GROUP
+        else:
+            k = tl.load(k_cache_ptr + offs, mask=valid[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + offs, mask=valid[:, None], other=0.0)
+        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        if BUG == 4:  # no rescale
+            alpha = tl.full([GROUP_PAD], 1.0, tl.float32)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        m_i = m_new
+    tl.store(out_ptr + q_offs, acc / l_i[:, None], mask=rows)
+
+
+@needs_interpreter
+def test_decode_kernel_grader(capsys):
+    check = ch05.check_paged_decode_kernel
+    out = _verdict(capsys, check, _decode)
+    assert out == "✅ [05.5] Paged decode kernel: correct\n", out
+    assert _verdict(capsys, check, _stub_kernel).startswith("⏳ [05.5]")
+    for bug, words in [(1, "past the sequence's end"), (2, "32 bits"),
+                       (3, "past the sequence's end"), (4, "exp(m_old - m_new)"),
+                       (5, "kv_head * GROUP + g"), (6, "past the sequence's end"),
+                       (7, "times")]:
+        _expect_fail(capsys, check, Bugged(_decode, bug), "05.5", words)
+
+
+def test_decode_trace_message_names_program_and_slot(capsys):
+    if not interpreter_on():
+        pytest.skip("the load trace needs Triton's interpreter")
+    out = _verdict(capsys, ch05.check_paged_decode_kernel, Bugged(_decode, 1))
+    assert "program (seq 0, kv_head 0) read K at block" in out and "slot 1" in out, out
+    assert "position 1 >= seq_len 1" in out
+
+
+# ---------------------------------------------------------------------- 05.6 slot mapping
+
+def _slots(block_tables, seq_ids, positions, block_size, bug=None):
+    pos = positions.clamp(min=0)
+    bs = 4 if bug == "hard-coded 4" else block_size
+    blocks = block_tables.long()[seq_ids, pos // bs]
+    slots = blocks * bs + pos % bs
+    if bug == "no block":
+        slots = pos % bs
+    if bug == "int32":
+        slots = slots.to(torch.int32)
+    if bug == "no padding":
+        return slots
+    return torch.where(positions >= 0, slots, torch.full_like(slots, -1))
+
+
+def test_slot_mapping_grader(capsys):
+    check = ch05.check_slot_mapping
+    assert _verdict(capsys, check, _slots) == "✅ [05.6] Slot mapping: correct\n"
+    assert _verdict(capsys, check, _stub).startswith("⏳ [05.6]")
+    for bug, words in [("hard-coded 4", "not a constant"), ("int32", "int64"),
+                       ("no padding", "maps to -1"), ("no block", "block_tables[seq")]:
+        _expect_fail(capsys, check, lambda *a, bug=bug: _slots(*a, bug=bug), "05.6", words)
+
+
+# ------------------------------------------------------------ 05.7 merge split-KV partials
+
+def _merge(out, lse):
+    w = torch.exp(lse - lse.max())
+    return (w[:, None] * out).sum(0) / w.sum()
+
+
+def test_merge_partials_grader(capsys):
+    check = ch05.check_merge_partials
+    assert _verdict(capsys, check, _merge) == "✅ [05.7] Merge split-KV partials: correct\n"
+    assert _verdict(capsys, check, _stub).startswith("⏳ [05.7]")
+    no_max = lambda out, lse: (torch.exp(lse)[:, None] * out).sum(0) / torch.exp(lse).sum()  # noqa: E731
+    no_norm = lambda out, lse: (torch.exp(lse - lse.max())[:, None] * out).sum(0)  # noqa: E731
+    for bad, words in [(no_max, "max lse"), (lambda out, lse: out.mean(0), "sum of the weights"),
+                       (no_norm, "sum of the weights")]:
+        _expect_fail(capsys, check, bad, "05.7", words)
+
+
+def test_every_grader_declares_its_twins():
+    import importlib
+
+    for module in (ch04, ch05):
+        for dotted in module.TWINS.values():
+            name, attr = dotted.rsplit(".", 1)
+            assert hasattr(importlib.import_module(name), attr), dotted

@@ -1,4 +1,4 @@
-"""Chapter 05's graders, pictures and benchmark helpers."""
+"""Chapter 05's pictures and benchmark helpers (its graders: tests/test_graders_ch04_05.py)."""
 
 from __future__ import annotations
 
@@ -11,133 +11,12 @@ import math
 
 import pytest
 import torch
-import triton
-import triton.language as tl
 from matplotlib.figure import Figure
 
 from paged_lib import bench
-from paged_lib.grading import ch05
 from paged_lib.viz import kernel as viz_kernel
 
-
-@triton.jit
-def good_kernel(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-                scale, num_heads, num_kv_heads, max_blocks,
-                BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    kv_head = head // (num_heads // num_kv_heads)
-    seq_len = tl.load(seq_lens_ptr + seq)
-    t = tl.arange(0, BLOCK_SIZE)
-    d = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + (seq * num_heads + head) * HEAD_DIM + d)
-    m_i = tl.full([1], float("-inf"), tl.float32)
-    l_i = tl.zeros([1], tl.float32)
-    acc = tl.zeros([HEAD_DIM], tl.float32)
-    for i in range(0, tl.cdiv(seq_len, BLOCK_SIZE)):
-        block = tl.load(block_tables_ptr + seq * max_blocks + i).to(tl.int64)
-        valid = i * BLOCK_SIZE + t < seq_len
-        offsets = ((block * BLOCK_SIZE + t) * num_kv_heads + kv_head)[:, None] * HEAD_DIM \
-            + d[None, :]
-        k = tl.load(k_cache_ptr + offsets, mask=valid[:, None], other=0.0)
-        v = tl.load(v_cache_ptr + offsets, mask=valid[:, None], other=0.0)
-        s = tl.where(valid, tl.sum(q[None, :] * k, axis=1) * scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=0))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=0)
-        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
-        m_i = m_new
-    tl.store(out_ptr + (seq * num_heads + head) * HEAD_DIM + d, acc / l_i)
-
-
-@triton.jit
-def unmasked_kernel(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-                    scale, num_heads, num_kv_heads, max_blocks,
-                    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """Forgets the partial last block: reads poisoned slots."""
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    kv_head = head // (num_heads // num_kv_heads)
-    seq_len = tl.load(seq_lens_ptr + seq)
-    t = tl.arange(0, BLOCK_SIZE)
-    d = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + (seq * num_heads + head) * HEAD_DIM + d)
-    m_i = tl.full([1], float("-inf"), tl.float32)
-    l_i = tl.zeros([1], tl.float32)
-    acc = tl.zeros([HEAD_DIM], tl.float32)
-    for i in range(0, tl.cdiv(seq_len, BLOCK_SIZE)):
-        block = tl.load(block_tables_ptr + seq * max_blocks + i).to(tl.int64)
-        offsets = ((block * BLOCK_SIZE + t) * num_kv_heads + kv_head)[:, None] * HEAD_DIM \
-            + d[None, :]
-        k = tl.load(k_cache_ptr + offsets)
-        v = tl.load(v_cache_ptr + offsets)
-        s = tl.sum(q[None, :] * k, axis=1) * scale
-        m_new = tl.maximum(m_i, tl.max(s, axis=0))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=0)
-        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
-        m_i = m_new
-    tl.store(out_ptr + (seq * num_heads + head) * HEAD_DIM + d, acc / l_i)
-
-
-@triton.jit
-def stub_kernel(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-                scale, num_heads, num_kv_heads, max_blocks,
-                BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
-    seq = tl.program_id(0)
-    seq_len = tl.load(seq_lens_ptr + seq)
-    for _i in range(0, tl.cdiv(seq_len, BLOCK_SIZE)):
-        # YOUR CODE HERE
-        raise NotImplementedError()
-
-
-def test_poisoned_case_poisons_exactly_the_unread_slots():
-    case = ch05.poisoned_decode_case()
-    assert case["block_tables"][0, 0] == case["block_tables"][1, 0]  # a shared block
-    assert case["k_cache"][0].isnan().all()  # the block unused entries point at
-    from paged_lib.kernels.reference import ref_paged_attention
-    assert not ref_paged_attention(**{k: case[k] for k in case}).isnan().any()
-
-
-def test_decode_kernel_grader(capsys):
-    ch05.check_paged_decode_kernel(good_kernel)
-    ch05.check_paged_decode_kernel(unmasked_kernel)
-    ch05.check_paged_decode_kernel(stub_kernel)
-    lines = capsys.readouterr().out.splitlines()
-    assert lines[0] == "✅ [05.1] Paged decode kernel: correct"
-    assert lines[1].startswith("❌ [05.1]") and "NaN in the output for sequence 2" in lines[1]
-    assert lines[2].startswith("   hint:")
-    assert lines[3].startswith("⏳ [05.1]")
-
-
-def _slots(block_tables, seq_ids, positions, block_size):
-    blocks = block_tables.long()[seq_ids, positions.clamp(min=0) // block_size]
-    return torch.where(positions >= 0, blocks * block_size + positions % block_size, -1)
-
-
-def test_slot_mapping_grader(capsys):
-    ch05.check_slot_mapping(_slots)
-    ch05.check_slot_mapping(lambda bt, s, p, bs: bt.long()[s, p // bs] * bs + p % bs)  # no -1
-    ch05.check_slot_mapping(lambda *a: (_ for _ in ()).throw(NotImplementedError()))
-    out = capsys.readouterr().out.splitlines()
-    assert out[0] == "✅ [05.2] Slot mapping: correct"
-    assert out[1].startswith("❌ [05.2] Slot mapping: slot_mapping: expected")
-    assert out[-1].startswith("⏳ [05.2]")
-
-
-def _merge(out, lse):
-    w = torch.exp(lse - lse.max())
-    return (w[:, None] * out).sum(0) / w.sum()
-
-
-def test_merge_grader(capsys):
-    ch05.check_merge_partials(_merge)
-    ch05.check_merge_partials(lambda out, lse: out.mean(0))
-    out = capsys.readouterr().out.splitlines()
-    assert out[0] == "✅ [05.3] Merge split-KV partials: correct"
-    assert out[1].startswith("❌ [05.3]")
+# The chapter-05 graders are tested in tests/test_graders_ch04_05.py.
 
 
 def test_program_reads_picture():
