@@ -240,7 +240,7 @@ class Scheduler:
                 self._fork(group, seq, drawn[1:])
             seq.append(*drawn[0])
         finished = []
-        for group in self.running:
+        for group in dict.fromkeys(s.group for s in out.scheduled):  # in order, once each
             for seq in group.live_seqs():
                 if self._is_done(seq, group, eos_token_id):
                     seq.status = SequenceStatus.FINISHED
@@ -248,7 +248,8 @@ class Scheduler:
             if group.is_finished():
                 group.timeline.finished_step = self.step
                 finished.append(group)
-        self.running = [g for g in self.running if not g.is_finished()]
+        if finished:
+            self.running = [g for g in self.running if not g.is_finished()]
         self.step += 1
         return finished
 

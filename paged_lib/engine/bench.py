@@ -1,0 +1,172 @@
+"""The engine benchmark: one model, one trace, one KV budget, three ways to serve it.
+
+    python -m paged_lib.bench engine [--requests 48] [--num-blocks 120] [--block-size 8]
+                                     [--max-len 160] [--threads 1]
+
+(a) our paged engine (continuous batching, blocks on demand), (b) our static batching
+(contiguous ``max_len`` slots, a batch runs until its longest request ends), (c)
+transformers' ``generate`` in batches of as many requests as fit in the budget at
+``max_len`` each (the same batches as (b)). Every system produces exactly the trace's
+output lengths (``ignore_eos``). Reported: steps, generated tokens per second, and
+both as ratios to the engine. Then the engine's own overhead per step without the model
+(scheduling, block bookkeeping, building the metadata tensors) for 64 running sequences.
+
+The model is the course's shipped ``tiny-code-llama`` when present, else a random tiny
+Llama. Wall-clock numbers depend on the machine; steps do not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Sequence
+
+import torch
+
+from paged_lib.engine.block_manager import BlockManager
+from paged_lib.engine.llm_engine import LLMEngine
+from paged_lib.engine.model_runner import build_metadata
+from paged_lib.engine.scheduler import Scheduler
+from paged_lib.engine.sequence import SamplingParams, SequenceGroup
+from paged_lib.engine.sequence import Sequence as Seq
+from paged_lib.engine.static_batching import StaticBatchingEngine
+from paged_lib.engine.trace import trace_requests
+from paged_lib.model import TINY_CODE_LLAMA_DIR, TinyLlama
+from paged_lib.workloads import alpaca_like
+
+
+def load_models(random_model: bool = False):
+    """(TinyLlama, the same weights as a transformers model or None, a name)."""
+    try:
+        from transformers import LlamaConfig, LlamaForCausalLM
+    except ImportError:  # pragma: no cover - transformers is a test dependency
+        LlamaForCausalLM = None
+    if not random_model and (TINY_CODE_LLAMA_DIR / "config.json").is_file():
+        model = TinyLlama.from_pretrained(TINY_CODE_LLAMA_DIR)
+        hf = LlamaForCausalLM.from_pretrained(TINY_CODE_LLAMA_DIR).float().eval() \
+            if LlamaForCausalLM else None
+        return model, hf, "tiny-code-llama"
+    if LlamaForCausalLM is None:  # pragma: no cover
+        raise RuntimeError("no shipped model and no transformers to build a random one")
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(LlamaConfig(
+        vocab_size=264, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)).eval()
+    return TinyLlama.from_hf(hf), hf, "random tiny Llama"
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def run_hf(hf, prompts: list[list[int]], out_lens: list[int], batch_size: int) -> float:
+    """Seconds for transformers to serve the trace in static batches of ``batch_size``."""
+    start = time.perf_counter()
+    with torch.no_grad():
+        for i in range(0, len(prompts), batch_size):
+            batch, lens = prompts[i:i + batch_size], out_lens[i:i + batch_size]
+            width = max(len(p) for p in batch)
+            ids = torch.tensor([[0] * (width - len(p)) + p for p in batch])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+            hf.generate(ids, attention_mask=mask, max_new_tokens=max(lens),
+                        min_new_tokens=max(lens), do_sample=False, eos_token_id=None,
+                        pad_token_id=0)
+    return time.perf_counter() - start
+
+
+def scheduling_overhead_ms(num_seqs: int = 64, prompt_len: int = 100, steps: int = 50,
+                           block_size: int = 16) -> float:
+    """Median milliseconds per decode step of schedule + metadata + update, no model.
+
+    The median of ``steps`` timed steps, so a busy machine's worst moments do not count.
+    """
+    bm = BlockManager(num_seqs * (prompt_len + steps + block_size) // block_size + 1,
+                      block_size)
+    sched = Scheduler(bm, max_num_seqs=num_seqs, max_num_batched_tokens=10**9)
+    for i in range(num_seqs):
+        sched.add(SequenceGroup(i, [Seq(i, [1] * prompt_len)],
+                                SamplingParams(steps + 2, ignore_eos=True)))
+    out = sched.schedule()  # the prefill step is not what we time
+    sched.update(out, [[(1, 0.0)]] * len(out.scheduled), None)
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        out = sched.schedule()
+        seqs = [s.seq for s in out.scheduled]
+        build_metadata([s.block_table.blocks for s in seqs], [s.num_tokens for s in seqs],
+                       [s.num_new_tokens for s in out.scheduled], block_size)
+        sched.update(out, [[(1, 0.0)]] * len(out.scheduled), None)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def run(num_requests: int = 48, num_blocks: int = 120, block_size: int = 8,
+        max_len: int = 160, random_model: bool = False, with_hf: bool = True) -> dict:
+    """Serve one trace three ways; rows of (system, steps, seconds, tokens/s)."""
+    model, hf, name = load_models(random_model)
+    trace = alpaca_like(num_requests, seed=0, max_len=max_len)
+    prompts, params = trace_requests(trace, model.config.vocab_size)
+    out_lens = [r.output_len for r in trace]
+    tokens = sum(out_lens)
+    engine = LLMEngine(model, num_blocks, block_size)
+    static = StaticBatchingEngine(model, num_blocks, block_size, max_len)
+    rows = []
+    secs = _timed(lambda: engine.generate(prompts, params))
+    rows.append(("paged engine", engine.stats.steps, secs))
+    secs = _timed(lambda: static.generate(prompts, params))
+    rows.append(("static batching", static.stats.steps, secs))
+    if with_hf and hf is not None:
+        secs = run_hf(hf, prompts, out_lens, static.num_slots)
+        hf_steps = sum(max(out_lens[i:i + static.num_slots])
+                       for i in range(0, len(out_lens), static.num_slots))
+        rows.append(("transformers generate", hf_steps, secs))
+    return {"model": name, "tokens": tokens, "num_slots": static.num_slots,
+            "peak_batch": engine.stats.peak_batch_size, "preemptions": engine.stats.preemptions,
+            "rows": [{"system": s, "steps": st, "seconds": sec, "tokens_per_s": tokens / sec}
+                     for s, st, sec in rows],
+            "overhead_ms": scheduling_overhead_ms()}
+
+
+def format_report(res: dict, args) -> str:
+    base = res["rows"][0]
+    lines = [f"engine benchmark: {res['model']}, {args.requests} Alpaca-like requests "
+             f"({res['tokens']} generated tokens), KV budget {args.num_blocks} blocks x "
+             f"{args.block_size} tokens, max_len {args.max_len} "
+             f"({res['num_slots']} static slots), torch threads {torch.get_num_threads()}",
+             f"{'system':<24}{'steps':>7}{'seconds':>9}{'tokens/s':>10}"
+             f"{'engine steps/x':>16}{'engine tok/s / x':>18}"]
+    for r in res["rows"]:
+        lines.append(f"{r['system']:<24}{r['steps']:>7}{r['seconds']:>9.2f}"
+                     f"{r['tokens_per_s']:>10.0f}{r['steps'] / base['steps']:>15.2f}x"
+                     f"{base['tokens_per_s'] / r['tokens_per_s']:>17.2f}x")
+    lines.append(f"paged engine: peak batch {res['peak_batch']} sequences, "
+                 f"{res['preemptions']} preemptions")
+    lines.append(f"engine overhead per decode step, 64 running sequences, no model: "
+                 f"{res['overhead_ms']:.2f} ms (goal < 1 ms)")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m paged_lib.bench engine",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--requests", type=int, default=48)
+    p.add_argument("--num-blocks", type=int, default=120)
+    p.add_argument("--block-size", type=int, default=8)
+    p.add_argument("--max-len", type=int, default=160)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--random-model", action="store_true", help="ignore the shipped model")
+    p.add_argument("--no-hf", action="store_true", help="skip transformers generate")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    res = run(args.requests, args.num_blocks, args.block_size, args.max_len,
+              args.random_model, not args.no_hf)
+    print(format_report(res, args))
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())
