@@ -18,6 +18,7 @@ Needs Chromium: ``$CHROMIUM`` or Debian's ``/usr/bin/chromium``
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.util
 import json
@@ -72,8 +73,8 @@ def lab_and_browser():
         stale.unlink()
     results: dict[str, dict] = {}
     with (
-        browser_check.JupyterLab(NOTEBOOKS, log_path=ARTIFACTS / "jupyterlab.log") as lab,
-        browser_check.Browser() as browser,
+        browser_check.jupyterlab(NOTEBOOKS, log_path=ARTIFACTS / "jupyterlab.log") as lab,
+        browser_check.chromium() as browser,
     ):
         yield lab, browser, results
     lines = [
@@ -92,22 +93,11 @@ def lab_and_browser():
 def test_notebook_runs_in_browser(lab_and_browser, notebook, record_property):
     lab, browser, results = lab_and_browser
     before = hashlib.sha256(notebook.read_bytes()).hexdigest()
-    res = browser.check_notebook(lab, notebook, TIMEOUT_S, ARTIFACTS)
+    res = browser_check.check_notebook(browser, lab, notebook, TIMEOUT_S, ARTIFACTS)
     record_property("seconds", round(res.seconds, 1))
-    results[res.notebook] = {
-        "notebook": res.notebook,
-        "ok": res.ok,
-        "seconds": round(res.seconds, 1),
-        "run_seconds": round(res.run_seconds, 1),
-        "code_cells": res.code_cells,
-        "executed": res.executed,
-        "widgets": res.widgets,
-        "images": res.images,
-        "kernel_python": res.kernel_python,
-        "screenshot": res.screenshot,
-        "problems": [str(p) for p in res.problems],
-        "warnings": res.warnings,
-    }
+    results[res.notebook] = {**dataclasses.asdict(res), "ok": res.ok,
+                             "seconds": round(res.seconds, 1),
+                             "run_seconds": round(res.run_seconds, 1)}
     print(res.report())  # shown with -s / -rA
     # JupyterLab only sees a temporary copy; the committed file must be untouched
     # (this also trips if someone edits the notebook during the run)
