@@ -10,6 +10,15 @@ Each takes ``backend="triton"`` (the kernels in this package; Triton's interpret
 a CPU) or ``backend="torch"`` (plain PyTorch). Inputs are validated *before* any launch
 and a mistake raises ``ValueError`` saying what is wrong: a kernel handed a bad block
 table reads someone else's memory silently, an error message does not.
+
+Validation reads lengths and block ids back from the GPU (a device-to-host copy that
+waits for the GPU). A caller that validates once per step (the engine, which calls these
+every layer of every step) passes ``validate=False``: shapes, dtypes and devices are
+still checked, nothing is read back, and the Triton path launches without a sync.
+
+Where things live: ``reference.py`` (float64 definitions, outside baselines),
+``torch_backend.py`` (every operation in PyTorch), ``triton_*.py`` (one kernel each),
+``cases.py`` (the test batches everyone uses).
 """
 
 from __future__ import annotations
@@ -28,23 +37,29 @@ FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor,
                     scale: float | None = None, *, backend: str = "triton",
-                    num_splits: int | None = None) -> torch.Tensor:
+                    num_splits: int | None = None, validate: bool = True,
+                    max_seq_len: int | None = None) -> torch.Tensor:
     """Decode attention through block tables.
 
     q ``[num_seqs, num_heads, head_dim]``; ``block_tables`` int32 ``[num_seqs, max_blocks]``;
     ``seq_lens`` int32 ``[num_seqs]``; returns ``[num_seqs, num_heads, head_dim]``.
     ``num_heads`` must be a multiple of ``num_kv_heads`` (GQA: query head ``h`` reads KV
     head ``h // (num_heads // num_kv_heads)``). ``scale`` defaults to ``head_dim ** -0.5``.
+    A sequence of length 0 (a padding row) gets zeros.
 
     ``num_splits`` (triton only; the torch backend ignores it) forces split-KV
     (flash-decoding) with that many segments per sequence; ``None`` lets
     :func:`choose_num_splits` decide (it never splits in the interpreter).
+    ``validate=False`` skips the checks that read values back from the GPU;
+    ``max_seq_len`` (the longest length, if the caller knows it) then helps choose splits.
     """
     _check_backend(backend)
     _check_attention_inputs(q, k_cache, v_cache, block_tables, seq_lens, num_query_dims=3)
     if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
         raise ValueError(f"num_splits must be a positive int or None, got {num_splits!r}")
-    max_seq_len = _check_seq_lens(seq_lens, block_tables, k_cache.shape[0], k_cache.shape[1])
+    if validate:
+        max_seq_len = _check_seq_lens(seq_lens, block_tables, k_cache.shape[0],
+                                      k_cache.shape[1])
     scale = _scale(scale, q.shape[-1])
     if backend == "torch":
         try:
@@ -61,7 +76,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   block_tables: torch.Tensor, seq_lens: torch.Tensor, query_lens: torch.Tensor,
-                  scale: float | None = None, *, backend: str = "triton") -> torch.Tensor:
+                  scale: float | None = None, *, backend: str = "triton",
+                  validate: bool = True, max_query_len: int | None = None) -> torch.Tensor:
     """Causal attention of new tokens over their cached context plus themselves.
 
     q ``[total_query_tokens, num_heads, head_dim]`` holds the new tokens of all
@@ -70,6 +86,8 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     tokens, whose K/V must already be in the cache (:func:`reshape_and_cache`). New token
     ``i`` of sequence ``s`` sits at position ``seq_lens[s] - query_lens[s] + i`` and
     attends to every position up to and including its own. Returns q's shape.
+    ``validate=False`` skips the checks that read values back from the GPU;
+    ``max_query_len`` (if the caller knows it) then sizes the grid.
     """
     _check_backend(backend)
     _check_attention_inputs(q, k_cache, v_cache, block_tables, seq_lens, num_query_dims=3,
@@ -78,35 +96,29 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if query_lens.shape[0] != seq_lens.shape[0]:
         raise ValueError(f"query_lens has {query_lens.shape[0]} entries but seq_lens has "
                          f"{seq_lens.shape[0]}: one per sequence in both")
-    _check_seq_lens(seq_lens, block_tables, k_cache.shape[0], k_cache.shape[1])
-    ql, sl = query_lens.cpu(), seq_lens.cpu()
-    if bool((ql < 1).any()):
-        raise ValueError(f"every query_len must be >= 1, got {ql.tolist()}")
-    if bool((ql > sl).any()):
-        s = int((ql > sl).nonzero()[0])
-        raise ValueError(f"sequence {s}: query_len {int(ql[s])} > seq_len {int(sl[s])} "
-                         "(seq_len counts the context *and* the new tokens)")
-    if int(ql.sum()) != q.shape[0]:
-        raise ValueError(f"q holds {q.shape[0]} tokens but query_lens sum to {int(ql.sum())}")
+    if validate:
+        max_query_len = _check_query_lens(q, seq_lens, query_lens, block_tables,
+                                          k_cache.shape[0], k_cache.shape[1])
     scale = _scale(scale, q.shape[-1])
     if backend == "torch":
-        from paged_lib.kernels.prefill import paged_prefill_torch
+        from paged_lib.kernels.torch_backend import paged_prefill_torch
 
         return paged_prefill_torch(q, k_cache, v_cache, block_tables, seq_lens, query_lens,
                                    scale)
-    from paged_lib.kernels.prefill import paged_prefill_triton
+    from paged_lib.kernels.triton_prefill import paged_prefill_triton
 
     return paged_prefill_triton(q, k_cache, v_cache, block_tables, seq_lens, query_lens, scale,
-                                max_query_len=int(ql.max()) if len(ql) else 0)
+                                max_query_len=max_query_len)
 
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, slot_mapping: torch.Tensor, *,
-                      backend: str = "triton") -> None:
+                      backend: str = "triton", validate: bool = True) -> None:
     """Write new tokens' K/V into the paged cache, in place.
 
     key, value ``[num_tokens, num_kv_heads, head_dim]``; ``slot_mapping`` int64 (or int32)
     ``[num_tokens]`` with ``slot = block * block_size + offset``, or ``-1`` to skip a token.
+    ``validate=False`` skips the slot range check (a read-back from the GPU).
     """
     _check_backend(backend)
     _check_caches(k_cache, v_cache)
@@ -129,7 +141,7 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Ten
     _check_same_device(key=key, value=value, k_cache=k_cache, v_cache=v_cache,
                        slot_mapping=slot_mapping)
     num_slots = k_cache.shape[0] * k_cache.shape[1]
-    if slot_mapping.numel():
+    if validate and slot_mapping.numel():
         lo, hi = int(slot_mapping.min()), int(slot_mapping.max())
         if lo < -1 or hi >= num_slots:
             bad = lo if lo < -1 else hi
@@ -137,10 +149,10 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Ten
                              f"{num_slots - 1} ({k_cache.shape[0]} blocks x {k_cache.shape[1]}),"
                              " and -1 means skip")
     if backend == "torch":
-        from paged_lib.kernels.cache import reshape_and_cache_torch
+        from paged_lib.kernels.torch_backend import reshape_and_cache_torch
 
         return reshape_and_cache_torch(key, value, k_cache, v_cache, slot_mapping)
-    from paged_lib.kernels.cache import reshape_and_cache_triton
+    from paged_lib.kernels.triton_cache import reshape_and_cache_triton
 
     return reshape_and_cache_triton(key, value, k_cache, v_cache, slot_mapping)
 
@@ -219,18 +231,18 @@ def _check_attention_inputs(q, k_cache, v_cache, block_tables, seq_lens, num_que
 
 def _check_seq_lens(seq_lens: torch.Tensor, block_tables: torch.Tensor, num_blocks: int,
                     block_size: int) -> int:
-    """Every length in 1..capacity, every block the kernel will read inside the cache.
+    """Every length in 0..capacity, every block the kernel will read inside the cache.
 
-    Returns the longest length (the launcher needs it anyway).
+    Returns the longest length (it helps choose the split count). Length 0 is a padding
+    row (CUDA-graph batches have them): it reads nothing and gets zeros.
     """
     if seq_lens.numel() == 0:
         return 0
     lens = seq_lens.cpu().long()
     capacity = block_tables.shape[1] * block_size
-    if bool((lens < 1).any()):
-        s = int((lens < 1).nonzero()[0])
-        raise ValueError(f"sequence {s} has seq_len {int(lens[s])}: every sequence needs at "
-                         "least one token")
+    if bool((lens < 0).any()):
+        s = int((lens < 0).nonzero()[0])
+        raise ValueError(f"sequence {s} has seq_len {int(lens[s])}: lengths are >= 0")
     if bool((lens > capacity).any()):
         s = int((lens > capacity).nonzero()[0])
         raise ValueError(f"sequence {s} has seq_len {int(lens[s])} but its block table holds "
@@ -244,3 +256,20 @@ def _check_seq_lens(seq_lens: torch.Tensor, block_tables: torch.Tensor, num_bloc
         raise ValueError(f"sequence {s}, logical block {b}: physical block {int(table[s, b])} "
                          f"is outside the cache (0..{num_blocks - 1})")
     return int(lens.max())
+
+
+def _check_query_lens(q: torch.Tensor, seq_lens: torch.Tensor, query_lens: torch.Tensor,
+                      block_tables: torch.Tensor, num_blocks: int, block_size: int) -> int:
+    """Prefill's lengths: 1 <= query_len <= seq_len, summing to q's rows. Returns the
+    longest query_len (it sizes the grid)."""
+    _check_seq_lens(seq_lens, block_tables, num_blocks, block_size)
+    ql, sl = query_lens.cpu(), seq_lens.cpu()
+    if bool((ql < 1).any()):
+        raise ValueError(f"every query_len must be >= 1, got {ql.tolist()}")
+    if bool((ql > sl).any()):
+        s = int((ql > sl).nonzero()[0])
+        raise ValueError(f"sequence {s}: query_len {int(ql[s])} > seq_len {int(sl[s])} "
+                         "(seq_len counts the context *and* the new tokens)")
+    if int(ql.sum()) != q.shape[0]:
+        raise ValueError(f"q holds {q.shape[0]} tokens but query_lens sum to {int(ql.sum())}")
+    return int(ql.max()) if len(ql) else 0

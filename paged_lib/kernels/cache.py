@@ -1,21 +1,20 @@
-"""The KV write path: put each new token's key and value into its cache slot.
+"""Slot mapping: where each new token's K/V goes in the paged cache.
 
-Before attention can read a token through the block table, its K/V must sit in the
-paged cache. The engine gives every new token a *slot*::
-
-    slot = block_tables[seq, pos // block_size] * block_size + pos % block_size
-
-(``slot_mapping``, vLLM's name), or ``-1`` for a padding token that must not be written.
-``reshape_and_cache`` scatters ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]``
-into ``k_cache``/``v_cache`` ``[num_blocks, block_size, num_kv_heads, head_dim]``.
-Call it through :func:`paged_lib.kernels.reshape_and_cache`, which validates.
+``slot = block_tables[seq, pos // block_size] * block_size + pos % block_size``, or
+``-1`` for a padding token. The write itself is :func:`paged_lib.kernels.reshape_and_cache`
+(Triton kernel in :mod:`~paged_lib.kernels.triton_cache`, PyTorch in
+:mod:`~paged_lib.kernels.torch_backend`); its names are re-exported here for chapter 05.
 """
 
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+
+from paged_lib.kernels.torch_backend import reshape_and_cache_torch  # noqa: F401
+from paged_lib.kernels.triton_cache import (  # noqa: F401
+    _reshape_and_cache_kernel,
+    reshape_and_cache_triton,
+)
 
 
 def slot_mapping_from_positions(block_tables: torch.Tensor, seq_ids: torch.Tensor,
@@ -31,58 +30,3 @@ def slot_mapping_from_positions(block_tables: torch.Tensor, seq_ids: torch.Tenso
     blocks = block_tables.long()[seq_ids, pos // block_size]
     slots = blocks * block_size + pos % block_size
     return torch.where(keep, slots, torch.full_like(slots, -1))
-
-
-@triton.jit
-def _reshape_and_cache_kernel(
-    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
-    stride_kt, stride_kh, stride_kd,
-    stride_vt, stride_vh, stride_vd,
-    stride_kcb, stride_kct, stride_kch, stride_kcd,
-    stride_vcb, stride_vct, stride_vch, stride_vcd,
-    NUM_KV_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-):
-    """One program per token: copy its [num_kv_heads, head_dim] key and value."""
-    tok = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
-    if slot < 0:  # padding token: nothing to write
-        return
-    block = slot // BLOCK_SIZE
-    offset = slot % BLOCK_SIZE
-    h = tl.arange(0, HEADS_PAD)[:, None]
-    d = tl.arange(0, HEAD_PAD)[None, :]
-    mask = (h < NUM_KV_HEADS) & (d < HEAD_DIM)
-    k = tl.load(key_ptr + tok * stride_kt + h * stride_kh + d * stride_kd, mask=mask)
-    v = tl.load(value_ptr + tok * stride_vt + h * stride_vh + d * stride_vd, mask=mask)
-    tl.store(k_cache_ptr + block * stride_kcb + offset * stride_kct + h * stride_kch
-             + d * stride_kcd, k, mask=mask)
-    tl.store(v_cache_ptr + block * stride_vcb + offset * stride_vct + h * stride_vch
-             + d * stride_vcd, v, mask=mask)
-
-
-def reshape_and_cache_triton(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                             v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Launch the write kernel on validated inputs (in place)."""
-    num_tokens, num_kv_heads, head_dim = key.shape
-    if num_tokens == 0:
-        return
-    _reshape_and_cache_kernel[(num_tokens,)](
-        key, value, k_cache, v_cache, slot_mapping,
-        *key.stride(), *value.stride(), *k_cache.stride(), *v_cache.stride(),
-        NUM_KV_HEADS=num_kv_heads, HEADS_PAD=max(2, triton.next_power_of_2(num_kv_heads)),
-        HEAD_DIM=head_dim, HEAD_PAD=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_SIZE=k_cache.shape[1],
-    )
-
-
-def reshape_and_cache_torch(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                            v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """The same write in PyTorch: an indexed assignment, skipping slot -1 (in place)."""
-    block_size = k_cache.shape[1]
-    slots = slot_mapping.long()
-    keep = slots >= 0
-    slots = slots[keep]
-    blocks, offsets = slots // block_size, slots % block_size
-    k_cache[blocks, offsets] = key[keep]
-    v_cache[blocks, offsets] = value[keep]

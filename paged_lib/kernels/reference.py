@@ -1,12 +1,17 @@
-"""Deliberately naive attention references that the fast paths are tested against.
+"""Every definition the fast paths are tested against, and the outside baselines.
 
-Slow on purpose: one sequence at a time, gather K/V through the block table token by
-token, compute in float64. If a fast kernel disagrees with this, the kernel is wrong.
+The definitions are slow on purpose: one sequence at a time, K/V gathered through the
+block table token by token, float64. If a fast kernel disagrees with one of these, the
+kernel is wrong. The baselines (:func:`flex_paged_attention`, contiguous SDPA) are
+somebody else's code computing the same thing: they check the definitions themselves.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+import torch.nn.functional as F
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -17,8 +22,8 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> t
     ``block_table[t // block_size]`` at offset ``t % block_size``.
     """
     block_size = cache.shape[1]
-    tokens = torch.arange(seq_len)
-    blocks = block_table.long()[tokens // block_size]
+    tokens = torch.arange(seq_len, device=cache.device)
+    blocks = block_table.to(cache.device).long()[tokens // block_size]
     return cache[blocks, tokens % block_size]
 
 
@@ -28,7 +33,8 @@ def ref_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     """Decode attention (one query token per sequence) through block tables, in float64.
 
     q ``[num_seqs, num_heads, head_dim]``; returns the same shape in ``q.dtype``.
-    Query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)`` (GQA).
+    Query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)`` (GQA). A sequence
+    of length 0 (a padding row of a batch) attends to nothing: its output is zeros.
     """
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -37,6 +43,9 @@ def ref_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     out = torch.empty(q.shape, dtype=torch.float64, device=q.device)
     for s in range(num_seqs):
         n = int(seq_lens[s])
+        if n == 0:
+            out[s] = 0.0
+            continue
         k = gather_kv(k_cache, block_tables[s], n).double()  # [n, kv_heads, d]
         v = gather_kv(v_cache, block_tables[s], n).double()
         k = k.repeat_interleave(group, dim=1)  # [n, heads, d]
@@ -61,3 +70,91 @@ def ref_paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                                            block_tables[s:s + 1], visible, scale)[0]
             row += 1
     return out
+
+
+def ref_reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                          v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """The cache write, token by token (in place): token ``t`` goes to block
+    ``slot // block_size``, offset ``slot % block_size``; slot ``-1`` writes nothing."""
+    block_size = k_cache.shape[1]
+    for t, slot in enumerate(slot_mapping.tolist()):
+        if slot >= 0:
+            k_cache[slot // block_size, slot % block_size] = key[t]
+            v_cache[slot // block_size, slot % block_size] = value[t]
+
+
+# ------------------------------------------------------------------ outside baselines
+
+
+def contiguous_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                  seq_lens: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each sequence's K/V as contiguous ``[num_kv_heads, seq_len, head_dim]`` tensors."""
+    out = []
+    for s, n in enumerate(seq_lens.tolist()):
+        k = gather_kv(k_cache, block_tables[s], n).transpose(0, 1).contiguous()
+        v = gather_kv(v_cache, block_tables[s], n).transpose(0, 1).contiguous()
+        out.append((k, v))
+    return out
+
+
+def sdpa_per_sequence(q: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]],
+                      scale: float) -> torch.Tensor:
+    """Contiguous attention, one SDPA call per sequence (lengths differ).
+
+    For one query token, the ``group`` query heads that share a KV head are just
+    ``group`` query rows against that head's K/V, so q is viewed as
+    ``[num_kv_heads, group, head_dim]``: GQA with no copies of K/V (the fastest
+    contiguous form on a CPU; ``enable_gqa=True`` is several times slower there).
+    """
+    outs = []
+    for s, (k, v) in enumerate(kv):
+        qs = q[s].view(k.shape[0], -1, q.shape[-1])
+        outs.append(F.scaled_dot_product_attention(qs, k, v, scale=scale).reshape(q.shape[1:]))
+    return torch.stack(outs)
+
+
+def sdpa_per_sequence_gqa(q: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]],
+                          scale: float) -> torch.Tensor:
+    """Contiguous attention the straightforward way: one SDPA call per sequence with
+    ``enable_gqa=True`` (one query token of every head against the KV heads)."""
+    outs = []
+    for s, (k, v) in enumerate(kv):
+        outs.append(F.scaled_dot_product_attention(q[s].unsqueeze(1), k, v, scale=scale,
+                                                   enable_gqa=True).squeeze(1))
+    return torch.stack(outs)
+
+
+def flex_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                         compiled: bool = False) -> Callable[[], torch.Tensor]:
+    """Prepare PyTorch FlexAttention's ``PagedAttention`` on our cache; returns a callable.
+
+    An independent implementation of the same computation: its page table is our block
+    table, its cache a ``[1, num_kv_heads, num_blocks * block_size, head_dim]`` view of ours,
+    and its mask hides positions past each sequence's length. (It cannot express one
+    sequence using the same physical block twice; sharing between sequences is fine.)
+    """
+    from torch.nn.attention.experimental._paged_attention import PagedAttention
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention, noop_mask
+
+    num_seqs, num_heads, head_dim = q.shape
+    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    device = str(q.device)
+    pa = PagedAttention(num_blocks, block_size, num_seqs, device=device)
+    for s, n in enumerate(seq_lens.tolist()):
+        used = block_tables[s, :-(-n // block_size)].long()
+        pa.page_table[s, :len(used)] = used
+        pa.physical_to_logical[s, used] = torch.arange(len(used), device=q.device)
+    kc = k_cache.permute(2, 0, 1, 3).reshape(1, num_kv_heads, num_blocks * block_size, head_dim)
+    vc = v_cache.permute(2, 0, 1, 3).reshape(1, num_kv_heads, num_blocks * block_size, head_dim)
+    logical = create_block_mask(noop_mask, num_seqs, None, 1, block_tables.shape[1] * block_size,
+                                device=device, BLOCK_SIZE=(1, block_size))
+    mask = pa.convert_logical_block_mask(logical, kv_len=seq_lens.long())
+    fn = torch.compile(flex_attention) if compiled else flex_attention
+    q4 = q.unsqueeze(2)
+
+    def run() -> torch.Tensor:
+        return fn(q4, kc, vc, block_mask=mask, scale=scale,
+                  enable_gqa=num_heads != num_kv_heads).squeeze(2)
+
+    return run

@@ -1,4 +1,12 @@
-"""Paged decode attention in plain PyTorch: the engine's CPU backend.
+"""Every paged operation in plain PyTorch: the engine's CPU backend.
+
+* :func:`paged_attention_torch` - decode, vectorised (below);
+* :func:`merge_partials` - the log-sum-exp merge of partial results, the one both
+  backends use (the Triton backend's merge kernel is its fused GPU form, tested equal);
+* :func:`paged_prefill_torch` - prefill, per sequence with causal SDPA;
+* :func:`reshape_and_cache_torch` - the cache write, one indexed assignment.
+
+Decode:
 
 No Python loop over tokens, blocks or sequences: a fixed number of tensor ops, whatever
 the batch. It is flash-decoding written with PyTorch ops:
@@ -16,8 +24,8 @@ the batch. It is flash-decoding written with PyTorch ops:
    On CPU one fused kernel does this (``_scaled_dot_product_flash_attention_for_cpu``,
    the op behind ``F.scaled_dot_product_attention``, which also returns ``lse``); on other
    devices the same math is written out with ``einsum``.
-4. **Merge.** Combine each sequence's segments with the online-softmax merge of this
-   chapter (:func:`paged_lib.attention.merge`) in its log-sum-exp form.
+4. **Merge.** Combine each sequence's segments with :func:`merge_partials`, the
+   online-softmax merge of chapter 04 in its log-sum-exp form.
 
 Padding is at most one segment per sequence, not "up to the longest sequence", and the
 query heads that share a KV head read it once (GQA).
@@ -25,7 +33,12 @@ query heads that share a KV head read it once (GQA).
 
 from __future__ import annotations
 
+import math
+
 import torch
+import torch.nn.functional as F
+
+from paged_lib.kernels.reference import gather_kv
 
 #: Tokens per segment the backend aims for: long enough that the fused kernel runs
 #: efficiently, short enough that padding the last segment costs little.
@@ -100,17 +113,8 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     qs = q.to(compute_dtype)[seg_seq]                                    # [num_segs, H, d]
     out, lse = _segment_attention(qs, k, v, bias, scale, fused)
 
-    # 4. Merge each sequence's segments (log-sum-exp form of the online-softmax merge):
-    # shift by the sequence's largest lse, weight each segment by exp(lse - max), add up.
-    m = torch.full((num_seqs, num_heads), float("-inf"), dtype=compute_dtype, device=device)
-    m.scatter_reduce_(0, seg_seq[:, None].expand(-1, num_heads), lse, "amax")
-    w = torch.exp(lse - m[seg_seq])                                      # [num_segs, H]
-    num = torch.zeros(num_seqs, num_heads, head_dim, dtype=compute_dtype, device=device)
-    num.index_add_(0, seg_seq, out * w[..., None])
-    den = torch.zeros(num_seqs, num_heads, dtype=compute_dtype, device=device)
-    den.index_add_(0, seg_seq, w)
-    result = torch.where((seq_lens > 0)[:, None, None], num / den[..., None], 0.0)
-    return result.to(q.dtype)
+    # 4. Merge each sequence's segments.
+    return merge_partials(out, lse, seg_seq, num_seqs).to(q.dtype)
 
 
 #: Reused gather buffers, by (name, device, dtype). A fresh 100 MB tensor per call costs
@@ -163,3 +167,61 @@ def _segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: 
     probs = torch.exp(scores - lse[..., None])
     out = torch.einsum("nkgt,ntkd->nkgd", probs, v)
     return out.reshape(n, num_heads, head_dim), lse.reshape(n, num_heads)
+
+
+def merge_partials(out: torch.Tensor, lse: torch.Tensor, owner: torch.Tensor, num_seqs: int,
+                   *, base: float = math.e) -> torch.Tensor:
+    """Merge partial attention results into one per sequence (flash-decoding's reduce).
+
+    ``out [n, H, d]`` holds ``n`` partial outputs, each already divided by its own softmax
+    denominator; ``lse [n, H]`` the log (in ``base``) of that denominator, ``-inf`` for a
+    part that saw no token; ``owner [n]`` the sequence each part belongs to. Returns
+    ``[num_seqs, H, d]``::
+
+        result[s] = sum_j base**(lse_j - M) * out_j / sum_j base**(lse_j - M),  M = max_j lse_j
+
+    over the parts ``j`` of ``s``. A sequence with no part, or only empty ones, gets
+    zeros, never ``-inf - -inf = NaN``.
+    """
+    num_heads, head_dim = out.shape[1], out.shape[2]
+    m = torch.full((num_seqs, num_heads), float("-inf"), dtype=out.dtype, device=out.device)
+    m.scatter_reduce_(0, owner[:, None].expand(-1, num_heads), lse.to(out.dtype), "amax")
+    m = torch.where(torch.isfinite(m), m, 0.0)              # all parts empty: weights 0
+    w = torch.pow(base, lse.to(out.dtype) - m[owner])        # [n, H]; empty part: 0
+    num = torch.zeros(num_seqs, num_heads, head_dim, dtype=out.dtype, device=out.device)
+    num.index_add_(0, owner, torch.where(w[..., None] > 0, out * w[..., None], 0.0))
+    den = torch.zeros(num_seqs, num_heads, dtype=out.dtype, device=out.device)
+    den.index_add_(0, owner, w)
+    return torch.where(den[..., None] > 0, num / den.clamp(min=1e-30)[..., None], 0.0)
+
+
+def paged_prefill_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                        query_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Prefill in PyTorch: per sequence, gather its K/V and run causal SDPA (fp32)."""
+    out = torch.empty_like(q)
+    num_heads = q.shape[1]
+    start = 0
+    for s, (n, ql) in enumerate(zip(seq_lens.tolist(), query_lens.tolist(), strict=True)):
+        k = gather_kv(k_cache, block_tables[s], n).float().transpose(0, 1)  # [kv_heads, n, d]
+        v = gather_kv(v_cache, block_tables[s], n).float().transpose(0, 1)
+        qs = q[start:start + ql].float().transpose(0, 1)  # [heads, ql, d]
+        rows = torch.arange(n - ql, n, device=q.device)[:, None]  # positions of new tokens
+        mask = torch.arange(n, device=q.device)[None, :] <= rows  # [ql, n]
+        o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale,
+                                           enable_gqa=num_heads != k.shape[0])
+        out[start:start + ql] = o.transpose(0, 1).to(q.dtype)
+        start += ql
+    return out
+
+
+def reshape_and_cache_torch(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                            v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """The cache write in PyTorch: an indexed assignment, skipping slot -1 (in place)."""
+    block_size = k_cache.shape[1]
+    slots = slot_mapping.long()
+    keep = slots >= 0
+    slots = slots[keep]
+    blocks, offsets = slots // block_size, slots % block_size
+    k_cache[blocks, offsets] = key[keep]
+    v_cache[blocks, offsets] = value[keep]

@@ -1,21 +1,23 @@
 """The paged decode kernel in Triton: one query token per sequence, K/V read through a block table.
 
-One program per (sequence, KV head[, KV segment]). The program loads the query rows of
-*all* query heads that share its KV head (GQA: a ``[GROUP_PAD, HEAD_PAD]`` tile, padded
-heads masked), so each K/V tile is read from memory once and used by the whole group,
+One program per (sequence, KV head, head chunk[, KV segment]). The program loads the
+query rows of the query heads that share its KV head (GQA: a ``[GROUP_TILE, HEAD_PAD]``
+tile, at most 16 rows; a larger group, like MQA's 64:1, is spread over several head
+chunks on the grid's second axis), so each K/V tile is read once per 16 query heads,
 as vLLM does. It then walks the sequence's tokens ``TILE_N`` at a time: each token's
 physical address is ``block_tables[seq, pos // BLOCK_SIZE] * stride + pos % BLOCK_SIZE``
-(block ids cast to int64 first, so a large cache cannot overflow 32-bit offsets),
-tokens past the end are masked (never loaded), and an online softmax in fp32 folds the
-tile into running max ``m``, denominator ``l`` and accumulator ``acc``.
+(block ids cast to int64 first, so a cache of more than 2**31 elements cannot overflow
+32-bit offsets), tokens past the end are masked (never loaded), and an online softmax
+in fp32 folds the tile into running max ``m``, denominator ``l`` and accumulator ``acc``.
 
 Call it through :func:`paged_lib.kernels.paged_attention`, which validates its inputs;
-:func:`paged_attention_triton` here only launches.
+:func:`paged_attention_triton` here only launches. Nothing in it reads a value back
+from the GPU: the engine calls it every layer of every step.
 """
 
 from __future__ import annotations
 
-import math
+import contextlib
 import os
 
 import torch
@@ -23,9 +25,16 @@ import triton
 import triton.language as tl
 
 from paged_lib.device import interpreter_on
-from paged_lib.kernels.triton_split import choose_num_splits, merge_splits, split_len
+from paged_lib.kernels.triton_split import choose_num_splits, merge_splits
+from paged_lib.util import cdiv
 
 LOG2E = 1.4426950408889634
+#: Shared memory per thread block on H100/H200 (227 KB): K and V tiles times pipeline
+#: stages must fit, or the kernel does not compile on the GPU (the interpreter never checks).
+SMEM_BUDGET = 227 * 1024
+#: Query-head rows per program: 16 is the smallest M of ``tl.dot`` on NVIDIA, and more
+#: rows would only spill registers for MQA's 64 heads.
+MAX_GROUP_TILE = 16
 
 
 @triton.jit
@@ -33,31 +42,34 @@ def _paged_decode_kernel(
     out_ptr, lse_ptr,
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     scale_log2,  # softmax scale * log2(e): the kernel works with exp2
-    split_tokens,  # tokens per KV segment (ignored when NUM_SPLITS == 1)
+    num_splits,  # KV segments per sequence: a runtime value, no recompile per count
     stride_qs, stride_qh, stride_qd,
     stride_kb, stride_kt, stride_kh, stride_kd,
     stride_vb, stride_vt, stride_vh, stride_vd,
     stride_bts, stride_btb,
     stride_os, stride_oh, stride_osplit, stride_od,
     stride_ls, stride_lh,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
+    GROUP: tl.constexpr, GROUP_TILE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, ALIGN: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    IS_SPLIT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
-    kv_head = tl.program_id(1)
+    chunks: tl.constexpr = (GROUP + GROUP_TILE - 1) // GROUP_TILE
+    kv_head = tl.program_id(1) // chunks
+    chunk = tl.program_id(1) % chunks
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    if NUM_SPLITS == 1:
+    if IS_SPLIT:  # this sequence's segment: cdiv(seq_len, num_splits) in whole tiles
+        per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), TILE_N) * TILE_N
+        start = split * per_split
+        end = tl.minimum(seq_len, start + per_split)
+    else:
         start = 0
         end = seq_len
-    else:
-        start = split * split_tokens
-        end = tl.minimum(seq_len, start + split_tokens)
 
-    # The query rows of every head in this KV head's group: [GROUP_PAD, HEAD_PAD].
-    g = tl.arange(0, GROUP_PAD)
+    # The query rows of this chunk of the KV head's group: [GROUP_TILE, HEAD_PAD].
+    g = chunk * GROUP_TILE + tl.arange(0, GROUP_TILE)
     d = tl.arange(0, HEAD_PAD)
     heads = kv_head * GROUP + g
     row_mask = (g < GROUP)[:, None] & (d < HEAD_DIM)[None, :]
@@ -66,9 +78,9 @@ def _paged_decode_kernel(
     if UPCAST:
         q = q.to(tl.float32)
 
-    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)  # running max (log2 units)
-    l_i = tl.zeros([GROUP_PAD], tl.float32)  # running softmax denominator
-    acc = tl.zeros([GROUP_PAD, HEAD_PAD], tl.float32)  # running sum of p * v
+    m_i = tl.full([GROUP_TILE], float("-inf"), tl.float32)  # running max (log2 units)
+    l_i = tl.zeros([GROUP_TILE], tl.float32)  # running softmax denominator
+    acc = tl.zeros([GROUP_TILE, HEAD_PAD], tl.float32)  # running sum of p * v
 
     t = tl.arange(0, TILE_N)
     block_table = block_tables_ptr + seq * stride_bts
@@ -78,17 +90,23 @@ def _paged_decode_kernel(
         block = tl.load(block_table + (pos // BLOCK_SIZE) * stride_btb, mask=valid, other=0)
         block = block.to(tl.int64)  # 64-bit before multiplying by a stride
         offset = pos % BLOCK_SIZE
+        # Row starts are ALIGN-element aligned (head sizes like 40 or 72): the compiler
+        # may then load each row with vector instructions despite the d < HEAD_DIM mask.
+        k_rows = tl.multiple_of(block * stride_kb + offset * stride_kt + kv_head * stride_kh,
+                                ALIGN)
+        v_rows = tl.multiple_of(block * stride_vb + offset * stride_vt + kv_head * stride_vh,
+                                ALIGN)
         kv_mask = valid[:, None] & (d < HEAD_DIM)[None, :]
-        k = tl.load(k_cache_ptr + block[:, None] * stride_kb + offset[:, None] * stride_kt
-                    + kv_head * stride_kh + d[None, :] * stride_kd, mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + block[:, None] * stride_vb + offset[:, None] * stride_vt
-                    + kv_head * stride_vh + d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+        k = tl.load(k_cache_ptr + k_rows[:, None] + d[None, :] * stride_kd, mask=kv_mask,
+                    other=0.0)
+        v = tl.load(v_cache_ptr + v_rows[:, None] + d[None, :] * stride_vd, mask=kv_mask,
+                    other=0.0)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-        s = tl.where(valid[None, :], s, float("-inf"))  # [GROUP_PAD, TILE_N]
+        s = tl.where(valid[None, :], s, float("-inf"))  # [GROUP_TILE, TILE_N]
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)  # rescales what was summed so far
         p = tl.exp2(s - m_new[:, None])
@@ -96,54 +114,90 @@ def _paged_decode_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
+    # No token (seq_len 0, or a segment past the end): l = 0, output 0, lse -inf.
+    empty = l_i == 0.0
+    result = acc / tl.where(empty, 1.0, l_i)[:, None]
     out_ptrs = (out_ptr + seq * stride_os + heads[:, None] * stride_oh + split * stride_osplit
                 + d[None, :] * stride_od)
-    if NUM_SPLITS == 1:
-        tl.store(out_ptrs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=row_mask)
-    else:
-        # This segment's partial output and log-sum-exp; an empty segment weighs 0.
-        empty = l_i == 0.0
-        l_safe = tl.where(empty, 1.0, l_i)
-        tl.store(out_ptrs, acc / l_safe[:, None], mask=row_mask)
-        lse = tl.where(empty, float("-inf"), m_i + tl.log2(l_safe))
+    tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=row_mask)
+    if IS_SPLIT:
+        lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
         tl.store(lse_ptr + seq * stride_ls + heads * stride_lh + split, lse, mask=g < GROUP)
 
 
+# ------------------------------------------------------------------ launch configuration
+
+
+def head_pad(head_dim: int) -> int:
+    """Head size padded to a power of two (``tl.arange`` needs one), at least 16."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def kv_smem_bytes(tile_n: int, head_dim: int, dtype: torch.dtype, num_stages: int) -> int:
+    """Shared memory a config needs for its K and V tiles over its pipeline stages."""
+    return 2 * tile_n * head_pad(head_dim) * dtype.itemsize * num_stages
+
+
+def check_config(tile_n: int, num_stages: int, head_dim: int, dtype: torch.dtype) -> None:
+    """Refuse a tile the GPU cannot run, with the reason (the interpreter would accept it)."""
+    if not isinstance(tile_n, int) or tile_n < 16 or tile_n & (tile_n - 1):
+        raise ValueError(f"tile_n must be a power of two >= 16, got {tile_n!r}: tl.dot needs "
+                         "a K dimension of at least 16 on NVIDIA GPUs")
+    need = kv_smem_bytes(tile_n, head_dim, dtype, num_stages)
+    if need > SMEM_BUDGET:
+        raise ValueError(
+            f"tile_n={tile_n} x head_dim {head_dim} ({dtype}) x {num_stages} stages needs "
+            f"{need // 1024} KB of shared memory for K and V; a GPU block has "
+            f"{SMEM_BUDGET // 1024} KB: use a smaller tile_n or fewer num_stages")
+
+
 def launch_config(head_dim: int, dtype: torch.dtype) -> dict:
-    """Tile size and warps per head size, chosen by hand (used in the interpreter, and on
-    a GPU when autotuning is off): K and V tiles of 8-16 KB each per pipeline stage."""
-    head_pad = max(16, triton.next_power_of_2(head_dim))
-    tile_n = 64 if head_pad <= 64 else 32 if head_pad <= 128 else 16
-    return {"TILE_N": tile_n, "num_warps": 4 if head_pad <= 128 else 8, "num_stages": 3}
+    """Tile size, warps and stages per head size, chosen by hand (used in the interpreter,
+    and on a GPU when autotuning is off): K and V tiles of 8-16 KB each per stage, and
+    fewer stages where three would not fit in shared memory."""
+    pad = head_pad(head_dim)
+    tile_n = 64 if pad <= 64 else 32
+    stages = 3
+    while stages > 1 and kv_smem_bytes(tile_n, head_dim, dtype, stages) > SMEM_BUDGET:
+        stages -= 1
+    return {"TILE_N": tile_n, "num_warps": 4 if pad <= 128 else 8, "num_stages": stages}
 
 
 #: (TILE_N, num_warps, num_stages) tried by the GPU autotuner: a few, not a search space.
 GPU_CONFIGS = [(16, 4, 3), (32, 4, 2), (32, 4, 3), (64, 4, 2), (64, 4, 3), (64, 8, 2),
                (128, 8, 2)]
-#: Segment lengths are rounded to this, a multiple of every TILE_N above.
-MAX_TILE_N = 128
 
 
-def make_autotuned_decode_kernel(do_bench=None):
-    """The decode kernel wrapped in ``triton.autotune`` over :data:`GPU_CONFIGS`.
+def gpu_configs(head_dim: int, dtype: torch.dtype) -> list[tuple[int, int, int]]:
+    """:data:`GPU_CONFIGS` that fit in shared memory for this head size and dtype."""
+    return [c for c in GPU_CONFIGS if kv_smem_bytes(c[0], head_dim, dtype, c[2]) <= SMEM_BUDGET]
 
-    Keyed by the compile-time shape (group, head size, block size, splits). Only used on a
-    GPU that compiles natively: in the interpreter, autotuning more than one config fails
-    (tests pass a stand-in ``do_bench`` to exercise the plumbing).
+
+def make_autotuned_decode_kernel(head_dim: int = 128, dtype: torch.dtype = torch.float16,
+                                 do_bench=None):
+    """The decode kernel wrapped in ``triton.autotune`` over :func:`gpu_configs`.
+
+    Keyed by the compile-time shape (group, head size, block size, split or not; Triton
+    adds the tensors' dtypes), never by the batch, the lengths or the split count, so a
+    new batch shape reuses the tuned config. Opt-in (:func:`use_autotune`); in the
+    interpreter autotuning more than one config fails (tests pass a stand-in
+    ``do_bench`` to exercise the plumbing).
     """
     configs = [triton.Config({"TILE_N": t}, num_warps=w, num_stages=s)
-               for t, w, s in GPU_CONFIGS]
-    return triton.autotune(configs=configs, key=["GROUP", "HEAD_DIM", "BLOCK_SIZE", "NUM_SPLITS"],
+               for t, w, s in gpu_configs(head_dim, dtype)]
+    return triton.autotune(configs=configs, key=["GROUP", "HEAD_DIM", "BLOCK_SIZE", "IS_SPLIT"],
                            do_bench=do_bench)(_paged_decode_kernel)
 
 
-_autotuned_kernel = None
+#: Autotuned kernels by (head_pad, dtype): each has its own pruned config list.
+_autotuned: dict[tuple[int, torch.dtype], object] = {}
 
 
 def use_autotune(device: torch.device) -> bool:
-    """Autotune on a GPU that compiles natively, unless ``PAGED_LIB_AUTOTUNE=0``."""
+    """Autotune only when asked (``PAGED_LIB_AUTOTUNE=1``) on a GPU that compiles natively:
+    a tuning run in the middle of serving, or of a test, stalls it for seconds."""
     return (device.type == "cuda" and not interpreter_on()
-            and os.environ.get("PAGED_LIB_AUTOTUNE", "1") != "0")
+            and os.environ.get("PAGED_LIB_AUTOTUNE", "0") == "1")
 
 
 def num_sms(device: torch.device) -> int | None:
@@ -153,52 +207,72 @@ def num_sms(device: torch.device) -> int | None:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def alignment(*strides: int) -> int:
+    """The largest power of two (at most 16) dividing every stride, in elements."""
+    align = 16
+    while align > 1 and any(s % align for s in strides):
+        align //= 2
+    return align
+
+
+def on_device(device: torch.device) -> contextlib.AbstractContextManager:
+    """Launch on the tensors' own GPU: Triton launches on the *current* device."""
+    if device.type == "cuda":
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
+
+
+#: What the last call launched (config, real split count): the benchmark reports it.
+LAST_LAUNCH: dict = {}
+
+
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            num_splits: int | None = None, tile_n: int | None = None,
-                           max_seq_len: int | None = None,
-                           autotune: bool | None = None) -> torch.Tensor:
+                           max_seq_len: int | None = None, autotune: bool | None = None,
+                           num_stages: int | None = None) -> torch.Tensor:
     """Launch the decode kernel on already validated inputs (see ``paged_attention``).
 
     ``num_splits=None`` picks the split-KV segment count with
-    :func:`~paged_lib.kernels.triton_split.choose_num_splits`; ``tile_n`` fixes the tile
-    size (tests use it to put tiles across block boundaries); ``max_seq_len`` saves a
-    device-to-host copy when the caller knows it; ``autotune=None`` autotunes where
-    :func:`use_autotune` says so (never in the interpreter).
+    :func:`~paged_lib.kernels.triton_split.choose_num_splits` from ``max_seq_len``, or,
+    without it, from the block tables' capacity (no read-back from the GPU); ``tile_n``
+    and ``num_stages`` fix the tile (tests use it to put tiles across block boundaries;
+    :func:`check_config` refuses what a GPU cannot run); ``autotune=None`` autotunes
+    where :func:`use_autotune` says so.
     """
-    global _autotuned_kernel
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = num_heads // num_kv_heads
+    chunks = cdiv(group, MAX_GROUP_TILE)  # 16 query heads per program, padded
     out = torch.empty_like(q)
     if num_seqs == 0:
         return out
-    if autotune is None:
-        autotune = tile_n is None and use_autotune(q.device)
-    cfg = launch_config(head_dim, q.dtype)
-    if tile_n is not None:
-        cfg["TILE_N"] = tile_n
-    if max_seq_len is None:
-        max_seq_len = int(seq_lens.max())
-    if num_splits is None:
-        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, num_sms(q.device))
-    tokens = 0
-    if num_splits > 1:  # segment length in whole tiles; rounding may leave fewer segments
-        tokens = split_len(max_seq_len, num_splits, MAX_TILE_N if autotune else cfg["TILE_N"])
-        num_splits = math.ceil(max_seq_len / tokens)
     interp = interpreter_on()
+    cfg = launch_config(head_dim, q.dtype)
+    if tile_n is not None or num_stages is not None:
+        cfg["TILE_N"] = cfg["TILE_N"] if tile_n is None else tile_n
+        cfg["num_stages"] = cfg["num_stages"] if num_stages is None else num_stages
+        check_config(cfg["TILE_N"], cfg["num_stages"], head_dim, k_cache.dtype)
+        autotune = False
+    if autotune is None:
+        autotune = use_autotune(q.device)
+    if num_splits is None:
+        bound = max_seq_len if max_seq_len is not None else block_tables.shape[1] * block_size
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, bound, num_sms(q.device), chunks)
     consts = dict(
-        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim, HEAD_PAD=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
+        GROUP=group, GROUP_TILE=MAX_GROUP_TILE, HEAD_DIM=head_dim,
+        HEAD_PAD=head_pad(head_dim),
+        ALIGN=alignment(*k_cache.stride()[:3], *v_cache.stride()[:3]),
+        BLOCK_SIZE=block_size, IS_SPLIT=num_splits > 1,
         # The interpreter has no bf16 arithmetic: upcast after load there.
         UPCAST=interp and q.dtype == torch.bfloat16,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )
     if autotune:
-        if _autotuned_kernel is None:
-            _autotuned_kernel = make_autotuned_decode_kernel()
-        kernel = _autotuned_kernel
+        key = (consts["HEAD_PAD"], q.dtype)
+        if key not in _autotuned:
+            _autotuned[key] = make_autotuned_decode_kernel(head_dim, q.dtype)
+        kernel = _autotuned[key]
     else:
         kernel = _paged_decode_kernel
         consts["TILE_N"] = cfg["TILE_N"]
@@ -210,15 +284,22 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         target = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32,
                              device=q.device)
         lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
-    kernel[(num_seqs, num_kv_heads, num_splits)](
-        target, lse, q, k_cache, v_cache, block_tables, seq_lens,
-        scale * LOG2E, tokens,
-        q.stride(0), q.stride(1), q.stride(2),
-        *k_cache.stride(), *v_cache.stride(),
-        block_tables.stride(0), block_tables.stride(1),
-        *target.stride(), lse.stride(0), lse.stride(1),
-        **consts,
-    )
-    if num_splits > 1:
-        merge_splits(target, lse, out)
+    with on_device(q.device):
+        kernel[(num_seqs, num_kv_heads * chunks, num_splits)](
+            target, lse, q, k_cache, v_cache, block_tables, seq_lens,
+            scale * LOG2E, num_splits,
+            q.stride(0), q.stride(1), q.stride(2),
+            *k_cache.stride(), *v_cache.stride(),
+            block_tables.stride(0), block_tables.stride(1),
+            *target.stride(), lse.stride(0), lse.stride(1),
+            **consts,
+        )
+        if num_splits > 1:
+            merge_splits(target, lse, out)
+    chosen = getattr(kernel, "best_config", None)
+    LAST_LAUNCH.clear()
+    LAST_LAUNCH.update(num_splits=num_splits, head_chunks=chunks, autotuned=autotune,
+                       config=str(chosen) if chosen is not None else
+                       f"TILE_N={cfg['TILE_N']}, num_warps={cfg['num_warps']}, "
+                       f"num_stages={cfg['num_stages']}")
     return out
