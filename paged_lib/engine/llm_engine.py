@@ -4,11 +4,12 @@ Each step: :meth:`Scheduler.schedule` (who runs, which blocks) -> ``ModelRunner.
 (tensors, model) -> :func:`~paged_lib.engine.sampler.sample` -> :meth:`Scheduler.update`
 (append, finish, free). :attr:`LLMEngine.stats` records every step for the plots.
 
-The chapters' exercises re-implement three small functions and plug them back in::
+The chapters' exercises re-implement four small functions and plug them back in::
 
     LLMEngine(model, num_blocks, admission=my_can_admit,          # scheduler.can_admit
               build_metadata=my_build_metadata,                  # model_runner.build_metadata
-              swap_mapping=my_swap_mapping)                      # block_manager.swap_mapping
+              swap_mapping=my_swap_mapping,                      # block_manager.swap_mapping
+              beam_step=my_beam_step)                            # beam_search.beam_step
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections.abc import Callable
 
 import torch
 
+from paged_lib.engine.beam_search import beam_step
 from paged_lib.engine.block_manager import BlockManager, swap_mapping
 from paged_lib.engine.model_runner import ModelRunner, build_metadata
 from paged_lib.engine.sampler import sample
@@ -34,15 +36,14 @@ from paged_lib.util import cdiv
 
 
 def worst_case_blocks(prompt_len: int, max_tokens: int, num_seqs: int, block_size: int) -> int:
-    """GPU blocks a request holds at its longest, alone in the pool.
+    """GPU blocks a request may need at its longest, alone in the pool.
 
     Its last token's K/V is never written (nothing is generated after it), so a sequence
-    peaks at ``prompt_len + max_tokens - 1`` cached tokens. With ``num_seqs`` sequences
-    the prompt's full blocks are shared; everything after them is each sequence's own.
+    peaks at ``prompt_len + max_tokens - 1`` cached tokens. Several sequences (``n > 1``,
+    beams) are counted *without* sharing: a group preempted by recompute is prefilled
+    again sequence by sequence, and must still fit.
     """
-    peak = cdiv(prompt_len + max_tokens - 1, block_size)
-    shared = prompt_len // block_size if num_seqs > 1 else 0
-    return shared + num_seqs * (peak - shared)
+    return num_seqs * cdiv(prompt_len + max_tokens - 1, block_size)
 
 
 class LLMEngine:
@@ -60,7 +61,7 @@ class LLMEngine:
                  attention_backend: str = "torch", *, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 4096, watermark: float = 0.01,
                  admission: Callable = can_admit, build_metadata: Callable = build_metadata,
-                 swap_mapping: Callable = swap_mapping):
+                 swap_mapping: Callable = swap_mapping, beam_step: Callable = beam_step):
         if attention_backend not in ("torch", "triton"):
             raise ValueError(f"attention_backend must be 'torch' or 'triton', "
                              f"got {attention_backend!r}")
@@ -75,7 +76,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens,
                                    watermark_blocks=self.watermark_blocks,
-                                   preemption=preemption, admission=admission)
+                                   preemption=preemption, admission=admission,
+                                   beam_step=beam_step)
         self.runner = ModelRunner(model, num_blocks, block_size, num_cpu_blocks,
                                   attention_backend, build_metadata_fn=build_metadata)
         self.stats = EngineStats(num_blocks=num_blocks, block_size=block_size)
@@ -102,8 +104,7 @@ class LLMEngine:
     def _never_fits(self, prompt: list[int], params: SamplingParams) -> str | None:
         need = worst_case_blocks(len(prompt), params.max_tokens, params.num_seqs,
                                  self.block_size)
-        prompt_need = params.num_seqs * cdiv(len(prompt), self.block_size) \
-            if params.num_seqs > 1 else cdiv(len(prompt), self.block_size)
+        prompt_need = cdiv(len(prompt), self.block_size)
         if need > self.num_blocks or prompt_need > self.num_blocks - self.watermark_blocks:
             return (f"needs up to {need} blocks of {self.block_size} tokens "
                     f"({len(prompt)} prompt + {params.max_tokens} new tokens"
@@ -145,9 +146,15 @@ class LLMEngine:
         s.preemptions += len(out.preempted)
         s.swapped_blocks += len(out.swap_out) + len(out.swap_in)
         s.recomputed_tokens += out.recomputed_tokens
-        s.record_step(out.kind, len(out.scheduled), self.block_manager.num_used_blocks,
-                      sum(len(x) for x in samples), out.num_batched_tokens)
-        return self.scheduler.update(out, samples, self.model.config.eos_token_id)
+        used = self.block_manager.num_used_blocks
+        finished = self.scheduler.update(out, samples, self.model.config.eos_token_id)
+        # tokens made: one per sample drawn; a beam group makes one per surviving beam
+        made = sum(len(x) for x, sc in zip(samples, out.scheduled, strict=True)
+                   if sc.group.params.beam_width is None)
+        made += sum(len(g.seqs) for g in {sc.group for sc in out.scheduled
+                                          if sc.group.params.beam_width is not None})
+        s.record_step(out.kind, len(out.scheduled), used, made, out.num_batched_tokens)
+        return finished
 
     def generate(self, prompts: list[list[int]],
                  params: SamplingParams | list[SamplingParams]) -> list[RequestOutput]:
@@ -181,6 +188,8 @@ class LLMEngine:
     def _output(group: SequenceGroup) -> RequestOutput:
         if group.error is not None:
             return RequestOutput(group.request_id, group.prompt_token_ids, [], group.error)
-        outs = [CompletionOutput(list(s.output_token_ids), s.cumulative_logprob)
-                for s in group.seqs]
+        seqs = group.seqs
+        if group.params.beam_width is not None:  # best first
+            seqs = sorted(seqs, key=lambda s: -s.cumulative_logprob)
+        outs = [CompletionOutput(list(s.output_token_ids), s.cumulative_logprob) for s in seqs]
         return RequestOutput(group.request_id, group.prompt_token_ids, outs)

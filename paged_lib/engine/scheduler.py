@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from paged_lib.blocks import Slot
+from paged_lib.engine.beam_search import beam_step
 from paged_lib.engine.block_manager import BlockManager
 from paged_lib.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 
@@ -96,7 +97,8 @@ class Scheduler:
 
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 4096, watermark_blocks: int = 0,
-                 preemption: str = "recompute", admission: Callable = can_admit):
+                 preemption: str = "recompute", admission: Callable = can_admit,
+                 beam_step: Callable = beam_step):
         if preemption not in PREEMPTION_MODES:
             raise ValueError(f"preemption must be one of {PREEMPTION_MODES}, got {preemption!r}")
         if preemption == "swap" and block_manager.cpu is None:
@@ -111,6 +113,7 @@ class Scheduler:
         self.watermark_blocks = watermark_blocks
         self.preemption = preemption
         self.admission = admission
+        self.beam_step = beam_step
         self.waiting: deque[SequenceGroup] = deque()
         self.running: list[SequenceGroup] = []
         self.swapped: deque[SequenceGroup] = deque()
@@ -154,10 +157,13 @@ class Scheduler:
     def _schedule_swapped(self, out: SchedulerOutput) -> None:
         while self.swapped:
             group = self.swapped[0]
-            # its blocks come back, then each live sequence may need one more block
-            need = self.bm.distinct_blocks(group) + len(group.live_seqs())
-            if not self.admission(need, len(group.live_seqs()), len(group.live_seqs()),
-                                  self._budget(out)):
+            # its blocks come back, then it decodes: one more token per live sequence
+            # (counted on its CPU tables, which share blocks exactly as they will)
+            need = self.bm.distinct_blocks(group) + self.bm.append_blocks_needed(group)
+            seqs = len(group.live_seqs())
+            fits = self.admission(need, seqs, seqs, self._budget(out))
+            alone = out.is_empty() and need <= self.bm.num_free_blocks  # progress rule
+            if not (fits or alone):
                 break
             self.swapped.popleft()
             out.swap_in += self.bm.swap_in(group)
@@ -233,12 +239,18 @@ class Scheduler:
         one, or ``n`` for the prefill of an ``n > 1`` group (the prompt's table is then
         forked, so the samples share its blocks).
         """
+        beam_groups: dict[SequenceGroup, list[tuple[Sequence, list]]] = {}
         for sched, drawn in zip(out.scheduled, samples, strict=True):
             seq, group = sched.seq, sched.group
             seq.num_cached = seq.num_tokens
+            if group.params.beam_width is not None:
+                beam_groups.setdefault(group, []).append((seq, drawn))
+                continue
             if len(drawn) > 1:
                 self._fork(group, seq, drawn[1:])
             seq.append(*drawn[0])
+        for group, beams in beam_groups.items():
+            self._beam_update(group, [b for b, _ in beams], [d for _, d in beams])
         finished = []
         for group in dict.fromkeys(s.group for s in out.scheduled):  # in order, once each
             for seq in group.live_seqs():
@@ -263,9 +275,39 @@ class Scheduler:
             child.append(token, logprob)
             group.seqs.append(child)
 
+    def _beam_update(self, group: SequenceGroup, beams: list[Sequence],
+                     candidates: list[list[tuple[int, float]]]) -> None:
+        """Let ``beam_step`` pick the new beams; rebuild the group's sequences from them."""
+        width = group.params.beam_width
+        new = self.beam_step([b.block_table for b in beams],
+                             [b.cumulative_logprob for b in beams], candidates, width)
+        want = min(width, sum(len(c) for c in candidates))
+        if len(new) != want:
+            raise ValueError(f"beam_step returned {len(new)} beams, expected {want}")
+        outputs = [list(b.output_token_ids) for b in beams]  # before anyone changes
+        base = max(s.seq_id for s in group.seqs) + 1
+        seqs, continued = [], set()
+        for parent, table, token, cum in new:
+            src = beams[parent]
+            if table is src.block_table and parent not in continued:
+                continued.add(parent)
+                seq = src
+                seq.output_token_ids = outputs[parent] + [token]
+                seq.cumulative_logprob = cum
+            else:
+                seq = Sequence(base, src.prompt_token_ids, outputs[parent] + [token], cum,
+                               table, src.num_cached, SequenceStatus.RUNNING)
+                base += 1
+            seqs.append(seq)
+        for i, beam in enumerate(beams):
+            if i not in continued:  # beam_step freed its table
+                beam.block_table = None
+                beam.status = SequenceStatus.FINISHED
+        group.seqs = seqs
+
     @staticmethod
     def _is_done(seq: Sequence, group: SequenceGroup, eos_token_id: int | None) -> bool:
         if len(seq.output_token_ids) >= group.params.max_tokens:
             return True
-        return (not group.params.ignore_eos and eos_token_id is not None
-                and seq.output_token_ids[-1] == eos_token_id)
+        return (not group.params.ignore_eos and group.params.beam_width is None
+                and eos_token_id is not None and seq.output_token_ids[-1] == eos_token_id)
