@@ -7,14 +7,15 @@ training text is the ``.py`` files of the Python that runs it
 (one token per byte), the model is a plain ``transformers.LlamaForCausalLM``
 (GQA, RMSNorm, RoPE, SwiGLU) and the loop is plain PyTorch AdamW.
 
-Not run in CI. Retrain the shipped model with (about 25 minutes on 2 cores):
+Not run in CI. The exact command that made the shipped weights is in
+``paged_lib/data/tiny-code-llama/README.md``; a plain retrain is
 
     .venv/bin/python tools/train_tiny_model.py --minutes 22 --out paged_lib/data/tiny-code-llama
 
-Training stops at the time budget (``--minutes``) and the learning-rate
-schedule follows the elapsed fraction of it, so a faster machine simply takes
-more steps. For a step-for-step rerun pass ``--max-steps N`` (N from the
-shipped README): the schedule then follows steps and time is ignored.
+Without ``--max-steps``, training stops at the time budget (``--minutes``) and
+the learning-rate schedule follows the elapsed fraction of it, so a faster
+machine simply takes more steps. With ``--max-steps N`` the schedule follows
+steps (a step-for-step rerun) and ``--minutes`` is only a hard cap.
 """
 
 from __future__ import annotations
@@ -182,9 +183,7 @@ def train(args: argparse.Namespace) -> None:
     model.set_attn_implementation("eager")
     n_params = sum(p.numel() for p in model.parameters())
     print(f"parameters: {n_params:,}", flush=True)
-    opt = torch.optim.AdamW(
-        param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95)
-    )
+    opt = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95))
     gen = torch.Generator().manual_seed(args.seed)
     budget_s = args.minutes * 60
     t0 = time.perf_counter()
@@ -192,14 +191,12 @@ def train(args: argparse.Namespace) -> None:
     while True:
         elapsed = time.perf_counter() - t0
         progress = step / args.max_steps if args.max_steps else elapsed / budget_s
-        if progress >= 1.0:
+        if progress >= 1.0 or elapsed >= budget_s:  # with --max-steps, time is a hard cap
             break
         lr = lr_at(progress, step, cfg)
         for group in opt.param_groups:
             group["lr"] = lr
-        starts = torch.randint(
-            0, len(train_stream) - cfg.seq_len, (cfg.batch_size,), generator=gen
-        )
+        starts = torch.randint(0, len(train_stream) - cfg.seq_len, (cfg.batch_size,), generator=gen)
         batch = windows(train_stream, starts, cfg.seq_len)
         loss = model(input_ids=batch, labels=batch).loss
         opt.zero_grad(set_to_none=True)
@@ -208,6 +205,8 @@ def train(args: argparse.Namespace) -> None:
         opt.step()
         recent = (recent + [loss.item()])[-50:]
         step += 1
+        if args.checkpoint_every and step % args.checkpoint_every == 0:
+            model.save_pretrained(Path(args.out) / "checkpoint")  # a fallback if cut short
         if step % args.log_every == 0:
             print(
                 f"step {step:6d}  loss {loss.item():.3f}  "
@@ -246,6 +245,7 @@ def save(model, args, cfg, corpus, n_params, step, train_time, train_eval, held_
         "seed": args.seed,
         "minutes": args.minutes,
         "max_steps": args.max_steps,
+        "stopped_by_time": bool(args.max_steps) and step < args.max_steps,
         "threads": args.threads,
         "steps": step,
         "train_minutes": round(train_time / 60, 2),
@@ -257,6 +257,7 @@ def save(model, args, cfg, corpus, n_params, step, train_time, train_eval, held_
     }
     (out / "training.json").write_text(json.dumps(record, indent=2) + "\n")
     print(json.dumps(record["samples"], indent=2))
+    write_readme(out)
 
 
 @torch.no_grad()
@@ -267,11 +268,126 @@ def samples(model, prompts=("def ", "import ", "class "), n_tokens: int = 80) ->
     result = {}
     for prompt in prompts:
         ids = torch.tensor([tok.encode(prompt)])
-        out = model.generate(
-            ids, max_new_tokens=n_tokens, do_sample=False, eos_token_id=None
-        )
+        out = model.generate(ids, max_new_tokens=n_tokens, do_sample=False, eos_token_id=None)
         result[prompt] = tok.decode(out[0].tolist())
     return result
+
+
+def write_readme(out: Path) -> None:
+    """README.md for the model directory, every number taken from training.json."""
+    r = json.loads((out / "training.json").read_text())
+    c = json.loads((out / "config.json").read_text())
+    t = r["train_config"]
+    tokens = r["steps"] * t["batch_size"] * (t["seq_len"] + 1)
+    samples_md = "\n\n".join(f"`{p!r}` →\n\n```text\n{s}\n```" for p, s in r["samples"].items())
+    text = README.format(
+        **c,
+        **r,
+        **t,
+        tokens=tokens,
+        samples_md=samples_md,
+        kv_group=c["num_attention_heads"] // c["num_key_value_heads"],
+        train_files=r["data"]["train"]["files"],
+        train_bytes=r["data"]["train"]["bytes"],
+        held_files=r["data"]["held_out"]["files"],
+        held_bytes=r["data"]["held_out"]["bytes"],
+        skip=", ".join(sorted(SKIP_DIRS)),
+    )
+    (out / "README.md").write_text(text)
+
+
+README = """\
+# tiny-code-llama: a byte-level Llama trained on the Python standard library
+
+The model behind chapters 06-10: small enough to generate on a laptop CPU, trained
+enough that its greedy output looks like Python. Nothing here was downloaded: the
+weights were trained from scratch by `tools/train_tiny_model.py`.
+
+```python
+import torch
+from transformers import LlamaForCausalLM
+from paged_lib.data import TINY_CODE_LLAMA_DIR
+from paged_lib.tokenizer import ByteTokenizer
+
+model = LlamaForCausalLM.from_pretrained(TINY_CODE_LLAMA_DIR)   # offline, fp32
+tok = ByteTokenizer()                                          # one token per byte
+ids = model.generate(torch.tensor([tok.encode("def ")]), max_new_tokens=80, do_sample=False)
+print(tok.decode(ids[0].tolist()))
+```
+
+## Architecture
+
+A plain `transformers.LlamaConfig` (RMSNorm, RoPE, SwiGLU MLP, grouped-query attention):
+
+| field | value |
+|---|---|
+| vocab_size | {vocab_size}: bytes 0-255, BOS {bos_token_id}, EOS {eos_token_id}, padding |
+| hidden_size | {hidden_size} |
+| num_hidden_layers | {num_hidden_layers} |
+| num_attention_heads | {num_attention_heads} |
+| num_key_value_heads | {num_key_value_heads} (GQA: {kv_group} query heads per KV head) |
+| head_dim | {head_dim} |
+| intermediate_size | {intermediate_size} |
+| max_position_embeddings | {max_position_embeddings} (trained on {seq_len} bytes + BOS) |
+| rms_norm_eps | {rms_norm_eps} |
+| rope | {rope_parameters} |
+| tie_word_embeddings | {tie_word_embeddings} |
+
+**Tied embeddings:** `lm_head.weight` *is* `model.embed_tokens.weight`, so
+`model.safetensors` has no `lm_head.weight` entry. A loader that reads the
+safetensors file directly must use the embedding matrix as the output layer;
+one that starts from the loaded `LlamaForCausalLM` can read `model.lm_head.weight`.
+
+**Size:** {parameters:,} parameters, stored as float32 in `model.safetensors`
+({weights_bytes:,} bytes, under the course's 10 MB cap; no pickle files).
+
+## Training data
+
+The `.py` files of the standard library of Python {python}, found at
+`sysconfig.get_paths()["stdlib"]`, sorted by path, skipping files named
+`test_*.py` and directories named {skip}. Each file's bytes are followed
+by EOS and concatenated into one stream.
+
+- train: {train_files} files, {train_bytes:,} bytes
+- held out: {held_files} files, {held_bytes:,} bytes, chosen by {held_out_rule}
+
+A training example is BOS followed by {seq_len} bytes starting at an offset drawn
+uniformly from the train stream (a seeded `torch.Generator`).
+
+## Training
+
+Seed {seed}; {steps} steps of AdamW (betas 0.9/0.95, weight decay {weight_decay} on
+matrices only), batch {batch_size} x {seq_len} bytes (about {tokens:,} tokens seen,
+i.e. less than one pass over the data); learning rate {lr} with {warmup_steps} warmup
+steps, then cosine decay to {min_lr_frac} x over the time budget; gradient norm
+clipped at {grad_clip}. {train_minutes} minutes on {threads} CPU thread(s) of a
+shared 2-core machine (torch {torch}).
+
+| loss, bits per byte (= bits per token) | value |
+|---|---|
+| train ({eval_windows} fixed windows) | {train_loss_bpb} |
+| held out ({eval_windows} fixed windows of the held-out files) | {held_out_loss_bpb} |
+
+Uniform guessing over 256 bytes is 8 bits per byte. `training.json` holds the same
+record in machine-readable form.
+
+## Samples (greedy, 80 new tokens, prompt = BOS + the text)
+
+{samples_md}
+
+## Retrain
+
+```bash
+.venv/bin/python tools/train_tiny_model.py \\
+    --minutes {minutes:g} --threads {threads} --seed {seed} --out paged_lib/data/tiny-code-llama
+```
+
+Training stops at the time budget, so a faster or less busy machine takes more
+steps (and gets a somewhat better model). To repeat this run step for step, add
+`--max-steps {steps}`. Expect small numeric differences on another CPU, BLAS or
+Python version (the training text is *your* Python's standard library).
+Takes at most about 30 minutes on 2 CPU cores; not run in CI.
+"""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -285,6 +401,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=TrainConfig.seq_len)
     p.add_argument("--lr", type=float, default=TrainConfig.lr)
     p.add_argument("--log-every", type=int, default=50)
+    p.add_argument("--checkpoint-every", type=int, default=0, help="save to OUT/checkpoint")
+    p.add_argument(
+        "--readme-only", action="store_true", help="rewrite README.md from training.json"
+    )
     args = p.parse_args(argv)
     if args.minutes <= 0 and not args.max_steps:
         p.error("--minutes must be positive (or pass --max-steps)")
@@ -292,4 +412,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 if __name__ == "__main__":
-    train(parse_args())
+    cli = parse_args()
+    if cli.readme_only:
+        write_readme(Path(cli.out))
+    else:
+        train(cli)
