@@ -1,9 +1,10 @@
 """The model runner: the only part of the engine that touches tensors.
 
 Per step it (1) performs the block copies the scheduler asked for - swap out to the CPU
-pool, swap in, copy-on-write - (2) turns the scheduled sequences into an
-:class:`~paged_lib.model.AttentionMetadata` with :func:`build_metadata`, (3) runs the
-model over the packed new tokens, and (4) returns the logits of each sequence's last
+pool, swap in, and copy-on-write inside the GPU pool (with chapter 08's
+:func:`paged_lib.kernels.copy_blocks.copy_blocks`) - (2) turns the scheduled sequences
+into an :class:`~paged_lib.model.AttentionMetadata` with :func:`build_metadata`, (3) runs
+the model over the packed new tokens, and (4) returns the logits of each sequence's last
 token. The KV caches are allocated once, filled with NaN: a kernel that reads a slot
 nobody wrote turns the output into NaN instead of into a plausible wrong answer.
 """
@@ -15,6 +16,7 @@ from collections.abc import Callable
 import torch
 
 from paged_lib.engine.scheduler import SchedulerOutput
+from paged_lib.kernels.copy_blocks import copy_blocks as copy_blocks_kernel
 from paged_lib.model import AttentionMetadata, TinyLlama
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
@@ -61,10 +63,10 @@ def allocate_kv_caches(model: TinyLlama, num_blocks: int, block_size: int,
             for _ in range(cfg.num_layers)]
 
 
-def copy_blocks(src_caches: KVCaches, dst_caches: KVCaches,
+def swap_blocks(src_caches: KVCaches, dst_caches: KVCaches,
                 pairs: list[tuple[int, int]]) -> None:
-    """Copy whole blocks ``src -> dst`` for every layer (swap between pools, or
-    copy-on-write inside one pool)."""
+    """Copy whole blocks ``src -> dst`` from one pool to the other, every layer (swap
+    out: GPU to CPU; swap in: CPU to GPU)."""
     if not pairs:
         return
     device = src_caches[0][0].device
@@ -93,9 +95,11 @@ class ModelRunner:
     @torch.no_grad()
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
         """Logits ``[num_scheduled_seqs, vocab_size]`` (fp32) of each sequence's last token."""
-        copy_blocks(self.kv_caches, self.cpu_kv_caches, out.swap_out)  # before reuse
-        copy_blocks(self.cpu_kv_caches, self.kv_caches, out.swap_in)
-        copy_blocks(self.kv_caches, self.kv_caches, out.blocks_to_copy)
+        swap_blocks(self.kv_caches, self.cpu_kv_caches, out.swap_out)  # before reuse
+        swap_blocks(self.cpu_kv_caches, self.kv_caches, out.swap_in)
+        if out.blocks_to_copy:  # copy-on-write inside the GPU pool: the chapter-08 kernel
+            copy_blocks_kernel([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches],
+                               out.blocks_to_copy, backend=self.backend)
         if out.is_empty():
             return torch.empty(0, self.model.config.vocab_size)
         seqs = [s.seq for s in out.scheduled]

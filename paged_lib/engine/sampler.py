@@ -24,7 +24,8 @@ def num_samples(sched) -> int:
 
 def sample(logits: torch.Tensor, out: SchedulerOutput) -> list[list[tuple[int, float]]]:
     """``(token, logprob)`` pairs for every scheduled sequence, in ``out.scheduled`` order."""
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    logits = logits.float().cpu()  # small; the requests' generators live on the CPU
+    logprobs = torch.log_softmax(logits, dim=-1)
     result = []
     for row, sched in enumerate(out.scheduled):
         params, k = sched.group.params, num_samples(sched)
