@@ -22,8 +22,8 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> t
     ``block_table[t // block_size]`` at offset ``t % block_size``.
     """
     block_size = cache.shape[1]
-    tokens = torch.arange(seq_len, device=cache.device)
-    blocks = block_table.to(cache.device).long()[tokens // block_size]
+    tokens = torch.arange(seq_len, device=block_table.device)
+    blocks = block_table.long()[tokens // block_size]
     return cache[blocks, tokens % block_size]
 
 
