@@ -48,29 +48,41 @@ def fake_token(seq: Sequence, k: int = 0) -> int:
     return 1000 * (seq.seq_id + 1) + 10 * seq.num_tokens + k
 
 
+def fake_samples(sched, rng: random.Random) -> list[tuple[int, float]]:
+    """One token (n for an n > 1 prefill); a beam's width candidates with random scores."""
+    width = sched.group.params.beam_width
+    if width is not None:
+        return sorted(((fake_token(sched.seq, k), -rng.random()) for k in range(width)),
+                      key=lambda c: -c[1])
+    return [(fake_token(sched.seq, k), -0.5) for k in range(num_samples(sched))]
+
+
 def run(scheduler: Scheduler, runner: FakeRunner, groups, max_steps=10_000):
     for g in groups:
         scheduler.add(g)
     history = []
+    rng = random.Random(0)
     while scheduler.has_unfinished():
         assert len(history) < max_steps, "no progress"
         out = scheduler.schedule()
         assert not out.is_empty(), "nothing scheduled while work remains"
         runner.execute(out)
-        samples = [[(fake_token(s.seq, k), -0.5) for k in range(num_samples(s))]
-                   for s in out.scheduled]
+        samples = [fake_samples(s, rng) for s in out.scheduled]
         history.append(out)
         scheduler.update(out, samples, eos_token_id=None)
     return history
 
 
 def make_groups(specs, seed=0):
-    """``specs``: (prompt_len, max_tokens[, n]) per request."""
+    """``specs``: (prompt_len, max_tokens[, n[, "beam"]]) per request."""
     groups = []
     for i, spec in enumerate(specs):
-        p, m, *n = spec
-        n = n[0] if n else 1
-        params = SamplingParams(m, temperature=1.0 if n > 1 else 0.0, n=n, ignore_eos=True)
+        p, m, *rest = spec
+        n = rest[0] if rest else 1
+        if rest[1:] == ["beam"]:
+            params = SamplingParams(m, beam_width=n)
+        else:
+            params = SamplingParams(m, temperature=1.0 if n > 1 else 0.0, n=n, ignore_eos=True)
         groups.append(SequenceGroup(i, [Sequence(100 + i, list(range(p)))], params))
     return groups
 
@@ -162,8 +174,10 @@ def test_swapped_groups_return_before_new_admissions():
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_random_workloads_never_cross_write_or_leak(mode):
-    """Property test: random mixes of lengths, n > 1 forks and tiny pools, both modes."""
+    """Property test: random mixes of lengths, n > 1 forks, beams (forks and frees every
+    step) and tiny pools, both modes."""
     rng = random.Random(1 if mode == "swap" else 2)
+    beams = 0
     for trial in range(12):
         num_blocks = rng.randint(8, 20)
         specs = []
@@ -171,7 +185,7 @@ def test_random_workloads_never_cross_write_or_leak(mode):
             n = rng.choice([1, 1, 2, 3])
             p, m = rng.randint(1, 10), rng.randint(1, 8)
             if n * (-(-(p + m) // 4)) <= num_blocks:
-                specs.append((p, m, n))
+                specs.append((p, m, n, "beam") if rng.random() < 0.3 else (p, m, n))
         if not specs:
             continue
         bm, sched, runner = engine_parts(num_blocks, num_cpu_blocks=64 if mode == "swap"
@@ -179,8 +193,10 @@ def test_random_workloads_never_cross_write_or_leak(mode):
                                          max_num_seqs=rng.randint(2, 8))
         groups = make_groups(specs)
         run(sched, runner, groups)
-        for g, (_p, m, n) in zip(groups, specs, strict=True):
+        beams += sum(len(s) == 4 for s in specs)
+        for g, (_p, m, n, *_) in zip(groups, specs, strict=True):
             assert len(g.seqs) == n and all(len(s.output_token_ids) == m for s in g.seqs)
         assert bm.num_free_blocks == num_blocks, f"trial {trial}: leaked blocks"
         if bm.cpu is not None:
             assert bm.cpu.num_free == 64
+    assert beams > 0
