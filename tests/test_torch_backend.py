@@ -94,3 +94,31 @@ def test_empty_batch():
     q, k, v, tables, lens = _case(4, 2, 64, 8, torch.float32, seed=4)
     out = paged_attention_torch(q[:0], k, v, tables[:0], lens[:0], 0.125)
     assert out.shape == (0, 4, 64)
+
+
+def test_merge_partials_is_softmax_over_all_parts():
+    """The one merge: parts of a sequence combine to the softmax over all their scores."""
+    from paged_lib.kernels.torch_backend import merge_partials
+
+    g = torch.Generator().manual_seed(5)
+    scores = torch.randn(7, 3, generator=g, dtype=torch.float64) * 5  # 7 tokens, 3 heads
+    values = torch.randn(7, 3, 4, generator=g, dtype=torch.float64)
+    cuts = [(0, 2), (2, 3), (3, 7)]  # three parts of one sequence
+    outs, lses = [], []
+    for a, b in cuts:
+        p = torch.softmax(scores[a:b], dim=0)
+        outs.append(torch.einsum("th,thd->hd", p, values[a:b]))
+        lses.append(torch.logsumexp(scores[a:b], dim=0))
+    outs.append(torch.full((3, 4), float("nan"), dtype=torch.float64))  # an empty part
+    lses.append(torch.full((3,), float("-inf"), dtype=torch.float64))
+    # Sequence 0: the four parts; sequence 1: none; sequence 2: one empty part.
+    out = torch.stack(outs + [torch.zeros(3, 4, dtype=torch.float64)])
+    lse = torch.stack(lses + [torch.full((3,), float("-inf"), dtype=torch.float64)])
+    owner = torch.tensor([0, 0, 0, 0, 2])
+    merged = merge_partials(out, lse, owner, 3)
+    expected = torch.einsum("th,thd->hd", torch.softmax(scores, dim=0), values)
+    torch.testing.assert_close(merged[0], expected, atol=1e-12, rtol=1e-12)
+    assert (merged[1:] == 0).all()  # no part, or only empty ones: zeros, not NaN
+    base2 = merge_partials(out, lse / torch.log(torch.tensor(2.0, dtype=torch.float64)), owner,
+                           3, base=2.0)
+    torch.testing.assert_close(base2, merged, atol=1e-12, rtol=1e-12)
