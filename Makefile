@@ -18,6 +18,7 @@ help:
 	@echo "make grade      grade your exercises (CHAPTER=03 for one chapter)"
 	@echo "make exercises  regenerate exercises/ from solutions/ (course authors)"
 	@echo "make execute    re-execute notebooks/ and solutions/ in place (course authors)"
+	@echo "make gpu-check  on a CUDA GPU: kernel tests, correctness and bandwidth sweeps -> reports/"
 
 venv: $(STAMP)
 
@@ -64,3 +65,7 @@ execute: $(STAMP)
 
 clean:
 	rm -rf $(VENV) test-artifacts .pytest_cache .ruff_cache .hypothesis
+
+.PHONY: gpu-check
+gpu-check: $(STAMP)
+	$(BIN)/python -m paged_lib.gpu_check
