@@ -6,7 +6,7 @@ import torch
 import paged_lib  # noqa: F401  # isort: split
 from paged_lib.engine import LLMEngine
 from paged_lib.engine.static_batching import StaticBatchingEngine
-from paged_lib.engine.trace import simulated_blocks, trace_requests
+from paged_lib.engine.trace import arrival_steps, simulated_blocks, trace_requests
 from paged_lib.model import TinyLlama, TinyLlamaConfig
 from paged_lib.workloads import alpaca_like, shrink
 
@@ -83,3 +83,19 @@ def test_engine_blocks_per_step_equal_the_simulator_shifted_by_one_token(model):
     unshifted, _ = simulated_blocks([r._replace(prompt_len=r.prompt_len + 1) for r in trace],
                                     40, 4)
     assert unshifted != engine.stats.blocks_used
+
+
+def test_with_arrivals_the_engine_still_matches_the_simulator(model):
+    trace = [r._replace(prompt_len=max(2, r.prompt_len))
+             for r in shrink(alpaca_like(20, seed=4, rate=0.25), 2)]
+    prompts, params = trace_requests(trace, model.config.vocab_size)
+    engine = LLMEngine(model, num_blocks=24, block_size=4, watermark=0.0,
+                       max_num_seqs=10**6, max_num_batched_tokens=10**6)
+    arrivals = arrival_steps(trace)
+    engine.generate(prompts, params, arrival_steps=arrivals)
+    blocks, preemptions = simulated_blocks(trace, 24, 4, with_arrivals=True)
+    assert engine.stats.blocks_used == blocks
+    assert engine.stats.preemptions == preemptions > 0
+    assert [t.arrival_step for t in engine.stats.requests] == arrivals
+    assert all(t.admitted_steps[0] >= t.arrival_step for t in engine.stats.requests)
+    assert "idle" in engine.stats.step_kinds  # the trace starts (or pauses) with no one

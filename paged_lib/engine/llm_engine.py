@@ -157,31 +157,50 @@ class LLMEngine:
         return finished
 
     def generate(self, prompts: list[list[int]],
-                 params: SamplingParams | list[SamplingParams]) -> list[RequestOutput]:
+                 params: SamplingParams | list[SamplingParams],
+                 arrival_steps: list[int] | None = None) -> list[RequestOutput]:
         """Serve every prompt to the end; one :class:`RequestOutput` per prompt, in order.
 
-        All requests arrive at step 0. Input is checked first (a ``ValueError`` names the
-        bad request and nothing runs). A request too big for the whole pool comes back
-        with ``error`` set and no outputs, while the others run.
+        Request ``i`` joins the waiting queue at step ``arrival_steps[i]`` (default: all at
+        step 0); a step with nothing to run is recorded as ``"idle"``. Input is checked
+        first (a ``ValueError`` names the bad request and nothing runs). A request too big
+        for the whole pool comes back with ``error`` set and no outputs, while the others
+        run.
         """
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
+        arrivals = [0] * len(prompts) if arrival_steps is None else list(arrival_steps)
+        if len(arrivals) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(arrivals)} arrival steps")
         prompts = [list(p) for p in prompts]
-        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        for i, (prompt, p, t) in enumerate(zip(prompts, params, arrivals, strict=True)):
             self._check_request(i, prompt, p)
+            if not isinstance(t, int) or t < 0:
+                raise ValueError(f"request {i}: arrival step must be an int >= 0, got {t!r}")
         self.stats = EngineStats(num_blocks=self.num_blocks, block_size=self.block_size)
-        groups = [self.add_request(i, p, sp) for i, (p, sp) in
-                  enumerate(zip(prompts, params, strict=True))]
-        self.stats.requests = [g.timeline for g in groups]
+        self.scheduler.step = 0
+        groups: list[SequenceGroup | None] = [None] * len(prompts)
+        order = sorted(range(len(prompts)), key=lambda i: arrivals[i])  # stable: FCFS
         # bounded: every step produces a token, except steps redone after a preemption
-        limit = 4 * sum(len(p) + sp.max_tokens * sp.num_seqs
-                        for p, sp in zip(prompts, params, strict=True)) + 16
-        while self.scheduler.has_unfinished():
-            if self.stats.steps >= limit:
+        limit = max(arrivals, default=0) + 4 * sum(
+            len(p) + sp.max_tokens * sp.num_seqs for p, sp in zip(prompts, params, strict=True))
+        nxt = 0
+        while nxt < len(order) or self.scheduler.has_unfinished():
+            while nxt < len(order) and arrivals[order[nxt]] <= self.scheduler.step:
+                i = order[nxt]
+                groups[i] = self.add_request(i, prompts[i], params[i])
+                groups[i].timeline.arrival_step = arrivals[i]
+                nxt += 1
+            if self.stats.steps > limit:
                 raise RuntimeError(f"no progress after {limit} steps (a scheduling bug?)")
-            self.step()
+            if self.scheduler.has_unfinished():
+                self.step()
+            else:  # nobody to run until the next arrival
+                self.stats.record_step("idle", 0, self.block_manager.num_used_blocks, 0, 0)
+                self.scheduler.step += 1
+        self.stats.requests = [g.timeline for g in groups]
         return [self._output(g) for g in groups]
 
     @staticmethod

@@ -174,7 +174,7 @@ class EngineStats:
     * ``blocks_used`` - GPU blocks held after the step's allocations;
     * ``step_kinds`` - ``"prefill"`` if the step admitted (or re-admitted) anything,
       else ``"decode"`` (a prefill step also decodes the running sequences, as in Orca's
-      iteration-level scheduling);
+      iteration-level scheduling); ``"idle"`` when nothing had arrived yet;
     * ``tokens_per_step`` - tokens generated (sampled) in the step;
     * ``computed_tokens`` - tokens run through the model (prompt tokens count here);
     * ``requests`` - one :class:`RequestTimeline` per prompt, in prompt order.

@@ -16,11 +16,12 @@ preemption count. The engine and the simulator agree exactly, under one rule:
 :func:`simulated_blocks` applies that shift, so its numbers are comparable one for one
 with ``LLMEngine.stats.blocks_used`` and ``stats.preemptions``, for an engine that
 admits like the simulator: recompute preemption, no watermark, no limits on sequences
-or tokens per step, every request arriving at step 0.
+or tokens per step, requests arriving at step 0 or at :func:`arrival_steps`.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -39,19 +40,27 @@ def trace_requests(requests: Sequence[Request], vocab_size: int, seed: int = 0
     return prompts, params
 
 
-def simulated_blocks(requests: Sequence[Request], num_blocks: int, block_size: int
-                     ) -> tuple[list[int], int]:
+def arrival_steps(requests: Sequence[Request]) -> list[int]:
+    """The step each request joins the queue: the first whole step at or after its
+    arrival, as in the simulator (``LLMEngine.generate(..., arrival_steps=...)``)."""
+    return [max(0, math.ceil(r.arrival)) for r in requests]
+
+
+def simulated_blocks(requests: Sequence[Request], num_blocks: int, block_size: int,
+                     with_arrivals: bool = False) -> tuple[list[int], int]:
     """(blocks in use at each step, preemptions) the simulator predicts for the engine.
 
-    Every request is taken as arriving at step 0, with its prompt one token shorter (the
-    rule in the module docstring); prompts must be at least 2 tokens long.
+    Prompts are taken one token shorter (the rule in the module docstring), so they must
+    be at least 2 tokens long. Every request arrives at step 0 unless ``with_arrivals``
+    (then compare with an engine given :func:`arrival_steps`).
     """
     shifted = []
     for i, r in enumerate(requests):
         if r.prompt_len < 2:
             raise ValueError(f"request {i}: the comparison needs prompts of >= 2 tokens, "
                              f"got {r.prompt_len}")
-        shifted.append(Request(r.prompt_len - 1, r.output_len, 0.0))
+        shifted.append(Request(r.prompt_len - 1, r.output_len,
+                               r.arrival if with_arrivals else 0.0))
     tl = simulate_timeline(shifted, "paged", num_blocks * block_size, block_size,
                            max_len=max(r.final_len for r in requests), record=True)
     per_step = np.zeros(tl.num_steps, dtype=np.int64)
