@@ -110,3 +110,33 @@ def test_converters_are_inverse_and_describe_the_same_slots(batch, extra_width):
     assert slots_padded(*padded, bs) == slots_csr(*csr, bs)
     last = csr[2].tolist()
     assert all((1 <= x <= bs) if n else x == 0 for x, n in zip(last, lens, strict=True))
+
+
+def test_demo_batch_is_built_from_real_block_tables():
+    import paged_lib  # noqa: F401
+    from paged_lib.decode_batch import demo_batch
+    from paged_lib.kernels import paged_attention
+    from paged_lib.kernels.reference import ref_paged_attention
+
+    case, tables = demo_batch(seq_lens=(20, 25, 37), fork_at=16, num_heads=4, head_dim=16)
+    assert case.block_tables.tolist() == [[*t.blocks, *[-1] * (3 - len(t.blocks))]
+                                          for t in tables]
+    alloc = tables[0].allocator
+    shared = set(tables[0].blocks) & set(tables[1].blocks)
+    assert shared == {tables[0].blocks[0]} and alloc.refcount(tables[0].blocks[0]) == 2
+    for t, n in zip(tables, case.seq_lens.tolist(), strict=True):
+        assert t.num_tokens == n
+        if n % 16:  # a partly filled last block is never shared
+            assert alloc.refcount(t.blocks[-1]) == 1
+    written = sum(int(n) for n in case.seq_lens) - 16  # the shared block is written once
+    assert int((~case.k_cache.isnan().any(-1).any(-1)).sum()) == written
+    ref = ref_paged_attention(case.q, case.k_cache, case.v_cache,
+                              case.block_tables.clamp(min=0), case.seq_lens)
+    torch.testing.assert_close(paged_attention(*case, backend="torch"), ref)
+
+
+def test_demo_batch_refuses_a_fork_inside_a_block():
+    from paged_lib.decode_batch import demo_batch
+
+    with pytest.raises(ValueError, match="multiple of block_size"):
+        demo_batch(fork_at=10)

@@ -93,3 +93,27 @@ def test_bench_cli_parses(capsys, monkeypatch):
         bench.main(["nothing"])
     with pytest.raises(SystemExit):
         bench.main(["attention", "--fast"])
+
+
+def test_slot_status_and_pictures_of_chapter_05():
+    from paged_lib.decode_batch import demo_batch
+    from paged_lib.device import interpreter_on
+    from paged_lib.viz import gpu
+
+    assert gpu.decode_intensity(8) == 8.0 and gpu.decode_intensity(1, dtype_bytes=4) == 0.5
+    assert gpu.prefill_intensity(512, 4) == 2048.0
+    for fig in (gpu.plot_roofline(), viz_kernel.plot_gqa_tile(3, 80, 16, 5),
+                viz_kernel.plot_slot_mapping([2, 0], [5, 3], 4, 3),
+                viz_kernel.plot_prefill_mask(5, 3, 4)):
+        assert isinstance(fig, Figure)
+    if not interpreter_on():
+        return
+    case, _ = demo_batch(seq_lens=(5, 17, 9), fork_at=0, num_heads=2, num_kv_heads=1,
+                         head_dim=16, block_size=8, num_blocks=8)
+    status = viz_kernel.traced_slot_status(case, tile_n=16)
+    assert sorted(status) == [(0, 0), (1, 0), (2, 0)]
+    for (seq, _), entry in status.items():
+        n = int(case.seq_lens[seq])
+        assert entry["status"][:n] == [viz_kernel.READ] * n
+        assert viz_kernel.READ_PAST_END not in entry["status"] and entry["outside"] == 0
+    assert isinstance(viz_kernel.plot_slot_status(status, 8, case.seq_lens), Figure)

@@ -15,11 +15,14 @@ from paged_lib.kernels.triton_split import split_len
 
 def _programs_per_block(seq_lens: Sequence[int], block_size: int, num_splits: int,
                         tile_n: int) -> dict[tuple[int, int], int]:
-    """(sequence, logical block) -> split index of the program that reads it."""
-    max_len = max(seq_lens)
-    tokens = split_len(max_len, num_splits, tile_n) if num_splits > 1 else max_len
+    """(sequence, logical block) -> split index of the program that reads its first slot.
+
+    As the kernel splits: each sequence on its own, ``split_len(seq_len, ...)`` tokens per
+    segment (whole tiles), so a short sequence may use fewer segments than ``num_splits``.
+    """
     owner = {}
     for s, n in enumerate(seq_lens):
+        tokens = split_len(n, num_splits, tile_n) if num_splits > 1 else max(n, 1)
         for b in range(math.ceil(n / block_size)):
             owner[(s, b)] = min(b * block_size // tokens, num_splits - 1)
     return owner
@@ -172,3 +175,195 @@ def plot_bench(rows: list[dict], peak_gbs: float | None = None) -> Figure:
         ax.invert_yaxis()
     fig.tight_layout()
     return fig
+
+
+def plot_gqa_tile(group: int, head_dim: int, tile_n: int, valid_tokens: int) -> Figure:
+    """One iteration of the decode kernel: query tile x K tile -> score tile.
+
+    The query tile is ``[GROUP_PAD, HEAD_PAD]`` (the group's query heads, padded to a
+    power of two and at least 16, as ``tl.dot`` wants); the K tile ``[TILE_N, HEAD_PAD]``.
+    Shaded: padded heads, padded dimensions and tokens past the sequence's end (masked:
+    never loaded); the score tile shows which scores are real.
+    """
+    import numpy as np
+    from matplotlib.colors import ListedColormap
+
+    group_pad = max(16, 1 << (group - 1).bit_length())
+    head_pad = max(16, 1 << (head_dim - 1).bit_length())
+    q = np.zeros((group_pad, head_pad))
+    q[group:, :] = 1
+    q[:, head_dim:] = 2
+    k = np.zeros((tile_n, head_pad))
+    k[valid_tokens:, :] = 3
+    k[:, head_dim:] = 2
+    s = np.zeros((group_pad, tile_n))
+    s[group:, :] = 1
+    s[:, valid_tokens:] = 3
+    cmap = ListedColormap(["tab:blue", "lightgray", "wheat", "mistyrose"])
+    fig, axes = plt.subplots(1, 3, figsize=(11, 3.4),
+                             gridspec_kw={"width_ratios": [3, 3, 2]})
+    titles = [f"q tile [GROUP_PAD={group_pad}, HEAD_PAD={head_pad}]",
+              f"K tile [TILE_N={tile_n}, HEAD_PAD={head_pad}]",
+              f"scores = q @ K^T [{group_pad}, {tile_n}]"]
+    for ax, data, title in zip(axes, (q, k, s), titles, strict=True):
+        ax.imshow(data, cmap=cmap, vmin=0, vmax=3, aspect="auto", interpolation="nearest")
+        ax.set_title(title, fontsize=9)
+        ax.set_xticks([])
+        ax.set_yticks([])
+    axes[0].set_ylabel(f"{group} real query heads")
+    axes[1].set_ylabel(f"{valid_tokens} valid tokens")
+    handles = [Rectangle((0, 0), 1, 1, color=c) for c in cmap.colors]
+    fig.legend(handles, ["real", "padded head (masked)", f"padded dim ({head_dim}->{head_pad})",
+                         "token past seq_len (masked)"], loc="lower center", ncol=4, fontsize=8)
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
+    return fig
+
+
+#: Codes of :func:`slot_status`: what a program did with each slot of its sequence.
+UNTOUCHED, MASKED, READ, READ_PAST_END = 0, 1, 2, 3
+
+
+def slot_status(trace, cache: torch.Tensor, block_tables: torch.Tensor,
+                seq_lens: torch.Tensor) -> dict[tuple[int, int], dict]:
+    """Per program (sequence, KV head): its sequence's slots, read or masked, from a trace.
+
+    ``trace`` is a :class:`~paged_lib.grading.load_trace.LoadTrace` of a decode launch
+    with one program per (sequence, KV head). Returns, per program, ``"status"``: a list
+    over the logical positions of its block table (``max_blocks * block_size``) with
+    :data:`UNTOUCHED`, :data:`MASKED`, :data:`READ` or :data:`READ_PAST_END`, and
+    ``"outside"``: how many elements it read from blocks not in its table. A masked lane
+    counts only past the sequence's end (a kernel that loads its block id with
+    ``other=0`` gives masked lanes block 0's addresses, which mean nothing).
+    """
+    block_size = cache.shape[1]
+    width = block_tables.shape[1] * block_size
+    out: dict[tuple[int, int], dict] = {}
+    for read in trace.reads_of(cache):
+        seq, head = read.program[:2]
+        row = block_tables[seq].tolist()
+        n = int(seq_lens[seq])
+        used = row[:-(-n // block_size)]
+        entry = out.setdefault((seq, head), {"status": [UNTOUCHED] * width, "outside": 0})
+        for (blk, slot, _, _), on in zip(read.index.tolist(), read.mask.tolist(), strict=True):
+            if blk not in used:
+                entry["outside"] += int(on)
+                continue
+            pos = used.index(blk) * block_size + slot
+            if not on and pos < n:  # a masked lane's address is often just `other`: noise
+                continue
+            code = (READ if pos < n else READ_PAST_END) if on else MASKED
+            entry["status"][pos] = max(entry["status"][pos], code)
+    return out
+
+
+def plot_slot_status(status: dict[tuple[int, int], dict], block_size: int,
+                     seq_lens: Sequence[int] | torch.Tensor) -> Figure:
+    """A row per program: each slot of its block table read (green), read past the
+    sequence's end (red), masked (gray) or never touched (white); block edges dashed."""
+    import numpy as np
+    from matplotlib.colors import ListedColormap
+
+    keys = sorted(status)
+    grid = np.array([status[k]["status"] for k in keys])
+    fig, ax = plt.subplots(figsize=(10, 0.9 + 0.4 * len(keys)))
+    cmap = ListedColormap(["white", "lightgray", "tab:green", "tab:red"])
+    ax.imshow(grid, cmap=cmap, vmin=0, vmax=3, aspect="auto", interpolation="nearest")
+    for x in range(block_size, grid.shape[1], block_size):
+        ax.axvline(x - 0.5, color="k", ls="--", lw=0.6)
+    lens = [int(n) for n in (seq_lens.tolist() if isinstance(seq_lens, torch.Tensor)
+                             else seq_lens)]
+    ax.set_yticks(range(len(keys)))
+    ax.set_yticklabels([f"seq {s}, kv_head {h} (len {lens[s]})"
+                        + (f", {status[(s, h)]['outside']} outside" if status[(s, h)]["outside"]
+                           else "") for s, h in keys], fontsize=8)
+    ax.set_xlabel("logical slot of the sequence's block table (dashed: block edges)")
+    handles = [Rectangle((0, 0), 1, 1, facecolor=c, edgecolor="k", lw=0.3) for c in cmap.colors]
+    ax.legend(handles, ["never touched", "masked (not read)", "read", "read past the end"],
+              loc="upper center", bbox_to_anchor=(0.5, -0.35 if len(keys) < 4 else -0.15),
+              ncol=4, fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def plot_slot_mapping(block_table: Sequence[int], positions: Sequence[int],
+                      block_size: int, num_blocks: int) -> Figure:
+    """The write path: new tokens at ``positions`` of one sequence -> slots of the cache.
+
+    ``slot = block_table[pos // block_size] * block_size + pos % block_size``; the cache is
+    drawn as one strip of ``num_blocks * block_size`` slots, as the write kernel sees it.
+    """
+    fig, ax = plt.subplots(figsize=(10, 2.6))
+    total = num_blocks * block_size
+    for b in range(num_blocks):
+        ax.add_patch(Rectangle((b * block_size, 0), block_size, 1, fill=False, lw=1.2))
+        ax.text(b * block_size + block_size / 2, -0.35, f"block {b}", ha="center", fontsize=8)
+    for i, pos in enumerate(positions):
+        block = block_table[pos // block_size]
+        slot = block * block_size + pos % block_size
+        ax.add_patch(Rectangle((slot, 0), 1, 1, color="tab:orange"))
+        x_tok = (i + 0.5) * total / max(len(positions), 1)
+        ax.add_patch(FancyArrowPatch((x_tok, 2.2), (slot + 0.5, 1.0), arrowstyle="-|>",
+                                     mutation_scale=10, color="k", alpha=0.7))
+        ax.text(x_tok, 2.35, f"pos {pos}\n-> slot {slot}", ha="center", fontsize=8)
+    ax.set_xlim(-1, total + 1)
+    ax.set_ylim(-0.7, 3.0)
+    ax.set_title(f"slot = block_table[pos // {block_size}] * {block_size} + pos % {block_size}"
+                 f", block table {list(block_table)}", fontsize=9)
+    ax.axis("off")
+    fig.tight_layout()
+    return fig
+
+
+def plot_prefill_mask(context_len: int, query_len: int, block_size: int) -> Figure:
+    """Paged prefill's causal mask: new token ``i`` sees positions ``0 .. context + i``.
+
+    Rows: the new tokens; columns: every position (cached context, then the new tokens),
+    with block edges dashed. The kernel skips whole blocks right of a row's last position.
+    """
+    import numpy as np
+
+    total = context_len + query_len
+    mask = np.zeros((query_len, total))
+    for i in range(query_len):
+        mask[i, :context_len + i + 1] = 1
+        mask[i, :context_len] = 0.6
+    fig, ax = plt.subplots(figsize=(8, 0.8 + 0.3 * query_len))
+    ax.imshow(mask, cmap="Blues", vmin=0, vmax=1, aspect="auto", interpolation="nearest")
+    for x in range(block_size, total, block_size):
+        ax.axvline(x - 0.5, color="k", ls="--", lw=0.6)
+    ax.axvline(context_len - 0.5, color="tab:red", lw=1.5)
+    ax.set_xlabel(f"position (left of the red line: {context_len} cached tokens; dashed: "
+                  f"blocks of {block_size})")
+    ax.set_ylabel("new token")
+    ax.set_title("paged prefill: causal over cached context + new tokens", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def traced_slot_status(case, tile_n: int = 32, num_splits: int = 1
+                       ) -> dict[tuple[int, int], dict]:
+    """Run the library's decode kernel on ``case`` under the load tracer; its slot status.
+
+    Interpreter only (the trace sees interpreted loads); ``case`` is a
+    :class:`~paged_lib.kernels.cases.DecodeCase` on the CPU.
+    """
+    from paged_lib.grading.load_trace import trace_loads
+    from paged_lib.kernels.triton_decode import paged_attention_triton
+
+    q, k_cache, v_cache, block_tables, seq_lens, scale = case
+    with trace_loads() as trace:
+        paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale,
+                               num_splits=num_splits, tile_n=tile_n)
+    return slot_status(trace, k_cache, block_tables, seq_lens)
+
+
+def read_explorer(case):  # pragma: no cover - interactive; traced_slot_status is tested
+    """A widget: pick TILE_N and the split count, see which slots each program read."""
+    import ipywidgets as w
+
+    def show(tile_n: int, num_splits: int) -> None:
+        status = traced_slot_status(case, tile_n, num_splits)
+        plt.show(plot_slot_status(status, case.k_cache.shape[1], case.seq_lens))
+
+    return w.interactive(show, tile_n=w.Dropdown(options=[16, 32, 64], value=32),
+                         num_splits=w.Dropdown(options=[1, 2, 3], value=1))
