@@ -99,3 +99,20 @@ def test_with_arrivals_the_engine_still_matches_the_simulator(model):
     assert [t.arrival_step for t in engine.stats.requests] == arrivals
     assert all(t.admitted_steps[0] >= t.arrival_step for t in engine.stats.requests)
     assert "idle" in engine.stats.step_kinds  # the trace starts (or pauses) with no one
+
+
+def test_preemption_tradeoff_rows(model):
+    from paged_lib.accounting import kv_bytes_per_token
+    from paged_lib.engine.trace import preemption_tradeoff
+
+    rows = preemption_tradeoff(model, alpaca_like(10, seed=0, max_len=80), 160, [4, 16])
+    assert [(r["block_size"], r["mode"]) for r in rows] == [
+        (4, "swap"), (4, "recompute"), (16, "swap"), (16, "recompute")]
+    per_token = kv_bytes_per_token(model.config)
+    for r in rows:
+        assert r["preemptions"] > 0
+        if r["mode"] == "swap":
+            assert r["recomputed_tokens"] == 0 and r["swapped_blocks"] > 0
+            assert r["swapped_bytes"] == r["swapped_blocks"] * r["block_size"] * per_token
+        else:
+            assert r["swapped_blocks"] == 0 and r["recomputed_tokens"] > 0

@@ -67,3 +67,38 @@ def simulated_blocks(requests: Sequence[Request], num_blocks: int, block_size: i
     for a in tl.allocations:
         per_step[a.start:a.end] += a.size // block_size
     return per_step.tolist(), tl.preemptions
+
+
+def preemption_tradeoff(model, requests: Sequence[Request], kv_tokens: int,
+                        block_sizes: Sequence[int], num_cpu_blocks_factor: int = 4,
+                        seed: int = 0) -> list[dict]:
+    """Swap vs recompute on one trace and one KV budget, for each block size (paper §7.3).
+
+    For every block size the same requests run twice on ``kv_tokens // block_size``
+    blocks: once preempting by ``"swap"`` (CPU pool ``num_cpu_blocks_factor`` times
+    bigger), once by ``"recompute"``. Each row: ``block_size``, ``mode``, ``steps``,
+    ``preemptions``, ``swapped_blocks``, ``swapped_bytes`` (K and V, all layers, both
+    directions), ``recomputed_tokens`` and ``seconds`` (wall clock: varies by machine).
+    """
+    from time import perf_counter
+
+    from paged_lib.accounting import kv_bytes_per_token
+    from paged_lib.engine.llm_engine import LLMEngine
+
+    prompts, params = trace_requests(requests, model.config.vocab_size, seed)
+    rows = []
+    for bs in block_sizes:
+        num_blocks = kv_tokens // bs
+        for mode in ("swap", "recompute"):
+            engine = LLMEngine(model, num_blocks, bs, preemption=mode,
+                               num_cpu_blocks=num_cpu_blocks_factor * num_blocks
+                               if mode == "swap" else 0)
+            start = perf_counter()
+            engine.generate(prompts, params)
+            s = engine.stats
+            rows.append({"block_size": bs, "mode": mode, "steps": s.steps,
+                         "preemptions": s.preemptions, "swapped_blocks": s.swapped_blocks,
+                         "swapped_bytes": s.swapped_blocks * bs * kv_bytes_per_token(model.config),
+                         "recomputed_tokens": s.recomputed_tokens,
+                         "seconds": perf_counter() - start})
+    return rows
