@@ -13,7 +13,22 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import paged_lib  # noqa: F401  # isort: split
 from paged_lib.accounting import kv_bytes_per_token
-from paged_lib.model import AttentionMetadata, TinyLlama, TinyLlamaConfig
+from paged_lib.model import (
+    TINY_CODE_LLAMA_DIR,
+    AttentionMetadata,
+    TinyLlama,
+    TinyLlamaConfig,
+    load_tiny_code_llama,
+)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matmuls: a second intra-op thread only adds contention on a shared CPU."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def tiny_hf(tie: bool = False, seed: int = 0) -> LlamaForCausalLM:
@@ -100,3 +115,14 @@ def test_bad_folder_and_biases_are_refused(tmp_path):
     d = tiny_hf().config.to_dict() | {"attention_bias": True}
     with pytest.raises(ValueError, match="bias"):
         TinyLlamaConfig.from_hf_dict(d)
+
+
+@torch.no_grad()
+@pytest.mark.skipif(not (TINY_CODE_LLAMA_DIR / "model.safetensors").is_file(),
+                    reason="the shipped model has not been trained into the repo yet")
+def test_shipped_model_loads_without_transformers_and_matches_it():
+    model = load_tiny_code_llama()
+    hf = LlamaForCausalLM.from_pretrained(TINY_CODE_LLAMA_DIR).float().eval()
+    ids = list(b"def main():\n    ")
+    got = run_paged(model, ids, split=10, block_size=16)
+    assert torch.allclose(got, hf(torch.tensor([ids])).logits[0], atol=1e-4)
