@@ -203,3 +203,16 @@ def test_teaching_hooks_are_used(model, prompts, reference):
     engine = LLMEngine(model, 64, 4, build_metadata=my_build_metadata, admission=my_can_admit)
     assert_matches(engine.generate(prompts[:2], SamplingParams(MAX_TOKENS)), reference, [0, 1])
     assert calls["meta"] == MAX_TOKENS and calls["admit"] >= 2
+
+
+def test_swap_falls_back_to_recompute_when_the_cpu_pool_is_full(model, prompts, reference):
+    engine = LLMEngine(model, num_blocks=12, block_size=4, preemption="swap",
+                       num_cpu_blocks=4, watermark=0.0)  # room for one victim of two
+    outs = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))
+    assert_matches(outs, reference)
+    s = engine.stats
+    assert s.swapped_blocks > 0 and s.recomputed_tokens > 0  # both kinds happened
+    assert_all_free(engine)
+    # and the same engine serves a second batch from a clean state
+    assert_matches(engine.generate(prompts[:2], SamplingParams(MAX_TOKENS)), reference, [0, 1])
+    assert engine.stats.requests[0].arrival_step == 0 and engine.stats.steps == MAX_TOKENS
