@@ -40,9 +40,7 @@ class ByteTokenizer:
             )
         return self.encode_bytes(text.encode("utf-8"), add_bos=add_bos, add_eos=add_eos)
 
-    def encode_bytes(
-        self, data: bytes, add_bos: bool = True, add_eos: bool = False
-    ) -> list[int]:
+    def encode_bytes(self, data: bytes, add_bos: bool = True, add_eos: bool = False) -> list[int]:
         """Raw bytes as ids (any bytes, not only valid UTF-8)."""
         if not isinstance(data, bytes | bytearray):
             raise ValueError(f"encode_bytes expects bytes, got {type(data).__name__}")
@@ -76,8 +74,7 @@ class ByteTokenizer:
                 value = operator.index(i)  # int, numpy / torch integer scalars
             except TypeError:
                 raise ValueError(
-                    f"token id at position {pos} is {i!r} ({type(i).__name__}); "
-                    "expected an int"
+                    f"token id at position {pos} is {i!r} ({type(i).__name__}); expected an int"
                 ) from None
             if not 0 <= value < self.vocab_size:
                 raise ValueError(
