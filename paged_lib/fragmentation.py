@@ -30,27 +30,33 @@ Policies (``POLICIES``):
 * ``static-max``: FasterTransformer-like static batching: ``capacity // max_len`` batch
   slots of ``max_len`` each; a batch runs until its longest request ends.
 * ``orca-max`` / ``orca-pow2`` / ``orca-oracle``: iteration-level batching (Orca); each
-  request reserves one contiguous chunk of ``max_len``, the next power of two of its final
-  length, or exactly its final length, first-fit in a linear address space.
+  request reserves one contiguous chunk, first-fit in a linear address space: ``max_len``;
+  its prompt plus its output length rounded up to a power of two (the paper's §6.1: "if
+  the true output length is 25, it reserves 32 positions for outputs"; at most
+  ``max_len``); or exactly its final length.
 * ``buddy``: the oracle length reserved from a binary buddy allocator (the paper's own Orca
   implementation assumes one); the round-up to a power of two is internal fragmentation.
 * ``paged``: vLLM: ``block_size``-token blocks allocated on demand from a free list; when a
   running request needs a block and none is free, the most recently admitted request is
   preempted (recompute: its blocks are freed and it waits at the head of the queue).
+
+The contiguous allocators live in :mod:`paged_lib.contiguous`; the memory-map picture
+(which request held which slot at each step) in :mod:`paged_lib.viz.fragmentation`.
 """
 
 from __future__ import annotations
 
-import bisect
 import heapq
 import math
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
 
+from paged_lib.contiguous import Buddy, FirstFit, next_pow2
+from paged_lib.util import cdiv
 from paged_lib.workloads import Request
 
 POLICIES = ("static-max", "orca-max", "orca-pow2", "orca-oracle", "buddy", "paged")
@@ -82,28 +88,29 @@ class Breakdown(NamedTuple):
 # ---------------------------------------------------------------- one request, one step
 
 
-def next_pow2(n: int) -> int:
-    """Smallest power of two >= n (n >= 1)."""
-    return 1 << (int(n) - 1).bit_length()
-
-
 def reservation(policy: str, num_tokens: int, final_len: int, block_size: int = 16,
-                max_len: int = 2048) -> int:
+                max_len: int = 2048, prompt_len: int | None = None) -> int:
     """Slots a request holds under ``policy`` while it stores ``num_tokens`` token states
-    and will end with ``final_len``."""
+    and will end with ``final_len`` (``orca-pow2`` also needs its ``prompt_len``)."""
     if policy in ("static-max", "orca-max"):
         return max_len
-    if policy in ("orca-pow2", "buddy"):
+    if policy == "orca-pow2":
+        if prompt_len is None or not 0 <= prompt_len < final_len:
+            raise ValueError("orca-pow2 reserves the prompt plus the output length rounded "
+                             "up to a power of two: pass prompt_len (0 <= prompt_len < "
+                             f"final_len={final_len}), got {prompt_len!r}")
+        return min(max_len, prompt_len + next_pow2(final_len - prompt_len))
+    if policy == "buddy":
         return next_pow2(final_len)
     if policy == "orca-oracle":
         return final_len
     if policy == "paged":
-        return -(-num_tokens // block_size) * block_size
+        return cdiv(num_tokens, block_size) * block_size
     raise ValueError(f"unknown policy {policy!r}; choose one of {POLICIES}")
 
 
 def request_slots(policy: str, num_tokens: int, final_len: int, block_size: int = 16,
-                  max_len: int = 2048) -> tuple[int, int, int]:
+                  max_len: int = 2048, prompt_len: int | None = None) -> tuple[int, int, int]:
     """(token states, reserved, internal) slots of one running request right now.
 
     Reserved slots are held slots the request will still fill (up to its final length);
@@ -111,80 +118,9 @@ def request_slots(policy: str, num_tokens: int, final_len: int, block_size: int 
     """
     if not 1 <= num_tokens <= final_len:
         raise ValueError(f"need 1 <= num_tokens <= final_len, got {num_tokens} and {final_len}")
-    held = reservation(policy, num_tokens, final_len, block_size, max_len)
+    held = reservation(policy, num_tokens, final_len, block_size, max_len, prompt_len)
     will_use = min(held, final_len)
     return num_tokens, will_use - num_tokens, held - will_use
-
-
-# ---------------------------------------------------------------- allocators
-
-
-class FirstFit:
-    """Contiguous chunks in a linear address space: the first hole that fits wins."""
-
-    def __init__(self, capacity: int):
-        self.capacity = capacity
-        self.holes: list[list[int]] = [[0, capacity]]  # [start, size], sorted by start
-        self.free_slots = capacity
-
-    def alloc(self, size: int) -> tuple[int, int] | None:
-        """(address, slots held) of a new chunk, or None when no hole is big enough."""
-        for i, (start, hole) in enumerate(self.holes):
-            if hole >= size:
-                if hole == size:
-                    del self.holes[i]
-                else:
-                    self.holes[i] = [start + size, hole - size]
-                self.free_slots -= size
-                return start, size
-        return None
-
-    def free(self, addr: int, size: int) -> None:
-        i = bisect.bisect_left(self.holes, [addr, 0])
-        self.holes.insert(i, [addr, size])
-        self.free_slots += size
-        if i + 1 < len(self.holes) and addr + size == self.holes[i + 1][0]:  # merge right
-            self.holes[i][1] += self.holes.pop(i + 1)[1]
-        if i > 0 and self.holes[i - 1][0] + self.holes[i - 1][1] == addr:  # merge left
-            self.holes[i - 1][1] += self.holes.pop(i)[1]
-
-
-class Buddy:
-    """Binary buddy allocator: blocks of 2**k slots aligned to their size; a freed block
-    merges with its buddy (address XOR size) whenever that buddy is free too."""
-
-    def __init__(self, capacity: int):
-        self.capacity = capacity
-        self.free_lists: dict[int, set[int]] = {}
-        self.free_slots = capacity
-        addr = 0
-        for k in range(capacity.bit_length() - 1, -1, -1):  # aligned power-of-two pieces
-            if capacity >> k & 1:
-                self.free_lists.setdefault(k, set()).add(addr)
-                addr += 1 << k
-        self.largest_block = 1 << (capacity.bit_length() - 1)
-
-    def alloc(self, size: int) -> tuple[int, int] | None:
-        k = (size - 1).bit_length()
-        for j in range(k, self.capacity.bit_length()):
-            if self.free_lists.get(j):
-                addr = min(self.free_lists[j])
-                self.free_lists[j].remove(addr)
-                while j > k:  # split, keep the lower half
-                    j -= 1
-                    self.free_lists.setdefault(j, set()).add(addr + (1 << j))
-                self.free_slots -= 1 << k
-                return addr, 1 << k
-        return None
-
-    def free(self, addr: int, size: int) -> None:
-        k = (size - 1).bit_length()
-        self.free_slots += 1 << k
-        while addr ^ (1 << k) in self.free_lists.get(k, ()):
-            self.free_lists[k].remove(addr ^ (1 << k))
-            addr = min(addr, addr ^ (1 << k))
-            k += 1
-        self.free_lists.setdefault(k, set()).add(addr)
 
 
 # ---------------------------------------------------------------- the timeline
@@ -218,7 +154,11 @@ class Run:
 @dataclass
 class Timeline:
     """Everything one simulation saw. ``slot_steps`` are the raw integrals behind
-    ``breakdown``; ``allocations`` and ``runs`` are filled when ``record=True``."""
+    ``breakdown``; ``allocations`` and ``runs`` are filled when ``record=True``.
+
+    ``preempted`` counts, per request, how often paging evicted it, and
+    ``recomputed_tokens`` the token states it had to compute again on readmission.
+    """
 
     policy: str
     capacity: int
@@ -231,6 +171,8 @@ class Timeline:
     allocations: list[Alloc] = field(default_factory=list)
     runs: list[Run] = field(default_factory=list)
     waiting: list[tuple[int, int]] = field(default_factory=list)  # [t0, t1) queue non-empty
+    preempted: Counter = field(default_factory=Counter)
+    recomputed_tokens: int = 0
 
     @property
     def breakdown(self) -> Breakdown:
@@ -248,32 +190,6 @@ class Timeline:
                          self.slot_steps["reserved"] / total,
                          self.slot_steps["internal"] / total, (total - held) / total)
 
-    def state_map(self) -> tuple[np.ndarray, np.ndarray]:
-        """(owner, state), both ``[capacity, num_steps]``: the request holding each slot at
-        each step (-1: free) and its category: 0 idle, 1 token state, 2 reserved,
-        3 internal, 4 external (free while a request waits). Needs ``record=True``."""
-        cells = self.capacity * self.num_steps
-        if cells > 20_000_000:
-            raise ValueError(f"state_map is for small traces: {self.capacity} slots x "
-                             f"{self.num_steps} steps is too big")
-        owner = np.full((self.capacity, self.num_steps), -1, dtype=np.int32)
-        state = np.zeros((self.capacity, self.num_steps), dtype=np.int8)
-        for t0, t1 in self.waiting:
-            state[:, t0:t1] = 4
-        tokens = {}  # request -> tokens stored at each step (-1: not running)
-        for r in self.runs:
-            row = tokens.setdefault(r.request, np.full(self.num_steps, -1, dtype=np.int64))
-            row[r.start:r.end] = r.tokens0 + np.arange(r.end - r.start)
-        final = {r.request: r.final_len for r in self.runs}
-        for a in self.allocations:
-            tok = tokens[a.request][a.start:a.end][None, :]
-            pos = (a.logical + np.arange(a.size))[:, None]
-            code = np.where(pos < tok, 1, np.where(pos < final[a.request], 2, 3))
-            code = np.where(tok < 0, 3, code)  # finished but still held (static batch)
-            owner[a.slot:a.slot + a.size, a.start:a.end] = a.request
-            state[a.slot:a.slot + a.size, a.start:a.end] = code
-        return owner, state
-
 
 # ---------------------------------------------------------------- simulation
 
@@ -289,18 +205,18 @@ def simulate_timeline(requests: Sequence[Request], policy: str, capacity_tokens:
                       block_size: int = 16, max_len: int = 2048, *,
                       record: bool = False) -> Timeline:
     """Run the simulation and return its :class:`Timeline` (``record=True`` also keeps who
-    owned which slots when, for :meth:`Timeline.state_map` and the memory-map picture)."""
+    owned which slots when, for the memory-map picture in :mod:`paged_lib.viz.fragmentation`)."""
     _validate(requests, policy, capacity_tokens, block_size, max_len)
-    tl = Timeline(policy, capacity_tokens, block_size, max_len)
+    timeline = Timeline(policy, capacity_tokens, block_size, max_len)
     order = sorted(range(len(requests)), key=lambda i: requests[i].arrival)
     arrive = [max(0, math.ceil(requests[i].arrival)) for i in order]
     if policy == "static-max":
-        _run_static(requests, order, arrive, tl, record)
+        _run_static(requests, order, arrive, timeline, record)
     elif policy == "paged":
-        _run_paged(requests, order, arrive, tl, record)
+        _run_paged(requests, order, arrive, timeline, record)
     else:
-        _run_contiguous(requests, order, arrive, tl, record)
-    return tl
+        _run_contiguous(requests, order, arrive, timeline, record)
+    return timeline
 
 
 def _validate(requests: Sequence[Request], policy: str, capacity: int, block_size: int,
@@ -326,23 +242,23 @@ def _validate(requests: Sequence[Request], policy: str, capacity: int, block_siz
         if length > max_len:
             raise ValueError(f"request {i} is {length} tokens long, longer than "
                              f"max_len={max_len}")
-        held = reservation(policy, length, length, block_size, max_len)
+        held = reservation(policy, length, length, block_size, max_len, r.prompt_len)
         if held > limit or length > capacity:
             raise ValueError(f"request {i} ({length} tokens, {held} slots under {policy}) "
                              f"cannot fit in a pool of {capacity} slots")
 
 
-def _add_run(tl: Timeline, i: int, p: int, o: int, held: int) -> None:
+def _add_run(timeline: Timeline, i: int, p: int, o: int, held: int) -> None:
     """Slot-steps of a contiguous request admitted with ``held`` slots, running o steps."""
     length = p + o
     tokens = o * p + o * (o + 1) // 2
-    tl.slot_steps["token_states"] += tokens
-    tl.slot_steps["reserved"] += o * length - tokens
-    tl.slot_steps["internal"] += o * (held - length)
+    timeline.slot_steps["token_states"] += tokens
+    timeline.slot_steps["reserved"] += o * length - tokens
+    timeline.slot_steps["internal"] += o * (held - length)
 
 
-def _run_contiguous(requests, order, arrive, tl: Timeline, record: bool) -> None:
-    pool = Buddy(tl.capacity) if tl.policy == "buddy" else FirstFit(tl.capacity)
+def _run_contiguous(requests, order, arrive, timeline: Timeline, record: bool) -> None:
+    pool = Buddy(timeline.capacity) if timeline.policy == "buddy" else FirstFit(timeline.capacity)
     queue: deque[int] = deque()
     running: list[tuple[int, int, int, int]] = []  # heap of (end step, request, addr, size)
     t, nxt_arrival = 0, 0
@@ -356,30 +272,32 @@ def _run_contiguous(requests, order, arrive, tl: Timeline, record: bool) -> None
         while queue:
             i = queue[0]
             p, o = requests[i].prompt_len, requests[i].output_len
-            got = pool.alloc(reservation(tl.policy, p + o, p + o, tl.block_size, tl.max_len))
+            got = pool.alloc(reservation(timeline.policy, p + o, p + o, timeline.block_size,
+                                         timeline.max_len, p))
             if got is None:
                 break
             queue.popleft()
             addr, held = got
             heapq.heappush(running, (t + o, i, addr, held))
-            _add_run(tl, i, p, o, held)
+            _add_run(timeline, i, p, o, held)
             if record:
-                tl.allocations.append(Alloc(i, addr, held, 0, t, t + o))
-                tl.runs.append(Run(i, t, t + o, p + 1, p + o))
+                timeline.allocations.append(Alloc(i, addr, held, 0, t, t + o))
+                timeline.runs.append(Run(i, t, t + o, p + 1, p + o))
         nxt = min(running[0][0] if running else math.inf,
                   arrive[nxt_arrival] if nxt_arrival < len(order) else math.inf)
         if nxt == math.inf:
             break
         if queue:
-            tl.slot_steps["external"] += pool.free_slots * (nxt - t)
-            tl.waiting_steps += nxt - t
-            tl.waiting.append((t, nxt))
+            timeline.slot_steps["external"] += pool.free_slots * (nxt - t)
+            timeline.waiting_steps += nxt - t
+            timeline.waiting.append((t, nxt))
         t = nxt
-    tl.num_steps = t
+    timeline.num_steps = t
 
 
-def _run_static(requests, order, arrive, tl: Timeline, record: bool) -> None:
-    slots = tl.capacity // tl.max_len
+def _run_static(requests, order, arrive, timeline: Timeline, record: bool) -> None:
+    size = timeline.max_len
+    slots = timeline.capacity // size
     queue: deque[int] = deque()
     t, nxt_arrival = 0, 0
     while nxt_arrival < len(order) or queue:
@@ -393,111 +311,145 @@ def _run_static(requests, order, arrive, tl: Timeline, record: bool) -> None:
         duration = max(requests[i].output_len for i in batch)
         for k, i in enumerate(batch):
             p, o = requests[i].prompt_len, requests[i].output_len
-            _add_run(tl, i, p, o, tl.max_len)
-            tl.slot_steps["internal"] += tl.max_len * (duration - o)  # done, slot still held
+            _add_run(timeline, i, p, o, size)
+            timeline.slot_steps["internal"] += size * (duration - o)  # done, slot still held
             if record:
-                tl.allocations.append(Alloc(i, k * tl.max_len, tl.max_len, 0, t, t + duration))
-                tl.runs.append(Run(i, t, t + o, p + 1, p + o))
+                timeline.allocations.append(Alloc(i, k * size, size, 0, t, t + duration))
+                timeline.runs.append(Run(i, t, t + o, p + 1, p + o))
         end = t + duration
         first_wait = t if queue else (arrive[nxt_arrival] if nxt_arrival < len(order) else end)
         if first_wait < end:
-            tl.slot_steps["external"] += (tl.capacity - len(batch) * tl.max_len) * (end -
-                                                                                  first_wait)
-            tl.waiting_steps += end - first_wait
-            tl.waiting.append((first_wait, end))
+            unused = timeline.capacity - len(batch) * size
+            timeline.slot_steps["external"] += unused * (end - first_wait)
+            timeline.waiting_steps += end - first_wait
+            timeline.waiting.append((first_wait, end))
         t = end
-    tl.num_steps = t
+    timeline.num_steps = t
 
 
-def _run_paged(requests, order, arrive, tl: Timeline, record: bool) -> None:
-    bs = tl.block_size
-    num_blocks = tl.capacity // bs
-    n = len(requests)
-    prompt = np.array([r.prompt_len for r in requests], dtype=np.int64)
-    out = np.array([r.output_len for r in requests], dtype=np.int64)
-    final = prompt + out
-    done = np.zeros(n, dtype=np.int64)  # output tokens produced so far (kept on preemption)
-    blocks = np.zeros(n, dtype=np.int64)  # blocks held now
-    free = num_blocks
-    free_list: deque[int] = deque(range(num_blocks))
-    held_ids: dict[int, list[tuple[int, int]]] = {}  # request -> [(block, since step)]
-    run_start: dict[int, tuple[int, int]] = {}  # request -> (step, tokens then)
-    running: list[int] = []  # admission order
+def _run_paged(requests, order, arrive, timeline: Timeline, record: bool) -> None:
+    """vLLM's loop, one decoding step at a time (see :class:`_PagedPool` for each step)."""
+    pool = _PagedPool(requests, timeline, record)
     queue: deque[int] = deque()
     t, nxt_arrival = 0, 0
-
-    def release(i: int, step: int) -> None:
-        nonlocal free
-        free += int(blocks[i])
-        blocks[i] = 0
-        if record:
-            for lb, (b, since) in enumerate(held_ids.pop(i)):
-                tl.allocations.append(Alloc(i, b * bs, bs, lb * bs, since, step))
-                free_list.append(b)
-            s, tok0 = run_start.pop(i)
-            tl.runs.append(Run(i, s, step, tok0, int(final[i])))
-
-    def grab(i: int, count: int, step: int) -> None:
-        nonlocal free
-        free -= count
-        blocks[i] += count
-        if record:
-            held_ids.setdefault(i, []).extend((free_list.popleft(), step) for _ in range(count))
-
-    while nxt_arrival < len(order) or queue or running:
+    while nxt_arrival < len(order) or queue or pool.running:
         while nxt_arrival < len(order) and arrive[nxt_arrival] <= t:
             queue.append(order[nxt_arrival])
             nxt_arrival += 1
-        if not queue and not running:
-            t = arrive[nxt_arrival]
+        if not queue and not pool.running:
+            t = arrive[nxt_arrival]  # idle until the next arrival
             continue
-        # 1. running requests write one more token; a full last block means a new block
-        ids = np.array(running, dtype=np.int64)
-        need = -(-(prompt[ids] + done[ids] + 1) // bs) - blocks[ids]
+        pool.grow_running(queue, t)
+        pool.admit(queue, t)
+        pool.account(bool(queue), t)
+        t += 1
+        pool.finish(t)
+    timeline.num_steps = t
+    if record:
+        timeline.waiting = _merge(timeline.waiting)
+
+
+class _PagedPool:
+    """The block pool of the ``paged`` policy and the requests running in it.
+
+    A running request ``i`` has produced ``done[i]`` tokens; during the next step it
+    stores ``prompt[i] + done[i] + 1`` token states and holds ``blocks[i]`` blocks.
+    Arrays are numpy so a step over hundreds of running requests stays cheap.
+    """
+
+    def __init__(self, requests: Sequence[Request], timeline: Timeline, record: bool):
+        self.timeline, self.record, self.bs = timeline, record, timeline.block_size
+        self.prompt = np.array([r.prompt_len for r in requests], dtype=np.int64)
+        self.out = np.array([r.output_len for r in requests], dtype=np.int64)
+        self.final = self.prompt + self.out
+        self.done = np.zeros(len(requests), dtype=np.int64)  # kept across preemptions
+        self.blocks = np.zeros(len(requests), dtype=np.int64)
+        self.num_free = timeline.capacity // self.bs
+        self.running: list[int] = []  # admission order: the newest is last
+        # Only for record=True (the memory map): which physical block, since when.
+        self.free_list: deque[int] = deque(range(self.num_free))
+        self.held_ids: dict[int, list[tuple[int, int]]] = {}
+        self.run_start: dict[int, tuple[int, int]] = {}
+
+    def blocks_for_next_token(self, ids: np.ndarray) -> np.ndarray:
+        return cdiv(self.prompt[ids] + self.done[ids] + 1, self.bs)
+
+    def grow_running(self, queue: deque[int], t: int) -> None:
+        """Step 1: every running request writes one more token; a full last block means a
+        new one. If the pool is short, preempt the newest request (recompute): it frees
+        its blocks and waits at the head of the queue."""
+        need = self.blocks_for_next_token(np.array(self.running, dtype=np.int64)) \
+            - self.blocks[self.running]
         total = int(need.sum())
-        while total > free:  # preempt the newest request (recompute): back to the queue head
-            victim = running.pop()
-            total -= int(need[len(running)])
-            release(victim, t)
+        while total > self.num_free:
+            victim = self.running.pop()
+            total -= int(need[len(self.running)])
+            self.timeline.preemptions += 1
+            self.timeline.preempted[victim] += 1
+            self.timeline.recomputed_tokens += int(self.prompt[victim] + self.done[victim])
+            self.release(victim, t)
             queue.appendleft(victim)
-            tl.preemptions += 1
-        for k, i in enumerate(running):
+        for k, i in enumerate(self.running):
             if need[k]:
-                grab(i, int(need[k]), t)
-        # 2. admit from the queue head while its prompt (plus this step's token) fits
+                self.grab(i, int(need[k]), t)
+
+    def admit(self, queue: deque[int], t: int) -> None:
+        """Step 2: first come, first served: admit the queue's head while the blocks for
+        its prompt (and the tokens it already produced) plus this step's token are free."""
         while queue:
             i = queue[0]
-            want = -(-(int(prompt[i] + done[i]) + 1) // bs)
-            if want > free:
+            want = int(self.blocks_for_next_token(np.array([i]))[0])
+            if want > self.num_free:
                 break
             queue.popleft()
-            grab(i, want, t)
-            running.append(i)
-            if record:
-                run_start[i] = (t, int(prompt[i] + done[i]) + 1)
-        # 3. account this step
-        ids = np.array(running, dtype=np.int64)
-        tokens = prompt[ids] + done[ids] + 1
-        held = blocks[ids] * bs
-        will_use = np.minimum(held, final[ids])
-        tl.slot_steps["token_states"] += int(tokens.sum())
-        tl.slot_steps["reserved"] += int((will_use - tokens).sum())
-        tl.slot_steps["internal"] += int((held - will_use).sum())
-        if queue:
-            tl.slot_steps["external"] += free * bs + tl.capacity % bs
-            tl.waiting_steps += 1
-            if record:
-                tl.waiting.append((t, t + 1))
-        # 4. everyone produced a token; finished requests leave
-        done[ids] += 1
-        t += 1
-        if np.any(done[ids] == out[ids]):
-            for i in [i for i in running if done[i] == out[i]]:
-                release(i, t)
-            running = [i for i in running if done[i] < out[i]]
-    tl.num_steps = t
-    if record:
-        tl.waiting = _merge(tl.waiting)
+            self.grab(i, want, t)
+            self.running.append(i)
+            if self.record:
+                self.run_start[i] = (t, int(self.prompt[i] + self.done[i]) + 1)
+
+    def account(self, someone_waits: bool, t: int) -> None:
+        """Step 3: add this step's slots to the four categories."""
+        ids = np.array(self.running, dtype=np.int64)
+        tokens = self.prompt[ids] + self.done[ids] + 1
+        held = self.blocks[ids] * self.bs
+        will_use = np.minimum(held, self.final[ids])
+        steps = self.timeline.slot_steps
+        steps["token_states"] += int(tokens.sum())
+        steps["reserved"] += int((will_use - tokens).sum())
+        steps["internal"] += int((held - will_use).sum())
+        if someone_waits:  # free blocks (and a pool tail too small for a block) go unused
+            steps["external"] += self.num_free * self.bs + self.timeline.capacity % self.bs
+            self.timeline.waiting_steps += 1
+            if self.record:
+                self.timeline.waiting.append((t, t + 1))
+
+    def finish(self, t: int) -> None:
+        """Step 4: everyone produced a token; finished requests leave and free their
+        blocks."""
+        ids = np.array(self.running, dtype=np.int64)
+        self.done[ids] += 1
+        if np.any(self.done[ids] == self.out[ids]):
+            for i in [i for i in self.running if self.done[i] == self.out[i]]:
+                self.release(i, t)
+            self.running = [i for i in self.running if self.done[i] < self.out[i]]
+
+    def grab(self, i: int, count: int, t: int) -> None:
+        self.num_free -= count
+        self.blocks[i] += count
+        if self.record:
+            self.held_ids.setdefault(i, []).extend(
+                (self.free_list.popleft(), t) for _ in range(count))
+
+    def release(self, i: int, t: int) -> None:
+        self.num_free += int(self.blocks[i])
+        self.blocks[i] = 0
+        if self.record:
+            for logical, (b, since) in enumerate(self.held_ids.pop(i)):
+                self.timeline.allocations.append(
+                    Alloc(i, b * self.bs, self.bs, logical * self.bs, since, t))
+                self.free_list.append(b)
+            start, tokens0 = self.run_start.pop(i)
+            self.timeline.runs.append(Run(i, start, t, tokens0, int(self.final[i])))
 
 
 def _merge(intervals: list[tuple[int, int]]) -> list[tuple[int, int]]:

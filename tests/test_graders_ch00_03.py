@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from paged_lib.blocks import BlockTable, Slot
-from paged_lib.grading import ch03
+from paged_lib.grading import ch02, ch03
 
 
 def verdict(capsys, check, answer) -> str:
@@ -302,13 +302,232 @@ def test_03_4_solution_passes(capsys):
     assert verdict(capsys, ch03.check_predictions, predictions()).startswith("✅ [03.4]")
 
 
+# ---------------------------------------------------------------- chapter 02
+
+def _run(capsys, check, fn) -> str:
+    return verdict(capsys, check, fn)
+
+
+def test_02_1_waste_removed(capsys):
+    right = lambda: {k: set(v) for k, v in ch02.MECHANISMS.items()}  # noqa: E731
+    assert _run(capsys, ch02.check_waste_removed, right).startswith("✅ [02.1]")
+    for mech, wrong, hint in [
+        ("allocate on demand", {"reserved", "internal", "external"}, "does not say *where*"),
+        ("equal-size blocks through a block table", {"external", "internal"},
+         "says nothing about reserving ahead"),
+        ("reserve exactly the final length, first-fit (Orca Oracle)", set(),
+         "no internal fragmentation"),
+        ("round the output up to a power of two (Orca Pow2)", {"internal"}, "removes none"),
+    ]:
+        out = _run(capsys, ch02.check_waste_removed, lambda m=mech, w=wrong: right() | {m: w})
+        assert out.startswith("❌ [02.1]") and hint in out, out
+    assert "no answer" in _run(capsys, ch02.check_waste_removed,
+                               lambda: {"allocate on demand": {"reserved"}})
+    typo = lambda: right() | {"allocate on demand": {"reservd"}}  # noqa: E731
+    assert "unknown waste kind" in _run(capsys, ch02.check_waste_removed, typo)
+    assert _run(capsys, ch02.check_waste_removed, todo).startswith("⏳ [02.1]")
+
+
+@pytest.mark.parametrize("answer, hint", [
+    (lambda n, length, m: (n, m - n, 0), "split the free slots"),
+    (lambda n, length, m: (n, length - n, m - n), "holds max_len"),
+    (lambda n, length, m: (n, length - n, float(m - length)), "are ints"),
+    (lambda n, length, m: (n + 1, length - n - 1, m - length), "token states = num_tokens"),
+    (lambda n, length, m: n, "expected a tuple"),
+])
+def test_02_2_orca_max_wrong_answers(capsys, answer, hint):
+    out = _run(capsys, ch02.check_orca_max_slots, answer)
+    assert out.startswith("❌ [02.2]") and hint in out, out
+
+
+def test_02_2_solution_passes(capsys):
+    right = lambda n, length, m: (n, length - n, m - length)  # noqa: E731
+    assert _run(capsys, ch02.check_orca_max_slots, right).startswith("✅ [02.2]")
+
+
+def derivation(**changes):
+    answers = ch02.derivation_answers()
+    answers.update(changes)
+    return lambda: answers
+
+
+@pytest.mark.parametrize("answer, hint", [
+    (derivation(**{"oracle: free slots": 124}), "B leaves, its chunk is free again"),
+    (derivation(**{"oracle: largest hole": 324}), "two holes"),
+    (derivation(**{"oracle: external fragmentation": 0}), "no single hole"),
+    (derivation(**{"paged: blocks A holds": 15}), "round up"),
+    (derivation(**{"paged: free blocks": 26.0}), "are ints"),
+    (derivation(**{"paged: D admitted": "yes"}), "True or False"),
+    (derivation(**{"paged: empty slots held": 5}), "for A and C"),
+    (derivation(**{"max: slots A never uses": 512 - 100}), "A ends at prompt + output"),
+])
+def test_02_3_derivation_wrong_answers(capsys, answer, hint):
+    out = _run(capsys, ch02.check_derivation, answer)
+    assert out.startswith("❌ [02.3]") and hint in out, out
+
+
+def test_02_3_derivation_solution_and_numbers(capsys):
+    assert _run(capsys, ch02.check_derivation, derivation()).startswith("✅ [02.3]")
+    # by hand: 1024 - 300 - 400 free; holes 200 and 124; A stores 100 + 151 = 251 tokens
+    assert ch02.derivation_answers() == {
+        "max: slots A never uses": 212, "oracle: free slots": 324,
+        "oracle: largest hole": 200, "oracle: external fragmentation": 324,
+        "paged: blocks A holds": 16, "paged: free blocks": 64 - 16 - 22,
+        "paged: D admitted": True, "paged: empty slots held": 5 + 1}
+
+
+def _snapshot(prompt_lens, output_lens, step, slots):
+    total = [0, 0, 0]
+    for p, o in zip(prompt_lens, output_lens, strict=True):
+        if step < o:
+            for k, v in enumerate(slots(p + step + 1, p + o)):
+                total[k] += v
+    return tuple(total)
+
+
+def _snapshot_off_by_one(prompt_lens, output_lens, step, slots):
+    return _snapshot(prompt_lens, output_lens, max(step - 1, 0), slots)
+
+
+def _snapshot_keeps_finished(prompt_lens, output_lens, step, slots):
+    total = [0, 0, 0]
+    for p, o in zip(prompt_lens, output_lens, strict=True):
+        for k, v in enumerate(slots(p + min(step, o - 1) + 1, p + o)):
+            total[k] += v
+    return tuple(total)
+
+
+def _snapshot_float(prompt_lens, output_lens, step, slots):
+    return tuple(float(v) for v in _snapshot(prompt_lens, output_lens, step, slots))
+
+
+@pytest.mark.parametrize("answer, hint", [
+    (_snapshot_off_by_one, "prompt + s + 1"),
+    (_snapshot_keeps_finished, "takes part while step < output_len"),
+    (_snapshot_float, "are ints"),
+])
+def test_02_4_batch_snapshot_wrong_answers(capsys, answer, hint):
+    out = _run(capsys, ch02.check_batch_snapshot, answer)
+    assert out.startswith("❌ [02.4]") and hint in out, out
+
+
+def test_02_4_solution_passes(capsys):
+    assert _run(capsys, ch02.check_batch_snapshot, _snapshot).startswith("✅ [02.4]")
+
+
+SIMULATOR = """def simulate_paged(requests, capacity_tokens, block_size):
+    order = sorted(range(len(requests)), key=lambda i: requests[i].arrival)
+    arrivals = deque((max(0, math.ceil(requests[i].arrival)), i) for i in order)
+    done, blocks = [0] * len(requests), [0] * len(requests)
+    queue, running = deque(), []
+    num_free = capacity_tokens // block_size
+    out = dict.fromkeys(("token_states", "reserved", "internal", "external", "preemptions"), 0)
+
+    def blocks_needed(i):  # for its prompt, the tokens it produced, and this step's token
+        return cdiv(requests[i].prompt_len + done[i] + 1, block_size)
+
+    t = 0
+    while arrivals or queue or running:
+        while arrivals and arrivals[0][0] <= t:
+            queue.append(arrivals.popleft()[1])
+        if not queue and not running:
+            t = arrivals[0][0]
+            continue
+        while sum(blocks_needed(i) - blocks[i] for i in running) > num_free:
+            victim = running.pop()
+            num_free += blocks[victim]
+            blocks[victim] = 0
+            queue.appendleft(victim)
+            out["preemptions"] += 1
+        for i in running:
+            num_free -= blocks_needed(i) - blocks[i]
+            blocks[i] = blocks_needed(i)
+        while queue and blocks_needed(queue[0]) <= num_free:
+            i = queue.popleft()
+            blocks[i] = blocks_needed(i)
+            num_free -= blocks[i]
+            running.append(i)
+        for i in running:
+            tokens = requests[i].prompt_len + done[i] + 1
+            held = blocks[i] * block_size
+            will_use = min(held, requests[i].prompt_len + requests[i].output_len)
+            out["token_states"] += tokens
+            out["reserved"] += will_use - tokens
+            out["internal"] += held - will_use
+        if queue:
+            out["external"] += num_free * block_size + capacity_tokens % block_size
+        t += 1
+        for i in running:
+            done[i] += 1
+            if done[i] == requests[i].output_len:
+                num_free += blocks[i]
+                blocks[i] = 0
+        running = [i for i in running if done[i] < requests[i].output_len]
+    out["num_steps"] = t
+    return out
+"""
+
+# Planted bugs: (what the solution says, the bug, words the hint must contain)
+SIM_BUGS = [
+    ("requests[i].prompt_len + done[i] + 1, block_size)",
+     "requests[i].prompt_len + done[i], block_size)", "prompt_len + k"),
+    ("tokens = requests[i].prompt_len + done[i] + 1",
+     "tokens = requests[i].prompt_len + done[i]", "prompt_len + k"),
+    ("return cdiv(requests[i].prompt_len + done[i] + 1, block_size)",
+     "return cdiv(requests[i].prompt_len + requests[i].output_len, block_size)",
+     "taken one at a time"),
+    ("        if queue:\n            out[\"external\"]",
+     "        if True:\n            out[\"external\"]", "nothing is external"),
+    ("math.ceil(requests[i].arrival)", "math.floor(requests[i].arrival)", "ceil(a)"),
+    ("victim = running.pop()", "victim = running.pop(0)", "most recently admitted"),
+    ("while sum(blocks_needed(i) - blocks[i] for i in running) > num_free:",
+     "while sum(blocks_needed(i) - blocks[i] for i in running) > num_free + 99:",
+     "preempt the most recently admitted"),
+    ("while queue and blocks_needed(queue[0]) <= num_free:",
+     "while queue and blocks_needed(queue[0]) < num_free:", "first come, first served"),
+    ("            queue.appendleft(victim)", "            queue.append(victim)",
+     "head of the queue"),
+    ("out[\"external\"] += num_free * block_size + capacity_tokens % block_size",
+     "out[\"external\"] += num_free * block_size", "capacity % block_size"),
+    ("out[\"num_steps\"] = t", "out[\"num_steps\"] = t / 1", "are ints"),
+    ("            if done[i] == requests[i].output_len:",
+     "            if done[i] == requests[i].output_len + 1:", "a loop that never ends"),
+]
+
+
+def _compile(source):
+    namespace = {}
+    exec(compile("import math\nfrom collections import deque\n"
+                 "from paged_lib.util import cdiv\n" + source, "<learner>", "exec"), namespace)
+    return namespace["simulate_paged"]
+
+
+@pytest.mark.parametrize("old, new, hint", SIM_BUGS, ids=[b[1][:40] for b in SIM_BUGS])
+def test_02_5_planted_bugs_get_a_named_hint(capsys, old, new, hint):
+    assert SIMULATOR.count(old) == 1, old
+    out = _run(capsys, ch02.check_paged_simulator, _compile(SIMULATOR.replace(old, new)))
+    assert out.startswith("❌ [02.5]") and hint in out, out
+
+
+def test_02_5_solution_passes_and_matches_on_the_full_trace(capsys):
+    simulate_paged = _compile(SIMULATOR)
+    assert _run(capsys, ch02.check_paged_simulator, simulate_paged).startswith("✅ [02.5]")
+    assert _run(capsys, ch02.check_paged_simulator, todo).startswith("⏳ [02.5]")
+
+
 def test_twins_name_real_library_objects():
     import importlib
 
-    for module in (ch03,):
+    for module in (ch02, ch03):
+        assert module.TWINS, module.__name__
         for ex_id, dotted in module.TWINS.items():
-            mod, _, rest = dotted.partition(".blocks.")
-            obj = importlib.import_module(mod + ".blocks")
-            for part in rest.split("."):
+            parts = dotted.split(".")
+            for k in range(len(parts), 0, -1):  # the longest importable prefix
+                try:
+                    obj = importlib.import_module(".".join(parts[:k]))
+                    break
+                except ImportError:
+                    continue
+            for part in parts[k:]:
                 obj = getattr(obj, part)
             assert callable(obj), (ex_id, dotted)

@@ -2,12 +2,25 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import signal
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
 from paged_lib import grading
-from paged_lib.fragmentation import request_slots
+from paged_lib.contiguous import FirstFit
+from paged_lib.fragmentation import request_slots, simulate_timeline
+from paged_lib.util import cdiv
+from paged_lib.workloads import Request, sharegpt_like, shrink
+
+#: Exercise id -> the library object the learner's code re-implements.
+TWINS: dict[str, str] = {
+    "02.2": "paged_lib.fragmentation.request_slots",
+    "02.5": "paged_lib.fragmentation.simulate_timeline",
+}
 
 WASTE_KINDS = ("reserved", "internal", "external")
 
@@ -16,8 +29,8 @@ WASTE_KINDS = ("reserved", "internal", "external")
 MECHANISMS: dict[str, set[str]] = {
     "allocate on demand": {"reserved", "internal"},
     "equal-size blocks through a block table": {"external"},
-    "reserve exactly the final length (Orca Oracle)": {"internal"},
-    "round reservations up to a power of two (Orca Pow2)": set(),
+    "reserve exactly the final length, first-fit (Orca Oracle)": {"internal"},
+    "round the output up to a power of two (Orca Pow2)": set(),
 }
 
 _MECHANISM_HINTS = {
@@ -30,14 +43,17 @@ _MECHANISM_HINTS = {
         "any free block can hold any request's next block, so a free block is never too "
         "small or in the wrong place: that is external fragmentation gone. Block size "
         "alone says nothing about reserving ahead."),
-    "reserve exactly the final length (Orca Oracle)": (
-        "an oracle reserves L slots, so no slot is past the end (no internal "
-        "fragmentation); but the slots for future tokens are still held from the start "
-        "(reserved), and chunks of different sizes still leave holes (external)."),
-    "round reservations up to a power of two (Orca Pow2)": (
-        "rounding up to a power of two shrinks the over-reservation (at most 2x the final "
-        "length instead of max_len) but removes none of the three: slots past the end "
-        "remain, future tokens are still reserved, and chunk sizes still differ."),
+    "reserve exactly the final length, first-fit (Orca Oracle)": (
+        "an oracle reserves L slots and first-fit hands out exactly L, so no slot is past "
+        "the end (no internal fragmentation); but the slots for future tokens are still "
+        "held from the start (reserved), and chunks of different sizes still leave holes "
+        "(external). On a buddy allocator, as the paper assumes, L is rounded up to a "
+        "power of two and internal fragmentation is back: the allocator decides."),
+    "round the output up to a power of two (Orca Pow2)": (
+        "reserving the prompt plus the output rounded up to a power of two shrinks the "
+        "over-reservation (at most 2x the output instead of max_len) but removes none of "
+        "the three: slots past the end remain, future tokens are still reserved, and "
+        "chunk sizes still differ."),
 }
 
 
@@ -66,11 +82,23 @@ def _as_triple(got: object, what: str) -> tuple[int, ...]:
     grading.expect_true(isinstance(got, tuple | list | np.ndarray) and len(got) == 3,
                         f"{what}: expected a tuple (token_states, reserved, internal), "
                         f"got {got!r}", hint="return three numbers")
+    for v in got:
+        expect_int(v, f"{what}: {got!r}")
     return tuple(int(v) for v in got)
+
+
+def expect_int(value: Any, what: str) -> None:
+    """Slots and steps are whole numbers: a float (even 3.0) means a `/` slipped in."""
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        grading.fail(f"{what}: {value!r} is a {type(value).__name__}, expected an int",
+                     "counts of slots, blocks and steps are ints: use // (and cdiv) rather "
+                     "than / or math.ceil on a float")
 
 
 def _slots_hint(policy: str, n: int, length: int, got: tuple[int, ...], want: tuple[int, ...],
                 size: int) -> str:
+    if got[0] != want[0]:
+        return "token states = num_tokens: the slots that hold a token now, no more, no less."
     if sum(got) != sum(want):
         if policy == "orca-max":
             return f"Orca (Max) holds max_len = {size} slots from admission to the end."
@@ -108,11 +136,6 @@ def check_orca_max_slots(fn: Callable[[int, int, int], object]) -> None:
     _check_slots("02.2", "Orca (Max) accounting", "orca-max", fn, (2048, 512, 40))
 
 
-def check_paged_slots(fn: Callable[[int, int, int], object]) -> None:
-    """02.3: (token_states, reserved, internal) of one paged request."""
-    _check_slots("02.3", "Paged accounting", "paged", fn, (16, 1, 7, 256))
-
-
 def _snapshot(prompt_lens, output_lens, step, slots):
     total = [0, 0, 0]
     for p, o in zip(prompt_lens, output_lens, strict=True):
@@ -120,6 +143,13 @@ def _snapshot(prompt_lens, output_lens, step, slots):
             for k, v in enumerate(slots(p + step + 1, p + o)):
                 total[k] += v
     return tuple(total)
+
+
+def _snapshot_keeping_finished(prompt_lens, output_lens, step, slots):
+    """The typical slip: finished requests still counted, frozen at their final length."""
+    prompts = [p + min(step, o - 1) - step for p, o in zip(prompt_lens, output_lens,
+                                                            strict=True)]
+    return _snapshot(prompts, [max(o, step + 1) for o in output_lens], step, slots)
 
 
 def check_batch_snapshot(fn: Callable[..., object], block_size: int = 16) -> None:
@@ -143,7 +173,11 @@ def check_batch_snapshot(fn: Callable[..., object], block_size: int = 16) -> Non
                     what = f"{name} snapshot of a batch of {len(p)} requests at step {step}"
                 got = _as_triple(fn(p, o, step, slots), what)
                 want = _snapshot(p, o, step, slots)
-                if got != want and step >= 1 and got == _snapshot(p, o, step - 1, slots):
+                kept = _snapshot_keeping_finished(p, o, step, slots)
+                if got != want and got == kept:
+                    hint = ("a request takes part while step < output_len; finished ones have "
+                            "left and hold nothing.")
+                elif got != want and step >= 1 and got == _snapshot(p, o, step - 1, slots):
                     hint = ("during step s (counting from 0) a request stores prompt + s + 1 "
                             "tokens: its prompt plus the token being produced.")
                 elif got != want:
@@ -160,3 +194,205 @@ def check_batch_snapshot(fn: Callable[..., object], block_size: int = 16) -> Non
                                 f"at step {step}, {running} running requests waste "
                                 f"{reserved + internal} slots, not less than one "
                                 f"{block_size}-slot block each")
+
+
+# ------------------------------------------------------------------ 02.3 the derivation
+
+DERIVATION_KEYS = (
+    "max: slots A never uses", "oracle: free slots", "oracle: largest hole",
+    "oracle: external fragmentation", "paged: blocks A holds", "paged: free blocks",
+    "paged: D admitted", "paged: empty slots held",
+)
+
+# (prompt_len, output_len) of the exercise's requests; all arrive at step 0 except D.
+DERIVATION_REQUESTS = {"A": (100, 200), "B": (50, 150), "C": (200, 200), "D": (100, 150)}
+DERIVATION_POOL, DERIVATION_MAX_LEN, DERIVATION_BLOCK = 1024, 512, 16
+
+
+def derivation_answers() -> dict[str, int | bool]:
+    """The true answers of 02.3, computed with the course's allocators.
+
+    At step 150 (counting from 0) B has just left; A and C are in their step 150, so each
+    stores prompt + 151 token states; D arrives and asks for its room.
+    """
+    final = {k: p + o for k, (p, o) in DERIVATION_REQUESTS.items()}
+    pool = FirstFit(DERIVATION_POOL)
+    where = {k: pool.alloc(final[k]) for k in "ABC"}  # Oracle: exact lengths, first-fit
+    pool.free(*where["B"])
+    step = DERIVATION_REQUESTS["B"][1]
+    tokens = {k: DERIVATION_REQUESTS[k][0] + step + 1 for k in "AC"}
+    blocks = {k: cdiv(tokens[k], DERIVATION_BLOCK) for k in "AC"}
+    free_blocks = DERIVATION_POOL // DERIVATION_BLOCK - sum(blocks.values())
+    d_fits_oracle = pool.largest_hole >= final["D"]
+    return {
+        "max: slots A never uses": DERIVATION_MAX_LEN - final["A"],
+        "oracle: free slots": pool.free_slots,
+        "oracle: largest hole": pool.largest_hole,
+        "oracle: external fragmentation": 0 if d_fits_oracle else pool.free_slots,
+        "paged: blocks A holds": blocks["A"],
+        "paged: free blocks": free_blocks,
+        "paged: D admitted": cdiv(DERIVATION_REQUESTS["D"][0] + 1, DERIVATION_BLOCK)
+        <= free_blocks,
+        "paged: empty slots held": sum(blocks[k] * DERIVATION_BLOCK - tokens[k] for k in "AC"),
+    }
+
+
+_DERIVATION_HINTS = {
+    "max: slots A never uses": "Orca (Max) holds max_len slots for A from admission to the "
+                               "end; A ends at prompt + output: the rest is internal "
+                               "fragmentation, caused by reserving the maximum",
+    "oracle: free slots": "when B leaves, its chunk is free again: add it to the slots no "
+                          "one ever took",
+    "oracle: largest hole": "free slots are not one piece: B's old chunk and the tail after "
+                            "C are two holes. A chunk must fit in one hole",
+    "oracle: external fragmentation": "D needs one contiguous chunk of its final length; "
+                                      "if no single hole is that big, D waits and every "
+                                      "free slot counts as external fragmentation",
+    "paged: blocks A holds": "during step s (from 0) A stores prompt + s + 1 tokens; blocks "
+                             "are whole: round up (cdiv)",
+    "paged: free blocks": "the pool has 1024 // 16 blocks; B has left; A and C hold the "
+                          "blocks for the tokens they store now, nothing more",
+    "paged: D admitted": "D needs the blocks for its prompt plus the token it produces in "
+                         "its first step; any free blocks will do, wherever they are",
+    "paged: empty slots held": "each running request leaves only the rest of its last "
+                               "block empty: blocks x 16 - tokens, for A and C",
+}
+
+
+def check_derivation(derive: Callable[[], dict[str, Any]]) -> None:
+    """02.3: ``derive() -> dict`` with the keys of :data:`DERIVATION_KEYS`."""
+    with grading.exercise("02.3", "Why equal blocks on demand remove both fragmentations"):
+        got = derive()
+        grading.expect_true(isinstance(got, dict), f"derive() returned "
+                            f"{type(got).__name__}, expected a dict",
+                            f"use the keys {list(DERIVATION_KEYS)}")
+        missing = [k for k in DERIVATION_KEYS if k not in got]
+        grading.expect_true(not missing, f"missing keys: {missing}",
+                            f"use exactly the keys {list(DERIVATION_KEYS)}")
+        for key, want in derivation_answers().items():
+            mine = got[key]
+            if isinstance(want, bool):
+                grading.expect_true(isinstance(mine, bool), f"{key}: expected True or "
+                                    f"False, got {mine!r}", _DERIVATION_HINTS[key])
+            else:
+                expect_int(mine, key)
+            grading.expect_equal(mine, want, key, _DERIVATION_HINTS[key])
+
+
+# ------------------------------------------------------------------ 02.5 the simulator
+
+SIM_KEYS = ("token_states", "reserved", "internal", "external", "num_steps", "preemptions")
+
+# name, requests, capacity, block size, hint when this trace (the first to fail) differs
+_SIM_TRACES: list[tuple[str, list[Request], int, int, str]] = [
+    ("one request alone: prompt 5, output 6, pool of 64, blocks of 4",
+     [Request(5, 6, 0.0)], 64, 4,
+     "during its k-th step (k = 1 .. output_len) a running request stores prompt_len + k "
+     "token states and holds ceil(tokens / block_size) blocks, taken one at a time as the "
+     "last fills; nobody waits, so nothing is external"),
+    ("a late arrival: the second request arrives at 5.5 (pool of 64, blocks of 4)",
+     [Request(3, 2, 0.0), Request(2, 2, 5.5)], 64, 4,
+     "a request arriving at time a joins the queue at step ceil(a); when nothing runs and "
+     "nothing waits, time jumps to the next arrival (those steps add no slots)"),
+    ("a queue: the pool of 14 fits one request at a time (blocks of 4)",
+     [Request(6, 4, 0.0), Request(6, 4, 0.0)], 14, 4,
+     "at a step when a request is still waiting after admission, every free slot counts "
+     "as external (free blocks x block_size, plus capacity % block_size); a finished "
+     "request frees its blocks at the end of its last step"),
+    ("first come, first served: a long prompt at the head blocks a short one (pool of 24)",
+     [Request(10, 4, 0.0), Request(16, 2, 0.0), Request(2, 2, 0.0)], 24, 4,
+     "admission is first come, first served: stop at the first queued request whose "
+     "blocks (for prompt + tokens already produced + 1) are not free; never skip it"),
+    ("preemption: four requests outgrow a pool of 20 slots (blocks of 4)",
+     [Request(2, 8, 0.0), Request(5, 8, 1.0), Request(5, 7, 2.0), Request(2, 4, 0.0)], 20, 4,
+     "before admitting anyone, give every running request the blocks its next token "
+     "needs; if they are short, preempt the most recently admitted running request (free "
+     "all its blocks, put it at the head of the queue, keep the tokens it produced) and "
+     "retry; count each preemption"),
+    ("a small ShareGPT-like trace: 40 requests, lengths / 8, pool of 256, blocks of 4",
+     shrink(sharegpt_like(40, seed=3, rate=0.5), 8), 256, 4,
+     "compare your loop with the order of the spec: arrivals, grow running (preempt if "
+     "short), admit, account, then every running request produces its token and the "
+     "finished ones leave"),
+]
+
+
+def reference_paged(requests: Sequence[Request], capacity_tokens: int,
+                    block_size: int) -> dict[str, int]:
+    """What 02.5 must return, from the library's simulator."""
+    timeline = simulate_timeline(requests, "paged", capacity_tokens, block_size,
+                                 max_len=max(r.final_len for r in requests))
+    return {**timeline.slot_steps, "num_steps": timeline.num_steps,
+            "preemptions": timeline.preemptions}
+
+
+@contextlib.contextmanager
+def _time_limit(seconds: float, what: str) -> Iterator[None]:
+    """Stop a learner's loop that never ends (a request that never finishes, a queue that
+    never moves) with a verdict instead of a hung notebook. Main thread, Unix only."""
+    if not hasattr(signal, "setitimer") or threading.current_thread() is not \
+            threading.main_thread():
+        yield
+        return
+
+    def stop(*_: Any) -> None:
+        grading.fail(f"{what}: still running after {seconds:.0f} s",
+                     "a loop that never ends: does every running request finish after "
+                     "output_len steps and give its blocks back, and does time move on "
+                     "when nothing can be admitted?")
+
+    previous = signal.signal(signal.SIGALRM, stop)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def check_paged_simulator(simulate_paged: Callable[..., Any]) -> None:
+    """02.5: ``simulate_paged(requests, capacity_tokens, block_size) -> dict``."""
+    with grading.exercise("02.5", "A time-stepped paged simulator"):
+        for name, requests, capacity, block_size, hint in _SIM_TRACES:
+            want = reference_paged(requests, capacity, block_size)
+            with _time_limit(10, name):
+                got = simulate_paged(list(requests), capacity, block_size)
+            grading.expect_true(isinstance(got, dict), f"{name}: expected a dict, got "
+                                f"{type(got).__name__}", f"return a dict with keys {SIM_KEYS}")
+            missing = [k for k in SIM_KEYS if k not in got]
+            grading.expect_true(not missing, f"{name}: missing keys {missing}",
+                                f"return a dict with keys {SIM_KEYS}")
+            for key in SIM_KEYS:
+                expect_int(got[key], f"{name}: {key}")
+            wrong = [k for k in SIM_KEYS if got[k] != want[k]]
+            if wrong:
+                shown = ", ".join(f"{k} {want[k]} (yours {got[k]})" for k in wrong)
+                grading.fail(f"{name}: expected {shown}", hint)
+
+
+def run_demo(simulate_paged: Callable[..., Any]) -> Any:
+    """The chapter's Fig. 2 experiment with the learner's simulator as the paged policy."""
+    from paged_lib.fragmentation import Breakdown, simulate
+    from paged_lib.viz import fragmentation as viz
+
+    requests = sharegpt_like(600, seed=0)
+    try:
+        got = simulate_paged(requests, 40_000, 16)
+    except NotImplementedError:
+        print("⏳ finish exercise 02.5, then run this cell again: your simulator will "
+              "produce the chapter's vLLM bar")
+        return None
+    except Exception as err:  # a learner's bug: one line, no traceback
+        print(f"❌ your simulator raised {type(err).__name__}: {err}")
+        return None
+    total = sum(got[c] for c in ("token_states", "reserved", "internal", "external"))
+    yours = Breakdown(*(got[c] / total for c in ("token_states", "reserved", "internal",
+                                                  "external")))
+    same = {k: got[k] for k in SIM_KEYS} == reference_paged(requests, 40_000, 16)
+    print(f"your simulator: {yours.token_states:.1%} token states, {got['preemptions']} "
+          f"preemptions, {got['num_steps']} steps "
+          f"({'the same as' if same else 'different from'} the library's)")
+    results = {p: simulate(requests, p, 40_000) for p in ("orca-max", "orca-pow2",
+                                                        "orca-oracle")}
+    results["paged"] = yours
+    return viz.plot_breakdown(results, title="Fig. 2 with your paged simulator")

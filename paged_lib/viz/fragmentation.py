@@ -31,6 +31,34 @@ LABELS = {"token_states": "token states", "reserved": "reserved",
           "unreported": "not broken down in the paper"}
 
 
+def state_map(timeline: Timeline) -> tuple[np.ndarray, np.ndarray]:
+    """(owner, state), both ``[capacity, num_steps]``: the request holding each slot at
+    each step (-1: free) and its category: 0 idle, 1 token state, 2 reserved, 3 internal,
+    4 external (free while a request waits). Needs a timeline simulated with
+    ``record=True``; the image data of :func:`plot_memory_maps`."""
+    cells = timeline.capacity * timeline.num_steps
+    if cells > 20_000_000:
+        raise ValueError(f"state_map is for small traces: {timeline.capacity} slots x "
+                         f"{timeline.num_steps} steps is too big")
+    owner = np.full((timeline.capacity, timeline.num_steps), -1, dtype=np.int32)
+    state = np.zeros((timeline.capacity, timeline.num_steps), dtype=np.int8)
+    for t0, t1 in timeline.waiting:
+        state[:, t0:t1] = 4
+    tokens = {}  # request -> tokens stored at each step (-1: not running)
+    for r in timeline.runs:
+        row = tokens.setdefault(r.request, np.full(timeline.num_steps, -1, dtype=np.int64))
+        row[r.start:r.end] = r.tokens0 + np.arange(r.end - r.start)
+    final = {r.request: r.final_len for r in timeline.runs}
+    for a in timeline.allocations:
+        tok = tokens[a.request][a.start:a.end][None, :]
+        pos = (a.logical + np.arange(a.size))[:, None]
+        code = np.where(pos < tok, 1, np.where(pos < final[a.request], 2, 3))
+        code = np.where(tok < 0, 3, code)  # finished but still held (static batch)
+        owner[a.slot:a.slot + a.size, a.start:a.end] = a.request
+        state[a.slot:a.slot + a.size, a.start:a.end] = code
+    return owner, state
+
+
 def plot_breakdown(results: Mapping[str, Breakdown],
                    paper: Mapping[str, Mapping[str, float | None]] | None = PAPER_FIG2,
                    title: str = "Where the KV memory goes") -> Figure:
@@ -96,7 +124,7 @@ def memory_map_image(timeline: Timeline) -> np.ndarray:
     """RGB image ``[slots, steps, 3]`` of a recorded timeline: colour = owner request; full
     colour = token states, light tint = reserved, stripes = internal fragmentation, pale
     violet = external (free while a request waits), white = idle."""
-    owner, state = timeline.state_map()
+    owner, state = state_map(timeline)
     cmap = plt.get_cmap("tab10")
     colour = np.array([cmap(i % 10)[:3] for i in range(max(int(owner.max()) + 1, 1))])
     rgb = np.ones(owner.shape + (3,))
