@@ -14,6 +14,7 @@ The chapters' exercises re-implement four small functions and plug them back in:
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable
 
 import torch
@@ -97,7 +98,7 @@ class LLMEngine:
                              "e.g. BOS)")
         vocab = self.model.config.vocab_size
         for j, t in enumerate(prompt):
-            if not isinstance(t, int) or not 0 <= t < vocab:
+            if not isinstance(t, numbers.Integral) or not 0 <= t < vocab:
                 raise ValueError(f"request {i}: token {t!r} at position {j} is not an id of "
                                  f"this model's vocabulary (0..{vocab - 1})")
 
@@ -177,6 +178,7 @@ class LLMEngine:
         prompts = [list(p) for p in prompts]
         for i, (prompt, p, t) in enumerate(zip(prompts, params, arrivals, strict=True)):
             self._check_request(i, prompt, p)
+            prompts[i] = [int(x) for x in prompt]  # numpy / torch ints welcome
             if not isinstance(t, int) or t < 0:
                 raise ValueError(f"request {i}: arrival step must be an int >= 0, got {t!r}")
         self.stats = EngineStats(num_blocks=self.num_blocks, block_size=self.block_size)

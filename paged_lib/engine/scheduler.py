@@ -177,7 +177,9 @@ class Scheduler:
             need = self.bm.prefill_blocks_needed(group)
             seqs = group.live_seqs()
             tokens = sum(s.num_tokens for s in seqs)
-            fits = self.admission(need, len(seqs), tokens, self._budget(out))
+            # a fresh n > 1 group forks after its prefill: count the sequences it will be
+            num_seqs = max(len(seqs), group.params.num_seqs)
+            fits = self.admission(need, num_seqs, tokens, self._budget(out))
             # progress rule: a group alone in an empty step is admitted if its blocks are
             # free, even when its tokens exceed max_num_batched_tokens
             alone = out.is_empty() and need <= self.bm.num_free_blocks
