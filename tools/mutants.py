@@ -9,12 +9,15 @@ and the check cell that prints its verdict) this makes small mutants of the code
 the solution regions with :mod:`ast`: an integer constant off by one, a ``+ 1``/``- 1``
 dropped, ``+``/``-`` and ``*``/``//``/``%`` swapped, a comparison flipped (``<`` vs
 ``<=``, ``==`` vs ``!=`` ...), a statement dropped. Each mutant replaces the solution
-cell; the notebook's cells run in-process in a copy of the namespace the cells above
-built, then the check cell runs and ``paged_lib.grading.record_verdicts`` reads its
-verdict. A grader that answers ✅ to a mutant lets that bug through.
+cell; the cells above run once, and each mutant runs in a forked child of that process
+(the solution cells, the cells up to the check, the check), where
+``paged_lib.grading.record_verdicts`` reads the verdict. A grader that answers ✅ to a
+mutant lets that bug through.
 
-Mutants that fail to define (they raise while the solution cell runs) are *invalid* and
-mutants that run past ``--timeout`` are *hung*; neither counts. A grader module may
+Mutants that fail to define (they raise while the solution cell runs) are *invalid*,
+mutants that run past ``--timeout`` are *hung*, and mutants that kill the process (a
+Triton kernel reading wild memory in the interpreter segfaults) are *crashed*; none of
+them counts. A grader module may
 declare ``EQUIVALENT_MUTANTS = {"NN.k": {"<mutant label>": "why it changes nothing"}}``
 for mutants that compute the same thing; those do not count either.
 """
@@ -25,15 +28,20 @@ import argparse
 import ast
 import contextlib
 import copy
+import dataclasses
+import functools
 import importlib
 import io
+import json
 import linecache
 import os
 import random
 import re
+import select
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -53,10 +61,6 @@ FLIPS = {ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt, ast
          ast.NotEq: ast.Eq, ast.In: ast.NotIn, ast.NotIn: ast.In, ast.Is: ast.IsNot,
          ast.IsNot: ast.Is}
 KINDS = ("constant", "off-by-one", "operator", "compare", "drop")
-
-
-class Hung(BaseException):
-    """Raised by the alarm; a BaseException so graders' ``except Exception`` let it by."""
 
 
 @dataclass
@@ -88,7 +92,8 @@ class Report:
 
     def line(self) -> str:
         rate = f"{self.count('killed') / self.counted:.0%}" if self.counted else "n/a"
-        extra = ", ".join(f"{self.count(s)} {s}" for s in ("invalid", "hung", "equivalent")
+        extra = ", ".join(f"{self.count(s)} {s}" for s in ("invalid", "hung", "crashed",
+                                                             "equivalent")
                           if self.count(s))
         return (f"[{self.ex_id}] killed {self.count('killed')}/{self.counted} ({rate})"
                 + (f"; {extra}" if extra else ""))
@@ -234,25 +239,35 @@ def _python(source: str) -> str:
 _counter = iter(range(10**9))
 
 
-def run_cell(source: str, ns: dict, timeout: float = 0) -> None:
+class _Shell:
+    """Enough of ``get_ipython()`` for the magics course notebooks use, run as plain exec."""
+
+    def __init__(self, ns: dict):
+        self.ns = ns
+
+    def run_line_magic(self, name: str, line: str) -> None:
+        if name in ("time", "timeit"):
+            exec(line.replace("-n1", "").replace("-r1", ""), self.ns)
+        elif name not in ("matplotlib", "config", "load_ext", "autoreload"):
+            raise NotImplementedError(f"tools/mutants.py cannot run %{name}")
+
+    def run_cell_magic(self, name: str, line: str, cell: str) -> None:
+        if name not in ("time", "timeit", "capture"):
+            raise NotImplementedError(f"tools/mutants.py cannot run %%{name}")
+        exec(cell, self.ns)
+
+
+def run_cell(source: str, ns: dict) -> None:
     """Exec a cell with its source in linecache (``@triton.jit`` reads it back)."""
     name = f"<mutant-cell-{next(_counter)}>"
     code = _python(source)
+    ns.setdefault("get_ipython", lambda: _Shell(ns))
     linecache.cache[name] = (len(code), None, code.splitlines(True), name)
-    if timeout:
-        signal.signal(signal.SIGALRM, _alarm)
-        signal.setitimer(signal.ITIMER_REAL, timeout)
     try:
         exec(compile(code, name, "exec"), ns)
     finally:
-        if timeout:
-            signal.setitimer(signal.ITIMER_REAL, 0)
         import matplotlib.pyplot as plt
         plt.close("all")
-
-
-def _alarm(*_: object) -> None:
-    raise Hung()
 
 
 def _equivalent(ex_id: str) -> dict[str, str]:
@@ -262,24 +277,20 @@ def _equivalent(ex_id: str) -> dict[str, str]:
     return {}
 
 
-def _try(label: str, ex: Exercise, cells: list[str], ns: dict, timeout: float) -> Outcome:
+def _try(label: str, ex: Exercise, cells: list[str], ns: dict) -> Outcome:
     """Run one mutant in ``ns``: solution cells, the cells up to the check, the check."""
     quiet = io.StringIO()
     try:
         with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
             for src in cells[:len(ex.solution_cells)]:
-                run_cell(src, ns, timeout)
-    except Hung:
-        return Outcome(label, "hung")
+                run_cell(src, ns)
     except Exception as err:
         return Outcome(label, "invalid", f"{type(err).__name__}: {err}")
     try:
         with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet), \
                 grading.record_verdicts() as seen:
             for src in cells[len(ex.solution_cells):]:
-                run_cell(src, ns, timeout)
-    except Hung:
-        return Outcome(label, "hung")
+                run_cell(src, ns)
     except Exception as err:
         return Outcome(label, "killed", f"raised outside the grader: {type(err).__name__}")
     marks = [m for m, i, _ in seen if i == ex.ex_id]
@@ -291,27 +302,84 @@ def _try(label: str, ex: Exercise, cells: list[str], ns: dict, timeout: float) -
     return Outcome(label, "killed", msg)
 
 
+def _isolated(label: str, run: Callable[[], Outcome], timeout: float) -> Outcome:
+    """``run()`` in a forked child, so a kernel that reads wild memory in Triton's
+    interpreter (a segfault) or a mutant that loops forever cannot take this process down.
+    The child inherits the namespace, so mutants cannot leak state into each other.
+    """
+    if not hasattr(os, "fork"):  # Windows: in the process itself, without a timeout
+        return run()
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: run, report as JSON, leave without any clean-up
+        os.close(read_end)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), 2)  # glibc's "double free" when it crashes
+        try:
+            data = json.dumps(dataclasses.asdict(run()))
+        except BaseException as err:  # noqa: BLE001 (anything at all: report it)
+            data = json.dumps({"label": label, "status": "crashed", "detail": repr(err)})
+        os.write(write_end, data.encode())
+        os._exit(0)
+    os.close(write_end)
+    chunks, deadline = [], time.monotonic() + timeout
+    with os.fdopen(read_end, "rb") as pipe:
+        while select.select([pipe], [], [], max(0.0, deadline - time.monotonic()))[0]:
+            if not (chunk := os.read(pipe.fileno(), 1 << 16)):
+                break
+            chunks.append(chunk)
+        else:
+            os.kill(pid, signal.SIGKILL)
+    _, status = os.waitpid(pid, 0)
+    if os.WIFSIGNALED(status):
+        sig = signal.Signals(os.WTERMSIG(status)).name
+        hung = sig == "SIGKILL" and time.monotonic() >= deadline
+        return Outcome(label, "hung" if hung else "crashed", "" if hung else f"died of {sig}")
+    if not chunks:
+        return Outcome(label, "crashed", f"exited with status {os.waitstatus_to_exitcode(status)}")
+    return Outcome(**json.loads(b"".join(chunks)))
+
+
 def run_notebook(path: Path, cap: int = 12, triton_cap: int = 8, timeout: float = 30.0,
-                 log=print, equivalent: dict[str, str] | None = None) -> list[Report]:
+                 log=print, equivalent: dict[str, str] | None = None,
+                 budget: float = 20.0) -> list[Report]:
     """Mutation-test every exercise of one solution notebook (see module docstring).
 
     An exercise whose solution is a ``@triton.jit`` kernel gets ``triton_cap`` mutants:
-    each one runs the kernel in the interpreter, about a second on a CPU. ``equivalent``
-    (label -> reason) replaces what the grader modules declare (for tests of this tool).
+    each one runs the kernel in the interpreter, about a second on a CPU. A check slower
+    than a second gets about ``budget`` seconds of mutants, never fewer than 3 (always the
+    first ones of the same fixed order). ``equivalent`` (label -> reason) replaces what
+    the grader modules declare (for tests of this tool).
     """
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # no OpenMP pool: forking children stays safe
+    try:
+        return _run_notebook(path, cap, triton_cap, timeout, log, equivalent, budget)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run_notebook(path: Path, cap: int, triton_cap: int, timeout: float, log,
+                  equivalent: dict[str, str] | None, budget: float) -> list[Report]:
     nb = nbformat.read(path, as_version=4)
     exercises = {ex.solution_cells[0]: ex for ex in find_exercises(nb)}
     ns: dict = {"__name__": "__main__"}
     reports: list[Report] = []
     done = set()
     quiet = io.StringIO()
-    for i, cell in enumerate(nb.cells):
+    last = max((ex.check_cell for ex in exercises.values()), default=-1)
+    for i, cell in enumerate(nb.cells[:last + 1]):  # nothing after the last check is needed
         if cell.cell_type != "code" or i in done:
             continue
         ex = exercises.get(i)
         if ex is None:
-            with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
-                run_cell(cell.source, ns)
+            try:
+                with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
+                    run_cell(cell.source, ns)
+            except Exception as err:  # e.g. a demo cell on code that changed: say, go on
+                reports.append(Report(f"cell {i}", error=f"{type(err).__name__}: {err}"))
+                log(f"{path.name} cell {i} raised {type(err).__name__}: {err}")
             continue
         snapshot = dict(ns)
         idx = list(range(ex.solution_cells[0], ex.check_cell + 1))
@@ -319,7 +387,8 @@ def run_notebook(path: Path, cap: int = 12, triton_cap: int = 8, timeout: float 
         sols = [nb.cells[k].source for k in code if k in ex.solution_cells]
         rest = [nb.cells[k].source for k in code if k not in ex.solution_cells]
         start = time.perf_counter()
-        original = _try("original", ex, sols + rest, ns, 0)  # builds ns for what follows
+        original = _try("original", ex, sols + rest, ns)  # builds ns for what follows
+        took = time.perf_counter() - start
         report = Report(ex.ex_id)
         done.update(code)
         reports.append(report)
@@ -330,6 +399,8 @@ def run_notebook(path: Path, cap: int = 12, triton_cap: int = 8, timeout: float 
         same = _equivalent(ex.ex_id) if equivalent is None else equivalent
         slow = any("@triton.jit" in s for s in sols)
         n = triton_cap if slow else cap
+        if took > 1.0:
+            n = max(3, min(n, int(budget / took)))
         for k, sol_cell in enumerate(ex.solution_cells):
             per_cell = n // len(ex.solution_cells) + (k < n % len(ex.solution_cells))
             for label, src in mutants(nb.cells[sol_cell].source, ex.ex_id, per_cell):
@@ -338,8 +409,8 @@ def run_notebook(path: Path, cap: int = 12, triton_cap: int = 8, timeout: float 
                     continue
                 mutated = list(sols)
                 mutated[k] = src
-                report.outcomes.append(
-                    _try(label, ex, mutated + rest, dict(snapshot), timeout))
+                report.outcomes.append(_isolated(label, functools.partial(
+                    _try, label, ex, mutated + rest, snapshot), timeout))
         log(f"{path.name} {report.line()} in {time.perf_counter() - start:.1f}s")
     return reports
 
