@@ -1,0 +1,162 @@
+"""The paged engine beside what it is measured against (chapters 06 and 07).
+
+The "before" system (:class:`paged_lib.engine.static_batching.StaticBatchingEngine`) and
+the simulator's prediction (:func:`paged_lib.engine.trace.simulated_blocks`) live with the
+engine; this module adds what the chapters feed them and read from them:
+
+* :func:`chapter_trace`, :func:`trace_prompts`, :func:`trace_params` - one mixed-length
+  trace as engine input: real code bytes as prompts (so the output is readable) and
+  ``ignore_eos`` with ``max_tokens = output_len`` (so lengths are exactly the trace's).
+* :func:`static_stats` - the static system's steps in the engine's ``EngineStats`` shape,
+  from chapter 02's ``static-max`` simulator (no model: the schedule follows from the
+  lengths alone, and the static engine steps through the same schedule);
+* :func:`engine_requests` - the trace as the engine sees it (BOS counted in the prompt);
+* :func:`run_intervals` - when a request ran, for the timeline plot;
+* :func:`preemption_cost` - chapter 07's trade-off: bytes a swap moves vs tokens a
+  recompute runs again, for one engine run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from paged_lib import workloads
+from paged_lib.accounting import ModelSpec, kv_bytes_per_token
+from paged_lib.engine.sequence import EngineStats, RequestTimeline, SamplingParams
+from paged_lib.fragmentation import simulate_timeline
+from paged_lib.util import cdiv
+from paged_lib.workloads import Request
+
+#: The issue's setting: 48 requests, a 120-block pool of 8-token blocks, max length 160.
+NUM_REQUESTS, NUM_BLOCKS, BLOCK_SIZE, MAX_LEN = 48, 120, 8, 160
+
+#: Prompt text: plain Python, so the shipped code model continues it sensibly.
+CODE_TEXT = '''import os
+import sys
+
+
+def read_lines(path):
+    """Return the lines of a file without their newline."""
+    with open(path) as f:
+        return [line.rstrip("\\n") for line in f]
+
+
+class Counter:
+    def __init__(self):
+        self.counts = {}
+
+    def add(self, key):
+        self.counts[key] = self.counts.get(key, 0) + 1
+
+    def most_common(self, n=1):
+        items = sorted(self.counts.items(), key=lambda kv: -kv[1])
+        return items[:n]
+
+
+def main(argv=None):
+    if argv is None:
+        argv = sys.argv[1:]
+    counter = Counter()
+    for name in argv:
+        for line in read_lines(os.path.join(".", name)):
+            counter.add(line)
+    return counter.most_common(3)
+'''
+
+
+def chapter_trace(num_requests: int = NUM_REQUESTS, seed: int = 0,
+                  max_len: int = MAX_LEN) -> list[Request]:
+    """Alpaca-shaped lengths (chapter 02's synthetic trace), all arriving at step 0.
+
+    Lengths are clipped to ``max_len - 1`` because the engine's prompt adds a BOS token
+    (:func:`trace_prompts`): every engine request then fits ``max_len``.
+    """
+    trace = workloads.alpaca_like(num_requests, seed=seed, max_len=max_len - 1)
+    return [Request(r.prompt_len, r.output_len, 0.0) for r in trace]
+
+
+def trace_prompts(requests: Sequence[Request], bos_id: int = 256,
+                  text: str = CODE_TEXT) -> list[list[int]]:
+    """Prompt ``i``: BOS, then ``prompt_len`` bytes of ``text`` from a line start.
+
+    Byte ids are token ids for the course's byte-level tokenizer
+    (:class:`paged_lib.tokenizer.ByteTokenizer`).
+    """
+    data = text.encode()
+    starts = [0] + [k + 1 for k, b in enumerate(data[:-1]) if b == ord("\n")]
+    prompts = []
+    for i, r in enumerate(requests):
+        start = starts[(7 * i) % len(starts)]
+        body = (data[start:] + data) * (1 + r.prompt_len // len(data))
+        prompts.append([bos_id] + list(body[:r.prompt_len]))
+    return prompts
+
+
+def engine_requests(requests: Sequence[Request]) -> list[Request]:
+    """The trace's lengths as the engine serves them: BOS + ``prompt_len`` prompt tokens."""
+    return [Request(r.prompt_len + 1, r.output_len, r.arrival) for r in requests]
+
+
+def trace_params(requests: Sequence[Request]) -> list[SamplingParams]:
+    """Greedy, exactly ``output_len`` new tokens each (EOS ignored)."""
+    return [SamplingParams(max_tokens=r.output_len, ignore_eos=True) for r in requests]
+
+
+def static_stats(requests: Sequence[Request], num_blocks: int = NUM_BLOCKS,
+                 block_size: int = BLOCK_SIZE, max_len: int = MAX_LEN) -> EngineStats:
+    """Static max-length batching of ``requests`` on ``num_blocks`` blocks, per step.
+
+    From chapter 02's simulator (``static-max``): ``batch_sizes`` counts requests still
+    generating, ``blocks_used`` the blocks reserved (a finished request keeps its
+    reservation until its batch ends), ``tokens_per_step`` the tokens generated;
+    ``requests`` hold each request's admission and last step, as the engine records them.
+    """
+    tl = simulate_timeline(list(requests), "static-max", num_blocks * block_size, block_size,
+                           max_len, record=True)
+    running, reserved = [0] * tl.num_steps, [0] * tl.num_steps
+    for a in tl.allocations:
+        for t in range(a.start, a.end):
+            reserved[t] += cdiv(a.size, block_size)
+    stats = EngineStats(num_blocks=num_blocks, block_size=block_size)
+    stats.requests = [RequestTimeline() for _ in requests]
+    for run in tl.runs:
+        stats.requests[run.request].admitted_steps.append(run.start)
+        stats.requests[run.request].finished_step = run.end - 1
+        for t in range(run.start, run.end):
+            running[t] += 1
+    starts = {run.start for run in tl.runs}
+    for t in range(tl.num_steps):
+        stats.record_step("prefill" if t in starts else "decode", running[t], reserved[t],
+                          running[t], running[t])
+    return stats
+
+
+def run_intervals(timeline: RequestTimeline) -> list[tuple[int, int]]:
+    """Steps ``[start, end)`` during which a request ran (admitted, not yet preempted).
+
+    A request admitted at step ``a`` runs in ``a``; preempted at step ``p`` it does not run
+    in ``p``; it finishes in (and runs in) ``finished_step``.
+    """
+    starts = list(timeline.admitted_steps)
+    ends = list(timeline.preempted_steps)
+    if timeline.finished_step is not None:
+        ends.append(timeline.finished_step + 1)
+    if len(starts) != len(ends):
+        raise ValueError(f"timeline {timeline} is not finished: admissions {starts}, "
+                         f"ends {ends}")
+    return list(zip(starts, sorted(ends), strict=True))
+
+
+def kv_bytes_per_block(config: ModelSpec, block_size: int) -> int:
+    """Bytes of one block of K and V over every layer (what a swap copies per block),
+    with chapter 01's formula: the model's config is a ``ModelSpec``."""
+    return kv_bytes_per_token(config) * block_size
+
+
+def preemption_cost(stats: EngineStats, config: ModelSpec) -> dict[str, int]:
+    """What one run's preemptions cost: block copies and bytes (swap), tokens (recompute)."""
+    return {"preemptions": stats.preemptions,
+            "swapped_blocks": stats.swapped_blocks,
+            "swapped_bytes": stats.swapped_blocks * kv_bytes_per_block(config,
+                                                                       stats.block_size),
+            "recomputed_tokens": stats.recomputed_tokens}

@@ -1,0 +1,275 @@
+"""Checks for chapter 06 (the serving engine).
+
+* 06.1 ``build_metadata``: one step's tensors from the batch's block tables. Compared
+  field by field with :func:`paged_lib.engine.model_runner.build_metadata` on hand-made
+  batches (prefill and decode mixed, tables in scrambled block order, full last blocks,
+  block size 1) and seeded random ones; dtypes are part of the answer.
+* 06.2 ``can_admit``: the scheduler's admission check, on boundary cases of each limit
+  (watermark, free blocks, ``max_num_seqs``, ``max_num_batched_tokens``).
+
+:func:`run_demo` then serves the chapter's trace with the learner's two functions plugged
+into :class:`~paged_lib.engine.LLMEngine` and compares everything with the library's run.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from paged_lib import grading
+from paged_lib.engine.model_runner import build_metadata as lib_build_metadata
+from paged_lib.engine.scheduler import Budget
+from paged_lib.engine.scheduler import can_admit as lib_can_admit
+from paged_lib.model import AttentionMetadata
+from paged_lib.util import cdiv
+
+#: Exercise id -> the library object the learner's code re-implements.
+TWINS: dict[str, str] = {
+    "06.1": "paged_lib.engine.model_runner.build_metadata",
+    "06.2": "paged_lib.engine.scheduler.can_admit",
+}
+
+# ------------------------------------------------------------------ 06.1 build_metadata
+
+#: name, block tables, seq_lens, query_lens, block size
+_BATCHES: list[tuple[str, list[list[int]], list[int], list[int], int]] = [
+    ("the spec's example: blocks [7, 2], 6 tokens, decoding 1 (block size 4)",
+     [[7, 2]], [6], [1], 4),
+    ("three decodes, tables of different widths, blocks out of order (block size 4)",
+     [[3], [5, 0, 9], [8, 1]], [3, 10, 5], [1, 1, 1], 4),
+    ("a prefill of 7 next to two decodes (block size 4)",
+     [[2, 6], [4, 11, 1], [0]], [7, 9, 2], [7, 1, 1], 4),
+    ("a re-prefill of 9 tokens whose last block is full (block size 3)",
+     [[5, 1, 8], [2, 0]], [9, 5], [9, 1], 3),
+    ("block size 1: one token per block", [[4, 2, 7], [1]], [3, 1], [1, 1], 1),
+]
+
+
+def _random_batches(seed: int = 6, count: int = 6) -> list[tuple]:
+    rng = random.Random(seed)
+    out = []
+    for k in range(count):
+        block_size = rng.choice([2, 4, 8])
+        num_seqs = rng.randint(1, 5)
+        pool = list(range(40))
+        rng.shuffle(pool)
+        tables, seq_lens, query_lens = [], [], []
+        for _ in range(num_seqs):
+            seq_len = rng.randint(1, 30)
+            query = seq_len if rng.random() < 0.3 else 1
+            tables.append([pool.pop() for _ in range(cdiv(seq_len, block_size))])
+            seq_lens.append(seq_len)
+            query_lens.append(query)
+        out.append((f"random batch {k} (seed {seed}, block size {block_size})", tables,
+                    seq_lens, query_lens, block_size))
+    return out
+
+
+_DTYPES = {"slot_mapping": torch.int64, "block_tables": torch.int32, "seq_lens": torch.int32,
+           "query_lens": torch.int32, "positions": torch.int64}
+_FIELD_HINTS = {
+    "seq_lens": "seq_lens[s] is the tokens in the cache after this step: the value you "
+                "were given, as an int32 tensor",
+    "query_lens": "query_lens[s] is the new tokens of sequence s: the value you were given",
+}
+
+
+def check_build_metadata(build_metadata: Callable[..., Any]) -> None:
+    """``build_metadata(block_tables, seq_lens, query_lens, block_size) -> AttentionMetadata``."""
+    with grading.exercise("06.1", "slot_mapping and padded block tables"):
+        for batch in _BATCHES + _random_batches():
+            _check_batch(build_metadata, *batch)
+
+
+def _check_batch(fn, name, tables, seq_lens, query_lens, block_size) -> None:
+    given = [list(t) for t in tables]
+    got = fn(given, list(seq_lens), list(query_lens), block_size)
+    want = lib_build_metadata(tables, seq_lens, query_lens, block_size)
+    where = f"batch '{name}'"
+    if given != tables:
+        grading.fail(f"{where}: your function changed the block tables it was given "
+                     f"({tables} became {given})",
+                     "the lists are the sequences' own tables: build new padded rows "
+                     "instead of appending -1 to them")
+    grading.expect_true(isinstance(got, AttentionMetadata),
+                        f"{where}: expected an AttentionMetadata, got {type(got).__name__}",
+                        "return AttentionMetadata(slot_mapping=..., block_tables=..., "
+                        "seq_lens=..., query_lens=..., positions=...)")
+    for field, dtype in _DTYPES.items():
+        value = getattr(got, field)
+        grading.expect_true(isinstance(value, torch.Tensor),
+                            f"{where}: {field} is a {type(value).__name__}, not a tensor",
+                            f"make {field} a torch tensor of dtype {dtype}")
+        grading.expect_true(value.dtype == dtype,
+                            f"{where}: {field} has dtype {value.dtype}, expected {dtype}",
+                            _dtype_hint(field, dtype))
+    _check_block_tables(got.block_tables, want.block_tables, tables, where)
+    _check_slots(got, want, tables, seq_lens, query_lens, block_size, where)
+    for field in ("seq_lens", "query_lens"):
+        grading.expect_equal(getattr(got, field).tolist(), getattr(want, field).tolist(),
+                             f"{where}: {field}", _FIELD_HINTS[field])
+
+
+def _dtype_hint(field: str, dtype: torch.dtype) -> str:
+    if field == "slot_mapping":
+        return ("slot_mapping is int64: block * block_size + offset outgrows int32 in a "
+                "large pool (vLLM uses int64 too)")
+    if field == "positions":
+        return "positions are int64 (they index the rotary embedding table)"
+    return f"{field} is {dtype}, the dtype the kernels take"
+
+
+def _check_block_tables(got: torch.Tensor, want: torch.Tensor, tables, where: str) -> None:
+    if tuple(got.shape) != tuple(want.shape):
+        grading.fail(f"{where}: block_tables has shape {tuple(got.shape)}, expected "
+                     f"{tuple(want.shape)}",
+                     "one row per sequence, as wide as the longest table (no wider)")
+    if torch.equal(got, want):
+        return
+    pad = want == -1
+    if pad.any() and torch.equal(got[~pad], want[~pad]):
+        filler = sorted({int(v) for v in got[pad].tolist()})
+        grading.fail(f"{where}: block_tables pads short rows with {filler}, expected -1",
+                     "pad with -1, never with a block id such as 0: block 0 may belong to "
+                     "another sequence, and -1 can never be allocated")
+    grading.fail(f"{where}: block_tables is {got.tolist()}, expected {want.tolist()}",
+                 "row s is the sequence's own table, in logical order, then -1 padding")
+
+
+def _check_slots(got, want, tables, seq_lens, query_lens, block_size, where) -> None:
+    slots, wslots = got.slot_mapping.tolist(), want.slot_mapping.tolist()
+    positions, wpos = got.positions.tolist(), want.positions.tolist()
+    if len(slots) != len(wslots):
+        if len(slots) == sum(seq_lens):
+            hint = ("only the new tokens get a slot: the last query_lens[s] positions of "
+                    "sequence s (earlier tokens are in the cache already)")
+        else:
+            hint = "one slot per new token, sequences packed back to back: sum(query_lens)"
+        grading.fail(f"{where}: slot_mapping has {len(slots)} entries, expected {len(wslots)}",
+                     hint)
+    if slots != wslots:
+        k = next(i for i, (a, b) in enumerate(zip(slots, wslots, strict=True)) if a != b)
+        physical = _physical_blocks(tables, seq_lens, query_lens, block_size)
+        if slots == wpos:
+            hint = ("slot = block * block_size + offset with the *physical* block: look it "
+                    "up in the sequence's table (position // block_size is only the logical "
+                    "block)")
+        elif slots == [b * block_size + p for b, p in zip(physical, wpos, strict=True)]:
+            hint = "the offset inside the block is position % block_size, not the position"
+        else:
+            hint = ("token at position p of sequence s: physical block "
+                    "block_tables[s][p // block_size], offset p % block_size")
+        grading.fail(f"{where}: slot_mapping[{k}] is {slots[k]}, expected {wslots[k]} "
+                     f"(token at position {wpos[k]})", hint)
+    grading.expect_equal(positions, wpos, f"{where}: positions",
+                         "the new tokens of sequence s sit at positions "
+                         "seq_lens[s] - query_lens[s] ... seq_lens[s] - 1")
+
+
+def _physical_blocks(tables, seq_lens, query_lens, block_size) -> list[int]:
+    """The physical block of every new token, in slot_mapping order."""
+    return [t[p // block_size] for t, n, q in zip(tables, seq_lens, query_lens, strict=True)
+            for p in range(n - q, n)]
+
+
+# ------------------------------------------------------------------ 06.2 can_admit
+
+def _budget(free, watermark=0, num_seqs=0, max_num_seqs=256, tokens=0, max_tokens=4096):
+    return Budget(free, watermark, num_seqs, max_num_seqs, tokens, max_tokens)
+
+
+#: (what, blocks_needed, num_seqs, num_tokens, budget, hint if the answer is wrong)
+_ADMISSION_CASES = [
+    ("plenty of room: 3 blocks needed, 50 free", 3, 1, 20, _budget(50, 1),
+     "a group whose blocks are free (watermark kept) and that fits both step limits joins"),
+    ("10 free, watermark 1, needs 10", 10, 1, 70, _budget(10, 1),
+     "admission ignores the watermark: after taking its blocks at least watermark_blocks "
+     "must stay free, for the running sequences to grow"),
+    ("10 free, watermark 1, needs 9 (exactly the watermark stays free)", 9, 1, 70,
+     _budget(10, 1),
+     "off by one at the watermark: leaving exactly watermark_blocks free is allowed (>=)"),
+    ("10 free, watermark 0, needs 10 (every free block)", 10, 1, 70, _budget(10, 0),
+     "off by one: with watermark 0 a group may take every free block"),
+    ("5 free, watermark 0, needs 6", 6, 1, 40, _budget(5, 0),
+     "a group needing more blocks than are free can never be admitted"),
+    ("max_num_seqs 4, 3 scheduled, group of 1", 2, 1, 10,
+     _budget(50, 1, num_seqs=3, max_num_seqs=4),
+     "reaching max_num_seqs exactly is allowed (<=)"),
+    ("max_num_seqs 4, 4 scheduled, group of 1", 2, 1, 10,
+     _budget(50, 1, num_seqs=4, max_num_seqs=4),
+     "admitting past max_num_seqs: count the sequences already scheduled this step"),
+    ("max_num_seqs 4, 2 scheduled, group of 3 sequences", 2, 3, 10,
+     _budget(50, 1, num_seqs=2, max_num_seqs=4),
+     "a group brings num_seqs sequences (all admitted together), not 1"),
+    ("max_num_batched_tokens 100, 60 scheduled, 40 more", 5, 1, 40,
+     _budget(50, 1, tokens=60, max_tokens=100),
+     "reaching max_num_batched_tokens exactly is allowed (<=)"),
+    ("max_num_batched_tokens 100, 60 scheduled, 41 more", 5, 1, 41,
+     _budget(50, 1, tokens=60, max_tokens=100),
+     "admitting past max_num_batched_tokens: this step's tokens plus the group's prompt "
+     "must stay within it"),
+    ("an empty pool, nothing needed", 0, 1, 1, _budget(0, 0),
+     "0 blocks needed and watermark 0: it fits"),
+]
+
+
+def check_can_admit(can_admit: Callable[..., Any]) -> None:
+    """``can_admit(blocks_needed, num_seqs, num_tokens, budget) -> bool``."""
+    with grading.exercise("06.2", "Admission check"):
+        for what, need, seqs, tokens, budget, hint in _ADMISSION_CASES:
+            want = lib_can_admit(need, seqs, tokens, budget)
+            got = can_admit(need, seqs, tokens, budget)
+            grading.expect_true(type(got) is bool,
+                                f"case '{what}': returned {got!r} ({type(got).__name__}), "
+                                "expected a bool",
+                                "return True or False (a comparison's result), not a "
+                                "number or None")
+            grading.expect_equal(got, want, f"case '{what}' with {budget}", hint)
+
+
+# ------------------------------------------------------------------ the demo
+
+
+def run_demo(build_metadata: Callable[..., Any], can_admit: Callable[..., Any],
+             model: Any = None) -> list[Any]:
+    """Serve the chapter's trace with the learner's two functions inside the engine.
+
+    Prints what the run did and whether every token and every step's numbers equal the
+    library engine's; returns the chapter's two figures drawn from the learner's run.
+    """
+    from paged_lib import engine_compare as ec
+    from paged_lib.engine import LLMEngine
+    from paged_lib.model import load_tiny_code_llama
+    from paged_lib.viz import engine as viz
+
+    model = model if model is not None else load_tiny_code_llama()
+    trace = ec.chapter_trace()
+    prompts, params = ec.trace_prompts(trace), ec.trace_params(trace)
+    mine = LLMEngine(model, ec.NUM_BLOCKS, ec.BLOCK_SIZE, admission=can_admit,
+                     build_metadata=build_metadata)
+    try:
+        outs = mine.generate(prompts, params)
+    except NotImplementedError:
+        print("⏳ finish exercises 06.1 and 06.2, then run this cell again: your functions "
+              "will serve the chapter's trace")
+        return []
+    except Exception as err:  # a learner's bug: say so in one line
+        print(f"❌ the engine with your functions raised {type(err).__name__}: {err}")
+        return []
+    lib = LLMEngine(model, ec.NUM_BLOCKS, ec.BLOCK_SIZE)
+    ref = lib.generate(prompts, params)
+    s, r = mine.stats, lib.stats
+    same_tokens = [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids
+                                                             for o in ref]
+    same_steps = (s.batch_sizes, s.blocks_used) == (r.batch_sizes, r.blocks_used)
+    print(f"your engine served {len(outs)} requests in {s.steps} steps "
+          f"({s.generated_tokens} tokens, {s.preemptions} preemptions, "
+          f"peak {s.peak_blocks_used} of {s.num_blocks} blocks)")
+    print(f"tokens {'equal' if same_tokens else 'DIFFER from'} the library engine's; "
+          f"batch sizes and blocks per step {'equal' if same_steps else 'DIFFER from'} it")
+    static = ec.static_stats(trace)
+    return [viz.plot_batching({"paged (your engine)": s, "static, max-length": static}),
+            viz.plot_timeline(s, "your engine: requests over time")]

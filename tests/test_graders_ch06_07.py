@@ -1,0 +1,143 @@
+"""Chapters 06-07's graders against typical wrong answers: each gets ❌ with a hint naming it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from paged_lib.engine.block_manager import swap_mapping
+from paged_lib.engine.model_runner import build_metadata
+from paged_lib.engine.scheduler import can_admit
+from paged_lib.grading import ch06
+from paged_lib.model import AttentionMetadata
+
+
+def verdict(capsys, check, answer) -> str:
+    check(answer)
+    out = capsys.readouterr().out
+    assert out.count("\n") <= 2, out  # one verdict line, at most one hint line
+    return out
+
+
+# ---------------------------------------------------------------- 06.1 build_metadata
+
+
+def _meta(slots, padded, seq_lens, query_lens, positions, slot_dtype=torch.int64,
+          table_dtype=torch.int32):
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=slot_dtype),
+        block_tables=torch.tensor(padded, dtype=table_dtype).reshape(len(padded), -1),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        query_lens=torch.tensor(query_lens, dtype=torch.int32),
+        positions=torch.tensor(positions, dtype=torch.int64))
+
+
+def meta_with(slot_fn=None, pad=-1, all_positions=False, slot_dtype=torch.int64,
+              table_dtype=torch.int32, in_place=False):
+    """A build_metadata with one planted mistake (defaults: correct)."""
+    def fn(block_tables, seq_lens, query_lens, block_size):
+        slots, positions = [], []
+        for table, n, q in zip(block_tables, seq_lens, query_lens, strict=True):
+            first = 0 if all_positions else n - q
+            for pos in range(first, n):
+                slots.append(slot_fn(table, pos, block_size) if slot_fn else
+                             table[pos // block_size] * block_size + pos % block_size)
+                positions.append(pos)
+        width = max(len(t) for t in block_tables)
+        if in_place:
+            for t in block_tables:
+                t += [pad] * (width - len(t))
+            padded = block_tables
+        else:
+            padded = [t + [pad] * (width - len(t)) for t in block_tables]
+        return _meta(slots, padded, seq_lens, query_lens, positions, slot_dtype, table_dtype)
+    return fn
+
+
+def test_06_1_the_library_and_a_correct_answer_pass(capsys):
+    for answer in (build_metadata, meta_with()):
+        assert verdict(capsys, ch06.check_build_metadata, answer).startswith("✅ [06.1]")
+
+
+@pytest.mark.parametrize("wrong, hint", [
+    (meta_with(slot_fn=lambda t, p, b: (p // b) * b + p % b), "look it up in the sequence's table"),
+    (meta_with(slot_fn=lambda t, p, b: t[p // b] * b + p), "not the position"),
+    (meta_with(pad=0), "pad with -1, never with a block id such as 0"),
+    (meta_with(slot_dtype=torch.int32), "slot_mapping is int64"),
+    (meta_with(table_dtype=torch.int64), "block_tables is torch.int32"),
+    (meta_with(all_positions=True), "only the new tokens get a slot"),
+    (meta_with(in_place=True), "changed the block tables it was given"),
+    (lambda *a: build_metadata(*a).__dict__, "expected an AttentionMetadata"),
+])
+def test_06_1_wrong_answers_get_a_named_hint(capsys, wrong, hint):
+    out = verdict(capsys, ch06.check_build_metadata, wrong)
+    assert out.startswith("❌ [06.1]") and hint in out, out
+
+
+def test_06_1_wrong_positions_are_named(capsys):
+    def zero_based(block_tables, seq_lens, query_lens, block_size):
+        meta = build_metadata(block_tables, seq_lens, query_lens, block_size)
+        meta.positions = torch.arange(meta.positions.numel(), dtype=torch.int64)
+        return meta
+    out = verdict(capsys, ch06.check_build_metadata, zero_based)
+    assert out.startswith("❌ [06.1]") and "positions" in out, out
+
+
+# ---------------------------------------------------------------- 06.2 can_admit
+
+
+def admit_no_watermark(need, seqs, tokens, b):
+    return (b.free_blocks - need >= 0 and b.num_seqs + seqs <= b.max_num_seqs
+            and b.num_batched_tokens + tokens <= b.max_num_batched_tokens)
+
+
+def admit_strict(need, seqs, tokens, b):
+    return (b.free_blocks - need > b.watermark_blocks and b.num_seqs + seqs <= b.max_num_seqs
+            and b.num_batched_tokens + tokens <= b.max_num_batched_tokens)
+
+
+def admit_past_max_seqs(need, seqs, tokens, b):
+    return (b.free_blocks - need >= b.watermark_blocks
+            and b.num_batched_tokens + tokens <= b.max_num_batched_tokens)
+
+
+def admit_one_seq_per_group(need, seqs, tokens, b):
+    return can_admit(need, 1, tokens, b)
+
+
+def admit_ignores_tokens(need, seqs, tokens, b):
+    return b.free_blocks - need >= b.watermark_blocks and b.num_seqs + seqs <= b.max_num_seqs
+
+
+def admit_as_int(need, seqs, tokens, b):
+    return int(can_admit(need, seqs, tokens, b))
+
+
+def test_06_2_the_library_passes(capsys):
+    assert verdict(capsys, ch06.check_can_admit, can_admit).startswith("✅ [06.2]")
+
+
+@pytest.mark.parametrize("wrong, hint", [
+    (admit_no_watermark, "ignores the watermark"),
+    (admit_strict, "off by one at the watermark"),
+    (admit_past_max_seqs, "admitting past max_num_seqs"),
+    (admit_one_seq_per_group, "a group brings num_seqs sequences"),
+    (admit_ignores_tokens, "admitting past max_num_batched_tokens"),
+    (admit_as_int, "return True or False"),
+])
+def test_06_2_wrong_answers_get_a_named_hint(capsys, wrong, hint):
+    out = verdict(capsys, ch06.check_can_admit, wrong)
+    assert out.startswith("❌ [06.2]") and hint in out, out
+
+
+def test_06_not_attempted_is_not_a_failure(capsys):
+    def stub(*args):
+        raise NotImplementedError()
+    for check, ex in ((ch06.check_build_metadata, "06.1"), (ch06.check_can_admit, "06.2")):
+        assert verdict(capsys, check, stub).startswith(f"⏳ [{ex}]")
+
+
+def test_graders_declare_their_twins():
+    assert ch06.TWINS == {"06.1": "paged_lib.engine.model_runner.build_metadata",
+                          "06.2": "paged_lib.engine.scheduler.can_admit"}
+    assert swap_mapping  # chapter 07's twin, imported here so its tests sit beside

@@ -1,0 +1,173 @@
+"""Chapters 06-07's measurements and pictures: the trace helpers, the static schedule,
+the engine beside chapter 02's simulator, and every plot drawn from real engine stats.
+
+The engine runs a tiny random model here: with ``ignore_eos=True`` the schedule (steps,
+blocks, preemptions) depends only on the lengths, not on the weights.
+"""
+
+from __future__ import annotations
+
+import matplotlib.colors
+import pytest
+import torch
+from matplotlib.figure import Figure
+
+import paged_lib  # noqa: F401  # isort: split
+from paged_lib import accounting
+from paged_lib import engine_compare as ec
+from paged_lib.engine import LLMEngine, RequestTimeline
+from paged_lib.engine.static_batching import StaticBatchingEngine
+from paged_lib.engine.trace import simulated_blocks
+from paged_lib.model import TinyLlama, TinyLlamaConfig
+from paged_lib.tokenizer import BOS_ID
+from paged_lib.viz import engine as viz
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matmuls: a second intra-op thread only adds contention on a shared CPU."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    cfg = TinyLlamaConfig(name="stand-in", num_layers=1, hidden_size=32, num_heads=2,
+                          num_kv_heads=1, head_dim=16, vocab_size=264, intermediate_size=32,
+                          max_position=256)
+    return TinyLlama(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def trace():
+    return ec.chapter_trace()
+
+
+@pytest.fixture(scope="module")
+def paged(model, trace):
+    """The chapter's run: 48 requests, 120 blocks of 8, default watermark."""
+    engine = LLMEngine(model, ec.NUM_BLOCKS, ec.BLOCK_SIZE)
+    outs = engine.generate(ec.trace_prompts(trace), ec.trace_params(trace))
+    return engine, outs
+
+
+def test_trace_prompts_are_bos_plus_code_bytes_of_the_trace_lengths(trace):
+    prompts = ec.trace_prompts(trace)
+    assert [len(p) for p in prompts] == [r.prompt_len + 1 for r in trace]
+    assert all(p[0] == BOS_ID and all(0 <= t < 256 for t in p[1:]) for p in prompts)
+    assert max(len(p) + r.output_len for p, r in zip(prompts, trace, strict=True)) \
+        <= ec.MAX_LEN
+    assert [sp.max_tokens for sp in ec.trace_params(trace)] == [r.output_len for r in trace]
+    assert len({tuple(p[1:6]) for p in prompts}) > 5  # not all the same slice
+
+
+def test_every_request_gets_exactly_its_output_length(paged, trace):
+    _, outs = paged
+    assert [len(o.outputs[0].token_ids) for o in outs] == [r.output_len for r in trace]
+
+
+def test_the_paged_engine_needs_at_most_half_the_steps_of_static_batching(paged, trace):
+    engine, _ = paged
+    static = ec.static_stats(trace)
+    assert static.steps >= 2 * engine.stats.steps
+    assert static.peak_batch_size == ec.NUM_BLOCKS // (ec.MAX_LEN // ec.BLOCK_SIZE)
+    assert static.generated_tokens == engine.stats.generated_tokens == \
+        sum(r.output_len for r in trace)
+
+
+def test_static_stats_equal_the_static_engine_step_for_step(model):
+    """The simulator's schedule against the library's StaticBatchingEngine, which runs
+    the model (a small trace: 3 batches of 2)."""
+    small = ec.chapter_trace(6, seed=3, max_len=48)
+    static = ec.static_stats(small, num_blocks=12, max_len=48)
+    real = StaticBatchingEngine(model, 12, ec.BLOCK_SIZE, max_len=48)
+    real.generate(ec.trace_prompts(small), ec.trace_params(small))
+    assert static.steps == real.stats.steps
+    assert static.batch_sizes == real.stats.batch_sizes
+    assert static.blocks_used == real.stats.blocks_used
+    assert [r.admitted_steps for r in static.requests] == \
+        [r.admitted_steps for r in real.stats.requests]
+    assert [r.finished_step for r in static.requests] == \
+        [r.finished_step for r in real.stats.requests]
+
+
+def test_engine_equals_the_simulator_on_the_chapter_trace_without_watermark(model, trace):
+    engine = LLMEngine(model, ec.NUM_BLOCKS, ec.BLOCK_SIZE, watermark=0.0)
+    engine.generate(ec.trace_prompts(trace), ec.trace_params(trace))
+    predicted, preemptions = simulated_blocks(ec.engine_requests(trace), ec.NUM_BLOCKS,
+                                              ec.BLOCK_SIZE)
+    assert engine.stats.blocks_used == predicted
+    assert engine.stats.preemptions == preemptions > 0
+
+
+def test_run_intervals_follow_admissions_and_preemptions():
+    tl = RequestTimeline(arrival_step=0, admitted_steps=[2, 9], preempted_steps=[5],
+                         finished_step=12)
+    assert ec.run_intervals(tl) == [(2, 5), (9, 13)]
+    with pytest.raises(ValueError, match="not finished"):
+        ec.run_intervals(RequestTimeline(admitted_steps=[1]))
+
+
+def test_run_intervals_cover_every_generated_token(paged):
+    engine, _ = paged
+    ran = [0] * engine.stats.steps
+    for tl in engine.stats.requests:
+        for a, b in ec.run_intervals(tl):
+            for t in range(a, b):
+                ran[t] += 1
+    assert ran == engine.stats.batch_sizes  # one sequence per request here
+
+
+def test_swap_bytes_per_block_equal_the_cpu_cache_tensors(model):
+    engine = LLMEngine(model, 8, 4, num_cpu_blocks=3, preemption="swap")
+    per_block = sum(k[0].nbytes + v[0].nbytes for k, v in engine.runner.cpu_kv_caches)
+    assert ec.kv_bytes_per_block(model.config, 4) == per_block
+    assert ec.kv_bytes_per_block(model.config, 4) == \
+        4 * accounting.kv_bytes_per_token(model.config)
+
+
+# ---------------------------------------------------------------- pictures
+
+
+def test_flow_diagram_names_every_stage():
+    fig = viz.draw_request_flow()
+    texts = {t.get_text() for t in fig.axes[0].texts}
+    assert {name for name, _, _ in viz.FLOW} <= texts
+
+
+def test_batching_plot_draws_each_system_s_stats(paged, trace):
+    engine, _ = paged
+    static = ec.static_stats(trace)
+    fig = viz.plot_batching({"paged": engine.stats, "static": static})
+    top, bottom = fig.axes
+    assert [list(line.get_ydata()) for line in top.get_lines()] == \
+        [engine.stats.batch_sizes, static.batch_sizes]
+    assert list(bottom.get_lines()[1].get_ydata()) == static.blocks_used
+
+
+def test_timeline_draws_one_bar_per_run_and_marks_preemptions(paged):
+    engine, _ = paged
+    fig = viz.plot_timeline(engine.stats)
+    ax = fig.axes[0]
+    run_bars = [p for p in ax.patches if p.get_facecolor()[:3] ==
+                matplotlib.colors.to_rgb(viz.RUN_COLOR)]
+    assert len(run_bars) == sum(len(ec.run_intervals(t)) for t in engine.stats.requests)
+    marks = [line for line in ax.get_lines()
+             if line.get_color() == viz.PREEMPT_COLOR]
+    assert len(marks) == engine.stats.preemptions
+
+
+def test_engine_vs_simulator_and_tradeoff_plots():
+    fig = viz.plot_engine_vs_simulator([1, 2, 3], [1, 2, 3], 4)
+    assert isinstance(fig, Figure) and len(fig.axes[0].get_lines()) == 3
+    rows = [{"block_size": 8, "swapped_bytes": 2048, "swapped_blocks": 2,
+             "recomputed_tokens": 30},
+            {"block_size": 16, "swapped_bytes": 8192, "swapped_blocks": 4,
+             "recomputed_tokens": 10}]
+    fig = viz.plot_preemption_tradeoff(rows)
+    left, right = fig.axes
+    assert [p.get_height() for p in left.patches] == [2.0, 8.0]
+    assert [p.get_height() for p in right.patches] == [30, 10]
