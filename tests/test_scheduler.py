@@ -200,3 +200,19 @@ def test_random_workloads_never_cross_write_or_leak(mode):
         if bm.cpu is not None:
             assert bm.cpu.num_free == 64
     assert beams > 0
+
+
+def test_request_timelines_give_running_and_waiting_intervals():
+    bm, sched, runner = engine_parts(8)
+    groups = make_groups([(4, 8), (4, 8), (4, 8, 2)])
+    run(sched, runner, groups)
+    for g in groups:
+        t = g.timeline
+        runs, waits = t.running_intervals(), t.waiting_intervals()
+        ran = sum(b - a for a, b in runs)
+        # a preempted run's steps are redone, so it ran at least max_tokens steps
+        assert ran >= 8 and runs[-1][1] == t.finished_step + 1
+        assert all(a < b for a, b in runs + waits)
+        steps = sorted(s for a, b in runs + waits for s in range(a, b))
+        assert steps == list(range(t.arrival_step, t.finished_step + 1))  # no gap, no overlap
+    assert groups[2].timeline.preempted_steps  # the case with a wait in the middle

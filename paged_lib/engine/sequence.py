@@ -121,6 +121,21 @@ class RequestTimeline:
     preempted_steps: list[int] = field(default_factory=list)
     finished_step: int | None = None
 
+    def running_intervals(self) -> list[tuple[int, int]]:
+        """Steps ``[start, end)`` the request ran: from each admission to the preemption
+        that ended it (a preempted request does not run in its preemption step) or to
+        its last step."""
+        ends = list(self.preempted_steps)
+        if self.finished_step is not None:
+            ends.append(self.finished_step + 1)
+        return list(zip(self.admitted_steps, ends, strict=False))
+
+    def waiting_intervals(self) -> list[tuple[int, int]]:
+        """Steps ``[start, end)`` the request waited: from arrival, and from each
+        preemption, to its next admission."""
+        starts = [self.arrival_step] + list(self.preempted_steps)
+        return [(a, b) for a, b in zip(starts, self.admitted_steps, strict=False) if b > a]
+
 
 @dataclass(eq=False)
 class SequenceGroup:
