@@ -13,10 +13,10 @@ model:
   on each sample's first write (all but the last writer).
 * **Beam search** (:func:`beam_search_usage`): a seeded *synthetic* beam process. Each
   step every live beam proposes its ``W`` most likely next tokens under random
-  log-probabilities (a fresh random softmax over a small vocabulary), the ``W`` best
-  candidates by cumulative log-probability survive, and :func:`beam_step` applies that
-  choice to the block tables: beams with no surviving child are freed, a parent's first
-  surviving child keeps its table, every further child forks it, then each survivor
+  log-probabilities (a fresh random softmax over a small vocabulary), and the engine's
+  own :func:`~paged_lib.engine.beam_search.beam_step` keeps the ``W`` best candidates by
+  cumulative log-probability: beams with no surviving child are freed, a parent's first
+  surviving child keeps its table, every further child forks it. Then each survivor
   appends its token (copy-on-write where the last block is shared).
 
 "Without sharing" is the same work with every sequence holding its own copy of all its
@@ -197,45 +197,11 @@ def parallel_sampling_demo(write: SlotWriter = apply_slot, n: int = 4, prompt_le
 # ------------------------------------------------------------------ beam search
 
 
-@dataclass(frozen=True)
-class BeamStep:
-    """What one beam-search step did to the block tables.
-
-    ``tables[i]`` is new beam ``i`` (child of old beam ``parents[i]``), ``slots[i]`` where
-    its new token goes (``copy`` set on copy-on-write), ``freed`` the old beams that died.
-    """
-
-    tables: list[BlockTable]
-    slots: list[Slot]
-    freed: list[int]
-
-    @property
-    def copies(self) -> list[tuple[int, int]]:
-        return [s.copy for s in self.slots if s.copy is not None]
-
-
-BeamStepFn = Callable[[list[BlockTable], list[int]], BeamStep]
-
-
-def beam_step(tables: list[BlockTable], parents: list[int]) -> BeamStep:
-    """Apply one step's survivors to the beams' block tables.
-
-    ``parents[i]`` is the old beam that new beam ``i`` continues. Dead beams are freed
-    first (their blocks can serve this step's copies), then every child after a parent's
-    first forks it *before* anyone writes (a fork must see the parent's tokens, not a
-    sibling's), and only then does each new beam append its token.
-    """
-    if any(not 0 <= p < len(tables) for p in parents):
-        raise ValueError(f"parents {parents} must index the {len(tables)} live beams")
-    kept = set(parents)
-    freed = [i for i in range(len(tables)) if i not in kept]
-    for i in freed:
-        tables[i].free()
-    new, seen = [], set()
-    for p in parents:
-        new.append(tables[p] if p not in seen else tables[p].fork())
-        seen.add(p)
-    return BeamStep(new, [t.append_token() for t in new], freed)
+#: ``beam_step(tables, cum_logprobs, candidates, beam_width)`` ->
+#: ``[(parent, table, token, cum_logprob), ...]``, the engine's hook (see
+#: :func:`paged_lib.engine.beam_search.beam_step`).
+BeamStepFn = Callable[[list[BlockTable], list[float], list[list[tuple[int, float]]], int],
+                      list[tuple[int, BlockTable, int, float]]]
 
 
 class RandomBeamScorer:
@@ -256,18 +222,17 @@ class RandomBeamScorer:
         return logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
 
 
-def select_beams(scores: np.ndarray, logprobs: np.ndarray, width: int
-                 ) -> tuple[list[int], list[int], np.ndarray]:
-    """The ``width`` best (parent, token) candidates by cumulative log-probability.
+def top_candidates(logprobs: np.ndarray, k: int) -> list[list[tuple[int, float]]]:
+    """Each beam's ``k`` likeliest ``(token, logprob)``, best first (ties: lower token).
 
-    Returns parents and tokens, best first, and the survivors' new scores. Ties go to
-    the lower parent index, then the lower token id (a stable, reproducible order).
+    The same candidates the engine's sampler hands to ``beam_step`` (``torch.topk`` of a
+    beam's log-probabilities), from the rows of ``logprobs [num_beams, vocab]``.
     """
-    cand = scores[:, None] + logprobs  # [num_beams, vocab]
-    flat = cand.ravel()
-    best = np.lexsort((np.arange(flat.size), -flat))[:width]
-    parents, tokens = np.divmod(best, logprobs.shape[1])
-    return parents.tolist(), tokens.tolist(), flat[best]
+    out = []
+    for row in logprobs:
+        best = np.lexsort((np.arange(row.size), -row))[:k]
+        out.append([(int(t), float(row[t])) for t in best])
+    return out
 
 
 @dataclass(frozen=True)
@@ -288,31 +253,42 @@ class BeamFrame:
 
 
 def beam_search_usage(prompt_len: int, output_len: int, beam_width: int,
-                      block_size: int = 16, seed: int = 0, step_fn: BeamStepFn = beam_step,
+                      block_size: int = 16, seed: int = 0, step_fn: BeamStepFn | None = None,
                       record: list[BeamFrame] | None = None, **scorer_kw) -> Usage:
     """A synthetic beam search of ``output_len`` steps over block tables.
 
-    ``step_fn`` applies each step's survivors (a learner's :func:`beam_step` can be
-    passed in). ``record``, if given, receives a :class:`BeamFrame` per step.
+    Each step: every live beam's ``beam_width`` best candidates under
+    :class:`RandomBeamScorer`; ``step_fn`` (default: the engine's
+    :func:`~paged_lib.engine.beam_search.beam_step`, or a learner's) keeps the best
+    continuations, forks and frees the tables; then every new beam appends its token
+    (copy-on-write where its last block is shared), as the engine does next step.
+    ``record``, if given, receives a :class:`BeamFrame` per step.
     """
+    if step_fn is None:
+        from paged_lib.engine.beam_search import beam_step as step_fn
     allocator = _pool(prompt_len, output_len, beam_width, block_size)
     scorer = RandomBeamScorer(seed, **scorer_kw)
     tables = [_prefill(allocator, prompt_len, block_size)]
-    scores = np.zeros(1)
+    cum = [0.0]
     shared, unshared, copies = [_in_use(allocator)], [_unshared(tables, block_size)], 0
     if record is not None:
-        record.append(_frame(0, [0], [-1], tables, allocator, [], [], set(), scores))
+        record.append(_frame(0, [0], [-1], tables, allocator, [], [], set(), cum))
     for step in range(1, output_len + 1):
-        parents, tokens, scores = select_beams(scores, scorer(len(tables)), beam_width)
-        before = {b for i, t in enumerate(tables) if i not in set(parents) for b in t.blocks}
-        result = step_fn(tables, parents)
-        tables = list(result.tables)
-        copies += len(result.copies)
+        candidates = top_candidates(scorer(len(tables)), beam_width)
+        old_blocks = [t.blocks for t in tables]  # a freed table forgets its blocks
+        new = step_fn(list(tables), list(cum), candidates, beam_width)
+        parents = [int(p) for p, _, _, _ in new]
+        tokens = [int(t) for _, _, t, _ in new]
+        tables, cum = [t for _, t, _, _ in new], [float(c) for _, _, _, c in new]
+        step_copies = [s.copy for s in (t.append_token() for t in tables) if s.copy]
+        copies += len(step_copies)
         shared.append(_in_use(allocator))
         unshared.append(_unshared(tables, block_size))
         if record is not None:
-            record.append(_frame(step, parents, tokens, tables, allocator, result.copies,
-                                 result.freed, before, scores))
+            freed = sorted(set(range(len(old_blocks))) - set(parents))
+            dead = {b for i in freed for b in old_blocks[i]}
+            record.append(_frame(step, parents, tokens, tables, allocator, step_copies,
+                                 freed, dead, cum))
     return Usage(shared, unshared, copies)
 
 
@@ -326,7 +302,7 @@ def _frame(step, parents, tokens, tables, allocator, copies, freed, dead_blocks,
 
 
 def record_beam_search(prompt_len: int = 6, output_len: int = 10, beam_width: int = 3,
-                       block_size: int = 4, seed: int = 0, step_fn: BeamStepFn = beam_step,
+                       block_size: int = 4, seed: int = 0, step_fn: BeamStepFn | None = None,
                        **scorer_kw) -> tuple[list[BeamFrame], Usage]:
     """A small beam search recorded step by step, for the beam-tree pictures."""
     frames: list[BeamFrame] = []

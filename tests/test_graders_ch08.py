@@ -103,82 +103,96 @@ def test_notes_exercise_4_flow_and_ref_counts():
 # ---------------------------------------------------------------- 08.2 beam_step
 
 
-def step_ok(tables, parents):
-    freed = [i for i in range(len(tables)) if i not in parents]
-    for i in freed:
-        tables[i].free()
-    new, seen = [], set()
-    for p in parents:
-        new.append(tables[p].fork() if p in seen else tables[p])
-        seen.add(p)
-    return sharing.BeamStep(new, [t.append_token() for t in new], freed)
+def ranked(cum_logprobs, candidates):
+    scored = [(cum_logprobs[i] + lp, i, r, tok)
+              for i, opts in enumerate(candidates) for r, (tok, lp) in enumerate(opts)]
+    return sorted(scored, key=lambda c: (-c[0], c[1], c[2]))
 
 
-def step_no_free(tables, parents):
-    freed = [i for i in range(len(tables)) if i not in parents]
-    new, seen = [], set()
-    for p in parents:
-        new.append(tables[p].fork() if p in seen else tables[p])
-        seen.add(p)
-    return sharing.BeamStep(new, [t.append_token() for t in new], freed)
+def step_ok(tables, cum_logprobs, candidates, beam_width):
+    chosen = ranked(cum_logprobs, candidates)[:beam_width]
+    used, new = set(), []
+    for cum, parent, _, token in chosen:
+        new.append((parent, tables[parent].fork() if parent in used else tables[parent],
+                    token, cum))
+        used.add(parent)
+    for i, table in enumerate(tables):
+        if i not in used:
+            table.free()
+    return new
 
 
-def step_fork_every_child(tables, parents):
-    freed = [i for i in range(len(tables)) if i not in parents]
-    for i in freed:
-        tables[i].free()
-    new = [tables[p].fork() for p in parents]
-    slots = [t.append_token() for t in new]
-    for p in sorted(set(parents)):
-        tables[p].free()
-    return sharing.BeamStep(new, slots, freed)
+def step_no_free(tables, cum_logprobs, candidates, beam_width):
+    chosen = ranked(cum_logprobs, candidates)[:beam_width]
+    used, new = set(), []
+    for cum, parent, _, token in chosen:
+        new.append((parent, tables[parent].fork() if parent in used else tables[parent],
+                    token, cum))
+        used.add(parent)
+    return new
 
 
-def step_append_before_fork(tables, parents):
-    freed = [i for i in range(len(tables)) if i not in parents]
-    for i in freed:
-        tables[i].free()
-    new, slots, seen = [], [], set()
-    for p in parents:
-        table = tables[p].fork() if p in seen else tables[p]
-        seen.add(p)
-        new.append(table)
-        slots.append(table.append_token())
-    return sharing.BeamStep(new, slots, freed)
+def step_fork_every_child(tables, cum_logprobs, candidates, beam_width):
+    chosen = ranked(cum_logprobs, candidates)[:beam_width]
+    new = [(parent, tables[parent].fork(), token, cum) for cum, parent, _, token in chosen]
+    for i, table in enumerate(tables):
+        if i not in {p for p, _, _, _ in new}:
+            table.free()
+    return new
 
 
-def step_free_last(tables, parents):
-    freed = [i for i in range(len(tables)) if i not in parents]
-    new, seen = [], set()
-    for p in parents:
-        new.append(tables[p].fork() if p in seen else tables[p])
-        seen.add(p)
-    slots = [t.append_token() for t in new]
-    for i in freed:
-        tables[i].free()
-    return sharing.BeamStep(new, slots, freed)
+def step_by_this_logprob(tables, cum_logprobs, candidates, beam_width):
+    return step_ok(tables, [0.0] * len(tables), candidates, beam_width)
 
 
-def step_no_fork(tables, parents):
-    freed = [i for i in range(len(tables)) if i not in parents]
-    for i in freed:
-        tables[i].free()
-    new = [tables[p] for p in parents]
-    return sharing.BeamStep(new, [t.append_token() for t in new], freed)
+def step_per_beam(tables, cum_logprobs, candidates, beam_width):
+    """Each beam keeps its own best candidate (no competition across beams)."""
+    picks = [(cum_logprobs[i] + opts[0][1], i, 0, opts[0][0])
+             for i, opts in enumerate(candidates)]
+    rest = [c for c in ranked(cum_logprobs, candidates) if c[2] > 0]
+    chosen = (picks + rest)[:beam_width]
+    used, new = set(), []
+    for cum, parent, _, token in chosen:
+        new.append((parent, tables[parent].fork() if parent in used else tables[parent],
+                    token, cum))
+        used.add(parent)
+    for i, table in enumerate(tables):
+        if i not in used:
+            table.free()
+    return new
 
 
-def step_tuple(tables, parents):
-    result = step_ok(tables, parents)
-    return result.tables, result.slots
+def step_step_logprob_as_cum(tables, cum_logprobs, candidates, beam_width):
+    new = step_ok(tables, cum_logprobs, candidates, beam_width)
+    return [(p, t, tok, cum - cum_logprobs[p]) for p, t, tok, cum in new]
+
+
+def step_free_first(tables, cum_logprobs, candidates, beam_width):
+    chosen = ranked(cum_logprobs, candidates)[:beam_width]
+    for table in tables:
+        table.free()
+    return [(parent, tables[parent].fork(), token, cum) for cum, parent, _, token in chosen]
+
+
+def step_same_table(tables, cum_logprobs, candidates, beam_width):
+    new = step_ok(tables, cum_logprobs, candidates, beam_width)
+    return [(p, tables[p], tok, cum) for p, _, tok, cum in new]
+
+
+def step_worst_first(tables, cum_logprobs, candidates, beam_width):
+    new = step_ok(tables, cum_logprobs, candidates, beam_width)
+    return new[::-1]
 
 
 @pytest.mark.parametrize("answer,hint", [
-    (step_no_free, "free the table of every beam that has no child"),
+    (step_no_free, "free() the table of every old beam that nobody continues"),
     (step_fork_every_child, "the first child continues its parent's own table"),
-    (step_append_before_fork, "fork before any child appends"),
-    (step_free_last, "free the dead beams' tables first"),
-    (step_no_fork, "each child after the first gets parent.fork()"),
-    (step_tuple, "return sharing.BeamStep"),
+    (step_by_this_logprob, "not by this step's logprob alone"),
+    (step_per_beam, "compete across all beams"),
+    (step_step_logprob_as_cum, "cum_logprob = cum_logprobs[parent] + the candidate's"),
+    (step_free_first, "free only the beams nobody continues, after the forks"),
+    (step_same_table, "each child after the first gets parent.fork()"),
+    (step_worst_first, "best first"),
 ])
 def test_beam_step_wrong_answers(capsys, answer, hint):
     out = verdict(capsys, ch08.check_beam_step, answer)
@@ -186,8 +200,17 @@ def test_beam_step_wrong_answers(capsys, answer, hint):
 
 
 def test_beam_step_right_answers(capsys):
+    from paged_lib.engine.beam_search import beam_step
+
     assert verdict(capsys, ch08.check_beam_step, step_ok).startswith("✅ [08.2]")
-    assert verdict(capsys, ch08.check_beam_step, sharing.beam_step).startswith("✅ [08.2]")
+    assert verdict(capsys, ch08.check_beam_step, beam_step).startswith("✅ [08.2]")
+
+
+def test_beam_step_not_attempted(capsys):
+    def todo(*args):
+        raise NotImplementedError
+
+    assert verdict(capsys, ch08.check_beam_step, todo).startswith("⏳ [08.2]")
 
 
 def test_a_learner_step_runs_a_whole_beam_search():

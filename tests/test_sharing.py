@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from paged_lib import sharing
 from paged_lib.blocks import BlockAllocator, BlockTable, OutOfBlocks, Slot
+from paged_lib.engine.beam_search import beam_step
 from paged_lib.util import cdiv
 from paged_lib.workloads import Request, alpaca_like, sharegpt_like
 
@@ -96,22 +97,22 @@ def test_random_forks_appends_and_frees(ops, block_size, num_blocks):
 @given(width=st.integers(1, 4), prompt_len=st.integers(1, 9), block_size=st.integers(1, 4),
        steps=st.integers(1, 8), seed=st.integers(0, 10_000))
 def test_beam_steps_keep_every_beam_own_tokens(width, prompt_len, block_size, steps, seed):
-    """Random survivors each step, applied by beam_step; contents checked after each."""
+    """Random candidates each step through the engine's beam_step, then every new beam
+    appends (as in beam_search_usage); contents and ref counts checked after each."""
     rng = np.random.default_rng(seed)
     alloc = BlockAllocator(width * cdiv(prompt_len + steps, block_size) + width)
     cache = Cache()
     table = BlockTable(alloc, block_size)
     for t in range(prompt_len):
         cache.write(table.append_token(), t, block_size)
-    tables, seqs = [table], [list(range(prompt_len))]
+    tables, seqs, cum = [table], [list(range(prompt_len))], [0.0]
     for step in range(steps):
-        parents = sorted(rng.integers(0, len(tables), size=width).tolist())
-        result = sharing.beam_step(tables, parents)
-        assert result.freed == sorted(set(range(len(seqs))) - set(parents))
-        seqs = [seqs[p] + [1000 * (step + 1) + i] for i, p in enumerate(parents)]
-        for i, slot in enumerate(result.slots):
-            cache.write(slot, seqs[i][-1], block_size)
-        tables = result.tables
+        logprobs = np.round(rng.normal(size=(len(tables), 5)), 1)  # rounded: ties happen
+        new = beam_step(tables, cum, sharing.top_candidates(logprobs, width), width)
+        seqs = [seqs[p] + [1000 * (step + 1) + i] for i, (p, _, _, _) in enumerate(new)]
+        tables, cum = [t for _, t, _, _ in new], [c for _, _, _, c in new]
+        for i, t in enumerate(tables):
+            cache.write(t.append_token(), seqs[i][-1], block_size)
         check_ref_counts(alloc, tables)
         assert [cache.read(t) for t in tables] == seqs
     for t in tables:
@@ -119,10 +120,10 @@ def test_beam_steps_keep_every_beam_own_tokens(width, prompt_len, block_size, st
     assert alloc.num_free == alloc.num_blocks
 
 
-# ------------------------------------------------------------------ beam_step by hand
+# ------------------------------------------------------------------ one step by hand
 
 
-def test_beam_step_by_hand():
+def test_beam_step_then_appends_by_hand():
     """Three beams of 6 tokens (block size 4); beam 0 gets two children, beam 1 dies."""
     alloc = BlockAllocator(12)
     root = BlockTable(alloc, 4)
@@ -133,33 +134,26 @@ def test_beam_step_by_hand():
     b2.append_token()  # copies block 1 into 3
     root.append_token()  # block 1 now root's alone: in place
     assert [root.blocks, b1.blocks, b2.blocks] == [[0, 1], [0, 2], [0, 3]]
-    result = sharing.beam_step([root, b1, b2], [0, 0, 2])
-    assert result.freed == [1]
-    assert result.tables[0] is root and result.tables[2] is b2
-    assert [t.blocks for t in result.tables] == [[0, 4], [0, 1], [0, 3]]
+    candidates = [[(5, -0.1), (6, -0.2)], [(7, -5.0)], [(8, -0.3)]]
+    new = beam_step([root, b1, b2], [0.0, 0.0, 0.0], candidates, 3)
+    assert [(p, tok) for p, _, tok, _ in new] == [(0, 5), (0, 6), (2, 8)]
+    tables = [t for _, t, _, _ in new]
+    assert tables[0] is root and tables[2] is b2
+    slots = [t.append_token() for t in tables]
+    assert [t.blocks for t in tables] == [[0, 4], [0, 1], [0, 3]]
     # root's first child copied the shared block 1 into the fresh 4 (the block b1 freed,
     # 2, went to the back of the free list); the fork then wrote in place; b2 in place.
-    assert [s.copy for s in result.slots] == [(1, 4), None, None]
+    assert [s.copy for s in slots] == [(1, 4), None, None]
     assert alloc.refcount(0) == 3 and alloc.refcount(2) == 0
-    assert result.copies == [(1, 4)]
 
 
-def test_beam_step_rejects_unknown_parents():
-    alloc = BlockAllocator(4)
-    table = BlockTable(alloc, 4)
-    with pytest.raises(ValueError, match="index the 1 live beams"):
-        sharing.beam_step([table], [1])
-    assert alloc.num_free == 4
-
-
-def test_select_beams_against_a_sort():
+def test_top_candidates_against_a_sort():
     rng = np.random.default_rng(3)
-    scores = rng.normal(size=3)
-    logprobs = np.round(rng.normal(size=(3, 5)), 1)  # rounded: some exact ties
-    parents, tokens, new = sharing.select_beams(scores, logprobs, 4)
-    cands = sorted((-(scores[p] + logprobs[p, t]), p, t) for p in range(3) for t in range(5))
-    assert list(zip(parents, tokens, strict=True)) == [(p, t) for _, p, t in cands[:4]]
-    assert np.allclose(new, [-c for c, _, _ in cands[:4]])
+    logprobs = np.round(rng.normal(size=(3, 6)), 1)  # rounded: some exact ties
+    got = sharing.top_candidates(logprobs, 4)
+    for row, cands in zip(logprobs, got, strict=True):
+        want = sorted(range(6), key=lambda t: (-row[t], t))[:4]
+        assert cands == [(t, float(row[t])) for t in want]
 
 
 # ------------------------------------------------------------------ usage

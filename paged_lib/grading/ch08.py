@@ -5,10 +5,12 @@
   writes into a NaN-poisoned cache next to the library's; after every write the check
   compares the block other samples still read, the copied block, the new token, and
   every sample's K/V read back through its block table.
-* 08.2 ``beam_step``: one step of beam search over block tables, replayed next to
-  :func:`paged_lib.sharing.beam_step` on scripted and seeded random steps; after every
-  step it compares who died, the new tables, the slots (copies), the ref counts and free
-  list, and every beam's tokens read back from a toy store that applies each slot.
+* 08.2 ``beam_step``: one step of beam search over block tables, the engine's hook
+  (:func:`paged_lib.engine.beam_search.beam_step`), replayed next to it on scripted and
+  seeded random steps; after every step it compares the chosen (parent, token) pairs and
+  scores, which table each new beam got, the ref counts and free list, then lets every
+  new beam append and compares the slots (copies) and every beam's tokens read back from
+  a toy store that applies each slot.
 """
 
 from __future__ import annotations
@@ -16,17 +18,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import torch
 
 from paged_lib import grading, sharing
-from paged_lib.blocks import BlockAllocator, BlockTable, OutOfBlocks, Slot
+from paged_lib.blocks import BlockAllocator, BlockTable, Slot
 from paged_lib.kernels.reference import gather_kv
 
 #: Exercise id -> the library object the learner's code re-implements.
 TWINS: dict[str, str] = {
     "08.1": "paged_lib.sharing.apply_slot",
-    "08.2": "paged_lib.sharing.beam_step",
+    "08.2": "paged_lib.engine.beam_search.beam_step",
 }
 
 
@@ -182,123 +183,165 @@ class _Store:
                 for t in range(table.num_tokens)]
 
 
-def _beam_scenarios() -> list[tuple[str, int, int, int, list[list[int]]]]:
-    """name, block size, prompt length, pool size, parents per step."""
-    out = [
-        ("three children of the prompt, then beam 1 dies and beam 0 forks twice", 4, 6, 16,
-         [[0, 0, 0], [0, 0, 2], [2, 2, 1], [0, 1, 2]]),
-        ("block size 1 (every token takes a new block)", 1, 3, 24,
-         [[0, 0], [1, 1], [0, 1], [1, 0]]),
-        ("a pool of 3 blocks: the dead beam's block must serve this step's copy", 4, 5, 3,
-         [[0, 0], [1, 1]]),
-    ]
-    scorer = sharing.RandomBeamScorer(seed=8, vocab=6, sigma=2.0)
-    scores, steps, live = np.zeros(1), [], 1
-    for _ in range(10):
-        parents, _, scores = sharing.select_beams(scores, scorer(live), 4)
-        steps.append(parents)
-        live = len(parents)
-    out.append(("a seeded random beam search (width 4, 10 steps)", 4, 7, 60, steps))
-    return out
+Candidates = list[list[tuple[int, float]]]
+#: name, block size, prompt length, width, candidates per step (None: seeded random)
+_SCRIPTED: list[tuple[str, int, int, int, list[Candidates] | None]] = [
+    ("two beams, width 2: beam 0 continues twice, beam 1 dies", 4, 6, 2,
+     [[[(5, -0.3), (6, -0.9)]],
+      [[(5, -0.1), (6, -0.5)], [(7, -0.05)]],
+      [[(1, -2.0)], [(2, -0.1), (3, -0.2)]]]),
+    ("cumulative scores decide (a beam far behind loses even its best token)", 4, 5, 3,
+     [[[(1, -0.1), (2, -1.5), (3, -3.0)]],
+      [[(4, -0.7)], [(5, -0.1)], [(6, -0.05)]],
+      [[(7, -0.2), (8, -0.3)], [(9, -0.1)], [(10, -0.1)]]]),
+    ("exact ties: lower beam first, then the candidate's order", 2, 3, 3,
+     [[[(1, -0.5), (2, -0.5), (3, -0.5)]],
+      [[(4, -1.0), (5, -1.0)], [(6, -1.0)], [(7, -1.0)]]]),
+    ("block size 1 (every token takes a new block)", 1, 3, 2, None),
+    ("a seeded random beam search (width 4, 10 steps)", 4, 7, 4, None),
+]
+_RANDOM_STEPS = 10
 
 
 def check_beam_step(beam_step: Callable[..., Any]) -> None:
-    """``beam_step(tables, parents) -> sharing.BeamStep``."""
+    """``beam_step(tables, cum_logprobs, candidates, beam_width) -> [(parent, table, token,
+    cum_logprob), ...]`` (the engine's :func:`paged_lib.engine.beam_search.beam_step`)."""
     with grading.exercise("08.2", "One step of beam search over block tables"):
-        for scenario in _beam_scenarios():
-            _run_beam_scenario(beam_step, *scenario)
+        for name, block_size, prompt_len, width, steps in _SCRIPTED:
+            _run_beam_scenario(beam_step, name, block_size, prompt_len, width, steps)
 
 
-def _prefilled(block_size: int, prompt_len: int, num_blocks: int):
-    allocator = BlockAllocator(num_blocks)
-    store = _Store(block_size)
-    table = BlockTable(allocator, block_size)
-    for t in range(prompt_len):
-        store.write(table.append_token(), t)
-    return allocator, store, [table], [list(range(prompt_len))]
+class _World:
+    """A prefilled prompt on its own pool, plus what every beam should read back."""
+
+    def __init__(self, block_size: int, prompt_len: int, width: int):
+        self.alloc = BlockAllocator(width * (prompt_len + _RANDOM_STEPS + 2))
+        self.store = _Store(block_size)
+        table = BlockTable(self.alloc, block_size)
+        for t in range(prompt_len):
+            self.store.write(table.append_token(), t)
+        self.tables, self.cum = [table], [0.0]
+        self.seqs = [list(range(prompt_len))]
+
+    def state(self) -> tuple[list[int], list[int]]:
+        return list(self.alloc.ref_counts), list(self.alloc.free_block_ids)
 
 
-def _run_beam_scenario(beam_step, name, block_size, prompt_len, num_blocks, steps):
-    ref_alloc, ref_store, ref_tables, _ = _prefilled(block_size, prompt_len, num_blocks)
-    alloc, store, tables, seqs = _prefilled(block_size, prompt_len, num_blocks)
-    for k, parents in enumerate(steps, start=1):
-        where = f"scenario '{name}', step {k} (parents {parents})"
-        old = list(tables)
-        expected = sharing.beam_step(ref_tables, list(parents))
+def _run_beam_scenario(beam_step, name, block_size, prompt_len, width, steps):
+    from paged_lib.engine.beam_search import beam_step as ref_step
+
+    ref, mine = _World(block_size, prompt_len, width), _World(block_size, prompt_len, width)
+    scorer = sharing.RandomBeamScorer(seed=8, vocab=6, sigma=2.0)
+    for k in range(1, (len(steps) if steps else _RANDOM_STEPS) + 1):
+        cands = steps[k - 1] if steps else sharing.top_candidates(scorer(len(ref.tables)),
+                                                                 width)
+        where = f"scenario '{name}', step {k}"
+        expected = ref_step(list(ref.tables), list(ref.cum), cands, width)
+        old = list(mine.tables)
         try:
-            got = beam_step(tables, list(parents))
-        except OutOfBlocks as err:
-            grading.fail(f"{where}: your step ran out of blocks ({err}), the library's did "
-                         "not", "free the dead beams' tables first: their blocks go back to "
-                         "the pool before this step takes any")
-        _check_result_shape(got, parents, where)
-        grading.expect_equal(list(got.freed), expected.freed, f"{where}: freed beams",
-                             "every old beam that is nobody's parent dies: free its table "
-                             "(list them in increasing order)")
-        _check_tables(got, old, parents, expected, alloc, ref_alloc, where)
-        seqs = [seqs[p] + [1000 * k + i] for i, p in enumerate(parents)]
-        for i, slot in enumerate(got.slots):
-            store.write(slot, seqs[i][-1])
-        for i, table in enumerate(got.tables):
-            grading.expect_equal(store.read(table), seqs[i], f"{where}: beam {i} reads back",
-                                 "fork every extra child *before* any child appends: a fork "
-                                 "made after a sibling wrote sees the sibling's token")
-        tables, ref_tables = list(got.tables), list(expected.tables)
+            got = beam_step(list(mine.tables), list(mine.cum), cands, width)
+        except ValueError as err:
+            if "freed" not in str(err):
+                raise
+            grading.fail(f"{where}: your code used a freed table ({err})",
+                         "free only the beams nobody continues, after the forks: a table "
+                         "that is freed cannot be forked or continued")
+        got = _check_picks(got, expected, list(mine.cum), cands, width, where)
+        _check_tables(got, old, mine, ref, where)
+        for world, result in ((ref, expected), (mine, got)):
+            world.seqs = [world.seqs[p] + [1000 * k + i]
+                          for i, (p, _, _, _) in enumerate(result)]
+            world.tables = [t for _, t, _, _ in result]
+            world.cum = [float(c) for _, _, _, c in result]
+        _append_and_compare(mine, ref, where)
 
 
-def _check_result_shape(got, parents, where: str) -> None:
-    if not isinstance(got, sharing.BeamStep):
-        grading.fail(f"{where}: expected a BeamStep, got {type(got).__name__}",
-                     "return sharing.BeamStep(tables=..., slots=..., freed=...)")
-    grading.expect_true(len(got.tables) == len(parents) == len(got.slots),
-                        f"{where}: {len(got.tables)} tables and {len(got.slots)} slots "
-                        f"for {len(parents)} new beams",
-                        "one new table and one slot per entry of parents, in that order")
+def _picks(result) -> list[tuple[int, int]]:
+    return [(int(p), int(tok)) for p, _, tok, _ in result]
 
 
-def _check_tables(got, old, parents, expected, alloc, ref_alloc, where: str) -> None:
+def _check_picks(got, expected, cum, cands, width, where: str):
+    if not isinstance(got, list | tuple) or not all(
+            isinstance(b, tuple) and len(b) == 4 for b in got):
+        grading.fail(f"{where}: expected a list of (parent, table, token, cum_logprob) "
+                     f"tuples, got {type(got).__name__}",
+                     "return one 4-tuple per new beam, best first")
+    grading.expect_equal(len(got), len(expected), f"{where}: number of new beams",
+                         "keep beam_width continuations (fewer only if there are fewer "
+                         "candidates in all)")
+    mine, want = _picks(got), _picks(expected)
+    if mine != want:
+        grading.fail(f"{where}: new beams as (parent, token) {mine}, expected {want}",
+                     _pick_hint(mine, cum, cands, width))
+    for i, ((_, _, _, c), (_, _, _, e)) in enumerate(zip(got, expected, strict=True)):
+        grading.expect_close(c, e, f"{where}: new beam {i}'s cum_logprob", rel=1e-9,
+                             abs_=1e-9, hint="cum_logprob = cum_logprobs[parent] + the "
+                             "candidate's logprob (the whole sequence's log-probability)")
+    return list(got)
+
+
+def _pick_hint(mine, cum, cands, width) -> str:
+    flat = [(i, r, tok, lp) for i, opts in enumerate(cands) for r, (tok, lp) in enumerate(opts)]
+    by_step = [(i, tok) for i, _, tok, _ in sorted(flat, key=lambda c: (-c[3], c[0], c[1]))]
+    per_beam = [(i, opts[0][0]) for i, opts in enumerate(cands) if opts]
+    worst = [(i, tok) for i, _, tok, _ in sorted(flat, key=lambda c: (cum[c[0]] + c[3],
+                                                                     c[0], c[1]))]
+    if mine == by_step[:width]:
+        return ("rank candidates by cum_logprobs[beam] + logprob (the whole sequence), not "
+                "by this step's logprob alone")
+    if mine[:len(per_beam)] == per_beam[:width]:
+        return ("compete across all beams: one beam may keep several children and another "
+                "none")
+    if mine == worst[:width]:
+        return "best first: the highest cumulative log-probability wins"
+    return ("rank every (beam, candidate) by cum_logprobs[beam] + logprob across all beams, "
+            "best first; ties: lower beam index, then the candidate's order")
+
+
+def _check_tables(got, old, mine: _World, ref: _World, where: str) -> None:
     seen: set[int] = set()
-    for i, p in enumerate(parents):
+    for i, (p, table, _, _) in enumerate(got):
         first = p not in seen
         seen.add(p)
-        if first and got.tables[i] is not old[p]:
+        if first and table is not old[p]:
             grading.fail(f"{where}: new beam {i} is the first child of beam {p} but got a new "
                          "table", "the first child continues its parent's own table (the "
                          "same object); only the further children fork it")
-        if not first and any(got.tables[i] is t for t in old):
+        if not first and any(table is t for t in old):
             grading.fail(f"{where}: new beam {i} is a further child of beam {p} but reuses "
                          "an old table", "each child after the first gets parent.fork()")
-    for i, (table, ref) in enumerate(zip(got.tables, expected.tables, strict=True)):
-        if table.num_tokens != ref.num_tokens:
-            grading.fail(f"{where}: new beam {i} holds {table.num_tokens} tokens, expected "
-                         f"{ref.num_tokens}", "fork before any child appends, and append "
-                         "exactly one token to every new beam")
-    n_copies, ref_copies = sum(s.copy is not None for s in got.slots), len(expected.copies)
-    if n_copies > ref_copies:
-        grading.fail(f"{where}: {n_copies} block copies, expected {ref_copies}",
-                     "a parent's table counts as a holder until it is freed or continued: "
-                     "forking *every* child (even the first) while the parent lives makes "
-                     "one copy too many per parent; let the first child take the parent's "
-                     "table")
-    if alloc.num_free < ref_alloc.num_free:
-        grading.fail(f"{where}: {alloc.num_free} free blocks afterwards, expected "
-                     f"{ref_alloc.num_free}: blocks leaked",
-                     "free the table of every beam that has no child this step (and keep "
-                     "no extra table alive)")
-    got_slots = [(s.block, s.offset, s.copy) for s in got.slots]
-    want_slots = [(s.block, s.offset, s.copy) for s in expected.slots]
-    grading.expect_equal(got_slots, want_slots, f"{where}: slots (block, offset, copy)",
-                         "free the dead beams first (their blocks go back to the pool before "
-                         "this step takes any), then fork, then append in the order of "
-                         "parents")
-    grading.expect_equal([t.blocks for t in got.tables], [t.blocks for t in expected.tables],
-                         f"{where}: block tables", "append one token to each new beam with "
-                         "table.append_token()")
-    grading.expect_equal((list(alloc.ref_counts), list(alloc.free_block_ids)),
-                         (list(ref_alloc.ref_counts), list(ref_alloc.free_block_ids)),
-                         f"{where}: (ref counts, free list)",
-                         "free each dead beam's table exactly once; fork, do not incref "
-                         "by hand")
+        if not isinstance(table, BlockTable):
+            grading.fail(f"{where}: new beam {i}'s table is a {type(table).__name__}",
+                         "return the BlockTable itself")
+    if mine.alloc.num_free < ref.alloc.num_free:
+        grading.fail(f"{where}: {mine.alloc.num_free} free blocks afterwards, expected "
+                     f"{ref.alloc.num_free}: blocks leaked",
+                     "free() the table of every old beam that nobody continues")
+    if mine.alloc.num_free > ref.alloc.num_free:
+        grading.fail(f"{where}: {mine.alloc.num_free} free blocks afterwards, expected "
+                     f"{ref.alloc.num_free}: a block a new beam holds went back to the pool",
+                     "free only the beams nobody continues; a fork holds its own references")
+    grading.expect_equal(mine.state(), ref.state(), f"{where}: (ref counts, free list)",
+                         "fork with table.fork() (no incref by hand) and free each dead "
+                         "beam's table exactly once")
+
+
+def _append_and_compare(mine: _World, ref: _World, where: str) -> None:
+    """Each new beam writes its token, as the engine does next; who copies what?"""
+    for world in (ref, mine):
+        world.slots = [t.append_token() for t in world.tables]
+        for slot, seq in zip(world.slots, world.seqs, strict=True):
+            world.store.write(slot, seq[-1])
+    grading.expect_equal([(s.block, s.offset, s.copy) for s in mine.slots],
+                         [(s.block, s.offset, s.copy) for s in ref.slots],
+                         f"{where}: then each new beam appends; slots (block, offset, copy)",
+                         "a new beam's table must hold exactly its parent's blocks and tokens")
+    for i, table in enumerate(mine.tables):
+        grading.expect_equal(mine.store.read(table), mine.seqs[i],
+                             f"{where}: beam {i} reads back", "a fork must share its "
+                             "parent's blocks: never hand two new beams the same table")
+    grading.expect_equal(mine.state(), ref.state(), f"{where}: after the appends, "
+                         "(ref counts, free list)", "free each dead beam exactly once")
 
 
 def run_beam_search(beam_step: Callable[..., Any], **kw) -> list[sharing.BeamFrame]:
