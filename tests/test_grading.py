@@ -64,3 +64,18 @@ def test_tensor_shape_mismatch(capsys):
 def test_ch00_ceil_div(capsys, fn, mark):
     ch00.check_ceil_div(fn)
     assert capsys.readouterr().out.startswith(f"{mark} [00.1]")
+
+
+def test_record_verdicts_sees_every_verdict_in_its_block_only(capsys):
+    with grading.exercise("09.0", "Before"):
+        pass
+    with grading.record_verdicts() as outer:
+        ch00.check_ceil_div(lambda n, b: n // b)
+        with grading.record_verdicts() as inner, grading.exercise("09.1", "Todo"):
+            raise NotImplementedError
+    with grading.exercise("09.2", "After"):
+        pass
+    assert [(m, i) for m, i, _ in outer] == [("❌", "00.1"), ("⏳", "09.1")]
+    assert [(m, i) for m, i, _ in inner] == [("⏳", "09.1")]
+    assert "expected 1, got 0" in outer[0][2]
+    assert "❌ [00.1]" in capsys.readouterr().out  # still printed for the learner

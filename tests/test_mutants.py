@@ -108,6 +108,16 @@ def test_a_mutant_that_hangs_is_stopped_and_not_counted(tmp_path):
     assert report.counted == len(report.outcomes) - len(hung) > 0
 
 
+def test_a_mutant_that_kills_the_process_is_isolated_and_not_counted(tmp_path):
+    grader = "import os\n" + STRONG
+    crashing = SOLUTION.replace("    if n == 0:\n", "    if n < 0:\n        os.abort()\n"
+                                "    if n == 0:\n")
+    report = _run(tmp_path, grader, crashing)
+    crashed = {o.label: o.detail for o in report.outcomes if o.status == "crashed"}
+    assert crashed.get("compare: `n < 0` -> `n <= 0` in `if n < 0:`") == "died of SIGABRT"
+    assert report.count("killed") >= 12  # the mutants after it still ran
+
+
 @pytest.fixture(scope="module")
 def reports() -> list[tuple[str, mutants.Report]]:
     out = []

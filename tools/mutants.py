@@ -29,6 +29,7 @@ import ast
 import contextlib
 import copy
 import dataclasses
+import faulthandler
 import functools
 import importlib
 import io
@@ -314,6 +315,7 @@ def _isolated(label: str, run: Callable[[], Outcome], timeout: float) -> Outcome
     if pid == 0:  # the child: run, report as JSON, leave without any clean-up
         os.close(read_end)
         os.dup2(os.open(os.devnull, os.O_WRONLY), 2)  # glibc's "double free" when it crashes
+        faulthandler.disable()  # pytest's would print every crash's stack
         try:
             data = json.dumps(dataclasses.asdict(run()))
         except BaseException as err:  # noqa: BLE001 (anything at all: report it)
