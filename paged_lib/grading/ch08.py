@@ -30,6 +30,15 @@ TWINS: dict[str, str] = {
     "08.2": "paged_lib.engine.beam_search.beam_step",
 }
 
+#: Mutants of the solution that compute the same thing (see ``tools/mutants.py``).
+EQUIVALENT_MUTANTS: dict[str, dict[str, str]] = {
+    "08.2": {
+        "constant: `2` -> `1` in `scored.sort(key=lambda c: (-c[0], c[1], c[2]))`":
+            "Python's sort is stable and the candidates are listed beam by beam in their "
+            "own order, so breaking ties by the beam index twice keeps the candidate order",
+    },
+}
+
 
 def _busy_pool(num_blocks: int, free_in_order: tuple[int, ...]) -> BlockAllocator:
     allocator = BlockAllocator(num_blocks)
