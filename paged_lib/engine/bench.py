@@ -56,15 +56,16 @@ def load_models(random_model: bool = False):
     return TinyLlama.from_hf(hf), hf, "random tiny Llama"
 
 
-def _timed(fn) -> float:
-    start = time.perf_counter()
+def _timed(fn) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of this process) of ``fn()``. On a shared machine the
+    CPU time is the steadier number; on a quiet one they agree (1 thread)."""
+    wall, cpu = time.perf_counter(), time.process_time()
     fn()
-    return time.perf_counter() - start
+    return time.perf_counter() - wall, time.process_time() - cpu
 
 
-def run_hf(hf, prompts: list[list[int]], out_lens: list[int], batch_size: int) -> float:
-    """Seconds for transformers to serve the trace in static batches of ``batch_size``."""
-    start = time.perf_counter()
+def run_hf(hf, prompts: list[list[int]], out_lens: list[int], batch_size: int) -> None:
+    """transformers serves the trace in static batches of ``batch_size``."""
     with torch.no_grad():
         for i in range(0, len(prompts), batch_size):
             batch, lens = prompts[i:i + batch_size], out_lens[i:i + batch_size]
@@ -74,7 +75,6 @@ def run_hf(hf, prompts: list[list[int]], out_lens: list[int], batch_size: int) -
             hf.generate(ids, attention_mask=mask, max_new_tokens=max(lens),
                         min_new_tokens=max(lens), do_sample=False, eos_token_id=None,
                         pad_token_id=0)
-    return time.perf_counter() - start
 
 
 def scheduling_overhead_ms(num_seqs: int = 64, prompt_len: int = 100, steps: int = 50,
@@ -114,19 +114,20 @@ def run(num_requests: int = 48, num_blocks: int = 120, block_size: int = 8,
     engine = LLMEngine(model, num_blocks, block_size)
     static = StaticBatchingEngine(model, num_blocks, block_size, max_len)
     rows = []
-    secs = _timed(lambda: engine.generate(prompts, params))
-    rows.append(("paged engine", engine.stats.steps, secs))
-    secs = _timed(lambda: static.generate(prompts, params))
-    rows.append(("static batching", static.stats.steps, secs))
+    times = _timed(lambda: engine.generate(prompts, params))
+    rows.append(("paged engine", engine.stats.steps, *times))
+    times = _timed(lambda: static.generate(prompts, params))
+    rows.append(("static batching", static.stats.steps, *times))
     if with_hf and hf is not None:
-        secs = run_hf(hf, prompts, out_lens, static.num_slots)
         hf_steps = sum(max(out_lens[i:i + static.num_slots])
                        for i in range(0, len(out_lens), static.num_slots))
-        rows.append(("transformers generate", hf_steps, secs))
+        rows.append(("transformers generate", hf_steps,
+                     *_timed(lambda: run_hf(hf, prompts, out_lens, static.num_slots))))
     return {"model": name, "tokens": tokens, "num_slots": static.num_slots,
             "peak_batch": engine.stats.peak_batch_size, "preemptions": engine.stats.preemptions,
-            "rows": [{"system": s, "steps": st, "seconds": sec, "tokens_per_s": tokens / sec}
-                     for s, st, sec in rows],
+            "rows": [{"system": s, "steps": st, "seconds": sec, "cpu_seconds": cpu,
+                      "tokens_per_s": tokens / sec, "tokens_per_cpu_s": tokens / cpu}
+                     for s, st, sec, cpu in rows],
             "overhead_ms": scheduling_overhead_ms()}
 
 
@@ -136,12 +137,15 @@ def format_report(res: dict, args) -> str:
              f"({res['tokens']} generated tokens), KV budget {args.num_blocks} blocks x "
              f"{args.block_size} tokens, max_len {args.max_len} "
              f"({res['num_slots']} static slots), torch threads {torch.get_num_threads()}",
-             f"{'system':<24}{'steps':>7}{'seconds':>9}{'tokens/s':>10}"
-             f"{'engine steps/x':>16}{'engine tok/s / x':>18}"]
+             f"{'system':<24}{'steps':>7}{'wall s':>8}{'cpu s':>8}{'tok/s':>7}"
+             f"{'tok/cpu-s':>10}{'x/engine steps':>16}{'engine speed-up':>17}"
+             f"{'(cpu)':>7}"]
     for r in res["rows"]:
-        lines.append(f"{r['system']:<24}{r['steps']:>7}{r['seconds']:>9.2f}"
-                     f"{r['tokens_per_s']:>10.0f}{r['steps'] / base['steps']:>15.2f}x"
-                     f"{base['tokens_per_s'] / r['tokens_per_s']:>17.2f}x")
+        lines.append(f"{r['system']:<24}{r['steps']:>7}{r['seconds']:>8.1f}"
+                     f"{r['cpu_seconds']:>8.1f}{r['tokens_per_s']:>7.0f}"
+                     f"{r['tokens_per_cpu_s']:>10.0f}{r['steps'] / base['steps']:>15.2f}x"
+                     f"{base['tokens_per_s'] / r['tokens_per_s']:>16.2f}x"
+                     f"{base['tokens_per_cpu_s'] / r['tokens_per_cpu_s']:>6.2f}x")
     lines.append(f"paged engine: peak batch {res['peak_batch']} sequences, "
                  f"{res['preemptions']} preemptions")
     lines.append(f"engine overhead per decode step, 64 running sequences, no model: "
