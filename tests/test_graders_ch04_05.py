@@ -281,7 +281,7 @@ def test_scale_tile_grader(capsys):
     assert _verdict(capsys, ch05.check_scale_tile, _scale_tile).startswith("✅ [05.1]")
     assert _verdict(capsys, ch05.check_scale_tile, _stub_kernel).startswith("⏳ [05.1]")
     for bug, words in [(1, "outside the"), (2, "outside the"), (3, "stride_x, not N"),
-                       (4, "wrote past the last row")]:
+                       (4, "wrote outside out")]:
         _expect_fail(capsys, ch05.check_scale_tile, Bugged(_scale_tile, bug), "05.1", words)
 
 
@@ -311,7 +311,7 @@ def _gather_rows(x_ptr, idx_ptr, out_ptr, n, D: tl.constexpr, BLOCK_I: tl.conste
 def test_gather_rows_grader(capsys):
     assert _verdict(capsys, ch05.check_gather_rows, _gather_rows).startswith("✅ [05.2]")
     assert _verdict(capsys, ch05.check_gather_rows, _stub_kernel).startswith("⏳ [05.2]")
-    for bug, words in [(1, "past its n="), (2, "32 bits"), (3, "row idx[i] of x"),
+    for bug, words in [(1, "outside its n="), (2, "32 bits"), (3, "row idx[i] of x"),
                        (4, "at i >= n")]:
         _expect_fail(capsys, ch05.check_gather_rows, Bugged(_gather_rows, bug), "05.2", words)
 
@@ -342,7 +342,7 @@ def test_row_softmax_grader(capsys):
     assert _verdict(capsys, ch05.check_row_softmax, _row_softmax).startswith("✅ [05.3]")
     assert _verdict(capsys, ch05.check_row_softmax, _stub_kernel).startswith("⏳ [05.3]")
     for bug, words in [(1, "other=-inf"), (2, "subtract the row's max"),
-                       (3, "outside its row")]:
+                       (3, "of its row 0, which has")]:
         _expect_fail(capsys, ch05.check_row_softmax, Bugged(_row_softmax, bug), "05.3", words)
 
 

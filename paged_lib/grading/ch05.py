@@ -37,6 +37,8 @@ TWINS: dict[str, str] = {
 }
 
 NAN = float("nan")
+#: What surrounds an output: a kernel that stores there (even NaN) changes it.
+OUT_GUARD = -7777.0
 
 
 # ------------------------------------------------------------------ launching and tracing
@@ -87,27 +89,41 @@ def _device() -> torch.device:
     return default_device()
 
 
-def _guarded(rows: int, cols: int, row_stride: int, values: torch.Tensor,
-             guard_rows: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """A NaN matrix ``[rows + guard_rows, row_stride]`` whose top-left ``[rows, cols]``
-    holds ``values``; returns (parent, the view). Reads outside the view hit NaN and the
-    trace maps them to the parent's indices."""
-    parent = torch.full((rows + guard_rows, row_stride), NAN, dtype=values.dtype)
-    parent[:rows, :cols] = values
-    return parent, parent[:rows, :cols]
+class Guarded:
+    """A tensor in the middle of a flat buffer with ``pad`` poisoned elements on each side.
+
+    A learner's kernel that loads or stores a little outside the tensor (a tile hanging
+    over the edge, a negative offset) touches the guard, not memory nobody owns (which
+    could crash the notebook's kernel); the trace and the guard's values show it.
+    """
+
+    def __init__(self, values: torch.Tensor, pad: int, fill: float | int = NAN):
+        pad = max(pad, values.numel())  # a sign error in an offset stays in the guard
+        self.pad, self.shape, self.fill = pad, tuple(values.shape), fill
+        buffer = torch.full((values.numel() + 2 * pad,), fill, dtype=values.dtype)
+        buffer[pad:pad + values.numel()] = values.reshape(-1)
+        self.buffer = buffer.to(_device())
+        self.view = self.buffer[pad:pad + values.numel()].view(self.shape)
+
+    def reads(self, trace: LoadTrace) -> list[tuple[tuple, np.ndarray, np.ndarray]]:
+        """Per load touching the buffer: (program, flat index relative to the view, mask)."""
+        return [(r.program, r.index[:, 0] - self.pad, r.mask)
+                for r in trace.reads_of(self.buffer)]
+
+    def guard_intact(self) -> bool:
+        buf = self.buffer.cpu()
+        guard = torch.cat([buf[:self.pad], buf[self.pad + self.view.numel():]])
+        return bool(guard.isnan().all()) if isinstance(self.fill, float) and \
+            math.isnan(self.fill) else bool((guard == self.fill).all())
 
 
-def _outside_reads(trace: LoadTrace, parent: torch.Tensor, rows: int, cols: int,
-                   name: str) -> str | None:
-    """The first unmasked read of ``parent`` outside its top-left ``[rows, cols]``."""
-    for read in trace.reads_of(parent):
-        i, j = read.index[:, 0], read.index[:, 1]
-        bad = read.mask & ((i >= rows) | (j >= cols))
+def _first_outside(guarded: Guarded, trace: LoadTrace, inside: Callable[[np.ndarray], np.ndarray]
+                   ) -> tuple[tuple, int, int] | None:
+    """(program, flat index, count) of the first load with unmasked lanes outside."""
+    for program, flat, mask in guarded.reads(trace):
+        bad = mask & ~inside(flat)
         if bad.any():
-            k = int(np.flatnonzero(bad)[0])
-            return (f"program {read.program[:2]} read {name}[{int(i[k])}, {int(j[k])}], "
-                    f"outside the {rows} x {cols} matrix ({int(bad.sum())} such element(s) "
-                    "in that load)")
+            return program, int(flat[np.flatnonzero(bad)[0]]), int(bad.sum())
     return None
 
 
@@ -126,35 +142,40 @@ def check_scale_tile(kernel: Any) -> None:
     with grading.exercise("05.1", "A 2-D masked tile"):
         g = torch.Generator().manual_seed(51)
         for m, n, stride, bm, bn in [(5, 7, 9, 4, 4), (3, 16, 16, 4, 8)]:
-            parent, x = _guarded(m, n, stride, torch.randn(m, n, generator=g), guard_rows=bm)
-            out_parent, _ = _guarded(m, n, n, torch.zeros(m, n), guard_rows=bm)
+            x = torch.randn(m, n, generator=g)
+            rows = torch.full((m, stride), NAN)
+            rows[:, :n] = x
+            x_g = Guarded(rows, pad=bm * stride + bn)
+            out_g = Guarded(torch.full((m, n), NAN), pad=bm * n + bn, fill=OUT_GUARD)
             what = f"M={m}, N={n}, stride_x={stride}, BLOCK_M={bm}, BLOCK_N={bn}"
-            dev = _device()
-            x_dev, out_dev = (parent.to(dev), out_parent.to(dev))
-            trace = launch(kernel, (cdiv(m, bm), cdiv(n, bn)), x_dev, out_dev, m, n, stride,
-                           BLOCK_M=bm, BLOCK_N=bn)
+            trace = launch(kernel, (cdiv(m, bm), cdiv(n, bn)), x_g.view, out_g.view, m, n,
+                           stride, BLOCK_M=bm, BLOCK_N=bn)
             if _interpreted():
-                bad = _outside_reads(trace, x_dev, m, n, "x")
+                bad = _first_outside(x_g, trace, lambda f, m=m, s=stride, n=n: (f >= 0)
+                                     & (f < m * s) & (f % s < n))
                 if bad:
-                    grading.fail(f"{what}: {bad}", hint=_tile_hint(trace, x_dev, m, n, bm, bn))
-            got = out_dev.cpu()
-            grading.expect_true(bool(got[m:].isnan().all()),
-                                f"{what}: the kernel wrote past the last row of out",
-                                hint="mask the store too, with the same (row, column) mask")
-            _expect_no_nan(got[:m], 2 * x, f"{what}, out", hint="mask loads and stores with "
+                    (pm, pn, _), flat, count = bad
+                    i, j = divmod(flat, stride)
+                    grading.fail(f"{what}: program ({pm}, {pn}) read x[{i}, {j}], outside the "
+                                 f"{m} x {n} matrix ({count} such element(s) in that load)",
+                                 hint=_tile_hint(x_g, trace, m, n, bm, bn))
+            grading.expect_true(out_g.guard_intact(),
+                                f"{what}: the kernel wrote outside out (past its last row or "
+                                "column)", hint="mask the store too, with the same (row, "
+                                "column) mask")
+            got = out_g.view.cpu()
+            _expect_no_nan(got, 2 * x, f"{what}, out", hint="mask loads and stores with "
                            "rows < M and cols < N")
-            grading.expect_tensor_close(got[:m], 2 * x, f"{what}, out",
+            grading.expect_tensor_close(got, 2 * x, f"{what}, out",
                                         hint="element (i, j) of x is at i * stride_x + j "
                                              "(stride_x, not N); of out at i * N + j")
 
 
-def _tile_hint(trace: LoadTrace, parent: torch.Tensor, m: int, n: int, bm: int, bn: int
-               ) -> str:
+def _tile_hint(x_g: Guarded, trace: LoadTrace, m: int, n: int, bm: int, bn: int) -> str:
     """Wrong mask, or right mask and wrong addresses? Count the lanes each load enabled."""
-    for read in trace.reads_of(parent):
-        pm, pn = read.program[:2]
+    for (pm, pn, _), _, mask in x_g.reads(trace):
         inside = (min(m, (pm + 1) * bm) - pm * bm) * (min(n, (pn + 1) * bn) - pn * bn)
-        if int(read.mask.sum()) != inside:
+        if int(mask.sum()) != inside:
             return ("mask the load with (rows < M)[:, None] & (cols < N)[None, :]: a tile at "
                     "the edge hangs over both the last row and the last column")
     return ("the mask is right but the addresses are not: element (i, j) of x is at "
@@ -168,34 +189,31 @@ def check_gather_rows(kernel: Any) -> None:
     with grading.exercise("05.2", "Gather rows through a table"):
         g = torch.Generator().manual_seed(52)
         for num_rows, n, d, block in [(9, 5, 8, 4), (12, 3, 16, 2)]:
-            x = torch.full((num_rows + 1, d), NAN)  # row num_rows: NaN, nobody's row
-            x[:num_rows] = torch.randn(num_rows, d, generator=g)
-            idx_parent = torch.full((n + 4,), num_rows, dtype=torch.int32)  # past n: garbage
-            idx_parent[:n] = torch.randperm(num_rows, generator=g)[:n].to(torch.int32)
-            out = torch.full((cdiv(n, block) * block + 1, d), NAN)
+            x = torch.randn(num_rows, d, generator=g)
+            x_g = Guarded(x, pad=d * (block + 1))
+            idx = torch.full((n + block,), num_rows, dtype=torch.int32)  # past n: garbage,
+            idx[:n] = torch.randperm(num_rows, generator=g)[:n].to(torch.int32)  # row "num_rows"
+            idx_g = Guarded(idx, pad=block, fill=num_rows)
+            out_g = Guarded(torch.full((n, d), NAN), pad=d * (block + 1), fill=OUT_GUARD)
             what = f"{num_rows} rows of {d}, n={n}, BLOCK_I={block}"
-            dev = _device()
-            x_dev, idx_dev, out_dev = x.to(dev), idx_parent.to(dev), out.to(dev)
-            trace = launch(kernel, (cdiv(n, block),), x_dev, idx_dev, out_dev, n,
+            trace = launch(kernel, (cdiv(n, block),), x_g.view, idx_g.view[:n], out_g.view, n,
                            D=d, BLOCK_I=block)
             if _interpreted():
-                for read in trace.reads_of(idx_dev):
-                    bad = read.mask & (read.index[:, 0] >= n)
-                    if bad.any():
-                        grading.fail(f"{what}: program {read.program[0]} read idx["
-                                     f"{int(read.index[bad][0, 0])}], past its n={n} entries",
-                                     hint="mask the load of idx with i < n (other=0)")
-                if trace.narrow_offsets(x_dev, reach=d):
+                bad = _first_outside(idx_g, trace, lambda f, n=n: (f >= 0) & (f < n))
+                if bad:
+                    grading.fail(f"{what}: program {bad[0][0]} read idx[{bad[1]}], outside its "
+                                 f"n={n} entries", hint="mask the load of idx with i < n "
+                                 "(other=0)")
+                if trace.narrow_offsets(x_g.buffer, reach=d):
                     grading.fail(f"{what}: the offsets into x (row id x D) were computed in "
                                  "32 bits",
                                  hint="cast the row ids to tl.int64 before multiplying: "
                                       "beyond 2**31 elements a 32-bit offset wraps and reads "
                                       "the wrong row")
-            got = out_dev.cpu()
-            grading.expect_true(bool(got[n:].isnan().all()),
-                                f"{what}: the kernel wrote rows of out at i >= n",
+            grading.expect_true(out_g.guard_intact(),
+                                f"{what}: the kernel wrote rows of out at i >= n (or < 0)",
                                 hint="mask the store with i < n")
-            grading.expect_tensor_close(got[:n], x[idx_parent[:n].long()], f"{what}, out",
+            grading.expect_tensor_close(out_g.view.cpu(), x[idx[:n].long()], f"{what}, out",
                                         atol=0, rtol=0,
                                         hint="row i of out is row idx[i] of x (load idx[i] "
                                              "first), at offset idx[i] * D + d")
@@ -211,32 +229,29 @@ def check_row_softmax(kernel: Any) -> None:
             x = torch.randn(rows, n, generator=g) * 3
             x[0] += 500.0  # exp(500) overflows float32: subtract the row max first
             x[-1] -= 50.0  # all negative: padding lanes must weigh 0, not exp(0 - max)
-            parent, view = _guarded(rows, n, n, x)
-            out = torch.full((rows + 1, n), NAN)
+            x_g = Guarded(x, pad=block)
+            out_g = Guarded(torch.full((rows, n), NAN), pad=block, fill=OUT_GUARD)
             what = f"{rows} rows of N={n}, BLOCK_N={block}"
-            dev = _device()
-            x_dev, out_dev = parent.to(dev), out.to(dev)
-            trace = launch(kernel, (rows,), x_dev, out_dev, n, BLOCK_N=block)
+            trace = launch(kernel, (rows,), x_g.view, out_g.view, n, BLOCK_N=block)
             if _interpreted():
-                for read in trace.reads_of(x_dev):
-                    row = read.program[0]
-                    flat = read.index[:, 0] * n + read.index[:, 1]
-                    bad = read.mask & ((flat < row * n) | (flat >= (row + 1) * n))
+                for (row, _, _), flat, mask in x_g.reads(trace):
+                    bad = mask & ((flat < row * n) | (flat >= (row + 1) * n))
                     if bad.any():
-                        grading.fail(f"{what}: program {row} read x{list(read.index[bad][0])}"
-                                     f", outside its row {row}",
+                        f = int(flat[np.flatnonzero(bad)[0]])
+                        grading.fail(f"{what}: program {row} read element {f - row * n} of "
+                                     f"its row {row}, which has {n}",
                                      hint="mask the load with cols < N (other=-inf)")
-            got = out_dev.cpu()
+            got = out_g.view.cpu()
             expected = torch.softmax(x.double(), 1).float()
             if got[0].isnan().any() or got[0].isinf().any():
                 grading.fail(f"{what}: row 0 (values around 500) came out NaN or inf",
                              hint="subtract the row's max before tl.exp: exp(500) overflows")
             grading.expect_tensor_close(
-                got[:rows], expected, f"{what}, out", atol=1e-5, rtol=1e-4,
+                got, expected, f"{what}, out", atol=1e-5, rtol=1e-4,
                 hint="padding lanes (cols >= N) must get weight 0: load them with "
                      "other=-inf (exp(-inf) = 0), not 0")
-            grading.expect_true(bool(got[rows:].isnan().all()),
-                                f"{what}: the kernel wrote past the last row",
+            grading.expect_true(out_g.guard_intact(),
+                                f"{what}: the kernel wrote outside out",
                                 hint="mask the store with cols < N")
 
 
@@ -251,19 +266,18 @@ def check_online_attention(kernel: Any) -> None:
             q[0] *= 40.0  # scores in the hundreds: exp without the max overflows
             k = torch.randn(batch, n, d, generator=g)
             v = torch.randn(batch, n, d, generator=g)
-            k_parent = torch.full((batch + 1, n, d), NAN)
-            v_parent = k_parent.clone()
-            k_parent[:batch], v_parent[:batch] = k, v
-            out = torch.full((batch, d), NAN)
+            q_g, k_g, v_g = (Guarded(t, pad=tile * d) for t in (q, k, v))
+            out_g = Guarded(torch.full((batch, d), NAN), pad=tile * d, fill=OUT_GUARD)
             scale = d ** -0.5
             what = f"batch {batch}, N={n}, D={d}, TILE={tile}"
-            dev = _device()
-            args = [t.to(dev) for t in (q, k_parent, v_parent, out)]
-            trace = launch(kernel, (batch,), *args, n, scale, D=d, TILE=tile)
+            trace = launch(kernel, (batch,), q_g.view, k_g.view, v_g.view, out_g.view, n, scale,
+                           D=d, TILE=tile)
             if _interpreted():
-                _check_tiles(trace, args[1], "K", n, d, tile, what)
-                _check_tiles(trace, args[2], "V", n, d, tile, what)
-            got = args[3].cpu()
+                _check_tiles(trace, k_g, "K", n, d, tile, what)
+                _check_tiles(trace, v_g, "V", n, d, tile, what)
+            grading.expect_true(out_g.guard_intact(), f"{what}: the kernel wrote outside out",
+                                hint="program b writes out[b, :D] only")
+            got = out_g.view.cpu()
             expected = (torch.softmax(torch.einsum("bnd,bd->bn", k.double(), q.double())
                                       * scale, 1)[..., None] * v.double()).sum(1).float()
             if got[0].isnan().any() or got[0].isinf().any():
@@ -275,25 +289,21 @@ def check_online_attention(kernel: Any) -> None:
                      "before adding the new tile; the last tile is partial (N % TILE)")
 
 
-def _check_tiles(trace: LoadTrace, parent: torch.Tensor, name: str, n: int, d: int,
-                 tile: int, what: str) -> None:
+def _check_tiles(trace: LoadTrace, kv: Guarded, name: str, n: int, d: int, tile: int,
+                 what: str) -> None:
     """Each program reads its own ``n`` rows of K (or V), each element once, ``tile`` at a time."""
     seen: dict[int, np.ndarray] = {}
-    for read in trace.reads_of(parent):
-        b = read.program[0]
-        rows = read.index[:, 0] * n + read.index[:, 1]
-        bad = read.mask & (read.index[:, 0] != b)
+    for (b, _, _), flat, mask in kv.reads(trace):
+        bad = mask & ((flat < b * n * d) | (flat >= (b + 1) * n * d))
         if bad.any():
-            j = int(np.flatnonzero(bad)[0])
-            grading.fail(f"{what}: program {b} loaded {name} at token {int(rows[j]) - b * n} "
-                         f"(N={n}) without a mask", hint=f"load {name} with mask=(tokens < N)"
-                         "[:, None]: tl.where on the scores hides the NaN but not the read "
-                         "past the end")
+            token = int(flat[np.flatnonzero(bad)[0]]) // d - b * n
+            grading.fail(f"{what}: program {b} loaded {name} at token {token} (it has N={n}) "
+                         "without a mask", hint=f"load {name} with mask=(tokens < N)[:, None]: "
+                         "tl.where on the scores hides the NaN but not the read past the end")
         counts = seen.setdefault(b, np.zeros(n * d, dtype=np.int64))
-        own = read.index[read.mask]
-        np.add.at(counts, own[:, 1] * d + own[:, 2], 1)
-        if read.mask.sum() > tile * d:
-            grading.fail(f"{what}: program {b} loaded {int(read.mask.sum()) // d} tokens of "
+        np.add.at(counts, flat[mask] - b * n * d, 1)
+        if mask.sum() > tile * d:
+            grading.fail(f"{what}: program {b} loaded {int(mask.sum()) // d} tokens of "
                          f"{name} at once, more than TILE={tile}",
                          hint="loop over the keys TILE at a time")
     for b, counts in seen.items():
@@ -313,17 +323,39 @@ def decode_case(seq_lens: tuple[int, ...], num_heads: int, num_kv_heads: int, he
 
 
 def run_decode_kernel(kernel: Any, case) -> tuple[torch.Tensor, LoadTrace, tuple]:
-    """Launch the exercise kernel, one program per (sequence, KV head); output on the CPU."""
-    q, k_cache, v_cache, block_tables, seq_lens, scale = case.to(_device())
+    """Launch the exercise kernel, one program per (sequence, KV head); output on the CPU.
+
+    Every tensor sits inside a poisoned guard as large as itself (:class:`Guarded`), so a
+    wrong offset reads or writes the guard instead of crashing the notebook's kernel.
+    Returns the output, the load trace and the two cache views (for the trace).
+    """
+    q, k_cache, v_cache, block_tables, seq_lens, scale = case
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
-    out = torch.full_like(q, NAN)
-    trace = launch(kernel, (num_seqs, num_kv_heads), out, q, k_cache, v_cache, block_tables,
-                   seq_lens, scale, block_tables.shape[1], NUM_KV_HEADS=num_kv_heads,
-                   GROUP=group, GROUP_PAD=max(1, 1 << (group - 1).bit_length()),
-                   HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1])
-    return out.cpu(), trace, (k_cache, v_cache)
+    q_g, k_g, v_g = Guarded(q, q.numel()), Guarded(k_cache, k_cache.numel()), \
+        Guarded(v_cache, v_cache.numel())
+    out_g = Guarded(torch.full_like(q, NAN), q.numel(), fill=OUT_GUARD)
+    bt_g = Guarded(block_tables, block_tables.numel(), fill=0)  # block 0: all NaN
+    lens_g = Guarded(seq_lens, seq_lens.numel(), fill=0)
+    trace = launch(kernel, (num_seqs, num_kv_heads), out_g.view, q_g.view, k_g.view, v_g.view,
+                   bt_g.view, lens_g.view, scale, block_tables.shape[1],
+                   NUM_KV_HEADS=num_kv_heads, GROUP=group,
+                   GROUP_PAD=max(1, 1 << (group - 1).bit_length()), HEAD_DIM=head_dim,
+                   BLOCK_SIZE=k_cache.shape[1])
+    if not out_g.guard_intact():
+        grading.fail("the kernel wrote outside out (padded query heads stored?)",
+                     hint="store only the GROUP real rows of the tile: mask=(g < GROUP)[:, None]"
+                          "; out[seq, head] is at (seq * num_heads + head) * HEAD_DIM")
+    for name, g in (("K", k_g), ("V", v_g)):
+        size = g.view.numel()
+        bad = _first_outside(g, trace, lambda f, n=size: (f >= 0) & (f < n))
+        if bad:
+            grading.fail(f"program {bad[0][:2]} read {name} outside the cache ({bad[2]} "
+                         "element(s) in one load)",
+                         hint="element (block, slot, head, dim) is at ((block * BLOCK_SIZE + "
+                              "slot) * NUM_KV_HEADS + head) * HEAD_DIM + dim")
+    return out_g.view.cpu(), trace, (k_g.view, v_g.view)
 
 
 def _allowed_slots(case, seq: int) -> dict[tuple[int, int], int]:
