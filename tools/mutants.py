@@ -431,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
         reports += run_notebook(path, args.cap, args.triton_cap, args.timeout)
     for rep in reports:
         for o in rep.outcomes:
-            if o.status == "survived" or args.verbose:
+            if o.status in ("survived", "hung", "crashed") or args.verbose:
                 print(f"  {o.status:9} [{rep.ex_id}] {o.label}  {o.detail[:100]}")
     killed = sum(r.count("killed") for r in reports)
     counted = sum(r.counted for r in reports)
