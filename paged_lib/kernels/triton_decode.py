@@ -152,20 +152,27 @@ def check_config(tile_n: int, num_stages: int, head_dim: int, dtype: torch.dtype
 
 
 def launch_config(head_dim: int, dtype: torch.dtype) -> dict:
-    """Tile size, warps and stages per head size, chosen by hand (used in the interpreter,
-    and on a GPU when autotuning is off): K and V tiles of 8-16 KB each per stage, and
-    fewer stages where three would not fit in shared memory."""
+    """Tile size, warps and stages per head size and dtype, chosen by hand (used in the
+    interpreter, and on a GPU when autotuning is off).
+
+    Checked by compiling for sm_90 (``tools/aot_compile.py``: registers, spills, shared
+    memory): 16-bit caches with 32-64 token tiles and 3 stages compile without spills;
+    fp32 tiles of 32 tokens spill with 4 warps, so fp32 gets 8 warps and 2 stages. Stages
+    drop further where K and V would not fit in shared memory.
+    """
     pad = head_pad(head_dim)
+    wide = dtype.itemsize >= 4
     tile_n = 64 if pad <= 64 else 32
-    stages = 3
+    warps = 8 if pad > 128 or (wide and pad >= 128) else 4
+    stages = 2 if wide else 3
     while stages > 1 and kv_smem_bytes(tile_n, head_dim, dtype, stages) > SMEM_BUDGET:
         stages -= 1
-    return {"TILE_N": tile_n, "num_warps": 4 if pad <= 128 else 8, "num_stages": stages}
+    return {"TILE_N": tile_n, "num_warps": warps, "num_stages": stages}
 
 
 #: (TILE_N, num_warps, num_stages) tried by the GPU autotuner: a few, not a search space.
-GPU_CONFIGS = [(16, 4, 3), (32, 4, 2), (32, 4, 3), (64, 4, 2), (64, 4, 3), (64, 8, 2),
-               (128, 8, 2)]
+#: None spills at head size 128 in fp16 on sm_90 (64-token tiles need 8 warps for that).
+GPU_CONFIGS = [(16, 4, 3), (32, 4, 2), (32, 4, 3), (32, 8, 3), (64, 8, 2), (64, 8, 3)]
 
 
 def gpu_configs(head_dim: int, dtype: torch.dtype) -> list[tuple[int, int, int]]:

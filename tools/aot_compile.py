@@ -1,0 +1,158 @@
+"""Compile the course's Triton kernels for a GPU on a machine without one (ahead of time).
+
+    .venv/bin/python tools/aot_compile.py [--arch 90] [--quick]
+
+Triton's interpreter checks no hardware limit; this does the next best thing to a GPU
+run: Triton compiles each kernel, for the shapes and configs the launchers use, down to
+PTX and a cubin for ``sm_<arch>`` (Triton ships ``ptxas``), and ``ptxas -v`` reports
+registers and spills. A config that needs too much shared memory, a ``tl.dot`` shape the
+GPU cannot do, or a tile that spills shows up here, before anyone has a GPU. (Whether the
+result is *right* is for the tests, and for ``make gpu-check`` on a real GPU.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ["TRITON_INTERPRET"] = "0"  # compile, even without a GPU (before triton loads)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+
+#: Pointer arguments that hold int32 (block tables, lengths) or fp32 (split partials).
+INT_PTRS = {"block_tables_ptr", "seq_lens_ptr", "query_start_ptr", "slot_mapping_ptr"}
+FP32_PTRS = {"lse_ptr", "partial_ptr"}
+FLOAT_ARGS = {"scale_log2"}
+
+
+def signature(fn, constexprs: dict, dtype: str, out_fp32: bool = False) -> dict:
+    sig = {}
+    for name in fn.arg_names:
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name in INT_PTRS:
+            sig[name] = "*i32" if name != "slot_mapping_ptr" else "*i64"
+        elif name in FP32_PTRS or (out_fp32 and name == "out_ptr"):
+            sig[name] = "*fp32"
+        elif name.endswith("_ptr"):
+            sig[name] = f"*{dtype}"
+        elif name in FLOAT_ARGS:
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+    return sig
+
+
+def ptxas_report(ptx: str, arch: int) -> tuple[int, int, int]:
+    """(registers, spill store bytes, spill load bytes) from ``ptxas -v``."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    ptxas = get_ptxas(arch).path
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "k.ptx"
+        src.write_text(ptx)
+        suffix = "a" if arch >= 90 else ""
+        done = subprocess.run([ptxas, f"-arch=sm_{arch}{suffix}", "-v", str(src), "-o",
+                               str(Path(tmp) / "k.cubin")], capture_output=True, text=True)
+    text = done.stdout + done.stderr
+    regs = int(m.group(1)) if (m := re.search(r"Used (\d+) registers", text)) else -1
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
+    return regs, int(spills.group(1)) if spills else -1, int(spills.group(2)) if spills else -1
+
+
+def compile_one(fn, constexprs: dict, dtype: str, arch: int, num_warps: int, num_stages: int,
+                out_fp32: bool = False) -> dict:
+    src = triton.compiler.ASTSource(fn=fn, signature=signature(fn, constexprs, dtype, out_fp32),
+                                    constexprs=constexprs)
+    t0 = time.monotonic()
+    k = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                       options={"num_warps": num_warps, "num_stages": num_stages})
+    regs, spill_st, spill_ld = ptxas_report(k.asm["ptx"], arch)
+    return {"shared_KB": k.metadata.shared / 1024, "regs": regs, "spill_st": spill_st,
+            "spill_ld": spill_ld, "s": round(time.monotonic() - t0, 1)}
+
+
+def decode_jobs(quick: bool):
+    import torch
+
+    from paged_lib.kernels import triton_decode as td
+
+    shapes = [((32, 8), 128, 16), ((12, 4), 96, 1), ((40, 8), 112, 12), ((64, 1), 40, 128),
+              ((71, 1), 256, 16), ((8, 2), 72, 32)]
+    if quick:
+        shapes = shapes[:1] + shapes[4:5]
+    for (h, kv), d, b in shapes:
+        for dtype, tdt in (("fp16", torch.float16), ("bf16", torch.bfloat16),
+                           ("fp32", torch.float32)):
+            if quick and dtype == "bf16":
+                continue
+            cfg = td.launch_config(d, tdt)
+            for split in (False, True):
+                c = dict(GROUP=h // kv, GROUP_TILE=td.MAX_GROUP_TILE, HEAD_DIM=d,
+                         HEAD_PAD=td.head_pad(d), ALIGN=td.alignment(d * kv * b, d * kv, d),
+                         BLOCK_SIZE=b, TILE_N=cfg["TILE_N"], IS_SPLIT=split, UPCAST=False,
+                         DOT_PRECISION="ieee" if dtype == "fp32" else "tf32")
+                name = f"decode {h}/{kv} d{d} b{b} {dtype}{' split' if split else ''}"
+                yield name, td._paged_decode_kernel, c, dtype, cfg["num_warps"], \
+                    cfg["num_stages"], split
+    if not quick:
+        for t, w, s in td.gpu_configs(128, torch.float16):
+            c = dict(GROUP=4, GROUP_TILE=16, HEAD_DIM=128, HEAD_PAD=128, ALIGN=16, BLOCK_SIZE=16,
+                     TILE_N=t, IS_SPLIT=False, UPCAST=False, DOT_PRECISION="tf32")
+            yield f"decode autotune TILE_N={t} w{w} s{s}", td._paged_decode_kernel, c, "fp16", \
+                w, s, False
+
+
+def other_jobs(quick: bool):
+    from paged_lib.kernels import triton_cache, triton_prefill, triton_split
+
+    for (h, kv), d, b in [((32, 8), 128, 16), ((64, 1), 40, 128), ((71, 1), 256, 16)][
+            : 1 if quick else 3]:
+        gt, bq = triton_prefill.prefill_tiles(h // kv)
+        pad = max(16, triton.next_power_of_2(d))
+        c = dict(GROUP=h // kv, GROUP_TILE=gt, BLOCK_Q=bq, HEAD_DIM=d, HEAD_PAD=pad, ALIGN=8,
+                 BLOCK_SIZE=b, TILE_N=32 if pad <= 128 else 16, UPCAST=False,
+                 DOT_PRECISION="tf32")
+        yield f"prefill {h}/{kv} d{d} b{b} fp16", triton_prefill._paged_prefill_kernel, c, \
+            "fp16", 8, 2, False
+    for splits, d, heads in ((16, 256, 2), (4, 128, 16)):
+        c = dict(HEADS=heads, SPLIT_PAD=splits, HEAD_DIM=d, HEAD_PAD=d)
+        yield f"merge {splits} splits d{d} {heads} heads", triton_split._merge_splits_kernel, \
+            c, "fp16", 4, 3, False
+    c = dict(NUM_KV_HEADS=8, HEADS_PAD=8, HEAD_DIM=128, HEAD_PAD=128, BLOCK_SIZE=16)
+    yield "reshape_and_cache kv8 d128", triton_cache._reshape_and_cache_kernel, c, "fp16", 4, 3, \
+        False
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--arch", type=int, default=90, help="compute capability (90: H100/H200)")
+    parser.add_argument("--quick", action="store_true", help="a few representative kernels")
+    args = parser.parse_args(argv)
+    import paged_lib  # noqa: F401
+
+    failed = 0
+    print(f"{'kernel':44s} {'shared KB':>9s} {'regs':>5s} {'spill st/ld':>12s} {'s':>5s}")
+    for name, fn, c, dtype, w, s, split in [*decode_jobs(args.quick), *other_jobs(args.quick)]:
+        try:
+            r = compile_one(fn, c, dtype, args.arch, w, s, out_fp32=split)
+        except Exception as err:  # noqa: BLE001 - report every failure, keep going
+            failed += 1
+            print(f"{name:44s} FAILED: {type(err).__name__}: {str(err)[:300]}", flush=True)
+            continue
+        spill = f"{r['spill_st']}/{r['spill_ld']}"
+        print(f"{name:44s} {r['shared_KB']:9.1f} {r['regs']:5d} {spill:>12s} {r['s']:5.1f}",
+              flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
