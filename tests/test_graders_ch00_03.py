@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import pytest
 
+from paged_lib.accounting import SPECS
 from paged_lib.blocks import BlockTable, Slot
-from paged_lib.grading import ch02, ch03
+from paged_lib.grading import ch00, ch01, ch02, ch03
 
 
 def verdict(capsys, check, answer) -> str:
@@ -515,10 +516,115 @@ def test_02_5_solution_passes_and_matches_on_the_full_trace(capsys):
     assert _run(capsys, ch02.check_paged_simulator, todo).startswith("⏳ [02.5]")
 
 
+# ---------------------------------------------------------------- chapter 00
+
+
+@pytest.mark.parametrize("answer, hint", [
+    (lambda n, b: n // b, "round up, not down"),
+    (lambda n, b: n // b + 1, "exactly full"),
+    (lambda n, b: (n + b) // b, "exactly full"),
+    (lambda n, b: __import__("math").ceil(n / b), "53 bits"),
+    (lambda n, b: float(-(-n // b)), "not an int"),
+    (lambda n, b: -(-n // b) if n < 1000 else n // b, "round up, not down"),
+])
+def test_00_1_wrong_answers_get_a_named_hint(capsys, answer, hint):
+    out = verdict(capsys, ch00.check_ceil_div, answer)
+    assert out.startswith("❌ [00.1]") and hint in out, out
+
+
+def test_00_1_solution_passes_and_the_demo_launches_its_grid(capsys):
+    assert verdict(capsys, ch00.check_ceil_div, lambda n, b: (n + b - 1) // b).startswith("✅")
+    ch00.run_demo(lambda n, b: n // b)  # 7 programs: the last 104 elements never written
+    assert "launched 7 programs; 896 of 1000 outputs" in capsys.readouterr().out
+    ch00.run_demo(todo)
+    assert capsys.readouterr().out.startswith("⏳")
+
+
+# ---------------------------------------------------------------- chapter 01
+
+
+def kv_ok(s):
+    return 2 * s.num_layers * s.num_kv_heads * s.head_dim * s.dtype_bytes
+
+
+@pytest.mark.parametrize("answer, hint", [
+    (lambda s: 2 * s.num_layers * s.num_kv_heads * (s.hidden_size // s.num_heads)
+     * s.dtype_bytes, "spec.head_dim"),
+    (lambda s: s.num_layers * s.num_kv_heads * s.head_dim * s.dtype_bytes, "multiply by 2"),
+    (lambda s: 2 * s.num_layers * s.num_heads * s.head_dim * s.dtype_bytes, "num_kv_heads"),
+    (lambda s: 2 * s.num_layers * s.hidden_size * s.dtype_bytes, "only KV heads are cached"),
+    (lambda s: 2 * s.num_layers * s.num_kv_heads * s.head_dim, "multiply by spec.dtype_bytes"),
+    (lambda s: float(kv_ok(s)), "expected an int"),
+    (lambda s: kv_ok(s) / 1, "expected an int"),
+])
+def test_01_1_wrong_answers_get_a_named_hint(capsys, answer, hint):
+    out = verdict(capsys, ch01.check_kv_bytes_per_token, answer)
+    assert out.startswith("❌ [01.1]") and hint in out, out
+
+
+@pytest.mark.parametrize("answer, hint", [
+    (lambda n, b: n // b, "round up, not down"),
+    (lambda n, b: __import__("math").ceil(n / b), "53 bits"),
+    (lambda n, b: n / b, "`/` gives a fraction"),
+    (lambda n, b: float(-(-n // b)), "expected an int"),
+    (lambda n, b: n // b + 1, "ceil(num_tokens / block_size)"),
+])
+def test_01_2_wrong_answers_get_a_named_hint(capsys, answer, hint):
+    out = verdict(capsys, ch01.check_logical_blocks, answer)
+    assert out.startswith("❌ [01.2]") and hint in out, out
+
+
+def fill_ok(n, b):
+    return 0.0 if n == 0 else ((n - 1) % b + 1) / b
+
+
+@pytest.mark.parametrize("answer, hint", [
+    (lambda n, b: (n % b) / b, "multiple of block_size"),
+    (lambda n, b: 100 * fill_ok(n, b), "not a percentage"),
+    (lambda n, b: ((n - 1) % b + 1) / b, "0 tokens: 0.0"),
+    (lambda n, b: ((n - 1) % b) / b if n else 0.0, "tokens in the last block"),
+])
+def test_01_3_wrong_answers_get_a_named_hint(capsys, answer, hint):
+    out = verdict(capsys, ch01.check_last_block_fill, answer)
+    assert out.startswith("❌ [01.3]") and hint in out, out
+
+
+def max_ok(spec, budget, ctx, bs):
+    return (budget // (bs * kv_ok(spec))) // -(-ctx // bs)
+
+
+@pytest.mark.parametrize("answer, hint", [
+    (lambda spec, budget, ctx, bs: budget // (ctx * kv_ok(spec)), "whole blocks"),
+    (lambda spec, budget, ctx, bs: (budget // (bs * kv_ok(spec))) / -(-ctx // bs),
+     "expected an int"),
+    (lambda spec, budget, ctx, bs: float(max_ok(spec, budget, ctx, bs)), "expected an int"),
+    (lambda spec, budget, ctx, bs: (budget // (bs * kv_ok(spec))) // (ctx // bs),
+     "occupy 63 blocks"),
+])
+def test_01_4_wrong_answers_get_a_named_hint(capsys, answer, hint):
+    out = verdict(capsys, ch01.check_max_requests, answer)
+    assert out.startswith("❌ [01.4]") and hint in out, out
+
+
+def test_01_solutions_pass_and_the_demo_draws_the_learners_numbers(capsys):
+    import matplotlib.pyplot as plt
+
+    assert verdict(capsys, ch01.check_kv_bytes_per_token, kv_ok).startswith("✅ [01.1]")
+    assert verdict(capsys, ch01.check_logical_blocks,
+                   lambda n, b: (n + b - 1) // b).startswith("✅ [01.2]")
+    assert verdict(capsys, ch01.check_last_block_fill, fill_ok).startswith("✅ [01.3]")
+    assert verdict(capsys, ch01.check_max_requests, max_ok).startswith("✅ [01.4]")
+    fig = ch01.run_demo(lambda s: kv_ok(s) // 2)
+    assert "some differ" in capsys.readouterr().out
+    heights = [p.get_height() for p in fig.axes[0].patches if p.get_height() > 0]
+    assert heights[0] == kv_ok(next(iter(SPECS.values()))) / 2 / 1024
+    plt.close("all")
+
+
 def test_twins_name_real_library_objects():
     import importlib
 
-    for module in (ch02, ch03):
+    for module in (ch00, ch01, ch02, ch03):
         assert module.TWINS, module.__name__
         for ex_id, dotted in module.TWINS.items():
             parts = dotted.split(".")

@@ -3,19 +3,43 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from paged_lib import grading
 from paged_lib.accounting import SPECS, ModelSpec, kv_bytes_per_token, num_blocks
 
+#: Exercise id -> the library object the learner's code re-implements.
+TWINS: dict[str, str] = {
+    "01.1": "paged_lib.accounting.kv_bytes_per_token",
+    "01.2": "paged_lib.accounting.num_blocks",
+}
+
 # A tiny model whose numbers are all different, so a swapped field shows up.
 TOY = ModelSpec("toy-gqa", num_layers=3, hidden_size=96, num_heads=6, num_kv_heads=2,
                 head_dim=16, dtype_bytes=4)
+# Gemma-7B's shape: 16 heads of 256 = 4096, wider than its hidden size of 3072, so
+# hidden_size // num_heads is not the head size.
+WIDE_HEADS = ModelSpec("gemma-7b", num_layers=28, hidden_size=3072, num_heads=16,
+                       num_kv_heads=16, head_dim=256)
+
+
+def expect_int(got: Any, what: str) -> None:
+    """The spec asks for an int: a float (even 63.0) means a `/` or math.ceil of a float."""
+    if isinstance(got, bool) or not isinstance(got, int):
+        grading.fail(f"{what}: got {got!r}, a {type(got).__name__}; expected an int",
+                     "bytes, blocks and requests are whole numbers: stay in integers "
+                     "(// and cdiv), not / or math.ceil on a float")
 
 
 def _kv_hint(spec: ModelSpec, got: object) -> str:
     """Name the likely slip from the wrong number a learner's formula produced."""
     right = kv_bytes_per_token(spec)
     slips = [
+        (2 * spec.num_layers * spec.num_kv_heads * (spec.hidden_size // spec.num_heads)
+         * spec.dtype_bytes,
+         f"the head size is its own field, spec.head_dim ({spec.head_dim} here): "
+         f"hidden_size // num_heads = {spec.hidden_size // spec.num_heads} only when "
+         f"num_heads x head_dim = hidden_size, which {spec.name} does not have."),
         (right // 2, "K and V are both cached: multiply by 2."),
         (right * spec.group_size, "only KV heads are cached (num_kv_heads, not num_heads): "
                                   "with GQA several query heads share one KV head."),
@@ -25,9 +49,9 @@ def _kv_hint(spec: ModelSpec, got: object) -> str:
         (right // spec.dtype_bytes, "the answer is in bytes: multiply by spec.dtype_bytes."),
         (right // spec.num_layers, "every layer has its own K and V: multiply by num_layers."),
     ]
-    for wrong, hint in slips:
-        if wrong != right and got == wrong:
-            return hint
+    named = [hint for wrong, hint in slips if wrong != right and got == wrong]
+    if named:  # on a 2-byte model "forgot x2" and "forgot dtype_bytes" look the same
+        return " Or: ".join(named)
     return "2 (K and V) x num_layers x num_kv_heads x head_dim x dtype_bytes."
 
 
@@ -35,10 +59,12 @@ def check_kv_bytes_per_token(fn: Callable[[ModelSpec], int]) -> None:
     """01.1: bytes of KV per token, on MHA, GQA and MQA models and other dtypes."""
     cases = [SPECS["llama-2-70b"], SPECS["opt-13b"], SPECS["llama-2-7b"], SPECS["falcon-7b"],
              SPECS["mistral-7b"].with_dtype("fp8"), SPECS["llama-2-13b"].with_dtype("fp32"),
-             TOY]
+             TOY, WIDE_HEADS]
     with grading.exercise("01.1", "KV bytes per token"):
         for spec in cases:
             got = fn(spec)
+            if got == kv_bytes_per_token(spec):
+                expect_int(got, f"bytes per token of {spec.name}")
             grading.expect_equal(got, kv_bytes_per_token(spec),
                                  what=f"bytes per token of {spec.name} ({spec.attention}, "
                                       f"{spec.dtype_bytes} B per value)",
@@ -46,7 +72,7 @@ def check_kv_bytes_per_token(fn: Callable[[ModelSpec], int]) -> None:
 
 
 BLOCK_CASES = [(1000, 16), (0, 16), (16, 16), (17, 16), (1, 16), (2048, 16), (5, 1),
-               (100, 128), (7, 3)]
+               (100, 128), (7, 3), (10**18 + 1, 16)]
 
 
 def check_logical_blocks(fn: Callable[[int, int], int]) -> None:
@@ -55,7 +81,12 @@ def check_logical_blocks(fn: Callable[[int, int], int]) -> None:
         for n, bs in BLOCK_CASES:
             got = fn(n, bs)
             want = num_blocks(n, bs)
-            if got == n // bs and got != want:
+            if got == want:
+                expect_int(got, f"blocks for {n} tokens at block size {bs}")
+            if n > 2**53:
+                hint = ("n / block_size is a float, and floats hold only 53 bits: for long "
+                        "counts it rounds. Stay in integers (// and cdiv).")
+            elif got == n // bs and got != want:
                 hint = "a partly filled last block still counts: round up, not down."
             elif isinstance(got, float) and got != int(got):
                 hint = "`/` gives a fraction of a block; blocks are whole: round up."
@@ -113,6 +144,8 @@ def check_max_requests(fn: Callable[[ModelSpec, int, int, int], int]) -> None:
         for spec, budget, ctx, bs in cases:
             got = fn(spec, budget, ctx, bs)
             want = _max_requests(spec, budget, ctx, bs)
+            if got == want:
+                expect_int(got, f"{spec.name}, budget {budget:,} B, {ctx} tokens")
             naive = budget // (ctx * kv_bytes_per_token(spec))
             if got == naive and got != want:
                 hint = (f"each request takes whole blocks: {ctx} tokens at block size {bs} "
@@ -125,3 +158,23 @@ def check_max_requests(fn: Callable[[ModelSpec, int, int, int], int]) -> None:
                         "each request needs ceil(context_len / block_size) of them.")
             grading.expect_equal(got, want, what=f"{spec.name}, budget {budget:,} B, "
                                                  f"{ctx} tokens, block size {bs}", hint=hint)
+
+
+def run_demo(kv_bytes_per_token: Callable[[ModelSpec], int]) -> Any:
+    """The chapter's bar chart of KV bytes per token, drawn with the learner's function."""
+    from paged_lib.accounting import kv_bytes_per_token as library
+    from paged_lib.viz import accounting as viz
+
+    try:
+        same = all(kv_bytes_per_token(s) == library(s) for s in SPECS.values())
+    except NotImplementedError:
+        print("⏳ finish exercise 01.1, then run this cell again: your function will draw "
+              "the chapter's chart")
+        return None
+    except Exception as err:  # a learner's bug: one line, no traceback
+        print(f"❌ your kv_bytes_per_token raised {type(err).__name__}: {err}")
+        return None
+    print(f"your kv_bytes_per_token on all {len(SPECS)} models of the chapter: "
+          f"{'every one equals' if same else 'some differ from'} the library's")
+    return viz.kv_per_token_bars(per_token=kv_bytes_per_token,
+                                 title="KV bytes per token, computed by your function")

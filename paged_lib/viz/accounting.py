@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
@@ -29,11 +29,16 @@ def _names(models: Sequence[str | ModelSpec] | None) -> list[ModelSpec]:
     return [get_spec(m) for m in (models if models is not None else SPECS)]
 
 
-def kv_per_token_bars(models: Sequence[str | ModelSpec] | None = None) -> Figure:
-    """One bar per model: KiB of KV cache per token, coloured by MHA / GQA / MQA."""
+def kv_per_token_bars(models: Sequence[str | ModelSpec] | None = None,
+                      per_token: Callable[[ModelSpec], int] = kv_bytes_per_token,
+                      title: str = "KV bytes per token, fp16 (K and V, all layers)") -> Figure:
+    """One bar per model: KiB of KV cache per token, coloured by MHA / GQA / MQA.
+
+    ``per_token`` computes the bytes (a learner's own function can draw the chart).
+    """
     specs = _names(models)
     fig, ax = plt.subplots(figsize=(8, 3.6))
-    values = [kv_bytes_per_token(s) / KiB for s in specs]
+    values = [per_token(s) / KiB for s in specs]
     bars = ax.bar([s.name for s in specs], values,
                   color=[KIND_COLORS[s.attention] for s in specs])
     for bar, v in zip(bars, values, strict=True):
@@ -43,7 +48,7 @@ def kv_per_token_bars(models: Sequence[str | ModelSpec] | None = None) -> Figure
         ax.bar([0], [0], width=0, color=color, label=kind)  # legend entries only
     ax.legend(title="attention", fontsize=8)
     ax.set_ylabel("KV cache per token (KiB)")
-    ax.set_title("KV bytes per token, fp16 (K and V, all layers)")
+    ax.set_title(title)
     ax.tick_params(axis="x", labelrotation=35, labelsize=8)
     fig.tight_layout()
     return fig
