@@ -1,24 +1,65 @@
-"""Checks for chapter 00's warm-up exercise."""
+"""Checks for chapter 00's warm-up exercise, and the chapter's kernel run on its answer."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from paged_lib import grading
+from paged_lib.util import cdiv
+
+#: Exercise id -> the library object the learner's code re-implements.
+TWINS: dict[str, str] = {"00.1": "paged_lib.util.cdiv"}
+
+CASES = [(0, 16), (1, 16), (16, 16), (17, 16), (40, 16), (1000, 16), (7, 1), (5, 3),
+         (10**18 + 1, 16)]
+
+
+def _hint(n: int, b: int, got: Any) -> str:
+    """Name the slip from the wrong number it produced."""
+    if n > 2**53:
+        return ("n / b is a float, and a float holds only 53 bits: at n = 10**18 + 1 it "
+                "rounds before math.ceil sees it. Stay in integers (//)")
+    if got == n // b:
+        return "a partly filled last block still takes a whole block: round up, not down"
+    if n % b == 0 and got == n // b + 1:
+        return (f"when n is a multiple of b the last block is exactly full: {n} tokens in "
+                f"blocks of {b} need {n // b}, not one more")
+    return "ceil(n / b): the number of b-sized blocks that hold n items, 0 for n = 0"
 
 
 def check_ceil_div(ceil_div: Callable[[int, int], int]) -> None:
     """Exercise 00.1: blocks needed for ``n`` tokens, ``ceil(n / b)`` in integers."""
     with grading.exercise("00.1", "Ceil division"):
-        cases = [(0, 16), (1, 16), (16, 16), (17, 16), (40, 16), (1000, 16), (7, 1),
-                 (10**18 + 1, 16)]
-        for n, b in cases:
+        for n, b in CASES:
             got = ceil_div(n, b)
-            expected = -(-n // b)
-            grading.expect_equal(
-                got, expected, f"ceil_div({n}, {b})",
-                hint="a partly filled block still counts as a whole block; stay in integers "
-                     "(float division loses precision for large n)")
-            grading.expect_true(isinstance(got, int),
-                                f"ceil_div({n}, {b}) returned a {type(got).__name__}, not an int",
-                                hint="use // rather than / and math.ceil")
+            expected = cdiv(n, b)
+            grading.expect_equal(got, expected, f"ceil_div({n}, {b})", hint=_hint(n, b, got))
+            grading.expect_true(isinstance(got, int) and not isinstance(got, bool),
+                                f"ceil_div({n}, {b}) returned a {type(got).__name__}, "
+                                "not an int",
+                                hint="use // rather than / and math.ceil: a count of blocks "
+                                     "is an int")
+
+
+def run_demo(ceil_div: Callable[[int, int], int], n: int = 1000, block: int = 128) -> None:
+    """The chapter's vector add, launched with the learner's ``ceil_div`` as the grid size.
+
+    Too few programs leave the tail of the output unwritten; the demo says how much.
+    """
+    import torch
+
+    from paged_lib.tour import add_kernel
+
+    try:
+        programs = ceil_div(n, block)
+    except NotImplementedError:
+        print("⏳ finish exercise 00.1, then run this cell again: your ceil_div will size "
+              "the chapter's kernel launch")
+        return
+    x = torch.arange(n, dtype=torch.float32)
+    out = torch.zeros_like(x)
+    add_kernel[(int(programs),)](x, x, out, n, BLOCK=block)
+    wrong = int((out != 2 * x).sum())
+    print(f"add(x, x) for {n} elements, {block} per program: your ceil_div launched "
+          f"{programs} programs; {n - wrong} of {n} outputs written correctly")
