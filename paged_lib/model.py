@@ -102,6 +102,9 @@ class AttentionMetadata:
     * ``positions`` int64 ``[num_tokens]``: each new token's position (for RoPE).
 
     When every ``query_len`` is 1 (a pure decode step) attention uses the decode kernel.
+    ``max_seq_len`` / ``max_query_len`` are the same lengths as plain ints, known on the
+    host (the model runner fills them in after checking the tensors), so a GPU step never
+    waits to read them back.
     """
 
     slot_mapping: torch.Tensor
@@ -109,9 +112,13 @@ class AttentionMetadata:
     seq_lens: torch.Tensor
     query_lens: torch.Tensor
     positions: torch.Tensor
+    max_seq_len: int | None = None
+    max_query_len: int | None = None
 
     @property
     def is_decode(self) -> bool:
+        if self.max_query_len is not None:
+            return self.max_query_len == 1
         return bool(self.query_lens.numel()) and int(self.query_lens.max()) == 1
 
     @property
@@ -169,21 +176,24 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
-                backend: str) -> torch.Tensor:
+                backend: str, validate: bool = True) -> torch.Tensor:
         cfg, n = self.cfg, x.shape[0]
         q = apply_rope(self.q_proj(x).view(n, cfg.num_heads, cfg.head_dim), cos, sin)
         k = apply_rope(self.k_proj(x).view(n, cfg.num_kv_heads, cfg.head_dim), cos, sin)
         v = self.v_proj(x).view(n, cfg.num_kv_heads, cfg.head_dim)
         k_cache, v_cache = kv_cache
         # 1. write: this step's K/V go to their slots (the cache now holds seq_lens tokens)
-        reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping, backend=backend)
+        reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping, backend=backend,
+                          validate=validate)
         # 2. read: attend over the whole history through the block tables
         if meta.is_decode:
             out = paged_attention(q.contiguous(), k_cache, v_cache, meta.block_tables,
-                                  meta.seq_lens, backend=backend)
+                                  meta.seq_lens, backend=backend, validate=validate,
+                                  max_seq_len=meta.max_seq_len)
         else:
             out = paged_prefill(q.contiguous(), k_cache, v_cache, meta.block_tables,
-                                meta.seq_lens, meta.query_lens, backend=backend)
+                                meta.seq_lens, meta.query_lens, backend=backend,
+                                validate=validate, max_query_len=meta.max_query_len)
         return self.o_proj(out.reshape(n, cfg.num_heads * cfg.head_dim))
 
 
@@ -210,8 +220,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, kv_cache, meta, backend):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta, backend)
+    def forward(self, x, cos, sin, kv_cache, meta, backend, validate=True):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta, backend,
+                               validate)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -243,11 +254,14 @@ class TinyLlama(nn.Module):
         return self.embed_tokens.weight.device
 
     def forward(self, input_ids: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                meta: AttentionMetadata, backend: str = "torch") -> torch.Tensor:
+                meta: AttentionMetadata, backend: str = "torch",
+                validate: bool = True) -> torch.Tensor:
         """Hidden states ``[num_tokens, hidden_size]`` of the packed new tokens.
 
         ``kv_caches[layer] = (k_cache, v_cache)``, each ``[num_blocks, block_size,
         num_kv_heads, head_dim]``; this call writes the new tokens' K/V into them.
+        ``validate=False`` (for a caller that checked ``meta`` once for the step) lets
+        the kernels skip their per-layer checks that read values back from the device.
         """
         if len(kv_caches) != self.config.num_layers:
             raise ValueError(f"need one (k_cache, v_cache) per layer: {self.config.num_layers}"
@@ -256,7 +270,7 @@ class TinyLlama(nn.Module):
         cos, sin = rope_cos_sin(meta.positions, self.config.head_dim, self.config.rope_theta,
                                 x.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, kv_cache, meta, backend)
+            x = layer(x, cos, sin, kv_cache, meta, backend, validate)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -216,3 +216,24 @@ def test_swap_falls_back_to_recompute_when_the_cpu_pool_is_full(model, prompts, 
     # and the same engine serves a second batch from a clean state
     assert_matches(engine.generate(prompts[:2], SamplingParams(MAX_TOKENS)), reference, [0, 1])
     assert engine.stats.requests[0].arrival_step == 0 and engine.stats.steps == MAX_TOKENS
+
+
+@pytest.mark.parametrize("mistake, match", [
+    ("first block only", "block table row"),
+    ("int32 slots", "slot_mapping must be a torch.int64"),
+    ("slot past the pool", "slots outside"),
+])
+def test_a_wrong_build_metadata_gets_a_clear_error(model, prompts, mistake, match):
+    def wrong(tables, seq_lens, query_lens, block_size):
+        meta = build_metadata(tables, seq_lens, query_lens, block_size)
+        if mistake == "first block only":
+            meta.block_tables = meta.block_tables[:, :1]
+        if mistake == "int32 slots":
+            meta.slot_mapping = meta.slot_mapping.int()
+        if mistake == "slot past the pool":
+            meta.slot_mapping[-1] = 10**6
+        return meta
+
+    engine = LLMEngine(model, 64, 4, build_metadata=wrong)
+    with pytest.raises(ValueError, match=match):
+        engine.generate(prompts[3:4], SamplingParams(3))

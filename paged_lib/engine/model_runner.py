@@ -18,6 +18,7 @@ import torch
 from paged_lib.engine.scheduler import SchedulerOutput
 from paged_lib.kernels.copy_blocks import copy_blocks as copy_blocks_kernel
 from paged_lib.model import AttentionMetadata, TinyLlama
+from paged_lib.util import cdiv
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -50,6 +51,50 @@ def build_metadata(block_tables: list[list[int]], seq_lens: list[int], query_len
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
         query_lens=torch.tensor(query_lens, dtype=torch.int32),
         positions=torch.tensor(positions, dtype=torch.int64))
+
+
+def check_metadata(meta: AttentionMetadata, num_blocks: int, block_size: int) -> None:
+    """Check a step's metadata once (on the host), so the kernels need not, per layer.
+
+    Raises ``ValueError`` naming the first problem: a wrong dtype or shape, a slot or a
+    block outside the pool, a table too short for its sequence, a query longer than its
+    sequence. Also records ``max_seq_len`` / ``max_query_len`` on ``meta``.
+    """
+    for name, dtype in (("slot_mapping", torch.int64), ("block_tables", torch.int32),
+                        ("seq_lens", torch.int32), ("query_lens", torch.int32),
+                        ("positions", torch.int64)):
+        t = getattr(meta, name)
+        if not isinstance(t, torch.Tensor) or t.dtype != dtype:
+            got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"metadata.{name} must be a {dtype} tensor, got {got}")
+    num_seqs = meta.seq_lens.shape[0]
+    if meta.block_tables.ndim != 2 or meta.block_tables.shape[0] != num_seqs:
+        raise ValueError(f"metadata.block_tables must be [num_seqs={num_seqs}, max_blocks], "
+                         f"got {tuple(meta.block_tables.shape)}")
+    seq_lens, query_lens = meta.seq_lens.tolist(), meta.query_lens.tolist()
+    num_tokens = sum(query_lens)
+    for name in ("slot_mapping", "positions"):
+        if tuple(getattr(meta, name).shape) != (num_tokens,):
+            raise ValueError(f"metadata.{name} must have one entry per new token "
+                             f"({num_tokens}), got shape {tuple(getattr(meta, name).shape)}")
+    slots = meta.slot_mapping
+    if num_tokens and not (0 <= int(slots.min()) and int(slots.max()) < num_blocks * block_size):
+        raise ValueError(f"metadata.slot_mapping has slots outside 0..{num_blocks * block_size - 1}"
+                         f" ({num_blocks} blocks x {block_size})")
+    for s, (seq_len, query_len) in enumerate(zip(seq_lens, query_lens, strict=True)):
+        if not 1 <= query_len <= seq_len:
+            raise ValueError(f"sequence {s}: query_len {query_len} must be in 1..seq_len "
+                             f"({seq_len})")
+    tables = meta.block_tables
+    used = cdiv(meta.seq_lens.long(), block_size)  # blocks each sequence reads
+    read = torch.arange(tables.shape[1])[None, :] < used[:, None]
+    bad = (used > tables.shape[1]) | (read & ((tables < 0) | (tables >= num_blocks))).any(1)
+    if bool(bad.any()):
+        s = int(bad.nonzero()[0])
+        raise ValueError(f"sequence {s}: its {seq_lens[s]} tokens need {int(used[s])} blocks "
+                         f"of 0..{num_blocks - 1}, its block table row is {tables[s].tolist()}")
+    meta.max_seq_len = max(seq_lens, default=0)
+    meta.max_query_len = max(query_lens, default=0)
 
 
 def allocate_kv_caches(model: TinyLlama, num_blocks: int, block_size: int,
@@ -106,11 +151,13 @@ class ModelRunner:
         meta = self.build_metadata([s.block_table.blocks for s in seqs],
                                    [s.num_tokens for s in seqs],
                                    [s.num_new_tokens for s in out.scheduled], self.block_size)
+        check_metadata(meta, self.kv_caches[0][0].shape[0], self.block_size)
         meta = _to_device(meta, self.model.device)
         ids = [t for sched in out.scheduled
                for t in sched.seq.token_ids[sched.seq.num_tokens - sched.num_new_tokens:]]
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.model.device)
-        hidden = self.model(input_ids, self.kv_caches, meta, backend=self.backend)
+        hidden = self.model(input_ids, self.kv_caches, meta, backend=self.backend,
+                            validate=False)
         return self.model.compute_logits(hidden[meta.logits_indices.to(hidden.device)])
 
 
@@ -118,4 +165,5 @@ def _to_device(meta: AttentionMetadata, device: torch.device) -> AttentionMetada
     if meta.slot_mapping.device == device:
         return meta
     return AttentionMetadata(*(t.to(device) for t in (
-        meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_lens, meta.positions)))
+        meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_lens, meta.positions)),
+        max_seq_len=meta.max_seq_len, max_query_len=meta.max_query_len)
