@@ -108,7 +108,7 @@ window.__bc = {
       outputs.forEach((out, pos) => {
         const data = out.data || {};
         if (out.output_type === 'error') {
-          say('error output', `${out.ename}: ${out.evalue}\n${short(out.traceback)}`);
+          say('error output', `${out.ename}: ${out.evalue}\n${short((out.traceback || []).join('\n'))}`);
         } else if (out.output_type === 'stream' && out.name === 'stderr') {
           const text = clean(out.text);
           if (text.includes('Traceback (most recent call last)')) say('traceback on stderr', short(text));
