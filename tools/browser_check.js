@@ -90,7 +90,10 @@ window.__bc = {
     const r = {code_cells: 0, executed: 0, widgets: 0, images: 0, problems: [], warnings: []};
     const clean = (t) => (Array.isArray(t) ? t.join('') : t || '')
       .replace(/\x1b\[[0-9;]*[A-Za-z]/g, '').trim();
-    const short = (t, n = 1500) => { t = clean(t); return t.length <= n ? t : '...' + t.slice(-n); };
+    const short = (t, n = 1500) => {
+      t = clean(t);
+      return t.length <= n ? t : '...' + t.slice(-n);
+    };
     const WIDGET = 'application/vnd.jupyter.widget-view+json';
     this.panel(path).content.widgets.forEach((c, index) => {
       if (c.model.type !== 'code') return;
@@ -108,10 +111,13 @@ window.__bc = {
       outputs.forEach((out, pos) => {
         const data = out.data || {};
         if (out.output_type === 'error') {
-          say('error output', `${out.ename}: ${out.evalue}\n${short((out.traceback || []).join('\n'))}`);
+          const tb = short((out.traceback || []).join('\n'));
+          say('error output', `${out.ename}: ${out.evalue}\n${tb}`);
         } else if (out.output_type === 'stream' && out.name === 'stderr') {
           const text = clean(out.text);
-          if (text.includes('Traceback (most recent call last)')) say('traceback on stderr', short(text));
+          if (text.includes('Traceback (most recent call last)')) {
+            say('traceback on stderr', short(text));
+          }
           else if (text) r.warnings.push(`${where} wrote to stderr: ${short(text, 300)}`);
         }
         if (data[WIDGET]) widgetAt.push(pos);
@@ -125,7 +131,9 @@ window.__bc = {
             && (text.includes('Traceback') || /^\w+(Error|Exception)\b/m.test(text))) {
           say('error in page', short(text));
         }
-        if (text.startsWith('Error displaying widget')) say('widget not rendered', short(text, 300));
+        if (text.startsWith('Error displaying widget')) {
+          say('widget not rendered', short(text, 300));
+        }
       }
       // every widget view in the model must be a rendered widget in the page
       const children = c.outputArea ? Array.from(c.outputArea.node.children)
@@ -145,7 +153,8 @@ window.__bc = {
           say('widget not rendered', `output ${pos} shows ${JSON.stringify(text)} instead of `
               + 'the widget (ipywidgets extension missing, or the model never arrived)');
         } else if (!node.querySelector('.jupyter-widgets, [class*="widget-"]')) {
-          say('widget not rendered', `output ${pos} holds no widget element: ${JSON.stringify(text)}`);
+          say('widget not rendered',
+              `output ${pos} holds no widget element: ${JSON.stringify(text)}`);
         } else {
           r.widgets += 1;
         }
