@@ -117,8 +117,9 @@ window.__bc = {
           const text = clean(out.text);
           if (text.includes('Traceback (most recent call last)')) {
             say('traceback on stderr', short(text));
+          } else if (text) {
+            r.warnings.push(`${where} wrote to stderr: ${short(text, 300)}`);
           }
-          else if (text) r.warnings.push(`${where} wrote to stderr: ${short(text, 300)}`);
         }
         if (data[WIDGET]) widgetAt.push(pos);
         if (data['image/png'] || data['image/svg+xml']) r.images += 1;
