@@ -24,7 +24,7 @@ def running_softmax(trace: Trace, index: tuple[int, ...] = (), block_size: int |
     block_max = [float(t[index]) for t in trace.block_max]
     run_max = [float(t[index]) for t in trace.running_max]
     run_sum = [float(t[index]) for t in trace.running_sum]
-    steps = list(range(1, len(run_max) + 1))
+    steps = list(range(len(run_max)))  # block j, numbered from 0 like everything else
     m_final = run_max[-1]
     rescaled = [s * math.exp(m - m_final) for s, m in zip(run_sum, run_max, strict=True)]
 
@@ -34,7 +34,7 @@ def running_softmax(trace: Trace, index: tuple[int, ...] = (), block_size: int |
         ax1.plot(*zip(*finite, strict=True), "o", color="tab:gray", label="max score in block")
     ax1.step(steps, run_max, where="post", color="tab:red", lw=2, label="running max m")
     ax1.axhline(m_final, ls="--", color="tab:red", alpha=0.4)
-    ax1.set_xlabel("blocks merged" + (f" ({block_size} keys each)" if block_size else ""))
+    ax1.set_xlabel("after block j" + (f" ({block_size} keys each)" if block_size else ""))
     ax1.set_ylabel("score")
     ax1.set_title("running max")
     ax1.legend(fontsize=8, loc="upper left")
@@ -42,7 +42,7 @@ def running_softmax(trace: Trace, index: tuple[int, ...] = (), block_size: int |
     ax2.plot(steps, run_sum, "o-", color="tab:blue", label="l (relative to current m)")
     ax2.plot(steps, rescaled, "s--", color="tab:green", label="l rescaled to final m")
     ax2.axhline(rescaled[-1], ls=":", color="k", alpha=0.5, label="full softmax denominator")
-    ax2.set_xlabel("blocks merged")
+    ax2.set_xlabel("after block j")
     ax2.set_ylabel("sum of exp(score - m)")
     ax2.set_title("running sum")
     ax2.legend(fontsize=8)
