@@ -113,3 +113,13 @@ def test_beam_step_forks_the_chosen_and_frees_the_dead():
     assert new[0][1] is a and new[1][1].blocks == a.blocks
     assert all(alloc.refcount(blk) == 2 for blk in a.blocks)
     assert alloc.num_free == 10 - 2  # b's block went back
+
+
+def test_triton_backend_beams_and_copy_on_write(hf, prompts, reference):
+    """Beams fork and copy part-filled blocks with the Triton copy_blocks kernel too."""
+    engine = LLMEngine(TinyLlama.from_hf(hf), 32, 4, attention_backend="triton")
+    out = engine.generate([prompts[1]], SamplingParams(3, beam_width=2))[0]
+    torch_engine = LLMEngine(TinyLlama.from_hf(hf), 32, 4)
+    want = torch_engine.generate([prompts[1]], SamplingParams(3, beam_width=2))[0]
+    assert [c.token_ids for c in out.outputs] == [c.token_ids for c in want.outputs]
+    assert engine.block_manager.num_free_blocks == 32
