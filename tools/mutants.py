@@ -56,6 +56,7 @@ from paged_lib import grading  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 HEADING = re.compile(r"^#+\s*Exercise\s+(\d+\.\d+)", re.M)
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
+CHECK = re.compile(r"\bcheck\w*\(|\bgrading\.")
 SWAPS = {ast.Add: ast.Sub, ast.Sub: ast.Add, ast.Mult: ast.FloorDiv, ast.FloorDiv: ast.Mult,
          ast.Mod: ast.FloorDiv}
 FLIPS = {ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt, ast.Eq: ast.NotEq,
@@ -101,17 +102,23 @@ class Report:
 
 
 def find_exercises(nb: nbformat.NotebookNode) -> list[Exercise]:
-    """Each heading's solution cells and the first later code cell that is not one."""
+    """Each heading's solution cells and its check cell: the first later code cell that
+    calls a ``check...`` or ``grading`` function (else the first later code cell)."""
     found: list[Exercise] = []
-    for i, cell in enumerate(nb.cells):
-        if cell.cell_type == "markdown" and (m := HEADING.search(cell.source)):
-            found.append(Exercise(m.group(1), [], -1))
-        elif cell.cell_type == "code" and found and found[-1].check_cell < 0:
-            ex = found[-1]
-            if BEGIN in cell.source:
-                ex.solution_cells.append(i)
-            elif ex.solution_cells:
-                ex.check_cell = i
+    candidates: list[int] = []
+    for i, cell in enumerate(nb.cells + [nbformat.v4.new_markdown_cell("### Exercise 0.0")]):
+        heading = cell.cell_type == "markdown" and HEADING.search(cell.source)
+        if heading and found and found[-1].solution_cells and candidates:
+            checks = [k for k in candidates if CHECK.search(nb.cells[k].source)]
+            found[-1].check_cell = (checks or candidates)[0]
+        if heading:
+            found.append(Exercise(heading.group(1), [], -1))
+            candidates = []
+        elif cell.cell_type == "code" and found:
+            if BEGIN in cell.source and not candidates:
+                found[-1].solution_cells.append(i)
+            elif found[-1].solution_cells:
+                candidates.append(i)
     return [ex for ex in found if ex.solution_cells and ex.check_cell >= 0]
 
 
