@@ -15,6 +15,9 @@ recompute), ``running`` (K/V in the GPU pool, in admission order) and ``swapped`
    is prefilled in the same step as the decodes (iteration-level batching, as in Orca).
 
 Admission never splits a group: its blocks are counted for all its sequences at once.
+One exception to the limits keeps every request moving: a group that would be alone in
+an empty step is admitted (or swapped in) whenever its blocks are free, even if its
+tokens exceed ``max_num_batched_tokens`` or it would eat into the watermark.
 """
 
 from __future__ import annotations
