@@ -6,44 +6,21 @@ import pytest
 import torch
 
 import paged_lib  # noqa: F401  (sets up the interpreter before anything Triton)
+from paged_lib.kernels.cases import make_decode_case
 from paged_lib.kernels.reference import ref_paged_attention
 from paged_lib.kernels.torch_backend import paged_attention_torch
 
-NUM_BLOCKS = 48
-
 
 def _case(num_heads, kv_heads, head_dim, block_size, dtype, seed=0):
-    """Sequences of length 1, a full block, a block plus one, and longer ones, with random
-    block tables (repeated entries), garbage past each sequence's last block, and every
-    cache slot that no sequence uses set to NaN."""
-    g = torch.Generator().manual_seed(seed)
+    """Sequences of length 1, a full block, a block plus one, and longer ones, on the
+    shared NaN-poisoned case (repeated blocks, -1 padding past each sequence's end)."""
     lens = [1, block_size, block_size + 1, 5 * block_size - 3, 11 * block_size + 7]
-    max_blocks = 14
-    # Full blocks may repeat (sharing); each sequence's last block is its own, so the
-    # slots past its end are never written and stay NaN.
-    tables = torch.randint(len(lens), NUM_BLOCKS, (len(lens), max_blocks), generator=g,
-                           dtype=torch.int32)
-    for s, n in enumerate(lens):
-        tables[s, (n - 1) // block_size] = s
-    tables[2, 0] = tables[4, 0] = tables[4, 1]
-    k = torch.randn(NUM_BLOCKS, block_size, kv_heads, head_dim, generator=g)
-    v = torch.randn(NUM_BLOCKS, block_size, kv_heads, head_dim, generator=g)
-    written = torch.zeros(NUM_BLOCKS, block_size, dtype=torch.bool)
-    for s, n in enumerate(lens):
-        used = (n + block_size - 1) // block_size
-        for t in range(n):
-            written[tables[s, t // block_size], t % block_size] = True
-        tables[s, used:] = [-1, NUM_BLOCKS + 7][s % 2]   # garbage, never to be read
-    k[~written] = float("nan")
-    v[~written] = float("nan")
-    q = torch.randn(len(lens), num_heads, head_dim, generator=g)
-    return (q.to(dtype), k.to(dtype), v.to(dtype), tables,
-            torch.tensor(lens, dtype=torch.int32))
+    case = make_decode_case(lens, num_heads, kv_heads, head_dim, block_size, dtype, seed=seed)
+    return case[:5]
 
 
 def _reference(q, k, v, tables, lens, scale):
-    safe = tables.clamp(0, NUM_BLOCKS - 1)
-    return ref_paged_attention(q, k, v, safe, lens, scale)
+    return ref_paged_attention(q, k, v, tables, lens, scale)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

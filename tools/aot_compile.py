@@ -5,7 +5,9 @@
 Triton's interpreter checks no hardware limit; this does the next best thing to a GPU
 run: Triton compiles each kernel, for the shapes and configs the launchers use, down to
 PTX and a cubin for ``sm_<arch>`` (Triton ships ``ptxas``), and ``ptxas -v`` reports
-registers and spills. A config that needs too much shared memory, a ``tl.dot`` shape the
+registers and spills, and the PTX shows the widest global load or cp.async copy (128
+bits: rows are vectorised, e.g. head size 40 thanks to the kernels' ``ALIGN`` hint).
+A config that needs too much shared memory, a ``tl.dot`` shape the
 GPU cannot do, or a tile that spills shows up here, before anyone has a GPU. (Whether the
 result is *right* is for the tests, and for ``make gpu-check`` on a real GPU.)
 """
@@ -68,16 +70,50 @@ def ptxas_report(ptx: str, arch: int) -> tuple[int, int, int]:
     return regs, int(spills.group(1)) if spills else -1, int(spills.group(2)) if spills else -1
 
 
+def specialize(fn, constexprs: dict, ints: dict) -> tuple[dict, dict]:
+    """What Triton's launcher does with real arguments: an int equal to 1 (a unit stride)
+    becomes a constant; pointers (16-byte aligned tensors) and ints divisible by 16 get
+    ``tt.divisibility=16``, which is what lets the compiler emit vector loads."""
+    constexprs = {**constexprs, **{k: 1 for k, v in ints.items() if v == 1}}
+    attrs = {}
+    for i, name in enumerate(fn.arg_names):
+        if name in constexprs:
+            continue
+        if name.endswith("_ptr") or ints.get(name, 1) % 16 == 0:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return constexprs, attrs
+
+
+def decode_ints(num_heads: int, kv_heads: int, head_dim: int, block_size: int,
+                max_blocks: int = 64) -> dict:
+    """The int arguments of a decode launch on contiguous tensors of these sizes."""
+    kv = (block_size * kv_heads * head_dim, kv_heads * head_dim, head_dim, 1)
+    return dict(zip(["stride_qs", "stride_qh", "stride_qd", "stride_kb", "stride_kt", "stride_kh",
+                     "stride_kd", "stride_vb", "stride_vt", "stride_vh", "stride_vd",
+                     "stride_bts", "stride_btb", "stride_ot", "stride_oh", "stride_od"],
+                    [num_heads * head_dim, head_dim, 1, *kv, *kv, max_blocks, 1,
+                     num_heads * head_dim, head_dim, 1], strict=True)) | {
+        "stride_os": num_heads * head_dim, "stride_osplit": head_dim}
+
+
 def compile_one(fn, constexprs: dict, dtype: str, arch: int, num_warps: int, num_stages: int,
-                out_fp32: bool = False) -> dict:
+                out_fp32: bool = False, ints: dict | None = None) -> dict:
+    constexprs, attrs = specialize(fn, constexprs, ints or {})
     src = triton.compiler.ASTSource(fn=fn, signature=signature(fn, constexprs, dtype, out_fp32),
-                                    constexprs=constexprs)
+                                    constexprs=constexprs, attrs=attrs)
     t0 = time.monotonic()
     k = triton.compile(src, target=GPUTarget("cuda", arch, 32),
                        options={"num_warps": num_warps, "num_stages": num_stages})
     regs, spill_st, spill_ld = ptxas_report(k.asm["ptx"], arch)
+    # K/V tiles are loaded either by cp.async (pipelined into shared memory; its size is
+    # the last operand) or by ld.global; the widest of either tells whether rows are vectorised.
+    ptx = k.asm["ptx"]
+    loads = re.findall(r"ld\.global(?:\.\w+)*?\.(v[248]\.)?b(\d+)", ptx)
+    widest = max((int(b) * int((v or "v1.")[1]) for v, b in loads), default=0)
+    copies = re.findall(r"cp\.async\.c[ag]\.shared\.global[^,]*,[^,]*,\s*(0x[0-9a-f]+|\d+)", ptx)
+    widest = max([widest, *(8 * int(n, 0) for n in copies)])
     return {"shared_KB": k.metadata.shared / 1024, "regs": regs, "spill_st": spill_st,
-            "spill_ld": spill_ld, "s": round(time.monotonic() - t0, 1)}
+            "spill_ld": spill_ld, "load_bits": widest, "s": round(time.monotonic() - t0, 1)}
 
 
 def decode_jobs(quick: bool):
@@ -102,13 +138,13 @@ def decode_jobs(quick: bool):
                          DOT_PRECISION="ieee" if dtype == "fp32" else "tf32")
                 name = f"decode {h}/{kv} d{d} b{b} {dtype}{' split' if split else ''}"
                 yield name, td._paged_decode_kernel, c, dtype, cfg["num_warps"], \
-                    cfg["num_stages"], split
+                    cfg["num_stages"], split, decode_ints(h, kv, d, b)
     if not quick:
         for t, w, s in td.gpu_configs(128, torch.float16):
             c = dict(GROUP=4, GROUP_TILE=16, HEAD_DIM=128, HEAD_PAD=128, ALIGN=16, BLOCK_SIZE=16,
                      TILE_N=t, IS_SPLIT=False, UPCAST=False, DOT_PRECISION="tf32")
             yield f"decode autotune TILE_N={t} w{w} s{s}", td._paged_decode_kernel, c, "fp16", \
-                w, s, False
+                w, s, False, decode_ints(32, 8, 128, 16)
 
 
 def other_jobs(quick: bool):
@@ -121,15 +157,18 @@ def other_jobs(quick: bool):
         c = dict(GROUP=h // kv, GROUP_TILE=gt, BLOCK_Q=bq, HEAD_DIM=d, HEAD_PAD=pad, ALIGN=8,
                  BLOCK_SIZE=b, TILE_N=32 if pad <= 128 else 16, UPCAST=False,
                  DOT_PRECISION="tf32")
+        ints = decode_ints(h, kv, d, b) | {"stride_qt": h * d, "stride_ot": h * d}
         yield f"prefill {h}/{kv} d{d} b{b} fp16", triton_prefill._paged_prefill_kernel, c, \
-            "fp16", 8, 2, False
+            "fp16", 8, 2, False, ints
     for splits, d, heads in ((16, 256, 2), (4, 128, 16)):
         c = dict(HEADS=heads, SPLIT_PAD=splits, HEAD_DIM=d, HEAD_PAD=d)
         yield f"merge {splits} splits d{d} {heads} heads", triton_split._merge_splits_kernel, \
-            c, "fp16", 4, 3, False
+            c, "fp16", 4, 3, False, {"stride_os": 32 * d, "stride_oh": d, "stride_od": 1}
     c = dict(NUM_KV_HEADS=8, HEADS_PAD=8, HEAD_DIM=128, HEAD_PAD=128, BLOCK_SIZE=16)
+    ints = dict(zip(triton_cache._reshape_and_cache_kernel.arg_names[5:19],
+                    [1024, 128, 1] * 2 + [16 * 1024, 1024, 128, 1] * 2, strict=True))
     yield "reshape_and_cache kv8 d128", triton_cache._reshape_and_cache_kernel, c, "fp16", 4, 3, \
-        False
+        False, ints
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -140,17 +179,19 @@ def main(argv: list[str] | None = None) -> int:
     import paged_lib  # noqa: F401
 
     failed = 0
-    print(f"{'kernel':44s} {'shared KB':>9s} {'regs':>5s} {'spill st/ld':>12s} {'s':>5s}")
-    for name, fn, c, dtype, w, s, split in [*decode_jobs(args.quick), *other_jobs(args.quick)]:
+    print(f"{'kernel':44s} {'shared KB':>9s} {'regs':>5s} {'spill st/ld':>12s} "
+          f"{'load bits':>9s} {'s':>5s}")
+    for name, fn, c, dtype, w, s, split, ints in [*decode_jobs(args.quick),
+                                                  *other_jobs(args.quick)]:
         try:
-            r = compile_one(fn, c, dtype, args.arch, w, s, out_fp32=split)
+            r = compile_one(fn, c, dtype, args.arch, w, s, out_fp32=split, ints=ints)
         except Exception as err:  # noqa: BLE001 - report every failure, keep going
             failed += 1
             print(f"{name:44s} FAILED: {type(err).__name__}: {str(err)[:300]}", flush=True)
             continue
         spill = f"{r['spill_st']}/{r['spill_ld']}"
-        print(f"{name:44s} {r['shared_KB']:9.1f} {r['regs']:5d} {spill:>12s} {r['s']:5.1f}",
-              flush=True)
+        print(f"{name:44s} {r['shared_KB']:9.1f} {r['regs']:5d} {spill:>12s} "
+              f"{r['load_bits']:9d} {r['s']:5.1f}", flush=True)
     return 1 if failed else 0
 
 
