@@ -194,6 +194,24 @@ def parallel_sampling_demo(write: SlotWriter = apply_slot, n: int = 4, prompt_le
                         float("nan") if torch.isnan(err) else float(err))
 
 
+def tiny_random_llama(seed: int = 0):
+    """The chapter's engine model: a seeded random tiny Llama built with ``transformers``
+    (nothing downloaded) and the same weights as a :class:`~paged_lib.model.TinyLlama`.
+
+    Returns ``(transformers model, TinyLlama)``: the first checks the engine's beams.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from paged_lib.model import TinyLlama
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=97, hidden_size=48, intermediate_size=80,
+                         num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2,
+                         max_position_embeddings=256, eos_token_id=None, bos_token_id=None)
+    hf_model = LlamaForCausalLM(config).float().eval()
+    return hf_model, TinyLlama.from_hf(hf_model)
+
+
 # ------------------------------------------------------------------ beam search
 
 

@@ -224,3 +224,30 @@ def test_twins_name_library_objects():
     for ex_id, dotted in ch08.TWINS.items():
         module, name = dotted.rsplit(".", 1)
         assert callable(getattr(importlib.import_module(module), name)), ex_id
+
+
+def test_run_demo_on_right_answers(capsys):
+    figs = ch08.run_demo(apply_ok, step_ok)
+    out = capsys.readouterr().out
+    assert "paged attention equals SDPA" in out
+    assert "tree equals the library's" in out
+    assert "beams equal the engine's own" in out
+    assert len(figs) == 1
+
+
+def test_run_demo_before_the_exercises_says_what_to_finish(capsys):
+    def todo(*args):
+        raise NotImplementedError
+
+    assert ch08.run_demo(todo, todo) == []
+    out = capsys.readouterr().out
+    assert out.count("⏳") == 3 and "exercise 08.1" in out and "exercise 08.2" in out
+
+
+def test_run_demo_reports_a_missing_copy(capsys):
+    def todo(*args):
+        raise NotImplementedError
+
+    ch08.run_demo(apply_no_copy, todo)
+    out = capsys.readouterr().out
+    assert "DIFFERS from SDPA" in out and out.count("⏳") == 2
