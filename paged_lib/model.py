@@ -104,7 +104,9 @@ class AttentionMetadata:
     When every ``query_len`` is 1 (a pure decode step) attention uses the decode kernel.
     ``max_seq_len`` / ``max_query_len`` are the same lengths as plain ints, known on the
     host (the model runner fills them in after checking the tensors), so a GPU step never
-    waits to read them back.
+    waits to read them back. ``num_decodes`` (also filled in by the runner) counts the
+    leading sequences with one new token: in a mixed step they take the decode kernel
+    and only the rest the prefill kernel.
     """
 
     slot_mapping: torch.Tensor
@@ -114,6 +116,7 @@ class AttentionMetadata:
     positions: torch.Tensor
     max_seq_len: int | None = None
     max_query_len: int | None = None
+    num_decodes: int = 0
 
     @property
     def is_decode(self) -> bool:
@@ -186,14 +189,24 @@ class Attention(nn.Module):
         reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping, backend=backend,
                           validate=validate)
         # 2. read: attend over the whole history through the block tables
+        q = q.contiguous()
         if meta.is_decode:
-            out = paged_attention(q.contiguous(), k_cache, v_cache, meta.block_tables,
-                                  meta.seq_lens, backend=backend, validate=validate,
+            out = paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                  backend=backend, validate=validate,
                                   max_seq_len=meta.max_seq_len)
-        else:
-            out = paged_prefill(q.contiguous(), k_cache, v_cache, meta.block_tables,
-                                meta.seq_lens, meta.query_lens, backend=backend,
-                                validate=validate, max_query_len=meta.max_query_len)
+        elif meta.num_decodes == 0:
+            out = paged_prefill(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                meta.query_lens, backend=backend, validate=validate,
+                                max_query_len=meta.max_query_len)
+        else:  # mixed step: the leading decodes (one token each), then the prefills
+            d = meta.num_decodes
+            out = torch.cat([
+                paged_attention(q[:d], k_cache, v_cache, meta.block_tables[:d],
+                                meta.seq_lens[:d], backend=backend, validate=validate,
+                                max_seq_len=meta.max_seq_len),
+                paged_prefill(q[d:], k_cache, v_cache, meta.block_tables[d:],
+                              meta.seq_lens[d:], meta.query_lens[d:], backend=backend,
+                              validate=validate, max_query_len=meta.max_query_len)])
         return self.o_proj(out.reshape(n, cfg.num_heads * cfg.head_dim))
 
 

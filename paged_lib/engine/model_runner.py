@@ -58,7 +58,8 @@ def check_metadata(meta: AttentionMetadata, num_blocks: int, block_size: int) ->
 
     Raises ``ValueError`` naming the first problem: a wrong dtype or shape, a slot or a
     block outside the pool, a table too short for its sequence, a query longer than its
-    sequence. Also records ``max_seq_len`` / ``max_query_len`` on ``meta``.
+    sequence. Also records ``max_seq_len``, ``max_query_len`` and ``num_decodes`` on
+    ``meta``.
     """
     for name, dtype in (("slot_mapping", torch.int64), ("block_tables", torch.int32),
                         ("seq_lens", torch.int32), ("query_lens", torch.int32),
@@ -95,6 +96,7 @@ def check_metadata(meta: AttentionMetadata, num_blocks: int, block_size: int) ->
                          f"of 0..{num_blocks - 1}, its block table row is {tables[s].tolist()}")
     meta.max_seq_len = max(seq_lens, default=0)
     meta.max_query_len = max(query_lens, default=0)
+    meta.num_decodes = next((i for i, q in enumerate(query_lens) if q != 1), len(query_lens))
 
 
 def allocate_kv_caches(model: TinyLlama, num_blocks: int, block_size: int,
@@ -166,4 +168,5 @@ def _to_device(meta: AttentionMetadata, device: torch.device) -> AttentionMetada
         return meta
     return AttentionMetadata(*(t.to(device) for t in (
         meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_lens, meta.positions)),
-        max_seq_len=meta.max_seq_len, max_query_len=meta.max_query_len)
+        max_seq_len=meta.max_seq_len, max_query_len=meta.max_query_len,
+        num_decodes=meta.num_decodes)
