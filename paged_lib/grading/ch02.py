@@ -22,6 +22,16 @@ TWINS: dict[str, str] = {
     "02.5": "paged_lib.fragmentation.simulate_timeline",
 }
 
+#: Mutants of the solution that compute the same thing (see ``tools/mutants.py``).
+EQUIVALENT_MUTANTS: dict[str, dict[str, str]] = {
+    "02.5": {
+        "constant: `0` -> `-1` in `arrivals = deque((max(0, math.ceil(requests[i].arrival)), "
+        "i) for i in order)`":
+            "time starts at step 0, so a request whose arrival step is -1 joins the queue at "
+            "step 0 exactly as one at step 0 does",
+    },
+}
+
 WASTE_KINDS = ("reserved", "internal", "external")
 
 #: Exercise 02.1: which kinds of waste each mechanism removes (reduces to nothing, or to
