@@ -279,8 +279,7 @@ def plot_slot_status(status: dict[tuple[int, int], dict], block_size: int,
     ax.set_xlabel("logical slot of the sequence's block table (dashed: block edges)")
     handles = [Rectangle((0, 0), 1, 1, facecolor=c, edgecolor="k", lw=0.3) for c in cmap.colors]
     ax.legend(handles, ["never touched", "masked (not read)", "read", "read past the end"],
-              loc="upper center", bbox_to_anchor=(0.5, -0.35 if len(keys) < 4 else -0.15),
-              ncol=4, fontsize=8)
+              loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=4, fontsize=8, frameon=False)
     fig.tight_layout()
     return fig
 
