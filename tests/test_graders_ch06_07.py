@@ -8,7 +8,7 @@ import torch
 from paged_lib.engine.block_manager import swap_mapping
 from paged_lib.engine.model_runner import build_metadata
 from paged_lib.engine.scheduler import can_admit
-from paged_lib.grading import ch06
+from paged_lib.grading import ch06, ch07
 from paged_lib.model import AttentionMetadata
 
 
@@ -140,4 +140,65 @@ def test_06_not_attempted_is_not_a_failure(capsys):
 def test_graders_declare_their_twins():
     assert ch06.TWINS == {"06.1": "paged_lib.engine.model_runner.build_metadata",
                           "06.2": "paged_lib.engine.scheduler.can_admit"}
-    assert swap_mapping  # chapter 07's twin, imported here so its tests sit beside
+
+
+# ---------------------------------------------------------------- 07.1 swap_mapping
+
+
+def swap_copy_twice(tables, allocate):
+    return [(b, allocate()) for t in tables for b in t]
+
+
+def swap_leaks(tables, allocate):
+    mapping = {}
+    for t in tables:
+        for b in t:
+            dst = allocate()
+            mapping.setdefault(b, dst)
+    return list(mapping.items())
+
+
+def swap_reversed(tables, allocate):
+    return [(dst, src) for src, dst in swap_mapping(tables, allocate)]
+
+
+def swap_as_dict(tables, allocate):
+    return dict(swap_mapping(tables, allocate))
+
+
+def swap_sorted(tables, allocate):
+    blocks = sorted({b for t in tables for b in t})
+    return [(b, allocate()) for b in blocks]
+
+
+def swap_first_table_only(tables, allocate):
+    return [(b, allocate()) for b in tables[0]]
+
+
+def swap_in_place(tables, allocate):
+    return [(b, b) for b in dict.fromkeys(b for t in tables for b in t)]
+
+
+def test_07_1_the_library_passes(capsys):
+    assert verdict(capsys, ch07.check_swap_mapping, swap_mapping).startswith("✅ [07.1]")
+
+
+@pytest.mark.parametrize("wrong, hint", [
+    (swap_copy_twice, "copied a shared block twice"),
+    (swap_leaks, "leaked blocks"),
+    (swap_reversed, "the pairs are (src, dst)"),
+    (swap_as_dict, "expected a list of (src, dst) int tuples"),
+    (swap_sorted, "in the order the blocks are first met"),
+    (swap_first_table_only, "every block of every table must be copied"),
+    (swap_in_place, "each dst is a fresh block from allocate()"),
+])
+def test_07_1_wrong_answers_get_a_named_hint(capsys, wrong, hint):
+    out = verdict(capsys, ch07.check_swap_mapping, wrong)
+    assert out.startswith("❌ [07.1]") and hint in out, out
+
+
+def test_07_1_not_attempted_and_twin(capsys):
+    def stub(tables, allocate):
+        raise NotImplementedError()
+    assert verdict(capsys, ch07.check_swap_mapping, stub).startswith("⏳ [07.1]")
+    assert ch07.TWINS == {"07.1": "paged_lib.engine.block_manager.swap_mapping"}

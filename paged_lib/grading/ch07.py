@@ -1,0 +1,184 @@
+"""Checks for chapter 07 (preemption).
+
+* 07.1 ``swap_mapping``: the block copies that move one sequence group's block tables to
+  the other pool. Checked on tables with and without shared blocks (a forked prompt, beams
+  with a common history) against :func:`paged_lib.engine.block_manager.swap_mapping`,
+  with an allocator that counts every block handed out (a block allocated and never used
+  is a leak); then plugged into the engine's block manager for a swap out and back in,
+  where both pools must end as they started.
+
+:func:`run_demo` serves the chapter's too-small pool with ``preemption="swap"`` and the
+learner's mapping inside the engine, and compares the tokens with the library's run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from paged_lib import grading
+from paged_lib.blocks import BlockTable
+from paged_lib.engine.block_manager import BlockManager
+from paged_lib.engine.block_manager import swap_mapping as lib_swap_mapping
+from paged_lib.engine.sequence import SamplingParams, Sequence, SequenceGroup
+
+#: Exercise id -> the library object the learner's code re-implements.
+TWINS: dict[str, str] = {"07.1": "paged_lib.engine.block_manager.swap_mapping"}
+
+#: name, tables, free blocks of the destination pool in allocation order
+_SCENARIOS: list[tuple[str, list[list[int]], list[int]]] = [
+    ("the spec's example: two samples share block 7", [[7, 3], [7, 5]], [0, 1, 2]),
+    ("one sequence, nothing shared", [[4, 9, 2]], [5, 0, 3, 1]),
+    ("three beams share 2 prompt blocks; two also share block 6",
+     [[10, 11, 6, 1], [10, 11, 6, 8], [10, 11, 3]], [7, 2, 9, 0, 4, 5, 12, 13]),
+    ("four samples fork a 1-block prompt, each wrote 1 block of its own",
+     [[0, 5], [0, 6], [0, 7], [0, 8]], [3, 2, 1, 9, 10, 11]),
+]
+
+
+class _CountingPool:
+    """A destination pool whose ``allocate`` hands out blocks in a fixed order (then
+    100, 101, ...: a real pool has more free blocks than one group needs)."""
+
+    def __init__(self, order: list[int]):
+        self.order = list(order)
+        self.handed: list[int] = []
+
+    def allocate(self) -> int:
+        k = len(self.handed)
+        self.handed.append(self.order[k] if k < len(self.order) else 100 + k)
+        return self.handed[-1]
+
+
+def check_swap_mapping(swap_mapping: Callable[..., Any]) -> None:
+    """``swap_mapping(tables, allocate) -> list[tuple[int, int]]``."""
+    with grading.exercise("07.1", "Swap mapping"):
+        for name, tables, order in _SCENARIOS:
+            _check_scenario(swap_mapping, name, tables, order)
+        _check_in_block_manager(swap_mapping)
+
+
+def _check_scenario(fn, name: str, tables: list[list[int]], order: list[int]) -> None:
+    where = f"scenario '{name}' (tables {tables})"
+    given = [list(t) for t in tables]
+    pool = _CountingPool(order)
+    got = fn(given, pool.allocate)
+    want = lib_swap_mapping(tables, _CountingPool(order).allocate)
+    distinct = len({b for t in tables for b in t})
+    grading.expect_true(given == tables, f"{where}: your function changed the tables",
+                        "read the tables, do not change them: the block manager "
+                        "rebuilds them from your mapping")
+    grading.expect_true(isinstance(got, list) and all(
+        isinstance(p, tuple) and len(p) == 2 and all(type(x) is int for x in p) for p in got),
+        f"{where}: expected a list of (src, dst) int tuples, got {got!r}",
+        "return a list of pairs, e.g. [(7, 0), (3, 1), (5, 2)]")
+    sources = [p[0] for p in got]
+    if len(sources) != len(set(sources)):
+        twice = sorted({b for b in sources if sources.count(b) > 1})
+        grading.fail(f"{where}: block(s) {twice} are copied more than once: {got}",
+                     "copied a shared block twice: a block held by several sequences "
+                     "moves once, and every table then points at its one copy")
+    if set(sources) != {b for t in tables for b in t} and \
+            {p[1] for p in got} == {b for t in tables for b in t}:
+        grading.fail(f"{where}: got {got}, expected {want}",
+                     "the pairs are (src, dst): the block you copy from, then the block "
+                     "allocate() gave you")
+    grading.expect_true(set(sources) == {b for t in tables for b in t},
+                        f"{where}: the sources {sorted(set(sources))} are not the tables' "
+                        f"blocks {sorted({b for t in tables for b in t})}",
+                        "every block of every table must be copied (once)")
+    if len(pool.handed) > distinct:
+        grading.fail(f"{where}: allocate() was called {len(pool.handed)} times for "
+                     f"{distinct} distinct blocks",
+                     "leaked blocks: allocate() only for a block you have not met yet; "
+                     "a block allocated and not in the mapping is never freed")
+    grading.expect_true(sorted(p[1] for p in got) == sorted(pool.handed),
+                        f"{where}: destinations {[p[1] for p in got]} are not the blocks "
+                        f"allocate() returned {pool.handed}",
+                        "each dst is a fresh block from allocate(), never a source block")
+    grading.expect_equal(got, want, f"{where}: mapping",
+                         "pairs in the order the blocks are first met, reading the tables "
+                         "left to right, top to bottom")
+
+
+def _check_in_block_manager(fn) -> None:
+    """Swap a forked group out and back with the learner's function in the block manager."""
+    bm = BlockManager(num_blocks=10, block_size=2, num_cpu_blocks=6, swap_mapping_fn=fn)
+    seq = Sequence(0, [1, 2, 3])
+    group = SequenceGroup(0, [seq], SamplingParams(max_tokens=4, n=2, temperature=1.0))
+    bm.allocate(seq)  # blocks [0, 1]: 3 tokens
+    child = Sequence(1, [1, 2, 3], block_table=seq.block_table.fork())
+    group.seqs.append(child)
+    child.block_table.append_token()  # copy-on-write: the child's last block is its own
+    before = [s.block_table.blocks for s in group.seqs]
+    gpu_free, cpu_free = bm.gpu.num_free, bm.cpu.num_free
+    out = bm.swap_out(group)
+    where = f"a swap out of two samples over GPU tables {before}"
+    grading.expect_equal(bm.gpu.num_free, bm.gpu.num_blocks, f"{where}: free GPU blocks after",
+                         "every GPU block of the group must come free after a swap out")
+    grading.expect_equal(bm.cpu.num_free, cpu_free - len(out),
+                         f"{where}: free CPU blocks after",
+                         "the CPU pool holds one block per distinct GPU block")
+    mapped = dict(out)
+    grading.expect_equal([s.block_table.blocks for s in group.seqs],
+                         [[mapped[b] for b in t] for t in before],
+                         f"{where}: CPU tables", "each table points at the copies")
+    back = bm.swap_in(group)
+    grading.expect_equal(bm.cpu.num_free, bm.cpu.num_blocks, f"{where}: free CPU blocks "
+                         "after swapping back in", "a swap in frees every CPU block")
+    grading.expect_equal(bm.gpu.num_free, gpu_free, f"{where}: free GPU blocks after "
+                         "swapping back in", "the group takes as many GPU blocks as before")
+    grading.expect_equal(len(back), len(out), f"{where}: copies on the way back",
+                         "a swap in copies each distinct block once, like a swap out")
+    for s in group.seqs:
+        grading.expect_true(isinstance(s.block_table, BlockTable)
+                            and s.block_table.allocator is bm.gpu,
+                            f"{where}: a table is not in the GPU pool after swap in")
+
+
+# ------------------------------------------------------------------ the demo
+
+
+def run_demo(swap_mapping: Callable[..., Any], model: Any = None) -> None:
+    """The chapter's too-small pool, served with ``preemption="swap"`` and the learner's
+    mapping, next to the library's run: same tokens, same swaps?"""
+    from paged_lib.engine import LLMEngine
+    from paged_lib.model import load_tiny_code_llama
+
+    model = model if model is not None else load_tiny_code_llama()
+    prompts, params = pressure_requests()
+    mine = LLMEngine(model, PRESSURE_BLOCKS, PRESSURE_BLOCK_SIZE, num_cpu_blocks=64,
+                     preemption="swap", swap_mapping=swap_mapping)
+    try:
+        outs = mine.generate(prompts, params)
+    except NotImplementedError:
+        print("⏳ finish exercise 07.1, then run this cell again: your mapping will move "
+              "the blocks of every preempted request")
+        return
+    except Exception as err:  # a learner's bug: say so in one line
+        print(f"❌ the engine with your swap_mapping raised {type(err).__name__}: {err}")
+        return
+    lib = LLMEngine(model, PRESSURE_BLOCKS, PRESSURE_BLOCK_SIZE, num_cpu_blocks=64,
+                    preemption="swap")
+    ref = lib.generate(prompts, params)
+    same = [[c.token_ids for c in o.outputs] for o in outs] == \
+        [[c.token_ids for c in o.outputs] for o in ref]
+    s = mine.stats
+    print(f"{len(outs)} requests on {PRESSURE_BLOCKS} blocks: {s.preemptions} preemptions, "
+          f"{s.swapped_blocks} block copies (library: {lib.stats.swapped_blocks})")
+    print(f"every token {'equals' if same else 'DIFFERS from'} the library engine's")
+
+
+#: Chapter 07's "pool far too small": 7 requests (one of them 2 parallel samples).
+PRESSURE_BLOCKS, PRESSURE_BLOCK_SIZE = 10, 8
+
+
+def pressure_requests() -> tuple[list[list[int]], list[SamplingParams]]:
+    """Seven requests that need about 30 blocks of 8 at once: six greedy, and one that
+    draws 2 seeded samples (its prompt blocks are shared, so swapping it meets sharing)."""
+    from paged_lib import engine_compare as ec
+
+    trace = ec.chapter_trace(7, seed=5, max_len=64)
+    params = [SamplingParams(max_tokens=24, ignore_eos=True)] * 6 + [
+        SamplingParams(max_tokens=24, n=2, temperature=0.8, seed=7, ignore_eos=True)]
+    return ec.trace_prompts(trace), params
