@@ -52,6 +52,10 @@ def test_paged_engine_needs_at_most_half_the_steps_of_static_batching(both_syste
     assert paged.stats.generated_tokens == static.stats.generated_tokens == sum(lens)
     assert static.stats.peak_batch_size == 6 < paged.stats.peak_batch_size
     assert max(static.stats.blocks_used) == 120 and paged.stats.peak_blocks_used <= 120
+    p, st = paged.stats.summary(), static.stats.summary()
+    assert p["generated_tokens"] == st["generated_tokens"] == sum(lens)
+    assert p["mean_tokens_per_step"] == round(sum(lens) / paged.stats.steps, 2)
+    assert p["mean_tokens_per_step"] >= 2 * st["mean_tokens_per_step"]
 
 
 def test_both_systems_generate_the_same_tokens(both_systems, mixed_trace):

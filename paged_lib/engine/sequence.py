@@ -220,6 +220,22 @@ class EngineStats:
     def peak_batch_size(self) -> int:
         return max(self.batch_sizes, default=0)
 
+    def summary(self) -> dict[str, float | int]:
+        """The scalar numbers, for a table or a sentence in a chapter (means over the
+        steps that ran a model, idle steps left out)."""
+        busy = [i for i, k in enumerate(self.step_kinds) if k != "idle"]
+        return {"steps": self.steps, "preemptions": self.preemptions,
+                "swapped_blocks": self.swapped_blocks,
+                "recomputed_tokens": self.recomputed_tokens,
+                "generated_tokens": self.generated_tokens,
+                "peak_blocks_used": self.peak_blocks_used,
+                "peak_batch_size": self.peak_batch_size,
+                "mean_batch_size": round(sum(self.batch_sizes[i] for i in busy)
+                                         / max(len(busy), 1), 2),
+                "mean_tokens_per_step": round(self.generated_tokens / max(len(busy), 1), 2),
+                "mean_blocks_used": round(sum(self.blocks_used[i] for i in busy)
+                                          / max(len(busy), 1), 2)}
+
     def record_step(self, kind: str, batch_size: int, blocks_used: int, generated: int,
                     computed: int) -> None:
         self.steps += 1
