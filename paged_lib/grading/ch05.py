@@ -348,6 +348,8 @@ def run_decode_kernel(kernel: Any, case) -> tuple[torch.Tensor, LoadTrace, tuple
                      hint="store only the GROUP real rows of the tile: mask=(g < GROUP)[:, None]"
                           "; out[seq, head] is at (seq * num_heads + head) * HEAD_DIM")
     for name, g in (("K", k_g), ("V", v_g)):
+        if not _interpreted():
+            break
         size = g.view.numel()
         bad = _first_outside(g, trace, lambda f, n=size: (f >= 0) & (f < n))
         if bad:

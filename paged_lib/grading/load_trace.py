@@ -67,6 +67,8 @@ class LoadTrace:
 
     def reads_of(self, tensor: torch.Tensor) -> list[TensorRead]:
         """Each load's lanes that address ``tensor`` (contiguous, on the CPU), as indices."""
+        if not self.loads:  # nothing traced (e.g. a kernel compiled for a GPU)
+            return []
         lo, hi, size = _extent(tensor)
         out = []
         for load in self.loads:
@@ -83,6 +85,8 @@ class LoadTrace:
         An offset that large carries a row or block index; computed in 32 bits it wraps
         once the tensor passes 2**31 elements, and the kernel reads the wrong memory.
         """
+        if not self.offsets:
+            return []
         lo, hi, _ = _extent(tensor)
         return [o for o in self.offsets
                 if o.dtype.itemsize < 8 and o.largest >= reach
