@@ -147,7 +147,8 @@ def paged_prefill_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         max_query_len = q.shape[0]
     pad = head_pad(head_dim)
     interp = interpreter_on()
-    # 8 warps: 64 query rows x head size of fp32 accumulator spill with 4 (sm_90 compile).
+    # 8 warps: 64 query rows of fp32 accumulators at head size 256 take 218 registers per
+    # thread with 4 warps, 142 with 8 (sm_90 compile, tools/aot_compile.py).
     launch = {} if interp else {"num_warps": 8, "num_stages": 2}
     grid = (cdiv(max_query_len, block_q), num_kv_heads * chunks, num_seqs)
     with on_device(q.device):
