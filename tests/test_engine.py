@@ -5,6 +5,8 @@ few prompts are the reference. The engine's caches start as NaN, so any read of 
 that was never written would show up in the tokens.
 """
 
+import dataclasses
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -125,7 +127,7 @@ def test_triton_backend_gives_the_same_tokens(model, prompts, reference):
 def test_eos_stops_a_request_unless_ignored(hf, prompts, reference):
     eos = reference[3][0][4]  # the 5th token of prompt 3 becomes the end of sequence
     model = TinyLlama.from_hf(hf)
-    object.__setattr__(model.config, "eos_token_id", eos)
+    model.config = dataclasses.replace(model.config, eos_token_id=eos)
     outs = LLMEngine(model, 64, 4).generate([prompts[3]], SamplingParams(MAX_TOKENS))
     stop = reference[3][0].index(eos)
     assert outs[0].outputs[0].token_ids == reference[3][0][:stop + 1]
