@@ -111,11 +111,11 @@ ONE = [Request(7, 6, 0.0)]  # final length 13; tokens held 8, 9, ..., 13 over 6 
     ("paged", (63, 69 - 63, 72 - 69, 0)),
 ])
 def test_one_request_exact_shares(policy, want):
-    tl = simulate_timeline(ONE, policy, capacity_tokens=100, block_size=4, max_len=32)
-    assert tuple(tl.slot_steps[c] for c in CATEGORIES) == want
+    timeline = simulate_timeline(ONE, policy, capacity_tokens=100, block_size=4, max_len=32)
+    assert tuple(timeline.slot_steps[c] for c in CATEGORIES) == want
     total = sum(want)
-    assert tl.breakdown == Breakdown(*(w / total for w in want))
-    assert tl.num_steps == 6
+    assert timeline.breakdown == Breakdown(*(w / total for w in want))
+    assert timeline.num_steps == 6
 
 
 def test_waiting_request_makes_external_fragmentation():
@@ -123,12 +123,12 @@ def test_waiting_request_makes_external_fragmentation():
     waits 5 steps beside 10 free ones: 50 slot-steps of external fragmentation. When B runs,
     5 slots are free but nobody waits: idle, not counted."""
     reqs = [Request(5, 5, 0.0), Request(10, 5, 0.0)]
-    tl = simulate_timeline(reqs, "orca-oracle", capacity_tokens=20, record=True)
+    timeline = simulate_timeline(reqs, "orca-oracle", capacity_tokens=20, record=True)
     a_tok, b_tok = 5 * 5 + 15, 5 * 10 + 15
     want = (a_tok + b_tok, (50 - a_tok) + (75 - b_tok), 0, 50)
-    assert tuple(tl.slot_steps[c] for c in CATEGORIES) == want
-    assert tl.num_steps == 10 and tl.waiting == [(0, 5)]
-    assert tl.breakdown.external == pytest.approx(50 / 175)
+    assert tuple(timeline.slot_steps[c] for c in CATEGORIES) == want
+    assert timeline.num_steps == 10 and timeline.waiting == [(0, 5)]
+    assert timeline.breakdown.external == pytest.approx(50 / 175)
 
 
 def test_first_fit_hole_too_small_is_external_even_when_enough_is_free():
@@ -145,32 +145,33 @@ def test_first_fit_hole_too_small_is_external_even_when_enough_is_free():
 
 def test_static_batch_holds_finished_requests_until_the_batch_ends():
     reqs = [Request(2, 1, 0.0), Request(2, 5, 0.0), Request(2, 1, 0.0)]
-    tl = simulate_timeline(reqs, "static-max", capacity_tokens=20, max_len=10)
+    timeline = simulate_timeline(reqs, "static-max", capacity_tokens=20, max_len=10)
     # 2 batch slots: the first batch runs 5 steps; the 1-step request holds 10 slots for 4
     # idle steps (internal) while the third request waits beside 0 free slots.
-    assert tl.num_steps == 6
-    assert tl.slot_steps["internal"] == (10 - 3) * 1 + 10 * 4 + (10 - 7) * 5 + (10 - 3)
-    assert tl.slot_steps["external"] == 0
+    assert timeline.num_steps == 6
+    assert timeline.slot_steps["internal"] == (10 - 3) * 1 + 10 * 4 + (10 - 7) * 5 + (10 - 3)
+    assert timeline.slot_steps["external"] == 0
 
 
 def test_paged_preempts_the_newest_request_when_blocks_run_out():
     # 8 slots, block 2: both prompts fit (2 blocks each), then both grow and run out.
     reqs = [Request(3, 4, 0.0), Request(3, 4, 0.0)]
-    tl = simulate_timeline(reqs, "paged", capacity_tokens=8, block_size=2, record=True)
-    assert tl.preemptions >= 1
-    assert [r.request for r in tl.runs if r.end < tl.num_steps][:1] == [1]  # newest goes first
-    assert sum(b - a for a, b in tl.waiting) > 0
+    timeline = simulate_timeline(reqs, "paged", capacity_tokens=8, block_size=2, record=True)
+    assert timeline.preemptions >= 1
+    preempted_first = [r.request for r in timeline.runs if r.end < timeline.num_steps][:1]
+    assert preempted_first == [1]  # the newest goes first
+    assert sum(b - a for a, b in timeline.waiting) > 0
 
 
 def test_paged_pool_tail_smaller_than_a_block_is_external_while_a_request_waits():
     # 10 slots, block 4: 2 blocks + a 2-slot tail. A (8 tokens) takes both blocks at step 0
     # while B waits: the tail is free and useless (2 slot-steps external). At step 1 B stores
     # 2 tokens in a 4-slot block: 2 slots internal (past its final length).
-    tl = simulate_timeline([Request(7, 1, 0.0), Request(1, 1, 0.0)], "paged",
+    timeline = simulate_timeline([Request(7, 1, 0.0), Request(1, 1, 0.0)], "paged",
                            capacity_tokens=10, block_size=4, record=True)
-    assert tl.slot_steps == {"token_states": 10, "reserved": 0, "internal": 2, "external": 2}
-    assert tl.num_steps == 2 and tl.waiting == [(0, 1)]
-    _check_timeline(tl)
+    assert timeline.slot_steps == {"token_states": 10, "reserved": 0, "internal": 2, "external": 2}
+    assert timeline.num_steps == 2 and timeline.waiting == [(0, 1)]
+    _check_timeline(timeline)
 
 
 def test_request_slots_and_reservation():
@@ -225,20 +226,20 @@ def test_value_errors(kwargs, match):
 # ---------------------------------------------------------------- invariants
 
 
-def _check_timeline(tl):
-    owner, state = viz.state_map(tl)
+def _check_timeline(timeline):
+    owner, state = viz.state_map(timeline)
     counts = {c: int((state == k).sum()) for k, c in enumerate(CATEGORIES, start=1)}
-    assert counts == tl.slot_steps  # the picture and the numbers agree cell by cell
-    assert tl.waiting_steps == sum(b - a for a, b in tl.waiting)
-    use = np.zeros((tl.capacity, tl.num_steps), dtype=np.int32)
-    for a in tl.allocations:
-        assert 0 <= a.slot and a.slot + a.size <= tl.capacity and a.start < a.end
+    assert counts == timeline.slot_steps  # the picture and the numbers agree cell by cell
+    assert timeline.waiting_steps == sum(b - a for a, b in timeline.waiting)
+    use = np.zeros((timeline.capacity, timeline.num_steps), dtype=np.int32)
+    for a in timeline.allocations:
+        assert 0 <= a.slot and a.slot + a.size <= timeline.capacity and a.start < a.end
         use[a.slot:a.slot + a.size, a.start:a.end] += 1
     assert use.max() <= 1, "two requests hold the same slot"
-    if tl.policy == "paged":
-        request_steps = sum(r.end - r.start for r in tl.runs)
-        waste = tl.slot_steps["reserved"] + tl.slot_steps["internal"]
-        assert waste < tl.block_size * request_steps or request_steps == 0
+    if timeline.policy == "paged":
+        request_steps = sum(r.end - r.start for r in timeline.runs)
+        waste = timeline.slot_steps["reserved"] + timeline.slot_steps["internal"]
+        assert waste < timeline.block_size * request_steps or request_steps == 0
 
 
 requests_st = st.lists(
@@ -251,15 +252,15 @@ requests_st = st.lists(
 @given(reqs=requests_st, policy=st.sampled_from(POLICIES), capacity=st.integers(128, 300),
        block_size=st.integers(1, 9))
 def test_random_traces_keep_every_invariant(reqs, policy, capacity, block_size):
-    tl = simulate_timeline(reqs, policy, capacity, block_size=block_size, max_len=80,
+    timeline = simulate_timeline(reqs, policy, capacity, block_size=block_size, max_len=80,
                            record=True)
-    assert sum(tl.breakdown) == pytest.approx(1.0)
-    _check_timeline(tl)
-    finished = {r.request for r in tl.runs if r.end <= tl.num_steps}
+    assert sum(timeline.breakdown) == pytest.approx(1.0)
+    _check_timeline(timeline)
+    finished = {r.request for r in timeline.runs if r.end <= timeline.num_steps}
     assert finished == set(range(len(reqs)))
     # every token of every request was produced once: run lengths add up to output_len
     steps = {}
-    for r in tl.runs:
+    for r in timeline.runs:
         steps[r.request] = steps.get(r.request, 0) + r.end - r.start
     if policy != "paged":  # paged keeps progress across preemptions too
         assert steps == {i: q.output_len for i, q in enumerate(reqs)}
@@ -302,10 +303,10 @@ def test_preemptions_are_counted_per_request_with_what_they_recompute():
     # pool of 4 blocks of 2: both start at 3 tokens (2 blocks each); at 5 tokens both need a
     # third block, so the newer (request 1) is preempted holding 3 + 1 produced tokens
     reqs = [Request(2, 4, 0.0), Request(2, 4, 0.0)]
-    tl = simulate_timeline(reqs, "paged", capacity_tokens=8, block_size=2)
-    assert tl.preemptions == sum(tl.preempted.values()) >= 1
-    assert set(tl.preempted) == {1}
-    assert tl.recomputed_tokens == 2 + 2  # prompt 2 + the 2 tokens produced before eviction
+    timeline = simulate_timeline(reqs, "paged", capacity_tokens=8, block_size=2)
+    assert timeline.preemptions == sum(timeline.preempted.values()) >= 1
+    assert set(timeline.preempted) == {1}
+    assert timeline.recomputed_tokens == 2 + 2  # prompt 2 + the 2 tokens produced before eviction
 
 
 def test_fig2_shares_barely_move_on_an_a100_40gb_pool(fig2):
@@ -322,8 +323,8 @@ def test_fig2_shares_barely_move_on_an_a100_40gb_pool(fig2):
 
 def test_pow2_reserves_the_prompt_and_a_power_of_two_for_the_output():
     # §6.1: "if the true output length is 25, it reserves 32 positions for outputs"
-    tl = simulate_timeline([Request(100, 25, 0.0)], "orca-pow2", 4096, record=True)
-    assert [a.size for a in tl.allocations] == [100 + 32]
+    timeline = simulate_timeline([Request(100, 25, 0.0)], "orca-pow2", 4096, record=True)
+    assert [a.size for a in timeline.allocations] == [100 + 32]
 
 
 def test_plot_breakdown_draws_ours_and_the_papers_bars(fig2):
@@ -344,10 +345,10 @@ def test_memory_map_image_colours_each_category():
     small = shrink(sharegpt_like(24, seed=0, rate=1.0), 8)
     tls = {p: simulate_timeline(small, p, 640, block_size=4, max_len=256, record=True)
            for p in ("orca-max", "paged")}
-    for tl in tls.values():
-        img = viz.memory_map_image(tl)
-        _, state = viz.state_map(tl)
-        assert img.shape == (tl.capacity, tl.num_steps, 3)
+    for timeline in tls.values():
+        img = viz.memory_map_image(timeline)
+        _, state = viz.state_map(timeline)
+        assert img.shape == (timeline.capacity, timeline.num_steps, 3)
         assert np.all((img >= 0) & (img <= 1))
         assert np.all(img[state == 0] == 1.0)  # idle is white
         assert not np.any(np.all(img[state == 1] == 1.0, axis=-1))  # token states coloured
@@ -357,9 +358,9 @@ def test_memory_map_image_colours_each_category():
 
 
 def test_state_map_refuses_huge_timelines():
-    tl = simulate_timeline(sharegpt_like(50), "paged", 40_000, record=True)
+    timeline = simulate_timeline(sharegpt_like(50), "paged", 40_000, record=True)
     with pytest.raises(ValueError, match="small traces"):
-        viz.state_map(tl)
+        viz.state_map(timeline)
 
 
 def test_explorer_view_and_trace_plot():

@@ -146,10 +146,10 @@ def plot_memory_maps(timelines: Mapping[str, Timeline]) -> Figure:
     """Side-by-side memory maps (x = step, y = slot address) of recorded timelines."""
     fig, axes = plt.subplots(1, len(timelines), figsize=(5.2 * len(timelines), 4.2),
                              squeeze=False)
-    for ax, (name, tl) in zip(axes[0], timelines.items(), strict=True):
-        ax.imshow(memory_map_image(tl), aspect="auto", interpolation="nearest",
-                  origin="lower", extent=(0, tl.num_steps, 0, tl.capacity))
-        b = tl.breakdown
+    for ax, (name, timeline) in zip(axes[0], timelines.items(), strict=True):
+        ax.imshow(memory_map_image(timeline), aspect="auto", interpolation="nearest",
+                  origin="lower", extent=(0, timeline.num_steps, 0, timeline.capacity))
+        b = timeline.breakdown
         ax.set_title(f"{name}: {b.token_states:.0%} token states", fontsize=10)
         ax.set_xlabel("step")
         ax.set_ylabel("slot address")
