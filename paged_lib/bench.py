@@ -263,7 +263,7 @@ def gpu_sweep(context_lens: Sequence[int] = (512, 4096, 32768),
             q4 = case.q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
 
             def sdpa(q4=q4, k=k, v=v, case=case):
-                return F.scaled_dot_product_attention(q4, k, v, scale=case.scale).view(
+                return F.scaled_dot_product_attention(q4, k, v, scale=case.scale).reshape(
                     case.q.shape)
 
             try:
