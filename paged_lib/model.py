@@ -18,7 +18,7 @@ from a Hugging Face-format folder of ``config.json`` + ``model.safetensors``
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -337,11 +337,6 @@ class TinyLlama(nn.Module):
         if missing or unexpected:
             raise ValueError(f"weights do not match TinyLlama: missing {missing}, "
                              f"unexpected {unexpected}")
-
-
-def config_fields() -> list[str]:
-    """Names of :class:`TinyLlamaConfig`'s fields (for printing a config as a table)."""
-    return [f.name for f in fields(TinyLlamaConfig)]
 
 
 def load_tiny_code_llama(dtype: torch.dtype = torch.float32) -> TinyLlama:
