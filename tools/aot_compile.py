@@ -1,6 +1,6 @@
 """Compile the course's Triton kernels for a GPU on a machine without one (ahead of time).
 
-    .venv/bin/python tools/aot_compile.py [--arch 90] [--quick]
+    .venv/bin/python tools/aot_compile.py [--arch 90] [--quick] [--match "decode 64/1"]
 
 Triton's interpreter checks no hardware limit; this does the next best thing to a GPU
 run: Triton compiles each kernel, for the shapes and configs the launchers use, down to
@@ -175,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--arch", type=int, default=90, help="compute capability (90: H100/H200)")
     parser.add_argument("--quick", action="store_true", help="a few representative kernels")
+    parser.add_argument("--match", default="", help="only kernels whose name contains this")
     args = parser.parse_args(argv)
     import paged_lib  # noqa: F401
 
@@ -183,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{'load bits':>9s} {'s':>5s}")
     for name, fn, c, dtype, w, s, split, ints in [*decode_jobs(args.quick),
                                                   *other_jobs(args.quick)]:
+        if args.match not in name:
+            continue
         try:
             r = compile_one(fn, c, dtype, args.arch, w, s, out_fp32=split, ints=ints)
         except Exception as err:  # noqa: BLE001 - report every failure, keep going
