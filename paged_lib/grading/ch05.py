@@ -36,6 +36,18 @@ TWINS: dict[str, str] = {
     "05.7": "paged_lib.kernels.triton_split.merge_splits",
 }
 
+#: Mutants (tools/mutants.py) of the solutions that compute the same thing.
+EQUIVALENT_MUTANTS: dict[str, dict[str, str]] = {
+    "05.2": {"constant: `0` -> `-1` in `rows = tl.load(idx_ptr + i, mask=live, other=0)"
+             ".to(tl.int64)`": "a masked lane's row id is never used: the row load is masked "
+                               "by the same condition",
+             "constant: `0` -> `1` in `rows = tl.load(idx_ptr + i, mask=live, other=0)"
+             ".to(tl.int64)`": "the same: any row id will do for a masked lane"},
+    "05.6": {"constant: `0` -> `-1` in `pos = positions.clamp(min=0)  # a padding token's -1 "
+             "must not index the table`": "a padding token's slot is replaced by -1 "
+                                          "afterwards; index -1 is a valid column meanwhile"},
+}
+
 NAN = float("nan")
 #: What surrounds an output: a kernel that stores there (even NaN) changes it.
 OUT_GUARD = -7777.0
