@@ -11,7 +11,6 @@ engine; this module adds what the chapters feed them and read from them:
   from chapter 02's ``static-max`` simulator (no model: the schedule follows from the
   lengths alone, and the static engine steps through the same schedule);
 * :func:`engine_requests` - the trace as the engine sees it (BOS counted in the prompt);
-* :func:`run_intervals` - when a request ran, for the timeline plot;
 * :func:`preemption_cost` - chapter 07's trade-off: bytes a swap moves vs tokens a
   recompute runs again, for one engine run.
 """
@@ -129,22 +128,6 @@ def static_stats(requests: Sequence[Request], num_blocks: int = NUM_BLOCKS,
         stats.record_step("prefill" if t in starts else "decode", running[t], reserved[t],
                           running[t], running[t])
     return stats
-
-
-def run_intervals(timeline: RequestTimeline) -> list[tuple[int, int]]:
-    """Steps ``[start, end)`` during which a request ran (admitted, not yet preempted).
-
-    A request admitted at step ``a`` runs in ``a``; preempted at step ``p`` it does not run
-    in ``p``; it finishes in (and runs in) ``finished_step``.
-    """
-    starts = list(timeline.admitted_steps)
-    ends = list(timeline.preempted_steps)
-    if timeline.finished_step is not None:
-        ends.append(timeline.finished_step + 1)
-    if len(starts) != len(ends):
-        raise ValueError(f"timeline {timeline} is not finished: admissions {starts}, "
-                         f"ends {ends}")
-    return list(zip(starts, sorted(ends), strict=True))
 
 
 def kv_bytes_per_block(config: ModelSpec, block_size: int) -> int:

@@ -15,7 +15,7 @@ from matplotlib.figure import Figure
 import paged_lib  # noqa: F401  # isort: split
 from paged_lib import accounting
 from paged_lib import engine_compare as ec
-from paged_lib.engine import LLMEngine, RequestTimeline
+from paged_lib.engine import LLMEngine
 from paged_lib.engine.static_batching import StaticBatchingEngine
 from paged_lib.engine.trace import simulated_blocks
 from paged_lib.model import TinyLlama, TinyLlamaConfig
@@ -103,19 +103,11 @@ def test_engine_equals_the_simulator_on_the_chapter_trace_without_watermark(mode
     assert engine.stats.preemptions == preemptions > 0
 
 
-def test_run_intervals_follow_admissions_and_preemptions():
-    tl = RequestTimeline(arrival_step=0, admitted_steps=[2, 9], preempted_steps=[5],
-                         finished_step=12)
-    assert ec.run_intervals(tl) == [(2, 5), (9, 13)]
-    with pytest.raises(ValueError, match="not finished"):
-        ec.run_intervals(RequestTimeline(admitted_steps=[1]))
-
-
-def test_run_intervals_cover_every_generated_token(paged):
+def test_running_intervals_cover_every_generated_token(paged):
     engine, _ = paged
     ran = [0] * engine.stats.steps
     for tl in engine.stats.requests:
-        for a, b in ec.run_intervals(tl):
+        for a, b in tl.running_intervals():
             for t in range(a, b):
                 ran[t] += 1
     assert ran == engine.stats.batch_sizes  # one sequence per request here
@@ -154,7 +146,7 @@ def test_timeline_draws_one_bar_per_run_and_marks_preemptions(paged):
     ax = fig.axes[0]
     run_bars = [p for p in ax.patches if p.get_facecolor()[:3] ==
                 matplotlib.colors.to_rgb(viz.RUN_COLOR)]
-    assert len(run_bars) == sum(len(ec.run_intervals(t)) for t in engine.stats.requests)
+    assert len(run_bars) == sum(len(t.running_intervals()) for t in engine.stats.requests)
     marks = [line for line in ax.get_lines()
              if line.get_color() == viz.PREEMPT_COLOR]
     assert len(marks) == engine.stats.preemptions

@@ -13,7 +13,6 @@ from matplotlib.figure import Figure
 from matplotlib.patches import FancyArrowPatch, FancyBboxPatch, Patch
 
 from paged_lib.engine.sequence import EngineStats
-from paged_lib.engine_compare import run_intervals
 
 WAIT_COLOR, RUN_COLOR, PREEMPT_COLOR, DONE_COLOR = "#D9D9D9", "#4C72B0", "#C44E52", "#55A868"
 SYSTEM_COLORS = ["#4C72B0", "#DD8452", "#55A868", "#8172B3"]
@@ -90,7 +89,7 @@ def plot_timeline(stats: EngineStats, title: str = "") -> Figure:
     n = len(stats.requests)
     fig, ax = plt.subplots(figsize=(9, max(2.5, 0.12 * n + 1.2)))
     for row, tl in enumerate(stats.requests):
-        runs = run_intervals(tl)
+        runs = tl.running_intervals()
         first = runs[0][0] if runs else stats.steps
         ax.barh(row, first - tl.arrival_step, left=tl.arrival_step, height=0.8,
                 color=WAIT_COLOR)
