@@ -310,24 +310,25 @@ def _try(label: str, ex: Exercise, cells: list[str], ns: dict) -> Outcome:
     return Outcome(label, "killed", msg)
 
 
-def _isolated(label: str, run: Callable[[], Outcome], timeout: float) -> Outcome:
-    """``run()`` in a forked child, so a kernel that reads wild memory in Triton's
-    interpreter (a segfault) or a mutant that loops forever cannot take this process down.
-    The child inherits the namespace, so mutants cannot leak state into each other.
+def _in_child(run: Callable[[], object], timeout: float, quiet: bool) -> tuple[str, object]:
+    """``run()`` in a forked child: ``("ok", its result through JSON)``, ``("hung", "")``
+    or ``("crashed", why)``. A kernel that reads wild memory in Triton's interpreter
+    segfaults, a mutant may loop forever, a notebook may change global state: none of it
+    reaches this process. ``quiet`` silences the child's stderr (glibc's "double free").
     """
-    if not hasattr(os, "fork"):  # Windows: in the process itself, without a timeout
-        return run()
     read_end, write_end = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: run, report as JSON, leave without any clean-up
         os.close(read_end)
-        os.dup2(os.open(os.devnull, os.O_WRONLY), 2)  # glibc's "double free" when it crashes
-        faulthandler.disable()  # pytest's would print every crash's stack
+        if quiet:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
+            faulthandler.disable()  # pytest's would print every crash's stack
         try:
-            data = json.dumps(dataclasses.asdict(run()))
+            data = json.dumps(["ok", run()], default=dataclasses.asdict)
         except BaseException as err:  # noqa: BLE001 (anything at all: report it)
-            data = json.dumps({"label": label, "status": "crashed", "detail": repr(err)})
-        os.write(write_end, data.encode())
+            data = json.dumps(["crashed", f"{type(err).__name__}: {err}"])
+        with os.fdopen(write_end, "wb") as pipe:
+            pipe.write(data.encode())
         os._exit(0)
     os.close(write_end)
     chunks, deadline = [], time.monotonic() + timeout
@@ -341,11 +342,20 @@ def _isolated(label: str, run: Callable[[], Outcome], timeout: float) -> Outcome
     _, status = os.waitpid(pid, 0)
     if os.WIFSIGNALED(status):
         sig = signal.Signals(os.WTERMSIG(status)).name
-        hung = sig == "SIGKILL" and time.monotonic() >= deadline
-        return Outcome(label, "hung" if hung else "crashed", "" if hung else f"died of {sig}")
+        return ("hung", "") if sig == "SIGKILL" and time.monotonic() >= deadline \
+            else ("crashed", f"died of {sig}")
     if not chunks:
-        return Outcome(label, "crashed", f"exited with status {os.waitstatus_to_exitcode(status)}")
-    return Outcome(**json.loads(b"".join(chunks)))
+        return "crashed", f"exited with status {os.waitstatus_to_exitcode(status)}"
+    status_word, result = json.loads(b"".join(chunks))
+    return status_word, result
+
+
+def _isolated(label: str, run: Callable[[], Outcome], timeout: float) -> Outcome:
+    """One mutant in a forked child (see :func:`_in_child`); in-process without fork."""
+    if not hasattr(os, "fork"):  # Windows: in the process itself, without a timeout
+        return run()
+    status, result = _in_child(run, timeout, quiet=True)
+    return Outcome(**result) if status == "ok" else Outcome(label, status, result)
 
 
 def run_notebook(path: Path, cap: int = 12, triton_cap: int = 8, timeout: float = 30.0,
@@ -357,16 +367,22 @@ def run_notebook(path: Path, cap: int = 12, triton_cap: int = 8, timeout: float 
     each one runs the kernel in the interpreter, about a second on a CPU. A check slower
     than a second gets about ``budget`` seconds of mutants, never fewer than 3 (always the
     first ones of the same fixed order). ``equivalent`` (label -> reason) replaces what
-    the grader modules declare (for tests of this tool).
+    the grader modules declare (for tests of this tool). The notebook itself runs in a
+    forked child too, so its cells change nothing in the calling process (a test run).
     """
-    import torch
+    def run() -> list[Report]:
+        import torch
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # no OpenMP pool: forking children stays safe
-    try:
+        torch.set_num_threads(1)  # no OpenMP pool in this child: forking it stays safe
         return _run_notebook(path, cap, triton_cap, timeout, log, equivalent, budget)
-    finally:
-        torch.set_num_threads(threads)
+
+    if not hasattr(os, "fork"):
+        return run()
+    status, result = _in_child(run, 3600.0, quiet=False)
+    if status != "ok":
+        return [Report(path.name, error=f"the notebook run {status}: {result}")]
+    return [Report(r["ex_id"], [Outcome(**o) for o in r["outcomes"]], r["error"])
+            for r in result]
 
 
 def _run_notebook(path: Path, cap: int, triton_cap: int, timeout: float, log,
