@@ -291,6 +291,9 @@ def check_derivation(derive: Callable[[], dict[str, Any]]) -> None:
 
 # ------------------------------------------------------------------ 02.5 the simulator
 
+#: Seconds a learner's simulator may take on one trace (the solution needs well under 1).
+SIM_TIME_LIMIT_S = 10.0
+
 SIM_KEYS = ("token_states", "reserved", "internal", "external", "num_steps", "preemptions")
 
 # name, requests, capacity, block size, hint when this trace (the first to fail) differs
@@ -365,7 +368,7 @@ def check_paged_simulator(simulate_paged: Callable[..., Any]) -> None:
     with grading.exercise("02.5", "A time-stepped paged simulator"):
         for name, requests, capacity, block_size, hint in _SIM_TRACES:
             want = reference_paged(requests, capacity, block_size)
-            with _time_limit(10, name):
+            with _time_limit(SIM_TIME_LIMIT_S, name):
                 got = simulate_paged(list(requests), capacity, block_size)
             grading.expect_true(isinstance(got, dict), f"{name}: expected a dict, got "
                                 f"{type(got).__name__}", f"return a dict with keys {SIM_KEYS}")
