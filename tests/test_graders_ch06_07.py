@@ -202,3 +202,43 @@ def test_07_1_not_attempted_and_twin(capsys):
         raise NotImplementedError()
     assert verdict(capsys, ch07.check_swap_mapping, stub).startswith("⏳ [07.1]")
     assert ch07.TWINS == {"07.1": "paged_lib.engine.block_manager.swap_mapping"}
+
+
+# ---------------------------------------------------------------- the demos
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    """A stand-in for the shipped model (with ignore_eos the schedule ignores weights)."""
+    from paged_lib.model import TinyLlama, TinyLlamaConfig
+
+    torch.manual_seed(0)
+    cfg = TinyLlamaConfig(name="stand-in", num_layers=1, hidden_size=32, num_heads=2,
+                          num_kv_heads=1, head_dim=16, vocab_size=264, intermediate_size=32,
+                          max_position=256)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield TinyLlama(cfg).eval()
+    torch.set_num_threads(threads)
+
+
+def test_06_demo_runs_the_trace_with_the_learners_functions(capsys, tiny_model):
+    figs = ch06.run_demo(meta_with(), can_admit, model=tiny_model)
+    out = capsys.readouterr().out
+    assert "served 48 requests" in out and "tokens equal" in out and "equal it" in out, out
+    assert len(figs) == 2
+
+
+def test_06_demo_waits_for_unfinished_exercises(capsys, tiny_model):
+    def stub(*args):
+        raise NotImplementedError()
+    assert ch06.run_demo(build_metadata, stub, model=tiny_model) == []
+    assert capsys.readouterr().out.startswith("⏳")
+
+
+def test_07_demo_swaps_with_the_learners_mapping(capsys, tiny_model):
+    ch07.run_demo(swap_mapping, model=tiny_model)
+    out = capsys.readouterr().out
+    assert "every token equals" in out and "preemptions" in out, out
+    ch07.run_demo(swap_copy_twice, model=tiny_model)
+    assert capsys.readouterr().out.startswith("❌"), "a double copy must not pass silently"
