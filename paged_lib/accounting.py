@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from paged_lib.util import cdiv
+
 KB, MB, GB = 10**3, 10**6, 10**9  # decimal (SI) units
 KiB, MiB, GiB = 2**10, 2**20, 2**30  # binary units
 
@@ -141,7 +143,7 @@ def num_blocks(num_tokens: int, block_size: int) -> int:
     """Blocks needed to hold ``num_tokens`` tokens: ``ceil(num_tokens / block_size)``."""
     _check_count(num_tokens, "num_tokens")
     _check_count(block_size, "block_size", minimum=1)
-    return -(-num_tokens // block_size)
+    return cdiv(num_tokens, block_size)
 
 
 def weight_bytes(spec: ModelSpec, dtype: str | int = "fp16") -> int:

@@ -24,6 +24,8 @@ from typing import NamedTuple
 
 import torch
 
+from paged_lib.util import cdiv
+
 
 def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     scale: float | None = None) -> torch.Tensor:
@@ -142,7 +144,7 @@ def paged_blockwise_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     scale = d ** -0.5 if scale is None else scale
     qg = q.view(num_kv_heads, group, d)               # query heads grouped by KV head
     state = empty_state(qg, v_cache.shape[-1])
-    for j in range((seq_len + block_size - 1) // block_size):
+    for j in range(cdiv(seq_len, block_size)):
         block = int(block_table[j])
         valid = torch.arange(block_size) < seq_len - j * block_size      # [block_size]
         kb = k_cache[block].transpose(0, 1)[:, None]   # [kv_heads, 1, block_size, d]

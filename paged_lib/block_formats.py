@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import torch
 
+from paged_lib.util import cdiv
+
 
 def to_padded(block_tables: list[list[int]], seq_lens: list[int], block_size: int,
               max_blocks: int | None = None, pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,7 +96,7 @@ def from_csr(kv_indptr: torch.Tensor, kv_page_indices: torch.Tensor,
 
 
 def _num_blocks(seq_lens: torch.Tensor, block_size: int) -> torch.Tensor:
-    return torch.div(seq_lens + block_size - 1, block_size, rounding_mode="floor")
+    return cdiv(seq_lens, block_size)
 
 
 def _check_lists(block_tables: list[list[int]], seq_lens: list[int], block_size: int) -> None:
@@ -103,7 +105,7 @@ def _check_lists(block_tables: list[list[int]], seq_lens: list[int], block_size:
     if len(block_tables) != len(seq_lens):
         raise ValueError(f"{len(block_tables)} block tables but {len(seq_lens)} seq_lens")
     for i, (blocks, n) in enumerate(zip(block_tables, seq_lens, strict=True)):
-        need = -(-n // block_size)
+        need = cdiv(n, block_size)
         if n < 0 or len(blocks) != need:
             raise ValueError(f"sequence {i}: {n} tokens in blocks of {block_size} need "
                              f"{need} block(s), its table has {len(blocks)}")

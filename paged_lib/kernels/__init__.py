@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from paged_lib.kernels.triton_split import choose_num_splits
+from paged_lib.util import cdiv
 
 __all__ = ["BACKENDS", "choose_num_splits", "paged_attention", "paged_prefill",
            "reshape_and_cache"]
@@ -247,7 +248,7 @@ def _check_seq_lens(seq_lens: torch.Tensor, block_tables: torch.Tensor, num_bloc
         s = int((lens > capacity).nonzero()[0])
         raise ValueError(f"sequence {s} has seq_len {int(lens[s])} but its block table holds "
                          f"only {block_tables.shape[1]} blocks x {block_size} = {capacity} tokens")
-    num_used = (lens + block_size - 1) // block_size  # blocks the kernel will read
+    num_used = cdiv(lens, block_size)  # blocks the kernel will read
     used = torch.arange(block_tables.shape[1])[None, :] < num_used[:, None]
     table = block_tables.cpu()
     bad = used & ((table < 0) | (table >= num_blocks))

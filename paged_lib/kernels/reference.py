@@ -13,6 +13,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from paged_lib.util import cdiv
+
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
     """The first ``seq_len`` token slots of one sequence, in logical order.
@@ -142,7 +144,7 @@ def flex_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     device = str(q.device)
     pa = PagedAttention(num_blocks, block_size, num_seqs, device=device)
     for s, n in enumerate(seq_lens.tolist()):
-        used = block_tables[s, :-(-n // block_size)].long()
+        used = block_tables[s, :cdiv(n, block_size)].long()
         pa.page_table[s, :len(used)] = used
         pa.physical_to_logical[s, used] = torch.arange(len(used), device=q.device)
     kc = k_cache.permute(2, 0, 1, 3).reshape(1, num_kv_heads, num_blocks * block_size, head_dim)

@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from paged_lib.kernels.reference import gather_kv
+from paged_lib.util import cdiv
 
 #: Tokens per segment the backend aims for: long enough that the fused kernel runs
 #: efficiently, short enough that padding the last segment costs little.
@@ -74,7 +75,7 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     # Every sequence's last segment goes to the end of the list (the merge does not care
     # about order), so the only segments with slots past a sequence's end form one slice.
     seq_lens = seq_lens.to(device=device, dtype=torch.long)
-    n_blocks = (seq_lens + block_size - 1) // block_size               # [num_seqs]
+    n_blocks = cdiv(seq_lens, block_size)               # [num_seqs]
     n_segs = (n_blocks + c - 1) // c
     seqs = torch.arange(num_seqs, device=device)
     has_last = n_segs > 0

@@ -10,6 +10,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import FancyArrowPatch, Rectangle
 
 from paged_lib.attention import Trace
+from paged_lib.util import cdiv
 
 
 def running_softmax(trace: Trace, index: tuple[int, ...] = (), block_size: int | None = None
@@ -60,7 +61,7 @@ def block_gather(block_table: Sequence[int], seq_len: int, block_size: int,
     tokens. Bottom row: the pool of physical blocks; arrows show the block table. Slots
     past ``seq_len`` in the last block are hatched: the kernel must never read them.
     """
-    used = (seq_len + block_size - 1) // block_size
+    used = cdiv(seq_len, block_size)
     table = [int(b) for b in block_table[:used]]
     width = max(num_blocks, used)
     fig, ax = plt.subplots(figsize=(max(6.0, 0.55 * width + 1.5), 3.0))

@@ -15,6 +15,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
 from paged_lib.blocks import BlockAllocator, BlockTable, OutOfBlocks
+from paged_lib.util import cdiv
 
 COLORS = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3"]
 FREE_COLOR = "#EEEEEE"
@@ -77,7 +78,7 @@ def draw_pool(state: PoolState, pool_columns: int = 8) -> Figure:
     and shows its reference count; free blocks are grey, and the free list is printed
     in the order ``allocate`` will hand blocks out.
     """
-    rows = max(len(_names(state)), -(-state.num_blocks // pool_columns))
+    rows = max(len(_names(state)), cdiv(state.num_blocks, pool_columns))
     width = _left_width(state) + 1.5 + min(pool_columns, state.num_blocks) * (BLOCK_W + GAP)
     fig, ax = plt.subplots(figsize=(0.62 * width + 0.6, 0.75 * rows + 1.2))
     _draw(ax, state, pool_columns)
@@ -88,7 +89,7 @@ def draw_pool(state: PoolState, pool_columns: int = 8) -> Figure:
 def draw_frames(states: list[PoolState], pool_columns: int = 8) -> Figure:
     """Several states stacked top to bottom (a static strip of a scenario)."""
     first = states[0]
-    rows = max(max(len(_names(s)) for s in states), -(-first.num_blocks // pool_columns))
+    rows = max(max(len(_names(s)) for s in states), cdiv(first.num_blocks, pool_columns))
     width = max(_left_width(s) for s in states) + 1.5 + \
         min(pool_columns, first.num_blocks) * (BLOCK_W + GAP)
     fig, axes = plt.subplots(len(states), 1, squeeze=False,
@@ -147,7 +148,7 @@ def _draw(ax, state: PoolState, pool_columns: int, left_width: float | None = No
         below = f"ref {state.ref_counts[b]}" if state.ref_counts[b] else "free"
         ax.text(x + BLOCK_W / 2, y - 0.05, below, ha="center", va="top", fontsize=7,
                 color="black" if state.ref_counts[b] else "gray")
-    pool_rows = -(-state.num_blocks // pool_columns)
+    pool_rows = cdiv(state.num_blocks, pool_columns)
     free = " ".join(map(str, state.free_block_ids)) or "(empty)"
     ax.text(x_pool, -pool_rows * (BLOCK_H + 0.45) + 0.15, f"free list (next first): {free}",
             ha="left", va="top", fontsize=8)

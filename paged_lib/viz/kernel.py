@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import matplotlib.pyplot as plt
@@ -11,6 +10,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import FancyArrowPatch, Rectangle
 
 from paged_lib.kernels.triton_split import split_len
+from paged_lib.util import cdiv
 
 
 def _programs_per_block(seq_lens: Sequence[int], block_size: int, num_splits: int,
@@ -23,7 +23,7 @@ def _programs_per_block(seq_lens: Sequence[int], block_size: int, num_splits: in
     owner = {}
     for s, n in enumerate(seq_lens):
         tokens = split_len(n, num_splits, tile_n) if num_splits > 1 else max(n, 1)
-        for b in range(math.ceil(n / block_size)):
+        for b in range(cdiv(n, block_size)):
             owner[(s, b)] = min(b * block_size // tokens, num_splits - 1)
     return owner
 
@@ -46,14 +46,14 @@ def plot_program_reads(block_tables: torch.Tensor, seq_lens: Sequence[int] | tor
     num_seqs, max_blocks = len(table), len(table[0])
     if num_blocks is None:
         num_blocks = 1 + max(table[s][b] for s, n in enumerate(seq_lens)
-                             for b in range(math.ceil(n / block_size)))
+                             for b in range(cdiv(n, block_size)))
     owner = _programs_per_block(seq_lens, block_size, num_splits, tile_n)
     programs = sorted({(s, j) for (s, _), j in owner.items()})
     cmap = plt.get_cmap("tab10" if len(programs) <= 10 else "tab20")
     color = {p: cmap(i % cmap.N) for i, p in enumerate(programs)}
 
     cols = max(8, min(16, num_blocks))
-    rows_phys = math.ceil(num_blocks / cols)
+    rows_phys = cdiv(num_blocks, cols)
     fig, (ax_t, ax_c) = plt.subplots(
         1, 2, figsize=(4 + 0.7 * max_blocks + 0.45 * cols, 1.2 + 0.6 * max(num_seqs, rows_phys)),
         gridspec_kw={"width_ratios": [max_blocks, 0.65 * cols]})
@@ -242,7 +242,7 @@ def slot_status(trace, cache: torch.Tensor, block_tables: torch.Tensor,
         seq, head = read.program[:2]
         row = block_tables[seq].tolist()
         n = int(seq_lens[seq])
-        used = row[:-(-n // block_size)]
+        used = row[:cdiv(n, block_size)]
         entry = out.setdefault((seq, head), {"status": [UNTOUCHED] * width, "outside": 0})
         for (blk, slot, _, _), on in zip(read.index.tolist(), read.mask.tolist(), strict=True):
             if blk not in used:
