@@ -99,3 +99,16 @@ def test_merge_partials_is_softmax_over_all_parts():
     base2 = merge_partials(out, lse / torch.log(torch.tensor(2.0, dtype=torch.float64)), owner,
                            3, base=2.0)
     torch.testing.assert_close(base2, merged, atol=1e-12, rtol=1e-12)
+
+
+def test_merge_partials_keeps_a_poisoned_part_nan():
+    """A part that read a NaN slot must make its sequence NaN, not quietly zero: the NaN
+    poisoning of the kernel tests relies on it."""
+    from paged_lib.kernels.torch_backend import merge_partials
+
+    out = torch.ones(3, 2, 4, dtype=torch.float64)
+    lse = torch.zeros(3, 2, dtype=torch.float64)
+    lse[1, 0] = float("nan")  # sequence 0's second part saw poison in head 0
+    merged = merge_partials(out, lse, torch.tensor([0, 0, 1]), 2)
+    assert merged[0, 0].isnan().all()
+    assert not merged[0, 1].isnan().any() and not merged[1].isnan().any()

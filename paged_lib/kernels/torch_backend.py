@@ -187,13 +187,14 @@ def merge_partials(out: torch.Tensor, lse: torch.Tensor, owner: torch.Tensor, nu
     num_heads, head_dim = out.shape[1], out.shape[2]
     m = torch.full((num_seqs, num_heads), float("-inf"), dtype=out.dtype, device=out.device)
     m.scatter_reduce_(0, owner[:, None].expand(-1, num_heads), lse.to(out.dtype), "amax")
-    m = torch.where(torch.isfinite(m), m, 0.0)              # all parts empty: weights 0
+    # Only "no token at all" (-inf) is special; a NaN (a poisoned read) must stay NaN.
+    m = torch.where(m == float("-inf"), 0.0, m)              # all parts empty: weights 0
     w = torch.pow(base, lse.to(out.dtype) - m[owner])        # [n, H]; empty part: 0
     num = torch.zeros(num_seqs, num_heads, head_dim, dtype=out.dtype, device=out.device)
-    num.index_add_(0, owner, torch.where(w[..., None] > 0, out * w[..., None], 0.0))
+    num.index_add_(0, owner, torch.where(w[..., None] == 0, 0.0, out * w[..., None]))
     den = torch.zeros(num_seqs, num_heads, dtype=out.dtype, device=out.device)
     den.index_add_(0, owner, w)
-    return torch.where(den[..., None] > 0, num / den.clamp(min=1e-30)[..., None], 0.0)
+    return torch.where(den[..., None] == 0, 0.0, num / den[..., None])
 
 
 def paged_prefill_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
