@@ -5,4 +5,30 @@ sets ``TRITON_INTERPRET=1`` on machines without CUDA, and Triton reads that vari
 when ``triton.language`` is first imported and when kernels are defined.
 """
 
+import pytest
+import torch
+
 import paged_lib  # noqa: F401
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny matmuls: a second intra-op thread only adds contention on a shared 2-core CPU
+    (measured: up to 20x slower). Use with ``pytestmark = pytest.mark.usefixtures(...)``."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tiny_hf_llama():
+    """A random tiny transformers Llama with GQA (6 query heads, 2 KV heads), no EOS: the
+    outside reference the engine's greedy and beam outputs are compared with."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=97, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+                      num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256,
+                      eos_token_id=None, bos_token_id=None)
+    return LlamaForCausalLM(cfg).float().eval()

@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 import paged_lib  # noqa: F401  # isort: split
 from paged_lib.blocks import BlockAllocator, BlockTable
@@ -13,21 +12,12 @@ from paged_lib.model import TinyLlama
 WIDTH, MAX_TOKENS = 4, 8
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
-def hf():
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=97, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
-                      num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256,
-                      eos_token_id=None, bos_token_id=None)
-    return LlamaForCausalLM(cfg).float().eval()
+def hf(tiny_hf_llama):
+    return tiny_hf_llama
 
 
 @pytest.fixture(scope="module")

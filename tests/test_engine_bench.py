@@ -1,18 +1,11 @@
 """The engine benchmark runs end to end on a small trace and reports every system."""
 
 import pytest
-import torch
 
 import paged_lib  # noqa: F401  # isort: split
 from paged_lib.engine import bench
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_engine_bench_small_run(capsys):

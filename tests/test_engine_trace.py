@@ -10,13 +10,7 @@ from paged_lib.engine.trace import arrival_steps, simulated_blocks, trace_reques
 from paged_lib.model import TinyLlama, TinyLlamaConfig
 from paged_lib.workloads import alpaca_like, shrink
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -21,14 +21,7 @@ from paged_lib.model import (
     load_tiny_code_llama,
 )
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls: a second intra-op thread only adds contention on a shared CPU."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def tiny_hf(tie: bool = False, seed: int = 0) -> LlamaForCausalLM:

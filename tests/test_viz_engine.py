@@ -22,14 +22,7 @@ from paged_lib.model import TinyLlama, TinyLlamaConfig
 from paged_lib.tokenizer import BOS_ID
 from paged_lib.viz import engine as viz
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls: a second intra-op thread only adds contention on a shared CPU."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
