@@ -331,22 +331,23 @@ def goals(rows: list[dict]) -> list[str]:
     return out
 
 
+def format_value(col: str, x: object) -> str:
+    """One table cell: floats with 3 significant digits (NaN as -), ``%`` columns as %."""
+    if isinstance(x, float):
+        if x != x:
+            return "-"
+        if col.startswith("%"):
+            return f"{x:.0%}"
+        return f"{x:.3g}" if abs(x) < 1000 else f"{x:.0f}"
+    return str(x)
+
+
 def format_table(rows: list[dict]) -> str:
     """A plain-text table: floats with 3 significant digits, percentages as %."""
     if not rows:
         return "(no rows)"
     cols = list(dict.fromkeys(c for r in rows for c in r))
-
-    def fmt(col: str, x: object) -> str:
-        if isinstance(x, float):
-            if x != x:
-                return "-"
-            if col.startswith("%"):
-                return f"{x:.0%}"
-            return f"{x:.3g}" if abs(x) < 1000 else f"{x:.0f}"
-        return str(x)
-
-    cells = [[fmt(c, r.get(c, "")) for c in cols] for r in rows]
+    cells = [[format_value(c, r.get(c, "")) for c in cols] for r in rows]
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
     line = "  ".join(c.rjust(w) for c, w in zip(cols, widths, strict=True))
     out = [line, "-" * len(line)]

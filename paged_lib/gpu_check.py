@@ -130,18 +130,14 @@ def markdown_table(rows: list[dict]) -> str:
     """Rows of dicts as a Markdown table (floats to 3 significant digits, % columns as %)."""
     if not rows:
         return "(no rows)\n"
+    from paged_lib.bench import format_value
+
     cols = list(dict.fromkeys(c for r in rows for c in r))
 
     def cell(col: str, x: object) -> str:
         if isinstance(x, bool):
             return "yes" if x else "**NO**"
-        if isinstance(x, float):
-            if x != x:
-                return "-"
-            if col.startswith("%"):
-                return f"{x:.0%}"
-            return f"{x:.3g}" if abs(x) < 1000 else f"{x:.0f}"
-        return str(x).replace("|", "\\|")
+        return format_value(col, x).replace("|", "\\|")
 
     out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     out += ["| " + " | ".join(cell(c, r.get(c, "")) for c in cols) + " |" for r in rows]
