@@ -16,6 +16,7 @@ from matplotlib.patches import Rectangle
 
 from paged_lib.blocks import BlockAllocator, BlockTable, OutOfBlocks
 from paged_lib.util import cdiv
+from paged_lib.viz.widgets import frame_player
 
 COLORS = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3"]
 FREE_COLOR = "#EEEEEE"
@@ -269,21 +270,5 @@ def fork_and_write(prompt_len: int = 6, num_samples: int = 2, block_size: int = 
 
 def stepper(states: list[PoolState]):
     """An ipywidgets player over recorded states (draws with :func:`draw_pool`)."""
-    import ipywidgets as widgets
-    from IPython.display import display
-
-    play = widgets.Play(value=0, min=0, max=len(states) - 1, interval=400)
-    slider = widgets.IntSlider(value=0, min=0, max=len(states) - 1, description="frame")
-    widgets.jslink((play, "value"), (slider, "value"))
-    out = widgets.Output()
-
-    def show(change=None) -> None:
-        fig = draw_pool(states[slider.value])
-        with out:
-            out.clear_output(wait=True)
-            display(fig)
-        plt.close(fig)
-
-    slider.observe(show, names="value")
-    show()
-    return widgets.VBox([widgets.HBox([play, slider]), out])
+    return frame_player(len(states), lambda i: draw_pool(states[i]), interval=400,
+                        description="frame")

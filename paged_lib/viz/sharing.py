@@ -13,6 +13,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
 from paged_lib.sharing import MODES, PAPER_SAVINGS, BeamFrame, Savings
+from paged_lib.viz.widgets import frame_player
 
 REF_COLORS = ["#FFF3C4", "#FDC46B", "#F08A3A", "#D1462F", "#9E1F2C", "#5E0F1E"]
 COPY_COLOR, DEAD_COLOR, EDGE_COLOR = "#1F77B4", "#888888", "#444444"
@@ -131,24 +132,8 @@ def _draw_blocks(ax, frame: BeamFrame, width: int, fig: Figure) -> None:
 
 def stepper(frames: list[BeamFrame]):
     """An ipywidgets player over a recorded beam search (draws :func:`draw_beam_tree`)."""
-    import ipywidgets as widgets
-    from IPython.display import display
-
-    play = widgets.Play(value=0, min=0, max=len(frames) - 1, interval=700)
-    slider = widgets.IntSlider(value=0, min=0, max=len(frames) - 1, description="step")
-    widgets.jslink((play, "value"), (slider, "value"))
-    out = widgets.Output()
-
-    def show(change=None) -> None:
-        fig = draw_beam_tree(frames, slider.value)
-        with out:
-            out.clear_output(wait=True)
-            display(fig)
-        plt.close(fig)
-
-    slider.observe(show, names="value")
-    show()
-    return widgets.VBox([widgets.HBox([play, slider]), out])
+    return frame_player(len(frames), lambda i: draw_beam_tree(frames, i), interval=700,
+                        description="step")
 
 
 def plot_savings(table: dict[tuple[str, str, int], Savings]) -> Figure:
