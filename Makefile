@@ -55,7 +55,7 @@ browser: $(STAMP)
 	$(BIN)/pytest -q -m browser tests/test_browser.py -rs
 
 grade: $(STAMP)
-	$(BIN)/python -m paged_lib.grading.scoreboard exercises $(if $(CHAPTER),--chapter $(CHAPTER))
+	$(BIN)/python -m paged_lib.course.grading.scoreboard exercises $(if $(CHAPTER),--chapter $(CHAPTER))
 
 exercises: $(STAMP)
 	$(BIN)/python tools/make_exercises.py
@@ -68,4 +68,4 @@ clean:
 
 .PHONY: gpu-check
 gpu-check: $(STAMP)
-	$(BIN)/python -m paged_lib.gpu_check
+	$(BIN)/python -m paged_lib.bench.gpu_check

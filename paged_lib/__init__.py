@@ -1,5 +1,10 @@
 """paged_lib: the code behind the PagedAttention course.
 
+Two parts. The system the course builds (accounting, workloads, fragmentation, blocks,
+attention, kernels, model, engine) never imports the course part, :mod:`paged_lib.course`
+(graders, pictures, widgets, chapter demos, show_source). Instruments both use live in
+:mod:`paged_lib.instruments`, benchmarks in :mod:`paged_lib.bench`.
+
 Importing the package decides, before any Triton kernel is defined, whether kernels
 compile for a GPU or run in Triton's CPU interpreter (see :mod:`paged_lib.device`).
 """
@@ -8,8 +13,7 @@ from paged_lib.device import configure as _configure
 
 _configure()
 
-from paged_lib._show import show_source  # noqa: E402
 from paged_lib.device import default_device, mode  # noqa: E402
 
-__all__ = ["default_device", "mode", "show_source"]
+__all__ = ["default_device", "mode"]
 __version__ = "0.1.0"

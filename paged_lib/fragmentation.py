@@ -41,7 +41,7 @@ Policies (``POLICIES``):
   preempted (recompute: its blocks are freed and it waits at the head of the queue).
 
 The contiguous allocators live in :mod:`paged_lib.contiguous`; the memory-map picture
-(which request held which slot at each step) in :mod:`paged_lib.viz.fragmentation`.
+(which request held which slot at each step) in :mod:`paged_lib.course.viz.fragmentation`.
 """
 
 from __future__ import annotations
@@ -205,7 +205,7 @@ def simulate_timeline(requests: Sequence[Request], policy: str, capacity_tokens:
                       block_size: int = 16, max_len: int = 2048, *,
                       record: bool = False) -> Timeline:
     """Run the simulation and return its :class:`Timeline` (``record=True`` also keeps who
-    owned which slots when, for the memory-map picture in :mod:`paged_lib.viz.fragmentation`)."""
+    owned which slots when, for chapter 02's memory-map picture)."""
     _validate(requests, policy, capacity_tokens, block_size, max_len)
     timeline = Timeline(policy, capacity_tokens, block_size, max_len)
     order = sorted(range(len(requests)), key=lambda i: requests[i].arrival)

@@ -17,8 +17,8 @@ from matplotlib.figure import Figure  # noqa: E402
 
 from paged_lib import accounting as acc  # noqa: E402
 from paged_lib.accounting import SPECS, GiB, KiB, ModelSpec  # noqa: E402
-from paged_lib.grading import ch01  # noqa: E402
-from paged_lib.viz import accounting as viz  # noqa: E402
+from paged_lib.course.grading import ch01  # noqa: E402
+from paged_lib.course.viz import accounting as viz  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

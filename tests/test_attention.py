@@ -10,9 +10,9 @@ import torch
 
 import paged_lib  # noqa: F401  (sets up the interpreter before anything Triton)
 from paged_lib import attention as A
-from paged_lib.grading import ch04
+from paged_lib.course.grading import ch04
+from paged_lib.course.viz import attention as viz
 from paged_lib.kernels.reference import gather_kv, ref_paged_attention
-from paged_lib.viz import attention as viz
 
 matplotlib.use("Agg")
 F64 = torch.float64
@@ -136,7 +136,7 @@ def test_figures():
 
 
 def test_block_reads_picture_shows_each_read():
-    from paged_lib.grading import block_reads
+    from paged_lib.instruments import block_reads
 
     g = torch.Generator().manual_seed(0)
     k = torch.randn(12, 4, 1, 3, generator=g, dtype=F64)

@@ -12,7 +12,7 @@ import types
 import pytest
 import torch
 
-from paged_lib import bench
+from paged_lib.bench import attention as bench
 
 
 def _expected():
@@ -58,9 +58,9 @@ def test_goals_are_reported_with_the_measured_values():
 
 def test_engine_bench_is_dispatched_with_its_arguments(monkeypatch):
     seen = []
-    fake = types.ModuleType("paged_lib.engine.bench")
+    fake = types.ModuleType("paged_lib.bench.engine")
     fake.main = lambda argv: seen.append(argv) or 0
-    monkeypatch.setitem(sys.modules, "paged_lib.engine.bench", fake)
+    monkeypatch.setitem(sys.modules, "paged_lib.bench.engine", fake)
     assert bench.main(["engine", "--requests", "4"]) == 0
     assert seen == [["--requests", "4"]]
 

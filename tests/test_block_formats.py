@@ -114,7 +114,7 @@ def test_converters_are_inverse_and_describe_the_same_slots(batch, extra_width):
 
 def test_demo_batch_is_built_from_real_block_tables():
     import paged_lib  # noqa: F401
-    from paged_lib.decode_batch import demo_batch
+    from paged_lib.course.demos.decode_batch import demo_batch
     from paged_lib.kernels import paged_attention
     from paged_lib.kernels.reference import ref_paged_attention
 
@@ -136,7 +136,7 @@ def test_demo_batch_is_built_from_real_block_tables():
 
 
 def test_demo_batch_refuses_a_fork_inside_a_block():
-    from paged_lib.decode_batch import demo_batch
+    from paged_lib.course.demos.decode_batch import demo_batch
 
     with pytest.raises(ValueError, match="multiple of block_size"):
         demo_batch(fork_at=10)

@@ -355,7 +355,7 @@ def close_figures():
 def test_draw_pool_of_the_worked_example(close_figures):
     from matplotlib.figure import Figure
 
-    from paged_lib.viz import blocks as viz
+    from paged_lib.course.viz import blocks as viz
 
     allocator = busy_pool(12, (5, 2, 9))
     table = BlockTable(allocator, 16)
@@ -372,7 +372,7 @@ def test_draw_pool_of_the_worked_example(close_figures):
 
 
 def test_pictures_show_ref_counts_of_shared_blocks(close_figures):
-    from paged_lib.viz import blocks as viz
+    from paged_lib.course.viz import blocks as viz
 
     allocator = BlockAllocator(6)
     parent = BlockTable(allocator, 4)
@@ -386,7 +386,7 @@ def test_pictures_show_ref_counts_of_shared_blocks(close_figures):
 
 
 def test_grow_requests_takes_and_returns_blocks(close_figures):
-    from paged_lib.viz import blocks as viz
+    from paged_lib.course.viz import blocks as viz
 
     states = list(viz.grow_requests())
     assert states[0].tables == {} and states[-1].free_block_ids != []
@@ -408,7 +408,7 @@ def test_grow_requests_takes_and_returns_blocks(close_figures):
 
 
 def test_grow_requests_reports_a_pool_too_small():
-    from paged_lib.viz import blocks as viz
+    from paged_lib.course.viz import blocks as viz
 
     with pytest.raises(RuntimeError, match="every request waits for a block"):
         list(viz.grow_requests(num_blocks=4))
@@ -417,7 +417,7 @@ def test_grow_requests_reports_a_pool_too_small():
 def test_stepper_replays_states(close_figures):
     import ipywidgets
 
-    from paged_lib.viz import blocks as viz
+    from paged_lib.course.viz import blocks as viz
 
     states = list(viz.grow_requests())
     widget = viz.stepper(states)
@@ -468,7 +468,7 @@ def test_blocks_needed_counts_copy_on_write(tokens, shared, new, want):
 
 
 def test_learner_tables_drive_the_pictures():
-    from paged_lib.viz import blocks as viz
+    from paged_lib.course.viz import blocks as viz
 
     class Mine(BlockTable):
         pass

@@ -9,10 +9,10 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-import paged_lib  # noqa: E402
-from paged_lib.course import CHAPTERS  # noqa: E402
-from paged_lib.tour import add_kernel  # noqa: E402
-from paged_lib.viz.course import chapter_map  # noqa: E402
+from paged_lib.course import show_source  # noqa: E402
+from paged_lib.course.chapters import CHAPTERS  # noqa: E402
+from paged_lib.course.demos.tour import add_kernel  # noqa: E402
+from paged_lib.course.viz.chapters import chapter_map  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -38,6 +38,6 @@ def test_chapter_map_fades_missing_chapters(tmp_path):
 
 
 def test_show_source_shows_a_triton_kernel_as_python():
-    md = paged_lib.show_source(add_kernel)
+    md = show_source(add_kernel)
     assert md.data.startswith("```python\n@triton.jit\ndef add_kernel(")
     assert md.data.endswith("```")

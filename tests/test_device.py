@@ -44,7 +44,7 @@ def test_mode_describes_what_runs():
 def test_tour_kernel_adds_with_a_ragged_last_program():
     import torch
 
-    from paged_lib.tour import add
+    from paged_lib.course.demos.tour import add
 
     x = torch.arange(1000, dtype=torch.float32)
     assert torch.equal(add(x, x), 2 * x)

@@ -3,7 +3,7 @@
 import pytest
 
 import paged_lib  # noqa: F401  # isort: split
-from paged_lib.engine import bench
+from paged_lib.bench import engine as bench
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from paged_lib.grading import scoreboard
+from paged_lib.course.grading import scoreboard
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))

@@ -17,6 +17,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
 from paged_lib.contiguous import Buddy, FirstFit  # noqa: E402
+from paged_lib.course.viz import fragmentation as viz  # noqa: E402
 from paged_lib.fragmentation import (  # noqa: E402
     CATEGORIES,
     PAPER_FIG2,
@@ -27,7 +28,6 @@ from paged_lib.fragmentation import (  # noqa: E402
     simulate,
     simulate_timeline,
 )
-from paged_lib.viz import fragmentation as viz  # noqa: E402
 from paged_lib.workloads import Request, sharegpt_like, shrink  # noqa: E402
 
 

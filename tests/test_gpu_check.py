@@ -9,7 +9,7 @@ import paged_lib  # noqa: F401
 import pytest
 import torch
 
-from paged_lib import gpu_check
+from paged_lib.bench import gpu_check
 
 no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present")
 

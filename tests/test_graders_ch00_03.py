@@ -10,7 +10,7 @@ import pytest
 
 from paged_lib.accounting import SPECS
 from paged_lib.blocks import BlockTable, Slot
-from paged_lib.grading import ch00, ch01, ch02, ch03
+from paged_lib.course.grading import ch00, ch01, ch02, ch03
 
 
 def verdict(capsys, check, answer) -> str:

@@ -10,7 +10,7 @@ import torch
 
 import paged_lib  # noqa: F401  (sets up the interpreter before anything Triton)
 from paged_lib import attention as A
-from paged_lib.grading import ch04
+from paged_lib.course.grading import ch04
 from paged_lib.util import cdiv
 
 NEG_INF = float("-inf")
@@ -224,8 +224,8 @@ import pytest  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from paged_lib.course.grading import ch05  # noqa: E402
 from paged_lib.device import interpreter_on  # noqa: E402
-from paged_lib.grading import ch05  # noqa: E402
 
 needs_interpreter = pytest.mark.skipif(not interpreter_on(),
                                        reason="the load trace needs Triton's interpreter")

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from paged_lib.course.grading import ch06, ch07
 from paged_lib.engine.block_manager import swap_mapping
 from paged_lib.engine.model_runner import build_metadata
 from paged_lib.engine.scheduler import can_admit
-from paged_lib.grading import ch06, ch07
 from paged_lib.model import AttentionMetadata
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from paged_lib import sharing
-from paged_lib.grading import ch08
+from paged_lib.course.grading import ch08
 
 
 def verdict(capsys, check, answer) -> str:
@@ -92,8 +92,8 @@ def test_apply_slot_not_attempted(capsys):
     assert verdict(capsys, ch08.check_apply_slot, todo).startswith("⏳ [08.1]")
 
 
-def test_notes_exercise_4_flow_and_ref_counts():
-    got = ch08.notes_exercise_4()
+def test_cow_walkthrough_flow_and_ref_counts():
+    got = ch08.cow_walkthrough()
     assert got["prompt blocks"] == [7] and got["ref 7 after forks"] == 4
     slot = got["sample 3 writes"]
     assert slot.copy == (7, slot.block) and slot.offset == 3

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from paged_lib import grading
-from paged_lib.grading import ch00
+from paged_lib.course import grading
+from paged_lib.course.grading import ch00
 
 
 def _verdict(capsys, body) -> str:

@@ -13,8 +13,8 @@ import pytest
 import torch
 from matplotlib.figure import Figure
 
-from paged_lib import bench
-from paged_lib.viz import kernel as viz_kernel
+from paged_lib.bench import attention as bench
+from paged_lib.course.viz import kernel as viz_kernel
 
 # The chapter-05 graders are tested in tests/test_graders_ch04_05.py.
 
@@ -96,9 +96,9 @@ def test_bench_cli_parses(capsys, monkeypatch):
 
 
 def test_slot_status_and_pictures_of_chapter_05():
-    from paged_lib.decode_batch import demo_batch
+    from paged_lib.course.demos.decode_batch import demo_batch
+    from paged_lib.course.viz import gpu
     from paged_lib.device import interpreter_on
-    from paged_lib.viz import gpu
 
     assert gpu.decode_intensity(8) == 8.0 and gpu.decode_intensity(1, dtype_bytes=4) == 0.5
     assert gpu.prefill_intensity(512, 4) == 2048.0

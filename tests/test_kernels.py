@@ -39,8 +39,8 @@ from paged_lib.kernels.reference import (
     ref_reshape_and_cache,
 )
 
-#: (num_heads, num_kv_heads), head_dim, block_size: each of vLLM's and the issue's
-#: values at least once. Heads: MHA, GQA 4:1, 5:1, 3:1, 5:1 with 8 KV heads, MQA 64:1
+#: (num_heads, num_kv_heads), head_dim, block_size: every value vLLM's attention tests use
+#: appears at least once. Heads: MHA, GQA 4:1, 5:1, 3:1, 5:1 with 8 KV heads, MQA 64:1
 #: (4 head chunks), 71:1 (an odd group over 5 chunks). Head sizes: powers of two,
 #: 80/96/112 (masked up to 128), 40 (not a multiple of 16), 256 (its own tile and warps).
 #: Block sizes: 1, 12 (not a power of two), 8-32, 128 (larger than a tile).

@@ -13,7 +13,7 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpreterBuilder
 
 from paged_lib.device import interpreter_on
-from paged_lib.grading.load_trace import trace_loads
+from paged_lib.instruments.load_trace import trace_loads
 
 pytestmark = pytest.mark.skipif(not interpreter_on(), reason="traces the interpreter only")
 

@@ -2,7 +2,7 @@
 
 Two checks, over every chapter found on disk:
 
-* a grader module ``paged_lib/grading/chNN.py`` declares ``TWINS`` (exercise id -> the
+* a grader module ``paged_lib/course/grading/chNN.py`` declares ``TWINS`` (exercise id -> the
   library object the learner re-implements); no chapter notebook may show a twin's
   source, neither by ``show_source(...)``/``getsource(...)`` of it (or of its class or
   module) nor as lines in a cell's stored output;
@@ -155,7 +155,7 @@ def span(obj: Any) -> tuple[str, int, int] | None:
 def twins() -> list[tuple[str, str, Any]]:
     found = []
     for path in GRADERS:
-        module = importlib.import_module(f"paged_lib.grading.{path.stem}")
+        module = importlib.import_module(f"paged_lib.course.grading.{path.stem}")
         for ex_id, dotted in getattr(module, "TWINS", {}).items():
             found.append((ex_id, dotted, resolve(dotted)))
     return found

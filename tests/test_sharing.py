@@ -253,7 +253,7 @@ def recorded():
 
 
 def test_describe_step_names_forks_deaths_copies_and_frees(recorded):
-    from paged_lib.viz import sharing as viz
+    from paged_lib.course.viz import sharing as viz
 
     frames, _ = recorded
     assert viz.describe_step(frames[0]) == "step 0: the prompt (6 tokens) in blocks [0, 1]"
@@ -272,7 +272,7 @@ def test_describe_step_names_forks_deaths_copies_and_frees(recorded):
 def test_draw_beam_tree_colours_blocks_by_ref_count(recorded, close_figures):
     from matplotlib.figure import Figure
 
-    from paged_lib.viz import sharing as viz
+    from paged_lib.course.viz import sharing as viz
 
     frames, _ = recorded
     fig = viz.draw_beam_tree(frames, upto=1)
@@ -295,7 +295,7 @@ def test_draw_beam_tree_colours_blocks_by_ref_count(recorded, close_figures):
 def test_stepper_replays_the_beam_search(recorded, close_figures):
     import ipywidgets
 
-    from paged_lib.viz import sharing as viz
+    from paged_lib.course.viz import sharing as viz
 
     frames, _ = recorded
     widget = viz.stepper(frames)
@@ -306,7 +306,7 @@ def test_stepper_replays_the_beam_search(recorded, close_figures):
 
 
 def test_plot_savings_draws_every_measurement(small_table, close_figures):
-    from paged_lib.viz import sharing as viz
+    from paged_lib.course.viz import sharing as viz
 
     fig = viz.plot_savings(small_table)
     assert len(fig.axes) == 2

@@ -14,13 +14,13 @@ from matplotlib.figure import Figure
 
 import paged_lib  # noqa: F401  # isort: split
 from paged_lib import accounting
-from paged_lib import engine_compare as ec
+from paged_lib.course.demos import engine_compare as ec
+from paged_lib.course.viz import engine as viz
 from paged_lib.engine import LLMEngine
 from paged_lib.engine.static_batching import StaticBatchingEngine
 from paged_lib.engine.trace import simulated_blocks
 from paged_lib.model import TinyLlama, TinyLlamaConfig
 from paged_lib.tokenizer import BOS_ID
-from paged_lib.viz import engine as viz
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -11,7 +11,7 @@ dropped, ``+``/``-`` and ``*``/``//``/``%`` swapped, a comparison flipped (``<``
 ``<=``, ``==`` vs ``!=`` ...), a statement dropped. Each mutant replaces the solution
 cell; the cells above run once, and each mutant runs in a forked child of that process
 (the solution cells, the cells up to the check, the check), where
-``paged_lib.grading.record_verdicts`` reads the verdict. A grader that answers ✅ to a
+``paged_lib.course.grading.record_verdicts`` reads the verdict. A grader that answers ✅ to a
 mutant lets that bug through.
 
 Mutants that fail to define (they raise while the solution cell runs) are *invalid*,
@@ -51,7 +51,7 @@ import paged_lib  # noqa: E402,F401,I001  (before anything imports triton)
 # isort: split
 import nbformat  # noqa: E402
 
-from paged_lib import grading  # noqa: E402
+from paged_lib.course import grading  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 HEADING = re.compile(r"^#+\s*Exercise\s+(\d+\.\d+)", re.M)
@@ -279,7 +279,7 @@ def run_cell(source: str, ns: dict) -> None:
 
 
 def _equivalent(ex_id: str) -> dict[str, str]:
-    module = f"paged_lib.grading.ch{ex_id.split('.')[0]}"
+    module = f"paged_lib.course.grading.ch{ex_id.split('.')[0]}"
     with contextlib.suppress(ImportError):
         return getattr(importlib.import_module(module), "EQUIVALENT_MUTANTS", {}).get(ex_id, {})
     return {}

@@ -1,7 +1,7 @@
 """Benchmarks of the course's kernels and engine.
 
     python -m paged_lib.bench attention     # the paged decode kernel
-    python -m paged_lib.bench engine ...    # the engine (paged_lib.engine.bench)
+    python -m paged_lib.bench engine ...    # the engine (paged_lib.bench.engine)
 
 Every number is checked before it is printed: each implementation's output is compared
 with the float64 reference (:func:`~paged_lib.kernels.reference.ref_paged_attention`) on
@@ -310,7 +310,7 @@ def _flex_pass(jobs: list, num_heads: int, num_kv_heads: int, head_dim: int, blo
 
 
 def goals(rows: list[dict]) -> list[str]:
-    """The issue's goals, each with the measured value and met / NOT met.
+    """The speed goals (chapter 05), each with the measured value and met / NOT met.
 
     Batch 64 at 4K: >= 75% of spec bandwidth and <= 1.25x contiguous SDPA; batch 1 at
     32K: >= 50% of spec bandwidth (decode, 32/8 heads, head size 128, fp16).
@@ -381,11 +381,11 @@ def attention_report() -> str:
 def run_engine_bench(argv: Sequence[str]) -> int:
     """``python -m paged_lib.bench engine ...``: the engine's own benchmark, imported late."""
     try:
-        module = importlib.import_module("paged_lib.engine.bench")
+        module = importlib.import_module("paged_lib.bench.engine")
     except ModuleNotFoundError as err:
-        if err.name not in ("paged_lib.engine", "paged_lib.engine.bench"):
+        if err.name not in ("paged_lib.engine", "paged_lib.bench.engine"):
             raise
-        print("The engine benchmark (paged_lib/engine/bench.py, chapter 06) is not in this "
+        print("The engine benchmark (paged_lib/bench/engine.py, chapter 06) is not in this "
               "checkout yet: nothing to run.")
         return 2
     return int(module.main(list(argv)) or 0)

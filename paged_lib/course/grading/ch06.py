@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from paged_lib import grading
+from paged_lib.course import grading
 from paged_lib.engine.model_runner import build_metadata as lib_build_metadata
 from paged_lib.engine.scheduler import Budget
 from paged_lib.engine.scheduler import can_admit as lib_can_admit
@@ -240,10 +240,10 @@ def run_demo(build_metadata: Callable[..., Any], can_admit: Callable[..., Any],
     Prints what the run did and whether every token and every step's numbers equal the
     library engine's; returns the chapter's two figures drawn from the learner's run.
     """
-    from paged_lib import engine_compare as ec
+    from paged_lib.course.demos import engine_compare as ec
+    from paged_lib.course.viz import engine as viz
     from paged_lib.engine import LLMEngine
     from paged_lib.model import load_tiny_code_llama
-    from paged_lib.viz import engine as viz
 
     model = model if model is not None else load_tiny_code_llama()
     trace = ec.chapter_trace()

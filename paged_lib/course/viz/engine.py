@@ -138,7 +138,7 @@ def plot_preemption_tradeoff(rows: Sequence[Mapping[str, float]]) -> Figure:
     """Per block size: KB a swap moved (left) and tokens a recompute ran again (right).
 
     ``rows`` hold ``block_size``, ``swapped_bytes``, ``swapped_blocks`` and
-    ``recomputed_tokens`` (see :func:`paged_lib.engine_compare.preemption_cost`).
+    ``recomputed_tokens`` (see :func:`paged_lib.course.demos.engine_compare.preemption_cost`).
     """
     fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.2))
     labels = [str(int(r["block_size"])) for r in rows]

@@ -26,7 +26,7 @@ from paged_lib.fragmentation import simulate_timeline
 from paged_lib.util import cdiv
 from paged_lib.workloads import Request
 
-#: The issue's setting: 48 requests, a 120-block pool of 8-token blocks, max length 160.
+#: Chapter 06's setting: 48 requests, a 120-block pool of 8-token blocks, max length 160.
 NUM_REQUESTS, NUM_BLOCKS, BLOCK_SIZE, MAX_LEN = 48, 120, 8, 160
 
 #: Prompt text: plain Python, so the shipped code model continues it sensibly.

@@ -1,6 +1,6 @@
 """``make gpu-check``: the first run on a real GPU, in one command, with a stored report.
 
-    python -m paged_lib.gpu_check [--out reports] [--skip-tests]
+    python -m paged_lib.bench.gpu_check [--out reports] [--skip-tests]
 
 On one CUDA GPU, in at most about 8 minutes:
 
@@ -9,7 +9,7 @@ On one CUDA GPU, in at most about 8 minutes:
 2. a correctness sweep against the float64 reference over the shapes the kernels must
    handle (head sizes 40-256, GQA groups up to 71:1, block sizes 1-128, a length-0
    sequence, forced split-KV, prefill), in fp16 and bf16;
-3. the bandwidth sweep of :mod:`paged_lib.bench` (a plain read for the achievable
+3. the bandwidth sweep of :mod:`paged_lib.bench.attention` (a plain read for the achievable
    bandwidth, then every checked kernel time as a share of it and of the spec peak).
 
 It writes ``reports/gpu-check-<device>.md`` (device name, date, versions, every table)
@@ -130,7 +130,7 @@ def markdown_table(rows: list[dict]) -> str:
     """Rows of dicts as a Markdown table (floats to 3 significant digits, % columns as %)."""
     if not rows:
         return "(no rows)\n"
-    from paged_lib.bench import format_value
+    from paged_lib.bench.attention import format_value
 
     cols = list(dict.fromkeys(c for r in rows for c in r))
 
@@ -180,7 +180,7 @@ def format_report(result: dict) -> str:
 
 def run_check(skip_tests: bool = False, budget_s: float = 480.0) -> dict:
     """Everything, on the GPU, within about ``budget_s`` seconds."""
-    from paged_lib import bench
+    from paged_lib.bench import attention as bench
 
     name = require_gpu()
     t0 = time.monotonic()
@@ -204,7 +204,7 @@ def run_check(skip_tests: bool = False, budget_s: float = 480.0) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m paged_lib.gpu_check",
+    parser = argparse.ArgumentParser(prog="python -m paged_lib.bench.gpu_check",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="reports", help="folder for the report")
     parser.add_argument("--skip-tests", action="store_true", help="skip the pytest run")

@@ -13,8 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from paged_lib import grading
 from paged_lib.blocks import BlockAllocator, BlockTable, OutOfBlocks, Slot
+from paged_lib.course import grading
 
 #: Exercise id -> the library object the learner's code re-implements.
 TWINS: dict[str, str] = {
@@ -505,7 +505,7 @@ def run_demo(append_token: Callable[..., Any], fork: Callable[..., Any],
     Prints whether every frame matches the library's, and returns the figures (the
     decode loop with three requests, then parallel sampling with copy-on-write).
     """
-    from paged_lib.viz import blocks as viz
+    from paged_lib.course.viz import blocks as viz
 
     learner_table = type("YourBlockTable", (BlockTable,),
                          {"append_token": append_token, "fork": fork})

@@ -142,7 +142,7 @@ def plot_split_kv(seq_len: int, block_size: int, num_splits: int, tile_n: int = 
 
 
 def plot_bench(rows: list[dict], peak_gbs: float | None = None) -> Figure:
-    """Benchmark rows from :mod:`paged_lib.bench` as a figure.
+    """Benchmark rows from :mod:`paged_lib.bench.attention` as a figure.
 
     GPU sweep rows (with ``context``): achieved GB/s against context length, one line
     per batch size, the peak as a dashed line. CPU rows (with ``impl``): time per
@@ -227,7 +227,7 @@ def slot_status(trace, cache: torch.Tensor, block_tables: torch.Tensor,
                 seq_lens: torch.Tensor) -> dict[tuple[int, int], dict]:
     """Per program (sequence, KV head): its sequence's slots, read or masked, from a trace.
 
-    ``trace`` is a :class:`~paged_lib.grading.load_trace.LoadTrace` of a decode launch
+    ``trace`` is a :class:`~paged_lib.instruments.load_trace.LoadTrace` of a decode launch
     with one program per (sequence, KV head). Returns, per program, ``"status"``: a list
     over the logical positions of its block table (``max_blocks * block_size``) with
     :data:`UNTOUCHED`, :data:`MASKED`, :data:`READ` or :data:`READ_PAST_END`, and
@@ -346,7 +346,7 @@ def traced_slot_status(case, tile_n: int = 32, num_splits: int = 1
     Interpreter only (the trace sees interpreted loads); ``case`` is a
     :class:`~paged_lib.kernels.cases.DecodeCase` on the CPU.
     """
-    from paged_lib.grading.load_trace import trace_loads
+    from paged_lib.instruments.load_trace import trace_loads
     from paged_lib.kernels.triton_decode import paged_attention_triton
 
     q, k_cache, v_cache, block_tables, seq_lens, scale = case

@@ -1,12 +1,12 @@
-"""Checks for chapter 01 (KV bytes). Each prints one verdict line; see paged_lib.grading."""
+"""Checks for chapter 01 (KV bytes). Each prints one verdict line; see paged_lib.course.grading."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
 
-from paged_lib import grading
 from paged_lib.accounting import SPECS, ModelSpec, kv_bytes_per_token, num_blocks
+from paged_lib.course import grading
 
 #: Exercise id -> the library object the learner's code re-implements.
 TWINS: dict[str, str] = {
@@ -163,7 +163,7 @@ def check_max_requests(fn: Callable[[ModelSpec, int, int, int], int]) -> None:
 def run_demo(kv_bytes_per_token: Callable[[ModelSpec], int]) -> Any:
     """The chapter's bar chart of KV bytes per token, drawn with the learner's function."""
     from paged_lib.accounting import kv_bytes_per_token as library
-    from paged_lib.viz import accounting as viz
+    from paged_lib.course.viz import accounting as viz
 
     try:
         same = all(kv_bytes_per_token(s) == library(s) for s in SPECS.values())

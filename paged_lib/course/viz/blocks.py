@@ -15,8 +15,8 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
 from paged_lib.blocks import BlockAllocator, BlockTable, OutOfBlocks
+from paged_lib.course.viz.widgets import frame_player
 from paged_lib.util import cdiv
-from paged_lib.viz.widgets import frame_player
 
 COLORS = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3"]
 FREE_COLOR = "#EEEEEE"

@@ -1,6 +1,6 @@
 """Checks for chapter 08 (sharing: copy-on-write, parallel sampling, beam search).
 
-* 08.1 ``apply_slot``: the cache side of copy-on-write, on the notes' exercise 4 (four
+* 08.1 ``apply_slot``: the cache side of copy-on-write, on chapter 08's step-by-step example (four
   samples share the prompt's block 7; sample 3 writes first). The learner's function
   writes into a NaN-poisoned cache next to the library's; after every write the check
   compares the block other samples still read, the copied block, the new token, and
@@ -20,8 +20,9 @@ from typing import Any
 
 import torch
 
-from paged_lib import grading, sharing
+from paged_lib import sharing
 from paged_lib.blocks import BlockAllocator, BlockTable, Slot
+from paged_lib.course import grading
 from paged_lib.kernels.reference import gather_kv
 
 #: Exercise id -> the library object the learner's code re-implements.
@@ -53,7 +54,7 @@ def _busy_pool(num_blocks: int, free_in_order: tuple[int, ...]) -> BlockAllocato
 
 # name, block size, prompt length, samples, new tokens each, dtype
 _COW_SCENARIOS = [
-    ("notes exercise 4: 4 samples share block 7 (block size 4, prompt of 3)", 4, 3, 4, 3,
+    ("chapter 08's example: 4 samples share block 7 (block size 4, prompt of 3)", 4, 3, 4, 3,
      torch.float32),
     ("2 samples, prompt of 5, block size 4, float16", 4, 5, 2, 5, torch.float16),
     ("a prompt that fills its blocks exactly (no copy needed)", 2, 4, 3, 2, torch.float32),
@@ -61,8 +62,8 @@ _COW_SCENARIOS = [
 _KV_HEADS, _HEAD_DIM = 2, 8
 
 
-def notes_exercise_4() -> dict[str, Any]:
-    """The notes' exercise 4 with the library: the flow and the ref counts, step by step."""
+def cow_walkthrough() -> dict[str, Any]:
+    """Chapter 08's copy-on-write example with the library: the flow and the ref counts, step by step."""
     allocator = _busy_pool(12, (7, 3, 9, 10, 11))
     prompt = BlockTable(allocator, 4)
     for _ in range(3):
@@ -107,7 +108,7 @@ def _run_cow_scenario(apply_slot, name, block_size, prompt_len, n, new_tokens, d
         write(0, prompt, f"prompt token {t}")
     tables += [prompt.fork() for _ in range(n - 1)]
     history += [list(history[0]) for _ in range(n - 1)]
-    order = [2, 0, 1, 3][:n] if n == 4 else list(range(n))  # notes: sample 3 writes first
+    order = [2, 0, 1, 3][:n] if n == 4 else list(range(n))  # the example: sample 3 writes first
     for step in range(new_tokens):
         for i in order:
             write(i, tables[i], f"sample {i + 1}'s token {step}")
@@ -380,8 +381,8 @@ def run_demo(apply_slot: Callable[..., Any], beam_step: Callable[..., Any]) -> l
     (width 4 on the chapter's tiny random Llama), both driven by ``beam_step`` and
     compared with the library's.
     """
+    from paged_lib.course.viz import sharing as viz
     from paged_lib.engine import LLMEngine, SamplingParams
-    from paged_lib.viz import sharing as viz
     from paged_lib.workloads import alpaca_like
 
     def sampling() -> None:

@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from paged_lib import grading
 from paged_lib.blocks import BlockTable
+from paged_lib.course import grading
 from paged_lib.engine.block_manager import BlockManager
 from paged_lib.engine.block_manager import swap_mapping as lib_swap_mapping
 from paged_lib.engine.sequence import SamplingParams, Sequence, SequenceGroup
@@ -176,7 +176,7 @@ PRESSURE_BLOCKS, PRESSURE_BLOCK_SIZE = 10, 8
 def pressure_requests() -> tuple[list[list[int]], list[SamplingParams]]:
     """Seven requests that need about 30 blocks of 8 at once: six greedy, and one that
     draws 2 seeded samples (its prompt blocks are shared, so swapping it meets sharing)."""
-    from paged_lib import engine_compare as ec
+    from paged_lib.course.demos import engine_compare as ec
 
     trace = ec.chapter_trace(7, seed=5, max_len=64)
     params = [SamplingParams(max_tokens=24, ignore_eos=True)] * 6 + [

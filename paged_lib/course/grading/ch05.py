@@ -6,7 +6,7 @@ the other cannot:
 
 * **NaN poisoning**: every cache slot (or matrix element) the kernel must not use holds
   NaN, so poison that reaches the output shows up as NaN there;
-* **the load trace** (:mod:`paged_lib.grading.load_trace`, interpreter only): every
+* **the load trace** (:mod:`paged_lib.instruments.load_trace`, interpreter only): every
   element each program loaded, so a read past a sequence's end fails even when
   ``tl.where`` hid its value, and the message names the program and the slot.
 
@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from paged_lib import grading
-from paged_lib.grading.load_trace import LoadTrace, trace_loads
+from paged_lib.course import grading
+from paged_lib.instruments.load_trace import LoadTrace, trace_loads
 from paged_lib.kernels.cases import NAN_BLOCK, make_decode_case
 from paged_lib.kernels.reference import gather_kv, ref_paged_attention
 from paged_lib.util import cdiv

@@ -8,7 +8,7 @@ import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 from matplotlib.patches import FancyBboxPatch
 
-from paged_lib.course import CHAPTERS
+from paged_lib.course.chapters import CHAPTERS
 
 PART_COLOURS = {"memory": "#4C72B0", "kernel": "#DD8452", "engine": "#55A868",
                 "beyond": "#8172B3"}

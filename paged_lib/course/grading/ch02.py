@@ -10,8 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from paged_lib import grading
 from paged_lib.contiguous import FirstFit
+from paged_lib.course import grading
 from paged_lib.fragmentation import request_slots, simulate_timeline
 from paged_lib.util import cdiv
 from paged_lib.workloads import Request, sharegpt_like, shrink
@@ -385,8 +385,8 @@ def check_paged_simulator(simulate_paged: Callable[..., Any]) -> None:
 
 def run_demo(simulate_paged: Callable[..., Any]) -> Any:
     """The chapter's Fig. 2 experiment with the learner's simulator as the paged policy."""
+    from paged_lib.course.viz import fragmentation as viz
     from paged_lib.fragmentation import Breakdown, simulate
-    from paged_lib.viz import fragmentation as viz
 
     requests = sharegpt_like(600, seed=0)
     try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from paged_lib import grading
+from paged_lib.course import grading
 from paged_lib.util import cdiv
 
 #: Exercise id -> the library object the learner's code re-implements.
@@ -49,7 +49,7 @@ def run_demo(ceil_div: Callable[[int, int], int], n: int = 1000, block: int = 12
     """
     import torch
 
-    from paged_lib.tour import add_kernel
+    from paged_lib.course.demos.tour import add_kernel
 
     try:
         programs = ceil_div(n, block)

@@ -105,7 +105,7 @@ def block_reads(runs: dict[str, Sequence], block_table: Sequence[int]) -> Figure
     """The cache reads of several ways to compute the same attention, in time order.
 
     ``runs`` maps a label to its reads (``ReadLog.reads`` of
-    :mod:`paged_lib.grading.block_reads`: kind "K"/"V", a physical block id or a tuple of
+    :mod:`paged_lib.instruments.block_reads`: kind "K"/"V", a physical block id or a tuple of
     ids for a gather). Each read is a box as wide as the blocks it brings in; a row's
     right edge says how many blocks' keys/values one read holds at once.
     """

@@ -12,8 +12,8 @@ from matplotlib.colors import BoundaryNorm, ListedColormap
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
+from paged_lib.course.viz.widgets import frame_player
 from paged_lib.sharing import MODES, PAPER_SAVINGS, BeamFrame, Savings
-from paged_lib.viz.widgets import frame_player
 
 REF_COLORS = ["#FFF3C4", "#FDC46B", "#F08A3A", "#D1462F", "#9E1F2C", "#5E0F1E"]
 COPY_COLOR, DEAD_COLOR, EDGE_COLOR = "#1F77B4", "#888888", "#444444"

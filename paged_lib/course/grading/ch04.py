@@ -3,7 +3,7 @@
 Each ``check_*`` calls the learner's function on several shapes and edge cases (a block
 whose scores are all ``-inf``, one-token sequences, a sequence that fills a block
 exactly, NaN-poisoned cache slots) and prints one verdict line. Exercise 04.2 reads its
-caches through :mod:`paged_lib.grading.block_reads`, which sees every block read.
+caches through :mod:`paged_lib.instruments.block_reads`, which sees every block read.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from collections.abc import Callable
 import torch
 
 from paged_lib import attention as A
-from paged_lib import grading
-from paged_lib.grading import block_reads
+from paged_lib.course import grading
+from paged_lib.instruments import block_reads
 from paged_lib.kernels.reference import ref_paged_attention
 from paged_lib.util import cdiv
 
@@ -120,7 +120,7 @@ PAGED_CASES = [((1, 1), 4, 4), ((4, 4), 8, 8), ((8, 2), 6, 8), ((5, 1), 6, 4)]
 def check_paged_online(paged_decode: Callable) -> None:
     """04.2: one sequence's decode attention, one block at a time, through its block table.
 
-    The caches are :class:`~paged_lib.grading.block_reads.BlockCache` proxies: the check
+    The caches are :class:`~paged_lib.instruments.block_reads.BlockCache` proxies: the check
     sees every block read and what the learner's code still holds, so gathering all
     tokens first, or a softmax that needs the whole score row, fails even though its
     numbers are right.

@@ -3,8 +3,8 @@
 ``make grade`` runs the exercise notebooks with ``pytest --nbval-lax`` (each code cell is
 a test item; a failing cell does not stop the cells after it) and this plugin writes
 every cell's outputs to the JSON file named by ``--scoreboard-json``. The scoreboard
-(:mod:`paged_lib.grading.scoreboard`) reads them back next to the notebook's Markdown
-headings. Loaded with ``-p paged_lib.grading.nbval_plugin``.
+(:mod:`paged_lib.course.grading.scoreboard`) reads them back next to the notebook's Markdown
+headings. Loaded with ``-p paged_lib.course.grading.nbval_plugin``.
 """
 
 from __future__ import annotations

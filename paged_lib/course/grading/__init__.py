@@ -15,9 +15,9 @@ A check cell in an exercise notebook looks like this::
 * ``⏳ [01.1] KV bytes per token: not attempted yet ...`` when the learner's code still
   raises ``NotImplementedError``.
 
-``make grade`` (:mod:`paged_lib.grading.scoreboard`) executes the exercise notebooks and
+``make grade`` (:mod:`paged_lib.course.grading.scoreboard`) executes the exercise notebooks and
 collects these lines into a scoreboard. Chapter-specific checks live in
-``paged_lib/grading/chNN.py`` and are built from the ``expect_*`` helpers below.
+``paged_lib/course/grading/chNN.py`` and are built from the ``expect_*`` helpers below.
 """
 
 from __future__ import annotations

@@ -1,14 +1,14 @@
 """``make grade``: run the exercise notebooks and print a scoreboard.
 
-    python -m paged_lib.grading.scoreboard                 # every exercises/*.ipynb
-    python -m paged_lib.grading.scoreboard --chapter 03    # one chapter
-    python -m paged_lib.grading.scoreboard --strict        # unfinished counts as failed
+    python -m paged_lib.course.grading.scoreboard                 # every exercises/*.ipynb
+    python -m paged_lib.course.grading.scoreboard --chapter 03    # one chapter
+    python -m paged_lib.course.grading.scoreboard --strict        # unfinished counts as failed
 
 Each notebook runs under nbval (``pytest --nbval-lax``): a fresh kernel in the notebook's
 own folder, one test per code cell, going on after an error so one unfinished exercise
 does not hide the next. Exercises are found
 by their Markdown headings (``### Exercise 03.2: title``); each check cell prints a
-verdict line (see :mod:`paged_lib.grading`) that is collected here.
+verdict line (see :mod:`paged_lib.course.grading`) that is collected here.
 
 Exit status: 1 if any exercise failed (or, with ``--strict``, is unfinished), else 0.
 """
@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from paged_lib.grading import FAIL, PASS, TODO, VERDICT_RE
+from paged_lib.course.grading import FAIL, PASS, TODO, VERDICT_RE
 
 HEADING_RE = re.compile(r"^#+\s*Exercise\s+(\d+\.\d+)\s*[:.\-\u2014]\s*(.+?)\s*$", re.M)
 _VERDICT = re.compile(VERDICT_RE + r"(.*)$", re.M)
@@ -115,7 +115,7 @@ def run_notebooks(paths: list[Path], timeout: int = 600) -> list:
     with tempfile.TemporaryDirectory() as tmp:
         record = Path(tmp) / "outputs.json"
         cmd = [sys.executable, "-m", "pytest", "--nbval-lax", "-p", "no:cacheprovider",
-               "-p", "paged_lib.grading.nbval_plugin", f"--scoreboard-json={record}",
+               "-p", "paged_lib.course.grading.nbval_plugin", f"--scoreboard-json={record}",
                f"--nbval-cell-timeout={timeout}", "--tb=no", "-q", "--no-header", "-rN",
                "-W", "ignore", *map(str, paths)]
         env = {**os.environ, "PYTHONHASHSEED": os.environ.get("PYTHONHASHSEED", "0")}

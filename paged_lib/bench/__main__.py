@@ -1,0 +1,3 @@
+from paged_lib.bench.attention import main
+
+raise SystemExit(main())

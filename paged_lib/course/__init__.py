@@ -1,0 +1,9 @@
+"""The course around the system: graders, the scoreboard, pictures, widgets, chapter demos.
+
+Nothing in the system part of :mod:`paged_lib` imports this package (a test checks it):
+the engine, the kernels and the block tables run without the course.
+"""
+
+from paged_lib.course.show import show_source
+
+__all__ = ["show_source"]
