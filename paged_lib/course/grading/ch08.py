@@ -63,7 +63,7 @@ _KV_HEADS, _HEAD_DIM = 2, 8
 
 
 def cow_walkthrough() -> dict[str, Any]:
-    """Chapter 08's copy-on-write example with the library: the flow and the ref counts, step by step."""
+    """Chapter 08's copy-on-write example with the library: the flow and ref counts."""
     allocator = _busy_pool(12, (7, 3, 9, 10, 11))
     prompt = BlockTable(allocator, 4)
     for _ in range(3):
