@@ -44,6 +44,7 @@ from paged_lib.kernels.reference import (  # noqa: F401  (the baselines, by thei
     sdpa_per_sequence,
     sdpa_per_sequence_gqa,
 )
+from paged_lib.util import CheckFailed
 
 #: Peak HBM bandwidth in GB/s, matched against ``torch.cuda.get_device_name()`` in order
 #: (first substring that occurs wins, so the more specific names come first).
@@ -79,10 +80,6 @@ def peak_bandwidth_gbs(device_name: str) -> float | None:
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 #: Text a row shows instead of a time when its output was wrong.
 WRONG = "WRONG"
-
-
-class CheckFailed(AssertionError):
-    """An implementation's output disagrees with the reference: it must not be timed."""
 
 
 def check_output(name: str, out: torch.Tensor, expected: torch.Tensor) -> None:

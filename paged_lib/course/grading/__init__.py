@@ -29,19 +29,12 @@ import traceback
 from collections.abc import Iterator
 from typing import Any
 
+from paged_lib.util import CheckFailed
+
 PASS, FAIL, TODO = "✅", "❌", "⏳"
 VERDICT_RE = r"^(✅|❌|⏳) \[([\w.\-]+)\] "
 # Lists that ``record_verdicts`` hands out; every verdict is appended to each of them.
 _recorders: list[list[tuple[str, str, str]]] = []
-
-
-class CheckFailed(AssertionError):
-    """A check found a wrong answer. The message is what the learner reads."""
-
-    def __init__(self, message: str, hint: str | None = None):
-        super().__init__(message)
-        self.message = message
-        self.hint = hint
 
 
 def fail(message: str, hint: str | None = None) -> None:
