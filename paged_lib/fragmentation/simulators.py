@@ -1,203 +1,32 @@
-"""Where KV memory goes: a trace-driven simulation of a KV pool (the paper's Fig. 2).
+"""The serving loops: one request queue, first come first served, one loop per allocator.
 
-The pool has ``capacity_tokens`` slots; one slot holds one token's K and V for every layer.
-Time moves in decoding *steps*. A request is admitted first-come-first-served when its
-policy can give it memory; during its k-th step it stores ``prompt_len + k`` token states
-(its prompt and the tokens produced so far, counting this step's: like the paper's Fig. 3,
-the token being generated has a slot), and after ``output_len`` steps it leaves holding its
-final length ``L = prompt_len + output_len``.
-
-Every slot the policy holds falls in one of the paper's four categories, at every step:
-
-* **token states**: slots holding a real token's KV now;
-* **reserved**: slots held for tokens this request *will* produce later (used eventually);
-* **internal fragmentation**: slots held for this request that will never hold a token
-  (beyond its final length, the rest of a power-of-two or buddy block, the unused tail of
-  its last page, a finished request kept in a static batch);
-* **external fragmentation**: free slots at a step when a request is still waiting after
-  admission: memory that exists but could not be given to the next request (the hole is
-  not contiguous or too small, a static batch is closed, or the page pool is short of the
-  head request's prompt). Free memory while nobody waits is idle, not waste, and is left
-  out.
-
-The denominator ("the KV memory the policy holds") is therefore held slots plus unusable
-free slots, summed over steps (slot-steps), so each share is a time average weighted by how
-much memory was in play. Under load (a queue most of the time, as in the paper's serving
-experiments) it is the whole pool.
-
-Policies (``POLICIES``):
-
-* ``static-max``: FasterTransformer-like static batching: ``capacity // max_len`` batch
-  slots of ``max_len`` each; a batch runs until its longest request ends.
-* ``orca-max`` / ``orca-pow2`` / ``orca-oracle``: iteration-level batching (Orca); each
-  request reserves one contiguous chunk, first-fit in a linear address space: ``max_len``;
-  its prompt plus its output length rounded up to a power of two (the paper's §6.1: "if
-  the true output length is 25, it reserves 32 positions for outputs"; at most
-  ``max_len``); or exactly its final length.
-* ``buddy``: the oracle length reserved from a binary buddy allocator (the paper's own Orca
-  implementation assumes one); the round-up to a power of two is internal fragmentation.
-* ``paged``: vLLM: ``block_size``-token blocks allocated on demand from a free list; when a
-  running request needs a block and none is free, the most recently admitted request is
-  preempted (recompute: its blocks are freed and it waits at the head of the queue).
-
-The contiguous allocators live in :mod:`paged_lib.contiguous`; the memory-map picture
-(which request held which slot at each step) in :mod:`paged_lib.course.viz.fragmentation`.
+:func:`simulate_timeline` picks the loop for a policy: a static batch of ``max_len`` slots
+(``static-max``), one contiguous chunk per request from a first-fit or buddy allocator (the
+Orca policies and ``buddy``), or blocks on demand with recompute preemption (``paged``). Each
+loop adds every step's slots to a :class:`~paged_lib.fragmentation.timeline.Timeline` (the
+categories are defined in :mod:`paged_lib.fragmentation`).
 """
 
 from __future__ import annotations
 
 import heapq
 import math
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import numpy as np
 
-from paged_lib.contiguous import Buddy, FirstFit, next_pow2
+from paged_lib.contiguous import Buddy, FirstFit
+from paged_lib.fragmentation.request import POLICIES, reservation
+from paged_lib.fragmentation.timeline import Alloc, Breakdown, Run, Timeline
 from paged_lib.util import cdiv
 from paged_lib.workloads import Request
-
-POLICIES = ("static-max", "orca-max", "orca-pow2", "orca-oracle", "buddy", "paged")
-CATEGORIES = ("token_states", "reserved", "internal", "external")
-
-#: The paper's Fig. 2 (shares of KV memory, ShareGPT on OPT-13B). ``None``: not reported
-#: (Oracle has no internal fragmentation; vLLM's bar gives only its token-state share).
-PAPER_FIG2: dict[str, dict[str, float | None]] = {
-    "orca-max": {"token_states": 0.204, "reserved": 0.133, "internal": 0.573, "external": 0.089},
-    "orca-pow2": {"token_states": 0.268, "reserved": 0.179, "internal": 0.136,
-                  "external": 0.416},
-    "orca-oracle": {"token_states": 0.382, "reserved": 0.252, "internal": None,
-                    "external": 0.366},
-    "paged": {"token_states": 0.963, "reserved": None, "internal": None, "external": None},
-}
-PAPER_NAMES = {"orca-max": "Orca (Max)", "orca-pow2": "Orca (Pow2)",
-               "orca-oracle": "Orca (Oracle)", "paged": "vLLM"}
-
-
-class Breakdown(NamedTuple):
-    """Time-averaged shares of KV memory; the four fields sum to 1."""
-
-    token_states: float
-    reserved: float
-    internal: float
-    external: float
-
-
-# ---------------------------------------------------------------- one request, one step
-
-
-def reservation(policy: str, num_tokens: int, final_len: int, block_size: int = 16,
-                max_len: int = 2048, prompt_len: int | None = None) -> int:
-    """Slots a request holds under ``policy`` while it stores ``num_tokens`` token states
-    and will end with ``final_len`` (``orca-pow2`` also needs its ``prompt_len``)."""
-    if policy in ("static-max", "orca-max"):
-        return max_len
-    if policy == "orca-pow2":
-        if prompt_len is None or not 0 <= prompt_len < final_len:
-            raise ValueError("orca-pow2 reserves the prompt plus the output length rounded "
-                             "up to a power of two: pass prompt_len (0 <= prompt_len < "
-                             f"final_len={final_len}), got {prompt_len!r}")
-        return min(max_len, prompt_len + next_pow2(final_len - prompt_len))
-    if policy == "buddy":
-        return next_pow2(final_len)
-    if policy == "orca-oracle":
-        return final_len
-    if policy == "paged":
-        return cdiv(num_tokens, block_size) * block_size
-    raise ValueError(f"unknown policy {policy!r}; choose one of {POLICIES}")
-
-
-def request_slots(policy: str, num_tokens: int, final_len: int, block_size: int = 16,
-                  max_len: int = 2048, prompt_len: int | None = None) -> tuple[int, int, int]:
-    """(token states, reserved, internal) slots of one running request right now.
-
-    Reserved slots are held slots the request will still fill (up to its final length);
-    internal fragmentation is every held slot past the final length.
-    """
-    if not 1 <= num_tokens <= final_len:
-        raise ValueError(f"need 1 <= num_tokens <= final_len, got {num_tokens} and {final_len}")
-    held = reservation(policy, num_tokens, final_len, block_size, max_len, prompt_len)
-    will_use = min(held, final_len)
-    return num_tokens, will_use - num_tokens, held - will_use
-
-
-# ---------------------------------------------------------------- the timeline
-
-
-@dataclass(frozen=True)
-class Alloc:
-    """Request ``request`` held slots ``[slot, slot + size)`` during steps ``[start, end)``;
-    the first of them is its logical slot ``logical`` (a page's offset in the sequence)."""
-
-    request: int
-    slot: int
-    size: int
-    logical: int
-    start: int
-    end: int
-
-
-@dataclass(frozen=True)
-class Run:
-    """Request ``request`` ran during steps ``[start, end)`` holding ``tokens0`` token
-    states in its first step (one more each step) on its way to ``final_len``."""
-
-    request: int
-    start: int
-    end: int
-    tokens0: int
-    final_len: int
-
-
-@dataclass
-class Timeline:
-    """Everything one simulation saw. ``slot_steps`` are the raw integrals behind
-    ``breakdown``; ``allocations`` and ``runs`` are filled when ``record=True``.
-
-    ``preempted`` counts, per request, how often paging evicted it, and
-    ``recomputed_tokens`` the token states it had to compute again on readmission.
-    """
-
-    policy: str
-    capacity: int
-    block_size: int
-    max_len: int
-    num_steps: int = 0
-    preemptions: int = 0
-    waiting_steps: int = 0  # steps with a request still waiting after admission
-    slot_steps: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CATEGORIES, 0))
-    allocations: list[Alloc] = field(default_factory=list)
-    runs: list[Run] = field(default_factory=list)
-    waiting: list[tuple[int, int]] = field(default_factory=list)  # [t0, t1) queue non-empty
-    preempted: Counter = field(default_factory=Counter)
-    recomputed_tokens: int = 0
-
-    @property
-    def breakdown(self) -> Breakdown:
-        total = sum(self.slot_steps.values())
-        return Breakdown(*(self.slot_steps[c] / total for c in CATEGORIES))
-
-    def pool_breakdown(self) -> Breakdown:
-        """Shares of the *whole pool* over every step of the run: free memory counts as
-        external (& others) even when nobody waits, as idle memory would in a measurement
-        that does not tell the two apart. Depends on load and on the drain at the end."""
-        total = self.capacity * self.num_steps
-        held = self.slot_steps["token_states"] + self.slot_steps["reserved"] \
-            + self.slot_steps["internal"]
-        return Breakdown(self.slot_steps["token_states"] / total,
-                         self.slot_steps["reserved"] / total,
-                         self.slot_steps["internal"] / total, (total - held) / total)
-
-
-# ---------------------------------------------------------------- simulation
 
 
 def simulate(requests: Sequence[Request], policy: str, capacity_tokens: int,
              block_size: int = 16, max_len: int = 2048) -> Breakdown:
     """Time-averaged :class:`Breakdown` of the KV memory ``policy`` holds serving
-    ``requests`` from a pool of ``capacity_tokens`` slots (see the module docstring)."""
+    ``requests`` from a pool of ``capacity_tokens`` slots (see :mod:`paged_lib.fragmentation`)."""
     return simulate_timeline(requests, policy, capacity_tokens, block_size, max_len).breakdown
 
 
