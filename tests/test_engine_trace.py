@@ -8,7 +8,7 @@ from paged_lib.engine import LLMEngine
 from paged_lib.engine.static_batching import StaticBatchingEngine
 from paged_lib.engine.trace import arrival_steps, simulated_blocks, trace_requests
 from paged_lib.model import TinyLlama, TinyLlamaConfig
-from paged_lib.workloads import alpaca_like, shrink
+from paged_lib.workloads import Request, alpaca_like, shrink
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -99,18 +99,51 @@ def test_with_arrivals_the_engine_still_matches_the_simulator(model):
     assert "idle" in engine.stats.step_kinds  # the trace starts (or pauses) with no one
 
 
-def test_preemption_tradeoff_rows(model):
+def test_preemption_cost_of_swap_and_recompute(model):
+    """The one preemption report (chapter 07's): per run, block copies and bytes a swap
+    moved, tokens a recompute prefilled again, on one trace and one KV budget."""
     from paged_lib.accounting import kv_bytes_per_token
-    from paged_lib.engine.trace import preemption_tradeoff
+    from paged_lib.course.demos.engine_compare import preemption_cost
 
-    rows = preemption_tradeoff(model, alpaca_like(10, seed=0, max_len=80), 160, [4, 16])
-    assert [(r["block_size"], r["mode"]) for r in rows] == [
-        (4, "swap"), (4, "recompute"), (16, "swap"), (16, "recompute")]
+    prompts, params = trace_requests(alpaca_like(10, seed=0, max_len=80),
+                                     model.config.vocab_size)
     per_token = kv_bytes_per_token(model.config)
-    for r in rows:
-        assert r["preemptions"] > 0
-        if r["mode"] == "swap":
-            assert r["recomputed_tokens"] == 0 and r["swapped_blocks"] > 0
-            assert r["swapped_bytes"] == r["swapped_blocks"] * r["block_size"] * per_token
-        else:
-            assert r["swapped_blocks"] == 0 and r["recomputed_tokens"] > 0
+    for block_size in (4, 16):
+        num_blocks = 160 // block_size
+        for mode in ("swap", "recompute"):
+            engine = LLMEngine(model, num_blocks, block_size, preemption=mode,
+                               num_cpu_blocks=4 * num_blocks if mode == "swap" else 0)
+            engine.generate(prompts, params)
+            s = engine.stats
+            cost = preemption_cost(s, model.config)
+            assert cost["preemptions"] == s.preemptions > 0
+            if mode == "swap":
+                assert cost["recomputed_tokens"] == 0
+                assert cost["swapped_blocks"] == s.swapped_blocks > 0
+                assert cost["swapped_bytes"] == s.swapped_blocks * block_size * per_token
+            else:
+                assert cost["swapped_blocks"] == cost["swapped_bytes"] == 0
+                assert cost["recomputed_tokens"] == s.recomputed_tokens > 0
+
+
+def test_trace_requests_random_prompts_have_the_trace_lengths():
+    trace = alpaca_like(12, seed=2, max_len=60)
+    prompts, params = trace_requests(trace, 50, seed=3)
+    assert [len(p) for p in prompts] == [r.prompt_len for r in trace]
+    assert all(0 <= t < 50 for p in prompts for t in p)
+    assert [sp.max_tokens for sp in params] == [r.output_len for r in trace]
+    assert all(sp.ignore_eos and sp.temperature == 0.0 and sp.n == 1 for sp in params)
+    assert trace_requests(trace, 50, seed=3)[0] == prompts
+    assert trace_requests(trace, 50, seed=4)[0] != prompts
+
+
+def test_trace_requests_text_prompts_start_at_lines_and_wrap():
+    trace = [Request(5, 1, 0.0), Request(5, 1, 0.0), Request(12, 2, 0.0)]
+    prompts, params = trace_requests(trace, text="ab\ncdef\n", bos_id=9)
+    assert prompts == [[9, *b"ab\ncd"], [9, *b"cdef\n"], [9, *b"ab\ncdef\nab\nc"]]
+    assert [sp.max_tokens for sp in params] == [1, 1, 2]
+    assert trace_requests(trace, text="ab\ncdef\n")[0][0] == list(b"ab\ncd")  # no BOS
+    with pytest.raises(ValueError, match="vocabulary of 100"):
+        trace_requests(trace, 100, text="ab\ncdef\n", bos_id=256)
+    with pytest.raises(ValueError, match="vocab_size"):
+        trace_requests(trace)

@@ -43,18 +43,22 @@ def trace():
 def paged(model, trace):
     """The chapter's run: 48 requests, 120 blocks of 8, default watermark."""
     engine = LLMEngine(model, ec.NUM_BLOCKS, ec.BLOCK_SIZE)
-    outs = engine.generate(ec.trace_prompts(trace), ec.trace_params(trace))
+    outs = engine.generate(*ec.chapter_requests(trace))
     return engine, outs
 
 
-def test_trace_prompts_are_bos_plus_code_bytes_of_the_trace_lengths(trace):
-    prompts = ec.trace_prompts(trace)
+def test_chapter_requests_are_bos_plus_code_bytes_of_the_trace_lengths(trace):
+    prompts, params = ec.chapter_requests(trace)
     assert [len(p) for p in prompts] == [r.prompt_len + 1 for r in trace]
     assert all(p[0] == BOS_ID and all(0 <= t < 256 for t in p[1:]) for p in prompts)
     assert max(len(p) + r.output_len for p, r in zip(prompts, trace, strict=True)) \
         <= ec.MAX_LEN
-    assert [sp.max_tokens for sp in ec.trace_params(trace)] == [r.output_len for r in trace]
+    assert [sp.max_tokens for sp in params] == [r.output_len for r in trace]
+    assert all(sp.ignore_eos and sp.temperature == 0.0 for sp in params)
     assert len({tuple(p[1:6]) for p in prompts}) > 5  # not all the same slice
+    text = ec.CODE_TEXT.encode()
+    assert all(bytes(p[1:]) in text * 2 for p, r in zip(prompts, trace, strict=True)
+               if r.prompt_len < len(text))  # a slice of the code, from a line start
 
 
 def test_every_request_gets_exactly_its_output_length(paged, trace):
@@ -77,7 +81,7 @@ def test_static_stats_equal_the_static_engine_step_for_step(model):
     small = ec.chapter_trace(6, seed=3, max_len=48)
     static = ec.static_stats(small, num_blocks=12, max_len=48)
     real = StaticBatchingEngine(model, 12, ec.BLOCK_SIZE, max_len=48)
-    real.generate(ec.trace_prompts(small), ec.trace_params(small))
+    real.generate(*ec.chapter_requests(small))
     assert static.steps == real.stats.steps
     assert static.batch_sizes == real.stats.batch_sizes
     assert static.blocks_used == real.stats.blocks_used
@@ -89,7 +93,7 @@ def test_static_stats_equal_the_static_engine_step_for_step(model):
 
 def test_engine_equals_the_simulator_on_the_chapter_trace_without_watermark(model, trace):
     engine = LLMEngine(model, ec.NUM_BLOCKS, ec.BLOCK_SIZE, watermark=0.0)
-    engine.generate(ec.trace_prompts(trace), ec.trace_params(trace))
+    engine.generate(*ec.chapter_requests(trace))
     predicted, preemptions = simulated_blocks(ec.engine_requests(trace), ec.NUM_BLOCKS,
                                               ec.BLOCK_SIZE)
     assert engine.stats.blocks_used == predicted

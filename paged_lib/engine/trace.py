@@ -1,8 +1,9 @@
 """Serving a chapter-02 trace with the real engine, and what chapter 02's simulator predicts.
 
 :func:`trace_requests` turns a :mod:`paged_lib.workloads` trace (lengths only) into token
-prompts and ``SamplingParams(max_tokens=output_len, ignore_eos=True)``, so the engine
-produces exactly the trace's lengths.
+prompts (random ids, or the bytes of a text) and
+``SamplingParams(max_tokens=output_len, ignore_eos=True)``, so the engine produces exactly
+the trace's lengths.
 
 :func:`simulated_blocks` runs :func:`paged_lib.fragmentation.simulate_timeline` with the
 ``"paged"`` policy on the same trace and returns its blocks in use per step and its
@@ -31,13 +32,42 @@ from paged_lib.fragmentation import simulate_timeline
 from paged_lib.workloads import Request
 
 
-def trace_requests(requests: Sequence[Request], vocab_size: int, seed: int = 0
+def trace_requests(requests: Sequence[Request], vocab_size: int | None = None, seed: int = 0,
+                   *, text: str | None = None, bos_id: int | None = None
                    ) -> tuple[list[list[int]], list[SamplingParams]]:
-    """Random prompts of the trace's prompt lengths and params for its output lengths."""
-    rng = np.random.default_rng(seed)
-    prompts = [rng.integers(0, vocab_size, r.prompt_len).tolist() for r in requests]
+    """Prompts of the trace's prompt lengths, and params for exactly its output lengths.
+
+    Prompt ``i`` is ``prompt_len`` random ids below ``vocab_size`` (drawn from ``seed``), or,
+    given ``text``, ``prompt_len`` of its UTF-8 bytes starting at a line start (line
+    ``7 * i`` modulo the number of lines; the text repeats when a prompt is longer), so a
+    byte-level model continues readable text. With ``bos_id`` the prompt starts with it (one
+    token longer than ``prompt_len``). Params: greedy, ``max_tokens=output_len``,
+    ``ignore_eos=True``.
+    """
+    if text is None:
+        if vocab_size is None:
+            raise ValueError("random prompts need vocab_size (or pass text)")
+        rng = np.random.default_rng(seed)
+        bodies = [rng.integers(0, vocab_size, r.prompt_len).tolist() for r in requests]
+    else:
+        bodies = _text_prompts(requests, text.encode())
+    prompts = bodies if bos_id is None else [[bos_id] + body for body in bodies]
+    if vocab_size is not None and any(t >= vocab_size for p in prompts for t in p):
+        raise ValueError(f"a prompt token is outside the vocabulary of {vocab_size} ids")
     params = [SamplingParams(max_tokens=r.output_len, ignore_eos=True) for r in requests]
     return prompts, params
+
+
+def _text_prompts(requests: Sequence[Request], data: bytes) -> list[list[int]]:
+    if not data:
+        raise ValueError("text must not be empty")
+    starts = [0] + [k + 1 for k, b in enumerate(data[:-1]) if b == ord("\n")]
+    prompts = []
+    for i, r in enumerate(requests):
+        start = starts[(7 * i) % len(starts)]
+        body = (data[start:] + data) * (1 + r.prompt_len // len(data))
+        prompts.append(list(body[:r.prompt_len]))
+    return prompts
 
 
 def arrival_steps(requests: Sequence[Request]) -> list[int]:
@@ -67,38 +97,3 @@ def simulated_blocks(requests: Sequence[Request], num_blocks: int, block_size: i
     for a in tl.allocations:
         per_step[a.start:a.end] += a.size // block_size
     return per_step.tolist(), tl.preemptions
-
-
-def preemption_tradeoff(model, requests: Sequence[Request], kv_tokens: int,
-                        block_sizes: Sequence[int], num_cpu_blocks_factor: int = 4,
-                        seed: int = 0) -> list[dict]:
-    """Swap vs recompute on one trace and one KV budget, for each block size (paper §7.3).
-
-    For every block size the same requests run twice on ``kv_tokens // block_size``
-    blocks: once preempting by ``"swap"`` (CPU pool ``num_cpu_blocks_factor`` times
-    bigger), once by ``"recompute"``. Each row: ``block_size``, ``mode``, ``steps``,
-    ``preemptions``, ``swapped_blocks``, ``swapped_bytes`` (K and V, all layers, both
-    directions), ``recomputed_tokens`` and ``seconds`` (wall clock: varies by machine).
-    """
-    from time import perf_counter
-
-    from paged_lib.accounting import kv_bytes_per_token
-    from paged_lib.engine.llm_engine import LLMEngine
-
-    prompts, params = trace_requests(requests, model.config.vocab_size, seed)
-    rows = []
-    for bs in block_sizes:
-        num_blocks = kv_tokens // bs
-        for mode in ("swap", "recompute"):
-            engine = LLMEngine(model, num_blocks, bs, preemption=mode,
-                               num_cpu_blocks=num_cpu_blocks_factor * num_blocks
-                               if mode == "swap" else 0)
-            start = perf_counter()
-            engine.generate(prompts, params)
-            s = engine.stats
-            rows.append({"block_size": bs, "mode": mode, "steps": s.steps,
-                         "preemptions": s.preemptions, "swapped_blocks": s.swapped_blocks,
-                         "swapped_bytes": s.swapped_blocks * bs * kv_bytes_per_token(model.config),
-                         "recomputed_tokens": s.recomputed_tokens,
-                         "seconds": perf_counter() - start})
-    return rows

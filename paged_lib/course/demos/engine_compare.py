@@ -4,9 +4,10 @@ The "before" system (:class:`paged_lib.engine.static_batching.StaticBatchingEngi
 the simulator's prediction (:func:`paged_lib.engine.trace.simulated_blocks`) live with the
 engine; this module adds what the chapters feed them and read from them:
 
-* :func:`chapter_trace`, :func:`trace_prompts`, :func:`trace_params` - one mixed-length
-  trace as engine input: real code bytes as prompts (so the output is readable) and
-  ``ignore_eos`` with ``max_tokens = output_len`` (so lengths are exactly the trace's).
+* :func:`chapter_trace`, :func:`chapter_requests` - one mixed-length trace as engine input
+  (through :func:`paged_lib.engine.trace.trace_requests`): real code bytes as prompts (so
+  the output is readable) and ``ignore_eos`` with ``max_tokens = output_len`` (so lengths
+  are exactly the trace's).
 * :func:`static_stats` - the static system's steps in the engine's ``EngineStats`` shape,
   from chapter 02's ``static-max`` simulator (no model: the schedule follows from the
   lengths alone, and the static engine steps through the same schedule);
@@ -22,7 +23,9 @@ from collections.abc import Sequence
 from paged_lib import workloads
 from paged_lib.accounting import ModelSpec, kv_bytes_per_token
 from paged_lib.engine.sequence import EngineStats, RequestTimeline, SamplingParams
+from paged_lib.engine.trace import trace_requests
 from paged_lib.fragmentation import simulate_timeline
+from paged_lib.tokenizer import BOS_ID
 from paged_lib.util import cdiv
 from paged_lib.workloads import Request
 
@@ -68,37 +71,27 @@ def chapter_trace(num_requests: int = NUM_REQUESTS, seed: int = 0,
     """Alpaca-shaped lengths (chapter 02's synthetic trace), all arriving at step 0.
 
     Lengths are clipped to ``max_len - 1`` because the engine's prompt adds a BOS token
-    (:func:`trace_prompts`): every engine request then fits ``max_len``.
+    (:func:`chapter_requests`): every engine request then fits ``max_len``.
     """
     trace = workloads.alpaca_like(num_requests, seed=seed, max_len=max_len - 1)
     return [Request(r.prompt_len, r.output_len, 0.0) for r in trace]
 
 
-def trace_prompts(requests: Sequence[Request], bos_id: int = 256,
-                  text: str = CODE_TEXT) -> list[list[int]]:
-    """Prompt ``i``: BOS, then ``prompt_len`` bytes of ``text`` from a line start.
+def chapter_requests(requests: Sequence[Request]) -> tuple[list[list[int]],
+                                                         list[SamplingParams]]:
+    """The trace as engine input (:func:`paged_lib.engine.trace.trace_requests`): prompt
+    ``i`` is BOS, then ``prompt_len`` bytes of :data:`CODE_TEXT` from a line start; params
+    ask for exactly ``output_len`` greedy tokens (EOS ignored).
 
     Byte ids are token ids for the course's byte-level tokenizer
     (:class:`paged_lib.tokenizer.ByteTokenizer`).
     """
-    data = text.encode()
-    starts = [0] + [k + 1 for k, b in enumerate(data[:-1]) if b == ord("\n")]
-    prompts = []
-    for i, r in enumerate(requests):
-        start = starts[(7 * i) % len(starts)]
-        body = (data[start:] + data) * (1 + r.prompt_len // len(data))
-        prompts.append([bos_id] + list(body[:r.prompt_len]))
-    return prompts
+    return trace_requests(requests, text=CODE_TEXT, bos_id=BOS_ID)
 
 
 def engine_requests(requests: Sequence[Request]) -> list[Request]:
     """The trace's lengths as the engine serves them: BOS + ``prompt_len`` prompt tokens."""
     return [Request(r.prompt_len + 1, r.output_len, r.arrival) for r in requests]
-
-
-def trace_params(requests: Sequence[Request]) -> list[SamplingParams]:
-    """Greedy, exactly ``output_len`` new tokens each (EOS ignored)."""
-    return [SamplingParams(max_tokens=r.output_len, ignore_eos=True) for r in requests]
 
 
 def static_stats(requests: Sequence[Request], num_blocks: int = NUM_BLOCKS,

@@ -247,7 +247,7 @@ def run_demo(build_metadata: Callable[..., Any], can_admit: Callable[..., Any],
 
     model = model if model is not None else load_tiny_code_llama()
     trace = ec.chapter_trace()
-    prompts, params = ec.trace_prompts(trace), ec.trace_params(trace)
+    prompts, params = ec.chapter_requests(trace)
     mine = LLMEngine(model, ec.NUM_BLOCKS, ec.BLOCK_SIZE, admission=can_admit,
                      build_metadata=build_metadata)
     try:

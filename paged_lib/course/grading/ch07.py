@@ -181,4 +181,5 @@ def pressure_requests() -> tuple[list[list[int]], list[SamplingParams]]:
     trace = ec.chapter_trace(7, seed=5, max_len=64)
     params = [SamplingParams(max_tokens=24, ignore_eos=True)] * 6 + [
         SamplingParams(max_tokens=24, n=2, temperature=0.8, seed=7, ignore_eos=True)]
-    return ec.trace_prompts(trace), params
+    prompts, _ = ec.chapter_requests(trace)
+    return prompts, params
