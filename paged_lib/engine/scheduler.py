@@ -110,7 +110,7 @@ class Scheduler:
                         ("max_num_batched_tokens", max_num_batched_tokens)):
             if v < 1:
                 raise ValueError(f"{name} must be >= 1, got {v}")
-        self.bm = block_manager
+        self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.watermark_blocks = watermark_blocks
@@ -147,7 +147,8 @@ class Scheduler:
         kept: list[SequenceGroup] = []
         while queue:
             group = queue.popleft()
-            while self.bm.append_blocks_needed(group) > self.bm.num_free_blocks:
+            while (self.block_manager.append_blocks_needed(group)
+                   > self.block_manager.num_free_blocks):
                 victim = queue.pop() if queue else group  # the newest group goes first
                 self._preempt(victim, out)
                 if victim is group:
@@ -162,14 +163,15 @@ class Scheduler:
             group = self.swapped[0]
             # its blocks come back, then it decodes: one more token per live sequence
             # (counted on its CPU tables, which share blocks exactly as they will)
-            need = self.bm.distinct_blocks(group) + self.bm.append_blocks_needed(group)
+            need = (self.block_manager.distinct_blocks(group)
+                    + self.block_manager.append_blocks_needed(group))
             seqs = len(group.live_seqs())
             fits = self.admission(need, seqs, seqs, self._budget(out))
-            alone = out.is_empty() and need <= self.bm.num_free_blocks  # progress rule
+            alone = out.is_empty() and need <= self.block_manager.num_free_blocks  # progress rule
             if not (fits or alone):
                 break
             self.swapped.popleft()
-            out.swap_in += self.bm.swap_in(group)
+            out.swap_in += self.block_manager.swap_in(group)
             self._schedule_decode(group, out)
             self.running.append(group)
             group.timeline.admitted_steps.append(self.step)
@@ -177,7 +179,7 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput) -> None:
         while self.waiting:
             group = self.waiting[0]
-            need = self.bm.prefill_blocks_needed(group)
+            need = self.block_manager.prefill_blocks_needed(group)
             seqs = group.live_seqs()
             tokens = sum(s.num_tokens for s in seqs)
             # a fresh n > 1 group forks after its prefill: count the sequences it will be
@@ -185,12 +187,12 @@ class Scheduler:
             fits = self.admission(need, num_seqs, tokens, self._budget(out))
             # progress rule: a group alone in an empty step is admitted if its blocks are
             # free, even when its tokens exceed max_num_batched_tokens
-            alone = out.is_empty() and need <= self.bm.num_free_blocks
+            alone = out.is_empty() and need <= self.block_manager.num_free_blocks
             if not (fits or alone):
                 break
             self.waiting.popleft()
             for seq in seqs:
-                slots = self.bm.allocate(seq)
+                slots = self.block_manager.allocate(seq)
                 self._add_copies(slots, out)
                 seq.status = SequenceStatus.RUNNING
                 out.scheduled.append(ScheduledSeq(group, seq, seq.num_tokens, slots, True))
@@ -202,7 +204,7 @@ class Scheduler:
 
     def _schedule_decode(self, group: SequenceGroup, out: SchedulerOutput) -> None:
         for seq in group.live_seqs():
-            slot = self.bm.append_slot(seq)
+            slot = self.block_manager.append_slot(seq)
             self._add_copies([slot], out)
             seq.status = SequenceStatus.RUNNING
             out.scheduled.append(ScheduledSeq(group, seq, 1, [slot], False))
@@ -212,8 +214,9 @@ class Scheduler:
         out.blocks_to_copy += [s.copy for s in slots if s.copy is not None]
 
     def _budget(self, out: SchedulerOutput) -> Budget:
-        return Budget(self.bm.num_free_blocks, self.watermark_blocks, len(out.scheduled),
-                      self.max_num_seqs, out.num_batched_tokens, self.max_num_batched_tokens)
+        return Budget(self.block_manager.num_free_blocks, self.watermark_blocks,
+                      len(out.scheduled), self.max_num_seqs, out.num_batched_tokens,
+                      self.max_num_batched_tokens)
 
     def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
         """All or nothing: the whole group leaves the GPU pool.
@@ -222,14 +225,14 @@ class Scheduler:
         """
         out.preempted.append(group)
         group.timeline.preempted_steps.append(self.step)
-        if self.preemption == "swap" and self.bm.can_swap_out(group):
-            out.swap_out += self.bm.swap_out(group)
+        if self.preemption == "swap" and self.block_manager.can_swap_out(group):
+            out.swap_out += self.block_manager.swap_out(group)
             for seq in group.live_seqs():
                 seq.status = SequenceStatus.SWAPPED
             self.swapped.appendleft(group)
             return
         for seq in group.live_seqs():
-            self.bm.free(seq)
+            self.block_manager.free(seq)
             seq.num_cached = 0
             seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(group)
@@ -261,7 +264,7 @@ class Scheduler:
             for seq in group.live_seqs():
                 if self._is_done(seq, group, eos_token_id):
                     seq.status = SequenceStatus.FINISHED
-                    self.bm.free(seq)
+                    self.block_manager.free(seq)
             if group.is_finished():
                 group.timeline.finished_step = self.step
                 finished.append(group)
