@@ -42,18 +42,10 @@ def to_padded(block_tables: list[list[int]], seq_lens: list[int], block_size: in
     return out, torch.tensor(seq_lens, dtype=torch.int32)
 
 
-def from_padded(block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                block_size: int) -> tuple[list[list[int]], list[int]]:
-    """vLLM's padded tensors back to Python lists, dropping the padding."""
-    counts = _num_blocks(seq_lens, block_size).tolist()
-    rows = block_tables.tolist()
-    return [row[:n] for row, n in zip(rows, counts, strict=True)], seq_lens.tolist()
-
-
 def padded_to_csr(block_tables: torch.Tensor, seq_lens: torch.Tensor,
                   block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(block_tables, seq_lens)`` to ``(kv_indptr, kv_page_indices, kv_last_page_len)``."""
-    num_pages = _num_blocks(seq_lens, block_size)
+    num_pages = cdiv(seq_lens, block_size)
     kv_indptr = torch.zeros(len(seq_lens) + 1, dtype=torch.int32)
     kv_indptr[1:] = torch.cumsum(num_pages, 0)
     used = torch.arange(block_tables.shape[1]) < num_pages[:, None]  # [num_seqs, max_blocks]
@@ -76,27 +68,6 @@ def csr_to_padded(kv_indptr: torch.Tensor, kv_page_indices: torch.Tensor,
     block_tables[torch.arange(width) < num_pages[:, None]] = kv_page_indices.to(torch.int32)
     seq_lens = ((num_pages - 1).clamp(min=0) * block_size + kv_last_page_len).to(torch.int32)
     return block_tables, seq_lens
-
-
-def to_csr(block_tables: list[list[int]], seq_lens: list[int],
-           block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Python lists to FlashInfer's CSR triple."""
-    return padded_to_csr(*to_padded(block_tables, seq_lens, block_size), block_size)
-
-
-def from_csr(kv_indptr: torch.Tensor, kv_page_indices: torch.Tensor,
-             kv_last_page_len: torch.Tensor, block_size: int
-             ) -> tuple[list[list[int]], list[int]]:
-    """FlashInfer's CSR triple back to Python lists."""
-    indptr, pages = kv_indptr.tolist(), kv_page_indices.tolist()
-    blocks = [pages[start:end] for start, end in zip(indptr, indptr[1:], strict=False)]
-    seq_lens = [(len(b) - 1) * block_size + last if b else 0
-                for b, last in zip(blocks, kv_last_page_len.tolist(), strict=True)]
-    return blocks, seq_lens
-
-
-def _num_blocks(seq_lens: torch.Tensor, block_size: int) -> torch.Tensor:
-    return cdiv(seq_lens, block_size)
 
 
 def _check_lists(block_tables: list[list[int]], seq_lens: list[int], block_size: int) -> None:

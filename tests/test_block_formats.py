@@ -7,14 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from paged_lib.block_formats import (
-    csr_to_padded,
-    from_csr,
-    from_padded,
-    padded_to_csr,
-    to_csr,
-    to_padded,
-)
+from paged_lib.block_formats import csr_to_padded, padded_to_csr, to_padded
 from paged_lib.blocks import BlockAllocator, BlockTable
 
 FAST = settings(max_examples=150, derandomize=True, deadline=None)
@@ -28,6 +21,31 @@ def batches(draw):
     tables = [draw(st.lists(st.integers(0, 99), min_size=-(-n // block_size),
                             max_size=-(-n // block_size))) for n in seq_lens]
     return tables, seq_lens, block_size
+
+
+# Python-list views of the two layouts: the tests' way to build and read them back (the
+# library's kernels and chapter 03 only need to_padded, padded_to_csr and csr_to_padded).
+
+
+def to_csr(block_tables, seq_lens, block_size):
+    """Python lists to FlashInfer's CSR triple, through the padded layout."""
+    return padded_to_csr(*to_padded(block_tables, seq_lens, block_size), block_size)
+
+
+def from_padded(block_tables, seq_lens, block_size):
+    """vLLM's padded tensors back to Python lists, dropping the padding."""
+    lens = seq_lens.tolist()
+    return [row[:-(-n // block_size)] for row, n in zip(block_tables.tolist(), lens,
+                                                         strict=True)], lens
+
+
+def from_csr(kv_indptr, kv_page_indices, kv_last_page_len, block_size):
+    """FlashInfer's CSR triple back to Python lists."""
+    indptr, pages = kv_indptr.tolist(), kv_page_indices.tolist()
+    blocks = [pages[start:end] for start, end in zip(indptr, indptr[1:], strict=False)]
+    seq_lens = [(len(b) - 1) * block_size + last if b else 0
+                for b, last in zip(blocks, kv_last_page_len.tolist(), strict=True)]
+    return blocks, seq_lens
 
 
 def slots_padded(block_tables, seq_lens, block_size):
