@@ -30,11 +30,12 @@ from typing import Any
 import nbformat
 import pytest
 
+from paged_lib.course.notebooks import code_cells, exercise_headings, solution_spans
+
 ROOT = Path(__file__).resolve().parent.parent
 SOLUTIONS = sorted((ROOT / "solutions").glob("[0-9][0-9]_*.ipynb"))
-GRADERS = sorted((ROOT / "paged_lib" / "grading").glob("ch[0-9][0-9].py"))
+GRADERS = sorted((ROOT / "paged_lib" / "course" / "grading").glob("ch[0-9][0-9].py"))
 MAX_SHARE = 0.40
-HEADING = re.compile(r"^#+\s*Exercise\s+(\d+\.\d+)", re.M)
 TOKEN = re.compile(r"#.*|[rbfu]*'[^']*'|[rbfu]*\"[^\"]*\"|[A-Za-z_]\w*|\d[\w.]*"
                    r"|==|!=|<=|>=|//|\*\*|->|:=|[^\s\w]")
 GENERIC = {"_", "=", "(", ")", ",", ":", "[", "]", "return", "*", "**"}
@@ -68,15 +69,12 @@ def solution_regions(path: Path) -> dict[str, list[str]]:
     regions: dict[str, list[str]] = {}
     current = None
     for cell in nbformat.read(path, as_version=4).cells:
-        if cell.cell_type == "markdown" and (m := HEADING.search(cell.source)):
-            current = m.group(1)
-        elif cell.cell_type == "code" and current and "### BEGIN SOLUTION" in cell.source:
-            inside = False
-            for line in cell.source.split("\n"):
-                if line.strip() in ("### BEGIN SOLUTION", "### END SOLUTION"):
-                    inside = line.strip() == "### BEGIN SOLUTION"
-                elif inside:
-                    regions.setdefault(current, []).append(line)
+        if headings := exercise_headings(cell):
+            current = headings[-1][0]
+        elif cell.cell_type == "code" and current:
+            lines = cell.source.split("\n")
+            for begin, end in solution_spans(cell.source):
+                regions.setdefault(current, []).extend(lines[begin:end - 1])
     return regions
 
 
@@ -96,11 +94,10 @@ def output_text(cell: Any) -> str:
 def shown_lines(chapter: Path) -> set[str]:
     """Normalised lines of every code cell's source and text output of a notebook."""
     shown: set[str] = set()
-    for cell in nbformat.read(chapter, as_version=4).cells:
-        if cell.cell_type == "code":
-            for line in (cell.source + "\n" + output_text(cell)).split("\n"):
-                if (norm := normalise(line)) is not None:
-                    shown.add(norm)
+    for _, cell in code_cells(nbformat.read(chapter, as_version=4)):
+        for line in (cell.source + "\n" + output_text(cell)).split("\n"):
+            if (norm := normalise(line)) is not None:
+                shown.add(norm)
     return shown
 
 
@@ -165,9 +162,7 @@ def shown_objects(nb: nbformat.NotebookNode) -> list[tuple[int, str, Any]]:
     """(cell, expression, object) for each argument of show_source/getsource calls."""
     ns: dict[str, Any] = {}
     trees = []
-    for i, cell in enumerate(nb.cells):
-        if cell.cell_type != "code":
-            continue
+    for i, cell in code_cells(nb):
         try:
             tree = ast.parse(cell.source)
         except SyntaxError:  # IPython magics: nothing of interest to us there
@@ -212,8 +207,7 @@ def twin_problems(nb: nbformat.NotebookNode, twins: list[tuple[str, str, Any]]) 
     """Every place where a notebook shows a twin's source, as a sentence."""
     problems = []
     shown = [(i, expr, span(obj)) for i, expr, obj in shown_objects(nb)]
-    outputs = {line.strip() for c in nb.cells if c.cell_type == "code"
-               for line in output_text(c).split("\n")}
+    outputs = {line.strip() for _, c in code_cells(nb) for line in output_text(c).split("\n")}
     for ex_id, dotted, obj in twins:
         target = span(obj)
         for i, expr, where in shown:

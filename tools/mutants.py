@@ -20,6 +20,12 @@ Triton kernel reading wild memory in the interpreter segfaults) are *crashed*; n
 them counts. A grader module may
 declare ``EQUIVALENT_MUTANTS = {"NN.k": {"<mutant label>": "why it changes nothing"}}``
 for mutants that compute the same thing; those do not count either.
+
+Exercises, solution regions and code cells are read as everywhere else
+(:mod:`paged_lib.course.notebooks`), and the cells run in the notebook's folder, but not
+in a Jupyter kernel (:func:`paged_lib.course.notebooks.execute`): each mutant needs the
+state the cells above left, and a forked child of this process gets it for free in
+milliseconds, where a kernel would re-run every cell above for every mutant.
 """
 
 from __future__ import annotations
@@ -51,11 +57,10 @@ import paged_lib  # noqa: E402,F401,I001  (before anything imports triton)
 # isort: split
 import nbformat  # noqa: E402
 
-from paged_lib.course import grading  # noqa: E402
+from paged_lib.course import grading, notebooks  # noqa: E402
+from paged_lib.course.notebooks import BEGIN_SOLUTION, code_cells, solution_spans  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-HEADING = re.compile(r"^#+\s*Exercise\s+(\d+\.\d+)", re.M)
-BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
 CHECK = re.compile(r"\bcheck\w*\(|\bgrading\.")
 SWAPS = {ast.Add: ast.Sub, ast.Sub: ast.Add, ast.Mult: ast.FloorDiv, ast.FloorDiv: ast.Mult,
          ast.Mod: ast.FloorDiv}
@@ -106,32 +111,21 @@ def find_exercises(nb: nbformat.NotebookNode) -> list[Exercise]:
     calls a ``check...`` or ``grading`` function (else the first later code cell)."""
     found: list[Exercise] = []
     candidates: list[int] = []
-    for i, cell in enumerate(nb.cells + [nbformat.v4.new_markdown_cell("### Exercise 0.0")]):
-        heading = cell.cell_type == "markdown" and HEADING.search(cell.source)
+    end = nbformat.v4.new_markdown_cell("### Exercise 0.0: end of the notebook")
+    for i, cell in enumerate(nb.cells + [end]):
+        heading = notebooks.exercise_headings(cell)
         if heading and found and found[-1].solution_cells and candidates:
             checks = [k for k in candidates if CHECK.search(nb.cells[k].source)]
             found[-1].check_cell = (checks or candidates)[0]
         if heading:
-            found.append(Exercise(heading.group(1), [], -1))
+            found.append(Exercise(heading[0][0], [], -1))
             candidates = []
         elif cell.cell_type == "code" and found:
-            if BEGIN in cell.source and not candidates:
+            if BEGIN_SOLUTION in cell.source and not candidates:
                 found[-1].solution_cells.append(i)
             elif found[-1].solution_cells:
                 candidates.append(i)
     return [ex for ex in found if ex.solution_cells and ex.check_cell >= 0]
-
-
-def _regions(source: str) -> list[tuple[int, int]]:
-    """1-based line ranges strictly inside BEGIN/END SOLUTION markers."""
-    spans, start = [], None
-    for n, line in enumerate(source.split("\n"), 1):
-        if line.strip() == BEGIN:
-            start = n
-        elif line.strip() == END and start is not None:
-            spans.append((start, n))
-            start = None
-    return spans
 
 
 def _droppable(stmt: ast.stmt, tree: ast.AST) -> bool:
@@ -222,7 +216,7 @@ def mutants(source: str, ex_id: str, cap: int) -> list[tuple[str, str]]:
     code = _python(source)
     tree = ast.parse(code)
     by_kind: dict[str, list] = {k: [] for k in KINDS}
-    for cand in _candidates(tree, _regions(source)):
+    for cand in _candidates(tree, solution_spans(source)):
         by_kind[cand[1]].append(cand)
     for kind, cands in by_kind.items():
         random.Random(f"{ex_id}:{kind}").shuffle(cands)
@@ -370,11 +364,14 @@ def run_notebook(path: Path, cap: int = 12, triton_cap: int = 8, timeout: float 
     the grader modules declare (for tests of this tool). The notebook itself runs in a
     forked child too, so its cells change nothing in the calling process (a test run).
     """
+    path = Path(path).resolve()
+
     def run() -> list[Report]:
         import torch
 
         torch.set_num_threads(1)  # no OpenMP pool in this child: forking it stays safe
-        return _run_notebook(path, cap, triton_cap, timeout, log, equivalent, budget)
+        with contextlib.chdir(path.parent):  # the notebook's folder, as its kernel has
+            return _run_notebook(path, cap, triton_cap, timeout, log, equivalent, budget)
 
     if not hasattr(os, "fork"):
         return run()
@@ -387,15 +384,17 @@ def run_notebook(path: Path, cap: int = 12, triton_cap: int = 8, timeout: float 
 
 def _run_notebook(path: Path, cap: int, triton_cap: int, timeout: float, log,
                   equivalent: dict[str, str] | None, budget: float) -> list[Report]:
-    nb = nbformat.read(path, as_version=4)
+    nb = notebooks.read(path)
     exercises = {ex.solution_cells[0]: ex for ex in find_exercises(nb)}
     ns: dict = {"__name__": "__main__"}
     reports: list[Report] = []
     done = set()
     quiet = io.StringIO()
     last = max((ex.check_cell for ex in exercises.values()), default=-1)
-    for i, cell in enumerate(nb.cells[:last + 1]):  # nothing after the last check is needed
-        if cell.cell_type != "code" or i in done:
+    for i, cell in code_cells(nb):
+        if i > last:  # nothing after the last check is needed
+            break
+        if i in done:
             continue
         ex = exercises.get(i)
         if ex is None:
@@ -408,7 +407,7 @@ def _run_notebook(path: Path, cap: int, triton_cap: int, timeout: float, log,
             continue
         snapshot = dict(ns)
         idx = list(range(ex.solution_cells[0], ex.check_cell + 1))
-        code = [i for i in idx if nb.cells[i].cell_type == "code"]
+        code = [k for k, _ in code_cells(nb) if k in idx]
         sols = [nb.cells[k].source for k in code if k in ex.solution_cells]
         rest = [nb.cells[k].source for k in code if k not in ex.solution_cells]
         start = time.perf_counter()

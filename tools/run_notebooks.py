@@ -3,39 +3,23 @@
 
     python tools/run_notebooks.py notebooks/01_kv_bytes.ipynb solutions/01_kv_bytes.ipynb
 
-Each notebook runs in a fresh kernel whose working directory is the notebook's folder
-(as nbval and JupyterLab run it), with a fixed hash seed, and prints its wall time. A
-cell error stops that notebook and the script exits non-zero without saving it.
+Each notebook runs in a fresh kernel whose working directory is the notebook's folder,
+with a fixed hash seed, and stores no timestamps or widget state
+(:func:`paged_lib.course.notebooks.execute`); the script prints each wall time. A cell
+error stops that notebook and the script exits non-zero without saving it.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
 
 import nbformat
-from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
-
-def execute(path: Path, timeout: int = 600) -> float:
-    nb = nbformat.read(path, as_version=4)
-    os.environ.setdefault("PYTHONHASHSEED", "0")
-    client = NotebookClient(nb, timeout=timeout, kernel_name="python3",
-                            extra_arguments=["--IPKernelApp.log_level=ERROR"],
-                            record_timing=False,  # timestamps per cell only churn diffs
-                            resources={"metadata": {"path": str(path.parent)}})
-    start = time.perf_counter()
-    client.execute()
-    nb.metadata.pop("widgets", None)  # random model ids: storing them churns git diffs
-    for cell in nb.cells:
-        cell.metadata.pop("execution", None)
-    elapsed = time.perf_counter() - start
-    nbformat.write(nb, path)
-    return elapsed
+from paged_lib.course.notebooks import execute
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,12 +29,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     failed = 0
     for path in args.paths:
+        start = time.perf_counter()
         try:
-            seconds = execute(path, args.timeout)
+            nb = execute(path, args.timeout)
         except CellExecutionError as err:
             failed += 1
             print(f"FAILED {path}:\n{str(err)[-3000:]}", file=sys.stderr)
             continue
+        seconds = time.perf_counter() - start
+        nbformat.write(nb, path)
         print(f"{seconds:6.1f} s  {path}")
     return 1 if failed else 0
 

@@ -4,11 +4,11 @@
     python -m paged_lib.course.grading.scoreboard --chapter 03    # one chapter
     python -m paged_lib.course.grading.scoreboard --strict        # unfinished counts as failed
 
-Each notebook runs under nbval (``pytest --nbval-lax``): a fresh kernel in the notebook's
-own folder, one test per code cell, going on after an error so one unfinished exercise
-does not hide the next. Exercises are found
-by their Markdown headings (``### Exercise 03.2: title``); each check cell prints a
-verdict line (see :mod:`paged_lib.course.grading`) that is collected here.
+Each notebook runs in a fresh kernel in its own folder
+(:func:`paged_lib.course.notebooks.execute`), every cell whatever the cells above did,
+so one unfinished exercise does not hide the next. Exercises are found by their Markdown
+headings (``### Exercise 03.2: title``); each check cell prints a verdict line (see
+:mod:`paged_lib.course.grading`) that is collected here.
 
 Exit status: 1 if any exercise failed (or, with ``--strict``, is unfinished), else 0.
 """
@@ -16,19 +16,15 @@ Exit status: 1 if any exercise failed (or, with ``--strict``, is unfinished), el
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import re
-import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from paged_lib.course import notebooks
 from paged_lib.course.grading import FAIL, PASS, TODO, VERDICT_RE
 
-HEADING_RE = re.compile(r"^#+\s*Exercise\s+(\d+\.\d+)\s*[:.\-\u2014]\s*(.+?)\s*$", re.M)
 _VERDICT = re.compile(VERDICT_RE + r"(.*)$", re.M)
 STATUS = {PASS: "passed", FAIL: "failed", TODO: "not attempted"}
 
@@ -73,12 +69,10 @@ def collect(nb, path: Path) -> NotebookResult:
     by_id: dict[str, Exercise] = {}
     section = None
     for i, cell in enumerate(nb.cells):
-        if cell.cell_type == "markdown":
-            for ex_id, title in HEADING_RE.findall(cell.source):
-                by_id[ex_id] = Exercise(ex_id, title)
-                result.exercises.append(by_id[ex_id])
-                section = ex_id
-            continue
+        for ex_id, title in notebooks.exercise_headings(cell):
+            by_id[ex_id] = Exercise(ex_id, title)
+            result.exercises.append(by_id[ex_id])
+            section = ex_id
         if cell.cell_type != "code":
             continue
         for mark, ex_id, rest in _VERDICT.findall(_text(cell.get("outputs", []))):
@@ -104,46 +98,14 @@ def collect(nb, path: Path) -> NotebookResult:
     return result
 
 
-def run_notebooks(paths: list[Path], timeout: int = 600) -> list:
-    """Execute notebooks under nbval (``pytest --nbval-lax``) and return them with outputs.
-
-    Each code cell is one nbval test run in a fresh kernel per notebook, in the notebook's
-    folder; a failing cell does not stop the cells after it. Nothing is saved back.
-    """
-    import nbformat
-
-    with tempfile.TemporaryDirectory() as tmp:
-        record = Path(tmp) / "outputs.json"
-        cmd = [sys.executable, "-m", "pytest", "--nbval-lax", "-p", "no:cacheprovider",
-               "-p", "paged_lib.course.grading.nbval_plugin", f"--scoreboard-json={record}",
-               f"--nbval-cell-timeout={timeout}", "--tb=no", "-q", "--no-header", "-rN",
-               "-W", "ignore", *map(str, paths)]
-        env = {**os.environ, "PYTHONHASHSEED": os.environ.get("PYTHONHASHSEED", "0")}
-        proc = subprocess.run(cmd, env=env, text=True, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT)
-        if not record.exists():
-            raise RuntimeError(f"nbval did not run the notebooks:\n{proc.stdout or ''}")
-        recorded = json.loads(record.read_text())
-    notebooks = []
-    for path in paths:
-        nb = nbformat.read(path, as_version=4)
-        cells = recorded.get(str(path.resolve()), {})
-        code = [c for c in nb.cells if c.cell_type == "code"]
-        for k, cell in enumerate(code):
-            cell.outputs = [nbformat.from_dict(o) for o in cells.get(str(k), [])]
-        notebooks.append(nb)
-    return notebooks
-
-
 def grade(paths: list[Path], timeout: int = 600, progress: bool = False) -> list[NotebookResult]:
-    """Run each notebook under nbval and read its exercises' verdicts."""
+    """Run each notebook (every cell, going on after errors) and read its verdicts."""
     results = []
     for path in map(Path, paths):
         if progress:
             print(f"  {path.name} ...", end="", flush=True)
         start = time.perf_counter()
-        [nb] = run_notebooks([path], timeout)
-        results.append(collect(nb, path))
+        results.append(collect(notebooks.execute(path, timeout, keep_going=True), path))
         if progress:
             print(f" {time.perf_counter() - start:.0f} s", flush=True)
     return results
@@ -182,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     if not paths:
         print(f"no notebooks match {args.folder / pattern}", file=sys.stderr)
         return 2
-    print(f"Grading {len(paths)} notebook(s) in {args.folder}/ (each runs under nbval):",
+    print(f"Grading {len(paths)} notebook(s) in {args.folder}/ (each in a fresh kernel):",
           flush=True)
     results = grade(paths, args.timeout, progress=True)
     text, counts = render(results)
