@@ -20,7 +20,7 @@ import mutants  # noqa: E402
 SOLUTIONS = sorted((ROOT / "solutions").glob("[0-9][0-9]_*.ipynb"))
 MIN_KILL_RATE = 0.95
 
-STRONG = """from paged_lib import grading
+STRONG = """from paged_lib.course import grading
 def check(f):
     with grading.exercise("99.1", "Last block"):
         for n, b, want in [(0, 4, 0), (1, 4, 1), (4, 4, 4), (5, 4, 1), (8, 4, 4), (3, 1, 1)]:
