@@ -144,6 +144,12 @@ def test_timeline_draws_one_bar_per_run_and_marks_preemptions(paged):
     run_bars = [p for p in ax.patches if p.get_facecolor()[:3] ==
                 matplotlib.colors.to_rgb(viz.RUN_COLOR)]
     assert len(run_bars) == sum(len(t.running_intervals()) for t in engine.stats.requests)
+    wait_bars = [p for p in ax.patches if p.get_facecolor()[:3] ==
+                 matplotlib.colors.to_rgb(viz.WAIT_COLOR)]
+    waits = sorted((b.get_y(), b.get_x(), b.get_x() + b.get_width()) for b in wait_bars)
+    assert waits == sorted((row - 0.4, a, b) for row, t in enumerate(engine.stats.requests)
+                           for a, b in t.waiting_intervals())
+    assert engine.stats.preemptions > 0  # so some requests wait twice
     marks = [line for line in ax.get_lines()
              if line.get_color() == viz.PREEMPT_COLOR]
     assert len(marks) == engine.stats.preemptions

@@ -89,14 +89,12 @@ def plot_timeline(stats: EngineStats, title: str = "") -> Figure:
     n = len(stats.requests)
     fig, ax = plt.subplots(figsize=(9, max(2.5, 0.12 * n + 1.2)))
     for row, tl in enumerate(stats.requests):
-        runs = tl.running_intervals()
-        first = runs[0][0] if runs else stats.steps
-        ax.barh(row, first - tl.arrival_step, left=tl.arrival_step, height=0.8,
-                color=WAIT_COLOR)
-        for k, (a, b) in enumerate(runs):
-            if k:  # waiting again between a preemption and the re-admission
-                ax.barh(row, a - runs[k - 1][1], left=runs[k - 1][1], height=0.8,
-                        color=WAIT_COLOR)
+        # a request never admitted (refused) waited until the end
+        waits = tl.waiting_intervals() if tl.admitted_steps else [(tl.arrival_step,
+                                                                   stats.steps)]
+        for a, b in waits:
+            ax.barh(row, b - a, left=a, height=0.8, color=WAIT_COLOR)
+        for a, b in tl.running_intervals():
             ax.barh(row, b - a, left=a, height=0.8, color=RUN_COLOR)
         for p in tl.preempted_steps:
             ax.plot([p, p], [row - 0.45, row + 0.45], color=PREEMPT_COLOR, lw=1.5)
