@@ -21,20 +21,11 @@ from hypothesis.stateful import (
 )
 
 from paged_lib.blocks import BlockAllocator, BlockTable, OutOfBlocks, Slot
+from paged_lib.course.grading.toy_pool import busy_pool
 
 
 def grow(table: BlockTable, n: int) -> list[Slot]:
     return [table.append_token() for _ in range(n)]
-
-
-def busy_pool(num_blocks: int, free_in_order: tuple[int, ...]) -> BlockAllocator:
-    """A pool where every block was taken and then ``free_in_order`` came back."""
-    allocator = BlockAllocator(num_blocks)
-    for _ in range(num_blocks):
-        allocator.allocate()
-    for b in free_in_order:
-        allocator.free(b)
-    return allocator
 
 
 # ---------------------------------------------------------------- the allocator
@@ -109,7 +100,7 @@ def test_incref_of_a_free_block_raises():
 
 
 def test_worked_example_40_tokens_in_blocks_5_2_9():
-    """Note 001 §9.2: 40 tokens, block size 16 -> blocks 5, 2, 9 filled 16, 16, 8."""
+    """Chapter 03's example: 40 tokens, block size 16 -> blocks 5, 2, 9 filled 16, 16, 8."""
     allocator = busy_pool(12, (5, 2, 9))
     table = BlockTable(allocator, block_size=16)
     slots = grow(table, 40)

@@ -15,6 +15,7 @@ from typing import Any
 
 from paged_lib.blocks import BlockAllocator, BlockTable, OutOfBlocks, Slot
 from paged_lib.course import grading
+from paged_lib.course.grading.toy_pool import busy_pool
 
 #: Exercise id -> the library object the learner's code re-implements.
 TWINS: dict[str, str] = {
@@ -22,17 +23,6 @@ TWINS: dict[str, str] = {
     "03.2": "paged_lib.blocks.BlockTable.fork",
     "03.3": "paged_lib.blocks.BlockAllocator.free",
 }
-
-
-def busy_pool(num_blocks: int, free_in_order: tuple[int, ...] | None) -> BlockAllocator:
-    """A pool whose free list is exactly ``free_in_order`` (None: a fresh pool)."""
-    allocator = BlockAllocator(num_blocks)
-    if free_in_order is not None:
-        for _ in range(num_blocks):
-            allocator.allocate()
-        for b in free_in_order:
-            allocator.free(b)
-    return allocator
 
 
 # ------------------------------------------------------------------ a world to replay

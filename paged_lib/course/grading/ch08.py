@@ -23,6 +23,7 @@ import torch
 from paged_lib import sharing
 from paged_lib.blocks import BlockAllocator, BlockTable, Slot
 from paged_lib.course import grading
+from paged_lib.course.grading.toy_pool import busy_pool
 from paged_lib.kernels.reference import gather_kv
 
 #: Exercise id -> the library object the learner's code re-implements.
@@ -41,15 +42,6 @@ EQUIVALENT_MUTANTS: dict[str, dict[str, str]] = {
 }
 
 
-def _busy_pool(num_blocks: int, free_in_order: tuple[int, ...]) -> BlockAllocator:
-    allocator = BlockAllocator(num_blocks)
-    for _ in range(num_blocks):
-        allocator.allocate()
-    for b in free_in_order:
-        allocator.free(b)
-    return allocator
-
-
 # ------------------------------------------------------------------ 08.1 apply_slot
 
 # name, block size, prompt length, samples, new tokens each, dtype
@@ -64,7 +56,7 @@ _KV_HEADS, _HEAD_DIM = 2, 8
 
 def cow_walkthrough() -> dict[str, Any]:
     """Chapter 08's copy-on-write example with the library: the flow and ref counts."""
-    allocator = _busy_pool(12, (7, 3, 9, 10, 11))
+    allocator = busy_pool(12, (7, 3, 9, 10, 11))
     prompt = BlockTable(allocator, 4)
     for _ in range(3):
         prompt.append_token()
@@ -86,7 +78,7 @@ def check_apply_slot(apply_slot: Callable[..., Any]) -> None:
 
 def _run_cow_scenario(apply_slot, name, block_size, prompt_len, n, new_tokens, dtype):
     g = torch.Generator().manual_seed(block_size * 100 + prompt_len)
-    allocator = _busy_pool(12, (7, 3, 9, 10, 11, 4, 2, 8, 5, 6, 0, 1))
+    allocator = busy_pool(12, (7, 3, 9, 10, 11, 4, 2, 8, 5, 6, 0, 1))
     shape = (12, block_size, _KV_HEADS, _HEAD_DIM)
     caches = {who: (torch.full(shape, float("nan"), dtype=dtype),
                     torch.full(shape, float("nan"), dtype=dtype)) for who in ("mine", "ref")}
