@@ -1,21 +1,21 @@
 """Checks for chapter 03 (block tables).
 
 Each check runs the learner's code next to the library's :mod:`paged_lib.blocks` on
-scripted scenarios, step by step. After every step it compares what a learner's bug
-would change: the slot, the table, the reference counts, the free list, and the tokens
-each sequence reads back from a toy KV store that applies every ``Slot`` (so a missing
-copy-on-write shows up as a sequence whose token was overwritten by another).
+scripted scenarios, step by step. This module holds the scenarios, the checks and the
+chapter's demo; the step-by-step comparison of ``append_token`` and ``fork`` (a toy KV
+store that applies every ``Slot``, and the hints that name each mistake) is
+:mod:`paged_lib.course.grading.ch03_replay`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
-from paged_lib.blocks import BlockAllocator, BlockTable, OutOfBlocks, Slot
+from paged_lib.blocks import BlockAllocator, BlockTable, Slot
 from paged_lib.course import grading
-from paged_lib.course.grading.toy_pool import busy_pool
+from paged_lib.course.grading.ch03_replay import World, replay
+from paged_lib.course.grading.toy_pool import busy_pool, pool_state
 
 #: Exercise id -> the library object the learner's code re-implements.
 TWINS: dict[str, str] = {
@@ -23,49 +23,6 @@ TWINS: dict[str, str] = {
     "03.2": "paged_lib.blocks.BlockTable.fork",
     "03.3": "paged_lib.blocks.BlockAllocator.free",
 }
-
-
-# ------------------------------------------------------------------ a world to replay
-
-@dataclass
-class _World:
-    """One pool, its named tables, a toy KV store and what each sequence should read."""
-
-    allocator: BlockAllocator
-    block_size: int
-    tables: dict[str, BlockTable] = field(default_factory=dict)
-    store: dict[int, list[Any]] = field(default_factory=dict)
-    tokens: dict[str, list[str]] = field(default_factory=dict)
-
-    def write(self, name: str, slot: Slot) -> None:
-        if slot.copy is not None:
-            src, dst = slot.copy
-            self.store[dst] = list(self.store.get(src, [None] * self.block_size))
-        row = self.store.setdefault(slot.block, [None] * self.block_size)
-        label = f"{name}:{len(self.tokens[name])}"
-        if 0 <= slot.offset < self.block_size:
-            row[slot.offset] = label
-        self.tokens[name].append(label)
-
-    def read(self, name: str) -> list[Any]:
-        """What ``name``'s sequence reads through its table (the kernel's view)."""
-        table, out = self.tables[name], []
-        for t in range(table.num_tokens):
-            blocks = table.blocks
-            j = t // self.block_size
-            block = blocks[j] if j < len(blocks) else None
-            out.append(self.store.get(block, [None] * self.block_size)[t % self.block_size])
-        return out
-
-
-def _state(world: _World) -> tuple[list[int], list[int]]:
-    return list(world.allocator.ref_counts), list(world.allocator.free_block_ids)
-
-
-def _slot_str(slot: Any) -> str:
-    if isinstance(slot, Slot):
-        return f"Slot(block={slot.block}, offset={slot.offset}, copy={slot.copy})"
-    return repr(slot)
 
 
 # ------------------------------------------------------------------ 03.1 append_token
@@ -97,162 +54,9 @@ def check_append_token(append_token: Callable[[BlockTable], Any]) -> None:
     """03.1: ``append_token(table) -> Slot`` with on-demand allocation and copy-on-write."""
     with grading.exercise("03.1", "append_token with copy-on-write"):
         for name, num_blocks, free_list, block_size, steps in _APPEND_SCENARIOS:
-            ref = _World(busy_pool(num_blocks, free_list), block_size)
-            mine = _World(busy_pool(num_blocks, free_list), block_size)
-            _replay(steps, ref, mine, name, append=append_token, fork=BlockTable.fork)
-
-
-def _replay(steps, ref: _World, mine: _World, scenario: str, *, append, fork) -> None:
-    n = 0
-    for step in steps:
-        kind, who = step[0], step[1]
-        count = step[2] if kind == "append" else 1
-        for world in (ref, mine):
-            if kind != "free" and who not in world.tables:
-                _new_table(world, who)
-        for _ in range(count):
-            n += 1
-            where = f"scenario '{scenario}', step {n}"
-            if kind == "append":
-                _append_step(ref, mine, who, f"{where} ({who} appends token "
-                             f"{ref.tables[who].num_tokens})", append)
-            elif kind == "fork":
-                _fork_step(ref, mine, who, step[2], f"{where} ({step[2]} = fork of {who})",
-                           fork)
-            else:
-                for world in (ref, mine):
-                    world.tables.pop(who).free()
-            _compare(ref, mine, f"{where} ({kind} {who})")
-
-
-class _Table(BlockTable):
-    """The grader's tables: a subclass, so a fork that builds a plain BlockTable shows."""
-
-
-def _new_table(world: _World, name: str) -> None:
-    world.tables[name] = _Table(world.allocator, world.block_size)
-    world.tokens[name] = []
-
-
-def _append_step(ref: _World, mine: _World, who: str, where: str, append) -> None:
-    try:
-        expected = ref.tables[who].append_token()
-    except OutOfBlocks:
-        expected = None
-    table = mine.tables[who]
-    before = (_state(mine), table.blocks, table.num_tokens)
-    try:
-        got = append(table)
-    except OutOfBlocks as err:
-        if expected is not None:
-            grading.fail(f"{where}: your code ran out of blocks ({err}); expected "
-                         f"{_slot_str(expected)}",
-                         "take a block only when the token starts a new block or the last "
-                         "block is shared and part-filled; anything more leaks blocks")
-        after = (_state(mine), table.blocks, table.num_tokens)
-        grading.expect_true(after == before, f"{where}: OutOfBlocks was raised but the "
-                            f"table or allocator changed: before {before}, after {after}",
-                            "not atomic: call allocator.allocate() before changing anything "
-                            "(the table, num_tokens, or the shared block's ref count), so a "
-                            "failed append leaves everything as it was")
-        return
-    if expected is None:
-        grading.fail(f"{where}: no block is free, so this append must raise OutOfBlocks; "
-                     f"your code returned {_slot_str(got)}",
-                     "this token needs a new block (or a copy of a shared block): call "
-                     "allocator.allocate() and let OutOfBlocks propagate")
-    if not isinstance(got, Slot):
-        grading.fail(f"{where}: expected {_slot_str(expected)}, got {got!r}",
-                     "return a Slot(block, offset, copy)")
-    _diagnose_append(ref, mine, who, expected, got, where)
-    mine.write(who, got)
-    ref.write(who, expected)
-
-
-def _diagnose_append(ref: _World, mine: _World, who: str, expected: Slot, got: Slot,
-                     where: str) -> None:
-    """Name the mistake from how the learner's state differs from the reference."""
-    if got.copy != expected.copy:
-        grading.fail(f"{where}: expected {_slot_str(expected)}, got {_slot_str(got)}",
-                     _copy_hint(expected, got, ref.block_size))
-    ref_counts, _ = _state(ref)
-    got_counts, _ = _state(mine)
-    for b, (want, have) in enumerate(zip(ref_counts, got_counts, strict=True)):
-        if have == want:
-            continue
-        if have == 2 and want == 1 and b == got.block:
-            grading.fail(f"{where}: block {b} has ref count {have} after your append, "
-                         f"expected {want}",
-                         "a stray incref: allocate() already sets the new block's count to 1 "
-                         "(this table is its only holder); an extra incref means the block "
-                         "is never returned to the free list")
-        if expected.copy is not None and b == expected.copy[0]:
-            grading.fail(f"{where}: shared block {b} has ref count {have}, expected {want}",
-                         "after copy-on-write this table no longer holds the shared block: "
-                         "drop its reference (allocator.free(src)); the other holders keep it")
-        taken = ref.allocator.num_free - mine.allocator.num_free
-        if taken < 0 and expected.offset == 0:
-            hint = ("this token starts a new block (its offset, num_tokens % block_size, is "
-                    "0): allocate one; count the tokens before it, not after")
-        elif taken > 0:
-            hint = ("you took a block this token does not need: allocate only when the token "
-                    "starts a new block, or to copy a shared, part-filled last block")
-        else:
-            hint = ("take exactly one block per new block or copy, and change no other "
-                    "block's count")
-        grading.fail(f"{where}: ref counts {got_counts}, expected {ref_counts}", hint)
-    if (got.block, got.offset) != (expected.block, expected.offset):
-        grading.fail(f"{where}: expected {_slot_str(expected)}, got {_slot_str(got)}",
-                     _place_hint(expected, got, ref.block_size))
-
-
-def _copy_hint(expected: Slot, got: Slot, block_size: int) -> str:
-    if expected.copy is None and got.copy is not None:
-        if expected.offset == 0:
-            return ("the token starts a new block: nothing is written into the old, full "
-                    "block, so nothing is copied (copy=None), even if that block is shared")
-        return ("the last block has one holder (ref count 1): write in place, copy=None; "
-                "copy only when someone else holds the block too (ref count > 1)")
-    if expected.copy is not None and got.copy is None:
-        return (f"the last block {expected.copy[0]} is shared (ref count > 1) and part-filled: "
-                "writing in place would change the other sequences' tokens. Copy-on-write: "
-                "allocate a new block, make it this table's last block, and return "
-                "copy=(shared block, new block)")
-    return (f"copy=(src, dst): src is the shared block being left ({expected.copy[0]}), dst "
-            f"the newly allocated one that the token goes to ({expected.copy[1]})")
-
-
-def _place_hint(expected: Slot, got: Slot, block_size: int) -> str:
-    if got.offset != expected.offset:
-        return (f"token number num_tokens goes to offset num_tokens % block_size (0 .. "
-                f"{block_size - 1}); count the tokens before it, not after")
-    if expected.offset == 0:
-        return "this token starts a new block: allocate one and write at offset 0"
-    return "the token goes into the table's last block (after any copy, the new one)"
-
-
-def _compare(ref: _World, mine: _World, where: str) -> None:
-    ref_counts, ref_free = _state(ref)
-    got_counts, got_free = _state(mine)
-    for name, table in ref.tables.items():
-        other = mine.tables[name]
-        grading.expect_equal(other.blocks, table.blocks, f"{where}: {name}'s blocks",
-                             "the table's last block must be where the token went: a new "
-                             "block is appended, a copied block replaces the shared one")
-        grading.expect_equal(other.num_tokens, table.num_tokens,
-                             f"{where}: {name}'s num_tokens",
-                             "a successful append adds exactly one token (num_tokens += 1)")
-    grading.expect_equal(got_counts, ref_counts, f"{where}: ref counts",
-                         "every block a table holds counts that table once")
-    grading.expect_equal(got_free, ref_free, f"{where}: free list",
-                         "blocks come only from allocator.allocate() and go back only "
-                         "through allocator.free()")
-    for name in ref.tables:
-        got, want = mine.read(name), ref.read(name)
-        grading.expect_equal(got, want, f"{where}: tokens that {name} reads back",
-                             "another sequence's write landed in a block this one reads: "
-                             "a shared block was written in place (copy-on-write missing) "
-                             "or copy=(src, dst) named the wrong blocks")
+            ref = World(busy_pool(num_blocks, free_list), block_size)
+            mine = World(busy_pool(num_blocks, free_list), block_size)
+            replay(steps, ref, mine, name, append=append_token, fork=BlockTable.fork)
 
 
 # ------------------------------------------------------------------ 03.2 fork
@@ -274,53 +78,9 @@ def check_fork(fork: Callable[[BlockTable], Any]) -> None:
     """03.2: ``fork(table) -> BlockTable`` sharing every block and allocating nothing."""
     with grading.exercise("03.2", "fork"):
         for name, num_blocks, block_size, steps in _FORK_SCENARIOS:
-            ref = _World(BlockAllocator(num_blocks), block_size)
-            mine = _World(BlockAllocator(num_blocks), block_size)
-            _replay(steps, ref, mine, name, append=BlockTable.append_token, fork=fork)
-
-
-def _fork_step(ref: _World, mine: _World, parent: str, child: str, where: str, fork) -> None:
-    ref.tables[child] = ref.tables[parent].fork()
-    ref.tokens[child] = list(ref.tokens[parent])
-    table = mine.tables[parent]
-    free_before, blocks_before = mine.allocator.num_free, table.blocks
-    got = fork(table)
-    if not isinstance(got, BlockTable):
-        grading.fail(f"{where}: fork returned {type(got).__name__}, expected a BlockTable",
-                     "return a new table over the same blocks")
-    grading.expect_true(got is not table, f"{where}: fork returned the parent itself",
-                        "the child is a second table: two sequences that will diverge")
-    grading.expect_true(type(got) is type(table),
-                        f"{where}: fork of a {type(table).__name__} returned a "
-                        f"{type(got).__name__}",
-                        "build the child with the parent's own class, type(table)(...), so a "
-                        "subclass's fork returns the subclass")
-    grading.expect_true(got.allocator is table.allocator and
-                        got.block_size == table.block_size,
-                        f"{where}: the child has another allocator or block size",
-                        "the child lives in the same pool, with the same block size")
-    grading.expect_equal(mine.allocator.num_free, free_before,
-                         f"{where}: free blocks after the fork",
-                         "fork allocates nothing: the child shares the parent's physical "
-                         "blocks (that is the memory saving); copies happen later, on write")
-    grading.expect_equal(table.blocks, blocks_before, f"{where}: the parent's blocks",
-                         "fork must not change the parent")
-    grading.expect_equal(got.blocks, table.blocks, f"{where}: the child's blocks",
-                         "the child maps its logical blocks to the same physical blocks")
-    grading.expect_equal(got.num_tokens, table.num_tokens, f"{where}: the child's num_tokens",
-                         "the child starts with all of the parent's tokens")
-    want = [ref.allocator.refcount(b) for b in ref.tables[child].blocks]
-    have = [mine.allocator.refcount(b) for b in got.blocks]
-    grading.expect_equal(have, want, f"{where}: ref counts of the child's blocks",
-                         "each shared block has one more holder: incref every block of the "
-                         "table, once; otherwise the first table to free it hands a block "
-                         "still in use back to the pool")
-    if got._blocks is table._blocks:
-        grading.fail(f"{where}: the child and the parent share one list object",
-                     "give the child its own copy of the block list: when one of them "
-                     "appends a block or copies on write, the other's table would change too")
-    mine.tables[child] = got
-    mine.tokens[child] = list(mine.tokens[parent])
+            ref = World(BlockAllocator(num_blocks), block_size)
+            mine = World(BlockAllocator(num_blocks), block_size)
+            replay(steps, ref, mine, name, append=BlockTable.append_token, fork=fork)
 
 
 # ------------------------------------------------------------------ 03.3 free_block
@@ -337,10 +97,6 @@ class _LearnerAllocator(BlockAllocator):
         self._free_block(block, self.ref_counts, self.free_block_ids)
 
 
-def _alloc_state(alloc: BlockAllocator) -> tuple[list[int], list[int]]:
-    return list(alloc.ref_counts), list(alloc.free_block_ids)
-
-
 def check_free_block(free_block: Callable[..., Any]) -> None:
     """03.3: ``free_block(block, ref_counts, free_block_ids) -> None``."""
     with grading.exercise("03.3", "Free with reference counts"):
@@ -349,7 +105,7 @@ def check_free_block(free_block: Callable[..., Any]) -> None:
 
 
 def _expect_state(alloc, refs, free, what, hint_refs, hint_free):
-    got_refs, got_free = _alloc_state(alloc)
+    got_refs, got_free = pool_state(alloc)
     grading.expect_equal(got_refs, refs, f"{what}: ref_counts", hint_refs)
     grading.expect_equal(got_free, free, f"{what}: free_block_ids", hint_free)
 
@@ -386,7 +142,7 @@ def _check_free_steps(free_block):
          "Python reads ref_counts[-1] as the last block: refuse negative blocks yourself "
          "with a ValueError"),
     ]:
-        before = _alloc_state(alloc)
+        before = pool_state(alloc)
         try:
             alloc.free(bad)
         except ValueError:
@@ -394,7 +150,7 @@ def _check_free_steps(free_block):
         else:
             grading.fail(f"free({bad}): expected ValueError ({why}), nothing was raised",
                          hint)
-        grading.expect_equal(_alloc_state(alloc), before,
+        grading.expect_equal(pool_state(alloc), before,
                              f"state after the refused free({bad})",
                              "raise before changing ref_counts or free_block_ids")
 
@@ -416,7 +172,7 @@ def _check_free_lifecycle(free_block):
     for what, action in script:
         action(ref)
         action(mine)
-        _expect_state(alloc, *_alloc_state(ref_alloc), f"after '{what}'",
+        _expect_state(alloc, *pool_state(ref_alloc), f"after '{what}'",
                       "each free drops exactly one reference",
                       "only a block whose count reaches 0 goes back, on the right end")
     grading.expect_equal(alloc.num_free, 6, "free blocks after every table is freed",

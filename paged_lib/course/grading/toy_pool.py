@@ -23,3 +23,8 @@ def busy_pool(num_blocks: int, free_in_order: tuple[int, ...] | None = None
         for b in free_in_order:
             allocator.free(b)
     return allocator
+
+
+def pool_state(allocator: BlockAllocator) -> tuple[list[int], list[int]]:
+    """(ref counts, free list) of a pool: what a bug in a table or an allocator changes."""
+    return list(allocator.ref_counts), list(allocator.free_block_ids)
