@@ -17,7 +17,7 @@ from typing import Any
 
 from paged_lib.blocks import BlockAllocator, BlockTable, OutOfBlocks, Slot
 from paged_lib.course import grading
-from paged_lib.course.grading.toy_pool import pool_state
+from paged_lib.course.grading.toy_pool import ToyStore, pool_state
 
 
 @dataclass
@@ -27,28 +27,19 @@ class World:
     allocator: BlockAllocator
     block_size: int
     tables: dict[str, BlockTable] = field(default_factory=dict)
-    store: dict[int, list[Any]] = field(default_factory=dict)
     tokens: dict[str, list[str]] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        self.store = ToyStore(self.block_size)
+
     def write(self, name: str, slot: Slot) -> None:
-        if slot.copy is not None:
-            src, dst = slot.copy
-            self.store[dst] = list(self.store.get(src, [None] * self.block_size))
-        row = self.store.setdefault(slot.block, [None] * self.block_size)
         label = f"{name}:{len(self.tokens[name])}"
-        if 0 <= slot.offset < self.block_size:
-            row[slot.offset] = label
+        self.store.write(slot, label)
         self.tokens[name].append(label)
 
     def read(self, name: str) -> list[Any]:
         """What ``name``'s sequence reads through its table (the kernel's view)."""
-        table, out = self.tables[name], []
-        for t in range(table.num_tokens):
-            blocks = table.blocks
-            j = t // self.block_size
-            block = blocks[j] if j < len(blocks) else None
-            out.append(self.store.get(block, [None] * self.block_size)[t % self.block_size])
-        return out
+        return self.store.read(self.tables[name])
 
 
 def _slot_str(slot: Any) -> str:

@@ -6,11 +6,9 @@
   compares the block other samples still read, the copied block, the new token, and
   every sample's K/V read back through its block table.
 * 08.2 ``beam_step``: one step of beam search over block tables, the engine's hook
-  (:func:`paged_lib.engine.beam_search.beam_step`), replayed next to it on scripted and
-  seeded random steps; after every step it compares the chosen (parent, token) pairs and
-  scores, which table each new beam got, the ref counts and free list, then lets every
-  new beam append and compares the slots (copies) and every beam's tokens read back from
-  a toy store that applies each slot.
+  (:func:`paged_lib.engine.beam_search.beam_step`), replayed next to it on the scripted
+  and seeded random scenarios below by :mod:`paged_lib.course.grading.ch08_beam_replay`,
+  which compares every step and names the mistake.
 """
 
 from __future__ import annotations
@@ -21,8 +19,9 @@ from typing import Any
 import torch
 
 from paged_lib import sharing
-from paged_lib.blocks import BlockAllocator, BlockTable, Slot
+from paged_lib.blocks import BlockTable, Slot
 from paged_lib.course import grading
+from paged_lib.course.grading.ch08_beam_replay import run_beam_scenario
 from paged_lib.course.grading.toy_pool import busy_pool
 from paged_lib.kernels.reference import gather_kv
 
@@ -163,28 +162,6 @@ def _check_readback(cache, tables, history, where: str) -> None:
 # ------------------------------------------------------------------ 08.2 beam_step
 
 
-class _Store:
-    """Token ids by slot: what each beam would read from the cache."""
-
-    def __init__(self, block_size: int):
-        self.block_size = block_size
-        self.slots: dict[tuple[int, int], int] = {}
-
-    def write(self, slot: Slot, token: int) -> None:
-        if slot.copy is not None:
-            src, dst = slot.copy
-            for off in range(self.block_size):
-                self.slots.pop((dst, off), None)
-                if (src, off) in self.slots:
-                    self.slots[dst, off] = self.slots[src, off]
-        self.slots[slot.block, slot.offset] = token
-
-    def read(self, table: BlockTable) -> list[int | None]:
-        bs = self.block_size
-        return [self.slots.get((table.blocks[t // bs], t % bs))
-                for t in range(table.num_tokens)]
-
-
 Candidates = list[list[tuple[int, float]]]
 #: name, block size, prompt length, width, candidates per step (None: seeded random)
 _SCRIPTED: list[tuple[str, int, int, int, list[Candidates] | None]] = [
@@ -202,7 +179,6 @@ _SCRIPTED: list[tuple[str, int, int, int, list[Candidates] | None]] = [
     ("block size 1 (every token takes a new block)", 1, 3, 2, None),
     ("a seeded random beam search (width 4, 10 steps)", 4, 7, 4, None),
 ]
-_RANDOM_STEPS = 10
 
 
 def check_beam_step(beam_step: Callable[..., Any]) -> None:
@@ -210,140 +186,7 @@ def check_beam_step(beam_step: Callable[..., Any]) -> None:
     cum_logprob), ...]`` (the engine's :func:`paged_lib.engine.beam_search.beam_step`)."""
     with grading.exercise("08.2", "One step of beam search over block tables"):
         for name, block_size, prompt_len, width, steps in _SCRIPTED:
-            _run_beam_scenario(beam_step, name, block_size, prompt_len, width, steps)
-
-
-class _World:
-    """A prefilled prompt on its own pool, plus what every beam should read back."""
-
-    def __init__(self, block_size: int, prompt_len: int, width: int):
-        self.alloc = BlockAllocator(width * (prompt_len + _RANDOM_STEPS + 2))
-        self.store = _Store(block_size)
-        table = BlockTable(self.alloc, block_size)
-        for t in range(prompt_len):
-            self.store.write(table.append_token(), t)
-        self.tables, self.cum = [table], [0.0]
-        self.seqs = [list(range(prompt_len))]
-
-    def state(self) -> tuple[list[int], list[int]]:
-        return list(self.alloc.ref_counts), list(self.alloc.free_block_ids)
-
-
-def _run_beam_scenario(beam_step, name, block_size, prompt_len, width, steps):
-    from paged_lib.engine.beam_search import beam_step as ref_step
-
-    ref, mine = _World(block_size, prompt_len, width), _World(block_size, prompt_len, width)
-    scorer = sharing.RandomBeamScorer(seed=8, vocab=6, sigma=2.0)
-    for k in range(1, (len(steps) if steps else _RANDOM_STEPS) + 1):
-        cands = steps[k - 1] if steps else sharing.top_candidates(scorer(len(ref.tables)),
-                                                                 width)
-        where = f"scenario '{name}', step {k}"
-        expected = ref_step(list(ref.tables), list(ref.cum), cands, width)
-        old = list(mine.tables)
-        try:
-            got = beam_step(list(mine.tables), list(mine.cum), cands, width)
-        except ValueError as err:
-            if "freed" not in str(err):
-                raise
-            grading.fail(f"{where}: your code used a freed table ({err})",
-                         "free only the beams nobody continues, after the forks: a table "
-                         "that is freed cannot be forked or continued")
-        got = _check_picks(got, expected, list(mine.cum), cands, width, where)
-        _check_tables(got, old, mine, ref, where)
-        for world, result in ((ref, expected), (mine, got)):
-            world.seqs = [world.seqs[p] + [1000 * k + i]
-                          for i, (p, _, _, _) in enumerate(result)]
-            world.tables = [t for _, t, _, _ in result]
-            world.cum = [float(c) for _, _, _, c in result]
-        _append_and_compare(mine, ref, where)
-
-
-def _picks(result) -> list[tuple[int, int]]:
-    return [(int(p), int(tok)) for p, _, tok, _ in result]
-
-
-def _check_picks(got, expected, cum, cands, width, where: str):
-    if not isinstance(got, list | tuple) or not all(
-            isinstance(b, tuple) and len(b) == 4 for b in got):
-        grading.fail(f"{where}: expected a list of (parent, table, token, cum_logprob) "
-                     f"tuples, got {type(got).__name__}",
-                     "return one 4-tuple per new beam, best first")
-    grading.expect_equal(len(got), len(expected), f"{where}: number of new beams",
-                         "keep beam_width continuations (fewer only if there are fewer "
-                         "candidates in all)")
-    mine, want = _picks(got), _picks(expected)
-    if mine != want:
-        grading.fail(f"{where}: new beams as (parent, token) {mine}, expected {want}",
-                     _pick_hint(mine, cum, cands, width))
-    for i, ((_, _, _, c), (_, _, _, e)) in enumerate(zip(got, expected, strict=True)):
-        grading.expect_close(c, e, f"{where}: new beam {i}'s cum_logprob", rel=1e-9,
-                             abs_=1e-9, hint="cum_logprob = cum_logprobs[parent] + the "
-                             "candidate's logprob (the whole sequence's log-probability)")
-    return list(got)
-
-
-def _pick_hint(mine, cum, cands, width) -> str:
-    flat = [(i, r, tok, lp) for i, opts in enumerate(cands) for r, (tok, lp) in enumerate(opts)]
-    by_step = [(i, tok) for i, _, tok, _ in sorted(flat, key=lambda c: (-c[3], c[0], c[1]))]
-    per_beam = [(i, opts[0][0]) for i, opts in enumerate(cands) if opts]
-    worst = [(i, tok) for i, _, tok, _ in sorted(flat, key=lambda c: (cum[c[0]] + c[3],
-                                                                     c[0], c[1]))]
-    if mine == by_step[:width]:
-        return ("rank candidates by cum_logprobs[beam] + logprob (the whole sequence), not "
-                "by this step's logprob alone")
-    if mine[:len(per_beam)] == per_beam[:width]:
-        return ("compete across all beams: one beam may keep several children and another "
-                "none")
-    if mine == worst[:width]:
-        return "best first: the highest cumulative log-probability wins"
-    return ("rank every (beam, candidate) by cum_logprobs[beam] + logprob across all beams, "
-            "best first; ties: lower beam index, then the candidate's order")
-
-
-def _check_tables(got, old, mine: _World, ref: _World, where: str) -> None:
-    seen: set[int] = set()
-    for i, (p, table, _, _) in enumerate(got):
-        first = p not in seen
-        seen.add(p)
-        if first and table is not old[p]:
-            grading.fail(f"{where}: new beam {i} is the first child of beam {p} but got a new "
-                         "table", "the first child continues its parent's own table (the "
-                         "same object); only the further children fork it")
-        if not first and any(table is t for t in old):
-            grading.fail(f"{where}: new beam {i} is a further child of beam {p} but reuses "
-                         "an old table", "each child after the first gets parent.fork()")
-        if not isinstance(table, BlockTable):
-            grading.fail(f"{where}: new beam {i}'s table is a {type(table).__name__}",
-                         "return the BlockTable itself")
-    if mine.alloc.num_free < ref.alloc.num_free:
-        grading.fail(f"{where}: {mine.alloc.num_free} free blocks afterwards, expected "
-                     f"{ref.alloc.num_free}: blocks leaked",
-                     "free() the table of every old beam that nobody continues")
-    if mine.alloc.num_free > ref.alloc.num_free:
-        grading.fail(f"{where}: {mine.alloc.num_free} free blocks afterwards, expected "
-                     f"{ref.alloc.num_free}: a block a new beam holds went back to the pool",
-                     "free only the beams nobody continues; a fork holds its own references")
-    grading.expect_equal(mine.state(), ref.state(), f"{where}: (ref counts, free list)",
-                         "fork with table.fork() (no incref by hand) and free each dead "
-                         "beam's table exactly once")
-
-
-def _append_and_compare(mine: _World, ref: _World, where: str) -> None:
-    """Each new beam writes its token, as the engine does next; who copies what?"""
-    for world in (ref, mine):
-        world.slots = [t.append_token() for t in world.tables]
-        for slot, seq in zip(world.slots, world.seqs, strict=True):
-            world.store.write(slot, seq[-1])
-    grading.expect_equal([(s.block, s.offset, s.copy) for s in mine.slots],
-                         [(s.block, s.offset, s.copy) for s in ref.slots],
-                         f"{where}: then each new beam appends; slots (block, offset, copy)",
-                         "a new beam's table must hold exactly its parent's blocks and tokens")
-    for i, table in enumerate(mine.tables):
-        grading.expect_equal(mine.store.read(table), mine.seqs[i],
-                             f"{where}: beam {i} reads back", "a fork must share its "
-                             "parent's blocks: never hand two new beams the same table")
-    grading.expect_equal(mine.state(), ref.state(), f"{where}: after the appends, "
-                         "(ref counts, free list)", "free each dead beam exactly once")
+            run_beam_scenario(beam_step, name, block_size, prompt_len, width, steps)
 
 
 def run_beam_search(beam_step: Callable[..., Any], **kw) -> list[sharing.BeamFrame]:

@@ -1,14 +1,18 @@
-"""Block pools in a known state, for the graders of chapters 03 and 08 and their tests.
+"""Block pools in a known state and a toy KV store, for the chapter 03 and 08 graders.
 
 Chapter 03's running example starts from a pool whose free list is not ``0, 1, 2, ...``:
 other requests took blocks and gave some back, so a 40-token request lands in blocks 5,
 2 and 9. :func:`busy_pool` builds that state with the
 library's own :class:`~paged_lib.blocks.BlockAllocator`, through its public methods.
+A :class:`ToyStore` holds one label per slot where a cache holds K/V, so a grader can
+tell which tokens each sequence reads back through its table.
 """
 
 from __future__ import annotations
 
-from paged_lib.blocks import BlockAllocator
+from typing import Any
+
+from paged_lib.blocks import BlockAllocator, BlockTable, Slot
 
 
 def busy_pool(num_blocks: int, free_in_order: tuple[int, ...] | None = None
@@ -28,3 +32,33 @@ def busy_pool(num_blocks: int, free_in_order: tuple[int, ...] | None = None
 def pool_state(allocator: BlockAllocator) -> tuple[list[int], list[int]]:
     """(ref counts, free list) of a pool: what a bug in a table or an allocator changes."""
     return list(allocator.ref_counts), list(allocator.free_block_ids)
+
+
+class ToyStore:
+    """A KV cache with a label per slot, written the way the engine writes a ``Slot``:
+    its copy first (all of block ``src`` into ``dst``), then the token at (block, offset).
+    """
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self.blocks: dict[int, list[Any]] = {}
+
+    def _row(self, block: int | None) -> list[Any]:
+        return self.blocks.get(block, [None] * self.block_size)
+
+    def write(self, slot: Slot, label: Any) -> None:
+        if slot.copy is not None:
+            src, dst = slot.copy
+            self.blocks[dst] = list(self._row(src))
+        row = self.blocks.setdefault(slot.block, [None] * self.block_size)
+        if 0 <= slot.offset < self.block_size:  # a wrong offset writes nowhere
+            row[slot.offset] = label
+
+    def read(self, table: BlockTable) -> list[Any]:
+        """What a kernel reads through ``table``: a label per token, None where nothing
+        was written (or the table has fewer blocks than its tokens need)."""
+        out = []
+        for t in range(table.num_tokens):
+            blocks, j = table.blocks, t // self.block_size
+            out.append(self._row(blocks[j] if j < len(blocks) else None)[t % self.block_size])
+        return out
