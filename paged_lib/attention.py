@@ -65,18 +65,47 @@ def block_state(scores: torch.Tensor, v: torch.Tensor) -> SoftmaxState:
     return SoftmaxState(m, p.sum(dim=-1), (p[..., None, :] @ v)[..., 0, :])
 
 
-def merge(a: SoftmaxState, b: SoftmaxState) -> SoftmaxState:
-    """Combine the states of two disjoint sets of keys, exactly.
+def merge_states(parts: SoftmaxState) -> SoftmaxState:
+    """Combine ``n`` states stacked along dim 0 (``m, l [n, ...]``, ``acc [n, ..., d]``).
 
-    Rescale both to the common maximum, then add. Commutative and associative (up to
-    rounding), which is what lets a kernel visit blocks in any order or split them
-    across programs and merge later (flash-decoding).
+    Rescale every part to the common maximum ``M``, then add: exact, in any order. A
+    part that saw no key (``m = -inf``) weighs ``exp(-inf) = 0``; so do all parts when
+    every one is empty (``M = -inf`` is taken as 0: no ``-inf - -inf = NaN``). A NaN
+    (a poisoned read) stays NaN.
     """
-    m = torch.maximum(a.m, b.m)
-    alpha = torch.exp(a.m - _safe(m))
-    beta = torch.exp(b.m - _safe(m))
-    return SoftmaxState(m, alpha * a.l + beta * b.l,
-                        alpha[..., None] * a.acc + beta[..., None] * b.acc)
+    m = parts.m.amax(dim=0)
+    w = torch.exp(parts.m - _safe(m))                  # [n, ...]
+    weighted = torch.where(w[..., None] == 0, 0.0, w[..., None] * parts.acc)
+    return SoftmaxState(m, (w * parts.l).sum(dim=0), weighted.sum(dim=0))
+
+
+def merge(a: SoftmaxState, b: SoftmaxState) -> SoftmaxState:
+    """Combine the states of two disjoint sets of keys, exactly: :func:`merge_states` of two.
+
+    Commutative and associative (up to rounding), which is what lets a kernel visit
+    blocks in any order or split them across programs and merge later (flash-decoding).
+    """
+    pairs = [torch.broadcast_tensors(x, y) for x, y in zip(a, b, strict=True)]
+    return merge_states(SoftmaxState(*(torch.stack(pair) for pair in pairs)))
+
+
+def merge_partials(out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """Merge partial attention results stacked along dim 0 (flash-decoding's reduce).
+
+    ``out [n, ..., d]``: each part already divided by its own softmax denominator;
+    ``lse [n, ...]``: the natural log of that denominator (``logsumexp`` of the part's
+    scores), ``-inf`` for a part that saw no key. Returns ``[..., d]``::
+
+        sum_j exp(lse_j - M) * out_j / sum_j exp(lse_j - M),   M = max_j lse_j
+
+    It is :func:`merge_states` again: a normalised part is the state ``m = lse_j,
+    l = 1, acc = out_j`` (same output ``acc / l``, same mass ``exp(m) * l``). When every
+    part is empty the result is zeros.
+    """
+    lse = lse.to(out.dtype)
+    state = merge_states(SoftmaxState(lse, torch.ones_like(lse), out))
+    l = state.l[..., None]  # noqa: E741
+    return torch.where(l == 0, 0.0, state.acc / torch.where(l == 0, 1.0, l))
 
 
 def empty_state(q: torch.Tensor, d_v: int | None = None) -> SoftmaxState:

@@ -12,7 +12,9 @@ import types
 import pytest
 import torch
 
-from paged_lib.bench import attention as bench
+from paged_lib.bench import __main__ as cli
+from paged_lib.bench import attention, checks, report
+from paged_lib.util import CheckFailed
 
 
 def _expected():
@@ -27,20 +29,20 @@ def test_measure_times_only_a_checked_output():
         return 1.5
 
     right = _expected
-    assert bench.measure("right", right, _expected(), timer) == 1.5
+    assert checks.measure("right", right, _expected(), timer) == 1.5
     for wrong, why in ((lambda: _expected() * 1.01, "max error"),
                        (lambda: _expected()[:1], "shape"),
                        (lambda: _expected() * float("nan"), "max error inf")):
-        with pytest.raises(bench.CheckFailed, match=why):
-            bench.measure("wrong", wrong, _expected(), timer)
+        with pytest.raises(CheckFailed, match=why):
+            checks.measure("wrong", wrong, _expected(), timer)
     assert timed == [right]  # the wrong ones were never timed
 
 
 def test_a_wrong_implementation_gets_no_time_in_its_row(capsys):
-    row = bench._cpu_row("broken", lambda: _expected() + 1, _expected(), repeats=1)
-    assert row["check"] == bench.WRONG and row["ms"] != row["ms"]  # NaN: no time
+    row = attention._cpu_row("broken", lambda: _expected() + 1, _expected(), repeats=1)
+    assert row["check"] == checks.WRONG and row["ms"] != row["ms"]  # NaN: no time
     assert "not timed: broken" in capsys.readouterr().out
-    table = bench.format_table([{"impl": "ok", "ms": 2.0, "check": "ok"}, row])
+    table = report.format_table([{"impl": "ok", "ms": 2.0, "check": "ok"}, row])
     assert table.splitlines()[-1].split() == ["broken", "-", "WRONG"]
 
 
@@ -48,12 +50,12 @@ def test_goals_are_reported_with_the_measured_values():
     rows = [{"batch": 64, "context": 4096, "triton_us": 300.0, "%peak": 0.8, "sdpa_us": 280.0,
              "vs_sdpa": 300 / 280},
             {"batch": 1, "context": 32768, "triton_us": "WRONG", "%peak": float("nan")}]
-    lines = bench.goals(rows)
+    lines = report.goals(rows)
     assert lines[0] == ("batch 64 at 4096: 80% of spec peak (goal >= 75%): met; "
                         "1.07x contiguous SDPA (goal <= 1.25x): met")
     assert lines[1] == "batch 1 at 32768: not measured"
     rows[0]["%peak"] = 0.5
-    assert "NOT met" in bench.goals(rows)[0]
+    assert "NOT met" in report.goals(rows)[0]
 
 
 def test_engine_bench_is_dispatched_with_its_arguments(monkeypatch):
@@ -61,7 +63,7 @@ def test_engine_bench_is_dispatched_with_its_arguments(monkeypatch):
     fake = types.ModuleType("paged_lib.bench.engine")
     fake.main = lambda argv: seen.append(argv) or 0
     monkeypatch.setitem(sys.modules, "paged_lib.bench.engine", fake)
-    assert bench.main(["engine", "--requests", "4"]) == 0
+    assert cli.main(["engine", "--requests", "4"]) == 0
     assert seen == [["--requests", "4"]]
 
 
@@ -69,6 +71,6 @@ def test_engine_bench_missing_says_so(monkeypatch, capsys):
     def missing(name):
         raise ModuleNotFoundError(f"No module named {name!r}", name=name)
 
-    monkeypatch.setattr(bench.importlib, "import_module", missing)
-    assert bench.main(["engine"]) == 2
+    monkeypatch.setattr(cli.importlib, "import_module", missing)
+    assert cli.main(["engine"]) == 2
     assert "not in this checkout yet" in capsys.readouterr().out

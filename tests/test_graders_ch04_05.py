@@ -519,6 +519,18 @@ def test_merge_partials_grader(capsys):
         _expect_fail(capsys, check, bad, "05.7", words)
 
 
+def test_the_library_twins_pass_the_05_6_and_05_7_graders(capsys):
+    """The exercise and the library share one signature: the twin itself passes."""
+    from paged_lib.attention import merge_partials
+    from paged_lib.kernels import slot_mapping_from_positions
+
+    assert ch05.TWINS["05.7"] == "paged_lib.attention.merge_partials"
+    assert _verdict(capsys, ch05.check_merge_partials, merge_partials).startswith("✅ [05.7]")
+    assert ch05.TWINS["05.6"] == "paged_lib.kernels.slot_mapping_from_positions"
+    assert _verdict(capsys, ch05.check_slot_mapping,
+                    slot_mapping_from_positions).startswith("✅ [05.6]")
+
+
 def test_every_grader_declares_its_twins():
     import importlib
 

@@ -13,7 +13,10 @@ import pytest
 import torch
 from matplotlib.figure import Figure
 
+from paged_lib.bench import __main__ as cli
 from paged_lib.bench import attention as bench
+from paged_lib.bench.hardware import peak_bandwidth_gbs
+from paged_lib.bench.report import format_table
 from paged_lib.course.viz import kernel as viz_kernel
 
 # The chapter-05 graders are tested in tests/test_graders_ch04_05.py.
@@ -50,7 +53,7 @@ def test_split_and_bench_pictures():
                                        ("NVIDIA L40S", 864), ("NVIDIA L4", 300),
                                        ("Some Future GPU", None)])
 def test_peak_bandwidth_table(name, peak):
-    assert bench.peak_bandwidth_gbs(name) == peak
+    assert peak_bandwidth_gbs(name) == peak
 
 
 def test_bench_bytes_and_contiguous_baselines():
@@ -60,10 +63,12 @@ def test_bench_bytes_and_contiguous_baselines():
     case = make_decode_case([20, 33], num_heads=4, num_kv_heads=2, head_dim=16, block_size=16,
                             shared=False, poison=False)
     assert bench.decode_bytes(case) == 53 * 2 * 2 * 16 * 4 + 2 * 2 * 4 * 16 * 4
-    kv = bench.contiguous_kv(*case[1:5])
-    got = bench.sdpa_per_sequence(case.q, kv, case.scale)
+    from paged_lib.kernels.reference import contiguous_kv, sdpa_per_sequence, sdpa_per_sequence_gqa
+
+    kv = contiguous_kv(*case[1:5])
+    got = sdpa_per_sequence(case.q, kv, case.scale)
     torch.testing.assert_close(got, ref_paged_attention(*case), atol=1e-5, rtol=1e-5)
-    got_gqa = bench.sdpa_per_sequence_gqa(case.q, kv, case.scale)
+    got_gqa = sdpa_per_sequence_gqa(case.q, kv, case.scale)
     torch.testing.assert_close(got_gqa, ref_paged_attention(*case), atol=1e-5, rtol=1e-5)
 
 
@@ -73,7 +78,7 @@ def test_cpu_ratios_rows_and_table():
     assert [r["impl"].split(" (")[0] for r in rows][0] == "contiguous SDPA"
     assert rows[0]["vs_sdpa"] == 1.0
     assert all(math.isfinite(r["ms"]) and r["check"] == "ok" for r in rows)
-    table = bench.format_table(rows)
+    table = format_table(rows)
     assert "FlexAttention paged (eager)" in table and "vs_sdpa" in table
     assert "contiguous SDPA, enable_gqa=True" in table
 
@@ -87,12 +92,12 @@ def test_gpu_sweep_refuses_without_a_gpu():
 
 def test_bench_cli_parses(capsys, monkeypatch):
     monkeypatch.setattr(bench, "attention_report", lambda: "TABLE")
-    assert bench.main(["attention"]) == 0
+    assert cli.main(["attention"]) == 0
     assert capsys.readouterr().out == "TABLE\n"
     with pytest.raises(SystemExit):
-        bench.main(["nothing"])
+        cli.main(["nothing"])
     with pytest.raises(SystemExit):
-        bench.main(["attention", "--fast"])
+        cli.main(["attention", "--fast"])
 
 
 def test_slot_status_and_pictures_of_chapter_05():

@@ -28,16 +28,23 @@ from paged_lib.kernels import (
     paged_attention,
     paged_prefill,
     reshape_and_cache,
+    slot_mapping_from_positions,
 )
 from paged_lib.kernels import triton_decode as td
-from paged_lib.kernels.cache import slot_mapping_from_positions
 from paged_lib.kernels.cases import make_decode_case, make_prefill_case
-from paged_lib.kernels.reference import (
-    gather_kv,
-    ref_paged_attention,
-    ref_paged_prefill,
-    ref_reshape_and_cache,
-)
+from paged_lib.kernels.reference import gather_kv, ref_paged_attention, ref_paged_prefill
+
+
+def ref_reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                          v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """The cache write, token by token (in place): token ``t`` goes to block
+    ``slot // block_size``, offset ``slot % block_size``; slot ``-1`` writes nothing."""
+    block_size = k_cache.shape[1]
+    for t, slot in enumerate(slot_mapping.tolist()):
+        if slot >= 0:
+            k_cache[slot // block_size, slot % block_size] = key[t]
+            v_cache[slot // block_size, slot % block_size] = value[t]
+
 
 #: (num_heads, num_kv_heads), head_dim, block_size: every value vLLM's attention tests use
 #: appears at least once. Heads: MHA, GQA 4:1, 5:1, 3:1, 5:1 with 8 KV heads, MQA 64:1
@@ -102,8 +109,9 @@ def test_split_kv_mixed_lengths_with_an_empty_sequence(heads, head_dim, block_si
     dtype = DTYPES[head_dim % 2 == 0 and block_size % 2]  # both dtypes over the shapes
     num_splits = 2 + block_size % 2
     case = make_case([0, 1, block_size + 1, 100], *heads, head_dim, block_size, dtype, seed=3)
-    out = paged_attention(*case, num_splits=num_splits)
-    assert td.LAST_LAUNCH["num_splits"] == num_splits
+    out, launch = td.paged_attention_triton(*case[:5], case.scale, num_splits=num_splits,
+                                            return_launch=True)
+    assert launch.num_splits == num_splits
     assert (out[0].cpu() == 0).all(), "a sequence of length 0 must give zeros"
     assert_matches_reference(out, case)
 
@@ -243,7 +251,8 @@ def test_alignment_hint():
 
 
 def test_split_merge_kernel_matches_the_one_merge():
-    from paged_lib.kernels.torch_backend import merge_partials
+    """The Triton merge kernel (exp2 inside) equals merge_partials on natural-log lse."""
+    from paged_lib.attention import merge_partials
     from paged_lib.kernels.triton_split import merge_splits
 
     g = torch.Generator().manual_seed(0)
@@ -252,9 +261,7 @@ def test_split_merge_kernel_matches_the_one_merge():
     lse[0, :, 3:] = float("-inf")  # empty segments
     lse[2] = float("-inf")  # a sequence of length 0: every segment empty
     out = merge_splits(partial.to(DEVICE), lse.to(DEVICE), torch.empty(3, 20, 80, device=DEVICE))
-    owner = torch.arange(3).repeat_interleave(5)
-    expected = merge_partials(partial.transpose(1, 2).reshape(15, 20, 80),
-                              lse.transpose(1, 2).reshape(15, 20), owner, 3, base=2.0)
+    expected = merge_partials(partial.permute(2, 0, 1, 3), lse.permute(2, 0, 1))
     torch.testing.assert_close(out.cpu(), expected, atol=1e-5, rtol=1e-5)
     assert (out[2] == 0).all()
 
@@ -570,8 +577,8 @@ def test_long_contexts_on_the_gpu(context):
     """One and two sequences of 32K/128K tokens, split-KV as chosen, vs the reference."""
     case = make_case([context, context // 3 + 5], 32, 8, 128, 16, torch.float16, seed=31,
                      shared=False)
-    out = paged_attention(*case)
-    assert td.LAST_LAUNCH["num_splits"] > 1
+    out, launch = td.paged_attention_triton(*case[:5], case.scale, return_launch=True)
+    assert launch.num_splits > 1
     expected = ref_paged_attention(*case)  # float64, on the GPU
     torch.testing.assert_close(out.double(), expected.double(), atol=3e-3, rtol=3e-3)
 

@@ -73,9 +73,10 @@ def test_empty_batch():
     assert out.shape == (0, 4, 64)
 
 
-def test_merge_partials_is_softmax_over_all_parts():
+def test_merge_segments_is_softmax_over_all_parts():
     """The one merge: parts of a sequence combine to the softmax over all their scores."""
-    from paged_lib.kernels.torch_backend import merge_partials
+    from paged_lib.attention import merge_partials
+    from paged_lib.kernels.torch_backend import merge_segments
 
     g = torch.Generator().manual_seed(5)
     scores = torch.randn(7, 3, generator=g, dtype=torch.float64) * 5  # 7 tokens, 3 heads
@@ -91,24 +92,41 @@ def test_merge_partials_is_softmax_over_all_parts():
     # Sequence 0: the four parts; sequence 1: none; sequence 2: one empty part.
     out = torch.stack(outs + [torch.zeros(3, 4, dtype=torch.float64)])
     lse = torch.stack(lses + [torch.full((3,), float("-inf"), dtype=torch.float64)])
-    owner = torch.tensor([0, 0, 0, 0, 2])
-    merged = merge_partials(out, lse, owner, 3)
+    seg_seq, seg_idx = torch.tensor([0, 0, 0, 0, 2]), torch.tensor([0, 1, 2, 3, 0])
+    merged = merge_segments(out, lse, seg_seq, seg_idx, 3)
     expected = torch.einsum("th,thd->hd", torch.softmax(scores, dim=0), values)
     torch.testing.assert_close(merged[0], expected, atol=1e-12, rtol=1e-12)
     assert (merged[1:] == 0).all()  # no part, or only empty ones: zeros, not NaN
-    base2 = merge_partials(out, lse / torch.log(torch.tensor(2.0, dtype=torch.float64)), owner,
-                           3, base=2.0)
-    torch.testing.assert_close(base2, merged, atol=1e-12, rtol=1e-12)
+    # merge_segments is merge_partials over each sequence's stack of parts.
+    torch.testing.assert_close(merge_partials(out[:4], lse[:4]), merged[0], atol=0, rtol=0)
 
 
-def test_merge_partials_keeps_a_poisoned_part_nan():
+def test_merge_partials_is_merge_states_of_normalised_parts():
+    """Chapter 04's merge and the log-sum-exp merge are one computation: a part
+    normalised by its own denominator is the state (m = lse, l = 1, acc = out)."""
+    from paged_lib import attention as A
+
+    g = torch.Generator().manual_seed(6)
+    scores = torch.randn(2, 9, generator=g, dtype=torch.float64) * 4
+    values = torch.randn(9, 5, generator=g, dtype=torch.float64)
+    a = A.block_state(scores[:, :4], values[:4])
+    b = A.block_state(scores[:, 4:], values[4:])
+    via_states = A.finalize(A.merge(a, b))
+    parts = torch.stack([A.finalize(a), A.finalize(b)])
+    lse = torch.stack([a.m + a.l.log(), b.m + b.l.log()])
+    torch.testing.assert_close(A.merge_partials(parts, lse), via_states, atol=1e-12, rtol=1e-12)
+    expected = torch.softmax(scores, dim=-1) @ values
+    torch.testing.assert_close(via_states, expected, atol=1e-12, rtol=1e-12)
+
+
+def test_merge_segments_keeps_a_poisoned_part_nan():
     """A part that read a NaN slot must make its sequence NaN, not quietly zero: the NaN
     poisoning of the kernel tests relies on it."""
-    from paged_lib.kernels.torch_backend import merge_partials
+    from paged_lib.kernels.torch_backend import merge_segments
 
     out = torch.ones(3, 2, 4, dtype=torch.float64)
     lse = torch.zeros(3, 2, dtype=torch.float64)
     lse[1, 0] = float("nan")  # sequence 0's second part saw poison in head 0
-    merged = merge_partials(out, lse, torch.tensor([0, 0, 1]), 2)
+    merged = merge_segments(out, lse, torch.tensor([0, 0, 1]), torch.tensor([0, 1, 0]), 2)
     assert merged[0, 0].isnan().all()
     assert not merged[0, 1].isnan().any() and not merged[1].isnan().any()

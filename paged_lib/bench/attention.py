@@ -1,34 +1,27 @@
-"""Benchmarks of the course's kernels and engine.
+"""The attention benchmark: the paged decode kernel against contiguous attention.
 
-    python -m paged_lib.bench attention     # the paged decode kernel
-    python -m paged_lib.bench engine ...    # the engine (paged_lib.bench.engine)
+Every number is checked before it is printed (:mod:`~paged_lib.bench.checks`): each
+implementation's output is compared with the float64 reference
+(:func:`~paged_lib.kernels.reference.ref_paged_attention`) on the very batch it is then
+timed on, and an implementation that disagrees gets ``WRONG`` in its row instead of a time.
 
-Every number is checked before it is printed: each implementation's output is compared
-with the float64 reference (:func:`~paged_lib.kernels.reference.ref_paged_attention`) on
-the very batch it is then timed on, and an implementation that disagrees gets
-``WRONG`` in its row instead of a time (:func:`measure` is the only way to a time).
-
-On a GPU: decode over batch sizes and context lengths, timed with CUDA graphs
-(``triton.testing.do_bench_cudagraph``: the launch overhead a serving engine removes
-the same way), medians, with the chosen tile config and the real split count. Each
+On a GPU (:func:`gpu_sweep`): decode over batch sizes and context lengths, timed with CUDA
+graphs (:func:`~paged_lib.bench.timing.gpu_timer`: the launch overhead a serving engine
+removes the same way), medians, with the launch config and the real split count. Each
 kernel is reported in GB/s (the bytes decode must read: every cached K and V of every
 sequence, plus q and the output), as a share of the bandwidth a large plain read
-reaches on this machine (:func:`read_bandwidth`) and of the spec peak, and against
-contiguous attention (SDPA on unpaged K/V of the same lengths). FlexAttention's paged
-attention runs last, time-boxed: compiling it can take minutes.
+reaches on this machine (:func:`~paged_lib.bench.timing.read_bandwidth`) and of the spec
+peak (:mod:`~paged_lib.bench.hardware`), and against contiguous attention (SDPA on unpaged
+K/V of the same lengths). FlexAttention's paged attention runs last, time-boxed:
+compiling it can take minutes.
 
-On a CPU, where Triton only interprets, the torch backend is timed against contiguous
-per-sequence SDPA and FlexAttention paged (eager) on one configuration, as time ratios.
-
-The notebooks call :func:`gpu_sweep` / :func:`cpu_ratios` (lists of dict rows) and
-:func:`format_table`.
+On a CPU, where Triton only interprets (:func:`cpu_ratios`), the torch backend is timed
+against contiguous per-sequence SDPA and FlexAttention paged (eager) on one
+configuration, as time ratios. Rows are dicts; :mod:`~paged_lib.bench.report` formats them.
 """
 
 from __future__ import annotations
 
-import argparse
-import importlib
-import statistics
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -36,8 +29,12 @@ from collections.abc import Callable, Sequence
 import torch
 
 import paged_lib  # noqa: F401  (sets TRITON_INTERPRET before any kernel is defined)
+from paged_lib.bench.checks import WRONG, measure
+from paged_lib.bench.hardware import peak_bandwidth_gbs
+from paged_lib.bench.report import format_table, goals
+from paged_lib.bench.timing import gpu_timer, median_ms, read_bandwidth
 from paged_lib.kernels.cases import DecodeCase, make_decode_case
-from paged_lib.kernels.reference import (  # noqa: F401  (the baselines, by their old names)
+from paged_lib.kernels.reference import (
     contiguous_kv,
     flex_paged_attention,
     ref_paged_attention,
@@ -46,113 +43,12 @@ from paged_lib.kernels.reference import (  # noqa: F401  (the baselines, by thei
 )
 from paged_lib.util import CheckFailed
 
-#: Peak HBM bandwidth in GB/s, matched against ``torch.cuda.get_device_name()`` in order
-#: (first substring that occurs wins, so the more specific names come first).
-PEAK_BANDWIDTH_GBS: list[tuple[str, float]] = [
-    ("H200", 4800.0),
-    ("H100 NVL", 3900.0),
-    ("H100 PCIe", 2000.0),
-    ("H100", 3350.0),  # H100 SXM ("NVIDIA H100 80GB HBM3")
-    ("H800", 3350.0),
-    ("A100 80GB PCIe", 1935.0),
-    ("A100-SXM4-80GB", 2039.0),
-    ("A100", 1555.0),  # 40 GB
-    ("L40S", 864.0),
-    ("L40", 864.0),
-    ("L4", 300.0),
-    ("A10G", 600.0),
-    ("RTX 4090", 1008.0),
-    ("RTX 3090", 936.0),
-    ("V100", 900.0),
-    ("T4", 320.0),
-]
-
-
-def peak_bandwidth_gbs(device_name: str) -> float | None:
-    """The device's peak memory bandwidth in GB/s, or None if it is not in the table."""
-    for key, gbs in PEAK_BANDWIDTH_GBS:
-        if key in device_name:
-            return gbs
-    return None
-
-
-#: How close a benchmarked output must be to the float64 reference, per dtype.
-TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
-#: Text a row shows instead of a time when its output was wrong.
-WRONG = "WRONG"
-
-
-def check_output(name: str, out: torch.Tensor, expected: torch.Tensor) -> None:
-    """Raise :class:`CheckFailed` unless ``out`` matches ``expected`` within the tolerance."""
-    if out.shape != expected.shape:
-        raise CheckFailed(f"{name}: shape {tuple(out.shape)}, expected {tuple(expected.shape)}")
-    tol = TOLERANCE.get(out.dtype, 1e-4)
-    err = (out.double() - expected.double()).abs()
-    bound = tol + tol * expected.double().abs()
-    if not bool(torch.isfinite(out).all()) or bool((err > bound).any()):
-        raise CheckFailed(f"{name}: max error {float(err.nan_to_num(float('inf')).max()):.3g} "
-                          f"(tolerance {tol:g})")
-
-
-def measure(name: str, fn: Callable[[], torch.Tensor], expected: torch.Tensor,
-            timer: Callable[[Callable[[], object]], float]) -> float:
-    """Run ``fn`` once, check its output against ``expected``, then time it (ms).
-
-    The one way to a time in this module: a wrong output raises :class:`CheckFailed`
-    and nothing is timed.
-    """
-    check_output(name, fn(), expected)
-    return timer(fn)
-
 
 def decode_bytes(case: DecodeCase) -> int:
     """Bytes a decode step must move at least: all cached K/V it attends to, q, output."""
     q, k_cache = case.q, case.k_cache
     kv_per_token = 2 * k_cache.shape[2] * k_cache.shape[3] * k_cache.element_size()
     return int(case.seq_lens.sum()) * kv_per_token + 2 * q.numel() * q.element_size()
-
-
-def median_ms(fn: Callable[[], object], repeats: int, warmup: int | None = None) -> float:
-    """Median wall time in ms (by default one untimed warm-up run first when repeats > 1)."""
-    for _ in range((1 if repeats > 1 else 0) if warmup is None else warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
-
-
-_median_ms = median_ms  # the name chapter 04's notebook knew
-
-
-def gpu_timer(fn: Callable[[], object]) -> float:
-    """Median ms of ``fn`` replayed from a CUDA graph; plain ``do_bench`` (launch
-    overhead included, and said so) if it cannot be captured."""
-    import triton.testing
-
-    try:
-        return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
-    except Exception as err:  # noqa: BLE001 - not capturable: time it without a graph
-        print(f"note: not capturable in a CUDA graph ({type(err).__name__}); timed with "
-              "do_bench, launch overhead included")
-        torch.cuda.synchronize()
-        return triton.testing.do_bench(fn, rep=100, return_mode="median")
-
-
-def read_bandwidth(device: str = "cuda", nbytes: int = 4 * 2**30) -> dict:
-    """What this machine's memory really delivers: a large plain read (a sum over
-    ``nbytes`` of fp16) and a large copy, in GB/s (medians). Decode is a read: this is
-    the ceiling a paged kernel can be held to, typically 85-90% of the spec peak."""
-    import triton.testing
-
-    x = torch.ones(nbytes // 2, dtype=torch.float16, device=device)
-    read_ms = triton.testing.do_bench(lambda: x.sum(dtype=torch.float32), return_mode="median")
-    y = torch.empty_like(x)
-    copy_ms = triton.testing.do_bench(lambda: y.copy_(x), return_mode="median")
-    return {"read_GB/s": nbytes / (read_ms * 1e-3) / 1e9,
-            "copy_GB/s": 2 * nbytes / (copy_ms * 1e-3) / 1e9, "bytes": nbytes}
 
 
 def cpu_ratios(num_seqs: int = 16, num_heads: int = 32, num_kv_heads: int = 8,
@@ -244,7 +140,9 @@ def gpu_sweep(context_lens: Sequence[int] = (512, 4096, 32768),
             try:
                 t_ms = measure("triton paged", paged, expected, gpu_timer)
                 gbs = decode_bytes(case) / (t_ms * 1e-3) / 1e9
-                row.update(splits=td.LAST_LAUNCH["num_splits"], config=td.LAST_LAUNCH["config"],
+                _, launch = td.paged_attention_triton(*case[:5], case.scale, max_seq_len=ctx,
+                                                      return_launch=True)
+                row.update(splits=launch.num_splits, config=launch.config,
                            triton_us=1e3 * t_ms, **{"GB/s": gbs})
                 row["%achievable"] = gbs / achievable_gbs if achievable_gbs else nan
                 row["%peak"] = gbs / peak if peak else nan
@@ -306,52 +204,6 @@ def _flex_pass(jobs: list, num_heads: int, num_kv_heads: int, head_dim: int, blo
         torch.cuda.empty_cache()
 
 
-def goals(rows: list[dict]) -> list[str]:
-    """The speed goals (chapter 05), each with the measured value and met / NOT met.
-
-    Batch 64 at 4K: >= 75% of spec bandwidth and <= 1.25x contiguous SDPA; batch 1 at
-    32K: >= 50% of spec bandwidth (decode, 32/8 heads, head size 128, fp16).
-    """
-    out = []
-    for batch, ctx, share, ratio in ((64, 4096, 0.75, 1.25), (1, 32768, 0.50, None)):
-        row = next((r for r in rows if r["batch"] == batch and r["context"] == ctx), None)
-        if row is None or not isinstance(row.get("triton_us"), float):
-            out.append(f"batch {batch} at {ctx}: not measured")
-            continue
-        got = row["%peak"]
-        line = (f"batch {batch} at {ctx}: {got:.0%} of spec peak (goal >= {share:.0%}): "
-                f"{'met' if got >= share else 'NOT met'}")
-        if ratio is not None and isinstance(row.get("sdpa_us"), float):
-            line += (f"; {row['vs_sdpa']:.2f}x contiguous SDPA (goal <= {ratio}x): "
-                     f"{'met' if row['vs_sdpa'] <= ratio else 'NOT met'}")
-        out.append(line)
-    return out
-
-
-def format_value(col: str, x: object) -> str:
-    """One table cell: floats with 3 significant digits (NaN as -), ``%`` columns as %."""
-    if isinstance(x, float):
-        if x != x:
-            return "-"
-        if col.startswith("%"):
-            return f"{x:.0%}"
-        return f"{x:.3g}" if abs(x) < 1000 else f"{x:.0f}"
-    return str(x)
-
-
-def format_table(rows: list[dict]) -> str:
-    """A plain-text table: floats with 3 significant digits, percentages as %."""
-    if not rows:
-        return "(no rows)"
-    cols = list(dict.fromkeys(c for r in rows for c in r))
-    cells = [[format_value(c, r.get(c, "")) for c in cols] for r in rows]
-    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
-    line = "  ".join(c.rjust(w) for c, w in zip(cols, widths, strict=True))
-    out = [line, "-" * len(line)]
-    out += ["  ".join(x.rjust(w) for x, w in zip(row, widths, strict=True)) for row in cells]
-    return "\n".join(out)
-
-
 def attention_report() -> str:
     """What ``python -m paged_lib.bench attention`` prints."""
     from paged_lib.device import interpreter_on
@@ -373,36 +225,3 @@ def attention_report() -> str:
             "lengths 512-1536 (seed 0), block 16, fp32; every output checked against the "
             "float64 reference before it is timed")
     return head + "\n" + format_table(cpu_ratios())
-
-
-def run_engine_bench(argv: Sequence[str]) -> int:
-    """``python -m paged_lib.bench engine ...``: the engine's own benchmark, imported late."""
-    try:
-        module = importlib.import_module("paged_lib.bench.engine")
-    except ModuleNotFoundError as err:
-        if err.name not in ("paged_lib.engine", "paged_lib.bench.engine"):
-            raise
-        print("The engine benchmark (paged_lib/bench/engine.py, chapter 06) is not in this "
-              "checkout yet: nothing to run.")
-        return 2
-    return int(module.main(list(argv)) or 0)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m paged_lib.bench",
-                                     description="Benchmarks of the course's kernels and engine.")
-    parser.add_argument("what", choices=["attention", "engine"], help="what to benchmark")
-    parser.add_argument("rest", nargs=argparse.REMAINDER,
-                        help="for 'engine': its own options (python -m paged_lib.bench engine "
-                        "--help)")
-    args = parser.parse_args(argv)
-    if args.what == "engine":
-        return run_engine_bench(args.rest)
-    if args.rest:
-        parser.error(f"'attention' takes no options, got {args.rest}")
-    print(attention_report())
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -31,6 +31,8 @@ from pathlib import Path
 import torch
 
 import paged_lib  # noqa: F401  (sets TRITON_INTERPRET before any kernel is defined)
+from paged_lib.bench.checks import TOLERANCE
+from paged_lib.bench.report import markdown_table
 from paged_lib.device import interpreter_on
 
 #: The shapes of the correctness sweep: (num_heads, num_kv_heads), head_dim, block_size.
@@ -42,7 +44,6 @@ SWEEP_SHAPES = [
 SWEEP_LENS = (0, 1, 17, 300, 1000, 4100)
 TEST_FILES = ["tests/test_kernels.py", "tests/test_cases.py", "tests/test_torch_backend.py",
               "tests/test_kernel_extras.py", "tests/test_bench.py"]
-TOLERANCE = {torch.float16: 5e-3, torch.bfloat16: 3e-2, torch.float32: 1e-4}
 
 
 class NeedsGPU(RuntimeError):
@@ -126,24 +127,6 @@ def correctness_sweep(device: str = "cuda", shapes=SWEEP_SHAPES, lens=SWEEP_LENS
     return rows
 
 
-def markdown_table(rows: list[dict]) -> str:
-    """Rows of dicts as a Markdown table (floats to 3 significant digits, % columns as %)."""
-    if not rows:
-        return "(no rows)\n"
-    from paged_lib.bench.attention import format_value
-
-    cols = list(dict.fromkeys(c for r in rows for c in r))
-
-    def cell(col: str, x: object) -> str:
-        if isinstance(x, bool):
-            return "yes" if x else "**NO**"
-        return format_value(col, x).replace("|", "\\|")
-
-    out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    out += ["| " + " | ".join(cell(c, r.get(c, "")) for c in cols) + " |" for r in rows]
-    return "\n".join(out) + "\n"
-
-
 def format_report(result: dict) -> str:
     """The Markdown report of one run (``result`` as :func:`run_check` returns it)."""
     env = result["environment"]
@@ -180,7 +163,10 @@ def format_report(result: dict) -> str:
 
 def run_check(skip_tests: bool = False, budget_s: float = 480.0) -> dict:
     """Everything, on the GPU, within about ``budget_s`` seconds."""
-    from paged_lib.bench import attention as bench
+    from paged_lib.bench.attention import gpu_sweep
+    from paged_lib.bench.hardware import peak_bandwidth_gbs
+    from paged_lib.bench.report import goals
+    from paged_lib.bench.timing import read_bandwidth
 
     name = require_gpu()
     t0 = time.monotonic()
@@ -192,13 +178,13 @@ def run_check(skip_tests: bool = False, budget_s: float = 480.0) -> dict:
     print("correctness sweep ...", flush=True)
     result["correctness"] = correctness_sweep()
     print("bandwidth ...", flush=True)
-    bw = bench.read_bandwidth()
-    bw["peak_GB/s"] = bench.peak_bandwidth_gbs(name)
+    bw = read_bandwidth()
+    bw["peak_GB/s"] = peak_bandwidth_gbs(name)
     result["bandwidth"] = bw
     left = budget_s - (time.monotonic() - t0)
-    result["sweep"] = bench.gpu_sweep(achievable_gbs=bw["read_GB/s"],
-                                      flex_budget_s=max(0.0, min(90.0, left - 150.0)))
-    result["goals"] = bench.goals(result["sweep"])
+    result["sweep"] = gpu_sweep(achievable_gbs=bw["read_GB/s"],
+                                flex_budget_s=max(0.0, min(90.0, left - 150.0)))
+    result["goals"] = goals(result["sweep"])
     result["seconds"] = time.monotonic() - t0
     return result
 

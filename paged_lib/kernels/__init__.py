@@ -4,7 +4,8 @@ Caches are ``[num_blocks, block_size, num_kv_heads, head_dim]`` (K and V separat
 
 * :func:`paged_attention` - decode: one new query token per sequence;
 * :func:`paged_prefill` - several new query tokens per sequence, causal, packed varlen;
-* :func:`reshape_and_cache` - the write path: new tokens' K/V into their slots.
+* :func:`reshape_and_cache` - the write path: new tokens' K/V into their slots, which
+  :func:`slot_mapping_from_positions` computes from the block tables.
 
 Each takes ``backend="triton"`` (the kernels in this package; Triton's interpreter on
 a CPU) or ``backend="torch"`` (plain PyTorch). Inputs are validated *before* any launch
@@ -29,7 +30,7 @@ from paged_lib.kernels.triton_split import choose_num_splits
 from paged_lib.util import cdiv
 
 __all__ = ["BACKENDS", "choose_num_splits", "paged_attention", "paged_prefill",
-           "reshape_and_cache"]
+           "reshape_and_cache", "slot_mapping_from_positions"]
 
 BACKENDS = ("triton", "torch")
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -156,6 +157,22 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Ten
     from paged_lib.kernels.triton_cache import reshape_and_cache_triton
 
     return reshape_and_cache_triton(key, value, k_cache, v_cache, slot_mapping)
+
+
+def slot_mapping_from_positions(block_tables: torch.Tensor, seq_ids: torch.Tensor,
+                                positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """``slot_mapping`` (int64) for tokens at ``positions`` of sequences ``seq_ids``:
+    ``block_tables[seq, pos // block_size] * block_size + pos % block_size``.
+
+    A negative position marks a padding token and maps to slot ``-1``.
+    """
+    seq_ids = seq_ids.long()
+    positions = positions.long()
+    keep = positions >= 0
+    pos = positions.clamp(min=0)
+    blocks = block_tables.long()[seq_ids, pos // block_size]
+    slots = blocks * block_size + pos % block_size
+    return torch.where(keep, slots, torch.full_like(slots, -1))
 
 
 # ---------------------------------------------------------------- validation helpers

@@ -74,17 +74,6 @@ def ref_paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     return out
 
 
-def ref_reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                          v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """The cache write, token by token (in place): token ``t`` goes to block
-    ``slot // block_size``, offset ``slot % block_size``; slot ``-1`` writes nothing."""
-    block_size = k_cache.shape[1]
-    for t, slot in enumerate(slot_mapping.tolist()):
-        if slot >= 0:
-            k_cache[slot // block_size, slot % block_size] = key[t]
-            v_cache[slot // block_size, slot % block_size] = value[t]
-
-
 # ------------------------------------------------------------------ outside baselines
 
 

@@ -1,8 +1,9 @@
 """Every paged operation in plain PyTorch: the engine's CPU backend.
 
 * :func:`paged_attention_torch` - decode, vectorised (below);
-* :func:`merge_partials` - the log-sum-exp merge of partial results, the one both
-  backends use (the Triton backend's merge kernel is its fused GPU form, tested equal);
+* :func:`merge_segments` - each sequence's segments merged by
+  :func:`paged_lib.attention.merge_partials`, the log-sum-exp merge both backends use
+  (the Triton backend's merge kernel is its fused GPU form, tested equal);
 * :func:`paged_prefill_torch` - prefill, per sequence with causal SDPA;
 * :func:`reshape_and_cache_torch` - the cache write, one indexed assignment.
 
@@ -24,8 +25,9 @@ the batch. It is flash-decoding written with PyTorch ops:
    On CPU one fused kernel does this (``_scaled_dot_product_flash_attention_for_cpu``,
    the op behind ``F.scaled_dot_product_attention``, which also returns ``lse``); on other
    devices the same math is written out with ``einsum``.
-4. **Merge.** Combine each sequence's segments with :func:`merge_partials`, the
-   online-softmax merge of chapter 04 in its log-sum-exp form.
+4. **Merge.** Combine each sequence's segments with
+   :func:`~paged_lib.attention.merge_partials`, the online-softmax merge of chapter 04
+   in its log-sum-exp form.
 
 Padding is at most one segment per sequence, not "up to the longest sequence", and the
 query heads that share a KV head read it once (GQA).
@@ -33,11 +35,10 @@ query heads that share a KV head read it once (GQA).
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 
+from paged_lib.attention import merge_partials
 from paged_lib.kernels.reference import gather_kv
 from paged_lib.util import cdiv
 
@@ -115,7 +116,7 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     out, lse = _segment_attention(qs, k, v, bias, scale, fused)
 
     # 4. Merge each sequence's segments.
-    return merge_partials(out, lse, seg_seq, num_seqs).to(q.dtype)
+    return merge_segments(out, lse, seg_seq, seg_idx, num_seqs).to(q.dtype)
 
 
 #: Reused gather buffers, by (name, device, dtype). A fresh 100 MB tensor per call costs
@@ -170,31 +171,19 @@ def _segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: 
     return out.reshape(n, num_heads, head_dim), lse.reshape(n, num_heads)
 
 
-def merge_partials(out: torch.Tensor, lse: torch.Tensor, owner: torch.Tensor, num_seqs: int,
-                   *, base: float = math.e) -> torch.Tensor:
-    """Merge partial attention results into one per sequence (flash-decoding's reduce).
-
-    ``out [n, H, d]`` holds ``n`` partial outputs, each already divided by its own softmax
-    denominator; ``lse [n, H]`` the log (in ``base``) of that denominator, ``-inf`` for a
-    part that saw no token; ``owner [n]`` the sequence each part belongs to. Returns
-    ``[num_seqs, H, d]``::
-
-        result[s] = sum_j base**(lse_j - M) * out_j / sum_j base**(lse_j - M),  M = max_j lse_j
-
-    over the parts ``j`` of ``s``. A sequence with no part, or only empty ones, gets
-    zeros, never ``-inf - -inf = NaN``.
-    """
-    num_heads, head_dim = out.shape[1], out.shape[2]
-    m = torch.full((num_seqs, num_heads), float("-inf"), dtype=out.dtype, device=out.device)
-    m.scatter_reduce_(0, owner[:, None].expand(-1, num_heads), lse.to(out.dtype), "amax")
-    # Only "no token at all" (-inf) is special; a NaN (a poisoned read) must stay NaN.
-    m = torch.where(m == float("-inf"), 0.0, m)              # all parts empty: weights 0
-    w = torch.pow(base, lse.to(out.dtype) - m[owner])        # [n, H]; empty part: 0
-    num = torch.zeros(num_seqs, num_heads, head_dim, dtype=out.dtype, device=out.device)
-    num.index_add_(0, owner, torch.where(w[..., None] == 0, 0.0, out * w[..., None]))
-    den = torch.zeros(num_seqs, num_heads, dtype=out.dtype, device=out.device)
-    den.index_add_(0, owner, w)
-    return torch.where(den[..., None] == 0, 0.0, num / den[..., None])
+def merge_segments(out: torch.Tensor, lse: torch.Tensor, seg_seq: torch.Tensor,
+                   seg_idx: torch.Tensor, num_seqs: int) -> torch.Tensor:
+    """Merge each sequence's segments: :func:`~paged_lib.attention.merge_partials` over
+    a ``[max_segments, num_seqs, ...]`` stack, where segment ``i`` (of sequence
+    ``seg_seq[i]``, its ``seg_idx[i]``-th) sits; missing segments are empty (``lse = -inf``),
+    and a sequence with none gets zeros."""
+    depth = int(seg_idx.max()) + 1 if seg_idx.numel() else 1
+    parts = out.new_zeros(depth, num_seqs, *out.shape[1:])
+    parts[seg_idx, seg_seq] = out
+    lses = torch.full((depth, num_seqs, *lse.shape[1:]), float("-inf"), dtype=out.dtype,
+                      device=out.device)
+    lses[seg_idx, seg_seq] = lse.to(out.dtype)
+    return merge_partials(parts, lses)
 
 
 def paged_prefill_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -5,7 +5,7 @@ paged cache. The engine gives every new token a *slot*::
 
     slot = block_tables[seq, pos // block_size] * block_size + pos % block_size
 
-(``slot_mapping``, vLLM's name; :func:`paged_lib.kernels.cache.slot_mapping_from_positions`),
+(``slot_mapping``, vLLM's name; :func:`paged_lib.kernels.slot_mapping_from_positions`),
 or ``-1`` for a padding token that must not be written. The kernel scatters ``key``/``value``
 ``[num_tokens, num_kv_heads, head_dim]`` into ``k_cache``/``v_cache``
 ``[num_blocks, block_size, num_kv_heads, head_dim]``. Call it through

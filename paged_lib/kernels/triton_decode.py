@@ -8,7 +8,9 @@ as vLLM does. It then walks the sequence's tokens ``TILE_N`` at a time: each tok
 physical address is ``block_tables[seq, pos // BLOCK_SIZE] * stride + pos % BLOCK_SIZE``
 (block ids cast to int64 first, so a cache of more than 2**31 elements cannot overflow
 32-bit offsets), tokens past the end are masked (never loaded), and an online softmax
-in fp32 folds the tile into running max ``m``, denominator ``l`` and accumulator ``acc``.
+in fp32 folds the tile into running max ``m``, denominator ``l`` and accumulator ``acc``:
+one call of :func:`~paged_lib.kernels.triton_tile.attend_tile` per tile, the loop body the
+prefill kernel shares.
 
 Call it through :func:`paged_lib.kernels.paged_attention`, which validates its inputs;
 :func:`paged_attention_triton` here only launches. Nothing in it reads a value back
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -26,9 +29,9 @@ import triton.language as tl
 
 from paged_lib.device import interpreter_on
 from paged_lib.kernels.triton_split import choose_num_splits, merge_splits
+from paged_lib.kernels.triton_tile import LN2, LOG2E, attend_tile
 from paged_lib.util import cdiv
 
-LOG2E = 1.4426950408889634
 #: Shared memory per thread block on H100/H200 (227 KB): K and V tiles times pipeline
 #: stages must fit, or the kernel does not compile on the GPU (the interpreter never checks).
 SMEM_BUDGET = 227 * 1024
@@ -85,34 +88,12 @@ def _paged_decode_kernel(
     t = tl.arange(0, TILE_N)
     block_table = block_tables_ptr + seq * stride_bts
     for tile_start in range(start, end, TILE_N):
-        pos = tile_start + t  # logical token positions of this tile
-        valid = pos < end
-        block = tl.load(block_table + (pos // BLOCK_SIZE) * stride_btb, mask=valid, other=0)
-        block = block.to(tl.int64)  # 64-bit before multiplying by a stride
-        offset = pos % BLOCK_SIZE
-        # Row starts are ALIGN-element aligned (head sizes like 40 or 72): the compiler
-        # may then load each row with vector instructions despite the d < HEAD_DIM mask.
-        k_rows = tl.multiple_of(block * stride_kb + offset * stride_kt + kv_head * stride_kh,
-                                ALIGN)
-        v_rows = tl.multiple_of(block * stride_vb + offset * stride_vt + kv_head * stride_vh,
-                                ALIGN)
-        kv_mask = valid[:, None] & (d < HEAD_DIM)[None, :]
-        k = tl.load(k_cache_ptr + k_rows[:, None] + d[None, :] * stride_kd, mask=kv_mask,
-                    other=0.0)
-        v = tl.load(v_cache_ptr + v_rows[:, None] + d[None, :] * stride_vd, mask=kv_mask,
-                    other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-        s = tl.where(valid[None, :], s, float("-inf"))  # [GROUP_TILE, TILE_N]
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)  # rescales what was summed so far
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = attend_tile(
+            q, m_i, l_i, acc, tile_start + t, end, end, block_table, stride_btb,
+            k_cache_ptr, v_cache_ptr, kv_head, d,
+            stride_kb, stride_kt, stride_kh, stride_kd,
+            stride_vb, stride_vt, stride_vh, stride_vd, scale_log2,
+            HEAD_DIM, ALIGN, BLOCK_SIZE, False, UPCAST, DOT_PRECISION)
 
     # No token (seq_len 0, or a segment past the end): l = 0, output 0, lse -inf.
     empty = l_i == 0.0
@@ -121,7 +102,9 @@ def _paged_decode_kernel(
                 + d[None, :] * stride_od)
     tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=row_mask)
     if IS_SPLIT:
-        lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
+        # Natural log at the interface (merge_splits, merge_partials): ln x = log2 x * ln 2.
+        lse = tl.where(empty, float("-inf"),
+                       (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * LN2)
         tl.store(lse_ptr + seq * stride_ls + heads * stride_lh + split, lse, mask=g < GROUP)
 
 
@@ -231,15 +214,27 @@ def on_device(device: torch.device) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
-#: What the last call launched (config, real split count): the benchmark reports it.
-LAST_LAUNCH: dict = {}
+@dataclass(frozen=True)
+class LaunchInfo:
+    """What one decode launch ran: the benchmark reports it, tests check it.
+
+    ``num_splits``: KV segments per sequence (1: no split-KV); ``head_chunks``: programs
+    per KV head on the grid's second axis (GQA groups over 16 heads); ``autotuned``:
+    whether ``triton.autotune`` chose the config; ``config``: the tile config, as text.
+    """
+
+    num_splits: int
+    head_chunks: int
+    autotuned: bool
+    config: str
 
 
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            num_splits: int | None = None, tile_n: int | None = None,
                            max_seq_len: int | None = None, autotune: bool | None = None,
-                           num_stages: int | None = None) -> torch.Tensor:
+                           num_stages: int | None = None, return_launch: bool = False
+                           ) -> torch.Tensor | tuple[torch.Tensor, LaunchInfo]:
     """Launch the decode kernel on already validated inputs (see ``paged_attention``).
 
     ``num_splits=None`` picks the split-KV segment count with
@@ -247,7 +242,8 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     without it, from the block tables' capacity (no read-back from the GPU); ``tile_n``
     and ``num_stages`` fix the tile (tests use it to put tiles across block boundaries;
     :func:`check_config` refuses what a GPU cannot run); ``autotune=None`` autotunes
-    where :func:`use_autotune` says so.
+    where :func:`use_autotune` says so. ``return_launch=True`` returns
+    ``(out, LaunchInfo)``: what was launched, for benchmarks and tests.
     """
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
@@ -255,7 +251,9 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     chunks = cdiv(group, MAX_GROUP_TILE)  # 16 query heads per program, padded
     out = torch.empty_like(q)
     if num_seqs == 0:
-        return out
+        info = LaunchInfo(num_splits=1, head_chunks=chunks, autotuned=False,
+                          config="nothing launched")
+        return (out, info) if return_launch else out
     interp = interpreter_on()
     cfg = launch_config(head_dim, q.dtype)
     if tile_n is not None or num_stages is not None:
@@ -296,7 +294,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     with on_device(q.device):
         kernel[(num_seqs, num_kv_heads * chunks, num_splits)](
             target, lse, q, k_cache, v_cache, block_tables, seq_lens,
-            scale * LOG2E, num_splits,
+            scale * LOG2E.value, num_splits,
             q.stride(0), q.stride(1), q.stride(2),
             *k_cache.stride(), *v_cache.stride(),
             block_tables.stride(0), block_tables.stride(1),
@@ -305,10 +303,11 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         )
         if num_splits > 1:
             merge_splits(target, lse, out)
+    if not return_launch:
+        return out
     chosen = getattr(kernel, "best_config", None)
-    LAST_LAUNCH.clear()
-    LAST_LAUNCH.update(num_splits=num_splits, head_chunks=chunks, autotuned=autotune,
-                       config=str(chosen) if chosen is not None else
-                       f"TILE_N={cfg['TILE_N']}, num_warps={cfg['num_warps']}, "
-                       f"num_stages={cfg['num_stages']}")
-    return out
+    config = (str(chosen) if chosen is not None else
+              f"TILE_N={cfg['TILE_N']}, num_warps={cfg['num_warps']}, "
+              f"num_stages={cfg['num_stages']}")
+    return out, LaunchInfo(num_splits=num_splits, head_chunks=chunks, autotuned=autotune,
+                           config=config)

@@ -7,7 +7,8 @@ into ``q [total_query_tokens, num_heads, head_dim]``; sequence ``s`` owns rows
 written to the cache by ``reshape_and_cache``. With context ``c = seq_len - query_len``,
 new token ``i`` sits at position ``c + i`` and sees positions ``0 .. c + i``.
 
-Decode is the special case ``query_lens == 1``. Call it through
+The tile loop is the decode kernel's (:func:`~paged_lib.kernels.triton_tile.attend_tile`,
+with the causal mask on). Decode is the special case ``query_lens == 1``. Call it through
 :func:`paged_lib.kernels.paged_prefill`, which validates.
 """
 
@@ -18,7 +19,8 @@ import triton
 import triton.language as tl
 
 from paged_lib.device import interpreter_on
-from paged_lib.kernels.triton_decode import LOG2E, MAX_GROUP_TILE, alignment, head_pad, on_device
+from paged_lib.kernels.triton_decode import MAX_GROUP_TILE, alignment, head_pad, on_device
+from paged_lib.kernels.triton_tile import LOG2E, attend_tile
 from paged_lib.util import cdiv
 
 #: Query rows (new tokens x query heads) per program.
@@ -82,32 +84,12 @@ def _paged_prefill_kernel(
     t = tl.arange(0, TILE_N)
     block_table = block_tables_ptr + seq * stride_bts
     for tile_start in range(0, kv_end, TILE_N):
-        pos = tile_start + t
-        valid = pos < kv_end
-        block = tl.load(block_table + (pos // BLOCK_SIZE) * stride_btb, mask=valid, other=0)
-        block = block.to(tl.int64)
-        offset = pos % BLOCK_SIZE
-        k_rows = tl.multiple_of(block * stride_kb + offset * stride_kt + kv_head * stride_kh,
-                                ALIGN)
-        v_rows = tl.multiple_of(block * stride_vb + offset * stride_vt + kv_head * stride_vh,
-                                ALIGN)
-        kv_mask = valid[:, None] & (d < HEAD_DIM)[None, :]
-        k = tl.load(k_cache_ptr + k_rows[:, None] + d[None, :] * stride_kd, mask=kv_mask,
-                    other=0.0)
-        v = tl.load(v_cache_ptr + v_rows[:, None] + d[None, :] * stride_vd, mask=kv_mask,
-                    other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-        # Causal mask; every row sees position 0, so its running max is finite from tile 0.
-        s = tl.where(valid[None, :] & (pos[None, :] <= row_pos[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = attend_tile(
+            q, m_i, l_i, acc, tile_start + t, kv_end, row_pos, block_table, stride_btb,
+            k_cache_ptr, v_cache_ptr, kv_head, d,
+            stride_kb, stride_kt, stride_kh, stride_kd,
+            stride_vb, stride_vt, stride_vh, stride_vd, scale_log2,
+            HEAD_DIM, ALIGN, BLOCK_SIZE, True, UPCAST, DOT_PRECISION)
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # padded rows: 0, never NaN
     tl.store(out_ptr + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh
@@ -154,7 +136,7 @@ def paged_prefill_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     with on_device(q.device):
         _paged_prefill_kernel[grid](
             out, q, k_cache, v_cache, block_tables, seq_lens, query_start,
-            scale * LOG2E,
+            scale * LOG2E.value,
             *q.stride(), *k_cache.stride(), *v_cache.stride(),
             block_tables.stride(0), block_tables.stride(1), *out.stride(),
             GROUP=group, GROUP_TILE=group_tile, BLOCK_Q=block_q,

@@ -9,12 +9,13 @@ tiles; each sequence by its *own* length), runs one program per (sequence, KV he
 segment), and lets every program write
 
 * its partial output ``o_j`` (already divided by its own softmax denominator), and
-* its log-sum-exp ``lse_j = m_j + log2(l_j)`` (base 2, like the kernel's ``exp2``),
+* its log-sum-exp ``lse_j``, the natural log of its softmax denominator (the kernels
+  compute in base 2, with ``exp2``, and convert at their boundary: ``ln x = log2 x * ln 2``),
 
 which a second, tiny kernel merges exactly (:func:`merge_splits`, the fused GPU form
-of :func:`paged_lib.kernels.torch_backend.merge_partials`)::
+of :func:`paged_lib.attention.merge_partials`, tested equal)::
 
-    out = sum_j 2**(lse_j - M) * o_j / sum_j 2**(lse_j - M),   M = max_j lse_j
+    out = sum_j exp(lse_j - M) * o_j / sum_j exp(lse_j - M),   M = max_j lse_j
 
 A segment that holds no token writes ``lse = -inf`` and weighs 0; a sequence of length 0
 has only such segments and gets zeros.
@@ -26,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from paged_lib.kernels.triton_tile import LOG2E
 from paged_lib.util import cdiv
 
 #: A segment shorter than this is not worth its own program (and the merge it costs).
@@ -90,7 +92,8 @@ def _merge_splits_kernel(
     lse = tl.load(lse_ptr + row[:, None] + s[None, :], mask=hs_mask, other=float("-inf"))
     m = tl.max(lse, 1)
     m = tl.where(m == float("-inf"), 0.0, m)  # every segment empty (seq_len 0): no NaN
-    w = tl.exp2(lse - m[:, None])  # [HEADS, SPLIT_PAD]; empty segments: 2**-inf = 0
+    # exp(x) = 2**(x * log2(e)); empty segments: 2**-inf = 0. [HEADS, SPLIT_PAD]
+    w = tl.exp2((lse - m[:, None]) * LOG2E)
     offs = (row[:, None] + s[None, :]) * HEAD_DIM
     part = tl.load(partial_ptr + offs[:, :, None] + d[None, None, :],
                    mask=hs_mask[:, :, None] & (d < HEAD_DIM)[None, None, :], other=0.0)
@@ -103,7 +106,7 @@ def _merge_splits_kernel(
 
 def merge_splits(partial: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """Launch the merge: ``partial`` fp32 ``[S, H, splits, D]``, ``lse`` fp32 ``[S, H, splits]``
-    (base 2, contiguous), into ``out [S, H, D]``."""
+    (natural log, contiguous), into ``out [S, H, D]``."""
     num_seqs, num_heads, num_splits, head_dim = partial.shape
     if num_seqs == 0:
         return out

@@ -1,0 +1,101 @@
+"""Around chapter 05's kernel: the slot mapping of the write path (05.6) and the merge of
+split-KV partials (05.7)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+from paged_lib.course import grading
+from paged_lib.course.grading.ch05_common import NAN
+from paged_lib.kernels.reference import gather_kv
+
+# ---------------------------------------------------------------------- 05.6 slot mapping
+
+SLOT_CASES = [
+    (4, [[7, 2, 5], [3, -1, -1], [6, 1, 4]], [0, 0, 0, 1, 2, 2, 2, 1], [3, 4, 9, 0, 5, 6, 7, -1]),
+    (16, [[2, 0], [1, -1]], [0, 0, 1, 1], [15, 16, 3, -1]),
+    (3, [[4, 1, 0], [2, -1, -1]], [0, 0, 1], [2, 7, 1]),
+]
+
+
+SLOT_HINT = ("slot = block_tables[seq, pos // block_size] * block_size + pos % block_size, "
+             "with the block_size you are given (not a constant); position -1 (padding) maps "
+             "to -1 and must not index the table")
+
+
+def check_slot_mapping(slot_mapping: Callable[..., torch.Tensor]) -> None:
+    """05.6: slot of each new token from its sequence's block table (int64, -1 padding)."""
+    from paged_lib.kernels import reshape_and_cache, slot_mapping_from_positions
+
+    with grading.exercise("05.6", "Slot mapping"):
+        for block_size, tables, seqs, poss in SLOT_CASES:
+            bt = torch.tensor(tables, dtype=torch.int32)
+            seq_ids, positions = torch.tensor(seqs), torch.tensor(poss)
+            what = f"block_size {block_size}, block_tables {tables}, positions {poss}"
+            try:
+                got = slot_mapping(bt, seq_ids, positions, block_size)
+            except IndexError as err:
+                grading.fail(f"{what}: your code raised IndexError: {err}", hint=SLOT_HINT)
+            grading.expect_true(isinstance(got, torch.Tensor),
+                                f"{what}: expected a torch.Tensor, got {type(got).__name__}")
+            grading.expect_true(got.dtype == torch.int64,
+                                f"{what}: expected dtype torch.int64, got {got.dtype}",
+                                hint="slots index a cache of num_blocks x block_size entries, "
+                                     "which can exceed 2**31: compute in int64 (.long())")
+            expected = slot_mapping_from_positions(bt, seq_ids, positions, block_size)
+            grading.expect_equal(got.tolist(), expected.tolist(), f"{what}: slot_mapping",
+                                 hint=SLOT_HINT)
+        # Round trip: write with the learner's slots, read back through the block table.
+        g = torch.Generator().manual_seed(0)
+        k_cache = torch.full((8, 4, 1, 2), NAN)
+        v_cache = k_cache.clone()
+        bt, seqs, poss = (torch.tensor(SLOT_CASES[0][1], dtype=torch.int32),
+                          torch.tensor(SLOT_CASES[0][2]), torch.tensor(SLOT_CASES[0][3]))
+        key = torch.randn(len(poss), 1, 2, generator=g)
+        reshape_and_cache(key, key, k_cache, v_cache, slot_mapping(bt, seqs, poss, 4).long(),
+                          backend="torch")
+        read = gather_kv(k_cache, bt[2], 8)[5:8]
+        grading.expect_tensor_close(read, key[4:7], "sequence 2's positions 5-7 read back "
+                                    "through its block table")
+
+
+# ------------------------------------------------------------ 05.7 merge split-KV partials
+
+def _partials(scores: torch.Tensor, v: torch.Tensor, cuts: list[tuple[int, int]]
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    outs, lses = [], []
+    for a, b in cuts:
+        if a == b:  # an empty segment
+            outs.append(torch.zeros(v.shape[1], dtype=torch.float64))
+            lses.append(-math.inf)
+            continue
+        s = scores[a:b]
+        outs.append(torch.softmax(s, 0) @ v[a:b])
+        lses.append(torch.logsumexp(s, 0).item())
+    return torch.stack(outs), torch.tensor(lses, dtype=torch.float64)
+
+
+def check_merge_partials(merge_partials: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+                         ) -> None:
+    """05.7: merge split-KV partial outputs with their log-sum-exps."""
+    with grading.exercise("05.7", "Merge split-KV partials"):
+        g = torch.Generator().manual_seed(0)
+        for shift, cuts in [(0.0, [(0, 5), (5, 9), (9, 12), (12, 12)]),
+                            (1000.0, [(0, 2), (2, 12)]), (-1000.0, [(0, 7), (7, 12)])]:
+            scores = (torch.randn(12, generator=g) * 3).double() + shift
+            v = torch.randn(12, 4, generator=g).double()
+            full = torch.softmax(scores, 0) @ v
+            out, lse = _partials(scores, v, cuts)
+            got = merge_partials(out, lse)
+            what = f"segments {cuts}, log-sum-exps around {shift:g}"
+            if isinstance(got, torch.Tensor) and got.isnan().any():
+                grading.fail(f"{what}: the merged output is NaN",
+                             hint="exp(lse) overflows (or underflows to 0/0) for log-sum-exps "
+                                  "far from 0: weight by exp(lse_j - max lse)")
+            grading.expect_tensor_close(
+                got, full, f"{what}: merged output", atol=1e-9, rtol=1e-9,
+                hint="weight each partial by exp(lse_j - max lse) (an empty segment, lse = "
+                     "-inf, weighs 0) and divide by the sum of the weights")

@@ -1,0 +1,152 @@
+"""Chapter 05's paged decode kernel (05.5): the learner's kernel on poisoned caches and
+under the load trace, which names the first program and slot it should not have read."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from paged_lib.course import grading
+from paged_lib.course.grading.ch05_common import (
+    NAN,
+    OUT_GUARD,
+    Guarded,
+    expect_no_nan,
+    first_outside,
+    interpreted,
+    launch,
+)
+from paged_lib.instruments.load_trace import LoadTrace
+from paged_lib.kernels.cases import NAN_BLOCK, make_decode_case
+from paged_lib.kernels.reference import ref_paged_attention
+from paged_lib.util import cdiv
+
+# -------------------------------------------------------------- 05.5 the paged decode kernel
+
+def decode_case(seq_lens: tuple[int, ...], num_heads: int, num_kv_heads: int, head_dim: int,
+                block_size: int, seed: int = 0):
+    """A decode batch for the grader: distinct blocks, padding through an all-NaN block 0."""
+    return make_decode_case(seq_lens, num_heads, num_kv_heads, head_dim, block_size,
+                            seed=seed, shared=False, pad=NAN_BLOCK)
+
+
+def run_decode_kernel(kernel: Any, case) -> tuple[torch.Tensor, LoadTrace, tuple]:
+    """Launch the exercise kernel, one program per (sequence, KV head); output on the CPU.
+
+    Every tensor sits inside a poisoned guard as large as itself (:class:`Guarded`), so a
+    wrong offset reads or writes the guard instead of crashing the notebook's kernel.
+    Returns the output, the load trace and the two cache views (for the trace).
+    """
+    q, k_cache, v_cache, block_tables, seq_lens, scale = case
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    q_g, k_g, v_g = Guarded(q, q.numel()), Guarded(k_cache, k_cache.numel()), \
+        Guarded(v_cache, v_cache.numel())
+    out_g = Guarded(torch.full_like(q, NAN), q.numel(), fill=OUT_GUARD)
+    bt_g = Guarded(block_tables, block_tables.numel(), fill=0)  # block 0: all NaN
+    lens_g = Guarded(seq_lens, seq_lens.numel(), fill=0)
+    trace = launch(kernel, (num_seqs, num_kv_heads), out_g.view, q_g.view, k_g.view, v_g.view,
+                   bt_g.view, lens_g.view, scale, block_tables.shape[1],
+                   NUM_KV_HEADS=num_kv_heads, GROUP=group,
+                   GROUP_PAD=max(1, 1 << (group - 1).bit_length()), HEAD_DIM=head_dim,
+                   BLOCK_SIZE=k_cache.shape[1])
+    if not out_g.guard_intact():
+        grading.fail("the kernel wrote outside out (padded query heads stored?)",
+                     hint="store only the GROUP real rows of the tile: mask=(g < GROUP)[:, None]"
+                          "; out[seq, head] is at (seq * num_heads + head) * HEAD_DIM")
+    for name, g in (("K", k_g), ("V", v_g)):
+        if not interpreted():
+            break
+        size = g.view.numel()
+        bad = first_outside(g, trace, lambda f, n=size: (f >= 0) & (f < n))
+        if bad:
+            grading.fail(f"program {bad[0][:2]} read {name} outside the cache ({bad[2]} "
+                         "element(s) in one load)",
+                         hint="element (block, slot, head, dim) is at ((block * BLOCK_SIZE + "
+                              "slot) * NUM_KV_HEADS + head) * HEAD_DIM + dim")
+    return out_g.view.cpu(), trace, (k_g.view, v_g.view)
+
+
+def _allowed_slots(case, seq: int) -> dict[tuple[int, int], int]:
+    """(physical block, slot) -> token position, for sequence ``seq``'s tokens."""
+    bs = case.k_cache.shape[1]
+    table = case.block_tables[seq].tolist()
+    return {(table[p // bs], p % bs): p for p in range(int(case.seq_lens[seq]))}
+
+
+def _check_decode_reads(trace: LoadTrace, caches: tuple, case, what: str) -> None:
+    bs, num_kv_heads, head_dim = case.k_cache.shape[1:]
+    for name, cache in zip("KV", caches, strict=True):
+        seen: dict[tuple, np.ndarray] = {}
+        for read in trace.reads_of(cache):
+            seq, kv_head = read.program[:2]
+            allowed = _allowed_slots(case, seq)
+            n = int(case.seq_lens[seq])
+            for blk, slot, head, dim in read.index[read.mask]:
+                if head != kv_head:
+                    grading.fail(f"{what}: program (seq {seq}, kv_head {kv_head}) read {name} "
+                                 f"of KV head {head}",
+                                 hint="the KV head is program_id(1): element (block, slot, "
+                                      "head, dim) is at ((block * BLOCK_SIZE + slot) * "
+                                      "NUM_KV_HEADS + head) * HEAD_DIM + dim")
+                if (int(blk), int(slot)) not in allowed:
+                    grading.fail(f"{what}: program (seq {seq}, kv_head {kv_head}) read {name} "
+                                 f"at block {blk}, slot {slot}: "
+                                 + _why_not(case, seq, int(blk), int(slot), n),
+                                 hint=f"load {name} with mask=valid[:, None], valid = "
+                                      "position < seq_len; tl.where on the scores hides the "
+                                      "NaN but the read still happens (on a GPU: a fault or "
+                                      "another sequence's data)")
+                count = seen.setdefault((seq, kv_head), np.zeros(
+                    (case.k_cache.shape[0], bs, head_dim), dtype=np.int64))
+                count[blk, slot, dim] += 1
+        for (seq, kv_head), count in seen.items():
+            if count.max() > 1:
+                grading.fail(f"{what}: program (seq {seq}, kv_head {kv_head}) read the same "
+                             f"{name} element {int(count.max())} times",
+                             hint="load each K/V tile once and score it for all GROUP query "
+                                  "heads at once: a [GROUP_PAD, HEAD_DIM] query tile")
+    reach = bs * num_kv_heads * head_dim
+    for cache in caches:
+        if trace.narrow_offsets(cache, reach):
+            grading.fail(f"{what}: offsets into the cache (block id x block stride) were "
+                         "computed in 32 bits",
+                         hint="cast the block id loaded from the block table with "
+                              ".to(tl.int64) before multiplying: a cache of more than 2**31 "
+                              "elements (a few GB) would wrap around")
+
+
+def _why_not(case, seq: int, blk: int, slot: int, n: int) -> str:
+    bs = case.k_cache.shape[1]
+    table = case.block_tables[seq].tolist()
+    used = table[:cdiv(n, bs)]
+    if blk in used:
+        pos = used.index(blk) * bs + slot
+        return f"position {pos} >= seq_len {n}, past the sequence's end"
+    return (f"block {blk} is not one of sequence {seq}'s blocks {used} (a padding entry of "
+            "its block table?)")
+
+
+DECODE_CASES = [((1, 4, 9), 4, 2, 16, 4), ((3, 8, 17), 6, 2, 16, 8)]
+
+
+def check_paged_decode_kernel(kernel: Any) -> None:
+    """05.5: the paged decode kernel, one program per (sequence, KV head)."""
+    with grading.exercise("05.5", "Paged decode kernel"):
+        for seed, (lens, heads, kv_heads, d, bs) in enumerate(DECODE_CASES):
+            case = decode_case(lens, heads, kv_heads, d, bs, seed=seed)
+            what = f"seq_lens {list(lens)}, heads {heads}/{kv_heads}, block_size {bs}"
+            got, trace, caches = run_decode_kernel(kernel, case)
+            if interpreted():
+                _check_decode_reads(trace, caches, case, what)
+            expected = ref_paged_attention(*case)
+            expect_no_nan(got, expected, f"{what}, out",
+                           hint="visit only cdiv(seq_len, BLOCK_SIZE) blocks, and mask K and V "
+                                "loads (other=0.0) and scores (-inf) past seq_len")
+            grading.expect_tensor_close(
+                got, expected, f"{what}, out [seq, head, dim]", atol=1e-4, rtol=1e-4,
+                hint="query head h = kv_head * GROUP + g; rescale l and acc by "
+                     "exp(m_old - m_new); store only the GROUP real rows")

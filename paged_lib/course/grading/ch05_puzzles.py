@@ -1,0 +1,199 @@
+"""Chapter 05's ramp (05.1-05.4): a masked tile, a gather through a table, a row softmax,
+an online softmax over contiguous K/V."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from paged_lib.course import grading
+from paged_lib.course.grading.ch05_common import (
+    NAN,
+    OUT_GUARD,
+    Guarded,
+    expect_no_nan,
+    first_outside,
+    interpreted,
+    launch,
+)
+from paged_lib.instruments.load_trace import LoadTrace
+from paged_lib.util import cdiv
+
+# ------------------------------------------------------------------- 05.1 a 2-D masked tile
+
+def check_scale_tile(kernel: Any) -> None:
+    """05.1: ``out = 2 * x`` for an ``[M, N]`` view with row stride ``stride_x``."""
+    with grading.exercise("05.1", "A 2-D masked tile"):
+        g = torch.Generator().manual_seed(51)
+        for m, n, stride, bm, bn in [(5, 7, 9, 4, 4), (3, 16, 16, 4, 8)]:
+            x = torch.randn(m, n, generator=g)
+            rows = torch.full((m, stride), NAN)
+            rows[:, :n] = x
+            x_g = Guarded(rows, pad=bm * stride + bn)
+            out_g = Guarded(torch.full((m, n), NAN), pad=bm * n + bn, fill=OUT_GUARD)
+            what = f"M={m}, N={n}, stride_x={stride}, BLOCK_M={bm}, BLOCK_N={bn}"
+            trace = launch(kernel, (cdiv(m, bm), cdiv(n, bn)), x_g.view, out_g.view, m, n,
+                           stride, BLOCK_M=bm, BLOCK_N=bn)
+            if interpreted():
+                bad = first_outside(x_g, trace, lambda f, m=m, s=stride, n=n: (f >= 0)
+                                     & (f < m * s) & (f % s < n))
+                if bad:
+                    (pm, pn, _), flat, count = bad
+                    i, j = divmod(flat, stride)
+                    grading.fail(f"{what}: program ({pm}, {pn}) read x[{i}, {j}], outside the "
+                                 f"{m} x {n} matrix ({count} such element(s) in that load)",
+                                 hint=_tile_hint(x_g, trace, m, n, bm, bn))
+            grading.expect_true(out_g.guard_intact(),
+                                f"{what}: the kernel wrote outside out (past its last row or "
+                                "column)", hint="mask the store too, with the same (row, "
+                                "column) mask")
+            got = out_g.view.cpu()
+            expect_no_nan(got, 2 * x, f"{what}, out", hint="mask loads and stores with "
+                           "rows < M and cols < N")
+            grading.expect_tensor_close(got, 2 * x, f"{what}, out",
+                                        hint="element (i, j) of x is at i * stride_x + j "
+                                             "(stride_x, not N); of out at i * N + j")
+
+
+def _tile_hint(x_g: Guarded, trace: LoadTrace, m: int, n: int, bm: int, bn: int) -> str:
+    """Wrong mask, or right mask and wrong addresses? Count the lanes each load enabled."""
+    for (pm, pn, _), _, mask in x_g.reads(trace):
+        inside = (min(m, (pm + 1) * bm) - pm * bm) * (min(n, (pn + 1) * bn) - pn * bn)
+        if int(mask.sum()) != inside:
+            return ("mask the load with (rows < M)[:, None] & (cols < N)[None, :]: a tile at "
+                    "the edge hangs over both the last row and the last column")
+    return ("the mask is right but the addresses are not: element (i, j) of x is at "
+            "i * stride_x + j (stride_x, not N: x is a view into wider rows)")
+
+
+# --------------------------------------------------------------- 05.2 gather through a table
+
+def check_gather_rows(kernel: Any) -> None:
+    """05.2: ``out[i] = x[idx[i]]`` for ``i < n``; row ids int32, offsets int64."""
+    with grading.exercise("05.2", "Gather rows through a table"):
+        g = torch.Generator().manual_seed(52)
+        for num_rows, n, d, block in [(9, 5, 8, 4), (12, 3, 16, 2)]:
+            x = torch.randn(num_rows, d, generator=g)
+            x_g = Guarded(x, pad=d * (block + 1))
+            idx = torch.full((n + block,), num_rows, dtype=torch.int32)  # past n: garbage,
+            idx[:n] = torch.randperm(num_rows, generator=g)[:n].to(torch.int32)  # row "num_rows"
+            idx_g = Guarded(idx, pad=block, fill=num_rows)
+            out_g = Guarded(torch.full((n, d), NAN), pad=d * (block + 1), fill=OUT_GUARD)
+            what = f"{num_rows} rows of {d}, n={n}, BLOCK_I={block}"
+            trace = launch(kernel, (cdiv(n, block),), x_g.view, idx_g.view[:n], out_g.view, n,
+                           D=d, BLOCK_I=block)
+            if interpreted():
+                bad = first_outside(idx_g, trace, lambda f, n=n: (f >= 0) & (f < n))
+                if bad:
+                    grading.fail(f"{what}: program {bad[0][0]} read idx[{bad[1]}], outside its "
+                                 f"n={n} entries", hint="mask the load of idx with i < n "
+                                 "(other=0)")
+                if trace.narrow_offsets(x_g.buffer, reach=d):
+                    grading.fail(f"{what}: the offsets into x (row id x D) were computed in "
+                                 "32 bits",
+                                 hint="cast the row ids to tl.int64 before multiplying: "
+                                      "beyond 2**31 elements a 32-bit offset wraps and reads "
+                                      "the wrong row")
+            grading.expect_true(out_g.guard_intact(),
+                                f"{what}: the kernel wrote rows of out at i >= n (or < 0)",
+                                hint="mask the store with i < n")
+            grading.expect_tensor_close(out_g.view.cpu(), x[idx[:n].long()], f"{what}, out",
+                                        atol=0, rtol=0,
+                                        hint="row i of out is row idx[i] of x (load idx[i] "
+                                             "first), at offset idx[i] * D + d")
+
+
+# ---------------------------------------------------------------------- 05.3 row softmax
+
+def check_row_softmax(kernel: Any) -> None:
+    """05.3: ``out = softmax(x, dim=1)``, one program per row, large and negative values."""
+    with grading.exercise("05.3", "Row softmax"):
+        g = torch.Generator().manual_seed(53)
+        for rows, n, block in [(3, 5, 8), (2, 16, 16), (2, 3, 4)]:
+            x = torch.randn(rows, n, generator=g) * 3
+            x[0] += 500.0  # exp(500) overflows float32: subtract the row max first
+            x[-1] -= 50.0  # all negative: padding lanes must weigh 0, not exp(0 - max)
+            x_g = Guarded(x, pad=block)
+            out_g = Guarded(torch.full((rows, n), NAN), pad=block, fill=OUT_GUARD)
+            what = f"{rows} rows of N={n}, BLOCK_N={block}"
+            trace = launch(kernel, (rows,), x_g.view, out_g.view, n, BLOCK_N=block)
+            if interpreted():
+                for (row, _, _), flat, mask in x_g.reads(trace):
+                    bad = mask & ((flat < row * n) | (flat >= (row + 1) * n))
+                    if bad.any():
+                        f = int(flat[np.flatnonzero(bad)[0]])
+                        grading.fail(f"{what}: program {row} read element {f - row * n} of "
+                                     f"its row {row}, which has {n}",
+                                     hint="mask the load with cols < N (other=-inf)")
+            got = out_g.view.cpu()
+            expected = torch.softmax(x.double(), 1).float()
+            if got[0].isnan().any() or got[0].isinf().any():
+                grading.fail(f"{what}: row 0 (values around 500) came out NaN or inf",
+                             hint="subtract the row's max before tl.exp: exp(500) overflows")
+            grading.expect_tensor_close(
+                got, expected, f"{what}, out", atol=1e-5, rtol=1e-4,
+                hint="padding lanes (cols >= N) must get weight 0: load them with "
+                     "other=-inf (exp(-inf) = 0), not 0")
+            grading.expect_true(out_g.guard_intact(),
+                                f"{what}: the kernel wrote outside out",
+                                hint="mask the store with cols < N")
+
+
+# ----------------------------------------------- 05.4 online softmax over contiguous K/V
+
+def check_online_attention(kernel: Any) -> None:
+    """05.4: ``out[b] = softmax(k[b] @ q[b] * scale) @ v[b]``, TILE keys per iteration."""
+    with grading.exercise("05.4", "Online softmax over contiguous K"):
+        g = torch.Generator().manual_seed(54)
+        for batch, n, d, tile in [(2, 13, 8, 4), (2, 8, 16, 8), (1, 3, 8, 4)]:
+            q = torch.randn(batch, d, generator=g)
+            q[0] *= 40.0  # scores in the hundreds: exp without the max overflows
+            k = torch.randn(batch, n, d, generator=g)
+            v = torch.randn(batch, n, d, generator=g)
+            q_g, k_g, v_g = (Guarded(t, pad=tile * d) for t in (q, k, v))
+            out_g = Guarded(torch.full((batch, d), NAN), pad=tile * d, fill=OUT_GUARD)
+            scale = d ** -0.5
+            what = f"batch {batch}, N={n}, D={d}, TILE={tile}"
+            trace = launch(kernel, (batch,), q_g.view, k_g.view, v_g.view, out_g.view, n, scale,
+                           D=d, TILE=tile)
+            if interpreted():
+                _check_tiles(trace, k_g, "K", n, d, tile, what)
+                _check_tiles(trace, v_g, "V", n, d, tile, what)
+            grading.expect_true(out_g.guard_intact(), f"{what}: the kernel wrote outside out",
+                                hint="program b writes out[b, :D] only")
+            got = out_g.view.cpu()
+            expected = (torch.softmax(torch.einsum("bnd,bd->bn", k.double(), q.double())
+                                      * scale, 1)[..., None] * v.double()).sum(1).float()
+            if got[0].isnan().any() or got[0].isinf().any():
+                grading.fail(f"{what}: scores in the hundreds gave NaN or inf",
+                             hint="exponentiate s - m_new, never s itself: exp(200) overflows")
+            grading.expect_tensor_close(
+                got, expected, f"{what}, out", atol=1e-4, rtol=1e-4,
+                hint="when the max grows, rescale l and acc by alpha = exp(m_old - m_new) "
+                     "before adding the new tile; the last tile is partial (N % TILE)")
+
+
+def _check_tiles(trace: LoadTrace, kv: Guarded, name: str, n: int, d: int, tile: int,
+                 what: str) -> None:
+    """Each program reads its own ``n`` rows of K (or V), each element once, ``tile`` at a time."""
+    seen: dict[int, np.ndarray] = {}
+    for (b, _, _), flat, mask in kv.reads(trace):
+        bad = mask & ((flat < b * n * d) | (flat >= (b + 1) * n * d))
+        if bad.any():
+            token = int(flat[np.flatnonzero(bad)[0]]) // d - b * n
+            grading.fail(f"{what}: program {b} loaded {name} at token {token} (it has N={n}) "
+                         "without a mask", hint=f"load {name} with mask=(tokens < N)[:, None]: "
+                         "tl.where on the scores hides the NaN but not the read past the end")
+        counts = seen.setdefault(b, np.zeros(n * d, dtype=np.int64))
+        np.add.at(counts, flat[mask] - b * n * d, 1)
+        if mask.sum() > tile * d:
+            grading.fail(f"{what}: program {b} loaded {int(mask.sum()) // d} tokens of "
+                         f"{name} at once, more than TILE={tile}",
+                         hint="loop over the keys TILE at a time")
+    for b, counts in seen.items():
+        if counts.max() > 1:
+            grading.fail(f"{what}: program {b} read {name} {int(counts.max())} times over",
+                         hint="one pass is enough: keep a running max m, sum l and acc, "
+                              "rescaled by exp(m_old - m_new) when m grows")

@@ -1,0 +1,73 @@
+"""One K/V tile of paged attention: the loop body the decode and prefill kernels share.
+
+Both kernels walk a sequence's tokens ``TILE_N`` at a time and, per tile:
+
+1. look up each token's physical block in the block table (block ids cast to int64
+   before they are multiplied by a stride: a cache of more than 2**31 elements must not
+   overflow 32-bit offsets);
+2. load the K and V rows of those tokens, masked by ``pos < end`` (a token past the end
+   is never loaded, so a NaN-poisoned slot cannot reach the output);
+3. upcast them where the interpreter has no bf16 arithmetic;
+4. fold the tile into the running max ``m``, denominator ``l`` and accumulator ``acc``
+   (the online softmax of chapter 04, in base 2: scores arrive scaled by ``log2(e)``).
+
+:func:`attend_tile` is that body; a ``@triton.jit`` function called from a kernel is
+inlined by Triton, so the two kernels compile as if each held its own copy. Decode
+masks tokens by ``pos < end`` only; prefill (``CAUSAL``) also hides from query row ``r``
+every position after ``row_pos[r]``.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+#: ``log2(e)``: ``exp(x) == exp2(x * LOG2E)``, the form GPUs compute fastest. The kernels
+#: take scores scaled by it (host code: ``LOG2E.value``).
+LOG2E = tl.constexpr(1.4426950408889634)
+#: ``ln(2)``: a base-2 log times this is the natural log every interface uses.
+LN2 = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def attend_tile(
+    q, m_i, l_i, acc, pos, end, row_pos,
+    block_table, stride_btb, k_cache_ptr, v_cache_ptr, kv_head, d,
+    stride_kb, stride_kt, stride_kh, stride_kd,
+    stride_vb, stride_vt, stride_vh, stride_vd,
+    scale_log2,
+    HEAD_DIM: tl.constexpr, ALIGN: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    CAUSAL: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Fold the tile of logical positions ``pos [TILE_N]`` into ``(m_i, l_i, acc)``.
+
+    ``q [ROWS, HEAD_PAD]`` is the program's query tile, ``block_table`` the pointer to
+    its sequence's row of the block table, ``d`` the ``tl.arange`` over the padded head
+    size. Returns the new ``(m_i, l_i, acc)``.
+    """
+    valid = pos < end
+    block = tl.load(block_table + (pos // BLOCK_SIZE) * stride_btb, mask=valid, other=0)
+    block = block.to(tl.int64)  # 64-bit before multiplying by a stride
+    offset = pos % BLOCK_SIZE
+    # Row starts are ALIGN-element aligned (head sizes like 40 or 72): the compiler may
+    # then load each row with vector instructions despite the d < HEAD_DIM mask.
+    k_rows = tl.multiple_of(block * stride_kb + offset * stride_kt + kv_head * stride_kh, ALIGN)
+    v_rows = tl.multiple_of(block * stride_vb + offset * stride_vt + kv_head * stride_vh, ALIGN)
+    kv_mask = valid[:, None] & (d < HEAD_DIM)[None, :]
+    k = tl.load(k_cache_ptr + k_rows[:, None] + d[None, :] * stride_kd, mask=kv_mask, other=0.0)
+    v = tl.load(v_cache_ptr + v_rows[:, None] + d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [ROWS, TILE_N]
+    if CAUSAL:  # every row sees position 0, so its running max is finite from tile 0
+        s = tl.where(valid[None, :] & (pos[None, :] <= row_pos[:, None]), s, float("-inf"))
+    else:
+        s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)  # rescales what was summed so far
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
