@@ -332,7 +332,7 @@ def test_02_1_waste_removed(capsys):
 @pytest.mark.parametrize("answer, hint", [
     (lambda n, length, m: (n, m - n, 0), "split the free slots"),
     (lambda n, length, m: (n, length - n, m - n), "holds max_len"),
-    (lambda n, length, m: (n, length - n, float(m - length)), "are ints"),
+    (lambda n, length, m: (n, length - n, float(m - length)), "whole numbers"),
     (lambda n, length, m: (n + 1, length - n - 1, m - length), "token states = num_tokens"),
     (lambda n, length, m: n, "expected a tuple"),
 ])
@@ -357,7 +357,7 @@ def derivation(**changes):
     (derivation(**{"oracle: largest hole": 324}), "two holes"),
     (derivation(**{"oracle: external fragmentation": 0}), "no single hole"),
     (derivation(**{"paged: blocks A holds": 15}), "round up"),
-    (derivation(**{"paged: free blocks": 26.0}), "are ints"),
+    (derivation(**{"paged: free blocks": 26.0}), "whole numbers"),
     (derivation(**{"paged: D admitted": "yes"}), "True or False"),
     (derivation(**{"paged: empty slots held": 5}), "for A and C"),
     (derivation(**{"max: slots A never uses": 512 - 100}), "A ends at prompt + output"),
@@ -405,7 +405,7 @@ def _snapshot_float(prompt_lens, output_lens, step, slots):
 @pytest.mark.parametrize("answer, hint", [
     (_snapshot_off_by_one, "prompt + s + 1"),
     (_snapshot_keeps_finished, "takes part while step < output_len"),
-    (_snapshot_float, "are ints"),
+    (_snapshot_float, "whole numbers"),
 ])
 def test_02_4_batch_snapshot_wrong_answers(capsys, answer, hint):
     out = _run(capsys, ch02.check_batch_snapshot, answer)
@@ -490,7 +490,7 @@ SIM_BUGS = [
      "head of the queue"),
     ("out[\"external\"] += num_free * block_size + capacity_tokens % block_size",
      "out[\"external\"] += num_free * block_size", "capacity % block_size"),
-    ("out[\"num_steps\"] = t", "out[\"num_steps\"] = t / 1", "are ints"),
+    ("out[\"num_steps\"] = t", "out[\"num_steps\"] = t / 1", "whole numbers"),
     ("            if done[i] == requests[i].output_len:",
      "            if done[i] == requests[i].output_len + 1:", "a loop that never ends"),
 ]
@@ -525,7 +525,7 @@ def test_02_5_solution_passes_and_matches_on_the_full_trace(capsys):
     (lambda n, b: n // b + 1, "exactly full"),
     (lambda n, b: (n + b) // b, "exactly full"),
     (lambda n, b: __import__("math").ceil(n / b), "53 bits"),
-    (lambda n, b: float(-(-n // b)), "not an int"),
+    (lambda n, b: float(-(-n // b)), "expected an int"),
     (lambda n, b: -(-n // b) if n < 1000 else n // b, "round up, not down"),
 ])
 def test_00_1_wrong_answers_get_a_named_hint(capsys, answer, hint):

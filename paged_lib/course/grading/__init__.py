@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 import sys
 import traceback
 from collections.abc import Iterator
@@ -54,6 +55,15 @@ def expect_equal(got: Any, expected: Any, what: str, hint: str | None = None) ->
     if got != expected:
         detail = _first_difference(got, expected)
         fail(f"{what}: expected {expected!r}, got {got!r}{detail}", hint)
+
+
+def expect_int(got: Any, what: str, hint: str | None = None) -> None:
+    """The spec asks for an int (numpy's count too): a float, even 3.0, means a ``/`` or
+    a ``math.ceil`` of a float slipped in."""
+    if isinstance(got, bool) or not isinstance(got, numbers.Integral):
+        fail(f"{what}: expected an int, got {got!r} (a {type(got).__name__})",
+             hint or "counts (bytes, slots, blocks, steps, requests) are whole numbers: stay "
+             "in integers with // and cdiv, not / or math.ceil on a float")
 
 
 def expect_close(got: float, expected: float, what: str, rel: float = 1e-6, abs_: float = 0.0,

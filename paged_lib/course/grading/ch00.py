@@ -35,11 +35,9 @@ def check_ceil_div(ceil_div: Callable[[int, int], int]) -> None:
             got = ceil_div(n, b)
             expected = cdiv(n, b)
             grading.expect_equal(got, expected, f"ceil_div({n}, {b})", hint=_hint(n, b, got))
-            grading.expect_true(isinstance(got, int) and not isinstance(got, bool),
-                                f"ceil_div({n}, {b}) returned a {type(got).__name__}, "
-                                "not an int",
-                                hint="use // rather than / and math.ceil: a count of blocks "
-                                     "is an int")
+            grading.expect_int(got, f"ceil_div({n}, {b})",
+                               hint="use // rather than / and math.ceil: a count of blocks "
+                                    "is an int")
 
 
 def run_demo(ceil_div: Callable[[int, int], int], n: int = 1000, block: int = 128) -> None:

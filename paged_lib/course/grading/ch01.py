@@ -23,14 +23,6 @@ WIDE_HEADS = ModelSpec("gemma-7b", num_layers=28, hidden_size=3072, num_heads=16
                        num_kv_heads=16, head_dim=256)
 
 
-def expect_int(got: Any, what: str) -> None:
-    """The spec asks for an int: a float (even 63.0) means a `/` or math.ceil of a float."""
-    if isinstance(got, bool) or not isinstance(got, int):
-        grading.fail(f"{what}: got {got!r}, a {type(got).__name__}; expected an int",
-                     "bytes, blocks and requests are whole numbers: stay in integers "
-                     "(// and cdiv), not / or math.ceil on a float")
-
-
 def _kv_hint(spec: ModelSpec, got: object) -> str:
     """Name the likely slip from the wrong number a learner's formula produced."""
     right = kv_bytes_per_token(spec)
@@ -64,7 +56,7 @@ def check_kv_bytes_per_token(fn: Callable[[ModelSpec], int]) -> None:
         for spec in cases:
             got = fn(spec)
             if got == kv_bytes_per_token(spec):
-                expect_int(got, f"bytes per token of {spec.name}")
+                grading.expect_int(got, f"bytes per token of {spec.name}")
             grading.expect_equal(got, kv_bytes_per_token(spec),
                                  what=f"bytes per token of {spec.name} ({spec.attention}, "
                                       f"{spec.dtype_bytes} B per value)",
@@ -82,7 +74,7 @@ def check_logical_blocks(fn: Callable[[int, int], int]) -> None:
             got = fn(n, bs)
             want = num_blocks(n, bs)
             if got == want:
-                expect_int(got, f"blocks for {n} tokens at block size {bs}")
+                grading.expect_int(got, f"blocks for {n} tokens at block size {bs}")
             if n > 2**53:
                 hint = ("n / block_size is a float, and floats hold only 53 bits: for long "
                         "counts it rounds. Stay in integers (// and cdiv).")
@@ -145,7 +137,7 @@ def check_max_requests(fn: Callable[[ModelSpec, int, int, int], int]) -> None:
             got = fn(spec, budget, ctx, bs)
             want = _max_requests(spec, budget, ctx, bs)
             if got == want:
-                expect_int(got, f"{spec.name}, budget {budget:,} B, {ctx} tokens")
+                grading.expect_int(got, f"{spec.name}, budget {budget:,} B, {ctx} tokens")
             naive = budget // (ctx * kv_bytes_per_token(spec))
             if got == naive and got != want:
                 hint = (f"each request takes whole blocks: {ctx} tokens at block size {bs} "

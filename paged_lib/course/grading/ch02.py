@@ -93,16 +93,8 @@ def _as_triple(got: object, what: str) -> tuple[int, ...]:
                         f"{what}: expected a tuple (token_states, reserved, internal), "
                         f"got {got!r}", hint="return three numbers")
     for v in got:
-        expect_int(v, f"{what}: {got!r}")
+        grading.expect_int(v, f"{what}: {got!r}")
     return tuple(int(v) for v in got)
-
-
-def expect_int(value: Any, what: str) -> None:
-    """Slots and steps are whole numbers: a float (even 3.0) means a `/` slipped in."""
-    if isinstance(value, bool) or not isinstance(value, int | np.integer):
-        grading.fail(f"{what}: {value!r} is a {type(value).__name__}, expected an int",
-                     "counts of slots, blocks and steps are ints: use // (and cdiv) rather "
-                     "than / or math.ceil on a float")
 
 
 def _slots_hint(policy: str, n: int, length: int, got: tuple[int, ...], want: tuple[int, ...],
@@ -285,7 +277,7 @@ def check_derivation(derive: Callable[[], dict[str, Any]]) -> None:
                 grading.expect_true(isinstance(mine, bool), f"{key}: expected True or "
                                     f"False, got {mine!r}", _DERIVATION_HINTS[key])
             else:
-                expect_int(mine, key)
+                grading.expect_int(mine, key)
             grading.expect_equal(mine, want, key, _DERIVATION_HINTS[key])
 
 
@@ -376,7 +368,7 @@ def check_paged_simulator(simulate_paged: Callable[..., Any]) -> None:
             grading.expect_true(not missing, f"{name}: missing keys {missing}",
                                 f"return a dict with keys {SIM_KEYS}")
             for key in SIM_KEYS:
-                expect_int(got[key], f"{name}: {key}")
+                grading.expect_int(got[key], f"{name}: {key}")
             wrong = [k for k in SIM_KEYS if got[k] != want[k]]
             if wrong:
                 shown = ", ".join(f"{k} {want[k]} (yours {got[k]})" for k in wrong)
