@@ -8,8 +8,11 @@ writes the same Python-looking text every time.
 
 import json
 import math
+import shutil
 import string
 import struct
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -149,3 +152,15 @@ def test_predicts_unseen_python_far_better_than_chance(loaded):
     bpb = nats / math.log(2)
     print(f"bits per byte on paged_lib/tokenizer.py: {bpb:.2f}")
     assert bpb < 4.0, f"{bpb:.2f} bits per byte: close to chance (8.0); untrained weights?"
+
+
+def test_readme_is_what_the_training_script_writes(tmp_path):
+    """README.md is rendered from tools/tiny_model_README.md.in and training.json."""
+    for name in ("training.json", "config.json"):
+        shutil.copy(TINY_CODE_LLAMA_DIR / name, tmp_path / name)
+    script = Path(__file__).resolve().parents[1] / "tools" / "train_tiny_model.py"
+    subprocess.run([sys.executable, str(script), "--readme-only", "--out", str(tmp_path)],
+                   check=True)
+    assert (tmp_path / "README.md").read_text() == \
+        (TINY_CODE_LLAMA_DIR / "README.md").read_text(), \
+        "run `python tools/train_tiny_model.py --readme-only` to rewrite README.md"

@@ -298,7 +298,7 @@ def write_readme(out: Path) -> None:
     t = r["train_config"]
     tokens = r["steps"] * t["batch_size"] * (t["seq_len"] + 1)
     samples_md = "\n\n".join(f"`{p!r}` →\n\n```text\n{s}\n```" for p, s in r["samples"].items())
-    text = README.format(
+    text = README_TEMPLATE.read_text().format(
         **c,
         **r,
         **t,
@@ -329,100 +329,8 @@ STARTS_MD = {
     "any": "any byte offset",
 }
 
-README = """\
-# tiny-code-llama: a byte-level Llama trained on the Python standard library
-
-The model behind chapters 06-10: small enough to generate on a laptop CPU, trained
-enough that its greedy output looks like Python. Nothing here was downloaded: the
-weights were trained from scratch by `tools/train_tiny_model.py`.
-
-```python
-import torch
-from transformers import LlamaForCausalLM
-from paged_lib.data import TINY_CODE_LLAMA_DIR
-from paged_lib.tokenizer import ByteTokenizer
-
-model = LlamaForCausalLM.from_pretrained(TINY_CODE_LLAMA_DIR)   # offline, fp32
-tok = ByteTokenizer()                                          # one token per byte
-ids = model.generate(torch.tensor([tok.encode("def ")]), max_new_tokens=80, do_sample=False)
-print(tok.decode(ids[0].tolist()))
-```
-
-## Architecture
-
-A plain `transformers.LlamaConfig` (RMSNorm, RoPE, SwiGLU MLP, grouped-query attention):
-
-| field | value |
-|---|---|
-| vocab_size | {vocab_size}: bytes 0-255, BOS {bos_token_id}, EOS {eos_token_id}, padding |
-| hidden_size | {hidden_size} |
-| num_hidden_layers | {num_hidden_layers} |
-| num_attention_heads | {num_attention_heads} |
-| num_key_value_heads | {num_key_value_heads} (GQA: {kv_group} query heads per KV head) |
-| head_dim | {head_dim} |
-| intermediate_size | {intermediate_size} |
-| max_position_embeddings | {max_position_embeddings} (trained on {seq_len} bytes + BOS) |
-| rms_norm_eps | {rms_norm_eps} |
-| rope | {rope_parameters} |
-| tie_word_embeddings | {tie_word_embeddings} |
-
-**Tied embeddings:** `lm_head.weight` *is* `model.embed_tokens.weight`, so
-`model.safetensors` has no `lm_head.weight` entry. A loader that reads the
-safetensors file directly must use the embedding matrix as the output layer;
-one that starts from the loaded `LlamaForCausalLM` can read `model.lm_head.weight`.
-
-**Size:** {parameters:,} parameters, stored as float32 in `model.safetensors`
-({weights_bytes:,} bytes, under the course's 10 MB cap; no pickle files).
-
-## Training data
-
-The `.py` files of the standard library of Python {python}, found at
-`sysconfig.get_paths()["stdlib"]`, sorted by path, skipping files named
-`test_*.py` and directories named {skip}. Each file's bytes are followed
-by EOS and concatenated into one stream.
-
-- train: {train_files} files, {train_bytes:,} bytes
-- held out: {held_files} files, {held_bytes:,} bytes, chosen by {held_out_rule}
-
-A training example is BOS followed by {seq_len} bytes from the train stream,
-starting at {starts_md} drawn uniformly with a seeded `torch.Generator`.
-
-## Training
-
-Seed {seed}; {steps} steps of AdamW (betas 0.9/0.95, weight decay {weight_decay} on
-matrices only), batch {batch_size} x {seq_len} bytes (about {tokens:,} tokens seen,
-i.e. less than one pass over the data); learning rate {lr} with {warmup_steps} warmup
-steps, then cosine decay to {min_lr_frac} x over the run; gradient norm
-clipped at {grad_clip}. {train_minutes} minutes on {threads} CPU thread(s) of a
-shared 2-core machine (torch {torch}).
-
-| loss, bits per byte (= bits per token) | value |
-|---|---|
-| train ({eval_windows} fixed windows) | {train_loss_bpb} |
-| held out ({eval_windows} fixed windows of the held-out files) | {held_out_loss_bpb} |
-
-Uniform guessing over 256 bytes is 8 bits per byte. `training.json` holds the same
-record in machine-readable form.
-
-## Samples (greedy, 80 new tokens, prompt = BOS + the text)
-
-{samples_md}
-
-## Retrain
-
-```bash
-.venv/bin/python tools/train_tiny_model.py \\
-    --minutes {minutes:g} --threads {threads} --seed {seed} --starts {starts} \\
-    {steps_flag}--out paged_lib/data/tiny-code-llama
-```
-
-{schedule_md}
-Expect small numeric differences on another CPU, BLAS or
-Python version (the training text is *your* Python's standard library).
-Here the 2 CPU cores were shared with other jobs; on 2 idle cores a step took
-about 0.4 s (a 20-step smoke run), so even 2,000 steps fit well inside 30 minutes.
-Not run in CI.
-"""
+#: README.md of the model directory: str.format fields filled by write_readme.
+README_TEMPLATE = Path(__file__).with_name("tiny_model_README.md.in")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
