@@ -25,6 +25,8 @@ def test_chapters_are_numbered_in_order_and_name_their_files():
                 assert (ROOT / folder / f"{ch.number}_{ch.slug}.ipynb").exists()
     on_disk = sorted(p.name for p in (ROOT / "notebooks").glob("*.ipynb"))
     assert on_disk == [Path(c.notebook).name for c in CHAPTERS if c.available(ROOT)]
+    assert [c.available() for c in CHAPTERS] == [c.available(ROOT) for c in CHAPTERS], \
+        "available() without a root must look in this checkout (chapter 00's map calls it so)"
 
 
 def test_chapter_map_fades_missing_chapters(tmp_path):

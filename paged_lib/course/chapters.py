@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+#: The checkout this package lives in (paged_lib/course/chapters.py is three levels down).
+REPO = Path(__file__).resolve().parents[2]
+
 
 @dataclass(frozen=True)
 class Chapter:
@@ -19,8 +22,8 @@ class Chapter:
         return f"notebooks/{self.number}_{self.slug}.ipynb"
 
     def available(self, root: Path | None = None) -> bool:
-        root = root or Path(__file__).resolve().parent.parent
-        return (root / self.notebook).exists()
+        """Whether the chapter's notebook is in ``root`` (default: this checkout)."""
+        return ((root or REPO) / self.notebook).exists()
 
 
 CHAPTERS: tuple[Chapter, ...] = (
