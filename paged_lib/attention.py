@@ -75,7 +75,8 @@ def merge_states(parts: SoftmaxState) -> SoftmaxState:
     """
     m = parts.m.amax(dim=0)
     w = torch.exp(parts.m - _safe(m))                  # [n, ...]
-    weighted = torch.where(w[..., None] == 0, 0.0, w[..., None] * parts.acc)
+    weighted = w[..., None] * parts.acc
+    weighted.masked_fill_(w[..., None] == 0, 0.0)  # an empty part's acc may be anything
     return SoftmaxState(m, (w * parts.l).sum(dim=0), weighted.sum(dim=0))
 
 
