@@ -27,11 +27,12 @@ import math
 import numbers
 import sys
 import traceback
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 from paged_lib.util import CheckFailed
 
+T = TypeVar("T")
 PASS, FAIL, TODO = "✅", "❌", "⏳"
 VERDICT_RE = r"^(✅|❌|⏳) \[([\w.\-]+)\] "
 # Lists that ``record_verdicts`` hands out; every verdict is appended to each of them.
@@ -140,6 +141,22 @@ def exercise(ex_id: str, title: str) -> Iterator[None]:
         _say(FAIL, ex_id, title, f"your code raised {type(err).__name__}: {err}{where}")
     else:
         _say(PASS, ex_id, title, "correct")
+
+
+def on_learner_code(run: Callable[[], T], exercises: str, what: str) -> T | None:
+    """Run a chapter demo (or one part of it) on the learner's functions.
+
+    Returns what ``run()`` returns, or None after one line: ⏳ while ``exercises`` (e.g.
+    ``"exercise 01.1"``) are unfinished, ❌ without a traceback when the learner's code
+    raised. ``what`` names the demo in that line.
+    """
+    try:
+        return run()
+    except NotImplementedError:
+        print(f"⏳ {what}: finish {exercises}, then run this cell again")
+    except Exception as err:  # a learner's bug: one line, no traceback
+        print(f"❌ {what}: your code raised {type(err).__name__}: {err}")
+    return None
 
 
 @contextlib.contextmanager

@@ -49,11 +49,9 @@ def run_demo(ceil_div: Callable[[int, int], int], n: int = 1000, block: int = 12
 
     from paged_lib.course.demos.tour import add_kernel
 
-    try:
-        programs = ceil_div(n, block)
-    except NotImplementedError:
-        print("⏳ finish exercise 00.1, then run this cell again: your ceil_div will size "
-              "the chapter's kernel launch")
+    programs = grading.on_learner_code(lambda: ceil_div(n, block), "exercise 00.1",
+                                       "the kernel launch your ceil_div sizes")
+    if programs is None:
         return
     x = torch.arange(n, dtype=torch.float32)
     out = torch.zeros_like(x)

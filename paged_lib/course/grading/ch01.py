@@ -157,14 +157,10 @@ def run_demo(kv_bytes_per_token: Callable[[ModelSpec], int]) -> Any:
     from paged_lib.accounting import kv_bytes_per_token as library
     from paged_lib.course.viz import accounting as viz
 
-    try:
-        same = all(kv_bytes_per_token(s) == library(s) for s in SPECS.values())
-    except NotImplementedError:
-        print("⏳ finish exercise 01.1, then run this cell again: your function will draw "
-              "the chapter's chart")
-        return None
-    except Exception as err:  # a learner's bug: one line, no traceback
-        print(f"❌ your kv_bytes_per_token raised {type(err).__name__}: {err}")
+    same = grading.on_learner_code(
+        lambda: all(kv_bytes_per_token(s) == library(s) for s in SPECS.values()),
+        "exercise 01.1", "the chapter's chart drawn by your kv_bytes_per_token")
+    if same is None:
         return None
     print(f"your kv_bytes_per_token on all {len(SPECS)} models of the chapter: "
           f"{'every one equals' if same else 'some differ from'} the library's")

@@ -24,6 +24,7 @@ from paged_lib.course.grading.ch02_answers import (
     SIM_KEYS,
     SIM_TRACES,
     WASTE_KINDS,
+    batch_snapshot,
     derivation_answers,
     reference_paged,
 )
@@ -117,20 +118,11 @@ def check_orca_max_slots(fn: Callable[[int, int, int], object]) -> None:
     _check_slots("02.2", "Orca (Max) accounting", "orca-max", fn, (2048, 512, 40))
 
 
-def _snapshot(prompt_lens, output_lens, step, slots):
-    total = [0, 0, 0]
-    for p, o in zip(prompt_lens, output_lens, strict=True):
-        if step < o:
-            for k, v in enumerate(slots(p + step + 1, p + o)):
-                total[k] += v
-    return tuple(total)
-
-
 def _snapshot_keeping_finished(prompt_lens, output_lens, step, slots):
     """The typical slip: finished requests still counted, frozen at their final length."""
     prompts = [p + min(step, o - 1) - step for p, o in zip(prompt_lens, output_lens,
                                                             strict=True)]
-    return _snapshot(prompts, [max(o, step + 1) for o in output_lens], step, slots)
+    return batch_snapshot(prompts, [max(o, step + 1) for o in output_lens], step, slots)
 
 
 def check_batch_snapshot(fn: Callable[..., object], block_size: int = 16) -> None:
@@ -153,12 +145,12 @@ def check_batch_snapshot(fn: Callable[..., object], block_size: int = 16) -> Non
                 if len(what) > 120:
                     what = f"{name} snapshot of a batch of {len(p)} requests at step {step}"
                 got = _as_triple(fn(p, o, step, slots), what)
-                want = _snapshot(p, o, step, slots)
+                want = batch_snapshot(p, o, step, slots)
                 kept = _snapshot_keeping_finished(p, o, step, slots)
                 if got != want and got == kept:
                     hint = ("a request takes part while step < output_len; finished ones have "
                             "left and hold nothing.")
-                elif got != want and step >= 1 and got == _snapshot(p, o, step - 1, slots):
+                elif got != want and step >= 1 and got == batch_snapshot(p, o, step - 1, slots):
                     hint = ("during step s (counting from 0) a request stores prompt + s + 1 "
                             "tokens: its prompt plus the token being produced.")
                 elif got != want:
@@ -254,14 +246,9 @@ def run_demo(simulate_paged: Callable[..., Any]) -> Any:
     from paged_lib.fragmentation import Breakdown, simulate
 
     requests = sharegpt_like(600, seed=0)
-    try:
-        got = simulate_paged(requests, 40_000, 16)
-    except NotImplementedError:
-        print("⏳ finish exercise 02.5, then run this cell again: your simulator will "
-              "produce the chapter's vLLM bar")
-        return None
-    except Exception as err:  # a learner's bug: one line, no traceback
-        print(f"❌ your simulator raised {type(err).__name__}: {err}")
+    got = grading.on_learner_code(lambda: simulate_paged(requests, 40_000, 16),
+                                  "exercise 02.5", "the chapter's vLLM bar from your simulator")
+    if got is None:
         return None
     total = sum(got[c] for c in ("token_states", "reserved", "internal", "external"))
     yours = Breakdown(*(got[c] / total for c in ("token_states", "reserved", "internal",

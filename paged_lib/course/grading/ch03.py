@@ -255,18 +255,15 @@ def run_demo(append_token: Callable[..., Any], fork: Callable[..., Any],
 
     learner_table = type("YourBlockTable", (BlockTable,),
                          {"append_token": append_token, "fork": fork})
-    try:
-        grown = list(viz.grow_requests(table_cls=learner_table,
-                                       allocator=_LearnerAllocator(5, free_block)))
-        forked = viz.fork_and_write(table_cls=learner_table,
-                                    allocator=_LearnerAllocator(8, free_block))
-    except NotImplementedError:
-        print("⏳ finish exercises 03.1-03.3, then run this cell again: your own table "
-              "and allocator will drive the chapter's drawings")
+    frames = grading.on_learner_code(
+        lambda: (list(viz.grow_requests(table_cls=learner_table,
+                                        allocator=_LearnerAllocator(5, free_block))),
+                 viz.fork_and_write(table_cls=learner_table,
+                                    allocator=_LearnerAllocator(8, free_block))),
+        "exercises 03.1-03.3", "the chapter's drawings driven by your table and allocator")
+    if frames is None:
         return []
-    except Exception as err:  # a learner's bug: say so in one line
-        print(f"❌ your table or allocator raised {type(err).__name__}: {err}")
-        return []
+    grown, forked = frames
     same = grown == list(viz.grow_requests()) and forked == viz.fork_and_write()
     print(f"your code drove {len(grown) + len(forked)} frames; "
           f"{'every frame equals' if same else 'some frames differ from'} the library's")

@@ -198,16 +198,6 @@ def run_beam_search(beam_step: Callable[..., Any], **kw) -> list[sharing.BeamFra
 # ------------------------------------------------------------------ the chapter's demos
 
 
-def _guarded(what: str, exercises: str, run: Callable[[], Any]) -> Any:
-    try:
-        return run()
-    except NotImplementedError:
-        print(f"⏳ {what}: finish exercise {exercises}, then run this cell again")
-    except Exception as err:  # a learner's bug: say so in one line
-        print(f"❌ {what}: your code raised {type(err).__name__}: {err}")
-    return None
-
-
 def run_demo(apply_slot: Callable[..., Any], beam_step: Callable[..., Any]) -> list[Any]:
     """The chapter's demos on the learner's two functions; returns the beam-tree figure.
 
@@ -255,7 +245,7 @@ def run_demo(apply_slot: Callable[..., Any], beam_step: Callable[..., Any]) -> l
               f"{'equal' if same else 'DIFFER from'} the engine's own; peak blocks "
               f"{yours.stats.peak_blocks_used} vs {library.stats.peak_blocks_used}")
 
-    _guarded("parallel sampling", "08.1", sampling)
-    figs = _guarded("synthetic beam search", "08.2", synthetic) or []
-    _guarded("engine beam search", "08.2", engine)
+    grading.on_learner_code(sampling, "exercise 08.1", "parallel sampling")
+    figs = grading.on_learner_code(synthetic, "exercise 08.2", "synthetic beam search") or []
+    grading.on_learner_code(engine, "exercise 08.2", "engine beam search")
     return figs
