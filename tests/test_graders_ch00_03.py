@@ -377,17 +377,8 @@ def test_02_3_derivation_solution_and_numbers(capsys):
         "paged: D admitted": True, "paged: empty slots held": 5 + 1}
 
 
-def _snapshot(prompt_lens, output_lens, step, slots):
-    total = [0, 0, 0]
-    for p, o in zip(prompt_lens, output_lens, strict=True):
-        if step < o:
-            for k, v in enumerate(slots(p + step + 1, p + o)):
-                total[k] += v
-    return tuple(total)
-
-
 def _snapshot_off_by_one(prompt_lens, output_lens, step, slots):
-    return _snapshot(prompt_lens, output_lens, max(step - 1, 0), slots)
+    return ch02.batch_snapshot(prompt_lens, output_lens, max(step - 1, 0), slots)
 
 
 def _snapshot_keeps_finished(prompt_lens, output_lens, step, slots):
@@ -399,7 +390,7 @@ def _snapshot_keeps_finished(prompt_lens, output_lens, step, slots):
 
 
 def _snapshot_float(prompt_lens, output_lens, step, slots):
-    return tuple(float(v) for v in _snapshot(prompt_lens, output_lens, step, slots))
+    return tuple(float(v) for v in ch02.batch_snapshot(prompt_lens, output_lens, step, slots))
 
 
 @pytest.mark.parametrize("answer, hint", [
@@ -413,7 +404,7 @@ def test_02_4_batch_snapshot_wrong_answers(capsys, answer, hint):
 
 
 def test_02_4_solution_passes(capsys):
-    assert _run(capsys, ch02.check_batch_snapshot, _snapshot).startswith("✅ [02.4]")
+    assert _run(capsys, ch02.check_batch_snapshot, ch02.batch_snapshot).startswith("✅ [02.4]")
 
 
 SIMULATOR = """def simulate_paged(requests, capacity_tokens, block_size):

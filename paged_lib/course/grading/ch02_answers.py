@@ -51,6 +51,19 @@ MECHANISM_HINTS = {
 }
 
 
+
+def batch_snapshot(prompt_lens, output_lens, step, slots) -> tuple[int, int, int]:
+    """02.4: (token_states, reserved, internal) summed over the requests running at
+    ``step`` (from 0): each stores its prompt plus ``step + 1`` tokens, out of its final
+    length; ``slots(num_tokens, final_len)`` is one request's triple."""
+    total = [0, 0, 0]
+    for p, o in zip(prompt_lens, output_lens, strict=True):
+        if step < o:
+            for k, v in enumerate(slots(p + step + 1, p + o)):
+                total[k] += v
+    return tuple(total)
+
+
 # ------------------------------------------------------------------ 02.3 the derivation
 
 DERIVATION_KEYS = (
