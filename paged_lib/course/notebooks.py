@@ -7,8 +7,9 @@
   lines of a cell inside ``### BEGIN SOLUTION`` ... ``### END SOLUTION``.
 * :func:`execute`: run a notebook the way its stored outputs are meant to be produced,
   in a fresh kernel whose working directory is the notebook's folder (as nbval and
-  JupyterLab run it), with a fixed hash seed, storing no timestamps and no widget state
-  (so a diff of a re-run notebook shows only what really changed).
+  JupyterLab run it), with a fixed hash seed, storing no timestamps, no widget state and
+  each run of prints to one stream as one output (so a diff of a re-run notebook shows
+  only what really changed).
 
 ``tools/run_notebooks.py`` executes notebooks in place with it, stopping at the first
 error; ``make grade`` (:mod:`paged_lib.course.grading.scoreboard`) executes exercise
@@ -98,4 +99,20 @@ def execute(path: Path, timeout: int = 600, keep_going: bool = False
     nb.metadata.pop("widgets", None)  # random model ids: storing them churns git diffs
     for cell in nb.cells:
         cell.metadata.pop("execution", None)
+        if cell.cell_type == "code":
+            cell.outputs = _coalesce_streams(cell.outputs)
     return nb
+
+
+def _coalesce_streams(outputs: list) -> list:
+    """Adjacent prints to the same stream as one output: how many pieces the kernel sent
+    them in depends on timing, and would churn diffs (nbval compares them merged too)."""
+    merged: list = []
+    for out in outputs:
+        last = merged[-1] if merged else None
+        if last is not None and out.output_type == last.output_type == "stream" \
+                and out.name == last.name:
+            last.text += out.text
+        else:
+            merged.append(out)
+    return merged
