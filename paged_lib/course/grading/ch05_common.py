@@ -99,7 +99,7 @@ class Guarded:
 
 
 def first_outside(guarded: Guarded, trace: LoadTrace, inside: Callable[[np.ndarray], np.ndarray]
-                   ) -> tuple[tuple, int, int] | None:
+                  ) -> tuple[tuple, int, int] | None:
     """(program, flat index, count) of the first load with unmasked lanes outside."""
     for program, flat, mask in guarded.reads(trace):
         bad = mask & ~inside(flat)

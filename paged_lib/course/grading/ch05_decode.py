@@ -144,8 +144,8 @@ def check_paged_decode_kernel(kernel: Any) -> None:
                 _check_decode_reads(trace, caches, case, what)
             expected = ref_paged_attention(*case)
             expect_no_nan(got, expected, f"{what}, out",
-                           hint="visit only cdiv(seq_len, BLOCK_SIZE) blocks, and mask K and V "
-                                "loads (other=0.0) and scores (-inf) past seq_len")
+                          hint="visit only cdiv(seq_len, BLOCK_SIZE) blocks, and mask K and V "
+                               "loads (other=0.0) and scores (-inf) past seq_len")
             grading.expect_tensor_close(
                 got, expected, f"{what}, out [seq, head, dim]", atol=1e-4, rtol=1e-4,
                 hint="query head h = kv_head * GROUP + g; rescale l and acc by "

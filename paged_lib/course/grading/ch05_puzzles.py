@@ -38,7 +38,7 @@ def check_scale_tile(kernel: Any) -> None:
                            stride, BLOCK_M=bm, BLOCK_N=bn)
             if interpreted():
                 bad = first_outside(x_g, trace, lambda f, m=m, s=stride, n=n: (f >= 0)
-                                     & (f < m * s) & (f % s < n))
+                                    & (f < m * s) & (f % s < n))
                 if bad:
                     (pm, pn, _), flat, count = bad
                     i, j = divmod(flat, stride)
@@ -51,7 +51,7 @@ def check_scale_tile(kernel: Any) -> None:
                                 "column) mask")
             got = out_g.view.cpu()
             expect_no_nan(got, 2 * x, f"{what}, out", hint="mask loads and stores with "
-                           "rows < M and cols < N")
+                          "rows < M and cols < N")
             grading.expect_tensor_close(got, 2 * x, f"{what}, out",
                                         hint="element (i, j) of x is at i * stride_x + j "
                                              "(stride_x, not N); of out at i * N + j")
