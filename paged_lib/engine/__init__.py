@@ -11,8 +11,8 @@ A request flows one way through one step (:meth:`LLMEngine.step`)::
 Files: ``sequence.py`` (request state, outputs, :class:`EngineStats`),
 ``block_manager.py``, ``scheduler.py``, ``model_runner.py``, ``sampler.py``,
 ``beam_search.py``, ``llm_engine.py``; ``static_batching.py`` is the "before" system,
-``trace.py`` serves chapter 02's traces and compares with its simulator, ``bench.py``
-is ``python -m paged_lib.bench engine``.
+``trace.py`` serves chapter 02's traces and compares with its simulator. The engine's
+benchmark is :mod:`paged_lib.bench.engine` (``python -m paged_lib.bench engine``).
 
 The teaching hooks are small pure functions a chapter's exercise re-implements; the
 engine takes a replacement for each as a keyword argument::
