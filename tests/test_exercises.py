@@ -154,3 +154,29 @@ def test_regions_keep_indentation_and_drop_hidden_tests():
         "def f(x):\n    # YOUR CODE HERE\n    raise NotImplementedError()\nprint(f)")
     assert make_exercises.strip_regions("Answer:\n### BEGIN SOLUTION\nB\n### END SOLUTION",
                                         code=False, where="t") == "Answer:\nYOUR ANSWER HERE"
+
+
+def test_grade_goes_on_after_a_dead_kernel_and_blames_its_cell(tmp_path):
+    """A learner's kernel that crashes the process (a wild Triton read can) is a ❌ of
+    its exercise, not the end of ``make grade``."""
+    nb = _nb(("md", "### Exercise 09.1: Crash", []),
+             ("code", "import os\nos.kill(os.getpid(), 9)", []),
+             ("md", "### Exercise 09.2: After it", []),
+             ("code", "print('never runs')", []))
+    path = tmp_path / "09_crash.ipynb"
+    nbformat.write(nb, path)
+    [result] = scoreboard.grade([path], timeout=60)
+    marks = {e.ex_id: (e.mark, e.message) for e in result.exercises}
+    assert marks["09.1"][0] == "❌" and "DeadKernelError" in marks["09.1"][1]
+    assert marks["09.2"] == ("⏳", "not run")
+
+
+def test_execute_stores_a_run_of_prints_as_one_output():
+    from paged_lib.course.notebooks import _coalesce_streams
+
+    out = [nbformat.v4.new_output("stream", name="stdout", text="a\n"),
+           nbformat.v4.new_output("stream", name="stdout", text="b\n"),
+           nbformat.v4.new_output("stream", name="stderr", text="c\n"),
+           nbformat.v4.new_output("stream", name="stdout", text="d\n")]
+    assert [(o.name, o.text) for o in _coalesce_streams(out)] == [
+        ("stdout", "a\nb\n"), ("stderr", "c\n"), ("stdout", "d\n")]
