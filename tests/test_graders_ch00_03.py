@@ -154,7 +154,8 @@ def test_03_1_wrong_answers_get_a_named_hint(capsys, answer, hint):
 def test_03_1_solution_passes_and_stub_is_not_attempted(capsys):
     assert verdict(capsys, ch03.check_append_token, append_ok).startswith("✅ [03.1]")
     assert verdict(capsys, ch03.check_append_token, todo).startswith("⏳ [03.1]")
-    assert verdict(capsys, ch03.check_append_token, BlockTable.append_token).startswith("✅")
+    out = verdict(capsys, ch03.check_append_token, BlockTable.append_token)
+    assert out.startswith("❌ [03.1]") and "you passed the library's append_token" in out
 
 
 # ---------------------------------------------------------------- 03.2 fork
@@ -209,7 +210,8 @@ def test_03_2_wrong_answers_get_a_named_hint(capsys, answer, hint):
 
 def test_03_2_solution_passes(capsys):
     assert verdict(capsys, ch03.check_fork, fork_ok).startswith("✅ [03.2]")
-    assert verdict(capsys, ch03.check_fork, BlockTable.fork).startswith("✅ [03.2]")
+    out = verdict(capsys, ch03.check_fork, BlockTable.fork)
+    assert out.startswith("❌ [03.2]") and "you passed the library's fork" in out
     assert verdict(capsys, ch03.check_fork, todo).startswith("⏳ [03.2]")
 
 
@@ -629,3 +631,68 @@ def test_twins_name_real_library_objects():
             for part in parts[k:]:
                 obj = getattr(obj, part)
             assert callable(obj), (ex_id, dotted)
+
+
+TWIN_MESSAGE = "which is what you are asked to write"
+
+
+def _calls(dotted_attr):
+    """An answer that hands its arguments to the library object ``module:attr``."""
+    import importlib
+
+    module, attr = dotted_attr.split(":")
+
+    def answer(*args, **kwargs):
+        obj = importlib.import_module(module)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+        return obj(*args, **kwargs)
+    return answer
+
+
+@pytest.mark.parametrize("check, answer, ex_id, name", [
+    (ch00.check_ceil_div, _calls("paged_lib.util:cdiv"), "00.1", "cdiv"),
+    (ch01.check_kv_bytes_per_token, _calls("paged_lib.accounting:kv_bytes_per_token"), "01.1",
+     "kv_bytes_per_token"),
+    (ch01.check_logical_blocks, _calls("paged_lib.accounting:num_blocks"), "01.2", "num_blocks"),
+    (ch02.check_orca_max_slots, lambda n, length, m: _calls(
+        "paged_lib.fragmentation:request_slots")("orca-max", n, length, max_len=m), "02.2",
+     "request_slots"),
+    (ch02.check_paged_simulator, lambda reqs, cap, bs: _calls(
+        "paged_lib.fragmentation:simulate_timeline")(reqs, "paged", cap, bs), "02.5",
+     "simulate_timeline"),
+    (ch03.check_append_token, lambda table: BlockTable.append_token(table), "03.1",
+     "BlockTable.append_token"),
+    (ch03.check_append_token, lambda table: table.append_token(), "03.1",
+     "BlockTable.append_token"),
+    (ch03.check_fork, lambda table: table.fork(), "03.2", "BlockTable.fork"),
+])
+def test_an_answer_that_calls_the_library_twin_fails(capsys, check, answer, ex_id, name):
+    out = verdict(capsys, check, answer)
+    assert out.startswith(f"❌ [{ex_id}]"), out
+    assert f"your function called the library's {name}" in out and TWIN_MESSAGE in out, out
+
+
+def test_03_3_free_block_that_calls_the_allocators_free_fails(capsys):
+    from paged_lib.blocks import BlockAllocator
+
+    def via_library(block, ref_counts, free_block_ids):
+        alloc = BlockAllocator.__new__(BlockAllocator)
+        alloc.ref_counts, alloc.free_block_ids = ref_counts, free_block_ids
+        alloc._num_blocks = len(ref_counts)
+        BlockAllocator.free(alloc, block)
+
+    out = verdict(capsys, ch03.check_free_block, via_library)
+    assert out.startswith("❌ [03.3]") and "BlockAllocator.free" in out and TWIN_MESSAGE in out
+
+
+def test_the_twin_passed_itself_fails_and_every_patch_is_undone(capsys):
+    from paged_lib.accounting import num_blocks
+    from paged_lib.util import cdiv
+
+    out = verdict(capsys, ch00.check_ceil_div, cdiv)
+    assert out.startswith("❌ [00.1]") and "you passed the library's cdiv" in out, out
+    assert verdict(capsys, ch01.check_logical_blocks, num_blocks).startswith("❌ [01.2]")
+    assert BlockTable.append_token.__qualname__ == "BlockTable.append_token"
+    assert verdict(capsys, ch03.check_append_token, append_ok).startswith("✅ [03.1]")
+    assert cdiv(17, 16) == 2  # a guard would refuse a call from tests/

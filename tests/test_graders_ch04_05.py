@@ -28,7 +28,10 @@ def _stub(*args):
 # ---------------------------------------------------------------- 04.1 merge two states
 
 def _merge_ok(a, b):
-    return tuple(A.merge(A.SoftmaxState(*a), A.SoftmaxState(*b)))
+    m = torch.maximum(a[0], b[0])
+    safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # both empty: weights 0
+    wa, wb = torch.exp(a[0] - safe), torch.exp(b[0] - safe)
+    return m, wa * a[1] + wb * b[1], wa[..., None] * a[2] + wb[..., None] * b[2]
 
 
 def _merge_nan_on_empty(a, b):
@@ -519,16 +522,44 @@ def test_merge_partials_grader(capsys):
         _expect_fail(capsys, check, bad, "05.7", words)
 
 
-def test_the_library_twins_pass_the_05_6_and_05_7_graders(capsys):
-    """The exercise and the library share one signature: the twin itself passes."""
+TWIN_MESSAGE = "which is what you are asked to write"
+
+
+def _decode_calling_twin():
+    from paged_lib.kernels.triton_decode import _paged_decode_kernel
+
+    return _paged_decode_kernel  # the library's kernel, passed as the answer
+
+
+@pytest.mark.parametrize("check, answer, ex_id, name", [
+    (ch04.check_merge_states, lambda a, b: tuple(A.merge(A.SoftmaxState(*a),
+                                                         A.SoftmaxState(*b))), "04.1", "merge"),
+    (ch04.check_paged_online, lambda *a: A.paged_blockwise_attention(*a), "04.2",
+     "paged_blockwise_attention"),  # the exercise notebook's demo calls it just so
+    (ch05.check_slot_mapping, lambda *a: __import__("paged_lib.kernels").kernels
+     .slot_mapping_from_positions(*a), "05.6", "slot_mapping_from_positions"),
+    (ch05.check_merge_partials, lambda out, lse: A.merge_partials(out, lse), "05.7",
+     "merge_partials"),
+])
+def test_an_answer_that_calls_the_library_twin_fails(capsys, check, answer, ex_id, name):
+    out = _verdict(capsys, check, answer)
+    assert out.startswith(f"❌ [{ex_id}]"), out
+    assert f"your function called the library's {name}" in out and TWIN_MESSAGE in out, out
+
+
+def test_the_library_twin_itself_fails_and_grading_still_works(capsys):
     from paged_lib.attention import merge_partials
     from paged_lib.kernels import slot_mapping_from_positions
 
-    assert ch05.TWINS["05.7"] == "paged_lib.attention.merge_partials"
-    assert _verdict(capsys, ch05.check_merge_partials, merge_partials).startswith("✅ [05.7]")
-    assert ch05.TWINS["05.6"] == "paged_lib.kernels.slot_mapping_from_positions"
-    assert _verdict(capsys, ch05.check_slot_mapping,
-                    slot_mapping_from_positions).startswith("✅ [05.6]")
+    for check, twin, ex_id in [(ch05.check_merge_partials, merge_partials, "05.7"),
+                               (ch05.check_slot_mapping, slot_mapping_from_positions, "05.6"),
+                               (ch05.check_paged_decode_kernel, _decode_calling_twin(), "05.5"),
+                               (ch04.check_merge_states, A.merge, "04.1")]:
+        out = _verdict(capsys, check, twin)
+        assert out.startswith(f"❌ [{ex_id}]") and "you passed the library's" in out, out
+    # every patch is undone: the library works again, and a right answer still passes
+    assert A.merge_partials is merge_partials
+    assert _verdict(capsys, ch05.check_merge_partials, _merge).startswith("✅ [05.7]")
 
 
 def test_every_grader_declares_its_twins():

@@ -23,10 +23,14 @@ collects these lines into a scoreboard. Chapter-specific checks live in
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib
 import math
 import numbers
+import os
 import sys
 import traceback
+import types
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -126,21 +130,148 @@ def _learner_frame(tb: Any) -> str:
     return ""
 
 
+_LIBRARY = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+class TwinCalled(CheckFailed):
+    """The learner's code called (or was) the library object the exercise re-implements."""
+
+
+def _resolve(dotted: str) -> tuple[Any, str, Any]:
+    """(owner: module or class, attribute name, raw attribute) of a dotted name."""
+    parts = dotted.split(".")
+    for k in range(len(parts) - 1, 0, -1):  # the longest importable prefix
+        try:
+            owner = importlib.import_module(".".join(parts[:k]))
+            break
+        except ImportError:
+            continue
+    for part in parts[k:-1]:
+        owner = getattr(owner, part)
+    raw = owner.__dict__[parts[-1]] if isinstance(owner, type) else getattr(owner, parts[-1])
+    return owner, parts[-1], raw
+
+
+def _twin_of(ex_id: str) -> str | None:
+    """The dotted twin of ``ex_id`` if its grader module refuses twins (``REFUSE_TWINS``)."""
+    module = sys.modules.get(f"{__name__}.ch{ex_id.split('.')[0]}")
+    if module is None or not getattr(module, "REFUSE_TWINS", False):
+        return None
+    return getattr(module, "TWINS", {}).get(ex_id)
+
+
+def _twin_message(dotted: str) -> str:
+    name = ".".join(dotted.split(".")[-2:]) if dotted.split(".")[-2][:1].isupper() \
+        else dotted.split(".")[-1]
+    return (f"your function called the library's {name} ({dotted}), which is what you are "
+            "asked to write")
+
+
+def _unwrap(obj: Any) -> Any:
+    for attr in ("__func__", "func", "fn"):  # bound method, functools.partial, JITFunction
+        inner = getattr(obj, attr, None)
+        if inner is not None and inner is not obj:
+            return _unwrap(inner)
+    return obj
+
+
+def _learner_arguments() -> list[Any]:
+    """The arguments of the check function that opened ``exercise`` (the learner's code)."""
+    frame = sys._getframe(1)
+    while frame is not None and (frame.f_code.co_filename == contextlib.__file__
+                                 or frame.f_code.co_filename == __file__):
+        frame = frame.f_back
+    if frame is None:
+        return []
+    code = frame.f_code
+    names = code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]
+    return [frame.f_locals[n] for n in names if n in frame.f_locals]
+
+
 @contextlib.contextmanager
-def exercise(ex_id: str, title: str) -> Iterator[None]:
-    """Run one exercise's checks and print a single verdict line (see module docstring)."""
+def _refusing_twin(dotted: str | None, calls: list[str]) -> Iterator[None]:
+    """While the block runs, the twin refuses calls from outside ``paged_lib``.
+
+    The twin is replaced, where the learner can reach it (its module or class, and the
+    globals of the learner's functions), by a guard that runs the original for callers
+    inside ``paged_lib`` (the grader's own reference) and raises :class:`TwinCalled`
+    for anyone else. Everything is put back on the way out, errors included.
+    """
+    if dotted is None:
+        yield
+        return
+    owner, name, raw = _resolve(dotted)
+    original = _unwrap(raw)
+    for arg in _learner_arguments():
+        if _unwrap(arg) is original:
+            calls.append(f"you passed the library's {name} ({dotted}) itself, which "
+                         "is what you are asked to write")
+    patched: list[tuple[dict, str, Any]] = []
+    if isinstance(original, types.FunctionType):
+        @functools.wraps(original)
+        def guard(*args: Any, **kwargs: Any) -> Any:
+            if sys._getframe(1).f_code.co_filename.startswith(_LIBRARY):
+                return original(*args, **kwargs)
+            calls.append(_twin_message(dotted))
+            raise TwinCalled(_twin_message(dotted))
+
+        replacement = type(raw)(guard) if isinstance(raw, staticmethod | classmethod) \
+            else guard
+        if isinstance(owner, type):
+            setattr(owner, name, replacement)
+            patched.append((owner, name, raw))
+        spaces = [vars(owner)] if not isinstance(owner, type) else []
+        spaces.append(getattr(sys.modules.get(original.__module__), "__dict__", None))
+        spaces += [getattr(_unwrap(a), "__globals__", None) for a in _learner_arguments()]
+        main = sys.modules.get("__main__")
+        spaces.append(getattr(main, "__dict__", None))
+        seen: set[int] = set()
+        for space in spaces:
+            if space is None or id(space) in seen:
+                continue
+            seen.add(id(space))
+            for key, value in list(space.items()):
+                if value is raw or value is original:
+                    space[key] = guard
+                    patched.append((space, key, value))
     try:
         yield
+    finally:
+        for where, key, value in reversed(patched):
+            if isinstance(where, type):
+                setattr(where, key, value)
+            else:
+                where[key] = value
+
+
+@contextlib.contextmanager
+def exercise(ex_id: str, title: str) -> Iterator[None]:
+    """Run one exercise's checks and print a single verdict line (see module docstring).
+
+    While the checks run, the library's twin of the exercise (``TWINS`` of its grader
+    module, when that module sets ``REFUSE_TWINS``) refuses to be called by the learner's
+    code: a function that delegates to it fails, whatever else it gets right.
+    """
+    calls: list[str] = []
+    hint: str | None = None
+    try:
+        with _refusing_twin(_twin_of(ex_id), calls):
+            yield
     except NotImplementedError:
-        _say(TODO, ex_id, title, "not attempted yet: fill in the `# YOUR CODE HERE` parts "
-             "above, run them, then run this cell again.")
+        mark, message = TODO, ("not attempted yet: fill in the `# YOUR CODE HERE` parts "
+                               "above, run them, then run this cell again.")
     except CheckFailed as err:
-        _say(FAIL, ex_id, title, err.message, err.hint)
+        mark, message, hint = FAIL, err.message, err.hint
     except Exception as err:  # a bug in the learner's code: short report, no traceback
         where = _learner_frame(sys.exc_info()[2])
-        _say(FAIL, ex_id, title, f"your code raised {type(err).__name__}: {err}{where}")
+        mark, message = FAIL, f"your code raised {type(err).__name__}: {err}{where}"
     else:
-        _say(PASS, ex_id, title, "correct")
+        mark, message = PASS, "correct"
+    if calls:  # whatever happened after (caught, wrapped by Triton, or a pass)
+        mark, message = FAIL, calls[0]
+        hint = ("write it yourself from the spec: the check compares your code with the "
+                "library's, so delegating to the library proves nothing")
+    _say(mark, ex_id, title, message, hint)
 
 
 def on_learner_code(run: Callable[[], T], exercises: str, what: str) -> T | None:
