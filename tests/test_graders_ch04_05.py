@@ -300,11 +300,14 @@ def _gather_rows(x_ptr, idx_ptr, out_ptr, n, D: tl.constexpr, BLOCK_I: tl.conste
         rows = tl.load(idx_ptr + i)
     else:
         rows = tl.load(idx_ptr + i, mask=live, other=0)
-    if BUG != 2:  # 2: no int64 cast
+    if BUG != 2 and BUG != 5:  # 2: no int64 cast; 5: cast after the multiply
         rows = rows.to(tl.int64)
     if BUG == 3:  # i instead of idx[i]
         rows = i.to(tl.int64)
-    x = tl.load(x_ptr + rows[:, None] * D + d[None, :], mask=live[:, None], other=0.0)
+    offs = rows[:, None] * D + d[None, :]
+    if BUG == 5:
+        offs = offs.to(tl.int64)  # the int32 product has already wrapped
+    x = tl.load(x_ptr + offs, mask=live[:, None], other=0.0)
     if BUG == 4:  # unmasked store
         live = i >= 0
     tl.store(out_ptr + i[:, None] * D + d[None, :], x, mask=live[:, None])
@@ -315,7 +318,7 @@ def test_gather_rows_grader(capsys):
     assert _verdict(capsys, ch05.check_gather_rows, _gather_rows).startswith("✅ [05.2]")
     assert _verdict(capsys, ch05.check_gather_rows, _stub_kernel).startswith("⏳ [05.2]")
     for bug, words in [(1, "outside its n="), (2, "32 bits"), (3, "row idx[i] of x"),
-                       (4, "at i >= n")]:
+                       (4, "at i >= n"), (5, "multiplied in 32 bits")]:
         _expect_fail(capsys, ch05.check_gather_rows, Bugged(_gather_rows, bug), "05.2", words)
 
 
@@ -427,7 +430,7 @@ def _decode(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
     for j in range(0, tl.cdiv(seq_len, BLOCK_SIZE)):
         block = tl.load(block_tables_ptr + seq * max_blocks + j)
-        if BUG != 2:  # 2: no 64-bit block id
+        if BUG != 2 and BUG != 8:  # 2: no 64-bit block id; 8: cast after the multiply
             block = block.to(tl.int64)
         valid = j * BLOCK_SIZE + t < seq_len
         if BUG == 6:  # off by one
@@ -436,6 +439,8 @@ def _decode(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens
             valid = t < seq_len
         offs = ((block * BLOCK_SIZE + t[:, None]) * NUM_KV_HEADS + kv_head) * HEAD_DIM \
             + d[None, :]
+        if BUG == 8:  # the offset in int32, cast afterwards: the wrap has happened already
+            offs = offs.to(tl.int64)
         if BUG == 1:  # unmasked K; the NaN is hidden by tl.where below
             k = tl.load(k_cache_ptr + offs)
         elif BUG == 7:  # the K tile loaded once per query head of the group
@@ -467,7 +472,7 @@ def test_decode_kernel_grader(capsys):
     for bug, words in [(1, "past the sequence's end"), (2, "32 bits"),
                        (3, "past the sequence's end"), (4, "exp(m_old - m_new)"),
                        (5, "kv_head * GROUP + g"), (6, "past the sequence's end"),
-                       (7, "times")]:
+                       (7, "times"), (8, "multiplied in 32 bits")]:
         _expect_fail(capsys, check, Bugged(_decode, bug), "05.5", words)
 
 

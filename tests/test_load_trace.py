@@ -77,3 +77,49 @@ def test_tracing_refuses_what_it_cannot_map():
         pass
     assert empty.reads_of(torch.zeros(4, 4).t()) == []
     assert empty.narrow_offsets(torch.zeros(4), reach=1) == []
+
+
+@triton.jit
+def _gather_cast_late(x_ptr, out_ptr, idx_ptr, D: tl.constexpr, LATE: tl.constexpr):
+    """out[i] = x[idx[i]]; LATE multiplies the int32 row id, then casts the offset."""
+    i = tl.program_id(0)
+    d = tl.arange(0, D)
+    row = tl.load(idx_ptr + i)
+    if LATE:
+        offs = (row * D + d).to(tl.int64)
+    else:
+        offs = row.to(tl.int64) * D + d
+    tl.store(out_ptr + i * D + d, tl.load(x_ptr + offs))
+
+
+def test_a_32_bit_product_of_a_loaded_id_is_found_even_when_cast_afterwards():
+    x = torch.arange(24, dtype=torch.float32).view(6, 4)
+    idx = torch.tensor([5, 0, 3], dtype=torch.int32)
+    for late in (True, False):
+        out = torch.zeros(3, 4)
+        with trace_loads() as trace:
+            _gather_cast_late[(3,)](x, out, idx, D=4, LATE=late)
+        torch.testing.assert_close(out, x[[5, 0, 3]])
+        assert trace.narrow_offsets(x, reach=4) == []  # the pointer offset itself is int64
+        products = trace.narrow_products(idx)
+        assert len(products) == (3 if late else 0)
+        assert all(p.dtype == np.int32 for p in products)
+        assert trace.narrow_products(x) == []  # nothing loaded from x is multiplied
+
+
+@triton.jit
+def _dot(a_ptr, b_ptr, out_ptr, M: tl.constexpr, K: tl.constexpr, N: tl.constexpr):
+    m, k, n = tl.arange(0, M), tl.arange(0, K), tl.arange(0, N)
+    a = tl.load(a_ptr + m[:, None] * K + k[None, :])
+    b = tl.load(b_ptr + k[:, None] * N + n[None, :])
+    tl.store(out_ptr + m[:, None] * N + n[None, :], tl.dot(a, b))
+
+
+def test_dot_shapes_are_recorded_and_the_builder_is_restored():
+    before = InterpreterBuilder.create_dot
+    a, b, out = torch.randn(2, 16), torch.randn(16, 4), torch.zeros(2, 4)
+    with trace_loads() as trace:
+        _dot[(1,)](a, b, out, M=2, K=16, N=4)  # runs here; a GPU needs every dim >= 16
+    assert [(d.a_shape, d.b_shape) for d in trace.dots] == [((2, 16), (16, 4))]
+    assert InterpreterBuilder.create_dot is before
+    torch.testing.assert_close(out, a @ b, atol=1e-2, rtol=1e-2)

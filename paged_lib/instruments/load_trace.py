@@ -16,6 +16,12 @@ to elements of the tensors you name::
     for read in trace.reads_of(x):        # one per load that touched x
         read.program, read.index, read.mask  # (x, y, z), [n, x.dim()] indices, [n] bools
 
+Two more things only the builder sees. Every value computed from a loaded integer (a
+block id, a row id) carries the loads it came from, so :meth:`LoadTrace.narrow_products`
+finds a ``block * stride`` multiplied in 32 bits even when the sum is cast to int64
+afterwards (the wrap has already happened); and every ``tl.dot`` records its operand
+shapes (:attr:`LoadTrace.dots`), which a GPU limits and the interpreter does not.
+
 Only in the interpreter (``TRITON_INTERPRET=1``) and for CPU tensors (the interpreter
 then loads from the tensor's own memory); a compiled kernel is not traced.
 """
@@ -50,6 +56,24 @@ class Offset:
 
 
 @dataclass
+class Product:
+    """One integer multiply (or shift) narrower than 64 bits, of a value derived from loads."""
+
+    program: tuple[int, int, int]
+    dtype: np.dtype
+    sources: frozenset[int]  # indices into LoadTrace.loads of the loads it derives from
+
+
+@dataclass
+class Dot:
+    """One ``tl.dot``: the shapes of its two operands."""
+
+    program: tuple[int, int, int]
+    a_shape: tuple[int, ...]
+    b_shape: tuple[int, ...]
+
+
+@dataclass
 class TensorRead:
     """The part of one :class:`Load` that fell inside a given tensor."""
 
@@ -64,6 +88,8 @@ class LoadTrace:
 
     loads: list[Load] = field(default_factory=list)
     offsets: list[Offset] = field(default_factory=list)
+    products: list[Product] = field(default_factory=list)
+    dots: list[Dot] = field(default_factory=list)
 
     def reads_of(self, tensor: torch.Tensor) -> list[TensorRead]:
         """Each load's lanes that address ``tensor`` (contiguous, on the CPU), as indices."""
@@ -91,6 +117,19 @@ class LoadTrace:
         return [o for o in self.offsets
                 if o.dtype.itemsize < 8 and o.largest >= reach
                 and ((o.addresses >= lo) & (o.addresses < hi)).any()]
+
+    def narrow_products(self, tensor: torch.Tensor) -> list[Product]:
+        """32-bit (or narrower) multiplies of values loaded from ``tensor`` (e.g. block ids).
+
+        ``block * BLOCK_STRIDE`` in int32 wraps past 2**31 however the result is cast
+        later; only a cast of the loaded id *before* multiplying is safe.
+        """
+        if not self.products:
+            return []
+        lo, hi, _ = _extent(tensor)
+        inside = {i for i, load in enumerate(self.loads)
+                  if ((load.addresses >= lo) & (load.addresses < hi) & load.mask).any()}
+        return [p for p in self.products if p.sources & inside]
 
     def programs(self) -> list[tuple[int, int, int]]:
         """Every program that loaded something, in launch order."""
@@ -131,10 +170,54 @@ def trace_loads() -> Iterator[LoadTrace]:
                                         largest, np.asarray(result.data, np.uint64).ravel()))
         return result
 
-    InterpreterBuilder.create_masked_load = traced_load
-    InterpreterBuilder.create_addptr = traced_addptr
+    originals = {name: getattr(InterpreterBuilder, name) for name in dir(InterpreterBuilder)
+                 if name.startswith("create_") and callable(getattr(InterpreterBuilder, name))}
+    wrapped = {name: _tainting(name, fn, trace) for name, fn in originals.items()}
+    wrapped["create_masked_load"] = _tainting("create_masked_load", traced_load, trace)
+    wrapped["create_addptr"] = _tainting("create_addptr", traced_addptr, trace)
+    for name, fn in wrapped.items():
+        setattr(InterpreterBuilder, name, fn)
     try:
         yield trace
     finally:
-        InterpreterBuilder.create_masked_load = load
-        InterpreterBuilder.create_addptr = addptr
+        for name, fn in originals.items():
+            setattr(InterpreterBuilder, name, fn)
+
+
+_TAINT = "load_trace.sources"  # key in a TensorHandle's attr: the loads it derives from
+_NARROWING = {"create_mul", "create_shl"}
+
+
+def _handles(values) -> Iterator:
+    for v in values:
+        if hasattr(v, "attr") and hasattr(v, "data"):
+            yield v
+        elif isinstance(v, list | tuple):
+            yield from _handles(v)
+
+
+def _tainting(name: str, fn, trace: LoadTrace):
+    """``fn`` (a builder method) that passes the loads its inputs derive from to its result."""
+
+    def run(self, *args, **kwargs):
+        result = fn(self, *args, **kwargs)
+        sources = frozenset().union(*(h.attr.get(_TAINT, frozenset())
+                                      for h in _handles(args)))
+        program = tuple(int(i) for i in self.grid_idx)
+        if name == "create_masked_load":
+            data = np.asarray(result.data)
+            sources = frozenset({len(trace.loads) - 1}) if data.dtype.kind in "iu" \
+                else frozenset()
+        elif name == "create_dot":
+            trace.dots.append(Dot(program, tuple(np.shape(args[0].data)),
+                                  tuple(np.shape(args[1].data))))
+        elif name in _NARROWING and sources:
+            data = np.asarray(result.data)
+            if data.dtype.kind in "iu" and data.dtype.itemsize < 8:
+                trace.products.append(Product(program, data.dtype, sources))
+        if sources:
+            for h in _handles([result]):
+                h.attr[_TAINT] = h.attr.get(_TAINT, frozenset()) | sources
+        return result
+
+    return run

@@ -67,7 +67,17 @@ def run_decode_kernel(kernel: Any, case) -> tuple[torch.Tensor, LoadTrace, tuple
                          "element(s) in one load)",
                          hint="element (block, slot, head, dim) is at ((block * BLOCK_SIZE + "
                               "slot) * NUM_KV_HEADS + head) * HEAD_DIM + dim")
+    if interpreted() and trace.narrow_products(bt_g.buffer):
+        grading.fail("a block id loaded from the block table was multiplied in 32 bits "
+                     "(casting the sum to int64 afterwards is too late: the product has "
+                     "already wrapped)", hint=NARROW_HINT)
     return out_g.view.cpu(), trace, (k_g.view, v_g.view)
+
+
+NARROW_HINT = ("cast the block id to tl.int64 right after loading it, before any multiply: "
+               "in int32, block * (BLOCK_SIZE * NUM_KV_HEADS * HEAD_DIM) wraps once the "
+               "cache passes 2**31 elements (a few GB), and .to(tl.int64) on the result "
+               "cannot undo that")
 
 
 def _allowed_slots(case, seq: int) -> dict[tuple[int, int], int]:

@@ -90,6 +90,13 @@ def check_gather_rows(kernel: Any) -> None:
                     grading.fail(f"{what}: program {bad[0][0]} read idx[{bad[1]}], outside its "
                                  f"n={n} entries", hint="mask the load of idx with i < n "
                                  "(other=0)")
+                if trace.narrow_products(idx_g.buffer):
+                    grading.fail(f"{what}: a row id loaded from idx was multiplied in 32 bits "
+                                 "(a cast to int64 after the multiply is too late: the "
+                                 "product has already wrapped)",
+                                 hint="cast the row ids to tl.int64 right after loading them, "
+                                      "before multiplying by D: beyond 2**31 elements an "
+                                      "int32 product wraps and reads the wrong row")
                 if trace.narrow_offsets(x_g.buffer, reach=d):
                     grading.fail(f"{what}: the offsets into x (row id x D) were computed in "
                                  "32 bits",
