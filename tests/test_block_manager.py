@@ -5,7 +5,13 @@ import random
 import pytest
 
 from paged_lib.blocks import BlockAllocator, BlockTable
-from paged_lib.engine.block_manager import BlockManager, append_blocks_needed, swap_mapping
+from paged_lib.engine.block_manager import (
+    BlockManager,
+    append_blocks_needed,
+    num_required_blocks,
+    shared_prompt_blocks,
+    swap_mapping,
+)
 from paged_lib.engine.sequence import SamplingParams, Sequence, SequenceGroup
 
 
@@ -96,3 +102,33 @@ def test_swap_needs_a_cpu_pool():
     assert not bm.can_swap_out(group)
     with pytest.raises(ValueError, match="num_cpu_blocks"):
         bm.swap_out(group)
+
+
+def test_shared_prompt_blocks_is_what_a_shared_recompute_takes():
+    """Prompt once, then fork and append each tail: the count is exactly the cost."""
+    assert shared_prompt_blocks(6, [3, 3], 4) == 5  # the docstring's example
+    assert shared_prompt_blocks(64, [25] * 4, 4) == 16 + 4 * 7  # no part-filled block
+    rng = random.Random(3)
+    for _ in range(300):
+        prompt_len, bs = rng.randint(1, 13), rng.choice([1, 2, 4, 5])
+        tails = [rng.randint(0, 9) for _ in range(rng.randint(1, 4))]
+        alloc = BlockAllocator(500)
+        first = BlockTable(alloc, bs)
+        for _ in range(prompt_len):
+            first.append_token()
+        tables = [first] + [first.fork() for _ in tails[1:]]
+        for table, tail in zip(tables, tails, strict=True):
+            for _ in range(tail):
+                table.append_token()
+        assert 500 - alloc.num_free == shared_prompt_blocks(prompt_len, tails, bs), \
+            (prompt_len, bs, tails)
+
+
+def test_num_required_blocks_counts_a_resumed_groups_prompt_once():
+    params = SamplingParams(30, temperature=1.0, n=4)
+    fresh = SequenceGroup(0, [Sequence(0, list(range(64)))], params)
+    assert num_required_blocks(fresh, 4) == 16  # one sequence: the samples fork later
+    resumed = SequenceGroup(1, [Sequence(i, list(range(64)), [1] * 25) for i in range(4)],
+                            params)
+    assert num_required_blocks(resumed, 4) == 16 + 4 * 7  # not 4 * 23 = 92
+    assert BlockManager(100, 4).prefill_blocks_needed(resumed) == 44

@@ -33,15 +33,18 @@ class FakeRunner:
             self.gpu[g] = self.cpu[c]
         for src, dst in out.blocks_to_copy:
             self.gpu[dst] = self.gpu[src]
-        seqs = [s.seq for s in out.scheduled]
-        meta = build_metadata([s.block_table.blocks for s in seqs], [s.num_tokens for s in seqs],
+        # a sequence holds num_cached + num_new_tokens tokens after the step (all its text,
+        # but only the prompt in the first step of a shared recompute)
+        ends = [s.seq.num_cached + s.num_new_tokens for s in out.scheduled]
+        meta = build_metadata([s.seq.block_table.blocks for s in out.scheduled], ends,
                               [s.num_new_tokens for s in out.scheduled], self.bs)
-        new = [t for s in out.scheduled for t in s.seq.token_ids[-s.num_new_tokens:]]
+        new = [t for s, end in zip(out.scheduled, ends, strict=True)
+               for t in s.seq.token_ids[end - s.num_new_tokens:end]]
         self.gpu.reshape(-1)[meta.slot_mapping.numpy()] = new
-        for seq in seqs:  # read back everything, through the table
-            pos = np.arange(seq.num_tokens)
-            blocks = np.array(seq.block_table.blocks)[pos // self.bs]
-            assert self.gpu[blocks, pos % self.bs].tolist() == seq.token_ids, seq.seq_id
+        for s, end in zip(out.scheduled, ends, strict=True):  # read back, through the table
+            pos = np.arange(end)
+            blocks = np.array(s.seq.block_table.blocks)[pos // self.bs]
+            assert self.gpu[blocks, pos % self.bs].tolist() == s.seq.token_ids[:end], s.seq.seq_id
 
 
 def fake_token(seq: Sequence, k: int = 0) -> int:
@@ -152,11 +155,17 @@ def test_preemption_takes_the_newest_group_whole(mode):
         assert first.swap_out and any(o.swap_in for o in history)
         assert bm.cpu.num_free == 16
     else:
-        # recompute: the victim re-prefills its prompt and the tokens it had made
+        # recompute: the victim prefills its prompt once (nothing sampled), then each
+        # sample forks it and prefills the tokens it had made
         readmit = next(o for o in history if groups[2] in o.admitted and o.step > 0)
-        redone = [s.num_new_tokens for s in readmit.scheduled if s.group is groups[2]]
-        assert len(redone) == 2 and min(redone) > 4  # both samples, prompt + outputs
-        assert readmit.recomputed_tokens == sum(redone)
+        prompt = [s for s in readmit.scheduled if s.group is groups[2]]
+        assert [(s.num_new_tokens, s.sample) for s in prompt] == [(4, False)]
+        assert readmit.recomputed_tokens == 4
+        tails = [s for s in history[readmit.step + 1].scheduled if s.group is groups[2]]
+        assert len(tails) == 2 and all(s.is_prefill and s.sample for s in tails)
+        made = groups[2].timeline.preempted_steps[0] - groups[2].timeline.admitted_steps[0]
+        assert [s.num_new_tokens for s in tails] == [made, made]  # its outputs so far
+        assert history[readmit.step + 1].recomputed_tokens == sum(s.num_new_tokens for s in tails)
     assert bm.num_free_blocks == 8
 
 

@@ -60,6 +60,40 @@ def append_blocks_needed(tables: Iterable[BlockTable]) -> int:
     return new
 
 
+def shared_prompt_blocks(prompt_len: int, tail_lens: list[int], block_size: int) -> int:
+    """Free blocks for a prompt held once and shared by ``len(tail_lens)`` sequences, each
+    of which then appends its own ``tail_lens[i]`` tokens.
+
+    The prompt's blocks are counted once. Each tail takes the blocks past the prompt's;
+    a part-filled last prompt block is copied (copy-on-write) by every sequence that
+    writes into it, except the last holder, which finds it no longer shared.
+    Example (block size 4): prompt 6, tails [3, 3] -> 2 + (1 + 1) + 1 copy = 5.
+    """
+    prompt = cdiv(prompt_len, block_size)
+    new = sum(cdiv(prompt_len + t, block_size) - prompt for t in tail_lens)
+    writers = sum(t > 0 for t in tail_lens)
+    if prompt_len % block_size and writers:
+        new += writers - 1 if writers == len(tail_lens) else writers
+    return prompt + new
+
+
+def num_required_blocks(group: SequenceGroup, block_size: int) -> int:
+    """Free blocks a waiting group takes to run again, counting what its sequences share.
+
+    A fresh request has one sequence (``n > 1`` samples fork from it after the prefill),
+    so that is its text's blocks. A group of several sequences preempted by recompute
+    gets its prompt back once, shared, plus each sequence's own generated tail
+    (:func:`shared_prompt_blocks`). The scheduler's default admission hook
+    (``LLMEngine(..., num_required_blocks=fn)``; vLLM's ``get_num_required_blocks``).
+    """
+    seqs = group.live_seqs()
+    if len(seqs) == 1:
+        return cdiv(seqs[0].num_tokens, block_size)
+    prompt_len = len(group.prompt_token_ids)
+    return shared_prompt_blocks(prompt_len, [s.num_tokens - prompt_len for s in seqs],
+                                block_size)
+
+
 class BlockManager:
     """Allocation decisions for the scheduler over a GPU pool and an optional CPU pool."""
 
@@ -83,16 +117,35 @@ class BlockManager:
     # ------------------------------------------------------------ prefill
 
     def prefill_blocks_needed(self, group: SequenceGroup) -> int:
-        """Blocks to (re-)prefill every live sequence of a waiting group, unshared."""
-        return sum(cdiv(s.num_tokens, self.block_size) for s in group.live_seqs())
+        """Blocks to (re-)prefill a waiting group, shared prompt counted once
+        (:func:`num_required_blocks`)."""
+        return num_required_blocks(group, self.block_size)
 
-    def allocate(self, seq: Sequence) -> list[Slot]:
-        """A fresh GPU table for ``seq`` with a slot for each of its tokens."""
+    def allocate(self, seq: Sequence, num_tokens: int | None = None) -> list[Slot]:
+        """A fresh GPU table for ``seq`` with a slot for each of its first ``num_tokens``
+        tokens (default: all of them)."""
         if seq.block_table is not None:
             raise ValueError(f"sequence {seq.seq_id} already holds blocks")
         table = BlockTable(self.gpu, self.block_size)
         seq.block_table = table
-        return [table.append_token() for _ in range(seq.num_tokens)]
+        count = seq.num_tokens if num_tokens is None else num_tokens
+        return [table.append_token() for _ in range(count)]
+
+    def tail_blocks_needed(self, group: SequenceGroup) -> int:
+        """Blocks the second step of a shared recompute takes: every sequence forks the
+        cached prompt and appends its own tail (copy-on-write of a part-filled block)."""
+        seqs = group.live_seqs()
+        prompt_len = seqs[0].num_cached
+        return (shared_prompt_blocks(prompt_len, [s.num_tokens - prompt_len for s in seqs],
+                                     self.block_size) - cdiv(prompt_len, self.block_size))
+
+    def fork_prompt(self, group: SequenceGroup) -> None:
+        """Give every live sequence without a table a fork of the first one's (the cached
+        prompt): shared blocks, ref counts up, nothing allocated."""
+        seqs = group.live_seqs()
+        for seq in seqs[1:]:
+            seq.block_table = seqs[0].block_table.fork()
+            seq.num_cached = seqs[0].num_cached
 
     # ------------------------------------------------------------ decode
 

@@ -153,7 +153,8 @@ class LLMEngine:
         made = sum(len(x) for x, sc in zip(samples, out.scheduled, strict=True)
                    if sc.group.params.beam_width is None)
         made += sum(len(g.seqs) for g in {sc.group for sc in out.scheduled
-                                          if sc.group.params.beam_width is not None})
+                                          if sc.group.params.beam_width is not None
+                                          and sc.sample})
         s.record_step(out.kind, len(out.scheduled), used, made, out.num_batched_tokens)
         return finished
 

@@ -149,14 +149,15 @@ class ModelRunner:
                                out.blocks_to_copy, backend=self.backend)
         if out.is_empty():
             return torch.empty(0, self.model.config.vocab_size)
-        seqs = [s.seq for s in out.scheduled]
-        meta = self.build_metadata([s.block_table.blocks for s in seqs],
-                                   [s.num_tokens for s in seqs],
+        # a sequence holds num_cached + num_new_tokens tokens after this step: all of its
+        # text, except the prompt step of a shared recompute (its tail comes next step)
+        ends = [s.seq.num_cached + s.num_new_tokens for s in out.scheduled]
+        meta = self.build_metadata([s.seq.block_table.blocks for s in out.scheduled], ends,
                                    [s.num_new_tokens for s in out.scheduled], self.block_size)
         check_metadata(meta, self.kv_caches[0][0].shape[0], self.block_size)
         meta = _to_device(meta, self.model.device)
-        ids = [t for sched in out.scheduled
-               for t in sched.seq.token_ids[sched.seq.num_tokens - sched.num_new_tokens:]]
+        ids = [t for sched, end in zip(out.scheduled, ends, strict=True)
+               for t in sched.seq.token_ids[end - sched.num_new_tokens:end]]
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.model.device)
         hidden = self.model(input_ids, self.kv_caches, meta, backend=self.backend,
                             validate=False)

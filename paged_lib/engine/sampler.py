@@ -29,6 +29,9 @@ def sample(logits: torch.Tensor, out: SchedulerOutput) -> list[list[tuple[int, f
     result = []
     for row, sched in enumerate(out.scheduled):
         params, k = sched.group.params, num_samples(sched)
+        if not sched.sample:  # a shared recompute's prompt step: nothing to draw yet
+            result.append([])
+            continue
         if params.beam_width is not None:  # the beam's best candidates, best first
             top = torch.topk(logprobs[row], min(params.beam_width, logprobs.shape[1]))
             result.append(list(zip(top.indices.tolist(), top.values.tolist(), strict=True)))

@@ -14,6 +14,19 @@ recompute), ``running`` (K/V in the GPU pool, in admission order) and ``swapped`
    and nobody is left in ``swapped`` (swapped groups come back first). An admitted group
    is prefilled in the same step as the decodes (iteration-level batching, as in Orca).
 
+**Recompute keeps sharing.** A group of several sequences (``n > 1`` samples, beams)
+preempted by recompute comes back in two steps: (1) its first sequence prefills the
+*prompt* alone, nothing sampled; (2) the others fork that table (full prompt blocks
+shared; a part-filled last block copied on write, via :class:`~paged_lib.blocks.Slot`'s
+``copy``), and every sequence prefills its own generated tail over the cached prompt.
+The prompt is computed once and held once, as swapping would keep it; all sequences
+still sample in the same step, so a seeded group draws what it draws unpreempted.
+vLLM v0 never recomputes a multi-sequence group: it swaps it out (its recompute path
+asserts one sequence) and aborts the run when the CPU swap space is full. Here
+``recompute`` takes such groups too (and ``swap`` falls back to it when the CPU pool is
+full); only the prompt is shared again (beams that shared more history share less for
+a step or two, until beam search forks them again).
+
 Admission never splits a group: its blocks are counted for all its sequences at once.
 One exception to the limits keeps every request moving: a group that would be alone in
 an empty step is admitted (or swapped in) whenever its blocks are free, even if its
@@ -29,34 +42,12 @@ from dataclasses import dataclass, field
 from paged_lib.blocks import Slot
 from paged_lib.engine.beam_search import beam_step
 from paged_lib.engine.block_manager import BlockManager
+from paged_lib.engine.policy import Budget, can_admit
 from paged_lib.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 
+__all__ = ["Budget", "ScheduledSeq", "Scheduler", "SchedulerOutput", "can_admit"]
+
 PREEMPTION_MODES = ("recompute", "swap")
-
-
-@dataclass(frozen=True)
-class Budget:
-    """What is left for the step when the scheduler considers the next waiting group."""
-
-    free_blocks: int             # free GPU blocks now
-    watermark_blocks: int        # blocks admission must leave free (room for decodes)
-    num_seqs: int                # sequences already scheduled this step
-    max_num_seqs: int
-    num_batched_tokens: int      # tokens already scheduled this step
-    max_num_batched_tokens: int
-
-
-def can_admit(blocks_needed: int, num_seqs: int, num_tokens: int, budget: Budget) -> bool:
-    """May a waiting group that needs ``blocks_needed`` free blocks for its ``num_seqs``
-    sequences and ``num_tokens`` prompt tokens join this step?
-
-    Yes when, after taking its blocks, at least ``watermark_blocks`` stay free, and
-    neither the sequence count nor the token count of the step goes over its maximum.
-    Example: 10 free, watermark 1, needs 9 -> True; needs 10 -> False.
-    """
-    return (budget.free_blocks - blocks_needed >= budget.watermark_blocks
-            and budget.num_seqs + num_seqs <= budget.max_num_seqs
-            and budget.num_batched_tokens + num_tokens <= budget.max_num_batched_tokens)
 
 
 @dataclass
@@ -68,6 +59,7 @@ class ScheduledSeq:
     num_new_tokens: int
     slots: list[Slot]
     is_prefill: bool
+    sample: bool = True  # False: the prompt of a shared recompute, nothing drawn from it
 
 
 @dataclass
@@ -147,16 +139,23 @@ class Scheduler:
         kept: list[SequenceGroup] = []
         while queue:
             group = queue.popleft()
-            while (self.block_manager.append_blocks_needed(group)
-                   > self.block_manager.num_free_blocks):
+            while self._blocks_to_continue(group) > self.block_manager.num_free_blocks:
                 victim = queue.pop() if queue else group  # the newest group goes first
                 self._preempt(victim, out)
                 if victim is group:
                     break
             else:
-                self._schedule_decode(group, out)
+                if group.awaiting_tails:
+                    self._schedule_tails(group, out)
+                else:
+                    self._schedule_decode(group, out)
                 kept.append(group)
         self.running = kept
+
+    def _blocks_to_continue(self, group: SequenceGroup) -> int:
+        if group.awaiting_tails:
+            return self.block_manager.tail_blocks_needed(group)
+        return self.block_manager.append_blocks_needed(group)
 
     def _schedule_swapped(self, out: SchedulerOutput) -> None:
         while self.swapped:
@@ -191,9 +190,11 @@ class Scheduler:
             if not (fits or alone):
                 break
             self.waiting.popleft()
-            for seq in seqs:
+            if len(seqs) > 1:  # a group preempted by recompute: its prompt first, once
+                self._schedule_prompt(group, out)
+            else:
+                seq = seqs[0]
                 slots = self.block_manager.allocate(seq)
-                self._add_copies(slots, out)
                 seq.status = SequenceStatus.RUNNING
                 out.scheduled.append(ScheduledSeq(group, seq, seq.num_tokens, slots, True))
                 if seq.output_token_ids:
@@ -201,6 +202,33 @@ class Scheduler:
             self.running.append(group)
             out.admitted.append(group)
             group.timeline.admitted_steps.append(self.step)
+
+    def _schedule_prompt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
+        """Step 1 of a shared recompute: the first sequence prefills the prompt alone.
+
+        Nothing is sampled (the group's sequences all draw together next step, so a
+        seeded group draws exactly as if it had never been preempted).
+        """
+        seqs = group.live_seqs()
+        prompt_len = len(group.prompt_token_ids)
+        slots = self.block_manager.allocate(seqs[0], prompt_len)
+        for seq in seqs:
+            seq.status = SequenceStatus.RUNNING
+        out.scheduled.append(ScheduledSeq(group, seqs[0], prompt_len, slots, True, sample=False))
+        out.recomputed_tokens += prompt_len
+        group.awaiting_tails = True
+
+    def _schedule_tails(self, group: SequenceGroup, out: SchedulerOutput) -> None:
+        """Step 2 of a shared recompute: every sequence forks the cached prompt and
+        prefills its own generated tail over it (copy-on-write of a part-filled block)."""
+        self.block_manager.fork_prompt(group)
+        for seq in group.live_seqs():
+            tail = seq.num_tokens - seq.num_cached
+            slots = [self.block_manager.append_slot(seq) for _ in range(tail)]
+            self._add_copies(slots, out)
+            out.scheduled.append(ScheduledSeq(group, seq, tail, slots, True))
+            out.recomputed_tokens += tail
+        group.awaiting_tails = False
 
     def _schedule_decode(self, group: SequenceGroup, out: SchedulerOutput) -> None:
         for seq in group.live_seqs():
@@ -225,7 +253,9 @@ class Scheduler:
         """
         out.preempted.append(group)
         group.timeline.preempted_steps.append(self.step)
-        if self.preemption == "swap" and self.block_manager.can_swap_out(group):
+        # half way through a shared recompute only the prompt is cached: recompute again
+        if (self.preemption == "swap" and not group.awaiting_tails
+                and self.block_manager.can_swap_out(group)):
             out.swap_out += self.block_manager.swap_out(group)
             for seq in group.live_seqs():
                 seq.status = SequenceStatus.SWAPPED
@@ -235,6 +265,7 @@ class Scheduler:
             self.block_manager.free(seq)
             seq.num_cached = 0
             seq.status = SequenceStatus.WAITING
+        group.awaiting_tails = False
         self.waiting.appendleft(group)
 
     # ------------------------------------------------------------------ update
@@ -250,7 +281,9 @@ class Scheduler:
         beam_groups: dict[SequenceGroup, list[tuple[Sequence, list]]] = {}
         for sched, drawn in zip(out.scheduled, samples, strict=True):
             seq, group = sched.seq, sched.group
-            seq.num_cached = seq.num_tokens
+            seq.num_cached += sched.num_new_tokens
+            if not sched.sample:  # a shared recompute's prompt: its group draws next step
+                continue
             if group.params.beam_width is not None:
                 beam_groups.setdefault(group, []).append((seq, drawn))
                 continue
@@ -260,7 +293,7 @@ class Scheduler:
         for group, beams in beam_groups.items():
             self._beam_update(group, [b for b, _ in beams], [d for _, d in beams])
         finished = []
-        for group in dict.fromkeys(s.group for s in out.scheduled):  # in order, once each
+        for group in dict.fromkeys(s.group for s in out.scheduled if s.sample):  # in order
             for seq in group.live_seqs():
                 if self._is_done(seq, group, eos_token_id):
                     seq.status = SequenceStatus.FINISHED

@@ -149,6 +149,10 @@ class SequenceGroup:
     error: str | None = None
     # beam search: finished beams kept as (token_ids, cumulative_logprob)
     beam_done: list[tuple[list[int], float]] = field(default_factory=list)
+    # recompute of a group of several sequences, half way: the prompt's K/V is cached in
+    # the first live sequence's table; next step the others fork it and every sequence
+    # recomputes its own generated tail (see the scheduler's module docstring)
+    awaiting_tails: bool = False
 
     @property
     def prompt_token_ids(self) -> list[int]:
