@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import paged_lib  # noqa: F401  # isort: split
-from paged_lib.engine import LLMEngine, SamplingParams
+from paged_lib.engine import LLMEngine, SamplingParams, worst_case_blocks
 from paged_lib.model import TinyLlama
 
 BLOCK = 4
@@ -96,3 +96,39 @@ def test_the_issue_numbers(model, texts):
     engine, _, held = serve_beside_long(model, *texts, SAMPLES, "recompute", 100)
     assert engine.stats.recomputed_tokens == 164
     assert resumed(held)[1] == 44
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_admission_counts_the_shared_prompt_once(model, texts, mode):
+    """4 samples of 64 + 32 tokens peak at 16 shared + 4 x 8 own = 48 blocks, not 96."""
+    params = SamplingParams(32, temperature=1.0, n=4, seed=3)
+    assert worst_case_blocks(64, 32, 4, BLOCK) == 48
+    engine = LLMEngine(model, 60, BLOCK, preemption=mode,
+                       num_cpu_blocks=64 if mode == "swap" else 0)
+    out = engine.generate([texts[1]], params)[0]
+    assert out.error is None and len(out.outputs) == 4
+    assert engine.stats.peak_blocks_used == 48
+    # beside a second such request the pool is too small for both: preemption, no error
+    outs = engine.generate([texts[1], texts[1][::-1]], params)
+    assert all(o.error is None for o in outs) and engine.stats.preemptions > 0
+    assert [c.token_ids for c in outs[0].outputs] == [c.token_ids for c in out.outputs]
+    assert engine.block_manager.num_free_blocks == 60
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.parametrize("params, need", [
+    (SamplingParams(32, temperature=1.0, n=4, seed=3), 48),
+    (SamplingParams(32, beam_width=4), 48),
+    (SamplingParams(34, temperature=1.0, n=4, seed=3), 52),  # a 25th block for each sample
+])
+def test_a_group_that_truly_cannot_fit_fails_alone(model, texts, mode, params, need):
+    engine = LLMEngine(model, 48, BLOCK, preemption=mode, watermark=0.0,
+                       num_cpu_blocks=64 if mode == "swap" else 0)
+    outs = engine.generate([texts[1][:5], texts[1]], [SamplingParams(3), params])
+    assert outs[0].error is None and len(outs[0].outputs[0].token_ids) == 3
+    if need <= 48:
+        assert outs[1].error is None
+    else:
+        assert outs[1].outputs == [] and "can never run" in outs[1].error
+        assert f"needs up to {need} blocks" in outs[1].error
+        assert "sharing the prompt's 16 full blocks" in outs[1].error

@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 
 from paged_lib.engine.beam_search import beam_step
-from paged_lib.engine.block_manager import BlockManager, swap_mapping
+from paged_lib.engine.block_manager import BlockManager, shared_prompt_blocks, swap_mapping
 from paged_lib.engine.model_runner import ModelRunner, build_metadata
 from paged_lib.engine.sampler import sample
 from paged_lib.engine.scheduler import Scheduler, can_admit
@@ -41,10 +41,12 @@ def worst_case_blocks(prompt_len: int, max_tokens: int, num_seqs: int, block_siz
 
     Its last token's K/V is never written (nothing is generated after it), so a sequence
     peaks at ``prompt_len + max_tokens - 1`` cached tokens. Several sequences (``n > 1``,
-    beams) are counted *without* sharing: a group preempted by recompute is prefilled
-    again sequence by sequence, and must still fit.
+    beams) share the prompt's blocks, counted once, and each adds its own blocks past
+    them, plus its copy of a part-filled last prompt block (copy-on-write): that is also
+    what a group preempted by recompute takes back (its prompt once, then the tails).
+    Example (block size 4): 64 prompt + 32 new tokens x 4 samples -> 16 + 4 x 8 = 48.
     """
-    return num_seqs * cdiv(prompt_len + max_tokens - 1, block_size)
+    return shared_prompt_blocks(prompt_len, [max_tokens - 1] * num_seqs, block_size)
 
 
 class LLMEngine:
@@ -107,9 +109,11 @@ class LLMEngine:
                                  self.block_size)
         prompt_need = cdiv(len(prompt), self.block_size)
         if need > self.num_blocks or prompt_need > self.num_blocks - self.watermark_blocks:
+            shared = (f" x {params.num_seqs} sequences sharing the prompt's "
+                      f"{len(prompt) // self.block_size} full blocks"
+                      if params.num_seqs > 1 else "")
             return (f"needs up to {need} blocks of {self.block_size} tokens "
-                    f"({len(prompt)} prompt + {params.max_tokens} new tokens"
-                    f"{f' x {params.num_seqs} sequences' if params.num_seqs > 1 else ''}) but "
+                    f"({len(prompt)} prompt + {params.max_tokens} new tokens{shared}) but "
                     f"the whole pool has {self.num_blocks} blocks "
                     f"({self.watermark_blocks} kept free at admission): it can never run")
         return None
