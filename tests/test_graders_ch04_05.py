@@ -161,6 +161,25 @@ def _collect_scores(q, k_cache, v_cache, block_table, seq_len, scale, *, cat=Tru
     return (acc / sum(p.sum(-1) for p in ps)[..., None]).reshape(q.shape)
 
 
+def _states_merged_at_end(q, k_cache, v_cache, block_table, seq_len, scale):
+    """Right numbers, but every block's (m, l, acc) is kept and merged after the loop."""
+    num_heads, d = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    qg = q.view(kv_heads, num_heads // kv_heads, d)
+    states = []
+    for j in range(cdiv(seq_len, block_size)):
+        block = int(block_table[j])
+        valid = torch.arange(block_size) < seq_len - j * block_size
+        kb = torch.where(valid[:, None, None], k_cache[block], 0.0)
+        scores = (torch.einsum("kgd,tkd->kgt", qg, kb) * scale).masked_fill(~valid, NEG_INF)
+        vb = torch.where(valid[:, None, None], v_cache[block], 0.0)
+        states.append(A.block_state(scores, vb.transpose(0, 1)[:, None]))
+    state = states[0]
+    for new in states[1:]:
+        state = A.merge(state, new)
+    return (state.acc / state.l[..., None]).reshape(num_heads, d)
+
+
 def _wrong_gqa(q, k_cache, v_cache, block_table, seq_len, scale):
     """Query head h paired with KV head h % num_kv_heads instead of h // group."""
     kv = k_cache.shape[2]
@@ -184,6 +203,7 @@ def test_paged_online_grader_fails_wrong_answers(capsys):
         (_collect_scores, "concatenated"),
         (lambda *a: _collect_scores(*a, cat=False), "still hold"),
         (_wrong_gqa, "KV head h // "),
+        (_states_merged_at_end, "every block's state and merge at the end"),
     ]
     for bad, words in cases:
         out = _verdict(capsys, ch04.check_paged_online, bad)
@@ -428,7 +448,10 @@ def _decode(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-    for j in range(0, tl.cdiv(seq_len, BLOCK_SIZE)):
+    num_blocks = tl.cdiv(seq_len, BLOCK_SIZE)
+    if BUG == 10:  # every program loops over the widest table (masks keep it right)
+        num_blocks = max_blocks
+    for j in range(0, num_blocks):
         block = tl.load(block_tables_ptr + seq * max_blocks + j)
         if BUG != 2 and BUG != 8:  # 2: no 64-bit block id; 8: cast after the multiply
             block = block.to(tl.int64)
@@ -451,10 +474,15 @@ def _decode(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens
             k = tl.load(k_cache_ptr + offs, mask=valid[:, None], other=0.0)
         v = tl.load(v_cache_ptr + offs, mask=valid[:, None], other=0.0)
         s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale
+        if BUG == 11:  # tl.dot on a [GROUP_PAD, HEAD_DIM] x [HEAD_DIM, BLOCK_SIZE] tile
+            s = tl.dot(q, tl.trans(k)) * scale
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp(m_i - m_new)
         if BUG == 4:  # no rescale
+            alpha = tl.full([GROUP_PAD], 1.0, tl.float32)
+        if BUG == 9:  # no running max: exp of the raw scores (right while scores are small)
+            m_new = tl.zeros([GROUP_PAD], tl.float32)
             alpha = tl.full([GROUP_PAD], 1.0, tl.float32)
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
@@ -472,7 +500,9 @@ def test_decode_kernel_grader(capsys):
     for bug, words in [(1, "past the sequence's end"), (2, "32 bits"),
                        (3, "past the sequence's end"), (4, "exp(m_old - m_new)"),
                        (5, "kv_head * GROUP + g"), (6, "past the sequence's end"),
-                       (7, "times"), (8, "multiplied in 32 bits")]:
+                       (7, "times"), (8, "multiplied in 32 bits"),
+                       (9, "running max"), (10, "not over the table's width"),
+                       (11, "a GPU needs every dimension of a tl.dot")]:
         _expect_fail(capsys, check, Bugged(_decode, bug), "05.5", words)
 
 
@@ -493,6 +523,12 @@ def _slots(block_tables, seq_ids, positions, block_size, bug=None):
     slots = blocks * bs + pos % bs
     if bug == "no block":
         slots = pos % bs
+    if bug == "block id only":
+        slots = blocks
+    if bug == "unclamped":  # no padding handling at all: -1 indexes the last entry
+        return block_tables.long()[seq_ids, positions // bs] * bs + positions % bs
+    if bug == "first row":
+        slots = block_tables.long()[0, pos // bs] * bs + pos % bs
     if bug == "int32":
         slots = slots.to(torch.int32)
     if bug == "no padding":
@@ -505,7 +541,11 @@ def test_slot_mapping_grader(capsys):
     assert _verdict(capsys, check, _slots) == "✅ [05.6] Slot mapping: correct\n"
     assert _verdict(capsys, check, _stub).startswith("⏳ [05.6]")
     for bug, words in [("hard-coded 4", "not a constant"), ("int32", "int64"),
-                       ("no padding", "maps to -1"), ("no block", "block_tables[seq")]:
+                       ("no padding", "must map to -1: you returned a real slot"),
+                       ("no block", "not just the offset"),
+                       ("block id only", "a block id is not a slot"),
+                       ("first row", "its own sequence's row"),
+                       ("unclamped", "silently indexes the last entry")]:
         _expect_fail(capsys, check, lambda *a, bug=bug: _slots(*a, bug=bug), "05.6", words)
 
 

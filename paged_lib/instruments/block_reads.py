@@ -13,6 +13,8 @@ The grader then checks, while the learner's code runs:
 * no tensor computed from a block is still alive two reads later, unless it is as small
   as the running state (``[num_heads, head_dim]``): keeping scores or values around is
   collecting the whole row, which is what the online softmax avoids;
+* and all such small tensors together stay within about one running state: a list of
+  every block's ``(m, l, acc)``, merged at the end, grows with the sequence;
 * no tensor built from the reads has a dimension longer than one block's worth
   (``block_size``, ``head_dim`` or ``num_heads``): that is a concatenation of blocks.
 """
@@ -44,6 +46,7 @@ class ReadLog:
     live: list[tuple[weakref.ref, int, int]] = field(default_factory=list)
     max_dim: int = 0
     max_small: int = 0
+    state_size: int = 0  # numbers in one running (m, l, acc): num_heads x (head_dim + 2)
 
     def flag(self, problem: str, hint: str) -> None:
         if self.problem is None:
@@ -182,17 +185,27 @@ def _describe(index) -> str:
 def _check_stale(log: ReadLog, number: int) -> None:
     """At read ``number``: is something from read ``number - 2`` or older still alive?"""
     still = []
+    held: dict[int, int] = {}  # block read number -> numbers still held from it
     for ref, newest, numel in log.live:
         t = ref()
         if t is None:
             continue
         still.append((ref, newest, numel))
+        if newest <= number - 2:
+            held[newest] = held.get(newest, 0) + numel
         if newest <= number - 2 and numel > log.max_small:
             log.flag(f"while reading block {number} you still hold a tensor of shape "
                      f"{tuple(t.shape)} computed from block {newest}: you keep every "
                      "block's scores or values (a two-pass softmax over the whole row)",
                      "keep only m, l and acc between blocks: rescale them by exp(m_old - "
                      "m_new) and add the new block, then let the block go")
+    if log.state_size and len(held) > 1 and sum(held.values()) > 1.5 * log.state_size:
+        log.flag(f"while reading block {number} you still hold {sum(held.values())} numbers "
+                 f"computed from {len(held)} earlier blocks ({sorted(held)}): you keep "
+                 "every block's state and merge at the end, so what you hold grows with "
+                 "the sequence",
+                 "fold each block into one running (m, l, acc) as soon as it is read: "
+                 "between blocks hold one state, whatever the sequence's length")
     log.live = still
 
 
@@ -203,6 +216,7 @@ def watch(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int
     _, block_size, _, head_dim = k_cache.shape
     log.max_dim = max(block_size, head_dim, num_heads)
     log.max_small = num_heads * max(head_dim, v_cache.shape[-1])
+    log.state_size = num_heads * (v_cache.shape[-1] + 2)
     return BlockCache(k_cache, "K", log), BlockCache(v_cache, "V", log), log
 
 

@@ -105,8 +105,9 @@ def _sequences(g: torch.Generator, block_size: int, num_blocks: int
                ) -> tuple[list[int], list[list[int]]]:
     """Edge-case lengths (1, a full block, one more, several blocks) and their tables.
 
-    Tables hold distinct random blocks (nothing shared: a partly filled block is never
-    shared, see chapter 03) and one padding entry ``-1`` after the last used block.
+    Tables hold distinct random blocks (no two sequences share one here, although chapter
+    03's fork can share even a partly filled block) and one padding entry ``-1`` after
+    the last used block.
     """
     lens = [1, block_size, block_size + 1, 3 * block_size + 5]
     free = torch.randperm(num_blocks, generator=g).tolist()

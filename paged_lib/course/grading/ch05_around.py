@@ -14,11 +14,61 @@ from paged_lib.kernels.reference import gather_kv
 
 # ---------------------------------------------------------------------- 05.6 slot mapping
 
+# Padding tokens (position -1) belong to sequences whose table is full to its last entry:
+# -1 // block_size indexes that entry, so code that ignores padding gets a real slot there,
+# not -1 by accident (a last entry of -1 would give -1 * bs + (bs - 1) = -1).
 SLOT_CASES = [
-    (4, [[7, 2, 5], [3, -1, -1], [6, 1, 4]], [0, 0, 0, 1, 2, 2, 2, 1], [3, 4, 9, 0, 5, 6, 7, -1]),
-    (16, [[2, 0], [1, -1]], [0, 0, 1, 1], [15, 16, 3, -1]),
+    (4, [[7, 2, 5], [3, -1, -1], [6, 1, 4]], [0, 0, 0, 1, 2, 2, 2, 0], [3, 4, 9, 0, 5, 6, 7, -1]),
+    (16, [[2, 0], [1, -1]], [0, 0, 1, 0], [15, 16, 3, -1]),
     (3, [[4, 1, 0], [2, -1, -1]], [0, 0, 1], [2, 7, 1]),
 ]
+
+
+def _slot_slips(bt: torch.Tensor, seq_ids: torch.Tensor, positions: torch.Tensor,
+                block_size: int, expected: torch.Tensor) -> list[tuple[list[int] | None, str]]:
+    """What typical wrong slot mappings return on this case, and what each one forgot."""
+    seq, pos = seq_ids.long(), positions.long()
+    pad = pos < 0
+    kept = pos.clamp(min=0)
+    table = bt.long()
+
+    def mapped(slots: Callable[[], torch.Tensor]) -> list[int] | None:
+        try:
+            return torch.where(pad, torch.full_like(slots(), -1), slots()).tolist()
+        except IndexError:  # this slip would have raised on this case
+            return None
+
+    def unpadded() -> torch.Tensor:
+        return table[seq, torch.div(pos, block_size, rounding_mode="floor")] * block_size \
+            + pos % block_size
+
+    slips = [
+        (unpadded().tolist(), "a padding token (position -1) must map to -1: -1 // "
+                              "block_size is -1, which silently indexes the last entry of "
+                              "the table"),
+        ((table[seq, kept // block_size] * block_size + kept % block_size).tolist(),
+         "a padding token (position -1) must map to -1: you returned a real slot for it "
+         "(the slot of position 0), so the cache write would overwrite a token"),
+        (mapped(lambda: kept % block_size), "the slot is in the token's block: "
+                                            "block_tables[seq, pos // block_size] * "
+                                            "block_size + pos % block_size, not just the "
+                                            "offset pos % block_size"),
+        (mapped(lambda: table[seq, kept // block_size] * block_size),
+         "add the offset inside the block, pos % block_size"),
+        (mapped(lambda: table[seq, kept // block_size]),
+         "a block id is not a slot: multiply by block_size and add pos % block_size"),
+        (mapped(lambda: table[0, kept // block_size] * block_size + kept % block_size),
+         "each token uses its own sequence's row: block_tables[seq_ids[i], ...]"),
+        (mapped(lambda: table[seq, kept % block_size] * block_size + kept // block_size),
+         "// and % swapped: the block is pos // block_size, the offset pos % block_size"),
+    ]
+    for bs in (4, 16):  # a hard-coded block size
+        if bs != block_size:
+            slips.append((mapped(lambda bs=bs: table[seq, kept // bs] * bs + kept % bs),
+                          f"use the block_size you are given ({block_size} here), not a "
+                          f"constant {bs}"))
+    right = expected.tolist()
+    return [(slots, hint) for slots, hint in slips if slots != right]
 
 
 SLOT_HINT = ("slot = block_tables[seq, pos // block_size] * block_size + pos % block_size, "
@@ -46,8 +96,10 @@ def check_slot_mapping(slot_mapping: Callable[..., torch.Tensor]) -> None:
                                 hint="slots index a cache of num_blocks x block_size entries, "
                                      "which can exceed 2**31: compute in int64 (.long())")
             expected = slot_mapping_from_positions(bt, seq_ids, positions, block_size)
+            named = [hint for slots, hint in _slot_slips(bt, seq_ids, positions, block_size,
+                                                         expected) if slots == got.tolist()]
             grading.expect_equal(got.tolist(), expected.tolist(), f"{what}: slot_mapping",
-                                 hint=SLOT_HINT)
+                                 hint=named[0] if named else SLOT_HINT)
         # Round trip: write with the learner's slots, read back through the block table.
         g = torch.Generator().manual_seed(0)
         k_cache = torch.full((8, 4, 1, 2), NAN)

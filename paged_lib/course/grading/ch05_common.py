@@ -61,7 +61,25 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **constants: Any) -> 
             if cause is not None and type(err).__name__ == "InterpreterError":
                 raise cause from None
             raise
+    check_gpu_limits(trace)
     return trace
+
+
+#: The smallest tile dimension ``tl.dot`` accepts on NVIDIA GPUs (tensor cores).
+MIN_DOT = 16
+
+
+def check_gpu_limits(trace: LoadTrace) -> None:
+    """What a GPU would refuse and the interpreter runs anyway: ``tl.dot`` on a tile with a
+    dimension under 16 (it compiles on no NVIDIA GPU)."""
+    for dot in trace.dots:
+        if min(dot.a_shape[-2:] + dot.b_shape[-2:]) < MIN_DOT:
+            grading.fail(f"program {dot.program[:2]} called tl.dot on a "
+                         f"{list(dot.a_shape)} x {list(dot.b_shape)} tile: the interpreter "
+                         f"runs it, but a GPU needs every dimension of a tl.dot to be at "
+                         f"least {MIN_DOT}",
+                         hint="for tiles this small use tl.sum(a[:, :, None] * b[None, :, :], "
+                              "axis=1); or pad the tile to 16 rows (masked) before tl.dot")
 
 
 def kernel_device() -> torch.device:

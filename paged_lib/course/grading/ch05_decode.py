@@ -67,6 +67,8 @@ def run_decode_kernel(kernel: Any, case) -> tuple[torch.Tensor, LoadTrace, tuple
                          "element(s) in one load)",
                          hint="element (block, slot, head, dim) is at ((block * BLOCK_SIZE + "
                               "slot) * NUM_KV_HEADS + head) * HEAD_DIM + dim")
+    if interpreted():
+        _check_iterations(trace, bt_g, k_g, seq_lens, k_cache.shape[1])
     if interpreted() and trace.narrow_products(bt_g.buffer):
         grading.fail("a block id loaded from the block table was multiplied in 32 bits "
                      "(casting the sum to int64 afterwards is too late: the product has "
@@ -78,6 +80,37 @@ NARROW_HINT = ("cast the block id to tl.int64 right after loading it, before any
                "in int32, block * (BLOCK_SIZE * NUM_KV_HEADS * HEAD_DIM) wraps once the "
                "cache passes 2**31 elements (a few GB), and .to(tl.int64) on the result "
                "cannot undo that")
+
+
+def _check_iterations(trace: LoadTrace, bt_g: Guarded, k_g: Guarded, seq_lens: torch.Tensor,
+                      block_size: int) -> None:
+    """Each program visits its own sequence's blocks only: no block-table entry past them
+    is read, and no K tile is loaded with every lane masked off (an iteration past the
+    end: looping over the widest table instead of cdiv(seq_len, BLOCK_SIZE))."""
+    lens = seq_lens.tolist()
+    width = bt_g.view.shape[1]
+    hint = ("loop over range(cdiv(seq_len, BLOCK_SIZE)) with this program's own seq_len, not "
+            "over the table's width: on a GPU every program then waits as long as the "
+            "batch's longest sequence, and the extra iterations load memory for nothing")
+    for program, flat, mask in bt_g.reads(trace):
+        seq, head = program[:2]
+        own = cdiv(int(lens[seq]), block_size)
+        cols = flat - seq * width
+        bad = mask & (cols >= own) & (cols < width)
+        if bad.any():
+            grading.fail(f"program (seq {seq}, kv_head {head}) read block-table entry "
+                         f"{int(cols[np.flatnonzero(bad)[0]])} of its row, but its "
+                         f"{lens[seq]} tokens occupy {own} block(s)", hint=hint)
+    idle: dict[tuple, int] = {}
+    for program, _, mask in k_g.reads(trace):
+        if not mask.any():
+            idle[program[:2]] = idle.get(program[:2], 0) + 1
+    if idle:
+        (seq, head), count = next(iter(idle.items()))
+        grading.fail(f"program (seq {seq}, kv_head {head}) loaded K {count} time(s) with every "
+                     f"lane masked off: it iterates past its own "
+                     f"{cdiv(int(lens[seq]), block_size)} block(s) (over the widest block "
+                     "table?)", hint=hint)
 
 
 def _allowed_slots(case, seq: int) -> dict[tuple[int, int], int]:
@@ -140,19 +173,29 @@ def _why_not(case, seq: int, blk: int, slot: int, n: int) -> str:
             "its block table?)")
 
 
-DECODE_CASES = [((1, 4, 9), 4, 2, 16, 4), ((3, 8, 17), 6, 2, 16, 8)]
+# (seq_lens, heads, KV heads, head_dim, block_size, q scale). The second case's scores run
+# in the hundreds (q x 40): exp of a raw score overflows float32 past 88, so a kernel with
+# no running max (or one that never lets it grow) fails there, as 05.4's does.
+DECODE_CASES = [((1, 4, 9), 4, 2, 16, 4, 1.0), ((3, 8, 17), 6, 2, 16, 8, 40.0)]
 
 
 def check_paged_decode_kernel(kernel: Any) -> None:
     """05.5: the paged decode kernel, one program per (sequence, KV head)."""
     with grading.exercise("05.5", "Paged decode kernel"):
-        for seed, (lens, heads, kv_heads, d, bs) in enumerate(DECODE_CASES):
+        for seed, (lens, heads, kv_heads, d, bs, q_scale) in enumerate(DECODE_CASES):
             case = decode_case(lens, heads, kv_heads, d, bs, seed=seed)
+            case = case._replace(q=case.q * q_scale)
             what = f"seq_lens {list(lens)}, heads {heads}/{kv_heads}, block_size {bs}"
             got, trace, caches = run_decode_kernel(kernel, case)
             if interpreted():
                 _check_decode_reads(trace, caches, case, what)
             expected = ref_paged_attention(*case)
+            if q_scale > 1 and not got.isfinite().all():
+                where = "" if interpreted() else " (or a read past seq_len)"
+                grading.fail(f"{what}: scores in the hundreds gave NaN or inf{where}",
+                             hint="exp of a raw score overflows float32 beyond 88: keep a "
+                                  "running max m and exponentiate s - m_new, rescaling l and "
+                                  "acc by exp(m_old - m_new) when m grows")
             expect_no_nan(got, expected, f"{what}, out",
                           hint="visit only cdiv(seq_len, BLOCK_SIZE) blocks, and mask K and V "
                                "loads (other=0.0) and scores (-inf) past seq_len")
