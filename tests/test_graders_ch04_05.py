@@ -59,6 +59,33 @@ def _merge_min(a, b):
     return m, wa * a[1] + wb * b[1], wa[..., None] * a[2] + wb[..., None] * b[2]
 
 
+def _merge_with(a, b, slip):
+    m = torch.maximum(a[0], b[0])
+    safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    wa, wb = torch.exp(a[0] - safe), torch.exp(b[0] - safe)
+    ka, kb = (wa, wb) if slip != "l only" else (torch.ones_like(wa), torch.ones_like(wb))
+    la, lb = (wa, wb) if slip != "acc only" else (torch.ones_like(wa), torch.ones_like(wb))
+    if slip == "flipped":
+        la, lb = ka, kb = torch.exp(safe - a[0]), torch.exp(safe - b[0])
+    if slip == "swapped":
+        la, lb = ka, kb = wb, wa
+    m_out = a[0] if slip == "m_a" else m
+    return m_out, la * a[1] + lb * b[1], ka[..., None] * a[2] + kb[..., None] * b[2]
+
+
+def test_merge_grader_names_each_slip(capsys):
+    for slip, words in [("l only", "l was rescaled but acc was not"),
+                        ("acc only", "acc was rescaled but l was not"),
+                        ("flipped", "not exp(m - m_side)"), ("swapped", "its own l and acc"),
+                        ("m_a", "not m_a")]:
+        out = _verdict(capsys, ch04.check_merge_states, lambda a, b, s=slip: _merge_with(a, b, s))
+        assert out.startswith("❌ [04.1]") and words in out, (slip, out)
+    out = _verdict(capsys, ch04.check_merge_states, _merge_no_rescale)
+    assert "no rescale" in out, out
+    out = _verdict(capsys, ch04.check_merge_states, _merge_min)
+    assert "larger max" in out, out
+
+
 def test_merge_grader(capsys):
     assert _verdict(capsys, ch04.check_merge_states, _merge_ok).startswith("✅ [04.1]")
     assert _verdict(capsys, ch04.check_merge_states, _stub).startswith("⏳ [04.1]")
@@ -88,7 +115,11 @@ def _paged_ok(q, k_cache, v_cache, block_table, seq_len, scale, *, bug=None):
         scores = torch.einsum("kgd,tkd->kgt", qg, kb) * scale
         scores = scores.masked_fill(~valid, NEG_INF)
         new = A.block_state(scores, vb.transpose(0, 1)[:, None])
-        if bug == "no rescale":
+        if bug == "no running max":  # exp of the raw scores: right while they are small
+            p = torch.exp(scores)
+            state = (state[0], state[1] + p.sum(-1),
+                     state[2] + torch.einsum("kgt,ktd->kgd", p, vb.transpose(0, 1)))
+        elif bug == "no rescale":
             state = (torch.maximum(state[0], new.m), state[1] + new.l, state[2] + new.acc)
         else:
             state = tuple(A.merge(A.SoftmaxState(*state), new))
@@ -214,7 +245,7 @@ def test_paged_online_grader_fails_wrong_answers(capsys):
 def test_paged_online_grader_catches_planted_bugs(capsys):
     for bug, words in [("off by one", "NaN"), ("no value mask", "NaN"),
                        ("extra block", "padding"), ("no rescale", "rescale"),
-                       ("float32", "dtype")]:
+                       ("float32", "dtype"), ("no running max", "running max")]:
         out = _verdict(capsys, ch04.check_paged_online,
                        lambda *a, bug=bug: _paged_ok(*a, bug=bug))
         assert out.startswith("❌ [04.2]") and words in out, (bug, out)
@@ -486,6 +517,8 @@ def _decode(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens
             alpha = tl.full([GROUP_PAD], 1.0, tl.float32)
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
+        if BUG == 12:  # probabilities rounded to float16 before they weigh V
+            p = p.to(tl.float16).to(tl.float32)
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
         m_i = m_new
     tl.store(out_ptr + q_offs, acc / l_i[:, None], mask=rows)
@@ -499,10 +532,11 @@ def test_decode_kernel_grader(capsys):
     assert _verdict(capsys, check, _stub_kernel).startswith("⏳ [05.5]")
     for bug, words in [(1, "past the sequence's end"), (2, "32 bits"),
                        (3, "past the sequence's end"), (4, "exp(m_old - m_new)"),
-                       (5, "kv_head * GROUP + g"), (6, "past the sequence's end"),
+                       (5, "not h % num_kv_heads"), (6, "past the sequence's end"),
                        (7, "times"), (8, "multiplied in 32 bits"),
                        (9, "running max"), (10, "not over the table's width"),
-                       (11, "a GPU needs every dimension of a tl.dot")]:
+                       (11, "a GPU needs every dimension of a tl.dot"),
+                       (12, "rounded to float16")]:
         _expect_fail(capsys, check, Bugged(_decode, bug), "05.5", words)
 
 

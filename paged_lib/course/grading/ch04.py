@@ -14,6 +14,7 @@ import torch
 
 from paged_lib import attention as A
 from paged_lib.course import grading
+from paged_lib.course.grading.ch04_slips import decode_slips, name_slip
 from paged_lib.instruments import block_reads
 from paged_lib.kernels.reference import ref_paged_attention
 from paged_lib.util import cdiv
@@ -43,6 +44,50 @@ def _expect_state(got, expected, what: str, hint: str) -> None:
         grading.expect_tensor_close(g, e, f"{what}, {name}", atol=1e-9, rtol=1e-9, hint=hint)
 
 
+def _merge_slips(a, b) -> list[tuple[tuple, str]]:
+    """The states typical wrong merges return for ``a`` and ``b``, and what each got wrong."""
+    (ma, la, acca), (mb, lb, accb) = a, b
+    m = torch.maximum(ma, mb)
+    safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    wa, wb = torch.exp(ma - safe), torch.exp(mb - safe)
+    lo = torch.minimum(ma, mb)
+    lo_safe = torch.where(torch.isinf(lo), torch.zeros_like(lo), lo)
+    va, vb = torch.exp(ma - lo_safe), torch.exp(mb - lo_safe)
+    ia, ib = torch.exp(safe - ma), torch.exp(safe - mb)
+    return [
+        ((m, la + lb, acca + accb), "no rescale: l and acc of each side count exp(score - "
+                                    "m_side); before adding, multiply each by exp(m_side - m)"),
+        ((m, wa * la + wb * lb, acca + accb), "l was rescaled but acc was not: acc needs the "
+                                              "same factor exp(m_side - m) as l"),
+        ((m, la + lb, wa[..., None] * acca + wb[..., None] * accb),
+         "acc was rescaled but l was not: l needs the same factor exp(m_side - m) as acc"),
+        ((lo, va * la + vb * lb, va[..., None] * acca + vb[..., None] * accb),
+         "the common m is the larger max, max(m_a, m_b), not the smaller one"),
+        ((m, ia * la + ib * lb, ia[..., None] * acca + ib[..., None] * accb),
+         "the factor is exp(m_side - m) (at most 1), not exp(m - m_side)"),
+        ((m, wb * la + wa * lb, wb[..., None] * acca + wa[..., None] * accb),
+         "each side's factor goes with its own l and acc: a's weight exp(m_a - m) "
+         "multiplies l_a and acc_a"),
+        ((ma, wa * la + wb * lb, wa[..., None] * acca + wb[..., None] * accb),
+         "the merged m is max(m_a, m_b), not m_a"),
+    ]
+
+
+def _named_merge_slip(got, a, b) -> str | None:
+    if not (isinstance(got, tuple | list) and len(got) == 3
+            and all(isinstance(t, torch.Tensor) for t in got)):
+        return None
+    for wrong, hint in _merge_slips(a, b):
+        try:
+            if all(g.shape == w.shape and torch.allclose(g.double(), w.double(), rtol=1e-9,
+                                                         atol=1e-9, equal_nan=True)
+                   for g, w in zip(got, wrong, strict=True)):
+                return hint
+        except RuntimeError:
+            continue
+    return None
+
+
 def check_merge_states(merge_states: Callable) -> None:
     """04.1: merging two blocks' (m, l, acc) equals the state of both blocks together."""
     with grading.exercise("04.1", "Merge two partial softmax states"):
@@ -53,12 +98,16 @@ def check_merge_states(merge_states: Callable) -> None:
             a = _state_of(s[..., :n_a], v[..., :n_a, :])
             b = _state_of(s[..., n_a:], v[..., n_a:, :])
             whole = _state_of(s, v)
-            _expect_state(merge_states(a, b), whole,
+            got = merge_states(a, b)
+            _expect_state(got, whole,
                           f"merge of blocks of {n_a} and {n_b} scores (batch shape {shape})",
-                          hint="m = max(m_a, m_b); rescale each side by exp(m_side - m) "
-                               "before adding its l and acc")
-            _expect_state(merge_states(b, a), whole, "merge in the other order",
-                          hint="merging must not depend on which block came first")
+                          hint=_named_merge_slip(got, a, b) or
+                          "m = max(m_a, m_b); rescale each side by exp(m_side - m) before "
+                          "adding its l and acc")
+            got = merge_states(b, a)
+            _expect_state(got, whole, "merge in the other order",
+                          hint=_named_merge_slip(got, b, a) or
+                          "merging must not depend on which block came first")
         # Large scores: exp(1000) overflows unless the max is subtracted.
         s = torch.tensor([1000.0, 999.0, 998.0, 1001.0], dtype=torch.float64)
         v = torch.arange(8, dtype=torch.float64).view(4, 2)
@@ -118,6 +167,10 @@ def _sequences(g: torch.Generator, block_size: int, num_blocks: int
 #: (query heads, KV heads), head_dim, block_size: every case has a sequence of 4 blocks,
 #: and two blocks laid end to end are longer than any dimension of one block's tensors.
 PAGED_CASES = [((1, 1), 4, 4), ((4, 4), 8, 8), ((8, 2), 6, 8), ((5, 1), 6, 4)]
+#: The last case's queries are scaled so that scores run in the hundreds: exp of a raw
+#: score overflows float64 past 709, so code with no running max fails there (the other
+#: cases, with scores of a few units, would let it through).
+Q_SCALES = [1.0, 1.0, 1.0, 300.0]
 
 
 def check_paged_online(paged_decode: Callable) -> None:
@@ -130,11 +183,12 @@ def check_paged_online(paged_decode: Callable) -> None:
     """
     with grading.exercise("04.2", "Online-softmax attention through a block table"):
         g = torch.Generator().manual_seed(43)
-        for (num_heads, kv_heads), d, block_size in PAGED_CASES:
+        for ((num_heads, kv_heads), d, block_size), q_scale in zip(PAGED_CASES, Q_SCALES,
+                                                                   strict=True):
             num_blocks = 16
             lens, tables = _sequences(g, block_size, num_blocks)
             k, v = _poisoned_cache(g, num_blocks, block_size, kv_heads, d, tables, lens)
-            q = torch.randn(len(lens), num_heads, d, generator=g, dtype=torch.float64)
+            q = torch.randn(len(lens), num_heads, d, generator=g, dtype=torch.float64) * q_scale
             width = max(len(t) for t in tables)
             safe = torch.tensor([[max(b, 0) for b in t] + [0] * (width - len(t))
                                  for t in tables], dtype=torch.int32)
@@ -148,15 +202,26 @@ def check_paged_online(paged_decode: Callable) -> None:
                 got = got.as_subclass(torch.Tensor)
                 grading.expect_true(got.dtype == q.dtype, f"{what}: expected dtype {q.dtype}, "
                                     f"got {got.dtype}", hint="compute in q's dtype")
+                if q_scale > 1 and got.shape == ref[s].shape and not got.isfinite().all():
+                    grading.fail(f"{what}, scores in the hundreds: the output contains NaN "
+                                 "or inf", hint="exp of a raw score overflows beyond 709: keep "
+                                 "a running max m, exponentiate scores - m and rescale l and "
+                                 "acc by exp(m_old - m_new) when m grows")
                 if got.shape == ref[s].shape and (got.isnan() & ~ref[s].isnan()).any():
                     grading.fail(f"{what}: the output contains NaN: a slot past seq_len "
                                  "reached it (the last block's tail holds NaN)",
                                  hint="mask the last block's slots at or past seq_len: "
                                       "score -inf AND value 0 (0 * NaN is NaN)")
+                named = None
+                if got.shape == ref[s].shape and not torch.allclose(got, ref[s], atol=1e-9,
+                                                                    rtol=1e-9):
+                    named = name_slip(got[None], ref[s][None], decode_slips(
+                        q[s:s + 1], k, v, [table], [n], d ** -0.5))
                 grading.expect_tensor_close(
                     got, ref[s], what, atol=1e-9, rtol=1e-9,
-                    hint="rescale l and acc by exp(m_old - m_new) when the max grows; "
-                         "query head h uses KV head h // (num_heads // num_kv_heads)")
+                    hint=named or "compare with the spec element by element: each query "
+                                  "head's softmax over this sequence's first seq_len keys, "
+                                  "times its values")
 
 
 def _run_watched(paged_decode: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

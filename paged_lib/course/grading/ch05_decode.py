@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from paged_lib.course import grading
+from paged_lib.course.grading.ch04_slips import decode_slips, name_slip
 from paged_lib.course.grading.ch05_common import (
     NAN,
     OUT_GUARD,
@@ -199,7 +200,13 @@ def check_paged_decode_kernel(kernel: Any) -> None:
             expect_no_nan(got, expected, f"{what}, out",
                           hint="visit only cdiv(seq_len, BLOCK_SIZE) blocks, and mask K and V "
                                "loads (other=0.0) and scores (-inf) past seq_len")
+            named = None
+            if got.shape == expected.shape and not torch.allclose(got, expected.float(),
+                                                                  atol=1e-4, rtol=1e-4):
+                named = name_slip(got, expected, decode_slips(
+                    case.q, case.k_cache, case.v_cache, case.block_tables.tolist(),
+                    case.seq_lens.tolist(), case.scale))
             grading.expect_tensor_close(
                 got, expected, f"{what}, out [seq, head, dim]", atol=1e-4, rtol=1e-4,
-                hint="query head h = kv_head * GROUP + g; rescale l and acc by "
-                     "exp(m_old - m_new); store only the GROUP real rows")
+                hint=named or "compare with the spec: query head h = kv_head * GROUP + g "
+                              "attends with its own softmax over the sequence's seq_len keys")

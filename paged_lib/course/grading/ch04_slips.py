@@ -1,0 +1,80 @@
+"""What the typical wrong decode attentions compute, so a hint can name the one a learner
+wrote (04.2's blockwise attention in Python, 05.5's Triton kernel).
+
+Each slip is recomputed in float64 on the grader's own case; :func:`name_slip` returns
+the hint of the slip whose output is much closer to the learner's than the right answer
+is (a float16 rounding is small, so "closer" is relative to the right answer's error).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from paged_lib.util import cdiv
+
+
+def _attend(q, k, v, scale, block_size, *, slip: str | None):
+    """One head's attention over ``k``/``v`` [n, d] read block by block, with ``slip``."""
+    m = torch.tensor(float("-inf"), dtype=torch.float64)
+    l = torch.tensor(0.0, dtype=torch.float64)  # noqa: E741
+    acc = torch.zeros(v.shape[1], dtype=torch.float64)
+    for start in range(0, k.shape[0], block_size):
+        s = k[start:start + block_size] @ q * (1.0 if slip == "no scale" else scale)
+        m_new = torch.maximum(m, s.max())
+        alpha = torch.ones(()) if slip == "no rescale" else torch.exp(m - m_new)
+        p = torch.exp(s - m_new)
+        p_v = p.half().double() if slip == "fp16 p" else p
+        l = l * alpha + p.sum()  # noqa: E741
+        acc = acc * alpha + p_v @ v[start:start + block_size]
+        m = m_new
+    return acc / l
+
+
+SLIPS = {
+    "mod": "query head h uses KV head h // GROUP (GROUP = num_heads // num_kv_heads, "
+           "consecutive query heads share a KV head), not h % num_kv_heads",
+    "no rescale": "when the running max grows, rescale l and acc by alpha = exp(m_old - "
+                  "m_new) before adding the new block",
+    "fp16 p": "the probabilities were rounded to float16 before multiplying V: keep p in "
+              "float32 (the rounding costs about 1e-3)",
+    "no scale": "the scores are q . k times scale (1 / sqrt(head_dim)); it was left out",
+}
+
+
+def decode_slips(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 tables: list[list[int]], lens: list[int], scale: float
+                 ) -> dict[str, torch.Tensor]:
+    """slip name -> output [num_seqs, num_heads, head_dim] (float64) of that wrong attention."""
+    num_seqs, num_heads, _ = q.shape
+    _, block_size, kv_heads, head_dim = k_cache.shape
+    group = num_heads // kv_heads
+    out = {name: torch.zeros(num_seqs, num_heads, v_cache.shape[-1], dtype=torch.float64)
+           for name in SLIPS}
+    for s in range(num_seqs):
+        blocks = [int(b) for b in tables[s][:cdiv(int(lens[s]), block_size)]]
+        k = k_cache[blocks].reshape(-1, kv_heads, head_dim)[:int(lens[s])].double()
+        v = v_cache[blocks].reshape(-1, kv_heads, v_cache.shape[-1])[:int(lens[s])].double()
+        for h in range(num_heads):
+            qh = q[s, h].double()
+            for name in SLIPS:
+                kv = h % kv_heads if name == "mod" else h // group
+                out[name][s, h] = _attend(qh, k[:, kv], v[:, kv], scale, block_size,
+                                          slip=None if name == "mod" else name)
+    if group == 1:
+        del out["mod"]  # h % num_kv_heads is h // 1: the same
+    return out
+
+
+def name_slip(got: torch.Tensor, expected: torch.Tensor, slips: dict[str, torch.Tensor]
+              ) -> str | None:
+    """The hint of the slip that explains ``got`` far better than ``expected`` does."""
+    if got.shape != expected.shape or not got.isfinite().all():
+        return None
+    g = got.detach().cpu().double()
+    right = (g - expected.double()).abs().max().item()
+    best = None
+    for name, wrong in slips.items():
+        err = (g - wrong).abs().max().item()
+        if err < right / 8 and (best is None or err < best[0]):
+            best = (err, name)
+    return SLIPS[best[1]] if best else None
