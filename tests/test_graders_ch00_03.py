@@ -696,3 +696,22 @@ def test_the_twin_passed_itself_fails_and_every_patch_is_undone(capsys):
     assert BlockTable.append_token.__qualname__ == "BlockTable.append_token"
     assert verdict(capsys, ch03.check_append_token, append_ok).startswith("✅ [03.1]")
     assert cdiv(17, 16) == 2  # a guard would refuse a call from tests/
+
+
+def test_one_rule_for_integer_types_numpy_ints_pass_floats_do_not(capsys):
+    """Where a count is asked for, int and numpy integers pass; 3.0 and True do not."""
+    import numpy as np
+
+    def kv(spec):
+        return 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * spec.dtype_bytes
+
+    assert verdict(capsys, ch01.check_kv_bytes_per_token,
+                   lambda s: np.int64(kv(s))).startswith("✅ [01.1]")
+    assert verdict(capsys, ch02.check_orca_max_slots, lambda n, length, m: (
+        np.int64(n), np.int32(length - n), np.int64(m - length))).startswith("✅ [02.2]")
+    for answer in (lambda s: float(kv(s)), lambda s: np.float64(kv(s))):
+        out = verdict(capsys, ch01.check_kv_bytes_per_token, answer)
+        assert out.startswith("❌ [01.1]") and "expected an int" in out, out
+    out = verdict(capsys, ch02.check_orca_max_slots,
+                  lambda n, length, m: (float(n), length - n, m - length))
+    assert out.startswith("❌ [02.2]") and "expected an int" in out, out

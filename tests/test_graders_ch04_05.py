@@ -590,14 +590,30 @@ def _merge(out, lse):
     return (w[:, None] * out).sum(0) / w.sum()
 
 
+def test_tolerances_are_shown_with_the_digits_that_decide(capsys):
+    from paged_lib.course import grading
+
+    with grading.exercise("99.2", "Digits"):
+        grading.expect_tensor_close(torch.tensor([0.3668346703]),
+                                    torch.tensor([0.3668346847], dtype=torch.float64),
+                                    "out", atol=1e-9, rtol=1e-9)
+    out = capsys.readouterr().out
+    assert "expected 0.36683468" in out and "got 0.36683467" in out, out
+    assert "(tolerance 1e-09)" in out, out
+
+
 def test_merge_partials_grader(capsys):
     check = ch05.check_merge_partials
     assert _verdict(capsys, check, _merge) == "✅ [05.7] Merge split-KV partials: correct\n"
     assert _verdict(capsys, check, _stub).startswith("⏳ [05.7]")
     no_max = lambda out, lse: (torch.exp(lse)[:, None] * out).sum(0) / torch.exp(lse).sum()  # noqa: E731
     no_norm = lambda out, lse: (torch.exp(lse - lse.max())[:, None] * out).sum(0)  # noqa: E731
+    in_fp32 = lambda out, lse: _merge(out.float(), lse.float())  # noqa: E731
+    via_fp32 = lambda out, lse: _merge(out.float(), lse.float()).double()  # noqa: E731
     for bad, words in [(no_max, "max lse"), (lambda out, lse: out.mean(0), "sum of the weights"),
-                       (no_norm, "sum of the weights")]:
+                       (no_norm, "sum of the weights"),
+                       (in_fp32, "expected dtype torch.float64 (the partials' dtype)"),
+                       (via_fp32, "rounded to float32 on the way")]:
         _expect_fail(capsys, check, bad, "05.7", words)
 
 

@@ -79,7 +79,24 @@ def expect_close(got: float, expected: float, what: str, rel: float = 1e-6, abs_
     except (TypeError, ValueError):
         fail(f"{what}: expected a number close to {expected:.6g}, got {got!r}", hint)
     if not ok:
-        fail(f"{what}: expected {expected:.6g}, got {float(got):.6g}", hint)
+        tol = max(abs_, rel * abs(float(expected)))
+        fail(f"{what}: expected {_shown(expected, tol)}, got {_shown(got, tol)}"
+             f"{_tolerance(tol)}", hint)
+
+
+def _shown(value: Any, tol: float) -> str:
+    """``value`` with the digits that decide against a tolerance ``tol`` (two beyond it)."""
+    v = float(value)
+    if not math.isfinite(v):
+        return repr(v)
+    if tol <= 0:
+        return repr(v)
+    sig = math.ceil(math.log10(max(abs(v), tol) / tol)) + 2
+    return f"{v:.{min(max(sig, 6), 17)}g}"
+
+
+def _tolerance(tol: float) -> str:
+    return f" (tolerance {tol:.1g})" if 0 < tol else ""
 
 
 def expect_tensor_close(got: Any, expected: Any, what: str, atol: float = 1e-5,
@@ -106,8 +123,10 @@ def expect_tensor_close(got: Any, expected: Any, what: str, atol: float = 1e-5,
         gv, ev = g[first].item(), e[first].item()
         nan_note = " (NaN: did you read a slot past the end of the sequence?)" \
             if math.isnan(gv) and not math.isnan(ev) else ""
+        tol = atol + rtol * abs(ev) if math.isfinite(ev) else 0.0
         fail(f"{what}: {n_bad} of {bad.numel()} elements differ; first at [{idx}]: "
-             f"expected {ev:.6g}, got {gv:.6g}{nan_note}", hint)
+             f"expected {_shown(ev, tol)}, got {_shown(gv, tol)}{_tolerance(tol)}{nan_note}",
+             hint)
 
 
 def _first_difference(got: Any, expected: Any) -> str:

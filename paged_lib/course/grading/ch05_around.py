@@ -143,11 +143,19 @@ def check_merge_partials(merge_partials: Callable[[torch.Tensor, torch.Tensor], 
             out, lse = _partials(scores, v, cuts)
             got = merge_partials(out, lse)
             what = f"segments {cuts}, log-sum-exps around {shift:g}"
+            if isinstance(got, torch.Tensor) and got.dtype != out.dtype:
+                grading.fail(f"{what}: expected dtype {out.dtype} (the partials' dtype), got "
+                             f"{got.dtype}", hint="compute in the dtype of out and lse: "
+                             "float32 rounds at about 1e-7, far above this check's 1e-9")
             if isinstance(got, torch.Tensor) and got.isnan().any():
                 grading.fail(f"{what}: the merged output is NaN",
                              hint="exp(lse) overflows (or underflows to 0/0) for log-sum-exps "
                                   "far from 0: weight by exp(lse_j - max lse)")
+            rounded = isinstance(got, torch.Tensor) and got.shape == full.shape and \
+                torch.allclose(got.double(), full, rtol=1e-5, atol=1e-6)
             grading.expect_tensor_close(
                 got, full, f"{what}: merged output", atol=1e-9, rtol=1e-9,
-                hint="weight each partial by exp(lse_j - max lse) (an empty segment, lse = "
+                hint="right to about 1e-7 but not beyond: something was rounded to float32 "
+                     "on the way (a .float(), a float32 tensor); stay in float64" if rounded
+                else "weight each partial by exp(lse_j - max lse) (an empty segment, lse = "
                      "-inf, weighs 0) and divide by the sum of the weights")
