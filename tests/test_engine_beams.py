@@ -1,12 +1,15 @@
 """Beam search over shared block tables, against transformers' beam search."""
 
+import collections
+import dataclasses
+
 import pytest
 import torch
 
 import paged_lib  # noqa: F401  # isort: split
 from paged_lib.blocks import BlockAllocator, BlockTable
 from paged_lib.engine import LLMEngine, SamplingParams
-from paged_lib.engine.beam_search import beam_step
+from paged_lib.engine.beam_search import beam_step, split_candidates
 from paged_lib.model import TinyLlama
 
 WIDTH, MAX_TOKENS = 4, 8
@@ -78,7 +81,8 @@ def test_a_replacement_beam_step_is_used(hf, prompts, reference):
     engine = LLMEngine(TinyLlama.from_hf(hf), 64, 4, beam_step=my_beam_step)
     check(engine.generate(prompts[:1], SamplingParams(MAX_TOKENS, beam_width=WIDTH)),
           reference[:1])
-    assert len(calls) == MAX_TOKENS
+    # every step but the last, where the best WIDTH candidates all finish
+    assert len(calls) == MAX_TOKENS - 1
 
 
 def test_a_beam_step_that_forgets_to_free_is_caught_as_a_leak(hf, prompts):
@@ -113,3 +117,107 @@ def test_triton_backend_beams_and_copy_on_write(hf, prompts, reference):
     want = torch_engine.generate([prompts[1]], SamplingParams(3, beam_width=2))[0]
     assert [c.token_ids for c in out.outputs] == [c.token_ids for c in want.outputs]
     assert engine.block_manager.num_free_blocks == 32
+
+
+# ------------------------------------------------------------------ beams that end at EOS
+
+EOS_MAX_TOKENS = 10
+
+
+def hf_beams(hf, prompt, width, eos, early_stopping=True, length_penalty=1.0):
+    """transformers' returned beams, cut after their EOS (it pads them), with their summed
+    log-probabilities (its score times length ** length_penalty)."""
+    with torch.no_grad():
+        r = hf.generate(torch.tensor([prompt]), max_new_tokens=EOS_MAX_TOKENS, num_beams=width,
+                        num_return_sequences=width, do_sample=False,
+                        length_penalty=length_penalty, early_stopping=early_stopping,
+                        eos_token_id=eos, pad_token_id=0, output_scores=True,
+                        return_dict_in_generate=True)
+    beams, cums = [], []
+    for seq, score in zip(r.sequences, r.sequences_scores, strict=True):
+        tokens = seq[len(prompt):].tolist()
+        if eos is not None and eos in tokens:
+            tokens = tokens[:tokens.index(eos) + 1]
+        beams.append(tokens)
+        cums.append(float(score) * len(tokens) ** length_penalty)
+    return beams, cums
+
+
+@pytest.fixture(scope="module")
+def eos(hf, prompts):
+    """A token the beams emit early: with it as EOS, beams really end."""
+    early = collections.Counter(t for p in prompts for w in (2, 4)
+                                for beam in hf_beams(hf, p, w, None)[0] for t in beam[:3])
+    return early.most_common(1)[0][0]
+
+
+@pytest.fixture(scope="module")
+def eos_model(hf, eos):
+    model = TinyLlama.from_hf(hf)
+    model.config = dataclasses.replace(model.config, eos_token_id=eos)
+    return model
+
+
+@pytest.mark.parametrize("width", [2, 4])
+@pytest.mark.parametrize("early_stopping, length_penalty", [
+    (True, 1.0), (False, 1.0), ("never", 2.0), (True, 0.0), (False, -0.5)])
+def test_beams_that_end_at_eos_equal_transformers(hf, prompts, eos, eos_model, width,
+                                                  early_stopping, length_penalty):
+    params = SamplingParams(EOS_MAX_TOKENS, beam_width=width, early_stopping=early_stopping,
+                            length_penalty=length_penalty)
+    engine = LLMEngine(eos_model, 64, 4)
+    outs = engine.generate(prompts, params)
+    refs = [hf_beams(hf, p, width, eos, early_stopping, length_penalty) for p in prompts]
+    check(outs, refs)
+    assert engine.block_manager.num_free_blocks == 64
+    if (early_stopping, length_penalty) == (True, 1.0):
+        ended = [c for o in outs for c in o.outputs if c.token_ids[-1] == eos]
+        assert ended, "the test needs beams that end at EOS"
+        assert all(len(c.token_ids) < EOS_MAX_TOKENS for c in ended)  # EOS included
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_beams_that_end_survive_preemption(hf, prompts, eos, eos_model, mode):
+    engine = LLMEngine(eos_model, 20, 4, preemption=mode, watermark=0.0,
+                       num_cpu_blocks=64 if mode == "swap" else 0)
+    outs = engine.generate(prompts, SamplingParams(EOS_MAX_TOKENS, beam_width=WIDTH,
+                                                   early_stopping=True))
+    check(outs, [hf_beams(hf, p, WIDTH, eos) for p in prompts])
+    assert engine.stats.preemptions > 0
+    assert engine.block_manager.num_free_blocks == 20
+
+
+def test_early_stopping_ends_the_search_when_width_hypotheses_are_done(hf, prompts, eos,
+                                                                       eos_model):
+    params = SamplingParams(EOS_MAX_TOKENS, beam_width=2, early_stopping=True)
+    steps = []
+    for p in prompts:
+        engine = LLMEngine(eos_model, 64, 4)
+        out = engine.generate([p], params)[0]
+        if all(c.token_ids[-1] == eos for c in out.outputs):  # both ended before the limit
+            steps.append(engine.stats.steps)
+            assert engine.stats.steps == max(len(c.token_ids) for c in out.outputs)
+    assert steps and min(steps) < EOS_MAX_TOKENS
+
+
+@pytest.mark.parametrize("params, match", [
+    (SamplingParams(4, length_penalty=2.0), "only apply to beam search"),
+    (SamplingParams(4, temperature=1.0, n=2, early_stopping=True), "only apply to beam search"),
+    (SamplingParams(4, beam_width=2, early_stopping="sometimes"), "early_stopping must be"),
+    (SamplingParams(4, beam_width=2, length_penalty=float("nan")), "length_penalty must be"),
+])
+def test_beam_options_are_checked(hf, params, match):
+    engine = LLMEngine(TinyLlama.from_hf(hf), 16, 4)
+    with pytest.raises(ValueError, match=f"request 0: .*{match}"):
+        engine.generate([[1, 2]], params)
+
+
+def test_split_candidates_ends_eos_only_among_the_best_width():
+    # beam 0 at -1.0, beam 1 at -2.0; EOS is token 9; width 2 keeps the best 4
+    cands = [[(9, -0.1), (5, -0.2), (6, -3.0)], [(9, -0.05), (7, -0.3)]]
+    ended, going_on = split_candidates([-1.0, -2.0], cands, 2, eos_token_id=9, last=False)
+    # sorted: (0,9) -1.1, (0,5) -1.2, (1,9) -2.05, (1,7) -2.3 | (0,6) -4.0 dropped
+    assert ended == [(0, 9, pytest.approx(-1.1))]  # (1, 9) is 3rd: not among the best 2
+    assert going_on == [[(5, -0.2)], [(7, -0.3)]]
+    ended, going_on = split_candidates([-1.0, -2.0], cands, 2, eos_token_id=9, last=True)
+    assert [(p, t) for p, t, _ in ended] == [(0, 9), (0, 5)] and going_on == [[], []]

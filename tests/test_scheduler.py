@@ -203,8 +203,9 @@ def test_random_workloads_never_cross_write_or_leak(mode):
         groups = make_groups(specs)
         run(sched, runner, groups)
         beams += sum(len(s) == 4 for s in specs)
-        for g, (_p, m, n, *_) in zip(groups, specs, strict=True):
-            assert len(g.seqs) == n and all(len(s.output_token_ids) == m for s in g.seqs)
+        for g, (_p, m, n, *beam) in zip(groups, specs, strict=True):
+            done = g.beam_done if beam else [(s.output_token_ids, 0) for s in g.seqs]
+            assert len(done) == n and all(len(t) == m for t, _ in done)
         assert bm.num_free_blocks == num_blocks, f"trial {trial}: leaked blocks"
         if bm.cpu is not None:
             assert bm.cpu.num_free == 64

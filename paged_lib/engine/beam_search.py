@@ -14,13 +14,24 @@ Nothing is copied here: copy-on-write happens later, in ``append_token``, only w
 child writes into a shared, part-filled last block. The engine calls the function given
 as ``LLMEngine(..., beam_step=fn)``, so a learner's version can run a whole beam search.
 
-Beam search here runs every beam to ``max_tokens`` (the end-of-sequence token is an
-ordinary token), as transformers does with ``early_stopping=False`` and no EOS.
+Around it, :func:`update_beams` runs one step of the whole search for a group, as
+transformers' ``generate(num_beams=W, do_sample=False)`` does (and vLLM v0 after it):
+of the ``2 W`` best candidates, those among the best ``W`` that end in EOS become
+*finished hypotheses* (scored ``cumulative_logprob / length ** length_penalty``; the
+best ``W`` are kept), the best ``W`` that do not end go on through :func:`beam_step`,
+and the search stops as ``early_stopping`` says (:func:`search_is_done`). At
+``max_tokens`` the best ``W`` candidates all finish. A beam that ends frees its blocks.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from paged_lib.blocks import BlockTable
+from paged_lib.engine.sequence import SamplingParams, Sequence, SequenceGroup, SequenceStatus
+
+Candidate = tuple[int, float]          # (token, logprob)
+Hypothesis = tuple[list[int], float]   # (generated token ids, cumulative logprob)
 
 
 def beam_step(tables: list[BlockTable], cum_logprobs: list[float],
@@ -51,3 +62,126 @@ def beam_step(tables: list[BlockTable], cum_logprobs: list[float],
         if i not in used:
             table.free()
     return new_beams
+
+
+def beam_score(hyp: Hypothesis, length_penalty: float) -> float:
+    """A finished hypothesis' score: its log-probability over its length (with EOS)
+    to the power ``length_penalty`` (1.0: per-token average; 0.0: the sum)."""
+    tokens, cum = hyp
+    return cum / len(tokens) ** length_penalty
+
+
+def split_candidates(cum_logprobs: list[float], candidates: list[list[Candidate]],
+                     beam_width: int, eos_token_id: int | None, last: bool
+                     ) -> tuple[list[tuple[int, int, float]], list[list[Candidate]]]:
+    """Sort every beam's candidates by cumulative log-probability and keep the best
+    ``2 * beam_width`` (enough to leave ``beam_width`` that go on).
+
+    Returns ``(ended, going_on)``: ``ended`` lists ``(parent, token, cum_logprob)`` for
+    the candidates among the best ``beam_width`` that end (their token is EOS, or
+    ``last``: the step reaches ``max_tokens``); ``going_on[i]`` holds beam ``i``'s kept
+    candidates that do not end, for :func:`beam_step` (empty lists when ``last``).
+    """
+    scored = sorted(((cum_logprobs[i] + lp, i, rank, tok, lp)
+                     for i, options in enumerate(candidates)
+                     for rank, (tok, lp) in enumerate(options)),
+                    key=lambda c: (-c[0], c[1], c[2]))[:2 * beam_width]
+    ended = [(i, tok, cum) for cum, i, _, tok, _ in scored[:beam_width]
+             if last or tok == eos_token_id]
+    going_on: list[list[Candidate]] = [[] for _ in candidates]
+    for _, i, _, tok, lp in scored:
+        if not last and tok != eos_token_id:
+            going_on[i].append((tok, lp))
+    return ended, going_on
+
+
+def keep_best(done: list[Hypothesis], new: list[Hypothesis],
+              params: SamplingParams) -> list[Hypothesis]:
+    """The best ``beam_width`` finished hypotheses, best first; with
+    ``early_stopping=True`` a full list takes no more (the search is over)."""
+    if params.early_stopping is True and len(done) >= params.beam_width:
+        return done
+    merged = sorted(done + new, key=lambda h: -beam_score(h, params.length_penalty))
+    return merged[:params.beam_width]
+
+
+def search_is_done(done: list[Hypothesis], best_running_cum: float | None, length: int,
+                   params: SamplingParams) -> bool:
+    """Can no running beam (the best at ``best_running_cum``, ``length`` tokens long)
+    still beat the worst of ``beam_width`` finished hypotheses? (transformers' test)"""
+    if best_running_cum is None:
+        return True
+    if len(done) < params.beam_width:
+        return False
+    if params.early_stopping is True:
+        return True
+    if params.early_stopping == "never" and params.length_penalty > 0:
+        length = params.max_tokens  # the longest a beam can grow: its best case
+    best = best_running_cum / length ** params.length_penalty
+    return best <= min(beam_score(h, params.length_penalty) for h in done)
+
+
+def update_beams(group: SequenceGroup, beams: list[Sequence], candidates: list[list[Candidate]],
+                 eos_token_id: int | None, step_fn: Callable = beam_step) -> None:
+    """One step of beam search for ``group``, whose live ``beams`` drew ``candidates``
+    (best first, each beam's ``2 * beam_width`` best tokens).
+
+    Ended hypotheses join ``group.beam_done``; ``step_fn`` (the engine's ``beam_step``
+    hook) picks the beams that go on and forks / frees their tables; when the search is
+    done, every beam still running is finished and its blocks freed.
+    """
+    params = group.params
+    eos = None if params.ignore_eos else eos_token_id
+    outputs = [list(b.output_token_ids) for b in beams]  # before anyone changes
+    last = len(outputs[0]) + 1 >= params.max_tokens
+    cums = [b.cumulative_logprob for b in beams]
+    ended, going_on = split_candidates(cums, candidates, params.beam_width, eos, last)
+    group.beam_done = keep_best(group.beam_done,
+                                [(outputs[p] + [tok], cum) for p, tok, cum in ended], params)
+    if last:
+        for beam in beams:
+            _end(beam)
+        return
+    new = step_fn([b.block_table for b in beams], cums, going_on, params.beam_width)
+    want = min(params.beam_width, sum(len(c) for c in going_on))
+    if len(new) != want:
+        raise ValueError(f"beam_step returned {len(new)} beams, expected {want}")
+    group.seqs = _rebuild(group, beams, outputs, new)
+    best = max((s.cumulative_logprob for s in group.seqs), default=None)
+    if search_is_done(group.beam_done, best, len(outputs[0]) + 1, params):
+        for beam in group.seqs:
+            _end(beam)
+
+
+def _rebuild(group: SequenceGroup, beams: list[Sequence], outputs: list[list[int]],
+             new: list[tuple[int, BlockTable, int, float]]) -> list[Sequence]:
+    """The group's sequences after ``beam_step``: a parent's own table continues the
+    parent; each fork becomes a new sequence; a beam nobody continued is finished (its
+    table was freed by ``beam_step``)."""
+    base = max(s.seq_id for s in group.seqs) + 1
+    seqs, continued = [], set()
+    for parent, table, token, cum in new:
+        src = beams[parent]
+        if table is src.block_table and parent not in continued:
+            continued.add(parent)
+            seq = src
+            seq.output_token_ids = outputs[parent] + [token]
+            seq.cumulative_logprob = cum
+        else:
+            seq = Sequence(base, src.prompt_token_ids, outputs[parent] + [token], cum,
+                           table, src.num_cached, SequenceStatus.RUNNING)
+            base += 1
+        seqs.append(seq)
+    for i, beam in enumerate(beams):
+        if i not in continued:
+            beam.block_table = None
+            beam.status = SequenceStatus.FINISHED
+    return seqs
+
+
+def _end(beam: Sequence) -> None:
+    """A beam the search no longer needs: its blocks go back (shared ones stay held)."""
+    if beam.block_table is not None:
+        beam.block_table.free()
+        beam.block_table = None
+    beam.status = SequenceStatus.FINISHED

@@ -214,8 +214,9 @@ class LLMEngine:
     def _output(group: SequenceGroup) -> RequestOutput:
         if group.error is not None:
             return RequestOutput(group.request_id, group.prompt_token_ids, [], group.error)
-        seqs = group.seqs
-        if group.params.beam_width is not None:  # best first
-            seqs = sorted(seqs, key=lambda s: -s.cumulative_logprob)
-        outs = [CompletionOutput(list(s.output_token_ids), s.cumulative_logprob) for s in seqs]
+        if group.params.beam_width is not None:  # finished hypotheses, best score first
+            outs = [CompletionOutput(list(t), cum) for t, cum in group.beam_done]
+        else:
+            outs = [CompletionOutput(list(s.output_token_ids), s.cumulative_logprob)
+                    for s in group.seqs]
         return RequestOutput(group.request_id, group.prompt_token_ids, outs)

@@ -40,7 +40,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from paged_lib.blocks import Slot
-from paged_lib.engine.beam_search import beam_step
+from paged_lib.engine.beam_search import beam_step, update_beams
 from paged_lib.engine.block_manager import BlockManager
 from paged_lib.engine.policy import Budget, can_admit
 from paged_lib.engine.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -291,10 +291,11 @@ class Scheduler:
                 self._fork(group, seq, drawn[1:])
             seq.append(*drawn[0])
         for group, beams in beam_groups.items():
-            self._beam_update(group, [b for b, _ in beams], [d for _, d in beams])
+            update_beams(group, [b for b, _ in beams], [d for _, d in beams], eos_token_id,
+                         self.beam_step)
         finished = []
         for group in dict.fromkeys(s.group for s in out.scheduled if s.sample):  # in order
-            for seq in group.live_seqs():
+            for seq in group.live_seqs():  # (beam search ends its beams itself)
                 if self._is_done(seq, group, eos_token_id):
                     seq.status = SequenceStatus.FINISHED
                     self.block_manager.free(seq)
@@ -315,36 +316,6 @@ class Scheduler:
                              parent.num_cached, SequenceStatus.RUNNING)
             child.append(token, logprob)
             group.seqs.append(child)
-
-    def _beam_update(self, group: SequenceGroup, beams: list[Sequence],
-                     candidates: list[list[tuple[int, float]]]) -> None:
-        """Let ``beam_step`` pick the new beams; rebuild the group's sequences from them."""
-        width = group.params.beam_width
-        new = self.beam_step([b.block_table for b in beams],
-                             [b.cumulative_logprob for b in beams], candidates, width)
-        want = min(width, sum(len(c) for c in candidates))
-        if len(new) != want:
-            raise ValueError(f"beam_step returned {len(new)} beams, expected {want}")
-        outputs = [list(b.output_token_ids) for b in beams]  # before anyone changes
-        base = max(s.seq_id for s in group.seqs) + 1
-        seqs, continued = [], set()
-        for parent, table, token, cum in new:
-            src = beams[parent]
-            if table is src.block_table and parent not in continued:
-                continued.add(parent)
-                seq = src
-                seq.output_token_ids = outputs[parent] + [token]
-                seq.cumulative_logprob = cum
-            else:
-                seq = Sequence(base, src.prompt_token_ids, outputs[parent] + [token], cum,
-                               table, src.num_cached, SequenceStatus.RUNNING)
-                base += 1
-            seqs.append(seq)
-        for i, beam in enumerate(beams):
-            if i not in continued:  # beam_step freed its table
-                beam.block_table = None
-                beam.status = SequenceStatus.FINISHED
-        group.seqs = seqs
 
     @staticmethod
     def _is_done(seq: Sequence, group: SequenceGroup, eos_token_id: int | None) -> bool:

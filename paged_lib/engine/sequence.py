@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -31,6 +32,12 @@ class SamplingParams:
     ``ignore_eos`` keeps generating past the end-of-sequence token (for benchmarks that
     need exact output lengths). Values are checked by the engine, which names the
     request in its error.
+
+    Beam search only (as in vLLM v0 and transformers): a finished hypothesis scores
+    ``cumulative_logprob / len(token_ids) ** length_penalty``; ``early_stopping`` says
+    when the search ends: ``True`` as soon as ``beam_width`` hypotheses are finished,
+    ``False`` when no running beam can still beat the worst of them at its current
+    length, ``"never"`` the same at ``max_tokens`` when ``length_penalty > 0``.
     """
 
     max_tokens: int
@@ -39,6 +46,8 @@ class SamplingParams:
     beam_width: int | None = None
     seed: int | None = None
     ignore_eos: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
 
     @property
     def num_seqs(self) -> int:
@@ -58,6 +67,17 @@ class SamplingParams:
                 return f"beam_width must be an int >= 1, got {self.beam_width!r}"
             if self.n != 1 or self.temperature != 0:
                 return "beam search is deterministic: leave n=1 and temperature=0"
+            if (isinstance(self.length_penalty, bool)
+                    or not isinstance(self.length_penalty, int | float)
+                    or not math.isfinite(self.length_penalty)):
+                return f"length_penalty must be a finite number, got {self.length_penalty!r}"
+            if not (self.early_stopping is True or self.early_stopping is False
+                    or self.early_stopping == "never"):
+                return (f"early_stopping must be True, False or 'never', "
+                        f"got {self.early_stopping!r}")
+        elif self.length_penalty != 1.0 or self.early_stopping is not False:
+            return ("length_penalty and early_stopping only apply to beam search: "
+                    "set beam_width, or leave them at 1.0 and False")
         elif self.n > 1 and self.temperature == 0:
             return f"n={self.n} greedy samples would all be equal: set temperature > 0"
         return None
