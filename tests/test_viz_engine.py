@@ -166,3 +166,44 @@ def test_engine_vs_simulator_and_tradeoff_plots():
     left, right = fig.axes
     assert [p.get_height() for p in left.patches] == [2.0, 8.0]
     assert [p.get_height() for p in right.patches] == [30, 10]
+
+
+def test_policy_steps_are_chapter_02_s_simulator_on_the_engine_lengths(paged, trace):
+    from paged_lib.fragmentation import simulate_timeline
+
+    steps = ec.policy_steps(trace)
+    assert tuple(steps) == ec.STEP_POLICIES
+    reqs = ec.engine_requests(trace)
+    assert steps["orca-oracle"] == simulate_timeline(
+        reqs, "orca-oracle", ec.NUM_BLOCKS * ec.BLOCK_SIZE, ec.BLOCK_SIZE, ec.MAX_LEN).num_steps
+    assert steps["static-max"] == ec.static_stats(trace).steps
+    # more knowledge of the lengths, fewer steps; paging beats every reservation
+    assert steps["static-max"] > steps["orca-max"] >= steps["orca-pow2"] \
+        >= steps["orca-oracle"] > steps["paged"]
+    assert abs(paged[0].stats.steps - steps["paged"]) <= 0.05 * steps["paged"]
+
+
+def test_hidden_cost_counts_every_token_the_model_ran(paged, trace):
+    engine, _ = paged
+    cost = ec.hidden_cost(engine.stats, trace)
+    reqs = ec.engine_requests(trace)
+    assert cost["prompt_tokens"] == sum(r.prompt_len for r in reqs)
+    assert cost["output_tokens"] == sum(r.output_len for r in trace)
+    assert cost["recomputed_tokens"] == engine.stats.recomputed_tokens > 0
+    assert cost["preemptions"] == engine.stats.preemptions
+    # each sequence feeds its prompt and all outputs but the last, plus what is prefilled
+    # again (the engine counts a readmitted request's newest token, never fed before, as
+    # recomputed: up to one token per preemption)
+    once = cost["prompt_tokens"] + cost["output_tokens"] - len(trace)
+    assert once + cost["recomputed_tokens"] - cost["preemptions"] <= cost["computed_tokens"] \
+        <= once + cost["recomputed_tokens"]
+    assert 0 < cost["mean_blocks_used"] <= cost["peak_blocks_used"] <= ec.NUM_BLOCKS
+
+
+def test_policy_steps_plot_labels_each_bar_with_its_ratio():
+    steps = {"static-max": 100, "orca-max": 50, "paged": 25}
+    fig = viz.plot_policy_steps(steps, 20, "t")
+    assert isinstance(fig, Figure)
+    texts = [t.get_text() for t in fig.axes[0].texts]
+    assert texts == [" 100 steps (5.0x)", " 50 steps (2.5x)", " 25 steps (1.2x)",
+                     " 20 steps (1.0x)"]

@@ -12,6 +12,9 @@ engine; this module adds what the chapters feed them and read from them:
   from chapter 02's ``static-max`` simulator (no model: the schedule follows from the
   lengths alone, and the static engine steps through the same schedule);
 * :func:`engine_requests` - the trace as the engine sees it (BOS counted in the prompt);
+* :func:`policy_steps` - chapter 02's policies (static, the three Orca reservations,
+  paged) on the same trace and pool, in steps; :func:`hidden_cost` - what steps do not
+  show of one engine run (tokens computed again, preemptions, blocks held);
 * :func:`preemption_cost` - chapter 07's trade-off: bytes a swap moves vs tokens a
   recompute runs again, for one engine run.
 """
@@ -121,6 +124,35 @@ def static_stats(requests: Sequence[Request], num_blocks: int = NUM_BLOCKS,
         stats.record_step("prefill" if t in starts else "decode", running[t], reserved[t],
                           running[t], running[t])
     return stats
+
+
+#: Chapter 02's policies the chapter sets beside the engine, in its order.
+STEP_POLICIES = ("static-max", "orca-max", "orca-pow2", "orca-oracle", "paged")
+
+
+def policy_steps(requests: Sequence[Request], num_blocks: int = NUM_BLOCKS,
+                 block_size: int = BLOCK_SIZE, max_len: int = MAX_LEN) -> dict[str, int]:
+    """Steps chapter 02's simulator needs to serve ``requests`` (as the engine sees them,
+    :func:`engine_requests`) on a pool of ``num_blocks * block_size`` token slots, for
+    each of :data:`STEP_POLICIES`. Lengths alone decide them: no model runs."""
+    reqs = engine_requests(requests)
+    return {p: simulate_timeline(reqs, p, num_blocks * block_size, block_size,
+                                 max_len).num_steps for p in STEP_POLICIES}
+
+
+def hidden_cost(stats: EngineStats, requests: Sequence[Request]) -> dict[str, float | int]:
+    """What a step count hides, for one engine run of ``requests``: tokens run through
+    the model in all, of them recomputed after a preemption, against the prompt and
+    output tokens the trace needs; preemptions; mean and peak blocks held."""
+    reqs = engine_requests(requests)
+    summary = stats.summary()
+    return {"computed_tokens": sum(stats.computed_tokens),
+            "recomputed_tokens": stats.recomputed_tokens,
+            "prompt_tokens": sum(r.prompt_len for r in reqs),
+            "output_tokens": sum(r.output_len for r in reqs),
+            "preemptions": stats.preemptions,
+            "mean_blocks_used": summary["mean_blocks_used"],
+            "peak_blocks_used": stats.peak_blocks_used}
 
 
 def kv_bytes_per_block(config: ModelSpec, block_size: int) -> int:

@@ -154,3 +154,31 @@ def plot_preemption_tradeoff(rows: Sequence[Mapping[str, float]]) -> Figure:
     right.set_ylabel("tokens")
     fig.tight_layout()
     return fig
+
+
+#: How chapter 06 names chapter 02's policies on its step chart.
+POLICY_LABELS = {"static-max": "static, max-length", "orca-max": "Orca (Max)",
+                 "orca-pow2": "Orca (Pow2)", "orca-oracle": "Orca (Oracle)",
+                 "paged": "paged (simulator)"}
+
+
+def plot_policy_steps(steps: Mapping[str, int], engine_steps: int, title: str = "") -> Figure:
+    """Steps each of chapter 02's policies needs for one trace (``steps``, from
+    :func:`paged_lib.course.demos.engine_compare.policy_steps`) beside the engine's own,
+    each labelled with its ratio to the engine's."""
+    names = [POLICY_LABELS.get(p, p) for p in steps] + ["paged engine"]
+    values = list(steps.values()) + [engine_steps]
+    fig, ax = plt.subplots(figsize=(8, 0.42 * len(values) + 1.0))
+    colors = ["#BBBBBB"] + ["#DD8452"] * (len(values) - 3) + ["#8172B3", "#4C72B0"]
+    bars = ax.barh(range(len(values)), values, color=colors[:len(values)])
+    for bar, v in zip(bars, values, strict=True):
+        ax.text(v, bar.get_y() + bar.get_height() / 2, f" {v} steps ({v / engine_steps:.1f}x)",
+                va="center", fontsize=8)
+    ax.set_yticks(range(len(values)), names, fontsize=9)
+    ax.invert_yaxis()
+    ax.set_xlim(0, max(values) * 1.3)
+    ax.set_xlabel("steps to serve the whole trace (ratio to the paged engine)")
+    if title:
+        ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    return fig
