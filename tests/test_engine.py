@@ -228,3 +228,28 @@ def test_a_wrong_build_metadata_gets_a_clear_error(model, prompts, mistake, matc
     engine = LLMEngine(model, 64, 4, build_metadata=wrong)
     with pytest.raises(ValueError, match=match):
         engine.generate(prompts[3:4], SamplingParams(3))
+
+
+@pytest.mark.parametrize("mode, num_blocks", [("recompute", 64), ("recompute", 12), ("swap", 12)])
+def test_prefill_first_gives_the_same_tokens_in_pure_steps(model, prompts, reference, mode,
+                                                           num_blocks):
+    arrivals = [0, 1, 1, 3, 6]  # requests join while others decode
+    kw = dict(preemption=mode, num_cpu_blocks=32 if mode == "swap" else 0, watermark=0.0)
+    runs = {}
+    for scheduling in ("mixed", "prefill_first"):
+        engine = LLMEngine(model, num_blocks, 4, scheduling=scheduling, **kw)
+        outs = engine.generate(prompts, SamplingParams(MAX_TOKENS), arrival_steps=arrivals)
+        assert_matches(outs, reference)
+        assert_all_free(engine)
+        runs[scheduling] = engine.stats
+    mixed, first = runs["mixed"], runs["prefill_first"]
+    assert "mixed" in mixed.step_kinds and "mixed" not in first.step_kinds
+    for s in (mixed, first):
+        assert [p + d for p, d in zip(s.prefill_seqs, s.decode_seqs, strict=True)] == s.batch_sizes
+        assert len(s.step_seconds) == s.steps and all(t >= 0 for t in s.step_seconds)
+        assert all(k != "prefill" or d == 0 for k, d in zip(s.step_kinds, s.decode_seqs,
+                                                           strict=True))
+    # a prefill step makes the running requests skip a step: more steps per output token
+    if num_blocks == 64:
+        assert mixed.time_per_output_token(in_steps=True) == [1.0] * len(prompts)
+        assert max(first.time_per_output_token(in_steps=True)) > 1.0

@@ -226,3 +226,47 @@ def test_request_timelines_give_running_and_waiting_intervals():
         steps = sorted(s for a, b in runs + waits for s in range(a, b))
         assert steps == list(range(t.arrival_step, t.finished_step + 1))  # no gap, no overlap
     assert groups[2].timeline.preempted_steps  # the case with a wait in the middle
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_prefill_first_never_mixes_prefills_and_decodes(mode):
+    """Random workloads (forks, beams, shared recomputes, swaps): every step is all
+    prefills or all decodes, everyone finishes, nothing leaks."""
+    rng = random.Random(5)
+    kinds = set()
+    for _ in range(10):
+        num_blocks = rng.randint(8, 20)
+        specs = [s for s in ((rng.randint(1, 10), rng.randint(1, 8), rng.choice([1, 1, 2, 3]))
+                             for _ in range(rng.randint(2, 7)))
+                 if s[2] * (-(-(s[0] + s[1]) // 4)) <= num_blocks]
+        specs = [(p, m, n, "beam") if rng.random() < 0.3 else (p, m, n) for p, m, n in specs]
+        bm, sched, runner = engine_parts(num_blocks, num_cpu_blocks=64 if mode == "swap" else 0,
+                                         preemption=mode, scheduling="prefill_first")
+        groups = make_groups(specs)
+        history = run(sched, runner, groups)
+        for out in history:
+            assert out.kind in ("prefill", "decode"), f"step {out.step} mixes"
+            assert not (out.swap_in and out.kind == "prefill")  # swap-ins come with decodes
+            kinds.add(out.kind)
+        assert all(g.is_finished() for g in groups)
+        assert bm.num_free_blocks == num_blocks
+    assert kinds == {"prefill", "decode"}
+
+
+def test_prefill_first_admits_before_decoding_and_mixed_batches_both():
+    specs = [(5, 4), (6, 4)]
+    for scheduling, want in (("mixed", ["prefill", "mixed", "decode", "decode", "decode"]),
+                             ("prefill_first", ["prefill", "prefill"] + ["decode"] * 3)):
+        bm, sched, runner = engine_parts(64, scheduling=scheduling)
+        groups = make_groups(specs)
+        sched.add(groups[0])
+        out = sched.schedule()
+        runner.execute(out)
+        sched.update(out, [fake_samples(s, random.Random(0)) for s in out.scheduled], None)
+        history = [out] + run(sched, runner, groups[1:])  # request 1 arrives at step 1
+        assert [o.kind for o in history] == want, scheduling
+
+
+def test_an_unknown_scheduling_mode_is_refused():
+    with pytest.raises(ValueError, match="scheduling must be one of"):
+        Scheduler(BlockManager(8, 4), scheduling="orca")

@@ -15,6 +15,7 @@ The chapters' exercises re-implement four small functions and plug them back in:
 from __future__ import annotations
 
 import numbers
+import time
 from collections.abc import Callable
 
 import torch
@@ -56,7 +57,9 @@ class LLMEngine:
     ``num_cpu_blocks`` more wait on the CPU for ``preemption="swap"``. The scheduler
     admits at most ``max_num_seqs`` sequences and ``max_num_batched_tokens`` tokens per
     step, and keeps ``watermark`` (a fraction of the pool, rounded down) free at
-    admission so running sequences have room to grow.
+    admission so running sequences have room to grow. ``scheduling="mixed"`` batches
+    prefills with the running decodes (Orca); ``"prefill_first"`` runs a step of
+    prefills or a step of decodes (vLLM v0's default).
     """
 
     def __init__(self, model: TinyLlama, num_blocks: int, block_size: int = 16,
@@ -64,7 +67,8 @@ class LLMEngine:
                  attention_backend: str = "torch", *, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 4096, watermark: float = 0.01,
                  admission: Callable = can_admit, build_metadata: Callable = build_metadata,
-                 swap_mapping: Callable = swap_mapping, beam_step: Callable = beam_step):
+                 swap_mapping: Callable = swap_mapping, beam_step: Callable = beam_step,
+                 scheduling: str = "mixed"):
         if attention_backend not in ("torch", "triton"):
             raise ValueError(f"attention_backend must be 'torch' or 'triton', "
                              f"got {attention_backend!r}")
@@ -80,7 +84,7 @@ class LLMEngine:
                                    max_num_batched_tokens=max_num_batched_tokens,
                                    watermark_blocks=self.watermark_blocks,
                                    preemption=preemption, admission=admission,
-                                   beam_step=beam_step)
+                                   beam_step=beam_step, scheduling=scheduling)
         self.runner = ModelRunner(model, num_blocks, block_size, num_cpu_blocks,
                                   attention_backend, build_metadata_fn=build_metadata)
         self.stats = EngineStats(num_blocks=num_blocks, block_size=block_size)
@@ -138,6 +142,7 @@ class LLMEngine:
 
     def step(self) -> list[SequenceGroup]:
         """One engine step; returns the groups that finished in it."""
+        start = time.perf_counter()
         out = self.scheduler.schedule()
         if out.is_empty():
             raise RuntimeError(
@@ -159,7 +164,9 @@ class LLMEngine:
         made += sum(len(g.seqs) for g in {sc.group for sc in out.scheduled
                                           if sc.group.params.beam_width is not None
                                           and sc.sample})
-        s.record_step(out.kind, len(out.scheduled), used, made, out.num_batched_tokens)
+        s.record_step(out.kind, len(out.scheduled), used, made, out.num_batched_tokens,
+                      prefills=sum(sc.is_prefill for sc in out.scheduled),
+                      seconds=time.perf_counter() - start)
         return finished
 
     def generate(self, prompts: list[list[int]],
@@ -208,7 +215,10 @@ class LLMEngine:
                 self.stats.record_step("idle", 0, self.block_manager.num_used_blocks, 0, 0)
                 self.scheduler.step += 1
         self.stats.requests = [g.timeline for g in groups]
-        return [self._output(g) for g in groups]
+        outputs = [self._output(g) for g in groups]
+        for g, o in zip(groups, outputs, strict=True):
+            g.timeline.num_output_tokens = max((len(c.token_ids) for c in o.outputs), default=0)
+        return outputs
 
     @staticmethod
     def _output(group: SequenceGroup) -> RequestOutput:

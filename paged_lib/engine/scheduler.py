@@ -14,6 +14,12 @@ recompute), ``running`` (K/V in the GPU pool, in admission order) and ``swapped`
    and nobody is left in ``swapped`` (swapped groups come back first). An admitted group
    is prefilled in the same step as the decodes (iteration-level batching, as in Orca).
 
+That is ``scheduling="mixed"`` (the default). ``scheduling="prefill_first"`` is vLLM
+v0's default instead: a step runs prefills *or* decodes, never both. Waiting groups
+are admitted first (unless some are swapped); only when none is, the running groups
+decode (preempting as above) and swapped groups come back. New requests start sooner;
+running ones skip a step whenever someone is admitted.
+
 **Recompute keeps sharing.** A group of several sequences (``n > 1`` samples, beams)
 preempted by recompute comes back in two steps: (1) its first sequence prefills the
 *prompt* alone, nothing sampled; (2) the others fork that table (full prompt blocks
@@ -48,6 +54,7 @@ from paged_lib.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 __all__ = ["Budget", "ScheduledSeq", "Scheduler", "SchedulerOutput", "can_admit"]
 
 PREEMPTION_MODES = ("recompute", "swap")
+SCHEDULING_MODES = ("mixed", "prefill_first")
 
 
 @dataclass
@@ -77,7 +84,11 @@ class SchedulerOutput:
 
     @property
     def kind(self) -> str:
-        return "prefill" if any(s.is_prefill for s in self.scheduled) else "decode"
+        """``"prefill"``, ``"decode"``, or ``"mixed"`` when the step runs both."""
+        prefills = sum(s.is_prefill for s in self.scheduled)
+        if prefills and prefills < len(self.scheduled):
+            return "mixed"
+        return "prefill" if prefills else "decode"
 
     @property
     def num_batched_tokens(self) -> int:
@@ -93,9 +104,11 @@ class Scheduler:
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 4096, watermark_blocks: int = 0,
                  preemption: str = "recompute", admission: Callable = can_admit,
-                 beam_step: Callable = beam_step):
+                 beam_step: Callable = beam_step, scheduling: str = "mixed"):
         if preemption not in PREEMPTION_MODES:
             raise ValueError(f"preemption must be one of {PREEMPTION_MODES}, got {preemption!r}")
+        if scheduling not in SCHEDULING_MODES:
+            raise ValueError(f"scheduling must be one of {SCHEDULING_MODES}, got {scheduling!r}")
         if preemption == "swap" and block_manager.cpu is None:
             raise ValueError("preemption='swap' needs a CPU pool: set num_cpu_blocks > 0")
         for name, v in (("max_num_seqs", max_num_seqs),
@@ -107,6 +120,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.watermark_blocks = watermark_blocks
         self.preemption = preemption
+        self.scheduling = scheduling
         self.admission = admission
         self.beam_step = beam_step
         self.waiting: deque[SequenceGroup] = deque()
@@ -127,12 +141,28 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Decide this step (see the module docstring); changes queues and block tables."""
         out = SchedulerOutput(step=self.step)
+        if self.scheduling == "prefill_first":
+            self._schedule_pending_tails(out)
+            if not self.swapped:
+                self._schedule_waiting(out)
+            if out.scheduled:  # a prefill step: the running groups wait for the next one
+                return out
         self._schedule_running(out)
         if not out.preempted:
             self._schedule_swapped(out)
-        if not self.swapped:
+        if not self.swapped and self.scheduling == "mixed":
             self._schedule_waiting(out)
         return out
+
+    def _schedule_pending_tails(self, out: SchedulerOutput) -> None:
+        """``prefill_first``: the tails of shared recomputes are prefills, so they run in
+        a prefill step (admission reserved their blocks; preempt again if they are gone)."""
+        for group in [g for g in self.running if g.awaiting_tails]:
+            if self.block_manager.tail_blocks_needed(group) <= self.block_manager.num_free_blocks:
+                self._schedule_tails(group, out)
+            else:
+                self.running.remove(group)
+                self._preempt(group, out)
 
     def _schedule_running(self, out: SchedulerOutput) -> None:
         queue = deque(self.running)  # oldest first
@@ -180,13 +210,16 @@ class Scheduler:
             group = self.waiting[0]
             need = self.block_manager.prefill_blocks_needed(group)
             seqs = group.live_seqs()
-            tokens = sum(s.num_tokens for s in seqs)
+            # tokens this step: the text of one sequence, or a shared recompute's prompt
+            tokens = seqs[0].num_tokens if len(seqs) == 1 else len(group.prompt_token_ids)
             # a fresh n > 1 group forks after its prefill: count the sequences it will be
             num_seqs = max(len(seqs), group.params.num_seqs)
             fits = self.admission(need, num_seqs, tokens, self._budget(out))
             # progress rule: a group alone in an empty step is admitted if its blocks are
-            # free, even when its tokens exceed max_num_batched_tokens
-            alone = out.is_empty() and need <= self.block_manager.num_free_blocks
+            # free, even when its tokens exceed max_num_batched_tokens (prefill_first:
+            # alone means nobody running either, since they decode next step)
+            alone = (out.is_empty() and (self.scheduling == "mixed" or not self.running)
+                     and need <= self._free_for_admission())
             if not (fits or alone):
                 break
             self.waiting.popleft()
@@ -241,10 +274,18 @@ class Scheduler:
     def _add_copies(slots: list[Slot], out: SchedulerOutput) -> None:
         out.blocks_to_copy += [s.copy for s in slots if s.copy is not None]
 
+    def _free_for_admission(self) -> int:
+        """Free blocks, less those promised to shared recomputes half way (their tails)."""
+        promised = sum(self.block_manager.tail_blocks_needed(g) for g in self.running
+                       if g.awaiting_tails)
+        return self.block_manager.num_free_blocks - promised
+
     def _budget(self, out: SchedulerOutput) -> Budget:
-        return Budget(self.block_manager.num_free_blocks, self.watermark_blocks,
-                      len(out.scheduled), self.max_num_seqs, out.num_batched_tokens,
-                      self.max_num_batched_tokens)
+        # prefill_first: the running sequences are not in this step but decode in the next
+        num_seqs = (len(out.scheduled) if self.scheduling == "mixed"
+                    else sum(len(g.live_seqs()) for g in self.running))
+        return Budget(self._free_for_admission(), self.watermark_blocks, num_seqs,
+                      self.max_num_seqs, out.num_batched_tokens, self.max_num_batched_tokens)
 
     def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
         """All or nothing: the whole group leaves the GPU pool.

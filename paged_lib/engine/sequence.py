@@ -140,6 +140,7 @@ class RequestTimeline:
     admitted_steps: list[int] = field(default_factory=list)
     preempted_steps: list[int] = field(default_factory=list)
     finished_step: int | None = None
+    num_output_tokens: int = 0  # its longest output, once finished
 
     def running_intervals(self) -> list[tuple[int, int]]:
         """Steps ``[start, end)`` the request ran: from each admission to the preemption
@@ -211,9 +212,13 @@ class EngineStats:
 
     * ``batch_sizes`` - sequences that ran in the step;
     * ``blocks_used`` - GPU blocks held after the step's allocations;
-    * ``step_kinds`` - ``"prefill"`` if the step admitted (or re-admitted) anything,
-      else ``"decode"`` (a prefill step also decodes the running sequences, as in Orca's
-      iteration-level scheduling); ``"idle"`` when nothing had arrived yet;
+    * ``step_kinds`` - ``"prefill"`` (only prompts, or texts recomputed, ran),
+      ``"decode"`` (only one new token per sequence), ``"mixed"`` (both in one batch, as
+      in Orca's iteration-level scheduling: ``scheduling="mixed"``; never with
+      ``"prefill_first"``), ``"idle"`` when nothing had arrived yet;
+    * ``prefill_seqs`` / ``decode_seqs`` - how many of the step's sequences prefilled
+      and decoded (they add up to ``batch_sizes``);
+    * ``step_seconds`` - wall-clock time of the step (scheduler, model, sampler);
     * ``tokens_per_step`` - tokens generated (sampled) in the step;
     * ``computed_tokens`` - tokens run through the model (prompt tokens count here);
     * ``requests`` - one :class:`RequestTimeline` per prompt, in prompt order.
@@ -234,6 +239,9 @@ class EngineStats:
     step_kinds: list[str] = field(default_factory=list)
     tokens_per_step: list[int] = field(default_factory=list)
     computed_tokens: list[int] = field(default_factory=list)
+    prefill_seqs: list[int] = field(default_factory=list)
+    decode_seqs: list[int] = field(default_factory=list)
+    step_seconds: list[float] = field(default_factory=list)
     requests: list[RequestTimeline] = field(default_factory=list)
 
     @property
@@ -260,10 +268,30 @@ class EngineStats:
                 "mean_blocks_used": round(sum(self.blocks_used[i] for i in busy)
                                           / max(len(busy), 1), 2)}
 
+    def time_per_output_token(self, in_steps: bool = False) -> list[float | None]:
+        """Per request (prompt order): the time from its first token to its last, over
+        the tokens after the first (vLLM's TPOT), in seconds, or in engine steps
+        (``in_steps=True``: deterministic, for a chapter's printed numbers). ``None`` for
+        a request with fewer than two tokens."""
+        ends = [0.0]
+        for sec in self.step_seconds:  # when each step ended
+            ends.append(ends[-1] + (1.0 if in_steps else sec))
+        result: list[float | None] = []
+        for t in self.requests:
+            if t.num_output_tokens < 2 or t.finished_step is None or not t.admitted_steps:
+                result.append(None)
+                continue
+            first = ends[t.admitted_steps[0] + 1]  # its first token comes from its prefill
+            result.append((ends[t.finished_step + 1] - first) / (t.num_output_tokens - 1))
+        return result
+
     def record_step(self, kind: str, batch_size: int, blocks_used: int, generated: int,
-                    computed: int) -> None:
+                    computed: int, prefills: int = 0, seconds: float = 0.0) -> None:
         self.steps += 1
         self.step_kinds.append(kind)
+        self.prefill_seqs.append(prefills)
+        self.decode_seqs.append(batch_size - prefills)
+        self.step_seconds.append(seconds)
         self.batch_sizes.append(batch_size)
         self.blocks_used.append(blocks_used)
         self.peak_blocks_used = max(self.peak_blocks_used, blocks_used)
