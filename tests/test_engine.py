@@ -253,3 +253,49 @@ def test_prefill_first_gives_the_same_tokens_in_pure_steps(model, prompts, refer
     if num_blocks == 64:
         assert mixed.time_per_output_token(in_steps=True) == [1.0] * len(prompts)
         assert max(first.time_per_output_token(in_steps=True)) > 1.0
+
+
+@pytest.mark.parametrize("prompts, params, arrivals, match", [
+    ([1, 2, 3], SamplingParams(3), None, "got a list of ints"),
+    ([[1], "hello"], SamplingParams(3), None, "request 1: a prompt is a list of token ids"),
+    ([[1], 5], SamplingParams(3), None, "request 1: a prompt is a list of token ids, got int"),
+    ([[1], [True]], SamplingParams(3), None, "request 1: token True at position 0"),
+    ([[1], [2.0]], SamplingParams(3), None, "request 1: token 2.0 at position 0"),
+    ([[1], [2]], [SamplingParams(3), SamplingParams(True)], None, "request 1: max_tokens"),
+    ([[1], [2]], [SamplingParams(3), SamplingParams(3, temperature="0.5")], None,
+     "request 1: temperature must be a number"),
+    ([[1], [2]], [SamplingParams(3), SamplingParams(3, temperature=float("nan"))], None,
+     "request 1: temperature"),
+    ([[1], [2]], [SamplingParams(3), SamplingParams(3, seed="7")], None, "request 1: seed"),
+    ([[1], [2]], [SamplingParams(3), SamplingParams(3, ignore_eos=1)], None,
+     "request 1: ignore_eos"),
+    ([[1], [2]], SamplingParams(3), [0, True], "request 1: arrival step"),
+    ([[1], [2]], [SamplingParams(3), "greedy"], [0, 9], "request 1: params must be"),
+])
+def test_malformed_input_raises_before_anything_runs(model, prompts, params, arrivals, match):
+    engine = LLMEngine(model, 16, 4)
+    engine.generate([[1, 2]], SamplingParams(2))
+    before = engine.stats
+    with pytest.raises(ValueError, match=match):
+        engine.generate(prompts, params, arrival_steps=arrivals)
+    # nothing ran and nothing was lost: the last run's stats stand, every block is free
+    assert engine.stats is before and engine.block_manager.num_free_blocks == 16
+    assert not engine.scheduler.has_unfinished()
+
+
+def test_integer_prompts_of_numpy_or_torch_are_welcome(model, prompts, reference):
+    import numpy as np
+
+    engine = LLMEngine(model, 64, 4)
+    outs = engine.generate([np.array(prompts[1]), torch.tensor(prompts[2])],
+                           SamplingParams(MAX_TOKENS))
+    assert_matches(outs, reference, [1, 2])
+
+
+def test_a_well_formed_request_that_never_fits_fails_alone_even_late(model, prompts, reference):
+    engine = LLMEngine(model, num_blocks=10, block_size=4, watermark=0.0)
+    outs = engine.generate([prompts[0], list(range(50)), prompts[2]], SamplingParams(MAX_TOKENS),
+                           arrival_steps=[0, 3, 5])
+    assert outs[1].outputs == [] and "can never run" in outs[1].error
+    assert_matches([outs[0], outs[2]], reference, indices=[0, 2])
+    assert_all_free(engine)

@@ -14,7 +14,7 @@ The chapters' exercises re-implement four small functions and plug them back in:
 
 from __future__ import annotations
 
-import numbers
+import operator
 import time
 from collections.abc import Callable
 
@@ -48,6 +48,16 @@ def worst_case_blocks(prompt_len: int, max_tokens: int, num_seqs: int, block_siz
     Example (block size 4): 64 prompt + 32 new tokens x 4 samples -> 16 + 4 x 8 = 48.
     """
     return shared_prompt_blocks(prompt_len, [max_tokens - 1] * num_seqs, block_size)
+
+
+def _token_id(t) -> int | None:
+    """``t`` as a Python int if it is an integer (numpy, 0-d torch too), else ``None``."""
+    if isinstance(t, bool):
+        return None
+    try:
+        return operator.index(t)
+    except TypeError:
+        return None
 
 
 class LLMEngine:
@@ -92,21 +102,30 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests
 
-    def _check_request(self, i: int, prompt: list[int], params: SamplingParams) -> None:
-        """Bad input raises before anything runs, naming the request."""
+    def _check_request(self, i: int, prompt, params: SamplingParams) -> list[int]:
+        """Malformed input raises ``ValueError`` naming the request; returns the prompt as
+        a list of Python ints (numpy and 0-d torch integers welcome, bools are not)."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"request {i}: params must be SamplingParams, "
                              f"got {type(params).__name__}")
         if problem := params.problem():
             raise ValueError(f"request {i}: {problem}")
+        if isinstance(prompt, str | bytes) or not hasattr(prompt, "__iter__"):
+            raise ValueError(f"request {i}: a prompt is a list of token ids, got "
+                             f"{type(prompt).__name__} (tokenize it first)")
+        prompt = list(prompt)
         if len(prompt) == 0:
             raise ValueError(f"request {i}: the prompt is empty (give at least one token, "
                              "e.g. BOS)")
         vocab = self.model.config.vocab_size
+        ids = []
         for j, t in enumerate(prompt):
-            if not isinstance(t, numbers.Integral) or not 0 <= t < vocab:
+            tok = _token_id(t)
+            if tok is None or not 0 <= tok < vocab:
                 raise ValueError(f"request {i}: token {t!r} at position {j} is not an id of "
                                  f"this model's vocabulary (0..{vocab - 1})")
+            ids.append(tok)
+        return ids
 
     def _never_fits(self, prompt: list[int], params: SamplingParams) -> str | None:
         need = worst_case_blocks(len(prompt), params.max_tokens, params.num_seqs,
@@ -124,8 +143,10 @@ class LLMEngine:
 
     def add_request(self, request_id: int, prompt: list[int],
                     params: SamplingParams) -> SequenceGroup:
-        """Queue a checked request; one that can never fit is returned already failed."""
-        seq = Sequence(self._next_seq_id, list(prompt))
+        """Queue a request (checked: malformed input raises ``ValueError``); one that can
+        never fit in the pool is returned already failed (``error`` set), and not queued."""
+        prompt = self._check_request(request_id, prompt, params)
+        seq = Sequence(self._next_seq_id, prompt)
         self._next_seq_id += 1
         gen = torch.Generator()
         gen.manual_seed(params.seed if params.seed is not None
@@ -175,11 +196,18 @@ class LLMEngine:
         """Serve every prompt to the end; one :class:`RequestOutput` per prompt, in order.
 
         Request ``i`` joins the waiting queue at step ``arrival_steps[i]`` (default: all at
-        step 0); a step with nothing to run is recorded as ``"idle"``. Input is checked
-        first (a ``ValueError`` names the bad request and nothing runs). A request too big
-        for the whole pool comes back with ``error`` set and no outputs, while the others
-        run.
+        step 0); a step with nothing to run is recorded as ``"idle"``.
+
+        Two kinds of bad request, two answers. *Malformed* input (wrong types or values:
+        an empty prompt, a token outside the vocabulary, ``max_tokens < 1``, ...) raises
+        ``ValueError`` naming the request before anything runs, so nothing is lost: fix
+        it and call again. A *well-formed* request that can never fit in the pool fails
+        alone: its output has ``error`` set and no completions, while the others run.
         """
+        prompts = list(prompts)
+        if prompts and _token_id(prompts[0]) is not None:
+            raise ValueError("prompts is a list of prompts, each a list of token ids; got a "
+                             "list of ints (for one prompt, pass [prompt])")
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         if len(params) != len(prompts):
@@ -187,11 +215,9 @@ class LLMEngine:
         arrivals = [0] * len(prompts) if arrival_steps is None else list(arrival_steps)
         if len(arrivals) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(arrivals)} arrival steps")
-        prompts = [list(p) for p in prompts]
         for i, (prompt, p, t) in enumerate(zip(prompts, params, arrivals, strict=True)):
-            self._check_request(i, prompt, p)
-            prompts[i] = [int(x) for x in prompt]  # numpy / torch ints welcome
-            if not isinstance(t, int) or t < 0:
+            prompts[i] = self._check_request(i, prompt, p)
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 raise ValueError(f"request {i}: arrival step must be an int >= 0, got {t!r}")
         self.stats = EngineStats(num_blocks=self.num_blocks, block_size=self.block_size)
         self.scheduler.step = 0

@@ -56,20 +56,22 @@ class SamplingParams:
 
     def problem(self) -> str | None:
         """What is wrong with these parameters, or ``None`` (used for error messages)."""
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
             return f"max_tokens must be an int >= 1, got {self.max_tokens!r}"
-        if not self.temperature >= 0:
-            return f"temperature must be >= 0, got {self.temperature!r}"
-        if not isinstance(self.n, int) or self.n < 1:
+        if not _is_number(self.temperature) or not 0 <= self.temperature < math.inf:
+            return f"temperature must be a number >= 0, got {self.temperature!r}"
+        if not _is_int(self.n) or self.n < 1:
             return f"n must be an int >= 1, got {self.n!r}"
+        if self.seed is not None and not (_is_int(self.seed) and 0 <= self.seed < 2**64):
+            return f"seed must be None or an int in 0..2**64 - 1, got {self.seed!r}"
+        if not isinstance(self.ignore_eos, bool):
+            return f"ignore_eos must be True or False, got {self.ignore_eos!r}"
         if self.beam_width is not None:
-            if not isinstance(self.beam_width, int) or self.beam_width < 1:
+            if not _is_int(self.beam_width) or self.beam_width < 1:
                 return f"beam_width must be an int >= 1, got {self.beam_width!r}"
             if self.n != 1 or self.temperature != 0:
                 return "beam search is deterministic: leave n=1 and temperature=0"
-            if (isinstance(self.length_penalty, bool)
-                    or not isinstance(self.length_penalty, int | float)
-                    or not math.isfinite(self.length_penalty)):
+            if not _is_number(self.length_penalty) or not math.isfinite(self.length_penalty):
                 return f"length_penalty must be a finite number, got {self.length_penalty!r}"
             if not (self.early_stopping is True or self.early_stopping is False
                     or self.early_stopping == "never"):
@@ -81,6 +83,14 @@ class SamplingParams:
         elif self.n > 1 and self.temperature == 0:
             return f"n={self.n} greedy samples would all be equal: set temperature > 0"
         return None
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool)
 
 
 class SequenceStatus(enum.Enum):
