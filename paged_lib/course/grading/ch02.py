@@ -242,24 +242,34 @@ def check_paged_simulator(simulate_paged: Callable[..., Any]) -> None:
                 grading.fail(f"{name}: expected {shown}", hint)
 
 
+def a100_slots() -> int:
+    """The paper's Fig. 2 pool: OPT-13B's KV slots on a 40 GB A100 (chapter 02's cell)."""
+    from paged_lib import accounting
+
+    opt = accounting.SPECS["opt-13b"]
+    return (40 * accounting.GiB - accounting.weight_bytes(opt)) // \
+        accounting.kv_bytes_per_token(opt)
+
+
 def run_demo(simulate_paged: Callable[..., Any]) -> Any:
     """The chapter's Fig. 2 experiment with the learner's simulator as the paged policy."""
     from paged_lib.course.viz import fragmentation as viz
     from paged_lib.fragmentation import Breakdown, simulate
 
     requests = sharegpt_like(600, seed=0)
-    got = grading.on_learner_code(lambda: simulate_paged(requests, 40_000, 16),
+    slots = a100_slots()
+    got = grading.on_learner_code(lambda: simulate_paged(requests, slots, 16),
                                   "exercise 02.5", "the chapter's vLLM bar from your simulator")
     if got is None:
         return None
     total = sum(got[c] for c in ("token_states", "reserved", "internal", "external"))
     yours = Breakdown(*(got[c] / total for c in ("token_states", "reserved", "internal",
                                                   "external")))
-    same = {k: got[k] for k in SIM_KEYS} == reference_paged(requests, 40_000, 16)
+    same = {k: got[k] for k in SIM_KEYS} == reference_paged(requests, slots, 16)
     print(f"your simulator: {yours.token_states:.1%} token states, {got['preemptions']} "
           f"preemptions, {got['num_steps']} steps "
           f"({'the same as' if same else 'different from'} the library's)")
-    results = {p: simulate(requests, p, 40_000) for p in ("orca-max", "orca-pow2",
+    results = {p: simulate(requests, p, slots) for p in ("orca-max", "orca-pow2",
                                                         "orca-oracle")}
     results["paged"] = yours
     return viz.plot_breakdown(results, title="Fig. 2 with your paged simulator")
