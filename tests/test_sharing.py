@@ -342,3 +342,58 @@ def test_per_request_saving_counts_each_request_once():
     each = [1 - sum(u.shared) / sum(u.unshared) for u in own]
     assert s.per_request_saving == pytest.approx(sum(each) / 2)
     assert s.mean_saving < s.per_request_saving  # the long, short-prompt request weighs more
+
+
+# ------------------------------------------------------------------ real beams (engine)
+
+
+@pytest.fixture(scope="module")
+def random_llama():
+    return sharing.tiny_random_llama(seed=0)[1]
+
+
+def test_engine_beam_usage_reads_the_engine_s_own_blocks(random_llama):
+    import torch
+
+    from paged_lib.engine import LLMEngine, SamplingParams
+    from paged_lib.sharing_engine import engine_beam_usage, time_averaged_saving
+
+    torch.set_num_threads(1)
+    prompt, width, new, bs = list(range(1, 22)), 3, 12, 4
+    usage, short = engine_beam_usage(random_llama, [prompt, prompt[:9]], width, new, bs)
+    alone = LLMEngine(random_llama, 200, bs, watermark=0.0)
+    alone.generate([prompt], SamplingParams(max_tokens=new, beam_width=width, ignore_eos=True))
+    # the same blocks the engine counted, step for step, for a request served alone
+    assert len(usage.shared) >= new - 1
+    assert usage.shared == alone.stats.blocks_used[:len(usage.shared)]
+    assert usage.shared[0] == cdiv(len(prompt), bs) == usage.unshared[0]
+    for t in range(1, len(usage.unshared)):  # every beam its own copy of prompt + t tokens
+        assert usage.unshared[t] == width * cdiv(len(prompt) + t, bs)
+        assert usage.shared[t] < usage.unshared[t]
+    assert short.unshared[1] == width * cdiv(9 + 1, bs)
+    assert usage.copies > 0
+    saving = time_averaged_saving([usage, short])
+    assert saving == pytest.approx(1 - (sum(usage.shared) + sum(short.shared))
+                                   / (sum(usage.unshared) + sum(short.unshared)))
+    assert 0 < saving < 1 - 1 / width
+
+
+def test_time_averaged_saving_of_no_sharing_is_zero():
+    from paged_lib.sharing_engine import time_averaged_saving
+
+    assert time_averaged_saving([sharing.Usage([2, 3], [2, 3], 0)]) == 0.0
+    assert time_averaged_saving([sharing.Usage([1, 1], [2, 2], 0)]) == 0.5
+
+
+def test_beam_blocks_plot_draws_one_unshared_line_for_equal_lengths():
+    from paged_lib.course.viz import sharing as viz
+
+    a = sharing.Usage([2, 3, 3], [2, 6, 6], 1)
+    b = sharing.Usage([2, 4, 3], [2, 6, 6], 2)
+    c = sharing.Usage([2, 4], [2, 4], 0)
+    fig = viz.plot_beam_blocks({"real": a, "synthetic": b})
+    labels = [line.get_label() for line in fig.axes[0].get_lines()]
+    assert labels == ["real: shared", "real and synthetic: each beam its own copy",
+                      "synthetic: shared"]
+    fig = viz.plot_beam_blocks({"real": a, "other": c})
+    assert len(fig.axes[0].get_lines()) == 4

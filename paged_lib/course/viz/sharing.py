@@ -7,13 +7,15 @@ a test can check directly.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import matplotlib.pyplot as plt
 from matplotlib.colors import BoundaryNorm, ListedColormap
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
 from paged_lib.course.viz.widgets import frame_player
-from paged_lib.sharing import MODES, PAPER_SAVINGS, BeamFrame, Savings
+from paged_lib.sharing import MODES, PAPER_SAVINGS, BeamFrame, Savings, Usage
 
 REF_COLORS = ["#FFF3C4", "#FDC46B", "#F08A3A", "#D1462F", "#9E1F2C", "#5E0F1E"]
 COPY_COLOR, DEAD_COLOR, EDGE_COLOR = "#1F77B4", "#888888", "#444444"
@@ -173,5 +175,33 @@ def plot_savings(table: dict[tuple[str, str, int], Savings]) -> Figure:
     axes[0, 0].set_ylabel("KV blocks saved by sharing")
     axes[0, -1].text(1.0, 0.98, "bars: time-averaged   dots: peak\nshaded: paper §6.3 range",
                      transform=axes[0, -1].transAxes, ha="right", va="top", fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def plot_beam_blocks(runs: Mapping[str, Usage], title: str = "") -> Figure:
+    """Blocks one beam search holds per step, with sharing (solid, one line per run: real
+    beams of a model, the synthetic process) and without (dashed; one line for runs
+    whose beams have the same lengths)."""
+    fig, ax = plt.subplots(figsize=(9, 3.2))
+    colors = ["#4C72B0", "#DD8452", "#55A868", "#8172B3"]
+    drawn: list[list[int]] = []
+    for k, (name, usage) in enumerate(runs.items()):
+        c = colors[k % len(colors)]
+        ax.plot(range(len(usage.shared)), usage.shared, color=c, lw=2,
+                label=f"{name}: shared")
+        if usage.unshared in drawn:  # the same lengths: one line says it
+            continue
+        same = [n for n, u in runs.items() if u.unshared == usage.unshared]
+        ax.plot(range(len(usage.unshared)), usage.unshared, color=c if len(same) == 1
+                else "#777777", lw=1, ls="--",
+                label=f"{' and '.join(same)}: each beam its own copy")
+        drawn.append(usage.unshared)
+    ax.set_xlabel("step (0: the prompt)")
+    ax.set_ylabel("blocks held")
+    ax.set_ylim(0, None)
+    ax.legend(fontsize=8, frameon=False, loc="upper left")
+    if title:
+        ax.set_title(title, fontsize=10)
     fig.tight_layout()
     return fig
