@@ -299,3 +299,22 @@ def test_a_well_formed_request_that_never_fits_fails_alone_even_late(model, prom
     assert outs[1].outputs == [] and "can never run" in outs[1].error
     assert_matches([outs[0], outs[2]], reference, indices=[0, 2])
     assert_all_free(engine)
+
+
+def test_the_group_hooks_are_used_by_the_engine(model, prompts, reference):
+    from paged_lib.engine import choose_victim, num_required_blocks
+
+    calls = {"blocks": 0, "victim": 0}
+
+    def my_blocks(group, block_size):
+        calls["blocks"] += 1
+        return num_required_blocks(group, block_size)
+
+    def my_victim(running):
+        calls["victim"] += 1
+        return choose_victim(running)
+
+    engine = LLMEngine(model, 12, 4, watermark=0.0, num_required_blocks=my_blocks,
+                       choose_victim=my_victim)
+    assert_matches(engine.generate(prompts, SamplingParams(MAX_TOKENS)), reference)
+    assert calls["blocks"] >= len(prompts) and calls["victim"] == engine.stats.preemptions > 0

@@ -11,10 +11,10 @@ import random
 import numpy as np
 import pytest
 
-from paged_lib.engine.block_manager import BlockManager
+from paged_lib.engine.block_manager import BlockManager, num_required_blocks
 from paged_lib.engine.model_runner import build_metadata
 from paged_lib.engine.sampler import num_samples
-from paged_lib.engine.scheduler import Budget, Scheduler, can_admit
+from paged_lib.engine.scheduler import Budget, Scheduler, can_admit, choose_victim
 from paged_lib.engine.sequence import SamplingParams, Sequence, SequenceGroup
 
 
@@ -270,3 +270,59 @@ def test_prefill_first_admits_before_decoding_and_mixed_batches_both():
 def test_an_unknown_scheduling_mode_is_refused():
     with pytest.raises(ValueError, match="scheduling must be one of"):
         Scheduler(BlockManager(8, 4), scheduling="orca")
+
+
+def test_choose_victim_is_asked_and_its_choice_is_preempted():
+    offered = []
+
+    def oldest(running):
+        offered.append([g.request_id for g in running])
+        return running[0]  # the group that needs the blocks gives way itself
+
+    bm = BlockManager(8, 4)
+    sched = Scheduler(bm, choose_victim=oldest)
+    groups = make_groups([(4, 8), (4, 8), (4, 8, 2)])
+    history = run(sched, FakeRunner(8, 4, 0), groups)
+    first = next(o for o in history if o.preempted)
+    assert offered and offered[0] == sorted(offered[0])  # oldest first
+    assert first.preempted[0].request_id == offered[0][0]
+    assert all(len(s.output_token_ids) == 8 for g in groups for s in g.seqs)
+    assert bm.num_free_blocks == 8
+
+
+def test_the_default_victim_is_the_most_recently_admitted():
+    groups = make_groups([(1, 1), (1, 1), (1, 1)])
+    assert choose_victim(groups) is groups[-1] and choose_victim(groups[:1]) is groups[0]
+
+
+def test_a_victim_that_is_not_offered_is_a_clear_error():
+    outsider = make_groups([(1, 1)])[0]
+    bm = BlockManager(8, 4)
+    sched = Scheduler(bm, choose_victim=lambda running: outsider)
+    with pytest.raises(ValueError, match=r"choose_victim returned 0, which is not one of"):
+        run(sched, FakeRunner(8, 4, 0), make_groups([(4, 8), (4, 8), (4, 8, 2)]))
+
+
+def test_num_required_blocks_is_asked_for_every_waiting_group():
+    asked = []
+
+    def mine(group, block_size):
+        asked.append((group.request_id, len(group.live_seqs()), block_size))
+        return num_required_blocks(group, block_size)
+
+    bm = BlockManager(8, 4)
+    sched = Scheduler(bm, num_required_blocks=mine)
+    run(sched, FakeRunner(8, 4, 0), make_groups([(4, 8), (4, 8), (4, 8, 2)]))
+    assert {r for r, _, _ in asked} == {0, 1, 2} and all(b == 4 for _, _, b in asked)
+    assert (2, 2, 4) in asked  # the 2-sample group, asked again after its preemption
+
+
+@pytest.mark.parametrize("wrong, match", [
+    (lambda group, block_size: 1.5, "expected an int >= 0"),
+    (lambda group, block_size: -1, "expected an int >= 0"),
+    (lambda group, block_size: 0, "count every block"),  # says 0, takes 5: too few free
+])
+def test_a_wrong_num_required_blocks_gets_a_clear_error(wrong, match):
+    sched = Scheduler(BlockManager(8, 4), num_required_blocks=wrong)
+    with pytest.raises(ValueError, match=match):
+        run(sched, FakeRunner(8, 4, 0), make_groups([(20, 2), (20, 2)]))

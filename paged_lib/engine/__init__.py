@@ -9,23 +9,48 @@ A request flows one way through one step (:meth:`LLMEngine.step`)::
     Scheduler.update()        append tokens, fork samples, pick beams, finish, free blocks
 
 Files: ``sequence.py`` (request state, outputs, :class:`EngineStats`),
-``block_manager.py``, ``scheduler.py``, ``model_runner.py``, ``sampler.py``,
+``block_manager.py``, ``policy.py`` (admission and victim choice), ``scheduler.py``,
+``scheduler_output.py``, ``model_runner.py``, ``sampler.py``,
 ``beam_search.py``, ``llm_engine.py``; ``static_batching.py`` is the "before" system,
 ``trace.py`` serves chapter 02's traces and compares with its simulator. The engine's
 benchmark is :mod:`paged_lib.bench.engine` (``python -m paged_lib.bench engine``).
 
 The teaching hooks are small pure functions a chapter's exercise re-implements; the
-engine takes a replacement for each as a keyword argument::
+engine takes a replacement for each as a keyword argument (default: the library's)::
 
     LLMEngine(model, num_blocks, build_metadata=..., admission=..., swap_mapping=...,
-              beam_step=...)
+              beam_step=..., num_required_blocks=..., choose_victim=...)
+
+* ``build_metadata(block_tables, seq_lens, query_lens, block_size) -> AttentionMetadata``
+  (:func:`~paged_lib.engine.model_runner.build_metadata`, chapter 06);
+* ``admission(blocks_needed, num_seqs, num_tokens, budget) -> bool``: may a waiting group
+  join this step? (:func:`~paged_lib.engine.policy.can_admit`, chapter 06);
+* ``num_required_blocks(group, block_size) -> int``: free blocks a waiting group takes,
+  its prompt counted once for ``n`` samples, a group preempted by recompute its shared
+  prompt plus each sequence's tail (:func:`~paged_lib.engine.block_manager.
+  num_required_blocks`; vLLM's ``get_num_required_blocks``); ``admission`` gets its answer;
+* ``choose_victim(running: list[SequenceGroup]) -> SequenceGroup``: which group to
+  preempt, among those offered, oldest first (:func:`~paged_lib.engine.policy.
+  choose_victim`: the most recently admitted, chapter 07); a group not offered is a
+  ``ValueError``;
+* ``swap_mapping(tables, allocate) -> [(src, dst), ...]``
+  (:func:`~paged_lib.engine.block_manager.swap_mapping`, chapter 07);
+* ``beam_step(tables, cum_logprobs, candidates, beam_width) -> [(parent, table, token,
+  cum_logprob), ...]`` (:func:`~paged_lib.engine.beam_search.beam_step`, chapter 08): the
+  engine hands it only the candidates that go on (EOS candidates become finished
+  hypotheses first), and does not call it at ``max_tokens``, where all beams end.
+
+Options: ``preemption="recompute" | "swap"``, ``scheduling="mixed" | "prefill_first"``
+(Orca's iteration-level batching, or vLLM v0's prefills-then-decodes steps).
 """
 
 from paged_lib.engine.beam_search import beam_step
-from paged_lib.engine.block_manager import BlockManager, swap_mapping
+from paged_lib.engine.block_manager import BlockManager, num_required_blocks, swap_mapping
 from paged_lib.engine.llm_engine import LLMEngine, worst_case_blocks
 from paged_lib.engine.model_runner import ModelRunner, build_metadata
-from paged_lib.engine.scheduler import Budget, Scheduler, SchedulerOutput, can_admit
+from paged_lib.engine.policy import Budget, can_admit, choose_victim
+from paged_lib.engine.scheduler import Scheduler
+from paged_lib.engine.scheduler_output import SchedulerOutput
 from paged_lib.engine.sequence import (
     CompletionOutput,
     EngineStats,
@@ -41,5 +66,5 @@ from paged_lib.engine.static_batching import StaticBatchingEngine
 __all__ = ["BlockManager", "Budget", "CompletionOutput", "EngineStats", "LLMEngine",
            "ModelRunner", "RequestOutput", "RequestTimeline", "SamplingParams", "Scheduler",
            "SchedulerOutput", "Sequence", "SequenceGroup", "SequenceStatus",
-           "StaticBatchingEngine", "beam_step", "build_metadata", "can_admit", "swap_mapping",
-           "worst_case_blocks"]
+           "StaticBatchingEngine", "beam_step", "build_metadata", "can_admit", "choose_victim",
+           "num_required_blocks", "swap_mapping", "worst_case_blocks"]

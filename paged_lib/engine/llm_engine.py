@@ -4,12 +4,15 @@ Each step: :meth:`Scheduler.schedule` (who runs, which blocks) -> ``ModelRunner.
 (tensors, model) -> :func:`~paged_lib.engine.sampler.sample` -> :meth:`Scheduler.update`
 (append, finish, free). :attr:`LLMEngine.stats` records every step for the plots.
 
-The chapters' exercises re-implement four small functions and plug them back in::
+The chapters' exercises re-implement small functions and plug them back in (the list
+and their signatures: :mod:`paged_lib.engine`)::
 
-    LLMEngine(model, num_blocks, admission=my_can_admit,          # scheduler.can_admit
+    LLMEngine(model, num_blocks, admission=my_can_admit,          # policy.can_admit
               build_metadata=my_build_metadata,                  # model_runner.build_metadata
               swap_mapping=my_swap_mapping,                      # block_manager.swap_mapping
-              beam_step=my_beam_step)                            # beam_search.beam_step
+              beam_step=my_beam_step,                            # beam_search.beam_step
+              num_required_blocks=my_blocks,                     # block_manager.num_required_blocks
+              choose_victim=my_victim)                           # policy.choose_victim
 """
 
 from __future__ import annotations
@@ -21,8 +24,14 @@ from collections.abc import Callable
 import torch
 
 from paged_lib.engine.beam_search import beam_step
-from paged_lib.engine.block_manager import BlockManager, shared_prompt_blocks, swap_mapping
+from paged_lib.engine.block_manager import (
+    BlockManager,
+    num_required_blocks,
+    shared_prompt_blocks,
+    swap_mapping,
+)
 from paged_lib.engine.model_runner import ModelRunner, build_metadata
+from paged_lib.engine.policy import choose_victim
 from paged_lib.engine.sampler import sample
 from paged_lib.engine.scheduler import Scheduler, can_admit
 from paged_lib.engine.sequence import (
@@ -78,7 +87,8 @@ class LLMEngine:
                  max_num_batched_tokens: int = 4096, watermark: float = 0.01,
                  admission: Callable = can_admit, build_metadata: Callable = build_metadata,
                  swap_mapping: Callable = swap_mapping, beam_step: Callable = beam_step,
-                 scheduling: str = "mixed"):
+                 scheduling: str = "mixed", num_required_blocks: Callable = num_required_blocks,
+                 choose_victim: Callable = choose_victim):
         if attention_backend not in ("torch", "triton"):
             raise ValueError(f"attention_backend must be 'torch' or 'triton', "
                              f"got {attention_backend!r}")
@@ -94,7 +104,9 @@ class LLMEngine:
                                    max_num_batched_tokens=max_num_batched_tokens,
                                    watermark_blocks=self.watermark_blocks,
                                    preemption=preemption, admission=admission,
-                                   beam_step=beam_step, scheduling=scheduling)
+                                   beam_step=beam_step, scheduling=scheduling,
+                                   num_required_blocks=num_required_blocks,
+                                   choose_victim=choose_victim)
         self.runner = ModelRunner(model, num_blocks, block_size, num_cpu_blocks,
                                   attention_backend, build_metadata_fn=build_metadata)
         self.stats = EngineStats(num_blocks=num_blocks, block_size=block_size)

@@ -43,59 +43,19 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from paged_lib.blocks import Slot
 from paged_lib.engine.beam_search import beam_step, update_beams
-from paged_lib.engine.block_manager import BlockManager
-from paged_lib.engine.policy import Budget, can_admit
+from paged_lib.engine.block_manager import BlockManager, num_required_blocks
+from paged_lib.engine.policy import Budget, can_admit, choose_victim
+from paged_lib.engine.scheduler_output import ScheduledSeq, SchedulerOutput
 from paged_lib.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 
-__all__ = ["Budget", "ScheduledSeq", "Scheduler", "SchedulerOutput", "can_admit"]
+__all__ = ["Budget", "ScheduledSeq", "Scheduler", "SchedulerOutput", "can_admit",
+           "choose_victim"]
 
 PREEMPTION_MODES = ("recompute", "swap")
 SCHEDULING_MODES = ("mixed", "prefill_first")
-
-
-@dataclass
-class ScheduledSeq:
-    """One sequence in this step: it feeds ``num_new_tokens`` tokens written at ``slots``."""
-
-    group: SequenceGroup
-    seq: Sequence
-    num_new_tokens: int
-    slots: list[Slot]
-    is_prefill: bool
-    sample: bool = True  # False: the prompt of a shared recompute, nothing drawn from it
-
-
-@dataclass
-class SchedulerOutput:
-    """Everything the model runner needs for one step, and what the scheduler did."""
-
-    step: int
-    scheduled: list[ScheduledSeq] = field(default_factory=list)
-    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # GPU src -> dst
-    swap_out: list[tuple[int, int]] = field(default_factory=list)        # GPU -> CPU
-    swap_in: list[tuple[int, int]] = field(default_factory=list)         # CPU -> GPU
-    preempted: list[SequenceGroup] = field(default_factory=list)
-    admitted: list[SequenceGroup] = field(default_factory=list)
-    recomputed_tokens: int = 0
-
-    @property
-    def kind(self) -> str:
-        """``"prefill"``, ``"decode"``, or ``"mixed"`` when the step runs both."""
-        prefills = sum(s.is_prefill for s in self.scheduled)
-        if prefills and prefills < len(self.scheduled):
-            return "mixed"
-        return "prefill" if prefills else "decode"
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    def is_empty(self) -> bool:
-        return not self.scheduled
 
 
 class Scheduler:
@@ -104,7 +64,9 @@ class Scheduler:
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 4096, watermark_blocks: int = 0,
                  preemption: str = "recompute", admission: Callable = can_admit,
-                 beam_step: Callable = beam_step, scheduling: str = "mixed"):
+                 beam_step: Callable = beam_step, scheduling: str = "mixed",
+                 num_required_blocks: Callable = num_required_blocks,
+                 choose_victim: Callable = choose_victim):
         if preemption not in PREEMPTION_MODES:
             raise ValueError(f"preemption must be one of {PREEMPTION_MODES}, got {preemption!r}")
         if scheduling not in SCHEDULING_MODES:
@@ -123,6 +85,8 @@ class Scheduler:
         self.scheduling = scheduling
         self.admission = admission
         self.beam_step = beam_step
+        self.num_required_blocks = num_required_blocks
+        self.choose_victim = choose_victim
         self.waiting: deque[SequenceGroup] = deque()
         self.running: list[SequenceGroup] = []
         self.swapped: deque[SequenceGroup] = deque()
@@ -170,10 +134,11 @@ class Scheduler:
         while queue:
             group = queue.popleft()
             while self._blocks_to_continue(group) > self.block_manager.num_free_blocks:
-                victim = queue.pop() if queue else group  # the newest group goes first
+                victim = self._victim(group, queue)  # default: the newest group goes first
                 self._preempt(victim, out)
                 if victim is group:
                     break
+                queue.remove(victim)
             else:
                 if group.awaiting_tails:
                     self._schedule_tails(group, out)
@@ -181,6 +146,18 @@ class Scheduler:
                     self._schedule_decode(group, out)
                 kept.append(group)
         self.running = kept
+
+    def _victim(self, group: SequenceGroup, queue: deque[SequenceGroup]) -> SequenceGroup:
+        """Ask ``choose_victim`` among ``group`` and the groups not yet run this step."""
+        candidates = [group, *queue]
+        victim = self.choose_victim(list(candidates))
+        if not any(victim is g for g in candidates):
+            ids = [g.request_id for g in candidates]
+            got = getattr(victim, "request_id", victim)
+            raise ValueError(f"choose_victim returned {got!r}, which is not one of the groups "
+                             f"it may preempt now (requests {ids}, oldest first): return one "
+                             "of the list it was given")
+        return victim
 
     def _blocks_to_continue(self, group: SequenceGroup) -> int:
         if group.awaiting_tails:
@@ -208,7 +185,7 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput) -> None:
         while self.waiting:
             group = self.waiting[0]
-            need = self.block_manager.prefill_blocks_needed(group)
+            need = self._required_blocks(group)
             seqs = group.live_seqs()
             # tokens this step: the text of one sequence, or a shared recompute's prompt
             tokens = seqs[0].num_tokens if len(seqs) == 1 else len(group.prompt_token_ids)
@@ -223,6 +200,7 @@ class Scheduler:
             if not (fits or alone):
                 break
             self.waiting.popleft()
+            self._check_allocation_fits(group, need)
             if len(seqs) > 1:  # a group preempted by recompute: its prompt first, once
                 self._schedule_prompt(group, out)
             else:
@@ -235,6 +213,26 @@ class Scheduler:
             self.running.append(group)
             out.admitted.append(group)
             group.timeline.admitted_steps.append(self.step)
+
+    def _required_blocks(self, group: SequenceGroup) -> int:
+        """The ``num_required_blocks`` hook's answer for a waiting group, checked."""
+        need = self.num_required_blocks(group, self.block_manager.block_size)
+        if isinstance(need, bool) or not isinstance(need, int) or need < 0:
+            raise ValueError(f"num_required_blocks returned {need!r} for request "
+                             f"{group.request_id}: expected an int >= 0 (a block count)")
+        return need
+
+    def _check_allocation_fits(self, group: SequenceGroup, need: int) -> None:
+        """An admitted group's blocks must really be free: a ``num_required_blocks`` that
+        counts too few would make the allocation fail half way."""
+        seqs = group.live_seqs()
+        tokens = seqs[0].num_tokens if len(seqs) == 1 else len(group.prompt_token_ids)
+        now = -(-tokens // self.block_manager.block_size)
+        if now > self.block_manager.num_free_blocks:
+            raise ValueError(f"num_required_blocks said request {group.request_id} needs "
+                             f"{need} blocks, but its {tokens} tokens alone take {now} and only "
+                             f"{self.block_manager.num_free_blocks} are free: count every "
+                             "block, a part-filled last one too")
 
     def _schedule_prompt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
         """Step 1 of a shared recompute: the first sequence prefills the prompt alone.
