@@ -230,3 +230,23 @@ def test_the_leak_detector_sees_numbers_however_they_are_printed():
     assert _gives_away("26 free blocks, 1,000 slots, 0.3668 of it", [26.0, 1000.0, 0.36683])\
         == ["0.3668", "1,000", "26"]
     assert _gives_away("step 5 of 7: 3.1", [5.0, 3.14159]) == []  # small counts, 2 digits
+
+
+def test_a_twin_refuses_calls_only_inside_its_exercise_and_is_put_back_after_errors(capsys):
+    import paged_lib.util as util
+    from paged_lib.util import cdiv
+
+    def body():
+        util.cdiv(5, 2)  # refused: this frame is not in paged_lib
+
+    with grading.exercise("00.1", "Ceil division"):
+        body()
+    out = capsys.readouterr().out
+    assert out.startswith("❌ [00.1]") and "called the library's cdiv" in out, out
+    with grading.exercise("00.1", "Ceil division"):
+        raise RuntimeError("the learner's code crashed")
+    assert "RuntimeError" in capsys.readouterr().out
+    assert util.cdiv is cdiv and util.cdiv(5, 2) == 3  # put back, and callable again
+    with grading.exercise("99.3", "No twin"):  # an exercise without a twin refuses nothing
+        assert util.cdiv(5, 2) == 3
+    assert capsys.readouterr().out.startswith("✅ [99.3]")

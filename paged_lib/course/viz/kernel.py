@@ -259,7 +259,9 @@ def slot_status(trace, cache: torch.Tensor, block_tables: torch.Tensor,
 def plot_slot_status(status: dict[tuple[int, int], dict], block_size: int,
                      seq_lens: Sequence[int] | torch.Tensor) -> Figure:
     """A row per program: each slot of its block table read (green), read past the
-    sequence's end (red), masked (gray) or never touched (white); block edges dashed."""
+    sequence's end (red), masked past the end (gray: only when a masked lane still
+    addressed the sequence's block) or not read (white); block edges dashed. The legend
+    lists only the colours that appear, besides "read" and "not read"."""
     import numpy as np
     from matplotlib.colors import ListedColormap
 
@@ -277,9 +279,14 @@ def plot_slot_status(status: dict[tuple[int, int], dict], block_size: int,
                         + (f", {status[(s, h)]['outside']} outside" if status[(s, h)]["outside"]
                            else "") for s, h in keys], fontsize=8)
     ax.set_xlabel("logical slot of the sequence's block table (dashed: block edges)")
-    handles = [Rectangle((0, 0), 1, 1, facecolor=c, edgecolor="k", lw=0.3) for c in cmap.colors]
-    ax.legend(handles, ["never touched", "masked (not read)", "read", "read past the end"],
-              loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=4, fontsize=8, frameon=False)
+    # Only what the picture shows: a kernel that masks its block-id load gives masked lanes
+    # block 0's addresses (other=0), which slot_status drops, so "masked" rarely appears.
+    labels = ["not read", "masked (not read)", "read", "read past the end"]
+    shown = [k for k in range(4) if k in (UNTOUCHED, READ) or (grid == k).any()]
+    handles = [Rectangle((0, 0), 1, 1, facecolor=cmap.colors[k], edgecolor="k", lw=0.3)
+               for k in shown]
+    ax.legend(handles, [labels[k] for k in shown], loc="lower center",
+              bbox_to_anchor=(0.5, 1.0), ncol=len(shown), fontsize=8, frameon=False)
     fig.tight_layout()
     return fig
 
