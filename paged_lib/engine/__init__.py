@@ -37,8 +37,9 @@ engine takes a replacement for each as a keyword argument (default: the library'
   (:func:`~paged_lib.engine.block_manager.swap_mapping`, chapter 07);
 * ``beam_step(tables, cum_logprobs, candidates, beam_width) -> [(parent, table, token,
   cum_logprob), ...]`` (:func:`~paged_lib.engine.beam_search.beam_step`, chapter 08): the
-  engine hands it only the candidates that go on (EOS candidates become finished
-  hypotheses first), and does not call it at ``max_tokens``, where all beams end.
+  engine hands it each beam's ``beam_width`` best candidates that are not EOS (those
+  that are become finished hypotheses first), and does not call it at ``max_tokens``,
+  where the best ``beam_width`` candidates all end.
 
 Options: ``preemption="recompute" | "swap"``, ``scheduling="mixed" | "prefill_first"``
 (Orca's iteration-level batching, or vLLM v0's prefills-then-decodes steps).

@@ -16,9 +16,9 @@ as ``LLMEngine(..., beam_step=fn)``, so a learner's version can run a whole beam
 
 Around it, :func:`update_beams` runs one step of the whole search for a group, as
 transformers' ``generate(num_beams=W, do_sample=False)`` does (and vLLM v0 after it):
-of the ``2 W`` best candidates, those among the best ``W`` that end in EOS become
-*finished hypotheses* (scored ``cumulative_logprob / length ** length_penalty``; the
-best ``W`` are kept), the best ``W`` that do not end go on through :func:`beam_step`,
+the candidates among the best ``W`` of all beams that end in EOS become *finished
+hypotheses* (scored ``cumulative_logprob / length ** length_penalty``; the best ``W``
+are kept), the best ``W`` that do not end go on through :func:`beam_step`,
 and the search stops as ``early_stopping`` says (:func:`search_is_done`). At
 ``max_tokens`` the best ``W`` candidates all finish. A beam that ends frees its blocks.
 """
@@ -74,24 +74,23 @@ def beam_score(hyp: Hypothesis, length_penalty: float) -> float:
 def split_candidates(cum_logprobs: list[float], candidates: list[list[Candidate]],
                      beam_width: int, eos_token_id: int | None, last: bool
                      ) -> tuple[list[tuple[int, int, float]], list[list[Candidate]]]:
-    """Sort every beam's candidates by cumulative log-probability and keep the best
-    ``2 * beam_width`` (enough to leave ``beam_width`` that go on).
+    """Which candidates end the beam, and which may go on.
 
-    Returns ``(ended, going_on)``: ``ended`` lists ``(parent, token, cum_logprob)`` for
-    the candidates among the best ``beam_width`` that end (their token is EOS, or
-    ``last``: the step reaches ``max_tokens``); ``going_on[i]`` holds beam ``i``'s kept
-    candidates that do not end, for :func:`beam_step` (empty lists when ``last``).
+    ``candidates[i]`` are beam ``i``'s options, best first. Returns ``(ended, going_on)``:
+    ``ended`` lists ``(parent, token, cum_logprob)`` for the candidates among the best
+    ``beam_width`` of all beams (by cumulative log-probability) that end: their token is
+    EOS, or ``last`` (this token reaches ``max_tokens``). ``going_on[i]`` holds beam
+    ``i``'s best ``beam_width`` options that are not EOS (none when ``last``): without
+    EOS, exactly what :func:`beam_step` always got.
     """
-    scored = sorted(((cum_logprobs[i] + lp, i, rank, tok, lp)
+    scored = sorted(((cum_logprobs[i] + lp, i, rank, tok)
                      for i, options in enumerate(candidates)
                      for rank, (tok, lp) in enumerate(options)),
-                    key=lambda c: (-c[0], c[1], c[2]))[:2 * beam_width]
-    ended = [(i, tok, cum) for cum, i, _, tok, _ in scored[:beam_width]
+                    key=lambda c: (-c[0], c[1], c[2]))
+    ended = [(i, tok, cum) for cum, i, _, tok in scored[:beam_width]
              if last or tok == eos_token_id]
-    going_on: list[list[Candidate]] = [[] for _ in candidates]
-    for _, i, _, tok, lp in scored:
-        if not last and tok != eos_token_id:
-            going_on[i].append((tok, lp))
+    going_on = [[] if last else [c for c in options if c[0] != eos_token_id][:beam_width]
+                for options in candidates]
     return ended, going_on
 
 
@@ -124,7 +123,8 @@ def search_is_done(done: list[Hypothesis], best_running_cum: float | None, lengt
 def update_beams(group: SequenceGroup, beams: list[Sequence], candidates: list[list[Candidate]],
                  eos_token_id: int | None, step_fn: Callable = beam_step) -> None:
     """One step of beam search for ``group``, whose live ``beams`` drew ``candidates``
-    (best first, each beam's ``2 * beam_width`` best tokens).
+    (best first, each beam's ``beam_width + 1`` best tokens: ``beam_width`` that are not
+    EOS).
 
     Ended hypotheses join ``group.beam_done``; ``step_fn`` (the engine's ``beam_step``
     hook) picks the beams that go on and forks / frees their tables; when the search is

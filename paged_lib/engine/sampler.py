@@ -32,8 +32,9 @@ def sample(logits: torch.Tensor, out: SchedulerOutput) -> list[list[tuple[int, f
         if not sched.sample:  # a shared recompute's prompt step: nothing to draw yet
             result.append([])
             continue
-        if params.beam_width is not None:  # the beam's 2 W best candidates, best first
-            top = torch.topk(logprobs[row], min(2 * params.beam_width, logprobs.shape[1]))
+        if params.beam_width is not None:  # best first; one more than the width, so
+            # that width of them go on even if one is the EOS token
+            top = torch.topk(logprobs[row], min(params.beam_width + 1, logprobs.shape[1]))
             result.append(list(zip(top.indices.tolist(), top.values.tolist(), strict=True)))
             continue
         if params.temperature == 0:

@@ -5,9 +5,10 @@ recompute), ``running`` (K/V in the GPU pool, in admission order) and ``swapped`
 (preempted by swap, K/V in the CPU pool). Every step (:meth:`Scheduler.schedule`):
 
 1. **Decode the running groups**, oldest first: each live sequence gets the slot of one
-   more token. When the pool cannot give a group its blocks, the *most recently
-   admitted* group is preempted, all of it: ``recompute`` frees its blocks and puts it
-   at the front of ``waiting``; ``swap`` copies its blocks to the CPU pool.
+   more token. When the pool cannot give a group its blocks, a group is preempted, all
+   of it (:func:`~paged_lib.engine.policy.choose_victim`: the *most recently admitted*):
+   ``recompute`` frees its blocks and puts it at the front of ``waiting``; ``swap``
+   copies its blocks to the CPU pool.
 2. **Swap in** swapped groups, first come first served, if nothing was preempted this
    step and they fit.
 3. **Admit** waiting groups, first come first served, while :func:`can_admit` says yes
@@ -33,7 +34,9 @@ asserts one sequence) and aborts the run when the CPU swap space is full. Here
 full); only the prompt is shared again (beams that shared more history share less for
 a step or two, until beam search forks them again).
 
-Admission never splits a group: its blocks are counted for all its sequences at once.
+Admission never splits a group: its blocks are counted for all its sequences at once,
+shared ones once (:func:`~paged_lib.engine.block_manager.num_required_blocks`), and
+the blocks promised to a shared recompute's tails are not given to anyone else.
 One exception to the limits keeps every request moving: a group that would be alone in
 an empty step is admitted (or swapped in) whenever its blocks are free, even if its
 tokens exceed ``max_num_batched_tokens`` or it would eat into the watermark.
