@@ -81,8 +81,7 @@ def test_a_replacement_beam_step_is_used(hf, prompts, reference):
     engine = LLMEngine(TinyLlama.from_hf(hf), 64, 4, beam_step=my_beam_step)
     check(engine.generate(prompts[:1], SamplingParams(MAX_TOKENS, beam_width=WIDTH)),
           reference[:1])
-    # every step but the last, where the best WIDTH candidates all finish
-    assert len(calls) == MAX_TOKENS - 1
+    assert len(calls) == MAX_TOKENS  # every step, the last one too
 
 
 def test_a_beam_step_that_forgets_to_free_is_caught_as_a_leak(hf, prompts):
@@ -215,9 +214,9 @@ def test_beam_options_are_checked(hf, params, match):
 def test_split_candidates_ends_eos_only_among_the_best_width():
     # beam 0 at -1.0, beam 1 at -2.0; EOS is token 9; width 2 keeps the best 4
     cands = [[(9, -0.1), (5, -0.2), (6, -3.0)], [(9, -0.05), (7, -0.3)]]
-    ended, going_on = split_candidates([-1.0, -2.0], cands, 2, eos_token_id=9, last=False)
+    ended, going_on = split_candidates([-1.0, -2.0], cands, 2, eos_token_id=9)
     # sorted: (0,9) -1.1, (0,5) -1.2, (1,9) -2.05, (1,7) -2.3, (0,6) -4.0
     assert ended == [(0, 9, pytest.approx(-1.1))]  # (1, 9) is 3rd: not among the best 2
     assert going_on == [[(5, -0.2), (6, -3.0)], [(7, -0.3)]]  # each beam's best 2 non-EOS
-    ended, going_on = split_candidates([-1.0, -2.0], cands, 2, eos_token_id=9, last=True)
-    assert [(p, t) for p, t, _ in ended] == [(0, 9), (0, 5)] and going_on == [[], []]
+    ended, going_on = split_candidates([-1.0, -2.0], cands, 2, eos_token_id=None)
+    assert ended == [] and going_on == [[(9, -0.1), (5, -0.2)], [(9, -0.05), (7, -0.3)]]

@@ -37,9 +37,9 @@ engine takes a replacement for each as a keyword argument (default: the library'
   (:func:`~paged_lib.engine.block_manager.swap_mapping`, chapter 07);
 * ``beam_step(tables, cum_logprobs, candidates, beam_width) -> [(parent, table, token,
   cum_logprob), ...]`` (:func:`~paged_lib.engine.beam_search.beam_step`, chapter 08): the
-  engine hands it each beam's ``beam_width`` best candidates that are not EOS (those
-  that are become finished hypotheses first), and does not call it at ``max_tokens``,
-  where the best ``beam_width`` candidates all end.
+  engine calls it every step with each beam's ``beam_width`` best candidates that are not
+  EOS (EOS ones among the best ``beam_width`` become finished hypotheses first); at
+  ``max_tokens`` the beams it picks all finish.
 
 Options: ``preemption="recompute" | "swap"``, ``scheduling="mixed" | "prefill_first"``
 (Orca's iteration-level batching, or vLLM v0's prefills-then-decodes steps).

@@ -20,7 +20,8 @@ the candidates among the best ``W`` of all beams that end in EOS become *finishe
 hypotheses* (scored ``cumulative_logprob / length ** length_penalty``; the best ``W``
 are kept), the best ``W`` that do not end go on through :func:`beam_step`,
 and the search stops as ``early_stopping`` says (:func:`search_is_done`). At
-``max_tokens`` the best ``W`` candidates all finish. A beam that ends frees its blocks.
+``max_tokens`` the ``W`` beams :func:`beam_step` picks all finish. A beam that ends frees
+its blocks.
 """
 
 from __future__ import annotations
@@ -72,24 +73,23 @@ def beam_score(hyp: Hypothesis, length_penalty: float) -> float:
 
 
 def split_candidates(cum_logprobs: list[float], candidates: list[list[Candidate]],
-                     beam_width: int, eos_token_id: int | None, last: bool
+                     beam_width: int, eos_token_id: int | None
                      ) -> tuple[list[tuple[int, int, float]], list[list[Candidate]]]:
-    """Which candidates end the beam, and which may go on.
+    """Which candidates end their beam at EOS, and which may go on.
 
     ``candidates[i]`` are beam ``i``'s options, best first. Returns ``(ended, going_on)``:
-    ``ended`` lists ``(parent, token, cum_logprob)`` for the candidates among the best
-    ``beam_width`` of all beams (by cumulative log-probability) that end: their token is
-    EOS, or ``last`` (this token reaches ``max_tokens``). ``going_on[i]`` holds beam
-    ``i``'s best ``beam_width`` options that are not EOS (none when ``last``): without
-    EOS, exactly what :func:`beam_step` always got.
+    ``ended`` lists ``(parent, token, cum_logprob)`` for the EOS candidates among the
+    best ``beam_width`` of all beams (by cumulative log-probability); ``going_on[i]``
+    holds beam ``i``'s best ``beam_width`` options that are not EOS: without EOS,
+    exactly what :func:`beam_step` always got.
     """
     scored = sorted(((cum_logprobs[i] + lp, i, rank, tok)
                      for i, options in enumerate(candidates)
                      for rank, (tok, lp) in enumerate(options)),
                     key=lambda c: (-c[0], c[1], c[2]))
     ended = [(i, tok, cum) for cum, i, _, tok in scored[:beam_width]
-             if last or tok == eos_token_id]
-    going_on = [[] if last else [c for c in options if c[0] != eos_token_id][:beam_width]
+             if eos_token_id is not None and tok == eos_token_id]
+    going_on = [[c for c in options if c[0] != eos_token_id][:beam_width]
                 for options in candidates]
     return ended, going_on
 
@@ -131,24 +131,25 @@ def update_beams(group: SequenceGroup, beams: list[Sequence], candidates: list[l
     done, every beam still running is finished and its blocks freed.
     """
     params = group.params
-    eos = None if params.ignore_eos else eos_token_id
     outputs = [list(b.output_token_ids) for b in beams]  # before anyone changes
     last = len(outputs[0]) + 1 >= params.max_tokens
+    # at max_tokens every candidate ends: the best beam_width, EOS or not, as picked below
+    eos = None if params.ignore_eos or last else eos_token_id
     cums = [b.cumulative_logprob for b in beams]
-    ended, going_on = split_candidates(cums, candidates, params.beam_width, eos, last)
+    ended, going_on = split_candidates(cums, candidates, params.beam_width, eos)
     group.beam_done = keep_best(group.beam_done,
                                 [(outputs[p] + [tok], cum) for p, tok, cum in ended], params)
-    if last:
-        for beam in beams:
-            _end(beam)
-        return
     new = step_fn([b.block_table for b in beams], cums, going_on, params.beam_width)
     want = min(params.beam_width, sum(len(c) for c in going_on))
     if len(new) != want:
         raise ValueError(f"beam_step returned {len(new)} beams, expected {want}")
     group.seqs = _rebuild(group, beams, outputs, new)
+    if last:
+        group.beam_done = keep_best(group.beam_done, [(list(s.output_token_ids),
+                                                       s.cumulative_logprob)
+                                                      for s in group.seqs], params)
     best = max((s.cumulative_logprob for s in group.seqs), default=None)
-    if search_is_done(group.beam_done, best, len(outputs[0]) + 1, params):
+    if last or search_is_done(group.beam_done, best, len(outputs[0]) + 1, params):
         for beam in group.seqs:
             _end(beam)
 
