@@ -132,3 +132,35 @@ def test_a_group_that_truly_cannot_fit_fails_alone(model, texts, mode, params, n
         assert outs[1].outputs == [] and "can never run" in outs[1].error
         assert f"needs up to {need} blocks" in outs[1].error
         assert "sharing the prompt's 16 full blocks" in outs[1].error
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_part_filled_prompt_block_is_copied_on_write_when_the_tails_return(model, texts,
+                                                                              backend):
+    """10-token prompt at block size 4: its last block holds 2 tokens, so the tails step
+    copies it for all but one of the 3 samples; the NaN-filled caches prove every
+    position a tail attends to was written (by the prompt step or the copy)."""
+    long, prompt = texts[0][:30], texts[1][:10]
+    params = SamplingParams(12, temperature=1.0, n=3, seed=3)
+    engine = LLMEngine(model, 14, BLOCK, attention_backend=backend, watermark=0.0)
+    steps, execute = [], engine.runner.execute
+
+    def recording_execute(out):
+        steps.append(out)
+        return execute(out)
+
+    engine.runner.execute = recording_execute
+    outs = engine.generate([long, prompt], [SamplingParams(12, ignore_eos=True), params])
+    timeline = engine.stats.requests[1]
+    assert timeline.preempted_steps, "the scenario must preempt the group"
+    back = timeline.admitted_steps[1]
+    prompt_step, tails_step = steps[back], steps[back + 1]
+    assert [(s.num_new_tokens, s.sample) for s in prompt_step.scheduled
+            if s.group.request_id == 1] == [(10, False)]
+    made = timeline.preempted_steps[0] - timeline.admitted_steps[0]
+    assert [s.num_new_tokens for s in tails_step.scheduled if s.group.request_id == 1] == [made] * 3
+    assert len(tails_step.blocks_to_copy) == 2  # the shared part-filled block, twice
+    assert engine.stats.recomputed_tokens == 10 + 3 * made
+    alone = LLMEngine(model, 64, BLOCK).generate([prompt], params)[0]
+    assert tokens(outs[1]) == tokens(alone)
+    assert engine.block_manager.num_free_blocks == 14
