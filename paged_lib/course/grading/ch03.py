@@ -39,9 +39,11 @@ _APPEND_SCENARIOS: list[tuple[str, int, tuple[int, ...] | None, int, list[tuple]
     ("fork when the last block is exactly full (block size 4, 8 tokens)", 6, None, 4,
      [("append", "parent", 8), ("fork", "parent", "child"), ("append", "child", 2),
       ("append", "parent", 2), ("free", "parent"), ("append", "child", 3)]),
-    ("two forks of a 40-token prompt (block size 16, free list 5, 2, 9, 10, 11)", 12,
-     (5, 2, 9, 10, 11), 16,
-     [("append", "parent", 40), ("fork", "parent", "s1"), ("fork", "parent", "s2"),
+    # Not 03.4's scenario (40 tokens, free list 5, 2, 9, 10, 11): a ❌ here prints the
+    # expected slots, which must not be that exercise's answers.
+    ("two forks of a 21-token prompt (block size 8, free list 7, 3, 11, 1, 4)", 12,
+     (7, 3, 11, 1, 4), 8,
+     [("append", "parent", 21), ("fork", "parent", "s1"), ("fork", "parent", "s2"),
       ("append", "s1", 1), ("append", "s2", 1), ("append", "parent", 1)]),
     ("copy-on-write with no free block (pool of 2, block size 2)", 2, None, 2,
      [("append", "parent", 3), ("fork", "parent", "child"), ("append", "child", 1),
