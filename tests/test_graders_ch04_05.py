@@ -432,6 +432,8 @@ def _online_attention(q_ptr, k_ptr, v_ptr, out_ptr, N, scale, D: tl.constexpr,
             k = tl.load(k_ptr + offs, mask=valid[:, None], other=0.0)
         v = tl.load(v_ptr + offs, mask=valid[:, None], other=0.0)
         s = tl.where(valid, tl.sum(k * q[None, :], axis=1) * scale, float("-inf"))
+        if BUG == 5:  # scale forgotten
+            s = tl.where(valid, tl.sum(k * q[None, :], axis=1), float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=0))
         if BUG == 2:  # exp of the raw scores
             alpha = 1.0
@@ -442,6 +444,8 @@ def _online_attention(q_ptr, k_ptr, v_ptr, out_ptr, N, scale, D: tl.constexpr,
         if BUG == 1:  # no rescale of what was summed so far
             alpha = 1.0
         l_i = l_i * alpha + tl.sum(p, axis=0)
+        if BUG == 6:  # probabilities rounded to float16 before they weigh V
+            p = p.to(tl.float16).to(tl.float32)
         acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
         m_i = m_new
     tl.store(out_ptr + b * D + d, acc / l_i)
@@ -453,7 +457,7 @@ def test_online_attention_grader(capsys):
     assert _verdict(capsys, check, _online_attention).startswith("✅ [05.4]")
     assert _verdict(capsys, check, _stub_kernel).startswith("⏳ [05.4]")
     for bug, words in [(1, "rescale l and acc"), (2, "NaN or inf"), (3, "without a mask"),
-                       (4, "times over")]:
+                       (4, "times over"), (5, "it was left out"), (6, "rounded to float16")]:
         _expect_fail(capsys, check, Bugged(_online_attention, bug), "05.4", words)
 
 

@@ -65,6 +65,17 @@ def decode_slips(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return out
 
 
+def contiguous_slips(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                     tile: int) -> dict[str, torch.Tensor]:
+    """Like :func:`decode_slips` for one head per batch row over contiguous K/V
+    (``q [batch, d]``, ``k``/``v [batch, n, d]``, read ``tile`` keys at a time: 05.4)."""
+    out = {}
+    for name in ("no rescale", "fp16 p", "no scale"):
+        out[name] = torch.stack([_attend(q[b].double(), k[b].double(), v[b].double(), scale,
+                                         tile, slip=name) for b in range(q.shape[0])])
+    return out
+
+
 def name_slip(got: torch.Tensor, expected: torch.Tensor, slips: dict[str, torch.Tensor]
               ) -> str | None:
     """The hint of the slip that explains ``got`` far better than ``expected`` does."""

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from paged_lib.course import grading
+from paged_lib.course.grading.ch04_slips import contiguous_slips, name_slip
 from paged_lib.course.grading.ch05_common import (
     NAN,
     OUT_GUARD,
@@ -176,10 +177,15 @@ def check_online_attention(kernel: Any) -> None:
             if got[0].isnan().any() or got[0].isinf().any():
                 grading.fail(f"{what}: scores in the hundreds gave NaN or inf",
                              hint="exponentiate s - m_new, never s itself: exp(200) overflows")
+            named = None
+            if got.shape == expected.shape and not torch.allclose(got, expected, atol=1e-4,
+                                                                  rtol=1e-4):
+                named = name_slip(got, expected.double(),
+                                  contiguous_slips(q, k, v, scale, tile))
             grading.expect_tensor_close(
                 got, expected, f"{what}, out", atol=1e-4, rtol=1e-4,
-                hint="when the max grows, rescale l and acc by alpha = exp(m_old - m_new) "
-                     "before adding the new tile; the last tile is partial (N % TILE)")
+                hint=named or "compare with the spec: one softmax over all N scores; the "
+                              "last tile is partial (N % TILE), its missing keys weigh 0")
 
 
 def _check_tiles(trace: LoadTrace, kv: Guarded, name: str, n: int, d: int, tile: int,
