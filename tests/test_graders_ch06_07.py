@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from paged_lib.course.grading import ch06, ch07
-from paged_lib.engine.block_manager import swap_mapping
+from paged_lib.engine.block_manager import num_required_blocks, swap_mapping
 from paged_lib.engine.model_runner import build_metadata
-from paged_lib.engine.scheduler import can_admit
+from paged_lib.engine.policy import can_admit
 from paged_lib.model import AttentionMetadata
 
 
@@ -54,9 +54,10 @@ def meta_with(slot_fn=None, pad=-1, all_positions=False, slot_dtype=torch.int64,
     return fn
 
 
-def test_06_1_the_library_and_a_correct_answer_pass(capsys):
-    for answer in (build_metadata, meta_with()):
-        assert verdict(capsys, ch06.check_build_metadata, answer).startswith("✅ [06.1]")
+def test_06_1_a_correct_answer_passes_and_the_library_is_refused(capsys):
+    assert verdict(capsys, ch06.check_build_metadata, meta_with()).startswith("✅ [06.1]")
+    out = verdict(capsys, ch06.check_build_metadata, build_metadata)
+    assert out.startswith("❌ [06.1]") and "you passed the library's build_metadata" in out
 
 
 @pytest.mark.parametrize("wrong, hint", [
@@ -67,7 +68,7 @@ def test_06_1_the_library_and_a_correct_answer_pass(capsys):
     (meta_with(table_dtype=torch.int64), "block_tables is torch.int32"),
     (meta_with(all_positions=True), "only the new tokens get a slot"),
     (meta_with(in_place=True), "changed the block tables it was given"),
-    (lambda *a: build_metadata(*a).__dict__, "expected an AttentionMetadata"),
+    (lambda *a: meta_with()(*a).__dict__, "expected an AttentionMetadata"),
 ])
 def test_06_1_wrong_answers_get_a_named_hint(capsys, wrong, hint):
     out = verdict(capsys, ch06.check_build_metadata, wrong)
@@ -76,14 +77,105 @@ def test_06_1_wrong_answers_get_a_named_hint(capsys, wrong, hint):
 
 def test_06_1_wrong_positions_are_named(capsys):
     def zero_based(block_tables, seq_lens, query_lens, block_size):
-        meta = build_metadata(block_tables, seq_lens, query_lens, block_size)
+        meta = meta_with()(block_tables, seq_lens, query_lens, block_size)
         meta.positions = torch.arange(meta.positions.numel(), dtype=torch.int64)
         return meta
     out = verdict(capsys, ch06.check_build_metadata, zero_based)
     assert out.startswith("❌ [06.1]") and "positions" in out, out
 
 
-# ---------------------------------------------------------------- 06.2 can_admit
+# ---------------------------------------------------------------- 06.2 num_required_blocks
+
+
+def required_correct(group, block_size):
+    seqs = group.live_seqs()
+    if len(seqs) == 1:
+        return -(-seqs[0].num_tokens // block_size)
+    prompt = len(group.prompt_token_ids)
+    base = -(-prompt // block_size)
+    tails = sum(-(-s.num_tokens // block_size) - base for s in seqs)
+    return base + tails + (len(seqs) - 1 if prompt % block_size else 0)
+
+
+def required_per_sample(group, block_size):  # the prompt's blocks once per sample
+    if len(group.seqs) == 1:
+        return group.params.n * -(-group.seqs[0].num_tokens // block_size)
+    return required_correct(group, block_size)
+
+
+def required_prompt_only(group, block_size):  # a recomputed sequence's output forgotten
+    if len(group.live_seqs()) == 1:
+        return -(-len(group.prompt_token_ids) // block_size)
+    return required_correct(group, block_size)
+
+
+def required_no_sharing(group, block_size):  # each sequence's whole text
+    return sum(-(-s.num_tokens // block_size) for s in group.live_seqs())
+
+
+def required_no_cow(group, block_size):  # the part-filled prompt block's copies forgotten
+    seqs = group.live_seqs()
+    if len(seqs) == 1:
+        return required_correct(group, block_size)
+    base = -(-len(group.prompt_token_ids) // block_size)
+    return base + sum(-(-s.num_tokens // block_size) - base for s in seqs)
+
+
+def required_copy_for_all(group, block_size):  # the last holder copies too
+    extra = len(group.live_seqs()) > 1 and len(group.prompt_token_ids) % block_size
+    return required_correct(group, block_size) + bool(extra)
+
+
+def required_finished_too(group, block_size):  # finished sequences counted
+    class All:
+        seqs = group.seqs
+        prompt_token_ids = group.prompt_token_ids
+        params = group.params
+
+        def live_seqs(self):
+            return group.seqs
+    return required_correct(All(), block_size)
+
+
+def required_rounds_down(group, block_size):
+    seqs = group.live_seqs()
+    if len(seqs) == 1:
+        return seqs[0].num_tokens // block_size
+    return required_correct(group, block_size)
+
+
+def required_float(group, block_size):
+    return float(required_correct(group, block_size))
+
+
+def test_06_2_a_correct_answer_passes(capsys):
+    assert verdict(capsys, ch06.check_num_required_blocks,
+                   required_correct).startswith("✅ [06.2]")
+
+
+@pytest.mark.parametrize("wrong, hint", [
+    (required_per_sample, "not once per sample"),
+    (required_prompt_only, "the prompt *and* the tokens it generated"),
+    (required_no_sharing, "count the prompt's blocks once, then each sequence's own tail"),
+    (required_no_cow, "forgot the copy-on-write of the part-filled last prompt block"),
+    (required_copy_for_all, "one copy too many"),
+    (required_finished_too, "finished sequences take no blocks"),
+    (required_rounds_down, "the partly filled last block counts too"),
+    (required_float, "expected an int"),
+    (num_required_blocks, "you passed the library's num_required_blocks"),
+    (lambda g, b: num_required_blocks(g, b), "your function called the library's"),
+])
+def test_06_2_wrong_answers_get_a_named_hint(capsys, wrong, hint):
+    out = verdict(capsys, ch06.check_num_required_blocks, wrong)
+    assert out.startswith("❌ [06.2]") and hint in out, out
+
+
+# ---------------------------------------------------------------- 06.3 can_admit
+
+
+def admit_correct(need, seqs, tokens, b):
+    return (b.free_blocks - need >= b.watermark_blocks and b.num_seqs + seqs <= b.max_num_seqs
+            and b.num_batched_tokens + tokens <= b.max_num_batched_tokens)
 
 
 def admit_no_watermark(need, seqs, tokens, b):
@@ -96,13 +188,19 @@ def admit_strict(need, seqs, tokens, b):
             and b.num_batched_tokens + tokens <= b.max_num_batched_tokens)
 
 
+def admit_watermark_per_seq(need, seqs, tokens, b):
+    return (b.free_blocks - need >= b.watermark_blocks * seqs
+            and b.num_seqs + seqs <= b.max_num_seqs
+            and b.num_batched_tokens + tokens <= b.max_num_batched_tokens)
+
+
 def admit_past_max_seqs(need, seqs, tokens, b):
     return (b.free_blocks - need >= b.watermark_blocks
             and b.num_batched_tokens + tokens <= b.max_num_batched_tokens)
 
 
 def admit_one_seq_per_group(need, seqs, tokens, b):
-    return can_admit(need, 1, tokens, b)
+    return admit_correct(need, 1, tokens, b)
 
 
 def admit_ignores_tokens(need, seqs, tokens, b):
@@ -110,36 +208,40 @@ def admit_ignores_tokens(need, seqs, tokens, b):
 
 
 def admit_as_int(need, seqs, tokens, b):
-    return int(can_admit(need, seqs, tokens, b))
+    return int(admit_correct(need, seqs, tokens, b))
 
 
-def test_06_2_the_library_passes(capsys):
-    assert verdict(capsys, ch06.check_can_admit, can_admit).startswith("✅ [06.2]")
+def test_06_3_a_correct_answer_passes(capsys):
+    assert verdict(capsys, ch06.check_can_admit, admit_correct).startswith("✅ [06.3]")
 
 
 @pytest.mark.parametrize("wrong, hint", [
     (admit_no_watermark, "ignores the watermark"),
     (admit_strict, "off by one at the watermark"),
+    (admit_watermark_per_seq, "not watermark_blocks per sequence"),
     (admit_past_max_seqs, "admitting past max_num_seqs"),
     (admit_one_seq_per_group, "a group brings num_seqs sequences"),
-    (admit_ignores_tokens, "admitting past max_num_batched_tokens"),
+    (admit_ignores_tokens, "ignored the step's token budget"),
     (admit_as_int, "return True or False"),
+    (lambda *a: can_admit(*a), "your function called the library's can_admit"),
 ])
-def test_06_2_wrong_answers_get_a_named_hint(capsys, wrong, hint):
+def test_06_3_wrong_answers_get_a_named_hint(capsys, wrong, hint):
     out = verdict(capsys, ch06.check_can_admit, wrong)
-    assert out.startswith("❌ [06.2]") and hint in out, out
+    assert out.startswith("❌ [06.3]") and hint in out, out
 
 
 def test_06_not_attempted_is_not_a_failure(capsys):
     def stub(*args):
         raise NotImplementedError()
-    for check, ex in ((ch06.check_build_metadata, "06.1"), (ch06.check_can_admit, "06.2")):
+    for check, ex in ((ch06.check_build_metadata, "06.1"),
+                      (ch06.check_num_required_blocks, "06.2"), (ch06.check_can_admit, "06.3")):
         assert verdict(capsys, check, stub).startswith(f"⏳ [{ex}]")
 
 
 def test_graders_declare_their_twins():
     assert ch06.TWINS == {"06.1": "paged_lib.engine.model_runner.build_metadata",
-                          "06.2": "paged_lib.engine.scheduler.can_admit"}
+                          "06.2": "paged_lib.engine.block_manager.num_required_blocks",
+                          "06.3": "paged_lib.engine.policy.can_admit"}
 
 
 # ---------------------------------------------------------------- 07.1 swap_mapping
@@ -223,16 +325,17 @@ def tiny_model():
 
 
 def test_06_demo_runs_the_trace_with_the_learners_functions(capsys, tiny_model):
-    figs = ch06.run_demo(meta_with(), can_admit, model=tiny_model)
+    figs = ch06.run_demo(meta_with(), required_correct, admit_correct, model=tiny_model)
     out = capsys.readouterr().out
     assert "served 48 requests" in out and "tokens equal" in out and "equal it" in out, out
+    assert "pressure trace" in out and "DIFFER" not in out, out
     assert len(figs) == 2
 
 
 def test_06_demo_waits_for_unfinished_exercises(capsys, tiny_model):
     def stub(*args):
         raise NotImplementedError()
-    assert ch06.run_demo(build_metadata, stub, model=tiny_model) == []
+    assert ch06.run_demo(build_metadata, stub, can_admit, model=tiny_model) == []
     assert capsys.readouterr().out.startswith("⏳")
 
 

@@ -4,11 +4,13 @@
   field by field with :func:`paged_lib.engine.model_runner.build_metadata` on hand-made
   batches (prefill and decode mixed, tables in scrambled block order, full last blocks,
   block size 1) and seeded random ones; dtypes are part of the answer.
-* 06.2 ``can_admit``: the scheduler's admission check, on boundary cases of each limit
-  (watermark, free blocks, ``max_num_seqs``, ``max_num_batched_tokens``).
+* 06.2 ``num_required_blocks`` and 06.3 ``can_admit``: how many blocks a waiting group
+  takes, and whether it may join the step (:mod:`paged_lib.course.grading.ch06_admission`).
 
-:func:`run_demo` then serves the chapter's trace with the learner's two functions plugged
-into :class:`~paged_lib.engine.LLMEngine` and compares everything with the library's run.
+:func:`run_demo` then serves the chapter's trace with the learner's three functions plugged
+into :class:`~paged_lib.engine.LLMEngine` (``build_metadata=``, ``num_required_blocks=``,
+``admission=``), then chapter 07's pressure trace, whose preempted groups of two samples
+come back through ``num_required_blocks``, and compares everything with the library's runs.
 """
 
 from __future__ import annotations
@@ -20,16 +22,22 @@ from typing import Any
 import torch
 
 from paged_lib.course import grading
+from paged_lib.course.grading.ch06_admission import check_can_admit, check_num_required_blocks
 from paged_lib.engine.model_runner import build_metadata as lib_build_metadata
-from paged_lib.engine.scheduler import Budget
-from paged_lib.engine.scheduler import can_admit as lib_can_admit
 from paged_lib.model import AttentionMetadata
 from paged_lib.util import cdiv
+
+__all__ = ["REFUSE_TWINS", "TWINS", "check_build_metadata", "check_can_admit",
+           "check_num_required_blocks", "run_demo"]
+
+#: While a check runs, the learner's code may not call the library's twin.
+REFUSE_TWINS = True
 
 #: Exercise id -> the library object the learner's code re-implements.
 TWINS: dict[str, str] = {
     "06.1": "paged_lib.engine.model_runner.build_metadata",
-    "06.2": "paged_lib.engine.scheduler.can_admit",
+    "06.2": "paged_lib.engine.block_manager.num_required_blocks",
+    "06.3": "paged_lib.engine.policy.can_admit",
 }
 
 # ------------------------------------------------------------------ 06.1 build_metadata
@@ -175,101 +183,58 @@ def _physical_blocks(tables, seq_lens, query_lens, block_size) -> list[int]:
             for p in range(n - q, n)]
 
 
-# ------------------------------------------------------------------ 06.2 can_admit
-
-def _budget(free, watermark=0, num_seqs=0, max_num_seqs=256, tokens=0, max_tokens=4096):
-    return Budget(free, watermark, num_seqs, max_num_seqs, tokens, max_tokens)
-
-
-#: (what, blocks_needed, num_seqs, num_tokens, budget, hint if the answer is wrong)
-_ADMISSION_CASES = [
-    ("plenty of room: 3 blocks needed, 50 free", 3, 1, 20, _budget(50, 1),
-     "a group whose blocks are free (watermark kept) and that fits both step limits joins"),
-    ("10 free, watermark 1, needs 10", 10, 1, 70, _budget(10, 1),
-     "admission ignores the watermark: after taking its blocks at least watermark_blocks "
-     "must stay free, for the running sequences to grow"),
-    ("10 free, watermark 1, needs 9 (exactly the watermark stays free)", 9, 1, 70,
-     _budget(10, 1),
-     "off by one at the watermark: leaving exactly watermark_blocks free is allowed (>=)"),
-    ("10 free, watermark 0, needs 10 (every free block)", 10, 1, 70, _budget(10, 0),
-     "off by one: with watermark 0 a group may take every free block"),
-    ("5 free, watermark 0, needs 6", 6, 1, 40, _budget(5, 0),
-     "a group needing more blocks than are free can never be admitted"),
-    ("max_num_seqs 4, 3 scheduled, group of 1", 2, 1, 10,
-     _budget(50, 1, num_seqs=3, max_num_seqs=4),
-     "reaching max_num_seqs exactly is allowed (<=)"),
-    ("max_num_seqs 4, 4 scheduled, group of 1", 2, 1, 10,
-     _budget(50, 1, num_seqs=4, max_num_seqs=4),
-     "admitting past max_num_seqs: count the sequences already scheduled this step"),
-    ("max_num_seqs 4, 2 scheduled, group of 3 sequences", 2, 3, 10,
-     _budget(50, 1, num_seqs=2, max_num_seqs=4),
-     "a group brings num_seqs sequences (all admitted together), not 1"),
-    ("max_num_batched_tokens 100, 60 scheduled, 40 more", 5, 1, 40,
-     _budget(50, 1, tokens=60, max_tokens=100),
-     "reaching max_num_batched_tokens exactly is allowed (<=)"),
-    ("max_num_batched_tokens 100, 60 scheduled, 41 more", 5, 1, 41,
-     _budget(50, 1, tokens=60, max_tokens=100),
-     "admitting past max_num_batched_tokens: this step's tokens plus the group's prompt "
-     "must stay within it"),
-    ("an empty pool, nothing needed", 0, 1, 1, _budget(0, 0),
-     "0 blocks needed and watermark 0: it fits"),
-]
-
-
-def check_can_admit(can_admit: Callable[..., Any]) -> None:
-    """``can_admit(blocks_needed, num_seqs, num_tokens, budget) -> bool``."""
-    with grading.exercise("06.2", "Admission check"):
-        for what, need, seqs, tokens, budget, hint in _ADMISSION_CASES:
-            want = lib_can_admit(need, seqs, tokens, budget)
-            got = can_admit(need, seqs, tokens, budget)
-            grading.expect_true(type(got) is bool,
-                                f"case '{what}': returned {got!r} ({type(got).__name__}), "
-                                "expected a bool",
-                                "return True or False (a comparison's result), not a "
-                                "number or None")
-            grading.expect_equal(got, want, f"case '{what}' with {budget}", hint)
-
-
 # ------------------------------------------------------------------ the demo
 
 
-def run_demo(build_metadata: Callable[..., Any], can_admit: Callable[..., Any],
-             model: Any = None) -> list[Any]:
-    """Serve the chapter's trace with the learner's two functions inside the engine.
+def run_demo(build_metadata: Callable[..., Any], num_required_blocks: Callable[..., Any],
+             can_admit: Callable[..., Any], model: Any = None) -> list[Any]:
+    """Serve the chapter's trace with the learner's three functions inside the engine.
 
     Prints what the run did and whether every token and every step's numbers equal the
-    library engine's; returns the chapter's two figures drawn from the learner's run.
+    library engine's; then serves chapter 07's pressure trace (recompute: preempted
+    groups of two samples come back with their shared prompt) with the learner's
+    admission the same way. Returns the chapter's two figures drawn from the learner's run.
     """
     from paged_lib.course.demos import engine_compare as ec
+    from paged_lib.course.grading import ch07
     from paged_lib.course.viz import engine as viz
     from paged_lib.engine import LLMEngine
     from paged_lib.model import load_tiny_code_llama
 
     model = model if model is not None else load_tiny_code_llama()
-    trace = ec.chapter_trace()
-    prompts, params = ec.chapter_requests(trace)
-    mine = LLMEngine(model, ec.NUM_BLOCKS, ec.BLOCK_SIZE, admission=can_admit,
-                     build_metadata=build_metadata)
-    try:
+    hooks = dict(admission=can_admit, build_metadata=build_metadata,
+                 num_required_blocks=num_required_blocks)
+
+    def serve(prompts, params, num_blocks, block_size):
+        mine = LLMEngine(model, num_blocks, block_size, **hooks)
         outs = mine.generate(prompts, params)
-    except NotImplementedError:
-        print("⏳ finish exercises 06.1 and 06.2, then run this cell again: your functions "
-              "will serve the chapter's trace")
-        return []
-    except Exception as err:  # a learner's bug: say so in one line
-        print(f"❌ the engine with your functions raised {type(err).__name__}: {err}")
-        return []
-    lib = LLMEngine(model, ec.NUM_BLOCKS, ec.BLOCK_SIZE)
-    ref = lib.generate(prompts, params)
-    s, r = mine.stats, lib.stats
-    same_tokens = [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids
-                                                             for o in ref]
-    same_steps = (s.batch_sizes, s.blocks_used) == (r.batch_sizes, r.blocks_used)
-    print(f"your engine served {len(outs)} requests in {s.steps} steps "
-          f"({s.generated_tokens} tokens, {s.preemptions} preemptions, "
-          f"peak {s.peak_blocks_used} of {s.num_blocks} blocks)")
-    print(f"tokens {'equal' if same_tokens else 'DIFFER from'} the library engine's; "
-          f"batch sizes and blocks per step {'equal' if same_steps else 'DIFFER from'} it")
-    static = ec.static_stats(trace)
-    return [viz.plot_batching({"paged (your engine)": s, "static, max-length": static}),
-            viz.plot_timeline(s, "your engine: requests over time")]
+        lib = LLMEngine(model, num_blocks, block_size)
+        ref = lib.generate(prompts, params)
+        same_tokens = [[c.token_ids for c in o.outputs] for o in outs] == \
+            [[c.token_ids for c in o.outputs] for o in ref]
+        s, r = mine.stats, lib.stats
+        same_steps = (s.batch_sizes, s.blocks_used, s.preemptions) == \
+            (r.batch_sizes, r.blocks_used, r.preemptions)
+        return outs, s, same_tokens, same_steps
+
+    def run():
+        trace = ec.chapter_trace()
+        outs, s, same_tokens, same_steps = serve(*ec.chapter_requests(trace), ec.NUM_BLOCKS,
+                                                 ec.BLOCK_SIZE)
+        print(f"your engine served {len(outs)} requests in {s.steps} steps "
+              f"({s.generated_tokens} tokens, {s.preemptions} preemptions, "
+              f"peak {s.peak_blocks_used} of {s.num_blocks} blocks)")
+        print(f"tokens {'equal' if same_tokens else 'DIFFER from'} the library engine's; "
+              f"batch sizes and blocks per step {'equal' if same_steps else 'DIFFER from'} it")
+        outs7, s7, tokens7, steps7 = serve(*ch07.pressure_requests(), ch07.PRESSURE_BLOCKS,
+                                           ch07.PRESSURE_BLOCK_SIZE)
+        print(f"chapter 07's pressure trace ({len(outs7)} requests on {s7.num_blocks} "
+              f"blocks, {s7.preemptions} preemptions): tokens "
+              f"{'equal' if tokens7 else 'DIFFER from'} the library's; steps "
+              f"{'equal' if steps7 else 'DIFFER from'} it")
+        static = ec.static_stats(trace)
+        return [viz.plot_batching({"paged (your engine)": s, "static, max-length": static}),
+                viz.plot_timeline(s, "your engine: requests over time")]
+
+    return grading.on_learner_code(run, "exercises 06.1-06.3",
+                                   "the engine with your functions") or []
