@@ -731,3 +731,19 @@ def test_03_1_never_prints_03_4s_answers(capsys):
         return Slot(table._blocks[-1], offset, None)
     out = verdict(capsys, ch03.check_append_token, no_copy)
     assert out.startswith("❌ [03.1]") and not any(s in out for s in shown), out
+
+
+def test_a_twin_held_before_the_check_still_refuses(capsys):
+    """Aliases made before the check (a default argument, a partial) reach the twin too."""
+    import functools
+
+    from paged_lib.util import cdiv
+
+    def by_default(n, b, _impl=cdiv):
+        return _impl(n, b)
+
+    held = functools.partial(cdiv)
+    for answer in (by_default, lambda n, b: held(n, b)):
+        out = verdict(capsys, ch00.check_ceil_div, answer)
+        assert out.startswith("❌ [00.1]") and "called the library's cdiv" in out, out
+    assert cdiv(17, 16) == 2 and cdiv.__code__.co_name == "cdiv"  # its own code again

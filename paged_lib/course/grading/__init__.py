@@ -211,8 +211,8 @@ def _learner_arguments() -> list[Any]:
 def _refusing_twin(dotted: str | None, calls: list[str]) -> Iterator[None]:
     """While the block runs, the twin refuses calls from outside ``paged_lib``.
 
-    The twin is replaced, where the learner can reach it (its module or class, and the
-    globals of the learner's functions), by a guard that runs the original for callers
+    The twin function gets a guard's code (:func:`_swap_in_guard`; for a closure, the
+    names the learner can reach are rebound instead) that runs the original for callers
     inside ``paged_lib`` (the grader's own reference) and raises :class:`TwinCalled`
     for anyone else. Everything is put back on the way out, errors included.
     """
@@ -226,7 +226,9 @@ def _refusing_twin(dotted: str | None, calls: list[str]) -> Iterator[None]:
             calls.append(f"you passed the library's {name} ({dotted}) itself, which "
                          "is what you are asked to write")
     patched: list[tuple[dict, str, Any]] = []
-    if isinstance(original, types.FunctionType):
+    undo = _swap_in_guard(original, dotted, calls) \
+        if isinstance(original, types.FunctionType) else None
+    if undo is None and isinstance(original, types.FunctionType):  # a closure: rebind names
         @functools.wraps(original)
         def guard(*args: Any, **kwargs: Any) -> Any:
             if sys._getframe(1).f_code.co_filename.startswith(_LIBRARY):
@@ -242,8 +244,7 @@ def _refusing_twin(dotted: str | None, calls: list[str]) -> Iterator[None]:
         spaces = [vars(owner)] if not isinstance(owner, type) else []
         spaces.append(getattr(sys.modules.get(original.__module__), "__dict__", None))
         spaces += [getattr(_unwrap(a), "__globals__", None) for a in _learner_arguments()]
-        main = sys.modules.get("__main__")
-        spaces.append(getattr(main, "__dict__", None))
+        spaces.append(getattr(sys.modules.get("__main__"), "__dict__", None))
         seen: set[int] = set()
         for space in spaces:
             if space is None or id(space) in seen:
@@ -256,11 +257,54 @@ def _refusing_twin(dotted: str | None, calls: list[str]) -> Iterator[None]:
     try:
         yield
     finally:
+        if undo is not None:
+            undo()
         for where, key, value in reversed(patched):
             if isinstance(where, type):
                 setattr(where, key, value)
             else:
                 where[key] = value
+
+
+#: id(twin) -> its dispatcher while a check runs (the guard's code looks itself up here).
+_GUARDS: dict[int, Callable[..., Any]] = {}
+
+
+def _swap_in_guard(original: types.FunctionType, dotted: str, calls: list[str]
+                   ) -> Callable[[], None] | None:
+    """Give the twin itself a guard's code, so every reference to it refuses (an alias,
+    a default argument, a partial made before the check); return what undoes it.
+
+    The guard runs a copy of the original for callers inside ``paged_lib``. A function
+    with a closure cannot take code without one: None, and the caller rebinds names.
+    """
+    if original.__closure__:
+        return None
+    clone = types.FunctionType(original.__code__, original.__globals__, original.__name__,
+                               original.__defaults__, original.__closure__)
+    clone.__kwdefaults__ = original.__kwdefaults__
+    key = id(original)
+
+    def dispatch(args: tuple, kwargs: dict, caller: str) -> Any:
+        if caller.startswith(_LIBRARY):
+            return clone(*args, **kwargs)
+        calls.append(_twin_message(dotted))
+        raise TwinCalled(_twin_message(dotted))
+
+    source = ("def guard(*args, **kwargs):\n    import sys\n"
+              f"    return sys.modules[{__name__!r}]._GUARDS[{key}](args, kwargs, "
+              "sys._getframe(1).f_code.co_filename)\n")
+    space: dict[str, Any] = {}
+    exec(compile(source, f"<guard of {dotted}>", "exec"), space)
+    saved = original.__code__
+    _GUARDS[key] = dispatch
+    original.__code__ = space["guard"].__code__
+
+    def undo() -> None:
+        original.__code__ = saved
+        _GUARDS.pop(key, None)
+
+    return undo
 
 
 @contextlib.contextmanager
