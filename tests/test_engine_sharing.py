@@ -1,6 +1,6 @@
 """Sharing under memory pressure: a group of several sequences keeps sharing its prompt.
 
-The scenario of the issue: an ``n = 4`` group (64-token prompt, block size 4) served
+The scenario: an ``n = 4`` group (64-token prompt, block size 4) served
 beside a 200-token request in a 100-block pool, so that the group is preempted. With
 ``recompute`` it must get its prompt back once and share it again (as ``swap`` keeps it
 shared), and its samples must be the ones it makes alone.
@@ -64,7 +64,7 @@ def tokens(out):
 
 
 @pytest.mark.parametrize("params, prompt_len, num_blocks", [
-    (SAMPLES, 64, 100),     # the issue's scenario
+    (SAMPLES, 64, 100),     # the n = 4 scenario
     (BEAMS, 8, 68),         # beams share more than the prompt before the preemption
 ])
 def test_a_group_preempted_by_recompute_shares_its_prompt_again(model, texts, params,
