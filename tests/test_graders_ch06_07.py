@@ -8,7 +8,7 @@ import torch
 from paged_lib.course.grading import ch06, ch07
 from paged_lib.engine.block_manager import num_required_blocks, swap_mapping
 from paged_lib.engine.model_runner import build_metadata
-from paged_lib.engine.policy import can_admit
+from paged_lib.engine.policy import can_admit, choose_victim
 from paged_lib.model import AttentionMetadata
 
 
@@ -247,6 +247,14 @@ def test_graders_declare_their_twins():
 # ---------------------------------------------------------------- 07.1 swap_mapping
 
 
+def swap_correct(tables, allocate):
+    copies = {}
+    for b in (b for t in tables for b in t):
+        if b not in copies:
+            copies[b] = allocate()
+    return list(copies.items())
+
+
 def swap_copy_twice(tables, allocate):
     return [(b, allocate()) for t in tables for b in t]
 
@@ -261,11 +269,11 @@ def swap_leaks(tables, allocate):
 
 
 def swap_reversed(tables, allocate):
-    return [(dst, src) for src, dst in swap_mapping(tables, allocate)]
+    return [(dst, src) for src, dst in swap_correct(tables, allocate)]
 
 
 def swap_as_dict(tables, allocate):
-    return dict(swap_mapping(tables, allocate))
+    return dict(swap_correct(tables, allocate))
 
 
 def swap_sorted(tables, allocate):
@@ -281,8 +289,10 @@ def swap_in_place(tables, allocate):
     return [(b, b) for b in dict.fromkeys(b for t in tables for b in t)]
 
 
-def test_07_1_the_library_passes(capsys):
-    assert verdict(capsys, ch07.check_swap_mapping, swap_mapping).startswith("✅ [07.1]")
+def test_07_1_a_correct_answer_passes_and_the_library_is_refused(capsys):
+    assert verdict(capsys, ch07.check_swap_mapping, swap_correct).startswith("✅ [07.1]")
+    out = verdict(capsys, ch07.check_swap_mapping, lambda t, a: swap_mapping(t, a))
+    assert out.startswith("❌ [07.1]") and "called the library's swap_mapping" in out, out
 
 
 @pytest.mark.parametrize("wrong, hint", [
@@ -300,10 +310,79 @@ def test_07_1_wrong_answers_get_a_named_hint(capsys, wrong, hint):
 
 
 def test_07_1_not_attempted_and_twin(capsys):
-    def stub(tables, allocate):
+    def stub(*args):
         raise NotImplementedError()
     assert verdict(capsys, ch07.check_swap_mapping, stub).startswith("⏳ [07.1]")
-    assert ch07.TWINS == {"07.1": "paged_lib.engine.block_manager.swap_mapping"}
+    assert verdict(capsys, ch07.check_choose_victim, stub).startswith("⏳ [07.2]")
+    assert ch07.TWINS == {"07.1": "paged_lib.engine.block_manager.swap_mapping",
+                          "07.2": "paged_lib.engine.policy.choose_victim"}
+
+
+# ---------------------------------------------------------------- 07.2 choose_victim
+
+
+def victim_newest(running):
+    return running[-1]
+
+
+def victim_oldest(running):  # the group asking for the block
+    return running[0]
+
+
+def victim_most_generated(running):
+    return max(running, key=lambda g: len(g.seqs[0].output_token_ids))
+
+
+def victim_most_blocks(running):
+    return max(running, key=lambda g: len(g.seqs[0].block_table.blocks))
+
+
+def victim_fewest_generated(running):
+    return min(running, key=lambda g: len(g.seqs[0].output_token_ids))
+
+
+def victim_latest_arrival(running):
+    return max(running, key=lambda g: g.timeline.arrival_step)
+
+
+def victim_latest_admission_step(running):  # ties: the first of them
+    return max(running, key=lambda g: g.timeline.admitted_steps[-1])
+
+
+def victim_index(running):
+    return len(running) - 1
+
+
+def test_07_2_a_correct_answer_passes(capsys):
+    assert verdict(capsys, ch07.check_choose_victim, victim_newest).startswith("✅ [07.2]")
+
+
+@pytest.mark.parametrize("wrong, hint", [
+    (victim_oldest, "you preempted the oldest group"),
+    (victim_most_generated, "the most generated tokens"),
+    (victim_most_blocks, "holding the most blocks"),
+    (victim_fewest_generated, "you chose by generated tokens (fewest)"),
+    (victim_latest_arrival, "you chose by arrival"),
+    (victim_latest_admission_step, "groups admitted in the same step"),
+    (victim_index, "not an index"),
+    (choose_victim, "you passed the library's choose_victim"),
+    (lambda r: choose_victim(r), "your function called the library's choose_victim"),
+])
+def test_07_2_wrong_answers_get_a_named_hint(capsys, wrong, hint):
+    out = verdict(capsys, ch07.check_choose_victim, wrong)
+    assert out.startswith("❌ [07.2]") and hint in out, out
+
+
+def test_07_2_scenarios_say_what_the_wrong_rule_does(capsys):
+    """Past the hand-made lists, a wrong pick in the scheduler names its consequence."""
+    from paged_lib.course import grading
+    from paged_lib.course.grading import ch07_victim
+
+    with grading.exercise("07.2", "scenarios"):
+        ch07_victim.check_scenarios(victim_oldest)
+    out = capsys.readouterr().out
+    assert out.startswith("❌ [07.2]") and "run to the end, your rule finishes request 0" in out
+    assert "recomputes 34 tokens instead of 9" in out and "the oldest group" in out, out
 
 
 # ---------------------------------------------------------------- the demos
@@ -339,9 +418,12 @@ def test_06_demo_waits_for_unfinished_exercises(capsys, tiny_model):
     assert capsys.readouterr().out.startswith("⏳")
 
 
-def test_07_demo_swaps_with_the_learners_mapping(capsys, tiny_model):
-    ch07.run_demo(swap_mapping, model=tiny_model)
+def test_07_demo_preempts_with_the_learners_functions(capsys, tiny_model):
+    ch07.run_demo(swap_correct, victim_newest, model=tiny_model)
     out = capsys.readouterr().out
-    assert "every token equals" in out and "preemptions" in out, out
-    ch07.run_demo(swap_copy_twice, model=tiny_model)
-    assert capsys.readouterr().out.startswith("❌"), "a double copy must not pass silently"
+    assert out.count("every token equals") == 2 and "recompute, your choose_victim" in out, out
+    ch07.run_demo(swap_copy_twice, victim_newest, model=tiny_model)
+    out = capsys.readouterr().out
+    assert out.splitlines()[-1].startswith("❌"), "a double copy must not pass silently"
+    ch07.run_demo(swap_correct, victim_oldest, model=tiny_model)
+    assert "(library: 7" not in capsys.readouterr().out

@@ -7,8 +7,12 @@
   is a leak); then plugged into the engine's block manager for a swap out and back in,
   where both pools must end as they started.
 
-:func:`run_demo` serves the chapter's too-small pool with ``preemption="swap"`` and the
-learner's mapping inside the engine, and compares the tokens with the library's run.
+* 07.2 ``choose_victim``: which running group to preempt
+  (:mod:`paged_lib.course.grading.ch07_victim`).
+
+:func:`run_demo` serves the chapter's too-small pool with the learner's ``choose_victim``,
+by recompute, then by swap with the learner's mapping too, and compares the tokens, the
+preemptions and the copies with the library's runs.
 """
 
 from __future__ import annotations
@@ -18,12 +22,20 @@ from typing import Any
 
 from paged_lib.blocks import BlockTable
 from paged_lib.course import grading
+from paged_lib.course.grading.ch07_victim import check_choose_victim
 from paged_lib.engine.block_manager import BlockManager
 from paged_lib.engine.block_manager import swap_mapping as lib_swap_mapping
 from paged_lib.engine.sequence import SamplingParams, Sequence, SequenceGroup
 
+__all__ = ["PRESSURE_BLOCKS", "PRESSURE_BLOCK_SIZE", "REFUSE_TWINS", "TWINS",
+           "check_choose_victim", "check_swap_mapping", "pressure_requests", "run_demo"]
+
+#: While a check runs, the learner's code may not call the library's twin.
+REFUSE_TWINS = True
+
 #: Exercise id -> the library object the learner's code re-implements.
-TWINS: dict[str, str] = {"07.1": "paged_lib.engine.block_manager.swap_mapping"}
+TWINS: dict[str, str] = {"07.1": "paged_lib.engine.block_manager.swap_mapping",
+                         "07.2": "paged_lib.engine.policy.choose_victim"}
 
 #: name, tables, free blocks of the destination pool in allocation order
 _SCENARIOS: list[tuple[str, list[list[int]], list[int]]] = [
@@ -139,34 +151,43 @@ def _check_in_block_manager(fn) -> None:
 # ------------------------------------------------------------------ the demo
 
 
-def run_demo(swap_mapping: Callable[..., Any], model: Any = None) -> None:
-    """The chapter's too-small pool, served with ``preemption="swap"`` and the learner's
-    mapping, next to the library's run: same tokens, same swaps?"""
+def run_demo(swap_mapping: Callable[..., Any], choose_victim: Callable[..., Any],
+             model: Any = None) -> None:
+    """The chapter's too-small pool served with the learner's ``choose_victim``, by
+    recompute and by swap (with the learner's mapping), next to the library's runs."""
     from paged_lib.engine import LLMEngine
     from paged_lib.model import load_tiny_code_llama
 
     model = model if model is not None else load_tiny_code_llama()
     prompts, params = pressure_requests()
-    mine = LLMEngine(model, PRESSURE_BLOCKS, PRESSURE_BLOCK_SIZE, num_cpu_blocks=64,
-                     preemption="swap", swap_mapping=swap_mapping)
-    try:
+
+    def serve(mode: str, **hooks: Any) -> tuple[Any, Any, bool]:
+        kw = dict(num_cpu_blocks=64, preemption=mode)
+        mine = LLMEngine(model, PRESSURE_BLOCKS, PRESSURE_BLOCK_SIZE, **kw, **hooks)
         outs = mine.generate(prompts, params)
-    except NotImplementedError:
-        print("⏳ finish exercise 07.1, then run this cell again: your mapping will move "
-              "the blocks of every preempted request")
-        return
-    except Exception as err:  # a learner's bug: say so in one line
-        print(f"❌ the engine with your swap_mapping raised {type(err).__name__}: {err}")
-        return
-    lib = LLMEngine(model, PRESSURE_BLOCKS, PRESSURE_BLOCK_SIZE, num_cpu_blocks=64,
-                    preemption="swap")
-    ref = lib.generate(prompts, params)
-    same = [[c.token_ids for c in o.outputs] for o in outs] == \
-        [[c.token_ids for c in o.outputs] for o in ref]
-    s = mine.stats
-    print(f"{len(outs)} requests on {PRESSURE_BLOCKS} blocks: {s.preemptions} preemptions, "
-          f"{s.swapped_blocks} block copies (library: {lib.stats.swapped_blocks})")
-    print(f"every token {'equals' if same else 'DIFFERS from'} the library engine's")
+        lib = LLMEngine(model, PRESSURE_BLOCKS, PRESSURE_BLOCK_SIZE, **kw)
+        ref = lib.generate(prompts, params)
+        same = [[c.token_ids for c in o.outputs] for o in outs] == \
+            [[c.token_ids for c in o.outputs] for o in ref]
+        return mine.stats, lib.stats, same
+
+    def recompute() -> None:
+        s, r, same = serve("recompute", choose_victim=choose_victim)
+        print(f"recompute, your choose_victim: {len(prompts)} requests on {PRESSURE_BLOCKS} "
+              f"blocks in {s.steps} steps (library: {r.steps}), {s.preemptions} preemptions "
+              f"(library: {r.preemptions}), {s.recomputed_tokens} tokens recomputed "
+              f"(library: {r.recomputed_tokens})")
+        print(f"every token {'equals' if same else 'DIFFERS from'} the library engine's")
+
+    def swap() -> None:
+        s, r, same = serve("swap", choose_victim=choose_victim, swap_mapping=swap_mapping)
+        print(f"swap, your choose_victim and swap_mapping: {s.preemptions} preemptions, "
+              f"{s.swapped_blocks} block copies (library: {r.preemptions}, "
+              f"{r.swapped_blocks})")
+        print(f"every token {'equals' if same else 'DIFFERS from'} the library engine's")
+
+    grading.on_learner_code(recompute, "exercise 07.2", "recompute with your choose_victim")
+    grading.on_learner_code(swap, "exercises 07.1 and 07.2", "swap with your functions")
 
 
 #: Chapter 07's "pool far too small": 7 requests (one of them 2 parallel samples).

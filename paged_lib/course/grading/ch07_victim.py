@@ -1,0 +1,214 @@
+"""Chapter 07's exercise 07.2, ``choose_victim`` (re-exported by
+:mod:`paged_lib.course.grading.ch07`).
+
+The learner's rule is asked on hand-made running lists first (groups admitted in the
+same step, a group admitted again after a recompute, long and short ones), then drives
+the real :class:`~paged_lib.engine.scheduler.Scheduler` (no model: every sampled token
+is the same) through pressure scenarios with both preemption modes, next to the
+library's :func:`paged_lib.engine.policy.choose_victim`. Every time the scheduler asks,
+the learner's pick must be the library's; a wrong pick is named by recomputing the
+typical wrong rules on the same list, and the message says what the learner's rule does
+to the scenario when it runs to the end (a request that finishes much later, or never).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from paged_lib.blocks import BlockAllocator, BlockTable
+from paged_lib.course import grading
+from paged_lib.engine.block_manager import BlockManager
+from paged_lib.engine.policy import choose_victim as lib_victim
+from paged_lib.engine.scheduler import Scheduler
+from paged_lib.engine.sequence import SamplingParams, Sequence, SequenceGroup, SequenceStatus
+
+
+def _generated(g: SequenceGroup) -> int:
+    return max(len(s.output_token_ids) for s in g.seqs)
+
+
+def _blocks(g: SequenceGroup) -> int:
+    return len({b for s in g.live_seqs() if s.block_table for b in s.block_table.blocks})
+
+
+def _admitted(g: SequenceGroup) -> int:
+    return g.timeline.admitted_steps[-1] if g.timeline.admitted_steps else -1
+
+
+#: The typical wrong rules: (rule, hint). The first that picks what the learner picked
+#: on a list names the mistake.
+WRONG_RULES: list[tuple[Callable[[list[SequenceGroup]], SequenceGroup], str]] = [
+    (lambda r: r[0],
+     "you preempted the oldest group (the one asking for the block): it has done the "
+     "most work (all of it recomputed or moved), and requests admitted after it finish "
+     "first"),
+    (lambda r: max(r, key=_generated),
+     "you preempted the group with the most generated tokens: all of them are lost "
+     "(recomputed) or moved, the most work there is to lose"),
+    (lambda r: max(r, key=_blocks),
+     "you preempted the group holding the most blocks: it frees the most, but it is the one "
+     "that has done the most work, and it loses its place to groups admitted after it"),
+    (lambda r: min(r, key=_generated),
+     "you chose by generated tokens (fewest): a group admitted again after a recompute "
+     "may have many, yet it is the last admitted; a group admitted earlier must not lose "
+     "its place to it"),
+    (lambda r: max(r, key=lambda g: g.timeline.arrival_step),
+     "you chose by arrival: a group preempted by recompute and admitted again arrived "
+     "early but was admitted last; the list is in admission order"),
+    (lambda r: max(r, key=_admitted),
+     "groups admitted in the same step: max() of the admission step returns the first of "
+     "them, but the list's order is their admission order (the later one came later)"),
+]
+
+
+def _group(pool: BlockAllocator, rid: int, prompt_len: int, generated: int, arrival: int,
+           admitted: list[int]) -> SequenceGroup:
+    """A running group of one sequence with a real block table (block size 4)."""
+    table = BlockTable(pool, 4)
+    for _ in range(prompt_len + generated - 1):  # the newest token is not cached yet
+        table.append_token()
+    seq = Sequence(rid, [1] * prompt_len, [2] * generated, block_table=table,
+                   num_cached=prompt_len + generated - 1, status=SequenceStatus.RUNNING)
+    group = SequenceGroup(rid, [seq], SamplingParams(max_tokens=128, ignore_eos=True))
+    group.timeline.arrival_step = arrival
+    group.timeline.admitted_steps = list(admitted)
+    return group
+
+
+#: (what, groups as (request, prompt, generated, arrival, admitted steps)), oldest first
+_LISTS: list[tuple[str, list[tuple]]] = [
+    ("the example: A, B, C admitted at steps 0, 3, 3 (C after B)",
+     [(0, 12, 30, 0, [0]), (1, 8, 10, 1, [3]), (2, 5, 10, 2, [3])]),
+    ("only the group asking for the block", [(4, 20, 7, 0, [1])]),
+    ("a long request first, two short ones admitted after it",
+     [(0, 40, 60, 0, [0]), (1, 6, 2, 0, [0]), (2, 9, 1, 3, [5])]),
+    ("request 0 was preempted by recompute and admitted again, last",
+     [(1, 10, 4, 1, [2]), (2, 6, 3, 2, [4]), (0, 30, 25, 0, [0, 6])]),
+    ("the newest group has the longest prompt",
+     [(3, 4, 9, 0, [1]), (5, 60, 1, 4, [8])]),
+    ("four groups: a long prompt, a long output, a fresh one last",
+     [(0, 4, 3, 0, [0]), (1, 40, 5, 1, [2]), (2, 6, 20, 2, [5]), (3, 2, 1, 3, [7])]),
+]
+
+
+def _describe(groups: list[SequenceGroup]) -> str:
+    return "[" + ", ".join(f"request {g.request_id} (admitted at step {_admitted(g)}, "
+                           f"{_generated(g)} generated, {_blocks(g)} blocks)"
+                           for g in groups) + "]"
+
+
+def _hint_for(picks: list[tuple[list[SequenceGroup], Any]]) -> str | None:
+    """The wrong rule that picks what the learner picked on every list (else on the
+    first list where the learner was wrong)."""
+    for rule, hint in WRONG_RULES:
+        if all(rule(list(r)) is got for r, got in picks):
+            return hint
+    r, got = next((r, g) for r, g in picks if g is not lib_victim(list(r)))
+    return next((hint for rule, hint in WRONG_RULES if rule(list(r)) is got), None)
+
+
+_GENERIC = ("a group is never preempted to make room for one admitted after it; among "
+            "those offered, preempting costs the least where the least was done")
+
+
+def _fail_pick(running: list[SequenceGroup], got: Any, where: str, hint: str | None) -> None:
+    if not any(got is g for g in running):
+        grading.fail(f"{where}: returned {got!r}, which is not one of the groups offered",
+                     "return one of the SequenceGroup objects in running itself (not an "
+                     "index, a request id or a copy)")
+    want = lib_victim(list(running))
+    grading.fail(f"{where}: running {_describe(running)}: you preempted request "
+                 f"{got.request_id}, expected request {want.request_id}", hint or _GENERIC)
+
+
+def check_lists(choose_victim: Callable[..., Any]) -> None:
+    picks, pool = [], BlockAllocator(200)
+    for what, spec in _LISTS:
+        running = [_group(pool, *g) for g in spec]
+        given = list(running)
+        got = choose_victim(given)
+        grading.expect_true(len(given) == len(running) and all(
+            a is b for a, b in zip(given, running, strict=True)),
+            f"list '{what}': your function changed the list it was given",
+            "only choose: the scheduler preempts and removes the group itself")
+        picks.append((running, got))
+    for (what, _), (running, got) in zip(_LISTS, picks, strict=True):
+        if not any(got is g for g in running) or got is not lib_victim(list(running)):
+            _fail_pick(running, got, f"list '{what}'", _hint_for(picks))
+
+
+# ------------------------------------------------------------------ scheduler scenarios
+
+#: (what, blocks, block size, preemption, requests as (prompt, max_tokens, arrival))
+SCENARIOS: list[tuple[str, int, int, str, list[tuple[int, int, int]]]] = [
+    ("a long request among short ones arriving every 3 steps (recompute)", 10, 4,
+     "recompute", [(6, 26, 0)] + [(3, 6, 1 + 3 * k) for k in range(10)]),
+    ("four equal requests on a pool for two (recompute)", 12, 4, "recompute",
+     [(8, 16, 0)] * 4),
+    ("four equal requests on a pool for two (swap)", 12, 4, "swap", [(8, 16, 0)] * 4),
+]
+
+
+def simulate(choose_victim: Callable, blocks: int, block_size: int, preemption: str,
+             requests: list[tuple[int, int, int]], ask: Callable | None = None,
+             max_steps: int = 400) -> tuple[dict[int, int | None], int]:
+    """Run the scheduler without a model (every token is 3); ``ask(running, pick)`` sees
+    each question. Returns (finish step per request, or None; tokens recomputed)."""
+    bm = BlockManager(blocks, block_size, num_cpu_blocks=64 if preemption == "swap" else 0)
+
+    def victim(running):
+        pick = choose_victim(list(running))
+        if ask is not None:
+            ask(running, pick)
+        return pick
+
+    sched = Scheduler(bm, preemption=preemption, choose_victim=victim)
+    groups: dict[int, SequenceGroup] = {}
+    recomputed = 0
+    for step in range(max_steps):
+        for rid, (prompt, max_tokens, arrival) in enumerate(requests):
+            if arrival == step:
+                groups[rid] = SequenceGroup(rid, [Sequence(rid, [1 + rid] * prompt)],
+                                            SamplingParams(max_tokens=max_tokens,
+                                                           ignore_eos=True))
+                sched.add(groups[rid])
+        if len(groups) == len(requests) and not sched.has_unfinished():
+            break
+        out = sched.schedule()
+        recomputed += out.recomputed_tokens
+        sched.update(out, [[(3, 0.0)] for _ in out.scheduled], None)
+    return {rid: g.timeline.finished_step for rid, g in sorted(groups.items())}, recomputed
+
+
+def check_scenarios(choose_victim: Callable[..., Any]) -> None:
+    for what, blocks, bs, mode, requests in SCENARIOS:
+        def ask(running, pick, what=what, blocks=blocks, bs=bs, mode=mode, requests=requests):
+            if pick is not lib_victim(list(running)):
+                hint = _hint_for([(running, pick)]) if any(pick is g for g in running) \
+                    else None
+                _fail_pick(running, pick, f"scenario '{what}'"
+                           f"{_consequence(choose_victim, blocks, bs, mode, requests)}", hint)
+        simulate(choose_victim, blocks, bs, mode, requests, ask)
+
+
+def _consequence(choose_victim, blocks, bs, mode, requests) -> str:
+    try:
+        mine, lost = simulate(choose_victim, blocks, bs, mode, requests)
+    except Exception:  # noqa: BLE001 - only what the rule would do, not the verdict
+        return ""
+    ref, ref_lost = simulate(lib_victim, blocks, bs, mode, requests)
+    never = [r for r, s in mine.items() if s is None]
+    if never:
+        return f" (run to the end, your rule never finishes request(s) {never})"
+    late = max(mine, key=lambda r: mine[r] - ref[r])
+    lost_note = f", recomputes {lost} tokens instead of {ref_lost}" if lost != ref_lost else ""
+    return (f" (run to the end, your rule finishes request {late} at step {mine[late]} "
+            f"instead of {ref[late]}{lost_note})")
+
+
+def check_choose_victim(choose_victim: Callable[..., Any]) -> None:
+    """``choose_victim(running: list[SequenceGroup]) -> SequenceGroup``."""
+    with grading.exercise("07.2", "Which group to preempt"):
+        check_lists(choose_victim)
+        check_scenarios(choose_victim)
