@@ -74,3 +74,38 @@ def test_engine_bench_missing_says_so(monkeypatch, capsys):
     monkeypatch.setattr(cli.importlib, "import_module", missing)
     assert cli.main(["engine"]) == 2
     assert "not in this checkout yet" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(4, 4), (8, 2)])
+def test_lean_contiguous_baselines_equal_the_reference(num_heads, num_kv_heads):
+    from paged_lib.kernels.cases import make_decode_case
+    from paged_lib.kernels.reference import (
+        contiguous_kv,
+        matmul_per_sequence,
+        padded_kv,
+        ref_paged_attention,
+        sdpa_padded,
+    )
+
+    case = make_decode_case([5, 33, 17], num_heads, num_kv_heads, 16, 8, seed=1,
+                            shared=False, poison=False)
+    expected = ref_paged_attention(*case).float()
+    kv = contiguous_kv(*case[1:5])
+    torch.testing.assert_close(matmul_per_sequence(case.q, kv, case.scale), expected,
+                               atol=1e-5, rtol=1e-5)
+    k, v, mask = padded_kv(kv)
+    assert k.shape[2] == 33 and mask.sum().item() == 5 + 33 + 17
+    torch.testing.assert_close(sdpa_padded(case.q, k, v, mask, case.scale), expected,
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_cpu_ratios_lists_every_baseline_and_the_floor():
+    rows = attention.cpu_ratios(num_seqs=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                                min_len=8, max_len=24, block_size=8, repeats=1,
+                                flex_repeats=0, sdpa_gqa=False)
+    names = [r["impl"] for r in rows]
+    assert names == ["contiguous SDPA (per sequence)", "contiguous grouped matmuls",
+                     "contiguous SDPA, one padded call", "paged, torch backend",
+                     "read K/V once (memory floor)"]
+    assert [r["check"] for r in rows] == ["ok"] * 4 + ["floor"]
+    assert rows[0]["vs_sdpa"] == 1.0

@@ -6,8 +6,8 @@ blocks, like a shared prefix), and block-table entries past a sequence's last bl
 padding that points at no block: a kernel that reads past a sequence's end, or follows
 an unused entry, returns NaN or crashes.
 
-On a CPU these run in Triton's interpreter (about 5 ms per program-iteration: batches
-are tiny); on a GPU the kernels get CUDA tensors (``DEVICE``) and the reference runs on
+On a CPU these run in Triton's interpreter (chapter 00 measures its cost per program:
+batches are tiny); on a GPU the kernels get CUDA tensors (``DEVICE``) and the reference runs on
 the CPU. Tests marked GPU-only (long contexts, a cache of more than 2**31 elements,
 native bf16) skip on a CPU and run in ``make gpu-check``.
 """

@@ -16,8 +16,10 @@ K/V of the same lengths). FlexAttention's paged attention runs last, time-boxed:
 compiling it can take minutes.
 
 On a CPU, where Triton only interprets (:func:`cpu_ratios`), the torch backend is timed
-against contiguous per-sequence SDPA and FlexAttention paged (eager) on one
-configuration, as time ratios. Rows are dicts; :mod:`~paged_lib.bench.report` formats them.
+on one configuration against three contiguous baselines (SDPA per sequence, grouped
+matmuls per sequence, one padded batched SDPA call), FlexAttention paged (eager), and the
+memory floor (every K/V byte read once), as time ratios. Rows are dicts;
+:mod:`~paged_lib.bench.report` formats them.
 """
 
 from __future__ import annotations
@@ -37,7 +39,10 @@ from paged_lib.kernels.cases import DecodeCase, make_decode_case
 from paged_lib.kernels.reference import (
     contiguous_kv,
     flex_paged_attention,
+    matmul_per_sequence,
+    padded_kv,
     ref_paged_attention,
+    sdpa_padded,
     sdpa_per_sequence,
     sdpa_per_sequence_gqa,
 )
@@ -75,7 +80,11 @@ def cpu_ratios(num_seqs: int = 16, num_heads: int = 32, num_kv_heads: int = 8,
                             shared=False, poison=False)
     expected = ref_paged_attention(*case)
     kv = contiguous_kv(*case[1:5])
-    impls = [("contiguous SDPA (per sequence)", lambda: sdpa_per_sequence(case.q, kv, case.scale))]
+    k_pad, v_pad, mask = padded_kv(kv)
+    impls = [("contiguous SDPA (per sequence)", lambda: sdpa_per_sequence(case.q, kv, case.scale)),
+             ("contiguous grouped matmuls", lambda: matmul_per_sequence(case.q, kv, case.scale)),
+             ("contiguous SDPA, one padded call",
+              lambda: sdpa_padded(case.q, k_pad, v_pad, mask, case.scale))]
     if sdpa_gqa:
         impls.append(("contiguous SDPA, enable_gqa=True",
                       lambda: sdpa_per_sequence_gqa(case.q, kv, case.scale)))
@@ -86,10 +95,21 @@ def cpu_ratios(num_seqs: int = 16, num_heads: int = 32, num_kv_heads: int = 8,
             warnings.simplefilter("ignore")  # "flex_attention called without torch.compile()"
             flex = flex_paged_attention(*case)
             rows.append(_cpu_row("FlexAttention paged (eager)", flex, expected, flex_repeats))
+    rows.append(_read_floor_row(kv, repeats))
     sdpa_ms = rows[0]["ms"]
     for row in rows:
         row["vs_sdpa"] = row["ms"] / sdpa_ms
     return rows
+
+
+def _read_floor_row(kv: list[tuple[torch.Tensor, torch.Tensor]], repeats: int) -> dict:
+    """The memory floor: the time to read every cached K and V byte once (a sum over each
+    contiguous tensor). Not attention, so nothing to check against the reference: a
+    lower bound no decode can beat on this machine."""
+    def read_all() -> torch.Tensor:
+        return torch.stack([k.sum() + v.sum() for k, v in kv])
+    ms = median_ms(read_all, repeats)
+    return {"impl": "read K/V once (memory floor)", "ms": ms, "check": "floor"}
 
 
 def _cpu_row(name: str, fn: Callable[[], torch.Tensor], expected: torch.Tensor,

@@ -115,6 +115,48 @@ def sdpa_per_sequence_gqa(q: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Te
     return torch.stack(outs)
 
 
+def matmul_per_sequence(q: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]],
+                        scale: float) -> torch.Tensor:
+    """Contiguous attention as plain grouped matmuls, one sequence at a time.
+
+    The leanest contiguous form on a CPU: the query heads of a KV head are rows of one
+    ``[group, head_dim] @ [head_dim, seq_len]`` product per KV head (a batched matmul),
+    a softmax over the row, and one more product with V. No copies of K/V, no masks.
+    """
+    outs = []
+    for s, (k, v) in enumerate(kv):
+        qs = q[s].view(k.shape[0], -1, q.shape[-1])
+        p = torch.softmax(torch.bmm(qs, k.transpose(1, 2)) * scale, dim=-1)
+        outs.append(torch.bmm(p, v).reshape(q.shape[1:]))
+    return torch.stack(outs)
+
+
+def padded_kv(kv: list[tuple[torch.Tensor, torch.Tensor]]
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Contiguous K/V of every sequence in one zero-padded ``[num_seqs, num_kv_heads,
+    max_len, head_dim]`` tensor each, and the key mask ``[num_seqs, 1, 1, max_len]``."""
+    max_len = max(k.shape[1] for k, _ in kv)
+    k0 = kv[0][0]
+    k = k0.new_zeros(len(kv), k0.shape[0], max_len, k0.shape[2])
+    v = torch.zeros_like(k)
+    mask = torch.zeros(len(kv), 1, 1, max_len, dtype=torch.bool)
+    for s, (ks, vs) in enumerate(kv):
+        k[s, :, : ks.shape[1]] = ks
+        v[s, :, : vs.shape[1]] = vs
+        mask[s, ..., : ks.shape[1]] = True
+    return k, v, mask
+
+
+def sdpa_padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                scale: float) -> torch.Tensor:
+    """Contiguous attention as one batched SDPA call over padded K/V (:func:`padded_kv`):
+    no Python loop, but every sequence pays for the longest one."""
+    num_seqs, num_kv_heads = k.shape[:2]
+    qs = q.view(num_seqs, num_kv_heads, -1, q.shape[-1])
+    out = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale)
+    return out.reshape(q.shape)
+
+
 def flex_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                          compiled: bool = False) -> Callable[[], torch.Tensor]:

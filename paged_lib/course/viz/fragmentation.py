@@ -169,7 +169,7 @@ def _trace(name: str, num_requests: int, seed: int) -> tuple[Request, ...]:
     return tuple(TRACES[name](num_requests, seed=seed))
 
 
-def explorer_view(policy: str = "paged", block_size: int = 16, capacity_tokens: int = 40_000,
+def explorer_view(policy: str = "paged", block_size: int = 16, capacity_tokens: int = 21_048,
                   trace: str = "sharegpt", num_requests: int = 600, seed: int = 0) -> Figure:
     """One policy's breakdown on a synthetic trace, beside the paper's bar when it has one."""
     if trace not in TRACES:
@@ -199,7 +199,8 @@ def breakdown_explorer():  # pragma: no cover - interactive; explorer_view is te
         show,
         policy=w.Dropdown(options=POLICIES, value="paged"),
         block_size=w.SelectionSlider(options=[1, 2, 4, 8, 16, 32, 64, 128, 256], value=16),
-        capacity_tokens=w.IntSlider(value=40_000, min=4_096, max=100_000, step=2_048,
+        # 21,048 slots: OPT-13B on a 40 GB A100, the paper's setting (chapter 02)
+        capacity_tokens=w.IntSlider(value=21_048, min=1_048, max=101_048, step=2_000,
                                     continuous_update=False),
         trace=w.Dropdown(options=tuple(TRACES), value="sharegpt"),
     )
