@@ -6,6 +6,7 @@ import pytest
 
 from paged_lib import sharing
 from paged_lib.course.grading import ch08
+from paged_lib.engine.beam_search import beam_step
 
 
 def verdict(capsys, check, answer) -> str:
@@ -82,7 +83,8 @@ def test_apply_slot_wrong_answers(capsys, answer, hint):
 
 def test_apply_slot_right_answers(capsys):
     assert verdict(capsys, ch08.check_apply_slot, apply_ok).startswith("✅ [08.1]")
-    assert verdict(capsys, ch08.check_apply_slot, sharing.apply_slot).startswith("✅ [08.1]")
+    out = verdict(capsys, ch08.check_apply_slot, sharing.apply_slot)
+    assert out.startswith("❌ [08.1]") and "you passed the library's apply_slot" in out, out
 
 
 def test_apply_slot_not_attempted(capsys):
@@ -184,7 +186,68 @@ def step_worst_first(tables, cum_logprobs, candidates, beam_width):
     return new[::-1]
 
 
+def step_fixed_width(tables, cum_logprobs, candidates, beam_width):
+    """Reads beam_width candidates of every beam (there may be fewer after EOS)."""
+    trimmed = [[candidates[i][r] for r in range(beam_width)] for i in range(len(tables))]
+    return step_ok(tables, cum_logprobs, trimmed, beam_width)
+
+
+def step_rank_first_ties(tables, cum_logprobs, candidates, beam_width):
+    scored = [(cum_logprobs[i] + lp, i, r, tok)
+              for i, opts in enumerate(candidates) for r, (tok, lp) in enumerate(opts)]
+    chosen = sorted(scored, key=lambda c: (-c[0], c[2], c[1]))[:beam_width]
+    used, new = set(), []
+    for cum, parent, _, token in chosen:
+        new.append((parent, tables[parent].fork() if parent in used else tables[parent],
+                    token, cum))
+        used.add(parent)
+    for i, table in enumerate(tables):
+        if i not in used:
+            table.free()
+    return new
+
+
+def step_keeps_empty_beams(tables, cum_logprobs, candidates, beam_width):
+    """Frees the beams that lost, but not those that offered no candidate at all."""
+    chosen = ranked(cum_logprobs, candidates)[:beam_width]
+    used, new = set(), []
+    for cum, parent, _, token in chosen:
+        new.append((parent, tables[parent].fork() if parent in used else tables[parent],
+                    token, cum))
+        used.add(parent)
+    for i, table in enumerate(tables):
+        if i not in used and candidates[i]:
+            table.free()
+    return new
+
+
+def step_pads_to_width(tables, cum_logprobs, candidates, beam_width):
+    """Always beam_width new beams: the best one again where candidates ran short."""
+    chosen = ranked(cum_logprobs, candidates)[:beam_width]
+    chosen += [chosen[0]] * (beam_width - len(chosen))
+    used, new = set(), []
+    for cum, parent, _, token in chosen:
+        new.append((parent, tables[parent].fork() if parent in used else tables[parent],
+                    token, cum))
+        used.add(parent)
+    for i, table in enumerate(tables):
+        if i not in used:
+            table.free()
+    return new
+
+
+def step_by_parent(tables, cum_logprobs, candidates, beam_width):
+    new = step_ok(tables, cum_logprobs, candidates, beam_width)
+    return sorted(new, key=lambda b: b[0])
+
+
 @pytest.mark.parametrize("answer,hint", [
+    (step_fixed_width, "a beam may offer fewer than beam_width candidates, or none"),
+    (step_rank_first_ties, "an exact tie goes to the lower beam index first"),
+    (step_keeps_empty_beams, "a beam with no candidates has no continuation either"),
+    (step_pads_to_width, "fewer only if there are fewer candidates in all"),
+    (step_by_parent, "list the new beams best first"),
+    (lambda *a: beam_step(*a), "your function called the library's beam_step"),
     (step_no_free, "free() the table of every old beam that nobody continues"),
     (step_fork_every_child, "the first child continues its parent's own table"),
     (step_by_this_logprob, "not by this step's logprob alone"),
@@ -203,7 +266,8 @@ def test_beam_step_right_answers(capsys):
     from paged_lib.engine.beam_search import beam_step
 
     assert verdict(capsys, ch08.check_beam_step, step_ok).startswith("✅ [08.2]")
-    assert verdict(capsys, ch08.check_beam_step, beam_step).startswith("✅ [08.2]")
+    out = verdict(capsys, ch08.check_beam_step, beam_step)
+    assert out.startswith("❌ [08.2]") and "you passed the library's beam_step" in out, out
 
 
 def test_beam_step_not_attempted(capsys):

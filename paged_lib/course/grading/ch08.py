@@ -7,7 +7,8 @@
   every sample's K/V read back through its block table.
 * 08.2 ``beam_step``: one step of beam search over block tables, the engine's hook
   (:func:`paged_lib.engine.beam_search.beam_step`), replayed next to it on the scripted
-  and seeded random scenarios below by :mod:`paged_lib.course.grading.ch08_beam_replay`,
+  and seeded random scenarios below (exact ties; beams that offer fewer candidates than
+  the width, or none, as after EOS) by :mod:`paged_lib.course.grading.ch08_beam_replay`,
   which compares every step and names the mistake.
 """
 
@@ -24,6 +25,9 @@ from paged_lib.course import grading
 from paged_lib.course.grading.ch08_beam_replay import run_beam_scenario
 from paged_lib.course.grading.toy_pool import busy_pool
 from paged_lib.kernels.reference import gather_kv
+
+#: While a check runs, the learner's code may not call the library's twin.
+REFUSE_TWINS = True
 
 #: Exercise id -> the library object the learner's code re-implements.
 TWINS: dict[str, str] = {
@@ -176,6 +180,17 @@ _SCRIPTED: list[tuple[str, int, int, int, list[Candidates] | None]] = [
     ("exact ties: lower beam first, then the candidate's order", 2, 3, 3,
      [[[(1, -0.5), (2, -0.5), (3, -0.5)]],
       [[(4, -1.0), (5, -1.0)], [(6, -1.0)], [(7, -1.0)]]]),
+    ("EOS took candidates: beam 1 offers none, then beams offer fewer than the width; "
+     "a tie the lower beam wins with its second candidate", 4, 6, 2,
+     [[[(5, -0.25), (6, -0.75)]],
+      [[(1, -0.25)], []],
+      [[(2, -0.125), (3, -0.5)]],
+      [[(4, -0.5)], [(9, -0.0625), (8, -0.125)]],
+      [[(1, -0.5), (2, -0.5625)], [(3, -0.5)]]]),
+    ("fewer candidates in all than the width (3): 2 beams, then 3, then 1", 4, 5, 3,
+     [[[(1, -0.5), (2, -1.0)]],
+      [[(3, -0.25)], [(4, -0.25), (5, -0.5)]],
+      [[], [(6, -0.5)], []]]),
     ("block size 1 (every token takes a new block)", 1, 3, 2, None),
     ("a seeded random beam search (width 4, 10 steps)", 4, 7, 4, None),
 ]

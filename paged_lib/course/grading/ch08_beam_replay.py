@@ -50,6 +50,13 @@ def run_beam_scenario(beam_step, name, block_size, prompt_len, width, steps):
         old = list(mine.tables)
         try:
             got = beam_step(list(mine.tables), list(mine.cum), cands, width)
+        except IndexError as err:
+            if all(len(c) >= width for c in cands):
+                raise
+            grading.fail(f"{where}: your code raised IndexError ({err}) on candidates "
+                         f"{cands}", "a beam may offer fewer than beam_width candidates, or "
+                         "none (the engine took out those ending in EOS): use the "
+                         "candidates there are")
         except ValueError as err:
             if "freed" not in str(err):
                 raise
@@ -57,7 +64,7 @@ def run_beam_scenario(beam_step, name, block_size, prompt_len, width, steps):
                          "free only the beams nobody continues, after the forks: a table "
                          "that is freed cannot be forked or continued")
         got = _check_picks(got, expected, list(mine.cum), cands, width, where)
-        _check_tables(got, old, mine, ref, where)
+        _check_tables(got, old, mine, ref, where, cands)
         for world, result in ((ref, expected), (mine, got)):
             world.seqs = [world.seqs[p] + [1000 * k + i]
                           for i, (p, _, _, _) in enumerate(result)]
@@ -96,19 +103,28 @@ def _pick_hint(mine, cum, cands, width) -> str:
     per_beam = [(i, opts[0][0]) for i, opts in enumerate(cands) if opts]
     worst = [(i, tok) for i, _, tok, _ in sorted(flat, key=lambda c: (cum[c[0]] + c[3],
                                                                      c[0], c[1]))]
+    rank_first = [(i, tok) for i, _, tok, _ in sorted(flat, key=lambda c: (-(cum[c[0]] + c[3]),
+                                                                          c[1], c[0]))]
+    by_beam = sorted(mine[:width], key=lambda p: p[0])
     if mine == by_step[:width]:
         return ("rank candidates by cum_logprobs[beam] + logprob (the whole sequence), not "
                 "by this step's logprob alone")
+    if mine == worst[:width]:
+        return "best first: the highest cumulative log-probability wins"
+    if mine == rank_first[:width]:
+        return ("an exact tie goes to the lower beam index first, then to the earlier "
+                "candidate in that beam's list (not to the better-ranked candidate)")
+    best = sorted(flat, key=lambda c: (-(cum[c[0]] + c[3]), c[0], c[1]))[:width]
+    if sorted(mine) == sorted((i, tok) for i, _, tok, _ in best) and mine == by_beam:
+        return "list the new beams best first (by cum_logprob), not by parent"
     if mine[:len(per_beam)] == per_beam[:width]:
         return ("compete across all beams: one beam may keep several children and another "
                 "none")
-    if mine == worst[:width]:
-        return "best first: the highest cumulative log-probability wins"
     return ("rank every (beam, candidate) by cum_logprobs[beam] + logprob across all beams, "
             "best first; ties: lower beam index, then the candidate's order")
 
 
-def _check_tables(got, old, mine: _World, ref: _World, where: str) -> None:
+def _check_tables(got, old, mine: _World, ref: _World, where: str, cands) -> None:
     seen: set[int] = set()
     for i, (p, table, _, _) in enumerate(got):
         first = p not in seen
@@ -123,6 +139,12 @@ def _check_tables(got, old, mine: _World, ref: _World, where: str) -> None:
         if not isinstance(table, BlockTable):
             grading.fail(f"{where}: new beam {i}'s table is a {type(table).__name__}",
                          "return the BlockTable itself")
+    kept = [i for i, t in enumerate(old) if not getattr(t, "_freed", False)
+            and not cands[i] and not any(t is b[1] for b in got)]
+    if mine.alloc.num_free < ref.alloc.num_free and kept:
+        grading.fail(f"{where}: beam(s) {kept} offered no candidates and still hold their "
+                     "blocks", "a beam with no candidates has no continuation either: it "
+                     "dies like any beam nobody continues, free() its table")
     if mine.alloc.num_free < ref.alloc.num_free:
         grading.fail(f"{where}: {mine.alloc.num_free} free blocks afterwards, expected "
                      f"{ref.alloc.num_free}: blocks leaked",
