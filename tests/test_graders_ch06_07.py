@@ -365,6 +365,7 @@ def test_07_2_a_correct_answer_passes(capsys):
     (victim_latest_arrival, "you chose by arrival"),
     (victim_latest_admission_step, "groups admitted in the same step"),
     (victim_index, "not an index"),
+    (lambda running: running.pop(), "your function changed the list it was given"),
     (choose_victim, "you passed the library's choose_victim"),
     (lambda r: choose_victim(r), "your function called the library's choose_victim"),
 ])
