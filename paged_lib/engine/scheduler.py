@@ -137,7 +137,7 @@ class Scheduler:
         while queue:
             group = queue.popleft()
             while self._blocks_to_continue(group) > self.block_manager.num_free_blocks:
-                victim = self._victim(group, queue)  # default: the newest group goes first
+                victim = self._victim(group, queue)  # the choose_victim hook names who goes
                 self._preempt(victim, out)
                 if victim is group:
                     break
