@@ -172,11 +172,9 @@ def _resolve(dotted: str) -> tuple[Any, str, Any]:
 
 
 def _twin_of(ex_id: str) -> str | None:
-    """The dotted twin of ``ex_id`` if its grader module refuses twins (``REFUSE_TWINS``)."""
+    """The dotted twin of ``ex_id`` (``TWINS`` of its grader module), if it has one."""
     module = sys.modules.get(f"{__name__}.ch{ex_id.split('.')[0]}")
-    if module is None or not getattr(module, "REFUSE_TWINS", False):
-        return None
-    return getattr(module, "TWINS", {}).get(ex_id)
+    return None if module is None else getattr(module, "TWINS", {}).get(ex_id)
 
 
 def _twin_message(dotted: str) -> str:
@@ -312,8 +310,8 @@ def exercise(ex_id: str, title: str) -> Iterator[None]:
     """Run one exercise's checks and print a single verdict line (see module docstring).
 
     While the checks run, the library's twin of the exercise (``TWINS`` of its grader
-    module, when that module sets ``REFUSE_TWINS``) refuses to be called by the learner's
-    code: a function that delegates to it fails, whatever else it gets right.
+    module) refuses to be called by the learner's code: a function that delegates to it
+    fails, whatever else it gets right.
     """
     calls: list[str] = []
     hint: str | None = None

@@ -8,9 +8,8 @@ from typing import Any
 from paged_lib.course import grading
 from paged_lib.util import cdiv
 
-#: While a check runs, its twin refuses calls from the learner's code (see grading.exercise).
-REFUSE_TWINS = True
-#: Exercise id -> the library object the learner's code re-implements.
+#: Exercise id -> the library object the learner's code re-implements (it refuses
+#: the learner's calls while that exercise's check runs: see grading.exercise).
 TWINS: dict[str, str] = {"00.1": "paged_lib.util.cdiv"}
 
 CASES = [(0, 16), (1, 16), (16, 16), (17, 16), (40, 16), (1000, 16), (7, 1), (5, 3),

@@ -8,9 +8,8 @@ from typing import Any
 from paged_lib.accounting import SPECS, ModelSpec, kv_bytes_per_token, num_blocks
 from paged_lib.course import grading
 
-#: While a check runs, its twin refuses calls from the learner's code (see grading.exercise).
-REFUSE_TWINS = True
-#: Exercise id -> the library object the learner's code re-implements.
+#: Exercise id -> the library object the learner's code re-implements (it refuses
+#: the learner's calls while that exercise's check runs: see grading.exercise).
 TWINS: dict[str, str] = {
     "01.1": "paged_lib.accounting.kv_bytes_per_token",
     "01.2": "paged_lib.accounting.num_blocks",

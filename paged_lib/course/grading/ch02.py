@@ -31,9 +31,8 @@ from paged_lib.course.grading.ch02_answers import (
 from paged_lib.fragmentation import request_slots
 from paged_lib.workloads import sharegpt_like
 
-#: While a check runs, its twin refuses calls from the learner's code (see grading.exercise).
-REFUSE_TWINS = True
-#: Exercise id -> the library object the learner's code re-implements.
+#: Exercise id -> the library object the learner's code re-implements (it refuses
+#: the learner's calls while that exercise's check runs: see grading.exercise).
 TWINS: dict[str, str] = {
     "02.2": "paged_lib.fragmentation.request_slots",
     "02.5": "paged_lib.fragmentation.simulate_timeline",

@@ -17,9 +17,8 @@ from paged_lib.course import grading
 from paged_lib.course.grading.ch03_replay import World, replay
 from paged_lib.course.grading.toy_pool import busy_pool, pool_state
 
-#: While a check runs, its twin refuses calls from the learner's code (see grading.exercise).
-REFUSE_TWINS = True
-#: Exercise id -> the library object the learner's code re-implements.
+#: Exercise id -> the library object the learner's code re-implements (it refuses
+#: the learner's calls while that exercise's check runs: see grading.exercise).
 TWINS: dict[str, str] = {
     "03.1": "paged_lib.blocks.BlockTable.append_token",
     "03.2": "paged_lib.blocks.BlockTable.fork",

@@ -21,8 +21,6 @@ from paged_lib.util import cdiv
 
 NEG_INF = float("-inf")
 
-#: While a check runs, its twin refuses calls from the learner's code (see grading.exercise).
-REFUSE_TWINS = True
 #: Exercise id -> the library object it re-implements (chapter 04 must not show them).
 TWINS: dict[str, str] = {
     "04.1": "paged_lib.attention.merge",

@@ -34,13 +34,11 @@ from paged_lib.course.grading.ch05_puzzles import (
     check_scale_tile,
 )
 
-__all__ = ["EQUIVALENT_MUTANTS", "REFUSE_TWINS", "TWINS", "Guarded", "check_gather_rows",
+__all__ = ["EQUIVALENT_MUTANTS", "TWINS", "Guarded", "check_gather_rows",
            "check_merge_partials", "check_online_attention", "check_paged_decode_kernel",
            "check_row_softmax", "check_scale_tile", "check_slot_mapping", "decode_case", "launch",
            "run_decode_kernel"]
 
-#: While a check runs, its twin refuses calls from the learner's code (see grading.exercise).
-REFUSE_TWINS = True
 #: Exercise id -> the library object it re-implements (chapter 05 must not show them).
 TWINS: dict[str, str] = {
     "05.5": "paged_lib.kernels.triton_decode._paged_decode_kernel",

@@ -27,13 +27,11 @@ from paged_lib.engine.model_runner import build_metadata as lib_build_metadata
 from paged_lib.model import AttentionMetadata
 from paged_lib.util import cdiv
 
-__all__ = ["REFUSE_TWINS", "TWINS", "check_build_metadata", "check_can_admit",
+__all__ = ["TWINS", "check_build_metadata", "check_can_admit",
            "check_num_required_blocks", "run_demo"]
 
-#: While a check runs, the learner's code may not call the library's twin.
-REFUSE_TWINS = True
-
-#: Exercise id -> the library object the learner's code re-implements.
+#: Exercise id -> the library object the learner's code re-implements (it refuses
+#: the learner's calls while that exercise's check runs: see grading.exercise).
 TWINS: dict[str, str] = {
     "06.1": "paged_lib.engine.model_runner.build_metadata",
     "06.2": "paged_lib.engine.block_manager.num_required_blocks",

@@ -27,13 +27,11 @@ from paged_lib.engine.block_manager import BlockManager
 from paged_lib.engine.block_manager import swap_mapping as lib_swap_mapping
 from paged_lib.engine.sequence import SamplingParams, Sequence, SequenceGroup
 
-__all__ = ["PRESSURE_BLOCKS", "PRESSURE_BLOCK_SIZE", "REFUSE_TWINS", "TWINS",
+__all__ = ["PRESSURE_BLOCKS", "PRESSURE_BLOCK_SIZE", "TWINS",
            "check_choose_victim", "check_swap_mapping", "pressure_requests", "run_demo"]
 
-#: While a check runs, the learner's code may not call the library's twin.
-REFUSE_TWINS = True
-
-#: Exercise id -> the library object the learner's code re-implements.
+#: Exercise id -> the library object the learner's code re-implements (it refuses
+#: the learner's calls while that exercise's check runs: see grading.exercise).
 TWINS: dict[str, str] = {"07.1": "paged_lib.engine.block_manager.swap_mapping",
                          "07.2": "paged_lib.engine.policy.choose_victim"}
 

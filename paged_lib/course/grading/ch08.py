@@ -26,10 +26,8 @@ from paged_lib.course.grading.ch08_beam_replay import run_beam_scenario
 from paged_lib.course.grading.toy_pool import busy_pool
 from paged_lib.kernels.reference import gather_kv
 
-#: While a check runs, the learner's code may not call the library's twin.
-REFUSE_TWINS = True
-
-#: Exercise id -> the library object the learner's code re-implements.
+#: Exercise id -> the library object the learner's code re-implements (it refuses
+#: the learner's calls while that exercise's check runs: see grading.exercise).
 TWINS: dict[str, str] = {
     "08.1": "paged_lib.sharing.apply_slot",
     "08.2": "paged_lib.engine.beam_search.beam_step",
