@@ -68,7 +68,7 @@ class Usage:
         return max(self.shared) / max(self.unshared)
 
 
-def _unshared(tables: list[BlockTable], block_size: int) -> int:
+def unshared_blocks(tables: list[BlockTable], block_size: int) -> int:
     return sum(cdiv(t.num_tokens, block_size) for t in tables)
 
 
@@ -100,11 +100,11 @@ def parallel_sampling_usage(prompt_len: int, output_len: int, n: int,
     allocator = _pool(prompt_len, output_len, n, block_size)
     first = _prefill(allocator, prompt_len, block_size)
     tables = [first] + [first.fork() for _ in range(n - 1)]
-    shared, unshared, copies = [_in_use(allocator)], [_unshared(tables, block_size)], 0
+    shared, unshared, copies = [_in_use(allocator)], [unshared_blocks(tables, block_size)], 0
     for _ in range(output_len):
         copies += sum(t.append_token().copy is not None for t in tables)
         shared.append(_in_use(allocator))
-        unshared.append(_unshared(tables, block_size))
+        unshared.append(unshared_blocks(tables, block_size))
     return Usage(shared, unshared, copies)
 
 
@@ -190,7 +190,7 @@ def parallel_sampling_demo(write: SlotWriter = apply_slot, n: int = 4, prompt_le
     want = sdpa_per_sequence(q, kv, head_dim ** -0.5)
     err = (out - want).abs().max()
     return SamplingDemo([t.blocks for t in tables], copies, _in_use(allocator),
-                        _unshared(tables, block_size),
+                        unshared_blocks(tables, block_size),
                         float("nan") if torch.isnan(err) else float(err))
 
 
@@ -288,7 +288,7 @@ def beam_search_usage(prompt_len: int, output_len: int, beam_width: int,
     scorer = RandomBeamScorer(seed, **scorer_kw)
     tables = [_prefill(allocator, prompt_len, block_size)]
     cum = [0.0]
-    shared, unshared, copies = [_in_use(allocator)], [_unshared(tables, block_size)], 0
+    shared, unshared, copies = [_in_use(allocator)], [unshared_blocks(tables, block_size)], 0
     if record is not None:
         record.append(_frame(0, [0], [-1], tables, allocator, [], [], set(), cum))
     for step in range(1, output_len + 1):
@@ -301,7 +301,7 @@ def beam_search_usage(prompt_len: int, output_len: int, beam_width: int,
         step_copies = [s.copy for s in (t.append_token() for t in tables) if s.copy]
         copies += len(step_copies)
         shared.append(_in_use(allocator))
-        unshared.append(_unshared(tables, block_size))
+        unshared.append(unshared_blocks(tables, block_size))
         if record is not None:
             freed = sorted(set(range(len(old_blocks))) - set(parents))
             dead = {b for i in freed for b in old_blocks[i]}

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from paged_lib.sharing import Usage
+from paged_lib.sharing import Usage, unshared_blocks
 from paged_lib.util import cdiv
 
 
@@ -47,7 +47,7 @@ def engine_beam_usage(model, prompts: Sequence[list[int]], beam_width: int, max_
                      if any(s.block_table is tables[0] for s in g.seqs))
         blocks = {b for t in tables for b in t.blocks}
         shared[group.request_id].append(len(blocks))
-        unshared[group.request_id].append(sum(cdiv(t.num_tokens, block_size) for t in tables))
+        unshared[group.request_id].append(unshared_blocks(tables, block_size))
         copies[group.request_id] += sum(dst in blocks for _, dst in step_copies)
         return beam_step(tables, cum_logprobs, candidates, width)
 
