@@ -131,4 +131,3 @@ def test_num_required_blocks_counts_a_resumed_groups_prompt_once():
     resumed = SequenceGroup(1, [Sequence(i, list(range(64)), [1] * 25) for i in range(4)],
                             params)
     assert num_required_blocks(resumed, 4) == 16 + 4 * 7  # not 4 * 23 = 92
-    assert BlockManager(100, 4).prefill_blocks_needed(resumed) == 44

@@ -116,11 +116,6 @@ class BlockManager:
 
     # ------------------------------------------------------------ prefill
 
-    def prefill_blocks_needed(self, group: SequenceGroup) -> int:
-        """Blocks to (re-)prefill a waiting group, shared prompt counted once
-        (:func:`num_required_blocks`)."""
-        return num_required_blocks(group, self.block_size)
-
     def allocate(self, seq: Sequence, num_tokens: int | None = None) -> list[Slot]:
         """A fresh GPU table for ``seq`` with a slot for each of its first ``num_tokens``
         tokens (default: all of them)."""
