@@ -189,10 +189,13 @@ def train(args: argparse.Namespace) -> None:
     train_stream, held_stream = corpus["train"], corpus["held_out"]
     print(f"stdlib {corpus['stdlib']}: {json.dumps(corpus['stats'])}", flush=True)
 
-    model = LlamaForCausalLM(model_config())
-    # Eager attention is faster than SDPA for these tiny shapes on CPU (measured);
-    # the choice is not saved, so loaders get transformers' default.
-    model.set_attn_implementation("eager")
+    init = load_init(args.init) if args.init else None
+    if init:
+        model = LlamaForCausalLM.from_pretrained(args.init)  # warm start: weights only
+        print(f"warm start from {args.init} ({init['steps']} steps)", flush=True)
+    else:
+        model = LlamaForCausalLM(model_config())
+    model.set_attn_implementation("sdpa")  # as fast as eager or faster here (measured)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"parameters: {n_params:,}", flush=True)
     opt = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95))
@@ -224,6 +227,8 @@ def train(args: argparse.Namespace) -> None:
         step += 1
         if args.checkpoint_every and step % args.checkpoint_every == 0:
             model.save_pretrained(Path(args.out) / "checkpoint")  # a fallback if cut short
+            held = mean_loss(model, held_stream, cfg, 64) / math.log(2)
+            print(f"step {step:6d}  held-out {held:.3f} bpb (64 windows)", flush=True)
         if step % args.log_every == 0:
             print(
                 f"step {step:6d}  loss {loss.item():.3f}  "
@@ -241,10 +246,32 @@ def train(args: argparse.Namespace) -> None:
         f"held-out {held_eval / math.log(2):.3f} bpb",
         flush=True,
     )
-    save(model, args, cfg, corpus, n_params, step, train_time, train_eval, held_eval)
+    save(model, args, cfg, corpus, n_params, step, train_time, train_eval, held_eval, init)
 
 
-def save(model, args, cfg, corpus, n_params, step, train_time, train_eval, held_eval) -> None:
+def load_init(path: str) -> dict:
+    """The training record of the weights a run starts from (its stages, in order).
+
+    A warm start continues from saved weights with a fresh optimizer and a fresh
+    schedule; the record keeps every earlier stage so the README can give the
+    whole recipe.
+    """
+    record_path = Path(path) / "training.json"
+    if not record_path.is_file():
+        raise SystemExit(f"--init {path}: no training.json there (not weights this script saved)")
+    record = json.loads(record_path.read_text())
+    return {"stages": record.get("stages") or [stage_of(record)], "steps": record["steps"]}
+
+
+def stage_of(record: dict) -> dict:
+    """One training stage as the README's retrain recipe needs it."""
+    keys = ("seed", "minutes", "max_steps", "starts", "threads", "steps", "train_minutes", "init")
+    stage = {k: record.get(k) for k in keys}
+    stage.update(batch_size=record["train_config"]["batch_size"], lr=record["train_config"]["lr"])
+    return stage
+
+
+def save(model, args, cfg, corpus, n_params, step, train_time, train_eval, held_eval, init) -> None:
     """Weights (safetensors, fp32) + a training record the README is written from."""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -272,14 +299,16 @@ def save(model, args, cfg, corpus, n_params, step, train_time, train_eval, held_
         "train_loss_bpb": round(train_eval / math.log(2), 4),
         "held_out_loss_bpb": round(held_eval / math.log(2), 4),
         "samples": samples(model),
+        "init": args.init,
     }
+    record["stages"] = (init["stages"] if init else []) + [stage_of(record)]
     (out / "training.json").write_text(json.dumps(record, indent=2) + "\n")
     print(json.dumps(record["samples"], indent=2))
     write_readme(out)
 
 
 @torch.no_grad()
-def samples(model, prompts=("def ", "import ", "class "), n_tokens: int = 80) -> dict:
+def samples(model, prompts=("def ", "import ", "class ", "for i in "), n_tokens: int = 80) -> dict:
     """Greedy continuations, to eyeball that the model writes Python-looking code."""
     tok = ByteTokenizer()
     model.eval()
@@ -296,13 +325,19 @@ def write_readme(out: Path) -> None:
     r = json.loads((out / "training.json").read_text())
     c = json.loads((out / "config.json").read_text())
     t = r["train_config"]
-    tokens = r["steps"] * t["batch_size"] * (t["seq_len"] + 1)
+    stages = r.get("stages") or [stage_of(r)]
+    tokens = sum(st["steps"] * st["batch_size"] * (t["seq_len"] + 1) for st in stages)
     samples_md = "\n\n".join(f"`{p!r}` →\n\n```text\n{s}\n```" for p, s in r["samples"].items())
     text = README_TEMPLATE.read_text().format(
         **c,
         **r,
         **t,
         tokens=tokens,
+        passes=tokens / r["data"]["train"]["bytes"],
+        total_steps=sum(st["steps"] for st in stages),
+        total_minutes=round(sum(st["train_minutes"] for st in stages), 1),
+        stages_md=stages_md(stages),
+        retrain_md=retrain_md(stages),
         samples_md=samples_md,
         kv_group=c["num_attention_heads"] // c["num_key_value_heads"],
         train_files=r["data"]["train"]["files"],
@@ -311,17 +346,45 @@ def write_readme(out: Path) -> None:
         held_bytes=r["data"]["held_out"]["bytes"],
         skip=", ".join(sorted(SKIP_DIRS)),
         starts_md=STARTS_MD[r["starts"]],
-        steps_flag=f"--max-steps {r['max_steps']} " if r["max_steps"] else "",
         schedule_md=(
-            "The learning-rate schedule followed steps, so this repeats the run step for "
-            "step; `--minutes` is only a hard cap."
-            if r["max_steps"]
-            else "Training stops at the time budget, so a faster or less busy machine takes "
-            f"more steps (and gets a somewhat better model); add `--max-steps {r['steps']}` "
-            "for a fixed number of steps (the schedule then follows steps)."
+            "Each stage's learning-rate schedule followed its steps, so this repeats the run step "
+            "for step; `--minutes` is only a hard cap."
+            if all(st["max_steps"] for st in stages)
+            else "A stage without `--max-steps` stops at its time budget, so a faster or less busy "
+            "machine takes more steps (and gets a somewhat better model); give each stage "
+            "`--max-steps` with the steps listed above to repeat it step for step (the schedule "
+            "then follows steps)."
         ),
     )
     (out / "README.md").write_text(text)
+
+
+def stages_md(stages: list[dict]) -> str:
+    """One line per training stage: steps, batch, learning rate, time, where it started."""
+    lines = []
+    for i, st in enumerate(stages, 1):
+        start = "from the previous stage's weights" if i > 1 else "from random weights"
+        lines.append(
+            f"{i}. {start}: seed {st['seed']}, {st['steps']:,} steps of batch {st['batch_size']}, "
+            f"learning rate {st['lr']:g}, {st['train_minutes']:g} minutes on "
+            f"{st['threads']} CPU thread(s)"
+        )
+    return f"Trained in {len(stages)} stage(s):\n\n" + "\n".join(lines)
+
+
+def retrain_md(stages: list[dict]) -> str:
+    """The shell commands that repeat every stage, in order."""
+    cmds = []
+    for i, st in enumerate(stages, 1):
+        out = f"/tmp/tiny-stage{i}" if i < len(stages) else "paged_lib/data/tiny-code-llama"
+        init = f" --init /tmp/tiny-stage{i - 1}" if i > 1 else ""
+        steps = f" --max-steps {st['max_steps']}" if st["max_steps"] else ""
+        cmds.append(
+            f".venv/bin/python tools/train_tiny_model.py --minutes {st['minutes']:g} "
+            f"--threads {st['threads']} --seed {st['seed']} --batch-size {st['batch_size']} "
+            f"--lr {st['lr']:g} --starts {st['starts']}{steps}{init} --out {out}"
+        )
+    return "```bash\n" + "\n".join(cmds) + "\n```"
 
 
 STARTS_MD = {
@@ -350,6 +413,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="line",
         help="where training windows may start: a line start, or any byte",
     )
+    p.add_argument("--init", default=None, help="warm start from weights this script saved")
     p.add_argument("--checkpoint-every", type=int, default=0, help="save to OUT/checkpoint")
     p.add_argument(
         "--readme-only", action="store_true", help="rewrite README.md from training.json"
