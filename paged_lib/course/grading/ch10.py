@@ -1,0 +1,273 @@
+"""Checks for chapter 10 (prefix caching).
+
+* 10.1 ``block_hashes``: the hash chain over a prompt's full blocks, next to
+  :func:`paged_lib.engine.prefix_cache.block_hashes` on prompts chosen so that each typical
+  slip shows (a part-filled last block, a prompt that fills its blocks exactly, equal
+  blocks at different positions, extra keys, two prompts that share a prefix); a wrong
+  hash is recomputed the ways a slip would compute it, to name it.
+* 10.2 ``longest_cache_hit``: the cached blocks a new request reuses, on caches with
+  holes, whole-prompt hits and block id 0, against
+  :func:`paged_lib.engine.prefix_cache.longest_cache_hit`.
+* 10.3 the LRU free queue's ``popleft`` and ``remove``
+  (:mod:`paged_lib.course.grading.ch10_queue`).
+
+:func:`run_demo` serves chapter 10's shared-prefix requests in the engine with the
+learner's three pieces and compares them with the library's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from paged_lib.course import grading
+from paged_lib.course.grading.ch10_queue import check_free_queue
+from paged_lib.engine.prefix_cache import (
+    BlockHash,
+    block_hashes,
+    hash_block_tokens,
+    longest_cache_hit,
+)
+
+__all__ = ["TWINS", "check_block_hashes", "check_free_queue", "check_longest_cache_hit",
+           "run_demo"]
+
+#: Exercise id -> the library object the learner's code re-implements (it refuses
+#: the learner's calls while that exercise's check runs: see grading.exercise).
+#: 10.3's class has two methods: the check refuses ``FreeBlockQueue.popleft`` itself.
+TWINS: dict[str, str] = {
+    "10.1": "paged_lib.engine.prefix_cache.block_hashes",
+    "10.2": "paged_lib.engine.prefix_cache.longest_cache_hit",
+    "10.3": "paged_lib.engine.prefix_cache.FreeBlockQueue.remove",
+}
+
+
+# ------------------------------------------------------------------ 10.1 block_hashes
+
+def _tokens(n: int, start: int = 100) -> list[int]:
+    return list(range(start, start + n))
+
+
+#: name, token ids, block size, extra keys
+_HASH_SCENARIOS: list[tuple[str, list[int], int, tuple]] = [
+    ("11 tokens, block size 4 (a part-filled last block)", _tokens(11), 4, ()),
+    ("12 tokens, block size 4 (every block full)", _tokens(12), 4, ()),
+    ("the same 3 tokens, four times over (block size 3)", [7, 8, 9] * 4, 3, ()),
+    ("a prompt shorter than one block", [5, 6, 7], 4, ()),
+    ("no tokens at all", [], 4, ()),
+    ("block size 1", [3, 1, 4, 1, 5], 1, ()),
+    ("20 tokens, block size 8, extra keys ('lora-2',)", _tokens(20, 50), 8, ("lora-2",)),
+    ("17 tokens, block size 16", _tokens(17, 9), 16, ()),
+]
+
+
+def check_block_hashes(fn: Callable[..., Any]) -> None:
+    """``block_hashes(token_ids, block_size, extra_keys=()) -> list[BlockHash]``."""
+    with grading.exercise("10.1", "A prompt's block hashes"):
+        for name, tokens, block_size, extra in _HASH_SCENARIOS:
+            _check_hashes(fn, name, tokens, block_size, extra)
+        _check_shared_prefix(fn)
+
+
+def _check_hashes(fn, name: str, tokens: list[int], block_size: int, extra: tuple) -> None:
+    where = f"prompt '{name}'"
+    given = list(tokens)
+    got = fn(given, block_size, extra) if extra else fn(given, block_size)
+    want = block_hashes(tokens, block_size, extra)
+    grading.expect_true(given == tokens, f"{where}: your function changed token_ids",
+                        "read the token ids, do not change them")
+    if isinstance(got, int | float) and not isinstance(got, bool):
+        grading.fail(f"{where}: expected a list of {len(want)} BlockHash, got {got!r}",
+                     "return the hashes themselves, one per full block, not how many")
+    grading.expect_true(isinstance(got, list),
+                        f"{where}: expected a list, got a {type(got).__name__}",
+                        "return a list with one BlockHash per full block")
+    if any(not isinstance(h, BlockHash) for h in got):
+        bad = next(h for h in got if not isinstance(h, BlockHash))
+        grading.fail(f"{where}: expected BlockHash items, got {bad!r}",
+                     "each item is what hash_block_tokens returns (a BlockHash), not its "
+                     ".value or a tuple of tokens")
+    n_full = len(tokens) // block_size
+    if len(got) != len(want):
+        _wrong_count(where, got, want, len(tokens), block_size, n_full)
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        if g != w:
+            _wrong_hash(where, i, g, got, want, tokens, block_size, extra)
+
+
+def _wrong_count(where, got, want, num_tokens, block_size, n_full) -> None:
+    what = (f"{where} ({num_tokens} tokens, block size {block_size}): expected "
+            f"{len(want)} hashes, got {len(got)}")
+    partial = num_tokens % block_size != 0
+    if len(got) == len(want) + 1 and partial:
+        grading.fail(what, "you hashed a partial block: the part-filled last block gets "
+                     "no hash (its K/V will still change, so no one may share it)")
+    if len(got) == len(want) - 1 and not partial:
+        grading.fail(what, "off by one on full blocks: a block that is exactly full is "
+                     "a full block and gets its hash (here the prompt ends on a block "
+                     "boundary)")
+    if len(got) == len(want) - 1:
+        grading.fail(what, "off by one on full blocks: there are len(token_ids) // "
+                     "block_size of them, the last full one included")
+    if len(got) == num_tokens and block_size > 1:
+        grading.fail(what, "one hash per block of block_size tokens, not one per token")
+    grading.fail(what, f"one hash per full block: {n_full} here "
+                 "(len(token_ids) // block_size)")
+
+
+def _wrong_hash(where, i, g, got, want, tokens, block_size, extra) -> None:
+    chunk = tokens[i * block_size:(i + 1) * block_size]
+    parent = want[i - 1] if i else None
+    what = f"{where}: block {i}'s hash differs (expected {_short(want[i])}, got {_short(g)})"
+    guesses = [
+        (i > 0, hash_block_tokens(None, chunk, extra),
+         "not chained on the parent: block i must be hashed with block i-1's hash as its "
+         "parent, or equal blocks at different positions (and after different prefixes) "
+         "get equal hashes and collide"),
+        (i > 1, hash_block_tokens(want[0], chunk, extra),
+         "hashed from the wrong parent: block i's parent is block i-1's hash, not the "
+         "first block's"),
+        (i > 1, hash_block_tokens(want[i - 2], chunk, extra),
+         "hashed from the wrong parent: block i's parent is block i-1's hash, not the "
+         "one two back"),
+        (i == 0, hash_block_tokens(want[0], chunk, extra),
+         "the first block has no parent: hash it with parent None"),
+        (bool(extra), hash_block_tokens(parent, chunk, ()),
+         "extra keys forgotten: they go into every block's hash (a different LoRA "
+         "adapter, say, must not share a block)"),
+        (True, hash_block_tokens(parent, tokens[:(i + 1) * block_size], extra),
+         "each hash_block_tokens call takes only that block's own tokens: the prefix "
+         "before it comes in through the parent hash"),
+        (True, hash_block_tokens(parent, tokens[i * block_size:i * block_size + block_size
+                                                - 1], extra),
+         "off by one in the block's slice: block i holds tokens "
+         "[i * block_size, (i + 1) * block_size)"),
+    ]
+    for applies, guess, hint in guesses:
+        if applies and g == guess:
+            grading.fail(what, hint)
+    if any(h == g for j, h in enumerate(want) if j != i):
+        grading.fail(what, "the hashes are in the wrong order: one per full block, first "
+                     "block first")
+    grading.fail(what, "block i's hash is hash_block_tokens(hash of block i-1, or None for "
+                 "block 0, block i's own tokens, extra_keys)")
+
+
+def _short(h: Any) -> str:
+    if isinstance(h, BlockHash):
+        return f"BlockHash(value={h.value:#x}, token_ids={h.token_ids})"
+    return repr(h)
+
+
+def _check_shared_prefix(fn) -> None:
+    """Two prompts that share 12 tokens: their first 3 blocks (of 4) must be named
+    alike, and nothing after the point where they part."""
+    a = _tokens(12) + [1, 2, 3, 4, 5, 6]
+    b = _tokens(12) + [9, 9, 9, 9, 5, 6]
+    ha, hb = fn(list(a), 4), fn(list(b), 4)
+    where = "two prompts that share their first 12 tokens (block size 4)"
+    grading.expect_equal(ha[:3], hb[:3], f"{where}: their first 3 hashes",
+                         "equal prefixes must give equal hashes (the hash may not depend on "
+                         "anything but the tokens, their order and the extra keys)")
+    grading.expect_true(ha[3] != hb[3], f"{where}: block 3 hashes alike though its tokens "
+                        "differ", "block 3 holds different tokens in the two prompts")
+
+
+# ------------------------------------------------------------------ 10.2 longest_cache_hit
+
+#: name, prompt length, block size, which full blocks are cached (their physical ids)
+_HIT_SCENARIOS: list[tuple[str, int, int, dict[int, int]]] = [
+    ("nothing cached", 14, 4, {}),
+    ("the first 2 of 3 full blocks cached (14 tokens)", 14, 4, {0: 5, 1: 7}),
+    ("a hole: blocks 0, 2 and 3 cached, block 1 not (17 tokens)", 17, 4,
+     {0: 3, 2: 8, 3: 9}),
+    ("every block of a 16-token prompt cached (block size 4)", 16, 4,
+     {0: 4, 1: 6, 2: 2, 3: 11}),
+    ("every full block of a 17-token prompt cached (block size 4)", 17, 4,
+     {0: 4, 1: 6, 2: 2, 3: 11}),
+    ("physical block 0 is the second hit (21 tokens)", 21, 4, {0: 6, 1: 0, 2: 3, 4: 1}),
+    ("a prompt of exactly one cached block (8 tokens, block size 8)", 8, 8, {0: 2}),
+    ("block size 1, 5 tokens, all cached", 5, 1, {0: 9, 1: 8, 2: 7, 3: 6, 4: 5}),
+    ("the 29-token request of vLLM's example (3 of 7 full blocks cached)", 29, 4,
+     {0: 0, 1: 1, 2: 2}),
+]
+
+
+class _Lookup:
+    """A cache lookup that records what it was asked."""
+
+    def __init__(self, cache: dict[BlockHash, int]):
+        self.cache = cache
+        self.asked: list[BlockHash] = []
+
+    def __call__(self, h: BlockHash) -> int | None:
+        self.asked.append(h)
+        return self.cache.get(h)
+
+
+def check_longest_cache_hit(fn: Callable[..., Any]) -> None:
+    """``longest_cache_hit(hashes, lookup, num_tokens, block_size) -> list[int]``."""
+    with grading.exercise("10.2", "The cache hit"):
+        for name, num_tokens, block_size, cached in _HIT_SCENARIOS:
+            _check_hit(fn, name, num_tokens, block_size, cached)
+
+
+def _check_hit(fn, name: str, num_tokens: int, block_size: int, cached: dict[int, int]
+               ) -> None:
+    hashes = block_hashes(_tokens(num_tokens, 7), block_size)
+    cache = {hashes[i]: b for i, b in cached.items()}
+    lookup = _Lookup(cache)
+    given = list(hashes)
+    got = fn(given, lookup, num_tokens, block_size)
+    want = longest_cache_hit(hashes, cache.get, num_tokens, block_size)
+    where = f"scenario '{name}'"
+    grading.expect_true(given == hashes, f"{where}: your function changed hashes",
+                        "read the hashes, do not change them")
+    if isinstance(got, int) and not isinstance(got, bool):
+        grading.fail(f"{where}: expected a list of block ids, got {got!r}",
+                     "return the cached blocks themselves (lookup's answers), not how "
+                     "many: the engine puts them at the start of the request's table")
+    grading.expect_true(isinstance(got, list) and all(type(b) is int for b in got),
+                        f"{where}: expected a list of int block ids, got {got!r}",
+                        "return a list of the physical blocks lookup gave you")
+    if got == want:
+        return
+    every_hit = [cache[h] for h in hashes if h in cache]
+    leading = []
+    for h in hashes:
+        if h not in cache:
+            break
+        leading.append(cache[h])
+    cap = (num_tokens - 1) // block_size
+    what = f"{where}: expected {want}, got {got}"
+    if len(got) > len(want) and got[:len(want)] == want and len(leading) > len(want):
+        grading.fail(what, "the whole prompt is cached, yet the last token must still be "
+                     "computed (its logits give the first new token): at most "
+                     "(num_tokens - 1) // block_size blocks hit")
+    if got == every_hit or (len(got) > len(leading) and got[:len(leading)] == leading):
+        grading.fail(what, "you counted hits past the first miss: a block after a miss "
+                     "has a different prefix in this request, so the hit is the leading "
+                     "run only")
+    if len(got) < len(want) and got == want[:len(got)]:
+        if 0 in want and 0 not in got and want[len(got)] == 0:
+            grading.fail(what, "physical block 0 is a block like any other: a miss is "
+                         "lookup(...) is None, not a falsy answer")
+        if len(got) == cap - 1 or len(got) == num_tokens // block_size - 1:
+            grading.fail(what, "off by one in the cap: at most (num_tokens - 1) // "
+                         "block_size blocks (the last token is computed, the blocks "
+                         "before it can all hit)")
+    if sorted(got) == sorted(want):
+        grading.fail(what, "the blocks in the order of the hashes (the prompt's order)")
+    grading.fail(what, "the blocks lookup finds for the leading hashes, up to the first "
+                 "miss, at most (num_tokens - 1) // block_size of them")
+
+
+# ------------------------------------------------------------------ the demo
+
+
+def run_demo(block_hashes_fn: Callable[..., Any], longest_cache_hit_fn: Callable[..., Any],
+             free_queue_cls: type, model: Any = None) -> None:
+    """Chapter 10's shared-prefix requests in the engine with the learner's pieces."""
+    from paged_lib.course.demos import prefix_cache as demo
+
+    demo.serve_with_hooks(block_hashes_fn, longest_cache_hit_fn, free_queue_cls, model)

@@ -1,0 +1,312 @@
+"""Chapter 10's graders against typical wrong answers: each gets ❌ with a hint naming it."""
+
+from __future__ import annotations
+
+import pytest
+
+from paged_lib.course.demos import prefix_cache as demo
+from paged_lib.course.grading import ch10
+from paged_lib.engine import prefix_cache as pc
+from paged_lib.engine.prefix_cache import FreeBlockQueue, hash_block_tokens
+
+
+def verdict(capsys, check, answer) -> str:
+    check(answer)
+    out = capsys.readouterr().out
+    assert out.count("\n") <= 2, out  # one verdict line, at most one hint line
+    return out
+
+
+# ---------------------------------------------------------------- 10.1 block_hashes
+
+
+def chain(token_ids, block_size, extra_keys=(), *, blocks=None, parent_of=None,
+          tokens_of=None, extra=True):
+    """The hash chain with one piece swappable, to build the wrong answers."""
+    n = len(token_ids) // block_size if blocks is None else blocks(len(token_ids), block_size)
+    out = []
+    for i in range(n):
+        parent = parent_of(out, i) if parent_of else (out[-1] if out else None)
+        chunk = tokens_of(token_ids, i, block_size) if tokens_of \
+            else token_ids[i * block_size:(i + 1) * block_size]
+        out.append(hash_block_tokens(parent, chunk, extra_keys if extra else ()))
+    return out
+
+
+def hashes_ok(token_ids, block_size, extra_keys=()):
+    return chain(token_ids, block_size, extra_keys)
+
+
+@pytest.mark.parametrize("answer,hint", [
+    (lambda t, b, e=(): chain(t, b, e, blocks=lambda n, s: -(-n // s)),
+     "you hashed a partial block"),
+    (lambda t, b, e=(): chain(t, b, e, parent_of=lambda out, i: None),
+     "not chained on the parent"),
+    (lambda t, b, e=(): chain(t, b, e, parent_of=lambda out, i: out[0] if out else None),
+     "hashed from the wrong parent"),
+    (lambda t, b, e=(): chain(t, b, e, parent_of=lambda out, i: out[-2] if i > 1 else
+                              (out[-1] if out else None)),
+     "hashed from the wrong parent"),
+    (lambda t, b, e=(): chain(t, b, e, blocks=lambda n, s: max(n // s - 1, 0)),
+     "off by one on full blocks"),
+    (lambda t, b, e=(): chain(t, b, e, blocks=lambda n, s: len(range(0, n - s, s))),
+     "a block that is exactly full"),
+    (lambda t, b, e=(): chain(t, b, e, extra=False), "extra keys forgotten"),
+    (lambda t, b, e=(): chain(t, b, e, tokens_of=lambda t, i, s: t[:(i + 1) * s]),
+     "only that block's own tokens"),
+    (lambda t, b, e=(): chain(t, b, e, tokens_of=lambda t, i, s: t[i * s:(i + 1) * s - 1]),
+     "off by one in the block's slice"),
+    (lambda t, b, e=(): [h.value for h in chain(t, b, e)], "not its .value"),
+    (lambda t, b, e=(): len(chain(t, b, e)), "not how many"),
+    (lambda t, b, e=(): chain(t, b, e)[::-1], "wrong order"),
+])
+def test_block_hashes_wrong_answers(capsys, answer, hint):
+    out = verdict(capsys, ch10.check_block_hashes, answer)
+    assert out.startswith("❌ [10.1]") and hint in out, out
+
+
+def test_block_hashes_right_answers(capsys):
+    assert verdict(capsys, ch10.check_block_hashes, hashes_ok).startswith("✅ [10.1]")
+    out = verdict(capsys, ch10.check_block_hashes, pc.block_hashes)
+    assert out.startswith("❌ [10.1]") and "you passed the library's block_hashes" in out
+    out = verdict(capsys, ch10.check_block_hashes,
+                  lambda t, b, e=(): pc.block_hashes(t, b, e))
+    assert out.startswith("❌ [10.1]") and "called the library's block_hashes" in out
+
+
+def test_block_hashes_not_attempted(capsys):
+    def todo(*args):
+        raise NotImplementedError
+
+    assert verdict(capsys, ch10.check_block_hashes, todo).startswith("⏳ [10.1]")
+
+
+# ---------------------------------------------------------------- 10.2 longest_cache_hit
+
+
+def hit(hashes, lookup, num_tokens, block_size, *, cap=None, past_miss=False,
+        falsy_miss=False):
+    limit = (num_tokens - 1) // block_size if cap is None else cap(num_tokens, block_size)
+    out = []
+    for h in hashes[:max(limit, 0)]:
+        b = lookup(h)
+        if b is None or (falsy_miss and not b):
+            if past_miss:
+                continue
+            break
+        out.append(b)
+    return out
+
+
+@pytest.mark.parametrize("answer,hint", [
+    (lambda h, f, n, b: hit(h, f, n, b, past_miss=True), "past the first miss"),
+    (lambda h, f, n, b: hit(h, f, n, b, cap=lambda n, s: n // s),
+     "the last token must still be computed"),
+    (lambda h, f, n, b: hit(h, f, n, b, cap=lambda n, s: n // s - 1), "off by one in the cap"),
+    (lambda h, f, n, b: hit(h, f, n, b, falsy_miss=True), "physical block 0"),
+    (lambda h, f, n, b: len(hit(h, f, n, b)), "not how many"),
+    (lambda h, f, n, b: hit(h, f, n, b)[::-1], "in the order of the hashes"),
+    (lambda h, f, n, b: [x for x in hit(h, f, n, b) if x != 0] + [0] * (0 in hit(h, f, n, b)),
+     "in the order of the hashes"),
+])
+def test_longest_cache_hit_wrong_answers(capsys, answer, hint):
+    out = verdict(capsys, ch10.check_longest_cache_hit, answer)
+    assert out.startswith("❌ [10.2]") and hint in out, out
+
+
+def test_longest_cache_hit_right_answers(capsys):
+    assert verdict(capsys, ch10.check_longest_cache_hit, hit).startswith("✅ [10.2]")
+    out = verdict(capsys, ch10.check_longest_cache_hit, pc.longest_cache_hit)
+    assert out.startswith("❌ [10.2]") and "you passed the library's longest_cache_hit" in out
+
+
+# ---------------------------------------------------------------- 10.3 the free queue
+
+
+class QueueOk(FreeBlockQueue):
+    def popleft(self):
+        block = self.next[self.HEAD]
+        if block == self.TAIL:
+            raise IndexError("popleft from an empty queue")
+        self.remove(block)
+        return block
+
+    def remove(self, block_id):
+        if block_id not in self.next or block_id in (self.HEAD, self.TAIL):
+            raise ValueError(f"block {block_id} is not in the queue")
+        before, after = self.prev.pop(block_id), self.next.pop(block_id)
+        self.next[before], self.prev[after] = after, before
+        self._len -= 1
+
+
+class PopNoPrev(QueueOk):
+    def popleft(self):
+        block = self.next[self.HEAD]
+        if block == self.TAIL:
+            raise IndexError("empty")
+        after = self.next.pop(block)
+        del self.prev[block]
+        self.next[self.HEAD] = after  # prev[after] still names the block taken
+        self._len -= 1
+        return block
+
+
+class PopKeepsEntries(QueueOk):
+    def popleft(self):
+        block = self.next[self.HEAD]
+        if block == self.TAIL:
+            raise IndexError("empty")
+        after = self.next[block]
+        self.next[self.HEAD], self.prev[after] = after, self.HEAD
+        self._len -= 1
+        return block
+
+
+class PopTail(QueueOk):
+    def popleft(self):
+        block = self.prev[self.TAIL]
+        if block == self.HEAD:
+            raise IndexError("empty")
+        self.remove(block)
+        return block
+
+
+class PopNoLen(QueueOk):
+    def popleft(self):
+        block = QueueOk.popleft(self)
+        self._len += 1
+        return block
+
+
+class PopEmptyReturnsTail(QueueOk):
+    def popleft(self):
+        block = self.next[self.HEAD]
+        if block != self.TAIL:
+            self.remove(block)
+        return block
+
+
+class PopEmptyKeyError(QueueOk):
+    def popleft(self):
+        block = self.next[self.HEAD]
+        before, after = self.prev.pop(block), self.next.pop(block)
+        self.next[before], self.prev[after] = after, before
+        self._len -= 1
+        return block
+
+
+class RemoveNoRelink(QueueOk):
+    def remove(self, block_id):
+        if block_id not in self.next or block_id in (self.HEAD, self.TAIL):
+            raise ValueError("not queued")
+        del self.prev[block_id], self.next[block_id]
+        self._len -= 1
+
+
+class RemoveOnlyNext(QueueOk):
+    def remove(self, block_id):
+        if block_id not in self.next or block_id in (self.HEAD, self.TAIL):
+            raise ValueError("not queued")
+        before, after = self.prev.pop(block_id), self.next.pop(block_id)
+        self.next[before] = after
+        self._len -= 1
+
+
+class RemoveByListRemove(QueueOk):
+    def remove(self, block_id):
+        order = list(self)
+        order.remove(block_id)  # ValueError when absent, as asked
+        self.next, self.prev = {self.HEAD: self.TAIL}, {self.TAIL: self.HEAD}
+        self._len = 0
+        for b in order:
+            self.append(b)
+
+
+class RemoveByWalk(QueueOk):
+    def remove(self, block_id):
+        node = self.HEAD
+        while self.next[node] != block_id:
+            node = self.next[node]
+            if node == self.TAIL:
+                raise ValueError("not queued")
+        after = self.next.pop(block_id)
+        del self.prev[block_id]
+        self.next[node], self.prev[after] = after, node
+        self._len -= 1
+
+
+class RemoveUnchecked(QueueOk):
+    def remove(self, block_id):
+        before, after = self.prev.pop(block_id, None), self.next.pop(block_id, None)
+        if before is not None:
+            self.next[before], self.prev[after] = after, before
+        self._len -= 1
+
+
+class RemoveKeyError(QueueOk):
+    def remove(self, block_id):
+        before, after = self.prev.pop(block_id), self.next.pop(block_id)
+        self.next[before], self.prev[after] = after, before
+        self._len -= 1
+
+
+class InheritsPopleft(FreeBlockQueue):
+    def remove(self, block_id):
+        QueueOk.remove(self, block_id)
+
+
+class DelegatesToSuper(QueueOk):
+    def popleft(self):
+        return super(QueueOk, self).popleft()
+
+
+class DelegatesRemove(QueueOk):
+    def remove(self, block_id):
+        return super(QueueOk, self).remove(block_id)
+
+
+@pytest.mark.parametrize("answer,hint", [
+    (PopNoPrev, "popleft did not unlink the new head's prev"),
+    (PopKeepsEntries, "still have next/prev entries"),
+    (PopTail, "not the tail"),
+    (PopNoLen, "keep _len in step"),
+    (PopEmptyReturnsTail, "popleft on an empty queue raises IndexError"),
+    (PopEmptyKeyError, "popleft on an empty queue raises IndexError"),
+    (RemoveNoRelink, "remove left a neighbour pointing at the removed block"),
+    (RemoveOnlyNext, "prev of the block after it must point at the block before it"),
+    (RemoveByListRemove, "O(n), like list.remove"),
+    (RemoveByWalk, "O(n), like list.remove"),
+    (RemoveUnchecked, "raises ValueError"),
+    (RemoveKeyError, "raises ValueError"),
+    (InheritsPopleft, "no popleft of its own"),
+    (DelegatesToSuper, "called the library's FreeBlockQueue.popleft"),
+    (DelegatesRemove, "called the library's FreeBlockQueue.remove"),
+    (QueueOk(), "expected a subclass of FreeBlockQueue"),
+])
+def test_free_queue_wrong_answers(capsys, answer, hint):
+    out = verdict(capsys, ch10.check_free_queue, answer)
+    assert out.startswith("❌ [10.3]") and hint in out, out
+
+
+def test_free_queue_right_answer_and_twins_put_back(capsys):
+    assert verdict(capsys, ch10.check_free_queue, QueueOk).startswith("✅ [10.3]")
+    out = verdict(capsys, ch10.check_free_queue, FreeBlockQueue)
+    assert out.startswith("❌ [10.3]"), out
+    q = FreeBlockQueue(range(3))  # both twins work again after the checks
+    q.remove(1)
+    assert q.popleft() == 0 and list(q) == [2]
+
+
+# ---------------------------------------------------------------- the worked example
+
+
+def test_worked_example_is_vllms():
+    frames = demo.worked_example()
+    by_time = {f.title.split(":")[0]: f for f in frames}
+    assert by_time["time 4"].hits == {"request 1": [0, 1]}
+    assert by_time["time 6"].free_queue == [7, 8, 9, 4, 3, 2, 6, 5, 1, 0]
+    last = by_time["time 7"]
+    assert last.hits == {"request 2": [0, 1, 2]}
+    assert last.tables["request 2"] == [0, 1, 2, 7, 8, 9, 4, 3] and last.evicted == [3]
+    assert last.free_queue == [6, 5]
+    assert demo.worked_example(free_queue_cls=QueueOk) == frames
