@@ -105,3 +105,29 @@ def worked_example(free_queue_cls: type = FreeBlockQueue) -> list[Frame]:
     frame("time 7: request 2 (29 tokens, 12 shared) hits 3 blocks, evicts from the head",
           {"request 2": hits}, before)
     return frames
+
+
+@dataclass(frozen=True)
+class ChainBlock:
+    """One logical block of a prompt served through the cache."""
+
+    tokens: tuple[int, ...]
+    hash_value: int | None    # None: a part-filled block (never hashed, never shared)
+    physical: int
+    hit: bool                 # read from the cache instead of computed
+
+
+def hash_chain_rows(prompts: dict[str, list[int]], block_size: int,
+                    num_blocks: int = 32) -> dict[str, list[ChainBlock]]:
+    """Serve ``prompts`` one after another into one caching pool (none finishes) and
+    describe each one's blocks: tokens, hash, physical block, hit or computed."""
+    alloc = PrefixCachingAllocator(num_blocks)
+    rows: dict[str, list[ChainBlock]] = {}
+    for name, tokens in prompts.items():
+        table, hits = serve_prompt(alloc, list(tokens), block_size)
+        hashes = block_hashes(list(tokens), block_size)
+        rows[name] = [
+            ChainBlock(tuple(tokens[i * block_size:(i + 1) * block_size]),
+                       hashes[i].value if i < len(hashes) else None, b, i < len(hits))
+            for i, b in enumerate(table.blocks)]
+    return rows
