@@ -29,7 +29,7 @@ import triton.language as tl
 
 from paged_lib.device import interpreter_on
 from paged_lib.kernels.triton_split import choose_num_splits, merge_splits
-from paged_lib.kernels.triton_tile import LN2, LOG2E, attend_tile
+from paged_lib.kernels.triton_tile import LN2, LOG2E, attend_tile, no_block, tile_blocks
 from paged_lib.util import cdiv
 
 #: Shared memory per thread block on H100/H200 (227 KB): K and V tiles times pipeline
@@ -87,9 +87,12 @@ def _paged_decode_kernel(
 
     t = tl.arange(0, TILE_N)
     block_table = block_tables_ptr + seq * stride_bts
+    block = no_block(TILE_N, BLOCK_SIZE)
     for tile_start in range(start, end, TILE_N):
+        block = tile_blocks(block, block_table, stride_btb, tile_start, start, end,
+                            TILE_N, BLOCK_SIZE)
         m_i, l_i, acc = attend_tile(
-            q, m_i, l_i, acc, tile_start + t, end, end, block_table, stride_btb,
+            q, m_i, l_i, acc, tile_start + t, end, end, block,
             k_cache_ptr, v_cache_ptr, kv_head, d,
             stride_kb, stride_kt, stride_kh, stride_kd,
             stride_vb, stride_vt, stride_vh, stride_vd, scale_log2,

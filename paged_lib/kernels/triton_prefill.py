@@ -20,7 +20,7 @@ import triton.language as tl
 
 from paged_lib.device import interpreter_on
 from paged_lib.kernels.triton_decode import MAX_GROUP_TILE, alignment, head_pad, on_device
-from paged_lib.kernels.triton_tile import LOG2E, attend_tile
+from paged_lib.kernels.triton_tile import LOG2E, attend_tile, no_block, tile_blocks
 from paged_lib.util import cdiv
 
 #: Query rows (new tokens x query heads) per program.
@@ -83,9 +83,12 @@ def _paged_prefill_kernel(
     kv_end = tl.minimum(seq_len, context + (q_block + 1) * BLOCK_Q)  # causal: no further
     t = tl.arange(0, TILE_N)
     block_table = block_tables_ptr + seq * stride_bts
+    block = no_block(TILE_N, BLOCK_SIZE)
     for tile_start in range(0, kv_end, TILE_N):
+        block = tile_blocks(block, block_table, stride_btb, tile_start, 0, kv_end,
+                            TILE_N, BLOCK_SIZE)
         m_i, l_i, acc = attend_tile(
-            q, m_i, l_i, acc, tile_start + t, kv_end, row_pos, block_table, stride_btb,
+            q, m_i, l_i, acc, tile_start + t, kv_end, row_pos, block,
             k_cache_ptr, v_cache_ptr, kv_head, d,
             stride_kb, stride_kt, stride_kh, stride_kd,
             stride_vb, stride_vt, stride_vh, stride_vd, scale_log2,

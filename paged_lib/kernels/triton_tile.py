@@ -2,8 +2,9 @@
 
 Both kernels walk a sequence's tokens ``TILE_N`` at a time and, per tile:
 
-1. look up each token's physical block in the block table (block ids cast to int64
-   before they are multiplied by a stride: a cache of more than 2**31 elements must not
+1. look up the physical block of the tile's tokens (:func:`tile_blocks`): each
+   block-table entry is read once per block, not once per token, and cast to int64
+   before it is multiplied by a stride (a cache of more than 2**31 elements must not
    overflow 32-bit offsets);
 2. load the K and V rows of those tokens, masked by ``pos < end`` (a token past the end
    is never loaded, so a NaN-poisoned slot cannot reach the output);
@@ -29,10 +30,69 @@ LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 
 
+@triton.constexpr_function
+def blocks_per_tile(tile_n, block_size):
+    """Block-table entries a tile of ``tile_n`` positions can touch, padded to a power of
+    two (``tl.arange`` needs one): ``tile_n // block_size`` when blocks tile it exactly."""
+    if tile_n % block_size == 0:
+        return tile_n // block_size
+    return triton.next_power_of_2((tile_n - 1) // block_size + 2)
+
+
+@triton.jit
+def no_block(TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """The value :func:`tile_blocks` starts its loop from (a block id per position, or one
+    id for the whole tile when a block holds whole tiles)."""
+    if BLOCK_SIZE % TILE_N == 0:
+        return tl.full([], 0, tl.int64)
+    else:
+        return tl.zeros([TILE_N], tl.int64)
+
+
+@triton.jit
+def tile_blocks(block, block_table, stride_btb, tile_start, start, end,
+                TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """Physical block (int64) of the positions ``tile_start + arange(TILE_N)``.
+
+    Reads each block-table entry once per block, never once per token:
+
+    * a block holds whole tiles (``BLOCK_SIZE % TILE_N == 0``): the entry is read at the
+      block's first tile (or the loop's first, ``start``) and ``block``, the previous
+      tile's id, is kept otherwise; the result is one id for the whole tile;
+    * a tile holds whole blocks (``TILE_N % BLOCK_SIZE == 0``): its ``TILE_N // BLOCK_SIZE``
+      entries in one load, each repeated over its block's positions;
+    * otherwise (a block size like 12): the few entries the tile touches, each position
+      picking its own; a block that straddles two tiles is read by both.
+
+    Entries of blocks at or past ``end`` are never read (the table's padding).
+    """
+    if BLOCK_SIZE % TILE_N == 0:
+        if (tile_start % BLOCK_SIZE == 0) | (tile_start == start):
+            block = tl.load(block_table + (tile_start // BLOCK_SIZE) * stride_btb)
+            block = block.to(tl.int64)
+    elif TILE_N % BLOCK_SIZE == 0:
+        NB: tl.constexpr = TILE_N // BLOCK_SIZE
+        j = tile_start // BLOCK_SIZE + tl.arange(0, NB)
+        ids = tl.load(block_table + j * stride_btb, mask=j * BLOCK_SIZE < end, other=0)
+        ids = ids.to(tl.int64)
+        block = tl.reshape(tl.broadcast_to(ids[:, None], (NB, BLOCK_SIZE)), (TILE_N,))
+    else:
+        NB: tl.constexpr = blocks_per_tile(TILE_N, BLOCK_SIZE)
+        first = tile_start // BLOCK_SIZE
+        last = (tile_start + TILE_N - 1) // BLOCK_SIZE
+        k = tl.arange(0, NB)
+        j = first + k
+        ids = tl.load(block_table + j * stride_btb, mask=(j <= last) & (j * BLOCK_SIZE < end),
+                      other=0).to(tl.int64)
+        local = (tile_start + tl.arange(0, TILE_N)) // BLOCK_SIZE - first
+        block = tl.sum(tl.where(local[:, None] == k[None, :], ids[None, :], 0), 1)
+    return block
+
+
 @triton.jit
 def attend_tile(
     q, m_i, l_i, acc, pos, end, row_pos,
-    block_table, stride_btb, k_cache_ptr, v_cache_ptr, kv_head, d,
+    block, k_cache_ptr, v_cache_ptr, kv_head, d,
     stride_kb, stride_kt, stride_kh, stride_kd,
     stride_vb, stride_vt, stride_vh, stride_vd,
     scale_log2,
@@ -41,13 +101,11 @@ def attend_tile(
 ):
     """Fold the tile of logical positions ``pos [TILE_N]`` into ``(m_i, l_i, acc)``.
 
-    ``q [ROWS, HEAD_PAD]`` is the program's query tile, ``block_table`` the pointer to
-    its sequence's row of the block table, ``d`` the ``tl.arange`` over the padded head
-    size. Returns the new ``(m_i, l_i, acc)``.
+    ``q [ROWS, HEAD_PAD]`` is the program's query tile, ``d`` the ``tl.arange`` over the padded head
+    size, ``block`` the tile's physical block ids from :func:`tile_blocks` (int64). Returns
+    the new ``(m_i, l_i, acc)``.
     """
     valid = pos < end
-    block = tl.load(block_table + (pos // BLOCK_SIZE) * stride_btb, mask=valid, other=0)
-    block = block.to(tl.int64)  # 64-bit before multiplying by a stride
     offset = pos % BLOCK_SIZE
     # Row starts are ALIGN-element aligned (head sizes like 40 or 72): the compiler may
     # then load each row with vector instructions despite the d < HEAD_DIM mask.
