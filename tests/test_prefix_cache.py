@@ -241,3 +241,315 @@ def test_vllm_design_doc_example():
     assert t2.blocks == [0, 1, 2, 7, 8, 9, 4, 3]
     assert alloc.lookup(block_hashes(r0, bs)[3]) is None  # block 3's hash is gone
     assert list(alloc.free_block_queue) == [6, 5]
+
+
+# ------------------------------------------------------------------ the engine
+
+import math  # noqa: E402
+import random  # noqa: E402
+
+import torch  # noqa: E402
+
+import paged_lib  # noqa: E402, F401  # isort: split
+from paged_lib.engine import LLMEngine, SamplingParams  # noqa: E402
+from paged_lib.engine.block_manager import BlockManager  # noqa: E402
+from paged_lib.engine.model_runner import build_metadata  # noqa: E402
+from paged_lib.engine.scheduler import Scheduler  # noqa: E402
+from paged_lib.model import TinyLlama  # noqa: E402
+
+BS = 8
+NEW = 6
+GREEDY = SamplingParams(NEW)
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_hf_llama):
+    return tiny_hf_llama
+
+
+@pytest.fixture(scope="module")
+def model(hf):
+    return TinyLlama.from_hf(hf)
+
+
+@pytest.fixture(scope="module")
+def shared_prompts():
+    """Six prompts: a 40-token shared prefix (5 blocks of 8), then 5 tokens of their own."""
+    g = torch.Generator().manual_seed(7)
+    prefix = torch.randint(0, 97, (40,), generator=g).tolist()
+    return [prefix + torch.randint(0, 97, (5,), generator=g).tolist() for _ in range(6)]
+
+
+@pytest.fixture(scope="module")
+def reference(hf, shared_prompts):
+    """transformers' greedy continuations."""
+    with torch.no_grad():
+        return [hf.generate(torch.tensor([p]), max_new_tokens=NEW, do_sample=False,
+                            eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
+                for p in shared_prompts]
+
+
+def record_prefills(engine):
+    """(request_id, query_len, cached tokens before) of every prefill the engine runs."""
+    seen, schedule = [], engine.scheduler.schedule
+
+    def recording():
+        out = schedule()
+        seen.extend((s.group.request_id, s.num_new_tokens, s.seq.num_cached)
+                    for s in out.scheduled if s.is_prefill)
+        return out
+
+    engine.scheduler.schedule = recording
+    return seen
+
+
+def assert_same_outputs(want, got):
+    """The same tokens, and log-probabilities equal up to float rounding."""
+    for w, g in zip(want, got, strict=True):
+        assert [c.token_ids for c in g.outputs] == [c.token_ids for c in w.outputs]
+        assert [c.cumulative_logprob for c in g.outputs] == pytest.approx(
+            [c.cumulative_logprob for c in w.outputs], abs=1e-4)
+
+
+def one_after_another(n):
+    return [i * (NEW + 1) for i in range(n)]
+
+
+def assert_no_leak(engine):
+    gpu = engine.block_manager.gpu
+    assert gpu.num_free == gpu.num_blocks, "blocks leaked"
+    assert all(gpu.refcount(b) == 0 for b in range(gpu.num_blocks))
+    assert sorted(gpu.free_block_queue) == list(range(gpu.num_blocks))
+    assert_hash_map_consistent(gpu)
+
+
+def assert_hash_map_consistent(gpu):
+    """Every hash-map entry names a block that holds that hash, once (no stale entry)."""
+    entries = [(v, b) for v, blocks in gpu.cached_blocks.items() for b in blocks]
+    assert sorted(entries) == sorted((h.value, b) for b, h in gpu.block_hash.items())
+    assert len({h for h in gpu.block_hash.values()}) == len(gpu.block_hash), "cached twice"
+
+
+def test_later_requests_read_the_shared_prefix_from_the_cache(model, shared_prompts,
+                                                              reference):
+    engine = LLMEngine(model, 64, BS, enable_prefix_caching=True)
+    seen = record_prefills(engine)
+    outs = engine.generate(shared_prompts, GREEDY, arrival_steps=[0] + [NEW + 1] * 5)
+    assert [o.outputs[0].token_ids for o in outs] == reference
+    plain = LLMEngine(model, 64, BS).generate(shared_prompts, GREEDY)
+    assert_same_outputs(plain, outs)
+    # request 0 computes its 45 tokens; each later one only the 5 past the 5 cached blocks
+    assert seen == [(0, 45, 0)] + [(i, 5, 40) for i in range(1, 6)]
+    assert engine.stats.prefix_cache_hit_tokens == 5 * 40
+    assert_no_leak(engine)
+    off = LLMEngine(model, 64, BS)
+    off.generate(shared_prompts, GREEDY, arrival_steps=[0] + [NEW + 1] * 5)
+    assert off.stats.prefix_cache_hit_tokens == 0
+
+
+def test_a_12_block_pool_serves_six_prompts_one_after_another(model, shared_prompts,
+                                                              reference):
+    engine = LLMEngine(model, 12, BS, enable_prefix_caching=True, watermark=0)
+    seen = record_prefills(engine)
+    outs = engine.generate(shared_prompts, GREEDY, arrival_steps=one_after_another(6))
+    assert all(o.error is None for o in outs)
+    assert [o.outputs[0].token_ids for o in outs] == reference
+    assert [q for _, q, _ in seen] == [45] + [5] * 5  # >= 32 tokens from the cache each
+    assert engine.stats.prefix_cache_hit_tokens == 5 * 40
+    assert_no_leak(engine)
+
+
+def test_a_hit_is_really_read_nan_in_the_cached_blocks_shows(model, shared_prompts,
+                                                             reference):
+    """Poison the cached blocks: a prefill that reads its hits turns NaN."""
+    engine = LLMEngine(model, 64, BS, enable_prefix_caching=True)
+    engine.generate(shared_prompts[:1], GREEDY)
+    cached = list(engine.block_manager.gpu.block_hash)
+    assert len(cached) == 6  # 45 + 5 tokens written: 6 full blocks, the first 5 shared
+    for k, v in engine.runner.kv_caches:
+        k[cached] = float("nan")
+        v[cached] = float("nan")
+    out = engine.generate(shared_prompts[1:2], GREEDY)[0].outputs[0]
+    assert math.isnan(out.cumulative_logprob) or out.token_ids != reference[1]
+    assert engine.stats.prefix_cache_hit_tokens == 40
+
+
+def test_an_evicted_block_is_never_served(model, shared_prompts, reference):
+    """A pool so small that the shared prefix is evicted by other text in between: the
+    prompt that comes back must not hit a stale entry (NaN caches would not show it: the
+    evicting text writes real numbers, so the tokens are compared)."""
+    g = torch.Generator().manual_seed(9)
+    other = torch.randint(0, 97, (50,), generator=g).tolist()
+    engine = LLMEngine(model, 8, BS, enable_prefix_caching=True, watermark=0)
+    seen = record_prefills(engine)
+    outs = engine.generate([shared_prompts[0], other, shared_prompts[1]], GREEDY,
+                           arrival_steps=one_after_another(3))
+    assert outs[0].outputs[0].token_ids == reference[0]
+    assert outs[2].outputs[0].token_ids == reference[1]
+    # the 50-token text takes 7 of the 8 blocks: blocks of the prefix were evicted
+    assert seen[2][2] < 40
+    assert_no_leak(engine)
+
+
+def test_the_same_prompt_twice_in_one_step_is_cached_once(model, shared_prompts, reference):
+    engine = LLMEngine(model, 64, BS, enable_prefix_caching=True)
+    outs = engine.generate([shared_prompts[0]] * 2, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == [reference[0]] * 2
+    gpu = engine.block_manager.gpu
+    assert gpu.num_cached == 6 and all(len(b) == 1 for b in gpu.cached_blocks.values())
+    assert_no_leak(engine)
+
+
+def test_a_cached_block_stays_while_another_request_reads_it(model, shared_prompts,
+                                                            reference, hf):
+    """Requests 1 and 2 both read request 0's cached prefix; 1 finishes first and frees
+    its references, 2 must keep reading the same blocks (nobody else may take them)."""
+    long_ref = hf.generate(torch.tensor([shared_prompts[2]]), max_new_tokens=20,
+                           do_sample=False, eos_token_id=None, pad_token_id=0)[0, 45:].tolist()
+    engine = LLMEngine(model, 14, BS, enable_prefix_caching=True, watermark=0)
+    filler = [[5] * 20]  # arrives after request 1 ends: takes blocks while 2 still runs
+    outs = engine.generate([shared_prompts[0], shared_prompts[1], shared_prompts[2]] + filler,
+                           [GREEDY, GREEDY, SamplingParams(20), GREEDY],
+                           arrival_steps=[0, NEW + 1, NEW + 1, 2 * NEW + 3])
+    assert outs[1].outputs[0].token_ids == reference[1]
+    assert outs[2].outputs[0].token_ids == long_ref
+    assert_no_leak(engine)
+
+
+def test_the_hooks_are_called(model, shared_prompts, reference):
+    from paged_lib.engine.prefix_cache import FreeBlockQueue, block_hashes, longest_cache_hit
+    calls = {"hashes": 0, "hit": 0, "popleft": 0, "remove": 0}
+
+    def my_hashes(tokens, block_size, extra_keys=()):
+        calls["hashes"] += 1
+        return block_hashes(tokens, block_size, extra_keys)
+
+    def my_hit(hashes, lookup, num_tokens, block_size):
+        calls["hit"] += 1
+        return longest_cache_hit(hashes, lookup, num_tokens, block_size)
+
+    class MyQueue(FreeBlockQueue):
+        def popleft(self):
+            calls["popleft"] += 1
+            return super().popleft()
+
+        def remove(self, block_id):
+            calls["remove"] += 1
+            super().remove(block_id)
+
+    engine = LLMEngine(model, 64, BS, enable_prefix_caching=True, block_hashes=my_hashes,
+                       longest_cache_hit=my_hit, free_queue_cls=MyQueue)
+    outs = engine.generate(shared_prompts[:3], GREEDY, arrival_steps=[0, NEW + 1, NEW + 1])
+    assert [o.outputs[0].token_ids for o in outs] == reference[:3]
+    assert calls["hit"] >= 3 and calls["hashes"] >= 3 and calls["popleft"] >= 7
+    assert calls["remove"] == 5  # request 1's five hits were free; request 2 shares them
+
+    def greedy_hit(hashes, lookup, num_tokens, block_size):  # ignores the last-token rule
+        return [b for b in map(lookup, hashes) if b is not None]
+
+    bad = LLMEngine(model, 64, BS, enable_prefix_caching=True, longest_cache_hit=greedy_hit)
+    bad.generate([shared_prompts[0][:40]], GREEDY)
+    with pytest.raises(ValueError, match="longest_cache_hit returned"):
+        bad.generate([shared_prompts[0][:40]], GREEDY)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_sharing_and_preemption_with_caching_give_the_same_tokens(model, shared_prompts,
+                                                                  mode):
+    """n > 1 samples, beams and greedy requests over a shared prefix, in a pool small
+    enough to preempt: the same tokens as the engine without caching, ample memory."""
+    params = [SamplingParams(10, temperature=1.0, n=3, seed=1), SamplingParams(8, beam_width=3),
+              SamplingParams(12), SamplingParams(10, temperature=0.8, n=2, seed=2),
+              SamplingParams(9), SamplingParams(6, beam_width=2)]
+    arrivals = [0, 0, 2, 3, 9, 9]
+    want = LLMEngine(model, 256, BS).generate(shared_prompts, params, arrival_steps=arrivals)
+    engine = LLMEngine(model, 24, BS, preemption=mode, enable_prefix_caching=True,
+                       num_cpu_blocks=64 if mode == "swap" else 0, watermark=0)
+    got = engine.generate(shared_prompts, params, arrival_steps=arrivals)
+    assert engine.stats.preemptions > 0 and engine.stats.prefix_cache_hit_tokens > 0
+    assert_same_outputs(want, got)
+    assert_no_leak(engine)
+
+
+# ------------------------------------------------------------------ without a model
+
+
+class CheckingRunner:
+    """Token ids in place of K/V (as tests/test_scheduler.py's fake runner), and after
+    each step every cached block must hold the tokens its hash was made from."""
+
+    def __init__(self, bm: BlockManager, num_cpu_blocks: int):
+        from test_scheduler import FakeRunner
+        self.bm = bm
+        self.fake = FakeRunner(bm.gpu.num_blocks, bm.block_size, num_cpu_blocks)
+
+    def execute(self, out) -> None:
+        for s in out.scheduled:  # a prefill computes only what the cache does not hold
+            assert s.seq.num_cached + s.num_new_tokens <= s.seq.num_tokens
+        self.fake.execute(out)
+
+    def check_cache(self) -> None:
+        gpu = self.bm.gpu
+        for block, h in gpu.block_hash.items():
+            assert tuple(self.fake.gpu[block].tolist()) == h.token_ids, f"block {block}"
+        assert_hash_map_consistent(gpu)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_random_workloads_with_caching_and_chunks_never_cross_write_or_leak(mode):
+    from test_scheduler import fake_samples, make_groups
+    rng = random.Random(11 if mode == "swap" else 12)
+    hits = 0
+    for trial in range(15):
+        num_blocks = rng.randint(10, 24)
+        specs = []
+        for _ in range(rng.randint(2, 8)):
+            n = rng.choice([1, 1, 2, 3])
+            p, m = rng.randint(1, 14), rng.randint(1, 8)
+            if n * (-(-(p + m) // 4)) <= num_blocks - 1:
+                specs.append((p, m, n, "beam") if rng.random() < 0.3 else (p, m, n))
+        if not specs:
+            continue
+        cpu = 64 if mode == "swap" else 0
+        bm = BlockManager(num_blocks, 4, cpu, enable_prefix_caching=True)
+        chunked = rng.random() < 0.6
+        budget = rng.randint(8, 16)
+        sched = Scheduler(bm, preemption=mode, max_num_seqs=rng.randint(2, 8),
+                          max_num_batched_tokens=budget, enable_chunked_prefill=chunked)
+        runner = CheckingRunner(bm, cpu)
+        groups = make_groups(specs)
+        for g in groups:
+            sched.add(g)
+        step_rng, steps = random.Random(0), 0
+        while sched.has_unfinished():
+            assert steps < 5000, "no progress"
+            out = sched.schedule()
+            assert not out.is_empty()
+            if chunked:
+                decodes = sum(not s.is_prefill for s in out.scheduled)
+                assert out.num_batched_tokens <= max(budget, decodes)
+            hits += out.prefix_cache_hit_tokens
+            runner.execute(out)
+            sched.update(out, [fake_samples(s, step_rng) for s in out.scheduled], None)
+            runner.check_cache()
+            steps += 1
+        for g, (_p, m, n, *beam) in zip(groups, specs, strict=True):
+            done = g.beam_done if beam else [(s.output_token_ids, 0) for s in g.seqs]
+            assert len(done) == n and all(len(t) == m for t, _ in done)
+        assert bm.gpu.num_free == num_blocks, f"trial {trial}: leaked blocks"
+        if bm.cpu is not None:
+            assert bm.cpu.num_free == 64
+    assert hits > 0
+
+
+def test_build_metadata_sees_only_the_uncached_tokens(model, shared_prompts):
+    """The prefill's query_len skips the hit (the kernel reads the rest from the cache)."""
+    lens = []
+
+    def recording(tables, seq_lens, query_lens, block_size):
+        lens.append((list(seq_lens), list(query_lens)))
+        return build_metadata(tables, seq_lens, query_lens, block_size)
+
+    engine = LLMEngine(model, 64, BS, enable_prefix_caching=True, build_metadata=recording)
+    engine.generate(shared_prompts[:2], SamplingParams(1), arrival_steps=[0, 1])
+    assert lens == [([45], [45]), ([45], [5])]

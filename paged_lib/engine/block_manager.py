@@ -7,7 +7,10 @@ goes) or block mappings (what the model runner must copy).
 
 Two pools: the GPU pool the kernels read, and an optional CPU pool that preempted
 sequences are swapped into (chapter 07). A sequence's ``block_table`` lives in whichever
-pool holds its K/V.
+pool holds its K/V. With prefix caching (chapter 10) the GPU pool is a
+:class:`~paged_lib.engine.prefix_cache.PrefixCachingAllocator`: a new table adopts the
+cached blocks of its text's longest cached prefix, and full blocks are registered once
+their K/V is written.
 """
 
 from __future__ import annotations
@@ -15,6 +18,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from paged_lib.blocks import BlockAllocator, BlockTable, OutOfBlocks, Slot
+from paged_lib.engine.prefix_cache import (
+    FreeBlockQueue,
+    PrefixCachingAllocator,
+    block_hashes,
+    longest_cache_hit,
+)
 from paged_lib.engine.sequence import Sequence, SequenceGroup
 from paged_lib.util import cdiv
 
@@ -98,11 +107,18 @@ class BlockManager:
     """Allocation decisions for the scheduler over a GPU pool and an optional CPU pool."""
 
     def __init__(self, num_blocks: int, block_size: int, num_cpu_blocks: int = 0,
-                 swap_mapping_fn: Callable = swap_mapping):
+                 swap_mapping_fn: Callable = swap_mapping, *,
+                 enable_prefix_caching: bool = False, block_hashes_fn: Callable = block_hashes,
+                 longest_cache_hit_fn: Callable = longest_cache_hit,
+                 free_queue_cls: type = FreeBlockQueue):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
-        self.gpu = BlockAllocator(num_blocks)
+        self.enable_prefix_caching = enable_prefix_caching
+        self.block_hashes = block_hashes_fn
+        self.longest_cache_hit = longest_cache_hit_fn
+        self.gpu = (PrefixCachingAllocator(num_blocks, free_queue_cls) if enable_prefix_caching
+                    else BlockAllocator(num_blocks))
         self.cpu = BlockAllocator(num_cpu_blocks) if num_cpu_blocks > 0 else None
         self.swap_mapping = swap_mapping_fn
 
@@ -116,15 +132,68 @@ class BlockManager:
 
     # ------------------------------------------------------------ prefill
 
-    def allocate(self, seq: Sequence, num_tokens: int | None = None) -> list[Slot]:
-        """A fresh GPU table for ``seq`` with a slot for each of its first ``num_tokens``
-        tokens (default: all of them)."""
+    def allocate(self, seq: Sequence, num_tokens: int | None = None,
+                 hits: list[int] = ()) -> list[Slot]:
+        """A fresh GPU table for ``seq`` holding its first ``num_tokens`` tokens (default:
+        all of them). The table adopts the cached blocks ``hits`` (:meth:`cache_hits`:
+        its first ``len(hits)`` blocks, K/V already written, so ``seq.num_cached`` starts
+        there); the slots returned are those of the tokens after them."""
         if seq.block_table is not None:
             raise ValueError(f"sequence {seq.seq_id} already holds blocks")
-        table = BlockTable(self.gpu, self.block_size)
+        for block in hits:  # out of the free queue first: allocate() must not evict them
+            self.gpu.touch(block)
+        table = BlockTable(self.gpu, self.block_size, hits, len(hits) * self.block_size)
         seq.block_table = table
+        seq.num_cached = table.num_tokens
         count = seq.num_tokens if num_tokens is None else num_tokens
-        return [table.append_token() for _ in range(count)]
+        return [table.append_token() for _ in range(count - table.num_tokens)]
+
+    # ------------------------------------------------------------ prefix caching (ch. 10)
+
+    def cache_hits(self, token_ids: list[int]) -> list[int]:
+        """The cached blocks a new table for ``token_ids`` can adopt: the
+        ``longest_cache_hit`` hook over the ``block_hashes`` hook's hashes (``[]`` with
+        prefix caching off). Pure: nothing changes until :meth:`allocate` takes them."""
+        if not self.enable_prefix_caching:
+            return []
+        bs = self.block_size
+        hashes = self.block_hashes(token_ids, bs)
+        hits = list(self.longest_cache_hit(hashes, self.gpu.lookup, len(token_ids), bs))
+        want = [self.gpu.lookup(h) for h in hashes[:len(hits)]]
+        if hits != want or len(hits) > max(len(token_ids) - 1, 0) // bs:
+            raise ValueError(f"longest_cache_hit returned blocks {hits} for {len(token_ids)} "
+                             f"tokens; the cached blocks of their leading hashes are {want} "
+                             f"(at most (num_tokens - 1) // block_size of them)")
+        return hits
+
+    def hits_taken_from_free(self, hits: list[int]) -> int:
+        """Free blocks that adopting ``hits`` takes: a hit on a free (cached) block takes
+        it out of the free queue."""
+        return sum(self.gpu.refcount(b) == 0 for b in hits)
+
+    def check_allocation_fits(self, request_id: int, need: int, tokens: int,
+                              hits: list[int]) -> None:
+        """An admitted request's blocks must really be free: a ``num_required_blocks``
+        hook that counts too few would make the allocation fail half way."""
+        now = cdiv(tokens, self.block_size) - len(hits) + self.hits_taken_from_free(hits)
+        if now > self.num_free_blocks:
+            raise ValueError(f"num_required_blocks said request {request_id} needs "
+                             f"{need} blocks, but its {tokens} tokens alone take {now} and only "
+                             f"{self.num_free_blocks} are free: count every "
+                             "block, a part-filled last one too")
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Register every full block of ``seq`` whose K/V is written (its first
+        ``num_cached`` tokens) and that is not cached yet; a block whose hash another
+        block already holds stays uncached (one copy is kept)."""
+        table = seq.block_table
+        if not self.enable_prefix_caching or table is None or table.allocator is not self.gpu:
+            return
+        full = seq.num_cached // self.block_size
+        hashes = self.block_hashes(seq.token_ids[:full * self.block_size], self.block_size)
+        for block, h in zip(table.blocks[:full], hashes, strict=True):
+            if self.gpu.block_hash.get(block) != h:
+                self.gpu.cache_block(block, h)
 
     def tail_blocks_needed(self, group: SequenceGroup) -> int:
         """Blocks the second step of a shared recompute takes: every sequence forks the

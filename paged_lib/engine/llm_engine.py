@@ -12,7 +12,12 @@ and their signatures: :mod:`paged_lib.engine`)::
               swap_mapping=my_swap_mapping,                      # block_manager.swap_mapping
               beam_step=my_beam_step,                            # beam_search.beam_step
               num_required_blocks=my_blocks,                     # block_manager.num_required_blocks
-              choose_victim=my_victim)                           # policy.choose_victim
+              choose_victim=my_victim,                           # policy.choose_victim
+              block_hashes=my_hashes,                            # prefix_cache.block_hashes
+              longest_cache_hit=my_hit,                          # prefix_cache.longest_cache_hit
+              free_queue_cls=MyFreeBlockQueue)                   # prefix_cache.FreeBlockQueue
+
+(the last three serve only with ``enable_prefix_caching=True``, chapter 10).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from paged_lib.engine.block_manager import (
 )
 from paged_lib.engine.model_runner import ModelRunner, build_metadata
 from paged_lib.engine.policy import choose_victim
+from paged_lib.engine.prefix_cache import FreeBlockQueue, block_hashes, longest_cache_hit
 from paged_lib.engine.sampler import sample
 from paged_lib.engine.scheduler import Scheduler, can_admit
 from paged_lib.engine.sequence import (
@@ -79,6 +85,13 @@ class LLMEngine:
     admission so running sequences have room to grow. ``scheduling="mixed"`` batches
     prefills with the running decodes (Orca); ``"prefill_first"`` runs a step of
     prefills or a step of decodes (vLLM v0's default).
+
+    Chapter 10: ``enable_prefix_caching=True`` keeps freed full blocks, hashed, until they
+    are reused, and a request whose text starts with cached blocks reads them instead of
+    computing them (``stats.prefix_cache_hit_tokens`` counts those tokens);
+    ``enable_chunked_prefill=True`` computes a text longer than the step's token budget
+    left in chunks over several steps, alongside the decodes (``scheduling="mixed"``).
+    Both leave the generated tokens unchanged.
     """
 
     def __init__(self, model: TinyLlama, num_blocks: int, block_size: int = 16,
@@ -88,7 +101,10 @@ class LLMEngine:
                  admission: Callable = can_admit, build_metadata: Callable = build_metadata,
                  swap_mapping: Callable = swap_mapping, beam_step: Callable = beam_step,
                  scheduling: str = "mixed", num_required_blocks: Callable = num_required_blocks,
-                 choose_victim: Callable = choose_victim):
+                 choose_victim: Callable = choose_victim, enable_prefix_caching: bool = False,
+                 enable_chunked_prefill: bool = False, block_hashes: Callable = block_hashes,
+                 longest_cache_hit: Callable = longest_cache_hit,
+                 free_queue_cls: type = FreeBlockQueue):
         if attention_backend not in ("torch", "triton"):
             raise ValueError(f"attention_backend must be 'torch' or 'triton', "
                              f"got {attention_backend!r}")
@@ -99,14 +115,19 @@ class LLMEngine:
         self.num_blocks = num_blocks
         self.watermark_blocks = int(watermark * num_blocks)
         self.block_manager = BlockManager(num_blocks, block_size, num_cpu_blocks,
-                                          swap_mapping_fn=swap_mapping)
+                                          swap_mapping_fn=swap_mapping,
+                                          enable_prefix_caching=enable_prefix_caching,
+                                          block_hashes_fn=block_hashes,
+                                          longest_cache_hit_fn=longest_cache_hit,
+                                          free_queue_cls=free_queue_cls)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens,
                                    watermark_blocks=self.watermark_blocks,
                                    preemption=preemption, admission=admission,
                                    beam_step=beam_step, scheduling=scheduling,
                                    num_required_blocks=num_required_blocks,
-                                   choose_victim=choose_victim)
+                                   choose_victim=choose_victim,
+                                   enable_chunked_prefill=enable_chunked_prefill)
         self.runner = ModelRunner(model, num_blocks, block_size, num_cpu_blocks,
                                   attention_backend, build_metadata_fn=build_metadata)
         self.stats = EngineStats(num_blocks=num_blocks, block_size=block_size)
@@ -189,6 +210,7 @@ class LLMEngine:
         s.preemptions += len(out.preempted)
         s.swapped_blocks += len(out.swap_out) + len(out.swap_in)
         s.recomputed_tokens += out.recomputed_tokens
+        s.prefix_cache_hit_tokens += out.prefix_cache_hit_tokens
         used = self.block_manager.num_used_blocks
         finished = self.scheduler.update(out, samples, self.model.config.eos_token_id)
         # tokens made: one per sample drawn; a beam group makes one per surviving beam

@@ -40,6 +40,12 @@ the blocks promised to a shared recompute's tails are not given to anyone else.
 One exception to the limits keeps every request moving: a group that would be alone in
 an empty step is admitted (or swapped in) whenever its blocks are free, even if its
 tokens exceed ``max_num_batched_tokens`` or it would eat into the watermark.
+
+Chapter 10 (both off by default). **Prefix caching**: an admitted sequence adopts the
+cached blocks of its text's longest cached prefix and prefills only the rest; admission
+counts only the blocks not hit, plus the hits that were free (adopting a free cached
+block takes it from the free queue). **Chunked prefill** (``mixed`` only): a text longer
+than the step's token budget left is prefilled in chunks (:mod:`~paged_lib.engine.prefill`).
 """
 
 from __future__ import annotations
@@ -51,8 +57,15 @@ from paged_lib.blocks import Slot
 from paged_lib.engine.beam_search import beam_step, update_beams
 from paged_lib.engine.block_manager import BlockManager, num_required_blocks
 from paged_lib.engine.policy import Budget, can_admit, choose_victim
+from paged_lib.engine.prefill import chunk_slots, is_prefilling
 from paged_lib.engine.scheduler_output import ScheduledSeq, SchedulerOutput
-from paged_lib.engine.sequence import Sequence, SequenceGroup, SequenceStatus
+from paged_lib.engine.sequence import (
+    Sequence,
+    SequenceGroup,
+    SequenceStatus,
+    fork_samples,
+    is_done,
+)
 
 __all__ = ["Budget", "ScheduledSeq", "Scheduler", "SchedulerOutput", "can_admit",
            "choose_victim"]
@@ -69,7 +82,10 @@ class Scheduler:
                  preemption: str = "recompute", admission: Callable = can_admit,
                  beam_step: Callable = beam_step, scheduling: str = "mixed",
                  num_required_blocks: Callable = num_required_blocks,
-                 choose_victim: Callable = choose_victim):
+                 choose_victim: Callable = choose_victim, enable_chunked_prefill: bool = False):
+        if enable_chunked_prefill and scheduling != "mixed":
+            raise ValueError("enable_chunked_prefill batches chunks with decodes: it needs "
+                             f"scheduling='mixed', got {scheduling!r}")
         if preemption not in PREEMPTION_MODES:
             raise ValueError(f"preemption must be one of {PREEMPTION_MODES}, got {preemption!r}")
         if scheduling not in SCHEDULING_MODES:
@@ -90,6 +106,7 @@ class Scheduler:
         self.beam_step = beam_step
         self.num_required_blocks = num_required_blocks
         self.choose_victim = choose_victim
+        self.enable_chunked_prefill = enable_chunked_prefill
         self.waiting: deque[SequenceGroup] = deque()
         self.running: list[SequenceGroup] = []
         self.swapped: deque[SequenceGroup] = deque()
@@ -114,9 +131,10 @@ class Scheduler:
                 self._schedule_waiting(out)
             if out.scheduled:  # a prefill step: the running groups wait for the next one
                 return out
-        self._schedule_running(out)
+        chunked = self._schedule_running(out)
         if not out.preempted:
             self._schedule_swapped(out)
+        self._schedule_chunks(chunked, out)  # decodes first, then prefill chunks
         if not self.swapped and self.scheduling == "mixed":
             self._schedule_waiting(out)
         return out
@@ -131,11 +149,18 @@ class Scheduler:
                 self.running.remove(group)
                 self._preempt(group, out)
 
-    def _schedule_running(self, out: SchedulerOutput) -> None:
+    def _schedule_running(self, out: SchedulerOutput) -> list[SequenceGroup]:
+        """Decode (or recompute tails of) the running groups; returns those half way
+        through a chunked prefill, whose next chunks run after the decodes."""
         queue = deque(self.running)  # oldest first
         kept: list[SequenceGroup] = []
+        chunked: list[SequenceGroup] = []
         while queue:
             group = queue.popleft()
+            if is_prefilling(group):  # its blocks are taken: its next chunk runs last
+                chunked.append(group)
+                kept.append(group)
+                continue
             while self._blocks_to_continue(group) > self.block_manager.num_free_blocks:
                 victim = self._victim(group, queue)  # the choose_victim hook names who goes
                 self._preempt(victim, out)
@@ -149,6 +174,15 @@ class Scheduler:
                     self._schedule_decode(group, out)
                 kept.append(group)
         self.running = kept
+        return chunked
+
+    def _schedule_chunks(self, chunked: list[SequenceGroup], out: SchedulerOutput) -> None:
+        for group in chunked:  # as much of the next chunk as the token budget leaves
+            seq = group.live_seqs()[0]
+            left = self.max_num_batched_tokens - out.num_batched_tokens
+            stop = seq.num_cached + min(seq.block_table.num_tokens - seq.num_cached, left)
+            if stop > seq.num_cached:
+                self._schedule_chunk(group, seq, chunk_slots(seq, seq.num_cached, stop), out)
 
     def _victim(self, group: SequenceGroup, queue: deque[SequenceGroup]) -> SequenceGroup:
         """Ask ``choose_victim`` among ``group`` and the groups not yet run this step."""
@@ -188,10 +222,18 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput) -> None:
         while self.waiting:
             group = self.waiting[0]
-            need = self._required_blocks(group)
             seqs = group.live_seqs()
-            # tokens this step: the text of one sequence, or a shared recompute's prompt
-            tokens = seqs[0].num_tokens if len(seqs) == 1 else len(group.prompt_token_ids)
+            # tokens this step: the text of one sequence, or a shared recompute's prompt,
+            # less what the prefix cache holds (a chunk of it, with chunked prefill)
+            text = seqs[0].token_ids if len(seqs) == 1 else group.prompt_token_ids
+            hits = self.block_manager.cache_hits(text)
+            need = (self._required_blocks(group) - len(hits)
+                    + self.block_manager.hits_taken_from_free(hits))
+            tokens = len(text) - len(hits) * self.block_manager.block_size
+            if self.enable_chunked_prefill and len(seqs) == 1:
+                tokens = min(tokens, self.max_num_batched_tokens - out.num_batched_tokens)
+                if tokens < 1:
+                    break
             # a fresh n > 1 group forks after its prefill: count the sequences it will be
             num_seqs = max(len(seqs), group.params.num_seqs)
             fits = self.admission(need, num_seqs, tokens, self._budget(out))
@@ -203,16 +245,15 @@ class Scheduler:
             if not (fits or alone):
                 break
             self.waiting.popleft()
-            self._check_allocation_fits(group, need)
+            self.block_manager.check_allocation_fits(group.request_id, need, len(text), hits)
+            out.prefix_cache_hit_tokens += len(hits) * self.block_manager.block_size
             if len(seqs) > 1:  # a group preempted by recompute: its prompt first, once
-                self._schedule_prompt(group, out)
+                self._schedule_prompt(group, hits, out)
             else:
                 seq = seqs[0]
-                slots = self.block_manager.allocate(seq)
+                slots = self.block_manager.allocate(seq, hits=hits)  # its whole text
                 seq.status = SequenceStatus.RUNNING
-                out.scheduled.append(ScheduledSeq(group, seq, seq.num_tokens, slots, True))
-                if seq.output_token_ids:
-                    out.recomputed_tokens += seq.num_tokens
+                self._schedule_chunk(group, seq, slots[:tokens], out)
             self.running.append(group)
             out.admitted.append(group)
             group.timeline.admitted_steps.append(self.step)
@@ -225,19 +266,18 @@ class Scheduler:
                              f"{group.request_id}: expected an int >= 0 (a block count)")
         return need
 
-    def _check_allocation_fits(self, group: SequenceGroup, need: int) -> None:
-        """An admitted group's blocks must really be free: a ``num_required_blocks`` that
-        counts too few would make the allocation fail half way."""
-        seqs = group.live_seqs()
-        tokens = seqs[0].num_tokens if len(seqs) == 1 else len(group.prompt_token_ids)
-        now = -(-tokens // self.block_manager.block_size)
-        if now > self.block_manager.num_free_blocks:
-            raise ValueError(f"num_required_blocks said request {group.request_id} needs "
-                             f"{need} blocks, but its {tokens} tokens alone take {now} and only "
-                             f"{self.block_manager.num_free_blocks} are free: count every "
-                             "block, a part-filled last one too")
+    def _schedule_chunk(self, group: SequenceGroup, seq: Sequence, slots: list[Slot],
+                        out: SchedulerOutput) -> None:
+        """``seq`` computes the tokens at ``slots`` (the next after ``num_cached``): all of
+        its uncached text, or a chunk of it; it samples only if that ends its text."""
+        stop = seq.num_cached + len(slots)
+        out.scheduled.append(ScheduledSeq(group, seq, len(slots), slots, True,
+                                          sample=stop == seq.num_tokens))
+        if seq.output_token_ids:
+            out.recomputed_tokens += len(slots)
 
-    def _schedule_prompt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
+    def _schedule_prompt(self, group: SequenceGroup, hits: list[int],
+                         out: SchedulerOutput) -> None:
         """Step 1 of a shared recompute: the first sequence prefills the prompt alone.
 
         Nothing is sampled (the group's sequences all draw together next step, so a
@@ -245,11 +285,11 @@ class Scheduler:
         """
         seqs = group.live_seqs()
         prompt_len = len(group.prompt_token_ids)
-        slots = self.block_manager.allocate(seqs[0], prompt_len)
+        slots = self.block_manager.allocate(seqs[0], prompt_len, hits)
         for seq in seqs:
             seq.status = SequenceStatus.RUNNING
-        out.scheduled.append(ScheduledSeq(group, seqs[0], prompt_len, slots, True, sample=False))
-        out.recomputed_tokens += prompt_len
+        out.scheduled.append(ScheduledSeq(group, seqs[0], len(slots), slots, True, sample=False))
+        out.recomputed_tokens += len(slots)
         group.awaiting_tails = True
 
     def _schedule_tails(self, group: SequenceGroup, out: SchedulerOutput) -> None:
@@ -296,8 +336,9 @@ class Scheduler:
         out.preempted.append(group)
         group.timeline.preempted_steps.append(self.step)
         # half way through a shared recompute only the prompt is cached: recompute again
+        # a chunked prefill half way too (its table holds tokens not computed yet)
         if (self.preemption == "swap" and not group.awaiting_tails
-                and self.block_manager.can_swap_out(group)):
+                and not is_prefilling(group) and self.block_manager.can_swap_out(group)):
             out.swap_out += self.block_manager.swap_out(group)
             for seq in group.live_seqs():
                 seq.status = SequenceStatus.SWAPPED
@@ -321,16 +362,19 @@ class Scheduler:
         forked, so the samples share its blocks).
         """
         beam_groups: dict[SequenceGroup, list[tuple[Sequence, list]]] = {}
+        bs = self.block_manager.block_size
         for sched, drawn in zip(out.scheduled, samples, strict=True):
             seq, group = sched.seq, sched.group
             seq.num_cached += sched.num_new_tokens
+            if seq.num_cached // bs > (seq.num_cached - sched.num_new_tokens) // bs:
+                self.block_manager.cache_full_blocks(seq)  # a block filled: K/V written
             if not sched.sample:  # a shared recompute's prompt: its group draws next step
                 continue
             if group.params.beam_width is not None:
                 beam_groups.setdefault(group, []).append((seq, drawn))
                 continue
             if len(drawn) > 1:
-                self._fork(group, seq, drawn[1:])
+                fork_samples(group, seq, drawn[1:])
             seq.append(*drawn[0])
         for group, beams in beam_groups.items():
             update_beams(group, [b for b, _ in beams], [d for _, d in beams], eos_token_id,
@@ -338,7 +382,7 @@ class Scheduler:
         finished = []
         for group in dict.fromkeys(s.group for s in out.scheduled if s.sample):  # in order
             for seq in group.live_seqs():  # (beam search ends its beams itself)
-                if self._is_done(seq, group, eos_token_id):
+                if is_done(seq, group, eos_token_id):
                     seq.status = SequenceStatus.FINISHED
                     self.block_manager.free(seq)
             if group.is_finished():
@@ -348,20 +392,3 @@ class Scheduler:
             self.running = [g for g in self.running if not g.is_finished()]
         self.step += 1
         return finished
-
-    def _fork(self, group: SequenceGroup, parent: Sequence,
-              drawn: list[tuple[int, float]]) -> None:
-        base = max(s.seq_id for s in group.seqs) + 1
-        for k, (token, logprob) in enumerate(drawn):
-            child = Sequence(base + k, parent.prompt_token_ids, list(parent.output_token_ids),
-                             parent.cumulative_logprob, parent.block_table.fork(),
-                             parent.num_cached, SequenceStatus.RUNNING)
-            child.append(token, logprob)
-            group.seqs.append(child)
-
-    @staticmethod
-    def _is_done(seq: Sequence, group: SequenceGroup, eos_token_id: int | None) -> bool:
-        if len(seq.output_token_ids) >= group.params.max_tokens:
-            return True
-        return (not group.params.ignore_eos and group.params.beam_width is None
-                and eos_token_id is not None and seq.output_token_ids[-1] == eos_token_id)

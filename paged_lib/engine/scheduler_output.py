@@ -36,6 +36,7 @@ class SchedulerOutput:
     preempted: list[SequenceGroup] = field(default_factory=list)
     admitted: list[SequenceGroup] = field(default_factory=list)
     recomputed_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
 
     @property
     def kind(self) -> str:

@@ -196,6 +196,28 @@ class SequenceGroup:
         return self.error is not None or not self.live_seqs()
 
 
+def fork_samples(group: SequenceGroup, parent: Sequence,
+                 drawn: list[tuple[int, float]]) -> None:
+    """The other samples of an ``n > 1`` prefill: one child per ``(token, logprob)`` in
+    ``drawn``, each sharing ``parent``'s blocks (a fork) and appending its own token."""
+    base = max(s.seq_id for s in group.seqs) + 1
+    for k, (token, logprob) in enumerate(drawn):
+        child = Sequence(base + k, parent.prompt_token_ids, list(parent.output_token_ids),
+                         parent.cumulative_logprob, parent.block_table.fork(),
+                         parent.num_cached, SequenceStatus.RUNNING)
+        child.append(token, logprob)
+        group.seqs.append(child)
+
+
+def is_done(seq: Sequence, group: SequenceGroup, eos_token_id: int | None) -> bool:
+    """Has ``seq`` made its ``max_tokens``, or (not beam search, EOS not ignored) just
+    sampled the end-of-sequence token?"""
+    if len(seq.output_token_ids) >= group.params.max_tokens:
+        return True
+    return (not group.params.ignore_eos and group.params.beam_width is None
+            and eos_token_id is not None and seq.output_token_ids[-1] == eos_token_id)
+
+
 @dataclass(frozen=True)
 class CompletionOutput:
     """One finished sequence: its generated tokens only, and the sum of their
@@ -234,13 +256,16 @@ class EngineStats:
     * ``requests`` - one :class:`RequestTimeline` per prompt, in prompt order.
 
     ``swapped_blocks`` counts block copies either way between GPU and CPU;
-    ``recomputed_tokens`` the tokens prefilled again after a recompute preemption.
+    ``recomputed_tokens`` the tokens prefilled again after a recompute preemption;
+    ``prefix_cache_hit_tokens`` the tokens whose K/V a prefill found in the prefix cache
+    (``enable_prefix_caching=True``) instead of computing it.
     """
 
     steps: int = 0
     preemptions: int = 0
     swapped_blocks: int = 0
     recomputed_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
     peak_blocks_used: int = 0
     num_blocks: int = 0
     block_size: int = 0
