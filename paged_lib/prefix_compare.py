@@ -13,11 +13,11 @@ Two caches replay a workload of :class:`~paged_lib.prefix_workloads.PrefixReques
 
 Both keep the last prompt token to compute (its logits give the first output token), and
 both cache what the request computed, output included. Requests run **one at a time**:
-the hit a request gets then depends only on the order and the memory, not on which other
-requests happen to be running, so the two caches are compared on the cache alone; with
-concurrency the hash chain can also share blocks between running requests, the tree
-between a running request and finished ones, which adds a scheduling question this
-comparison leaves out (:func:`schedule_demo` takes it up on its own).
+the hit a request gets then depends only on the order and the memory, so the two caches
+are compared on the cache alone. With several requests running at once, what one can
+reuse of another that is still running depends on when each system makes a running
+request's blocks findable, an engine detail this comparison leaves out; the order of the
+waiting queue, which matters too, is :func:`schedule`'s subject.
 
 :func:`compare` gives, per workload and cache: hit rate (prompt tokens served from the
 cache / prompt tokens), prefill tokens saved, the peak memory a request held and the
@@ -138,6 +138,7 @@ class RadixCache:
         return len(self.tree.match_prefix(prompt[:len(prompt) - 1])[0])
 
     def serve(self, request: PrefixRequest) -> int:
+        """Run one request through the cache; returns its hit tokens."""
         prompt, tokens = request.prompt, request.prompt + request.output
         p, tree = self.page_size, self.tree
         if cdiv(len(tokens), p) > self.num_pages:
@@ -169,7 +170,7 @@ class RadixCache:
             - self.tree.total_size()
 
 
-def replay(requests: list[PrefixRequest], cache: HashChainCache) -> CacheStats:
+def replay(requests: list[PrefixRequest], cache: HashChainCache | RadixCache) -> CacheStats:
     """Serve ``requests`` in order, one at a time; the cache's stats after the last."""
     for r in requests:
         cache.serve(r)

@@ -1,7 +1,9 @@
 """Workloads where prefix caching matters: seeded token-id prompts that share prefixes.
 
-Four shapes, the ones SGLang's RadixAttention paper (arXiv:2312.07104, section 3) and
-vLLM's "Automatic Prefix Caching" docs name as the reason to cache, and one control:
+Three kinds of sharing, among those SGLang's RadixAttention paper (arXiv:2312.07104,
+section 3: few-shot examples, multi-turn chat, a shared system prompt) and vLLM's
+"Automatic Prefix Caching" docs (multi-round conversation, questions over one long
+document) give as reasons to cache, and a control:
 
 * :func:`shared_system_prompt` - one system prompt, then a different question each time;
 * :func:`multi_turn_chat` - several conversations, interleaved turn by turn; each turn
