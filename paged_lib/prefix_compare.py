@@ -19,6 +19,11 @@ reuse of another that is still running depends on when each system makes a runni
 request's blocks findable, an engine detail this comparison leaves out; the order of the
 waiting queue, which matters too, is :func:`schedule`'s subject.
 
+They evict differently: the tree drops whole leaf nodes (as SGLang does), so a long
+shared prefix in one node goes all at once; the chain's free queue reuses a freed
+sequence's blocks tail first, so under pressure it loses a prefix's last blocks and keeps
+its first ones.
+
 :func:`compare` gives, per workload and cache: hit rate (prompt tokens served from the
 cache / prompt tokens), prefill tokens saved, the peak memory a request held and the
 memory held altogether (in use + cached), and the tokens evicted.

@@ -263,6 +263,7 @@ def test_schedule_on_a_tiny_case_by_hand():
              TimedRequest(1, a2, "A")]
     lpm = schedule(timed, RadixCache(12, 1), "lpm")
     assert lpm.order == [0, 2, 1] and lpm.waits == [0, 2, 0] and lpm.outsider_wait == 2
+    assert schedule(timed, HashChainCache(4, 2), "lpm").order == [0, 2, 1]  # hits 4 of 5
     fcfs = schedule(timed, RadixCache(12, 1), "fcfs")
     assert fcfs.order == [0, 1, 2] and fcfs.waits == [0, 1, 1]
     aging = schedule(timed, RadixCache(12, 1), "lpm+aging", max_wait=1)
