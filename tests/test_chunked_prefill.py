@@ -122,3 +122,16 @@ def test_chunks_caching_preemption_and_sharing_mixed_give_the_same_tokens(model,
         assert gpu.num_free == POOL and sorted(gpu.free_block_queue) == list(range(POOL))
         if mode == "swap":
             assert engine.block_manager.cpu.num_free == 64
+
+
+def test_the_triton_backend_reads_chunks_and_cached_blocks(model, prompts, reference):
+    """Both chapter 10 paths on the triton kernels: a prefix hit and chunks over a cache."""
+    engine = LLMEngine(model, 32, 4, attention_backend="triton", enable_prefix_caching=True,
+                       enable_chunked_prefill=True, max_num_batched_tokens=8)
+    texts = [prompts[4], prompts[4][:20] + prompts[5][:6]]  # 20 shared tokens: 4 blocks hit
+    outs = engine.generate(texts, SamplingParams(3), arrival_steps=[0, 6])
+    assert outs[0].outputs[0].token_ids == reference[4][:3]
+    assert engine.stats.prefix_cache_hit_tokens == 20
+    plain = LLMEngine(model, 32, 4).generate(texts, SamplingParams(3))
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    assert engine.block_manager.num_free_blocks == 32
