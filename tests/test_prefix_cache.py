@@ -553,3 +553,32 @@ def test_build_metadata_sees_only_the_uncached_tokens(model, shared_prompts):
     engine = LLMEngine(model, 64, BS, enable_prefix_caching=True, build_metadata=recording)
     engine.generate(shared_prompts[:2], SamplingParams(1), arrival_steps=[0, 1])
     assert lens == [([45], [45]), ([45], [5])]
+
+
+def test_a_request_preempted_by_recompute_hits_its_own_blocks():
+    from test_scheduler import FakeRunner, fake_samples, make_groups
+    bm = BlockManager(8, 4, enable_prefix_caching=True)
+    sched = Scheduler(bm)
+    runner = FakeRunner(8, 4, 0)
+    groups = make_groups([(6, 9), (6, 9), (6, 9)])
+    for g in groups:
+        sched.add(g)
+    rng, readmitted = random.Random(0), []
+    while sched.has_unfinished():
+        out = sched.schedule()
+        readmitted += [(s.seq.num_cached, s.num_new_tokens) for s in out.scheduled
+                       if s.is_prefill and s.seq.output_token_ids]
+        runner.execute(out)
+        sched.update(out, [fake_samples(s, rng) for s in out.scheduled], None)
+    assert readmitted and all(cached >= 4 for cached, _ in readmitted)
+    assert sum(n for _, n in readmitted) < sum(c + n for c, n in readmitted)
+    assert bm.gpu.num_free == 8
+
+
+def test_a_wrong_block_hashes_hook_is_a_clear_error(model, shared_prompts):
+    def one_short(tokens, block_size, extra_keys=()):
+        return block_hashes(tokens, block_size)[:-1]
+
+    engine = LLMEngine(model, 64, BS, enable_prefix_caching=True, block_hashes=one_short)
+    with pytest.raises(ValueError, match="block_hashes gave"):
+        engine.generate(shared_prompts[:1], GREEDY)

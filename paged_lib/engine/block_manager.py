@@ -191,6 +191,10 @@ class BlockManager:
             return
         full = seq.num_cached // self.block_size
         hashes = self.block_hashes(seq.token_ids[:full * self.block_size], self.block_size)
+        if len(hashes) != full:
+            raise ValueError(f"block_hashes gave {len(hashes)} hashes for {full} full blocks "
+                             f"of {self.block_size} tokens: one per full block, none for a "
+                             "part-filled one")
         for block, h in zip(table.blocks[:full], hashes, strict=True):
             if self.gpu.block_hash.get(block) != h:
                 self.gpu.cache_block(block, h)
