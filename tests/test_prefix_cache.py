@@ -582,3 +582,29 @@ def test_a_wrong_block_hashes_hook_is_a_clear_error(model, shared_prompts):
     engine = LLMEngine(model, 64, BS, enable_prefix_caching=True, block_hashes=one_short)
     with pytest.raises(ValueError, match="block_hashes gave"):
         engine.generate(shared_prompts[:1], GREEDY)
+
+
+def test_admission_counts_a_hit_on_a_free_block_as_taking_it():
+    """Pool of 5: R holds 2 blocks, A's 2 cached blocks are free, 1 more is free. B (16
+    tokens) hits A's 2 blocks and needs 2 new: 4 free blocks, not 2, so it waits for R."""
+    from test_scheduler import FakeRunner, fake_samples, make_groups
+    bm = BlockManager(5, 4, enable_prefix_caching=True)
+    sched = Scheduler(bm)
+    runner = FakeRunner(5, 4, 0)
+    r, a, b = make_groups([(5, 4), (8, 1), (16, 1)])
+    r.seqs[0].prompt_token_ids = [50 + t for t in range(5)]  # shares no block with A, B
+    sched.add(r)
+    sched.add(a)
+    rng, hit_at = random.Random(0), {}
+    while sched.has_unfinished() or sched.step == 1:
+        if sched.step == 1:
+            assert a.is_finished() and bm.gpu.num_cached == 3 and bm.num_free_blocks == 3
+            sched.add(b)
+        out = sched.schedule()
+        hit_at.update({s.group.request_id: (sched.step, s.seq.num_cached)
+                       for s in out.scheduled if s.is_prefill})
+        runner.execute(out)
+        sched.update(out, [fake_samples(s, rng) for s in out.scheduled], None)
+    assert r.timeline.finished_step == 3
+    assert hit_at[2] == (4, 8)  # admitted once R's blocks are back, reading A's 8 tokens
+    assert bm.gpu.num_free == 5

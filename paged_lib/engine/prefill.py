@@ -7,6 +7,10 @@ runs out of blocks half way) and each step computes the next chunk, after the ru
 decodes, attending to the chunks before it through the cache. Nothing is sampled until
 the last chunk, so the tokens are those of a prefill in one go (vLLM v1 schedules the
 same way: decodes first, then chunks, within one token budget).
+
+A chunked prefill preempted half way is recomputed (never swapped: its table holds
+tokens not computed yet). A group of several sequences coming back from a recompute
+prefills its prompt, then its tails, each whole (no chunks), as without chunking.
 """
 
 from __future__ import annotations

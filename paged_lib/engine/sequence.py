@@ -106,7 +106,9 @@ class Sequence:
 
     ``num_cached`` counts the leading tokens whose K/V is in the cache. A token's K/V is
     written when the token is *fed in*, so after a decode step the newest sampled token
-    is not cached yet: ``num_cached == num_tokens - 1`` while running.
+    is not cached yet: ``num_cached == num_tokens - 1`` while running. A prefix-cache hit
+    starts it above 0 at admission; a chunked prefill raises it chunk by chunk while its
+    table already holds the whole text (chapter 10).
     """
 
     seq_id: int
