@@ -453,9 +453,10 @@ def test_the_hooks_are_called(model, shared_prompts, reference):
         bad.generate([shared_prompts[0][:40]], GREEDY)
 
 
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.parametrize("mode, scheduling", [("recompute", "mixed"), ("swap", "mixed"),
+                                              ("recompute", "prefill_first")])
 def test_sharing_and_preemption_with_caching_give_the_same_tokens(model, shared_prompts,
-                                                                  mode):
+                                                                  mode, scheduling):
     """n > 1 samples, beams and greedy requests over a shared prefix, in a pool small
     enough to preempt: the same tokens as the engine without caching, ample memory."""
     params = [SamplingParams(10, temperature=1.0, n=3, seed=1), SamplingParams(8, beam_width=3),
@@ -464,7 +465,8 @@ def test_sharing_and_preemption_with_caching_give_the_same_tokens(model, shared_
     arrivals = [0, 0, 2, 3, 9, 9]
     want = LLMEngine(model, 256, BS).generate(shared_prompts, params, arrival_steps=arrivals)
     engine = LLMEngine(model, 24, BS, preemption=mode, enable_prefix_caching=True,
-                       num_cpu_blocks=64 if mode == "swap" else 0, watermark=0)
+                       num_cpu_blocks=64 if mode == "swap" else 0, watermark=0,
+                       scheduling=scheduling)
     got = engine.generate(shared_prompts, params, arrival_steps=arrivals)
     assert engine.stats.preemptions > 0 and engine.stats.prefix_cache_hit_tokens > 0
     assert_same_outputs(want, got)
