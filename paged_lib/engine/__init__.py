@@ -1,4 +1,4 @@
-"""A small paged serving engine (chapters 06-08), laid out like nano-vllm.
+"""A small paged serving engine (chapters 06-10), laid out like nano-vllm.
 
 A request flows one way through one step (:meth:`LLMEngine.step`)::
 
@@ -10,7 +10,8 @@ A request flows one way through one step (:meth:`LLMEngine.step`)::
 
 Files: ``sequence.py`` (request state, outputs, :class:`EngineStats`),
 ``block_manager.py``, ``policy.py`` (admission and victim choice), ``scheduler.py``,
-``scheduler_output.py``, ``model_runner.py``, ``sampler.py``,
+``scheduler_output.py``, ``prefill.py`` (chunked prefill), ``prefix_cache.py`` (hashed
+full blocks and the LRU free queue, chapter 10), ``model_runner.py``, ``sampler.py``,
 ``beam_search.py``, ``llm_engine.py``; ``static_batching.py`` is the "before" system,
 ``trace.py`` serves chapter 02's traces and compares with its simulator. The engine's
 benchmark is :mod:`paged_lib.bench.engine` (``python -m paged_lib.bench engine``).
@@ -19,7 +20,8 @@ The teaching hooks are small pure functions a chapter's exercise re-implements; 
 engine takes a replacement for each as a keyword argument (default: the library's)::
 
     LLMEngine(model, num_blocks, build_metadata=..., admission=..., swap_mapping=...,
-              beam_step=..., num_required_blocks=..., choose_victim=...)
+              beam_step=..., num_required_blocks=..., choose_victim=...,
+              block_hashes=..., longest_cache_hit=..., free_queue_cls=...)
 
 * ``build_metadata(block_tables, seq_lens, query_lens, block_size) -> AttentionMetadata``
   (:func:`~paged_lib.engine.model_runner.build_metadata`, chapter 06);
@@ -39,10 +41,20 @@ engine takes a replacement for each as a keyword argument (default: the library'
   cum_logprob), ...]`` (:func:`~paged_lib.engine.beam_search.beam_step`, chapter 08): the
   engine calls it every step with each beam's ``beam_width`` best candidates that are not
   EOS (EOS ones among the best ``beam_width`` become finished hypotheses first); at
-  ``max_tokens`` the beams it picks all finish.
+  ``max_tokens`` the beams it picks all finish;
+* with ``enable_prefix_caching=True`` (chapter 10): ``block_hashes(token_ids, block_size)
+  -> [BlockHash, ...]``, one chained hash per full block
+  (:func:`~paged_lib.engine.prefix_cache.block_hashes`); ``longest_cache_hit(hashes,
+  lookup, num_tokens, block_size) -> [block, ...]``, the cached blocks a prompt reuses, the
+  last token always computed (:func:`~paged_lib.engine.prefix_cache.longest_cache_hit`);
+  ``free_queue_cls``, the LRU free queue of cached blocks
+  (:class:`~paged_lib.engine.prefix_cache.FreeBlockQueue`).
 
 Options: ``preemption="recompute" | "swap"``, ``scheduling="mixed" | "prefill_first"``
-(Orca's iteration-level batching, or vLLM v0's prefills-then-decodes steps).
+(Orca's iteration-level batching, or vLLM v0's prefills-then-decodes steps),
+``enable_prefix_caching=True`` (full blocks named by a hash of their prefix, reused across
+requests; ``stats.prefix_cache_hit_tokens``), ``enable_chunked_prefill=True`` (long prompts
+prefilled in chunks of the step's ``max_num_batched_tokens``, alongside decodes).
 """
 
 from paged_lib.engine.beam_search import beam_step
