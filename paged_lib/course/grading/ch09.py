@@ -1,0 +1,191 @@
+"""Checks for chapter 09 (block size). Each prints one verdict line.
+
+* 09.1 ``internal_waste(lengths, block_size)``: the share of the slots a set of sequences
+  holds in whole blocks that hold no token, over all slots (not averaged per sequence).
+* 09.2 ``choose_block_size(lengths, allowed, max_waste)``: the largest block size a
+  kernel accepts whose waste stays within a budget, or the least wasteful one.
+
+Both are compared with :mod:`paged_lib.block_size`; a wrong answer is matched against
+the typical mistakes (computed on the same case) so the hint names the one made.
+:func:`run_demo` runs the learner's two functions on the chapter's traces.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from paged_lib.block_size import KERNEL_BLOCK_SIZES, choose_block_size, internal_waste
+from paged_lib.course import grading
+from paged_lib.util import cdiv
+
+__all__ = ["TWINS", "check_choose_block_size", "check_internal_waste", "run_demo"]
+
+#: Exercise id -> the library object the learner's code re-implements (it refuses
+#: the learner's calls while that exercise's check runs: see grading.exercise).
+TWINS: dict[str, str] = {"09.1": "paged_lib.block_size.internal_waste",
+                         "09.2": "paged_lib.block_size.choose_block_size"}
+
+# ------------------------------------------------------------------ 09.1 internal_waste
+
+_WASTE_CASES: list[tuple[Sequence[int], int]] = [
+    ([5, 16], 8), ([16, 32], 16), ([1], 16), ([17], 16), ([3, 100, 1000], 64),
+    ((100, 100, 100, 7), 1), ([2047, 1], 4096), ([31, 33, 64, 65, 500], 32),
+    ([1, 1, 1, 400], 128), ([250, 6], 256),
+]
+
+
+def _wrong_waste(lengths: Sequence[int], b: int) -> dict[str, float]:
+    """What the typical mistakes return on one case, with the hint that names each."""
+    n = [int(x) for x in lengths]
+    held = sum(cdiv(x, b) * b for x in n)
+    out: dict[str, float] = {}
+
+    def share(blocks: Callable[[int], int], over: str = "held") -> float | None:
+        h = sum(blocks(x) * b for x in n)
+        den = h if over == "held" else sum(n)
+        return None if den == 0 else (h - sum(n)) / den
+
+    out["a full last block counted as one block more (x // B + 1 blocks: off by one "
+        "block)"] = share(lambda x: x // b + 1)
+    out["the partly filled last block is not counted (x // B blocks): it is the one that "
+        "holds the waste"] = share(lambda x: x // b)
+    out["averaged over sequences instead of over slots: a long sequence holds more slots "
+        "and weighs more"] = sum((cdiv(x, b) * b - x) / (cdiv(x, b) * b) for x in n) / len(n)
+    out["divided by the tokens, not by the slots held"] = share(lambda x: cdiv(x, b), "tokens")
+    out["returned the filled share: the waste is the empty one"] = 1 - (held - sum(n)) / held
+    return {hint: v for hint, v in out.items() if v is not None}
+
+
+def _expect_value_error(fn: Callable[..., Any], args: tuple, what: str, hint: str) -> None:
+    try:
+        fn(*args)
+    except ValueError:
+        return
+    except Exception as err:  # noqa: BLE001 - name what came instead
+        grading.fail(f"{what}: expected a ValueError, got {type(err).__name__}", hint)
+    grading.fail(f"{what}: expected a ValueError, nothing was raised", hint)
+
+
+def _close(a: float, b: float) -> bool:
+    return abs(a - b) <= 1e-9 * max(1.0, abs(b))
+
+
+def check_internal_waste(fn: Callable[[Sequence[int], int], float]) -> None:
+    """09.1: the empty share of whole blocks, over all slots."""
+    with grading.exercise("09.1", "Internal waste of a trace"):
+        for lengths, b in _WASTE_CASES:
+            what = f"internal_waste({list(lengths)}, {b})"
+            want = internal_waste(list(lengths), b)
+            got = fn(list(lengths) if isinstance(lengths, list) else lengths, b)
+            grading.expect_true(
+                isinstance(got, numbers.Real) and not isinstance(got, bool),
+                f"{what}: expected a float, got {got!r}", hint="return the share as a float")
+            if isinstance(got, numbers.Integral) and not _close(float(got), want):
+                grading.fail(f"{what}: expected {want!r}, got {got!r} (an int)",
+                             hint="integer division (//) rounded the share down: divide "
+                             "with /")
+            hint = next((h for h, v in _wrong_waste(lengths, b).items()
+                         if _close(float(got), v) and not _close(v, want)),
+                        "each sequence holds ceil(length / B) whole blocks; the waste is "
+                        "their empty slots over all their slots")
+            grading.expect_close(got, want, what=what, rel=1e-9, abs_=1e-12, hint=hint)
+        for args, what in (((([], 16)), "no lengths"), ((([4, 0], 16)), "a length of 0"),
+                           ((([4, 5], 0)), "block_size 0")):
+            _expect_value_error(fn, args, f"internal_waste with {what}",
+                                hint="bad input (no lengths, a length or block size below "
+                                "1) raises ValueError")
+
+
+# --------------------------------------------------------------- 09.2 choose_block_size
+
+#: (lengths, allowed, max_waste, what it tests)
+_CHOICE_CASES: list[tuple[list[int], list[int], float, str]] = [
+    ([96, 192], [32, 48, 16, 64], 0.05, "an unsorted list of sizes"),
+    ([5, 16, 40, 300], [8, 16, 32], 0.10, "vLLM's CUDA kernel sizes"),
+    ([3], [1, 2, 4], 0.25, "a waste exactly at the budget"),
+    ([16, 32], [8, 16, 64], 0.0, "a budget of zero"),
+    ([20, 70, 33], [256, 512, 1024], 0.05, "FlashAttention's sizes, none fits"),
+    ([3], [4, 2], 0.10, "no size fits; two waste the same"),
+    ([120, 250, 1000, 64], [64], 0.5, "FlashMLA's single size"),
+    ([500, 900, 1500], [32, 8, 16, 256, 64], 0.12, "a long trace"),
+]
+
+
+def _wrong_choices(lengths: list[int], allowed: list[int], budget: float) -> dict[str, Any]:
+    waste = {b: internal_waste(lengths, b) for b in allowed}
+    per_seq = {b: sum((cdiv(x, b) * b - x) / (cdiv(x, b) * b) for x in lengths) / len(lengths)
+               for b in allowed}
+    fits = [b for b in allowed if waste[b] <= budget]
+    least = min(waste, key=lambda b: (waste[b], b))
+    pfits = [b for b in allowed if per_seq[b] <= budget]
+    out: dict[str, Any] = {"waste averaged over sequences instead of over slots": max(pfits)
+                           if pfits else min(per_seq, key=lambda b: (per_seq[b], b))}
+    if fits:
+        strict = [b for b in allowed if waste[b] < budget]
+        out["a waste exactly at max_waste fits (at most, not below)"] = \
+            max(strict) if strict else least
+        out["the smallest block that fits the budget: the largest one is asked (fewer, "
+            "bigger blocks for the kernel and the block manager)"] = min(fits)
+        out["the first size that fits in the list's order: allowed is not sorted"] = fits[0]
+        out["the last size that fits in the list's order: allowed is not sorted"] = fits[-1]
+    else:
+        out["two sizes waste the same: return the smaller"] = \
+            max(b for b in allowed if waste[b] == waste[least])
+        out["when no size fits, return the one that wastes least"] = max(allowed)
+        out["when no size fits, return the one that wastes least (not the first "
+            "listed)"] = allowed[0]
+    return out
+
+
+def check_choose_block_size(fn: Callable[[Sequence[int], Sequence[int], float], int]) -> None:
+    """09.2: the largest allowed block size within the waste budget."""
+    with grading.exercise("09.2", "Choosing a block size"):
+        for lengths, allowed, budget, about in _CHOICE_CASES:
+            what = f"choose_block_size({lengths}, {allowed}, {budget}) ({about})"
+            want = choose_block_size(lengths, allowed, budget)
+            got = fn(list(lengths), list(allowed), budget)
+            grading.expect_int(got, what, hint="return one of the allowed sizes, an int")
+            hint = next((h for h, v in _wrong_choices(lengths, allowed, budget).items()
+                         if v == got and v != want),
+                        "the largest allowed size whose waste (over all slots) is at most "
+                        "max_waste; if none, the least wasteful, the smaller on a tie")
+            grading.expect_equal(int(got), want, what=what, hint=hint)
+        for args, what in ((([5], [], 0.1), "no allowed size"),
+                           (([5], [8], 1.0), "max_waste = 1"),
+                           (([5], [8], -0.1), "a negative max_waste")):
+            _expect_value_error(fn, args, f"choose_block_size with {what}",
+                                hint="bad input (no allowed size, max_waste outside "
+                                "[0, 1)) raises ValueError")
+
+
+# ------------------------------------------------------------------------------ demo
+
+
+def run_demo(internal_waste_fn: Callable[..., float],
+             choose_block_size_fn: Callable[..., int]) -> None:
+    """The learner's functions on the chapter's two traces, next to the library's."""
+    from paged_lib.workloads import alpaca_like, sharegpt_like
+
+    traces = {"sharegpt": sharegpt_like(120, seed=0),
+              "alpaca": alpaca_like(400, seed=0, rate=16)}
+    lengths = {name: [r.final_len for r in trace] for name, trace in traces.items()}
+
+    def waste() -> None:
+        for name, lens in lengths.items():
+            mine = [internal_waste_fn(lens, b) for b in (16, 64, 256)]
+            ref = [internal_waste(lens, b) for b in (16, 64, 256)]
+            print(f"{name}: waste at blocks of 16 / 64 / 256 tokens, yours "
+                  + " / ".join(f"{w:.1%}" for w in mine) + ", library "
+                  + " / ".join(f"{w:.1%}" for w in ref))
+
+    def choice() -> None:
+        for name, lens in lengths.items():
+            for kernel, sizes in KERNEL_BLOCK_SIZES.items():
+                b = choose_block_size_fn(lens, list(sizes), 0.05)
+                lib = choose_block_size(lens, list(sizes), 0.05)
+                print(f"{name}, {kernel} {sizes}, budget 5%: you choose {b} (library: {lib})")
+
+    grading.on_learner_code(waste, "exercise 09.1", "the traces' waste with your function")
+    grading.on_learner_code(choice, "exercises 09.1 and 09.2", "your block-size choices")
