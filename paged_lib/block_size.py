@@ -216,7 +216,9 @@ def decode_cost(seq_lens: Sequence[int], block_size: int, *, num_kv_heads: int =
     (sequence, KV head) walks the sequence ``tile_n`` tokens at a time, looks up the
     blocks of the tile's tokens (:func:`paged_lib.kernels.triton_tile.tile_blocks`: each
     entry once per block when blocks and tiles divide each other, else once per tile that
-    touches it) and loads their K and V rows (``head_dim`` elements each)."""
+    touches it) and loads their K and V rows (``head_dim`` elements each). One head
+    chunk per KV head (GQA groups of at most 16 query heads: a larger group repeats every
+    count per chunk of 16)."""
     _check_lengths(seq_lens, block_size)
     lens = [int(n) for n in seq_lens]
     entries = sum(cdiv(n, block_size) for n in lens)
