@@ -105,6 +105,7 @@ def hit(hashes, lookup, num_tokens, block_size, *, cap=None, past_miss=False,
     (lambda h, f, n, b: hit(h, f, n, b, cap=lambda n, s: n // s - 1), "off by one in the cap"),
     (lambda h, f, n, b: hit(h, f, n, b, falsy_miss=True), "physical block 0"),
     (lambda h, f, n, b: len(hit(h, f, n, b)), "not how many"),
+    (lambda h, f, n, b: hit([x.value for x in h], f, n, b), "pass lookup the BlockHash itself"),
     (lambda h, f, n, b: hit(h, f, n, b)[::-1], "in the order of the hashes"),
     (lambda h, f, n, b: [x for x in hit(h, f, n, b) if x != 0] + [0] * (0 in hit(h, f, n, b)),
      "in the order of the hashes"),
@@ -235,6 +236,18 @@ class RemoveByWalk(QueueOk):
         self._len -= 1
 
 
+class RemoveWithList(QueueOk):
+    """Links kept right, plus a list beside them: its list.remove scans."""
+
+    def append(self, block_id):
+        super().append(block_id)
+        self.__dict__.setdefault("order", []).append(block_id)
+
+    def remove(self, block_id):
+        QueueOk.remove(self, block_id)
+        self.order.remove(block_id)
+
+
 class RemoveUnchecked(QueueOk):
     def remove(self, block_id):
         before, after = self.prev.pop(block_id, None), self.next.pop(block_id, None)
@@ -276,6 +289,7 @@ class DelegatesRemove(QueueOk):
     (RemoveOnlyNext, "prev of the block after it must point at the block before it"),
     (RemoveByListRemove, "O(n), like list.remove"),
     (RemoveByWalk, "O(n), like list.remove"),
+    (RemoveWithList, "remove is O(n): something scans the queue"),
     (RemoveUnchecked, "raises ValueError"),
     (RemoveKeyError, "raises ValueError"),
     (InheritsPopleft, "no popleft of its own"),

@@ -64,3 +64,37 @@ def test_savings_and_stalls_plots():
     plt.close(fig)
     with pytest.raises(ValueError):
         viz.plot_decode_stalls({"empty": []})
+
+
+def test_step_loads_see_the_stalls_chunked_prefill_removes():
+    import torch
+
+    from paged_lib.engine import LLMEngine
+    from paged_lib.model import TinyLlama, TinyLlamaConfig
+
+    torch.manual_seed(0)
+    cfg = TinyLlamaConfig(name="stand-in", num_layers=1, hidden_size=32, num_heads=2,
+                          num_kv_heads=1, head_dim=16, vocab_size=264, intermediate_size=32,
+                          max_position=256)
+    model = TinyLlama(cfg).eval()
+    prompts, params, arrivals = demo.long_prompt_trace()
+    loads, tokens = {}, {}
+    for name, kw in (("first", dict(scheduling="prefill_first")),
+                     ("chunked", dict(enable_chunked_prefill=True, max_num_batched_tokens=48))):
+        engine = LLMEngine(model, 64, 8, **kw)
+        tokens[name] = [o.outputs[0].token_ids for o in engine.generate(prompts, params, arrivals)]
+        loads[name] = demo.step_loads(engine.stats)
+        assert sum(p + d for p, d, _ in loads[name]) == sum(engine.stats.computed_tokens)
+    assert tokens["first"] == tokens["chunked"]
+    # each long prompt's prefill step keeps the 4 short requests waiting
+    assert sum(w for *_, w in loads["first"]) == 12
+    assert sum(w for *_, w in loads["chunked"]) == 0
+    assert max(p + d for p, d, _ in loads["chunked"]) <= 48 < max(p for p, _, _ in loads["first"])
+
+
+def test_shared_prefix_prompts_share_exactly_five_blocks_of_eight():
+    prompts = demo.shared_prefix_prompts()
+    n = demo.SHARED_PREFIX_LEN
+    assert n == 40 and len(prompts) == 6
+    assert all(p[:n] == prompts[0][:n] for p in prompts)
+    assert len({tuple(p[n:n + 8]) for p in prompts}) == 6  # block 5 differs in every prompt

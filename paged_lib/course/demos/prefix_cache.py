@@ -7,7 +7,12 @@
   :class:`Frame` (free queue head to tail, cached blocks, tables) that the chapter prints
   and draws (:func:`paged_lib.course.viz.prefix_cache.draw_free_queue`).
 * :func:`serve_prompt`, :func:`cache_full_blocks` - how a request's table is built from
-  a cache hit and its full blocks registered, as the engine's block manager does.
+  a cache hit and its full blocks registered, as the engine's block manager does;
+  :func:`hash_chain_rows` - prompts served that way, block by block, for the picture.
+* :func:`shared_prefix_prompts`, :func:`serve_one_by_one` - the engine check: six prompts
+  with a 40-token shared prefix, served one after another;
+* :func:`long_prompt_trace`, :func:`step_loads` - short requests decoding while long
+  prompts arrive, and what each engine step computed (for the decode-stall timeline).
 """
 
 from __future__ import annotations
@@ -70,8 +75,10 @@ def example_prompts() -> dict[str, list[int]]:
             "request 2": r0[:12] + list(range(51, 68))}
 
 
-def worked_example(free_queue_cls: type = FreeBlockQueue) -> list[Frame]:
-    """vLLM's design-page example, one :class:`Frame` per step (its times 1, 3-7)."""
+def worked_example(free_queue_cls: type = FreeBlockQueue, hashes_fn: Callable = block_hashes,
+                   hit_fn: Callable = longest_cache_hit) -> list[Frame]:
+    """vLLM's design-page example, one :class:`Frame` per step (its times 1, 3-7), on
+    the given free queue class, hash chain and cache hit (default: the library's)."""
     bs = EXAMPLE_BLOCK_SIZE
     alloc = PrefixCachingAllocator(EXAMPLE_BLOCKS, free_queue_cls=free_queue_cls)
     prompts = example_prompts()
@@ -86,22 +93,22 @@ def worked_example(free_queue_cls: type = FreeBlockQueue) -> list[Frame]:
                             {n: t.blocks for n, t in tables.items()}, hits or {}, evicted))
 
     frame("start: 10 free blocks, nothing cached")
-    tables["request 0"], hits = serve_prompt(alloc, tokens["request 0"], bs)
+    tables["request 0"], hits = serve_prompt(alloc, tokens["request 0"], bs, hashes_fn, hit_fn)
     frame("time 1: request 0 (15 tokens) takes 4 blocks, caches the 3 full ones",
           {"request 0": hits})
     for new in (16, 17):  # two decode steps: block 3 fills, block 4 starts
         tables["request 0"].append_token()
         tokens["request 0"].append(new)
-        cache_full_blocks(alloc, tables["request 0"], tokens["request 0"])
+        cache_full_blocks(alloc, tables["request 0"], tokens["request 0"], hashes_fn)
     frame("time 3: request 0 fills block 3 (cached) and takes block 4")
-    tables["request 1"], hits = serve_prompt(alloc, tokens["request 1"], bs)
+    tables["request 1"], hits = serve_prompt(alloc, tokens["request 1"], bs, hashes_fn, hit_fn)
     frame("time 4: request 1 (14 tokens, 10 shared) hits 2 blocks", {"request 1": hits})
     tables.pop("request 0").free()
     frame("time 5: request 0 ends: blocks 4, 3, 2 go to the tail (2 and 3 stay cached)")
     tables.pop("request 1").free()
     frame("time 6: request 1 ends: blocks 6, 5, 1, 0 go to the tail")
     before = set(alloc.block_hash)
-    tables["request 2"], hits = serve_prompt(alloc, tokens["request 2"], bs)
+    tables["request 2"], hits = serve_prompt(alloc, tokens["request 2"], bs, hashes_fn, hit_fn)
     frame("time 7: request 2 (29 tokens, 12 shared) hits 3 blocks, evicts from the head",
           {"request 2": hits}, before)
     return frames
@@ -131,3 +138,59 @@ def hash_chain_rows(prompts: dict[str, list[int]], block_size: int,
                        hashes[i].value if i < len(hashes) else None, b, i < len(hits))
             for i, b in enumerate(table.blocks)]
     return rows
+
+
+#: Chapter 10's engine check: a 40-token shared prefix (5 blocks of 8), then a question.
+SHARED_PREFIX_LEN = 40
+_HEADER = '"""Helpers for the files."""\nimport os\n'
+_QUESTIONS = ("\ndef read_lines(path):\n", "\ndef count_words(text):\n",
+              "\ndef first_line(path):\n", "\ndef is_blank(line):\n",
+              "\ndef join_path(a, b):\n", "\ndef file_size(path):\n")
+
+
+def shared_prefix_prompts() -> list[list[int]]:
+    """Six prompts (byte ids, :class:`paged_lib.tokenizer.ByteTokenizer`): the same
+    :data:`SHARED_PREFIX_LEN` tokens (BOS and a module header), then a function of their own."""
+    from paged_lib.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer()
+    prefix = tok.encode(_HEADER)  # BOS + 39 bytes
+    return [prefix + tok.encode(q, add_bos=False) for q in _QUESTIONS]
+
+
+def serve_one_by_one(engine, prompts: list[list[int]], params) -> tuple[list[list[int]], list[int]]:
+    """Serve ``prompts`` one ``generate`` call after another on ``engine`` (the cache
+    carries over, the stats do not); (each one's tokens, each one's prompt tokens read
+    from the prefix cache)."""
+    outs, hits = [], []
+    for p in prompts:
+        outs.append(engine.generate([p], params)[0].outputs[0].token_ids)
+        hits.append(engine.stats.prefix_cache_hit_tokens)
+    return outs, hits
+
+
+def long_prompt_trace() -> tuple[list[list[int]], list, list[int]]:
+    """Four short requests decoding 32 tokens each while three 121-token prompts arrive
+    (steps 6, 14, 22): (prompts, params, arrival steps), code bytes as in chapter 06."""
+    from paged_lib.course.demos.engine_compare import CODE_TEXT
+    from paged_lib.engine.sequence import SamplingParams
+    from paged_lib.tokenizer import BOS_ID
+
+    code = list(CODE_TEXT.encode())
+    short = [[BOS_ID] + code[7 * i:7 * i + 10] for i in range(4)]
+    long = [[BOS_ID] + code[50 + 40 * i:170 + 40 * i] for i in range(3)]
+    params = [SamplingParams(max_tokens=32, ignore_eos=True)] * 4 + \
+        [SamplingParams(max_tokens=4, ignore_eos=True)] * 3
+    return short + long, params, [0, 0, 0, 0, 6, 14, 22]
+
+
+def step_loads(stats) -> list[tuple[int, int, int]]:
+    """Per engine step of one run: (prompt tokens computed, decode tokens computed,
+    running requests that computed nothing: they waited for a prefill)."""
+    out = []
+    for k in range(stats.steps):
+        running = sum(a <= k < b for r in stats.requests for a, b in r.running_intervals())
+        decode = stats.decode_seqs[k]
+        out.append((stats.computed_tokens[k] - decode, decode,
+                    max(0, running - stats.batch_sizes[k])))
+    return out

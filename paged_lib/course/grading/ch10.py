@@ -230,6 +230,11 @@ def _check_hit(fn, name: str, num_tokens: int, block_size: int, cached: dict[int
     grading.expect_true(isinstance(got, list) and all(type(b) is int for b in got),
                         f"{where}: expected a list of int block ids, got {got!r}",
                         "return a list of the physical blocks lookup gave you")
+    odd = [h for h in lookup.asked if not isinstance(h, BlockHash)]
+    if odd:
+        grading.fail(f"{where}: lookup was asked {odd[0]!r}, not a BlockHash",
+                     "pass lookup the BlockHash itself (value, token ids and extra keys): "
+                     "the pool compares all three, so a collision cannot give a wrong hit")
     if got == want:
         return
     every_hit = [cache[h] for h in hashes if h in cache]
@@ -267,7 +272,38 @@ def _check_hit(fn, name: str, num_tokens: int, block_size: int, cached: dict[int
 
 def run_demo(block_hashes_fn: Callable[..., Any], longest_cache_hit_fn: Callable[..., Any],
              free_queue_cls: type, model: Any = None) -> None:
-    """Chapter 10's shared-prefix requests in the engine with the learner's pieces."""
+    """Chapter 10's demos on the learner's three pieces: vLLM's worked example, then the
+    six shared-prefix requests served one after another on a 12-block pool through the
+    engine's hooks, next to the library's runs."""
     from paged_lib.course.demos import prefix_cache as demo
 
-    demo.serve_with_hooks(block_hashes_fn, longest_cache_hit_fn, free_queue_cls, model)
+    def example() -> None:
+        mine = demo.worked_example(free_queue_cls, block_hashes_fn, longest_cache_hit_fn)
+        same = mine == demo.worked_example()
+        last = mine[-1]
+        print(f"vLLM's worked example with your pieces: {'equals' if same else 'DIFFERS from'}"
+              f" the library's at every step; request 2 hits {last.hits.get('request 2')}, "
+              f"evicts {last.evicted}")
+
+    def engine() -> None:
+        from paged_lib.engine import LLMEngine, SamplingParams
+        from paged_lib.model import load_tiny_code_llama
+
+        m = model if model is not None else load_tiny_code_llama()
+        prompts = demo.shared_prefix_prompts()
+        params = SamplingParams(max_tokens=8, ignore_eos=True)
+        hooks = dict(block_hashes=block_hashes_fn, longest_cache_hit=longest_cache_hit_fn,
+                     free_queue_cls=free_queue_cls)
+        yours = LLMEngine(m, 12, 8, enable_prefix_caching=True, **hooks)
+        outs, hits = demo.serve_one_by_one(yours, prompts, params)
+        lib = LLMEngine(m, 12, 8, enable_prefix_caching=True)
+        ref_outs, ref_hits = demo.serve_one_by_one(lib, prompts, params)
+        pool = yours.block_manager.gpu
+        print(f"engine, 12 blocks of 8, {len(prompts)} prompts one after another with your "
+              f"hooks: prompt tokens from the cache {hits} (library: {ref_hits})")
+        print(f"tokens {'equal' if outs == ref_outs else 'DIFFER from'} the library engine's;"
+              f" afterwards {pool.num_free} of {pool.num_blocks} blocks free"
+              f"{'' if pool.num_free == pool.num_blocks else ' (a LEAK)'}")
+
+    grading.on_learner_code(example, "exercises 10.1-10.3", "vLLM's worked example")
+    grading.on_learner_code(engine, "exercises 10.1-10.3", "the engine with your pieces")

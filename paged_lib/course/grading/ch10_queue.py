@@ -12,6 +12,7 @@ replays vLLM's worked example on a :class:`PrefixCachingAllocator` built on the 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -42,7 +43,7 @@ _SCRIPTS: list[tuple[str, list[int], list[tuple]]] = [
 
 def check_free_queue(cls: Any) -> None:
     """``cls``: a :class:`FreeBlockQueue` subclass with its own ``popleft`` and ``remove``."""
-    with grading.exercise("10.3", "The LRU free queue: popleft and remove"):
+    with grading.exercise("10.3", "The LRU free queue's popleft and remove"):
         calls: list[str] = []
         try:
             with grading._refusing_twin(_POPLEFT, calls):  # 10.3's second twin
@@ -67,6 +68,7 @@ def _check(cls: Any) -> None:
     for name, start, ops in _SCRIPTS:
         _replay(cls, name, start, ops)
     _check_constant_time(cls)
+    _check_scaling(cls)
     _check_worked_example(cls)
 
 
@@ -266,6 +268,40 @@ def _check_constant_time(cls) -> None:
         q.next, q.prev = dict(dict.items(q.next)), dict(dict.items(q.prev))  # uncounted
     grading.expect_equal(len(q), _BIG - 5, f"{where}: len after 5 blocks taken out",
                          "keep _len in step: popleft and remove each take one block out")
+
+
+def _seconds_per_op(q, op: str, blocks: list[int]) -> float:
+    start = time.perf_counter()
+    for b in blocks:
+        if op == "remove":
+            q.remove(b)
+        else:
+            q.popleft()
+    return (time.perf_counter() - start) / len(blocks)
+
+
+def _check_scaling(cls) -> None:
+    """Time per op in a queue of 100,000 blocks against one of 1,000 (best of 3 runs of
+    100 ops each, so a busy machine only slows both): O(1) stays flat, a scan (a list
+    kept beside the links, say) grows about 100x. Catches what no dict count sees."""
+    sizes = (1_000, _BIG)
+    queues = {n: cls(range(n)) for n in sizes}
+    for op in ("remove", "popleft"):
+        best = {}
+        for n in sizes:
+            runs = []
+            for r in range(3):
+                lo = n // 2 + 100 * r if op == "remove" else 0
+                runs.append(_seconds_per_op(queues[n], op, list(range(lo, lo + 100))))
+            best[n] = min(runs)
+        ratio = best[_BIG] / max(best[sizes[0]], 1e-9)
+        if ratio > 20 and best[_BIG] > 20e-6:
+            grading.fail(f"one {op} takes {best[_BIG] * 1e6:,.0f} us in a queue of {_BIG:,} "
+                         f"blocks and {best[sizes[0]] * 1e6:,.1f} us in one of "
+                         f"{sizes[0]:,}: {ratio:,.0f}x",
+                         f"{op} is O(n): something scans the queue (list.remove or a search "
+                         "in a list kept beside the links?); the links alone find the "
+                         "neighbours in O(1)")
 
 
 def _check_worked_example(cls) -> None:
