@@ -112,3 +112,31 @@ def test_the_engine_agrees_with_the_simulator_at_every_step():
     for key, (engine, sim) in got.items():
         assert engine == sim, key
     assert got["same_blocks_every_step"] == (True, True)
+
+
+def test_the_pictures_draw_what_they_are_given(sweep):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from paged_lib.course.viz import block_size as viz
+
+    fig = viz.sequence_blocks(37, (4, 16, 64))
+    labels = [t.get_text() for t in fig.axes[0].texts]
+    assert labels == ["B=4: 10 blocks, 3 empty slots", "B=16: 3 blocks, 11 empty slots",
+                      "B=64: 1 block, 27 empty slots"]
+    with pytest.raises(ValueError):
+        viz.sequence_blocks(0)
+    trace, rows = sweep
+    lens = [r.final_len for r in trace]
+    costs = [bs.decode_cost(lens, r.block_size) for r in rows]
+    fig = viz.three_curves({"sharegpt": rows}, {"sharegpt": costs},
+                           {"sharegpt": sum(lens)}, {"sharegpt": bs.best_range(rows)})
+    waste_line = fig.axes[0].lines[0]
+    assert list(waste_line.get_ydata()) == [100 * (1 - r.token_states) for r in rows]
+    reads = fig.axes[2].lines[0]
+    assert list(reads.get_ydata()) == [c.table_reads / sum(lens) for c in costs]
+    fig2 = viz.prefix_loss(600, (16, 256), (592, 512))
+    assert [p.get_height() for p in fig2.axes[0].patches] == [100 * 8 / 600, 100 * 88 / 600]
+    plt.close("all")
