@@ -190,7 +190,7 @@ def test_gpu_autotune_plumbing():
         return [t, t, t]
 
     tuned = td.make_autotuned_decode_kernel(64, torch.float32, do_bench=fake_bench)
-    key = (64, torch.float32)
+    key = (64, torch.float32, td.smem_limit(torch.device(DEVICE)))
     old = td._autotuned.get(key)
     td._autotuned[key] = tuned
     try:

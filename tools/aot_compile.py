@@ -1,12 +1,14 @@
 """Compile the course's Triton kernels for a GPU on a machine without one (ahead of time).
 
-    .venv/bin/python tools/aot_compile.py [--arch 90] [--quick] [--match "decode 64/1"]
+    .venv/bin/python tools/aot_compile.py [--arch 90] [--quick] [--match "decode 64/1" ...]
 
 Triton's interpreter checks no hardware limit; this does the next best thing to a GPU
 run: Triton compiles each kernel, for the shapes and configs the launchers use, down to
 PTX and a cubin for ``sm_<arch>`` (Triton ships ``ptxas``), and ``ptxas -v`` reports
 registers and spills, and the PTX shows the widest global load or cp.async copy (128
-bits: rows are vectorised, e.g. head size 40 thanks to the kernels' ``ALIGN`` hint).
+bits: rows are vectorised, e.g. head size 40 thanks to the kernels' ``ALIGN`` hint)
+and how many tensor-core instructions (``mma``/``wgmma``) it holds. Configs are chosen
+for ``--arch``'s shared memory per block (``triton_decode.smem_limit``).
 A config that needs too much shared memory, a ``tl.dot`` shape the
 GPU cannot do, or a tile that spills shows up here, before anyone has a GPU. (Whether the
 result is *right* is for the tests, and for ``make gpu-check`` on a real GPU.)
@@ -112,27 +114,39 @@ def compile_one(fn, constexprs: dict, dtype: str, arch: int, num_warps: int, num
     widest = max((int(b) * int((v or "v1.")[1]) for v, b in loads), default=0)
     copies = re.findall(r"cp\.async\.c[ag]\.shared\.global[^,]*,[^,]*,\s*(0x[0-9a-f]+|\d+)", ptx)
     widest = max([widest, *(8 * int(n, 0) for n in copies)])
+    mma = len(re.findall(r"\b(?:mma\.sync|wgmma\.mma_async)\.", ptx))
     return {"shared_KB": k.metadata.shared / 1024, "regs": regs, "spill_st": spill_st,
-            "spill_ld": spill_ld, "load_bits": widest, "s": round(time.monotonic() - t0, 1)}
+            "spill_ld": spill_ld, "load_bits": widest, "mma": mma,
+            "s": round(time.monotonic() - t0, 1)}
 
 
-def decode_jobs(quick: bool):
+#: Decode shapes ((num_heads, num_kv_heads), head_dim, block_size): GQA 4:1, 3:1, 5:1,
+#: MQA 64:1 and 71:1, MHA (a 1-row tile without tl.dot); odd head and block sizes.
+DECODE_SHAPES = [((32, 8), 128, 16), ((12, 4), 96, 1), ((40, 8), 112, 12), ((64, 1), 40, 128),
+                 ((71, 1), 256, 16), ((8, 2), 72, 32), ((32, 32), 128, 16), ((16, 16), 256, 8),
+                 ((12, 12), 64, 12)]
+#: Prefill shapes: GQA 4:1, MQA 64:1 and 71:1, MHA, group 5 (12 tokens x 5 heads a tile).
+PREFILL_SHAPES = [((32, 8), 128, 16), ((64, 1), 40, 128), ((71, 1), 256, 16),
+                  ((32, 32), 128, 16), ((40, 8), 112, 12)]
+
+
+def decode_jobs(quick: bool, arch: int = 90):
     import torch
 
     from paged_lib.kernels import triton_decode as td
 
-    shapes = [((32, 8), 128, 16), ((12, 4), 96, 1), ((40, 8), 112, 12), ((64, 1), 40, 128),
-              ((71, 1), 256, 16), ((8, 2), 72, 32)]
+    smem = td.smem_limit(arch=arch)
+    shapes = DECODE_SHAPES
     if quick:
-        shapes = shapes[:1] + shapes[4:5]
+        shapes = shapes[:1] + shapes[4:5] + shapes[6:7]
     for (h, kv), d, b in shapes:
         for dtype, tdt in (("fp16", torch.float16), ("bf16", torch.bfloat16),
                            ("fp32", torch.float32)):
             if quick and dtype == "bf16":
                 continue
-            cfg = td.launch_config(d, tdt)
+            cfg = td.launch_config(d, tdt, smem)
             for split in (False, True):
-                c = dict(GROUP=h // kv, GROUP_TILE=td.MAX_GROUP_TILE, HEAD_DIM=d,
+                c = dict(GROUP=h // kv, GROUP_TILE=td.group_tile(h // kv), HEAD_DIM=d,
                          HEAD_PAD=td.head_pad(d), ALIGN=td.alignment(d * kv * b, d * kv, d),
                          BLOCK_SIZE=b, TILE_N=cfg["TILE_N"], IS_SPLIT=split, UPCAST=False,
                          DOT_PRECISION="ieee" if dtype == "fp32" else "tf32")
@@ -140,7 +154,7 @@ def decode_jobs(quick: bool):
                 yield name, td._paged_decode_kernel, c, dtype, cfg["num_warps"], \
                     cfg["num_stages"], split, decode_ints(h, kv, d, b)
     if not quick:
-        for t, w, s in td.gpu_configs(128, torch.float16):
+        for t, w, s in td.gpu_configs(128, torch.float16, smem):
             c = dict(GROUP=4, GROUP_TILE=16, HEAD_DIM=128, HEAD_PAD=128, ALIGN=16, BLOCK_SIZE=16,
                      TILE_N=t, IS_SPLIT=False, UPCAST=False, DOT_PRECISION="tf32")
             yield f"decode autotune TILE_N={t} w{w} s{s}", td._paged_decode_kernel, c, "fp16", \
@@ -148,18 +162,22 @@ def decode_jobs(quick: bool):
 
 
 def other_jobs(quick: bool):
+    import torch
+
+    DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
     from paged_lib.kernels import triton_cache, triton_prefill, triton_split
 
-    for (h, kv), d, b in [((32, 8), 128, 16), ((64, 1), 40, 128), ((71, 1), 256, 16)][
-            : 1 if quick else 3]:
+    for (h, kv), d, b in PREFILL_SHAPES[: 1 if quick else None]:
         gt, bq = triton_prefill.prefill_tiles(h // kv)
-        pad = max(16, triton.next_power_of_2(d))
-        c = dict(GROUP=h // kv, GROUP_TILE=gt, BLOCK_Q=bq, HEAD_DIM=d, HEAD_PAD=pad, ALIGN=8,
-                 BLOCK_SIZE=b, TILE_N=32 if pad <= 128 else 16, UPCAST=False,
-                 DOT_PRECISION="tf32")
         ints = decode_ints(h, kv, d, b) | {"stride_qt": h * d, "stride_ot": h * d}
-        yield f"prefill {h}/{kv} d{d} b{b} fp16", triton_prefill._paged_prefill_kernel, c, \
-            "fp16", 8, 2, False, ints
+        for dtype in ("fp16",) if quick else ("fp16", "bf16", "fp32"):
+            cfg = triton_prefill.prefill_config(d, DTYPES[dtype])
+            c = dict(GROUP=h // kv, GROUP_TILE=gt, BLOCK_Q=bq, ROWS=triton_prefill.BLOCK_M,
+                     HEAD_DIM=d, HEAD_PAD=max(16, triton.next_power_of_2(d)), ALIGN=8,
+                     BLOCK_SIZE=b, TILE_N=cfg["TILE_N"], UPCAST=False,
+                     DOT_PRECISION="ieee" if dtype == "fp32" else "tf32")
+            yield f"prefill {h}/{kv} d{d} b{b} {dtype}", triton_prefill._paged_prefill_kernel, \
+                c, dtype, cfg["num_warps"], cfg["num_stages"], False, ints
     for splits, d, heads in ((16, 256, 2), (4, 128, 16)):
         c = dict(HEADS=heads, SPLIT_PAD=splits, HEAD_DIM=d, HEAD_PAD=d)
         yield f"merge {splits} splits d{d} {heads} heads", triton_split._merge_splits_kernel, \
@@ -175,16 +193,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--arch", type=int, default=90, help="compute capability (90: H100/H200)")
     parser.add_argument("--quick", action="store_true", help="a few representative kernels")
-    parser.add_argument("--match", default="", help="only kernels whose name contains this")
+    parser.add_argument("--match", action="append", default=[],
+                        help="only kernels whose name contains this (repeatable: any of them)")
     args = parser.parse_args(argv)
     import paged_lib  # noqa: F401
 
     failed = 0
     print(f"{'kernel':44s} {'shared KB':>9s} {'regs':>5s} {'spill st/ld':>12s} "
-          f"{'load bits':>9s} {'s':>5s}")
-    for name, fn, c, dtype, w, s, split, ints in [*decode_jobs(args.quick),
+          f"{'load bits':>9s} {'mma':>5s} {'s':>5s}")
+    for name, fn, c, dtype, w, s, split, ints in [*decode_jobs(args.quick, args.arch),
                                                   *other_jobs(args.quick)]:
-        if args.match not in name:
+        if args.match and not any(m in name for m in args.match):
             continue
         try:
             r = compile_one(fn, c, dtype, args.arch, w, s, out_fp32=split, ints=ints)
@@ -194,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         spill = f"{r['spill_st']}/{r['spill_ld']}"
         print(f"{name:44s} {r['shared_KB']:9.1f} {r['regs']:5d} {spill:>12s} "
-              f"{r['load_bits']:9d} {r['s']:5.1f}", flush=True)
+              f"{r['load_bits']:9d} {r['mma']:5d} {r['s']:5.1f}", flush=True)
     return 1 if failed else 0
 
 

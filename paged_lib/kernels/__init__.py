@@ -53,7 +53,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     (flash-decoding) with that many segments per sequence; ``None`` lets
     :func:`choose_num_splits` decide (it never splits in the interpreter).
     ``validate=False`` skips the checks that read values back from the GPU;
-    ``max_seq_len`` (the longest length, if the caller knows it) then helps choose splits.
+    ``max_seq_len`` (the longest length, if the caller knows it) then chooses splits
+    (without it a launch on a GPU whose table is wide enough to split reads
+    ``seq_lens.max()`` back once).
     """
     _check_backend(backend)
     _check_attention_inputs(q, k_cache, v_cache, block_tables, seq_lens, num_query_dims=3)

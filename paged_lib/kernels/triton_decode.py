@@ -2,19 +2,24 @@
 
 One program per (sequence, KV head, head chunk[, KV segment]). The program loads the
 query rows of the query heads that share its KV head (GQA: a ``[GROUP_TILE, HEAD_PAD]``
-tile, at most 16 rows; a larger group, like MQA's 64:1, is spread over several head
-chunks on the grid's second axis), so each K/V tile is read once per 16 query heads,
-as vLLM does. It then walks the sequence's tokens ``TILE_N`` at a time: each token's
-physical address is ``block_tables[seq, pos // BLOCK_SIZE] * stride + pos % BLOCK_SIZE``
-(block ids cast to int64 first, so a cache of more than 2**31 elements cannot overflow
-32-bit offsets), tokens past the end are masked (never loaded), and an online softmax
-in fp32 folds the tile into running max ``m``, denominator ``l`` and accumulator ``acc``:
-one call of :func:`~paged_lib.kernels.triton_tile.attend_tile` per tile, the loop body the
-prefill kernel shares.
+tile of 16 rows, the smallest ``tl.dot`` takes; a larger group, like MQA's 64:1, is
+spread over several head chunks on the grid's second axis), so each K/V tile is read
+once per 16 query heads, as vLLM does. MHA (one query head per KV head) gets a tile of
+one row and no ``tl.dot`` (:func:`group_tile`).
+
+It then walks the sequence's tokens ``TILE_N`` at a time: each token's physical address
+is ``block_tables[seq, pos // BLOCK_SIZE] * stride + pos % BLOCK_SIZE``, with each
+block-table entry read once per block (not per token) and cast to int64 first, so a
+cache of more than 2**31 elements cannot overflow 32-bit offsets; tokens past the end
+are masked (never loaded), and an online softmax in fp32 folds the tile into running
+max ``m``, denominator ``l`` and accumulator ``acc``: one call of
+:func:`~paged_lib.kernels.triton_tile.attend_tile` per tile, the loop body the prefill
+kernel shares.
 
 Call it through :func:`paged_lib.kernels.paged_attention`, which validates its inputs;
-:func:`paged_attention_triton` here only launches. Nothing in it reads a value back
-from the GPU: the engine calls it every layer of every step.
+:func:`paged_attention_triton` here only launches. Given ``max_seq_len`` (the engine
+knows it on the host) nothing in it reads a value back from the GPU: the engine calls
+it every layer of every step.
 """
 
 from __future__ import annotations
@@ -32,12 +37,25 @@ from paged_lib.kernels.triton_split import choose_num_splits, merge_splits
 from paged_lib.kernels.triton_tile import LN2, LOG2E, attend_tile, no_block, tile_blocks
 from paged_lib.util import cdiv
 
-#: Shared memory per thread block on H100/H200 (227 KB): K and V tiles times pipeline
-#: stages must fit, or the kernel does not compile on the GPU (the interpreter never checks).
-SMEM_BUDGET = 227 * 1024
+#: Shared memory one thread block may use (the opt-in maximum, bytes) by compute
+#: capability, from the CUDA C++ Programming Guide's table of compute capabilities: K and
+#: V tiles times pipeline stages must fit, or the kernel does not compile on that GPU (the
+#: interpreter never checks). Used where there is no device to ask (ahead-of-time compiles,
+#: the interpreter); on a GPU :func:`smem_limit` asks the device.
+SMEM_PER_BLOCK = {80: 163 * 1024, 86: 99 * 1024, 87: 163 * 1024, 89: 99 * 1024,
+                  90: 227 * 1024}
+#: The course's GPU (H100/H200, sm_90): the limit when no device and no arch is given.
+DEFAULT_ARCH = 90
+SMEM_BUDGET = SMEM_PER_BLOCK[DEFAULT_ARCH]
 #: Query-head rows per program: 16 is the smallest M of ``tl.dot`` on NVIDIA, and more
 #: rows would only spill registers for MQA's 64 heads.
 MAX_GROUP_TILE = 16
+#: Groups of at most this many query heads skip ``tl.dot``: their rows, padded to a power
+#: of two, are multiplied and summed on CUDA cores, so MHA computes no 16-row tile with 15
+#: rows of padding. Only MHA's 1: compiled (tools/aot_compile.py, head size 128, fp16) one
+#: row takes 79 registers on sm_90 and 76 on sm_80 (the 16-row ``tl.dot``: 74 and 64) and
+#: 4 KB of shared memory instead of 21, while 2 rows take 128 registers and 4 rows 255.
+SMALL_GROUP = 1
 
 
 @triton.jit
@@ -96,7 +114,7 @@ def _paged_decode_kernel(
             k_cache_ptr, v_cache_ptr, kv_head, d,
             stride_kb, stride_kt, stride_kh, stride_kd,
             stride_vb, stride_vt, stride_vh, stride_vd, scale_log2,
-            HEAD_DIM, ALIGN, BLOCK_SIZE, False, UPCAST, DOT_PRECISION)
+            HEAD_DIM, ALIGN, BLOCK_SIZE, False, UPCAST, DOT_PRECISION, GROUP_TILE >= 16)
 
     # No token (seq_len 0, or a segment past the end): l = 0, output 0, lse -inf.
     empty = l_i == 0.0
@@ -114,6 +132,14 @@ def _paged_decode_kernel(
 # ------------------------------------------------------------------ launch configuration
 
 
+def group_tile(group: int) -> int:
+    """Query-head rows per decode program: the group padded to a power of two when it is
+    small (:data:`SMALL_GROUP`, no ``tl.dot``), else :data:`MAX_GROUP_TILE` (``tl.dot``;
+    a larger group is spread over ``cdiv(group, 16)`` head chunks)."""
+    small = triton.next_power_of_2(group)
+    return small if small <= SMALL_GROUP else MAX_GROUP_TILE
+
+
 def head_pad(head_dim: int) -> int:
     """Head size padded to a power of two (``tl.arange`` needs one), at least 16."""
     return max(16, triton.next_power_of_2(head_dim))
@@ -124,52 +150,78 @@ def kv_smem_bytes(tile_n: int, head_dim: int, dtype: torch.dtype, num_stages: in
     return 2 * tile_n * head_pad(head_dim) * dtype.itemsize * num_stages
 
 
-def check_config(tile_n: int, num_stages: int, head_dim: int, dtype: torch.dtype) -> None:
-    """Refuse a tile the GPU cannot run, with the reason (the interpreter would accept it)."""
+def smem_limit(device: torch.device | None = None, arch: int | None = None) -> int:
+    """Shared memory per thread block (bytes, opt-in maximum) that configs must fit.
+
+    A CUDA device compiling natively is asked (``torch.cuda.get_device_properties``);
+    otherwise :data:`SMEM_PER_BLOCK` of ``arch`` (e.g. 80 for A100), by default sm_90.
+    """
+    if device is not None and device.type == "cuda" and not interpreter_on():
+        props = torch.cuda.get_device_properties(device)
+        limit = getattr(props, "shared_memory_per_block_optin", 0)
+        if limit:
+            return int(limit)
+        arch = props.major * 10 + props.minor
+    arch = DEFAULT_ARCH if arch is None else arch
+    if arch not in SMEM_PER_BLOCK:
+        raise ValueError(f"no shared-memory limit known for sm_{arch}: known are "
+                         f"{sorted(SMEM_PER_BLOCK)}")
+    return SMEM_PER_BLOCK[arch]
+
+
+def check_config(tile_n: int, num_stages: int, head_dim: int, dtype: torch.dtype,
+                 smem: int = SMEM_BUDGET) -> None:
+    """Refuse a tile the GPU cannot run, with the reason (the interpreter would accept it).
+
+    ``smem``: the GPU's shared memory per block (:func:`smem_limit`)."""
     if not isinstance(tile_n, int) or tile_n < 16 or tile_n & (tile_n - 1):
         raise ValueError(f"tile_n must be a power of two >= 16, got {tile_n!r}: tl.dot needs "
                          "a K dimension of at least 16 on NVIDIA GPUs")
     need = kv_smem_bytes(tile_n, head_dim, dtype, num_stages)
-    if need > SMEM_BUDGET:
+    if need > smem:
         raise ValueError(
             f"tile_n={tile_n} x head_dim {head_dim} ({dtype}) x {num_stages} stages needs "
             f"{need // 1024} KB of shared memory for K and V; a GPU block has "
-            f"{SMEM_BUDGET // 1024} KB: use a smaller tile_n or fewer num_stages")
+            f"{smem // 1024} KB: use a smaller tile_n or fewer num_stages")
 
 
-def launch_config(head_dim: int, dtype: torch.dtype) -> dict:
+def launch_config(head_dim: int, dtype: torch.dtype, smem: int = SMEM_BUDGET) -> dict:
     """Tile size, warps and stages per head size and dtype, chosen by hand (used in the
-    interpreter, and on a GPU when autotuning is off).
+    interpreter, and on a GPU when autotuning is off); ``smem`` is the GPU's shared
+    memory per block (:func:`smem_limit`).
 
-    Checked by compiling for sm_90 (``tools/aot_compile.py``: registers, spills, shared
-    memory): 16-bit caches with 32-64 token tiles and 3 stages compile without spills;
-    fp32 tiles of 32 tokens at head size 128 spill with 4 warps (255 registers), not
-    with 8, so fp32 gets 8 warps and 2 stages. Stages drop further where K and V would
-    not fit in shared memory.
+    Checked by compiling for sm_80 and sm_90 (``tools/aot_compile.py``: registers, spills,
+    shared memory): every config here compiles without spills, 16-bit and fp32. fp32
+    gets 8 warps from head size 128 (fp32 32-token tiles of head size 256 with 4 warps
+    spilled 9 KB on sm_90) and 2 stages; at head size 256 its tiles are 16 tokens (32
+    spilled 4 bytes on sm_80). Stages drop further where K and V would not fit in ``smem``.
     """
     pad = head_pad(head_dim)
     wide = dtype.itemsize >= 4
-    tile_n = 64 if pad <= 64 else 32
+    tile_n = 64 if pad <= 64 else 16 if wide and pad >= 256 else 32
     warps = 8 if pad > 128 or (wide and pad >= 128) else 4
     stages = 2 if wide else 3
-    while stages > 1 and kv_smem_bytes(tile_n, head_dim, dtype, stages) > SMEM_BUDGET:
+    while stages > 1 and kv_smem_bytes(tile_n, head_dim, dtype, stages) > smem:
         stages -= 1
     return {"TILE_N": tile_n, "num_warps": warps, "num_stages": stages}
 
 
 #: (TILE_N, num_warps, num_stages) tried by the GPU autotuner: a few, not a search space.
-#: At head size 128 in fp16 all compile for sm_90 without spills (tools/aot_compile.py).
+#: At head size 128 in fp16 all compile for sm_80 and sm_90 without spills
+#: (tools/aot_compile.py).
 GPU_CONFIGS = [(16, 4, 3), (32, 4, 2), (32, 4, 3), (64, 4, 2), (64, 4, 3), (64, 8, 3),
                (128, 8, 2)]
 
 
-def gpu_configs(head_dim: int, dtype: torch.dtype) -> list[tuple[int, int, int]]:
-    """:data:`GPU_CONFIGS` that fit in shared memory for this head size and dtype."""
-    return [c for c in GPU_CONFIGS if kv_smem_bytes(c[0], head_dim, dtype, c[2]) <= SMEM_BUDGET]
+def gpu_configs(head_dim: int, dtype: torch.dtype, smem: int = SMEM_BUDGET
+                ) -> list[tuple[int, int, int]]:
+    """:data:`GPU_CONFIGS` that fit in ``smem`` bytes of shared memory for this head size
+    and dtype."""
+    return [c for c in GPU_CONFIGS if kv_smem_bytes(c[0], head_dim, dtype, c[2]) <= smem]
 
 
 def make_autotuned_decode_kernel(head_dim: int = 128, dtype: torch.dtype = torch.float16,
-                                 do_bench=None):
+                                 do_bench=None, smem: int = SMEM_BUDGET):
     """The decode kernel wrapped in ``triton.autotune`` over :func:`gpu_configs`.
 
     Keyed by the compile-time shape (group, head size, block size, split or not; Triton
@@ -179,13 +231,13 @@ def make_autotuned_decode_kernel(head_dim: int = 128, dtype: torch.dtype = torch
     ``do_bench`` to exercise the plumbing).
     """
     configs = [triton.Config({"TILE_N": t}, num_warps=w, num_stages=s)
-               for t, w, s in gpu_configs(head_dim, dtype)]
+               for t, w, s in gpu_configs(head_dim, dtype, smem)]
     return triton.autotune(configs=configs, key=["GROUP", "HEAD_DIM", "BLOCK_SIZE", "IS_SPLIT"],
                            do_bench=do_bench)(_paged_decode_kernel)
 
 
-#: Autotuned kernels by (head_pad, dtype): each has its own pruned config list.
-_autotuned: dict[tuple[int, torch.dtype], object] = {}
+#: Autotuned kernels by (head_pad, dtype, smem): each has its own pruned config list.
+_autotuned: dict[tuple[int, torch.dtype, int], object] = {}
 
 
 def use_autotune(device: torch.device) -> bool:
@@ -241,8 +293,9 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """Launch the decode kernel on already validated inputs (see ``paged_attention``).
 
     ``num_splits=None`` picks the split-KV segment count with
-    :func:`~paged_lib.kernels.triton_split.choose_num_splits` from ``max_seq_len``, or,
-    without it, from the block tables' capacity (no read-back from the GPU); ``tile_n``
+    :func:`~paged_lib.kernels.triton_split.choose_num_splits` from ``max_seq_len``;
+    without it, from the block tables' capacity when that already says "no split" (no
+    read-back), else from ``seq_lens.max()`` (one read-back from the GPU); ``tile_n``
     and ``num_stages`` fix the tile (tests use it to put tiles across block boundaries;
     :func:`check_config` refuses what a GPU cannot run); ``autotune=None`` autotunes
     where :func:`use_autotune` says so. ``return_launch=True`` returns
@@ -251,26 +304,34 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = num_heads // num_kv_heads
-    chunks = cdiv(group, MAX_GROUP_TILE)  # 16 query heads per program, padded
+    rows = group_tile(group)
+    chunks = cdiv(group, rows)
     out = torch.empty_like(q)
     if num_seqs == 0:
         info = LaunchInfo(num_splits=1, head_chunks=chunks, autotuned=False,
                           config="nothing launched")
         return (out, info) if return_launch else out
     interp = interpreter_on()
-    cfg = launch_config(head_dim, q.dtype)
+    smem = smem_limit(q.device)
+    cfg = launch_config(head_dim, q.dtype, smem)
     if tile_n is not None or num_stages is not None:
         cfg["TILE_N"] = cfg["TILE_N"] if tile_n is None else tile_n
         cfg["num_stages"] = cfg["num_stages"] if num_stages is None else num_stages
-        check_config(cfg["TILE_N"], cfg["num_stages"], head_dim, k_cache.dtype)
+        check_config(cfg["TILE_N"], cfg["num_stages"], head_dim, k_cache.dtype, smem)
         autotune = False
     if autotune is None:
         autotune = use_autotune(q.device)
     if num_splits is None:
+        sms = num_sms(q.device)
         bound = max_seq_len if max_seq_len is not None else block_tables.shape[1] * block_size
-        num_splits = choose_num_splits(num_seqs, num_kv_heads, bound, num_sms(q.device), chunks)
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, bound, sms, chunks)
+        if num_splits > 1 and max_seq_len is None:
+            # The table's width only bounds the lengths: short sequences in a wide table
+            # would be split for nothing. Read the longest length back, once.
+            num_splits = choose_num_splits(num_seqs, num_kv_heads, int(seq_lens.max()), sms,
+                                           chunks)
     consts = dict(
-        GROUP=group, GROUP_TILE=MAX_GROUP_TILE, HEAD_DIM=head_dim,
+        GROUP=group, GROUP_TILE=rows, HEAD_DIM=head_dim,
         HEAD_PAD=head_pad(head_dim),
         ALIGN=alignment(*k_cache.stride()[:3], *v_cache.stride()[:3]),
         BLOCK_SIZE=block_size, IS_SPLIT=num_splits > 1,
@@ -279,9 +340,9 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )
     if autotune:
-        key = (consts["HEAD_PAD"], q.dtype)
+        key = (consts["HEAD_PAD"], q.dtype, smem)
         if key not in _autotuned:
-            _autotuned[key] = make_autotuned_decode_kernel(head_dim, q.dtype)
+            _autotuned[key] = make_autotuned_decode_kernel(head_dim, q.dtype, smem=smem)
         kernel = _autotuned[key]
     else:
         kernel = _paged_decode_kernel

@@ -38,16 +38,17 @@ def _paged_prefill_kernel(
     stride_vb, stride_vt, stride_vh, stride_vd,
     stride_bts, stride_btb,
     stride_ot, stride_oh, stride_od,
-    GROUP: tl.constexpr, GROUP_TILE: tl.constexpr, BLOCK_Q: tl.constexpr,
+    GROUP: tl.constexpr, GROUP_TILE: tl.constexpr, BLOCK_Q: tl.constexpr, ROWS: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, ALIGN: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """One program per (tile of BLOCK_Q new tokens, KV head and head chunk, sequence).
 
-    Row ``r`` of the ``[BLOCK_Q * GROUP_TILE, HEAD_PAD]`` query tile is new token
+    Row ``r < BLOCK_Q * GROUP_TILE`` of the ``[ROWS, HEAD_PAD]`` query tile is new token
     ``r // GROUP_TILE`` of the tile and query head ``r % GROUP_TILE`` of this chunk of
-    the KV head's group: those heads share each K/V tile, as in decode. The token tiles
+    the KV head's group: those heads share each K/V tile, as in decode; the few rows
+    left over (``ROWS % GROUP_TILE``) are masked. The token tiles
     are on the grid's first axis, the only one allowed more than 65535 programs.
     """
     q_block = tl.program_id(0)
@@ -62,12 +63,12 @@ def _paged_prefill_kernel(
     seq_len = tl.load(seq_lens_ptr + seq)
     context = seq_len - query_len
 
-    r = tl.arange(0, BLOCK_Q * GROUP_TILE)
+    r = tl.arange(0, ROWS)
     d = tl.arange(0, HEAD_PAD)
     tok = q_block * BLOCK_Q + r // GROUP_TILE  # index among this sequence's new tokens
     g = chunk * GROUP_TILE + r % GROUP_TILE
     heads = kv_head * GROUP + g
-    row_valid = (g < GROUP) & (tok < query_len)
+    row_valid = (g < GROUP) & (tok < query_len) & (r < BLOCK_Q * GROUP_TILE)
     row_pos = context + tok  # the position each row sits at (and sees up to)
     row_mask = row_valid[:, None] & (d < HEAD_DIM)[None, :]
     q_rows = (q_start + tok).to(tl.int64)
@@ -76,9 +77,9 @@ def _paged_prefill_kernel(
     if UPCAST:
         q = q.to(tl.float32)
 
-    m_i = tl.full([BLOCK_Q * GROUP_TILE], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_Q * GROUP_TILE], tl.float32)
-    acc = tl.zeros([BLOCK_Q * GROUP_TILE, HEAD_PAD], tl.float32)
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, HEAD_PAD], tl.float32)
 
     kv_end = tl.minimum(seq_len, context + (q_block + 1) * BLOCK_Q)  # causal: no further
     t = tl.arange(0, TILE_N)
@@ -100,9 +101,28 @@ def _paged_prefill_kernel(
 
 
 def prefill_tiles(group: int) -> tuple[int, int]:
-    """``(GROUP_TILE, BLOCK_Q)``: query heads and new tokens per program, 64 rows in all."""
-    group_tile = min(MAX_GROUP_TILE, triton.next_power_of_2(group))
+    """``(GROUP_TILE, BLOCK_Q)``: query heads and new tokens per program, at most
+    :data:`BLOCK_M` rows in all.
+
+    A group of up to 16 heads is one chunk of exactly ``group`` heads (no padding to a
+    power of two: group 5 fills 60 of the 64 rows with 12 tokens, not 40 with 8); a larger
+    group is cut into ``cdiv(group, 16)`` chunks of equal size (71 heads: 5 chunks of 15).
+    """
+    group_tile = cdiv(group, cdiv(group, MAX_GROUP_TILE))
     return group_tile, BLOCK_M // group_tile
+
+
+def prefill_config(head_dim: int, dtype: torch.dtype) -> dict:
+    """K/V tile and launch of the prefill kernel, checked by compiling for sm_80 and sm_90
+    (tools/aot_compile.py): none spills. 8 warps: 64 query rows of fp32 accumulators at
+    head size 256 took 218 registers per thread with 4 warps, 142 with 8. fp32 tiles are
+    16 tokens (32 spilled on sm_80 from head size 40 up), with 16 warps at head size 256
+    (8 spilled over 11 KB on sm_90)."""
+    if dtype.itemsize >= 4:
+        return {"TILE_N": 16, "num_warps": 16 if head_pad(head_dim) >= 256 else 8,
+                "num_stages": 2}
+    return {"TILE_N": 32 if head_pad(head_dim) <= 128 else 16, "num_warps": 8,
+            "num_stages": 2}
 
 
 def paged_prefill_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -132,9 +152,8 @@ def paged_prefill_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         max_query_len = q.shape[0]
     pad = head_pad(head_dim)
     interp = interpreter_on()
-    # 8 warps: 64 query rows of fp32 accumulators at head size 256 take 218 registers per
-    # thread with 4 warps, 142 with 8 (sm_90 compile, tools/aot_compile.py).
-    launch = {} if interp else {"num_warps": 8, "num_stages": 2}
+    cfg = prefill_config(head_dim, q.dtype)
+    launch = {} if interp else {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
     grid = (cdiv(max_query_len, block_q), num_kv_heads * chunks, num_seqs)
     with on_device(q.device):
         _paged_prefill_kernel[grid](
@@ -142,10 +161,10 @@ def paged_prefill_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
             scale * LOG2E.value,
             *q.stride(), *k_cache.stride(), *v_cache.stride(),
             block_tables.stride(0), block_tables.stride(1), *out.stride(),
-            GROUP=group, GROUP_TILE=group_tile, BLOCK_Q=block_q,
+            GROUP=group, GROUP_TILE=group_tile, BLOCK_Q=block_q, ROWS=BLOCK_M,
             HEAD_DIM=head_dim, HEAD_PAD=pad,
             ALIGN=alignment(*k_cache.stride()[:3], *v_cache.stride()[:3]),
-            BLOCK_SIZE=block_size, TILE_N=32 if pad <= 128 else 16,
+            BLOCK_SIZE=block_size, TILE_N=cfg["TILE_N"],
             UPCAST=interp and q.dtype == torch.bfloat16,
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             **launch,

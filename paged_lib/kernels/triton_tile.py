@@ -98,12 +98,15 @@ def attend_tile(
     scale_log2,
     HEAD_DIM: tl.constexpr, ALIGN: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     CAUSAL: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_DOT: tl.constexpr = True,
 ):
     """Fold the tile of logical positions ``pos [TILE_N]`` into ``(m_i, l_i, acc)``.
 
     ``q [ROWS, HEAD_PAD]`` is the program's query tile, ``d`` the ``tl.arange`` over the padded head
     size, ``block`` the tile's physical block ids from :func:`tile_blocks` (int64). Returns
-    the new ``(m_i, l_i, acc)``.
+    the new ``(m_i, l_i, acc)``. ``USE_DOT=False`` (fewer than 16 query rows, e.g. MHA's
+    one head per KV head in decode) computes ``q @ k^T`` and ``p @ v`` as products summed
+    on CUDA cores, in fp32: ``tl.dot`` needs at least 16 rows and would waste the rest.
     """
     valid = pos < end
     offset = pos % BLOCK_SIZE
@@ -118,7 +121,11 @@ def attend_tile(
         k = k.to(tl.float32)
         v = v.to(tl.float32)
 
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [ROWS, TILE_N]
+    if USE_DOT:
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [ROWS, TILE_N]
+    else:
+        s = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], 2)
+    s = s * scale_log2
     if CAUSAL:  # every row sees position 0, so its running max is finite from tile 0
         s = tl.where(valid[None, :] & (pos[None, :] <= row_pos[:, None]), s, float("-inf"))
     else:
@@ -127,5 +134,9 @@ def attend_tile(
     alpha = tl.exp2(m_i - m_new)  # rescales what was summed so far
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    if USE_DOT:
+        pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    else:
+        pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], 1)
+    acc = acc * alpha[:, None] + pv
     return m_new, l_i, acc
