@@ -32,3 +32,25 @@ def tiny_hf_llama():
                       num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256,
                       eos_token_id=None, bos_token_id=None)
     return LlamaForCausalLM(cfg).float().eval()
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tiny_hf_llama):
+    """The course's TinyLlama holding :func:`tiny_hf_llama`'s weights: what engine tests serve."""
+    from paged_lib.model import TinyLlama
+
+    return TinyLlama.from_hf(tiny_hf_llama)
+
+
+def hf_greedy(hf, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt (generated tokens only, no EOS)."""
+    with torch.no_grad():
+        return [hf.generate(torch.tensor([p]), max_new_tokens=max_new_tokens, do_sample=False,
+                            eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
+                for p in prompts]
+
+
+@pytest.fixture(scope="session")
+def greedy_reference():
+    """:func:`hf_greedy` as a fixture: ``greedy_reference(hf, prompts, max_new_tokens)``."""
+    return hf_greedy

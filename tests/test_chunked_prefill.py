@@ -11,7 +11,6 @@ import torch
 
 import paged_lib  # noqa: F401  # isort: split
 from paged_lib.engine import LLMEngine, SamplingParams
-from paged_lib.model import TinyLlama
 
 PROMPT_LENS = (1, 5, 8, 13, 22, 30)
 NEW = 6
@@ -21,8 +20,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
-def model(tiny_hf_llama):
-    return TinyLlama.from_hf(tiny_hf_llama)
+def model(tiny_model):
+    return tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -32,11 +31,8 @@ def prompts():
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_hf_llama, prompts):
-    with torch.no_grad():
-        return [tiny_hf_llama.generate(torch.tensor([p]), max_new_tokens=NEW, do_sample=False,
-                                       eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
-                for p in prompts]
+def reference(tiny_hf_llama, prompts, greedy_reference):
+    return greedy_reference(tiny_hf_llama, prompts, NEW)
 
 
 def record(engine):

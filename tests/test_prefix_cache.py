@@ -255,7 +255,6 @@ from paged_lib.engine import LLMEngine, SamplingParams  # noqa: E402
 from paged_lib.engine.block_manager import BlockManager  # noqa: E402
 from paged_lib.engine.model_runner import build_metadata  # noqa: E402
 from paged_lib.engine.scheduler import Scheduler  # noqa: E402
-from paged_lib.model import TinyLlama  # noqa: E402
 
 BS = 8
 NEW = 6
@@ -268,8 +267,8 @@ def hf(tiny_hf_llama):
 
 
 @pytest.fixture(scope="module")
-def model(hf):
-    return TinyLlama.from_hf(hf)
+def model(tiny_model):
+    return tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -281,12 +280,9 @@ def shared_prompts():
 
 
 @pytest.fixture(scope="module")
-def reference(hf, shared_prompts):
+def reference(hf, shared_prompts, greedy_reference):
     """transformers' greedy continuations."""
-    with torch.no_grad():
-        return [hf.generate(torch.tensor([p]), max_new_tokens=NEW, do_sample=False,
-                            eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
-                for p in shared_prompts]
+    return greedy_reference(hf, shared_prompts, NEW)
 
 
 def record_prefills(engine):
@@ -400,12 +396,11 @@ def test_the_same_prompt_twice_in_one_step_is_cached_once(model, shared_prompts,
     assert_no_leak(engine)
 
 
-def test_a_cached_block_stays_while_another_request_reads_it(model, shared_prompts,
-                                                            reference, hf):
+def test_a_cached_block_stays_while_another_request_reads_it(model, shared_prompts, reference,
+                                                            hf, greedy_reference):
     """Requests 1 and 2 both read request 0's cached prefix; 1 finishes first and frees
     its references, 2 must keep reading the same blocks (nobody else may take them)."""
-    long_ref = hf.generate(torch.tensor([shared_prompts[2]]), max_new_tokens=20,
-                           do_sample=False, eos_token_id=None, pad_token_id=0)[0, 45:].tolist()
+    long_ref = greedy_reference(hf, [shared_prompts[2]], 20)[0]
     engine = LLMEngine(model, 14, BS, enable_prefix_caching=True, watermark=0)
     filler = [[5] * 20]  # arrives after request 1 ends: takes blocks while 2 still runs
     outs = engine.generate([shared_prompts[0], shared_prompts[1], shared_prompts[2]] + filler,
