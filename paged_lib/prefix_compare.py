@@ -81,6 +81,13 @@ class CacheStats:
         return self.prompt_tokens - self.hit_tokens
 
 
+def _check_fits(num_tokens: int, unit: int, capacity: int, units: str) -> None:
+    """A request larger than the whole pool can never be served: say so before it starts."""
+    if cdiv(num_tokens, unit) > capacity:
+        raise ValueError(f"a request of {num_tokens} tokens needs {cdiv(num_tokens, unit)} "
+                         f"{units}; the pool has {capacity}")
+
+
 class HashChainCache:
     """vLLM v1's prefix cache: chained block hashes over a pool of ``num_blocks``."""
 
@@ -102,9 +109,7 @@ class HashChainCache:
         """Run one request through the cache; returns its hit tokens."""
         prompt, tokens = request.prompt, request.prompt + request.output
         bs, alloc = self.block_size, self.allocator
-        if cdiv(len(tokens), bs) > alloc.num_blocks:
-            raise ValueError(f"a request of {len(tokens)} tokens needs "
-                             f"{cdiv(len(tokens), bs)} blocks; the pool has {alloc.num_blocks}")
+        _check_fits(len(tokens), bs, alloc.num_blocks, "blocks")
         hits = longest_cache_hit(block_hashes(prompt, bs), alloc.lookup, len(prompt), bs)
         for block in hits:
             alloc.touch(block)
@@ -146,9 +151,7 @@ class RadixCache:
         """Run one request through the cache; returns its hit tokens."""
         prompt, tokens = request.prompt, request.prompt + request.output
         p, tree = self.page_size, self.tree
-        if cdiv(len(tokens), p) > self.num_pages:
-            raise ValueError(f"a request of {len(tokens)} tokens needs "
-                             f"{cdiv(len(tokens), p)} pages; the pool has {self.num_pages}")
+        _check_fits(len(tokens), p, self.num_pages, "pages")
         values, node = tree.match_prefix(prompt[:len(prompt) - 1])
         hit = len(values)
         tree.inc_lock_ref(node)
