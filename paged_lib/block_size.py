@@ -257,9 +257,10 @@ def traced_decode_cost(seq_lens: Sequence[int], block_size: int, *, num_heads: i
         out = paged_attention_triton(*case[:5], case.scale, num_splits=1, tile_n=tile_n)
     if not torch.allclose(out, ref_paged_attention(*case).to(out.dtype), atol=1e-4):
         raise RuntimeError("the traced kernel's output differs from the reference")
-    k_loads = [r for r in trace.reads_of(case.k_cache)]
-    v_loads = [r for r in trace.reads_of(case.v_cache)]
-    table = trace.reads_of(case.block_tables)
+    # Enabled lanes only: a masked lane past the block table's end may point into K.
+    k_loads = trace.reads_of(case.k_cache, enabled_only=True)
+    v_loads = trace.reads_of(case.v_cache, enabled_only=True)
+    table = trace.reads_of(case.block_tables, enabled_only=True)
     entries: dict[tuple, set] = {}
     for r in table:
         entries.setdefault(r.program, set()).update(map(tuple, r.index[r.mask]))

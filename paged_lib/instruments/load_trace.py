@@ -91,14 +91,22 @@ class LoadTrace:
     products: list[Product] = field(default_factory=list)
     dots: list[Dot] = field(default_factory=list)
 
-    def reads_of(self, tensor: torch.Tensor) -> list[TensorRead]:
-        """Each load's lanes that address ``tensor`` (contiguous, on the CPU), as indices."""
+    def reads_of(self, tensor: torch.Tensor, enabled_only: bool = False) -> list[TensorRead]:
+        """Each load's lanes that address ``tensor`` (contiguous, on the CPU), as indices.
+
+        A masked-off lane still has an address, and it can be anything: past the end of
+        another tensor, and so, depending on where the allocator put them, inside this
+        one. ``enabled_only=True`` keeps only enabled lanes (and so only loads that really
+        read ``tensor``); count loads that way, never by ``len`` of the default.
+        """
         if not self.loads:  # nothing traced (e.g. a kernel compiled for a GPU)
             return []
         lo, hi, size = _extent(tensor)
         out = []
         for load in self.loads:
             inside = (load.addresses >= lo) & (load.addresses < hi)
+            if enabled_only:
+                inside &= load.mask
             if inside.any():
                 flat = (load.addresses[inside] - lo) // size
                 index = np.stack(np.unravel_index(flat.astype(np.int64), tuple(tensor.shape)), 1)
