@@ -9,6 +9,13 @@ Multi-head attention (MHA) has one KV head per query head; grouped-query attenti
 shares each KV head among a group of query heads; multi-query attention (MQA) keeps a
 single KV head. Query heads do not appear in the formula: queries are never cached.
 
+Multi-head latent attention (MLA, DeepSeek-V2, arXiv:2405.04434 §2.1) caches neither: per
+layer and token it keeps one ``kv_lora_rank``-wide latent, from which every head's K and V
+are rebuilt, plus one ``qk_rope_head_dim``-wide key that carries the rotary position and
+is shared by all heads::
+
+    kv_bytes_per_token (MLA) = num_layers x (kv_lora_rank + qk_rope_head_dim) x dtype_bytes
+
 Units: the vLLM paper's "800 KB" is 819,200 bytes, i.e. 800 KiB (1 KiB = 1024 B). This
 module counts in bytes and names units explicitly (``KiB`` vs ``KB``).
 """
@@ -41,6 +48,8 @@ class ModelSpec:
     head_dim: int
     dtype_bytes: int = 2
     num_params: int = 0
+    kv_lora_rank: int = 0  # MLA: width of the cached latent (0: not MLA)
+    qk_rope_head_dim: int = 0  # MLA: width of the cached RoPE key, shared by all heads
 
     def __post_init__(self) -> None:
         for field in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
@@ -52,6 +61,14 @@ class ModelSpec:
         if not isinstance(self.num_params, int) or self.num_params < 0:
             raise ValueError(f"ModelSpec {self.name!r}: num_params must be a non-negative "
                              f"integer, got {self.num_params!r}")
+        for field in ("kv_lora_rank", "qk_rope_head_dim"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"ModelSpec {self.name!r}: {field} must be a non-negative "
+                                 f"integer, got {value!r}")
+        if self.qk_rope_head_dim and not self.kv_lora_rank:
+            raise ValueError(f"ModelSpec {self.name!r}: qk_rope_head_dim "
+                             f"({self.qk_rope_head_dim}) is an MLA field; set kv_lora_rank too")
         if self.num_kv_heads > self.num_heads:
             raise ValueError(f"ModelSpec {self.name!r}: num_kv_heads ({self.num_kv_heads}) "
                              f"cannot exceed num_heads ({self.num_heads})")
@@ -62,7 +79,10 @@ class ModelSpec:
 
     @property
     def attention(self) -> str:
-        """``"MHA"``, ``"GQA"`` or ``"MQA"``: how many query heads share a KV head."""
+        """``"MHA"``, ``"GQA"``, ``"MQA"`` (how many query heads share a KV head) or
+        ``"MLA"`` (a latent is cached instead of K and V)."""
+        if self.kv_lora_rank:
+            return "MLA"
         if self.num_kv_heads == self.num_heads:
             return "MHA"
         return "MQA" if self.num_kv_heads == 1 else "GQA"
@@ -99,6 +119,20 @@ SPECS: dict[str, ModelSpec] = {
     ]
 }
 
+# DeepSeek's models, for MLA (chapter 11), kept apart from SPECS, whose models all have
+# known parameter counts. DeepSeek LLM 67B (arXiv:2401.02954) is GQA-8; DeepSeek-V2
+# (arXiv:2405.04434) caches a 512-wide latent and a 64-wide RoPE key per layer. Its 128
+# heads of 128 (num_kv_heads = num_heads) are what the latent is expanded into: the MHA
+# the same model would otherwise cache (the paper's Table 1 uses d_h = 128 for it).
+DEEPSEEK_SPECS: dict[str, ModelSpec] = {
+    spec.name: spec
+    for spec in [
+        ModelSpec("deepseek-llm-67b", 95, 8192, 64, 8, 128),
+        ModelSpec("deepseek-v2", 60, 5120, 128, 128, 128, kv_lora_rank=512,
+                  qk_rope_head_dim=64),
+    ]
+}
+
 
 def _dtype_bytes(dtype: str | int) -> int:
     if isinstance(dtype, str):
@@ -111,12 +145,13 @@ def _dtype_bytes(dtype: str | int) -> int:
 
 
 def get_spec(model: str | ModelSpec) -> ModelSpec:
-    """A spec from its name in :data:`SPECS` (or the spec itself)."""
+    """A spec from its name in :data:`SPECS` or :data:`DEEPSEEK_SPECS` (or the spec itself)."""
     if isinstance(model, ModelSpec):
         return model
-    if model not in SPECS:
-        raise ValueError(f"unknown model {model!r}; known: {', '.join(SPECS)}")
-    return SPECS[model]
+    known = SPECS | DEEPSEEK_SPECS
+    if model not in known:
+        raise ValueError(f"unknown model {model!r}; known: {', '.join(known)}")
+    return known[model]
 
 
 def _check_count(value: int, what: str, minimum: int = 0) -> None:
@@ -127,10 +162,26 @@ def _check_count(value: int, what: str, minimum: int = 0) -> None:
 
 
 def kv_bytes_per_token(spec: ModelSpec) -> int:
-    """Bytes of K and V that one token occupies across all layers."""
+    """Bytes of K and V (for MLA: of the latent and the RoPE key) that one token occupies
+    across all layers."""
     if not isinstance(spec, ModelSpec):
         raise ValueError(f"expected a ModelSpec, got {type(spec).__name__}")
+    if spec.kv_lora_rank:
+        return spec.num_layers * (spec.kv_lora_rank + spec.qk_rope_head_dim) * spec.dtype_bytes
     return 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * spec.dtype_bytes
+
+
+def mha_equivalent(spec: ModelSpec) -> ModelSpec:
+    """The same model with one KV head per query head and nothing latent: what it would
+    cache as plain multi-head attention."""
+    return replace(spec, name=f"{spec.name} as MHA", num_kv_heads=spec.num_heads,
+                   kv_lora_rank=0, qk_rope_head_dim=0)
+
+
+def gqa_groups(spec: ModelSpec) -> float:
+    """How many KV heads of ``head_dim`` a GQA model would need to cache as many bytes per
+    token as ``spec`` (DeepSeek-V2: 2.25)."""
+    return kv_bytes_per_token(spec) / (2 * spec.num_layers * spec.head_dim * spec.dtype_bytes)
 
 
 def kv_bytes(spec: ModelSpec, num_tokens: int) -> int:
