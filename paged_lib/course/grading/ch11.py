@@ -1,0 +1,240 @@
+"""Checks for chapter 11 (the KV landscape). Each prints one verdict line.
+
+* 11.1 ``kv_levels(spec, lengths, *, max_len, kv_dtype_bytes, block_size, window, sinks)``:
+  a deployment's KV memory after each of the three levels of saving, stacked: fewer bytes
+  per token (the model's own attention, the KV dtype), fewer tokens (a window with sinks),
+  a better layout (paged blocks instead of a ``max_len`` reservation).
+* 11.2 ``kv_bytes_per_token(spec)`` for MHA, GQA, MQA and MLA, next to
+  :func:`paged_lib.accounting.kv_bytes_per_token`.
+
+A wrong value is matched against the typical mistakes, computed on the same case, so the
+hint names the one made. :func:`run_demo` runs the learner's two functions on the
+chapter's deployment and models.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from paged_lib.accounting import (
+    DEEPSEEK_SPECS,
+    SPECS,
+    ModelSpec,
+    get_spec,
+    kv_bytes_per_token,
+    mha_equivalent,
+)
+from paged_lib.course import grading
+from paged_lib.util import cdiv
+
+__all__ = ["DEPLOYMENT", "LEVELS", "TWINS", "check_kv_bytes_per_token", "check_kv_levels",
+           "run_demo"]
+
+#: Exercise id -> the library object the learner's code re-implements (it refuses
+#: the learner's calls while that exercise's check runs: see grading.exercise).
+TWINS: dict[str, str] = {"11.2": "paged_lib.accounting.kv_bytes_per_token"}
+
+#: The names of 11.1's four numbers, in order.
+LEVELS = ("baseline", "fewer bytes per token", "fewer tokens", "paged layout")
+
+# ------------------------------------------------------------------ 11.1 kv_levels
+
+#: spec name, lengths, max_len, kv_dtype_bytes, block_size, window, sinks, what it tests
+_LEVEL_CASES: list[tuple[str, list[int], int, int, int, int | None, int, str]] = [
+    ("llama-3-8b", [100, 2048, 700, 1], 2048, 1, 16, 1020, 4, "GQA in fp8, 1020 + 4 sinks"),
+    ("deepseek-v2", [5000, 30000, 128000], 131072, 2, 64, None, 0, "MLA, no window"),
+    ("llama-2-7b", [10, 17, 33], 64, 2, 16, 100, 4, "a window longer than max_len"),
+    ("falcon-7b", [4000, 4096, 300], 4096, 1, 256, 1020, 4, "MQA, blocks of 256"),
+    ("mistral-7b", [8000, 3000, 4096], 32768, 2, 16, 4096, 0, "a window without sinks"),
+    ("llama-2-70b", [1, 16, 32, 48], 4096, 1, 16, 8, 8, "a window of 8 and 8 sinks"),
+]
+
+#: The chapter's deployment (the exercise notebook's demo serves it).
+DEPLOYMENT = dict(spec="llama-3-8b", max_len=8192, kv_dtype_bytes=1, block_size=16,
+                  window=1020, sinks=4)
+
+
+def _levels(spec: ModelSpec, lengths: Sequence[int], max_len: int, kv_dtype_bytes: int,
+            block_size: int, window: int | None, sinks: int, *, base_heads: str = "mha",
+            base_dtype: str = "fp16", own: str = "own", with_sinks: bool = True,
+            cap: bool = True, blocks: str = "ceil", paged_tokens: str = "kept") -> tuple:
+    """The four levels, or (with a keyword changed) what one typical mistake gives."""
+    base = mha_equivalent(spec) if base_heads == "mha" else spec
+    base = base.with_dtype(2 if base_dtype == "fp16" else kv_dtype_bytes)
+    per = (spec if own == "own" else mha_equivalent(spec)).with_dtype(kv_dtype_bytes)
+    b_base, b_per = kv_bytes_per_token(base), kv_bytes_per_token(per)
+    keep = max_len if window is None else window + (sinks if with_sinks else 0)
+    if cap:
+        keep = min(keep, max_len)
+    kept = {"kept": [min(n, keep) for n in lengths], "all": list(lengths),
+            "max_len": [max_len] * len(lengths), "reserved": [keep] * len(lengths)}[paged_tokens]
+    slots = {"ceil": lambda n: cdiv(n, block_size) * block_size,
+             "floor": lambda n: n // block_size * block_size,
+             "exact": lambda n: n}[blocks]
+    return (len(lengths) * max_len * b_base, len(lengths) * max_len * b_per,
+            len(lengths) * keep * b_per, sum(slots(n) for n in kept) * b_per)
+
+
+#: level index -> (the mistake's keywords for _levels, the hint that names it)
+_LEVEL_SLIPS: list[tuple[int, dict, str]] = [
+    (0, dict(base_heads="own"), "the baseline is plain MHA: one KV head per query head "
+     "(accounting.mha_equivalent), not the model's own GQA/MQA/MLA"),
+    (0, dict(base_dtype="kv"), "the baseline is fp16 (2 bytes per value): the KV dtype is "
+     "a saving, counted in the next level"),
+    (1, dict(own="mha"), "fewer bytes per token uses the model's own attention (its KV "
+     "heads or its latent) as well as the KV dtype"),
+    (1, dict(base_dtype="kv", own="mha"), "fewer bytes per token uses the model's own "
+     "attention (its KV heads or its latent) as well as the KV dtype"),
+    (2, dict(with_sinks=False), "the sinks are kept too: a request keeps window + sinks "
+     "tokens"),
+    (2, dict(cap=False), "a request never needs more than max_len tokens, however long "
+     "the window is"),
+    (3, dict(blocks="floor"), "the partly filled last block is a whole block: round up"),
+    (3, dict(blocks="exact"), "paging holds whole blocks: ceil(kept / block_size) blocks "
+     "of block_size slots each"),
+    (3, dict(paged_tokens="all"), "the levels stack: the paged layout holds only the "
+     "tokens the window keeps"),
+    (3, dict(paged_tokens="max_len"), "paging holds what each request really has (its "
+     "length, cut by the window), not a max_len reservation"),
+    (3, dict(paged_tokens="reserved"), "paging holds what each request really has (its "
+     "length, cut by the window), not a reservation of window + sinks"),
+    (3, dict(with_sinks=False), "the sinks are kept too: a request keeps window + sinks "
+     "tokens"),
+]
+
+
+def check_kv_levels(fn: Callable[..., Any]) -> None:
+    """11.1: the deployment's KV bytes after each level of saving."""
+    with grading.exercise("11.1", "Three levels of saving, combined"):
+        for name, lengths, max_len, dtype_b, b, window, sinks, about in _LEVEL_CASES:
+            spec = get_spec(name)
+            args = (spec, lengths, max_len, dtype_b, b, window, sinks)
+            what = (f"{name}, lengths {lengths}, max_len {max_len}, {dtype_b} B per value, "
+                    f"blocks of {b}, window {window}, sinks {sinks} ({about})")
+            given = list(lengths)
+            got = fn(spec, given, max_len=max_len, kv_dtype_bytes=dtype_b, block_size=b,
+                     window=window, sinks=sinks)
+            grading.expect_true(given == lengths, f"{what}: your function changed lengths",
+                                "read the lengths, do not change them")
+            grading.expect_true(isinstance(got, tuple | list) and len(got) == 4,
+                                f"{what}: expected a tuple of 4 byte counts, got {got!r}",
+                                "return (baseline, fewer bytes per token, fewer tokens, "
+                                "paged layout)")
+            want = _levels(*args)
+            for i, (g, w) in enumerate(zip(got, want, strict=True)):
+                level = f"{what}: {LEVELS[i]}"
+                grading.expect_int(g, level)
+                if g != w:
+                    hint = next((h for j, kw, h in _LEVEL_SLIPS
+                                 if j == i and _levels(*args, **kw)[i] == g), None)
+                    grading.fail(f"{level}: expected {w:,} bytes, got {g:,}", hint or (
+                        "each level keeps the savings of the ones before it; see the spec "
+                        "for what each counts"))
+
+
+# ------------------------------------------------------------ 11.2 kv_bytes_per_token
+
+def _toy_mla(dtype_bytes: int = 4) -> ModelSpec:
+    return ModelSpec("toy-mla", 3, 32, 4, 4, 8, dtype_bytes=dtype_bytes, kv_lora_rank=16,
+                     qk_rope_head_dim=4)
+
+
+def _bytes_cases() -> list[ModelSpec]:
+    # fp32 toys first: at 2 bytes per value, a forgotten dtype_bytes and a forgotten K/V
+    # pair give the same wrong number, at 4 they do not, so the hint can name the slip
+    toys = [ModelSpec("toy-gqa", 5, 48, 6, 2, 8, dtype_bytes=4), _toy_mla(),
+            ModelSpec("toy-mla-no-rope", 2, 32, 4, 4, 8, kv_lora_rank=24)]
+    return toys + list(SPECS.values()) + list(DEEPSEEK_SPECS.values()) + [
+        SPECS["llama-2-70b"].with_dtype("fp8"), DEEPSEEK_SPECS["deepseek-v2"].with_dtype("fp8")]
+
+
+def _bytes_slips(s: ModelSpec) -> list[tuple[int, str]]:
+    """What typical mistakes return for ``s``, each with the hint that names it."""
+    heads = 2 * s.num_layers * s.head_dim * s.dtype_bytes
+    out: list[tuple[int, str]] = []
+    if s.kv_lora_rank:
+        latent, rope = s.kv_lora_rank, s.qk_rope_head_dim
+        out += [
+            (2 * s.num_layers * (latent + rope) * s.dtype_bytes, "the latent is stored "
+             "once per layer: K and V are both rebuilt from it, so there is no factor 2"),
+            (s.num_layers * (latent + s.num_heads * rope) * s.dtype_bytes, "the RoPE key is "
+             "one qk_rope_head_dim-wide vector per layer, shared by every head"),
+            (s.num_layers * latent * s.dtype_bytes, "the RoPE key (qk_rope_head_dim wide) "
+             "is cached beside the latent"),
+            (s.num_kv_heads * heads, "MLA caches the latent (kv_lora_rank) and the RoPE key "
+             "per layer, not every head's K and V"),
+            ((latent + rope) * s.dtype_bytes, "every layer caches its own latent: multiply "
+             "by num_layers"),
+            (s.num_layers * (latent + rope), "bytes, not numbers: multiply by dtype_bytes"),
+        ]
+    else:
+        out += [
+            (s.num_heads * heads, "count KV heads (num_kv_heads), not query heads: queries "
+             "are never cached"),
+            (s.num_kv_heads * heads // 2, "K and V: multiply by 2"),
+            (s.num_kv_heads * heads // s.dtype_bytes, "bytes, not numbers: multiply by "
+             "dtype_bytes"),
+        ]
+    return out
+
+
+def check_kv_bytes_per_token(fn: Callable[[ModelSpec], Any]) -> None:
+    """11.2: bytes per token for any attention, MLA included."""
+    with grading.exercise("11.2", "KV bytes per token, MLA included"):
+        for s in _bytes_cases():
+            what = (f"{s.name} ({s.attention}, {s.dtype_bytes} B per value"
+                    + (f", latent {s.kv_lora_rank}, RoPE key {s.qk_rope_head_dim}"
+                       if s.kv_lora_rank else "") + ")")
+            got = fn(s)
+            grading.expect_int(got, what)
+            want = kv_bytes_per_token(s)
+            if got != want:
+                hint = next((h for v, h in _bytes_slips(s) if v == got and v != want),
+                            "MHA/GQA/MQA: 2 x layers x KV heads x head_dim x bytes; MLA: "
+                            "layers x (latent + RoPE key) x bytes")
+                grading.fail(f"{what}: expected {want:,} bytes, got {got:,}", hint)
+
+
+# ------------------------------------------------------------------------------ demo
+
+def _is_count(x: Any) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def run_demo(kv_levels_fn: Callable[..., Any],
+             kv_bytes_per_token_fn: Callable[[ModelSpec], Any]) -> None:
+    """The learner's functions on the chapter's deployment and models, beside the library's
+    (pictures: the levels and the bytes-per-token bars)."""
+    from paged_lib.course.viz import kv_landscape as viz
+    from paged_lib.workloads import sharegpt_like
+
+    lengths = [r.final_len for r in sharegpt_like(64, seed=0)]
+    kw = {k: v for k, v in DEPLOYMENT.items() if k != "spec"}
+    spec = get_spec(DEPLOYMENT["spec"])
+
+    def levels() -> None:
+        mine = kv_levels_fn(spec, list(lengths), **kw)
+        ref = _levels(spec, lengths, kw["max_len"], kw["kv_dtype_bytes"], kw["block_size"],
+                      kw["window"], kw["sinks"])
+        print(f"{spec.name}, 64 requests (synthetic ShareGPT-like lengths), "
+              f"max_len {kw['max_len']}, {kw['kv_dtype_bytes']} B per value, window "
+              f"{kw['window']} + {kw['sinks']} sinks, blocks of {kw['block_size']}:")
+        for name, m, r in zip(LEVELS, mine, ref, strict=True):
+            print(f"  {name:<22} yours {m / 2**30:8.3f} GiB   library pieces "
+                  f"{r / 2**30:8.3f} GiB")
+        if all(_is_count(m) for m in mine):
+            viz.levels_bars(dict(zip(LEVELS, mine, strict=True)),
+                            f"{spec.name}: your levels for the chapter's deployment")
+
+    def per_token() -> None:
+        models = ["llama-2-7b", "llama-3-8b", "falcon-7b", "deepseek-llm-67b", "deepseek-v2"]
+        for name in models:
+            s = get_spec(name)
+            print(f"  {name:<17} {s.attention}: yours {kv_bytes_per_token_fn(s):>9,} B, "
+                  f"library {kv_bytes_per_token(s):>9,} B")
+        viz.bytes_per_token_bars(models, per_token=kv_bytes_per_token_fn)
+
+    grading.on_learner_code(levels, "exercise 11.1", "the deployment's levels")
+    grading.on_learner_code(per_token, "exercise 11.2", "bytes per token with your function")
