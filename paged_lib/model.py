@@ -233,10 +233,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, kv_cache, meta, backend, validate=True):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta, backend,
-                               validate)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, cos, sin, kv_cache, meta, backend, validate=True, all_reduce=None):
+        h = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta, backend,
+                           validate)
+        x = x + (h if all_reduce is None else all_reduce(h))
+        h = self.mlp(self.post_attention_layernorm(x))
+        return x + (h if all_reduce is None else all_reduce(h))
 
 
 class TinyLlama(nn.Module):
@@ -257,6 +259,9 @@ class TinyLlama(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        #: tensor parallelism (chapter 12): on a rank holding a shard, sums each layer's
+        #: partial attention and MLP outputs over the ranks (``None``: one device)
+        self.all_reduce = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -283,7 +288,7 @@ class TinyLlama(nn.Module):
         cos, sin = rope_cos_sin(meta.positions, self.config.head_dim, self.config.rope_theta,
                                 x.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, kv_cache, meta, backend, validate)
+            x = layer(x, cos, sin, kv_cache, meta, backend, validate, self.all_reduce)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
