@@ -12,7 +12,8 @@ Files: ``sequence.py`` (request state, outputs, :class:`EngineStats`),
 ``block_manager.py``, ``policy.py`` (admission and victim choice), ``scheduler.py``,
 ``scheduler_output.py``, ``prefill.py`` (chunked prefill), ``prefix_cache.py`` (hashed
 full blocks and the LRU free queue, chapter 10), ``model_runner.py``, ``sampler.py``,
-``beam_search.py``, ``llm_engine.py``; ``static_batching.py`` is the "before" system,
+``beam_search.py``, ``llm_engine.py``, ``llm.py`` (text in, text out: vLLM's ``LLM``);
+``static_batching.py`` is the "before" system,
 ``trace.py`` serves chapter 02's traces and compares with its simulator. The engine's
 benchmark is :mod:`paged_lib.bench.engine` (``python -m paged_lib.bench engine``).
 
@@ -59,6 +60,7 @@ prefilled in chunks of the step's ``max_num_batched_tokens``, alongside decodes)
 
 from paged_lib.engine.beam_search import beam_step
 from paged_lib.engine.block_manager import BlockManager, num_required_blocks, swap_mapping
+from paged_lib.engine.llm import LLM
 from paged_lib.engine.llm_engine import LLMEngine, worst_case_blocks
 from paged_lib.engine.model_runner import ModelRunner, build_metadata
 from paged_lib.engine.policy import Budget, can_admit, choose_victim
@@ -76,7 +78,7 @@ from paged_lib.engine.sequence import (
 )
 from paged_lib.engine.static_batching import StaticBatchingEngine
 
-__all__ = ["BlockManager", "Budget", "CompletionOutput", "EngineStats", "LLMEngine",
+__all__ = ["LLM", "BlockManager", "Budget", "CompletionOutput", "EngineStats", "LLMEngine",
            "ModelRunner", "RequestOutput", "RequestTimeline", "SamplingParams", "Scheduler",
            "SchedulerOutput", "Sequence", "SequenceGroup", "SequenceStatus",
            "StaticBatchingEngine", "beam_step", "build_metadata", "can_admit", "choose_victim",

@@ -22,6 +22,29 @@ def num_samples(sched) -> int:
     return group.params.n if first and group.params.beam_width is None else 1
 
 
+def apply_top_k_top_p(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0
+                      ) -> torch.Tensor:
+    """``logits [..., vocab]`` with the filtered-out tokens set to ``-inf`` (a new tensor).
+
+    ``top_k > 0`` keeps the tokens whose logit is at least the ``k``-th largest (ties at
+    the ``k``-th value all stay); ``top_p < 1`` then keeps the most likely tokens whose
+    probabilities, added from the most likely down, first reach ``p`` (the most likely
+    token always stays). ``top_k`` of 0 or -1 and ``top_p`` of 1 leave ``logits`` as they
+    are. The same rule as vLLM's ``apply_top_k_top_p`` and transformers'
+    ``TopKLogitsWarper`` / ``TopPLogitsWarper``.
+    """
+    logits = logits.clone()
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits.masked_fill_(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        ascending, order = torch.sort(logits, dim=-1)
+        drop = ascending.softmax(dim=-1).cumsum(dim=-1) <= 1 - top_p
+        drop[..., -1] = False  # the most likely token stays
+        logits.masked_fill_(drop.scatter(-1, order, drop), float("-inf"))
+    return logits
+
+
 def sample(logits: torch.Tensor, out: SchedulerOutput) -> list[list[tuple[int, float]]]:
     """``(token, logprob)`` pairs for every scheduled sequence, in ``out.scheduled`` order."""
     logits = logits.float().cpu()  # small; the requests' generators live on the CPU
@@ -40,7 +63,10 @@ def sample(logits: torch.Tensor, out: SchedulerOutput) -> list[list[tuple[int, f
         if params.temperature == 0:
             tokens = [int(torch.argmax(logits[row]))] * k
         else:
-            probs = torch.softmax(logits[row].float() / params.temperature, dim=-1)
+            scaled = logits[row].float() / params.temperature
+            if params.top_k > 0 or params.top_p < 1.0:
+                scaled = apply_top_k_top_p(scaled, params.top_k, params.top_p)
+            probs = torch.softmax(scaled, dim=-1)
             tokens = torch.multinomial(probs, k, replacement=True,
                                        generator=sched.group.generator).tolist()
         result.append([(t, float(logprobs[row, t])) for t in tokens])

@@ -30,8 +30,10 @@ class SamplingParams:
     blocks; ``beam_width`` switches to beam search. ``seed`` fixes the request's own
     random generator, so its samples do not depend on what else is in the batch.
     ``ignore_eos`` keeps generating past the end-of-sequence token (for benchmarks that
-    need exact output lengths). Values are checked by the engine, which names the
-    request in its error.
+    need exact output lengths). ``top_k`` (0 or -1: off) and ``top_p`` (1.0: off) sample
+    only among the ``k`` most likely tokens and the smallest set whose probability reaches
+    ``p``, as in vLLM (:func:`~paged_lib.engine.sampler.apply_top_k_top_p`). Values are
+    checked by the engine, which names the request in its error.
 
     Beam search only (as in vLLM v0 and transformers): a finished hypothesis scores
     ``cumulative_logprob / len(token_ids) ** length_penalty``; ``early_stopping`` says
@@ -48,6 +50,8 @@ class SamplingParams:
     ignore_eos: bool = False
     length_penalty: float = 1.0
     early_stopping: bool | str = False
+    top_p: float = 1.0
+    top_k: int = 0
 
     @property
     def num_seqs(self) -> int:
@@ -66,11 +70,16 @@ class SamplingParams:
             return f"seed must be None or an int in 0..2**64 - 1, got {self.seed!r}"
         if not isinstance(self.ignore_eos, bool):
             return f"ignore_eos must be True or False, got {self.ignore_eos!r}"
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            return f"top_p must be a number in (0, 1], got {self.top_p!r}"
+        if not _is_int(self.top_k) or self.top_k < -1:
+            return f"top_k must be an int >= 1, or 0 or -1 for all tokens, got {self.top_k!r}"
         if self.beam_width is not None:
             if not _is_int(self.beam_width) or self.beam_width < 1:
                 return f"beam_width must be an int >= 1, got {self.beam_width!r}"
-            if self.n != 1 or self.temperature != 0:
-                return "beam search is deterministic: leave n=1 and temperature=0"
+            if self.n != 1 or self.temperature != 0 or self.top_p != 1 or self.top_k > 0:
+                return ("beam search is deterministic: leave n=1, temperature=0, top_p=1.0 "
+                        "and top_k=0")
             if not _is_number(self.length_penalty) or not math.isfinite(self.length_penalty):
                 return f"length_penalty must be a finite number, got {self.length_penalty!r}"
             if not (self.early_stopping is True or self.early_stopping is False
@@ -223,21 +232,27 @@ def is_done(seq: Sequence, group: SequenceGroup, eos_token_id: int | None) -> bo
 @dataclass(frozen=True)
 class CompletionOutput:
     """One finished sequence: its generated tokens only, and the sum of their
-    log-probabilities under the model (temperature does not change it)."""
+    log-probabilities under the model (temperature does not change it). ``text`` is
+    the tokens decoded when a tokenizer served the request (:class:`~paged_lib.engine.llm.
+    LLM`), ``None`` from :meth:`LLMEngine.generate`."""
 
     token_ids: list[int]
     cumulative_logprob: float
+    text: str | None = None
 
 
 @dataclass(frozen=True)
 class RequestOutput:
     """The engine's answer to one prompt. ``outputs`` is best first (beam search) or in
-    sample order; it is empty and ``error`` says why when the request could not run."""
+    sample order; it is empty and ``error`` says why when the request could not run.
+    ``prompt`` is the prompt's text when it came in as text (:class:`~paged_lib.engine.
+    llm.LLM`)."""
 
     request_id: int
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     error: str | None = None
+    prompt: str | None = None
 
 
 @dataclass
