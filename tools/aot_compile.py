@@ -149,14 +149,15 @@ def decode_jobs(quick: bool, arch: int = 90):
                 c = dict(GROUP=h // kv, GROUP_TILE=td.group_tile(h // kv), HEAD_DIM=d,
                          HEAD_PAD=td.head_pad(d), ALIGN=td.alignment(d * kv * b, d * kv, d),
                          BLOCK_SIZE=b, TILE_N=cfg["TILE_N"], IS_SPLIT=split, UPCAST=False,
-                         DOT_PRECISION="ieee" if dtype == "fp32" else "tf32")
+                         DOT_PRECISION="ieee" if dtype == "fp32" else "tf32", KV_QUANT=0)
                 name = f"decode {h}/{kv} d{d} b{b} {dtype}{' split' if split else ''}"
                 yield name, td._paged_decode_kernel, c, dtype, cfg["num_warps"], \
                     cfg["num_stages"], split, decode_ints(h, kv, d, b)
     if not quick:
         for t, w, s in td.gpu_configs(128, torch.float16, smem):
             c = dict(GROUP=4, GROUP_TILE=16, HEAD_DIM=128, HEAD_PAD=128, ALIGN=16, BLOCK_SIZE=16,
-                     TILE_N=t, IS_SPLIT=False, UPCAST=False, DOT_PRECISION="tf32")
+                     TILE_N=t, IS_SPLIT=False, UPCAST=False, DOT_PRECISION="tf32",
+                     KV_QUANT=0)
             yield f"decode autotune TILE_N={t} w{w} s{s}", td._paged_decode_kernel, c, "fp16", \
                 w, s, False, decode_ints(32, 8, 128, 16)
 
@@ -175,7 +176,7 @@ def other_jobs(quick: bool):
             c = dict(GROUP=h // kv, GROUP_TILE=gt, BLOCK_Q=bq, ROWS=triton_prefill.BLOCK_M,
                      HEAD_DIM=d, HEAD_PAD=max(16, triton.next_power_of_2(d)), ALIGN=8,
                      BLOCK_SIZE=b, TILE_N=cfg["TILE_N"], UPCAST=False,
-                     DOT_PRECISION="ieee" if dtype == "fp32" else "tf32")
+                     DOT_PRECISION="ieee" if dtype == "fp32" else "tf32", KV_QUANT=0)
             yield f"prefill {h}/{kv} d{d} b{b} {dtype}", triton_prefill._paged_prefill_kernel, \
                 c, dtype, cfg["num_warps"], cfg["num_stages"], False, ints
     for splits, d, heads in ((16, 256, 2), (4, 128, 16)):

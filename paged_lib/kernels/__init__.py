@@ -1,6 +1,8 @@
 """Paged attention kernels: the public API the chapters, the engine and the graders call.
 
-Caches are ``[num_blocks, block_size, num_kv_heads, head_dim]`` (K and V separate).
+Caches are ``[num_blocks, block_size, num_kv_heads, head_dim]`` (K and V separate), or
+(chapter 11) :class:`paged_lib.kv_quant.QuantizedKV` pairs: 8-bit data of that shape with
+its scales, written quantised and dequantised on load by both backends.
 
 * :func:`paged_attention` - decode: one new query token per sequence;
 * :func:`paged_prefill` - several new query tokens per sequence, causal, packed varlen;
@@ -27,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from paged_lib.kernels.triton_split import choose_num_splits
+from paged_lib.kv_quant import dequantize_used_blocks, is_quantized, write_quantized
 from paged_lib.util import cdiv
 
 __all__ = ["BACKENDS", "choose_num_splits", "paged_attention", "paged_prefill",
@@ -58,13 +61,17 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     ``seq_lens.max()`` back once).
     """
     _check_backend(backend)
-    _check_attention_inputs(q, k_cache, v_cache, block_tables, seq_lens, num_query_dims=3)
+    k_cache, v_cache, quant = _unwrap_quantized(k_cache, v_cache)
+    _check_attention_inputs(q, k_cache, v_cache, block_tables, seq_lens, num_query_dims=3,
+                            quantized=quant is not None)
     if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
         raise ValueError(f"num_splits must be a positive int or None, got {num_splits!r}")
     if validate:
         max_seq_len = _check_seq_lens(seq_lens, block_tables, k_cache.shape[0],
                                       k_cache.shape[1])
     scale = _scale(scale, q.shape[-1])
+    if quant is not None and backend == "torch":  # dequantise the blocks read, then attend
+        k_cache, v_cache, block_tables = dequantize_used_blocks(*quant, block_tables, seq_lens)
     if backend == "torch":
         try:
             from paged_lib.kernels.torch_backend import paged_attention_torch
@@ -75,7 +82,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     from paged_lib.kernels.triton_decode import paged_attention_triton
 
     return paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale,
-                                  num_splits=num_splits, max_seq_len=max_seq_len)
+                                  num_splits=num_splits, max_seq_len=max_seq_len,
+                                  kv_quant=quant)
 
 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -94,8 +102,9 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     ``max_query_len`` (if the caller knows it) then sizes the grid.
     """
     _check_backend(backend)
+    k_cache, v_cache, quant = _unwrap_quantized(k_cache, v_cache)
     _check_attention_inputs(q, k_cache, v_cache, block_tables, seq_lens, num_query_dims=3,
-                            packed=True)
+                            packed=True, quantized=quant is not None)
     _check_index_tensor(query_lens, "query_lens", 1, q.device)
     if query_lens.shape[0] != seq_lens.shape[0]:
         raise ValueError(f"query_lens has {query_lens.shape[0]} entries but seq_lens has "
@@ -104,6 +113,8 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         max_query_len = _check_query_lens(q, seq_lens, query_lens, block_tables,
                                           k_cache.shape[0], k_cache.shape[1])
     scale = _scale(scale, q.shape[-1])
+    if quant is not None and backend == "torch":
+        k_cache, v_cache, block_tables = dequantize_used_blocks(*quant, block_tables, seq_lens)
     if backend == "torch":
         from paged_lib.kernels.torch_backend import paged_prefill_torch
 
@@ -112,7 +123,7 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     from paged_lib.kernels.triton_prefill import paged_prefill_triton
 
     return paged_prefill_triton(q, k_cache, v_cache, block_tables, seq_lens, query_lens, scale,
-                                max_query_len=max_query_len)
+                                max_query_len=max_query_len, kv_quant=quant)
 
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
@@ -125,7 +136,9 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Ten
     ``validate=False`` skips the slot range check (a read-back from the GPU).
     """
     _check_backend(backend)
-    _check_caches(k_cache, v_cache)
+    qk, qv = k_cache, v_cache
+    k_cache, v_cache, quant = _unwrap_quantized(k_cache, v_cache)
+    _check_caches(k_cache, v_cache, quantized=quant is not None)
     for name, t in (("key", key), ("value", value)):
         if t.ndim != 3:
             raise ValueError(f"{name} must be [num_tokens, num_kv_heads, head_dim], got shape "
@@ -133,8 +146,10 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Ten
         if tuple(t.shape[1:]) != tuple(k_cache.shape[2:]):
             raise ValueError(f"{name} has [num_kv_heads, head_dim] = {tuple(t.shape[1:])} but "
                              f"the cache holds {tuple(k_cache.shape[2:])}")
-        if t.dtype != k_cache.dtype:
+        if quant is None and t.dtype != k_cache.dtype:
             raise ValueError(f"{name} is {t.dtype} but the cache is {k_cache.dtype}")
+        if quant is not None and t.dtype not in FLOAT_DTYPES:
+            raise ValueError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
     if key.shape[0] != value.shape[0]:
         raise ValueError(f"key has {key.shape[0]} tokens, value {value.shape[0]}")
     if slot_mapping.ndim != 1 or slot_mapping.shape[0] != key.shape[0]:
@@ -152,6 +167,10 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Ten
             raise ValueError(f"slot {bad} is outside the cache: slots run from 0 to "
                              f"{num_slots - 1} ({k_cache.shape[0]} blocks x {k_cache.shape[1]}),"
                              " and -1 means skip")
+    if quant is not None:  # quantised caches: the same PyTorch write for both backends
+        write_quantized(key, qk, slot_mapping)
+        write_quantized(value, qv, slot_mapping)
+        return None
     if backend == "torch":
         from paged_lib.kernels.torch_backend import reshape_and_cache_torch
 
@@ -207,13 +226,24 @@ def _check_index_tensor(t: torch.Tensor, name: str, ndim: int, device: torch.dev
         raise ValueError(f"{name} is on {t.device} but q is on {device}")
 
 
-def _check_caches(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+def _unwrap_quantized(k_cache, v_cache):
+    """``(k_data, v_data, (k_cache, v_cache))`` for quantised caches
+    (:class:`paged_lib.kv_quant.QuantizedKV`, chapter 11), else ``(k, v, None)``."""
+    if not (is_quantized(k_cache) or is_quantized(v_cache)):
+        return k_cache, v_cache, None
+    if not (is_quantized(k_cache) and is_quantized(v_cache)) or k_cache.kind != v_cache.kind:
+        raise ValueError("k_cache and v_cache must both be quantised in the same format, got "
+                         f"{type(k_cache).__name__} and {type(v_cache).__name__}")
+    return k_cache.data, v_cache.data, (k_cache, v_cache)
+
+
+def _check_caches(k_cache: torch.Tensor, v_cache: torch.Tensor, quantized: bool = False) -> None:
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if not isinstance(t, torch.Tensor) or t.ndim != 4:
             shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(f"{name} must be [num_blocks, block_size, num_kv_heads, head_dim], "
                              f"got {shape}")
-        if t.dtype not in FLOAT_DTYPES:
+        if not quantized and t.dtype not in FLOAT_DTYPES:
             raise ValueError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
     if k_cache.shape != v_cache.shape:
         raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} "
@@ -223,15 +253,17 @@ def _check_caches(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
 
 
 def _check_attention_inputs(q, k_cache, v_cache, block_tables, seq_lens, num_query_dims: int,
-                            packed: bool = False) -> None:
+                            packed: bool = False, quantized: bool = False) -> None:
     if not isinstance(q, torch.Tensor) or q.ndim != num_query_dims:
         layout = "total_query_tokens" if packed else "num_seqs"
         shape = tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__
         raise ValueError(f"q must be [{layout}, num_heads, head_dim], got {shape}")
-    _check_caches(k_cache, v_cache)
+    _check_caches(k_cache, v_cache, quantized)
     _check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
                        seq_lens=seq_lens)
-    if q.dtype != k_cache.dtype:
+    if quantized and q.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"q must be float32, float16 or bfloat16, got {q.dtype}")
+    if not quantized and q.dtype != k_cache.dtype:
         raise ValueError(f"q is {q.dtype} but the caches are {k_cache.dtype}: use one dtype")
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]

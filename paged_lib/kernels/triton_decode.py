@@ -34,7 +34,14 @@ import triton.language as tl
 
 from paged_lib.device import interpreter_on
 from paged_lib.kernels.triton_split import choose_num_splits, merge_splits
-from paged_lib.kernels.triton_tile import LN2, LOG2E, attend_tile, no_block, tile_blocks
+from paged_lib.kernels.triton_tile import (
+    KV_QUANT_CODES,
+    LN2,
+    LOG2E,
+    attend_tile,
+    no_block,
+    tile_blocks,
+)
 from paged_lib.util import cdiv
 
 #: Shared memory one thread block may use (the opt-in maximum, bytes) by compute
@@ -70,10 +77,12 @@ def _paged_decode_kernel(
     stride_bts, stride_btb,
     stride_os, stride_oh, stride_osplit, stride_od,
     stride_ls, stride_lh,
+    k_scale_ptr, v_scale_ptr, stride_sb, stride_sh,  # quantised caches (chapter 11)
     GROUP: tl.constexpr, GROUP_TILE: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, ALIGN: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     IS_SPLIT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    KV_QUANT: tl.constexpr = 0,
 ):
     seq = tl.program_id(0).to(tl.int64)
     chunks: tl.constexpr = (GROUP + GROUP_TILE - 1) // GROUP_TILE
@@ -114,7 +123,9 @@ def _paged_decode_kernel(
             k_cache_ptr, v_cache_ptr, kv_head, d,
             stride_kb, stride_kt, stride_kh, stride_kd,
             stride_vb, stride_vt, stride_vh, stride_vd, scale_log2,
-            HEAD_DIM, ALIGN, BLOCK_SIZE, False, UPCAST, DOT_PRECISION, GROUP_TILE >= 16)
+            k_scale_ptr, v_scale_ptr, stride_sb, stride_sh,
+            HEAD_DIM, ALIGN, BLOCK_SIZE, False, UPCAST, DOT_PRECISION, KV_QUANT,
+            GROUP_TILE >= 16)
 
     # No token (seq_len 0, or a segment past the end): l = 0, output 0, lse -inf.
     empty = l_i == 0.0
@@ -262,6 +273,20 @@ def alignment(*strides: int) -> int:
     return align
 
 
+def quant_args(k_cache: torch.Tensor, v_cache: torch.Tensor, kv_quant: tuple | None
+               ) -> tuple[torch.Tensor, torch.Tensor, tuple, int]:
+    """What a kernel launch passes for quantised caches (chapter 11): the data as the
+    kernel reads it (fp8 as ``uint8`` bits), ``(k_scale, v_scale, stride_sb, stride_sh)``
+    and ``KV_QUANT``. Plain caches: unchanged, the caches as dummy scale pointers, 0."""
+    if kv_quant is None:
+        return k_cache, v_cache, (k_cache, v_cache, 0, 0), 0
+    k, v = kv_quant
+    if k.scale.stride() != v.scale.stride():
+        raise ValueError("k and v scales must have the same layout")
+    strides = tuple(k.scale.stride()) if k.kind == "int8" else (0, 0)
+    return k.bits, v.bits, (k.scale, v.scale, *strides), KV_QUANT_CODES[k.kind]
+
+
 def on_device(device: torch.device) -> contextlib.AbstractContextManager:
     """Launch on the tensors' own GPU: Triton launches on the *current* device."""
     if device.type == "cuda":
@@ -288,7 +313,8 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            num_splits: int | None = None, tile_n: int | None = None,
                            max_seq_len: int | None = None, autotune: bool | None = None,
-                           num_stages: int | None = None, return_launch: bool = False
+                           num_stages: int | None = None, return_launch: bool = False,
+                           kv_quant: tuple | None = None
                            ) -> torch.Tensor | tuple[torch.Tensor, LaunchInfo]:
     """Launch the decode kernel on already validated inputs (see ``paged_attention``).
 
@@ -299,7 +325,9 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     and ``num_stages`` fix the tile (tests use it to put tiles across block boundaries;
     :func:`check_config` refuses what a GPU cannot run); ``autotune=None`` autotunes
     where :func:`use_autotune` says so. ``return_launch=True`` returns
-    ``(out, LaunchInfo)``: what was launched, for benchmarks and tests.
+    ``(out, LaunchInfo)``: what was launched, for benchmarks and tests. ``kv_quant``:
+    the ``(k, v)`` :class:`~paged_lib.kv_quant.QuantizedKV` whose data ``k_cache`` and
+    ``v_cache`` are (chapter 11; :func:`quant_args`).
     """
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
@@ -339,6 +367,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         UPCAST=interp and q.dtype == torch.bfloat16,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )
+    k_cache, v_cache, scale_args, consts["KV_QUANT"] = quant_args(k_cache, v_cache, kv_quant)
     if autotune:
         key = (consts["HEAD_PAD"], q.dtype, smem)
         if key not in _autotuned:
@@ -362,7 +391,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             q.stride(0), q.stride(1), q.stride(2),
             *k_cache.stride(), *v_cache.stride(),
             block_tables.stride(0), block_tables.stride(1),
-            *target.stride(), lse.stride(0), lse.stride(1),
+            *target.stride(), lse.stride(0), lse.stride(1), *scale_args,
             **consts,
         )
         if num_splits > 1:

@@ -19,7 +19,13 @@ import triton
 import triton.language as tl
 
 from paged_lib.device import interpreter_on
-from paged_lib.kernels.triton_decode import MAX_GROUP_TILE, alignment, head_pad, on_device
+from paged_lib.kernels.triton_decode import (
+    MAX_GROUP_TILE,
+    alignment,
+    head_pad,
+    on_device,
+    quant_args,
+)
 from paged_lib.kernels.triton_tile import LOG2E, attend_tile, no_block, tile_blocks
 from paged_lib.util import cdiv
 
@@ -38,10 +44,11 @@ def _paged_prefill_kernel(
     stride_vb, stride_vt, stride_vh, stride_vd,
     stride_bts, stride_btb,
     stride_ot, stride_oh, stride_od,
+    k_scale_ptr, v_scale_ptr, stride_sb, stride_sh,  # quantised caches (chapter 11)
     GROUP: tl.constexpr, GROUP_TILE: tl.constexpr, BLOCK_Q: tl.constexpr, ROWS: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, ALIGN: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_QUANT: tl.constexpr = 0,
 ):
     """One program per (tile of BLOCK_Q new tokens, KV head and head chunk, sequence).
 
@@ -93,7 +100,8 @@ def _paged_prefill_kernel(
             k_cache_ptr, v_cache_ptr, kv_head, d,
             stride_kb, stride_kt, stride_kh, stride_kd,
             stride_vb, stride_vt, stride_vh, stride_vd, scale_log2,
-            HEAD_DIM, ALIGN, BLOCK_SIZE, True, UPCAST, DOT_PRECISION)
+            k_scale_ptr, v_scale_ptr, stride_sb, stride_sh,
+            HEAD_DIM, ALIGN, BLOCK_SIZE, True, UPCAST, DOT_PRECISION, KV_QUANT)
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # padded rows: 0, never NaN
     tl.store(out_ptr + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh
@@ -128,11 +136,13 @@ def prefill_config(head_dim: int, dtype: torch.dtype) -> dict:
 def paged_prefill_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_tables: torch.Tensor, seq_lens: torch.Tensor,
                          query_lens: torch.Tensor, scale: float,
-                         max_query_len: int | None = None) -> torch.Tensor:
+                         max_query_len: int | None = None,
+                         kv_quant: tuple | None = None) -> torch.Tensor:
     """Launch the prefill kernel on validated inputs.
 
     ``max_query_len`` sizes the grid; without it the total number of new tokens is used
     (an upper bound: surplus programs return at once), so nothing is read back from the GPU.
+    ``kv_quant``: quantised caches, as in the decode kernel (chapter 11).
     """
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_seqs = seq_lens.shape[0]
@@ -155,18 +165,19 @@ def paged_prefill_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     cfg = prefill_config(head_dim, q.dtype)
     launch = {} if interp else {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
     grid = (cdiv(max_query_len, block_q), num_kv_heads * chunks, num_seqs)
+    k_cache, v_cache, scale_args, kv_quant_code = quant_args(k_cache, v_cache, kv_quant)
     with on_device(q.device):
         _paged_prefill_kernel[grid](
             out, q, k_cache, v_cache, block_tables, seq_lens, query_start,
             scale * LOG2E.value,
             *q.stride(), *k_cache.stride(), *v_cache.stride(),
-            block_tables.stride(0), block_tables.stride(1), *out.stride(),
+            block_tables.stride(0), block_tables.stride(1), *out.stride(), *scale_args,
             GROUP=group, GROUP_TILE=group_tile, BLOCK_Q=block_q, ROWS=BLOCK_M,
             HEAD_DIM=head_dim, HEAD_PAD=pad,
             ALIGN=alignment(*k_cache.stride()[:3], *v_cache.stride()[:3]),
             BLOCK_SIZE=block_size, TILE_N=cfg["TILE_N"],
             UPCAST=interp and q.dtype == torch.bfloat16,
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            **launch,
+            KV_QUANT=kv_quant_code, **launch,
         )
     return out

@@ -89,16 +89,40 @@ def tile_blocks(block, block_table, stride_btb, tile_start, start, end,
     return block
 
 
+#: ``KV_QUANT`` of the kernels, by ``kv_cache_dtype`` (chapter 11, :mod:`paged_lib.kv_quant`).
+KV_QUANT_CODES = {"auto": 0, "int8": 1, "fp8_e4m3": 2}
+
+
+@triton.jit
+def dequantize_tile(x, scale_ptr, block, pos, kv_head, stride_sb, stride_sh, valid,
+                    KV_QUANT: tl.constexpr):
+    """A loaded ``[TILE_N, HEAD_PAD]`` tile of 8-bit K or V as fp32.
+
+    ``KV_QUANT == 1``: int8 times its (block, KV head) scale, one scale read per token
+    (``block`` may be one id for the tile or one per token); ``2``: fp8 E4M3 read as
+    ``uint8`` bits (the interpreter cannot load fp8 pointers), bitcast, converted, times the
+    per-tensor scale. Tokens past the end (``valid`` false) are 0: their scale may be a
+    never-written block's NaN.
+    """
+    if KV_QUANT == 1:
+        rows = block + tl.zeros_like(pos).to(tl.int64)  # one block id per token
+        s = tl.load(scale_ptr + rows * stride_sb + kv_head * stride_sh)
+        x = x.to(tl.float32) * s[:, None]
+    else:
+        x = x.to(tl.float8e4nv, bitcast=True).to(tl.float32) * tl.load(scale_ptr)
+    return tl.where(valid[:, None], x, 0.0)
+
+
 @triton.jit
 def attend_tile(
     q, m_i, l_i, acc, pos, end, row_pos,
     block, k_cache_ptr, v_cache_ptr, kv_head, d,
     stride_kb, stride_kt, stride_kh, stride_kd,
     stride_vb, stride_vt, stride_vh, stride_vd,
-    scale_log2,
+    scale_log2, k_scale_ptr, v_scale_ptr, stride_sb, stride_sh,
     HEAD_DIM: tl.constexpr, ALIGN: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     CAUSAL: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_DOT: tl.constexpr = True,
+    KV_QUANT: tl.constexpr, USE_DOT: tl.constexpr = True,
 ):
     """Fold the tile of logical positions ``pos [TILE_N]`` into ``(m_i, l_i, acc)``.
 
@@ -107,6 +131,8 @@ def attend_tile(
     the new ``(m_i, l_i, acc)``. ``USE_DOT=False`` (fewer than 16 query rows, e.g. MHA's
     one head per KV head in decode) computes ``q @ k^T`` and ``p @ v`` as products summed
     on CUDA cores, in fp32: ``tl.dot`` needs at least 16 rows and would waste the rest.
+    ``KV_QUANT`` (:data:`KV_QUANT_CODES`; 0: plain caches, the scale arguments unused)
+    dequantises K and V in fp32 right after the load (:func:`dequantize_tile`).
     """
     valid = pos < end
     offset = pos % BLOCK_SIZE
@@ -120,6 +146,12 @@ def attend_tile(
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
+    if KV_QUANT != 0:
+        k = dequantize_tile(k, k_scale_ptr, block, pos, kv_head, stride_sb, stride_sh, valid,
+                            KV_QUANT)
+        v = dequantize_tile(v, v_scale_ptr, block, pos, kv_head, stride_sb, stride_sh, valid,
+                            KV_QUANT)
+        q = q.to(tl.float32)
 
     if USE_DOT:
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [ROWS, TILE_N]
