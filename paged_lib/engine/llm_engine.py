@@ -48,6 +48,7 @@ from paged_lib.engine.sequence import (
     Sequence,
     SequenceGroup,
 )
+from paged_lib.engine.window import make_window
 from paged_lib.model import TinyLlama
 from paged_lib.util import cdiv
 
@@ -104,7 +105,8 @@ class LLMEngine:
                  choose_victim: Callable = choose_victim, enable_prefix_caching: bool = False,
                  enable_chunked_prefill: bool = False, block_hashes: Callable = block_hashes,
                  longest_cache_hit: Callable = longest_cache_hit,
-                 free_queue_cls: type = FreeBlockQueue):
+                 free_queue_cls: type = FreeBlockQueue,
+                 sliding_window: int | None = None, num_sink_tokens: int = 0):
         if attention_backend not in ("torch", "triton"):
             raise ValueError(f"attention_backend must be 'torch' or 'triton', "
                              f"got {attention_backend!r}")
@@ -112,6 +114,12 @@ class LLMEngine:
             raise ValueError(f"watermark is a fraction of the pool in [0, 1), got {watermark}")
         self.model = model.eval()
         self.block_size = block_size
+        self.window = make_window(sliding_window, num_sink_tokens, block_size, model.config,
+                                  enable_prefix_caching=enable_prefix_caching,
+                                  preemption=preemption)
+        if self.window is not None:  # chapter 11: admission reserves each stream's blocks
+            num_required_blocks = self.window.reserving(num_required_blocks,
+                                                        lambda: self.scheduler.running)
         self.num_blocks = num_blocks
         self.watermark_blocks = int(watermark * num_blocks)
         self.block_manager = BlockManager(num_blocks, block_size, num_cpu_blocks,
@@ -130,6 +138,7 @@ class LLMEngine:
                                    enable_chunked_prefill=enable_chunked_prefill)
         self.runner = ModelRunner(model, num_blocks, block_size, num_cpu_blocks,
                                   attention_backend, build_metadata_fn=build_metadata)
+        self.runner.window = self.window
         self.stats = EngineStats(num_blocks=num_blocks, block_size=block_size)
         self._next_seq_id = 0
 
@@ -158,11 +167,15 @@ class LLMEngine:
                 raise ValueError(f"request {i}: token {t!r} at position {j} is not an id of "
                                  f"this model's vocabulary (0..{vocab - 1})")
             ids.append(tok)
+        if self.window is not None:
+            self.window.check_request(i, ids, params)
         return ids
 
     def _never_fits(self, prompt: list[int], params: SamplingParams) -> str | None:
         need = worst_case_blocks(len(prompt), params.max_tokens, params.num_seqs,
                                  self.block_size)
+        if self.window is not None:  # a windowed stream's blocks stop growing
+            need = self.window.blocks_at_most(len(prompt), params.max_tokens)
         prompt_need = cdiv(len(prompt), self.block_size)
         if need > self.num_blocks or prompt_need > self.num_blocks - self.watermark_blocks:
             shared = (f" x {params.num_seqs} sequences sharing the prompt's "
@@ -197,6 +210,8 @@ class LLMEngine:
     def step(self) -> list[SequenceGroup]:
         """One engine step; returns the groups that finished in it."""
         start = time.perf_counter()
+        if self.window is not None:  # blocks out of the window go back before scheduling
+            self.window.slide_all(self.scheduler.running)
         out = self.scheduler.schedule()
         if out.is_empty():
             raise RuntimeError(

@@ -128,6 +128,8 @@ def swap_blocks(src_caches: KVCaches, dst_caches: KVCaches,
 class ModelRunner:
     """Owns the GPU (and CPU) KV caches and runs the model one step at a time."""
 
+    window = None  # chapter 11: the engine's SlidingWindow (K/V edits, kept lengths)
+
     def __init__(self, model: TinyLlama, num_blocks: int, block_size: int,
                  num_cpu_blocks: int = 0, backend: str = "torch",
                  build_metadata_fn: Callable = build_metadata):
@@ -142,6 +144,8 @@ class ModelRunner:
     @torch.no_grad()
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
         """Logits ``[num_scheduled_seqs, vocab_size]`` (fp32) of each sequence's last token."""
+        if self.window is not None:  # keys of dropped blocks' successors re-rotated first
+            self.window.apply(self.kv_caches)
         swap_blocks(self.kv_caches, self.cpu_kv_caches, out.swap_out)  # before reuse
         swap_blocks(self.cpu_kv_caches, self.kv_caches, out.swap_in)
         if out.blocks_to_copy:  # copy-on-write inside the GPU pool: the chapter-08 kernel
@@ -152,7 +156,9 @@ class ModelRunner:
         # a sequence holds num_cached + num_new_tokens tokens after this step: all of its
         # text, except the prompt step of a shared recompute (its tail comes next step)
         ends = [s.seq.num_cached + s.num_new_tokens for s in out.scheduled]
-        meta = self.build_metadata([s.seq.block_table.blocks for s in out.scheduled], ends,
+        lens = ends if self.window is None else [  # only the kept tokens are in the cache
+            self.window.cache_len(s.seq, e) for s, e in zip(out.scheduled, ends, strict=True)]
+        meta = self.build_metadata([s.seq.block_table.blocks for s in out.scheduled], lens,
                                    [s.num_new_tokens for s in out.scheduled], self.block_size)
         check_metadata(meta, self.kv_caches[0][0].shape[0], self.block_size)
         meta = _to_device(meta, self.model.device)

@@ -1,0 +1,168 @@
+"""Sliding window with attention sinks (chapter 11): paged_lib.engine.window in the engine.
+
+The reference is independent of the engine: a dense model run that keeps every token's
+key *before* RoPE, drops the oldest block of recent tokens with its own rule, and at each
+step rotates the kept keys fresh at their cache positions (plain softmax attention, no
+blocks). The engine stores rotated keys in blocks and re-rotates them when it drops one.
+"""
+
+import math
+
+import pytest
+import torch
+
+from paged_lib.blocks import BlockAllocator, BlockTable
+from paged_lib.engine import LLMEngine, SamplingParams
+from paged_lib.engine.window import drop_oldest, kept_tokens, num_dropped, window_blocks
+from paged_lib.model import apply_rope, rope_cos_sin
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+PROMPT = [5, 17, 3, 88, 41, 9, 23, 60, 2, 71]
+
+
+@torch.no_grad()
+def dense_reference(model, prompt, max_tokens, window, sinks, block_size):
+    """Greedy tokens and their logprobs, StreamingLLM-style, without blocks."""
+    cfg = model.config
+    h, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    text, kept = list(prompt), []
+    keys = [dict() for _ in model.layers]  # text index -> pre-RoPE key [kvh, d]
+    vals = [dict() for _ in model.layers]
+
+    def feed(i):
+        if len(kept) + 1 - min(sinks, len(kept)) >= window + block_size:
+            del kept[sinks:sinks + block_size]  # the oldest block of recent tokens leaves
+        kept.append(i)
+        cos, sin = rope_cos_sin(torch.arange(len(kept)), d, cfg.rope_theta, model.dtype)
+        x = model.embed_tokens(torch.tensor([text[i]]))
+        for layer, lk, lv in zip(model.layers, keys, vals, strict=True):
+            a, y = layer.self_attn, layer.input_layernorm(x)
+            q = apply_rope(a.q_proj(y).view(1, h, d), cos[-1:], sin[-1:])[0]
+            lk[i], lv[i] = a.k_proj(y).view(kvh, d), a.v_proj(y).view(kvh, d)
+            k = apply_rope(torch.stack([lk[j] for j in kept]), cos, sin)
+            v = torch.stack([lv[j] for j in kept])
+            k, v = k.repeat_interleave(h // kvh, 1), v.repeat_interleave(h // kvh, 1)
+            p = torch.softmax(torch.einsum("hd,nhd->hn", q, k) / math.sqrt(d), -1)
+            x = x + a.o_proj(torch.einsum("hn,nhd->hd", p, v).reshape(1, h * d))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return torch.log_softmax(model.compute_logits(model.norm(x))[0], -1)
+
+    for i in range(len(prompt) - 1):
+        feed(i)
+    out, logps = [], []
+    for _ in range(max_tokens):
+        logp = feed(len(text) - 1)
+        tok = int(logp.argmax())
+        out.append(tok)
+        logps.append(float(logp[tok]))
+        text.append(tok)
+    return out, logps
+
+
+def run(model, prompts, max_tokens, num_blocks=64, block_size=8, **kw):
+    engine = LLMEngine(model, num_blocks, block_size=block_size, **kw)
+    outs = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    assert engine.block_manager.num_free_blocks == num_blocks, "blocks leaked"
+    return [o.outputs[0] for o in outs], engine
+
+
+def test_num_dropped_and_kept_tokens_by_hand():
+    # window 8, 2 sinks, block 4: a block leaves when 12 recent tokens would be there
+    assert [num_dropped(n, 8, 2, 4) for n in (13, 14, 17, 18, 21, 22)] == [0, 4, 4, 8, 8, 12]
+    assert kept_tokens(14, 8, 2, 4) == [0, 1] + list(range(6, 14))
+    assert kept_tokens(1, 8, 2, 4) == [0]
+    assert window_blocks(17, 8, 2, 4) == 4 and window_blocks(18, 8, 2, 4) == 3
+
+
+def test_drop_oldest_moves_sinks_and_frees_one_block():
+    alloc = BlockAllocator(8)
+    blocks = [alloc.allocate() for _ in range(3)]
+    table = BlockTable(alloc, 4, blocks, 11)  # 2 sinks + 9 recent
+    new, op = drop_oldest(table, 2)
+    assert new.blocks == blocks[1:] and new.num_tokens == 7 and alloc.num_free == 6
+    assert (op.copy_src, op.copy_dst, op.copy_len, op.shift) == (blocks[0], blocks[1], 2, 4)
+    b1, b2 = blocks[1], blocks[2]  # the 5 recent tokens left: offsets 2, 3 of b1, 0-2 of b2
+    assert op.rotate_slots == (b1 * 4 + 2, b1 * 4 + 3, b2 * 4, b2 * 4 + 1, b2 * 4 + 2)
+    new2, op2 = drop_oldest(BlockTable(alloc, 4, [alloc.allocate() for _ in range(3)], 12), 4)
+    assert op2.copy_len == 0 and new2.num_tokens == 8  # sinks fill their block: no copy
+    with pytest.raises(ValueError, match="no 4 recent tokens"):
+        drop_oldest(new, 4)
+
+
+def test_window_larger_than_stream_equals_no_window(tiny_model):
+    plain, _ = run(tiny_model, [PROMPT], 120)
+    windowed, _ = run(tiny_model, [PROMPT], 120, sliding_window=200, num_sink_tokens=4)
+    assert windowed[0].token_ids == plain[0].token_ids
+    assert windowed[0].cumulative_logprob == plain[0].cumulative_logprob
+
+
+@pytest.mark.parametrize("sinks", [0, 3, 8, 11])  # none, inside one block, whole, across
+def test_windowed_tokens_equal_the_dense_reference(tiny_model, sinks):
+    (got,), engine = run(tiny_model, [PROMPT], 150, num_blocks=12, sliding_window=16,
+                         num_sink_tokens=sinks)
+    want, logps = dense_reference(tiny_model, PROMPT, 150, 16, sinks, 8)
+    assert got.token_ids == want
+    assert abs(got.cumulative_logprob - sum(logps)) < 1e-3
+    assert engine.stats.peak_blocks_used == engine.window.max_blocks
+
+
+def test_blocks_stay_flat_over_a_long_stream(tiny_model):
+    (out,), engine = run(tiny_model, [PROMPT], 2000, num_blocks=8, sliding_window=24,
+                         num_sink_tokens=4)
+    assert len(out.token_ids) == 2000 and engine.stats.preemptions == 0
+    used = engine.stats.blocks_used  # after each step's allocations: num_tokens fed so far
+    fed = [len(PROMPT)] + [len(PROMPT) + i for i in range(1, 2000)]
+    assert used == [window_blocks(n, 24, 4, 8) for n in fed]
+    assert max(used[:300]) == max(used) == engine.window.max_blocks == 5  # cdiv(4 + 24 + 7, 8)
+
+
+def test_streams_batched_on_a_tight_pool_wait_instead_of_being_preempted(tiny_model):
+    prompts = [PROMPT, PROMPT[:4], [7] * 18]
+    (a, b, c), engine = run(tiny_model, prompts, 90, num_blocks=9, sliding_window=16,
+                            num_sink_tokens=2)
+    assert engine.stats.preemptions == 0 and max(engine.stats.batch_sizes) == 2  # 4 + 4 < 9
+    for prompt, got in zip(prompts, (a, b, c), strict=True):
+        assert got.token_ids == dense_reference(tiny_model, prompt, 90, 16, 2, 8)[0]
+
+
+def test_chunked_prefill_and_prefill_first_give_the_same_tokens(tiny_model):
+    base, _ = run(tiny_model, [PROMPT * 2], 60, sliding_window=20, num_sink_tokens=1)
+    for kw in ({"enable_chunked_prefill": True, "max_num_batched_tokens": 6},
+               {"scheduling": "prefill_first"}):
+        got, _ = run(tiny_model, [PROMPT * 2], 60, sliding_window=20, num_sink_tokens=1, **kw)
+        assert got[0].token_ids == base[0].token_ids
+
+
+def test_triton_backend_matches_torch(tiny_model):
+    torch_out, _ = run(tiny_model, [PROMPT[:3]], 14, block_size=4, sliding_window=4,
+                       num_sink_tokens=1)
+    triton_out, _ = run(tiny_model, [PROMPT[:3]], 14, block_size=4, sliding_window=4,
+                        num_sink_tokens=1, attention_backend="triton")
+    assert triton_out[0].token_ids == torch_out[0].token_ids
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"sliding_window": 16, "enable_prefix_caching": True}, "enable_prefix_caching=True"),
+    ({"sliding_window": 16, "preemption": "swap", "num_cpu_blocks": 4}, "preemption='swap'"),
+    ({"num_sink_tokens": 4}, "needs sliding_window"),
+    ({"sliding_window": 0}, "sliding_window must be an int >= 1"),
+    ({"sliding_window": 16, "num_sink_tokens": -1}, "num_sink_tokens must be an int >= 0"),
+    ({"sliding_window": 16.0}, "sliding_window must be an int"),
+    ({"sliding_window": 250}, "max_position 256"),
+])
+def test_bad_options_are_value_errors(tiny_model, kw, match):
+    with pytest.raises(ValueError, match=match):
+        LLMEngine(tiny_model, 16, block_size=8, **kw)
+
+
+@pytest.mark.parametrize("prompt, params, match", [
+    (PROMPT, SamplingParams(max_tokens=4, n=2, temperature=1.0), "one sequence per request"),
+    (PROMPT, SamplingParams(max_tokens=4, beam_width=2), "one sequence per request"),
+    (list(range(21)), SamplingParams(max_tokens=4), "longer than num_sink_tokens"),
+])
+def test_requests_a_window_cannot_serve_are_value_errors(tiny_model, prompt, params, match):
+    engine = LLMEngine(tiny_model, 16, block_size=8, sliding_window=16, num_sink_tokens=4)
+    with pytest.raises(ValueError, match=match):
+        engine.generate([prompt], params)
+    assert engine.block_manager.num_free_blocks == 16
