@@ -1,0 +1,210 @@
+"""Checks for chapter 12 (beyond one device). Each prints one verdict line.
+
+* 12.1 ``kv_bytes_per_rank(spec, tp_size, num_tokens)``: the K/V bytes one tensor-parallel
+  rank caches, KV heads replicated when there are fewer of them than ranks;
+* 12.2 ``rank_heads(num_heads, num_kv_heads, tp_size, rank)``: the query heads and the KV
+  heads one rank owns.
+
+Both are compared with :mod:`paged_lib.parallel`; a wrong answer is matched against the
+typical mistakes (computed on the same case) so the hint names the one made.
+:func:`run_demo` runs the learner's functions on the shipped model's shape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from paged_lib.accounting import SPECS, ModelSpec, kv_bytes
+from paged_lib.course import grading
+from paged_lib.parallel import kv_bytes_per_rank, rank_heads
+
+__all__ = ["TWINS", "check_kv_bytes_per_rank", "check_rank_heads", "run_demo"]
+
+#: Exercise id -> the library object the learner's code re-implements (it refuses
+#: the learner's calls while that exercise's check runs: see grading.exercise).
+TWINS: dict[str, str] = {"12.1": "paged_lib.parallel.kv_bytes_per_rank",
+                         "12.2": "paged_lib.parallel.rank_heads"}
+
+_MQA = ModelSpec("a 32-head MQA model", num_layers=24, hidden_size=4096, num_heads=32,
+                 num_kv_heads=1, head_dim=128, dtype_bytes=2)
+_TINY = ModelSpec("tiny-code-llama (fp32)", num_layers=4, hidden_size=256, num_heads=8,
+                  num_kv_heads=2, head_dim=32, dtype_bytes=4)
+
+# ------------------------------------------------------------------ 12.1 kv_bytes_per_rank
+
+#: (spec, tp_size, num_tokens)
+_BYTES_CASES: list[tuple[ModelSpec, int, int]] = [
+    (SPECS["llama-2-70b"], 8, 2048), (SPECS["llama-2-70b"], 2, 1000),
+    (SPECS["llama-2-70b"], 16, 2048), (SPECS["llama-2-70b"], 1, 7),
+    (SPECS["llama-2-7b"], 4, 4096), (SPECS["opt-13b"], 8, 1), (_MQA, 4, 300),
+    (_TINY, 2, 512), (_TINY, 4, 512), (_TINY, 8, 33), (SPECS["llama-2-7b"], 32, 0),
+]
+
+
+def _wrong_bytes(spec: ModelSpec, tp: int, n: int) -> dict[str, Any]:
+    """What the typical mistakes return on one case, with the hint that names each."""
+    per_head = spec.num_layers * spec.head_dim * spec.dtype_bytes * n  # K or V, one head
+    mine = max(1, spec.num_kv_heads // tp)
+    return {
+        "the KV heads are split as if a fraction of a head could live on a rank: with "
+        "more ranks than KV heads, each rank keeps one whole KV head (it is replicated)":
+            kv_bytes(spec, n) // tp,
+        "only K or only V counted: a rank caches both, for each of its KV heads":
+            per_head * mine,
+        "split by query heads: queries are never cached, a rank keeps its KV heads":
+            2 * per_head * (spec.num_heads // tp),
+        "not split at all: a rank caches only its own KV heads' share of every token":
+            kv_bytes(spec, n),
+        "the sum over all ranks: the question is one rank's bytes":
+            2 * per_head * mine * tp,
+        "one layer only: every layer caches its own K and V":
+            2 * spec.head_dim * spec.dtype_bytes * n * mine,
+    }
+
+
+def _name_mistake(fn: Callable[..., Any], cases: list[tuple], wrong_of: Callable[..., dict],
+                  case: tuple, got: Any, want: Any, fallback: str) -> str:
+    """The hint of the typical mistake that gives what ``fn`` gives on *every* case (two
+    mistakes can agree on one case), else of the first one that gives ``got`` here."""
+    here = [h for h, v in wrong_of(*case).items() if v == got and v != want]
+    for hint in here:
+        try:
+            if all(wrong_of(*c)[hint] == _normal(fn(*c)) for c in cases):
+                return hint
+        except Exception:  # noqa: BLE001 - the learner's code fails elsewhere: keep looking
+            continue
+    return here[0] if here else fallback
+
+
+def _normal(value: Any) -> Any:
+    """Answers as the mistakes' tables hold them (pairs of lists as tuples of lists)."""
+    if isinstance(value, tuple | list) and len(value) == 2 and all(
+            isinstance(x, list) for x in value):
+        return (list(value[0]), list(value[1]))
+    return value
+
+
+def _expect_value_error(fn: Callable[..., Any], args: tuple, what: str, hint: str) -> None:
+    try:
+        fn(*args)
+    except ValueError:
+        return
+    except Exception as err:  # noqa: BLE001 - name what came instead
+        grading.fail(f"{what}: expected a ValueError, got {type(err).__name__}", hint)
+    grading.fail(f"{what}: expected a ValueError, nothing was raised", hint)
+
+
+def check_kv_bytes_per_rank(fn: Callable[[ModelSpec, int, int], int]) -> None:
+    """12.1: the bytes of K and V one rank caches for ``num_tokens`` tokens."""
+    with grading.exercise("12.1", "KV bytes per rank"):
+        for spec, tp, n in _BYTES_CASES:
+            what = f"kv_bytes_per_rank({spec.name}, tp_size={tp}, num_tokens={n})"
+            want = kv_bytes_per_rank(spec, tp, n)
+            got = fn(spec, tp, n)
+            grading.expect_int(got, what, hint="bytes are a whole number: divide heads "
+                               "with //, never with /")
+            hint = _name_mistake(fn, _BYTES_CASES, _wrong_bytes, (spec, tp, n), got, want,
+                                 "2 (K and V) x layers x the KV heads this rank keeps x "
+                                 "head_dim x dtype bytes x tokens")
+            grading.expect_equal(int(got), want, what=what, hint=hint)
+        for spec, tp, n, about in ((SPECS["llama-2-70b"], 3, 10, "3 ranks for 64 heads"),
+                                   (SPECS["llama-2-70b"], 0, 10, "tp_size 0"),
+                                   (_TINY, 16, 10, "16 ranks for 8 heads")):
+            _expect_value_error(fn, (spec, tp, n), f"kv_bytes_per_rank with {about}",
+                                hint="a tp_size below 1, or one that does not divide the "
+                                "query heads, raises ValueError")
+
+
+# ------------------------------------------------------------------ 12.2 rank_heads
+
+#: (num_heads, num_kv_heads, tp_size, what it tests)
+_HEAD_CASES: list[tuple[int, int, int, str]] = [
+    (8, 2, 2, "the shipped model on 2 ranks"), (8, 2, 4, "more ranks than KV heads"),
+    (8, 8, 4, "MHA: two KV heads per rank"), (4, 1, 2, "MQA on 2 ranks"),
+    (64, 8, 16, "LLaMA-2-70B on 16 ranks"), (6, 6, 3, "MHA, 3 ranks"),
+    (8, 2, 1, "one rank"), (32, 8, 8, "one KV head per rank"), (8, 2, 8, "one query head "
+                                                                       "per rank"),
+    (12, 4, 2, "two KV heads per rank"),
+]
+
+
+_RANK_CASES = [(h, kv, tp, r) for h, kv, tp, _ in _HEAD_CASES for r in range(tp)]
+
+
+def _wrong_heads(h: int, kv: int, tp: int, r: int) -> dict[str, Any]:
+    per, group = h // tp, h // kv
+    q = list(range(r * per, (r + 1) * per))
+    kv_per = max(1, kv // tp)
+    return {
+        "a rank's query heads are a contiguous run (rank r: heads r*H/T up to (r+1)*H/T), "
+        "the slice of o_proj's input it owns, not every T-th head":
+            (list(range(r, h, tp)), sorted({x // group for x in range(r, h, tp)})),
+        "the replicas of a KV head sit on neighbouring ranks, the ones whose query heads "
+        "read it (rank r keeps KV head r // (T / KV)), not rank r % KV":
+            (q, [r % kv] if tp > kv else list(range(r * kv_per, (r + 1) * kv_per))),
+        "with fewer KV heads than ranks a rank still keeps one whole KV head (replicated), "
+        "never none":
+            (q, list(range(r * kv // tp, (r + 1) * kv // tp))),
+        "the KV head of query head j is j // (num_heads // num_kv_heads), the size of a "
+        "group, not j // num_kv_heads":
+            (q, sorted({x // kv for x in q})),
+        "a rank keeps the KV heads of all its query heads (num_kv_heads / T of them when "
+        "there are at least as many as ranks), not just the first":
+            (q, [q[0] // group]),
+        "KV head ids are not query head ids: query heads share KV heads in groups":
+            (q, q),
+    }
+
+
+def check_rank_heads(fn: Callable[[int, int, int, int], tuple[list[int], list[int]]]) -> None:
+    """12.2: the query heads and KV heads rank ``rank`` of ``tp_size`` owns."""
+    with grading.exercise("12.2", "Which rank owns which head"):
+        for h, kv, tp, about in _HEAD_CASES:
+            for r in range(tp):
+                what = f"rank_heads({h}, {kv}, tp_size={tp}, rank={r}) ({about})"
+                want = rank_heads(h, kv, tp, r)
+                got = fn(h, kv, tp, r)
+                grading.expect_true(
+                    isinstance(got, tuple | list) and len(got) == 2
+                    and all(isinstance(x, list) for x in got),
+                    f"{what}: expected a pair of lists (query heads, KV heads), got {got!r}",
+                    hint="return (list_of_query_heads, list_of_kv_heads): lists, e.g. "
+                    "list(range(...))")
+                got = (list(got[0]), list(got[1]))
+                hint = _name_mistake(fn, _RANK_CASES, _wrong_heads, (h, kv, tp, r), got,
+                                     want, "rank r owns query heads r*H/T up to (r+1)*H/T "
+                                     "and the KV heads those query heads read")
+                grading.expect_equal(got, want, what=what, hint=hint)
+        for args, about in (((8, 2, 3, 0), "3 ranks for 8 heads"),
+                            ((12, 6, 4, 0), "4 ranks for 6 KV heads"),
+                            ((6, 2, 3, 0), "3 ranks for 2 KV heads"),
+                            ((8, 2, 0, 0), "tp_size 0"), ((8, 2, 2, 2), "rank 2 of 2"),
+                            ((8, 2, 2, -1), "rank -1")):
+            _expect_value_error(fn, args, f"rank_heads{args} ({about})",
+                                hint="tp_size must divide the query heads and divide the KV "
+                                "heads or be a multiple of them; rank is in 0..tp_size-1; "
+                                "anything else raises ValueError")
+
+
+# ------------------------------------------------------------------------------ demo
+
+
+def run_demo(kv_bytes_per_rank_fn: Callable[..., int],
+             rank_heads_fn: Callable[..., tuple[list[int], list[int]]]):
+    """The learner's two functions on the shipped model's shape (8 query heads, 2 KV
+    heads) at 1, 2, 4 and 8 ranks, next to the library's; returns the heads picture."""
+    from paged_lib.course.viz import parallel as viz
+
+    def table() -> None:
+        for tp in (1, 2, 4, 8):
+            mine = kv_bytes_per_rank_fn(_TINY, tp, 2048)
+            lib = kv_bytes_per_rank(_TINY, tp, 2048)
+            q, k = rank_heads_fn(8, 2, tp, tp - 1)
+            print(f"{tp} rank(s): {mine / 2**20:.2f} MiB per rank for 2048 tokens "
+                  f"(library {lib / 2**20:.2f}); the last rank owns query heads {q}, "
+                  f"KV heads {k}")
+
+    grading.on_learner_code(table, "exercises 12.1 and 12.2", "the shipped model's shards")
+    return grading.on_learner_code(lambda: viz.heads_by_rank(8, 2, 4, owners=rank_heads_fn),
+                                   "exercise 12.2", "the heads picture from your function")
