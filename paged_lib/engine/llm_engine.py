@@ -49,6 +49,7 @@ from paged_lib.engine.sequence import (
     SequenceGroup,
 )
 from paged_lib.engine.window import make_window
+from paged_lib.kv_quant import check_kv_cache_dtype
 from paged_lib.model import TinyLlama
 from paged_lib.util import cdiv
 
@@ -93,6 +94,10 @@ class LLMEngine:
     ``enable_chunked_prefill=True`` computes a text longer than the step's token budget
     left in chunks over several steps, alongside the decodes (``scheduling="mixed"``).
     Both leave the generated tokens unchanged.
+
+    Chapter 11: ``kv_cache_dtype="int8"`` or ``"fp8_e4m3"`` stores K and V in 8 bits
+    (:mod:`paged_lib.kv_quant`: int8 with a scale per block and KV head, fp8 E4M3 with
+    one scale per tensor); ``"auto"`` (the default) keeps the model's dtype.
     """
 
     def __init__(self, model: TinyLlama, num_blocks: int, block_size: int = 16,
@@ -103,6 +108,7 @@ class LLMEngine:
                  swap_mapping: Callable = swap_mapping, beam_step: Callable = beam_step,
                  scheduling: str = "mixed", num_required_blocks: Callable = num_required_blocks,
                  choose_victim: Callable = choose_victim, enable_prefix_caching: bool = False,
+                 kv_cache_dtype: str = "auto",
                  enable_chunked_prefill: bool = False, block_hashes: Callable = block_hashes,
                  longest_cache_hit: Callable = longest_cache_hit,
                  free_queue_cls: type = FreeBlockQueue,
@@ -112,6 +118,7 @@ class LLMEngine:
                              f"got {attention_backend!r}")
         if not 0 <= watermark < 1:
             raise ValueError(f"watermark is a fraction of the pool in [0, 1), got {watermark}")
+        check_kv_cache_dtype(kv_cache_dtype)
         self.model = model.eval()
         self.block_size = block_size
         self.window = make_window(sliding_window, num_sink_tokens, block_size, model.config,
@@ -137,7 +144,8 @@ class LLMEngine:
                                    choose_victim=choose_victim,
                                    enable_chunked_prefill=enable_chunked_prefill)
         self.runner = ModelRunner(model, num_blocks, block_size, num_cpu_blocks,
-                                  attention_backend, build_metadata_fn=build_metadata)
+                                  attention_backend, build_metadata_fn=build_metadata,
+                                  kv_cache_dtype=kv_cache_dtype)
         self.runner.window = self.window
         self.stats = EngineStats(num_blocks=num_blocks, block_size=block_size)
         self._next_seq_id = 0

@@ -17,6 +17,7 @@ import torch
 
 from paged_lib.engine.scheduler import SchedulerOutput
 from paged_lib.kernels.copy_blocks import copy_blocks as copy_blocks_kernel
+from paged_lib.kv_quant import allocate_quantized_kv_caches, copy_quantized_kv, is_quantized
 from paged_lib.model import AttentionMetadata, TinyLlama
 from paged_lib.util import cdiv
 
@@ -100,11 +101,15 @@ def check_metadata(meta: AttentionMetadata, num_blocks: int, block_size: int) ->
 
 
 def allocate_kv_caches(model: TinyLlama, num_blocks: int, block_size: int,
-                       device: torch.device | str) -> KVCaches:
+                       device: torch.device | str, kv_cache_dtype: str = "auto") -> KVCaches:
     """One (K, V) pair per layer, ``[num_blocks, block_size, num_kv_heads, head_dim]``,
-    filled with NaN (a read of a slot never written shows up as NaN)."""
+    filled with NaN (a read of a slot never written shows up as NaN). ``kv_cache_dtype``
+    ``"int8"`` or ``"fp8_e4m3"`` (chapter 11): :class:`~paged_lib.kv_quant.QuantizedKV`
+    pairs instead (8-bit data and its scales)."""
     cfg = model.config
     shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+    if kv_cache_dtype != "auto":
+        return allocate_quantized_kv_caches(kv_cache_dtype, cfg.num_layers, shape, device)
     return [(torch.full(shape, float("nan"), dtype=model.dtype, device=device),
              torch.full(shape, float("nan"), dtype=model.dtype, device=device))
             for _ in range(cfg.num_layers)]
@@ -116,6 +121,8 @@ def swap_blocks(src_caches: KVCaches, dst_caches: KVCaches,
     out: GPU to CPU; swap in: CPU to GPU)."""
     if not pairs:
         return
+    if is_quantized(src_caches[0][0]):  # chapter 11: the blocks' scales travel with them
+        return copy_quantized_kv(src_caches, dst_caches, pairs)
     device = src_caches[0][0].device
     src = torch.tensor([p[0] for p in pairs], dtype=torch.int64, device=device)
     dst = torch.tensor([p[1] for p in pairs], dtype=torch.int64,
@@ -132,13 +139,15 @@ class ModelRunner:
 
     def __init__(self, model: TinyLlama, num_blocks: int, block_size: int,
                  num_cpu_blocks: int = 0, backend: str = "torch",
-                 build_metadata_fn: Callable = build_metadata):
+                 build_metadata_fn: Callable = build_metadata, kv_cache_dtype: str = "auto"):
         self.model = model
         self.block_size = block_size
         self.backend = backend
         self.build_metadata = build_metadata_fn
-        self.kv_caches = allocate_kv_caches(model, num_blocks, block_size, model.device)
-        self.cpu_kv_caches = (allocate_kv_caches(model, num_cpu_blocks, block_size, "cpu")
+        self.kv_caches = allocate_kv_caches(model, num_blocks, block_size, model.device,
+                                            kv_cache_dtype)
+        self.cpu_kv_caches = (allocate_kv_caches(model, num_cpu_blocks, block_size, "cpu",
+                                                 kv_cache_dtype)
                               if num_cpu_blocks > 0 else [])
 
     @torch.no_grad()
@@ -148,7 +157,9 @@ class ModelRunner:
             self.window.apply(self.kv_caches)
         swap_blocks(self.kv_caches, self.cpu_kv_caches, out.swap_out)  # before reuse
         swap_blocks(self.cpu_kv_caches, self.kv_caches, out.swap_in)
-        if out.blocks_to_copy:  # copy-on-write inside the GPU pool: the chapter-08 kernel
+        if out.blocks_to_copy and is_quantized(self.kv_caches[0][0]):  # with their scales
+            copy_quantized_kv(self.kv_caches, self.kv_caches, out.blocks_to_copy)
+        elif out.blocks_to_copy:  # copy-on-write inside the GPU pool: the chapter-08 kernel
             copy_blocks_kernel([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches],
                                out.blocks_to_copy, backend=self.backend)
         if out.is_empty():
