@@ -311,10 +311,12 @@ def exercise(ex_id: str, title: str) -> Iterator[None]:
 
     While the checks run, the library's twin of the exercise (``TWINS`` of its grader
     module) refuses to be called by the learner's code: a function that delegates to it
-    fails, whatever else it gets right.
+    fails, whatever else it gets right. After the verdict, an engine piece that passed is
+    saved to ``mine/`` (:mod:`paged_lib.course.mine`; the verdict never depends on it).
     """
     calls: list[str] = []
     hint: str | None = None
+    learner = _learner_arguments()
     try:
         with _refusing_twin(_twin_of(ex_id), calls):
             yield
@@ -333,6 +335,10 @@ def exercise(ex_id: str, title: str) -> Iterator[None]:
         hint = ("write it yourself from the spec: the check compares your code with the "
                 "library's, so delegating to the library proves nothing")
     _say(mark, ex_id, title, message, hint)
+    if mark != TODO:  # an engine piece that passed goes to mine/ (paged_lib.course.mine)
+        from paged_lib.course import mine
+
+        mine.after_verdict(ex_id, mark == PASS, learner)
 
 
 def on_learner_code(run: Callable[[], T], exercises: str, what: str) -> T | None:
