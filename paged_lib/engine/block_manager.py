@@ -110,9 +110,13 @@ class BlockManager:
                  swap_mapping_fn: Callable = swap_mapping, *,
                  enable_prefix_caching: bool = False, block_hashes_fn: Callable = block_hashes,
                  longest_cache_hit_fn: Callable = longest_cache_hit,
-                 free_queue_cls: type = FreeBlockQueue):
+                 free_queue_cls: type = FreeBlockQueue, block_table_cls: type = BlockTable):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if not (isinstance(block_table_cls, type) and issubclass(block_table_cls, BlockTable)):
+            raise ValueError(f"block_table_cls must be BlockTable or a subclass of it, got "
+                             f"{block_table_cls!r}")
+        self.table_cls = block_table_cls  # chapter 13: the learner's append_token and fork
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.block_hashes = block_hashes_fn
@@ -142,7 +146,7 @@ class BlockManager:
             raise ValueError(f"sequence {seq.seq_id} already holds blocks")
         for block in hits:  # out of the free queue first: allocate() must not evict them
             self.gpu.touch(block)
-        table = BlockTable(self.gpu, self.block_size, hits, len(hits) * self.block_size)
+        table = self.table_cls(self.gpu, self.block_size, hits, len(hits) * self.block_size)
         seq.block_table = table
         seq.num_cached = table.num_tokens
         count = seq.num_tokens if num_tokens is None else num_tokens
@@ -264,8 +268,8 @@ class BlockManager:
             new_blocks = [mapping[b] for b in blocks]
             for b in new_blocks:  # each table holds one reference to each of its blocks
                 dst.incref(b)
-            seq.block_table = BlockTable(dst, self.block_size, new_blocks,
-                                         seq.block_table.num_tokens)
+            seq.block_table = self.table_cls(dst, self.block_size, new_blocks,
+                                             seq.block_table.num_tokens)
         for dst_block in mapping.values():  # drop allocate()'s own reference
             dst.free(dst_block)
         for table in old_tables:  # the source blocks go back to their pool
