@@ -15,48 +15,59 @@ from paged_lib.blocks import BlockAllocator, BlockTable
 from paged_lib.engine import LLMEngine, SamplingParams
 from paged_lib.engine.window import drop_oldest, kept_tokens, num_dropped, window_blocks
 from paged_lib.model import apply_rope, rope_cos_sin
+from paged_lib.streaming import held_out_stream, memory_curve, stream_bits_per_byte, stream_logprobs
+from paged_lib.tokenizer import BOS_ID, EOS_ID
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 PROMPT = [5, 17, 3, 88, 41, 9, 23, 60, 2, 71]
 
 
-@torch.no_grad()
-def dense_reference(model, prompt, max_tokens, window, sinks, block_size):
-    """Greedy tokens and their logprobs, StreamingLLM-style, without blocks."""
-    cfg = model.config
-    h, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    text, kept = list(prompt), []
-    keys = [dict() for _ in model.layers]  # text index -> pre-RoPE key [kvh, d]
-    vals = [dict() for _ in model.layers]
+class DenseStream:
+    """StreamingLLM without blocks: keys kept before RoPE, rotated fresh at each step."""
 
-    def feed(i):
-        if len(kept) + 1 - min(sinks, len(kept)) >= window + block_size:
-            del kept[sinks:sinks + block_size]  # the oldest block of recent tokens leaves
-        kept.append(i)
-        cos, sin = rope_cos_sin(torch.arange(len(kept)), d, cfg.rope_theta, model.dtype)
-        x = model.embed_tokens(torch.tensor([text[i]]))
-        for layer, lk, lv in zip(model.layers, keys, vals, strict=True):
+    def __init__(self, model, window, sinks, block_size):
+        self.model, self.window, self.sinks, self.block_size = model, window, sinks, block_size
+        self.kept = []  # keys/values of the tokens in the cache, in cache order
+        self.keys = [[] for _ in model.layers]
+        self.vals = [[] for _ in model.layers]
+
+    @torch.no_grad()
+    def feed(self, token):
+        """Log-probabilities of the next token after feeding ``token``."""
+        m, cfg = self.model, self.model.config
+        h, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        sinks, bs = self.sinks, self.block_size
+        if len(self.kept) + 1 - min(sinks, len(self.kept)) >= self.window + bs:
+            for lst in (self.kept, *self.keys, *self.vals):  # the oldest recent block leaves
+                del lst[sinks:sinks + bs]
+        self.kept.append(token)
+        cos, sin = rope_cos_sin(torch.arange(len(self.kept)), d, cfg.rope_theta, m.dtype)
+        x = m.embed_tokens(torch.tensor([token]))
+        for layer, lk, lv in zip(m.layers, self.keys, self.vals, strict=True):
             a, y = layer.self_attn, layer.input_layernorm(x)
             q = apply_rope(a.q_proj(y).view(1, h, d), cos[-1:], sin[-1:])[0]
-            lk[i], lv[i] = a.k_proj(y).view(kvh, d), a.v_proj(y).view(kvh, d)
-            k = apply_rope(torch.stack([lk[j] for j in kept]), cos, sin)
-            v = torch.stack([lv[j] for j in kept])
-            k, v = k.repeat_interleave(h // kvh, 1), v.repeat_interleave(h // kvh, 1)
+            lk.append(a.k_proj(y).view(kvh, d))
+            lv.append(a.v_proj(y).view(kvh, d))
+            k = apply_rope(torch.stack(lk), cos, sin).repeat_interleave(h // kvh, 1)
+            v = torch.stack(lv).repeat_interleave(h // kvh, 1)
             p = torch.softmax(torch.einsum("hd,nhd->hn", q, k) / math.sqrt(d), -1)
             x = x + a.o_proj(torch.einsum("hn,nhd->hd", p, v).reshape(1, h * d))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return torch.log_softmax(model.compute_logits(model.norm(x))[0], -1)
+        return torch.log_softmax(m.compute_logits(m.norm(x))[0], -1)
 
-    for i in range(len(prompt) - 1):
-        feed(i)
-    out, logps = [], []
+
+def dense_reference(model, prompt, max_tokens, window, sinks, block_size):
+    """Greedy tokens after ``prompt`` and their logprobs, from :class:`DenseStream`."""
+    stream = DenseStream(model, window, sinks, block_size)
+    for t in prompt[:-1]:
+        stream.feed(t)
+    tok, out, logps = prompt[-1], [], []
     for _ in range(max_tokens):
-        logp = feed(len(text) - 1)
+        logp = stream.feed(tok)
         tok = int(logp.argmax())
         out.append(tok)
         logps.append(float(logp[tok]))
-        text.append(tok)
     return out, logps
 
 
@@ -145,6 +156,7 @@ def test_triton_backend_matches_torch(tiny_model):
 @pytest.mark.parametrize("kw, match", [
     ({"sliding_window": 16, "enable_prefix_caching": True}, "enable_prefix_caching=True"),
     ({"sliding_window": 16, "preemption": "swap", "num_cpu_blocks": 4}, "preemption='swap'"),
+    ({"sliding_window": 16, "kv_cache_dtype": "int8"}, "kv_cache_dtype='int8'"),
     ({"num_sink_tokens": 4}, "needs sliding_window"),
     ({"sliding_window": 0}, "sliding_window must be an int >= 1"),
     ({"sliding_window": 16, "num_sink_tokens": -1}, "num_sink_tokens must be an int >= 0"),
@@ -166,3 +178,31 @@ def test_requests_a_window_cannot_serve_are_value_errors(tiny_model, prompt, par
     with pytest.raises(ValueError, match=match):
         engine.generate([prompt], params)
     assert engine.block_manager.num_free_blocks == 16
+
+
+def test_stream_logprobs_equal_the_dense_reference_for_every_window(tiny_model):
+    text = [(7 * i + 3) % 97 for i in range(90)]
+    windows = [(None, 0), (16, 0), (16, 1), (16, 4), (100, 2)]
+    got = stream_logprobs(tiny_model, text, windows, block_size=8)
+    for row, (w, s) in zip(got, windows, strict=True):
+        stream = DenseStream(tiny_model, w or 10**6, s, 8)
+        want = torch.stack([stream.feed(a)[b] for a, b in zip(text, text[1:], strict=False)])
+        torch.testing.assert_close(row, want, atol=1e-4, rtol=0)
+    assert torch.equal(got[0], got[4])  # a window longer than the text changes nothing
+    bpb = stream_bits_per_byte(tiny_model, text, windows[:2], block_size=8)
+    assert bpb == [pytest.approx(float(-r.mean() / math.log(2))) for r in got[:2]]
+
+
+def test_held_out_stream_is_bos_then_held_out_files():
+    ids = held_out_stream(3000)
+    assert len(ids) == 3000 and ids[0] == BOS_ID
+    assert all(0 <= t < 256 or t == EOS_ID for t in ids[1:])
+    with pytest.raises(ValueError, match="num_tokens must be an int >= 2"):
+        held_out_stream(1)
+
+
+def test_memory_curve_flat_with_the_window_growing_without(tiny_model):
+    curves = memory_curve(tiny_model, PROMPT, 120, sliding_window=16, num_sink_tokens=4,
+                          block_size=8)
+    assert curves["full"][-1] == -(-(len(PROMPT) + 119) // 8)  # every token kept
+    assert max(curves["window"]) == -(-(4 + 16 + 7) // 8) == curves["window"][-1]

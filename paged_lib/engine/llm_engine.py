@@ -123,7 +123,7 @@ class LLMEngine:
         self.block_size = block_size
         self.window = make_window(sliding_window, num_sink_tokens, block_size, model.config,
                                   enable_prefix_caching=enable_prefix_caching,
-                                  preemption=preemption)
+                                  preemption=preemption, kv_cache_dtype=kv_cache_dtype)
         if self.window is not None:  # chapter 11: admission reserves each stream's blocks
             num_required_blocks = self.window.reserving(num_required_blocks,
                                                         lambda: self.scheduler.running)

@@ -1,0 +1,139 @@
+"""Measuring a sliding window with attention sinks (chapter 11; StreamingLLM, arXiv:2309.17453).
+
+Two measurements of :mod:`paged_lib.engine.window` on the shipped model:
+
+* :func:`stream_bits_per_byte` - how well the model predicts a long held-out stream
+  (:func:`held_out_stream`: Python files the model never trained on) when its cache is a
+  window with 0, 1, 4, ... sinks, or the whole stream (positions past the 512 it was
+  trained on). The stream is fed one token at a time, exactly as the engine decodes:
+  same blocks, same drops, same K/V edits (the engine generates; this scores given
+  text, so it drives the model itself). All the configurations run side by side as one
+  batch of sequences over one paged cache.
+* :func:`memory_curve` - blocks the engine holds at every step of a growing stream, with
+  and without the window.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+import sysconfig
+from pathlib import Path
+
+import torch
+
+from paged_lib.blocks import BlockAllocator, BlockTable
+from paged_lib.engine.llm_engine import LLMEngine
+from paged_lib.engine.model_runner import allocate_kv_caches, build_metadata, check_metadata
+from paged_lib.engine.sequence import SamplingParams, Sequence
+from paged_lib.engine.window import SlidingWindow
+from paged_lib.model import TinyLlama
+from paged_lib.tokenizer import BOS_ID, EOS_ID
+from paged_lib.util import cdiv
+
+TRAINING_SCRIPT = Path(__file__).resolve().parents[1] / "tools" / "train_tiny_model.py"
+
+
+def _training_script():
+    """``tools/train_tiny_model.py`` as a module: its held-out rule is the one definition."""
+    if not TRAINING_SCRIPT.is_file():
+        raise FileNotFoundError(f"{TRAINING_SCRIPT} is missing: the held-out split is "
+                                "defined by the training script of the repository")
+    name = "paged_lib._train_tiny_model"
+    if name not in sys.modules:  # its dataclasses look themselves up there while defined
+        spec = importlib.util.spec_from_file_location(name, TRAINING_SCRIPT)
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
+    return sys.modules[name]
+
+
+def held_out_stream(num_tokens: int) -> list[int]:
+    """BOS, then the standard library's held-out ``.py`` files (the training script's
+    split, in its order), each file's bytes followed by EOS, cut at ``num_tokens`` ids."""
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 2:
+        raise ValueError(f"num_tokens must be an int >= 2, got {num_tokens!r}")
+    script = _training_script()
+    root = Path(sysconfig.get_paths()["stdlib"])
+    ids = [BOS_ID]
+    for path in script.stdlib_files():
+        if script.is_held_out(path.relative_to(root).as_posix()):
+            ids += list(path.read_bytes()) + [EOS_ID]
+            if len(ids) >= num_tokens:
+                return ids[:num_tokens]
+    raise ValueError(f"the held-out files hold only {len(ids)} tokens, asked {num_tokens}")
+
+
+@torch.no_grad()
+def stream_logprobs(model: TinyLlama, token_ids: list[int],
+                    windows: list[tuple[int | None, int]], block_size: int = 16,
+                    backend: str = "torch") -> torch.Tensor:
+    """``[len(windows), len(token_ids) - 1]`` log-probabilities (nats) of each next token.
+
+    ``windows[i] = (sliding_window, num_sink_tokens)``, or ``(None, 0)`` for the whole
+    stream in the cache. Token ``t`` is fed at its position in its configuration's cache
+    and predicts token ``t + 1``.
+    """
+    if len(token_ids) < 2:
+        raise ValueError(f"need at least 2 tokens to score one, got {len(token_ids)}")
+    if not windows:
+        raise ValueError("windows is empty: give at least one (sliding_window, sinks)")
+    cfg = model.config
+    slides = [None if w is None else SlidingWindow(w, s, block_size, cfg.max_position,
+                                                   cfg.rope_theta)
+              for w, s in windows]
+    for (_, s), slide in zip(windows, slides, strict=True):
+        if slide is None and s != 0:
+            raise ValueError(f"num_sink_tokens={s} needs a sliding_window")
+    caps = [cdiv(len(token_ids), block_size) if sl is None else sl.max_blocks for sl in slides]
+    allocator = BlockAllocator(sum(caps))
+    caches = allocate_kv_caches(model, sum(caps), block_size, model.device)
+    seqs = [Sequence(i, []) for i in range(len(windows))]
+    for seq in seqs:
+        seq.block_table = BlockTable(allocator, block_size)
+    out = torch.empty(len(windows), len(token_ids) - 1)
+    for t in range(len(token_ids) - 1):
+        lens = []
+        for seq, slide in zip(seqs, slides, strict=True):
+            if slide is not None:
+                slide.slide(seq)
+            seq.block_table.append_token()
+            lens.append(seq.num_cached + 1 - (0 if slide is None else slide.dropped(seq)))
+        for slide in slides:
+            if slide is not None:
+                slide.apply(caches)
+        meta = build_metadata([s.block_table.blocks for s in seqs], lens, [1] * len(seqs),
+                              block_size)
+        check_metadata(meta, sum(caps), block_size)
+        ids = torch.full((len(seqs),), token_ids[t], dtype=torch.int64)
+        hidden = model(ids.to(model.device), caches, meta, backend=backend, validate=False)
+        logp = torch.log_softmax(model.compute_logits(hidden), -1)
+        out[:, t] = logp[:, token_ids[t + 1]].cpu()
+        for seq in seqs:
+            seq.num_cached += 1
+    return out
+
+
+def stream_bits_per_byte(model: TinyLlama, token_ids: list[int],
+                         windows: list[tuple[int | None, int]], block_size: int = 16,
+                         backend: str = "torch") -> list[float]:
+    """Mean bits per predicted token of ``token_ids`` under each of ``windows`` (a token
+    is one byte, or the EOS between files: the shipped model's tokenizer); see
+    :func:`stream_logprobs`."""
+    logp = stream_logprobs(model, token_ids, windows, block_size, backend)
+    return [float(-row.mean() / math.log(2)) for row in logp]
+
+
+def memory_curve(model: TinyLlama, prompt: list[int], max_tokens: int, sliding_window: int,
+                 num_sink_tokens: int = 4, block_size: int = 16) -> dict[str, list[int]]:
+    """GPU blocks held after every engine step while one stream generates ``max_tokens``
+    tokens (EOS ignored), ``"full"``: every token kept, ``"window"``: with the window."""
+    num_blocks = cdiv(len(prompt) + max_tokens, block_size) + 1
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    curves = {}
+    for name, kw in (("full", {}), ("window", {"sliding_window": sliding_window,
+                                              "num_sink_tokens": num_sink_tokens})):
+        engine = LLMEngine(model, num_blocks, block_size=block_size, watermark=0.0, **kw)
+        engine.generate([prompt], params)
+        curves[name] = list(engine.stats.blocks_used)
+    return curves
