@@ -48,6 +48,7 @@ from paged_lib.engine.sequence import (
     Sequence,
     SequenceGroup,
 )
+from paged_lib.engine.tensor_parallel import kv_cache_bytes_per_rank, start_tensor_parallel
 from paged_lib.engine.window import make_window
 from paged_lib.kv_quant import check_kv_cache_dtype
 from paged_lib.model import TinyLlama
@@ -98,6 +99,10 @@ class LLMEngine:
     Chapter 11: ``kv_cache_dtype="int8"`` or ``"fp8_e4m3"`` stores K and V in 8 bits
     (:mod:`paged_lib.kv_quant`: int8 with a scale per block and KV head, fp8 E4M3 with
     one scale per tensor); ``"auto"`` (the default) keeps the model's dtype.
+
+    Chapter 12: ``tensor_parallel_size=T`` runs the model on ``T`` worker processes, its
+    heads and KV cache split between them (:mod:`paged_lib.engine.tensor_parallel`); the
+    scheduler stays here. ``close()`` (or ``with LLMEngine(...) as engine:``) stops them.
     """
 
     def __init__(self, model: TinyLlama, num_blocks: int, block_size: int = 16,
@@ -111,7 +116,7 @@ class LLMEngine:
                  kv_cache_dtype: str = "auto",
                  enable_chunked_prefill: bool = False, block_hashes: Callable = block_hashes,
                  longest_cache_hit: Callable = longest_cache_hit,
-                 free_queue_cls: type = FreeBlockQueue,
+                 free_queue_cls: type = FreeBlockQueue, tensor_parallel_size: int = 1,
                  sliding_window: int | None = None, num_sink_tokens: int = 0):
         if attention_backend not in ("torch", "triton"):
             raise ValueError(f"attention_backend must be 'torch' or 'triton', "
@@ -123,10 +128,19 @@ class LLMEngine:
         self.block_size = block_size
         self.window = make_window(sliding_window, num_sink_tokens, block_size, model.config,
                                   enable_prefix_caching=enable_prefix_caching,
-                                  preemption=preemption, kv_cache_dtype=kv_cache_dtype)
+                                  preemption=preemption, kv_cache_dtype=kv_cache_dtype,
+                                  tensor_parallel_size=tensor_parallel_size)
         if self.window is not None:  # chapter 11: admission reserves each stream's blocks
             num_required_blocks = self.window.reserving(num_required_blocks,
                                                         lambda: self.scheduler.running)
+        self.runner = None
+        tp = tensor_parallel_size
+        if isinstance(tp, bool) or tp != 1:  # chapter 12: the ranks start, agree on the pool
+            self.runner = start_tensor_parallel(model, num_blocks, block_size, num_cpu_blocks,
+                                                attention_backend, tp,
+                                                build_metadata=build_metadata,
+                                                kv_cache_dtype=kv_cache_dtype)
+            num_blocks = self.runner.num_blocks
         self.num_blocks = num_blocks
         self.watermark_blocks = int(watermark * num_blocks)
         self.block_manager = BlockManager(num_blocks, block_size, num_cpu_blocks,
@@ -143,12 +157,29 @@ class LLMEngine:
                                    num_required_blocks=num_required_blocks,
                                    choose_victim=choose_victim,
                                    enable_chunked_prefill=enable_chunked_prefill)
-        self.runner = ModelRunner(model, num_blocks, block_size, num_cpu_blocks,
-                                  attention_backend, build_metadata_fn=build_metadata,
-                                  kv_cache_dtype=kv_cache_dtype)
+        if self.runner is None:
+            self.runner = ModelRunner(model, num_blocks, block_size, num_cpu_blocks,
+                                      attention_backend, build_metadata_fn=build_metadata,
+                                      kv_cache_dtype=kv_cache_dtype)
         self.runner.window = self.window
         self.stats = EngineStats(num_blocks=num_blocks, block_size=block_size)
         self._next_seq_id = 0
+
+    @property
+    def kv_cache_bytes_per_rank(self) -> list[int]:
+        """Bytes of KV cache each tensor-parallel rank holds (one entry without TP)."""
+        return kv_cache_bytes_per_rank(self.runner)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (also done on garbage collection)."""
+        if hasattr(self.runner, "close"):
+            self.runner.close()
+
+    def __enter__(self) -> LLMEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # ------------------------------------------------------------------ requests
 

@@ -27,6 +27,7 @@ import weakref
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import wait
+from multiprocessing.reduction import ForkingPickler
 
 import torch
 
@@ -139,6 +140,11 @@ def _worker_main(rank: int, world_size: int, init_method: str, dist_backend: str
         if step is None:
             break
         try:
+            if isinstance(step, tuple):  # ("kv_block", layer, block): this rank's share
+                _, layer, block = step
+                k, v = runner.kv_caches[layer]
+                conn.send(("ok", k[block].cpu().numpy(), v[block].cpu().numpy()))
+                continue
             logits = runner.execute(step)
             conn.send(("ok", logits.cpu().numpy() if rank == 0 else None))
         except BaseException:
@@ -234,6 +240,8 @@ class TensorParallelRunner:
         self.num_blocks: int = replies[0][0]
         self.kv_cache_bytes_per_rank: list[int] = [r[1] for r in replies]
         self.vocab_size = cfg.vocab_size
+        #: bytes of each step's message to each rank (block tables, tokens, copies)
+        self.sent_bytes: list[int] = []
 
     @property
     def closed(self) -> bool:
@@ -249,9 +257,11 @@ class TensorParallelRunner:
         if self.closed:
             raise RuntimeError("the tensor-parallel workers are closed")
         step = out if isinstance(out, StepInput) else step_input(out)
+        message = bytes(ForkingPickler.dumps(step))
+        self.sent_bytes.append(len(message))
         for rank, c in enumerate(self.conns):
             try:
-                c.send(step)
+                c.send_bytes(message)
             except OSError as e:
                 self.close()
                 raise RuntimeError(f"tensor-parallel rank {rank} is gone ({e}); the "
@@ -260,6 +270,16 @@ class TensorParallelRunner:
         if step.is_empty():
             return torch.empty(0, self.vocab_size)
         return torch.from_numpy(logits)
+
+    def kv_block(self, layer: int, block: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each rank's K and V of physical block ``block`` in ``layer``, ``[block_size,
+        its KV heads, head_dim]`` (rank order): the same block id on every rank."""
+        if self.closed:
+            raise RuntimeError("the tensor-parallel workers are closed")
+        for c in self.conns:
+            c.send(("kv_block", int(layer), int(block)))
+        return [(torch.from_numpy(k), torch.from_numpy(v))
+                for k, v in self._gather(f"kv_block({layer}, {block})")]
 
     def _gather(self, what: str) -> list[tuple]:
         """Every rank's reply, in rank order; a failed, dead or silent rank stops all."""
@@ -311,7 +331,8 @@ __all__ = ["DEFAULT_TIMEOUT", "StepInput", "TensorParallelRunner", "kv_cache_byt
 
 def start_tensor_parallel(model: TinyLlama, num_blocks: int, block_size: int,
                           num_cpu_blocks: int, backend: str, tensor_parallel_size: int, *,
-                          build_metadata=None) -> TensorParallelRunner:
+                          build_metadata=None, kv_cache_dtype: str = "auto"
+                          ) -> TensorParallelRunner:
     """The engine's runner for ``tensor_parallel_size`` ranks; options that cannot run on
     the workers raise ``ValueError`` naming them before any process starts."""
     from paged_lib.engine import model_runner
@@ -320,6 +341,10 @@ def start_tensor_parallel(model: TinyLlama, num_blocks: int, block_size: int,
         raise ValueError("build_metadata: a replacement cannot run with "
                          "tensor_parallel_size > 1 (the workers are separate processes and "
                          "use the library's)")
+    if kv_cache_dtype != "auto":
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not supported with "
+                         "tensor_parallel_size > 1 (each rank would quantise its own heads "
+                         "with its own scales)")
     if not isinstance(model, TinyLlama):
         raise ValueError(f"tensor_parallel_size > 1 shards a TinyLlama, got "
                          f"{type(model).__name__}")
