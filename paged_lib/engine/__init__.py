@@ -55,7 +55,10 @@ Options: ``preemption="recompute" | "swap"``, ``scheduling="mixed" | "prefill_fi
 (Orca's iteration-level batching, or vLLM v0's prefills-then-decodes steps),
 ``enable_prefix_caching=True`` (full blocks named by a hash of their prefix, reused across
 requests; ``stats.prefix_cache_hit_tokens``), ``enable_chunked_prefill=True`` (long prompts
-prefilled in chunks of the step's ``max_num_batched_tokens``, alongside decodes).
+prefilled in chunks of the step's ``max_num_batched_tokens``, alongside decodes),
+``sliding_window=W, num_sink_tokens=S`` (chapter 11, ``window.py``: a stream keeps its
+first ``S`` tokens and its last ``W`` to ``W + block_size - 1``, at positions within the
+cache, as StreamingLLM does; the blocks that leave go back to the pool).
 """
 
 from paged_lib.engine.beam_search import beam_step
