@@ -61,8 +61,8 @@ def bytes_per_token_bars(models: Sequence[str | ModelSpec], dtype: str | int = "
 
 
 def levels_bars(levels: Mapping[str, int], title: str = "") -> Figure:
-    """One bar per level of saving, in order (the first is the baseline), in GiB, each
-    labelled with how many times smaller than the baseline it is."""
+    """One bar per level of saving, in order (the first is the baseline), in GiB on a log
+    scale, each labelled with how many times smaller than the baseline it is."""
     if not levels:
         raise ValueError("no levels to draw")
     names, values = list(levels), [v / 2**30 for v in levels.values()]
@@ -75,8 +75,10 @@ def levels_bars(levels: Mapping[str, int], title: str = "") -> Figure:
         ax.annotate(label, (bar.get_x() + bar.get_width() / 2, v), ha="center",
                     va="bottom", fontsize=8)
     ax.set_xticks(range(len(names)), names, fontsize=8)
-    ax.set_ylabel("KV memory (GiB)")
-    ax.set_ylim(0, max(values) * 1.3 or 1)
+    ax.set_yscale("log")
+    ax.set_ylabel("KV memory (GiB, log scale)")
+    positive = [v for v in values if v > 0] or [1.0]
+    ax.set_ylim(min(positive) / 3, max(positive) * 6)
     ax.set_title(title or "KV memory after each level of saving", fontsize=10)
     fig.tight_layout()
     return fig
