@@ -13,7 +13,15 @@ import torch
 
 from paged_lib.blocks import BlockAllocator, BlockTable
 from paged_lib.engine import LLMEngine, SamplingParams
-from paged_lib.engine.window import drop_oldest, kept_tokens, num_dropped, window_blocks
+from paged_lib.engine.scheduler_output import SchedulerOutput
+from paged_lib.engine.sequence import Sequence, SequenceGroup
+from paged_lib.engine.window import (
+    SlidingWindow,
+    drop_oldest,
+    kept_tokens,
+    num_dropped,
+    window_blocks,
+)
 from paged_lib.model import apply_rope, rope_cos_sin
 from paged_lib.streaming import held_out_stream, memory_curve, stream_bits_per_byte, stream_logprobs
 from paged_lib.tokenizer import BOS_ID, EOS_ID
@@ -101,6 +109,21 @@ def test_drop_oldest_moves_sinks_and_frees_one_block():
         drop_oldest(new, 4)
 
 
+def test_a_preempted_stream_that_dropped_tokens_is_a_runtime_error():
+    w = SlidingWindow(8, 0, 4)
+    seq = Sequence(0, list(range(12)))
+    alloc = BlockAllocator(4)
+    seq.block_table = BlockTable(alloc, 4)
+    for _ in range(11):
+        seq.block_table.append_token()
+        seq.num_cached += 1
+    w.slide(seq)
+    group = SequenceGroup(7, [seq], SamplingParams(max_tokens=4))
+    w.check_no_preemption(SchedulerOutput(step=0))
+    with pytest.raises(RuntimeError, match="request 7 was preempted after its window dropped 4"):
+        w.check_no_preemption(SchedulerOutput(step=0, preempted=[group]))
+
+
 def test_window_larger_than_stream_equals_no_window(tiny_model):
     plain, _ = run(tiny_model, [PROMPT], 120)
     windowed, _ = run(tiny_model, [PROMPT], 120, sliding_window=200, num_sink_tokens=4)
@@ -110,9 +133,9 @@ def test_window_larger_than_stream_equals_no_window(tiny_model):
 
 @pytest.mark.parametrize("sinks", [0, 3, 8, 11])  # none, inside one block, whole, across
 def test_windowed_tokens_equal_the_dense_reference(tiny_model, sinks):
-    (got,), engine = run(tiny_model, [PROMPT], 150, num_blocks=12, sliding_window=16,
+    (got,), engine = run(tiny_model, [PROMPT], 100, num_blocks=12, sliding_window=16,
                          num_sink_tokens=sinks)
-    want, logps = dense_reference(tiny_model, PROMPT, 150, 16, sinks, 8)
+    want, logps = dense_reference(tiny_model, PROMPT, 100, 16, sinks, 8)
     assert got.token_ids == want
     assert abs(got.cumulative_logprob - sum(logps)) < 1e-3
     assert engine.stats.peak_blocks_used == engine.window.max_blocks
@@ -130,11 +153,11 @@ def test_blocks_stay_flat_over_a_long_stream(tiny_model):
 
 def test_streams_batched_on_a_tight_pool_wait_instead_of_being_preempted(tiny_model):
     prompts = [PROMPT, PROMPT[:4], [7] * 18]
-    (a, b, c), engine = run(tiny_model, prompts, 90, num_blocks=9, sliding_window=16,
+    (a, b, c), engine = run(tiny_model, prompts, 60, num_blocks=9, sliding_window=16,
                             num_sink_tokens=2)
     assert engine.stats.preemptions == 0 and max(engine.stats.batch_sizes) == 2  # 4 + 4 < 9
     for prompt, got in zip(prompts, (a, b, c), strict=True):
-        assert got.token_ids == dense_reference(tiny_model, prompt, 90, 16, 2, 8)[0]
+        assert got.token_ids == dense_reference(tiny_model, prompt, 60, 16, 2, 8)[0]
 
 
 def test_chunked_prefill_and_prefill_first_give_the_same_tokens(tiny_model):
@@ -181,7 +204,7 @@ def test_requests_a_window_cannot_serve_are_value_errors(tiny_model, prompt, par
 
 
 def test_stream_logprobs_equal_the_dense_reference_for_every_window(tiny_model):
-    text = [(7 * i + 3) % 97 for i in range(90)]
+    text = [(7 * i + 3) % 97 for i in range(70)]
     windows = [(None, 0), (16, 0), (16, 1), (16, 4), (100, 2)]
     got = stream_logprobs(tiny_model, text, windows, block_size=8)
     for row, (w, s) in zip(got, windows, strict=True):

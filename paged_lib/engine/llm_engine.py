@@ -252,6 +252,8 @@ class LLMEngine:
         if self.window is not None:  # blocks out of the window go back before scheduling
             self.window.slide_all(self.scheduler.running)
         out = self.scheduler.schedule()
+        if self.window is not None:
+            self.window.check_no_preemption(out)
         if out.is_empty():
             raise RuntimeError(
                 f"step {self.scheduler.step}: nothing could be scheduled although "

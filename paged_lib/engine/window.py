@@ -27,16 +27,17 @@ data moves. One block freed per ``B`` tokens, ``r`` slots copied.
 **Keys are stored after RoPE** (:mod:`paged_lib.model`), so moving a token back ``B``
 positions means rotating its cached key by ``-B`` (RoPE rotations compose:
 ``R(p - B) = R(-B) R(p)``); values carry no position. Sinks never move. Cost: every
-``B`` tokens, one read and write of the window's keys, ``W .. W + B - 1`` tokens x layers
-x KV heads x head size, about ``1/B`` of what attention reads from K per token; a key is
-rotated at most ``W / B + 1`` times in its life, so rounding does not pile up with the
-stream's length. The alternative that avoids rotating the window: keep original
-positions and rotate only the ``S`` sinks forward by ``+B`` (RoPE scores depend on
-position differences only, so the recent tokens' distances are already right); it is
-cheaper, but positions then grow without bound, and fp32 angles lose precision as they
-grow (about ``p x 6e-8`` radians at position ``p``). A third way stores keys before
-RoPE and rotates at read time (StreamingLLM's own Llama code): it needs a kernel change
-and rotates every key on every read.
+``B`` tokens, one read and one write of the window's keys (``W .. W + B - 1`` tokens x
+layers x KV heads x head size), against the ``B`` reads of every kept key that attention
+does over those steps: about ``2/B`` more K traffic. A key is rotated at most
+``W / B + 1`` times in its life, so rounding does not pile up with the stream's length.
+The alternative that avoids rotating the window: keep original positions and rotate
+only the ``S`` sinks forward by ``+B`` (RoPE scores depend on position differences
+only, so the recent tokens' distances are already right); it is cheaper, but positions
+then grow without bound, and fp32 angles lose precision as they grow (about
+``p x 6e-8`` radians at position ``p``). A third way caches keys before
+RoPE and rotates them at every decoding step (StreamingLLM's own choice, its section
+3.2): it needs a kernel change and rotates every kept key on every step.
 
 **vLLM's sliding window is a different thing.** It serves models *trained* with one
 (Mistral-7B's 4096 tokens): positions stay the original ones, there are no sinks, the
@@ -66,6 +67,7 @@ import torch
 
 from paged_lib.blocks import BlockTable
 from paged_lib.engine.block_manager import shared_prompt_blocks
+from paged_lib.engine.scheduler_output import SchedulerOutput
 from paged_lib.engine.sequence import SamplingParams, Sequence, SequenceGroup
 from paged_lib.model import apply_rope, rope_cos_sin
 from paged_lib.util import cdiv
@@ -181,7 +183,8 @@ class SlidingWindow:
     """The engine's window: drops blocks as sequences grow, keeps the edits for the runner.
 
     Hooks (each one line in the shared engine files): :meth:`slide` before a step is
-    scheduled, :meth:`cache_len` for the ``seq_lens`` the kernels get, :meth:`apply`
+    scheduled (and :meth:`check_no_preemption` after), :meth:`cache_len` for the
+    ``seq_lens`` the kernels get, :meth:`apply`
     before the forward pass, :meth:`check_request` and :meth:`reserving` at admission.
     """
 
@@ -212,12 +215,19 @@ class SlidingWindow:
 
     def cache_len(self, seq: Sequence, num_text_tokens: int) -> int:
         """Tokens in ``seq``'s cache when its first ``num_text_tokens`` have K/V."""
-        gone = self.dropped(seq)
-        if gone and seq.num_cached == 0:
-            raise RuntimeError(f"sequence {seq.seq_id} was preempted after its window "
-                               f"dropped {gone} tokens, whose K/V cannot be recomputed: "
-                               "keep the default admission, or give the pool more blocks")
-        return num_text_tokens - gone
+        return num_text_tokens - self.dropped(seq)
+
+    def check_no_preemption(self, out: SchedulerOutput) -> None:
+        """``RuntimeError`` if this step preempted a sequence that dropped tokens: their
+        K/V cannot be recomputed (a custom ``admission`` hook can cause it)."""
+        for group in out.preempted:
+            for seq in group.seqs:
+                if self.dropped(seq):
+                    raise RuntimeError(
+                        f"request {group.request_id} was preempted after its window dropped "
+                        f"{self.dropped(seq)} tokens, whose K/V cannot be recomputed: keep "
+                        "the default admission (it reserves each stream's blocks), or give "
+                        "the pool more blocks")
 
     def slide(self, seq: Sequence) -> int:
         """Drop what must go before ``seq`` feeds its next token (``num_cached + 1``
