@@ -125,9 +125,13 @@ def stream_bits_per_byte(model: TinyLlama, token_ids: list[int],
 
 
 def memory_curve(model: TinyLlama, prompt: list[int], max_tokens: int, sliding_window: int,
-                 num_sink_tokens: int = 4, block_size: int = 16) -> dict[str, list[int]]:
-    """GPU blocks held after every engine step while one stream generates ``max_tokens``
-    tokens (EOS ignored), ``"full"``: every token kept, ``"window"``: with the window."""
+                 num_sink_tokens: int = 4,
+                 block_size: int = 16) -> dict[str, tuple[list[int], list[int]]]:
+    """GPU blocks held while one stream generates ``max_tokens`` tokens (EOS ignored):
+    ``{"full": (tokens, blocks), "window": (tokens, blocks)}``, one entry per engine step,
+    ``tokens`` the stream's tokens with K/V computed after it (the prompt, then one more
+    per step) and ``blocks`` those the engine held; ``"full"`` keeps every token, ``"window"``
+    runs with ``sliding_window`` and ``num_sink_tokens`` (``(xs, ys)`` pairs, ready to plot)."""
     num_blocks = cdiv(len(prompt) + max_tokens, block_size) + 1
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     curves = {}
@@ -135,5 +139,6 @@ def memory_curve(model: TinyLlama, prompt: list[int], max_tokens: int, sliding_w
                                               "num_sink_tokens": num_sink_tokens})):
         engine = LLMEngine(model, num_blocks, block_size=block_size, watermark=0.0, **kw)
         engine.generate([prompt], params)
-        curves[name] = list(engine.stats.blocks_used)
+        used = list(engine.stats.blocks_used)
+        curves[name] = ([len(prompt) + i for i in range(len(used))], used)
     return curves

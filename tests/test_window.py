@@ -227,5 +227,8 @@ def test_held_out_stream_is_bos_then_held_out_files():
 def test_memory_curve_flat_with_the_window_growing_without(tiny_model):
     curves = memory_curve(tiny_model, PROMPT, 120, sliding_window=16, num_sink_tokens=4,
                           block_size=8)
-    assert curves["full"][-1] == -(-(len(PROMPT) + 119) // 8)  # every token kept
-    assert max(curves["window"]) == -(-(4 + 16 + 7) // 8) == curves["window"][-1]
+    tokens, full = curves["full"]
+    assert tokens == list(range(len(PROMPT), len(PROMPT) + 120)) == curves["window"][0]
+    assert full == [-(-n // 8) for n in tokens]  # every token kept
+    assert curves["window"][1] == [window_blocks(n, 16, 4, 8) for n in tokens]
+    assert max(curves["window"][1]) == -(-(4 + 16 + 7) // 8) == curves["window"][1][-1]
