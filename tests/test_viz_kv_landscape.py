@@ -80,3 +80,15 @@ def test_memory_curves_and_claims_table():
         viz.memory_curves({"a": ([0, 1], [0])})
     table = viz.claims_table([("pages of 4K | 16K", "16 tokens", "ch. 09")])
     assert table.splitlines()[2] == '| "pages of 4K \\| 16K" | 16 tokens | ch. 09 |'
+
+
+def test_grouped_bars_one_colour_per_series():
+    fig = viz.grouped_bars({"8 bits": {"K": 0.01, "V": 0.02}, "2 bits": {"K": 0.3, "V": 0.5}},
+                           ylabel="error")
+    ax = fig.axes[0]
+    bars = _bars(ax)
+    assert [round(p.get_height(), 2) for p in bars] == [0.01, 0.3, 0.02, 0.5]  # K, then V
+    assert bars[0].get_facecolor() == bars[1].get_facecolor() != bars[2].get_facecolor()
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["K", "V"]
+    with pytest.raises(ValueError, match="has series"):
+        viz.grouped_bars({"a": {"K": 1}, "b": {"V": 1}}, ylabel="x")

@@ -5,6 +5,7 @@
 * :func:`levels_bars`: a deployment's KV memory after each level of saving, stacked up;
 * :func:`block_grid`: a sequence's blocks, each kept (a sink, the window) or freed;
 * :func:`memory_curves`: blocks (or bytes) held against tokens, one line per setting;
+* :func:`grouped_bars`: one group of bars per setting (errors of quantisation schemes);
 * :func:`claims_table`: the claims checked in the chapter, as a Markdown table.
 """
 
@@ -140,6 +141,34 @@ def memory_curves(curves: Mapping[str, tuple[Sequence[float], Sequence[float]]],
     if title:
         ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+def grouped_bars(groups: Mapping[str, Mapping[str, float]], ylabel: str, title: str = "",
+                 log: bool = True) -> Figure:
+    """``groups[group][series] = value``: one group of bars per ``group``, one colour per
+    ``series`` (every group must have the same series, in the same order)."""
+    if not groups:
+        raise ValueError("no groups to draw")
+    series = list(next(iter(groups.values())))
+    for name, values in groups.items():
+        if list(values) != series:
+            raise ValueError(f"group {name!r} has series {list(values)}, expected {series}")
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    width = 0.8 / len(series)
+    colors = ["#4c72b0", "#a1c9f4", "#dd8452", "#ffb482", "#55a868", "#8de5a1"]
+    for j, name in enumerate(series):
+        xs = [i + (j - (len(series) - 1) / 2) * width for i in range(len(groups))]
+        ax.bar(xs, [g[name] for g in groups.values()], width, label=name,
+               color=colors[j % len(colors)])
+    ax.set_xticks(range(len(groups)), list(groups), fontsize=9)
+    if log:
+        ax.set_yscale("log")
+    ax.set_ylabel(ylabel)
+    ax.legend(fontsize=8, ncols=2)
+    if title:
+        ax.set_title(title, fontsize=10)
     fig.tight_layout()
     return fig
 
