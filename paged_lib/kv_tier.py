@@ -26,9 +26,12 @@ into such a trace; :func:`compare_policies` runs both policies on one.
 
 from __future__ import annotations
 
+import inspect
 from collections import OrderedDict
 from collections.abc import Hashable
 from dataclasses import dataclass
+
+import numpy as np
 
 from paged_lib.engine.prefix_cache import block_hashes
 from paged_lib.prefix_workloads import multi_turn_chat
@@ -208,12 +211,33 @@ def simulate(trace: list[list[Hashable]], gpu_blocks: int, cpu_blocks: int,
     return stats
 
 
-def chat_trace(block_size: int = 16, **chat) -> list[list[Hashable]]:
+def chat_trace(block_size: int = 16, order: str = "round_robin",
+               **chat) -> list[list[Hashable]]:
     """Chapter 10's interleaved multi-turn chat (:func:`~paged_lib.prefix_workloads.
     multi_turn_chat`, keywords passed on) as a block trace: each turn reads its prompt's
     full blocks and writes its answer's, named by their chained hashes (a part-filled
-    last block is not kept, as in vLLM's prefix cache)."""
-    return [block_hashes(r.prompt + r.output, block_size) for r in multi_turn_chat(**chat)]
+    last block is not kept, as in vLLM's prefix cache).
+
+    ``order="round_robin"``: turn ``t`` of every conversation, then turn ``t + 1`` (the
+    workload's own order: every reuse waits for all the other conversations);
+    ``"random"``: each next request is the next turn of a conversation drawn at random
+    among those with turns left (seeded with the workload's ``seed``), so conversations
+    move at different paces.
+    """
+    if order not in ("round_robin", "random"):
+        raise ValueError(f"order must be 'round_robin' or 'random', got {order!r}")
+    trace = [block_hashes(r.prompt + r.output, block_size) for r in multi_turn_chat(**chat)]
+    if order == "round_robin":
+        return trace
+    defaults = inspect.signature(multi_turn_chat).parameters
+    convs = chat.get("num_conversations", defaults["num_conversations"].default)
+    turns = [trace[c::convs] for c in range(convs)]  # each conversation's turns, in order
+    rng = np.random.default_rng(chat.get("seed", defaults["seed"].default))
+    out = []
+    while any(turns):
+        left = [c for c in range(convs) if turns[c]]
+        out.append(turns[left[int(rng.integers(len(left)))]].pop(0))
+    return out
 
 
 def compare_policies(trace: list[list[Hashable]], gpu_blocks: int, cpu_blocks: int,

@@ -71,6 +71,17 @@ def test_a_cpu_tier_turns_misses_into_copies(trace):
     assert tiered.cpu_hits == alone.misses + alone.gpu_hits - tiered.gpu_hits
 
 
+def test_random_order_keeps_each_conversation_in_order():
+    rr = chat_trace(block_size=8, num_conversations=3, num_turns=4, seed=2)
+    rand = chat_trace(block_size=8, order="random", num_conversations=3, num_turns=4, seed=2)
+    assert sorted(map(tuple, rand)) == sorted(map(tuple, rr)) and rand != rr
+    for c in range(3):  # a conversation's turns grow: each one's blocks start with the last's
+        mine = [t for t in rand if t[:1] == rr[c][:1]]
+        assert mine == rr[c::3]
+    with pytest.raises(ValueError, match="order must be"):
+        chat_trace(order="lifo")
+
+
 @pytest.mark.parametrize("kwargs, match", [
     ({"policy": "fifo"}, "policy must be one of"),
     ({"gpu_blocks": 0}, "gpu_blocks must be an int >= 1"),
