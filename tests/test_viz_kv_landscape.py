@@ -92,3 +92,12 @@ def test_grouped_bars_one_colour_per_series():
     assert [t.get_text() for t in ax.get_legend().get_texts()] == ["K", "V"]
     with pytest.raises(ValueError, match="has series"):
         viz.grouped_bars({"a": {"K": 1}, "b": {"V": 1}}, ylabel="x")
+
+
+def test_window_block_states_follow_the_engine_window():
+    # window 8, 2 sinks, blocks of 4: 13 tokens drop nothing yet; 14 drop tokens 2-5
+    assert viz.window_block_states(13, 8, 2, 4) == ["sink", "window", "window", "window"]
+    assert viz.window_block_states(14, 8, 2, 4) == ["sink", "window", "window", "window"]
+    assert viz.window_block_states(18, 8, 2, 4) == ["sink", "freed", "window", "window",
+                                                    "window"]
+    assert viz.window_block_states(40, 8, 0, 4)[:6] == ["freed"] * 6

@@ -4,6 +4,7 @@
   same model would cache as plain multi-head attention (one KV head per query head);
 * :func:`levels_bars`: a deployment's KV memory after each level of saving, stacked up;
 * :func:`block_grid`: a sequence's blocks, each kept (a sink, the window) or freed;
+  :func:`window_block_states` says which, for the engine's window with sinks;
 * :func:`memory_curves`: blocks (or bytes) held against tokens, one line per setting;
 * :func:`grouped_bars`: one group of bars per setting (errors of quantisation schemes);
 * :func:`claims_table`: the claims checked in the chapter, as a Markdown table.
@@ -19,6 +20,8 @@ from matplotlib.patches import Patch, Rectangle
 
 from paged_lib.accounting import KiB, ModelSpec, get_spec, kv_bytes_per_token, mha_equivalent
 from paged_lib.course.viz.accounting import KIND_COLORS as _KINDS
+from paged_lib.engine.window import kept_tokens
+from paged_lib.util import cdiv
 
 KIND_COLORS = {**_KINDS, "MLA": "#8172b3"}
 MHA_COLOR = "#d9d9d9"
@@ -121,6 +124,23 @@ def block_grid(rows: Mapping[str, Sequence[str]], block_size: int,
     ax.set_title(title or f"blocks of {block_size} tokens", fontsize=10, loc="left")
     fig.tight_layout()
     return fig
+
+
+def window_block_states(num_tokens: int, window: int, num_sink_tokens: int,
+                        block_size: int) -> list[str]:
+    """The stream's first ``num_tokens`` tokens cut into blocks of ``block_size``, each
+    ``"sink"`` (it holds a kept sink), ``"window"`` (it holds kept recent tokens) or
+    ``"freed"`` (none of its tokens is in the cache), for
+    :func:`paged_lib.engine.window.kept_tokens`."""
+    kept = set(kept_tokens(num_tokens, window, num_sink_tokens, block_size))
+    states = []
+    for b in range(cdiv(num_tokens, block_size)):
+        ids = range(b * block_size, min(num_tokens, (b + 1) * block_size))
+        if any(t in kept and t < num_sink_tokens for t in ids):
+            states.append("sink")
+        else:
+            states.append("window" if any(t in kept for t in ids) else "freed")
+    return states
 
 
 def memory_curves(curves: Mapping[str, tuple[Sequence[float], Sequence[float]]],
