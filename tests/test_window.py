@@ -107,6 +107,10 @@ def test_drop_oldest_moves_sinks_and_frees_one_block():
     assert op2.copy_len == 0 and new2.num_tokens == 8  # sinks fill their block: no copy
     with pytest.raises(ValueError, match="no 4 recent tokens"):
         drop_oldest(new, 4)
+    new2.fork()
+    with pytest.raises(ValueError, match="are shared"):
+        drop_oldest(new2, 0)
+    assert new2.num_tokens == 8 and alloc.num_free == 4  # unchanged by the refusal
 
 
 def test_a_preempted_stream_that_dropped_tokens_is_a_runtime_error():

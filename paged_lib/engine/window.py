@@ -126,9 +126,10 @@ def drop_oldest(table: BlockTable, num_sink_tokens: int) -> tuple[BlockTable, Wi
         raise ValueError(f"a table of {table.num_tokens} tokens has no {bs} recent tokens "
                          f"to drop after {sinks} sinks")
     blocks, gone = table.blocks, sinks // bs
-    if any(table.allocator.refcount(b) > 1 for b in blocks[gone:gone + 2]):
-        raise ValueError(f"blocks {blocks[gone:gone + 2]} are shared: a windowed table "
-                         "rewrites them (fork is not supported)")
+    shared = [b for b in blocks[gone:] if table.allocator.refcount(b) > 1]
+    if shared:
+        raise ValueError(f"blocks {shared} are shared: dropping rewrites the keys after the "
+                         "sinks (a windowed table cannot be forked)")
     kept = blocks[:gone] + blocks[gone + 1:]
     new = BlockTable(table.allocator, bs, kept, table.num_tokens - bs)
     table.allocator.free(blocks[gone])
