@@ -58,7 +58,10 @@ requests; ``stats.prefix_cache_hit_tokens``), ``enable_chunked_prefill=True`` (l
 prefilled in chunks of the step's ``max_num_batched_tokens``, alongside decodes),
 ``sliding_window=W, num_sink_tokens=S`` (chapter 11, ``window.py``: a stream keeps its
 first ``S`` tokens and its last ``W`` to ``W + block_size - 1``, at positions within the
-cache, as StreamingLLM does; the blocks that leave go back to the pool).
+cache, as StreamingLLM does; the blocks that leave go back to the pool),
+``tensor_parallel_size=T`` (chapter 12, ``tensor_parallel.py``: one worker process per
+rank holds its heads' share of every block; the scheduler stays in the driver and sends
+each step's block tables to every rank; ``engine.close()`` stops the workers).
 """
 
 from paged_lib.engine.beam_search import beam_step
