@@ -5,10 +5,9 @@ Two measurements of :mod:`paged_lib.engine.window` on the shipped model:
 * :func:`stream_bits_per_byte` - how well the model predicts a long held-out stream
   (:func:`held_out_stream`: Python files the model never trained on) when its cache is a
   window with 0, 1, 4, ... sinks, or the whole stream (positions past the 512 it was
-  trained on). The stream is fed one token at a time, exactly as the engine decodes:
-  same blocks, same drops, same K/V edits (the engine generates; this scores given
-  text, so it drives the model itself). All the configurations run side by side as one
-  batch of sequences over one paged cache.
+  trained on). The stream goes through the same blocks, drops and K/V edits as in the
+  engine (the engine generates; this scores given text, so it drives the model itself),
+  in chunks that end where a block leaves: what feeding it token by token computes.
 * :func:`memory_curve` - blocks the engine holds at every step of a growing stream, with
   and without the window.
 """
@@ -27,7 +26,7 @@ from paged_lib.blocks import BlockAllocator, BlockTable
 from paged_lib.engine.llm_engine import LLMEngine
 from paged_lib.engine.model_runner import allocate_kv_caches, build_metadata, check_metadata
 from paged_lib.engine.sequence import SamplingParams, Sequence
-from paged_lib.engine.window import SlidingWindow
+from paged_lib.engine.window import SlidingWindow, num_dropped
 from paged_lib.model import TinyLlama
 from paged_lib.tokenizer import BOS_ID, EOS_ID
 from paged_lib.util import cdiv
@@ -67,50 +66,61 @@ def held_out_stream(num_tokens: int) -> list[int]:
 @torch.no_grad()
 def stream_logprobs(model: TinyLlama, token_ids: list[int],
                     windows: list[tuple[int | None, int]], block_size: int = 16,
-                    backend: str = "torch") -> torch.Tensor:
+                    backend: str = "torch", max_chunk: int = 256) -> torch.Tensor:
     """``[len(windows), len(token_ids) - 1]`` log-probabilities (nats) of each next token.
 
     ``windows[i] = (sliding_window, num_sink_tokens)``, or ``(None, 0)`` for the whole
     stream in the cache. Token ``t`` is fed at its position in its configuration's cache
-    and predicts token ``t + 1``.
+    and predicts token ``t + 1``. The tokens go in as prefill chunks (at most
+    ``max_chunk`` each) that end where a block leaves the window: between two drops the
+    cache only grows, so a chunk computes what feeding its tokens one by one would.
     """
     if len(token_ids) < 2:
         raise ValueError(f"need at least 2 tokens to score one, got {len(token_ids)}")
     if not windows:
         raise ValueError("windows is empty: give at least one (sliding_window, sinks)")
+    if isinstance(max_chunk, bool) or not isinstance(max_chunk, int) or max_chunk < 1:
+        raise ValueError(f"max_chunk must be an int >= 1, got {max_chunk!r}")
+    for w, s in windows:
+        if w is None and s != 0:
+            raise ValueError(f"num_sink_tokens={s} needs a sliding_window")
     cfg = model.config
     slides = [None if w is None else SlidingWindow(w, s, block_size, cfg.max_position,
-                                                   cfg.rope_theta)
-              for w, s in windows]
-    for (_, s), slide in zip(windows, slides, strict=True):
-        if slide is None and s != 0:
-            raise ValueError(f"num_sink_tokens={s} needs a sliding_window")
-    caps = [cdiv(len(token_ids), block_size) if sl is None else sl.max_blocks for sl in slides]
-    allocator = BlockAllocator(sum(caps))
-    caches = allocate_kv_caches(model, sum(caps), block_size, model.device)
-    seqs = [Sequence(i, []) for i in range(len(windows))]
-    for seq in seqs:
-        seq.block_table = BlockTable(allocator, block_size)
-    out = torch.empty(len(windows), len(token_ids) - 1)
-    for t in range(len(token_ids) - 1):
-        lens = []
-        for seq, slide in zip(seqs, slides, strict=True):
-            if slide is not None:
-                slide.slide(seq)
+                                                   cfg.rope_theta) for w, s in windows]
+    return torch.stack([_score(model, token_ids, sl, block_size, backend, max_chunk)
+                        for sl in slides])
+
+
+def _score(model: TinyLlama, token_ids: list[int], slide: SlidingWindow | None,
+           block_size: int, backend: str, max_chunk: int) -> torch.Tensor:
+    n = len(token_ids)
+    cap = cdiv(n, block_size) if slide is None else slide.max_blocks
+    allocator = BlockAllocator(cap)
+    caches = allocate_kv_caches(model, cap, block_size, model.device)
+    seq = Sequence(0, [])
+    seq.block_table = BlockTable(allocator, block_size)
+    gone = (lambda fed: 0) if slide is None else (lambda fed: num_dropped(
+        fed, slide.window, slide.num_sink_tokens, block_size))
+    out = torch.empty(n - 1)
+    t = 0
+    while t < n - 1:  # feed tokens t .. end-1, which predict t+1 .. end
+        end = t + 1
+        while end < min(n - 1, t + max_chunk) and gone(end + 1) == gone(t + 1):
+            end += 1
+        if slide is not None:
+            slide.slide(seq)  # the blocks that leave before token t goes in
+        for _ in range(end - t):
             seq.block_table.append_token()
-            lens.append(seq.num_cached + 1 - (0 if slide is None else slide.dropped(seq)))
-        for slide in slides:
-            if slide is not None:
-                slide.apply(caches)
-        meta = build_metadata([s.block_table.blocks for s in seqs], lens, [1] * len(seqs),
-                              block_size)
-        check_metadata(meta, sum(caps), block_size)
-        ids = torch.full((len(seqs),), token_ids[t], dtype=torch.int64)
-        hidden = model(ids.to(model.device), caches, meta, backend=backend, validate=False)
-        logp = torch.log_softmax(model.compute_logits(hidden), -1)
-        out[:, t] = logp[:, token_ids[t + 1]].cpu()
-        for seq in seqs:
-            seq.num_cached += 1
+        if slide is not None:
+            slide.apply(caches)
+        meta = build_metadata([seq.block_table.blocks], [seq.block_table.num_tokens],
+                              [end - t], block_size)
+        check_metadata(meta, cap, block_size)
+        ids = torch.tensor(token_ids[t:end], dtype=torch.int64, device=model.device)
+        hidden = model(ids, caches, meta, backend=backend, validate=False)
+        logp = torch.log_softmax(model.compute_logits(hidden), -1).cpu()
+        out[t:end] = logp[torch.arange(end - t), torch.tensor(token_ids[t + 1:end + 1])]
+        seq.num_cached = t = end
     return out
 
 

@@ -216,6 +216,8 @@ def test_stream_logprobs_equal_the_dense_reference_for_every_window(tiny_model):
         want = torch.stack([stream.feed(a)[b] for a, b in zip(text, text[1:], strict=False)])
         torch.testing.assert_close(row, want, atol=1e-4, rtol=0)
     assert torch.equal(got[0], got[4])  # a window longer than the text changes nothing
+    one_by_one = stream_logprobs(tiny_model, text, windows[2:4], block_size=8, max_chunk=1)
+    torch.testing.assert_close(one_by_one, got[2:4], atol=1e-5, rtol=0)  # chunks change nothing
     bpb = stream_bits_per_byte(tiny_model, text, windows[:2], block_size=8)
     assert bpb == [pytest.approx(float(-r.mean() / math.log(2))) for r in got[:2]]
 
