@@ -4,10 +4,11 @@ Two measurements of :mod:`paged_lib.engine.window` on the shipped model:
 
 * :func:`stream_bits_per_byte` - how well the model predicts a long held-out stream
   (:func:`held_out_stream`: Python files the model never trained on) when its cache is a
-  window with 0, 1, 4, ... sinks, or the whole stream (positions past the 512 it was
-  trained on). The stream goes through the same blocks, drops and K/V edits as in the
-  engine (the engine generates; this scores given text, so it drives the model itself),
-  in chunks that end where a block leaves: what feeding it token by token computes.
+  window with 0, 1, 4, ... sinks, or the whole stream (at positions past the 257 of its
+  training windows, and past its config's 512). The stream goes through the same blocks,
+  drops and K/V edits as in the engine (the engine generates; this scores given text, so
+  it drives the model itself), in chunks that end where a block leaves: what feeding it
+  token by token computes.
 * :func:`memory_curve` - blocks the engine holds at every step of a growing stream, with
   and without the window.
 """

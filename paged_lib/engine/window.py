@@ -12,9 +12,9 @@ oldest go. So a query sees the sinks and its last ``W`` to ``W + B - 1`` tokens 
 included), exactly those: the block table handed to the kernels lists only kept blocks
 and ``seq_lens`` counts only kept tokens, so the kernels are unchanged. Positions are
 taken *within the cache*, as StreamingLLM does: the cached tokens sit at positions
-``0 .. len(cache) - 1`` and the next token at ``len(cache)``, so a model trained on 512
-positions can run a stream of any length (``S + W + B - 1`` must not exceed its
-``max_position``).
+``0 .. len(cache) - 1`` and the next token at ``len(cache)``, so a model trained on short
+texts runs a stream of any length at positions it knows (``S + W + B - 1`` must not
+exceed its ``max_position``: 512 for the shipped model, trained on 257-token windows).
 
 **Sinks are exact, not whole blocks.** The ``B`` tokens that leave are logical
 positions ``S .. S + B - 1``: the tail of the block holding the last sinks and the head
