@@ -5,6 +5,7 @@ Each engine with workers starts once per module (spawning two ranks takes second
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 
 import pytest
@@ -189,6 +190,8 @@ def test_bad_sizes_and_unsupported_options_raise_before_any_worker_starts(shippe
     with pytest.raises(ValueError, match="build_metadata"):
         LLMEngine(shipped, 16, tensor_parallel_size=2,
                   build_metadata=lambda *a: build_metadata(*a))
+    with pytest.raises(ValueError, match="num_blocks must be an integer >= 1"):
+        LLMEngine(shipped, 0, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="kv_cache_dtype='int8' is not supported"):
         LLMEngine(shipped, 16, tensor_parallel_size=2, kv_cache_dtype="int8")
     assert len(mp.active_children()) == before
@@ -228,3 +231,11 @@ def test_workers_exit_cleanly_on_close(tp_engine):
     tp_engine.close()
     assert [p.exitcode for p in processes] == [0, 0]
     tp_engine.close()  # twice is fine
+
+
+def test_workers_stop_when_the_engine_is_garbage_collected(one_kv_head):
+    engine = LLMEngine(one_kv_head, 8, block_size=4, tensor_parallel_size=2)
+    processes = list(engine.runner.processes)
+    del engine
+    gc.collect()
+    assert [p.exitcode for p in processes] == [0, 0]

@@ -203,6 +203,8 @@ class TensorParallelRunner:
         if len(limits) != tp:
             raise ValueError(f"max_blocks_per_rank needs one entry per rank ({tp}), "
                              f"got {len(limits)}")
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
+            raise ValueError(f"num_blocks must be an integer >= 1, got {num_blocks!r}")
         if not isinstance(timeout, int | float) or timeout <= 0:
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         local_cfg = shard_config(cfg, tp)
@@ -238,6 +240,10 @@ class TensorParallelRunner:
         #: seconds from the first spawn until every rank had its caches
         self.startup_seconds = time.perf_counter() - start
         self.num_blocks: int = replies[0][0]
+        if self.num_blocks < 1:
+            self.close()
+            raise RuntimeError(f"the ranks agreed on {self.num_blocks} blocks: one of them "
+                               "cannot hold a single block of KV cache")
         self.kv_cache_bytes_per_rank: list[int] = [r[1] for r in replies]
         self.vocab_size = cfg.vocab_size
         #: bytes of each step's message to each rank (block tables, tokens, copies)
