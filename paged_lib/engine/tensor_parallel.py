@@ -288,7 +288,15 @@ class TensorParallelRunner:
                 for k, v in self._gather(f"kv_block({layer}, {block})")]
 
     def _gather(self, what: str) -> list[tuple]:
-        """Every rank's reply, in rank order; a failed, dead or silent rank stops all."""
+        """Every rank's reply, in rank order; a failed, dead or silent rank stops all, and
+        so does an interrupt (a late reply must never be read as the next step's)."""
+        try:
+            return self._wait_replies(what)
+        except BaseException:
+            self.close()
+            raise
+
+    def _wait_replies(self, what: str) -> list[tuple]:
         replies: dict[int, tuple] = {}
         deadline = time.monotonic() + self.timeout
         while len(replies) < len(self.conns):
