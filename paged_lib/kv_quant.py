@@ -14,7 +14,8 @@ a half (or a quarter) of the bytes, and the pool holds twice (four times) the to
   least twice the one before), so every stored value is within one final step ``s`` of
   the truth, and ``s < 2 * absmax / 127`` of its (block, head); a block written whole (a
   prefill) keeps ``absmax / 127`` and half a step of error. A write at offset 0 starts a
-  block afresh (a block freed and reallocated forgets its old scale);
+  block afresh (a block freed and reallocated forgets its old scale), as does a first
+  write into a block never written (its scale is still NaN);
 * ``"fp8_e4m3"`` - ``torch.float8_e4m3fn`` (OCP E4M3, largest finite value 448:
   :func:`e4m3_max`) with one fp32 scale per tensor (per layer, for K and for V), as in
   vLLM's docs on quantized KV cache. The scale is set by the first write the layer sees,
@@ -214,7 +215,8 @@ def write_quantized(x: torch.Tensor, cache: QuantizedKV, slot_mapping: torch.Ten
         0, inv[:, None].expand(-1, num_heads), x.abs().amax(-1), "amax") / INT8_MAX
     fresh = torch.zeros(uniq.numel(), dtype=torch.int32, device=x.device).scatter_reduce_(
         0, inv, (offsets == 0).int(), "amax").bool()
-    old = torch.where(fresh[:, None], 0.0, cache.scale[uniq])
+    old = cache.scale[uniq]
+    old = torch.where(fresh[:, None] | old.isnan(), 0.0, old)  # NaN: never written
     new = torch.where(need > old, torch.maximum(need, 2 * old), old).clamp(min=_TINY)
     ratio = torch.where(old > 0, old / new, 0.0)  # 1 where unchanged; 0 clears a fresh block
     held = bits[uniq].float() * ratio[:, None, :, None]
