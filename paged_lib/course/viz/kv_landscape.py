@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
+from matplotlib.ticker import MaxNLocator
 
 from paged_lib.accounting import KiB, ModelSpec, get_spec, kv_bytes_per_token, mha_equivalent
 from paged_lib.course.viz.accounting import KIND_COLORS as _KINDS
@@ -155,6 +156,8 @@ def memory_curves(curves: Mapping[str, tuple[Sequence[float], Sequence[float]]],
         if len(xs) != len(ys):
             raise ValueError(f"curve {name!r}: {len(xs)} x values but {len(ys)} y values")
         ax.plot(xs, ys, styles[i % len(styles)], label=name, linewidth=1.6)
+    if all(float(y).is_integer() for _, ys in curves.values() for y in ys):
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))  # counts: whole ticks
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.legend(fontsize=8)
