@@ -45,18 +45,20 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["FP8_RANGES", "INT8_MAX", "KV_CACHE_DTYPES", "QuantizedKV",
+__all__ = ["FP8_RANGES", "INT8_MAX", "KV_CACHE_DTYPES", "KV_QUANT_CODES", "QuantizedKV",
            "allocate_quantized_kv_caches", "check_kv_cache_dtype", "copy_quantized_blocks",
            "copy_quantized_kv", "dequantize_blocks",
            "dequantize_cache", "dequantize_fp8", "dequantize_int8", "dequantize_used_blocks",
-           "e4m3_max", "e4m3_value", "int8_scale", "is_quantized", "quantize_fp8",
-           "quantize_int8", "write_quantized"]
+           "e4m3_max", "e4m3_value", "int8_scale", "is_quantized", "quant_args",
+           "quantize_fp8", "quantize_int8", "write_quantized"]
 
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
 INT8_MAX = 127
 #: fp8 calibration: ``scale = absmax / FP8_RANGES[which]`` on the first write (vLLM's
 #: ``K_SCALE_CONSTANT`` and ``V_SCALE_CONSTANT``).
 FP8_RANGES = {"k": 200.0, "v": 100.0}
+#: ``KV_QUANT`` of the Triton kernels (``triton_tile.dequantize_tile``) by format.
+KV_QUANT_CODES = {"auto": 0, "int8": 1, "fp8_e4m3": 2}
 _TINY = torch.finfo(torch.float32).tiny
 
 
@@ -292,3 +294,19 @@ def copy_quantized_kv(src_caches: list, dst_caches: list, pairs: list[tuple[int,
     for (sk, sv), (dk, dv) in zip(src_caches, dst_caches, strict=True):
         copy_quantized_blocks(sk, dk, table[:, 0], table[:, 1])
         copy_quantized_blocks(sv, dv, table[:, 0], table[:, 1])
+
+
+def quant_args(k_cache: torch.Tensor, v_cache: torch.Tensor, kv_quant: tuple | None
+               ) -> tuple[torch.Tensor, torch.Tensor, tuple, int]:
+    """What a Triton launch passes for caches ``kv_quant = (k, v)`` (:class:`QuantizedKV`
+    pairs whose data ``k_cache`` and ``v_cache`` are): the data as the kernels read it (fp8
+    as ``uint8`` bits), ``(k_scale, v_scale, stride_sb, stride_sh)`` and ``KV_QUANT``
+    (:data:`KV_QUANT_CODES`). Plain caches (``None``): the caches unchanged, themselves as
+    unused scale pointers, and 0."""
+    if kv_quant is None:
+        return k_cache, v_cache, (k_cache, v_cache, 0, 0), 0
+    k, v = kv_quant
+    if k.scale.stride() != v.scale.stride():
+        raise ValueError("k and v scales must have the same layout")
+    strides = tuple(k.scale.stride()) if k.kind == "int8" else (0, 0)
+    return k.bits, v.bits, (k.scale, v.scale, *strides), KV_QUANT_CODES[k.kind]

@@ -34,14 +34,8 @@ import triton.language as tl
 
 from paged_lib.device import interpreter_on
 from paged_lib.kernels.triton_split import choose_num_splits, merge_splits
-from paged_lib.kernels.triton_tile import (
-    KV_QUANT_CODES,
-    LN2,
-    LOG2E,
-    attend_tile,
-    no_block,
-    tile_blocks,
-)
+from paged_lib.kernels.triton_tile import LN2, LOG2E, attend_tile, no_block, tile_blocks
+from paged_lib.kv_quant import quant_args
 from paged_lib.util import cdiv
 
 #: Shared memory one thread block may use (the opt-in maximum, bytes) by compute
@@ -273,20 +267,6 @@ def alignment(*strides: int) -> int:
     return align
 
 
-def quant_args(k_cache: torch.Tensor, v_cache: torch.Tensor, kv_quant: tuple | None
-               ) -> tuple[torch.Tensor, torch.Tensor, tuple, int]:
-    """What a kernel launch passes for quantised caches (chapter 11): the data as the
-    kernel reads it (fp8 as ``uint8`` bits), ``(k_scale, v_scale, stride_sb, stride_sh)``
-    and ``KV_QUANT``. Plain caches: unchanged, the caches as dummy scale pointers, 0."""
-    if kv_quant is None:
-        return k_cache, v_cache, (k_cache, v_cache, 0, 0), 0
-    k, v = kv_quant
-    if k.scale.stride() != v.scale.stride():
-        raise ValueError("k and v scales must have the same layout")
-    strides = tuple(k.scale.stride()) if k.kind == "int8" else (0, 0)
-    return k.bits, v.bits, (k.scale, v.scale, *strides), KV_QUANT_CODES[k.kind]
-
-
 def on_device(device: torch.device) -> contextlib.AbstractContextManager:
     """Launch on the tensors' own GPU: Triton launches on the *current* device."""
     if device.type == "cuda":
@@ -327,7 +307,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     where :func:`use_autotune` says so. ``return_launch=True`` returns
     ``(out, LaunchInfo)``: what was launched, for benchmarks and tests. ``kv_quant``:
     the ``(k, v)`` :class:`~paged_lib.kv_quant.QuantizedKV` whose data ``k_cache`` and
-    ``v_cache`` are (chapter 11; :func:`quant_args`).
+    ``v_cache`` are (chapter 11; :func:`~paged_lib.kv_quant.quant_args`).
     """
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]

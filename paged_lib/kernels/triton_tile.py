@@ -89,10 +89,6 @@ def tile_blocks(block, block_table, stride_btb, tile_start, start, end,
     return block
 
 
-#: ``KV_QUANT`` of the kernels, by ``kv_cache_dtype`` (chapter 11, :mod:`paged_lib.kv_quant`).
-KV_QUANT_CODES = {"auto": 0, "int8": 1, "fp8_e4m3": 2}
-
-
 @triton.jit
 def dequantize_tile(x, scale_ptr, block, pos, kv_head, stride_sb, stride_sh, valid,
                     KV_QUANT: tl.constexpr):
@@ -131,7 +127,8 @@ def attend_tile(
     the new ``(m_i, l_i, acc)``. ``USE_DOT=False`` (fewer than 16 query rows, e.g. MHA's
     one head per KV head in decode) computes ``q @ k^T`` and ``p @ v`` as products summed
     on CUDA cores, in fp32: ``tl.dot`` needs at least 16 rows and would waste the rest.
-    ``KV_QUANT`` (:data:`KV_QUANT_CODES`; 0: plain caches, the scale arguments unused)
+    ``KV_QUANT`` (:data:`paged_lib.kv_quant.KV_QUANT_CODES`; 0: plain caches, the scale
+    arguments unused)
     dequantises K and V in fp32 right after the load (:func:`dequantize_tile`).
     """
     valid = pos < end
