@@ -147,6 +147,7 @@ def model_qkv(model: TinyLlama, token_ids: list[int]
 # ---------------------------------------------------------------- (b) the model, end to end
 
 
+@torch.no_grad()
 def _run_chunks(model: TinyLlama, texts: list[list[int]], kv_cache_dtype: str, backend: str,
                 block_size: int, chunk: int) -> torch.Tensor:
     """Logits ``[num_texts, n, vocab]`` of every position of equally long texts, fed

@@ -305,6 +305,23 @@ def test_engine_copy_on_write_carries_scales(tiny_model, kind):
     assert [c.token_ids for c in two] == [one, one]
 
 
+def test_int8_prefix_cache_hits_and_chunked_prefill_give_the_same_tokens(tiny_model):
+    """A cached int8 block is read as it was written (its scale with it), and a prompt
+    computed in chunks (blocks filled over several steps, scales growing) still serves:
+    prefix-cache hits give exactly the tokens of the run without caching."""
+    shared = list(range(5, 21))  # 16 tokens: 4 full blocks of 4
+    prompts = [shared + [30, 31], shared + [40, 41, 42]]
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    plain = LLMEngine(tiny_model, 32, 4, kv_cache_dtype="int8").generate(prompts, params)
+    eng = LLMEngine(tiny_model, 32, 4, kv_cache_dtype="int8", enable_prefix_caching=True)
+    cached = [eng.generate([p], params)[0] for p in prompts]
+    assert eng.stats.prefix_cache_hit_tokens > 0
+    assert [o.outputs[0].token_ids for o in cached] == [o.outputs[0].token_ids for o in plain]
+    chunked = LLMEngine(tiny_model, 32, 4, kv_cache_dtype="int8", enable_chunked_prefill=True,
+                        max_num_batched_tokens=6).generate(prompts, params)
+    assert all(len(o.outputs[0].token_ids) == 5 for o in chunked)
+
+
 def test_copy_quantized_kv_moves_data_and_scales():
     caches = allocate_quantized_kv_caches("int8", 2, (5, 4, 2, 8), "cpu")
     for k, v in caches:
