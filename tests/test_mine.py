@@ -184,3 +184,6 @@ def test_a_notebook_cell_is_saved_through_ipython_linecache(tmp_path):
     assert texts[3].startswith("✅ [07.2]") and "saved to mine/ch07.py" in texts[3]
     victim = mine.load("07.2", Path(tmp_path / "mine"))
     assert victim([1, 2, 3]) == 3
+    line = mine.share_line(mine.save_folder_for(tmp_path / "exercises"))  # make grade's line
+    assert line.startswith("Your engine (chapter 13): 1 of 14 pieces are yours")
+    assert "still the library's: 03.1 append_token," in line and "07.2" not in line

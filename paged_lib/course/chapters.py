@@ -16,6 +16,7 @@ class Chapter:
     title: str
     core: str
     part: str  # "memory", "kernel", "engine" or "beyond": colours the map
+    exercises: bool = True  # False: no exercise of its own (no solutions/, exercises/ file)
 
     @property
     def notebook(self) -> str:
@@ -50,4 +51,6 @@ CHAPTERS: tuple[Chapter, ...] = (
             "MQA/GQA/MLA, quantised blocks, eviction, claims checked", "beyond"),
     Chapter("12", "beyond_one_device", "Beyond one device",
             "KV sharded by heads across ranks", "beyond"),
+    Chapter("13", "your_engine", "Your engine",
+            "your saved pieces serve the shipped model end to end", "beyond", exercises=False),
 )

@@ -84,6 +84,15 @@ def save_folder() -> Path | None:
     return cwd.parent / "mine" if cwd.name == "exercises" else None
 
 
+def save_folder_for(notebook_folder: Path) -> Path:
+    """Where checks run in ``notebook_folder`` save: ``$PAGED_LIB_MINE`` or its
+    sibling ``mine/`` (what :func:`save_folder` answers inside an ``exercises/`` folder)."""
+    env = os.environ.get(ENV, "").strip()
+    if env and env.lower() not in ("0", "off", "no"):
+        return Path(env)
+    return Path(notebook_folder).resolve().parent / "mine"
+
+
 def load_folder() -> Path:
     """Where saved pieces are read from: ``$PAGED_LIB_MINE``, else the checkout's ``mine/``."""
     env = os.environ.get(ENV, "").strip()
@@ -274,6 +283,16 @@ def load(ex_id: str, folder: Path | None = None) -> Any | None:
         del sys.modules[name]
         raise ImportError(f"{path} does not import ({type(err).__name__}: {err})") from err
     return getattr(module, piece.name, None)
+
+
+def share_line(folder: Path | None = None) -> str:
+    """One line for the scoreboard: how much of chapter 13's engine is the learner's."""
+    folder = load_folder() if folder is None else Path(folder)
+    have = saved(folder)
+    missing = [f"{k} {PIECES[k].name}" for k in PIECES if k not in have]
+    line = (f"Your engine (chapter 13): {len(have)} of {len(PIECES)} pieces are yours "
+            f"(saved in {folder})")
+    return line + (f"; still the library's: {', '.join(missing)}" if missing else "")
 
 
 # ------------------------------------------------------------------ the check cell's hook

@@ -9,8 +9,9 @@
   :func:`your_decode_kernel` lets the learner's Triton decode kernel (05.5) compute the
   decode attention of every layer while a block runs;
 * :func:`mixed_workload` is what it serves (sampling, beams, a shared prefix with prefix
-  caching, preemption by swap); :func:`hf_reference` and :func:`blame` check the tokens
-  against transformers and the library's engine, and name the pieces that change them.
+  caching, preemption by swap); :func:`check` compares the tokens with transformers'
+  and the library engine's, and :func:`blame` names the pieces that change them;
+* :class:`YourLLM` is vLLM's ``LLM`` over the learner's engine.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 
 from paged_lib.blocks import BlockTable
 from paged_lib.course import mine
-from paged_lib.engine import LLMEngine, SamplingParams
+from paged_lib.engine import LLM, LLMEngine, SamplingParams
 from paged_lib.model import AttentionMetadata, TinyLlama
 from paged_lib.tokenizer import ByteTokenizer
 
@@ -265,3 +266,16 @@ def check(model: TinyLlama, hf, pieces: dict[str, Any], parts: list[Part]) -> bo
             for ex_id, what in bad:
                 print(f"   ❌ your {ex_id} ({mine.PIECES[ex_id].role}) {what}")
     return ok
+
+
+class YourLLM(LLM):
+    """vLLM's ``LLM`` (:class:`paged_lib.engine.llm.LLM`) over an engine of the learner's
+    pieces (default: :func:`gather`'s). Attention runs the library's kernels: the decode
+    kernel (05.5) serves :func:`kernel_workload` in :func:`check`."""
+
+    def __init__(self, model, pieces: dict[str, Any] | None = None, **options):
+        super().__init__(model, **options)
+        engine_options = {k: v for k, v in options.items()
+                          if k not in ("tokenizer", "num_blocks", "block_size", "dtype", "device")}
+        e = self.engine
+        self.engine = build(e.model, e.num_blocks, e.block_size, pieces, **engine_options)
