@@ -22,7 +22,7 @@ a half (or a quarter) of the bytes, and the pool holds twice (four times) the to
   as vLLM's on-the-fly calibration (``calculate_kv_scales``) does: ``absmax / 200`` for
   K and ``absmax / 100`` for V (vLLM's ``K_SCALE_CONSTANT`` and ``V_SCALE_CONSTANT``),
   leaving 448/200 and 448/100 of headroom; a later value beyond ``448 * scale``
-  saturates (clips to it), as vLLM's conversion does.
+  saturates (clips to it) instead of becoming NaN.
 
 Where it runs. The write (:func:`write_quantized`, which
 :func:`paged_lib.kernels.reshape_and_cache` calls for both backends) is a handful of

@@ -173,12 +173,13 @@ def _filled(kind, lens, block_size=4, heads=2, dim=16, seed=0):
     return kq, vq, kf, vf, tables, torch.tensor(lens, dtype=torch.int32)
 
 
+@pytest.mark.parametrize("block_size", [4, 64])  # Triton: a block id per token; per tile
 @pytest.mark.parametrize("kind, bound", [("int8", 0.04), ("fp8_e4m3", 0.08)])
-def test_both_backends_dequantise_the_same_and_stay_close_to_fp32(kind, bound):
+def test_both_backends_dequantise_the_same_and_stay_close_to_fp32(kind, bound, block_size):
     """Decode and prefill over quantised caches: torch and Triton agree to fp32 rounding,
     both are within ``bound`` (relative) of fp32 caches, and nothing reads block 0 (never
     written: NaN scales) or a slot past a sequence's end."""
-    kq, vq, kf, vf, tables, lens = _filled(kind, [5, 9, 3])
+    kq, vq, kf, vf, tables, lens = _filled(kind, [5, 9, 3], block_size)
     g = torch.Generator().manual_seed(3)
     q = torch.randn(3, 4, 16, generator=g)
     ref = paged_attention(q, kf, vf, tables, lens, backend="torch")
