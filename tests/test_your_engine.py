@@ -111,3 +111,29 @@ def test_block_table_cls_is_checked_and_used(model):
                                             SamplingParams(6, temperature=1.0, n=2, seed=0))
     assert made and all(isinstance(s, Counting) for s in made)
     assert [c.token_ids for c in got[0].outputs] == [c.token_ids for c in want[0].outputs]
+
+
+def test_the_learners_kernel_computes_the_decode_attention(model, solutions):
+    kernel = mine.load("05.5", solutions)
+    launches = []
+
+    class Spy:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return kernel[grid]
+
+    workload = your_engine.kernel_workload()
+    got = your_engine.serve(model, {}, workload, Spy())
+    want = your_engine.serve(model, {}, workload)
+    assert your_engine.token_ids(got[0]) == your_engine.token_ids(want[0])
+    decodes = sum(kind == "decode" for kind in got[1].step_kinds)
+    assert decodes > 0 and len(launches) == decodes * model.config.num_layers
+    assert set(launches) == {(2, model.config.num_kv_heads)}
+
+
+def test_the_fork_workflow_runs_chapter_13_on_mine(solutions, monkeypatch, capsys):
+    monkeypatch.setenv(mine.ENV, str(solutions))
+    assert your_engine.main() == 0
+    out = capsys.readouterr().out
+    assert "14 of 14 pieces of the engine are yours" in out
+    assert out.count("tokens equal the library engine's: True") == 2

@@ -279,3 +279,24 @@ class YourLLM(LLM):
                           if k not in ("tokenizer", "num_blocks", "block_size", "dtype", "device")}
         e = self.engine
         self.engine = build(e.model, e.num_blocks, e.block_size, pieces, **engine_options)
+
+
+def main() -> int:
+    """Run chapter 13's notebook on what ``mine/`` holds and print its text outputs (the
+    fork's grade workflow does this after ``make grade``); 1 if a check failed."""
+    from paged_lib.course import notebooks
+    from paged_lib.course.chapters import REPO
+    from paged_lib.course.grading.scoreboard import _text
+
+    nb = notebooks.execute(REPO / "notebooks" / "13_your_engine.ipynb", keep_going=True)
+    failed = False
+    for _, cell in notebooks.code_cells(nb):
+        text = _text(cell.outputs)
+        errors = [f"{o.ename}: {o.evalue}" for o in cell.outputs if o.output_type == "error"]
+        print(text + "".join(f"ERROR {e}\n" for e in errors), end="")
+        failed |= bool(errors) or "❌" in text
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
