@@ -306,6 +306,14 @@ def quant_args(k_cache: torch.Tensor, v_cache: torch.Tensor, kv_quant: tuple | N
     if kv_quant is None:
         return k_cache, v_cache, (k_cache, v_cache, 0, 0), 0
     k, v = kv_quant
+    if k.kind == "fp8_e4m3" and k.data.is_cuda:
+        from paged_lib.device import interpreter_on
+
+        cc = torch.cuda.get_device_capability(k.data.device)
+        if not interpreter_on() and cc < (8, 9):
+            raise ValueError(f"fp8_e4m3 in the Triton kernels needs a GPU of compute capability "
+                             f"8.9 or newer (Triton's fp8e4nv), this one is {cc[0]}.{cc[1]}: "
+                             "use attention_backend='torch' or kv_cache_dtype='int8'")
     if k.scale.stride() != v.scale.stride():
         raise ValueError("k and v scales must have the same layout")
     strides = tuple(k.scale.stride()) if k.kind == "int8" else (0, 0)
