@@ -104,8 +104,9 @@ def test_block_table_cls_is_checked_and_used(model):
             super().__init__(*args, **kwargs)
             made.append(self)
 
-    engine = LLMEngine(model, 16, 4)
-    engine.block_manager.table_cls = Counting
+    with pytest.raises(ValueError, match="block_table_cls must be BlockTable"):
+        LLMEngine(model, 16, 4, block_table_cls=object)
+    engine = LLMEngine(model, 16, 4, block_table_cls=Counting)
     got = engine.generate([[256, 100, 101]], SamplingParams(6, temperature=1.0, n=2, seed=0))
     want = LLMEngine(model, 16, 4).generate([[256, 100, 101]],
                                             SamplingParams(6, temperature=1.0, n=2, seed=0))

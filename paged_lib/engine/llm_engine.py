@@ -15,9 +15,12 @@ and their signatures: :mod:`paged_lib.engine`)::
               choose_victim=my_victim,                           # policy.choose_victim
               block_hashes=my_hashes,                            # prefix_cache.block_hashes
               longest_cache_hit=my_hit,                          # prefix_cache.longest_cache_hit
-              free_queue_cls=MyFreeBlockQueue)                   # prefix_cache.FreeBlockQueue
+              free_queue_cls=MyFreeBlockQueue,                   # prefix_cache.FreeBlockQueue
+              block_table_cls=MyBlockTable)                      # blocks.BlockTable
 
-(the last three serve only with ``enable_prefix_caching=True``, chapter 10).
+(``block_hashes``, ``longest_cache_hit`` and ``free_queue_cls`` serve only with
+``enable_prefix_caching=True``, chapter 10; ``block_table_cls``, a subclass of
+``BlockTable``, is the class of every table the block manager makes, chapter 13).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from collections.abc import Callable
 
 import torch
 
+from paged_lib.blocks import BlockTable
 from paged_lib.engine.beam_search import beam_step
 from paged_lib.engine.block_manager import (
     BlockManager,
@@ -117,7 +121,8 @@ class LLMEngine:
                  enable_chunked_prefill: bool = False, block_hashes: Callable = block_hashes,
                  longest_cache_hit: Callable = longest_cache_hit,
                  free_queue_cls: type = FreeBlockQueue, tensor_parallel_size: int = 1,
-                 sliding_window: int | None = None, num_sink_tokens: int = 0):
+                 sliding_window: int | None = None, num_sink_tokens: int = 0,
+                 block_table_cls: type = BlockTable):
         if attention_backend not in ("torch", "triton"):
             raise ValueError(f"attention_backend must be 'torch' or 'triton', "
                              f"got {attention_backend!r}")
@@ -148,7 +153,8 @@ class LLMEngine:
                                           enable_prefix_caching=enable_prefix_caching,
                                           block_hashes_fn=block_hashes,
                                           longest_cache_hit_fn=longest_cache_hit,
-                                          free_queue_cls=free_queue_cls)
+                                          free_queue_cls=free_queue_cls,
+                                          block_table_cls=block_table_cls)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens,
                                    watermark_blocks=self.watermark_blocks,

@@ -95,12 +95,12 @@ def build(model: TinyLlama, num_blocks: int, block_size: int = 16,
         from paged_lib.engine.model_runner import build_metadata
         hooks["build_metadata"] = _with_slot_mapping(hooks.get("build_metadata",
                                                                build_metadata), pieces["05.6"])
-    engine = LLMEngine(model, num_blocks, block_size, **hooks, **options)
-    bm = engine.block_manager
     table = {name: pieces[k] for k, name in (("03.1", "append_token"), ("03.2", "fork"))
              if k in pieces}
     if table:
-        bm.table_cls = type("YourBlockTable", (BlockTable,), table)
+        hooks["block_table_cls"] = type("YourBlockTable", (BlockTable,), table)
+    engine = LLMEngine(model, num_blocks, block_size, **hooks, **options)
+    bm = engine.block_manager
     if "03.3" in pieces:
         free_block = pieces["03.3"]
         for pool in (bm.gpu, bm.cpu):
