@@ -22,7 +22,8 @@ engine takes a replacement for each as a keyword argument (default: the library'
 
     LLMEngine(model, num_blocks, build_metadata=..., admission=..., swap_mapping=...,
               beam_step=..., num_required_blocks=..., choose_victim=...,
-              block_hashes=..., longest_cache_hit=..., free_queue_cls=...)
+              block_hashes=..., longest_cache_hit=..., free_queue_cls=...,
+              block_table_cls=...)
 
 * ``build_metadata(block_tables, seq_lens, query_lens, block_size) -> AttentionMetadata``
   (:func:`~paged_lib.engine.model_runner.build_metadata`, chapter 06);
@@ -49,7 +50,10 @@ engine takes a replacement for each as a keyword argument (default: the library'
   lookup, num_tokens, block_size) -> [block, ...]``, the cached blocks a prompt reuses, the
   last token always computed (:func:`~paged_lib.engine.prefix_cache.longest_cache_hit`);
   ``free_queue_cls``, the LRU free queue of cached blocks
-  (:class:`~paged_lib.engine.prefix_cache.FreeBlockQueue`).
+  (:class:`~paged_lib.engine.prefix_cache.FreeBlockQueue`);
+* ``block_table_cls``: a subclass of :class:`~paged_lib.blocks.BlockTable` (its
+  ``append_token`` and ``fork``, chapter 03), the class of every table the block manager
+  makes (chapter 13 serves the learner's).
 
 Options: ``preemption="recompute" | "swap"``, ``scheduling="mixed" | "prefill_first"``
 (Orca's iteration-level batching, or vLLM v0's prefills-then-decodes steps),
