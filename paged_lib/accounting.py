@@ -22,7 +22,7 @@ module counts in bytes and names units explicitly (``KiB`` vs ``KB``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 from paged_lib.util import cdiv
 
@@ -32,7 +32,7 @@ KiB, MiB, GiB = 2**10, 2**20, 2**30  # binary units
 DTYPE_BYTES: dict[str, int] = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1, "int8": 1}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class ModelSpec:
     """The architecture numbers that decide a model's KV-cache size.
 
@@ -76,6 +76,13 @@ class ModelSpec:
             raise ValueError(f"ModelSpec {self.name!r}: num_heads ({self.num_heads}) must be "
                              f"a multiple of num_kv_heads ({self.num_kv_heads}) so every KV "
                              f"head serves the same number of query heads")
+
+    def __repr__(self) -> str:
+        """The dataclass repr, without the MLA fields when they are unset (0)."""
+        shown = [f for f in fields(self)
+                 if f.name not in ("kv_lora_rank", "qk_rope_head_dim") or getattr(self, f.name)]
+        return (f"{type(self).__name__}("
+                + ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in shown) + ")")
 
     @property
     def attention(self) -> str:

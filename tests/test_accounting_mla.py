@@ -55,3 +55,11 @@ def test_get_spec_finds_both_tables_and_specs_stay_apart():
 def test_bad_mla_fields_raise(kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         ModelSpec("bad", 4, 64, 4, 4, 16, **kwargs)
+
+
+def test_repr_shows_mla_fields_only_when_set():
+    assert repr(SPECS["llama-2-70b"]) == (
+        "ModelSpec(name='llama-2-70b', num_layers=80, hidden_size=8192, num_heads=64, "
+        "num_kv_heads=8, head_dim=128, dtype_bytes=2, num_params=68976648192)")
+    assert repr(DEEPSEEK_SPECS["deepseek-v2"]).endswith(
+        "num_params=0, kv_lora_rank=512, qk_rope_head_dim=64)")
