@@ -38,6 +38,8 @@ def levels_with(base="mha", base_fp16=True, own=True, sinks_kept=True, cap=True,
         keep = max_len if window is None else window + (sinks if sinks_kept else 0)
         keep = min(keep, max_len) if cap else keep
         kept = {"kept": [min(n, keep) for n in lengths], "all": lengths,
+                "sinks_on_top": [min(n, window or max_len) + (sinks if window else 0)
+                                 for n in lengths],
                 "max_len": [max_len] * len(lengths), "reserved": [keep] * len(lengths)}[paged]
         held = sum({"ceil": cdiv(n, block_size) * block_size,
                     "floor": n // block_size * block_size, "exact": n}[rounding] for n in kept)
@@ -70,6 +72,7 @@ def test_11_1_not_attempted(capsys):
     (levels_with(paged="max_len"), "not a max_len reservation"),
     (levels_with(paged="reserved"), "not a reservation of window + sinks"),
     (levels_with(cast=float), "expected an int"),
+    (levels_with(paged="sinks_on_top"), "not its last window plus sinks on top"),
     (lambda spec, lengths, **kw: levels_with()(spec, lengths, **kw)[:3], "a tuple of 4"),
     (lambda spec, lengths, **kw: sum(levels_with()(spec, lengths, **kw)), "a tuple of 4"),
 ])

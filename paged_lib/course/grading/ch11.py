@@ -49,6 +49,7 @@ _LEVEL_CASES: list[tuple[str, list[int], int, int, int, int | None, int, str]] =
     ("falcon-7b", [4000, 4096, 300], 4096, 1, 256, 1020, 4, "MQA, blocks of 256"),
     ("mistral-7b", [8000, 3000, 4096], 32768, 2, 16, 4096, 0, "a window without sinks"),
     ("llama-2-70b", [1, 16, 32, 48], 4096, 1, 16, 8, 8, "a window of 8 and 8 sinks"),
+    ("llama-3-8b", [14, 30, 200], 512, 1, 16, 100, 4, "requests shorter than the window"),
 ]
 
 #: The chapter's deployment (the exercise notebook's demo serves it).
@@ -69,7 +70,10 @@ def _levels(spec: ModelSpec, lengths: Sequence[int], max_len: int, kv_dtype_byte
     if cap:
         keep = min(keep, max_len)
     kept = {"kept": [min(n, keep) for n in lengths], "all": list(lengths),
-            "max_len": [max_len] * len(lengths), "reserved": [keep] * len(lengths)}[paged_tokens]
+            "max_len": [max_len] * len(lengths), "reserved": [keep] * len(lengths),
+            "sinks_on_top": [min(n, max_len if window is None else window)
+                             + (0 if window is None else sinks) for n in lengths],
+            }[paged_tokens]
     slots = {"ceil": lambda n: cdiv(n, block_size) * block_size,
              "floor": lambda n: n // block_size * block_size,
              "exact": lambda n: n}[blocks]
@@ -102,6 +106,9 @@ _LEVEL_SLIPS: list[tuple[int, dict, str]] = [
      "length, cut by the window), not a reservation of window + sinks"),
     (3, dict(with_sinks=False), "the sinks are kept too: a request keeps window + sinks "
      "tokens"),
+    (3, dict(paged_tokens="sinks_on_top"), "the sinks are the request's own first tokens: "
+     "a request keeps min(length, window + sinks) tokens, not its last window plus sinks "
+     "on top"),
 ]
 
 
