@@ -71,6 +71,18 @@ def expect_int(got: Any, what: str, hint: str | None = None) -> None:
              "in integers with // and cdiv, not / or math.ceil on a float")
 
 
+def expect_value_error(fn: Callable[..., Any], args: tuple, what: str, hint: str) -> None:
+    """``fn(*args)`` must raise ``ValueError`` (the course's rule for bad input); another
+    exception, or none, fails with ``hint``."""
+    try:
+        fn(*args)
+    except ValueError:
+        return
+    except Exception as err:  # noqa: BLE001 - name what came instead
+        fail(f"{what}: expected a ValueError, got {type(err).__name__}", hint)
+    fail(f"{what}: expected a ValueError, nothing was raised", hint)
+
+
 def expect_close(got: float, expected: float, what: str, rel: float = 1e-6, abs_: float = 0.0,
                  hint: str | None = None) -> None:
     """Floating-point equality within a relative (and optional absolute) tolerance."""

@@ -58,16 +58,6 @@ def _wrong_waste(lengths: Sequence[int], b: int) -> dict[str, float]:
     return {hint: v for hint, v in out.items() if v is not None}
 
 
-def _expect_value_error(fn: Callable[..., Any], args: tuple, what: str, hint: str) -> None:
-    try:
-        fn(*args)
-    except ValueError:
-        return
-    except Exception as err:  # noqa: BLE001 - name what came instead
-        grading.fail(f"{what}: expected a ValueError, got {type(err).__name__}", hint)
-    grading.fail(f"{what}: expected a ValueError, nothing was raised", hint)
-
-
 def _close(a: float, b: float) -> bool:
     return abs(a - b) <= 1e-9 * max(1.0, abs(b))
 
@@ -93,7 +83,7 @@ def check_internal_waste(fn: Callable[[Sequence[int], int], float]) -> None:
             grading.expect_close(got, want, what=what, rel=1e-9, abs_=1e-12, hint=hint)
         for args, what in (((([], 16)), "no lengths"), ((([4, 0], 16)), "a length of 0"),
                            ((([4, 5], 0)), "block_size 0")):
-            _expect_value_error(fn, args, f"internal_waste with {what}",
+            grading.expect_value_error(fn, args, f"internal_waste with {what}",
                                 hint="bad input (no lengths, a length or block size below "
                                 "1) raises ValueError")
 
@@ -155,7 +145,7 @@ def check_choose_block_size(fn: Callable[[Sequence[int], Sequence[int], float], 
         for args, what in ((([5], [], 0.1), "no allowed size"),
                            (([5], [8], 1.0), "max_waste = 1"),
                            (([5], [8], -0.1), "a negative max_waste")):
-            _expect_value_error(fn, args, f"choose_block_size with {what}",
+            grading.expect_value_error(fn, args, f"choose_block_size with {what}",
                                 hint="bad input (no allowed size, max_waste outside "
                                 "[0, 1)) raises ValueError")
 

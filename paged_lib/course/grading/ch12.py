@@ -85,16 +85,6 @@ def _normal(value: Any) -> Any:
     return value
 
 
-def _expect_value_error(fn: Callable[..., Any], args: tuple, what: str, hint: str) -> None:
-    try:
-        fn(*args)
-    except ValueError:
-        return
-    except Exception as err:  # noqa: BLE001 - name what came instead
-        grading.fail(f"{what}: expected a ValueError, got {type(err).__name__}", hint)
-    grading.fail(f"{what}: expected a ValueError, nothing was raised", hint)
-
-
 def check_kv_bytes_per_rank(fn: Callable[[ModelSpec, int, int], int]) -> None:
     """12.1: the bytes of K and V one rank caches for ``num_tokens`` tokens."""
     with grading.exercise("12.1", "KV bytes per rank"):
@@ -111,7 +101,7 @@ def check_kv_bytes_per_rank(fn: Callable[[ModelSpec, int, int], int]) -> None:
         for spec, tp, n, about in ((SPECS["llama-2-70b"], 3, 10, "3 ranks for 64 heads"),
                                    (SPECS["llama-2-70b"], 0, 10, "tp_size 0"),
                                    (_TINY, 16, 10, "16 ranks for 8 heads")):
-            _expect_value_error(fn, (spec, tp, n), f"kv_bytes_per_rank with {about}",
+            grading.expect_value_error(fn, (spec, tp, n), f"kv_bytes_per_rank with {about}",
                                 hint="a tp_size below 1, or one that does not divide the "
                                 "query heads, raises ValueError")
 
@@ -181,7 +171,7 @@ def check_rank_heads(fn: Callable[[int, int, int, int], tuple[list[int], list[in
                             ((6, 2, 3, 0), "3 ranks for 2 KV heads"),
                             ((8, 2, 0, 0), "tp_size 0"), ((8, 2, 2, 2), "rank 2 of 2"),
                             ((8, 2, 2, -1), "rank -1")):
-            _expect_value_error(fn, args, f"rank_heads{args} ({about})",
+            grading.expect_value_error(fn, args, f"rank_heads{args} ({about})",
                                 hint="tp_size must divide the query heads and divide the KV "
                                 "heads or be a multiple of them; rank is in 0..tp_size-1; "
                                 "anything else raises ValueError")
