@@ -104,10 +104,12 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     pos = logical[:, :, None] * block_size + torch.arange(block_size, device=device)
     valid = pos.reshape(num_segs, seg_tokens) < seq_lens[seg_seq, None]
     # Zero the slots past each sequence's end, in place, in the last-segment slice only:
-    # masking their scores is not enough, because NaN * 0 is NaN.
-    tail = ~valid[num_segs - num_last:, :, None, None]
-    k[num_segs - num_last:].masked_fill_(tail, 0.0)
-    v[num_segs - num_last:].masked_fill_(tail, 0.0)
+    # masking their scores is not enough, because NaN * 0 is NaN. By row index: a
+    # broadcast masked_fill_ over the slice costs ~20x more on a CPU (it visits every value).
+    first = num_segs - num_last
+    pad = (~valid[first:]).reshape(-1).nonzero().squeeze(1) + first * seg_tokens
+    k.view(num_segs * seg_tokens, -1).index_fill_(0, pad, 0.0)
+    v.view(num_segs * seg_tokens, -1).index_fill_(0, pad, 0.0)
 
     # 3. Partial attention per segment: out [num_segs, heads, d], lse [num_segs, heads].
     bias = torch.zeros(num_segs, 1, 1, seg_tokens, dtype=compute_dtype, device=device)
