@@ -18,17 +18,13 @@ Everything returns plain dataclasses or dicts of floats and lists, for printing 
 
 from __future__ import annotations
 
-import functools
-import importlib.util
-import sys
-import sysconfig
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from paged_lib.accounting import ModelSpec, kv_bytes_per_token
 from paged_lib.engine.model_runner import allocate_kv_caches, build_metadata, check_metadata
+from paged_lib.held_out import held_out_files
 from paged_lib.kernels import paged_prefill, reshape_and_cache
 from paged_lib.kv_quant import (
     allocate_quantized_kv_caches,
@@ -38,9 +34,6 @@ from paged_lib.kv_quant import (
 )
 from paged_lib.model import TinyLlama, apply_rope
 from paged_lib.tokenizer import BOS_ID
-
-TRAINING_SCRIPT = Path(__file__).resolve().parents[1] / "tools" / "train_tiny_model.py"
-
 
 # ---------------------------------------------------------------- (a) attention error
 
@@ -176,30 +169,13 @@ def held_out_windows(num_windows: int = 4, window: int = 256) -> list[list[int]]
     """BOS + the first ``window - 1`` bytes of the first ``num_windows`` held-out files of
     the shipped model's training (Python's standard library, split by the training
     script's own ``is_held_out``): text the model never saw."""
-    train = _training_script()
-    root = Path(sysconfig.get_paths()["stdlib"])
     out = []
-    for path in train.stdlib_files():
-        data = path.read_bytes()
-        if train.is_held_out(path.relative_to(root).as_posix()) and len(data) >= window:
+    for data in held_out_files():
+        if len(data) >= window:
             out.append([BOS_ID, *data[:window - 1]])
             if len(out) == num_windows:
                 return out
     raise ValueError(f"only {len(out)} held-out files hold {window} bytes")
-
-
-@functools.cache
-def _training_script():
-    """tools/train_tiny_model.py as a module: its ``stdlib_files`` and ``is_held_out``
-    decide which files the shipped model never trained on."""
-    name = "_paged_lib_train_tiny_model"
-    spec = importlib.util.spec_from_file_location(name, TRAINING_SCRIPT)
-    if spec is None or not TRAINING_SCRIPT.is_file():
-        raise FileNotFoundError(f"{TRAINING_SCRIPT} is needed to find the held-out files")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
 
 
 @dataclass

@@ -15,11 +15,7 @@ Two measurements of :mod:`paged_lib.engine.window` on the shipped model:
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
-import sysconfig
-from pathlib import Path
 
 import torch
 
@@ -28,24 +24,10 @@ from paged_lib.engine.llm_engine import LLMEngine
 from paged_lib.engine.model_runner import allocate_kv_caches, build_metadata, check_metadata
 from paged_lib.engine.sequence import SamplingParams, Sequence
 from paged_lib.engine.window import SlidingWindow, num_dropped
+from paged_lib.held_out import held_out_files
 from paged_lib.model import TinyLlama
 from paged_lib.tokenizer import BOS_ID, EOS_ID
 from paged_lib.util import cdiv
-
-TRAINING_SCRIPT = Path(__file__).resolve().parents[1] / "tools" / "train_tiny_model.py"
-
-
-def _training_script():
-    """``tools/train_tiny_model.py`` as a module: its held-out rule is the one definition."""
-    if not TRAINING_SCRIPT.is_file():
-        raise FileNotFoundError(f"{TRAINING_SCRIPT} is missing: the held-out split is "
-                                "defined by the training script of the repository")
-    name = "paged_lib._train_tiny_model"
-    if name not in sys.modules:  # its dataclasses look themselves up there while defined
-        spec = importlib.util.spec_from_file_location(name, TRAINING_SCRIPT)
-        sys.modules[name] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules[name])
-    return sys.modules[name]
 
 
 def held_out_stream(num_tokens: int) -> list[int]:
@@ -53,14 +35,11 @@ def held_out_stream(num_tokens: int) -> list[int]:
     split, in its order), each file's bytes followed by EOS, cut at ``num_tokens`` ids."""
     if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 2:
         raise ValueError(f"num_tokens must be an int >= 2, got {num_tokens!r}")
-    script = _training_script()
-    root = Path(sysconfig.get_paths()["stdlib"])
     ids = [BOS_ID]
-    for path in script.stdlib_files():
-        if script.is_held_out(path.relative_to(root).as_posix()):
-            ids += list(path.read_bytes()) + [EOS_ID]
-            if len(ids) >= num_tokens:
-                return ids[:num_tokens]
+    for data in held_out_files():
+        ids += list(data) + [EOS_ID]
+        if len(ids) >= num_tokens:
+            return ids[:num_tokens]
     raise ValueError(f"the held-out files hold only {len(ids)} tokens, asked {num_tokens}")
 
 
