@@ -72,7 +72,7 @@ def cpu_ratios(num_seqs: int = 16, num_heads: int = 32, num_kv_heads: int = 8,
     adds the straightforward SDPA call with ``enable_gqa=True`` as a second, slower
     contiguous baseline.
     """
-    from paged_lib.kernels import paged_attention
+    from paged_lib.kernels import cpu_decode, paged_attention
 
     g = torch.Generator().manual_seed(seed)
     lens = torch.randint(min_len, max_len + 1, (num_seqs,), generator=g).tolist()
@@ -89,6 +89,9 @@ def cpu_ratios(num_seqs: int = 16, num_heads: int = 32, num_kv_heads: int = 8,
         impls.append(("contiguous SDPA, enable_gqa=True",
                       lambda: sdpa_per_sequence_gqa(case.q, kv, case.scale)))
     impls.append(("paged, torch backend", lambda: paged_attention(*case, backend="torch")))
+    if cpu_decode.available():
+        impls.append(("paged, C kernel (backend='cpu')",
+                      lambda: paged_attention(*case, backend="cpu")))
     rows = [_cpu_row(name, fn, expected, repeats) for name, fn in impls]
     if flex_repeats:
         with warnings.catch_warnings():
@@ -240,8 +243,23 @@ def attention_report() -> str:
                 "the float64 reference on the same batch first."]
         rows = gpu_sweep(achievable_gbs=bw["read_GB/s"])
         return "\n".join([*head, format_table(rows), "", "Goals:", *goals(rows)])
-    head = ("CPU (no GPU, Triton only interprets): torch backend vs contiguous SDPA vs "
-            "FlexAttention paged;\n16 sequences, 32 query / 8 KV heads, head_dim 128, "
+    head = ("CPU (no GPU, Triton only interprets): torch backend and C kernel vs contiguous "
+            "SDPA vs FlexAttention paged;\n16 sequences, 32 query / 8 KV heads, head_dim 128, "
             "lengths 512-1536 (seed 0), block 16, fp32; every output checked against the "
             "float64 reference before it is timed")
-    return head + "\n" + format_table(cpu_ratios())
+    rows = cpu_ratios()
+    return "\n".join([head, format_table(rows), "", "Goal:", cpu_goal(rows)])
+
+
+def cpu_goal(rows: list[dict]) -> str:
+    """The CPU goal: the fastest paged decode within 1.2x of the fastest contiguous one."""
+    def fastest(prefix: str) -> dict | None:
+        timed = [r for r in rows if r["impl"].startswith(prefix) and r["check"] == "ok"]
+        return min(timed, key=lambda r: r["ms"], default=None)
+
+    paged, contiguous = fastest("paged"), fastest("contiguous")
+    if paged is None or contiguous is None:
+        return "paged / best contiguous: not measured"
+    ratio = paged["ms"] / contiguous["ms"]
+    return (f"{paged['impl']} / {contiguous['impl']} = {ratio:.2f}x (goal <= 1.2x): "
+            f"{'met' if ratio <= 1.2 else 'NOT met'}")

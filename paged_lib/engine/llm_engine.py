@@ -54,6 +54,7 @@ from paged_lib.engine.sequence import (
 )
 from paged_lib.engine.tensor_parallel import kv_cache_bytes_per_rank, start_tensor_parallel
 from paged_lib.engine.window import make_window
+from paged_lib.kernels import BACKENDS
 from paged_lib.kv_quant import check_kv_cache_dtype
 from paged_lib.model import TinyLlama
 from paged_lib.util import cdiv
@@ -91,7 +92,10 @@ class LLMEngine:
     step, and keeps ``watermark`` (a fraction of the pool, rounded down) free at
     admission so running sequences have room to grow. ``scheduling="mixed"`` batches
     prefills with the running decodes (Orca); ``"prefill_first"`` runs a step of
-    prefills or a step of decodes (vLLM v0's default).
+    prefills or a step of decodes (vLLM v0's default). ``attention_backend`` is
+    ``"torch"`` (PyTorch ops, chapter 04), ``"triton"`` (chapter 05's kernels) or
+    ``"cpu"`` (decode by a C kernel compiled at first use, the fastest on a CPU:
+    :mod:`paged_lib.kernels.cpu_decode`).
 
     Chapter 10: ``enable_prefix_caching=True`` keeps freed full blocks, hashed, until they
     are reused, and a request whose text starts with cached blocks reads them instead of
@@ -123,8 +127,8 @@ class LLMEngine:
                  free_queue_cls: type = FreeBlockQueue, tensor_parallel_size: int = 1,
                  sliding_window: int | None = None, num_sink_tokens: int = 0,
                  block_table_cls: type = BlockTable):
-        if attention_backend not in ("torch", "triton"):
-            raise ValueError(f"attention_backend must be 'torch' or 'triton', "
+        if attention_backend not in BACKENDS:
+            raise ValueError(f"attention_backend must be one of {BACKENDS}, "
                              f"got {attention_backend!r}")
         if not 0 <= watermark < 1:
             raise ValueError(f"watermark is a fraction of the pool in [0, 1), got {watermark}")

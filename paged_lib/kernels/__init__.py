@@ -10,7 +10,9 @@ its scales, written quantised and dequantised on load by both backends.
   :func:`slot_mapping_from_positions` computes from the block tables.
 
 Each takes ``backend="triton"`` (the kernels in this package; Triton's interpreter on
-a CPU) or ``backend="torch"`` (plain PyTorch). Inputs are validated *before* any launch
+a CPU), ``backend="torch"`` (plain PyTorch) or ``backend="cpu"`` (decode by a small C
+kernel compiled at first use, :mod:`~paged_lib.kernels.cpu_decode`; prefill and the cache
+write are the torch backend's). Inputs are validated *before* any launch
 and a mistake raises ``ValueError`` saying what is wrong: a kernel handed a bad block
 table reads someone else's memory silently, an error message does not.
 
@@ -35,7 +37,7 @@ from paged_lib.util import cdiv
 __all__ = ["BACKENDS", "choose_num_splits", "paged_attention", "paged_prefill",
            "reshape_and_cache", "slot_mapping_from_positions"]
 
-BACKENDS = ("triton", "torch")
+BACKENDS = ("triton", "torch", "cpu")
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -70,8 +72,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         max_seq_len = _check_seq_lens(seq_lens, block_tables, k_cache.shape[0],
                                       k_cache.shape[1])
     scale = _scale(scale, q.shape[-1])
-    if quant is not None and backend == "torch":  # dequantise the blocks read, then attend
+    if quant is not None and backend != "triton":  # dequantise the blocks read, then attend
         k_cache, v_cache, block_tables = dequantize_used_blocks(*quant, block_tables, seq_lens)
+    if backend == "cpu":
+        from paged_lib.kernels.cpu_decode import paged_attention_cpu
+
+        return paged_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, scale)
     if backend == "torch":
         try:
             from paged_lib.kernels.torch_backend import paged_attention_torch
@@ -113,9 +119,9 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         max_query_len = _check_query_lens(q, seq_lens, query_lens, block_tables,
                                           k_cache.shape[0], k_cache.shape[1])
     scale = _scale(scale, q.shape[-1])
-    if quant is not None and backend == "torch":
+    if quant is not None and backend != "triton":
         k_cache, v_cache, block_tables = dequantize_used_blocks(*quant, block_tables, seq_lens)
-    if backend == "torch":
+    if backend != "triton":  # "cpu" prefills with the torch backend
         from paged_lib.kernels.torch_backend import paged_prefill_torch
 
         return paged_prefill_torch(q, k_cache, v_cache, block_tables, seq_lens, query_lens,
@@ -171,7 +177,7 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Ten
         write_quantized(key, qk, slot_mapping)
         write_quantized(value, qv, slot_mapping)
         return None
-    if backend == "torch":
+    if backend != "triton":  # "cpu" writes with the torch backend
         from paged_lib.kernels.torch_backend import reshape_and_cache_torch
 
         return reshape_and_cache_torch(key, value, k_cache, v_cache, slot_mapping)

@@ -60,15 +60,15 @@ def copy_blocks(k_cache: Caches, v_cache: Caches, pairs: Pairs, *,
     copy would win?) or a block that is both a source and a destination (the result
     would depend on the order of the copies).
     """
-    if backend not in ("triton", "torch"):
-        raise ValueError(f"unknown backend {backend!r}: choose 'triton' or 'torch'")
+    if backend not in ("triton", "torch", "cpu"):
+        raise ValueError(f"unknown backend {backend!r}: choose 'triton', 'torch' or 'cpu'")
     ks, vs = _as_layers(k_cache, "k_cache"), _as_layers(v_cache, "v_cache")
     _check_layers(ks, vs)
     table = normalize_pairs(pairs, ks[0].shape[0])
     if table.shape[0] == 0:
         return
     for k, v in zip(ks, vs, strict=True):
-        if backend == "torch":
+        if backend != "triton":  # "cpu" copies as the torch backend does
             _copy_torch(k, v, table)
         else:
             _copy_triton(k, v, table.to(k.device))

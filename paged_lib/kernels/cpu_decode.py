@@ -1,0 +1,168 @@
+"""Paged decode as a small compiled C kernel: ``backend="cpu"``.
+
+The torch backend (:mod:`paged_lib.kernels.torch_backend`) is built from PyTorch ops, so
+it must first *gather* each sequence's blocks into a contiguous buffer and then attend:
+two passes over the K/V bytes, the first a full copy. That costs it about 1.5x the best
+contiguous baseline on a CPU (chapter 04; ``python -m paged_lib.bench attention``). A
+kernel that reads K and V straight out of their blocks needs no copy, which is what the
+Triton kernel does on a GPU and what vLLM's CPU backend does in C++. This is that
+kernel for a CPU, in about 250 lines of C (``csrc/paged_decode.c``): a work item is a
+sequence (or some of its KV heads), streamed block by block; the query heads that share a
+KV head are attended together, so each K/V row is read once; the online softmax of
+chapter 04 per block; nothing read past a sequence's length.
+
+It is compiled at first use with the machine's C compiler (``$CC``, else ``cc``, ``gcc``
+or ``clang``; ``-O3 -march=native`` where the compiler takes it; GNU C, for its vector
+types) into ``~/.cache/paged_lib`` (``$PAGED_LIB_CACHE`` to move it), under a name that hashes the
+source, the compiler and the flags, so an edit or another machine's compiler builds
+afresh. Loaded with :mod:`ctypes`; ``torch.get_num_threads()`` Python threads call it at
+once (ctypes lets go of the GIL) and share one work counter. Decode only: prefill and
+the cache write of ``backend="cpu"`` are the torch backend's.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from paged_lib.util import cdiv
+
+SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
+#: Flag sets tried in order; the first the compiler accepts is kept.
+FLAG_SETS = (("-O3", "-march=native"), ("-O3",))
+KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+_lock = threading.Lock()
+_library: ctypes.CDLL | None = None
+_info: dict | None = None
+_pool: ThreadPoolExecutor | None = None
+
+
+class CompilerMissing(RuntimeError):
+    """No C compiler could build the kernel (``backend="torch"`` needs none)."""
+
+
+def _compiler() -> str:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    raise CompilerMissing("backend='cpu' compiles a small C kernel (paged_lib/kernels/csrc/"
+                          "paged_decode.c) at first use and found no C compiler: set CC or "
+                          "install gcc; backend='torch' needs none")
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("PAGED_LIB_CACHE") or Path.home() / ".cache" / "paged_lib")
+
+
+def _build() -> tuple[ctypes.CDLL, dict]:
+    cc = _compiler()
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    source = SOURCE.read_bytes()
+    errors = []
+    for flags in FLAG_SETS:
+        flags = (*flags, "-shared", "-fPIC", "-std=gnu11")
+        key = hashlib.sha256(source + version.encode() + " ".join(flags).encode()).hexdigest()
+        target = _cache_dir() / f"paged_decode-{key[:16]}.so"
+        if not target.exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+                built = Path(tmp) / target.name
+                run = subprocess.run([cc, *flags, str(SOURCE), "-o", str(built), "-lm"],
+                                     capture_output=True, text=True)
+                if run.returncode != 0:
+                    errors.append(f"{cc} {' '.join(flags)}: {run.stderr.strip()[-400:]}")
+                    continue
+                os.replace(built, target)  # atomic: a second process never sees half a file
+        lib = ctypes.CDLL(str(target))
+        fn = lib.paged_decode
+        fn.restype = None
+        fn.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_int] + [ctypes.c_void_p] * 3
+                       + [ctypes.c_int] * 5 + [ctypes.c_int64] * 4 + [ctypes.c_float]
+                       + [ctypes.c_int, ctypes.POINTER(ctypes.c_int64)])
+        return lib, {"compiler": cc, "version": version.splitlines()[0] if version else "",
+                     "flags": list(flags), "library": str(target)}
+    raise CompilerMissing("could not compile paged_lib/kernels/csrc/paged_decode.c:\n"
+                          + "\n".join(errors))
+
+
+def library() -> ctypes.CDLL:
+    """The compiled kernel, built on first use (raises :class:`CompilerMissing`)."""
+    global _library, _info
+    with _lock:
+        if _library is None:
+            _library, _info = _build()
+    return _library
+
+
+def build_info() -> dict:
+    """Compiler, flags and path of the library in use (building it if need be)."""
+    library()
+    return dict(_info)
+
+
+def available() -> bool:
+    """True if the kernel is (or can be) built on this machine."""
+    try:
+        library()
+    except CompilerMissing:
+        return False
+    return True
+
+
+def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                        *, num_threads: int | None = None) -> torch.Tensor:
+    """Decode attention through block tables with the C kernel; inputs validated by the
+    dispatcher (:func:`paged_lib.kernels.paged_attention`). Shapes as there; computes in
+    float32 and returns ``q.dtype``."""
+    if q.device.type != "cpu":
+        raise ValueError(f"backend='cpu' runs on CPU tensors, but q is on {q.device}")
+    if k_cache.dtype not in KINDS or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"backend='cpu' reads float32, float16 or bfloat16 caches of one "
+                         f"dtype, got {k_cache.dtype} and {v_cache.dtype}")
+    if k_cache.stride(3) != 1 or v_cache.stride() != k_cache.stride():
+        raise ValueError("backend='cpu' needs caches whose last dimension is contiguous "
+                         "and whose K and V strides are equal")
+    fn = library().paged_decode
+    num_seqs, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    qf = q.to(torch.float32).contiguous()
+    tables = block_tables.to(torch.int32).contiguous()
+    lens = seq_lens.to(torch.int32).contiguous()
+    out = torch.empty_like(qf)
+    threads = max(1, num_threads or torch.get_num_threads())
+    # A sequence's KV heads in one item (whole blocks streamed), unless that leaves
+    # fewer than two items per thread: then the heads are split between items.
+    per_item = num_kv_heads
+    while per_item > 1 and num_seqs * cdiv(num_kv_heads, per_item) < 2 * threads:
+        per_item = cdiv(per_item, 2)
+    counter = ctypes.c_int64(0)
+    args = (qf.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), KINDS[k_cache.dtype],
+            tables.data_ptr(), lens.data_ptr(), out.data_ptr(), num_seqs, num_heads,
+            num_kv_heads, head_dim, block_size, tables.shape[1], k_cache.stride(0),
+            k_cache.stride(1), k_cache.stride(2), float(scale), per_item, ctypes.byref(counter))
+    threads = min(threads, num_seqs * cdiv(num_kv_heads, per_item))
+    helpers = [_workers().submit(fn, *args) for _ in range(threads - 1)]
+    fn(*args)  # this thread works too
+    for h in helpers:
+        h.result()
+    return out.to(q.dtype)
+
+
+def _workers() -> ThreadPoolExecutor:
+    global _pool
+    with _lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=max(1, (os.cpu_count() or 2) - 1),
+                                       thread_name_prefix="paged_decode")
+    return _pool

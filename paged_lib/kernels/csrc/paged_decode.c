@@ -1,0 +1,258 @@
+/*
+ * Paged decode attention on a CPU, in one pass over each sequence's blocks.
+ *
+ * The C twin of the Triton decode kernel (paged_lib/kernels/triton_decode.py), loaded by
+ * paged_lib/kernels/cpu_decode.py. For each KV head of a sequence, the `group` query
+ * heads that share it are attended together, so each cached K and V row
+ * is read once, straight from its block (no gather copy), and only the rows below the
+ * sequence's length are touched. The softmax is the online one of chapter 04: per block,
+ * the scores of its tokens, a new running max, the old sums rescaled, the block's values
+ * added in.
+ *
+ * Threads: the caller (Python) runs paged_decode() on several threads at once, each with
+ * the same arguments; they share `next_item`, a counter each thread takes its next work
+ * item from, so a thread that drew short sequences simply takes more of them. An item is
+ * a sequence and some of its KV heads (all of them unless there are too few sequences
+ * to keep the threads busy). ctypes
+ * releases the GIL during the call. No OpenMP, so no second OpenMP runtime beside
+ * PyTorch's. Vectors: GNU C vector types of 8 floats (AVX2 with -march=native).
+ *
+ * Caches: element (block, token, kv_head, d) sits at
+ *   block * stride_block + token * stride_token + kv_head * stride_head + d
+ * (elements), in float32, float16 or bfloat16 (`kind`); q and out are float32,
+ * [num_seqs, num_heads, head_dim] contiguous. A sequence of length 0 gets zeros.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+enum { KIND_F32 = 0, KIND_F16 = 1, KIND_BF16 = 2 };
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline float f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, u;
+    float f;
+    if (exp == 0) { /* zero or subnormal: man * 2^-24 */
+        f = ldexpf((float)man, -24);
+        return sign ? -f : f;
+    }
+    if (exp == 31) u = sign | 0x7f800000u | (man << 13); /* inf, nan */
+    else u = sign | ((exp + 112u) << 23) | (man << 13);
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* Row `offset` (in elements) of a cache as float32: the cache itself for float32, else
+ * converted into `buf`. */
+static inline const float *row_f32(const void *cache, int64_t offset, int kind, int n,
+                                   float *buf) {
+    if (kind == KIND_F32) return (const float *)cache + offset;
+    const uint16_t *src = (const uint16_t *)cache + offset;
+    if (kind == KIND_BF16)
+        for (int i = 0; i < n; ++i) buf[i] = bf16_to_f32(src[i]);
+    else
+        for (int i = 0; i < n; ++i) buf[i] = f16_to_f32(src[i]);
+    return buf;
+}
+
+/* 8 floats: one AVX register with -march=native on x86 (two SSE ones without); unaligned. */
+typedef float v8 __attribute__((vector_size(32), aligned(4)));
+#define LOAD(p) (*(const v8 *)(p))
+#define STORE(p, x) (*(v8 *)(p) = (x))
+
+static inline float hsum(v8 x) {
+    return ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7]));
+}
+
+/* Scores of `n` (1-4) query heads against one K row: the K row is loaded once per chunk
+ * for all of them, with two accumulators per head so 2n FMA chains run side by side. */
+static inline void scores_upto4(const float *q, const float *k, int n, int head_dim,
+                                float *out) {
+    v8 a[4] = {{0}}, b[4] = {{0}};
+    int c = 0;
+    for (; c + 16 <= head_dim; c += 16) {
+        const v8 k0 = LOAD(k + c), k1 = LOAD(k + c + 8);
+#pragma GCC unroll 4
+        for (int g = 0; g < n; ++g) {
+            a[g] += LOAD(q + g * head_dim + c) * k0;
+            b[g] += LOAD(q + g * head_dim + c + 8) * k1;
+        }
+    }
+    if (c < head_dim) {
+        const v8 k0 = LOAD(k + c);
+#pragma GCC unroll 4
+        for (int g = 0; g < n; ++g) a[g] += LOAD(q + g * head_dim + c) * k0;
+    }
+#pragma GCC unroll 4
+    for (int g = 0; g < n; ++g) out[g] = hsum(a[g] + b[g]);
+}
+
+/* acc[g] += sum_t w[t][g] * v[t] for `n` (1-4) heads, 16 columns at a time: each column
+ * chunk of the accumulators is loaded and stored once per block, not once per token. */
+static inline void values_upto4(float *acc, const float *w, int group, const float *const *v,
+                                int tokens, int n, int head_dim) {
+    int c = 0;
+    for (; c + 16 <= head_dim; c += 16) {
+        v8 a[4], b[4];
+#pragma GCC unroll 4
+        for (int g = 0; g < n; ++g) {
+            a[g] = LOAD(acc + g * head_dim + c);
+            b[g] = LOAD(acc + g * head_dim + c + 8);
+        }
+        for (int t = 0; t < tokens; ++t) {
+            const v8 v0 = LOAD(v[t] + c), v1 = LOAD(v[t] + c + 8);
+#pragma GCC unroll 4
+            for (int g = 0; g < n; ++g) {
+                a[g] += w[t * group + g] * v0;
+                b[g] += w[t * group + g] * v1;
+            }
+        }
+#pragma GCC unroll 4
+        for (int g = 0; g < n; ++g) {
+            STORE(acc + g * head_dim + c, a[g]);
+            STORE(acc + g * head_dim + c + 8, b[g]);
+        }
+    }
+    if (c < head_dim) {
+        v8 a[4];
+#pragma GCC unroll 4
+        for (int g = 0; g < n; ++g) a[g] = LOAD(acc + g * head_dim + c);
+        for (int t = 0; t < tokens; ++t) {
+            const v8 v0 = LOAD(v[t] + c);
+#pragma GCC unroll 4
+            for (int g = 0; g < n; ++g) a[g] += w[t * group + g] * v0;
+        }
+#pragma GCC unroll 4
+        for (int g = 0; g < n; ++g) STORE(acc + g * head_dim + c, a[g]);
+    }
+}
+
+/* The same two steps for any head size (not a multiple of 8), one float at a time. */
+static void scores_any(const float *q, const float *k, int n, int head_dim, float *out) {
+    for (int g = 0; g < n; ++g) {
+        float s = 0.0f;
+        for (int i = 0; i < head_dim; ++i) s += q[g * head_dim + i] * k[i];
+        out[g] = s;
+    }
+}
+
+static void values_any(float *acc, const float *w, int group, const float *const *v,
+                       int tokens, int n, int head_dim) {
+    for (int t = 0; t < tokens; ++t)
+        for (int g = 0; g < n; ++g)
+            for (int i = 0; i < head_dim; ++i) acc[g * head_dim + i] += w[t * group + g] * v[t][i];
+}
+
+/* Attention of KV heads kvh0 .. kvh0 + kv_heads - 1 of sequence `s` (each with its
+ * `group` query heads). Block by block, every KV head of the item is done before the
+ * next block: a block's rows for all KV heads are adjacent in memory (the cache is
+ * [block, token, kv_head, d]), so the item streams through whole blocks instead of
+ * touching one 4 KB page per token per head. */
+static void attend_item(int s, int kvh0, int kv_heads, const float *q, const void *k_cache,
+                        const void *v_cache, int kind, const int32_t *block_tables,
+                        const int32_t *seq_lens, float *out, int num_heads, int group,
+                        int head_dim, int block_size, int64_t table_width,
+                        int64_t stride_block, int64_t stride_token, int64_t stride_head,
+                        float scale) {
+    const int heads = kv_heads * group; /* query heads of this item, adjacent in q and out */
+    const int64_t first_row = ((int64_t)s * num_heads + (int64_t)kvh0 * group) * head_dim;
+    float *acc = out + first_row; /* accumulate in place */
+    const int len = seq_lens[s];
+    memset(acc, 0, sizeof(float) * (size_t)heads * (size_t)head_dim);
+    if (len <= 0) return;
+
+    const int vec = head_dim % 8 == 0;
+    /* Converted rows (float16/bfloat16 caches) land in buf: one row per token of a block. */
+    float qs[heads * head_dim], m[heads], l[heads], w[block_size * group];
+    float buf[kind == KIND_F32 ? 1 : block_size * head_dim];
+    const float *rows[block_size];
+    for (int i = 0; i < heads * head_dim; ++i) qs[i] = q[first_row + i] * scale;
+    for (int h = 0; h < heads; ++h) {
+        m[h] = -INFINITY;
+        l[h] = 0.0f;
+    }
+    const int32_t *table = block_tables + (int64_t)s * table_width;
+    const int num_blocks = (len + block_size - 1) / block_size;
+    for (int b = 0; b < num_blocks; ++b) {
+        const int tokens = len - b * block_size < block_size ? len - b * block_size
+                                                             : block_size;
+        for (int j = 0; j < kv_heads; ++j) {
+            const int64_t base = (int64_t)table[b] * stride_block
+                                 + (int64_t)(kvh0 + j) * stride_head;
+            const float *qj = qs + (int64_t)j * group * head_dim;
+            float *accj = acc + (int64_t)j * group * head_dim, *mj = m + j * group,
+                  *lj = l + j * group;
+            /* Scores: each K row is read once for all `group` heads (four at a time). */
+            for (int t = 0; t < tokens; ++t) {
+                const float *k = row_f32(k_cache, base + t * stride_token, kind, head_dim,
+                                         buf + (kind == KIND_F32 ? 0 : t * head_dim));
+                for (int g = 0; g < group; g += 4) {
+                    const int n = group - g < 4 ? group - g : 4;
+                    if (vec) scores_upto4(qj + g * head_dim, k, n, head_dim, w + t * group + g);
+                    else scores_any(qj + g * head_dim, k, n, head_dim, w + t * group + g);
+                }
+            }
+            /* Online softmax: new max, old sums rescaled, scores turned into weights. */
+            for (int g = 0; g < group; ++g) {
+                float block_max = -INFINITY;
+                for (int t = 0; t < tokens; ++t) block_max = w[t * group + g] > block_max ? w[t * group + g] : block_max;
+                const float m_new = block_max > mj[g] ? block_max : mj[g];
+                if (m_new > mj[g]) { /* first block: m = -inf, the sums are 0 anyway */
+                    const float c = expf(mj[g] - m_new);
+                    lj[g] *= c;
+                    for (int i = 0; i < head_dim; ++i) accj[g * head_dim + i] *= c;
+                    mj[g] = m_new;
+                }
+                float sum = 0.0f;
+                for (int t = 0; t < tokens; ++t) {
+                    const float e = expf(w[t * group + g] - m_new);
+                    w[t * group + g] = e;
+                    sum += e;
+                }
+                lj[g] += sum;
+            }
+            /* Values: each V row is read once for all `group` heads. */
+            for (int t = 0; t < tokens; ++t)
+                rows[t] = row_f32(v_cache, base + t * stride_token, kind, head_dim,
+                                  buf + (kind == KIND_F32 ? 0 : t * head_dim));
+            for (int g = 0; g < group; g += 4) {
+                const int n = group - g < 4 ? group - g : 4;
+                if (vec) values_upto4(accj + g * head_dim, w + g, group, rows, tokens, n,
+                                      head_dim);
+                else values_any(accj + g * head_dim, w + g, group, rows, tokens, n, head_dim);
+            }
+        }
+    }
+    for (int h = 0; h < heads; ++h)
+        for (int i = 0; i < head_dim; ++i) acc[h * head_dim + i] /= l[h];
+}
+
+/* Work items (sequence, `kv_heads_per_item` KV heads) are taken from *next_item until
+ * none is left. */
+void paged_decode(const float *q, const void *k_cache, const void *v_cache, int kind,
+                  const int32_t *block_tables, const int32_t *seq_lens, float *out,
+                  int num_seqs, int num_heads, int num_kv_heads, int head_dim,
+                  int block_size, int64_t table_width, int64_t stride_block,
+                  int64_t stride_token, int64_t stride_head, float scale,
+                  int kv_heads_per_item, int64_t *next_item) {
+    const int group = num_heads / num_kv_heads;
+    const int per_seq = (num_kv_heads + kv_heads_per_item - 1) / kv_heads_per_item;
+    const int64_t items = (int64_t)num_seqs * per_seq;
+    for (;;) {
+        const int64_t it = __atomic_fetch_add(next_item, 1, __ATOMIC_RELAXED);
+        if (it >= items) return;
+        const int kvh0 = (int)(it % per_seq) * kv_heads_per_item;
+        const int n = num_kv_heads - kvh0 < kv_heads_per_item ? num_kv_heads - kvh0
+                                                              : kv_heads_per_item;
+        attend_item((int)(it / per_seq), kvh0, n, q, k_cache, v_cache, kind, block_tables,
+                    seq_lens, out, num_heads, group, head_dim, block_size, table_width,
+                    stride_block, stride_token, stride_head, scale);
+    }
+}

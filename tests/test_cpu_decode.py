@@ -1,0 +1,126 @@
+"""The compiled CPU decode kernel (``backend="cpu"``) against the float64 reference.
+
+Its batches come from :func:`~paged_lib.kernels.cases.make_decode_case`: every slot no
+sequence may read is NaN and padding table entries are -1, so a kernel that reads past a
+sequence's end returns NaN or garbage, not a near miss. Skipped, with the reason, on a
+machine with no C compiler.
+"""
+
+import pytest
+import torch
+
+import paged_lib  # noqa: F401  # isort: split
+from paged_lib.engine import LLMEngine, SamplingParams
+from paged_lib.kernels import (
+    cpu_decode,
+    paged_attention,
+    reshape_and_cache,
+    slot_mapping_from_positions,
+)
+from paged_lib.kernels.cases import make_decode_case
+from paged_lib.kernels.reference import ref_paged_attention
+from paged_lib.kv_quant import allocate_quantized_kv_caches
+from paged_lib.model import TinyLlama
+
+try:
+    cpu_decode.library()
+except cpu_decode.CompilerMissing as err:  # pragma: no cover - machines without cc
+    pytest.skip(str(err), allow_module_level=True)
+
+TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+@pytest.mark.parametrize("dtype", list(TOL))
+@pytest.mark.parametrize("lens,heads,kv_heads,head_dim,block_size", [
+    ((1, 17, 40, 0, 33), 4, 2, 64, 16),      # GQA 2, an empty sequence, part-filled blocks
+    ((5, 100, 7), 8, 1, 40, 12),             # MQA, odd head size and block size
+    ((64, 3), 4, 4, 128, 1),                 # MHA, one token per block
+    ((300,), 16, 2, 32, 16),                 # group of 8, many blocks
+])
+def test_equals_the_float64_reference(dtype, lens, heads, kv_heads, head_dim, block_size):
+    case = make_decode_case(list(lens), heads, kv_heads, head_dim, block_size, dtype=dtype)
+    got = paged_attention(*case, backend="cpu")
+    assert got.dtype == dtype and got.shape == case.q.shape
+    assert not got.isnan().any(), "read a slot no sequence owns (NaN-poisoned)"
+    torch.testing.assert_close(got.double(), ref_paged_attention(*case).double(),
+                               atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_empty_sequence_gets_zeros():
+    case = make_decode_case([0, 9], 4, 2, 64, 4)
+    assert paged_attention(*case, backend="cpu")[0].eq(0).all()
+
+
+def test_scores_in_the_hundreds_do_not_overflow():
+    case = make_decode_case([50, 80], 4, 2, 64, 16)
+    q = case.q * 40  # scores of several hundred: a softmax without its running max overflows
+    got = paged_attention(q, *case[1:], backend="cpu")
+    torch.testing.assert_close(got.double(), ref_paged_attention(q, *case[1:]).double(),
+                               atol=1e-4, rtol=1e-4)
+
+
+def test_strided_caches_one_layer_of_a_stack():
+    """The engine's caches may be views (a layer of a stacked tensor): strides are used."""
+    case = make_decode_case([30, 7], 4, 2, 64, 8)
+    stack = torch.stack([case.k_cache, case.v_cache], dim=1)  # [blocks, 2, bs, kvh, d]
+    k, v = stack[:, 0], stack[:, 1]
+    assert not k.is_contiguous()
+    got = paged_attention(case.q, k, v, *case[3:], backend="cpu")
+    torch.testing.assert_close(got, paged_attention(*case, backend="torch"),
+                               atol=2e-5, rtol=2e-5)
+
+
+def test_one_thread_and_many_agree_bit_for_bit():
+    case = make_decode_case([100, 3, 250, 64, 1], 8, 2, 64, 16)
+    one = cpu_decode.paged_attention_cpu(*case, num_threads=1)
+    many = cpu_decode.paged_attention_cpu(*case, num_threads=4)
+    assert torch.equal(one, many)  # each (sequence, KV head) is one thread's work
+
+
+def test_int8_cache_equals_the_torch_backend():
+    case = make_decode_case([40, 21], 4, 2, 64, 16)
+    [(k, v)] = allocate_quantized_kv_caches("int8", 1, tuple(case.k_cache.shape), "cpu")
+    for s, n in enumerate(case.seq_lens.tolist()):
+        pos = torch.arange(n)
+        slots = slot_mapping_from_positions(case.block_tables, torch.full((n,), s), pos, 16)
+        blocks, offs = slots // 16, slots % 16
+        reshape_and_cache(case.k_cache[blocks, offs], case.v_cache[blocks, offs], k, v, slots,
+                          backend="cpu")
+    got = paged_attention(case.q, k, v, *case[3:], backend="cpu")
+    torch.testing.assert_close(got, paged_attention(case.q, k, v, *case[3:], backend="torch"),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_bad_input_is_refused_with_a_reason():
+    case = make_decode_case([5], 4, 2, 64, 4)
+    with pytest.raises(ValueError, match="one dtype"):
+        cpu_decode.paged_attention_cpu(case.q, case.k_cache, case.v_cache.half(), *case[3:])
+    with pytest.raises(ValueError, match="unknown backend"):
+        paged_attention(*case, backend="c")
+
+
+def test_no_compiler_is_named(monkeypatch):
+    monkeypatch.setenv("PATH", "")
+    monkeypatch.delenv("CC", raising=False)
+    with pytest.raises(cpu_decode.CompilerMissing, match="no C compiler"):
+        cpu_decode._compiler()
+
+
+def test_engine_on_the_cpu_backend_equals_transformers(tiny_hf_llama, greedy_reference):
+    """Greedy tokens equal transformers' through swap preemption, and log-probs equal the
+    torch backend's: the engine's caches start NaN, so a stray read would show."""
+    torch.manual_seed(3)
+    prompts = [torch.randint(0, 97, (n,)).tolist() for n in (3, 9, 14, 22)]
+    model = TinyLlama.from_hf(tiny_hf_llama)
+    params = SamplingParams(max_tokens=12)
+    outs = {}
+    for backend in ("cpu", "torch"):
+        engine = LLMEngine(model, num_blocks=14, block_size=4, num_cpu_blocks=32,
+                           preemption="swap", attention_backend=backend)
+        outs[backend] = engine.generate(prompts, params)
+        assert engine.stats.swapped_blocks > 0  # the pool is small enough to preempt
+    expected = greedy_reference(tiny_hf_llama, prompts, 12)
+    for out, ref, base in zip(outs["cpu"], expected, outs["torch"], strict=True):
+        assert out.outputs[0].token_ids == ref
+        assert out.outputs[0].cumulative_logprob == pytest.approx(
+            base.outputs[0].cumulative_logprob, abs=1e-4)
