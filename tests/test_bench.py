@@ -14,6 +14,7 @@ import torch
 
 from paged_lib.bench import __main__ as cli
 from paged_lib.bench import attention, checks, report
+from paged_lib.kernels import cpu_decode
 from paged_lib.util import CheckFailed
 
 
@@ -104,8 +105,23 @@ def test_cpu_ratios_lists_every_baseline_and_the_floor():
                                 min_len=8, max_len=24, block_size=8, repeats=1,
                                 flex_repeats=0, sdpa_gqa=False)
     names = [r["impl"] for r in rows]
+    c_kernel = ["paged, C kernel (backend='cpu')"] if cpu_decode.available() else []
     assert names == ["contiguous SDPA (per sequence)", "contiguous grouped matmuls",
-                     "contiguous SDPA, one padded call", "paged, torch backend",
+                     "contiguous SDPA, one padded call", "paged, torch backend", *c_kernel,
                      "read K/V once (memory floor)"]
-    assert [r["check"] for r in rows] == ["ok"] * 4 + ["floor"]
+    assert [r["check"] for r in rows] == ["ok"] * (4 + len(c_kernel)) + ["floor"]
     assert rows[0]["vs_sdpa"] == 1.0
+
+
+def test_cpu_goal_compares_the_fastest_paged_with_the_fastest_contiguous():
+    rows = [{"impl": "contiguous a", "ms": 10.0, "check": "ok"},
+            {"impl": "contiguous b", "ms": 8.0, "check": "ok"},
+            {"impl": "paged, slow", "ms": 30.0, "check": "ok"},
+            {"impl": "paged, fast", "ms": 9.0, "check": "ok"},
+            {"impl": "paged, wrong", "ms": float("nan"), "check": "WRONG"},
+            {"impl": "read K/V once (memory floor)", "ms": 2.0, "check": "floor"}]
+    assert attention.cpu_goal(rows) == ("paged, fast / contiguous b = 1.12x (goal <= 1.2x): "
+                                        "met")
+    rows[3]["ms"] = 12.0
+    assert attention.cpu_goal(rows).endswith("1.50x (goal <= 1.2x): NOT met")
+    assert attention.cpu_goal(rows[:2]) == "paged / best contiguous: not measured"

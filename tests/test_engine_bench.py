@@ -10,7 +10,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 def test_engine_bench_small_run(capsys):
     assert bench.main(["--requests", "6", "--num-blocks", "40", "--block-size", "8",
-                       "--max-len", "80", "--random-model"]) == 0
+                       "--max-len", "80", "--random-model", "--repeats", "1"]) == 0
     text = capsys.readouterr().out
     rows = {line.split("  ")[0]: line.split() for line in text.splitlines()}
     engine, static, hf = (rows[s] for s in ("paged engine", "static batching",
@@ -18,6 +18,24 @@ def test_engine_bench_small_run(capsys):
     # steps: static batching and transformers run the same batches; the engine fewer
     assert int(static[2]) == int(hf[2]) > int(engine[2])
     assert "overhead per decode step, 64 running sequences" in text
+    assert "goal: engine >= 2x transformers, wall clock:" in text
+    parts = next(line for line in text.splitlines() if line.startswith("paged engine, ms per"))
+    for part in ("scheduling", "metadata", "model", "sampling", "other", "total"):
+        assert f"{part} " in parts
+
+
+def test_step_breakdown_adds_up_and_unwraps(tiny_model):
+    import paged_lib.engine.llm_engine as llm_engine_module
+    from paged_lib.engine import SamplingParams
+
+    sample = llm_engine_module.sample
+    parts = bench.step_breakdown(tiny_model, [[1, 2, 3], [4, 5]], SamplingParams(max_tokens=4),
+                                 16, 4, "torch")
+    assert set(parts) == {"scheduling", "metadata", "model", "sampling", "other"}
+    assert all(ms > 0 for part, ms in parts.items() if part != "other")
+    assert parts["model"] > parts["sampling"]
+    assert llm_engine_module.sample is sample  # the module is left as it was
+    assert "forward" not in vars(tiny_model)
 
 
 def test_scheduling_overhead_is_measured_for_64_sequences():
