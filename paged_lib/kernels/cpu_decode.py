@@ -15,8 +15,9 @@ It is compiled at first use with the machine's C compiler (``$CC``, else ``cc``,
 or ``clang``; ``-O3 -march=native`` where the compiler takes it; GNU C, for its vector
 types) into ``~/.cache/paged_lib`` (``$PAGED_LIB_CACHE`` to move it), under a name that hashes the
 source, the compiler and the flags, so an edit or another machine's compiler builds
-afresh. Loaded with :mod:`ctypes`; ``torch.get_num_threads()`` Python threads call it at
-once (ctypes lets go of the GIL) and share one work counter. Decode only: prefill and
+afresh. Loaded with :mod:`ctypes`; up to ``torch.get_num_threads()`` Python threads call it
+at once (ctypes lets go of the GIL) and share one work counter; a small batch (under
+:data:`MIN_BYTES_PER_THREAD` of K/V per thread) runs on fewer. Decode only: prefill and
 the cache write of ``backend="cpu"`` are the torch backend's.
 """
 
@@ -40,6 +41,9 @@ SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
 #: Flag sets tried in order; the first the compiler accepts is kept.
 FLAG_SETS = (("-O3", "-march=native"), ("-O3",))
 KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+#: K/V bytes below which one more thread costs more than it saves (one thread reads about
+#: 4.5 GB/s here, so 512 KB is ~0.1 ms of work: about what a hand-off to a thread costs).
+MIN_BYTES_PER_THREAD = 512 * 1024
 
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
@@ -141,6 +145,9 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     lens = seq_lens.to(torch.int32).contiguous()
     out = torch.empty_like(qf)
     threads = max(1, num_threads or torch.get_num_threads())
+    if num_threads is None:  # a thread's hand-off costs ~0.1 ms: only for enough work
+        kv_bytes = 2 * int(lens.sum()) * num_kv_heads * head_dim * k_cache.element_size()
+        threads = min(threads, max(1, kv_bytes // MIN_BYTES_PER_THREAD))
     # A sequence's KV heads in one item (whole blocks streamed), unless that leaves
     # fewer than two items per thread: then the heads are split between items.
     per_item = num_kv_heads
