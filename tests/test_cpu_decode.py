@@ -6,6 +6,8 @@ sequence's end returns NaN or garbage, not a near miss. Skipped, with the reason
 machine with no C compiler.
 """
 
+import os
+
 import pytest
 import torch
 
@@ -24,7 +26,7 @@ from paged_lib.model import TinyLlama
 
 try:
     cpu_decode.library()
-except cpu_decode.CompilerMissing as err:  # pragma: no cover - machines without cc
+except cpu_decode.KernelUnavailable as err:  # pragma: no cover - machines without cc
     pytest.skip(str(err), allow_module_level=True)
 
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
@@ -99,10 +101,24 @@ def test_bad_input_is_refused_with_a_reason():
         paged_attention(*case, backend="c")
 
 
+def test_an_unwritable_home_falls_back_to_a_temporary_folder(monkeypatch, tmp_path):
+    monkeypatch.delenv("PAGED_LIB_CACHE", raising=False)
+    home = tmp_path / "home"
+    home.mkdir()
+    home.chmod(0o500)
+    monkeypatch.setattr(cpu_decode.Path, "home", lambda: home)
+    monkeypatch.setattr(cpu_decode.tempfile, "gettempdir", lambda: str(tmp_path))
+    if os.access(home, os.W_OK):  # root writes anywhere: make the home a file instead
+        home.chmod(0o700)
+        home.rmdir()
+        home.write_text("")
+    assert cpu_decode._cache_dir() == tmp_path / f"paged_lib-{os.getuid()}"
+
+
 def test_no_compiler_is_named(monkeypatch):
     monkeypatch.setenv("PATH", "")
     monkeypatch.delenv("CC", raising=False)
-    with pytest.raises(cpu_decode.CompilerMissing, match="no C compiler"):
+    with pytest.raises(cpu_decode.KernelUnavailable, match="no C compiler"):
         cpu_decode._compiler()
 
 

@@ -51,21 +51,35 @@ _info: dict | None = None
 _pool: ThreadPoolExecutor | None = None
 
 
-class CompilerMissing(RuntimeError):
-    """No C compiler could build the kernel (``backend="torch"`` needs none)."""
+class KernelUnavailable(RuntimeError):
+    """The kernel could not be built or loaded here: no C compiler, or one that refused
+    the source (``backend="torch"`` needs neither)."""
 
 
 def _compiler() -> str:
     for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
         if name and shutil.which(name):
             return shutil.which(name)
-    raise CompilerMissing("backend='cpu' compiles a small C kernel (paged_lib/kernels/csrc/"
+    raise KernelUnavailable("backend='cpu' compiles a small C kernel (paged_lib/kernels/csrc/"
                           "paged_decode.c) at first use and found no C compiler: set CC or "
                           "install gcc; backend='torch' needs none")
 
 
 def _cache_dir() -> Path:
-    return Path(os.environ.get("PAGED_LIB_CACHE") or Path.home() / ".cache" / "paged_lib")
+    """``$PAGED_LIB_CACHE``, else ``~/.cache/paged_lib``, else (a home that cannot be
+    written) a folder in the system's temporary directory."""
+    for place in (os.environ.get("PAGED_LIB_CACHE"), Path.home() / ".cache" / "paged_lib",
+                  Path(tempfile.gettempdir()) / f"paged_lib-{os.getuid()}"):
+        if not place:
+            continue
+        try:
+            Path(place).mkdir(parents=True, exist_ok=True)
+        except OSError:
+            continue
+        if os.access(place, os.W_OK):
+            return Path(place)
+    raise KernelUnavailable("backend='cpu' found no writable folder for its compiled kernel: "
+                            "set PAGED_LIB_CACHE to one")
 
 
 def _build() -> tuple[ctypes.CDLL, dict]:
@@ -78,7 +92,6 @@ def _build() -> tuple[ctypes.CDLL, dict]:
         key = hashlib.sha256(source + version.encode() + " ".join(flags).encode()).hexdigest()
         target = _cache_dir() / f"paged_decode-{key[:16]}.so"
         if not target.exists():
-            target.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
                 built = Path(tmp) / target.name
                 run = subprocess.run([cc, *flags, str(SOURCE), "-o", str(built), "-lm"],
@@ -87,7 +100,11 @@ def _build() -> tuple[ctypes.CDLL, dict]:
                     errors.append(f"{cc} {' '.join(flags)}: {run.stderr.strip()[-400:]}")
                     continue
                 os.replace(built, target)  # atomic: a second process never sees half a file
-        lib = ctypes.CDLL(str(target))
+        try:
+            lib = ctypes.CDLL(str(target))
+        except OSError as err:
+            errors.append(f"{target}: {err}")
+            continue
         fn = lib.paged_decode
         fn.restype = None
         fn.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_int] + [ctypes.c_void_p] * 3
@@ -95,12 +112,12 @@ def _build() -> tuple[ctypes.CDLL, dict]:
                        + [ctypes.c_int, ctypes.POINTER(ctypes.c_int64)])
         return lib, {"compiler": cc, "version": version.splitlines()[0] if version else "",
                      "flags": list(flags), "library": str(target)}
-    raise CompilerMissing("could not compile paged_lib/kernels/csrc/paged_decode.c:\n"
+    raise KernelUnavailable("could not build or load paged_lib/kernels/csrc/paged_decode.c:\n"
                           + "\n".join(errors))
 
 
 def library() -> ctypes.CDLL:
-    """The compiled kernel, built on first use (raises :class:`CompilerMissing`)."""
+    """The compiled kernel, built on first use (raises :class:`KernelUnavailable`)."""
     global _library, _info
     with _lock:
         if _library is None:
@@ -118,7 +135,7 @@ def available() -> bool:
     """True if the kernel is (or can be) built on this machine."""
     try:
         library()
-    except CompilerMissing:
+    except KernelUnavailable:
         return False
     return True
 
