@@ -61,8 +61,8 @@ def _compiler() -> str:
         if name and shutil.which(name):
             return shutil.which(name)
     raise KernelUnavailable("backend='cpu' compiles a small C kernel (paged_lib/kernels/csrc/"
-                          "paged_decode.c) at first use and found no C compiler: set CC or "
-                          "install gcc; backend='torch' needs none")
+                            "paged_decode.c) at first use and found no C compiler: set CC or "
+                            "install gcc; backend='torch' needs none")
 
 
 def _cache_dir() -> Path:
@@ -113,7 +113,7 @@ def _build() -> tuple[ctypes.CDLL, dict]:
         return lib, {"compiler": cc, "version": version.splitlines()[0] if version else "",
                      "flags": list(flags), "library": str(target)}
     raise KernelUnavailable("could not build or load paged_lib/kernels/csrc/paged_decode.c:\n"
-                          + "\n".join(errors))
+                            + "\n".join(errors))
 
 
 def library() -> ctypes.CDLL:
