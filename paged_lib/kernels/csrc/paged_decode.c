@@ -25,6 +25,9 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__AVX__)
+#include <immintrin.h>
+#endif
 
 enum { KIND_F32 = 0, KIND_F16 = 1, KIND_BF16 = 2 };
 
@@ -71,10 +74,47 @@ static inline float hsum(v8 x) {
     return ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7]));
 }
 
+/* out[g] = sum of the 8 lanes of acc[g], g < n (n <= 4). */
+static inline __attribute__((always_inline)) void hsum_upto4(const v8 *acc, int n, float *out) {
+#if defined(__AVX__)
+    const v8 zero = {0};
+    const __m256 a = (__m256)acc[0], b = n > 1 ? (__m256)acc[1] : (__m256)zero,
+                 c = n > 2 ? (__m256)acc[2] : (__m256)zero,
+                 d = n > 3 ? (__m256)acc[3] : (__m256)zero;
+    /* Two horizontal adds leave each head's two half-sums in one lane of each half. */
+    const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    float sums[4];
+    _mm_storeu_ps(sums, _mm_add_ps(_mm256_castps256_ps128(abcd),
+                                   _mm256_extractf128_ps(abcd, 1)));
+    for (int g = 0; g < n; ++g) out[g] = sums[g];
+#else
+    for (int g = 0; g < n; ++g) out[g] = hsum(acc[g]);
+#endif
+}
+
+/* Scores of `n` (1-4) query heads against two K rows at once: each chunk of q is loaded
+ * once for both rows, and the 2n accumulators are 2n independent FMA chains. */
+static inline __attribute__((always_inline)) void scores2_upto4(
+        const float *q, const float *k0, const float *k1, int n, int head_dim, float *out0,
+        float *out1) {
+    v8 a[4] = {{0}}, b[4] = {{0}};
+    for (int c = 0; c < head_dim; c += 8) {
+        const v8 x0 = LOAD(k0 + c), x1 = LOAD(k1 + c);
+#pragma GCC unroll 4
+        for (int g = 0; g < n; ++g) {
+            const v8 qg = LOAD(q + g * head_dim + c);
+            a[g] += qg * x0;
+            b[g] += qg * x1;
+        }
+    }
+    hsum_upto4(a, n, out0);
+    hsum_upto4(b, n, out1);
+}
+
 /* Scores of `n` (1-4) query heads against one K row: the K row is loaded once per chunk
  * for all of them, with two accumulators per head so 2n FMA chains run side by side. */
-static inline void scores_upto4(const float *q, const float *k, int n, int head_dim,
-                                float *out) {
+static inline __attribute__((always_inline)) void scores_upto4(
+        const float *q, const float *k, int n, int head_dim, float *out) {
     v8 a[4] = {{0}}, b[4] = {{0}};
     int c = 0;
     for (; c + 16 <= head_dim; c += 16) {
@@ -96,8 +136,9 @@ static inline void scores_upto4(const float *q, const float *k, int n, int head_
 
 /* acc[g] += sum_t w[t][g] * v[t] for `n` (1-4) heads, 16 columns at a time: each column
  * chunk of the accumulators is loaded and stored once per block, not once per token. */
-static inline void values_upto4(float *acc, const float *w, int group, const float *const *v,
-                                int tokens, int n, int head_dim) {
+static inline __attribute__((always_inline)) void values_upto4(
+        float *acc, const float *w, int group, const float *const *v, int tokens, int n,
+        int head_dim) {
     int c = 0;
     for (; c + 16 <= head_dim; c += 16) {
         v8 a[4], b[4];
@@ -131,6 +172,37 @@ static inline void values_upto4(float *acc, const float *w, int group, const flo
         }
 #pragma GCC unroll 4
         for (int g = 0; g < n; ++g) STORE(acc + g * head_dim + c, a[g]);
+    }
+}
+
+/* The two steps with `n` a constant in each case, so the compiler unrolls the head loops
+ * and keeps the accumulators in registers. */
+static void scores2_vec(const float *q, const float *k0, const float *k1, int n,
+                        int head_dim, float *out0, float *out1) {
+    switch (n) {
+    case 4: scores2_upto4(q, k0, k1, 4, head_dim, out0, out1); break;
+    case 3: scores2_upto4(q, k0, k1, 3, head_dim, out0, out1); break;
+    case 2: scores2_upto4(q, k0, k1, 2, head_dim, out0, out1); break;
+    default: scores2_upto4(q, k0, k1, 1, head_dim, out0, out1); break;
+    }
+}
+
+static void scores_vec(const float *q, const float *k, int n, int head_dim, float *out) {
+    switch (n) {
+    case 4: scores_upto4(q, k, 4, head_dim, out); break;
+    case 3: scores_upto4(q, k, 3, head_dim, out); break;
+    case 2: scores_upto4(q, k, 2, head_dim, out); break;
+    default: scores_upto4(q, k, 1, head_dim, out); break;
+    }
+}
+
+static void values_vec(float *acc, const float *w, int group, const float *const *v,
+                       int tokens, int n, int head_dim) {
+    switch (n) {
+    case 4: values_upto4(acc, w, group, v, tokens, 4, head_dim); break;
+    case 3: values_upto4(acc, w, group, v, tokens, 3, head_dim); break;
+    case 2: values_upto4(acc, w, group, v, tokens, 2, head_dim); break;
+    default: values_upto4(acc, w, group, v, tokens, 1, head_dim); break;
     }
 }
 
@@ -186,16 +258,30 @@ static void attend_item(int s, int kvh0, int kv_heads, const float *q, const voi
         for (int j = 0; j < kv_heads; ++j) {
             const int64_t base = (int64_t)table[b] * stride_block
                                  + (int64_t)(kvh0 + j) * stride_head;
+
             const float *qj = qs + (int64_t)j * group * head_dim;
             float *accj = acc + (int64_t)j * group * head_dim, *mj = m + j * group,
                   *lj = l + j * group;
             /* Scores: each K row is read once for all `group` heads (four at a time). */
-            for (int t = 0; t < tokens; ++t) {
+            int t = 0;
+            for (; vec && t + 2 <= tokens; t += 2) { /* two rows at a time */
+                const float *k0 = row_f32(k_cache, base + t * stride_token, kind, head_dim,
+                                          buf + (kind == KIND_F32 ? 0 : t * head_dim));
+                const float *k1 = row_f32(k_cache, base + (t + 1) * stride_token, kind,
+                                          head_dim,
+                                          buf + (kind == KIND_F32 ? 0 : (t + 1) * head_dim));
+                for (int g = 0; g < group; g += 4) {
+                    const int n = group - g < 4 ? group - g : 4;
+                    scores2_vec(qj + g * head_dim, k0, k1, n, head_dim, w + t * group + g,
+                                w + (t + 1) * group + g);
+                }
+            }
+            for (; t < tokens; ++t) {
                 const float *k = row_f32(k_cache, base + t * stride_token, kind, head_dim,
                                          buf + (kind == KIND_F32 ? 0 : t * head_dim));
                 for (int g = 0; g < group; g += 4) {
                     const int n = group - g < 4 ? group - g : 4;
-                    if (vec) scores_upto4(qj + g * head_dim, k, n, head_dim, w + t * group + g);
+                    if (vec) scores_vec(qj + g * head_dim, k, n, head_dim, w + t * group + g);
                     else scores_any(qj + g * head_dim, k, n, head_dim, w + t * group + g);
                 }
             }
@@ -219,12 +305,13 @@ static void attend_item(int s, int kvh0, int kv_heads, const float *q, const voi
                 lj[g] += sum;
             }
             /* Values: each V row is read once for all `group` heads. */
+
             for (int t = 0; t < tokens; ++t)
                 rows[t] = row_f32(v_cache, base + t * stride_token, kind, head_dim,
                                   buf + (kind == KIND_F32 ? 0 : t * head_dim));
             for (int g = 0; g < group; g += 4) {
                 const int n = group - g < 4 ? group - g : 4;
-                if (vec) values_upto4(accj + g * head_dim, w + g, group, rows, tokens, n,
+                if (vec) values_vec(accj + g * head_dim, w + g, group, rows, tokens, n,
                                       head_dim);
                 else values_any(accj + g * head_dim, w + g, group, rows, tokens, n, head_dim);
             }
