@@ -25,6 +25,7 @@ import torch
 from paged_lib.device import interpreter_on
 from paged_lib.kernels import (
     choose_num_splits,
+    cpu_decode,
     paged_attention,
     paged_prefill,
     reshape_and_cache,
@@ -65,6 +66,9 @@ DTYPES = [torch.float32, torch.float16]
 TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
 FAR_OUT = 2**30  # an unused block-table entry no kernel may follow
 DEVICE = paged_lib.default_device()
+#: Decode backends: "cpu" (the compiled C kernel) runs on CPU tensors only, where it builds.
+DECODE_BACKENDS = ["triton", "torch"] + (
+    ["cpu"] if DEVICE == "cpu" and cpu_decode.available() else [])
 ON_GPU = DEVICE == "cuda" and not interpreter_on()
 gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU compiling natively "
                               "(too large or not meaningful in the interpreter)")
@@ -94,7 +98,7 @@ def assert_matches_reference(out, case, scale=None):
 # ------------------------------------------------------------------ decode
 
 
-@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("backend", DECODE_BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("heads,head_dim,block_size", SHAPES, ids=SHAPE_IDS)
 def test_decode_matches_reference(heads, head_dim, block_size, dtype, backend):
@@ -128,7 +132,7 @@ def test_split_kv_really_splits(monkeypatch):
     assert seen == [3]
 
 
-@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("backend", DECODE_BACKENDS)
 @pytest.mark.parametrize("num_splits", [None, 2])
 def test_length_zero_sequences_give_zeros_and_change_nothing_else(backend, num_splits):
     """CUDA-graph batches pad with length-0 rows: zeros for them, the rest as without."""
@@ -331,7 +335,7 @@ def test_agrees_with_flex_attention_paged(backend, heads, kv_heads, head_dim, bl
 
 def test_empty_batch():
     q, k, v, bt, _, _ = make_case([5], 4, 2, 64, 8)
-    for backend in ("triton", "torch"):
+    for backend in DECODE_BACKENDS:
         out = paged_attention(q[:0], k, v, bt[:0],
                               torch.zeros(0, dtype=torch.int32, device=DEVICE), backend=backend)
         assert out.shape == (0, 4, 64)
