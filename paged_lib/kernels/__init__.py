@@ -23,6 +23,7 @@ still checked, nothing is read back, and the Triton path launches without a sync
 
 Where things live: ``reference.py`` (float64 definitions, outside baselines),
 ``torch_backend.py`` (every operation in PyTorch), ``triton_*.py`` (one kernel each),
+``cpu_decode.py`` with ``csrc/paged_decode.c`` (the C decode kernel and its build),
 ``cases.py`` (the test batches everyone uses).
 """
 
