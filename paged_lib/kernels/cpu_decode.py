@@ -6,7 +6,7 @@ two passes over the K/V bytes, the first a full copy. That costs it about 1.5x t
 contiguous baseline on a CPU (chapter 04; ``python -m paged_lib.bench attention``). A
 kernel that reads K and V straight out of their blocks needs no copy, which is what the
 Triton kernel does on a GPU and what vLLM's CPU backend does in C++. This is that
-kernel for a CPU, in about 350 lines of C (``csrc/paged_decode.c``): a work item is a
+kernel for a CPU, in about 300 lines of C (``csrc/paged_decode.c``): a work item is a
 sequence (or some of its KV heads), streamed block by block; the query heads that share a
 KV head are attended together, so each K/V row is read once; the online softmax of
 chapter 04 per block; nothing read past a sequence's length.

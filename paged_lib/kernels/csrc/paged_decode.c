@@ -111,29 +111,6 @@ static inline __attribute__((always_inline)) void scores2_upto4(
     hsum_upto4(b, n, out1);
 }
 
-/* Scores of `n` (1-4) query heads against one K row: the K row is loaded once per chunk
- * for all of them, with two accumulators per head so 2n FMA chains run side by side. */
-static inline __attribute__((always_inline)) void scores_upto4(
-        const float *q, const float *k, int n, int head_dim, float *out) {
-    v8 a[4] = {{0}}, b[4] = {{0}};
-    int c = 0;
-    for (; c + 16 <= head_dim; c += 16) {
-        const v8 k0 = LOAD(k + c), k1 = LOAD(k + c + 8);
-#pragma GCC unroll 4
-        for (int g = 0; g < n; ++g) {
-            a[g] += LOAD(q + g * head_dim + c) * k0;
-            b[g] += LOAD(q + g * head_dim + c + 8) * k1;
-        }
-    }
-    if (c < head_dim) {
-        const v8 k0 = LOAD(k + c);
-#pragma GCC unroll 4
-        for (int g = 0; g < n; ++g) a[g] += LOAD(q + g * head_dim + c) * k0;
-    }
-#pragma GCC unroll 4
-    for (int g = 0; g < n; ++g) out[g] = hsum(a[g] + b[g]);
-}
-
 /* acc[g] += sum_t w[t][g] * v[t] for `n` (1-4) heads, 16 columns at a time: each column
  * chunk of the accumulators is loaded and stored once per block, not once per token. */
 static inline __attribute__((always_inline)) void values_upto4(
@@ -184,15 +161,6 @@ static void scores2_vec(const float *q, const float *k0, const float *k1, int n,
     case 3: scores2_upto4(q, k0, k1, 3, head_dim, out0, out1); break;
     case 2: scores2_upto4(q, k0, k1, 2, head_dim, out0, out1); break;
     default: scores2_upto4(q, k0, k1, 1, head_dim, out0, out1); break;
-    }
-}
-
-static void scores_vec(const float *q, const float *k, int n, int head_dim, float *out) {
-    switch (n) {
-    case 4: scores_upto4(q, k, 4, head_dim, out); break;
-    case 3: scores_upto4(q, k, 3, head_dim, out); break;
-    case 2: scores_upto4(q, k, 2, head_dim, out); break;
-    default: scores_upto4(q, k, 1, head_dim, out); break;
     }
 }
 
@@ -258,37 +226,34 @@ static void attend_item(int s, int kvh0, int kv_heads, const float *q, const voi
         for (int j = 0; j < kv_heads; ++j) {
             const int64_t base = (int64_t)table[b] * stride_block
                                  + (int64_t)(kvh0 + j) * stride_head;
-
             const float *qj = qs + (int64_t)j * group * head_dim;
             float *accj = acc + (int64_t)j * group * head_dim, *mj = m + j * group,
                   *lj = l + j * group;
-            /* Scores: each K row is read once for all `group` heads (four at a time). */
-            int t = 0;
-            for (; vec && t + 2 <= tokens; t += 2) { /* two rows at a time */
+            /* Scores: each K row is read once for all `group` heads (four at a time), two
+             * rows per pass; an odd last row is paired with itself (the two results are
+             * the same numbers, written to the same place). */
+            for (int t = 0; t < tokens; t += 2) {
+                const int t1 = t + 1 < tokens ? t + 1 : t;
                 const float *k0 = row_f32(k_cache, base + t * stride_token, kind, head_dim,
                                           buf + (kind == KIND_F32 ? 0 : t * head_dim));
-                const float *k1 = row_f32(k_cache, base + (t + 1) * stride_token, kind,
-                                          head_dim,
-                                          buf + (kind == KIND_F32 ? 0 : (t + 1) * head_dim));
+                const float *k1 = row_f32(k_cache, base + t1 * stride_token, kind, head_dim,
+                                          buf + (kind == KIND_F32 ? 0 : t1 * head_dim));
                 for (int g = 0; g < group; g += 4) {
                     const int n = group - g < 4 ? group - g : 4;
-                    scores2_vec(qj + g * head_dim, k0, k1, n, head_dim, w + t * group + g,
-                                w + (t + 1) * group + g);
-                }
-            }
-            for (; t < tokens; ++t) {
-                const float *k = row_f32(k_cache, base + t * stride_token, kind, head_dim,
-                                         buf + (kind == KIND_F32 ? 0 : t * head_dim));
-                for (int g = 0; g < group; g += 4) {
-                    const int n = group - g < 4 ? group - g : 4;
-                    if (vec) scores_vec(qj + g * head_dim, k, n, head_dim, w + t * group + g);
-                    else scores_any(qj + g * head_dim, k, n, head_dim, w + t * group + g);
+                    float *out0 = w + t * group + g, *out1 = w + t1 * group + g;
+                    if (vec) {
+                        scores2_vec(qj + g * head_dim, k0, k1, n, head_dim, out0, out1);
+                    } else {
+                        scores_any(qj + g * head_dim, k0, n, head_dim, out0);
+                        scores_any(qj + g * head_dim, k1, n, head_dim, out1);
+                    }
                 }
             }
             /* Online softmax: new max, old sums rescaled, scores turned into weights. */
             for (int g = 0; g < group; ++g) {
                 float block_max = -INFINITY;
-                for (int t = 0; t < tokens; ++t) block_max = w[t * group + g] > block_max ? w[t * group + g] : block_max;
+                for (int t = 0; t < tokens; ++t)
+                    if (w[t * group + g] > block_max) block_max = w[t * group + g];
                 const float m_new = block_max > mj[g] ? block_max : mj[g];
                 if (m_new > mj[g]) { /* first block: m = -inf, the sums are 0 anyway */
                     const float c = expf(mj[g] - m_new);
@@ -305,7 +270,6 @@ static void attend_item(int s, int kvh0, int kv_heads, const float *q, const voi
                 lj[g] += sum;
             }
             /* Values: each V row is read once for all `group` heads. */
-
             for (int t = 0; t < tokens; ++t)
                 rows[t] = row_f32(v_cache, base + t * stride_token, kind, head_dim,
                                   buf + (kind == KIND_F32 ? 0 : t * head_dim));
