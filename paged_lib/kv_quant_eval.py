@@ -26,7 +26,7 @@ from paged_lib.accounting import ModelSpec, kv_bytes_per_token
 from paged_lib.engine.model_runner import allocate_kv_caches, build_metadata, check_metadata
 from paged_lib.held_out import held_out_files
 from paged_lib.kernels import paged_prefill, reshape_and_cache
-from paged_lib.kv_quant import (
+from paged_lib.kernels.kv_quant import (
     allocate_quantized_kv_caches,
     check_kv_cache_dtype,
     dequantize_blocks,

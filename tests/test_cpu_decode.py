@@ -20,8 +20,8 @@ from paged_lib.kernels import (
     slot_mapping_from_positions,
 )
 from paged_lib.kernels.cases import make_decode_case
+from paged_lib.kernels.kv_quant import allocate_quantized_kv_caches
 from paged_lib.kernels.reference import ref_paged_attention
-from paged_lib.kv_quant import allocate_quantized_kv_caches
 from paged_lib.model import TinyLlama
 
 try:

@@ -18,7 +18,7 @@ import torch
 
 from paged_lib.engine import LLMEngine, SamplingParams
 from paged_lib.kernels import paged_attention, paged_prefill, reshape_and_cache
-from paged_lib.kv_quant import (
+from paged_lib.kernels.kv_quant import (
     FP8_RANGES,
     KV_CACHE_DTYPES,
     allocate_quantized_kv_caches,

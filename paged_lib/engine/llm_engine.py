@@ -55,7 +55,7 @@ from paged_lib.engine.sequence import (
 from paged_lib.engine.tensor_parallel import kv_cache_bytes_per_rank, start_tensor_parallel
 from paged_lib.engine.window import make_window
 from paged_lib.kernels import BACKENDS
-from paged_lib.kv_quant import check_kv_cache_dtype
+from paged_lib.kernels.kv_quant import check_kv_cache_dtype
 from paged_lib.model import TinyLlama
 from paged_lib.util import cdiv
 

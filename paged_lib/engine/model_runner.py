@@ -17,7 +17,7 @@ import torch
 
 from paged_lib.engine.scheduler import SchedulerOutput
 from paged_lib.kernels.copy_blocks import copy_blocks as copy_blocks_kernel
-from paged_lib.kv_quant import allocate_quantized_kv_caches, copy_quantized_kv, is_quantized
+from paged_lib.kernels.kv_quant import allocate_quantized_kv_caches, copy_quantized_kv, is_quantized
 from paged_lib.model import AttentionMetadata, TinyLlama
 from paged_lib.util import cdiv
 

@@ -1,7 +1,7 @@
 """Paged attention kernels: the public API the chapters, the engine and the graders call.
 
 Caches are ``[num_blocks, block_size, num_kv_heads, head_dim]`` (K and V separate), or
-(chapter 11) :class:`paged_lib.kv_quant.QuantizedKV` pairs: 8-bit data of that shape with
+(chapter 11) :class:`paged_lib.kernels.kv_quant.QuantizedKV` pairs: 8-bit data of that shape with
 its scales, written quantised and dequantised on load by both backends.
 
 * :func:`paged_attention` - decode: one new query token per sequence;
@@ -31,14 +31,15 @@ from __future__ import annotations
 
 import torch
 
+from paged_lib.kernels.backends import BACKENDS
+from paged_lib.kernels.backends import check_backend as _check_backend
+from paged_lib.kernels.kv_quant import dequantize_used_blocks, is_quantized, write_quantized
 from paged_lib.kernels.triton_split import choose_num_splits
-from paged_lib.kv_quant import dequantize_used_blocks, is_quantized, write_quantized
 from paged_lib.util import cdiv
 
 __all__ = ["BACKENDS", "choose_num_splits", "paged_attention", "paged_prefill",
            "reshape_and_cache", "slot_mapping_from_positions"]
 
-BACKENDS = ("triton", "torch", "cpu")
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -206,11 +207,6 @@ def slot_mapping_from_positions(block_tables: torch.Tensor, seq_ids: torch.Tenso
 # ---------------------------------------------------------------- validation helpers
 
 
-def _check_backend(backend: str) -> None:
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}: choose one of {BACKENDS}")
-
-
 def _scale(scale: float | None, head_dim: int) -> float:
     return head_dim ** -0.5 if scale is None else float(scale)
 
@@ -235,7 +231,7 @@ def _check_index_tensor(t: torch.Tensor, name: str, ndim: int, device: torch.dev
 
 def _unwrap_quantized(k_cache, v_cache):
     """``(k_data, v_data, (k_cache, v_cache))`` for quantised caches
-    (:class:`paged_lib.kv_quant.QuantizedKV`, chapter 11), else ``(k, v, None)``."""
+    (:class:`paged_lib.kernels.kv_quant.QuantizedKV`, chapter 11), else ``(k, v, None)``."""
     if not (is_quantized(k_cache) or is_quantized(v_cache)):
         return k_cache, v_cache, None
     if not (is_quantized(k_cache) and is_quantized(v_cache)) or k_cache.kind != v_cache.kind:

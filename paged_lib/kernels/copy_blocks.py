@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from paged_lib.kernels import BACKENDS
+from paged_lib.kernels.backends import check_backend
 from paged_lib.util import cdiv
 
 __all__ = ["copy_blocks", "normalize_pairs"]
@@ -61,8 +61,7 @@ def copy_blocks(k_cache: Caches, v_cache: Caches, pairs: Pairs, *,
     copy would win?) or a block that is both a source and a destination (the result
     would depend on the order of the copies).
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}: choose one of {BACKENDS}")
+    check_backend(backend)
     ks, vs = _as_layers(k_cache, "k_cache"), _as_layers(v_cache, "v_cache")
     _check_layers(ks, vs)
     table = normalize_pairs(pairs, ks[0].shape[0])

@@ -33,9 +33,9 @@ import triton
 import triton.language as tl
 
 from paged_lib.device import interpreter_on
+from paged_lib.kernels.kv_quant import quant_args
 from paged_lib.kernels.triton_split import choose_num_splits, merge_splits
 from paged_lib.kernels.triton_tile import LN2, LOG2E, attend_tile, no_block, tile_blocks
-from paged_lib.kv_quant import quant_args
 from paged_lib.util import cdiv
 
 #: Shared memory one thread block may use (the opt-in maximum, bytes) by compute
@@ -306,8 +306,8 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     :func:`check_config` refuses what a GPU cannot run); ``autotune=None`` autotunes
     where :func:`use_autotune` says so. ``return_launch=True`` returns
     ``(out, LaunchInfo)``: what was launched, for benchmarks and tests. ``kv_quant``:
-    the ``(k, v)`` :class:`~paged_lib.kv_quant.QuantizedKV` whose data ``k_cache`` and
-    ``v_cache`` are (chapter 11; :func:`~paged_lib.kv_quant.quant_args`).
+    the ``(k, v)`` :class:`~paged_lib.kernels.kv_quant.QuantizedKV` whose data ``k_cache`` and
+    ``v_cache`` are (chapter 11; :func:`~paged_lib.kernels.kv_quant.quant_args`).
     """
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]

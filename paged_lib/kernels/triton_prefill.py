@@ -19,9 +19,9 @@ import triton
 import triton.language as tl
 
 from paged_lib.device import interpreter_on
+from paged_lib.kernels.kv_quant import quant_args
 from paged_lib.kernels.triton_decode import MAX_GROUP_TILE, alignment, head_pad, on_device
 from paged_lib.kernels.triton_tile import LOG2E, attend_tile, no_block, tile_blocks
-from paged_lib.kv_quant import quant_args
 from paged_lib.util import cdiv
 
 #: Query rows (new tokens x query heads) per program.

@@ -127,7 +127,7 @@ def attend_tile(
     the new ``(m_i, l_i, acc)``. ``USE_DOT=False`` (fewer than 16 query rows, e.g. MHA's
     one head per KV head in decode) computes ``q @ k^T`` and ``p @ v`` as products summed
     on CUDA cores, in fp32: ``tl.dot`` needs at least 16 rows and would waste the rest.
-    ``KV_QUANT`` (:data:`paged_lib.kv_quant.KV_QUANT_CODES`; 0: plain caches, the scale
+    ``KV_QUANT`` (:data:`paged_lib.kernels.kv_quant.KV_QUANT_CODES`; 0: plain caches, the scale
     arguments unused)
     dequantises K and V in fp32 right after the load (:func:`dequantize_tile`).
     """
