@@ -73,13 +73,26 @@ def test_chunked_prefill_gives_transformers_tokens_within_the_budget(model, prom
     assert sum(pieces) == 30 and len(pieces) >= -(-30 // budget)
 
 
-def test_without_chunking_a_long_prompt_waits_for_an_empty_step(model, prompts):
-    off = LLMEngine(model, 64, 4, max_num_batched_tokens=7)
-    on = LLMEngine(model, 64, 4, max_num_batched_tokens=7, enable_chunked_prefill=True)
+def test_without_chunking_the_budget_must_hold_the_longest_request(model, prompts):
+    """vLLM's SchedulerConfig: with chunked prefill off, max_num_batched_tokens below
+    max_model_len is refused (a longer text could never run in one step); lowering
+    max_model_len makes longer requests fail alone, with vLLM's message."""
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(7\) is smaller than "
+                                         r"max_model_len \(256\)"):
+        LLMEngine(model, 64, 4, max_num_batched_tokens=7, max_num_seqs=7)
+    off = LLMEngine(model, 64, 4, max_num_batched_tokens=20, max_num_seqs=8, max_model_len=20)
+    on = LLMEngine(model, 64, 4, max_num_batched_tokens=7, max_num_seqs=7,
+                   enable_chunked_prefill=True)
     a = off.generate(prompts, SamplingParams(NEW))
     b = on.generate(prompts, SamplingParams(NEW))
-    assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
-    assert max(off.stats.computed_tokens) > 7 >= max(on.stats.computed_tokens)
+    for p, x, y in zip(prompts, a, b, strict=True):
+        if len(p) + NEW > 20:
+            assert x.error.startswith("This model's maximum context length is 20 tokens. "
+                                      f"However, you requested {len(p) + NEW} tokens "
+                                      f"({len(p)} in the prompt, {NEW} in the completion)")
+        else:
+            assert x.error is None and x.outputs[0].token_ids == y.outputs[0].token_ids
+    assert max(off.stats.computed_tokens) <= 20 and max(on.stats.computed_tokens) <= 7
 
 
 def test_chunked_prefill_needs_mixed_scheduling(model):
@@ -108,7 +121,7 @@ def test_chunks_caching_preemption_and_sharing_mixed_give_the_same_tokens(model,
         engine = LLMEngine(model, POOL, 4, preemption=mode, watermark=0,
                            num_cpu_blocks=64 if mode == "swap" else 0,
                            enable_prefix_caching=True, enable_chunked_prefill=True,
-                           max_num_batched_tokens=10)
+                           max_num_batched_tokens=10, max_num_seqs=10)
         got = engine.generate(prompts, params, arrival_steps=arrivals)
         s = engine.stats
         assert s.preemptions > 0 and s.prefix_cache_hit_tokens > 0, (trial, s.summary())
@@ -123,7 +136,8 @@ def test_chunks_caching_preemption_and_sharing_mixed_give_the_same_tokens(model,
 def test_the_triton_backend_reads_chunks_and_cached_blocks(model, prompts, reference):
     """Both chapter 10 paths on the triton kernels: a prefix hit and chunks over a cache."""
     engine = LLMEngine(model, 32, 4, attention_backend="triton", enable_prefix_caching=True,
-                       enable_chunked_prefill=True, max_num_batched_tokens=8)
+                       enable_chunked_prefill=True, max_num_batched_tokens=8,
+                       max_num_seqs=8)
     texts = [prompts[4], prompts[4][:20] + prompts[5][:6]]  # 20 shared tokens: 4 blocks hit
     outs = engine.generate(texts, SamplingParams(3), arrival_steps=[0, 6])
     assert outs[0].outputs[0].token_ids == reference[4][:3]

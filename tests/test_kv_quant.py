@@ -32,7 +32,7 @@ from paged_lib.kernels.kv_quant import (
     quantize_fp8,
     quantize_int8,
 )
-from paged_lib.kv_quant_eval import (
+from paged_lib.studies.kv_quant_eval import (
     attention_error,
     axis_quant_error,
     fake_quantize,
@@ -324,7 +324,7 @@ def test_int8_prefix_cache_hits_and_chunked_prefill_give_the_same_tokens(tiny_mo
     assert eng.stats.prefix_cache_hit_tokens > 0
     assert [o.outputs[0].token_ids for o in cached] == [o.outputs[0].token_ids for o in plain]
     chunked = LLMEngine(tiny_model, 32, 4, kv_cache_dtype="int8", enable_chunked_prefill=True,
-                        max_num_batched_tokens=6).generate(prompts, params)
+                        max_num_batched_tokens=6, max_num_seqs=6).generate(prompts, params)
     assert all(len(o.outputs[0].token_ids) == 5 for o in chunked)
 
 
@@ -423,7 +423,7 @@ if __name__ == "__main__":  # the figures the bounds above were set from
             print("layer", i, attention_error(q, k, v, kind))
     for r in teacher_forced(model, texts, QUANT):
         print(r)
-    from paged_lib.kv_quant_eval import greedy_agreement
+    from paged_lib.studies.kv_quant_eval import greedy_agreement
 
     prompts = [w[:32] for w in held_out_windows(4, 64)]
     for kind in QUANT:

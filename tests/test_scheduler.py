@@ -124,12 +124,25 @@ def test_max_num_seqs_and_batched_tokens_hold_back_admission():
     assert groups[2].timeline.admitted_steps == [4]  # a batch slot frees after step 3
 
 
-def test_a_prompt_longer_than_the_token_budget_still_runs_alone():
-    bm, sched, runner = engine_parts(64, max_num_batched_tokens=8)
+def test_a_prompt_longer_than_the_token_budget_runs_in_chunks_within_it():
+    """vLLM v1 (its test_scheduler's chunked-prefill cases): every scheduled token,
+    decode or prefill, counts against max_num_batched_tokens; a long prompt is computed
+    in budget-sized chunks and samples only at its last."""
+    bm, sched, runner = engine_parts(64, max_num_seqs=8, max_num_batched_tokens=8,
+                                     enable_chunked_prefill=True)
     groups = make_groups([(20, 2), (3, 2)])
     history = run(sched, runner, groups)
-    assert history[0].num_batched_tokens == 20
+    assert [o.num_batched_tokens for o in history[:3]] == [8, 8, 7]  # 8, 8, then 4 + the 3 of the next
+    assert all(o.num_batched_tokens <= 8 for o in history)
     assert all(len(g.seqs[0].output_token_ids) == 2 for g in groups)
+
+
+def test_a_budget_below_max_num_seqs_is_refused():
+    """vLLM's SchedulerConfig: max_num_batched_tokens >= max_num_seqs, since every
+    running sequence decodes one token a step."""
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(8\) must be >= "
+                                         r"max_num_seqs \(256\)"):
+        engine_parts(64, max_num_batched_tokens=8)
 
 
 def test_watermark_keeps_blocks_free_at_admission():

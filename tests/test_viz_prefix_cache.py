@@ -8,7 +8,7 @@ from matplotlib.figure import Figure
 
 from paged_lib.course.demos import prefix_cache as demo
 from paged_lib.course.viz import prefix_cache as viz
-from paged_lib.radix_tree import RadixTree
+from paged_lib.studies.radix_tree import RadixTree
 
 
 def _texts(fig: Figure) -> str:
@@ -80,7 +80,8 @@ def test_step_loads_see_the_stalls_chunked_prefill_removes():
     prompts, params, arrivals = demo.long_prompt_trace()
     loads, tokens = {}, {}
     for name, kw in (("first", dict(scheduling="prefill_first")),
-                     ("chunked", dict(enable_chunked_prefill=True, max_num_batched_tokens=48))):
+                     ("chunked", dict(enable_chunked_prefill=True, max_num_batched_tokens=48,
+                                             max_num_seqs=48))):
         engine = LLMEngine(model, 64, 8, **kw)
         tokens[name] = [o.outputs[0].token_ids for o in engine.generate(prompts, params, arrivals)]
         loads[name] = demo.step_loads(engine.stats)

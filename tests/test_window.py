@@ -23,7 +23,12 @@ from paged_lib.engine.window import (
     window_blocks,
 )
 from paged_lib.model import apply_rope, rope_cos_sin
-from paged_lib.streaming import held_out_stream, memory_curve, stream_bits_per_byte, stream_logprobs
+from paged_lib.studies.streaming import (
+    held_out_stream,
+    memory_curve,
+    stream_bits_per_byte,
+    stream_logprobs,
+)
 from paged_lib.tokenizer import BOS_ID, EOS_ID
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -156,7 +161,8 @@ def test_streams_batched_on_a_tight_pool_wait_instead_of_being_preempted(tiny_mo
 
 def test_chunked_prefill_and_prefill_first_give_the_same_tokens(tiny_model):
     base, _ = run(tiny_model, [PROMPT * 2], 60, sliding_window=20, num_sink_tokens=1)
-    for kw in ({"enable_chunked_prefill": True, "max_num_batched_tokens": 6},
+    for kw in ({"enable_chunked_prefill": True, "max_num_batched_tokens": 6,
+                "max_num_seqs": 6},
                {"scheduling": "prefill_first"}):
         got, _ = run(tiny_model, [PROMPT * 2], 60, sliding_window=20, num_sink_tokens=1, **kw)
         assert got[0].token_ids == base[0].token_ids

@@ -9,8 +9,8 @@ Two pools: the GPU pool the kernels read, and an optional CPU pool that preempte
 sequences are swapped into (chapter 07). A sequence's ``block_table`` lives in whichever
 pool holds its K/V. With prefix caching (chapter 10) the GPU pool is a
 :class:`~paged_lib.engine.prefix_cache.PrefixCachingAllocator`: a new table adopts the
-cached blocks of its text's longest cached prefix, and full blocks are registered once
-their K/V is written.
+cached blocks of its text's longest cached prefix, and full blocks are registered as soon
+as the step that writes their K/V is scheduled.
 """
 
 from __future__ import annotations
@@ -48,24 +48,31 @@ def swap_mapping(tables: list[list[int]], allocate: Callable[[], int]) -> list[t
     return list(mapping.items())
 
 
-def append_blocks_needed(tables: Iterable[BlockTable]) -> int:
-    """Free blocks that appending one token to each of ``tables`` takes, all together.
+def append_blocks_needed(tables: Iterable[BlockTable],
+                         counts: Iterable[int] | None = None) -> int:
+    """Free blocks that appending ``counts[i]`` tokens (default: one each) to each of
+    ``tables`` takes, all together.
 
-    A full last block (or none) needs a new block. A part-filled last block that others
-    also hold needs a copy (copy-on-write) - except for the last of its holders in this
-    group, which finds the block no longer shared and writes in place.
+    Each table takes the blocks its new tokens reach past its last one. A part-filled last
+    block that others also hold needs a copy (copy-on-write) by each table writing into
+    it - except the last writer of the group, when nobody else (no other table, no table
+    that writes nothing this step) still holds it: it finds the block no longer shared.
     """
-    new, sharers = 0, {}
-    for table in tables:
-        if table.num_tokens % table.block_size == 0:
-            new += 1
-        else:
+    tables = list(tables)
+    counts = [1] * len(tables) if counts is None else list(counts)
+    new, writers = 0, {}
+    for table, count in zip(tables, counts, strict=True):
+        if count == 0:
+            continue
+        bs = table.block_size
+        new += cdiv(table.num_tokens + count, bs) - cdiv(table.num_tokens, bs)
+        if table.num_tokens % bs:
             last = table.blocks[-1]
-            holders_here, allocator = sharers.get(last, (0, table.allocator))
-            sharers[last] = (holders_here + 1, allocator)
-    for block, (holders_here, allocator) in sharers.items():
-        outside = allocator.refcount(block) > holders_here
-        new += holders_here if outside else holders_here - 1
+            here, allocator = writers.get(last, (0, table.allocator))
+            writers[last] = (here + 1, allocator)
+    for block, (here, allocator) in writers.items():
+        outside = allocator.refcount(block) > here
+        new += here if outside else here - 1
     return new
 
 
@@ -186,30 +193,28 @@ class BlockManager:
                              f"{self.num_free_blocks} are free: count every "
                              "block, a part-filled last one too")
 
-    def cache_full_blocks(self, seq: Sequence) -> None:
-        """Register every full block of ``seq`` whose K/V is written (its first
-        ``num_cached`` tokens) and that is not cached yet; a block whose hash another
-        block already holds stays uncached (one copy is kept)."""
-        table = seq.block_table
-        if not self.enable_prefix_caching or table is None or table.allocator is not self.gpu:
+    def cache_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        """Register the full blocks among ``seq``'s first ``num_tokens`` tokens (those
+        whose K/V is written by the end of this step) when this step fills one.
+
+        Called when the tokens are *scheduled* (as vLLM v1's ``allocate_slots``): a
+        request admitted later in the same step hits them, which is sound because every
+        layer writes the whole step's K/V before any attention reads it. A block whose
+        hash another block already holds is cached too (vLLM's duplicated blocks: both
+        stay findable, so evicting one does not lose the prefix)."""
+        table, bs = seq.block_table, self.block_size
+        if (not self.enable_prefix_caching or table is None or table.allocator is not self.gpu
+                or num_tokens // bs <= seq.num_cached // bs):
             return
-        full = seq.num_cached // self.block_size
-        hashes = self.block_hashes(seq.token_ids[:full * self.block_size], self.block_size)
+        full = num_tokens // bs
+        hashes = self.block_hashes(seq.token_ids[:full * bs], bs)
         if len(hashes) != full:
             raise ValueError(f"block_hashes gave {len(hashes)} hashes for {full} full blocks "
-                             f"of {self.block_size} tokens: one per full block, none for a "
+                             f"of {bs} tokens: one per full block, none for a "
                              "part-filled one")
         for block, h in zip(table.blocks[:full], hashes, strict=True):
             if self.gpu.block_hash.get(block) != h:
                 self.gpu.cache_block(block, h)
-
-    def tail_blocks_needed(self, group: SequenceGroup) -> int:
-        """Blocks the second step of a shared recompute takes: every sequence forks the
-        cached prompt and appends its own tail (copy-on-write of a part-filled block)."""
-        seqs = group.live_seqs()
-        prompt_len = seqs[0].num_cached
-        return (shared_prompt_blocks(prompt_len, [s.num_tokens - prompt_len for s in seqs],
-                                     self.block_size) - cdiv(prompt_len, self.block_size))
 
     def fork_prompt(self, group: SequenceGroup) -> None:
         """Give every live sequence without a table a fork of the first one's (the cached
@@ -221,9 +226,9 @@ class BlockManager:
 
     # ------------------------------------------------------------ decode
 
-    def append_blocks_needed(self, group: SequenceGroup) -> int:
-        """Blocks one more token for every live sequence of a running group takes."""
-        return append_blocks_needed([s.block_table for s in group.live_seqs()])
+    def blocks_to_append(self, seqs: list[Sequence], counts: list[int]) -> int:
+        """Free blocks appending ``counts[i]`` tokens to ``seqs[i]``'s table takes."""
+        return append_blocks_needed([s.block_table for s in seqs], counts)
 
     def append_slot(self, seq: Sequence) -> Slot:
         """The slot of ``seq``'s next token (copy-on-write if its last block is shared)."""

@@ -55,6 +55,7 @@ from paged_lib.engine.sequence import (
 from paged_lib.engine.tensor_parallel import kv_cache_bytes_per_rank, start_tensor_parallel
 from paged_lib.engine.window import make_window
 from paged_lib.kernels import BACKENDS
+from paged_lib.kernels.backends import resolve_backend
 from paged_lib.kernels.kv_quant import check_kv_cache_dtype
 from paged_lib.model import TinyLlama
 from paged_lib.util import cdiv
@@ -87,15 +88,19 @@ class LLMEngine:
     """A paged serving engine over a :class:`~paged_lib.model.TinyLlama`.
 
     ``num_blocks`` GPU blocks of ``block_size`` tokens hold every request's K/V;
-    ``num_cpu_blocks`` more wait on the CPU for ``preemption="swap"``. The scheduler
-    admits at most ``max_num_seqs`` sequences and ``max_num_batched_tokens`` tokens per
-    step, and keeps ``watermark`` (a fraction of the pool, rounded down) free at
-    admission so running sequences have room to grow. ``scheduling="mixed"`` batches
-    prefills with the running decodes (Orca); ``"prefill_first"`` runs a step of
+    ``num_cpu_blocks`` more wait on the CPU for ``preemption="swap"``. A step runs at most
+    ``max_num_seqs`` sequences and computes at most ``max_num_batched_tokens`` tokens,
+    decodes included (so the budget must be at least ``max_num_seqs``; without chunked
+    prefill, at least ``max_model_len``, as vLLM asks), and admission keeps ``watermark``
+    (a fraction of the pool, rounded down) free so running sequences have room to grow.
+    A request whose prompt plus ``max_tokens`` exceeds ``max_model_len`` (default: the
+    model's ``max_position``) fails alone, with vLLM's message. ``scheduling="mixed"``
+    batches prefills with the running decodes (Orca); ``"prefill_first"`` runs a step of
     prefills or a step of decodes (vLLM v0's default). ``attention_backend`` is
-    ``"torch"`` (PyTorch ops, chapter 04), ``"triton"`` (chapter 05's kernels) or
-    ``"cpu"`` (decode by a C kernel compiled at first use, the fastest on a CPU:
-    :mod:`paged_lib.kernels.cpu_decode`).
+    ``"auto"`` (the default: the fastest that works here, as vLLM picks its own;
+    :attr:`attention_backend` then names the one that runs), ``"torch"`` (PyTorch ops,
+    chapter 04), ``"triton"`` (chapter 05's kernels) or ``"cpu"`` (decode by a C kernel
+    compiled at first use, the fastest on a CPU: :mod:`paged_lib.kernels.cpu_decode`).
 
     Chapter 10: ``enable_prefix_caching=True`` keeps freed full blocks, hashed, until they
     are reused, and a request whose text starts with cached blocks reads them instead of
@@ -115,7 +120,7 @@ class LLMEngine:
 
     def __init__(self, model: TinyLlama, num_blocks: int, block_size: int = 16,
                  num_cpu_blocks: int = 0, preemption: str = "recompute",
-                 attention_backend: str = "torch", *, max_num_seqs: int = 256,
+                 attention_backend: str = "auto", *, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 4096, watermark: float = 0.01,
                  admission: Callable = can_admit, build_metadata: Callable = build_metadata,
                  swap_mapping: Callable = swap_mapping, beam_step: Callable = beam_step,
@@ -126,10 +131,21 @@ class LLMEngine:
                  longest_cache_hit: Callable = longest_cache_hit,
                  free_queue_cls: type = FreeBlockQueue, tensor_parallel_size: int = 1,
                  sliding_window: int | None = None, num_sink_tokens: int = 0,
-                 block_table_cls: type = BlockTable):
-        if attention_backend not in BACKENDS:
-            raise ValueError(f"attention_backend must be one of {BACKENDS}, "
+                 block_table_cls: type = BlockTable, max_model_len: int | None = None):
+        if attention_backend not in ("auto", *BACKENDS):
+            raise ValueError(f"attention_backend must be 'auto' or one of {BACKENDS}, "
                              f"got {attention_backend!r}")
+        #: the backend that runs (``"auto"`` resolved: the C kernel on a CPU where it builds)
+        self.attention_backend = attention_backend = resolve_backend(attention_backend,
+                                                                     model.device)
+        self.max_model_len = _max_model_len(max_model_len, model.config.max_position)
+        if not enable_chunked_prefill and max_num_batched_tokens < self.max_model_len:
+            raise ValueError(  # vLLM's SchedulerConfig check, in its words
+                f"max_num_batched_tokens ({max_num_batched_tokens}) is smaller than "
+                f"max_model_len ({self.max_model_len}). This effectively limits the maximum "
+                "sequence length to max_num_batched_tokens and makes the engine reject longer "
+                "sequences. Please increase max_num_batched_tokens, decrease max_model_len, "
+                "or set enable_chunked_prefill=True")
         if not 0 <= watermark < 1:
             raise ValueError(f"watermark is a fraction of the pool in [0, 1), got {watermark}")
         check_kv_cache_dtype(kv_cache_dtype)
@@ -221,6 +237,15 @@ class LLMEngine:
         return ids
 
     def _never_fits(self, prompt: list[int], params: SamplingParams) -> str | None:
+        asked = len(prompt) + params.max_tokens
+        if self.window is None and asked > self.max_model_len:  # vLLM's words
+            return (f"This model's maximum context length is {self.max_model_len} tokens. "
+                    f"However, you requested {asked} tokens ({len(prompt)} in the prompt, "
+                    f"{params.max_tokens} in the completion). Please reduce the length of "
+                    "the prompt or completion.")
+        if params.num_seqs > self.scheduler.max_num_seqs:
+            return (f"runs {params.num_seqs} sequences at once (n or beam_width) but "
+                    f"max_num_seqs is {self.scheduler.max_num_seqs}: it can never run")
         need = worst_case_blocks(len(prompt), params.max_tokens, params.num_seqs,
                                  self.block_size)
         if self.window is not None:  # a windowed stream's blocks stop growing
@@ -356,3 +381,13 @@ class LLMEngine:
             outs = [CompletionOutput(list(s.output_token_ids), s.cumulative_logprob)
                     for s in group.seqs]
         return RequestOutput(group.request_id, group.prompt_token_ids, outs)
+
+
+def _max_model_len(asked: int | None, max_position: int) -> int:
+    """``max_model_len`` checked: at most the model's ``max_position`` (default)."""
+    if asked is None:
+        return max_position
+    if isinstance(asked, bool) or not isinstance(asked, int) or not 1 <= asked <= max_position:
+        raise ValueError(f"max_model_len must be an int in 1..{max_position} (the model's "
+                         f"max_position), got {asked!r}")
+    return asked

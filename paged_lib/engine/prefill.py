@@ -1,36 +1,50 @@
-"""Chunked prefill (chapter 10): a prompt computed over several steps (pure Python).
+"""How much of each running sequence's text a step computes (pure Python).
 
-With ``LLMEngine(..., enable_chunked_prefill=True)`` a waiting request whose text needs
-more tokens than the step has left in its ``max_num_batched_tokens`` budget is admitted
-anyway: its table takes the blocks of its whole text at once (so a later chunk never
-runs out of blocks half way) and each step computes the next chunk, after the running
-decodes, attending to the chunks before it through the cache. Nothing is sampled until
-the last chunk, so the tokens are those of a prefill in one go (vLLM v1 schedules the
-same way: decodes first, then chunks, within one token budget).
+As in vLLM v1, a sequence is two numbers: ``num_tokens`` (its text) and ``num_cached``
+(the leading tokens whose K/V is written). A decode is the case where they differ by
+one; a prefill, a chunk of a prompt, or a text recomputed after a preemption are the
+cases where they differ by more. One rule covers them all (:func:`tokens_to_run`), under
+the step's token budget.
 
-A chunked prefill preempted half way is recomputed (never swapped: its table holds
-tokens not computed yet). A group of several sequences coming back from a recompute
-prefills its prompt, then its tails, each whole (no chunks), as without chunking.
+Chunked prefill (chapter 10, ``LLMEngine(..., enable_chunked_prefill=True)``): a waiting
+request whose text needs more tokens than the step has left is admitted anyway, with the
+blocks of its first chunk only; each later step appends the blocks of its next chunk
+(preempting the latest admitted, or itself, when the pool is short), after the running
+decodes. Nothing is sampled until the last chunk, so the tokens are those of a prefill
+in one go.
 """
 
 from __future__ import annotations
 
-from paged_lib.blocks import Slot
-from paged_lib.engine.sequence import Sequence, SequenceGroup
+from paged_lib.engine.sequence import SequenceGroup
 
 
-def is_prefilling(group: SequenceGroup) -> bool:
-    """Is ``group`` part way through a chunked prefill? Its one sequence's table holds
-    its whole text, but fewer of its tokens have K/V written (``num_cached``)."""
-    if group.awaiting_tails:
-        return False
+def is_decoding(group: SequenceGroup) -> bool:
+    """Does every live sequence of ``group`` feed exactly its last sampled token?"""
+    return not group.awaiting_tails and all(
+        s.output_token_ids and s.num_tokens - s.num_cached == 1 for s in group.live_seqs())
+
+
+def tokens_to_run(group: SequenceGroup, left: int) -> tuple[list[int], bool]:
+    """How many new tokens each live sequence of a running ``group`` computes this step,
+    with ``left`` tokens of budget; and whether the group samples.
+
+    The group samples only when every sequence computes all it has left (so a group of
+    several sequences draws together, as if it had never been preempted). Otherwise each
+    sequence computes as much as the budget allows but holds back its last token.
+    The first phase of a shared recompute (``awaiting_tails``) runs the first sequence's
+    prompt only. Example: remaining ``[1, 1]`` with 5 left -> ``([1, 1], True)``;
+    ``[6, 4]`` with 5 left -> ``([5, 0], False)``; ``[6, 4]`` with 12 left -> all, True.
+    """
     seqs = group.live_seqs()
-    return (len(seqs) == 1 and seqs[0].block_table is not None
-            and seqs[0].block_table.num_tokens > seqs[0].num_cached)
-
-
-def chunk_slots(seq: Sequence, start: int, stop: int) -> list[Slot]:
-    """The slots of tokens ``start..stop-1`` in ``seq``'s table, which already holds
-    them (blocks taken at admission, none shared: no copy-on-write)."""
-    blocks, bs = seq.block_table.blocks, seq.block_table.block_size
-    return [Slot(blocks[t // bs], t % bs) for t in range(start, stop)]
+    if group.awaiting_tails:
+        rest = len(group.prompt_token_ids) - seqs[0].num_cached
+        return [min(rest, left)] + [0] * (len(seqs) - 1), False
+    remaining = [s.num_tokens - s.num_cached for s in seqs]
+    if sum(remaining) <= left:
+        return remaining, True
+    take = []
+    for r in remaining:
+        take.append(max(0, min(r - 1, left)))
+        left -= take[-1]
+    return take, False

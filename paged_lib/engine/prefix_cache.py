@@ -214,12 +214,14 @@ class PrefixCachingAllocator(BlockAllocator):
             self.free_block_queue.remove(block)
         self.ref_counts[block] += 1
 
-    def cache_block(self, block: int, h: BlockHash) -> bool:
-        """Register the full, written ``block`` under ``h``; ``True`` if it now is.
+    def cache_block(self, block: int, h: BlockHash) -> None:
+        """Register the full ``block`` under ``h`` (its K/V written by the end of this step).
 
-        ``False`` (nothing changes) when another block is already cached under an equal
-        hash: the pool keeps one copy. Caching a block again under its own hash is a
-        no-op; under another hash, or a free block, is a ``ValueError``.
+        Another block may already be cached under an equal hash (the same text computed
+        twice, e.g. by two requests admitted before either was cached): both stay cached,
+        :meth:`lookup` returns the older, and evicting one leaves the other (vLLM's
+        "duplicated blocks"). Caching a block again under its own hash is a no-op; under
+        another hash, or a free block, is a ``ValueError``.
         """
         self._check_known(block)
         if self.ref_counts[block] == 0:
@@ -228,12 +230,9 @@ class PrefixCachingAllocator(BlockAllocator):
         if old is not None:
             if old != h:
                 raise ValueError(f"block {block} is already cached under another hash")
-            return True
-        if self.lookup(h) is not None:
-            return False
+            return
         self.block_hash[block] = h
         self.cached_blocks.setdefault(h.value, []).append(block)
-        return True
 
     def free_table(self, table: BlockTable) -> None:
         """Free a request's table tail first (:meth:`BlockTable.free` does so), so its
