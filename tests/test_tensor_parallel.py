@@ -225,6 +225,43 @@ def test_a_killed_rank_stops_the_engine_with_a_clear_error(toy_tp_engine):
     assert not any(p.is_alive() for p in toy_tp_engine.runner.processes)
 
 
+class _ExitedRank:
+    """A worker process seen from the driver after it was killed."""
+
+    exitcode = -9
+
+    def is_alive(self) -> bool:
+        return False
+
+    def join(self, timeout=None) -> None:
+        pass
+
+
+def test_the_dead_rank_is_named_when_a_survivor_reports_its_broken_collective_first():
+    """The race behind a once-in-a-while failure: rank 1 is killed, rank 0's all-reduce
+    breaks and rank 0's error reaches the driver first. The error must still name rank 1."""
+    import weakref
+
+    runner = TensorParallelRunner.__new__(TensorParallelRunner)
+    ours0, theirs0 = mp.Pipe()
+    ours1, _theirs1 = mp.Pipe()
+    theirs0.send(("error", "RuntimeError: Connection reset by peer (gloo all_reduce)"))
+    runner.conns, runner.timeout = [ours0, ours1], 5.0
+    runner.processes = [object(), _ExitedRank()]
+    runner._finalizer = weakref.finalize(runner, lambda: None)
+    with pytest.raises(RuntimeError, match=r"rank 1 exited \(code -9\) during step, so rank "
+                                           r"0's collective failed"):
+        runner._wait_replies("step")
+    alone = TensorParallelRunner.__new__(TensorParallelRunner)  # nobody died: rank 0's words
+    a0, b0 = mp.Pipe()
+    b0.send(("error", "ValueError: bad step"))
+    alone.conns, alone.timeout = [a0], 5.0
+    alone.processes = [object()]
+    alone._finalizer = weakref.finalize(alone, lambda: None)
+    with pytest.raises(RuntimeError, match="rank 0 failed during step(.|\n)*bad step"):
+        alone._wait_replies("step")
+
+
 def test_workers_exit_cleanly_on_close(tp_engine):
     processes = list(tp_engine.runner.processes)
     assert all(p.is_alive() for p in processes)

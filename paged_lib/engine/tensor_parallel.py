@@ -296,6 +296,20 @@ class TensorParallelRunner:
             self.close()
             raise
 
+    def _dead_ranks(self, besides: int, grace: float = 1.0) -> list[tuple[int, int | None]]:
+        """``(rank, exit code)`` of the ranks other than ``besides`` that have exited,
+        waiting up to ``grace`` seconds for one to be reaped (a killed rank's sockets
+        close, and its peers notice, a moment before its exit is seen)."""
+        deadline = time.monotonic() + grace
+        while True:
+            dead = [(r, p.exitcode) for r, p in enumerate(self.processes)
+                    if r != besides and not p.is_alive()]
+            if dead or time.monotonic() > deadline:
+                return dead
+            for r, p in enumerate(self.processes):
+                if r != besides:
+                    p.join(0.05)
+
     def _wait_replies(self, what: str) -> list[tuple]:
         replies: dict[int, tuple] = {}
         deadline = time.monotonic() + self.timeout
@@ -312,7 +326,15 @@ class TensorParallelRunner:
                     raise RuntimeError(f"tensor-parallel rank {rank} exited (code {code}) "
                                        f"during {what}; the workers were stopped") from None
                 if kind == "error":
+                    # a rank that died makes the others' all-reduce fail: name the dead
+                    # one, whichever the driver hears from first
+                    dead = self._dead_ranks(besides=rank)
                     self.close()
+                    if dead:
+                        raise RuntimeError(
+                            f"tensor-parallel rank {dead[0][0]} exited (code {dead[0][1]}) "
+                            f"during {what}, so rank {rank}'s collective failed; the workers "
+                            "were stopped")
                     raise RuntimeError(f"tensor-parallel rank {rank} failed during {what}; "
                                        f"the workers were stopped. Its traceback:\n{body[0]}")
                 replies[rank] = tuple(body)
