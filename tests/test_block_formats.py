@@ -7,8 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from paged_lib.block_formats import csr_to_padded, padded_to_csr, to_padded
 from paged_lib.blocks import BlockAllocator, BlockTable
+from paged_lib.studies.block_formats import csr_to_padded, padded_to_csr, to_padded
 
 FAST = settings(max_examples=150, derandomize=True, deadline=None)
 

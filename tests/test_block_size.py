@@ -1,13 +1,13 @@
-"""paged_lib.block_size: waste, the memory sweep, the kernel's cost model against a traced
+"""paged_lib.studies.block_size: waste, the memory sweep, the kernel's cost model against a traced
 run, the engine against the simulator, and the block-size choice."""
 
 import pytest
 import torch
 
 import paged_lib  # noqa: F401  # isort: split
-from paged_lib import block_size as bs
 from paged_lib.fragmentation import simulate
 from paged_lib.model import TinyLlama, TinyLlamaConfig
+from paged_lib.studies import block_size as bs
 from paged_lib.workloads import Request, alpaca_like, sharegpt_like, shrink
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

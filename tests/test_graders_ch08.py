@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from paged_lib import sharing
 from paged_lib.course.grading import ch08
 from paged_lib.engine.beam_search import beam_step
+from paged_lib.studies import sharing
 
 
 def verdict(capsys, check, answer) -> str:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from paged_lib.block_size import choose_block_size, internal_waste
 from paged_lib.course.grading import ch09
+from paged_lib.studies.block_size import choose_block_size, internal_waste
 from paged_lib.util import cdiv
 
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from paged_lib.kv_tier import Clock, chat_trace, compare_policies, simulate
+from paged_lib.studies.kv_tier import Clock, chat_trace, compare_policies, simulate
 
 # The textbook reference string on 3 frames: LRU faults 10 times, CLOCK (second chance,
 # bit set on load and on use) 9 times; 5 of the faults are first uses.

@@ -8,8 +8,8 @@ import inspect
 
 import pytest
 
-from paged_lib import radix_tree
-from paged_lib.prefix_compare import (
+from paged_lib.studies import radix_tree
+from paged_lib.studies.prefix_compare import (
     HashChainCache,
     RadixCache,
     code_size,
@@ -20,7 +20,7 @@ from paged_lib.prefix_compare import (
     schedule,
     schedule_demo,
 )
-from paged_lib.prefix_workloads import (
+from paged_lib.studies.prefix_workloads import (
     PREFIX_WORKLOADS,
     PrefixRequest,
     few_shot,
@@ -258,7 +258,7 @@ def test_longest_prefix_first_raises_hits_and_starves_the_outsider():
 def test_schedule_on_a_tiny_case_by_hand():
     a1, a2 = PrefixRequest([1, 2, 3, 4, 5], [6]), PrefixRequest([1, 2, 3, 4, 7], [8])
     loner = PrefixRequest([9, 9, 9, 9, 9], [9])
-    from paged_lib.prefix_workloads import TimedRequest
+    from paged_lib.studies.prefix_workloads import TimedRequest
     timed = [TimedRequest(0, a1, "A"), TimedRequest(0, loner, "outsider"),
              TimedRequest(1, a2, "A")]
     lpm = schedule(timed, RadixCache(12, 1), "lpm")

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from paged_lib.radix_tree import RadixTree
+from paged_lib.studies.radix_tree import RadixTree
 
 
 def check_sizes(tree: RadixTree) -> None:

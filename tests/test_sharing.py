@@ -13,9 +13,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from paged_lib import sharing
 from paged_lib.blocks import BlockAllocator, BlockTable, OutOfBlocks, Slot
 from paged_lib.engine.beam_search import beam_step
+from paged_lib.studies import sharing
 from paged_lib.util import cdiv
 from paged_lib.workloads import Request, alpaca_like, sharegpt_like
 
@@ -356,7 +356,7 @@ def test_engine_beam_usage_reads_the_engine_s_own_blocks(random_llama):
     import torch
 
     from paged_lib.engine import LLMEngine, SamplingParams
-    from paged_lib.sharing_engine import engine_beam_usage, time_averaged_saving
+    from paged_lib.studies.sharing_engine import engine_beam_usage, time_averaged_saving
 
     torch.set_num_threads(1)
     prompt, width, new, bs = list(range(1, 22)), 3, 12, 4
@@ -379,7 +379,7 @@ def test_engine_beam_usage_reads_the_engine_s_own_blocks(random_llama):
 
 
 def test_time_averaged_saving_of_no_sharing_is_zero():
-    from paged_lib.sharing_engine import time_averaged_saving
+    from paged_lib.studies.sharing_engine import time_averaged_saving
 
     assert time_averaged_saving([sharing.Usage([2, 3], [2, 3], 0)]) == 0.0
     assert time_averaged_saving([sharing.Usage([1, 1], [2, 2], 0)]) == 0.5

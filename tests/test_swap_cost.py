@@ -1,4 +1,4 @@
-"""The swap/recompute cost model (paged_lib.swap_cost), the block-copy benchmark
+"""The swap/recompute cost model (paged_lib.studies.swap_cost), the block-copy benchmark
 (paged_lib.bench.swap) and chapter 07's picture of them."""
 
 import math
@@ -7,9 +7,9 @@ import pytest
 from matplotlib.figure import Figure
 
 import paged_lib  # noqa: F401  (sets up the device before anything else)
-from paged_lib import swap_cost
 from paged_lib.accounting import SPECS, ModelSpec, kv_bytes_per_token
 from paged_lib.bench.swap import CopyTiming, block_copy_times, prefill_tokens_per_s
+from paged_lib.studies import swap_cost
 from paged_lib.util import CheckFailed
 
 OPT = SPECS["opt-13b"]
@@ -105,7 +105,7 @@ def test_block_copy_times_checks_before_timing(monkeypatch):
 
 
 def test_prefill_rate_is_positive():
-    from paged_lib.sharing import tiny_random_llama
+    from paged_lib.studies.sharing import tiny_random_llama
 
     _, model = tiny_random_llama(seed=0)
     assert prefill_tokens_per_s(model, num_tokens=32, block_size=8, repeats=1) > 0

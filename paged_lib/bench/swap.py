@@ -11,7 +11,7 @@ num_kv_heads, head_dim]`` each) from one pool to the other. Two ways to issue it
 
 :func:`block_copy_times` times both for several block sizes and block counts (medians)
 on the model's cache shape, after checking that each one copied the right blocks;
-:func:`paged_lib.swap_cost.fit_link` then fits the per-copy overhead to the separate
+:func:`paged_lib.studies.swap_cost.fit_link` then fits the per-copy overhead to the separate
 copies. Wall-clock numbers depend on the machine (and here on the CPU, not PCIe).
 """
 

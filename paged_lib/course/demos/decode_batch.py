@@ -15,9 +15,9 @@ from collections.abc import Sequence
 
 import torch
 
-from paged_lib.block_formats import to_padded
 from paged_lib.blocks import BlockAllocator, BlockTable
 from paged_lib.kernels.cases import DecodeCase
+from paged_lib.studies.block_formats import to_padded
 
 
 def demo_batch(seq_lens: Sequence[int] = (20, 25, 37), fork: tuple[int, int] = (0, 1),

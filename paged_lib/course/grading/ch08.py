@@ -19,17 +19,17 @@ from typing import Any
 
 import torch
 
-from paged_lib import sharing
 from paged_lib.blocks import BlockTable, Slot
 from paged_lib.course import grading
 from paged_lib.course.grading.ch08_beam_replay import run_beam_scenario
 from paged_lib.course.grading.toy_pool import busy_pool
 from paged_lib.kernels.reference import gather_kv
+from paged_lib.studies import sharing
 
 #: Exercise id -> the library object the learner's code re-implements (it refuses
 #: the learner's calls while that exercise's check runs: see grading.exercise).
 TWINS: dict[str, str] = {
-    "08.1": "paged_lib.sharing.apply_slot",
+    "08.1": "paged_lib.studies.sharing.apply_slot",
     "08.2": "paged_lib.engine.beam_search.beam_step",
 }
 

@@ -12,10 +12,10 @@ that names the mistake.
 
 from __future__ import annotations
 
-from paged_lib import sharing
 from paged_lib.blocks import BlockAllocator, BlockTable
 from paged_lib.course import grading
 from paged_lib.course.grading.toy_pool import ToyStore, pool_state
+from paged_lib.studies import sharing
 
 #: Steps of a scenario whose candidates are drawn at random.
 RANDOM_STEPS = 10

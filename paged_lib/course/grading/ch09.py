@@ -5,7 +5,7 @@
 * 09.2 ``choose_block_size(lengths, allowed, max_waste)``: the largest block size a
   kernel accepts whose waste stays within a budget, or the least wasteful one.
 
-Both are compared with :mod:`paged_lib.block_size`; a wrong answer is matched against
+Both are compared with :mod:`paged_lib.studies.block_size`; a wrong answer is matched against
 the typical mistakes (computed on the same case) so the hint names the one made.
 :func:`run_demo` runs the learner's two functions on the chapter's traces.
 """
@@ -16,16 +16,16 @@ import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from paged_lib.block_size import KERNEL_BLOCK_SIZES, choose_block_size, internal_waste
 from paged_lib.course import grading
+from paged_lib.studies.block_size import KERNEL_BLOCK_SIZES, choose_block_size, internal_waste
 from paged_lib.util import cdiv
 
 __all__ = ["TWINS", "check_choose_block_size", "check_internal_waste", "run_demo"]
 
 #: Exercise id -> the library object the learner's code re-implements (it refuses
 #: the learner's calls while that exercise's check runs: see grading.exercise).
-TWINS: dict[str, str] = {"09.1": "paged_lib.block_size.internal_waste",
-                         "09.2": "paged_lib.block_size.choose_block_size"}
+TWINS: dict[str, str] = {"09.1": "paged_lib.studies.block_size.internal_waste",
+                         "09.2": "paged_lib.studies.block_size.choose_block_size"}
 
 # ------------------------------------------------------------------ 09.1 internal_waste
 

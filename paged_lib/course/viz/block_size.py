@@ -1,5 +1,5 @@
 """Chapter 09's pictures: one sequence's blocks at three block sizes, and the three
-measures of :mod:`paged_lib.block_size` against block size (the paper's Fig. 18b)."""
+measures of :mod:`paged_lib.studies.block_size` against block size (the paper's Fig. 18b)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
-from paged_lib.block_size import KernelCost, MemoryRow
+from paged_lib.studies.block_size import KernelCost, MemoryRow
 from paged_lib.util import cdiv
 
 COLORS = {"sharegpt": "#4C72B0", "alpaca": "#DD8452"}

@@ -1,7 +1,7 @@
 """Chapter 07's picture of swap vs recompute in time (the paper's §7.3, Fig. 19).
 
 Left: measured times of moving blocks, one copy per block against one indexed copy, per
-block moved. Right: the cost model of :mod:`paged_lib.swap_cost` against block size, for
+block moved. Right: the cost model of :mod:`paged_lib.studies.swap_cost` against block size, for
 a fixed number of tokens, with every assumption written on the plot.
 """
 
@@ -16,7 +16,7 @@ from matplotlib.figure import Figure
 
 from paged_lib.accounting import ModelSpec
 from paged_lib.bench.swap import CopyTiming
-from paged_lib.swap_cost import Link, crossing_block_size, recompute_seconds, swap_seconds
+from paged_lib.studies.swap_cost import Link, crossing_block_size, recompute_seconds, swap_seconds
 
 COLORS = ["#4C72B0", "#DD8452", "#55A868", "#8172B3"]
 

@@ -3,7 +3,7 @@ free queue through vLLM's worked example, a radix tree, hit rates per workload, 
 decode-stall timeline with and without chunked prefill.
 
 Every function takes recorded data (the demos in :mod:`paged_lib.course.demos.prefix_cache`,
-a :class:`~paged_lib.radix_tree.RadixTree`, numbers a comparison computed) and returns a
+a :class:`~paged_lib.studies.radix_tree.RadixTree`, numbers a comparison computed) and returns a
 matplotlib ``Figure``; the tests call them directly.
 """
 
@@ -132,7 +132,7 @@ def _tree_layout(tree) -> tuple[dict[int, tuple[float, float]], list]:
 
 def draw_radix_tree(tree, decode: Callable[[Sequence[int]], str] | None = None,
                     title: str = "") -> Figure:
-    """A :class:`~paged_lib.radix_tree.RadixTree`: each node is the run of tokens on the
+    """A :class:`~paged_lib.studies.radix_tree.RadixTree`: each node is the run of tokens on the
     edge into it (decoded by ``decode`` if given) with its lock count; locked nodes (a
     running request holds them) are orange, evictable ones grey."""
     pos, nodes = _tree_layout(tree)

@@ -1,7 +1,7 @@
 """Pictures of sharing: the beam tree, each beam's blocks by ref count, and the savings.
 
-All drawing works on recorded :class:`~paged_lib.sharing.BeamFrame` snapshots (see
-:func:`paged_lib.sharing.record_beam_search`), so the stepper widget only replays what
+All drawing works on recorded :class:`~paged_lib.studies.sharing.BeamFrame` snapshots (see
+:func:`paged_lib.studies.sharing.record_beam_search`), so the stepper widget only replays what
 a test can check directly.
 """
 
@@ -15,7 +15,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
 from paged_lib.course.viz.widgets import frame_player
-from paged_lib.sharing import MODES, PAPER_SAVINGS, BeamFrame, Savings, Usage
+from paged_lib.studies.sharing import MODES, PAPER_SAVINGS, BeamFrame, Savings, Usage
 
 REF_COLORS = ["#FFF3C4", "#FDC46B", "#F08A3A", "#D1462F", "#9E1F2C", "#5E0F1E"]
 COPY_COLOR, DEAD_COLOR, EDGE_COLOR = "#1F77B4", "#888888", "#444444"
@@ -141,7 +141,7 @@ def stepper(frames: list[BeamFrame]):
 def plot_savings(table: dict[tuple[str, str, int], Savings]) -> Figure:
     """Measured savings (bars: time-averaged; dots: peak) beside the paper's ranges.
 
-    ``table`` is :func:`paged_lib.sharing.savings_table`'s result. The paper's
+    ``table`` is :func:`paged_lib.studies.sharing.savings_table`'s result. The paper's
     section 6.3 range for each trace and mode is the shaded band behind its bars.
     """
     traces = sorted({k[0] for k in table})

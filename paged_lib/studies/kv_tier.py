@@ -20,7 +20,7 @@ is the policy's choice:
   CLOCK approximates LRU without reordering anything on a hit.
 
 Both tiers use the same policy. :func:`chat_trace` turns chapter 10's multi-turn chat
-workload (:func:`~paged_lib.prefix_workloads.multi_turn_chat`, synthetic and seeded)
+workload (:func:`~paged_lib.studies.prefix_workloads.multi_turn_chat`, synthetic and seeded)
 into such a trace; :func:`compare_policies` runs both policies on one.
 """
 
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from paged_lib.engine.prefix_cache import block_hashes
-from paged_lib.prefix_workloads import multi_turn_chat
+from paged_lib.studies.prefix_workloads import multi_turn_chat
 
 POLICIES = ("lru", "clock")
 
@@ -213,7 +213,7 @@ def simulate(trace: list[list[Hashable]], gpu_blocks: int, cpu_blocks: int,
 
 def chat_trace(block_size: int = 16, order: str = "round_robin",
                **chat) -> list[list[Hashable]]:
-    """Chapter 10's interleaved multi-turn chat (:func:`~paged_lib.prefix_workloads.
+    """Chapter 10's interleaved multi-turn chat (:func:`~paged_lib.studies.prefix_workloads.
     multi_turn_chat`, keywords passed on) as a block trace: each turn reads its prompt's
     full blocks and writes its answer's, named by their chained hashes (a part-filled
     last block is not kept, as in vLLM's prefix cache).

@@ -1,6 +1,6 @@
 """Sharing measured on the engine's own beams: the blocks a real beam search holds.
 
-:mod:`paged_lib.sharing` measures sharing on a *synthetic* beam process (random
+:mod:`paged_lib.studies.sharing` measures sharing on a *synthetic* beam process (random
 log-probabilities). This module runs real beam searches through
 :class:`~paged_lib.engine.LLMEngine` on a real model and reads the beams' block tables at
 every step, at the moment every live beam has just written its token and before the
@@ -8,19 +8,19 @@ step's survivors are chosen: exactly the tables the engine's ``beam_step`` hook 
 so :func:`engine_beam_usage` wraps that hook (and the model runner's ``execute``, to
 count the step's copy-on-write copies) and changes nothing else.
 
-The result is one :class:`~paged_lib.sharing.Usage` per request, in the same shape as the
+The result is one :class:`~paged_lib.studies.sharing.Usage` per request, in the same shape as the
 synthetic process's: blocks held with sharing (distinct blocks of the group's tables) and
 without (every beam its own ``cdiv(num_tokens, block_size)`` blocks), one entry per step
 in which the engine called ``beam_step`` (index 0: the prompt). The engine never writes
 the last sampled token's K/V (and its last step may only finish the beams), so compare
-with :func:`paged_lib.sharing.beam_search_usage` for ``output_len = len(shared) - 1``.
+with :func:`paged_lib.studies.sharing.beam_search_usage` for ``output_len = len(shared) - 1``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from paged_lib.sharing import Usage, unshared_blocks
+from paged_lib.studies.sharing import Usage, unshared_blocks
 from paged_lib.util import cdiv
 
 

@@ -1,12 +1,12 @@
 """vLLM's block-hash chain vs SGLang's radix tree on the same workloads and memory.
 
-Two caches replay a workload of :class:`~paged_lib.prefix_workloads.PrefixRequest`:
+Two caches replay a workload of :class:`~paged_lib.studies.prefix_workloads.PrefixRequest`:
 
 * :class:`HashChainCache` - ``num_blocks`` blocks of ``block_size`` slots with
   :class:`~paged_lib.engine.prefix_cache.PrefixCachingAllocator` (vLLM v1, chapter 10):
   a request looks up its longest run of cached full blocks, allocates the rest, registers
   its full blocks, then frees its table tail first (freed blocks stay cached, LRU).
-* :class:`RadixCache` - a :class:`~paged_lib.radix_tree.RadixTree` (SGLang) over a pool of
+* :class:`RadixCache` - a :class:`~paged_lib.studies.radix_tree.RadixTree` (SGLang) over a pool of
   the same ``num_blocks * block_size`` slots handed out in pages of ``page_size``: a
   request matches, locks the node, allocates pages (evicting LRU leaves when the pool is
   short), inserts ``prompt + output`` and unlocks.
@@ -34,7 +34,6 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass, field
 
-from paged_lib import radix_tree
 from paged_lib.blocks import BlockTable
 from paged_lib.engine import prefix_cache
 from paged_lib.engine.prefix_cache import (
@@ -42,12 +41,13 @@ from paged_lib.engine.prefix_cache import (
     block_hashes,
     longest_cache_hit,
 )
-from paged_lib.prefix_workloads import (
+from paged_lib.studies import radix_tree
+from paged_lib.studies.prefix_workloads import (
     PREFIX_WORKLOADS,
     PrefixRequest,
     two_prompt_burst,
 )
-from paged_lib.radix_tree import RadixTree
+from paged_lib.studies.radix_tree import RadixTree
 from paged_lib.util import cdiv
 
 
@@ -187,7 +187,7 @@ def replay(requests: list[PrefixRequest], cache: HashChainCache | RadixCache) ->
 
 def compare(num_blocks: int = 64, block_size: int = 16, seed: int = 0,
             workloads: dict | None = None) -> list[tuple[str, CacheStats]]:
-    """Each workload (default: the four of :mod:`paged_lib.prefix_workloads`) replayed on
+    """Each workload (default: the four of :mod:`paged_lib.studies.prefix_workloads`) replayed on
     the hash chain, the radix tree at page ``block_size`` (equal granularity) and the radix
     tree at page 1 (SGLang's default), all over ``num_blocks * block_size`` slots."""
     rows = []
@@ -263,7 +263,7 @@ class ScheduleResult:
 
 def schedule(timed: list, cache: RadixCache | HashChainCache, policy: str = "lpm",
              max_wait: int = 8) -> ScheduleResult:
-    """Serve ``timed`` (:class:`~paged_lib.prefix_workloads.TimedRequest`) one request
+    """Serve ``timed`` (:class:`~paged_lib.studies.prefix_workloads.TimedRequest`) one request
     per step from a waiting queue, picking by ``policy`` (see
     :data:`SCHEDULE_POLICIES`); ties go to the request that arrived first.
 
@@ -304,7 +304,7 @@ def schedule(timed: list, cache: RadixCache | HashChainCache, policy: str = "lpm
 
 def schedule_demo(capacity_tokens: int = 128, max_wait: int = 8,
                   seed: int = 0) -> list[ScheduleResult]:
-    """:func:`~paged_lib.prefix_workloads.two_prompt_burst` served by each policy on a
+    """:func:`~paged_lib.studies.prefix_workloads.two_prompt_burst` served by each policy on a
     radix tree (page 1) of ``capacity_tokens`` slots: room for one system prompt's
     requests, not both, so the order decides the hits."""
     timed = two_prompt_burst(seed=seed)
