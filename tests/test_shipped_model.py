@@ -8,6 +8,7 @@ writes the same Python-looking text every time.
 
 import json
 import math
+import platform
 import shutil
 import string
 import struct
@@ -164,3 +165,40 @@ def test_readme_is_what_the_training_script_writes(tmp_path):
     assert (tmp_path / "README.md").read_text() == \
         (TINY_CODE_LLAMA_DIR / "README.md").read_text(), \
         "run `python tools/train_tiny_model.py --readme-only` to rewrite README.md"
+
+
+def test_the_training_script_uses_the_package_split():
+    """tools/train_tiny_model.py takes its split from paged_lib.data.held_out (one definition
+    for training and for every measurement on held-out text)."""
+    import importlib.util
+
+    from paged_lib.data import held_out
+
+    script = Path(__file__).resolve().parents[1] / "tools" / "train_tiny_model.py"
+    spec = importlib.util.spec_from_file_location("_train_tiny_model_under_test", script)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look themselves up there
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        del sys.modules[spec.name]
+    for name in ("stdlib_files", "is_held_out", "stdlib_root", "SKIP_DIRS", "HELD_OUT_RULE"):
+        assert getattr(module, name) is getattr(held_out, name), name
+
+
+def test_the_split_is_the_one_the_model_was_trained_on():
+    """On the Python the model was trained with, the package's split gives the files and
+    bytes training.json recorded for the train and held-out parts."""
+    from paged_lib.data.held_out import HELD_OUT_RULE, is_held_out, stdlib_files, stdlib_root
+
+    record = json.loads((TINY_CODE_LLAMA_DIR / "training.json").read_text())
+    assert record["held_out_rule"] == HELD_OUT_RULE
+    if platform.python_version() != record["python"]:
+        pytest.skip(f"the model was trained on Python {record['python']}'s standard library")
+    root = stdlib_root()
+    counts = {"train": [0, 0], "held_out": [0, 0]}
+    for path in stdlib_files():
+        part = counts["held_out" if is_held_out(path.relative_to(root).as_posix()) else "train"]
+        part[0] += 1
+        part[1] += path.stat().st_size
+    assert {k: {"files": f, "bytes": b} for k, (f, b) in counts.items()} == record["data"]

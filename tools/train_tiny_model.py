@@ -21,13 +21,11 @@ steps (a step-for-step rerun) and ``--minutes`` is only a hard cap.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import os
 import platform
 import sys
-import sysconfig
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -36,11 +34,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from paged_lib.data.held_out import (  # noqa: E402  (the split: defined in the package)
+    HELD_OUT_RULE,
+    SKIP_DIRS,
+    is_held_out,
+    stdlib_files,
+    stdlib_root,
+)
 from paged_lib.tokenizer import BOS_ID, EOS_ID, VOCAB_SIZE, ByteTokenizer  # noqa: E402
 
 MAX_BYTES = 10_000_000  # the shipped weights must stay under this (10 MB)
-HELD_OUT_EVERY = 20  # about 1 file in 20 is held out (chosen by a hash of its path)
-SKIP_DIRS = {"site-packages", "test", "tests", "idlelib", "__pycache__"}
 
 
 @dataclass
@@ -80,27 +83,10 @@ def model_config():
 # ----------------------------------------------------------------------------- data
 
 
-def stdlib_files() -> list[Path]:
-    """The stdlib's .py files, sorted, without tests, site-packages and IDLE."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = [
-        p
-        for p in root.rglob("*.py")
-        if not SKIP_DIRS.intersection(p.relative_to(root).parts[:-1])
-        and not p.name.startswith("test_")
-    ]
-    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
-
-
-def is_held_out(rel_path: str) -> bool:
-    """Deterministic split by a hash of the relative path (stable across machines)."""
-    digest = hashlib.sha256(rel_path.encode()).digest()
-    return int.from_bytes(digest[:4], "little") % HELD_OUT_EVERY == 0
-
-
 def load_corpus() -> dict:
-    """Train and held-out byte streams: each file's bytes followed by EOS."""
-    root = Path(sysconfig.get_paths()["stdlib"])
+    """Train and held-out byte streams: each file's bytes followed by EOS (the split:
+    :mod:`paged_lib.data.held_out`)."""
+    root = stdlib_root()
     parts: dict[str, list[int]] = {"train": [], "held_out": []}
     counts = {"train": [0, 0], "held_out": [0, 0]}  # files, bytes
     for path in stdlib_files():
@@ -284,7 +270,7 @@ def save(model, args, cfg, corpus, n_params, step, train_time, train_eval, held_
         "python": platform.python_version(),
         "torch": torch.__version__,
         "data": corpus["stats"],
-        "held_out_rule": f"sha256(relative path) first 4 bytes % {HELD_OUT_EVERY} == 0",
+        "held_out_rule": HELD_OUT_RULE,
         "train_config": asdict(cfg),
         "seed": args.seed,
         "minutes": args.minutes,

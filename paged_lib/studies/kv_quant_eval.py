@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import torch
 
 from paged_lib.accounting import ModelSpec, kv_bytes_per_token
+from paged_lib.data.held_out import held_out_files
 from paged_lib.engine.model_runner import allocate_kv_caches, build_metadata, check_metadata
-from paged_lib.held_out import held_out_files
 from paged_lib.kernels import paged_prefill, reshape_and_cache
 from paged_lib.kernels.kv_quant import (
     allocate_quantized_kv_caches,
@@ -167,8 +167,8 @@ def _run_chunks(model: TinyLlama, texts: list[list[int]], kv_cache_dtype: str, b
 
 def held_out_windows(num_windows: int = 4, window: int = 256) -> list[list[int]]:
     """BOS + the first ``window - 1`` bytes of the first ``num_windows`` held-out files of
-    the shipped model's training (Python's standard library, split by the training
-    script's own ``is_held_out``): text the model never saw."""
+    the shipped model's training (Python's standard library, split by
+    :func:`paged_lib.data.held_out.is_held_out`): text the model never saw."""
     out = []
     for data in held_out_files():
         if len(data) >= window:

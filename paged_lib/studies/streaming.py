@@ -20,19 +20,20 @@ import math
 import torch
 
 from paged_lib.blocks import BlockAllocator, BlockTable
+from paged_lib.data.held_out import held_out_files
 from paged_lib.engine.llm_engine import LLMEngine
 from paged_lib.engine.model_runner import allocate_kv_caches, build_metadata, check_metadata
 from paged_lib.engine.sequence import SamplingParams, Sequence
 from paged_lib.engine.window import SlidingWindow, num_dropped
-from paged_lib.held_out import held_out_files
 from paged_lib.model import TinyLlama
 from paged_lib.tokenizer import BOS_ID, EOS_ID
 from paged_lib.util import cdiv
 
 
 def held_out_stream(num_tokens: int) -> list[int]:
-    """BOS, then the standard library's held-out ``.py`` files (the training script's
-    split, in its order), each file's bytes followed by EOS, cut at ``num_tokens`` ids."""
+    """BOS, then the standard library's held-out ``.py`` files (the training split of
+    :mod:`paged_lib.data.held_out`, in its order), each file's bytes followed by EOS, cut
+    at ``num_tokens`` ids."""
     if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 2:
         raise ValueError(f"num_tokens must be an int >= 2, got {num_tokens!r}")
     ids = [BOS_ID]
