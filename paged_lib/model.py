@@ -26,10 +26,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from paged_lib.accounting import ModelSpec
+from paged_lib.data import TINY_CODE_LLAMA_DIR  # where the course's trained model lives
 from paged_lib.kernels import paged_attention, paged_prefill, reshape_and_cache
-
-#: Where the course's trained model lives (written by the training script).
-TINY_CODE_LLAMA_DIR = Path(__file__).parent / "data" / "tiny-code-llama"
 
 
 @dataclass(frozen=True)

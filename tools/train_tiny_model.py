@@ -32,8 +32,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 
+from paged_lib.data import TINY_CODE_LLAMA_DIR  # noqa: E402
 from paged_lib.data.held_out import (  # noqa: E402  (the split: defined in the package)
     HELD_OUT_RULE,
     SKIP_DIRS,
@@ -44,6 +46,7 @@ from paged_lib.data.held_out import (  # noqa: E402  (the split: defined in the 
 from paged_lib.tokenizer import BOS_ID, EOS_ID, VOCAB_SIZE, ByteTokenizer  # noqa: E402
 
 MAX_BYTES = 10_000_000  # the shipped weights must stay under this (10 MB)
+SHIPPED_DIR = TINY_CODE_LLAMA_DIR.relative_to(REPO).as_posix()  # where the weights ship
 
 
 @dataclass
@@ -362,7 +365,7 @@ def retrain_md(stages: list[dict]) -> str:
     """The shell commands that repeat every stage, in order."""
     cmds = []
     for i, st in enumerate(stages, 1):
-        out = f"/tmp/tiny-stage{i}" if i < len(stages) else "paged_lib/data/tiny-code-llama"
+        out = f"/tmp/tiny-stage{i}" if i < len(stages) else SHIPPED_DIR
         init = f" --init /tmp/tiny-stage{i - 1}" if i > 1 else ""
         steps = f" --max-steps {st['max_steps']}" if st["max_steps"] else ""
         cmds.append(
@@ -385,7 +388,7 @@ README_TEMPLATE = Path(__file__).with_name("tiny_model_README.md.in")
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--minutes", type=float, default=22.0, help="training time budget")
-    p.add_argument("--out", default="paged_lib/data/tiny-code-llama")
+    p.add_argument("--out", default=SHIPPED_DIR)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-steps", type=int, default=None, help="train exactly N steps")
     p.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))

@@ -4,7 +4,10 @@
 standard library by ``tools/train_tiny_model.py``. Load it with
 ``transformers.LlamaForCausalLM.from_pretrained(TINY_CODE_LLAMA_DIR)`` and
 tokenize with ``paged_lib.tokenizer.ByteTokenizer``; its README says how it
-was trained.
+was trained. This is the one place that names the folder: :mod:`paged_lib.model`,
+the benchmarks and the training script all use this constant.
+:mod:`paged_lib.data.held_out` is the split of its training text (the files it
+never saw).
 """
 
 from pathlib import Path
