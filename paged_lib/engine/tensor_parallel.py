@@ -297,13 +297,15 @@ class TensorParallelRunner:
             raise
 
     def _dead_ranks(self, besides: int, grace: float = 1.0) -> list[tuple[int, int | None]]:
-        """``(rank, exit code)`` of the ranks other than ``besides`` that have exited,
-        waiting up to ``grace`` seconds for one to be reaped (a killed rank's sockets
-        close, and its peers notice, a moment before its exit is seen)."""
+        """``(rank, exit code)`` of the ranks other than ``besides`` that died (exited
+        with a non-zero code: killed, or crashed without a word; a rank that reported
+        its own error exits with 0), waiting up to ``grace`` seconds for one to be reaped
+        (a killed rank's sockets close, and its peers notice, a moment before its exit
+        is seen)."""
         deadline = time.monotonic() + grace
         while True:
             dead = [(r, p.exitcode) for r, p in enumerate(self.processes)
-                    if r != besides and not p.is_alive()]
+                    if r != besides and not p.is_alive() and p.exitcode not in (0, None)]
             if dead or time.monotonic() > deadline:
                 return dead
             for r, p in enumerate(self.processes):
