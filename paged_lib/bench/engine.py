@@ -35,7 +35,7 @@ from paged_lib.engine.sequence import SamplingParams, SequenceGroup
 from paged_lib.engine.sequence import Sequence as Seq
 from paged_lib.engine.static_batching import StaticBatchingEngine
 from paged_lib.engine.trace import trace_requests
-from paged_lib.kernels import cpu_decode
+from paged_lib.kernels.backends import resolve_backend
 from paged_lib.model import TINY_CODE_LLAMA_DIR, TinyLlama
 from paged_lib.workloads import alpaca_like
 
@@ -113,11 +113,12 @@ def run(num_requests: int = 48, num_blocks: int = 120, block_size: int = 8,
     """Serve one trace three ways, each ``repeats`` times in this process; rows of
     (system, steps, median wall seconds, median CPU seconds, tokens/s).
 
-    ``backend``: the engine's attention backend; ``None`` takes ``"cpu"`` (the compiled
-    decode kernel) where it builds, else ``"torch"``. Static batching keeps ``"torch"``.
+    ``backend``: the engine's attention backend; ``None`` is the engine's default,
+    ``"auto"`` (the compiled decode kernel where it builds, else ``"torch"``; Triton on a
+    GPU), and the report names the one that ran. Static batching keeps ``"torch"``.
     """
     model, hf, name = load_models(random_model)
-    backend = backend or ("cpu" if cpu_decode.available() else "torch")
+    backend = resolve_backend(backend or "auto", model.device)
     trace = alpaca_like(num_requests, seed=0, max_len=max_len)
     prompts, params = trace_requests(trace, model.config.vocab_size)
     out_lens = [r.output_len for r in trace]
@@ -243,8 +244,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--random-model", action="store_true", help="ignore the shipped model")
     p.add_argument("--no-hf", action="store_true", help="skip transformers generate")
-    p.add_argument("--backend", choices=["cpu", "torch", "triton"], default=None,
-                   help="the engine's attention backend (default: cpu where it builds)")
+    p.add_argument("--backend", choices=["auto", "cpu", "torch", "triton"], default=None,
+                   help="the engine's attention backend (default: the engine's 'auto', the C "
+                        "kernel where it builds)")
     p.add_argument("--repeats", type=int, default=3, help="runs per system (median)")
     args = p.parse_args(argv)
     if args.threads:
