@@ -1,9 +1,21 @@
 """paged_lib: the code behind the PagedAttention course.
 
-Two parts. The system the course builds (accounting, workloads, fragmentation, blocks,
-attention, kernels, model, engine) never imports the course part, :mod:`paged_lib.course`
-(graders, pictures, widgets, chapter demos, show_source). Instruments both use live in
-:mod:`paged_lib.instruments`, benchmarks in :mod:`paged_lib.bench`.
+Three parts:
+
+* **the system** the course builds, which runs alone: accounting, workloads, fragmentation
+  (with the ``contiguous`` allocators paging is compared with), blocks, attention,
+  kernels (with ``kv_quant``, the 8-bit cache format), model, engine, parallel (tensor
+  parallelism's sharding), tokenizer, util, device, data (the shipped model and its
+  held-out split); the instruments that watch it work in :mod:`paged_lib.instruments`,
+  benchmarks in :mod:`paged_lib.bench`;
+* **the studies**, :mod:`paged_lib.studies`: the chapters' measurements and comparisons
+  (sharing's savings, block size, SGLang's radix tree against the prefix cache, quantised
+  blocks, sliding windows, a CPU tier, swap against recompute), built on the system;
+* **the course**, :mod:`paged_lib.course`: graders, pictures, widgets, chapter demos,
+  show_source.
+
+The system imports neither the studies nor the course, the studies never import the
+course, and no modules import one another in a cycle (``tests/test_layout.py``).
 
 Importing the package decides, before any Triton kernel is defined, whether kernels
 compile for a GPU or run in Triton's CPU interpreter (see :mod:`paged_lib.device`).
