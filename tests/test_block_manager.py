@@ -12,6 +12,7 @@ from paged_lib.engine.block_manager import (
     shared_prompt_blocks,
     swap_mapping,
 )
+from paged_lib.engine.hooks import EngineHooks
 from paged_lib.engine.sequence import SamplingParams, Sequence, SequenceGroup
 
 
@@ -89,8 +90,8 @@ def test_swap_out_and_in_keeps_sharing_and_leaks_nothing():
 
 
 def test_a_wrong_swap_mapping_is_refused():
-    bm = BlockManager(8, 4, 8, swap_mapping_fn=lambda tables, alloc: [
-        (b, alloc()) for t in tables for b in t])  # copies a shared block twice
+    bm = BlockManager(8, 4, 8, hooks=EngineHooks(swap_mapping=lambda tables, alloc: [
+        (b, alloc()) for t in tables for b in t]))  # copies a shared block twice
     group = group_of([6, 0], bm)
     with pytest.raises(ValueError, match="exactly once"):
         bm.swap_out(group)

@@ -12,6 +12,7 @@ import torch
 
 import paged_lib  # noqa: F401  # isort: split
 from paged_lib.engine import LLMEngine, SamplingParams
+from paged_lib.engine.hooks import EngineHooks
 from paged_lib.engine.model_runner import build_metadata
 from paged_lib.engine.scheduler import can_admit
 from paged_lib.model import TinyLlama
@@ -191,7 +192,8 @@ def test_teaching_hooks_are_used(model, prompts, reference):
         calls["admit"] += 1
         return can_admit(*args)
 
-    engine = LLMEngine(model, 64, 4, build_metadata=my_build_metadata, admission=my_can_admit)
+    engine = LLMEngine(model, 64, 4, hooks=EngineHooks(build_metadata=my_build_metadata,
+                                                     can_admit=my_can_admit))
     assert_matches(engine.generate(prompts[:2], SamplingParams(MAX_TOKENS)), reference, [0, 1])
     assert calls["meta"] == MAX_TOKENS and calls["admit"] >= 2
 
@@ -225,7 +227,7 @@ def test_a_wrong_build_metadata_gets_a_clear_error(model, prompts, mistake, matc
             meta.slot_mapping[-1] = 10**6
         return meta
 
-    engine = LLMEngine(model, 64, 4, build_metadata=wrong)
+    engine = LLMEngine(model, 64, 4, hooks=EngineHooks(build_metadata=wrong))
     with pytest.raises(ValueError, match=match):
         engine.generate(prompts[3:4], SamplingParams(3))
 
@@ -314,7 +316,7 @@ def test_the_group_hooks_are_used_by_the_engine(model, prompts, reference):
         calls["victim"] += 1
         return choose_victim(running)
 
-    engine = LLMEngine(model, 12, 4, watermark=0.0, num_required_blocks=my_blocks,
-                       choose_victim=my_victim)
+    engine = LLMEngine(model, 12, 4, watermark=0.0,
+                       hooks=EngineHooks(num_required_blocks=my_blocks, choose_victim=my_victim))
     assert_matches(engine.generate(prompts, SamplingParams(MAX_TOKENS)), reference)
     assert calls["blocks"] >= len(prompts) and calls["victim"] == engine.stats.preemptions > 0

@@ -10,6 +10,7 @@ import paged_lib  # noqa: F401  # isort: split
 from paged_lib.blocks import BlockAllocator, BlockTable
 from paged_lib.engine import LLMEngine, SamplingParams
 from paged_lib.engine.beam_search import beam_step, split_candidates
+from paged_lib.engine.hooks import EngineHooks
 from paged_lib.model import TinyLlama
 
 WIDTH, MAX_TOKENS = 4, 8
@@ -78,7 +79,7 @@ def test_a_replacement_beam_step_is_used(hf, prompts, reference):
         calls.append(1)
         return beam_step(*args)
 
-    engine = LLMEngine(TinyLlama.from_hf(hf), 64, 4, beam_step=my_beam_step)
+    engine = LLMEngine(TinyLlama.from_hf(hf), 64, 4, hooks=EngineHooks(beam_step=my_beam_step))
     check(engine.generate(prompts[:1], SamplingParams(MAX_TOKENS, beam_width=WIDTH)),
           reference[:1])
     assert len(calls) == MAX_TOKENS  # every step, the last one too
@@ -89,7 +90,7 @@ def test_a_beam_step_that_forgets_to_free_is_caught_as_a_leak(hf, prompts):
         keep = beam_step([t.fork() for t in tables], cums, candidates, width)
         return keep  # the original tables are never freed
 
-    engine = LLMEngine(TinyLlama.from_hf(hf), 64, 4, beam_step=leaky)
+    engine = LLMEngine(TinyLlama.from_hf(hf), 64, 4, hooks=EngineHooks(beam_step=leaky))
     engine.generate(prompts[:1], SamplingParams(3, beam_width=2))
     assert engine.block_manager.num_free_blocks < 64
 

@@ -142,14 +142,9 @@ def test_a_part_filled_prompt_block_is_copied_on_write_when_the_tails_return(mod
     position a tail attends to was written (by the prompt step or the copy)."""
     long, prompt = texts[0][:30], texts[1][:10]
     params = SamplingParams(12, temperature=1.0, n=3, seed=3)
-    engine = LLMEngine(model, 14, BLOCK, attention_backend=backend, watermark=0.0)
-    steps, execute = [], engine.runner.execute
-
-    def recording_execute(out):
-        steps.append(out)
-        return execute(out)
-
-    engine.runner.execute = recording_execute
+    steps = []
+    engine = LLMEngine(model, 14, BLOCK, attention_backend=backend, watermark=0.0,
+                       on_step=lambda out, stats: steps.append(out))
     outs = engine.generate([long, prompt], [SamplingParams(12, ignore_eos=True), params])
     timeline = engine.stats.requests[1]
     assert timeline.preempted_steps, "the scenario must preempt the group"

@@ -261,6 +261,7 @@ import torch  # noqa: E402
 import paged_lib  # noqa: E402, F401  # isort: split
 from paged_lib.engine import LLMEngine, SamplingParams  # noqa: E402
 from paged_lib.engine.block_manager import BlockManager  # noqa: E402
+from paged_lib.engine.hooks import EngineHooks  # noqa: E402
 from paged_lib.engine.model_runner import build_metadata  # noqa: E402
 from paged_lib.engine.scheduler import Scheduler  # noqa: E402
 
@@ -450,8 +451,9 @@ def test_the_hooks_are_called(model, shared_prompts, reference):
             calls["remove"] += 1
             super().remove(block_id)
 
-    engine = LLMEngine(model, 64, BS, enable_prefix_caching=True, block_hashes=my_hashes,
-                       longest_cache_hit=my_hit, free_queue_cls=MyQueue)
+    engine = LLMEngine(model, 64, BS, enable_prefix_caching=True,
+                       hooks=EngineHooks(block_hashes=my_hashes, longest_cache_hit=my_hit,
+                                         FreeBlockQueue=MyQueue))
     outs = engine.generate(shared_prompts[:3], GREEDY, arrival_steps=[0, NEW + 1, NEW + 1])
     assert [o.outputs[0].token_ids for o in outs] == reference[:3]
     assert calls["hit"] >= 3 and calls["hashes"] >= 3 and calls["popleft"] >= 7
@@ -460,7 +462,8 @@ def test_the_hooks_are_called(model, shared_prompts, reference):
     def greedy_hit(hashes, lookup, num_tokens, block_size):  # ignores the last-token rule
         return [b for b in map(lookup, hashes) if b is not None]
 
-    bad = LLMEngine(model, 64, BS, enable_prefix_caching=True, longest_cache_hit=greedy_hit)
+    bad = LLMEngine(model, 64, BS, enable_prefix_caching=True,
+                    hooks=EngineHooks(longest_cache_hit=greedy_hit))
     bad.generate([shared_prompts[0][:40]], GREEDY)
     with pytest.raises(ValueError, match="longest_cache_hit returned"):
         bad.generate([shared_prompts[0][:40]], GREEDY)
@@ -565,7 +568,8 @@ def test_build_metadata_sees_only_the_uncached_tokens(model, shared_prompts):
         lens.append((list(seq_lens), list(query_lens)))
         return build_metadata(tables, seq_lens, query_lens, block_size)
 
-    engine = LLMEngine(model, 64, BS, enable_prefix_caching=True, build_metadata=recording)
+    engine = LLMEngine(model, 64, BS, enable_prefix_caching=True,
+                       hooks=EngineHooks(build_metadata=recording))
     engine.generate(shared_prompts[:2], SamplingParams(1), arrival_steps=[0, 1])
     assert lens == [([45], [45]), ([45], [5])]
 
@@ -594,7 +598,8 @@ def test_a_wrong_block_hashes_hook_is_a_clear_error(model, shared_prompts):
     def one_short(tokens, block_size, extra_keys=()):
         return block_hashes(tokens, block_size)[:-1]
 
-    engine = LLMEngine(model, 64, BS, enable_prefix_caching=True, block_hashes=one_short)
+    engine = LLMEngine(model, 64, BS, enable_prefix_caching=True,
+                       hooks=EngineHooks(block_hashes=one_short))
     with pytest.raises(ValueError, match="block_hashes gave"):
         engine.generate(shared_prompts[:1], GREEDY)
 

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from paged_lib.engine.block_manager import BlockManager, num_required_blocks
+from paged_lib.engine.hooks import EngineHooks
 from paged_lib.engine.model_runner import build_metadata
 from paged_lib.engine.sampler import num_samples
 from paged_lib.engine.scheduler import Budget, Scheduler, can_admit, choose_victim
@@ -132,7 +133,7 @@ def test_a_prompt_longer_than_the_token_budget_runs_in_chunks_within_it():
                                      enable_chunked_prefill=True)
     groups = make_groups([(20, 2), (3, 2)])
     history = run(sched, runner, groups)
-    assert [o.num_batched_tokens for o in history[:3]] == [8, 8, 7]  # 8, 8, then 4 + the 3 of the next
+    assert [o.num_batched_tokens for o in history[:3]] == [8, 8, 7]  # 4 + the next 3
     assert all(o.num_batched_tokens <= 8 for o in history)
     assert all(len(g.seqs[0].output_token_ids) == 2 for g in groups)
 
@@ -293,7 +294,7 @@ def test_choose_victim_is_asked_and_its_choice_is_preempted():
         return running[0]  # the group that needs the blocks gives way itself
 
     bm = BlockManager(8, 4)
-    sched = Scheduler(bm, choose_victim=oldest)
+    sched = Scheduler(bm, hooks=EngineHooks(choose_victim=oldest))
     groups = make_groups([(4, 8), (4, 8), (4, 8, 2)])
     history = run(sched, FakeRunner(8, 4, 0), groups)
     first = next(o for o in history if o.preempted)
@@ -311,7 +312,7 @@ def test_the_default_victim_is_the_most_recently_admitted():
 def test_a_victim_that_is_not_offered_is_a_clear_error():
     outsider = make_groups([(1, 1)])[0]
     bm = BlockManager(8, 4)
-    sched = Scheduler(bm, choose_victim=lambda running: outsider)
+    sched = Scheduler(bm, hooks=EngineHooks(choose_victim=lambda running: outsider))
     with pytest.raises(ValueError, match=r"choose_victim returned 0, which is not one of"):
         run(sched, FakeRunner(8, 4, 0), make_groups([(4, 8), (4, 8), (4, 8, 2)]))
 
@@ -324,7 +325,7 @@ def test_num_required_blocks_is_asked_for_every_waiting_group():
         return num_required_blocks(group, block_size)
 
     bm = BlockManager(8, 4)
-    sched = Scheduler(bm, num_required_blocks=mine)
+    sched = Scheduler(bm, hooks=EngineHooks(num_required_blocks=mine))
     run(sched, FakeRunner(8, 4, 0), make_groups([(4, 8), (4, 8), (4, 8, 2)]))
     assert {r for r, _, _ in asked} == {0, 1, 2} and all(b == 4 for _, _, b in asked)
     assert (2, 2, 4) in asked  # the 2-sample group, asked again after its preemption
@@ -336,6 +337,6 @@ def test_num_required_blocks_is_asked_for_every_waiting_group():
     (lambda group, block_size: 0, "count every block"),  # says 0, takes 5: too few free
 ])
 def test_a_wrong_num_required_blocks_gets_a_clear_error(wrong, match):
-    sched = Scheduler(BlockManager(8, 4), num_required_blocks=wrong)
+    sched = Scheduler(BlockManager(8, 4), hooks=EngineHooks(num_required_blocks=wrong))
     with pytest.raises(ValueError, match=match):
         run(sched, FakeRunner(8, 4, 0), make_groups([(20, 2), (20, 2)]))

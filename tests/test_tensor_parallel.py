@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from paged_lib.engine import LLMEngine, SamplingParams
-from paged_lib.engine.tensor_parallel import StepInput, TensorParallelRunner, step_input
+from paged_lib.engine.hooks import EngineHooks
+from paged_lib.engine.model_input import ModelInput
+from paged_lib.engine.tensor_parallel import TensorParallelRunner
 from paged_lib.model import TinyLlama, TinyLlamaConfig, load_tiny_code_llama
 from paged_lib.parallel import (
     kv_bytes_per_rank,
@@ -189,7 +191,7 @@ def test_bad_sizes_and_unsupported_options_raise_before_any_worker_starts(shippe
 
     with pytest.raises(ValueError, match="build_metadata"):
         LLMEngine(shipped, 16, tensor_parallel_size=2,
-                  build_metadata=lambda *a: build_metadata(*a))
+                  hooks=EngineHooks(build_metadata=lambda *a: build_metadata(*a)))
     with pytest.raises(ValueError, match="num_blocks must be an integer >= 1"):
         LLMEngine(shipped, 0, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="kv_cache_dtype='int8' is not supported"):
@@ -203,11 +205,8 @@ def test_ranks_agree_on_the_smallest_pool_and_a_rank_error_surfaces(one_kv_head)
     try:
         assert runner.num_blocks == 5
         assert runner.kv_cache_bytes_per_rank[0] == runner.kv_cache_bytes_per_rank[1]
-        bad = StepInput([], [], [], [])
-        assert runner.execute(bad).shape == (0, 264)
-        empty = step_input(type("Out", (), {"scheduled": [], "blocks_to_copy": [],
-                                            "swap_out": [], "swap_in": []})())
-        assert empty.is_empty()
+        bad = ModelInput()
+        assert bad.is_empty() and runner.execute(bad).shape == (0, 264)
         bad.blocks_to_copy = [(0, 99)]  # a block no rank has
         with pytest.raises(RuntimeError, match="rank [01] failed.*\n.*Traceback"):
             runner.execute(bad)

@@ -5,6 +5,8 @@ transformers' and the library engine's; with nothing saved the library runs and 
 so; a broken piece saved is named.
 """
 
+from types import SimpleNamespace
+
 import pytest
 
 from paged_lib.blocks import BlockTable
@@ -13,6 +15,7 @@ from paged_lib.course.demos import your_engine
 from paged_lib.data import TINY_CODE_LLAMA_DIR
 from paged_lib.engine import LLMEngine, SamplingParams
 from paged_lib.engine.block_manager import BlockManager
+from paged_lib.engine.hooks import EngineHooks
 from paged_lib.model import load_tiny_code_llama
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -94,9 +97,9 @@ def test_a_saved_file_that_does_not_import_falls_back_to_the_library(solutions, 
     assert "06.1" not in pieces and not part.yours and "does not import" in part.note
 
 
-def test_block_table_cls_is_checked_and_used(model):
-    with pytest.raises(ValueError, match="block_table_cls must be BlockTable or a subclass"):
-        BlockManager(4, 4, block_table_cls=dict)
+def test_the_block_table_hook_is_checked_and_used(model):
+    with pytest.raises(ValueError, match="the BlockTable hook must be BlockTable or a subclass"):
+        BlockManager(4, 4, hooks=SimpleNamespace(BlockTable=dict, FreeBlockQueue=None))
     made = []
 
     class Counting(BlockTable):
@@ -104,9 +107,9 @@ def test_block_table_cls_is_checked_and_used(model):
             super().__init__(*args, **kwargs)
             made.append(self)
 
-    with pytest.raises(ValueError, match="block_table_cls must be BlockTable"):
-        LLMEngine(model, 16, 4, block_table_cls=object)
-    engine = LLMEngine(model, 16, 4, block_table_cls=Counting)
+    with pytest.raises(ValueError, match="EngineHooks.BlockTable must be BlockTable"):
+        LLMEngine(model, 16, 4, hooks=EngineHooks(BlockTable=object))
+    engine = LLMEngine(model, 16, 4, hooks=EngineHooks(BlockTable=Counting))
     got = engine.generate([[256, 100, 101]], SamplingParams(6, temperature=1.0, n=2, seed=0))
     want = LLMEngine(model, 16, 4).generate([[256, 100, 101]],
                                             SamplingParams(6, temperature=1.0, n=2, seed=0))

@@ -160,43 +160,13 @@ def _median_timed(fn, repeats: int) -> tuple[float, float]:
 def step_breakdown(model, prompts, params, num_blocks: int, block_size: int,
                    backend: str) -> dict[str, float]:
     """Where one engine run's wall time goes, in milliseconds per step: scheduling
-    (``schedule`` + ``update``), metadata (building and checking the step's tensors),
-    the model (forward and logits), sampling, and the rest (swaps, copies, stats).
-
-    Times are taken by wrapping those calls on one engine (and the sampler the engine
-    module calls) for the length of the run; nothing is changed for other engines.
-    """
-    import paged_lib.engine.llm_engine as llm_engine_module
-    import paged_lib.engine.model_runner as runner_module
-
+    (``schedule`` + ``update``), the model input, the model (block moves, metadata,
+    forward and logits), sampling, and the rest (stats, the loop), as the engine's own
+    :attr:`EngineStats.phase_seconds` measure them."""
     engine = LLMEngine(model, num_blocks, block_size, attention_backend=backend)
-    spent = dict.fromkeys(("scheduling", "metadata", "model", "sampling"), 0.0)
-
-    def timed(fn, part):
-        def wrapper(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                spent[part] += time.perf_counter() - start
-        return wrapper
-
-    sched, runner = engine.scheduler, engine.runner
-    sched.schedule, sched.update = timed(sched.schedule, "scheduling"), timed(
-        sched.update, "scheduling")
-    runner.build_metadata = timed(runner.build_metadata, "metadata")
-    runner.model.forward = timed(runner.model.forward, "model")
-    runner.model.compute_logits = timed(runner.model.compute_logits, "model")
-    saved = llm_engine_module.sample, runner_module.check_metadata
-    llm_engine_module.sample = timed(saved[0], "sampling")
-    runner_module.check_metadata = timed(saved[1], "metadata")
-    try:
-        total = _timed(lambda: engine.generate(prompts, params))[0]
-    finally:
-        llm_engine_module.sample, runner_module.check_metadata = saved
-        del runner.model.forward, runner.model.compute_logits
+    total = _timed(lambda: engine.generate(prompts, params))[0]
     steps = engine.stats.steps
-    out = {part: 1e3 * sec / steps for part, sec in spent.items()}
+    out = {part: 1e3 * sec / steps for part, sec in engine.stats.phase_seconds.items()}
     out["other"] = 1e3 * total / steps - sum(out.values())
     return out
 

@@ -12,7 +12,8 @@ log-probability, across all beams, and settles the block tables:
 
 Nothing is copied here: copy-on-write happens later, in ``append_token``, only where a
 child writes into a shared, part-filled last block. The engine calls the function given
-as ``LLMEngine(..., beam_step=fn)``, so a learner's version can run a whole beam search.
+as ``LLMEngine(..., hooks=EngineHooks(beam_step=fn))``, so a learner's version can run a
+whole beam search.
 
 Around it, :func:`update_beams` runs one step of the whole search for a group, as
 transformers' ``generate(num_beams=W, do_sample=False)`` does (and vLLM v0 after it):

@@ -100,7 +100,7 @@ def num_required_blocks(group: SequenceGroup, block_size: int) -> int:
     so that is its text's blocks. A group of several sequences preempted by recompute
     gets its prompt back once, shared, plus each sequence's own generated tail
     (:func:`shared_prompt_blocks`). The scheduler's default admission hook
-    (``LLMEngine(..., num_required_blocks=fn)``; vLLM's ``get_num_required_blocks``).
+    (``EngineHooks(num_required_blocks=fn)``; vLLM's ``get_num_required_blocks``).
     """
     seqs = group.live_seqs()
     if len(seqs) == 1:
@@ -110,28 +110,37 @@ def num_required_blocks(group: SequenceGroup, block_size: int) -> int:
                                 block_size)
 
 
+class _LibraryHooks:
+    """The block manager's hooks when none are given: the library's own (the same
+    defaults as :class:`~paged_lib.engine.hooks.EngineHooks`, which imports this module)."""
+
+    swap_mapping = staticmethod(swap_mapping)
+    block_hashes = staticmethod(block_hashes)
+    longest_cache_hit = staticmethod(longest_cache_hit)
+    FreeBlockQueue = FreeBlockQueue
+    BlockTable = BlockTable
+
+
 class BlockManager:
     """Allocation decisions for the scheduler over a GPU pool and an optional CPU pool."""
 
-    def __init__(self, num_blocks: int, block_size: int, num_cpu_blocks: int = 0,
-                 swap_mapping_fn: Callable = swap_mapping, *,
-                 enable_prefix_caching: bool = False, block_hashes_fn: Callable = block_hashes,
-                 longest_cache_hit_fn: Callable = longest_cache_hit,
-                 free_queue_cls: type = FreeBlockQueue, block_table_cls: type = BlockTable):
+    def __init__(self, num_blocks: int, block_size: int, num_cpu_blocks: int = 0, *,
+                 enable_prefix_caching: bool = False, hooks=None):
+        """``hooks``: an :class:`~paged_lib.engine.hooks.EngineHooks` (the block manager
+        asks its ``swap_mapping``, ``block_hashes``, ``longest_cache_hit``,
+        ``FreeBlockQueue`` and ``BlockTable``); ``None``, the library's own."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
-        if not (isinstance(block_table_cls, type) and issubclass(block_table_cls, BlockTable)):
-            raise ValueError(f"block_table_cls must be BlockTable or a subclass of it, got "
-                             f"{block_table_cls!r}")
-        self.table_cls = block_table_cls  # chapter 13: the learner's append_token and fork
+        self.hooks = hooks if hooks is not None else _LibraryHooks
+        if not (isinstance(self.hooks.BlockTable, type)
+                and issubclass(self.hooks.BlockTable, BlockTable)):
+            raise ValueError(f"the BlockTable hook must be BlockTable or a subclass of it, got "
+                             f"{self.hooks.BlockTable!r}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.block_hashes = block_hashes_fn
-        self.longest_cache_hit = longest_cache_hit_fn
-        self.gpu = (PrefixCachingAllocator(num_blocks, free_queue_cls) if enable_prefix_caching
-                    else BlockAllocator(num_blocks))
+        self.gpu = (PrefixCachingAllocator(num_blocks, self.hooks.FreeBlockQueue)
+                    if enable_prefix_caching else BlockAllocator(num_blocks))
         self.cpu = BlockAllocator(num_cpu_blocks) if num_cpu_blocks > 0 else None
-        self.swap_mapping = swap_mapping_fn
 
     @property
     def num_free_blocks(self) -> int:
@@ -153,7 +162,7 @@ class BlockManager:
             raise ValueError(f"sequence {seq.seq_id} already holds blocks")
         for block in hits:  # out of the free queue first: allocate() must not evict them
             self.gpu.touch(block)
-        table = self.table_cls(self.gpu, self.block_size, hits, len(hits) * self.block_size)
+        table = self.hooks.BlockTable(self.gpu, self.block_size, hits, len(hits) * self.block_size)
         seq.block_table = table
         seq.num_cached = table.num_tokens
         count = seq.num_tokens if num_tokens is None else num_tokens
@@ -168,8 +177,8 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         bs = self.block_size
-        hashes = self.block_hashes(token_ids, bs)
-        hits = list(self.longest_cache_hit(hashes, self.gpu.lookup, len(token_ids), bs))
+        hashes = self.hooks.block_hashes(token_ids, bs)
+        hits = list(self.hooks.longest_cache_hit(hashes, self.gpu.lookup, len(token_ids), bs))
         want = [self.gpu.lookup(h) for h in hashes[:len(hits)]]
         if hits != want or len(hits) > max(len(token_ids) - 1, 0) // bs:
             raise ValueError(f"longest_cache_hit returned blocks {hits} for {len(token_ids)} "
@@ -207,7 +216,7 @@ class BlockManager:
                 or num_tokens // bs <= seq.num_cached // bs):
             return
         full = num_tokens // bs
-        hashes = self.block_hashes(seq.token_ids[:full * bs], bs)
+        hashes = self.hooks.block_hashes(seq.token_ids[:full * bs], bs)
         if len(hashes) != full:
             raise ValueError(f"block_hashes gave {len(hashes)} hashes for {full} full blocks "
                              f"of {bs} tokens: one per full block, none for a "
@@ -265,7 +274,7 @@ class BlockManager:
         if needed > dst.num_free:
             raise OutOfBlocks(needed, dst.num_free, dst.num_blocks)
         tables = [s.block_table.blocks for s in seqs]
-        pairs = self.swap_mapping(tables, dst.allocate)
+        pairs = self.hooks.swap_mapping(tables, dst.allocate)
         mapping = dict(pairs)
         _check_mapping(tables, pairs, mapping)
         old_tables = [s.block_table for s in seqs]
@@ -273,7 +282,7 @@ class BlockManager:
             new_blocks = [mapping[b] for b in blocks]
             for b in new_blocks:  # each table holds one reference to each of its blocks
                 dst.incref(b)
-            seq.block_table = self.table_cls(dst, self.block_size, new_blocks,
+            seq.block_table = self.hooks.BlockTable(dst, self.block_size, new_blocks,
                                              seq.block_table.num_tokens)
         for dst_block in mapping.values():  # drop allocate()'s own reference
             dst.free(dst_block)

@@ -4,46 +4,35 @@ Each step: :meth:`Scheduler.schedule` (who runs, which blocks) -> ``ModelRunner.
 (tensors, model) -> :func:`~paged_lib.engine.sampler.sample` -> :meth:`Scheduler.update`
 (append, finish, free). :attr:`LLMEngine.stats` records every step for the plots.
 
-The chapters' exercises re-implement small functions and plug them back in (the list
-and their signatures: :mod:`paged_lib.engine`)::
+The chapters' exercises re-implement pieces of it and plug them back in, each under its
+library name (:class:`~paged_lib.engine.hooks.EngineHooks`)::
 
-    LLMEngine(model, num_blocks, admission=my_can_admit,          # policy.can_admit
-              build_metadata=my_build_metadata,                  # model_runner.build_metadata
-              swap_mapping=my_swap_mapping,                      # block_manager.swap_mapping
-              beam_step=my_beam_step,                            # beam_search.beam_step
-              num_required_blocks=my_blocks,                     # block_manager.num_required_blocks
-              choose_victim=my_victim,                           # policy.choose_victim
-              block_hashes=my_hashes,                            # prefix_cache.block_hashes
-              longest_cache_hit=my_hit,                          # prefix_cache.longest_cache_hit
-              free_queue_cls=MyFreeBlockQueue,                   # prefix_cache.FreeBlockQueue
-              block_table_cls=MyBlockTable)                      # blocks.BlockTable
+    LLMEngine(model, num_blocks, hooks=EngineHooks(can_admit=my_can_admit,
+                                                   choose_victim=my_victim))
 
-(``block_hashes``, ``longest_cache_hit`` and ``free_queue_cls`` serve only with
-``enable_prefix_caching=True``, chapter 10; ``block_table_cls``, a subclass of
-``BlockTable``, is the class of every table the block manager makes, chapter 13).
+``on_step(out, stats)`` watches every step (its :class:`SchedulerOutput` and the stats).
 """
 
 from __future__ import annotations
 
-import operator
+import dataclasses
 import time
 from collections.abc import Callable
 
 import torch
 
-from paged_lib.blocks import BlockTable
-from paged_lib.engine.beam_search import beam_step
-from paged_lib.engine.block_manager import (
-    BlockManager,
-    num_required_blocks,
-    shared_prompt_blocks,
-    swap_mapping,
+from paged_lib.engine.block_manager import BlockManager
+from paged_lib.engine.hooks import EngineHooks
+from paged_lib.engine.model_input import model_input
+from paged_lib.engine.model_runner import ModelRunner
+from paged_lib.engine.requests import (
+    check_max_model_len,
+    check_request,
+    never_fits,
+    token_id,
 )
-from paged_lib.engine.model_runner import ModelRunner, build_metadata
-from paged_lib.engine.policy import choose_victim
-from paged_lib.engine.prefix_cache import FreeBlockQueue, block_hashes, longest_cache_hit
 from paged_lib.engine.sampler import sample
-from paged_lib.engine.scheduler import Scheduler, can_admit
+from paged_lib.engine.scheduler import Scheduler
 from paged_lib.engine.sequence import (
     CompletionOutput,
     EngineStats,
@@ -58,30 +47,6 @@ from paged_lib.kernels import BACKENDS
 from paged_lib.kernels.backends import resolve_backend
 from paged_lib.kernels.kv_quant import check_kv_cache_dtype
 from paged_lib.model import TinyLlama
-from paged_lib.util import cdiv
-
-
-def worst_case_blocks(prompt_len: int, max_tokens: int, num_seqs: int, block_size: int) -> int:
-    """GPU blocks a request may need at its longest, alone in the pool.
-
-    Its last token's K/V is never written (nothing is generated after it), so a sequence
-    peaks at ``prompt_len + max_tokens - 1`` cached tokens. Several sequences (``n > 1``,
-    beams) share the prompt's blocks, counted once, and each adds its own blocks past
-    them, plus its copy of a part-filled last prompt block (copy-on-write): that is also
-    what a group preempted by recompute takes back (its prompt once, then the tails).
-    Example (block size 4): 64 prompt + 32 new tokens x 4 samples -> 16 + 4 x 8 = 48.
-    """
-    return shared_prompt_blocks(prompt_len, [max_tokens - 1] * num_seqs, block_size)
-
-
-def _token_id(t) -> int | None:
-    """``t`` as a Python int if it is an integer (numpy, 0-d torch too), else ``None``."""
-    if isinstance(t, bool):
-        return None
-    try:
-        return operator.index(t)
-    except TypeError:
-        return None
 
 
 class LLMEngine:
@@ -122,23 +87,21 @@ class LLMEngine:
                  num_cpu_blocks: int = 0, preemption: str = "recompute",
                  attention_backend: str = "auto", *, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 4096, watermark: float = 0.01,
-                 admission: Callable = can_admit, build_metadata: Callable = build_metadata,
-                 swap_mapping: Callable = swap_mapping, beam_step: Callable = beam_step,
-                 scheduling: str = "mixed", num_required_blocks: Callable = num_required_blocks,
-                 choose_victim: Callable = choose_victim, enable_prefix_caching: bool = False,
-                 kv_cache_dtype: str = "auto",
-                 enable_chunked_prefill: bool = False, block_hashes: Callable = block_hashes,
-                 longest_cache_hit: Callable = longest_cache_hit,
-                 free_queue_cls: type = FreeBlockQueue, tensor_parallel_size: int = 1,
-                 sliding_window: int | None = None, num_sink_tokens: int = 0,
-                 block_table_cls: type = BlockTable, max_model_len: int | None = None):
+                 scheduling: str = "mixed", enable_prefix_caching: bool = False,
+                 kv_cache_dtype: str = "auto", enable_chunked_prefill: bool = False,
+                 tensor_parallel_size: int = 1, sliding_window: int | None = None,
+                 num_sink_tokens: int = 0, max_model_len: int | None = None,
+                 hooks: EngineHooks | None = None, on_step: Callable | None = None):
         if attention_backend not in ("auto", *BACKENDS):
             raise ValueError(f"attention_backend must be 'auto' or one of {BACKENDS}, "
                              f"got {attention_backend!r}")
         #: the backend that runs (``"auto"`` resolved: the C kernel on a CPU where it builds)
         self.attention_backend = attention_backend = resolve_backend(attention_backend,
                                                                      model.device)
-        self.max_model_len = _max_model_len(max_model_len, model.config.max_position)
+        self.max_model_len = check_max_model_len(max_model_len, model.config.max_position)
+        if hooks is not None and not isinstance(hooks, EngineHooks):
+            raise ValueError(f"hooks must be an EngineHooks, got {type(hooks).__name__}")
+        self.hooks = hooks = hooks if hooks is not None else EngineHooks()
         if not enable_chunked_prefill and max_num_batched_tokens < self.max_model_len:
             raise ValueError(  # vLLM's SchedulerConfig check, in its words
                 f"max_num_batched_tokens ({max_num_batched_tokens}) is smaller than "
@@ -155,40 +118,37 @@ class LLMEngine:
                                   enable_prefix_caching=enable_prefix_caching,
                                   preemption=preemption, kv_cache_dtype=kv_cache_dtype,
                                   tensor_parallel_size=tensor_parallel_size)
+        scheduler_hooks = hooks
         if self.window is not None:  # chapter 11: admission reserves each stream's blocks
-            num_required_blocks = self.window.reserving(num_required_blocks,
-                                                        lambda: self.scheduler.running)
+            scheduler_hooks = dataclasses.replace(hooks, num_required_blocks=self.window.reserving(
+                hooks.num_required_blocks, lambda: self.scheduler.running))
         self.runner = None
         tp = tensor_parallel_size
         if isinstance(tp, bool) or tp != 1:  # chapter 12: the ranks start, agree on the pool
             self.runner = start_tensor_parallel(model, num_blocks, block_size, num_cpu_blocks,
                                                 attention_backend, tp,
-                                                build_metadata=build_metadata,
+                                                build_metadata=hooks.build_metadata,
                                                 kv_cache_dtype=kv_cache_dtype)
             num_blocks = self.runner.num_blocks
         self.num_blocks = num_blocks
         self.watermark_blocks = int(watermark * num_blocks)
         self.block_manager = BlockManager(num_blocks, block_size, num_cpu_blocks,
-                                          swap_mapping_fn=swap_mapping,
                                           enable_prefix_caching=enable_prefix_caching,
-                                          block_hashes_fn=block_hashes,
-                                          longest_cache_hit_fn=longest_cache_hit,
-                                          free_queue_cls=free_queue_cls,
-                                          block_table_cls=block_table_cls)
+                                          hooks=hooks)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens,
                                    watermark_blocks=self.watermark_blocks,
-                                   preemption=preemption, admission=admission,
-                                   beam_step=beam_step, scheduling=scheduling,
-                                   num_required_blocks=num_required_blocks,
-                                   choose_victim=choose_victim,
-                                   enable_chunked_prefill=enable_chunked_prefill)
+                                   preemption=preemption, scheduling=scheduling,
+                                   enable_chunked_prefill=enable_chunked_prefill,
+                                   hooks=scheduler_hooks)
         if self.runner is None:
             self.runner = ModelRunner(model, num_blocks, block_size, num_cpu_blocks,
-                                      attention_backend, build_metadata_fn=build_metadata,
+                                      attention_backend, build_metadata=hooks.build_metadata,
                                       kv_cache_dtype=kv_cache_dtype)
-        self.runner.window = self.window
         self.stats = EngineStats(num_blocks=num_blocks, block_size=block_size)
+        #: ``on_step(out, stats)`` after every step: the step's SchedulerOutput (who ran,
+        #: their slots, copies, swaps, preemptions) and the stats with the step recorded
+        self.on_step = on_step
         self._next_seq_id = 0
 
     @property
@@ -210,56 +170,13 @@ class LLMEngine:
     # ------------------------------------------------------------------ requests
 
     def _check_request(self, i: int, prompt, params: SamplingParams) -> list[int]:
-        """Malformed input raises ``ValueError`` naming the request; returns the prompt as
-        a list of Python ints (numpy and 0-d torch integers welcome, bools are not)."""
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"request {i}: params must be SamplingParams, "
-                             f"got {type(params).__name__}")
-        if problem := params.problem():
-            raise ValueError(f"request {i}: {problem}")
-        if isinstance(prompt, str | bytes) or not hasattr(prompt, "__iter__"):
-            raise ValueError(f"request {i}: a prompt is a list of token ids, got "
-                             f"{type(prompt).__name__} (tokenize it first)")
-        prompt = list(prompt)
-        if len(prompt) == 0:
-            raise ValueError(f"request {i}: the prompt is empty (give at least one token, "
-                             "e.g. BOS)")
-        vocab = self.model.config.vocab_size
-        ids = []
-        for j, t in enumerate(prompt):
-            tok = _token_id(t)
-            if tok is None or not 0 <= tok < vocab:
-                raise ValueError(f"request {i}: token {t!r} at position {j} is not an id of "
-                                 f"this model's vocabulary (0..{vocab - 1})")
-            ids.append(tok)
-        if self.window is not None:
-            self.window.check_request(i, ids, params)
-        return ids
+        return check_request(i, prompt, params, self.model.config.vocab_size, self.window)
 
     def _never_fits(self, prompt: list[int], params: SamplingParams) -> str | None:
-        asked = len(prompt) + params.max_tokens
-        if self.window is None and asked > self.max_model_len:  # vLLM's words
-            return (f"This model's maximum context length is {self.max_model_len} tokens. "
-                    f"However, you requested {asked} tokens ({len(prompt)} in the prompt, "
-                    f"{params.max_tokens} in the completion). Please reduce the length of "
-                    "the prompt or completion.")
-        if params.num_seqs > self.scheduler.max_num_seqs:
-            return (f"runs {params.num_seqs} sequences at once (n or beam_width) but "
-                    f"max_num_seqs is {self.scheduler.max_num_seqs}: it can never run")
-        need = worst_case_blocks(len(prompt), params.max_tokens, params.num_seqs,
-                                 self.block_size)
-        if self.window is not None:  # a windowed stream's blocks stop growing
-            need = self.window.blocks_at_most(len(prompt), params.max_tokens)
-        prompt_need = cdiv(len(prompt), self.block_size)
-        if need > self.num_blocks or prompt_need > self.num_blocks - self.watermark_blocks:
-            shared = (f" x {params.num_seqs} sequences sharing the prompt's "
-                      f"{len(prompt) // self.block_size} full blocks"
-                      if params.num_seqs > 1 else "")
-            return (f"needs up to {need} blocks of {self.block_size} tokens "
-                    f"({len(prompt)} prompt + {params.max_tokens} new tokens{shared}) but "
-                    f"the whole pool has {self.num_blocks} blocks "
-                    f"({self.watermark_blocks} kept free at admission): it can never run")
-        return None
+        return never_fits(prompt, params, max_model_len=self.max_model_len,
+                          max_num_seqs=self.scheduler.max_num_seqs, num_blocks=self.num_blocks,
+                          watermark_blocks=self.watermark_blocks, block_size=self.block_size,
+                          window=self.window)
 
     def add_request(self, request_id: int, prompt: list[int],
                     params: SamplingParams) -> SequenceGroup:
@@ -282,7 +199,8 @@ class LLMEngine:
     # ------------------------------------------------------------------ the loop
 
     def step(self) -> list[SequenceGroup]:
-        """One engine step; returns the groups that finished in it."""
+        """One engine step; returns the groups that finished in it. ``on_step`` (if set)
+        then gets the step's :class:`SchedulerOutput` and :attr:`stats`."""
         start = time.perf_counter()
         if self.window is not None:  # blocks out of the window go back before scheduling
             self.window.slide_all(self.scheduler.running)
@@ -295,8 +213,13 @@ class LLMEngine:
                 f"{len(self.scheduler.waiting)} groups wait and "
                 f"{len(self.scheduler.swapped)} are swapped out "
                 f"({self.block_manager.num_free_blocks} blocks free)")
-        logits = self.runner.execute(out)
+        scheduled = time.perf_counter()
+        inp = model_input(out, self.window)
+        built = time.perf_counter()
+        logits = self.runner.execute(inp)
+        ran = time.perf_counter()
         samples = sample(logits, out)
+        sampled = time.perf_counter()
         s = self.stats
         s.preemptions += len(out.preempted)
         s.swapped_blocks += len(out.swap_out) + len(out.swap_in)
@@ -310,9 +233,14 @@ class LLMEngine:
         made += sum(len(g.seqs) for g in {sc.group for sc in out.scheduled
                                           if sc.group.params.beam_width is not None
                                           and sc.sample})
+        end = time.perf_counter()
         s.record_step(out.kind, len(out.scheduled), used, made, out.num_batched_tokens,
-                      prefills=sum(sc.is_prefill for sc in out.scheduled),
-                      seconds=time.perf_counter() - start)
+                      prefills=sum(sc.is_prefill for sc in out.scheduled), seconds=end - start,
+                      phases={"scheduling": scheduled - start + end - sampled,
+                              "model input": built - scheduled, "model": ran - built,
+                              "sampling": sampled - ran})
+        if self.on_step is not None:
+            self.on_step(out, s)
         return finished
 
     def generate(self, prompts: list[list[int]],
@@ -330,7 +258,7 @@ class LLMEngine:
         alone: its output has ``error`` set and no completions, while the others run.
         """
         prompts = list(prompts)
-        if prompts and _token_id(prompts[0]) is not None:
+        if prompts and token_id(prompts[0]) is not None:
             raise ValueError("prompts is a list of prompts, each a list of token ids; got a "
                              "list of ints (for one prompt, pass [prompt])")
         if isinstance(params, SamplingParams):
@@ -382,12 +310,3 @@ class LLMEngine:
                     for s in group.seqs]
         return RequestOutput(group.request_id, group.prompt_token_ids, outs)
 
-
-def _max_model_len(asked: int | None, max_position: int) -> int:
-    """``max_model_len`` checked: at most the model's ``max_position`` (default)."""
-    if asked is None:
-        return max_position
-    if isinstance(asked, bool) or not isinstance(asked, int) or not 1 <= asked <= max_position:
-        raise ValueError(f"max_model_len must be an int in 1..{max_position} (the model's "
-                         f"max_position), got {asked!r}")
-    return asked

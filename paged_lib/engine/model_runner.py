@@ -1,8 +1,10 @@
 """The model runner: the only part of the engine that touches tensors.
 
-Per step it (1) performs the block copies the scheduler asked for - swap out to the CPU
-pool, swap in, and copy-on-write inside the GPU pool (with chapter 08's
-:func:`paged_lib.kernels.copy_blocks.copy_blocks`) - (2) turns the scheduled sequences
+Per step it takes a :class:`~paged_lib.engine.model_input.ModelInput` (flat lists, built
+once by the engine from the scheduler's decision, the same on every tensor-parallel rank)
+and (1) does the sliding window's K/V edits (chapter 11), then the block moves the
+scheduler asked for - swap out to the CPU pool, swap in, and copy-on-write inside the GPU
+pool (:mod:`paged_lib.kernels.cache_ops`), (2) turns the sequences' tables and lengths
 into an :class:`~paged_lib.model.AttentionMetadata` with :func:`build_metadata`, (3) runs
 the model over the packed new tokens, and (4) returns the logits of each sequence's last
 token. The KV caches are allocated once, filled with NaN: a kernel that reads a slot
@@ -15,9 +17,10 @@ from collections.abc import Callable
 
 import torch
 
-from paged_lib.engine.scheduler import SchedulerOutput
-from paged_lib.kernels.copy_blocks import copy_blocks as copy_blocks_kernel
-from paged_lib.kernels.kv_quant import allocate_quantized_kv_caches, copy_quantized_kv, is_quantized
+from paged_lib.engine.model_input import ModelInput
+from paged_lib.engine.window import apply_ops
+from paged_lib.kernels.cache_ops import copy_blocks_in_pool, swap_blocks
+from paged_lib.kernels.kv_quant import allocate_quantized_kv_caches
 from paged_lib.model import AttentionMetadata, TinyLlama
 from paged_lib.util import cdiv
 
@@ -104,7 +107,7 @@ def allocate_kv_caches(model: TinyLlama, num_blocks: int, block_size: int,
                        device: torch.device | str, kv_cache_dtype: str = "auto") -> KVCaches:
     """One (K, V) pair per layer, ``[num_blocks, block_size, num_kv_heads, head_dim]``,
     filled with NaN (a read of a slot never written shows up as NaN). ``kv_cache_dtype``
-    ``"int8"`` or ``"fp8_e4m3"`` (chapter 11): :class:`~paged_lib.kv_quant.QuantizedKV`
+    ``"int8"`` or ``"fp8_e4m3"`` (chapter 11): :class:`~paged_lib.kernels.kv_quant.QuantizedKV`
     pairs instead (8-bit data and its scales)."""
     cfg = model.config
     shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
@@ -115,35 +118,16 @@ def allocate_kv_caches(model: TinyLlama, num_blocks: int, block_size: int,
             for _ in range(cfg.num_layers)]
 
 
-def swap_blocks(src_caches: KVCaches, dst_caches: KVCaches,
-                pairs: list[tuple[int, int]]) -> None:
-    """Copy whole blocks ``src -> dst`` from one pool to the other, every layer (swap
-    out: GPU to CPU; swap in: CPU to GPU)."""
-    if not pairs:
-        return
-    if is_quantized(src_caches[0][0]):  # chapter 11: the blocks' scales travel with them
-        return copy_quantized_kv(src_caches, dst_caches, pairs)
-    device = src_caches[0][0].device
-    src = torch.tensor([p[0] for p in pairs], dtype=torch.int64, device=device)
-    dst = torch.tensor([p[1] for p in pairs], dtype=torch.int64,
-                       device=dst_caches[0][0].device)
-    for (sk, sv), (dk, dv) in zip(src_caches, dst_caches, strict=True):
-        dk[dst] = sk[src].to(dk.device)
-        dv[dst] = sv[src].to(dv.device)
-
-
 class ModelRunner:
     """Owns the GPU (and CPU) KV caches and runs the model one step at a time."""
 
-    window = None  # chapter 11: the engine's SlidingWindow (K/V edits, kept lengths)
-
     def __init__(self, model: TinyLlama, num_blocks: int, block_size: int,
                  num_cpu_blocks: int = 0, backend: str = "torch",
-                 build_metadata_fn: Callable = build_metadata, kv_cache_dtype: str = "auto"):
+                 build_metadata: Callable = build_metadata, kv_cache_dtype: str = "auto"):
         self.model = model
         self.block_size = block_size
         self.backend = backend
-        self.build_metadata = build_metadata_fn
+        self.build_metadata = build_metadata  # the hook (chapter 06)
         self.kv_caches = allocate_kv_caches(model, num_blocks, block_size, model.device,
                                             kv_cache_dtype)
         self.cpu_kv_caches = (allocate_kv_caches(model, num_cpu_blocks, block_size, "cpu",
@@ -151,31 +135,20 @@ class ModelRunner:
                               if num_cpu_blocks > 0 else [])
 
     @torch.no_grad()
-    def execute(self, out: SchedulerOutput) -> torch.Tensor:
+    def execute(self, inp: ModelInput) -> torch.Tensor:
         """Logits ``[num_scheduled_seqs, vocab_size]`` (fp32) of each sequence's last token."""
-        if self.window is not None:  # keys of dropped blocks' successors re-rotated first
-            self.window.apply(self.kv_caches)
-        swap_blocks(self.kv_caches, self.cpu_kv_caches, out.swap_out)  # before reuse
-        swap_blocks(self.cpu_kv_caches, self.kv_caches, out.swap_in)
-        if out.blocks_to_copy and is_quantized(self.kv_caches[0][0]):  # with their scales
-            copy_quantized_kv(self.kv_caches, self.kv_caches, out.blocks_to_copy)
-        elif out.blocks_to_copy:  # copy-on-write inside the GPU pool: the chapter-08 kernel
-            copy_blocks_kernel([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches],
-                               out.blocks_to_copy, backend=self.backend)
-        if out.is_empty():
+        # keys of dropped blocks' successors re-rotated first (chapter 11), then the moves
+        apply_ops(inp.window_ops, self.kv_caches, self.model.config.rope_theta)
+        swap_blocks(self.kv_caches, self.cpu_kv_caches, inp.swap_out)  # before reuse
+        swap_blocks(self.cpu_kv_caches, self.kv_caches, inp.swap_in)
+        copy_blocks_in_pool(self.kv_caches, inp.blocks_to_copy, self.backend)
+        if inp.is_empty():
             return torch.empty(0, self.model.config.vocab_size)
-        # a sequence holds num_cached + num_new_tokens tokens after this step: all of its
-        # text, except the prompt step of a shared recompute (its tail comes next step)
-        ends = [s.seq.num_cached + s.num_new_tokens for s in out.scheduled]
-        lens = ends if self.window is None else [  # only the kept tokens are in the cache
-            self.window.cache_len(s.seq, e) for s, e in zip(out.scheduled, ends, strict=True)]
-        meta = self.build_metadata([s.seq.block_table.blocks for s in out.scheduled], lens,
-                                   [s.num_new_tokens for s in out.scheduled], self.block_size)
+        meta = self.build_metadata(inp.block_tables, inp.seq_lens, inp.query_lens,
+                                   self.block_size)
         check_metadata(meta, self.kv_caches[0][0].shape[0], self.block_size)
         meta = _to_device(meta, self.model.device)
-        ids = [t for sched, end in zip(out.scheduled, ends, strict=True)
-               for t in sched.seq.token_ids[end - sched.num_new_tokens:end]]
-        input_ids = torch.tensor(ids, dtype=torch.int64, device=self.model.device)
+        input_ids = torch.tensor(inp.input_ids, dtype=torch.int64, device=self.model.device)
         hidden = self.model(input_ids, self.kv_caches, meta, backend=self.backend,
                             validate=False)
         return self.model.compute_logits(hidden[meta.logits_indices.to(hidden.device)])

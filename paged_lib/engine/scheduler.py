@@ -59,10 +59,10 @@ longer than the budget left is prefilled in chunks (:mod:`~paged_lib.engine.pref
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
 
-from paged_lib.engine.beam_search import beam_step, update_beams
-from paged_lib.engine.block_manager import BlockManager, num_required_blocks
+from paged_lib.engine.beam_search import update_beams
+from paged_lib.engine.block_manager import BlockManager
+from paged_lib.engine.hooks import EngineHooks
 from paged_lib.engine.policy import Budget, can_admit, choose_victim
 from paged_lib.engine.prefill import is_decoding, tokens_to_run
 from paged_lib.engine.scheduler_output import ScheduledSeq, SchedulerOutput
@@ -87,10 +87,8 @@ class Scheduler:
 
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 4096, watermark_blocks: int = 0,
-                 preemption: str = "recompute", admission: Callable = can_admit,
-                 beam_step: Callable = beam_step, scheduling: str = "mixed",
-                 num_required_blocks: Callable = num_required_blocks,
-                 choose_victim: Callable = choose_victim, enable_chunked_prefill: bool = False):
+                 preemption: str = "recompute", scheduling: str = "mixed",
+                 enable_chunked_prefill: bool = False, hooks: EngineHooks | None = None):
         if enable_chunked_prefill and scheduling != "mixed":
             raise ValueError("enable_chunked_prefill batches chunks with decodes: it needs "
                              f"scheduling='mixed', got {scheduling!r}")
@@ -114,10 +112,8 @@ class Scheduler:
         self.watermark_blocks = watermark_blocks
         self.preemption = preemption
         self.scheduling = scheduling
-        self.admission = admission
-        self.beam_step = beam_step
-        self.num_required_blocks = num_required_blocks
-        self.choose_victim = choose_victim
+        #: can_admit, num_required_blocks, choose_victim and beam_step are asked here
+        self.hooks = hooks if hooks is not None else EngineHooks()
         self.enable_chunked_prefill = enable_chunked_prefill
         self.waiting: deque[SequenceGroup] = deque()
         self.running: list[SequenceGroup] = []
@@ -183,7 +179,7 @@ class Scheduler:
     def _victim(self, group: SequenceGroup, later: list[SequenceGroup]) -> SequenceGroup:
         """Ask ``choose_victim`` among ``group`` and the groups after it not run this step."""
         candidates = [group, *later]
-        victim = self.choose_victim(list(candidates))
+        victim = self.hooks.choose_victim(list(candidates))
         if not any(victim is g for g in candidates):
             ids = [g.request_id for g in candidates]
             got = getattr(victim, "request_id", victim)
@@ -200,7 +196,7 @@ class Scheduler:
             seqs = group.live_seqs()
             need = (self.block_manager.distinct_blocks(group)
                     + self.block_manager.blocks_to_append(seqs, [1] * len(seqs)))
-            fits = self.admission(need, len(seqs), len(seqs), self._budget(out, group))
+            fits = self.hooks.can_admit(need, len(seqs), len(seqs), self._budget(out, group))
             alone = out.is_empty() and need <= self.block_manager.num_free_blocks  # progress
             if not (fits or alone):
                 break
@@ -230,8 +226,8 @@ class Scheduler:
             else:
                 need = self._required_blocks(group) - len(hits)
             need += bm.hits_taken_from_free(hits)
-            fits = self.admission(need, group.params.num_seqs if len(seqs) == 1 else len(seqs),
-                                  tokens, self._budget(out, group))
+            num_seqs = group.params.num_seqs if len(seqs) == 1 else len(seqs)
+            fits = self.hooks.can_admit(need, num_seqs, tokens, self._budget(out, group))
             # progress rule: a group alone in an empty step is admitted if its blocks are
             # free, even into the watermark (prefill_first: alone means nobody running
             # either, since they decode next step)
@@ -255,7 +251,7 @@ class Scheduler:
 
     def _required_blocks(self, group: SequenceGroup) -> int:
         """The ``num_required_blocks`` hook's answer for a waiting group, checked."""
-        need = self.num_required_blocks(group, self.block_manager.block_size)
+        need = self.hooks.num_required_blocks(group, self.block_manager.block_size)
         if isinstance(need, bool) or not isinstance(need, int) or need < 0:
             raise ValueError(f"num_required_blocks returned {need!r} for request "
                              f"{group.request_id}: expected an int >= 0 (a block count)")
@@ -337,7 +333,7 @@ class Scheduler:
             seq.append(*drawn[0])
         for group, beams in beam_groups.items():
             update_beams(group, [b for b, _ in beams], [d for _, d in beams], eos_token_id,
-                         self.beam_step)
+                         self.hooks.beam_step)
         finished = []
         for group in dict.fromkeys(s.group for s in out.scheduled if s.sample):  # in order
             for seq in group.live_seqs():  # (beam search ends its beams itself)

@@ -295,6 +295,9 @@ class EngineStats:
     decode_seqs: list[int] = field(default_factory=list)
     step_seconds: list[float] = field(default_factory=list)
     requests: list[RequestTimeline] = field(default_factory=list)
+    #: wall-clock seconds spent in each part of the steps, summed: scheduling (schedule
+    #: and update), model input, model (block moves, metadata, forward), sampling
+    phase_seconds: dict[str, float] = field(default_factory=dict)
 
     @property
     def generated_tokens(self) -> int:
@@ -338,7 +341,10 @@ class EngineStats:
         return result
 
     def record_step(self, kind: str, batch_size: int, blocks_used: int, generated: int,
-                    computed: int, prefills: int = 0, seconds: float = 0.0) -> None:
+                    computed: int, prefills: int = 0, seconds: float = 0.0,
+                    phases: dict[str, float] | None = None) -> None:
+        for part, sec in (phases or {}).items():
+            self.phase_seconds[part] = self.phase_seconds.get(part, 0.0) + sec
         self.steps += 1
         self.step_kinds.append(kind)
         self.prefill_seqs.append(prefills)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from paged_lib.engine.model_input import model_input
 from paged_lib.engine.model_runner import ModelRunner
 from paged_lib.engine.sampler import sample
 from paged_lib.engine.scheduler import ScheduledSeq, SchedulerOutput
@@ -101,7 +102,7 @@ class StaticBatchingEngine:
                 seq = g.seqs[0]
                 out.scheduled.append(ScheduledSeq(g, seq, seq.num_new_tokens, [],
                                                   not seq.output_token_ids))
-            samples = sample(self.runner.execute(out), out)
+            samples = sample(self.runner.execute(model_input(out)), out)
             self.stats.record_step(out.kind, len(live), reserved, len(live),
                                    out.num_batched_tokens)
             for sched, drawn in zip(out.scheduled, samples, strict=True):

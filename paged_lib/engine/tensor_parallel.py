@@ -24,63 +24,18 @@ import socket
 import time
 import traceback
 import weakref
-from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import wait
 from multiprocessing.reduction import ForkingPickler
 
 import torch
 
-from paged_lib.engine.scheduler_output import SchedulerOutput
+from paged_lib.engine.model_input import ModelInput
 from paged_lib.model import TinyLlama
 from paged_lib.parallel import check_tp_size, shard_config, shard_state_dict
 
 #: seconds the driver waits for the ranks' answer to one step (or to start up)
 DEFAULT_TIMEOUT = 120.0
-
-
-@dataclass
-class _Table:
-    blocks: list[int]
-
-
-@dataclass
-class _Seq:
-    num_cached: int
-    token_ids: list[int]
-    block_table: _Table
-
-
-@dataclass
-class _Scheduled:
-    seq: _Seq
-    num_new_tokens: int
-
-
-@dataclass
-class StepInput:
-    """What every rank needs of one :class:`SchedulerOutput` (plain lists: it pickles):
-    read by :meth:`ModelRunner.execute` exactly as the scheduler's output would be."""
-
-    scheduled: list[_Scheduled]
-    blocks_to_copy: list[tuple[int, int]]
-    swap_out: list[tuple[int, int]]
-    swap_in: list[tuple[int, int]]
-
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
-
-def step_input(out: SchedulerOutput) -> StepInput:
-    """The step's broadcast: block tables, token ids up to this step's last new one."""
-    scheduled = []
-    for s in out.scheduled:
-        end = s.seq.num_cached + s.num_new_tokens
-        seq = _Seq(s.seq.num_cached, list(s.seq.token_ids[:end]),
-                   _Table(list(s.seq.block_table.blocks)))
-        scheduled.append(_Scheduled(seq, s.num_new_tokens))
-    return StepInput(scheduled, list(out.blocks_to_copy), list(out.swap_out),
-                     list(out.swap_in))
 
 
 def kv_cache_bytes(kv_caches) -> int:
@@ -257,12 +212,11 @@ class TensorParallelRunner:
         """Stop the workers (idempotent)."""
         self._finalizer()
 
-    def execute(self, out: SchedulerOutput | StepInput) -> torch.Tensor:
+    def execute(self, step: ModelInput) -> torch.Tensor:
         """Logits ``[num_scheduled_seqs, vocab_size]`` (fp32) from rank 0, after every rank
-        ran the step on its shard."""
+        ran the step on its shard (the step's :class:`ModelInput` is what is broadcast)."""
         if self.closed:
             raise RuntimeError("the tensor-parallel workers are closed")
-        step = out if isinstance(out, StepInput) else step_input(out)
         message = bytes(ForkingPickler.dumps(step))
         self.sent_bytes.append(len(message))
         for rank, c in enumerate(self.conns):
@@ -363,8 +317,8 @@ def kv_cache_bytes_per_rank(runner) -> list[int]:
     return [kv_cache_bytes(runner.kv_caches)]
 
 
-__all__ = ["DEFAULT_TIMEOUT", "StepInput", "TensorParallelRunner", "kv_cache_bytes",
-           "kv_cache_bytes_per_rank", "start_tensor_parallel", "step_input"]
+__all__ = ["DEFAULT_TIMEOUT", "TensorParallelRunner", "kv_cache_bytes",
+           "kv_cache_bytes_per_rank", "start_tensor_parallel"]
 
 
 def start_tensor_parallel(model: TinyLlama, num_blocks: int, block_size: int,

@@ -185,8 +185,9 @@ class SlidingWindow:
 
     Hooks (each one line in the shared engine files): :meth:`slide` before a step is
     scheduled (and :meth:`check_no_preemption` after), :meth:`cache_len` for the
-    ``seq_lens`` the kernels get, :meth:`apply`
-    before the forward pass, :meth:`check_request` and :meth:`reserving` at admission.
+    ``seq_lens`` the kernels get, its ``pending`` edits handed to the step's
+    :class:`~paged_lib.engine.model_input.ModelInput` (the runner does them before the
+    forward pass), :meth:`check_request` and :meth:`reserving` at admission.
     """
 
     def __init__(self, window: int, num_sink_tokens: int, block_size: int,
@@ -251,7 +252,8 @@ class SlidingWindow:
         return sum(self.slide(s) for g in groups for s in g.live_seqs())
 
     def apply(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """The model runner's part: do the pending K/V edits, before anything is written."""
+        """Do the pending K/V edits on ``kv_caches`` now (the engine instead hands them to
+        the step's model input; a study that drives a cache by hand calls this)."""
         ops, self.pending = self.pending, []
         apply_ops(ops, kv_caches, self.rope_theta)
 

@@ -32,15 +32,15 @@ def engine_beam_usage(model, prompts: Sequence[list[int]], beam_width: int, max_
     ``model`` is a :class:`~paged_lib.model.TinyLlama`; ``ignore_eos=True`` (the default)
     lets every beam run ``max_tokens`` steps, like the synthetic process.
     """
-    from paged_lib.engine import LLMEngine, SamplingParams
+    from paged_lib.engine import EngineHooks, LLMEngine, SamplingParams
     from paged_lib.engine.beam_search import beam_step
 
     longest = max(len(p) for p in prompts) + max_tokens
     num_blocks = len(prompts) * (beam_width + 1) * (cdiv(longest, block_size) + 1)
     shared: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
     unshared: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
-    copies = dict.fromkeys(range(len(prompts)), 0)
-    step_copies: list[tuple[int, int]] = []
+    seen: list[tuple[int, int, set[int]]] = []  # (step, request, blocks the beams hold)
+    copied: dict[int, list[int]] = {}  # step -> copy-on-write destinations
 
     def recording_step(tables, cum_logprobs, candidates, width):
         group = next(g for g in engine.scheduler.running
@@ -48,20 +48,19 @@ def engine_beam_usage(model, prompts: Sequence[list[int]], beam_width: int, max_
         blocks = {b for t in tables for b in t.blocks}
         shared[group.request_id].append(len(blocks))
         unshared[group.request_id].append(unshared_blocks(tables, block_size))
-        copies[group.request_id] += sum(dst in blocks for _, dst in step_copies)
+        seen.append((engine.scheduler.step, group.request_id, blocks))
         return beam_step(tables, cum_logprobs, candidates, width)
 
-    engine = LLMEngine(model, num_blocks, block_size, beam_step=recording_step, watermark=0.0)
-    execute = engine.runner.execute
-
-    def recording_execute(out):
-        step_copies[:] = list(out.blocks_to_copy)
-        return execute(out)
-
-    engine.runner.execute = recording_execute
+    engine = LLMEngine(model, num_blocks, block_size, watermark=0.0,
+                       hooks=EngineHooks(beam_step=recording_step),
+                       on_step=lambda out, stats: copied.update(
+                           {out.step: [dst for _, dst in out.blocks_to_copy]}))
     params = SamplingParams(max_tokens=max_tokens, beam_width=beam_width,
                             ignore_eos=ignore_eos)
     engine.generate([list(p) for p in prompts], params)
+    copies = dict.fromkeys(range(len(prompts)), 0)
+    for step, request, blocks in seen:  # the copies the step's slots asked for
+        copies[request] += sum(dst in blocks for dst in copied.get(step, ()))
     if engine.stats.preemptions:
         raise RuntimeError("a beam group was preempted: the pool should never run short")
     return [Usage(shared[i], unshared[i], copies[i]) for i in range(len(prompts))]

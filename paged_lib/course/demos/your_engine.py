@@ -27,14 +27,14 @@ import torch
 
 from paged_lib.blocks import BlockTable
 from paged_lib.course import mine
-from paged_lib.engine import LLM, LLMEngine, SamplingParams
+from paged_lib.engine import LLM, EngineHooks, LLMEngine, SamplingParams
 from paged_lib.model import AttentionMetadata, TinyLlama
 from paged_lib.tokenizer import ByteTokenizer
 
-#: exercise id -> the LLMEngine keyword its piece goes to
-HOOKS = {"06.1": "build_metadata", "06.2": "num_required_blocks", "06.3": "admission",
+#: exercise id -> the EngineHooks field its piece goes to (the saved piece's own name)
+HOOKS = {"06.1": "build_metadata", "06.2": "num_required_blocks", "06.3": "can_admit",
          "07.1": "swap_mapping", "07.2": "choose_victim", "08.2": "beam_step",
-         "10.1": "block_hashes", "10.2": "longest_cache_hit", "10.3": "free_queue_cls"}
+         "10.1": "block_hashes", "10.2": "longest_cache_hit", "10.3": "FreeBlockQueue"}
 
 
 @dataclass(frozen=True)
@@ -98,8 +98,8 @@ def build(model: TinyLlama, num_blocks: int, block_size: int = 16,
     table = {name: pieces[k] for k, name in (("03.1", "append_token"), ("03.2", "fork"))
              if k in pieces}
     if table:
-        hooks["block_table_cls"] = type("YourBlockTable", (BlockTable,), table)
-    engine = LLMEngine(model, num_blocks, block_size, **hooks, **options)
+        hooks["BlockTable"] = type("YourBlockTable", (BlockTable,), table)
+    engine = LLMEngine(model, num_blocks, block_size, hooks=EngineHooks(**hooks), **options)
     bm = engine.block_manager
     if "03.3" in pieces:
         free_block = pieces["03.3"]

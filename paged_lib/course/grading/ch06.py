@@ -8,9 +8,10 @@
   takes, and whether it may join the step (:mod:`paged_lib.course.grading.ch06_admission`).
 
 :func:`run_demo` then serves the chapter's trace with the learner's three functions plugged
-into :class:`~paged_lib.engine.LLMEngine` (``build_metadata=``, ``num_required_blocks=``,
-``admission=``), then chapter 07's pressure trace, whose preempted groups of two samples
-come back through ``num_required_blocks``, and compares everything with the library's runs.
+into :class:`~paged_lib.engine.LLMEngine` (``hooks=EngineHooks(build_metadata=...,
+num_required_blocks=..., can_admit=...)``), then chapter 07's pressure trace, whose
+preempted groups of two samples come back through ``num_required_blocks``, and compares
+everything with the library's runs.
 """
 
 from __future__ import annotations
@@ -200,11 +201,13 @@ def run_demo(build_metadata: Callable[..., Any], num_required_blocks: Callable[.
     from paged_lib.model import load_tiny_code_llama
 
     model = model if model is not None else load_tiny_code_llama()
-    hooks = dict(admission=can_admit, build_metadata=build_metadata,
-                 num_required_blocks=num_required_blocks)
+    from paged_lib.engine import EngineHooks
+
+    hooks = EngineHooks(can_admit=can_admit, build_metadata=build_metadata,
+                        num_required_blocks=num_required_blocks)
 
     def serve(prompts, params, num_blocks, block_size):
-        mine = LLMEngine(model, num_blocks, block_size, **hooks)
+        mine = LLMEngine(model, num_blocks, block_size, hooks=hooks)
         outs = mine.generate(prompts, params)
         lib = LLMEngine(model, num_blocks, block_size)
         ref = lib.generate(prompts, params)

@@ -25,6 +25,7 @@ from paged_lib.course import grading
 from paged_lib.course.grading.ch07_victim import check_choose_victim
 from paged_lib.engine.block_manager import BlockManager
 from paged_lib.engine.block_manager import swap_mapping as lib_swap_mapping
+from paged_lib.engine.hooks import EngineHooks
 from paged_lib.engine.sequence import SamplingParams, Sequence, SequenceGroup
 
 __all__ = ["PRESSURE_BLOCKS", "PRESSURE_BLOCK_SIZE", "TWINS",
@@ -113,7 +114,8 @@ def _check_scenario(fn, name: str, tables: list[list[int]], order: list[int]) ->
 
 def _check_in_block_manager(fn) -> None:
     """Swap a forked group out and back with the learner's function in the block manager."""
-    bm = BlockManager(num_blocks=10, block_size=2, num_cpu_blocks=6, swap_mapping_fn=fn)
+    bm = BlockManager(num_blocks=10, block_size=2, num_cpu_blocks=6,
+                      hooks=EngineHooks(swap_mapping=fn))
     seq = Sequence(0, [1, 2, 3])
     group = SequenceGroup(0, [seq], SamplingParams(max_tokens=4, n=2, temperature=1.0))
     bm.allocate(seq)  # blocks [0, 1]: 3 tokens
@@ -161,7 +163,8 @@ def run_demo(swap_mapping: Callable[..., Any], choose_victim: Callable[..., Any]
 
     def serve(mode: str, **hooks: Any) -> tuple[Any, Any, bool]:
         kw = dict(num_cpu_blocks=64, preemption=mode)
-        mine = LLMEngine(model, PRESSURE_BLOCKS, PRESSURE_BLOCK_SIZE, **kw, **hooks)
+        mine = LLMEngine(model, PRESSURE_BLOCKS, PRESSURE_BLOCK_SIZE, **kw,
+                         hooks=EngineHooks(**hooks))
         outs = mine.generate(prompts, params)
         lib = LLMEngine(model, PRESSURE_BLOCKS, PRESSURE_BLOCK_SIZE, **kw)
         ref = lib.generate(prompts, params)

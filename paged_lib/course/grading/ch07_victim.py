@@ -19,6 +19,7 @@ from typing import Any
 from paged_lib.blocks import BlockAllocator, BlockTable
 from paged_lib.course import grading
 from paged_lib.engine.block_manager import BlockManager
+from paged_lib.engine.hooks import EngineHooks
 from paged_lib.engine.policy import choose_victim as lib_victim
 from paged_lib.engine.scheduler import Scheduler
 from paged_lib.engine.sequence import SamplingParams, Sequence, SequenceGroup, SequenceStatus
@@ -163,7 +164,7 @@ def simulate(choose_victim: Callable, blocks: int, block_size: int, preemption: 
             ask(running, pick)
         return pick
 
-    sched = Scheduler(bm, preemption=preemption, choose_victim=victim)
+    sched = Scheduler(bm, preemption=preemption, hooks=EngineHooks(choose_victim=victim))
     groups: dict[int, SequenceGroup] = {}
     recomputed = 0
     for step in range(max_steps):

@@ -220,7 +220,7 @@ def run_demo(apply_slot: Callable[..., Any], beam_step: Callable[..., Any]) -> l
     compared with the library's.
     """
     from paged_lib.course.viz import sharing as viz
-    from paged_lib.engine import LLMEngine, SamplingParams
+    from paged_lib.engine import EngineHooks, LLMEngine, SamplingParams
     from paged_lib.workloads import alpaca_like
 
     def sampling() -> None:
@@ -249,7 +249,8 @@ def run_demo(apply_slot: Callable[..., Any], beam_step: Callable[..., Any]) -> l
         _, model = sharing.tiny_random_llama()
         prompt = torch.randint(0, 97, (13,), generator=torch.Generator().manual_seed(1)).tolist()
         params = SamplingParams(max_tokens=12, beam_width=4)
-        yours = LLMEngine(model, num_blocks=64, block_size=4, beam_step=beam_step)
+        yours = LLMEngine(model, num_blocks=64, block_size=4,
+                          hooks=EngineHooks(beam_step=beam_step))
         mine = yours.generate([prompt], params)[0].outputs
         library = LLMEngine(model, num_blocks=64, block_size=4)
         ref = library.generate([prompt], params)[0].outputs

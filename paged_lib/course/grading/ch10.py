@@ -286,15 +286,15 @@ def run_demo(block_hashes_fn: Callable[..., Any], longest_cache_hit_fn: Callable
               f"evicts {last.evicted}")
 
     def engine() -> None:
-        from paged_lib.engine import LLMEngine, SamplingParams
+        from paged_lib.engine import EngineHooks, LLMEngine, SamplingParams
         from paged_lib.model import load_tiny_code_llama
 
         m = model if model is not None else load_tiny_code_llama()
         prompts = demo.shared_prefix_prompts()
         params = SamplingParams(max_tokens=8, ignore_eos=True)
-        hooks = dict(block_hashes=block_hashes_fn, longest_cache_hit=longest_cache_hit_fn,
-                     free_queue_cls=free_queue_cls)
-        yours = LLMEngine(m, 12, 8, enable_prefix_caching=True, **hooks)
+        hooks = EngineHooks(block_hashes=block_hashes_fn, longest_cache_hit=longest_cache_hit_fn,
+                            FreeBlockQueue=free_queue_cls)
+        yours = LLMEngine(m, 12, 8, enable_prefix_caching=True, hooks=hooks)
         outs, hits = demo.serve_one_by_one(yours, prompts, params)
         lib = LLMEngine(m, 12, 8, enable_prefix_caching=True)
         ref_outs, ref_hits = demo.serve_one_by_one(lib, prompts, params)

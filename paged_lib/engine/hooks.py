@@ -1,0 +1,71 @@
+"""The engine's teaching hooks: the pieces a chapter's exercise re-implements, one name each.
+
+Each field is named after the library's own function or class, and defaults to it. Pass
+your own to :class:`~paged_lib.engine.LLMEngine` as ``hooks=EngineHooks(can_admit=mine)``;
+``paged_lib.course.mine`` saves your passing pieces under the same names, and chapter 13
+builds an engine out of them. What each one is asked, and when:
+
+* ``build_metadata(block_tables, seq_lens, query_lens, block_size) -> AttentionMetadata``:
+  the step's tensors (chapter 06; :func:`~paged_lib.engine.model_runner.build_metadata`);
+* ``num_required_blocks(group, block_size) -> int``: free blocks a waiting group takes,
+  its prompt counted once for ``n`` samples, a group preempted by recompute its shared
+  prompt plus each sequence's tail (chapter 06; vLLM's ``get_num_required_blocks``);
+* ``can_admit(blocks_needed, num_seqs, num_tokens, budget) -> bool``: may a waiting group
+  join this step (chapter 06; :func:`~paged_lib.engine.policy.can_admit`);
+* ``swap_mapping(tables, allocate) -> [(src, dst), ...]``: the block copies that move a
+  group to the other pool (chapter 07);
+* ``choose_victim(running) -> SequenceGroup``: which group to preempt, among those offered,
+  oldest first (chapter 07; the most recently admitted);
+* ``beam_step(tables, cum_logprobs, candidates, beam_width) -> [(parent, table, token,
+  cum_logprob), ...]``: one beam-search step over block tables (chapter 08);
+* ``block_hashes(token_ids, block_size) -> [BlockHash, ...]``, ``longest_cache_hit(hashes,
+  lookup, num_tokens, block_size) -> [block, ...]`` and ``FreeBlockQueue``, the LRU free
+  queue class (chapter 10; used with ``enable_prefix_caching=True``);
+* ``BlockTable``: the class of every block table, a subclass of
+  :class:`~paged_lib.blocks.BlockTable` (chapter 03's ``append_token`` and ``fork``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+
+from paged_lib.blocks import BlockTable
+from paged_lib.engine.beam_search import beam_step
+from paged_lib.engine.block_manager import num_required_blocks, swap_mapping
+from paged_lib.engine.model_runner import build_metadata
+from paged_lib.engine.policy import can_admit, choose_victim
+from paged_lib.engine.prefix_cache import FreeBlockQueue, block_hashes, longest_cache_hit
+
+
+@dataclass(frozen=True)
+class EngineHooks:
+    """The pieces of the engine a learner may replace (module docstring), the library's
+    by default."""
+
+    build_metadata: Callable = build_metadata
+    num_required_blocks: Callable = num_required_blocks
+    can_admit: Callable = can_admit
+    swap_mapping: Callable = swap_mapping
+    choose_victim: Callable = choose_victim
+    beam_step: Callable = beam_step
+    block_hashes: Callable = block_hashes
+    longest_cache_hit: Callable = longest_cache_hit
+    FreeBlockQueue: type = FreeBlockQueue  # noqa: N815  (the class it replaces)
+    BlockTable: type = BlockTable  # noqa: N815
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name in ("FreeBlockQueue", "BlockTable"):
+                if not isinstance(value, type):
+                    raise ValueError(f"EngineHooks.{f.name} must be a class, got {value!r}")
+            elif not callable(value):
+                raise ValueError(f"EngineHooks.{f.name} must be callable, got {value!r}")
+        if not issubclass(self.BlockTable, BlockTable):
+            raise ValueError(f"EngineHooks.BlockTable must be BlockTable or a subclass of it, "
+                             f"got {self.BlockTable!r}")
+
+    def replaced(self) -> list[str]:
+        """The names of the hooks that are not the library's own."""
+        return [f.name for f in fields(self) if getattr(self, f.name) is not f.default]
