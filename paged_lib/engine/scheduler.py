@@ -18,8 +18,9 @@ a chunk of it for a prefill - and **every token counts against one budget**,
    step and they fit.
 3. **Continue the prefills** of running groups part way through their text (a chunked
    prompt, a group recomputing), as much as the budget left allows, preempting as in 1.
-4. **Admit** waiting groups, first come first served, while :func:`can_admit` says yes
-   and nobody is left in ``swapped`` (swapped groups come back first). An admitted group
+4. **Admit** waiting groups, first come first served, while :func:`can_admit` says yes,
+   nobody is left in ``swapped`` (swapped groups come back first) and nobody was
+   preempted this step (vLLM v1: a victim is not readmitted in the step that evicted it). An admitted group
    is prefilled in the same step as the decodes (iteration-level batching, as in Orca).
 
 A table holds the blocks of the tokens computed so far and of this step's, never more
@@ -144,8 +145,8 @@ class Scheduler:
             self._schedule_swapped(out)
         if self.scheduling == "mixed":
             self._schedule_running(out, decoding=False)  # decodes first, then prefills
-            if not self.swapped:
-                self._schedule_waiting(out)
+            if not self.swapped and not out.preempted:  # as vLLM v1: a step that preempts
+                self._schedule_waiting(out)              # admits nobody (not its victim)
         return out
 
     def _tokens_left(self, out: SchedulerOutput) -> int:
