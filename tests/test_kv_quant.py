@@ -267,7 +267,8 @@ def test_teacher_forced_agreement_and_bits_per_byte(shipped):
 def test_swap_blocks_carries_scales(shipped, kind):
     """The runner's swap: out to the CPU pool, the GPU block reused by someone else, back
     into another GPU block: the block reads back as it was written."""
-    from paged_lib.engine.model_runner import allocate_kv_caches, swap_blocks
+    from paged_lib.engine.model_runner import allocate_kv_caches
+    from paged_lib.kernels.cache_ops import swap_blocks
 
     gpu = allocate_kv_caches(shipped, 4, 4, "cpu", kind)
     cpu = allocate_kv_caches(shipped, 3, 4, "cpu", kind)
