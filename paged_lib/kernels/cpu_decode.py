@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from paged_lib.util import cdiv
+from paged_lib.util import cache_root, cdiv
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
 #: Flag sets tried in order; the first the compiler accepts is kept.
@@ -66,20 +66,12 @@ def _compiler() -> str:
 
 
 def _cache_dir() -> Path:
-    """``$PAGED_LIB_CACHE``, else ``~/.cache/paged_lib``, else (a home that cannot be
-    written) a folder in the system's temporary directory."""
-    for place in (os.environ.get("PAGED_LIB_CACHE"), Path.home() / ".cache" / "paged_lib",
-                  Path(tempfile.gettempdir()) / f"paged_lib-{os.getuid()}"):
-        if not place:
-            continue
-        try:
-            Path(place).mkdir(parents=True, exist_ok=True)
-        except OSError:
-            continue
-        if os.access(place, os.W_OK):
-            return Path(place)
-    raise KernelUnavailable("backend='cpu' found no writable folder for its compiled kernel: "
-                            "set PAGED_LIB_CACHE to one")
+    """Where the compiled kernel goes: :func:`paged_lib.util.cache_root`."""
+    try:
+        return cache_root()
+    except OSError:
+        raise KernelUnavailable("backend='cpu' found no writable folder for its compiled "
+                                "kernel: set PAGED_LIB_CACHE to one") from None
 
 
 def _build() -> tuple[ctypes.CDLL, dict]:
