@@ -18,7 +18,7 @@ from a Hugging Face-format folder of ``config.json`` + ``model.safetensors``
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -33,7 +33,9 @@ from paged_lib.kernels import paged_attention, paged_prefill, reshape_and_cache
 @dataclass(frozen=True)
 class TinyLlamaConfig(ModelSpec):
     """A Llama's shape. A :class:`~paged_lib.accounting.ModelSpec` (same field names), so
-    chapter 01's ``kv_bytes_per_token(config)`` works on it; ``dtype_bytes`` is 4 (fp32).
+    chapter 01's ``kv_bytes_per_token(config)`` works on it. ``dtype_bytes`` is the bytes
+    of one number of the model's dtype: a :class:`TinyLlama`'s ``config`` follows its
+    weights (4 in fp32, 2 after ``.half()``), since its KV cache is kept in that dtype.
     """
 
     name: str = "tiny-llama"
@@ -260,6 +262,18 @@ class TinyLlama(nn.Module):
         #: tensor parallelism (chapter 12): on a rank holding a shard, sums each layer's
         #: partial attention and MLP outputs over the ranks (``None``: one device)
         self.all_reduce = None
+        self._follow_dtype()
+
+    def _follow_dtype(self) -> None:
+        """Keep ``config.dtype_bytes`` equal to the weights' element size."""
+        size = self.embed_tokens.weight.element_size()
+        if self.config.dtype_bytes != size:
+            self.config = replace(self.config, dtype_bytes=size)
+
+    def _apply(self, fn, *args, **kwargs):  # every .to() / .half() / .float() comes here
+        out = super()._apply(fn, *args, **kwargs)
+        self._follow_dtype()
+        return out
 
     @property
     def dtype(self) -> torch.dtype:
