@@ -273,7 +273,7 @@ class LLMEngine:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 raise ValueError(f"request {i}: arrival step must be an int >= 0, got {t!r}")
         self.stats = EngineStats(num_blocks=self.num_blocks, block_size=self.block_size)
-        self.scheduler.step = 0
+        self.scheduler.restart_clock()
         groups: list[SequenceGroup | None] = [None] * len(prompts)
         order = sorted(range(len(prompts)), key=lambda i: arrivals[i])  # stable: FCFS
         # bounded: every step produces a token, except steps redone after a preemption
@@ -292,7 +292,7 @@ class LLMEngine:
                 self.step()
             else:  # nobody to run until the next arrival
                 self.stats.record_step("idle", 0, self.block_manager.num_used_blocks, 0, 0)
-                self.scheduler.step += 1
+                self.scheduler.idle_step()
         self.stats.requests = [g.timeline for g in groups]
         outputs = [self._output(g) for g in groups]
         for g, o in zip(groups, outputs, strict=True):

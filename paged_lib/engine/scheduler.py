@@ -20,8 +20,9 @@ a chunk of it for a prefill - and **every token counts against one budget**,
    prompt, a group recomputing), as much as the budget left allows, preempting as in 1.
 4. **Admit** waiting groups, first come first served, while :func:`can_admit` says yes,
    nobody is left in ``swapped`` (swapped groups come back first) and nobody was
-   preempted this step (vLLM v1: a victim is not readmitted in the step that evicted it). An admitted group
-   is prefilled in the same step as the decodes (iteration-level batching, as in Orca).
+   preempted this step (vLLM v1: a victim is not readmitted in the step that evicted it).
+   An admitted group is prefilled in the same step as the decodes (iteration-level
+   batching, as in Orca).
 
 A table holds the blocks of the tokens computed so far and of this step's, never more
 (vLLM v1's ``allocate_slots``): a chunked prompt starts as soon as its first chunk fits
@@ -119,6 +120,16 @@ class Scheduler:
         self.waiting: deque[SequenceGroup] = deque()
         self.running: list[SequenceGroup] = []
         self.swapped: deque[SequenceGroup] = deque()
+        #: the engine's clock, owned here: the step being scheduled. :meth:`update` ends a
+        #: step, :meth:`idle_step` one with nothing to run, :meth:`restart_clock` a new run
+        self.step = 0
+
+    def idle_step(self) -> None:
+        """A step passes with nothing to run (requests yet to arrive)."""
+        self.step += 1
+
+    def restart_clock(self) -> None:
+        """Step 0 again, for a new run (``LLMEngine.generate``)."""
         self.step = 0
 
     def add(self, group: SequenceGroup) -> None:
