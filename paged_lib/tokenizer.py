@@ -31,6 +31,15 @@ class ByteTokenizer:
     eos_id: int = EOS_ID
     vocab_size: int = VOCAB_SIZE
 
+    # the names a real model's tokenizer uses (paged_lib.models.chat_tokenizer.ChatTokenizer)
+    @property
+    def bos_token_id(self) -> int:
+        return self.bos_id
+
+    @property
+    def eos_token_id(self) -> int:
+        return self.eos_id
+
     def encode(self, text: str, add_bos: bool = True, add_eos: bool = False) -> list[int]:
         """The UTF-8 bytes of ``text`` as ids, with BOS first when ``add_bos``."""
         if not isinstance(text, str):
