@@ -4,9 +4,10 @@ Three parts:
 
 * **the system** the course builds, which runs alone: accounting, workloads, fragmentation
   (with the ``contiguous`` allocators paging is compared with), blocks, attention,
-  kernels (with ``kv_quant``, the 8-bit cache format), model, engine, parallel (tensor
-  parallelism's sharding), tokenizer, util, device, data (the shipped model and its
-  held-out split); the instruments that watch it work in :mod:`paged_lib.instruments`,
+  kernels (with ``kv_quant``, the 8-bit cache format), model, models (a real pretrained
+  model, SmolLM2-135M-Instruct, read from a package's GGUF file), engine, parallel
+  (tensor parallelism's sharding), tokenizer, util, device, data (the shipped model and
+  its held-out split); the instruments that watch it work in :mod:`paged_lib.instruments`,
   benchmarks in :mod:`paged_lib.bench`;
 * **the studies**, :mod:`paged_lib.studies`: the chapters' measurements and comparisons
   (sharing's savings, block size, SGLang's radix tree against the prefix cache, quantised
