@@ -20,22 +20,24 @@ def test_engine_bench_small_run(capsys):
     assert "overhead per decode step, 64 running sequences" in text
     assert "goal: engine >= 2x transformers, wall clock:" in text
     parts = next(line for line in text.splitlines() if line.startswith("paged engine, ms per"))
-    for part in ("scheduling", "metadata", "model", "sampling", "other", "total"):
+    for part in ("scheduling", "model input", "model", "sampling", "other", "total"):
         assert f"{part} " in parts
 
 
-def test_step_breakdown_adds_up_and_unwraps(tiny_model):
-    import paged_lib.engine.llm_engine as llm_engine_module
-    from paged_lib.engine import SamplingParams
+def test_step_breakdown_adds_up_from_the_engines_own_phases(tiny_model):
+    from paged_lib.engine import LLMEngine, SamplingParams
 
-    sample = llm_engine_module.sample
     parts = bench.step_breakdown(tiny_model, [[1, 2, 3], [4, 5]], SamplingParams(max_tokens=4),
                                  16, 4, "torch")
-    assert set(parts) == {"scheduling", "metadata", "model", "sampling", "other"}
+    assert set(parts) == {"scheduling", "model input", "model", "sampling", "other"}
     assert all(ms > 0 for part, ms in parts.items() if part != "other")
     assert parts["model"] > parts["sampling"]
-    assert llm_engine_module.sample is sample  # the module is left as it was
-    assert "forward" not in vars(tiny_model)
+    seen = []
+    engine = LLMEngine(tiny_model, 16, 4, on_step=lambda out, stats: seen.append(
+        (out.step, stats.steps, round(sum(stats.phase_seconds.values()), 9))))
+    engine.generate([[1, 2, 3]], SamplingParams(max_tokens=3))
+    assert [s[:2] for s in seen] == [(0, 1), (1, 2), (2, 3)]  # after each step, recorded
+    assert seen[-1][2] <= sum(engine.stats.step_seconds) + 1e-9
 
 
 def test_scheduling_overhead_is_measured_for_64_sequences():
