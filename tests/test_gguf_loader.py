@@ -336,3 +336,11 @@ def test_the_default_pool_fits_a_laptop():
     assert blocks == 728 and blocks * 16 * 46_080 <= 512 * 2**20  # 11,648 tokens, 512 MiB
     tiny = TinyLlamaConfig(max_position=512)
     assert default_num_blocks(tiny, 512, 16) == DEFAULT_POOL_SEQS * 32
+
+
+def test_the_converted_model_lives_under_paged_lib_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("PAGED_LIB_CACHE", str(tmp_path))
+    assert smollm2.cache_folder() == tmp_path / "SmolLM2-135M-Instruct"
+    monkeypatch.delenv("PAGED_LIB_CACHE")
+    monkeypatch.setattr("pathlib.Path.home", lambda: tmp_path / "home")
+    assert smollm2.cache_folder() == tmp_path / "home/.cache/paged_lib/SmolLM2-135M-Instruct"

@@ -78,18 +78,19 @@ def loads(tmp_path_factory):
     """Converts the file into a fresh cache folder (timed), then loads the folder again by
     the Hugging Face repo id (timed): the LLM every test here serves."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("PAGED_LIB_CACHE", str(tmp_path_factory.mktemp("paged_lib_cache")))
+        folder = tmp_path_factory.mktemp("cache") / smollm2.NAME  # (not the C kernel's)
+        mp.setattr(smollm2, "cache_folder", lambda: folder)
         start = time.perf_counter()
         smollm2.load()
         first = time.perf_counter() - start
-        written = (smollm2.cache_folder() / "model.safetensors").stat().st_mtime_ns
+        written = (folder / "model.safetensors").stat().st_mtime_ns
         start = time.perf_counter()
         llm = LLM("HuggingFaceTB/SmolLM2-135M-Instruct", num_blocks=96, device="cpu")
         second = time.perf_counter() - start
         print(f"\nSmolLM2: first load (convert) {first:.1f} s, cached load {second:.1f} s")
         yield {"llm": llm, "first_s": first, "second_s": second, "written": written,
-               "folder": smollm2.cache_folder()}
-        shutil.rmtree(smollm2.cache_folder())  # 514 MB: pytest keeps its last 3 tmp dirs
+               "folder": folder}
+        shutil.rmtree(folder)  # 514 MB: pytest keeps its last 3 tmp dirs
 
 
 @pytest.fixture(scope="module")
