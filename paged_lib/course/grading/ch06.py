@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from paged_lib.course import grading
+from paged_lib.course.grading import replay
 from paged_lib.course.grading.ch06_admission import check_can_admit, check_num_required_blocks
 from paged_lib.engine.model_runner import build_metadata as lib_build_metadata
 from paged_lib.model import AttentionMetadata
@@ -89,6 +90,9 @@ def check_build_metadata(build_metadata: Callable[..., Any]) -> None:
     with grading.exercise("06.1", "slot_mapping and padded block tables"):
         for batch in _BATCHES + _random_batches():
             _check_batch(build_metadata, *batch)
+        for call in replay.recorded()["build_metadata"]:  # every state the engine reaches
+            _check_batch(build_metadata, f"the engine's call in '{call.workload}', at engine "
+                         f"step {call.step}", *call.args)
 
 
 def _check_batch(fn, name, tables, seq_lens, query_lens, block_size) -> None:

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from paged_lib.course import grading
+from paged_lib.course.grading import replay
 from paged_lib.engine.block_manager import num_required_blocks as lib_required
 from paged_lib.engine.policy import Budget
 from paged_lib.engine.policy import can_admit as lib_can_admit
@@ -118,6 +119,8 @@ def check_num_required_blocks(num_required_blocks: Callable[..., Any]) -> None:
             if got != want:
                 grading.fail(f"{where}: expected {want} blocks, got {got}", _name_rule(
                     group, bs, got))
+        replay.check_replay("num_required_blocks", num_required_blocks,
+                            lambda call, got: _name_rule(*call.args, got))
 
 
 def _name_rule(group: SequenceGroup, block_size: int, got: int) -> str:
@@ -186,3 +189,7 @@ def check_can_admit(can_admit: Callable[..., Any]) -> None:
                                 "return True or False (a comparison's result), not a "
                                 "number or None")
             grading.expect_equal(got, want, f"case '{what}' with {budget}", hint)
+        replay.check_replay("can_admit", can_admit,
+                            "the engine asks with what its steps really leave: decodes' "
+                            "tokens and sequences already counted, blocks a chunked prompt "
+                            "holds, a watermark; compare each limit as the spec says")

@@ -22,6 +22,7 @@ from typing import Any
 
 from paged_lib.blocks import BlockTable
 from paged_lib.course import grading
+from paged_lib.course.grading import replay
 from paged_lib.course.grading.ch07_victim import check_choose_victim
 from paged_lib.engine.block_manager import BlockManager
 from paged_lib.engine.block_manager import swap_mapping as lib_swap_mapping
@@ -44,6 +45,8 @@ _SCENARIOS: list[tuple[str, list[list[int]], list[int]]] = [
      [[10, 11, 6, 1], [10, 11, 6, 8], [10, 11, 3]], [7, 2, 9, 0, 4, 5, 12, 13]),
     ("four samples fork a 1-block prompt, each wrote 1 block of its own",
      [[0, 5], [0, 6], [0, 7], [0, 8]], [3, 2, 1, 9, 10, 11]),
+    ("four beams: the last shares block 4 with the second only (beams ordered by score)",
+     [[9, 2], [9, 4, 6], [9, 5], [9, 4, 8]], [20, 21, 22, 23, 24, 25, 26]),
 ]
 
 
@@ -67,6 +70,10 @@ def check_swap_mapping(swap_mapping: Callable[..., Any]) -> None:
         for name, tables, order in _SCENARIOS:
             _check_scenario(swap_mapping, name, tables, order)
         _check_in_block_manager(swap_mapping)
+        replay.check_replay("swap_mapping", swap_mapping,
+                            "a forked group's tables share blocks in any pattern (beams that "
+                            "forked at different steps): copy each distinct block once, in "
+                            "the order first met reading every table left to right")
 
 
 def _check_scenario(fn, name: str, tables: list[list[int]], order: list[int]) -> None:

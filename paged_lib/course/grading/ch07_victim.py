@@ -18,6 +18,7 @@ from typing import Any
 
 from paged_lib.blocks import BlockAllocator, BlockTable
 from paged_lib.course import grading
+from paged_lib.course.grading import replay
 from paged_lib.engine.block_manager import BlockManager
 from paged_lib.engine.hooks import EngineHooks
 from paged_lib.engine.policy import choose_victim as lib_victim
@@ -213,3 +214,7 @@ def check_choose_victim(choose_victim: Callable[..., Any]) -> None:
     with grading.exercise("07.2", "Which group to preempt"):
         check_lists(choose_victim)
         check_scenarios(choose_victim)
+        replay.check_replay("choose_victim", choose_victim,
+                            "the list is the group that needs blocks, then the groups admitted "
+                            "after it, in admission order (several may share a step): the "
+                            "last of the list is the latest admitted")

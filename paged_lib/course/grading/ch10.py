@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from paged_lib.course import grading
+from paged_lib.course.grading import replay
 from paged_lib.course.grading.ch10_queue import check_free_queue
 from paged_lib.engine.prefix_cache import (
     BlockHash,
@@ -67,6 +68,9 @@ def check_block_hashes(fn: Callable[..., Any]) -> None:
         for name, tokens, block_size, extra in _HASH_SCENARIOS:
             _check_hashes(fn, name, tokens, block_size, extra)
         _check_shared_prefix(fn)
+        replay.check_replay("block_hashes", fn,
+                            "one hash per full block of the text the engine hands you "
+                            "(prompts and generated tokens), each chained on the one before")
 
 
 def _check_hashes(fn, name: str, tokens: list[int], block_size: int, extra: tuple) -> None:
@@ -210,6 +214,9 @@ def check_longest_cache_hit(fn: Callable[..., Any]) -> None:
     with grading.exercise("10.2", "The cache hit"):
         for name, num_tokens, block_size, cached in _HIT_SCENARIOS:
             _check_hit(fn, name, num_tokens, block_size, cached)
+        replay.check_replay("longest_cache_hit", fn,
+                            "the leading hits only, stopping at the first miss, and never the "
+                            "block that holds the text's last token")
 
 
 def _check_hit(fn, name: str, num_tokens: int, block_size: int, cached: dict[int, int]
