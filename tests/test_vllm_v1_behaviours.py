@@ -227,3 +227,36 @@ def test_no_step_ever_computes_more_than_the_budget_under_random_loads(mode):
         else:
             seen["recomputed"] += sum(o.recomputed_tokens for o in history)
     assert all(seen.values()), seen  # every feature was met
+
+
+def test_a_step_that_only_preempts_is_not_an_error_and_the_victims_run_next():
+    """A step may schedule nothing but preemptions (admission waits for the next step
+    after a preemption, as vLLM v1's does): the engine records it as an idle step, does
+    its swaps, and the victims come back with the tokens they would have made."""
+    from paged_lib.engine import LLMEngine
+    from paged_lib.engine import SamplingParams as P
+    from paged_lib.engine.scheduler_output import SchedulerOutput
+    from paged_lib.model import load_tiny_code_llama
+
+    model = load_tiny_code_llama()
+    prompts = [[256, 1, 2, 3, 4, 5], [256, 7, 8, 9, 10, 11]]
+    params = P(max_tokens=8, ignore_eos=True, temperature=0.0)
+    for mode in ("recompute", "swap"):
+        engine = LLMEngine(model, 16, 4, preemption=mode, num_cpu_blocks=16, watermark=0,
+                           attention_backend="torch")
+        sched, schedule = engine.scheduler, engine.scheduler.schedule
+
+        def preempt_everyone_at_step_3(sched=sched, schedule=schedule):
+            if sched.step != 3:
+                return schedule()
+            out = SchedulerOutput(step=sched.step)
+            for group in list(sched.running)[::-1]:
+                sched._preempt(group, out)
+            return out
+
+        sched.schedule = preempt_everyone_at_step_3
+        outs = engine.generate(prompts, params)
+        assert engine.stats.step_kinds[3] == "idle" and engine.stats.preemptions == 2
+        alone = LLMEngine(model, 64, 4, attention_backend="torch").generate(prompts, params)
+        assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in alone]
+        assert engine.block_manager.num_free_blocks == 16, mode

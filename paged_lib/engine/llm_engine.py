@@ -207,7 +207,7 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if self.window is not None:
             self.window.check_no_preemption(out)
-        if out.is_empty():
+        if out.is_empty() and not out.preempted:  # (a step may only preempt: next one runs)
             raise RuntimeError(
                 f"step {self.scheduler.step}: nothing could be scheduled although "
                 f"{len(self.scheduler.waiting)} groups wait and "

@@ -147,7 +147,7 @@ class Scheduler:
         out = SchedulerOutput(step=self.step)
         if self.scheduling == "prefill_first":
             self._schedule_running(out, decoding=False)  # shared recomputes: prefills
-            if not self.swapped:
+            if not self.swapped and not out.preempted:
                 self._schedule_waiting(out)
             if out.scheduled:  # a prefill step: the running groups wait for the next one
                 return out

@@ -40,7 +40,10 @@ class SchedulerOutput:
 
     @property
     def kind(self) -> str:
-        """``"prefill"``, ``"decode"``, or ``"mixed"`` when the step runs both."""
+        """``"prefill"``, ``"decode"``, ``"mixed"`` when the step runs both, or ``"idle"``
+        when it runs nothing (it only preempted: its victims run again from the next)."""
+        if not self.scheduled:
+            return "idle"
         prefills = sum(s.is_prefill for s in self.scheduled)
         if prefills and prefills < len(self.scheduled):
             return "mixed"
