@@ -25,6 +25,7 @@ from paged_lib.engine.block_manager import BlockManager
 from paged_lib.engine.hooks import EngineHooks
 from paged_lib.engine.model_input import model_input
 from paged_lib.engine.model_runner import ModelRunner
+from paged_lib.engine.prefix_cache import PrefixCachingAllocator
 from paged_lib.engine.requests import (
     check_max_model_len,
     check_request,
@@ -40,6 +41,7 @@ from paged_lib.engine.sequence import (
     SamplingParams,
     Sequence,
     SequenceGroup,
+    SequenceStatus,
 )
 from paged_lib.engine.tensor_parallel import kv_cache_bytes_per_rank, start_tensor_parallel
 from paged_lib.engine.window import make_window
@@ -195,6 +197,35 @@ class LLMEngine:
         else:
             group.timeline.arrival_step = self.scheduler.step
         return group
+
+    def abort_request(self, request_id: int) -> SequenceGroup | None:
+        """Drop a request wherever it is (waiting, running, swapped out): every block its
+        sequences hold, GPU or CPU, goes back, and it is never scheduled again (a server
+        does this when a client disconnects). Call it between steps. Returns the group,
+        or ``None`` when no unfinished request has that id."""
+        s = self.scheduler
+        for queue in (s.waiting, s.running, s.swapped):
+            for group in queue:
+                if group.request_id == request_id:
+                    queue.remove(group)
+                    for seq in group.live_seqs():
+                        self.block_manager.free(seq)
+                        seq.status = SequenceStatus.FINISHED
+                    group.timeline.finished_step = s.step
+                    return group
+        return None
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (vLLM's ``reset_prefix_cache``): only when no block is
+        in use, else ``False`` and nothing changes. A step that failed may have cached
+        blocks whose K/V was never written; the server resets after failing it."""
+        gpu = self.block_manager.gpu
+        if self.block_manager.num_used_blocks:
+            return False
+        if isinstance(gpu, PrefixCachingAllocator):
+            gpu.block_hash.clear()
+            gpu.cached_blocks.clear()
+        return True
 
     # ------------------------------------------------------------------ the loop
 
