@@ -62,7 +62,7 @@ def group_of(tables_tokens, bm: BlockManager) -> SequenceGroup:
             s.output_token_ids.append(0)
             s.block_table.append_token()
         seqs.append(s)
-    return SequenceGroup(0, seqs, SamplingParams(4, temperature=1.0, n=len(seqs)))
+    return SequenceGroup(0, seqs, SamplingParams(max_tokens=4, temperature=1.0, n=len(seqs)))
 
 
 def test_swap_out_and_in_keeps_sharing_and_leaks_nothing():
@@ -126,7 +126,7 @@ def test_shared_prompt_blocks_is_what_a_shared_recompute_takes():
 
 
 def test_num_required_blocks_counts_a_resumed_groups_prompt_once():
-    params = SamplingParams(30, temperature=1.0, n=4)
+    params = SamplingParams(max_tokens=30, temperature=1.0, n=4)
     fresh = SequenceGroup(0, [Sequence(0, list(range(64)))], params)
     assert num_required_blocks(fresh, 4) == 16  # one sequence: the samples fork later
     resumed = SequenceGroup(1, [Sequence(i, list(range(64)), [1] * 25) for i in range(4)],

@@ -56,7 +56,8 @@ def test_chunked_prefill_gives_transformers_tokens_within_the_budget(model, prom
     engine = LLMEngine(model, 64, 4, enable_chunked_prefill=True,
                        max_num_batched_tokens=budget, max_num_seqs=budget)
     steps = record(engine)
-    outs = engine.generate(prompts, SamplingParams(NEW), arrival_steps=[0, 0, 1, 2, 2, 3])
+    outs = engine.generate(prompts, SamplingParams(max_tokens=NEW, temperature=0.0),
+                           arrival_steps=[0, 0, 1, 2, 2, 3])
     assert [o.outputs[0].token_ids for o in outs] == reference
     assert max(engine.stats.computed_tokens) <= budget
     assert engine.block_manager.num_free_blocks == 64
@@ -83,8 +84,8 @@ def test_without_chunking_the_budget_must_hold_the_longest_request(model, prompt
     off = LLMEngine(model, 64, 4, max_num_batched_tokens=20, max_num_seqs=8, max_model_len=20)
     on = LLMEngine(model, 64, 4, max_num_batched_tokens=7, max_num_seqs=7,
                    enable_chunked_prefill=True)
-    a = off.generate(prompts, SamplingParams(NEW))
-    b = on.generate(prompts, SamplingParams(NEW))
+    a = off.generate(prompts, SamplingParams(max_tokens=NEW, temperature=0.0))
+    b = on.generate(prompts, SamplingParams(max_tokens=NEW, temperature=0.0))
     for p, x, y in zip(prompts, a, b, strict=True):
         if len(p) + NEW > 20:
             assert x.error.startswith("This model's maximum context length is 20 tokens. "
@@ -114,8 +115,9 @@ def test_chunks_caching_preemption_and_sharing_mixed_give_the_same_tokens(model,
                                    generator=g).tolist()
             prompts.append(prefixes[i % 2] + suffix)
             kind = (i + trial) % 3
-            params.append(SamplingParams(8, temperature=1.0, n=2, seed=i) if kind == 0 else
-                          SamplingParams(6, beam_width=2) if kind == 1 else SamplingParams(9))
+            params.append(SamplingParams(max_tokens=8, temperature=1.0, n=2, seed=i) if kind == 0
+                          else SamplingParams(max_tokens=6, beam_width=2) if kind == 1
+                          else SamplingParams(max_tokens=9, temperature=0.0))
         arrivals = sorted(int(x) for x in torch.randint(0, 8, (6,), generator=g))
         want = LLMEngine(model, 256, 4).generate(prompts, params, arrival_steps=arrivals)
         engine = LLMEngine(model, POOL, 4, preemption=mode, watermark=0,
@@ -139,9 +141,10 @@ def test_the_triton_backend_reads_chunks_and_cached_blocks(model, prompts, refer
                        enable_chunked_prefill=True, max_num_batched_tokens=8,
                        max_num_seqs=8)
     texts = [prompts[4], prompts[4][:20] + prompts[5][:6]]  # 20 shared tokens: 4 blocks hit
-    outs = engine.generate(texts, SamplingParams(3), arrival_steps=[0, 6])
+    outs = engine.generate(texts, SamplingParams(max_tokens=3, temperature=0.0),
+                           arrival_steps=[0, 6])
     assert outs[0].outputs[0].token_ids == reference[4][:3]
     assert engine.stats.prefix_cache_hit_tokens == 20
-    plain = LLMEngine(model, 32, 4).generate(texts, SamplingParams(3))
+    plain = LLMEngine(model, 32, 4).generate(texts, SamplingParams(max_tokens=3, temperature=0.0))
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
     assert engine.block_manager.num_free_blocks == 32

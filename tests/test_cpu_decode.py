@@ -128,7 +128,7 @@ def test_engine_on_the_cpu_backend_equals_transformers(tiny_hf_llama, greedy_ref
     torch.manual_seed(3)
     prompts = [torch.randint(0, 97, (n,)).tolist() for n in (3, 9, 14, 22)]
     model = TinyLlama.from_hf(tiny_hf_llama)
-    params = SamplingParams(max_tokens=12)
+    params = SamplingParams(max_tokens=12, temperature=0.0)
     outs = {}
     for backend in ("cpu", "torch"):
         engine = LLMEngine(model, num_blocks=14, block_size=4, num_cpu_blocks=32,

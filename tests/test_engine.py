@@ -73,7 +73,7 @@ def assert_all_free(engine):
 
 def test_greedy_equals_transformers_with_ample_blocks(model, prompts, reference):
     engine = LLMEngine(model, num_blocks=64, block_size=4)
-    outs = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))
+    outs = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
     assert [o.request_id for o in outs] == list(range(len(prompts)))
     assert_matches(outs, reference)
     s = engine.stats
@@ -94,7 +94,7 @@ def test_preemption_is_invisible_in_the_output(model, prompts, reference, mode):
     # 12 blocks of 4: the longest request needs 8 alone, all five together need 27
     engine = LLMEngine(model, num_blocks=12, block_size=4, preemption=mode,
                        num_cpu_blocks=32 if mode == "swap" else 0, watermark=0.0)
-    outs = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))
+    outs = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
     assert_matches(outs, reference)
     s = engine.stats
     assert s.preemptions > 0
@@ -109,7 +109,7 @@ def test_preemption_is_invisible_in_the_output(model, prompts, reference, mode):
 
 def test_triton_backend_gives_the_same_tokens(model, prompts, reference):
     engine = LLMEngine(model, num_blocks=16, block_size=4, attention_backend="triton")
-    outs = engine.generate(prompts[1:3], SamplingParams(max_tokens=3))
+    outs = engine.generate(prompts[1:3], SamplingParams(max_tokens=3, temperature=0.0))
     for i, out in zip((1, 2), outs, strict=True):
         assert out.outputs[0].token_ids == reference[i][0][:3]
 
@@ -118,11 +118,13 @@ def test_eos_stops_a_request_unless_ignored(hf, prompts, reference):
     eos = reference[3][0][4]  # the 5th token of prompt 3 becomes the end of sequence
     model = TinyLlama.from_hf(hf)
     model.config = dataclasses.replace(model.config, eos_token_id=eos)
-    outs = LLMEngine(model, 64, 4).generate([prompts[3]], SamplingParams(MAX_TOKENS))
+    outs = LLMEngine(model, 64, 4).generate([prompts[3]],
+                                            SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
     stop = reference[3][0].index(eos)
     assert outs[0].outputs[0].token_ids == reference[3][0][:stop + 1]
     outs = LLMEngine(model, 64, 4).generate([prompts[3]],
-                                            SamplingParams(MAX_TOKENS, ignore_eos=True))
+                                            SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True,
+                                                           temperature=0.0))
     assert outs[0].outputs[0].token_ids == reference[3][0]
 
 
@@ -134,13 +136,15 @@ def test_eos_stops_a_request_unless_ignored(hf, prompts, reference):
 def test_bad_prompt_names_the_request(model, bad, match):
     engine = LLMEngine(model, 16, 4)
     with pytest.raises(ValueError, match=match):
-        engine.generate(bad, SamplingParams(3))
+        engine.generate(bad, SamplingParams(max_tokens=3, temperature=0.0))
     assert engine.stats.steps == 0 and engine.block_manager.num_free_blocks == 16
 
 
 def test_bad_params_name_the_request(model):
     engine = LLMEngine(model, 16, 4)
-    params = [SamplingParams(3), SamplingParams(3), SamplingParams(0)]
+    params = [SamplingParams(max_tokens=3, temperature=0.0),
+              SamplingParams(max_tokens=3, temperature=0.0),
+              SamplingParams(max_tokens=0, temperature=0.0)]
     with pytest.raises(ValueError, match="request 2: max_tokens must be an int >= 1"):
         engine.generate([[1], [2], [3]], params)
     with pytest.raises(ValueError, match="2 prompts but 3"):
@@ -150,7 +154,8 @@ def test_bad_params_name_the_request(model):
 def test_a_request_that_can_never_fit_fails_alone(model, prompts, reference):
     engine = LLMEngine(model, num_blocks=10, block_size=4, watermark=0.0)
     huge = list(range(50))  # 50 + 10 tokens need 15 blocks: more than the whole pool
-    outs = engine.generate([prompts[0], huge, prompts[2]], SamplingParams(MAX_TOKENS))
+    outs = engine.generate([prompts[0], huge, prompts[2]],
+                           SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
     assert outs[1].outputs == [] and "can never run" in outs[1].error
     assert "15 blocks" in outs[1].error
     assert_matches([outs[0], outs[2]], reference, indices=[0, 2])
@@ -161,9 +166,10 @@ def test_seeded_sampling_repeats_and_ignores_the_batch(model, prompts):
     params = SamplingParams(max_tokens=8, temperature=1.0, seed=7)
     alone = LLMEngine(model, 64, 4).generate([prompts[2]], params)[0].outputs[0].token_ids
     mixed = LLMEngine(model, 64, 4).generate(
-        [prompts[0], prompts[2]], [SamplingParams(8, temperature=0.8, seed=1), params])
+        [prompts[0], prompts[2]], [SamplingParams(max_tokens=8, temperature=0.8, seed=1), params])
     assert mixed[1].outputs[0].token_ids == alone
-    other = LLMEngine(model, 64, 4).generate([prompts[2]], SamplingParams(8, 1.0, seed=8))
+    other = LLMEngine(model, 64, 4).generate([prompts[2]],
+                                             SamplingParams(max_tokens=8, temperature=1.0, seed=8))
     assert other[0].outputs[0].token_ids != alone
 
 
@@ -194,20 +200,24 @@ def test_teaching_hooks_are_used(model, prompts, reference):
 
     engine = LLMEngine(model, 64, 4, hooks=EngineHooks(build_metadata=my_build_metadata,
                                                      can_admit=my_can_admit))
-    assert_matches(engine.generate(prompts[:2], SamplingParams(MAX_TOKENS)), reference, [0, 1])
+    assert_matches(engine.generate(prompts[:2], SamplingParams(max_tokens=MAX_TOKENS,
+                                                               temperature=0.0)),
+                   reference, [0, 1])
     assert calls["meta"] == MAX_TOKENS and calls["admit"] >= 2
 
 
 def test_swap_falls_back_to_recompute_when_the_cpu_pool_is_full(model, prompts, reference):
     engine = LLMEngine(model, num_blocks=12, block_size=4, preemption="swap",
                        num_cpu_blocks=4, watermark=0.0)  # room for one victim of two
-    outs = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))
+    outs = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
     assert_matches(outs, reference)
     s = engine.stats
     assert s.swapped_blocks > 0 and s.recomputed_tokens > 0  # both kinds happened
     assert_all_free(engine)
     # and the same engine serves a second batch from a clean state
-    assert_matches(engine.generate(prompts[:2], SamplingParams(MAX_TOKENS)), reference, [0, 1])
+    assert_matches(engine.generate(prompts[:2], SamplingParams(max_tokens=MAX_TOKENS,
+                                                               temperature=0.0)),
+                   reference, [0, 1])
     assert engine.stats.requests[0].arrival_step == 0 and engine.stats.steps == MAX_TOKENS
 
 
@@ -229,7 +239,7 @@ def test_a_wrong_build_metadata_gets_a_clear_error(model, prompts, mistake, matc
 
     engine = LLMEngine(model, 64, 4, hooks=EngineHooks(build_metadata=wrong))
     with pytest.raises(ValueError, match=match):
-        engine.generate(prompts[3:4], SamplingParams(3))
+        engine.generate(prompts[3:4], SamplingParams(max_tokens=3, temperature=0.0))
 
 
 @pytest.mark.parametrize("mode, num_blocks", [("recompute", 64), ("recompute", 12), ("swap", 12)])
@@ -240,7 +250,8 @@ def test_prefill_first_gives_the_same_tokens_in_pure_steps(model, prompts, refer
     runs = {}
     for scheduling in ("mixed", "prefill_first"):
         engine = LLMEngine(model, num_blocks, 4, scheduling=scheduling, **kw)
-        outs = engine.generate(prompts, SamplingParams(MAX_TOKENS), arrival_steps=arrivals)
+        outs = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0),
+                               arrival_steps=arrivals)
         assert_matches(outs, reference)
         assert_all_free(engine)
         runs[scheduling] = engine.stats
@@ -258,25 +269,41 @@ def test_prefill_first_gives_the_same_tokens_in_pure_steps(model, prompts, refer
 
 
 @pytest.mark.parametrize("prompts, params, arrivals, match", [
-    ([1, 2, 3], SamplingParams(3), None, "got a list of ints"),
-    ([[1], "hello"], SamplingParams(3), None, "request 1: a prompt is a list of token ids"),
-    ([[1], 5], SamplingParams(3), None, "request 1: a prompt is a list of token ids, got int"),
-    ([[1], [True]], SamplingParams(3), None, "request 1: token True at position 0"),
-    ([[1], [2.0]], SamplingParams(3), None, "request 1: token 2.0 at position 0"),
-    ([[1], [2]], [SamplingParams(3), SamplingParams(True)], None, "request 1: max_tokens"),
-    ([[1], [2]], [SamplingParams(3), SamplingParams(3, temperature="0.5")], None,
+    ([1, 2, 3], SamplingParams(max_tokens=3, temperature=0.0), None, "got a list of ints"),
+    ([[1], "hello"], SamplingParams(max_tokens=3, temperature=0.0), None,
+     "request 1: a prompt is a list of token ids"),
+    ([[1], 5], SamplingParams(max_tokens=3, temperature=0.0), None,
+     "request 1: a prompt is a list of token ids, got int"),
+    ([[1], [True]], SamplingParams(max_tokens=3, temperature=0.0), None,
+     "request 1: token True at position 0"),
+    ([[1], [2.0]], SamplingParams(max_tokens=3, temperature=0.0), None,
+     "request 1: token 2.0 at position 0"),
+    ([[1], [2]],
+     [SamplingParams(max_tokens=3, temperature=0.0),
+      SamplingParams(max_tokens=True, temperature=0.0)], None, "request 1: max_tokens"),
+    ([[1], [2]],
+     [SamplingParams(max_tokens=3, temperature=0.0),
+      SamplingParams(max_tokens=3, temperature="0.5")], None,
      "request 1: temperature must be a number"),
-    ([[1], [2]], [SamplingParams(3), SamplingParams(3, temperature=float("nan"))], None,
+    ([[1], [2]],
+     [SamplingParams(max_tokens=3, temperature=0.0),
+      SamplingParams(max_tokens=3, temperature=float("nan"))], None,
      "request 1: temperature"),
-    ([[1], [2]], [SamplingParams(3), SamplingParams(3, seed="7")], None, "request 1: seed"),
-    ([[1], [2]], [SamplingParams(3), SamplingParams(3, ignore_eos=1)], None,
+    ([[1], [2]],
+     [SamplingParams(max_tokens=3, temperature=0.0),
+      SamplingParams(max_tokens=3, seed="7", temperature=0.0)], None, "request 1: seed"),
+    ([[1], [2]],
+     [SamplingParams(max_tokens=3, temperature=0.0),
+      SamplingParams(max_tokens=3, ignore_eos=1, temperature=0.0)], None,
      "request 1: ignore_eos"),
-    ([[1], [2]], SamplingParams(3), [0, True], "request 1: arrival step"),
-    ([[1], [2]], [SamplingParams(3), "greedy"], [0, 9], "request 1: params must be"),
+    ([[1], [2]], SamplingParams(max_tokens=3, temperature=0.0), [0, True],
+     "request 1: arrival step"),
+    ([[1], [2]], [SamplingParams(max_tokens=3, temperature=0.0), "greedy"], [0, 9],
+     "request 1: params must be"),
 ])
 def test_malformed_input_raises_before_anything_runs(model, prompts, params, arrivals, match):
     engine = LLMEngine(model, 16, 4)
-    engine.generate([[1, 2]], SamplingParams(2))
+    engine.generate([[1, 2]], SamplingParams(max_tokens=2, temperature=0.0))
     before = engine.stats
     with pytest.raises(ValueError, match=match):
         engine.generate(prompts, params, arrival_steps=arrivals)
@@ -290,13 +317,14 @@ def test_integer_prompts_of_numpy_or_torch_are_welcome(model, prompts, reference
 
     engine = LLMEngine(model, 64, 4)
     outs = engine.generate([np.array(prompts[1]), torch.tensor(prompts[2])],
-                           SamplingParams(MAX_TOKENS))
+                           SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
     assert_matches(outs, reference, [1, 2])
 
 
 def test_a_well_formed_request_that_never_fits_fails_alone_even_late(model, prompts, reference):
     engine = LLMEngine(model, num_blocks=10, block_size=4, watermark=0.0)
-    outs = engine.generate([prompts[0], list(range(50)), prompts[2]], SamplingParams(MAX_TOKENS),
+    outs = engine.generate([prompts[0], list(range(50)), prompts[2]],
+                           SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0),
                            arrival_steps=[0, 3, 5])
     assert outs[1].outputs == [] and "can never run" in outs[1].error
     assert_matches([outs[0], outs[2]], reference, indices=[0, 2])
@@ -318,5 +346,6 @@ def test_the_group_hooks_are_used_by_the_engine(model, prompts, reference):
 
     engine = LLMEngine(model, 12, 4, watermark=0.0,
                        hooks=EngineHooks(num_required_blocks=my_blocks, choose_victim=my_victim))
-    assert_matches(engine.generate(prompts, SamplingParams(MAX_TOKENS)), reference)
+    assert_matches(engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)),
+                   reference)
     assert calls["blocks"] >= len(prompts) and calls["victim"] == engine.stats.preemptions > 0

@@ -58,7 +58,7 @@ def test_beams_equal_transformers(hf, prompts, reference, mode, num_blocks):
     model = TinyLlama.from_hf(hf)
     engine = LLMEngine(model, num_blocks, block_size=4, preemption=mode, watermark=0.0,
                        num_cpu_blocks=64 if mode == "swap" else 0)
-    outs = engine.generate(prompts, SamplingParams(MAX_TOKENS, beam_width=WIDTH))
+    outs = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, beam_width=WIDTH))
     check(outs, reference)
     assert (engine.stats.preemptions > 0) == (num_blocks < 64)
     assert engine.block_manager.num_free_blocks == num_blocks
@@ -67,7 +67,7 @@ def test_beams_equal_transformers(hf, prompts, reference, mode, num_blocks):
 def test_beams_share_blocks(hf, prompts):
     model = TinyLlama.from_hf(hf)
     engine = LLMEngine(model, 64, block_size=4)
-    engine.generate([prompts[2]], SamplingParams(MAX_TOKENS, beam_width=WIDTH))
+    engine.generate([prompts[2]], SamplingParams(max_tokens=MAX_TOKENS, beam_width=WIDTH))
     alone = -(-(13 + MAX_TOKENS - 1) // 4)  # one beam's blocks at its longest
     assert engine.stats.peak_blocks_used < WIDTH * alone
 
@@ -80,7 +80,7 @@ def test_a_replacement_beam_step_is_used(hf, prompts, reference):
         return beam_step(*args)
 
     engine = LLMEngine(TinyLlama.from_hf(hf), 64, 4, hooks=EngineHooks(beam_step=my_beam_step))
-    check(engine.generate(prompts[:1], SamplingParams(MAX_TOKENS, beam_width=WIDTH)),
+    check(engine.generate(prompts[:1], SamplingParams(max_tokens=MAX_TOKENS, beam_width=WIDTH)),
           reference[:1])
     assert len(calls) == MAX_TOKENS  # every step, the last one too
 
@@ -91,7 +91,7 @@ def test_a_beam_step_that_forgets_to_free_is_caught_as_a_leak(hf, prompts):
         return keep  # the original tables are never freed
 
     engine = LLMEngine(TinyLlama.from_hf(hf), 64, 4, hooks=EngineHooks(beam_step=leaky))
-    engine.generate(prompts[:1], SamplingParams(3, beam_width=2))
+    engine.generate(prompts[:1], SamplingParams(max_tokens=3, beam_width=2))
     assert engine.block_manager.num_free_blocks < 64
 
 
@@ -112,9 +112,9 @@ def test_beam_step_forks_the_chosen_and_frees_the_dead():
 def test_triton_backend_beams_and_copy_on_write(hf, prompts, reference):
     """Beams fork and copy part-filled blocks with the Triton copy_blocks kernel too."""
     engine = LLMEngine(TinyLlama.from_hf(hf), 32, 4, attention_backend="triton")
-    out = engine.generate([prompts[1]], SamplingParams(3, beam_width=2))[0]
+    out = engine.generate([prompts[1]], SamplingParams(max_tokens=3, beam_width=2))[0]
     torch_engine = LLMEngine(TinyLlama.from_hf(hf), 32, 4)
-    want = torch_engine.generate([prompts[1]], SamplingParams(3, beam_width=2))[0]
+    want = torch_engine.generate([prompts[1]], SamplingParams(max_tokens=3, beam_width=2))[0]
     assert [c.token_ids for c in out.outputs] == [c.token_ids for c in want.outputs]
     assert engine.block_manager.num_free_blocks == 32
 
@@ -163,7 +163,8 @@ def eos_model(hf, eos):
     (True, 1.0), (False, 1.0), ("never", 2.0), (True, 0.0), (False, -0.5)])
 def test_beams_that_end_at_eos_equal_transformers(hf, prompts, eos, eos_model, width,
                                                   early_stopping, length_penalty):
-    params = SamplingParams(EOS_MAX_TOKENS, beam_width=width, early_stopping=early_stopping,
+    params = SamplingParams(max_tokens=EOS_MAX_TOKENS, beam_width=width,
+                            early_stopping=early_stopping,
                             length_penalty=length_penalty)
     engine = LLMEngine(eos_model, 64, 4)
     outs = engine.generate(prompts, params)
@@ -180,7 +181,7 @@ def test_beams_that_end_at_eos_equal_transformers(hf, prompts, eos, eos_model, w
 def test_beams_that_end_survive_preemption(hf, prompts, eos, eos_model, mode):
     engine = LLMEngine(eos_model, 20, 4, preemption=mode, watermark=0.0,
                        num_cpu_blocks=64 if mode == "swap" else 0)
-    outs = engine.generate(prompts, SamplingParams(EOS_MAX_TOKENS, beam_width=WIDTH,
+    outs = engine.generate(prompts, SamplingParams(max_tokens=EOS_MAX_TOKENS, beam_width=WIDTH,
                                                    early_stopping=True))
     check(outs, [hf_beams(hf, p, WIDTH, eos) for p in prompts])
     assert engine.stats.preemptions > 0
@@ -189,7 +190,7 @@ def test_beams_that_end_survive_preemption(hf, prompts, eos, eos_model, mode):
 
 def test_early_stopping_ends_the_search_when_width_hypotheses_are_done(hf, prompts, eos,
                                                                        eos_model):
-    params = SamplingParams(EOS_MAX_TOKENS, beam_width=2, early_stopping=True)
+    params = SamplingParams(max_tokens=EOS_MAX_TOKENS, beam_width=2, early_stopping=True)
     steps = []
     for p in prompts:
         engine = LLMEngine(eos_model, 64, 4)
@@ -201,10 +202,14 @@ def test_early_stopping_ends_the_search_when_width_hypotheses_are_done(hf, promp
 
 
 @pytest.mark.parametrize("params, match", [
-    (SamplingParams(4, length_penalty=2.0), "only apply to beam search"),
-    (SamplingParams(4, temperature=1.0, n=2, early_stopping=True), "only apply to beam search"),
-    (SamplingParams(4, beam_width=2, early_stopping="sometimes"), "early_stopping must be"),
-    (SamplingParams(4, beam_width=2, length_penalty=float("nan")), "length_penalty must be"),
+    (SamplingParams(max_tokens=4, length_penalty=2.0, temperature=0.0),
+     "only apply to beam search"),
+    (SamplingParams(max_tokens=4, temperature=1.0, n=2, early_stopping=True),
+     "only apply to beam search"),
+    (SamplingParams(max_tokens=4, beam_width=2, early_stopping="sometimes"),
+     "early_stopping must be"),
+    (SamplingParams(max_tokens=4, beam_width=2, length_penalty=float("nan")),
+     "length_penalty must be"),
 ])
 def test_beam_options_are_checked(hf, params, match):
     engine = LLMEngine(TinyLlama.from_hf(hf), 16, 4)

@@ -27,7 +27,8 @@ def test_engine_bench_small_run(capsys):
 def test_step_breakdown_adds_up_from_the_engines_own_phases(tiny_model):
     from paged_lib.engine import LLMEngine, SamplingParams
 
-    parts = bench.step_breakdown(tiny_model, [[1, 2, 3], [4, 5]], SamplingParams(max_tokens=4),
+    parts = bench.step_breakdown(tiny_model, [[1, 2, 3], [4, 5]],
+                                 SamplingParams(max_tokens=4, temperature=0.0),
                                  16, 4, "torch")
     assert set(parts) == {"scheduling", "model input", "model", "sampling", "other"}
     assert all(ms > 0 for part, ms in parts.items() if part != "other")
@@ -35,7 +36,7 @@ def test_step_breakdown_adds_up_from_the_engines_own_phases(tiny_model):
     seen = []
     engine = LLMEngine(tiny_model, 16, 4, on_step=lambda out, stats: seen.append(
         (out.step, stats.steps, round(sum(stats.phase_seconds.values()), 9))))
-    engine.generate([[1, 2, 3]], SamplingParams(max_tokens=3))
+    engine.generate([[1, 2, 3]], SamplingParams(max_tokens=3, temperature=0.0))
     assert [s[:2] for s in seen] == [(0, 1), (1, 2), (2, 3)]  # after each step, recorded
     assert seen[-1][2] <= sum(engine.stats.step_seconds) + 1e-9
 

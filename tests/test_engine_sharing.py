@@ -14,8 +14,8 @@ from paged_lib.engine import LLMEngine, SamplingParams, worst_case_blocks
 from paged_lib.model import TinyLlama
 
 BLOCK = 4
-SAMPLES = SamplingParams(32, temperature=1.0, n=4, seed=3)
-BEAMS = SamplingParams(40, beam_width=4)
+SAMPLES = SamplingParams(max_tokens=32, temperature=1.0, n=4, seed=3)
+BEAMS = SamplingParams(max_tokens=40, beam_width=4)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -47,7 +47,9 @@ def serve_beside_long(model, long, prompt, params, mode, num_blocks):
         return finished
 
     engine.scheduler.update = recording_update
-    outs = engine.generate([long, prompt], [SamplingParams(40, ignore_eos=True), params])
+    outs = engine.generate([long, prompt],
+                           [SamplingParams(max_tokens=40, ignore_eos=True, temperature=0.0),
+                            params])
     assert all(o.error is None for o in outs)
     assert engine.block_manager.num_free_blocks == num_blocks, "blocks leaked"
     return engine, outs[1], held
@@ -101,7 +103,7 @@ def test_the_issue_numbers(model, texts):
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_admission_counts_the_shared_prompt_once(model, texts, mode):
     """4 samples of 64 + 32 tokens peak at 16 shared + 4 x 8 own = 48 blocks, not 96."""
-    params = SamplingParams(32, temperature=1.0, n=4, seed=3)
+    params = SamplingParams(max_tokens=32, temperature=1.0, n=4, seed=3)
     assert worst_case_blocks(64, 32, 4, BLOCK) == 48
     engine = LLMEngine(model, 60, BLOCK, preemption=mode,
                        num_cpu_blocks=64 if mode == "swap" else 0)
@@ -117,14 +119,15 @@ def test_admission_counts_the_shared_prompt_once(model, texts, mode):
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 @pytest.mark.parametrize("params, need", [
-    (SamplingParams(32, temperature=1.0, n=4, seed=3), 48),
-    (SamplingParams(32, beam_width=4), 48),
-    (SamplingParams(34, temperature=1.0, n=4, seed=3), 52),  # a 25th block for each sample
+    (SamplingParams(max_tokens=32, temperature=1.0, n=4, seed=3), 48),
+    (SamplingParams(max_tokens=32, beam_width=4), 48),
+    (SamplingParams(max_tokens=34, temperature=1.0, n=4, seed=3), 52),  # a 25th block each
 ])
 def test_a_group_that_truly_cannot_fit_fails_alone(model, texts, mode, params, need):
     engine = LLMEngine(model, 48, BLOCK, preemption=mode, watermark=0.0,
                        num_cpu_blocks=64 if mode == "swap" else 0)
-    outs = engine.generate([texts[1][:5], texts[1]], [SamplingParams(3), params])
+    outs = engine.generate([texts[1][:5], texts[1]],
+                           [SamplingParams(max_tokens=3, temperature=0.0), params])
     assert outs[0].error is None and len(outs[0].outputs[0].token_ids) == 3
     if need <= 48:
         assert outs[1].error is None
@@ -141,11 +144,13 @@ def test_a_part_filled_prompt_block_is_copied_on_write_when_the_tails_return(mod
     copies it for all but one of the 3 samples; the NaN-filled caches prove every
     position a tail attends to was written (by the prompt step or the copy)."""
     long, prompt = texts[0][:30], texts[1][:10]
-    params = SamplingParams(12, temperature=1.0, n=3, seed=3)
+    params = SamplingParams(max_tokens=12, temperature=1.0, n=3, seed=3)
     steps = []
     engine = LLMEngine(model, 14, BLOCK, attention_backend=backend, watermark=0.0,
                        on_step=lambda out, stats: steps.append(out))
-    outs = engine.generate([long, prompt], [SamplingParams(12, ignore_eos=True), params])
+    outs = engine.generate([long, prompt],
+                           [SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0),
+                            params])
     timeline = engine.stats.requests[1]
     assert timeline.preempted_steps, "the scenario must preempt the group"
     back = timeline.admitted_steps[1]

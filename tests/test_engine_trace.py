@@ -62,7 +62,8 @@ def test_both_systems_generate_the_same_tokens(both_systems, mixed_trace):
 def test_static_batching_refuses_requests_longer_than_a_slot(model):
     static = StaticBatchingEngine(model, num_blocks=20, block_size=8, max_len=40)
     out = static.generate([[1] * 30, [2] * 5], [
-        paged_lib.engine.SamplingParams(20), paged_lib.engine.SamplingParams(3)])
+        paged_lib.engine.SamplingParams(max_tokens=20, temperature=0.0),
+        paged_lib.engine.SamplingParams(max_tokens=3, temperature=0.0)])
     assert "max_len=40" in out[0].error and len(out[1].outputs[0].token_ids) == 3
 
 

@@ -181,7 +181,7 @@ def test_engine_greedy_equals_transformers(small, converted, greedy_reference):
     _, hf, _ = small
     _, model, _ = converted
     prompts = [[5, 70, 80, 90], [1, 100, 101, 102, 103, 104, 105, 30], [200]]
-    got = LLMEngine(model, 16, 8).generate(prompts, SamplingParams(12, temperature=0,
+    got = LLMEngine(model, 16, 8).generate(prompts, SamplingParams(max_tokens=12, temperature=0,
                                                                    ignore_eos=True))
     assert [o.outputs[0].token_ids for o in got] == greedy_reference(hf, prompts, 12)
 
@@ -277,7 +277,7 @@ def test_llm_serves_a_converted_folder_with_its_tokenizer(converted):
     llm = LLM(folder, num_blocks=16, device="cpu")
     assert isinstance(llm.tokenizer, ChatTokenizer)
     out = llm.chat([[{"role": "user", "content": "the"}], [{"role": "user", "content": "a"}]],
-                   SamplingParams(5, temperature=0))
+                   SamplingParams(max_tokens=5, temperature=0))
     assert [o.prompt for o in out] == ["<|im_start|>user\nthe<|im_end|>\n<|im_start|>assistant\n",
                                        "<|im_start|>user\na<|im_end|>\n<|im_start|>assistant\n"]
     assert all(o.outputs[0].text == llm.tokenizer.decode(o.outputs[0].token_ids) for o in out)

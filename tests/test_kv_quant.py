@@ -235,7 +235,7 @@ NEW_TOKENS = 6
 @pytest.fixture(scope="module")
 def auto_tokens(shipped, prompts):
     eng = LLMEngine(shipped, 16, 8)
-    params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
+    params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, temperature=0.0)
     return [o.outputs[0].token_ids for o in eng.generate(prompts, params)]
 
 
@@ -243,7 +243,7 @@ def auto_tokens(shipped, prompts):
 def test_engine_both_backends_mostly_agree_with_auto(shipped, prompts, auto_tokens, kind):
     """Greedy tokens through the engine: the two backends give the same tokens, and at
     least half of them equal "auto"'s (a loose bound: the shipped weights change)."""
-    params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
+    params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, temperature=0.0)
     runs = [[o.outputs[0].token_ids for o in LLMEngine(
         shipped, 16, 8, attention_backend=b, kv_cache_dtype=kind).generate(prompts, params)]
         for b in ("torch", "triton")]
@@ -289,7 +289,7 @@ def test_engine_swap_carries_int8_scales(shipped):
     """A pool too small for both requests: one is swapped out and back. Its blocks' scales
     must travel with them, so the tokens equal an unpreempted int8 run's."""
     prompts = [w[:13] for w in held_out_windows(2, 64)]
-    params = SamplingParams(max_tokens=14, ignore_eos=True)
+    params = SamplingParams(max_tokens=14, ignore_eos=True, temperature=0.0)
     big = LLMEngine(shipped, 32, 4, kv_cache_dtype="int8").generate(prompts, params)
     eng = LLMEngine(shipped, 9, 4, num_cpu_blocks=16, preemption="swap",
                     kv_cache_dtype="int8", watermark=0.0)
@@ -305,7 +305,8 @@ def test_engine_copy_on_write_carries_scales(tiny_model, kind):
     both samples must equal the greedy n=1 run with the same format."""
     prompt = [list(range(3, 17))]  # 14 tokens, block size 4: the last block is shared
     one = LLMEngine(tiny_model, 32, 4, kv_cache_dtype=kind).generate(
-        prompt, SamplingParams(max_tokens=6, ignore_eos=True))[0].outputs[0].token_ids
+        prompt, SamplingParams(max_tokens=6, ignore_eos=True,
+                               temperature=0.0))[0].outputs[0].token_ids
     eng = LLMEngine(tiny_model, 32, 4, kv_cache_dtype=kind)
     two = eng.generate(prompt, SamplingParams(max_tokens=6, n=2, temperature=1e-4, seed=0,
                                               ignore_eos=True))[0].outputs
@@ -318,7 +319,7 @@ def test_int8_prefix_cache_hits_and_chunked_prefill_give_the_same_tokens(tiny_mo
     prefix-cache hits give exactly the tokens of the run without caching."""
     shared = list(range(5, 21))  # 16 tokens: 4 full blocks of 4
     prompts = [shared + [30, 31], shared + [40, 41, 42]]
-    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    params = SamplingParams(max_tokens=5, ignore_eos=True, temperature=0.0)
     plain = LLMEngine(tiny_model, 32, 4, kv_cache_dtype="int8").generate(prompts, params)
     eng = LLMEngine(tiny_model, 32, 4, kv_cache_dtype="int8", enable_prefix_caching=True)
     cached = [eng.generate([p], params)[0] for p in prompts]

@@ -46,7 +46,7 @@ def test_import_like_vllm():
 
 def test_text_in_text_out_equals_transformers_greedy(llm, shipped_hf):
     tok = ByteTokenizer()
-    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=24))
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0.0))
     for prompt, out in zip(PROMPTS, outs, strict=True):
         ids = tok.encode(prompt)
         assert out.prompt == prompt and out.prompt_token_ids == ids
@@ -70,8 +70,9 @@ def test_top_k_top_p_sampling_equals_transformers(llm, shipped_hf):
 
 def test_the_same_tokens_as_the_token_id_api_with_engine_options():
     model = TinyLlama.from_pretrained(TINY_CODE_LLAMA_DIR)
-    params = [SamplingParams(16, temperature=1.0, top_k=10, seed=1, n=2),
-              SamplingParams(12, beam_width=2), SamplingParams(10)]
+    params = [SamplingParams(max_tokens=16, temperature=1.0, top_k=10, seed=1, n=2),
+              SamplingParams(max_tokens=12, beam_width=2),
+              SamplingParams(max_tokens=10, temperature=0.0)]
     prompts = ["def add(a, b):\n    ", "def add(a, b):\n    return", "for i in "]
     llm = LLM(model, num_blocks=24, block_size=4, enable_prefix_caching=True)
     first = llm.generate(prompts, params)
@@ -104,15 +105,15 @@ def test_one_string_and_defaults(llm):
 ])
 def test_bad_prompts_are_a_value_error(llm, prompts, message):
     with pytest.raises(ValueError) as err:
-        llm.generate(prompts, SamplingParams(4))
+        llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0))
     assert message in str(err.value)
 
 
 def test_bad_params_and_models_are_a_value_error(llm):
     with pytest.raises(ValueError, match="top_p must be a number in"):
-        llm.generate("def ", SamplingParams(4, temperature=1.0, top_p=2.0))
+        llm.generate("def ", SamplingParams(max_tokens=4, temperature=1.0, top_p=2.0))
     with pytest.raises(ValueError, match="2 prompts but 1 SamplingParams"):
-        llm.generate(["a", "b"], [SamplingParams(4)])
+        llm.generate(["a", "b"], [SamplingParams(max_tokens=4, temperature=0.0)])
     with pytest.raises(ValueError, match="model must be a model folder"):
         LLM(42)
     with pytest.raises(ValueError, match="no config.json"):

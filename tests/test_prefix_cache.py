@@ -267,7 +267,7 @@ from paged_lib.engine.scheduler import Scheduler  # noqa: E402
 
 BS = 8
 NEW = 6
-GREEDY = SamplingParams(NEW)
+GREEDY = SamplingParams(max_tokens=NEW, temperature=0.0)
 
 
 @pytest.fixture(scope="module")
@@ -423,7 +423,7 @@ def test_a_cached_block_stays_while_another_request_reads_it(model, shared_promp
     engine = LLMEngine(model, 14, BS, enable_prefix_caching=True, watermark=0)
     filler = [[5] * 20]  # arrives after request 1 ends: takes blocks while 2 still runs
     outs = engine.generate([shared_prompts[0], shared_prompts[1], shared_prompts[2]] + filler,
-                           [GREEDY, GREEDY, SamplingParams(20), GREEDY],
+                           [GREEDY, GREEDY, SamplingParams(max_tokens=20, temperature=0.0), GREEDY],
                            arrival_steps=[0, NEW + 1, NEW + 1, 2 * NEW + 3])
     assert outs[1].outputs[0].token_ids == reference[1]
     assert outs[2].outputs[0].token_ids == long_ref
@@ -475,9 +475,12 @@ def test_sharing_and_preemption_with_caching_give_the_same_tokens(model, shared_
                                                                   mode, scheduling):
     """n > 1 samples, beams and greedy requests over a shared prefix, in a pool small
     enough to preempt: the same tokens as the engine without caching, ample memory."""
-    params = [SamplingParams(10, temperature=1.0, n=3, seed=1), SamplingParams(8, beam_width=3),
-              SamplingParams(12), SamplingParams(10, temperature=0.8, n=2, seed=2),
-              SamplingParams(9), SamplingParams(6, beam_width=2)]
+    params = [SamplingParams(max_tokens=10, temperature=1.0, n=3, seed=1),
+              SamplingParams(max_tokens=8, beam_width=3),
+              SamplingParams(max_tokens=12, temperature=0.0),
+              SamplingParams(max_tokens=10, temperature=0.8, n=2, seed=2),
+              SamplingParams(max_tokens=9, temperature=0.0),
+              SamplingParams(max_tokens=6, beam_width=2)]
     arrivals = [0, 0, 2, 3, 9, 9]
     want = LLMEngine(model, 256, BS).generate(shared_prompts, params, arrival_steps=arrivals)
     engine = LLMEngine(model, 14, BS, preemption=mode, enable_prefix_caching=True,
@@ -570,7 +573,8 @@ def test_build_metadata_sees_only_the_uncached_tokens(model, shared_prompts):
 
     engine = LLMEngine(model, 64, BS, enable_prefix_caching=True,
                        hooks=EngineHooks(build_metadata=recording))
-    engine.generate(shared_prompts[:2], SamplingParams(1), arrival_steps=[0, 1])
+    engine.generate(shared_prompts[:2], SamplingParams(max_tokens=1, temperature=0.0),
+                    arrival_steps=[0, 1])
     assert lens == [([45], [45]), ([45], [5])]
 
 

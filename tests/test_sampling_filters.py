@@ -63,7 +63,8 @@ def test_the_filter_keeps_the_most_likely_token_and_leaves_its_input():
 ])
 def test_engine_samples_equal_transformers(tiny_hf_llama, tiny_model, temperature, top_k,
                                            top_p):
-    params = [SamplingParams(MAX_TOKENS, temperature=temperature, top_k=top_k, top_p=top_p,
+    params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=temperature, top_k=top_k,
+                             top_p=top_p,
                              seed=s) for s in (0, 1, 2)]
     want = [hf_sample(tiny_hf_llama, p, sp.seed, temperature, top_k, top_p)
             for p, sp in zip(PROMPTS, params, strict=True)]
@@ -78,7 +79,7 @@ def test_engine_samples_equal_transformers(tiny_hf_llama, tiny_model, temperatur
 
 def test_engine_samples_equal_transformers_under_preemption(tiny_hf_llama, tiny_model):
     """A request preempted by recompute draws each token once: still transformers' tokens."""
-    params = [SamplingParams(16, temperature=1.0, top_k=15, top_p=0.9, seed=s)
+    params = [SamplingParams(max_tokens=16, temperature=1.0, top_k=15, top_p=0.9, seed=s)
               for s in range(3)]
     engine = LLMEngine(tiny_model, num_blocks=10, block_size=4, watermark=0.0)
     got = engine.generate(PROMPTS, params)
@@ -88,18 +89,20 @@ def test_engine_samples_equal_transformers_under_preemption(tiny_hf_llama, tiny_
 
 
 def test_filters_off_leave_samples_unchanged(tiny_model):
-    base = SamplingParams(MAX_TOKENS, temperature=1.0, seed=4)
+    base = SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=4)
     outs = [LLMEngine(tiny_model, 64, 4).generate(PROMPTS, sp)
-            for sp in (base, SamplingParams(MAX_TOKENS, 1.0, seed=4, top_k=-1),
-                       SamplingParams(MAX_TOKENS, 1.0, seed=4, top_k=97, top_p=1.0))]
+            for sp in (base,
+                       SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=4, top_k=-1),
+                       SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=4, top_k=97,
+                                      top_p=1.0))]
     tokens = [[o.outputs[0].token_ids for o in out] for out in outs]
     assert tokens[0] == tokens[1] == tokens[2]
 
 
 def test_top_k_1_and_a_tiny_top_p_are_greedy(tiny_hf_llama, tiny_model, greedy_reference):
     want = greedy_reference(tiny_hf_llama, PROMPTS, MAX_TOKENS)
-    for sp in (SamplingParams(MAX_TOKENS, temperature=1.5, top_k=1, seed=0),
-               SamplingParams(MAX_TOKENS, temperature=1.5, top_p=1e-6, seed=0)):
+    for sp in (SamplingParams(max_tokens=MAX_TOKENS, temperature=1.5, top_k=1, seed=0),
+               SamplingParams(max_tokens=MAX_TOKENS, temperature=1.5, top_p=1e-6, seed=0)):
         got = LLMEngine(tiny_model, 64, 4).generate(PROMPTS, sp)
         assert [o.outputs[0].token_ids for o in got] == want
 
@@ -120,24 +123,26 @@ def test_top_k_samples_stay_among_the_k_most_likely(tiny_model, monkeypatch):
 
     monkeypatch.setattr(llm_engine, "sample", spy)
     out = LLMEngine(tiny_model, 64, 4).generate(
-        [PROMPTS[0]], SamplingParams(10, temperature=2.0, n=4, top_k=2, seed=1))
+        [PROMPTS[0]], SamplingParams(max_tokens=10, temperature=2.0, n=4, top_k=2, seed=1))
     assert len(out[0].outputs) == 4 and len(seen) >= 10 and all(seen)
 
 
 @pytest.mark.parametrize("params, message", [
-    (SamplingParams(4, temperature=1.0, top_p=0.0), "top_p must be a number in (0, 1]"),
-    (SamplingParams(4, temperature=1.0, top_p=1.5), "top_p must be a number in (0, 1], got 1.5"),
-    (SamplingParams(4, temperature=1.0, top_p=float("nan")), "top_p"),
-    (SamplingParams(4, temperature=1.0, top_p="0.9"), "top_p"),
-    (SamplingParams(4, temperature=1.0, top_k=-2), "top_k must be an int >= 1, or 0 or -1"),
-    (SamplingParams(4, temperature=1.0, top_k=2.5), "got 2.5"),
-    (SamplingParams(4, temperature=1.0, top_k=True), "top_k"),
-    (SamplingParams(4, beam_width=2, top_k=5), "beam search is deterministic"),
-    (SamplingParams(4, beam_width=2, top_p=0.9), "beam search is deterministic"),
+    (SamplingParams(max_tokens=4, temperature=1.0, top_p=0.0), "top_p must be a number in (0, 1]"),
+    (SamplingParams(max_tokens=4, temperature=1.0, top_p=1.5),
+     "top_p must be a number in (0, 1], got 1.5"),
+    (SamplingParams(max_tokens=4, temperature=1.0, top_p=float("nan")), "top_p"),
+    (SamplingParams(max_tokens=4, temperature=1.0, top_p="0.9"), "top_p"),
+    (SamplingParams(max_tokens=4, temperature=1.0, top_k=-2),
+     "top_k must be an int >= 1, or 0 or -1"),
+    (SamplingParams(max_tokens=4, temperature=1.0, top_k=2.5), "got 2.5"),
+    (SamplingParams(max_tokens=4, temperature=1.0, top_k=True), "top_k"),
+    (SamplingParams(max_tokens=4, beam_width=2, top_k=5), "beam search is deterministic"),
+    (SamplingParams(max_tokens=4, beam_width=2, top_p=0.9), "beam search is deterministic"),
 ])
 def test_bad_filters_are_a_value_error_naming_them(tiny_model, params, message):
     engine = LLMEngine(tiny_model, 16, 4)
     with pytest.raises(ValueError) as err:
-        engine.generate([[1, 2], [3]], [SamplingParams(2), params])
+        engine.generate([[1, 2], [3]], [SamplingParams(max_tokens=2, temperature=0.0), params])
     assert "request 1" in str(err.value) and message in str(err.value)
     assert engine.block_manager.num_free_blocks == 16

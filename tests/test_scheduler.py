@@ -84,9 +84,10 @@ def make_groups(specs, seed=0):
         p, m, *rest = spec
         n = rest[0] if rest else 1
         if rest[1:] == ["beam"]:
-            params = SamplingParams(m, beam_width=n)
+            params = SamplingParams(max_tokens=m, beam_width=n)
         else:
-            params = SamplingParams(m, temperature=1.0 if n > 1 else 0.0, n=n, ignore_eos=True)
+            params = SamplingParams(max_tokens=m, temperature=1.0 if n > 1 else 0.0, n=n,
+                                    ignore_eos=True)
         groups.append(SequenceGroup(i, [Sequence(100 + i, list(range(p)))], params))
     return groups
 

@@ -141,7 +141,8 @@ def test_shards_put_back_together_are_the_weights(shipped):
 
 def test_two_ranks_give_one_rank_tokens_greedy_sampled_and_beams(shipped, prompts, tp_engine):
     one = LLMEngine(shipped, 48, block_size=8)
-    params = [SamplingParams(max_tokens=24), SamplingParams(max_tokens=16, temperature=0.9,
+    params = [SamplingParams(max_tokens=24, temperature=0.0),
+              SamplingParams(max_tokens=16, temperature=0.9,
                                                             n=2, seed=7),
               SamplingParams(max_tokens=10, beam_width=3)]
     want, got = one.generate(prompts, params), tp_engine.generate(prompts, params)
@@ -170,7 +171,7 @@ def test_kv_bytes_per_rank_on_the_shipped_model(shipped, tp_engine):
 def test_one_kv_head_is_replicated_and_still_matches(one_kv_head, toy_tp_engine):
     torch.manual_seed(1)
     prompts = [torch.randint(0, 264, (n,)).tolist() for n in (9, 14, 5)]
-    params = [SamplingParams(max_tokens=12, ignore_eos=True),
+    params = [SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0),
               SamplingParams(max_tokens=10, temperature=1.0, n=2, seed=3, ignore_eos=True),
               SamplingParams(max_tokens=6, beam_width=2, ignore_eos=True)]
     one = toy_engine(one_kv_head, 1)
@@ -220,7 +221,7 @@ def test_ranks_agree_on_the_smallest_pool_and_a_rank_error_surfaces(one_kv_head)
 def test_a_killed_rank_stops_the_engine_with_a_clear_error(toy_tp_engine):
     toy_tp_engine.runner.processes[1].kill()
     with pytest.raises(RuntimeError, match="rank 1 exited"):
-        toy_tp_engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
+        toy_tp_engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0.0))
     assert not any(p.is_alive() for p in toy_tp_engine.runner.processes)
 
 

@@ -53,7 +53,7 @@ def serve(sched, runner, groups, arrivals=None, max_steps=5000):
 
 def group(i, tokens, max_tokens=3, **params):
     return SequenceGroup(i, [Sequence(100 + i, list(tokens))],
-                         SamplingParams(max_tokens, ignore_eos=True, **params))
+                         SamplingParams(max_tokens=max_tokens, ignore_eos=True, **params))
 
 
 def test_prefill_hits_blocks_scheduled_earlier_in_the_same_step():

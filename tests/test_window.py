@@ -86,7 +86,8 @@ def dense_reference(model, prompt, max_tokens, window, sinks, block_size):
 
 def run(model, prompts, max_tokens, num_blocks=64, block_size=8, **kw):
     engine = LLMEngine(model, num_blocks, block_size=block_size, **kw)
-    outs = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    outs = engine.generate(prompts,
+                           SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0))
     assert engine.block_manager.num_free_blocks == num_blocks, "blocks leaked"
     return [o.outputs[0] for o in outs], engine
 
@@ -127,7 +128,7 @@ def test_a_preempted_stream_that_dropped_tokens_is_a_runtime_error():
         seq.block_table.append_token()
         seq.num_cached += 1
     w.slide(seq)
-    group = SequenceGroup(7, [seq], SamplingParams(max_tokens=4))
+    group = SequenceGroup(7, [seq], SamplingParams(max_tokens=4, temperature=0.0))
     w.check_no_preemption(SchedulerOutput(step=0))
     with pytest.raises(RuntimeError, match="request 7 was preempted after its window dropped 4"):
         w.check_no_preemption(SchedulerOutput(step=0, preempted=[group]))
@@ -194,7 +195,7 @@ def test_bad_options_are_value_errors(tiny_model, kw, match):
 @pytest.mark.parametrize("prompt, params, match", [
     (PROMPT, SamplingParams(max_tokens=4, n=2, temperature=1.0), "one sequence per request"),
     (PROMPT, SamplingParams(max_tokens=4, beam_width=2), "one sequence per request"),
-    (list(range(21)), SamplingParams(max_tokens=4), "longer than num_sink_tokens"),
+    (list(range(21)), SamplingParams(max_tokens=4, temperature=0.0), "longer than num_sink_tokens"),
 ])
 def test_requests_a_window_cannot_serve_are_value_errors(tiny_model, prompt, params, match):
     engine = LLMEngine(tiny_model, 16, block_size=8, sliding_window=16, num_sink_tokens=4)

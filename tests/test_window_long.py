@@ -13,7 +13,8 @@ PROMPT = [5, 17, 3, 88, 41, 9, 23, 60, 2, 71]
 
 def test_blocks_stay_flat_over_a_long_stream(tiny_model):
     engine = LLMEngine(tiny_model, 8, block_size=8, sliding_window=24, num_sink_tokens=4)
-    (out,) = engine.generate([PROMPT], SamplingParams(max_tokens=2000, ignore_eos=True))
+    (out,) = engine.generate([PROMPT],
+                             SamplingParams(max_tokens=2000, ignore_eos=True, temperature=0.0))
     assert len(out.outputs[0].token_ids) == 2000 and engine.stats.preemptions == 0
     assert engine.block_manager.num_free_blocks == 8, "blocks leaked"
     used = engine.stats.blocks_used  # after each step's allocations: num_tokens fed so far

@@ -110,9 +110,11 @@ def test_the_block_table_hook_is_checked_and_used(model):
     with pytest.raises(ValueError, match="EngineHooks.BlockTable must be BlockTable"):
         LLMEngine(model, 16, 4, hooks=EngineHooks(BlockTable=object))
     engine = LLMEngine(model, 16, 4, hooks=EngineHooks(BlockTable=Counting))
-    got = engine.generate([[256, 100, 101]], SamplingParams(6, temperature=1.0, n=2, seed=0))
+    got = engine.generate([[256, 100, 101]],
+                          SamplingParams(max_tokens=6, temperature=1.0, n=2, seed=0))
     want = LLMEngine(model, 16, 4).generate([[256, 100, 101]],
-                                            SamplingParams(6, temperature=1.0, n=2, seed=0))
+                                            SamplingParams(max_tokens=6, temperature=1.0, n=2,
+                                                           seed=0))
     assert made and all(isinstance(s, Counting) for s in made)
     assert [c.token_ids for c in got[0].outputs] == [c.token_ids for c in want[0].outputs]
 

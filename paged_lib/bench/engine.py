@@ -92,7 +92,8 @@ def scheduling_overhead_ms(num_seqs: int = 64, prompt_len: int = 100, steps: int
     sched = Scheduler(bm, max_num_seqs=num_seqs, max_num_batched_tokens=10**9)
     for i in range(num_seqs):
         sched.add(SequenceGroup(i, [Seq(i, [1] * prompt_len)],
-                                SamplingParams(steps + 2, ignore_eos=True)))
+                                SamplingParams(max_tokens=steps + 2, ignore_eos=True,
+                                               temperature=0.0)))
     out = sched.schedule()  # the prefill step is not what we time
     sched.update(out, [[(1, 0.0)]] * len(out.scheduled), None)
     times = []

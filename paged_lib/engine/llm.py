@@ -169,7 +169,7 @@ class LLM:
              ) -> list[RequestOutput]:
         """Generate from ``ids``; fill in the prompts' texts and the completions'."""
         if sampling_params is None:
-            sampling_params = SamplingParams(max_tokens=16)
+            sampling_params = SamplingParams(max_tokens=16, temperature=0.0)
         outputs = self.engine.generate(ids, sampling_params)
         decode = self.tokenizer.decode
         return [dataclasses.replace(

@@ -1,9 +1,9 @@
 """Serving a chapter-02 trace with the real engine, and what chapter 02's simulator predicts.
 
 :func:`trace_requests` turns a :mod:`paged_lib.workloads` trace (lengths only) into token
-prompts (random ids, or the bytes of a text) and
-``SamplingParams(max_tokens=output_len, ignore_eos=True)``, so the engine produces exactly
-the trace's lengths.
+prompts (random ids, or the bytes of a text) and greedy
+``SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0)``, so the engine
+produces exactly the trace's lengths.
 
 :func:`simulated_blocks` runs :func:`paged_lib.fragmentation.simulate_timeline` with the
 ``"paged"`` policy on the same trace and returns its blocks in use per step and its
@@ -54,7 +54,8 @@ def trace_requests(requests: Sequence[Request], vocab_size: int | None = None, s
     prompts = bodies if bos_id is None else [[bos_id] + body for body in bodies]
     if vocab_size is not None and any(t >= vocab_size for p in prompts for t in p):
         raise ValueError(f"a prompt token is outside the vocabulary of {vocab_size} ids")
-    params = [SamplingParams(max_tokens=r.output_len, ignore_eos=True) for r in requests]
+    params = [SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=0.0)
+              for r in requests]
     return prompts, params
 
 

@@ -242,7 +242,7 @@ def greedy_agreement(model: TinyLlama, prompts: list[list[int]], kv_cache_dtype:
     ``auto_outputs``: the ``"auto"`` run's tokens, if already known."""
     from paged_lib.engine import LLMEngine, SamplingParams
 
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
 
     def run(dt: str) -> list[list[int]]:
         engine = LLMEngine(model, num_blocks, block_size, attention_backend=backend,

@@ -124,7 +124,7 @@ def memory_curve(model: TinyLlama, prompt: list[int], max_tokens: int, sliding_w
     per step) and ``blocks`` those the engine held; ``"full"`` keeps every token, ``"window"``
     runs with ``sliding_window`` and ``num_sink_tokens`` (``(xs, ys)`` pairs, ready to plot)."""
     num_blocks = cdiv(len(prompt) + max_tokens, block_size) + 1
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
     curves = {}
     for name, kw in (("full", {}), ("window", {"sliding_window": sliding_window,
                                               "num_sink_tokens": num_sink_tokens})):

@@ -179,8 +179,8 @@ def long_prompt_trace() -> tuple[list[list[int]], list, list[int]]:
     code = list(CODE_TEXT.encode())
     short = [[BOS_ID] + code[7 * i:7 * i + 10] for i in range(4)]
     long = [[BOS_ID] + code[50 + 40 * i:170 + 40 * i] for i in range(3)]
-    params = [SamplingParams(max_tokens=32, ignore_eos=True)] * 4 + \
-        [SamplingParams(max_tokens=4, ignore_eos=True)] * 3
+    params = [SamplingParams(max_tokens=32, ignore_eos=True, temperature=0.0)] * 4 + \
+        [SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0)] * 3
     return short + long, params, [0, 0, 0, 0, 6, 14, 22]
 
 

@@ -157,12 +157,12 @@ def mixed_workload() -> tuple[list[list[int]], list[SamplingParams], list[int]]:
     tok = ByteTokenizer()
     texts = [PREFIX + "    total = ", "import os\n", "class Stack:\n    def ",
              "for i in range(", PREFIX + "    if not values:"]
-    params = [SamplingParams(24, ignore_eos=True),
-              SamplingParams(24, temperature=0.8, top_k=20, top_p=0.95, seed=1,
+    params = [SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.0),
+              SamplingParams(max_tokens=24, temperature=0.8, top_k=20, top_p=0.95, seed=1,
                              ignore_eos=True),
-              SamplingParams(20, temperature=1.0, n=3, seed=2, ignore_eos=True),
-              SamplingParams(12, beam_width=3),
-              SamplingParams(24, ignore_eos=True)]
+              SamplingParams(max_tokens=20, temperature=1.0, n=3, seed=2, ignore_eos=True),
+              SamplingParams(max_tokens=12, beam_width=3),
+              SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.0)]
     return [tok.encode(t) for t in texts], params, [0, 0, 0, 1, 3]
 
 
@@ -193,7 +193,8 @@ def kernel_workload() -> tuple[list[list[int]], list[SamplingParams], list[int]]
     """A small greedy batch for the decode kernel: Triton's interpreter runs each of its
     programs as Python on a CPU, too slow for the whole workload."""
     tok = ByteTokenizer()
-    return [tok.encode("def "), tok.encode("import ")], [SamplingParams(8, ignore_eos=True)] * 2, \
+    return [tok.encode("def "), tok.encode("import ")], \
+        [SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0)] * 2, \
         [0, 0]
 
 

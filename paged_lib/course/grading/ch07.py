@@ -208,7 +208,7 @@ def pressure_requests() -> tuple[list[list[int]], list[SamplingParams]]:
     from paged_lib.course.demos import engine_compare as ec
 
     trace = ec.chapter_trace(7, seed=5, max_len=64)
-    params = [SamplingParams(max_tokens=24, ignore_eos=True)] * 6 + [
+    params = [SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.0)] * 6 + [
         SamplingParams(max_tokens=24, n=2, temperature=0.8, seed=7, ignore_eos=True)]
     prompts, _ = ec.chapter_requests(trace)
     return prompts, params

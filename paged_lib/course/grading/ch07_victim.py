@@ -72,7 +72,8 @@ def _group(pool: BlockAllocator, rid: int, prompt_len: int, generated: int, arri
         table.append_token()
     seq = Sequence(rid, [1] * prompt_len, [2] * generated, block_table=table,
                    num_cached=prompt_len + generated - 1, status=SequenceStatus.RUNNING)
-    group = SequenceGroup(rid, [seq], SamplingParams(max_tokens=128, ignore_eos=True))
+    group = SequenceGroup(rid, [seq],
+                          SamplingParams(max_tokens=128, ignore_eos=True, temperature=0.0))
     group.timeline.arrival_step = arrival
     group.timeline.admitted_steps = list(admitted)
     return group
@@ -173,7 +174,7 @@ def simulate(choose_victim: Callable, blocks: int, block_size: int, preemption: 
             if arrival == step:
                 groups[rid] = SequenceGroup(rid, [Sequence(rid, [1 + rid] * prompt)],
                                             SamplingParams(max_tokens=max_tokens,
-                                                           ignore_eos=True))
+                                                           ignore_eos=True, temperature=0.0))
                 sched.add(groups[rid])
         if len(groups) == len(requests) and not sched.has_unfinished():
             break

@@ -298,7 +298,7 @@ def run_demo(block_hashes_fn: Callable[..., Any], longest_cache_hit_fn: Callable
 
         m = model if model is not None else load_tiny_code_llama()
         prompts = demo.shared_prefix_prompts()
-        params = SamplingParams(max_tokens=8, ignore_eos=True)
+        params = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0)
         hooks = EngineHooks(block_hashes=block_hashes_fn, longest_cache_hit=longest_cache_hit_fn,
                             FreeBlockQueue=free_queue_cls)
         yours = LLMEngine(m, 12, 8, enable_prefix_caching=True, hooks=hooks)

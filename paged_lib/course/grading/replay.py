@@ -63,11 +63,12 @@ def workloads() -> list[Workload]:
 
     prefix = text(12)
     mixed = [text(5, prefix), text(17), text(3, prefix), text(9), text(26), text(7, prefix)]
-    mixed_params = [P(8, temperature=1.0, n=2, seed=1), P(6, beam_width=2), P(9),
-                    P(7, temperature=0.9, n=3, seed=2), P(5, beam_width=3), P(10)]
+    mixed_params = [P(max_tokens=8, temperature=1.0, n=2, seed=1), P(max_tokens=6, beam_width=2),
+                    P(max_tokens=9, temperature=0.0), P(max_tokens=7, temperature=0.9, n=3, seed=2),
+                    P(max_tokens=5, beam_width=3), P(max_tokens=10, temperature=0.0)]
     arrivals = [0, 0, 1, 2, 2, 4]
     same_step = [text(k, prefix) for k in (3, 6, 2, 9)] + [text(4, prefix), text(20)]
-    greedy = [P(6, ignore_eos=True)] * len(same_step)
+    greedy = [P(max_tokens=6, ignore_eos=True, temperature=0.0)] * len(same_step)
     return [
         Workload("samples and beams, recompute, 16 blocks of 4", dict(
             num_blocks=16, block_size=4, watermark=0), mixed, mixed_params, arrivals),
@@ -85,11 +86,13 @@ def workloads() -> list[Workload]:
             num_blocks=14, block_size=2, watermark=0, preemption="swap", num_cpu_blocks=64,
             enable_chunked_prefill=True, max_num_batched_tokens=8, max_num_seqs=8),
             [text(5), text(3), text(9), text(4)],
-            [P(7, beam_width=4), P(6, beam_width=3), P(5, temperature=1.0, n=3, seed=3),
-             P(8, beam_width=3)], [0, 0, 1, 3]),
+            [P(max_tokens=7, beam_width=4), P(max_tokens=6, beam_width=3),
+             P(max_tokens=5, temperature=1.0, n=3, seed=3),
+             P(max_tokens=8, beam_width=3)], [0, 0, 1, 3]),
         Workload("a sliding window of 12 with 2 sinks, 12 blocks of 4", dict(
             num_blocks=12, block_size=4, sliding_window=12, num_sink_tokens=2, watermark=0),
-            [text(6), text(10), text(4)], [P(30, ignore_eos=True)] * 3, [0, 1, 1]),
+            [text(6), text(10), text(4)], [P(max_tokens=30, ignore_eos=True, temperature=0.0)] * 3,
+            [0, 1, 1]),
     ]
 
 
