@@ -32,6 +32,7 @@ from paged_lib.engine.requests import (
     never_fits,
     token_id,
 )
+from paged_lib.engine.reservation import make_reservation
 from paged_lib.engine.sampler import sample
 from paged_lib.engine.scheduler import Scheduler
 from paged_lib.engine.sequence import (
@@ -83,6 +84,10 @@ class LLMEngine:
     Chapter 12: ``tensor_parallel_size=T`` runs the model on ``T`` worker processes, its
     heads and KV cache split between them (:mod:`paged_lib.engine.tensor_parallel`); the
     scheduler stays here. ``close()`` (or ``with LLMEngine(...) as engine:``) stops them.
+
+    Chapter 14: ``reservation="orca-max" | "orca-pow2" | "orca-oracle"`` makes each request
+    reserve at admission the blocks chapter 02's Orca policies give it, held until it
+    finishes (:mod:`paged_lib.engine.reservation`); ``"paged"`` (the default) reserves none.
     """
 
     def __init__(self, model: TinyLlama, num_blocks: int, block_size: int = 16,
@@ -93,6 +98,7 @@ class LLMEngine:
                  kv_cache_dtype: str = "auto", enable_chunked_prefill: bool = False,
                  tensor_parallel_size: int = 1, sliding_window: int | None = None,
                  num_sink_tokens: int = 0, max_model_len: int | None = None,
+                 reservation: str = "paged",
                  hooks: EngineHooks | None = None, on_step: Callable | None = None):
         if attention_backend not in ("auto", *BACKENDS):
             raise ValueError(f"attention_backend must be 'auto' or one of {BACKENDS}, "
@@ -124,6 +130,14 @@ class LLMEngine:
         if self.window is not None:  # chapter 11: admission reserves each stream's blocks
             scheduler_hooks = dataclasses.replace(hooks, num_required_blocks=self.window.reserving(
                 hooks.num_required_blocks, lambda: self.scheduler.running))
+        self.reservation = make_reservation(
+            reservation, block_size, self.max_model_len,
+            enable_prefix_caching=enable_prefix_caching,
+            enable_chunked_prefill=enable_chunked_prefill, sliding_window=sliding_window)
+        if self.reservation is not None:  # chapter 14: admission reserves Orca's blocks
+            scheduler_hooks = dataclasses.replace(
+                hooks, num_required_blocks=self.reservation.reserving(
+                    hooks.num_required_blocks, lambda: self.scheduler.running))
         self.runner = None
         tp = tensor_parallel_size
         if isinstance(tp, bool) or tp != 1:  # chapter 12: the ranks start, agree on the pool
@@ -172,13 +186,22 @@ class LLMEngine:
     # ------------------------------------------------------------------ requests
 
     def _check_request(self, i: int, prompt, params: SamplingParams) -> list[int]:
-        return check_request(i, prompt, params, self.model.config.vocab_size, self.window)
+        prompt = check_request(i, prompt, params, self.model.config.vocab_size, self.window)
+        if self.reservation is not None:
+            self.reservation.check_request(i, params)
+        return prompt
 
     def _never_fits(self, prompt: list[int], params: SamplingParams) -> str | None:
-        return never_fits(prompt, params, max_model_len=self.max_model_len,
-                          max_num_seqs=self.scheduler.max_num_seqs, num_blocks=self.num_blocks,
-                          watermark_blocks=self.watermark_blocks, block_size=self.block_size,
-                          window=self.window)
+        why = never_fits(prompt, params, max_model_len=self.max_model_len,
+                         max_num_seqs=self.scheduler.max_num_seqs, num_blocks=self.num_blocks,
+                         watermark_blocks=self.watermark_blocks, block_size=self.block_size,
+                         window=self.window)
+        r = self.reservation
+        if why is None and r is not None and r.blocks(len(prompt), params.max_tokens) > \
+                self.num_blocks:
+            why = (f"reservation={r.policy!r} reserves {r.blocks(len(prompt), params.max_tokens)}"
+                   f" blocks for it but the whole pool has {self.num_blocks}: it can never run")
+        return why
 
     def add_request(self, request_id: int, prompt: list[int],
                     params: SamplingParams) -> SequenceGroup:
