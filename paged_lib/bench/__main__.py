@@ -2,6 +2,7 @@
 
     python -m paged_lib.bench attention     # the paged decode kernel (bench/attention.py)
     python -m paged_lib.bench engine ...    # the engine (bench/engine.py), its own options
+    python -m paged_lib.bench serve ...     # Poisson load, vllm bench serve's metrics (serve.py)
 """
 
 from __future__ import annotations
@@ -27,13 +28,18 @@ def run_engine_bench(argv: Sequence[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m paged_lib.bench",
                                      description="Benchmarks of the course's kernels and engine.")
-    parser.add_argument("what", choices=["attention", "engine"], help="what to benchmark")
+    parser.add_argument("what", choices=["attention", "engine", "serve"],
+                        help="what to benchmark")
     parser.add_argument("rest", nargs=argparse.REMAINDER,
-                        help="for 'engine': its own options (python -m paged_lib.bench engine "
-                        "--help)")
+                        help="for 'engine' and 'serve': their own options (python -m "
+                        "paged_lib.bench engine --help)")
     args = parser.parse_args(argv)
     if args.what == "engine":
         return run_engine_bench(args.rest)
+    if args.what == "serve":
+        from paged_lib.bench.serve import main as serve_main
+
+        return int(serve_main(list(args.rest)) or 0)
     if args.rest:
         parser.error(f"'attention' takes no options, got {args.rest}")
     from paged_lib.bench.attention import attention_report

@@ -1,0 +1,61 @@
+"""python -m paged_lib.bench serve (chapter 14): Poisson load in real time, vLLM's metrics."""
+
+import json
+
+import pytest
+
+from paged_lib.bench import serve as bs
+from paged_lib.bench.__main__ import main as bench_main
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def test_load_is_seeded_poisson_and_fits_the_model():
+    a, b = bs.make_load(50, 4.0, seed=3), bs.make_load(50, 4.0, seed=3)
+    assert a == b and a != bs.make_load(50, 4.0, seed=4)
+    assert all(len(r.prompt) + r.output_len <= 512 and r.output_len >= 1 for r in a)
+    arrivals = [r.arrival for r in a]
+    assert arrivals == sorted(arrivals)
+    long = bs.make_load(2000, 4.0, seed=0)
+    assert 3.0 < len(long) / long[-1].arrival < 5.0  # about 4 requests per second
+    with pytest.raises(ValueError, match="request_rate"):
+        bs.make_load(3, 0.0)
+
+
+def test_metrics_are_vllms_and_the_papers():
+    served = [bs.Served(0.0, 3, [1.0, 1.5, 2.0]), bs.Served(1.0, 1, [1.25]),
+              bs.Served(2.0, 2, [], error="never fits")]
+    m = bs.metrics(served, duration=2.0)
+    assert m["completed"] == 2 and m["failed"] == 1
+    assert m["ttft_ms"]["mean"] == pytest.approx((1000 + 250) / 2)
+    assert m["tpot_ms"]["mean"] == pytest.approx(500)       # the one-token request has none
+    assert m["itl_ms"]["median"] == pytest.approx(500)
+    assert m["normalized_latency_s"] == pytest.approx((2.0 / 3 + 0.25 / 1) / 2)
+    assert m["request_throughput"] == pytest.approx(1.0)
+    assert m["output_token_throughput"] == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize("policy", ["paged", "orca-max"])
+def test_a_few_requests_at_a_high_rate(policy):
+    m = bs.bench(200.0, 6, policy, seed=1)
+    assert m["completed"] == 6 and m["failed"] == 0 and m["preemptions"] == 0
+    assert m["ttft_ms"]["mean"] > 0 and m["tpot_ms"]["mean"] > 0 and m["itl_ms"]["p99"] > 0
+    assert m["normalized_latency_s"] > 0
+    # orca-max reserves 512 tokens = 32 of the 64 blocks: two requests at a time
+    assert m["peak_batch"] <= 2 if policy == "orca-max" else m["peak_batch"] > 2
+
+
+def test_command_line_prints_the_report_and_the_sweep_writes_json(tmp_path, capsys):
+    assert bench_main(["serve", "--request-rate", "100", "--num-prompts", "3",
+                       "--reservation", "orca-oracle"]) == 0
+    out = capsys.readouterr().out
+    for words in ("Request throughput (req/s):", "Output token throughput", "Mean TTFT (ms):",
+                  "P99 TPOT (ms):", "Median ITL (ms):", "Mean latency / output length",
+                  "orca-oracle"):
+        assert words in out
+    path = tmp_path / "sweep.json"
+    assert bs.main(["--sweep", "--rates", "100", "--num-prompts", "2", "--output",
+                    str(path)]) == 0
+    data = json.loads(path.read_text())
+    assert [r["reservation"] for r in data["runs"]] == list(bs.RESERVATIONS)
+    assert all(r["completed"] == 2 for r in data["runs"])
