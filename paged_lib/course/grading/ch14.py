@@ -1,0 +1,188 @@
+"""Checks for chapter 14 (serving online). Each prints one verdict line.
+
+* 14.1 an incremental detokenizer with stop strings, a class
+  ``cls(decode, stop=())`` with ``add(token_ids) -> str``, ``finish() -> str`` and the
+  attributes ``text`` and ``stopped`` (the behaviour of
+  :class:`paged_lib.serve.detokenize.IncrementalDetokenizer`, written from its spec).
+
+The tokens are the tiny model's bytes (:class:`paged_lib.tokenizer.ByteTokenizer`), so é
+is two tokens, 日 three and 🎉 four. After every ``add`` the text released so far must be
+exactly what is decided: every whole character when no stop is given; with stops, the
+text cut before the earliest stop once one has appeared, else all but the last
+``len(longest stop) - 1`` characters. The expected text is computed here from the bytes
+(no call to the library), and a wrong piece is matched to the typical mistake.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from typing import Any
+
+from paged_lib.course import grading
+from paged_lib.serve.detokenize import IncrementalDetokenizer
+from paged_lib.tokenizer import ByteTokenizer
+
+__all__ = ["TWINS", "check_detokenizer", "run_demo"]
+
+#: Exercise id -> the library object the learner's code re-implements.
+TWINS: dict[str, str] = {"14.1": "paged_lib.serve.detokenize.IncrementalDetokenizer.add"}
+
+_TOK = ByteTokenizer()
+
+#: text, stops, tokens per add, what it tests
+_CASES: list[tuple[str, list[str], int, str]] = [
+    ("café au lait", [], 1, "é split over two byte tokens, no stop"),
+    ("naïve 日本語 text", [], 2, "CJK characters of three bytes, two tokens per add"),
+    ("emoji 🎉 ok", [], 1, "a four-byte emoji, no stop"),
+    ("abc\n\ndef", ["\n\n"], 1, "a stop of two characters arriving a token apart"),
+    ("x = 1\nreturn x", ["\nret"], 1, "a stop of four characters"),
+    ("go 日本 now", ["本 n"], 1, "a stop that starts inside a multi-byte character's tokens"),
+    ("wait 🎉🎉 now", ["🎉🎉"], 3, "a stop made of emoji, three tokens per add"),
+    ("hello world", ["world", "lo"], 11, "two stops in one add: the earliest in the text wins"),
+    ("xabcx", ["b", "abc"], 1, "the stop that appears first ends the text"),
+    ("ab", ["xyz"], 1, "a stop that never comes: finish releases the held text"),
+    ("stop here, not here", ["here"], 4, "text after the stop is ignored"),
+    ("aaaa", ["aa", "aaa"], 1, "overlapping stops"),
+    ("plain text", ["", "t"], 1, "an empty stop string is ignored"),
+]
+
+
+def _cut(text: str, stops: Sequence[str]) -> tuple[str, str | None]:
+    """The text up to the earliest stop, and which stop (the earliest; ties: the first)."""
+    found = [(i, s) for s in stops if s and (i := text.find(s)) >= 0]
+    if not found:
+        return text, None
+    i, s = min(found, key=lambda f: f[0])
+    return text[:i], s
+
+
+def _decided(data: bytes, stops: Sequence[str]) -> tuple[str, str | None]:
+    """What may be released once ``data`` arrived, and the stop if one has appeared."""
+    text = data.decode("utf-8", "ignore")
+    cut, stop = _cut(text, stops)
+    if stop is not None:
+        return cut, stop
+    hold = max((len(s) for s in stops if s), default=1) - 1
+    return text[:max(0, len(text) - hold)], None
+
+
+def _describe(got: str, want: str, text: str, stops: Sequence[str], sofar: bytes,
+              final: bool) -> str:
+    """A hint naming the mistake that turns ``want`` into ``got``."""
+    hold = max((len(s) for s in stops if s), default=1) - 1
+    whole = sofar.decode("utf-8", "ignore")
+    cut, stop = _cut(whole if not final else text, stops)
+    if "\ufffd" in got:
+        return ("half a character went out as U+FFFD: a byte token can end half way "
+                "through a character; keep the incomplete tail (decoded as U+FFFD) until "
+                "its other bytes arrive")
+    if stop is not None and any(s != stop and s in whole and got == whole[:whole.find(s)]
+                                for s in stops if s):
+        return ("the text must end before the *earliest* occurrence of any stop string "
+                "in the text, not before the first stop of the list that occurs")
+    if stop is not None and got.startswith(cut + stop):
+        return "the stop string itself was sent: cut the text just before the stop"
+    if stop is not None and got.startswith(cut) and len(got) > len(cut):
+        return ("text after a stop string was sent: once a stop appears, the text ends "
+                "before it and later tokens are ignored")
+    if stop is None and not final and got.startswith(want) and len(got) > len(want):
+        return (f"no hold-back: text that may begin a stop string was sent before it was "
+                f"decided; hold back the last len(longest stop) - 1 = {hold} characters")
+    if final and want.startswith(got):
+        return "finish must return everything still held back (no stop came)"
+    if want.startswith(got) and not final and stop is None:
+        if not stops:
+            return ("text held back with no stop strings: each character goes out as "
+                    "soon as its bytes are all there")
+        return (f"too much held back: only the last len(longest stop) - 1 = {hold} "
+                "characters may still become a stop")
+    return "compare the released text with the spec: whole characters, cut at the stop"
+
+
+def _run_case(cls: Any, text: str, stops: list[str], per_add: int, what: str) -> None:
+    data = text.encode()
+    det = cls(_TOK.decode, stops)
+    out, ended, stop = "", None, None
+    for k in range(0, len(data), per_add):
+        chunk = list(data[k:k + per_add])
+        piece = det.add(chunk)
+        grading.expect_true(isinstance(piece, str), f"{what}: add returned {piece!r}, not a "
+                            "str", "add returns the newly decided text, '' when none")
+        out += piece
+        if ended is None:
+            want, stop = _decided(data[:k + per_add], stops)
+            ended = want if stop is not None else None
+        if out != want:
+            grading.fail(f"{what} ({text!r}, stop={stops}): after {k + len(chunk)} tokens "
+                         f"the text sent is {out!r}, expected {want!r}",
+                         _describe(out, want, text, stops, data[:k + per_add], False))
+    last = det.finish()
+    grading.expect_true(isinstance(last, str), f"{what}: finish returned {last!r}, not a str",
+                        "finish returns the text still held ('' when none)")
+    out += last
+    want = ended if ended is not None else text
+    if out != want:
+        grading.fail(f"{what} ({text!r}, stop={stops}): after finish the text sent is "
+                     f"{out!r}, expected {want!r}",
+                     _describe(out, want, text, stops, data, True))
+    grading.expect_equal(det.stopped, stop, f"{what} ({text!r}, stop={stops}): stopped",
+                         "stopped names the stop string that ended the text (None if none)")
+    grading.expect_equal(det.text, want, f"{what} ({text!r}, stop={stops}): the text "
+                         "attribute", "text is all the text decided, cut before the stop")
+    grading.expect_equal((det.add(list(b"more")), det.finish()) if stop else ("", ""),
+                         ("", ""), f"{what}: add and finish after the stop",
+                         "after a stop, the sequence is over: add and finish return ''")
+
+
+def _random_cases(seed: int = 14, count: int = 150) -> list[tuple[str, list[str], int]]:
+    rng = random.Random(seed)
+    alphabet = "ab é日🎉\n"
+    cases = []
+    for _ in range(count):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 14)))
+        stops = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 3)))
+                 for _ in range(rng.randint(0, 2))]
+        cases.append((text, stops, rng.randint(1, 3)))
+    return cases
+
+
+def check_detokenizer(cls: Any) -> None:
+    """``cls``: the learner's class, ``cls(decode, stop)`` with ``add`` and ``finish``."""
+    with grading.exercise("14.1", "Streaming text: whole characters, stop strings"):
+        grading.expect_true(isinstance(cls, type), f"expected a class, got {cls!r}",
+                            "pass the class itself (check_detokenizer(MyDetokenizer)), not "
+                            "an instance")
+        for name in ("add", "finish"):
+            grading.expect_true(
+                not (issubclass(cls, IncrementalDetokenizer)
+                     and getattr(cls, name) is getattr(IncrementalDetokenizer, name)),
+                f"your class inherits the library's IncrementalDetokenizer.{name}",
+                f"define {name} in your own class: that is the exercise")
+        for text, stops, per_add, what in _CASES:
+            _run_case(cls, text, stops, per_add, what)
+        for k, (text, stops, per_add) in enumerate(_random_cases()):
+            _run_case(cls, text, stops, per_add, f"random case {k}")
+
+
+def run_demo(cls: Any, prompt: str = "def add(a, b):", max_tokens: int = 60,
+             stop: Sequence[str] = ("string",)) -> None:
+    """Stream the tiny model's greedy answer through the learner's class, a token at a
+    time, and print each piece the client would get (in brackets) and why it ended."""
+
+    def run() -> None:
+        from paged_lib.engine import LLMEngine, SamplingParams
+        from paged_lib.model import load_tiny_code_llama
+
+        engine = LLMEngine(load_tiny_code_llama(), 64, 16)
+        out = engine.generate([_TOK.encode(prompt)],
+                              SamplingParams(max_tokens=max_tokens, temperature=0.0))
+        det = cls(_TOK.decode, list(stop))
+        pieces = [det.add([t]) for t in out[0].outputs[0].token_ids]
+        pieces.append(det.finish())
+        print(f"{sum(1 for p in pieces if p)} pieces from "
+              f"{len(out[0].outputs[0].token_ids)} tokens:")
+        print("".join(f"[{p}]" for p in pieces if p))
+        print(f"stopped at {det.stopped!r}")
+
+    grading.on_learner_code(run, "exercise 14.1", "the streaming demo")

@@ -1,0 +1,116 @@
+"""Chapter 14's grader (14.1, the incremental detokenizer with stop strings) against typical
+wrong answers: each gets ❌ with a hint naming the mistake; a right answer written
+differently from the library's gets ✅."""
+
+from __future__ import annotations
+
+import pytest
+
+from paged_lib.course.grading import ch14
+from paged_lib.serve.detokenize import IncrementalDetokenizer
+
+
+class Det:
+    """An answer that decodes all its tokens every time (not the library's window); each
+    flag plants one typical mistake."""
+
+    SPLIT = NO_HOLD = KEEP_STOP = LIST_ORDER = NO_FLUSH = HOLD_ONE_MORE = False
+    HOLD_WITHOUT_STOPS = False
+
+    def __init__(self, decode, stop=()):
+        self.decode, self.stop = decode, [s for s in stop if s]
+        self.hold = max((len(s) for s in self.stop), default=1) - 1
+        if self.HOLD_ONE_MORE and self.stop:
+            self.hold += 1
+        if self.HOLD_WITHOUT_STOPS and not self.stop:
+            self.hold = 1
+        self.ids, self.sent, self.text, self.stopped = [], 0, "", None
+
+    def add(self, token_ids):
+        if self.stopped is not None:
+            return ""
+        self.ids += list(token_ids)
+        full = self.decode(self.ids)
+        self.text = full if self.SPLIT else full.rstrip("\ufffd")
+        return self._release(final=False)
+
+    def finish(self):
+        if self.stopped is not None:
+            return ""
+        self.text = self.decode(self.ids)
+        return "" if self.NO_FLUSH else self._release(final=True)
+
+    def _release(self, final):
+        found = [(i, s) for s in self.stop if (i := self.text.find(s)) >= 0]
+        if found:
+            i, s = found[0] if self.LIST_ORDER else min(found, key=lambda f: f[0])
+            end = i + len(s) if self.KEEP_STOP else i
+            self.stopped, self.text = s, self.text[:end]
+        else:
+            end = len(self.text) if final or self.NO_HOLD \
+                else max(self.sent, len(self.text) - self.hold)
+        out, self.sent = self.text[self.sent:end], end
+        return out
+
+
+def _bug(**flags):
+    return type("Wrong", (Det,), flags)
+
+
+class Twin(IncrementalDetokenizer):
+    """Delegates to the library."""
+
+    def add(self, token_ids):
+        return IncrementalDetokenizer.add(self, token_ids)
+
+    def finish(self):
+        return IncrementalDetokenizer.finish(self)
+
+
+class Inherits(IncrementalDetokenizer):
+    pass
+
+
+def verdict(capsys, answer) -> str:
+    ch14.check_detokenizer(answer)
+    out = capsys.readouterr().out
+    assert out.count("\n") <= 2, out  # one verdict line, at most one hint line
+    return out
+
+
+def test_a_right_answer_written_differently_passes(capsys):
+    assert verdict(capsys, Det).startswith("✅ [14.1]")
+    assert verdict(capsys, _bug()).startswith("✅ [14.1]")
+
+
+@pytest.mark.parametrize("wrong, hint", [
+    (_bug(SPLIT=True), "half a character went out as U+FFFD"),
+    (_bug(NO_HOLD=True), "no hold-back"),
+    (_bug(KEEP_STOP=True), "the stop string itself was sent"),
+    (_bug(LIST_ORDER=True), "*earliest* occurrence"),
+    (_bug(NO_FLUSH=True), "finish must return everything still held back"),
+    (_bug(HOLD_ONE_MORE=True), "too much held back"),
+    (_bug(HOLD_WITHOUT_STOPS=True), "text held back with no stop strings"),
+    (Inherits, "inherits the library's IncrementalDetokenizer.add"),
+    (Twin, "write it yourself from the spec"),
+    (Det(lambda ids: "", ()), "expected a class"),
+], ids=["split-character", "no-hold-back", "stop-kept", "first-stop-in-list", "no-flush",
+        "holds-len-stop", "holds-without-stops", "inherits", "delegates", "an-instance"])
+def test_14_1_wrong_answers_get_a_named_hint(capsys, wrong, hint):
+    out = verdict(capsys, wrong)
+    assert out.startswith("❌ [14.1]") and hint in out, out
+
+
+def test_the_stub_is_not_attempted(capsys):
+    class Stub:
+        def __init__(self, decode, stop=()):
+            raise NotImplementedError()
+
+    assert verdict(capsys, Stub).startswith("⏳ [14.1]")
+
+
+def test_the_demo_streams_through_the_learners_class(capsys):
+    ch14.run_demo(Det)
+    out = capsys.readouterr().out
+    assert "stopped at 'string'" in out and "[R][e][t][u][r][n]" in out
+    assert "pieces from" in out
