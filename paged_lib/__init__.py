@@ -28,19 +28,20 @@ _configure()
 
 from paged_lib.device import default_device, mode  # noqa: E402
 
-__all__ = ["LLM", "SamplingParams", "default_device", "mode"]
+__all__ = ["LLM", "BeamSearchParams", "SamplingParams", "default_device", "mode"]
 __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
-    """``from paged_lib import LLM, SamplingParams`` (vLLM's names), imported on first use
-    so that ``import paged_lib`` does not load the engine (nor Triton)."""
+    """``from paged_lib import LLM, SamplingParams, BeamSearchParams`` (vLLM's names),
+    imported on first use so that ``import paged_lib`` does not load the engine (nor
+    Triton)."""
     if name == "LLM":
         from paged_lib.engine.llm import LLM
 
         return LLM
-    if name == "SamplingParams":
-        from paged_lib.engine.sequence import SamplingParams
+    if name in ("SamplingParams", "BeamSearchParams"):
+        from paged_lib.engine import sampling_params
 
-        return SamplingParams
+        return getattr(sampling_params, name)
     raise AttributeError(f"module 'paged_lib' has no attribute {name!r}")

@@ -99,9 +99,11 @@ def test_one_string_and_defaults(llm):
 @pytest.mark.parametrize("prompts, message", [
     ("", "prompt 0 is empty"),
     (["def ", ""], "prompt 1 is empty"),
-    ([[256, 100]], "prompt 0 must be a str, got list (for token ids, use LLMEngine.generate)"),
-    (["def ", b"x"], "prompt 1 must be a str, got bytes"),
-    (5, "prompts must be a str or a list of str, got int"),
+    ([[256, 100], [256, 999]], "request 1: token 999 at position 1 is not an id"),
+    (["def ", b"x"], "prompt 1 must be a str, a list of token ids, {'prompt': str} or "
+                     "{'prompt_token_ids': [...]}, got bytes"),
+    ([{"text": "def "}], "got dict {'text': 'def '}"),
+    (5, "prompts must be a str, a list of token ids, or a list of them"),
 ])
 def test_bad_prompts_are_a_value_error(llm, prompts, message):
     with pytest.raises(ValueError) as err:

@@ -8,7 +8,9 @@ A request flows one way through one step (:meth:`LLMEngine.step`)::
       -> sample()             greedy, temperature (per-request generator), beam candidates
     Scheduler.update()        append tokens, fork samples, pick beams, finish, free blocks
 
-Files: ``sequence.py`` (request state, outputs, :class:`EngineStats`),
+Files: ``sampling_params.py`` (:class:`SamplingParams`, :class:`BeamSearchParams`: vLLM's
+keywords and defaults), ``sequence.py`` (request state, outputs, :class:`EngineStats`),
+``stop.py`` (when a sequence is done and why), ``outputs.py`` (vLLM's output shapes),
 ``block_manager.py``, ``policy.py`` (admission and victim choice), ``scheduler.py``,
 ``scheduler_output.py``, ``prefill.py`` (chunked prefill), ``prefix_cache.py`` (hashed
 full blocks and the LRU free queue, chapter 10), ``model_runner.py``, ``sampler.py``,
@@ -49,13 +51,16 @@ from paged_lib.engine.llm import LLM
 from paged_lib.engine.llm_engine import LLMEngine
 from paged_lib.engine.model_input import ModelInput, model_input
 from paged_lib.engine.model_runner import ModelRunner, build_metadata
+from paged_lib.engine.outputs import BeamSearchOutput, BeamSearchSequence
 from paged_lib.engine.policy import Budget, can_admit, choose_victim
 from paged_lib.engine.requests import worst_case_blocks
+from paged_lib.engine.sampling_params import BeamSearchParams
 from paged_lib.engine.scheduler import Scheduler
 from paged_lib.engine.scheduler_output import SchedulerOutput
 from paged_lib.engine.sequence import (
     CompletionOutput,
     EngineStats,
+    Logprob,
     RequestOutput,
     RequestTimeline,
     SamplingParams,
@@ -65,9 +70,9 @@ from paged_lib.engine.sequence import (
 )
 from paged_lib.engine.static_batching import StaticBatchingEngine
 
-__all__ = ["LLM", "BlockManager", "Budget", "CompletionOutput", "EngineHooks", "EngineStats",
-           "LLMEngine", "ModelInput", "ModelRunner", "RequestOutput", "RequestTimeline",
-           "SamplingParams", "Scheduler", "SchedulerOutput", "Sequence", "SequenceGroup",
-           "SequenceStatus", "StaticBatchingEngine", "beam_step", "build_metadata", "can_admit",
-           "choose_victim", "model_input", "num_required_blocks", "swap_mapping",
-           "worst_case_blocks"]
+__all__ = ["LLM", "BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence", "BlockManager",
+           "Budget", "CompletionOutput", "EngineHooks", "EngineStats", "LLMEngine", "Logprob",
+           "ModelInput", "ModelRunner", "RequestOutput", "RequestTimeline", "SamplingParams",
+           "Scheduler", "SchedulerOutput", "Sequence", "SequenceGroup", "SequenceStatus",
+           "StaticBatchingEngine", "beam_step", "build_metadata", "can_admit", "choose_victim",
+           "model_input", "num_required_blocks", "swap_mapping", "worst_case_blocks"]

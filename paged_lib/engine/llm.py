@@ -1,6 +1,6 @@
 """``LLM``: text in, text out, as in vLLM's quickstart.
 
-    from paged_lib import LLM, SamplingParams
+    from paged_lib import LLM, BeamSearchParams, SamplingParams
 
     llm = LLM("paged_lib/data/tiny-code-llama")
     params = SamplingParams(max_tokens=40, temperature=0.8, top_p=0.95, seed=0)
@@ -11,6 +11,13 @@
     out = chat.chat([{"role": "user", "content": "What is the capital of France?"}],
                     SamplingParams(max_tokens=32, temperature=0))
     print(out[0].outputs[0].text)                # The capital of France is Paris.
+
+    beams = llm.beam_search(["def "], BeamSearchParams(beam_width=4, max_tokens=16))
+    print(beams[0].sequences[0].text)            # the prompt and the best beam's tokens
+
+Prompts may also be token ids (``[256, 100, 101]``, a list of such lists, or
+``{"prompt_token_ids": [...]}``), and ``SamplingParams(stop=["\\n\\n"])`` ends a completion's
+text before a stop string (the engine stops generating there too).
 
 It wraps an :class:`~paged_lib.engine.llm_engine.LLMEngine` (the token-id API, unchanged)
 and a tokenizer: the shipped byte tokenizer (:class:`~paged_lib.tokenizer.ByteTokenizer`,
@@ -33,7 +40,10 @@ import torch
 
 from paged_lib.accounting import MiB, kv_bytes_per_token
 from paged_lib.engine.llm_engine import LLMEngine
-from paged_lib.engine.sequence import RequestOutput, SamplingParams
+from paged_lib.engine.outputs import BeamSearchOutput, BeamSearchSequence
+from paged_lib.engine.requests import token_id
+from paged_lib.engine.sampling_params import BeamSearchParams, SamplingParams
+from paged_lib.engine.sequence import RequestOutput
 from paged_lib.model import TinyLlama, TinyLlamaConfig
 from paged_lib.models import smollm2
 from paged_lib.models.chat_tokenizer import ChatTokenizer
@@ -117,35 +127,53 @@ class LLM:
         if self.tokenizer.vocab_size > model.config.vocab_size:
             raise ValueError(f"the tokenizer has {self.tokenizer.vocab_size} ids but the model "
                              f"only {model.config.vocab_size}")
-        self.engine = LLMEngine(model, num_blocks, block_size, **engine_options)
+        self.engine = LLMEngine(model, num_blocks, block_size, tokenizer=self.tokenizer,
+                                **engine_options)
 
-    def generate(self, prompts: str | list[str],
-                 sampling_params: SamplingParams | list[SamplingParams] | None = None
-                 ) -> list[RequestOutput]:
-        """Complete each prompt; one :class:`RequestOutput` per prompt, in order, with
-        ``prompt`` and every ``outputs[i].text`` filled in.
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams]
+                 | None = None, *, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Complete each prompt; one :class:`RequestOutput` per prompt, in order, with every
+        ``outputs[i].text`` filled in (and ``prompt``, for a prompt given as text).
 
-        ``prompts`` is a string or a list of strings (not empty); ``sampling_params`` one
-        :class:`SamplingParams` for all, or one per prompt (default: greedy, 16 tokens, as
-        vLLM's default ``max_tokens``). Bad input raises ``ValueError`` before anything runs.
+        ``prompts`` as vLLM takes them: a string, a list of token ids, or a list of those
+        (strings, token-id lists, ``{"prompt": "..."}`` or ``{"prompt_token_ids": [...]}``
+        dicts); ``sampling_params`` one :class:`SamplingParams` for all, or one per prompt
+        (default: ``SamplingParams()``, vLLM's: temperature 1.0, 16 tokens). Bad input
+        raises ``ValueError`` before anything runs. ``use_tqdm`` is accepted for vLLM's
+        signature (no progress bar here).
         """
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        if not isinstance(prompts, list | tuple):
-            raise ValueError(f"prompts must be a str or a list of str, "
-                             f"got {type(prompts).__name__}")
-        for i, p in enumerate(prompts):
-            if not isinstance(p, str):
-                raise ValueError(f"prompt {i} must be a str, got {type(p).__name__} (for token "
-                                 "ids, use LLMEngine.generate)")
-            if not p:
-                raise ValueError(f"prompt {i} is empty: give the model some text to continue")
-        return self._run(prompts, [self.tokenizer.encode(p) for p in prompts],
-                         sampling_params)
+        texts, ids = self._prompts(prompts)
+        return self._run(texts, ids, sampling_params)
+
+    def beam_search(self, prompts, params: BeamSearchParams, *, use_tqdm: bool = False
+                    ) -> list[BeamSearchOutput]:
+        """vLLM's ``LLM.beam_search``: one :class:`BeamSearchOutput` per prompt (prompts as
+        :meth:`generate` takes them), its ``sequences`` the ``beam_width`` best finished
+        beams, best first. The engine's own beam groups run them (copy-on-write blocks,
+        ``SamplingParams(beam_width=...)``); as in vLLM, each sequence's ``tokens`` start with
+        the prompt's and its ``text`` decodes them all. Scores follow this engine's beam
+        search (:mod:`~paged_lib.engine.beam_search`: length penalty over the generated
+        tokens, as transformers), where vLLM's counts the prompt's too. A prompt that can
+        never run here raises ``ValueError``."""
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be BeamSearchParams, got {type(params).__name__}")
+        texts, ids = self._prompts(prompts)
+        results = []
+        for i, out in enumerate(self.engine.generate(ids, params.sampling_params())):
+            if out.error is not None:
+                raise ValueError(f"prompt {i}: {out.error}")
+            beams = [BeamSearchSequence(out.prompt_token_ids + c.token_ids,
+                                        c.cumulative_logprob,
+                                        self.tokenizer.decode(out.prompt_token_ids
+                                                              + c.token_ids),
+                                        c.finish_reason, c.stop_reason)
+                     for c in out.outputs]
+            results.append(BeamSearchOutput(beams))
+        return results
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, use_tqdm: bool = True) -> list[RequestOutput]:
         """Answer one conversation (``[{"role": "user", "content": "..."}, ...]``) or a list
         of them, as vLLM's ``LLM.chat``: each is rendered with the model's chat template
         (ending with the assistant's turn opened, ``add_generation_prompt``), encoded, and
@@ -165,17 +193,43 @@ class LLM:
         return self._run(texts, [self.tokenizer.encode(t, add_bos=False) for t in texts],
                          sampling_params)
 
-    def _run(self, texts: list[str], ids: list[list[int]], sampling_params
+    def _prompts(self, prompts) -> tuple[list[str | None], list[list[int]]]:
+        """Each prompt's text (``None`` for token ids) and token ids (see :meth:`generate`)."""
+        if isinstance(prompts, str | dict) or (isinstance(prompts, list | tuple) and prompts
+                                               and token_id(prompts[0]) is not None):
+            prompts = [prompts]  # one prompt
+        if not isinstance(prompts, list | tuple):
+            raise ValueError("prompts must be a str, a list of token ids, or a list of them "
+                             f"(str, token-id lists or dicts), got {type(prompts).__name__}")
+        texts, ids = [], []
+        for i, p in enumerate(prompts):
+            if isinstance(p, dict) and set(p) in ({"prompt"}, {"prompt_token_ids"}):
+                p = p.get("prompt", p.get("prompt_token_ids"))
+            if isinstance(p, str):
+                if not p:
+                    raise ValueError(f"prompt {i} is empty: give the model some text to "
+                                     "continue")
+                texts.append(p)
+                ids.append(self.tokenizer.encode(p))
+            elif isinstance(p, list | tuple):  # token ids, checked by the engine
+                texts.append(None)
+                ids.append(list(p))
+            else:
+                raise ValueError(f"prompt {i} must be a str, a list of token ids, "
+                                 "{'prompt': str} or {'prompt_token_ids': [...]}, got "
+                                 f"{type(p).__name__}" + (f" {p!r}" if isinstance(p, dict)
+                                                          else ""))
+        return texts, ids
+
+    def _run(self, texts: list[str | None], ids: list[list[int]], sampling_params
              ) -> list[RequestOutput]:
-        """Generate from ``ids``; fill in the prompts' texts and the completions'."""
+        """Generate from ``ids`` (the engine decodes the completions); fill in the prompts'
+        texts."""
         if sampling_params is None:
-            sampling_params = SamplingParams(max_tokens=16, temperature=0.0)
+            sampling_params = SamplingParams()  # vLLM's defaults
         outputs = self.engine.generate(ids, sampling_params)
-        decode = self.tokenizer.decode
-        return [dataclasses.replace(
-            out, prompt=text,
-            outputs=[dataclasses.replace(c, text=decode(c.token_ids)) for c in out.outputs])
-            for out, text in zip(outputs, texts, strict=True)]
+        return [dataclasses.replace(out, prompt=text)
+                for out, text in zip(outputs, texts, strict=True)]
 
     @property
     def stats(self):

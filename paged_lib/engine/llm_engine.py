@@ -25,6 +25,7 @@ from paged_lib.engine.block_manager import BlockManager
 from paged_lib.engine.hooks import EngineHooks
 from paged_lib.engine.model_input import model_input
 from paged_lib.engine.model_runner import ModelRunner
+from paged_lib.engine.outputs import request_output
 from paged_lib.engine.prefix_cache import PrefixCachingAllocator
 from paged_lib.engine.requests import (
     check_max_model_len,
@@ -36,7 +37,6 @@ from paged_lib.engine.reservation import make_reservation
 from paged_lib.engine.sampler import sample
 from paged_lib.engine.scheduler import Scheduler
 from paged_lib.engine.sequence import (
-    CompletionOutput,
     EngineStats,
     RequestOutput,
     SamplingParams,
@@ -44,6 +44,7 @@ from paged_lib.engine.sequence import (
     SequenceGroup,
     SequenceStatus,
 )
+from paged_lib.engine.stop import StopStrings
 from paged_lib.engine.tensor_parallel import kv_cache_bytes_per_rank, start_tensor_parallel
 from paged_lib.engine.window import make_window
 from paged_lib.kernels import BACKENDS
@@ -85,6 +86,9 @@ class LLMEngine:
     heads and KV cache split between them (:mod:`paged_lib.engine.tensor_parallel`); the
     scheduler stays here. ``close()`` (or ``with LLMEngine(...) as engine:``) stops them.
 
+    Chapter 13: with a ``tokenizer`` (``LLM`` passes its own), completions carry their
+    ``text`` and requests may stop at ``stop`` strings (:mod:`paged_lib.engine.stop`).
+
     Chapter 14: ``reservation="orca-max" | "orca-pow2" | "orca-oracle"`` makes each request
     reserve at admission the blocks chapter 02's Orca policies give it, held until it
     finishes (:mod:`paged_lib.engine.reservation`); ``"paged"`` (the default) reserves none.
@@ -99,7 +103,8 @@ class LLMEngine:
                  tensor_parallel_size: int = 1, sliding_window: int | None = None,
                  num_sink_tokens: int = 0, max_model_len: int | None = None,
                  reservation: str = "paged",
-                 hooks: EngineHooks | None = None, on_step: Callable | None = None):
+                 hooks: EngineHooks | None = None, on_step: Callable | None = None,
+                 tokenizer=None):
         if attention_backend not in ("auto", *BACKENDS):
             raise ValueError(f"attention_backend must be 'auto' or one of {BACKENDS}, "
                              f"got {attention_backend!r}")
@@ -165,6 +170,9 @@ class LLMEngine:
         #: ``on_step(out, stats)`` after every step: the step's SchedulerOutput (who ran,
         #: their slots, copies, swaps, preemptions) and the stats with the step recorded
         self.on_step = on_step
+        #: decodes completions and finds stop strings (``None``: the token-id API only)
+        self.tokenizer = tokenizer
+        self.stop_strings = StopStrings(tokenizer.decode) if tokenizer is not None else None
         self._next_seq_id = 0
 
     @property
@@ -186,7 +194,8 @@ class LLMEngine:
     # ------------------------------------------------------------------ requests
 
     def _check_request(self, i: int, prompt, params: SamplingParams) -> list[int]:
-        prompt = check_request(i, prompt, params, self.model.config.vocab_size, self.window)
+        prompt = check_request(i, prompt, params, self.model.config.vocab_size, self.window,
+                               has_tokenizer=self.tokenizer is not None)
         if self.reservation is not None:
             self.reservation.check_request(i, params)
         return prompt
@@ -272,7 +281,7 @@ class LLMEngine:
         built = time.perf_counter()
         logits = self.runner.execute(inp)
         ran = time.perf_counter()
-        samples = sample(logits, out)
+        samples = sample(logits, out, self.model.config.eos_token_id)
         sampled = time.perf_counter()
         s = self.stats
         s.preemptions += len(out.preempted)
@@ -280,7 +289,8 @@ class LLMEngine:
         s.recomputed_tokens += out.recomputed_tokens
         s.prefix_cache_hit_tokens += out.prefix_cache_hit_tokens
         used = self.block_manager.num_used_blocks
-        finished = self.scheduler.update(out, samples, self.model.config.eos_token_id)
+        finished = self.scheduler.update(out, samples, self.model.config.eos_token_id,
+                                         self.stop_strings)
         # tokens made: one per sample drawn; a beam group makes one per surviving beam
         made = sum(len(x) for x, sc in zip(samples, out.scheduled, strict=True)
                    if sc.group.params.beam_width is None)
@@ -353,14 +363,6 @@ class LLMEngine:
             g.timeline.num_output_tokens = max((len(c.token_ids) for c in o.outputs), default=0)
         return outputs
 
-    @staticmethod
-    def _output(group: SequenceGroup) -> RequestOutput:
-        if group.error is not None:
-            return RequestOutput(group.request_id, group.prompt_token_ids, [], group.error)
-        if group.params.beam_width is not None:  # finished hypotheses, best score first
-            outs = [CompletionOutput(list(t), cum) for t, cum in group.beam_done]
-        else:
-            outs = [CompletionOutput(list(s.output_token_ids), s.cumulative_logprob)
-                    for s in group.seqs]
-        return RequestOutput(group.request_id, group.prompt_token_ids, outs)
-
+    def _output(self, group: SequenceGroup) -> RequestOutput:
+        """vLLM's :class:`RequestOutput` for a finished ``group`` (texts with a tokenizer)."""
+        return request_output(group, self.tokenizer.decode if self.tokenizer else None)

@@ -40,14 +40,21 @@ def token_id(t) -> int | None:
 
 
 def check_request(i: int, prompt, params: SamplingParams, vocab_size: int,
-                  window=None) -> list[int]:
+                  window=None, has_tokenizer: bool = False) -> list[int]:
     """Malformed input raises ``ValueError`` naming the request; returns the prompt as
-    a list of Python ints (numpy and 0-d torch integers welcome, bools are not)."""
+    a list of Python ints (numpy and 0-d torch integers welcome, bools are not). Stop
+    strings need the engine to have a tokenizer (``has_tokenizer``) to read the text."""
     if not isinstance(params, SamplingParams):
         raise ValueError(f"request {i}: params must be SamplingParams, "
                          f"got {type(params).__name__}")
     if problem := params.problem():
         raise ValueError(f"request {i}: {problem}")
+    if params.stop and not has_tokenizer:
+        raise ValueError(f"request {i}: stop strings need a tokenizer to read the text: "
+                         "serve it with LLM, or give LLMEngine a tokenizer")
+    if bad := [t for t in params.stop_token_ids if t >= vocab_size]:
+        raise ValueError(f"request {i}: stop_token_ids {bad} are not ids of this model's "
+                         f"vocabulary (0..{vocab_size - 1})")
     if isinstance(prompt, str | bytes) or not hasattr(prompt, "__iter__"):
         raise ValueError(f"request {i}: a prompt is a list of token ids, got "
                          f"{type(prompt).__name__} (tokenize it first)")

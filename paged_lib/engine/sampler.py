@@ -1,10 +1,14 @@
 """The sampler: from each sequence's logits to its next token(s) and their log-probabilities.
 
-Greedy (``temperature == 0``) takes the argmax. Otherwise the token is drawn from
-``softmax(logits / temperature)`` with the *request's own* ``torch.Generator`` (seeded
-from ``SamplingParams.seed``), so a request's samples do not depend on which other
-requests share its batch, or on preemptions. The log-probability reported is always the
-model's own (``log_softmax(logits)``, temperature 1), as the public API promises.
+Greedy (``temperature`` 0, below 1e-5 as in vLLM) takes the argmax. Otherwise the token is
+drawn from ``softmax(logits / temperature)`` (after ``top_k`` / ``top_p``) with the
+*request's own* ``torch.Generator`` (seeded from ``SamplingParams.seed``), so a request's
+samples do not depend on which other requests share its batch, or on preemptions. Before
+``min_tokens`` tokens, EOS and the stop token ids are masked out first
+(:func:`~paged_lib.engine.stop.min_tokens_mask`). The log-probability reported is always
+the model's own (``log_softmax(logits)``, temperature 1, before any mask or filter: vLLM's
+raw logprobs), as the public API promises; with ``logprobs=k`` each draw also carries its
+``{token id: Logprob}``: the ``k`` most likely tokens and the chosen one, with their ranks.
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ from __future__ import annotations
 import torch
 
 from paged_lib.engine.scheduler import SchedulerOutput
+from paged_lib.engine.sequence import Logprob
+from paged_lib.engine.stop import min_tokens_mask
 
 
 def num_samples(sched) -> int:
@@ -45,8 +51,11 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0
     return logits
 
 
-def sample(logits: torch.Tensor, out: SchedulerOutput) -> list[list[tuple[int, float]]]:
-    """``(token, logprob)`` pairs for every scheduled sequence, in ``out.scheduled`` order."""
+def sample(logits: torch.Tensor, out: SchedulerOutput, eos_token_id: int | None = None
+           ) -> list[list[tuple]]:
+    """``(token, logprob)`` pairs for every scheduled sequence, in ``out.scheduled`` order
+    (``(token, logprob, top)`` when the request asks for ``logprobs``: :func:`top_logprobs`).
+    ``eos_token_id`` is masked out before ``min_tokens``."""
     logits = logits.float().cpu()  # small; the requests' generators live on the CPU
     logprobs = torch.log_softmax(logits, dim=-1)
     result = []
@@ -60,14 +69,33 @@ def sample(logits: torch.Tensor, out: SchedulerOutput) -> list[list[tuple[int, f
             top = torch.topk(logprobs[row], min(params.beam_width + 1, logprobs.shape[1]))
             result.append(list(zip(top.indices.tolist(), top.values.tolist(), strict=True)))
             continue
-        if params.temperature == 0:
-            tokens = [int(torch.argmax(logits[row]))] * k
+        scores = min_tokens_mask(logits[row], params, len(sched.seq.output_token_ids),
+                                 eos_token_id)
+        if params.is_greedy:
+            tokens = [int(torch.argmax(scores))] * k
         else:
-            scaled = logits[row].float() / params.temperature
+            scaled = scores / params.temperature
             if params.top_k > 0 or params.top_p < 1.0:
                 scaled = apply_top_k_top_p(scaled, params.top_k, params.top_p)
             probs = torch.softmax(scaled, dim=-1)
             tokens = torch.multinomial(probs, k, replacement=True,
                                        generator=sched.group.generator).tolist()
-        result.append([(t, float(logprobs[row, t])) for t in tokens])
+        if params.logprobs is None:
+            result.append([(t, float(logprobs[row, t])) for t in tokens])
+        else:
+            result.append([(t, float(logprobs[row, t]), top_logprobs(logprobs[row], t,
+                                                                     params.logprobs))
+                           for t in tokens])
     return result
+
+
+def top_logprobs(logprobs: torch.Tensor, token: int, k: int) -> dict[int, Logprob]:
+    """``{token id: Logprob}`` for one draw, as vLLM builds it: the chosen ``token`` first
+    (its rank: how many tokens are at least as likely), then the ``k`` most likely tokens
+    (ranks 1..k; a chosen token among them keeps its first place in the dict)."""
+    chosen = float(logprobs[token])
+    entries = [(token, chosen, int((logprobs >= chosen).sum()))]
+    top = torch.topk(logprobs, min(k, logprobs.shape[-1]))
+    entries += [(t, v, rank) for rank, (t, v) in enumerate(
+        zip(top.indices.tolist(), top.values.tolist(), strict=True), start=1)]
+    return {t: Logprob(v, rank) for t, v, rank in entries}

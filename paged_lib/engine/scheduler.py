@@ -73,8 +73,8 @@ from paged_lib.engine.sequence import (
     SequenceGroup,
     SequenceStatus,
     fork_samples,
-    is_done,
 )
+from paged_lib.engine.stop import check_stop
 from paged_lib.util import cdiv
 
 __all__ = ["Budget", "ScheduledSeq", "Scheduler", "SchedulerOutput", "can_admit",
@@ -324,12 +324,14 @@ class Scheduler:
     # ------------------------------------------------------------------ update
 
     def update(self, out: SchedulerOutput, samples: list[list[tuple[int, float]]],
-               eos_token_id: int | None) -> list[SequenceGroup]:
+               eos_token_id: int | None, stop_strings=None) -> list[SequenceGroup]:
         """Append each sequence's sampled token; finish and free; return finished groups.
 
         ``samples[i]`` holds the (token, logprob) pairs drawn for ``out.scheduled[i]``:
         one, or ``n`` for the prefill of an ``n > 1`` group (the prompt's table is then
-        forked, so the samples share its blocks).
+        forked, so the samples share its blocks). A sequence is done as
+        :func:`~paged_lib.engine.stop.check_stop` says (``stop_strings``: the engine's
+        :class:`~paged_lib.engine.stop.StopStrings` when it has a tokenizer).
         """
         beam_groups: dict[SequenceGroup, list[tuple[Sequence, list]]] = {}
         for sched, drawn in zip(out.scheduled, samples, strict=True):
@@ -349,7 +351,7 @@ class Scheduler:
         finished = []
         for group in dict.fromkeys(s.group for s in out.scheduled if s.sample):  # in order
             for seq in group.live_seqs():  # (beam search ends its beams itself)
-                if is_done(seq, group, eos_token_id):
+                if check_stop(seq, group, eos_token_id, stop_strings):
                     seq.status = SequenceStatus.FINISHED
                     self.block_manager.free(seq)
             if group.is_finished():

@@ -1,12 +1,14 @@
 """A request's state as it moves through the engine, and what the engine reports back.
 
-* :class:`SamplingParams` - what the caller asks for (length, temperature, n, beams).
+* :class:`SamplingParams` - what the caller asks for (vLLM's keywords and defaults, in
+  :mod:`~paged_lib.engine.sampling_params`).
 * :class:`Sequence` - one line of text being generated: its tokens, its block table,
   how many of its tokens already have K/V in the cache.
 * :class:`SequenceGroup` - one request: the sequences that share its prompt (1 for
   greedy, ``n`` for parallel sampling, ``beam_width`` for beam search). The scheduler
   admits, preempts and finishes a group as a whole (all or nothing).
-* :class:`RequestOutput` / :class:`CompletionOutput` - the answer, one per prompt.
+* :class:`RequestOutput` / :class:`CompletionOutput` / :class:`Logprob` - the answer, one
+  per prompt, in vLLM's shapes (built by :func:`~paged_lib.engine.outputs.request_output`).
 * :class:`EngineStats` / :class:`RequestTimeline` - what happened, step by step, in a
   shape that plots directly (one list entry per engine step).
 """
@@ -14,92 +16,15 @@
 from __future__ import annotations
 
 import enum
-import math
 from dataclasses import dataclass, field
 
 import torch
 
 from paged_lib.blocks import BlockTable
+from paged_lib.engine.sampling_params import SamplingParams
 
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How to generate for one request.
-
-    ``temperature == 0`` is greedy. ``n > 1`` draws ``n`` samples that share the prompt's
-    blocks; ``beam_width`` switches to beam search. ``seed`` fixes the request's own
-    random generator, so its samples do not depend on what else is in the batch.
-    ``ignore_eos`` keeps generating past the end-of-sequence token (for benchmarks that
-    need exact output lengths). ``top_k`` (0 or -1: off) and ``top_p`` (1.0: off) sample
-    only among the ``k`` most likely tokens and the smallest set whose probability reaches
-    ``p``, as in vLLM (:func:`~paged_lib.engine.sampler.apply_top_k_top_p`). Values are
-    checked by the engine, which names the request in its error.
-
-    Beam search only (as in vLLM v0 and transformers): a finished hypothesis scores
-    ``cumulative_logprob / len(token_ids) ** length_penalty``; ``early_stopping`` says
-    when the search ends: ``True`` as soon as ``beam_width`` hypotheses are finished,
-    ``False`` when no running beam can still beat the worst of them at its current
-    length, ``"never"`` the same at ``max_tokens`` when ``length_penalty > 0``.
-    """
-
-    max_tokens: int
-    temperature: float = 0.0
-    n: int = 1
-    beam_width: int | None = None
-    seed: int | None = None
-    ignore_eos: bool = False
-    length_penalty: float = 1.0
-    early_stopping: bool | str = False
-    top_p: float = 1.0
-    top_k: int = 0
-
-    @property
-    def num_seqs(self) -> int:
-        """Sequences the request runs at once (blocks are reserved for all of them)."""
-        return self.beam_width if self.beam_width is not None else self.n
-
-    def problem(self) -> str | None:
-        """What is wrong with these parameters, or ``None`` (used for error messages)."""
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            return f"max_tokens must be an int >= 1, got {self.max_tokens!r}"
-        if not _is_number(self.temperature) or not 0 <= self.temperature < math.inf:
-            return f"temperature must be a number >= 0, got {self.temperature!r}"
-        if not _is_int(self.n) or self.n < 1:
-            return f"n must be an int >= 1, got {self.n!r}"
-        if self.seed is not None and not (_is_int(self.seed) and 0 <= self.seed < 2**64):
-            return f"seed must be None or an int in 0..2**64 - 1, got {self.seed!r}"
-        if not isinstance(self.ignore_eos, bool):
-            return f"ignore_eos must be True or False, got {self.ignore_eos!r}"
-        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
-            return f"top_p must be a number in (0, 1], got {self.top_p!r}"
-        if not _is_int(self.top_k) or self.top_k < -1:
-            return f"top_k must be an int >= 1, or 0 or -1 for all tokens, got {self.top_k!r}"
-        if self.beam_width is not None:
-            if not _is_int(self.beam_width) or self.beam_width < 1:
-                return f"beam_width must be an int >= 1, got {self.beam_width!r}"
-            if self.n != 1 or self.temperature != 0 or self.top_p != 1 or self.top_k > 0:
-                return ("beam search is deterministic: leave n=1, temperature=0, top_p=1.0 "
-                        "and top_k=0")
-            if not _is_number(self.length_penalty) or not math.isfinite(self.length_penalty):
-                return f"length_penalty must be a finite number, got {self.length_penalty!r}"
-            if not (self.early_stopping is True or self.early_stopping is False
-                    or self.early_stopping == "never"):
-                return (f"early_stopping must be True, False or 'never', "
-                        f"got {self.early_stopping!r}")
-        elif self.length_penalty != 1.0 or self.early_stopping is not False:
-            return ("length_penalty and early_stopping only apply to beam search: "
-                    "set beam_width, or leave them at 1.0 and False")
-        elif self.n > 1 and self.temperature == 0:
-            return f"n={self.n} greedy samples would all be equal: set temperature > 0"
-        return None
-
-
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_number(x: object) -> bool:
-    return isinstance(x, int | float) and not isinstance(x, bool)
+__all__ = ["CompletionOutput", "EngineStats", "Logprob", "RequestOutput", "RequestTimeline",
+           "SamplingParams", "Sequence", "SequenceGroup", "SequenceStatus", "fork_samples"]
 
 
 class SequenceStatus(enum.Enum):
@@ -118,6 +43,13 @@ class Sequence:
     is not cached yet: ``num_cached == num_tokens - 1`` while running. A prefix-cache hit
     starts it above 0 at admission; a chunked prefill raises it chunk by chunk while its
     table already holds the whole text (chapter 10).
+
+    Once finished, ``finish_reason`` says why (``"length"`` or ``"stop"``) and
+    ``stop_reason`` names the stop token id or stop string, if one ended it
+    (:func:`~paged_lib.engine.stop.check_stop`). ``output_logprobs`` holds one
+    ``{token id: Logprob}`` per generated token when the request asks for ``logprobs``;
+    ``output_text`` is the text the stop-string check has seen (cut before the stop
+    string once one is found).
     """
 
     seq_id: int
@@ -127,6 +59,10 @@ class Sequence:
     block_table: BlockTable | None = None
     num_cached: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
+    output_logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    output_text: str | None = None
 
     @property
     def token_ids(self) -> list[int]:
@@ -141,9 +77,14 @@ class Sequence:
         """Tokens the next step feeds in: the whole text in a (re-)prefill, else 1."""
         return self.num_tokens - self.num_cached
 
-    def append(self, token: int, logprob: float) -> None:
+    def append(self, token: int, logprob: float,
+               top: dict[int, Logprob] | None = None) -> None:
+        """Add a sampled token and its log-probability (and, when the request asks for
+        ``logprobs``, the token's ``{token id: Logprob}``: the top ones and itself)."""
         self.output_token_ids.append(token)
         self.cumulative_logprob += logprob
+        if top is not None:
+            self.output_logprobs.append(top)
 
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
@@ -207,52 +148,76 @@ class SequenceGroup:
         return self.error is not None or not self.live_seqs()
 
 
-def fork_samples(group: SequenceGroup, parent: Sequence,
-                 drawn: list[tuple[int, float]]) -> None:
-    """The other samples of an ``n > 1`` prefill: one child per ``(token, logprob)`` in
-    ``drawn``, each sharing ``parent``'s blocks (a fork) and appending its own token."""
+def fork_samples(group: SequenceGroup, parent: Sequence, drawn: list[tuple]) -> None:
+    """The other samples of an ``n > 1`` prefill: one child per ``(token, logprob)`` (or
+    ``(token, logprob, top)``) in ``drawn``, each sharing ``parent``'s blocks (a fork) and
+    appending its own token."""
     base = max(s.seq_id for s in group.seqs) + 1
-    for k, (token, logprob) in enumerate(drawn):
+    for k, sample in enumerate(drawn):
         child = Sequence(base + k, parent.prompt_token_ids, list(parent.output_token_ids),
                          parent.cumulative_logprob, parent.block_table.fork(),
-                         parent.num_cached, SequenceStatus.RUNNING)
-        child.append(token, logprob)
+                         parent.num_cached, SequenceStatus.RUNNING,
+                         list(parent.output_logprobs))
+        child.append(*sample)
         group.seqs.append(child)
 
 
-def is_done(seq: Sequence, group: SequenceGroup, eos_token_id: int | None) -> bool:
-    """Has ``seq`` made its ``max_tokens``, or (not beam search, EOS not ignored) just
-    sampled the end-of-sequence token?"""
-    if len(seq.output_token_ids) >= group.params.max_tokens:
-        return True
-    return (not group.params.ignore_eos and group.params.beam_width is None
-            and eos_token_id is not None and seq.output_token_ids[-1] == eos_token_id)
+@dataclass
+class Logprob:
+    """vLLM's ``Logprob``: a token's log-probability under the model (``log_softmax`` of
+    its logits, before temperature and filters), its rank among all tokens (1: the most
+    likely) and its text when a tokenizer served the request."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
 
 
 @dataclass(frozen=True)
 class CompletionOutput:
-    """One finished sequence: its generated tokens only, and the sum of their
-    log-probabilities under the model (temperature does not change it). ``text`` is
-    the tokens decoded when a tokenizer served the request (:class:`~paged_lib.engine.llm.
-    LLM`), ``None`` from :meth:`LLMEngine.generate`."""
+    """One finished sequence, as vLLM's ``CompletionOutput``.
 
+    ``index`` is its place among the request's outputs; ``token_ids`` its generated
+    tokens only (a stop token included); ``cumulative_logprob`` the sum of their
+    log-probabilities under the model (temperature does not change it). ``text`` is the
+    tokens decoded when a tokenizer served the request (:class:`~paged_lib.engine.llm.
+    LLM`), ending before the stop string that stopped it; ``None`` from
+    :meth:`LLMEngine.generate` without one. ``logprobs``: with ``SamplingParams(logprobs=
+    k)``, one ``{token id: Logprob}`` per generated token (the ``k`` most likely and the
+    chosen one), else ``None``. ``finish_reason`` is ``"length"`` (``max_tokens``) or
+    ``"stop"`` (EOS, a stop token or a stop string, named in ``stop_reason``).
+    """
+
+    index: int
+    text: str | None
     token_ids: list[int]
     cumulative_logprob: float
-    text: str | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
 
 
 @dataclass(frozen=True)
 class RequestOutput:
-    """The engine's answer to one prompt. ``outputs`` is best first (beam search) or in
-    sample order; it is empty and ``error`` says why when the request could not run.
+    """The engine's answer to one prompt, as vLLM's ``RequestOutput``.
+
     ``prompt`` is the prompt's text when it came in as text (:class:`~paged_lib.engine.
-    llm.LLM`)."""
+    llm.LLM`), else ``None``; ``outputs`` are best first (beam search) or in sample order;
+    ``finished`` is ``True`` once every output has finished (always, from ``generate``).
+
+    ``error`` is this course's extra: a request that can never run here (longer than
+    ``max_model_len``, more blocks than the whole pool) fails alone, with ``outputs``
+    empty and ``error`` saying why, while the others run. vLLM has no such field: its
+    ``LLM.generate`` raises ``ValueError`` for a prompt that is too long before anything
+    runs, and its server answers that request with an HTTP 400 error.
+    """
 
     request_id: int
+    prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
+    finished: bool = True
     error: str | None = None
-    prompt: str | None = None
 
 
 @dataclass

@@ -20,16 +20,17 @@ import torch
 
 from paged_lib.engine.model_input import model_input
 from paged_lib.engine.model_runner import ModelRunner
+from paged_lib.engine.outputs import request_output
 from paged_lib.engine.sampler import sample
 from paged_lib.engine.scheduler import ScheduledSeq, SchedulerOutput
 from paged_lib.engine.sequence import (
-    CompletionOutput,
     EngineStats,
     RequestOutput,
     SamplingParams,
     Sequence,
     SequenceGroup,
 )
+from paged_lib.engine.stop import check_stop
 from paged_lib.model import TinyLlama
 from paged_lib.util import cdiv
 
@@ -70,6 +71,9 @@ class StaticBatchingEngine:
             if sp.num_seqs != 1:
                 raise ValueError(f"request {i}: static batching here runs one sequence per "
                                  "request (n=1, no beams)")
+            if sp.stop:
+                raise ValueError(f"request {i}: static batching reads no text (no stop "
+                                 "strings)")
             if not p:
                 raise ValueError(f"request {i}: the prompt is empty")
         self.stats = EngineStats(num_blocks=self.num_blocks, block_size=self.block_size)
@@ -86,7 +90,7 @@ class StaticBatchingEngine:
         runnable = [g for g in groups if g.error is None]
         for start in range(0, len(runnable), self.num_slots):
             self._run_batch(runnable[start:start + self.num_slots])
-        return [self._output(g) for g in groups]
+        return [request_output(g) for g in groups]
 
     def _run_batch(self, batch: list[SequenceGroup]) -> None:
         """Reserve a slot per member, then step until every member is done."""
@@ -102,22 +106,13 @@ class StaticBatchingEngine:
                 seq = g.seqs[0]
                 out.scheduled.append(ScheduledSeq(g, seq, seq.num_new_tokens, [],
                                                   not seq.output_token_ids))
-            samples = sample(self.runner.execute(model_input(out)), out)
+            samples = sample(self.runner.execute(model_input(out)), out, eos)
             self.stats.record_step(out.kind, len(live), reserved, len(live),
                                    out.num_batched_tokens)
             for sched, drawn in zip(out.scheduled, samples, strict=True):
                 seq, g = sched.seq, sched.group
                 seq.num_cached = seq.num_tokens
                 seq.append(*drawn[0])
-                stop = not g.params.ignore_eos and eos is not None and drawn[0][0] == eos
-                if len(seq.output_token_ids) >= g.params.max_tokens or stop:
+                if check_stop(seq, g, eos):
                     seq.status = seq.status.FINISHED
                     g.timeline.finished_step = out.step
-
-    @staticmethod
-    def _output(group: SequenceGroup) -> RequestOutput:
-        if group.error is not None:
-            return RequestOutput(group.request_id, group.prompt_token_ids, [], group.error)
-        s = group.seqs[0]
-        return RequestOutput(group.request_id, group.prompt_token_ids,
-                             [CompletionOutput(list(s.output_token_ids), s.cumulative_logprob)])

@@ -279,7 +279,8 @@ class YourLLM(LLM):
         engine_options = {k: v for k, v in options.items()
                           if k not in ("tokenizer", "num_blocks", "block_size", "dtype", "device")}
         e = self.engine
-        self.engine = build(e.model, e.num_blocks, e.block_size, pieces, **engine_options)
+        self.engine = build(e.model, e.num_blocks, e.block_size, pieces,
+                            tokenizer=self.tokenizer, **engine_options)
 
 
 def main() -> int:
