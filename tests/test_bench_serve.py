@@ -1,6 +1,7 @@
 """python -m paged_lib.bench serve (chapter 14): Poisson load in real time, vLLM's metrics."""
 
 import json
+import time
 
 import pytest
 
@@ -59,3 +60,19 @@ def test_command_line_prints_the_report_and_the_sweep_writes_json(tmp_path, caps
     data = json.loads(path.read_text())
     assert [r["reservation"] for r in data["runs"]] == list(bs.RESERVATIONS)
     assert all(r["completed"] == 2 for r in data["runs"])
+
+
+def test_the_cpu_clock_counts_steps_and_skips_idle_gaps():
+    engine = bs.make_engine("paged")
+    load = bs.make_load(4, 0.01, seed=2)  # about 100 s apart: idle gaps are skipped
+    start = time.perf_counter()
+    served, duration = bs.serve_load(engine, load, clock="cpu")
+    assert time.perf_counter() - start < 30
+    assert all(len(s.token_times) == s.output_len for s in served)
+    assert duration > load[-1].arrival - load[0].arrival
+    assert all(s.token_times[0] > s.arrival for s in served)
+    assert bs.sweep_command([2, 4.5], 100, clock="cpu") == (
+        "python -m paged_lib.bench serve --sweep --clock cpu --num-prompts 100 --num-blocks 64 "
+        "--rates 2 4.5 --output paged_lib/data/fig12_tiny.json")
+    with pytest.raises(ValueError, match="clock"):
+        bs.serve_load(engine, load, clock="gpu")
