@@ -2,7 +2,9 @@
 
 After each step, every sequence that drew a token is checked, in vLLM v1's order:
 
-1. ``max_tokens`` reached: finished, ``"length"``;
+1. ``max_tokens`` reached: finished, ``"length"`` (vLLM also stops at ``max_model_len``;
+   here a request whose prompt plus ``max_tokens`` would pass it is refused up front, with
+   vLLM's message, so ``max_tokens`` always comes first);
 2. before ``min_tokens`` nothing else can stop it (the sampler also masks EOS and the stop
    token ids until then: :func:`min_tokens_mask`);
 3. the end-of-sequence token (unless ``ignore_eos``): ``"stop"``;
