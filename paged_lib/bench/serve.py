@@ -222,11 +222,13 @@ def report(m: dict) -> str:
 
 def sweep(rates: list[float], num_prompts: int, policies=RESERVATIONS, seed: int = 0,
           num_blocks: int = 64, block_size: int = 16, clock: str = "wall", log=print) -> dict:
-    """Every policy at every rate (the same trace shape, new arrivals per rate)."""
+    """Every policy at every rate (the same trace shape, new arrivals per rate); the
+    policies take turns at each rate, so a machine's load that changes over the sweep
+    falls on all of them alike."""
     model = load_tiny_code_llama()
     runs = []
-    for policy in policies:
-        for rate in rates:
+    for rate in rates:
+        for policy in policies:
             m = bench(rate, num_prompts, policy, seed, num_blocks, block_size, model, clock)
             log(f"{policy:>12} {rate:6.2f} req/s: normalised latency "
                 f"{m['normalized_latency_s']:.4f} s/tok, {m['request_throughput']:.2f} req/s, "

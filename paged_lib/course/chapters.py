@@ -53,4 +53,6 @@ CHAPTERS: tuple[Chapter, ...] = (
             "KV sharded by heads across ranks", "beyond"),
     Chapter("13", "your_engine", "Your engine",
             "your saved pieces serve the shipped model end to end", "beyond", exercises=False),
+    Chapter("14", "serving_online", "Serving online",
+            "an OpenAI-compatible server, Poisson load, Fig. 12 on your engine", "beyond"),
 )
