@@ -76,3 +76,17 @@ def test_the_cpu_clock_counts_steps_and_skips_idle_gaps():
         "--rates 2 4.5 --output paged_lib/data/fig12_tiny.json")
     with pytest.raises(ValueError, match="clock"):
         bs.serve_load(engine, load, clock="gpu")
+
+
+def test_the_load_over_http_to_a_running_server(capsys):
+    from paged_lib.course.demos.server import local_server
+
+    with local_server(name="tiny", num_blocks=64) as base_url:
+        assert bs.main(["--base-url", base_url, "--request-rate", "100", "--num-prompts",
+                        "3", "--seed", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "Successful requests:                             3" in out
+    assert "Failed requests:                                 0" in out
+    assert "(the server's)" in out and "Mean TTFT (ms):" in out
+    with pytest.raises(SystemExit):
+        bs.main(["--sweep", "--base-url", "http://127.0.0.1:9"])

@@ -4,15 +4,18 @@
                                     [--reservation paged|orca-max|orca-pow2|orca-oracle]
                                     [--num-blocks 64] [--block-size 16] [--threads 1]
     python -m paged_lib.bench serve --sweep --rates 1 2 4 8 --output fig12.json
+    python -m paged_lib.bench serve --base-url http://127.0.0.1:8000 [--request-rate 4 ...]
 
 Requests arrive as a Poisson process at ``--request-rate`` per second (seeded), with
-ShareGPT-like lengths (:func:`paged_lib.workloads.sharegpt_like`, synthetic) scaled down
-by ``--scale`` (4: the tiny model's 512 positions hold the paper's 2048) and exactly that
+ShareGPT-like lengths (:func:`paged_lib.workloads.sharegpt_like`, synthetic) divided by
+4 (the tiny model's 512 positions hold the paper's 2048; :func:`make_load`) and exactly that
 many output tokens each (``ignore_eos``, greedy). They are served in real time by the
 engine in this process: one loop adds each request when the wall clock passes its
 arrival, steps the engine while anything is unfinished, and stamps every token when the
 step that made it returns (the server's engine loop, :mod:`paged_lib.serve.async_engine`,
 without HTTP in the way). Latencies count from the scheduled arrival, as a client would.
+With ``--base-url`` the same load goes over HTTP to a running server instead
+(:mod:`paged_lib.bench.serve_http`; a streamed chunk is stamped in place of a token).
 
 With ``--clock cpu`` the loop keeps its own clock instead: each step advances it by the CPU
 time the step took (this thread's), and an idle loop jumps to the next arrival. On a
@@ -38,12 +41,13 @@ import itertools
 import json
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from paged_lib.bench.load import LoadRequest, Served
 from paged_lib.engine.llm_engine import LLMEngine
 from paged_lib.engine.reservation import RESERVATIONS
 from paged_lib.engine.sequence import SamplingParams
@@ -56,15 +60,6 @@ FIG12_JSON = Path(__file__).resolve().parent.parent / "data" / "fig12_tiny.json"
 FIG12_COMMAND = ("python -m paged_lib.bench serve --sweep --clock cpu --num-prompts 100 "
                  "--num-blocks 64 --rates 2 4 6 8 12 16 24 "
                  "--output paged_lib/data/fig12_tiny.json")
-
-
-@dataclass(frozen=True)
-class LoadRequest:
-    """One request of the load: its prompt, how many tokens it gets, when it arrives (s)."""
-
-    prompt: list[int]
-    output_len: int
-    arrival: float
 
 
 def make_load(num_prompts: int, request_rate: float, seed: int = 0, scale: int = 4,
@@ -82,16 +77,6 @@ def make_load(num_prompts: int, request_rate: float, seed: int = 0, scale: int =
         o = max(1, min(r.output_len, max_len - p))
         out.append(LoadRequest(rng.integers(0, vocab, size=p).tolist(), o, float(t)))
     return out
-
-
-@dataclass
-class Served:
-    """What one request saw: its arrival and the time each of its tokens came (s)."""
-
-    arrival: float
-    output_len: int
-    token_times: list[float] = field(default_factory=list)
-    error: str | None = None
 
 
 def serve_load(engine: LLMEngine, load: list[LoadRequest], *, clock: str = "wall",
@@ -155,7 +140,7 @@ def _summary(xs: list[float]) -> dict[str, float]:
 
 def metrics(served: list[Served], duration: float) -> dict:
     """vLLM's serving metrics (ms) and the paper's normalised latency (s/token)."""
-    done = [s for s in served if s.error is None and len(s.token_times) == s.output_len]
+    done = [s for s in served if s.error is None and s.token_times]
     ttft = [1e3 * (s.token_times[0] - s.arrival) for s in done]
     tpot = [1e3 * (s.token_times[-1] - s.token_times[0]) / (s.output_len - 1)
             for s in done if s.output_len > 1]
@@ -269,9 +254,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sweep", action="store_true", help="every policy at every --rates")
     p.add_argument("--rates", type=float, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--output", type=Path, help="write the result(s) as JSON here")
+    p.add_argument("--base-url", help="send the load over HTTP to this running server (e.g. "
+                   "http://127.0.0.1:8000; its own engine options apply) instead of "
+                   "serving it in-process")
+    p.add_argument("--model", help="with --base-url: the model name to ask for (default: "
+                   "the first the server lists)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    if args.sweep:
+    if args.base_url:
+        if args.sweep:
+            p.error("--sweep runs the engine in-process: leave out --base-url")
+        from paged_lib.bench.serve_http import serve_load_http
+
+        served, duration = serve_load_http(
+            args.base_url, make_load(args.num_prompts, args.request_rate, args.seed),
+            args.model)
+        result = metrics(served, duration)
+        result.update(request_rate=args.request_rate, reservation="(the server's)",
+                      num_prompts=args.num_prompts, seed=args.seed, clock="wall",
+                      peak_batch="n/a", base_url=args.base_url)
+        print(report(result))
+    elif args.sweep:
         result = sweep(args.rates, args.num_prompts, seed=args.seed,
                        num_blocks=args.num_blocks, block_size=args.block_size,
                        clock=args.clock)
