@@ -3,6 +3,7 @@
 import json
 import time
 
+import httpx
 import pytest
 
 from paged_lib.bench import serve as bs
@@ -78,12 +79,15 @@ def test_the_cpu_clock_counts_steps_and_skips_idle_gaps():
         bs.serve_load(engine, load, clock="gpu")
 
 
-def test_the_load_over_http_to_a_running_server(capsys):
+@pytest.mark.parametrize("flags", [(), ("--reservation", "orca-max")], ids=["paged", "orca-max"])
+def test_the_load_over_http_to_a_running_server(capsys, flags):
     from paged_lib.course.demos.server import local_server
 
-    with local_server(name="tiny", num_blocks=64) as base_url:
+    with local_server(name="tiny", num_blocks=64, extra_args=flags) as base_url:
         assert bs.main(["--base-url", base_url, "--request-rate", "100", "--num-prompts",
                         "3", "--seed", "1"]) == 0
+        metrics_text = httpx.get(f"{base_url}/metrics").text
+    assert 'finished_reason="length"} 3.0' in metrics_text
     out = capsys.readouterr().out
     assert "Successful requests:                             3" in out
     assert "Failed requests:                                 0" in out

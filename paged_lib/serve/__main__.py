@@ -20,7 +20,7 @@ from paged_lib.data import TINY_CODE_LLAMA_DIR
 #: flags that become LLM(...) keywords when given (the rest keep their defaults)
 ENGINE_FLAGS = ("num_blocks", "block_size", "num_cpu_blocks", "max_num_seqs",
                 "max_num_batched_tokens", "max_model_len", "preemption", "attention_backend",
-                "device")
+                "device", "reservation")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -42,6 +42,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--preemption", choices=("recompute", "swap"))
     p.add_argument("--attention-backend", choices=("auto", "torch", "triton", "cpu"))
     p.add_argument("--device", help="cpu or cuda (default: cuda when there is one)")
+    p.add_argument("--reservation", choices=("paged", "orca-max", "orca-pow2", "orca-oracle"),
+                   help="KV reservation at admission (chapter 14: Orca's baselines; default "
+                   "paged)")
     p.add_argument("--log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug"))
     return p.parse_args(argv)

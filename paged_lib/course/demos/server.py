@@ -32,8 +32,9 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def local_server(name: str = "tiny-code-llama", num_blocks: int = 96, max_num_seqs: int = 16,
-                 startup_s: float = 120.0) -> Iterator[str]:
-    """Start the server on the tiny model as ``name``; yields its base URL."""
+                 startup_s: float = 120.0, extra_args: tuple[str, ...] = ()) -> Iterator[str]:
+    """Start the server on the tiny model as ``name`` (more flags in ``extra_args``, e.g.
+    ``("--reservation", "orca-max")``); yields its base URL."""
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     log = tempfile.TemporaryFile(mode="w+")
@@ -41,7 +42,7 @@ def local_server(name: str = "tiny-code-llama", num_blocks: int = 96, max_num_se
         [sys.executable, "-m", "paged_lib.serve", "--model", str(TINY_CODE_LLAMA_DIR),
          "--served-model-name", name, "--host", "127.0.0.1", "--port", str(port),
          "--num-blocks", str(num_blocks), "--max-num-seqs", str(max_num_seqs),
-         "--device", "cpu", "--log-level", "warning"],
+         "--device", "cpu", "--log-level", "warning", *extra_args],
         stdout=log, stderr=subprocess.STDOUT, env=env)
     base = f"http://127.0.0.1:{port}"
     try:
