@@ -174,7 +174,8 @@ def bench(request_rate: float, num_prompts: int, reservation: str = "paged", see
                clock=clock,
                seed=seed, num_blocks=num_blocks, block_size=block_size,
                peak_batch=max(engine.stats.batch_sizes, default=0),
-               preemptions=engine.stats.preemptions)
+               preemptions=engine.stats.preemptions,
+               blocks_in_use_at_end=engine.block_manager.num_used_blocks)
     return out
 
 
