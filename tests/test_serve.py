@@ -7,10 +7,6 @@ a stream closed half way has its request aborted and its blocks freed; bad reque
 OpenAI's error shape and a 4xx; afterwards every block is free and the server answers.
 """
 
-import os
-import socket
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -18,6 +14,7 @@ import httpx
 import openai
 import pytest
 
+from paged_lib.course.demos.server import local_server
 from paged_lib.data import TINY_CODE_LLAMA_DIR
 from paged_lib.engine import LLM, SamplingParams
 from paged_lib.serve.api_server import (
@@ -34,44 +31,12 @@ NUM_BLOCKS, MAX_NUM_SEQS = 96, 16
 STARTUP_S = 120
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    port = _free_port()
-    log = tmp_path_factory.mktemp("serve") / "server.log"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "paged_lib.serve", "--model", str(TINY_CODE_LLAMA_DIR),
-             "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(port),
-             "--num-blocks", str(NUM_BLOCKS), "--max-num-seqs", str(MAX_NUM_SEQS),
-             "--device", "cpu", "--log-level", "warning"],
-            stdout=out, stderr=subprocess.STDOUT, env=env)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + STARTUP_S
-        while True:
-            assert proc.poll() is None, f"the server exited:\n{log.read_text()}"
-            assert time.monotonic() < deadline, f"no /health in {STARTUP_S} s:\n{log.read_text()}"
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.3)
+def server():
+    """The server on the tiny model, as chapter 14 starts it (waits for /health)."""
+    with local_server(name=MODEL, num_blocks=NUM_BLOCKS, max_num_seqs=MAX_NUM_SEQS,
+                      startup_s=STARTUP_S) as base:
         yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=15)
 
 
 @pytest.fixture(scope="module")
