@@ -76,8 +76,7 @@ class Reservation:
 
     def owed(self, running: list[SequenceGroup]) -> int:
         """Blocks the ``running`` requests may still take of their reservations."""
-        return sum(max(0, self.group_blocks(g) - len(s.block_table.blocks))
-                   for g in running for s in g.live_seqs() if s.block_table is not None)
+        return owed(running, self.group_blocks)
 
     def check_request(self, i: int, params: SamplingParams) -> None:
         if params.num_seqs != 1:
@@ -86,14 +85,29 @@ class Reservation:
 
     def reserving(self, num_required_blocks: Callable,
                   running: Callable[[], list[SequenceGroup]]) -> Callable:
-        """An admission count that reserves: a waiting group needs its reservation (or
-        more, if the library's count says so) plus what ``running()`` groups are owed."""
+        """The admission count that reserves each request's blocks (:func:`reserving`)."""
+        return reserving(num_required_blocks, running, self.group_blocks)
 
-        def required(group: SequenceGroup, block_size: int) -> int:
-            own = max(num_required_blocks(group, block_size), self.group_blocks(group))
-            return own + self.owed(running())
 
-        return required
+def reserving(num_required_blocks: Callable, running: Callable[[], list[SequenceGroup]],
+              cap: Callable[[SequenceGroup], int]) -> Callable:
+    """An admission count that keeps every request's ``cap(group)`` blocks for it: a
+    waiting group needs its cap (or more, if ``num_required_blocks`` says so) plus what the
+    ``running()`` groups may still take of theirs (their cap less the blocks they hold).
+    Free blocks then always cover every running request up to its cap: none is preempted,
+    and no block kept for one goes to another. Orca's reservations use it, and so does the
+    sliding window, whose cap is the most blocks a windowed stream ever holds."""
+
+    def required(group: SequenceGroup, block_size: int) -> int:
+        return max(num_required_blocks(group, block_size), cap(group)) + owed(running(), cap)
+
+    return required
+
+
+def owed(running: list[SequenceGroup], cap: Callable[[SequenceGroup], int]) -> int:
+    """Blocks the ``running`` groups may still take of their ``cap``."""
+    return sum(max(0, cap(g) - len(s.block_table.blocks))
+               for g in running for s in g.live_seqs() if s.block_table is not None)
 
 
 def make_reservation(policy: str, block_size: int, max_len: int, **options) -> Reservation | None:

@@ -67,6 +67,7 @@ import torch
 
 from paged_lib.blocks import BlockTable
 from paged_lib.engine.block_manager import shared_prompt_blocks
+from paged_lib.engine.reservation import reserving
 from paged_lib.engine.scheduler_output import SchedulerOutput
 from paged_lib.engine.sequence import SamplingParams, Sequence, SequenceGroup
 from paged_lib.model import apply_rope, rope_cos_sin
@@ -280,14 +281,7 @@ class SlidingWindow:
                   running: Callable[[], list[SequenceGroup]]) -> Callable:
         """An admission count that also reserves growth: a waiting group needs its
         :meth:`blocks_at_most` plus what the ``running()`` groups may still take, so
-        free blocks always cover every windowed sequence up to its cap (no preemption)."""
-
-        def required(group: SequenceGroup, block_size: int) -> int:
-            own = max(num_required_blocks(group, block_size),
-                      self.blocks_at_most(len(group.prompt_token_ids), group.params.max_tokens))
-            owed = sum(max(0, self.blocks_at_most(len(g.prompt_token_ids), g.params.max_tokens)
-                           - len(s.block_table.blocks))
-                       for g in running() for s in g.live_seqs() if s.block_table is not None)
-            return own + owed
-
-        return required
+        free blocks always cover every windowed sequence up to its cap (no preemption;
+        :func:`~paged_lib.engine.reservation.reserving`)."""
+        return reserving(num_required_blocks, running, lambda g: self.blocks_at_most(
+            len(g.prompt_token_ids), g.params.max_tokens))
