@@ -222,8 +222,7 @@ class AsyncEngine:
             stream.sent[i] += len(new)
             stream.cumulative[i] = seq.cumulative_logprob
             if seq.is_finished():
-                stream.ended[i] = ("length" if len(seq.output_token_ids)
-                                   >= group.params.max_tokens else "stop")
+                stream.ended[i] = seq.finish_reason  # the engine's check_stop says why
             deltas.append(Delta(i, new, logprobs, stream.ended[i]))
         if not deltas:
             return
