@@ -134,7 +134,7 @@ def _recorder(name: str, fn: Callable, log: dict, where: list) -> Callable:
             extra = {h: lookup(h) for h in hashes}
             result = fn(*args)
             snap = (list(hashes), num_tokens, block_size)
-        elif name in ("num_required_blocks",):
+        elif name == "num_required_blocks":
             snap = (_group(args[0]), args[1])
             result = fn(*args)
         elif name == "choose_victim":
