@@ -21,6 +21,7 @@ from paged_lib.blocks import BlockAllocator, BlockTable, OutOfBlocks, Slot
 from paged_lib.engine.prefix_cache import (
     FreeBlockQueue,
     PrefixCachingAllocator,
+    allocate_slots,
     block_hashes,
     longest_cache_hit,
 )
@@ -117,6 +118,7 @@ class _LibraryHooks:
     swap_mapping = staticmethod(swap_mapping)
     block_hashes = staticmethod(block_hashes)
     longest_cache_hit = staticmethod(longest_cache_hit)
+    allocate_slots = staticmethod(allocate_slots)
     FreeBlockQueue = FreeBlockQueue
     BlockTable = BlockTable
 
@@ -128,7 +130,8 @@ class BlockManager:
                  enable_prefix_caching: bool = False, hooks=None):
         """``hooks``: an :class:`~paged_lib.engine.hooks.EngineHooks` (the block manager
         asks its ``swap_mapping``, ``block_hashes``, ``longest_cache_hit``,
-        ``FreeBlockQueue`` and ``BlockTable``); ``None``, the library's own."""
+        ``allocate_slots``, ``FreeBlockQueue`` and ``BlockTable``); ``None``, the
+        library's own."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.hooks = hooks if hooks is not None else _LibraryHooks
@@ -141,6 +144,7 @@ class BlockManager:
         self.gpu = (PrefixCachingAllocator(num_blocks, self.hooks.FreeBlockQueue)
                     if enable_prefix_caching else BlockAllocator(num_blocks))
         self.cpu = BlockAllocator(num_cpu_blocks) if num_cpu_blocks > 0 else None
+        self._asked: tuple[list[int], list] | None = None  # cache_hits' text and hashes
 
     @property
     def num_free_blocks(self) -> int:
@@ -160,13 +164,45 @@ class BlockManager:
         there); the slots returned are those of the tokens after them."""
         if seq.block_table is not None:
             raise ValueError(f"sequence {seq.seq_id} already holds blocks")
+        count = seq.num_tokens if num_tokens is None else num_tokens
+        asked, self._asked = self._asked, None
+        if asked is not None and seq.token_ids[:len(asked[0])] == asked[0]:
+            return self._allocate_slots(seq, asked, count, list(hits))
         for block in hits:  # out of the free queue first: allocate() must not evict them
             self.gpu.touch(block)
         table = self.hooks.BlockTable(self.gpu, self.block_size, hits, len(hits) * self.block_size)
         seq.block_table = table
         seq.num_cached = table.num_tokens
-        count = seq.num_tokens if num_tokens is None else num_tokens
         return [table.append_token() for _ in range(count - table.num_tokens)]
+
+    def _allocate_slots(self, seq: Sequence, asked: tuple[list[int], list], count: int,
+                        hits: list[int]) -> list[Slot]:
+        """The ``allocate_slots`` hook makes the table of the text ``cache_hits`` was
+        asked about; its answer is checked before the engine relies on it."""
+        bs, pool, (text, hashes) = self.block_size, self.gpu, asked
+        got = self.hooks.allocate_slots(pool, list(text), list(hashes), bs,
+                                        count - len(hits) * bs)
+        if not (isinstance(got, tuple | list) and len(got) == 2
+                and isinstance(got[0], list | tuple)):
+            raise ValueError(f"allocate_slots returned {got!r}: expected (blocks, "
+                             "num_computed_tokens)")
+        blocks, computed = list(got[0]), got[1]
+        story = (f"allocate_slots for a text of {len(text)} tokens whose first {len(hits)} "
+                 f"blocks are cached in {hits}, {count - len(hits) * bs} tokens to compute "
+                 f"now (block size {bs}), returned {got!r}")
+        if computed != len(hits) * bs or blocks[:len(hits)] != hits \
+                or len(blocks) != cdiv(count, bs):
+            raise ValueError(f"{story}: expected {cdiv(count, bs)} blocks starting with the "
+                             f"hits {hits}, and {len(hits) * bs} tokens computed")
+        if any(pool.refcount(b) < 1 or b in pool.free_block_queue for b in blocks):
+            raise ValueError(f"{story}: every block of the table must be held (ref count "
+                             "at least 1) and out of the free queue")
+        if [pool.block_hash.get(b) for b in blocks[:count // bs]] != hashes[:count // bs]:
+            raise ValueError(f"{story}: the full blocks it fills must be cached under their "
+                             "hashes when scheduled")
+        table = self.hooks.BlockTable(pool, bs, blocks, count)
+        seq.block_table, seq.num_cached = table, computed
+        return [Slot(blocks[p // bs], p % bs) for p in range(computed, count)]
 
     # ------------------------------------------------------------ prefix caching (ch. 10)
 
@@ -178,6 +214,8 @@ class BlockManager:
             return []
         bs = self.block_size
         hashes = self.hooks.block_hashes(token_ids, bs)
+        _check_hashes(hashes, len(token_ids) // bs, bs)
+        self._asked = (list(token_ids), list(hashes))  # for allocate's allocate_slots
         hits = list(self.hooks.longest_cache_hit(hashes, self.gpu.lookup, len(token_ids), bs))
         want = [self.gpu.lookup(h) for h in hashes[:len(hits)]]
         if hits != want or len(hits) > max(len(token_ids) - 1, 0) // bs:
@@ -217,10 +255,7 @@ class BlockManager:
             return
         full = num_tokens // bs
         hashes = self.hooks.block_hashes(seq.token_ids[:full * bs], bs)
-        if len(hashes) != full:
-            raise ValueError(f"block_hashes gave {len(hashes)} hashes for {full} full blocks "
-                             f"of {bs} tokens: one per full block, none for a "
-                             "part-filled one")
+        _check_hashes(hashes, full, bs)
         for block, h in zip(table.blocks[:full], hashes, strict=True):
             if self.gpu.block_hash.get(block) != h:
                 self.gpu.cache_block(block, h)
@@ -300,3 +335,10 @@ def _check_mapping(tables: list[list[int]], pairs: list[tuple[int, int]],
                          "as a source (shared blocks too: copied once)")
     if len(set(mapping.values())) != len(mapping):
         raise ValueError(f"swap mapping {pairs} sends two blocks to one destination")
+
+
+def _check_hashes(hashes: list, full: int, block_size: int) -> None:
+    if len(hashes) != full:
+        raise ValueError(f"block_hashes gave {len(hashes)} hashes for {full} full blocks "
+                         f"of {block_size} tokens: one per full block, none for a "
+                         "part-filled one")

@@ -21,6 +21,10 @@ builds an engine out of them. What each one is asked, and when:
 * ``block_hashes(token_ids, block_size) -> [BlockHash, ...]``, ``longest_cache_hit(hashes,
   lookup, num_tokens, block_size) -> [block, ...]`` and ``FreeBlockQueue``, the LRU free
   queue class (chapter 10; used with ``enable_prefix_caching=True``);
+* ``allocate_slots(pool, token_ids, hashes, block_size, max_new_tokens) -> (blocks,
+  num_computed_tokens)``: an admitted request's table in the caching pool, its cache hit
+  adopted and its first chunk's blocks allocated and registered (chapter 10; vLLM v1's
+  ``KVCacheManager.allocate_slots``; used with ``enable_prefix_caching=True``);
 * ``BlockTable``: the class of every block table, a subclass of
   :class:`~paged_lib.blocks.BlockTable` (chapter 03's ``append_token`` and ``fork``).
 """
@@ -35,7 +39,12 @@ from paged_lib.engine.beam_search import beam_step
 from paged_lib.engine.block_manager import num_required_blocks, swap_mapping
 from paged_lib.engine.model_runner import build_metadata
 from paged_lib.engine.policy import can_admit, choose_victim
-from paged_lib.engine.prefix_cache import FreeBlockQueue, block_hashes, longest_cache_hit
+from paged_lib.engine.prefix_cache import (
+    FreeBlockQueue,
+    allocate_slots,
+    block_hashes,
+    longest_cache_hit,
+)
 
 
 @dataclass(frozen=True)
@@ -51,6 +60,7 @@ class EngineHooks:
     beam_step: Callable = beam_step
     block_hashes: Callable = block_hashes
     longest_cache_hit: Callable = longest_cache_hit
+    allocate_slots: Callable = allocate_slots
     FreeBlockQueue: type = FreeBlockQueue  # noqa: N815  (the class it replaces)
     BlockTable: type = BlockTable  # noqa: N815
 

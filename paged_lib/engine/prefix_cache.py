@@ -9,6 +9,8 @@ those blocks instead of computing them again.
 * :func:`hash_block_tokens` - one block's :class:`BlockHash`, chained on its parent's;
 * :func:`block_hashes` - the hashes of every full block of a token list;
 * :func:`longest_cache_hit` - the cached blocks of the longest run of leading hits;
+* :func:`allocate_slots` - a new request's table: its cache hit adopted, fresh blocks for
+  this step's tokens only, its full blocks registered (vLLM v1's ``allocate_slots``);
 * :class:`FreeBlockQueue` - the free blocks in LRU order, a doubly linked list with O(1)
   removal from the middle (a hit on a free block takes it out);
 * :class:`PrefixCachingAllocator` - chapter 03's allocator whose freed blocks keep their
@@ -86,6 +88,31 @@ def longest_cache_hit(hashes: Seq[BlockHash], lookup: Callable[[BlockHash], int 
             break
         hits.append(block)
     return hits
+
+
+def allocate_slots(pool: PrefixCachingAllocator, token_ids: Seq[int], hashes: Seq[BlockHash],
+                   block_size: int, max_new_tokens: int) -> tuple[list[int], int]:
+    """A new request's blocks in a caching ``pool``: ``(blocks, num_computed_tokens)``.
+
+    As vLLM v1's ``KVCacheManager.get_computed_blocks`` then ``allocate_slots``: the
+    longest run of leading ``hashes`` the pool holds is adopted (at most
+    ``(len(token_ids) - 1) // block_size`` blocks: the last token is computed, its logits
+    are needed), each hit one reference more (out of the free queue if it was free,
+    *before* anything is allocated, so no hit is evicted); then fresh blocks from the head
+    of the free queue (evicting their old hashes) for the tokens computed this step,
+    ``min(len(token_ids) - num_computed, max_new_tokens)`` (a chunk under the budget);
+    then every block those tokens fill is registered, so a request later in the same step
+    hits it. A part-filled last block is not.
+    """
+    hits = longest_cache_hit(hashes, pool.lookup, len(token_ids), block_size)
+    for block in hits:
+        pool.touch(block)
+    computed = len(hits) * block_size
+    end = computed + min(len(token_ids) - computed, max_new_tokens)
+    blocks = hits + [pool.allocate() for _ in range(-(-end // block_size) - len(hits))]
+    for block, h in zip(blocks[:end // block_size], hashes, strict=False):
+        pool.cache_block(block, h)  # a hit is already cached under h: nothing changes
+    return blocks, computed
 
 
 class FreeBlockQueue:
