@@ -299,3 +299,49 @@ def gpu_decode_times(block_sizes: Sequence[int], seq_lens: Sequence[int], *,
             *case, validate=False, max_seq_len=max(seq_lens)), expected, gpu_timer)
         rows.append({"block_size": b, "us": 1e3 * ms})
     return rows
+
+
+def cpu_decode_times(block_sizes: Sequence[int] = BLOCK_SIZES,
+                     seq_lens: Sequence[int] = (1024,) * 8, *, num_heads: int = 32,
+                     num_kv_heads: int = 8, head_dim: int = 128,
+                     backends: Sequence[str] = ("cpu", "torch"), repeats: int = 5
+                     ) -> list[dict]:
+    """Decode time (µs, wall clock, median of ``repeats``) of the paged attention kernels
+    that run on a CPU, per block size: ``"cpu"`` (chapter 04's C kernel, streaming K/V
+    block by block; skipped where no C compiler builds it) and ``"torch"`` (gathers the
+    blocks, then attends). fp32, each output checked against the float64 reference before
+    it is timed. One row per block size: ``{"block_size": b, backend: µs, ...}``."""
+    import torch
+
+    from paged_lib.bench.checks import measure
+    from paged_lib.bench.timing import median_ms
+    from paged_lib.kernels import cpu_decode, paged_attention
+    from paged_lib.kernels.cases import make_decode_case
+    from paged_lib.kernels.reference import ref_paged_attention
+
+    usable = [b for b in backends if b != "cpu" or cpu_decode.available()]
+    rows = []
+    for b in block_sizes:
+        case = make_decode_case(list(seq_lens), num_heads, num_kv_heads, head_dim, b,
+                                torch.float32, "cpu", shared=False, poison=False)
+        expected = ref_paged_attention(*case)
+        row = {"block_size": b}
+        for backend in usable:
+            ms = measure(f"{backend}, block size {b}", lambda case=case, backend=backend:
+                         paged_attention(*case, backend=backend, validate=False,
+                                         max_seq_len=max(seq_lens)),
+                         expected, lambda fn: median_ms(fn, repeats))
+            row[backend] = 1e3 * ms
+        rows.append(row)
+    return rows
+
+
+def smallest_efficient(rows: Sequence[dict], backend: str, tolerance: float = 0.10) -> int:
+    """The smallest block size whose time (``rows`` from :func:`cpu_decode_times` or
+    :func:`gpu_decode_times`, key ``backend``) is within ``tolerance`` of the fastest:
+    the smallest block that keeps that kernel efficient on this machine."""
+    times = {r["block_size"]: r[backend] for r in rows if backend in r}
+    if not times:
+        raise ValueError(f"no time measured for {backend!r}")
+    fastest = min(times.values())
+    return min(b for b, t in times.items() if t <= (1 + tolerance) * fastest)
