@@ -25,6 +25,12 @@ builds an engine out of them. What each one is asked, and when:
   num_computed_tokens)``: an admitted request's table in the caching pool, its cache hit
   adopted and its first chunk's blocks allocated and registered (chapter 10; vLLM v1's
   ``KVCacheManager.allocate_slots``; used with ``enable_prefix_caching=True``);
+* ``write_int8_blocks(x, data, scale, slots) -> None``: one step's K (or V) into int8
+  blocks with their growing per-(block, head) scales, in place (chapter 11; used with
+  ``kv_cache_dtype="int8"``; :func:`~paged_lib.kernels.kv_quant.write_int8_blocks`);
+* ``drop_oldest(table, num_sink_tokens) -> (table, WindowOp)``: the sliding window's
+  release of one block after the sinks (chapter 11; used with ``sliding_window``;
+  :func:`~paged_lib.engine.window.drop_oldest`);
 * ``BlockTable``: the class of every block table, a subclass of
   :class:`~paged_lib.blocks.BlockTable` (chapter 03's ``append_token`` and ``fork``).
 """
@@ -45,6 +51,8 @@ from paged_lib.engine.prefix_cache import (
     block_hashes,
     longest_cache_hit,
 )
+from paged_lib.engine.window import drop_oldest
+from paged_lib.kernels.kv_quant import write_int8_blocks
 
 
 @dataclass(frozen=True)
@@ -61,6 +69,8 @@ class EngineHooks:
     block_hashes: Callable = block_hashes
     longest_cache_hit: Callable = longest_cache_hit
     allocate_slots: Callable = allocate_slots
+    write_int8_blocks: Callable = write_int8_blocks
+    drop_oldest: Callable = drop_oldest
     FreeBlockQueue: type = FreeBlockQueue  # noqa: N815  (the class it replaces)
     BlockTable: type = BlockTable  # noqa: N815
 

@@ -49,7 +49,7 @@ from paged_lib.engine.tensor_parallel import kv_cache_bytes_per_rank, start_tens
 from paged_lib.engine.window import make_window
 from paged_lib.kernels import BACKENDS
 from paged_lib.kernels.backends import resolve_backend
-from paged_lib.kernels.kv_quant import check_kv_cache_dtype
+from paged_lib.kernels.kv_quant import check_kv_cache_dtype, use_int8_write
 from paged_lib.model import TinyLlama
 
 
@@ -130,7 +130,8 @@ class LLMEngine:
         self.window = make_window(sliding_window, num_sink_tokens, block_size, model.config,
                                   enable_prefix_caching=enable_prefix_caching,
                                   preemption=preemption, kv_cache_dtype=kv_cache_dtype,
-                                  tensor_parallel_size=tensor_parallel_size)
+                                  tensor_parallel_size=tensor_parallel_size,
+                                  drop_oldest=hooks.drop_oldest)
         scheduler_hooks = hooks
         if self.window is not None:  # chapter 11: admission reserves each stream's blocks
             scheduler_hooks = dataclasses.replace(hooks, num_required_blocks=self.window.reserving(
@@ -166,6 +167,7 @@ class LLMEngine:
             self.runner = ModelRunner(model, num_blocks, block_size, num_cpu_blocks,
                                       attention_backend, build_metadata=hooks.build_metadata,
                                       kv_cache_dtype=kv_cache_dtype)
+            use_int8_write(self.runner.kv_caches, hooks.write_int8_blocks)  # chapter 11
         self.stats = EngineStats(num_blocks=num_blocks, block_size=block_size)
         #: ``on_step(out, stats)`` after every step: the step's SchedulerOutput (who ran,
         #: their slots, copies, swaps, preemptions) and the stats with the step recorded

@@ -165,10 +165,11 @@ _SUPPORTED = {"enable_prefix_caching": False, "preemption": "recompute",
 
 
 def make_window(sliding_window: int | None, num_sink_tokens: int, block_size: int, config,
-                **options) -> SlidingWindow | None:
+                drop_oldest: Callable = drop_oldest, **options) -> SlidingWindow | None:
     """``LLMEngine``'s window (``None`` without ``sliding_window``), checked: a bad value,
     sinks without a window, or an engine option it does not combine with (``options``,
-    e.g. ``enable_prefix_caching=True``, ``preemption="swap"``) is a ``ValueError``."""
+    e.g. ``enable_prefix_caching=True``, ``preemption="swap"``) is a ``ValueError``.
+    ``drop_oldest``: the engine's hook (``EngineHooks.drop_oldest``)."""
     if sliding_window is None:
         if num_sink_tokens != 0:
             raise ValueError(f"num_sink_tokens={num_sink_tokens!r} needs sliding_window")
@@ -178,7 +179,7 @@ def make_window(sliding_window: int | None, num_sink_tokens: int, block_size: in
             raise ValueError(f"sliding_window does not combine with {name}={value!r} (see "
                              "paged_lib.engine.window for why)")
     return SlidingWindow(sliding_window, num_sink_tokens, block_size, config.max_position,
-                         config.rope_theta)
+                         config.rope_theta, drop_oldest=drop_oldest)
 
 
 class SlidingWindow:
@@ -192,7 +193,8 @@ class SlidingWindow:
     """
 
     def __init__(self, window: int, num_sink_tokens: int, block_size: int,
-                 max_position: int | None = None, rope_theta: float = 10000.0):
+                 max_position: int | None = None, rope_theta: float = 10000.0,
+                 drop_oldest: Callable = drop_oldest):
         for name, v, low in (("sliding_window", window, 1), ("num_sink_tokens",
                                                              num_sink_tokens, 0)):
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
@@ -204,6 +206,8 @@ class SlidingWindow:
                              f"model's max_position {max_position}: make the window smaller")
         self.window, self.num_sink_tokens, self.block_size = window, num_sink_tokens, block_size
         self.rope_theta = rope_theta
+        #: the release of one block (``EngineHooks.drop_oldest``, chapter 11's 11.4)
+        self.drop_oldest = drop_oldest
         self.pending: list[WindowOp] = []
         self._dropped: weakref.WeakKeyDictionary[Sequence, int] = weakref.WeakKeyDictionary()
 
@@ -242,7 +246,7 @@ class SlidingWindow:
         target = num_dropped(seq.num_cached + 1, self.window, self.num_sink_tokens,
                              self.block_size)
         while self.dropped(seq) < target:
-            seq.block_table, op = drop_oldest(seq.block_table, self.num_sink_tokens)
+            seq.block_table, op = self.drop_oldest(seq.block_table, self.num_sink_tokens)
             self.pending.append(op)
             self._dropped[seq] = self.dropped(seq) + self.block_size
             freed += 1

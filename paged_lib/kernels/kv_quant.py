@@ -41,6 +41,7 @@ first write.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -50,7 +51,8 @@ __all__ = ["FP8_RANGES", "INT8_MAX", "KV_CACHE_DTYPES", "KV_QUANT_CODES", "Quant
            "copy_quantized_kv", "dequantize_blocks",
            "dequantize_cache", "dequantize_fp8", "dequantize_int8", "dequantize_used_blocks",
            "e4m3_max", "e4m3_value", "int8_scale", "is_quantized", "quant_args",
-           "quantize_fp8", "quantize_int8", "write_quantized"]
+           "quantize_fp8", "quantize_int8", "use_int8_write", "write_int8_blocks",
+           "write_quantized"]
 
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
 INT8_MAX = 127
@@ -150,6 +152,8 @@ class QuantizedKV:
     kind: str
     which: str = "k"
     calibrated: bool = field(default=False)
+    #: int8's write (:func:`write_int8_blocks` when ``None``): the engine's hook
+    write_int8: Callable | None = field(default=None, repr=False)
 
     @property
     def shape(self) -> torch.Size:
@@ -194,8 +198,8 @@ def allocate_quantized_kv_caches(kv_cache_dtype: str, num_layers: int,
 
 def write_quantized(x: torch.Tensor, cache: QuantizedKV, slot_mapping: torch.Tensor) -> None:
     """Write ``x`` ``[num_tokens, num_kv_heads, head_dim]`` into its slots, quantised
-    (slot ``-1``: skipped). int8: the block scale rule of the module docstring; fp8: the
-    first write calibrates the per-tensor scale."""
+    (slot ``-1``: skipped). int8: :func:`write_int8_blocks` (or the cache's
+    ``write_int8``); fp8: the first write calibrates the per-tensor scale."""
     slots = slot_mapping.long()
     keep = slots >= 0
     x, slots = x[keep].float(), slots[keep]
@@ -211,20 +215,45 @@ def write_quantized(x: torch.Tensor, cache: QuantizedKV, slot_mapping: torch.Ten
             cache.calibrated = True
         bits[blocks, offsets] = quantize_fp8(x, cache.scale).view(torch.uint8)
         return
+    (cache.write_int8 or write_int8_blocks)(x, cache.data, cache.scale, slots)
+
+
+def write_int8_blocks(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor,
+                      slots: torch.Tensor) -> None:
+    """One step's tokens into int8 blocks, in place: the block scale rule of the module
+    docstring (chapter 11's exercise 11.3; the engine's ``EngineHooks.write_int8_blocks``).
+
+    ``x`` fp32 ``[num_tokens, num_kv_heads, head_dim]``, ``data`` int8 ``[num_blocks,
+    block_size, num_kv_heads, head_dim]``, ``scale`` fp32 ``[num_blocks, num_kv_heads]``
+    (NaN: never written), ``slots`` int64 ``[num_tokens]``, every one ``>= 0``. The tokens
+    of one call that land in one block are taken together: one growth per (block, head).
+    """
+    block_size = data.shape[1]
+    blocks, offsets = slots // block_size, slots % block_size
     uniq, inv = torch.unique(blocks, return_inverse=True)
     num_heads = x.shape[1]
     need = torch.zeros(uniq.numel(), num_heads, device=x.device).scatter_reduce_(
         0, inv[:, None].expand(-1, num_heads), x.abs().amax(-1), "amax") / INT8_MAX
     fresh = torch.zeros(uniq.numel(), dtype=torch.int32, device=x.device).scatter_reduce_(
         0, inv, (offsets == 0).int(), "amax").bool()
-    old = cache.scale[uniq]
+    old = scale[uniq]
     old = torch.where(fresh[:, None] | old.isnan(), 0.0, old)  # NaN: never written
     new = torch.where(need > old, torch.maximum(need, 2 * old), old).clamp(min=_TINY)
     ratio = torch.where(old > 0, old / new, 0.0)  # 1 where unchanged; 0 clears a fresh block
-    held = bits[uniq].float() * ratio[:, None, :, None]
-    bits[uniq] = held.round().clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
-    cache.scale[uniq] = new
-    bits[blocks, offsets] = quantize_int8(x, new[inv][:, :, None])
+    held = data[uniq].float() * ratio[:, None, :, None]
+    data[uniq] = held.round().clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+    scale[uniq] = new
+    data[blocks, offsets] = quantize_int8(x, new[inv][:, :, None])
+
+
+def use_int8_write(kv_caches: list, write_int8: Callable | None) -> None:
+    """Make every int8 :class:`QuantizedKV` of ``kv_caches`` write with ``write_int8``
+    (``write_int8_blocks``'s signature; the engine passes ``EngineHooks.write_int8_blocks``).
+    Plain and fp8 caches are left alone."""
+    for pair in kv_caches:
+        for cache in pair:
+            if is_quantized(cache) and cache.kind == "int8":
+                cache.write_int8 = write_int8
 
 
 def dequantize_blocks(cache: QuantizedKV, blocks: torch.Tensor) -> torch.Tensor:
