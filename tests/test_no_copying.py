@@ -153,8 +153,9 @@ def twins() -> list[tuple[str, str, Any]]:
     found = []
     for path in GRADERS:
         module = importlib.import_module(f"paged_lib.course.grading.{path.stem}")
-        for ex_id, dotted in getattr(module, "TWINS", {}).items():
-            found.append((ex_id, dotted, resolve(dotted)))
+        for ex_id, names in getattr(module, "TWINS", {}).items():
+            for dotted in (names,) if isinstance(names, str) else names:  # one, or a tuple
+                found.append((ex_id, dotted, resolve(dotted)))
     return found
 
 

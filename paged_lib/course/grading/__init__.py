@@ -183,10 +183,12 @@ def _resolve(dotted: str) -> tuple[Any, str, Any]:
     return owner, parts[-1], raw
 
 
-def _twin_of(ex_id: str) -> str | None:
-    """The dotted twin of ``ex_id`` (``TWINS`` of its grader module), if it has one."""
+def _twin_of(ex_id: str) -> tuple[str, ...]:
+    """The dotted twins of ``ex_id`` (``TWINS`` of its grader module: one name, or a tuple
+    of names when library helpers other than the top-level one do the exercise too)."""
     module = sys.modules.get(f"{__name__}.ch{ex_id.split('.')[0]}")
-    return None if module is None else getattr(module, "TWINS", {}).get(ex_id)
+    twins = None if module is None else getattr(module, "TWINS", {}).get(ex_id)
+    return (twins,) if isinstance(twins, str) else tuple(twins or ())
 
 
 def _twin_message(dotted: str) -> str:
@@ -330,7 +332,9 @@ def exercise(ex_id: str, title: str) -> Iterator[None]:
     hint: str | None = None
     learner = _learner_arguments()
     try:
-        with _refusing_twin(_twin_of(ex_id), calls):
+        with contextlib.ExitStack() as refusing:
+            for dotted in _twin_of(ex_id):
+                refusing.enter_context(_refusing_twin(dotted, calls))
             yield
     except NotImplementedError:
         mark, message = TODO, ("not attempted yet: fill in the `# YOUR CODE HERE` parts "
