@@ -225,3 +225,71 @@ def plot_decode_stalls(runs: Mapping[str, Sequence[tuple[int, int, int]]],
         fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     return fig
+
+
+def plot_chat_hits(turns: Sequence, title: str = "") -> Figure:
+    """One stacked bar per request of a chat workload
+    (:func:`paged_lib.studies.chat_prefix.serve_chat`'s :class:`ChatTurn` list), grouped by
+    turn: prompt tokens read from the cache within the system prompt, beyond it (the
+    conversation's history), and computed."""
+    if not turns:
+        raise ValueError("plot_chat_hits needs at least one turn")
+    fig, ax = plt.subplots(figsize=(10, 3.4))
+    n_conv = max(t.conversation for t in turns) + 1
+    xs, labels = [], []
+    for t in turns:
+        x = t.turn * (n_conv + 1) + t.conversation
+        system = t.system_hit
+        parts = ((system, "#2E7D4F", "hit: system prompt"),
+                 (t.hit_tokens - system, HIT_COLOR, "hit: the conversation's history"),
+                 (t.prompt_tokens - t.hit_tokens, COMPUTED_COLOR, "computed"))
+        bottom = 0
+        for value, color, label in parts:
+            ax.bar(x, value, 0.85, bottom=bottom, color=color,
+                   label=label if not xs else None)
+            bottom += value
+        xs.append(x)
+        labels.append(f"c{t.conversation}")
+    ax.set_xticks(xs, labels, fontsize=7)
+    turns_seen = sorted({t.turn for t in turns})
+    for k in turns_seen:
+        ax.text(k * (n_conv + 1) + (n_conv - 1) / 2, -0.16, f"turn {k + 1}", ha="center",
+                transform=ax.get_xaxis_transform(), fontsize=9)
+    ax.set_ylabel("prompt tokens")
+    ax.legend(fontsize=8, loc="upper left", frameon=False)
+    ax.set_title(title or "prompt tokens per request", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def plot_ttft(runs: Mapping, requests: Sequence[int], title: str = "") -> Figure:
+    """Chunked prefill's trade-off, from :func:`paged_lib.studies.chunked_ttft.measure_ttft`:
+    per configuration, the mean time to first token of ``requests`` (the long prompts) and
+    the largest step, in engine steps and tokens (left) and in wall-clock milliseconds
+    (right: this machine's, noisy)."""
+    if not runs:
+        raise ValueError("plot_ttft needs at least one run")
+    names = list(runs)
+    xs = range(len(names))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.4))
+    left.bar(xs, [runs[n].mean_ttft_steps(requests) for n in names], 0.6,
+             color=PREFILL_COLOR)
+    left.set_ylabel("time to first token (steps)", color=PREFILL_COLOR)
+    tokens = left.twinx()
+    tokens.plot(xs, [runs[n].max_step_tokens for n in names], "o-", color=DECODE_COLOR)
+    tokens.set_ylabel("most tokens in one step", color=DECODE_COLOR)
+    tokens.set_ylim(0, None)
+    right.bar(xs, [1000 * runs[n].mean_ttft_seconds(requests) for n in names], 0.6,
+              color=PREFILL_COLOR)
+    right.set_ylabel("time to first token (ms)", color=PREFILL_COLOR)
+    longest = right.twinx()
+    longest.plot(xs, [1000 * max(runs[n].step_seconds) for n in names], "o-",
+                 color=DECODE_COLOR)
+    longest.set_ylabel("longest step (ms)", color=DECODE_COLOR)
+    longest.set_ylim(0, None)
+    for ax, what in ((left, "engine steps"), (right, "wall clock, this machine")):
+        ax.set_xticks(xs, names, fontsize=8, rotation=20)
+        ax.set_title(what, fontsize=9)
+    fig.suptitle(title or "chunked prefill: the long prompts' first token", fontsize=10)
+    fig.tight_layout()
+    return fig

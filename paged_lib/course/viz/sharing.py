@@ -138,13 +138,18 @@ def stepper(frames: list[BeamFrame]):
                         description="step")
 
 
-def plot_savings(table: dict[tuple[str, str, int], Savings]) -> Figure:
+def plot_savings(table: dict[tuple[str, str, int], Savings],
+                 paper_trace: Mapping[str, str] | None = None) -> Figure:
     """Measured savings (bars: time-averaged; dots: peak) beside the paper's ranges.
 
-    ``table`` is :func:`paged_lib.studies.sharing.savings_table`'s result. The paper's
-    section 6.3 range for each trace and mode is the shaded band behind its bars.
+    ``table`` is :func:`paged_lib.studies.sharing.savings_table`'s result, possibly with
+    runs of a real model added (:func:`paged_lib.studies.sharing_engine.engine_savings`),
+    one panel per trace in the table's order. The paper's section 6.3 range for each trace
+    and mode is the shaded band behind its bars; ``paper_trace`` names the paper's trace
+    to shade behind a trace of another name (``{"SmolLM2 chat": "alpaca"}``).
     """
-    traces = sorted({k[0] for k in table})
+    traces = list(dict.fromkeys(k[0] for k in table))
+    paper_trace = dict(paper_trace or {})
     widths = sorted({k[2] for k in table})
     fig, axes = plt.subplots(1, len(traces), figsize=(5.2 * len(traces), 3.6), sharey=True,
                              squeeze=False)
@@ -152,8 +157,8 @@ def plot_savings(table: dict[tuple[str, str, int], Savings]) -> Figure:
     bar = 0.8 / len(widths)
     for ax, trace in zip(axes[0], traces, strict=True):
         for m, mode in enumerate(MODES):
-            if (trace, mode) in PAPER_SAVINGS:
-                lo, hi = PAPER_SAVINGS[trace, mode]
+            if (paper_trace.get(trace, trace), mode) in PAPER_SAVINGS:
+                lo, hi = PAPER_SAVINGS[paper_trace.get(trace, trace), mode]
                 ax.axhspan(lo, hi, xmin=m / len(MODES) + 0.02, xmax=(m + 1) / len(MODES) - 0.02,
                            color=colors[mode], alpha=0.15, lw=0)
             for k, w in enumerate(widths):
@@ -170,7 +175,8 @@ def plot_savings(table: dict[tuple[str, str, int], Savings]) -> Figure:
         ax.tick_params(axis="x", length=0)
         ax.set_xlim(-0.5, len(MODES) - 0.5)
         ax.set_ylim(0, 1)
-        ax.set_title(f"{trace}-like trace (synthetic)", fontsize=10)
+        ax.set_title(f"{trace}-like trace (synthetic)" if trace not in paper_trace else
+                     f"{trace} (measured; shaded: {paper_trace[trace]})", fontsize=10)
         ax.yaxis.set_major_formatter(plt.FuncFormatter(lambda v, _: f"{v:.0%}"))
     axes[0, 0].set_ylabel("KV blocks saved by sharing")
     axes[0, -1].text(1.0, 0.98, "bars: time-averaged   dots: peak\nshaded: paper §6.3 range",
