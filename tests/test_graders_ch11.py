@@ -8,6 +8,7 @@ matplotlib.use("Agg")
 
 import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from paged_lib import accounting as acc  # noqa: E402
 from paged_lib.accounting import kv_bytes_per_token, mha_equivalent  # noqa: E402
@@ -29,13 +30,19 @@ def verdict(capsys, check, answer) -> str:
 
 
 def levels_with(base="mha", base_fp16=True, own=True, sinks_kept=True, cap=True,
-                rounding="ceil", paged="kept", cast=int):
+                rounding="ceil", paged="kept", cast=int, zero_window=True, float32=False):
     """A kv_levels with one planted mistake (defaults: correct)."""
     def fn(spec, lengths, *, max_len, kv_dtype_bytes, block_size, window=None, sinks=0):
-        b = (mha_equivalent(spec) if base == "mha" else spec).with_dtype(
-            2 if base_fp16 else kv_dtype_bytes)
+        b = (mha_equivalent(spec) if base == "mha" else spec)
+        b = b if base_fp16 == "model" else b.with_dtype(2 if base_fp16 else kv_dtype_bytes)
         per = (spec if own else mha_equivalent(spec)).with_dtype(kv_dtype_bytes)
-        keep = max_len if window is None else window + (sinks if sinks_kept else 0)
+        if float32:
+            import numpy as np
+            return tuple(int(v) for v in np.float32(levels_with()(
+                spec, lengths, max_len=max_len, kv_dtype_bytes=kv_dtype_bytes,
+                block_size=block_size, window=window, sinks=sinks)))
+        unset = window is None if zero_window else not window
+        keep = max_len if unset else window + (sinks if sinks_kept else 0)
         keep = min(keep, max_len) if cap else keep
         kept = {"kept": [min(n, keep) for n in lengths], "all": lengths,
                 "sinks_on_top": [min(n, window or max_len) + (sinks if window else 0)
@@ -73,6 +80,9 @@ def test_11_1_not_attempted(capsys):
     (levels_with(paged="reserved"), "not a reservation of window + sinks"),
     (levels_with(cast=float), "expected an int"),
     (levels_with(paged="sinks_on_top"), "not its last window plus sinks on top"),
+    (levels_with(zero_window=False), "a window of 0 keeps only the sinks"),
+    (levels_with(base_fp16="model"), "whatever the model spec's own dtype_bytes"),
+    (levels_with(float32=True), "a float32 (numpy or torch) keeps 24 bits"),
     (lambda spec, lengths, **kw: levels_with()(spec, lengths, **kw)[:3], "a tuple of 4"),
     (lambda spec, lengths, **kw: sum(levels_with()(spec, lengths, **kw)), "a tuple of 4"),
 ])
@@ -126,11 +136,25 @@ def test_11_2_wrong_answers_get_a_named_hint(capsys, wrong, hint):
 
 
 def test_twins_and_demo(capsys):
-    assert ch11.TWINS == {"11.2": "paged_lib.accounting.kv_bytes_per_token"}
+    assert set(ch11.TWINS) == {"11.1", "11.2", "11.3", "11.4"}
+    assert ch11.TWINS["11.2"][0] == "paged_lib.accounting.kv_bytes_per_token"
     ch11.run_demo(levels_with(), bytes_with())
     out = capsys.readouterr().out
     assert "baseline" in out and "paged layout" in out and "deepseek-v2" in out
     assert len(plt.get_fignums()) == 2
+
+
+@pytest.mark.parametrize("check, delegate, name", [
+    (ch11.check_kv_levels, lambda spec, lengths, **kw: ch11._levels(
+        spec, lengths, kw["max_len"], kw["kv_dtype_bytes"], kw["block_size"], kw["window"],
+        kw["sinks"]), "_levels"),
+    (ch11.check_kv_bytes_per_token, lambda s: acc.kv_bytes(s, 1), "kv_bytes"),
+    (ch11.check_kv_bytes_per_token, lambda s: __import__(
+        "paged_lib.parallel", fromlist=["x"]).kv_bytes_per_rank(s, 1, 1), "kv_bytes_per_rank"),
+])
+def test_the_library_helpers_that_do_the_exercise_are_refused(capsys, check, delegate, name):
+    out = verdict(capsys, check, delegate)
+    assert out.startswith("❌") and name in out and "what you are asked to write" in out, out
 
 
 def test_demo_on_unfinished_code_says_so(capsys):
@@ -139,3 +163,156 @@ def test_demo_on_unfinished_code_says_so(capsys):
     ch11.run_demo(todo, todo)
     out = capsys.readouterr().out
     assert out.count("⏳") == 2 and "Traceback" not in out
+
+
+# ------------------------------------------------------------------ 11.3 the int8 write
+
+
+def write_with(doubling=True, requantise=True, fresh=True, nan=True, per_head=True,
+               joint=True, strict=True, rnd=torch.round, tiny=True, dtype=torch.float32):
+    """A write_int8_blocks with one planted mistake (defaults: correct), written as a
+    learner would: block by block."""
+    def fn(x, data, scale, slots):
+        bs = data.shape[1]
+        blocks, offsets = slots // bs, slots % bs
+        for b in torch.unique(blocks).tolist():
+            where = (blocks == b).nonzero().flatten().tolist()
+            for part in ([where] if joint else [[i] for i in where]):
+                vals = x[part].to(dtype)
+                need = (vals.abs().amax(dim=(0, 2)) / 127).float()
+                if not per_head:
+                    need = need.max().expand_as(need)
+                old = scale[b].clone()
+                if fresh and bool((offsets[part] == 0).any()):
+                    old.zero_()
+                if nan:
+                    old = torch.nan_to_num(old, nan=0.0)
+                grows = need > old if strict else need >= old
+                new = torch.where(grows, torch.maximum(need, 2 * old) if doubling else need, old)
+                if tiny:
+                    new = new.clamp(min=torch.finfo(torch.float32).tiny)
+                if requantise:
+                    ratio = torch.where(old > 0, old / new, torch.zeros_like(old))
+                    data[b] = rnd(data[b].float() * ratio[None, :, None]).clamp(
+                        -127, 127).to(torch.int8)
+                scale[b] = new
+                data[b, offsets[part]] = rnd(vals.float() / new[None, :, None]).clamp(
+                    -127, 127).to(torch.int8)
+    return fn
+
+
+def test_11_3_a_correct_answer_passes_and_the_library_is_refused(capsys):
+    out = verdict(capsys, ch11.check_write_int8_blocks, write_with())
+    assert out.startswith("✅ [11.3]"), out
+    from paged_lib.kernels import kv_quant
+    out = verdict(capsys, ch11.check_write_int8_blocks, kv_quant.write_int8_blocks)
+    assert out.startswith("❌ [11.3]") and "write_int8_blocks" in out
+
+    def through_write_quantized(x, data, scale, slots):
+        cache = kv_quant.QuantizedKV(data, scale, "int8")
+        kv_quant.write_quantized(x, cache, slots)
+    out = verdict(capsys, ch11.check_write_int8_blocks, through_write_quantized)
+    assert out.startswith("❌ [11.3]") and "write_quantized" in out, out
+
+
+@pytest.mark.parametrize("wrong, hint, state", [
+    (write_with(doubling=False), "at least doubles", "the spec's example"),
+    (write_with(requantise=False), "must be requantised", "the spec's example"),
+    (write_with(fresh=False), "starts the block afresh", "a first token of all zeros"),
+    (write_with(per_head=False), "one scale per (block, KV head)", "just past the limit"),
+    (write_with(joint=False), "taken together", "several tokens of one step"),
+    (write_with(strict=False), "exactly at 127 x scale fits", "exactly at the limit"),
+    (write_with(rnd=torch.trunc), "do not truncate", "far past the limit"),
+    (write_with(rnd=torch.floor), "not down", "far past the limit"),
+    (write_with(tiny=False), "never goes below", "a first token of all zeros"),
+    (write_with(nan=False), "", "never written (scale NaN)"),
+    (write_with(dtype=torch.float16), "", "a token far past the limit"),
+])
+def test_11_3_wrong_answers_get_a_named_hint(capsys, wrong, hint, state):
+    out = verdict(capsys, ch11.check_write_int8_blocks, wrong)
+    assert out.startswith("❌ [11.3]") and hint in out and state in out, out
+
+
+def test_11_3_a_rule_right_on_every_edge_but_not_on_a_prefill_is_caught_by_the_replay(capsys):
+    def one_token_at_a_time_past_four(x, data, scale, slots):
+        if len(slots) > 4:  # a prompt: token by token (one growth each)
+            for i in range(len(slots)):
+                write_with()(x[i:i + 1], data, scale, slots[i:i + 1])
+        else:
+            write_with()(x, data, scale, slots)
+    out = verdict(capsys, ch11.check_write_int8_blocks, one_token_at_a_time_past_four)
+    assert out.startswith("❌ [11.3]") and "replaying the engine" in out \
+        and "forward pass" in out and "taken together" in out, out
+
+
+# ------------------------------------------------------------------ 11.4 the window
+
+
+def drop_with(gone="floor", copy="partial", rotate="new", shift=1, free="one",
+              shared="after", short=True):
+    """A drop_oldest with one planted mistake (defaults: correct)."""
+    from paged_lib.blocks import BlockTable
+    from paged_lib.engine.window import WindowOp
+
+    def fn(table, sinks):
+        bs, pool = table.block_size, table.allocator
+        if short and table.num_tokens < sinks + bs:
+            raise ValueError("short")
+        blocks = table.blocks
+        g = {"floor": sinks // bs, "ceil": -(-sinks // bs), "first": 0}[gone]
+        looked = {"after": blocks[g:], "all": blocks, "none": []}[shared]
+        if any(pool.refcount(b) > 1 for b in looked):
+            raise ValueError("shared")
+        kept = blocks[:g] + blocks[g + 1:]
+        if free == "table":
+            table.free()
+        new = BlockTable(pool, bs, kept, table.num_tokens - bs)
+        if free == "one":
+            pool.free(blocks[g])
+        src = kept if rotate == "new" else blocks
+        slots = tuple(src[p // bs] * bs + p % bs for p in range(sinks, new.num_tokens))
+        r = sinks % bs
+        if (copy == "partial" and r) or copy == "always":
+            return new, WindowOp(slots, shift * bs, blocks[g], blocks[g + 1], r or bs)
+        return new, WindowOp(slots, shift * bs)
+    return fn
+
+
+def test_11_4_a_correct_answer_passes_and_the_library_is_refused(capsys):
+    out = verdict(capsys, ch11.check_drop_oldest, drop_with())
+    assert out.startswith("✅ [11.4]"), out
+    from paged_lib.engine import window
+    out = verdict(capsys, ch11.check_drop_oldest, lambda t, s: window.drop_oldest(t, s))
+    assert out.startswith("❌ [11.4]") and "drop_oldest" in out
+
+
+@pytest.mark.parametrize("wrong, hint, state", [
+    (drop_with(gone="first"), "the sinks are never released", "sinks filling one block"),
+    (drop_with(gone="ceil"), "not the first block after every sink", "the spec's example"),
+    (drop_with(copy="never"), "copy them to the first r slots", "the spec's example"),
+    (drop_with(copy="always"), "nothing is copied", "no sinks"),
+    (drop_with(rotate="old"), "in the NEW table", "the spec's example"),
+    (drop_with(shift=-1), "shift is block_size", "the spec's example"),
+    (drop_with(free="none"), "leaks a block", "reference counts"),
+    (drop_with(free="table"), "", "free list"),
+    (drop_with(shared="none"), "is a ValueError", "shared with another sequence"),
+    (drop_with(shared="all"), "a shared sink block before it is fine", "a sink block shared"),
+    (drop_with(short=False), "has no block of recent tokens", "too short"),
+])
+def test_11_4_wrong_answers_get_a_named_hint(capsys, wrong, hint, state):
+    out = verdict(capsys, ch11.check_drop_oldest, wrong)
+    assert out.startswith("❌ [11.4]") and hint in out and state in out, out
+
+
+def test_11_4_a_rule_right_on_every_edge_but_not_in_the_engine_is_caught_by_the_replay(capsys):
+    right = drop_with()
+
+    def lifo_free(table, sinks):  # with blocks of 2 (no edge has them), frees to the head
+        new, op = right(table, sinks)
+        pool = table.allocator
+        if table.block_size == 2:
+            pool.free_block_ids.appendleft(pool.free_block_ids.pop())
+        return new, op
+    out = verdict(capsys, ch11.check_drop_oldest, lifo_free)
+    assert out.startswith("❌ [11.4]") and "replaying the engine" in out \
+        and "free list" in out, out

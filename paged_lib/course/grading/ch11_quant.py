@@ -1,0 +1,240 @@
+"""Chapter 11's exercise 11.3, ``write_int8_blocks`` (re-exported by
+:mod:`paged_lib.course.grading.ch11`): one step's K (or V) written into int8 blocks whose
+per-(block, KV head) scale grows (:func:`paged_lib.kernels.kv_quant.write_int8_blocks`).
+
+Three parts, first difference told as a story:
+
+* named edge states (a first token of zeros, a token exactly at the limit, several tokens
+  of one step in a block, a step that crosses a block boundary, a reallocated block, one
+  head growing and not the other), each next to the library's answer;
+* replay: the library's engine serves int8 workloads (parallel samples and beams whose
+  copy-on-write carries the scale, preemption by recompute and by swap, prefix hits and
+  chunked prefill) and every call it makes to the write is asked of the learner's
+  function, on the same blocks, and compared;
+* the learner's write plugged into the engine, the same workloads served: tokens and
+  every layer's scales must be the library's.
+
+How answers are compared, and the typical mistakes that name a wrong one:
+:mod:`paged_lib.course.grading.ch11_quant_rule`.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from paged_lib.course import grading
+from paged_lib.course.grading.ch11_quant_rule import (
+    WriteCall,
+    compare,
+    difference,
+    hint_for,
+    reference_write,
+    snap,
+)
+
+__all__ = ["QUANT_WORKLOADS", "check_write_int8_blocks"]
+
+# ------------------------------------------------------------------ the named edges
+
+
+def _edge(where: str, x: list, slots: list[int], blocks: dict[int, tuple[list, list]],
+          shape: tuple[int, ...] = (6, 4, 2, 2)) -> WriteCall:
+    """A call on a cache of ``shape`` whose ``blocks`` hold (codes [bs, heads, dim] or
+    a fill value, scale per head) before it."""
+    data = torch.zeros(shape, dtype=torch.int8)
+    scale = torch.full((shape[0], shape[2]), float("nan"))
+    for b, (codes, s) in blocks.items():
+        data[b] = torch.as_tensor(codes, dtype=torch.int8)
+        scale[b] = torch.as_tensor(s, dtype=torch.float32)
+    return snap(where, torch.tensor(x, dtype=torch.float32), data, scale,
+                 torch.tensor(slots, dtype=torch.long))
+
+
+def _edges() -> list[WriteCall]:
+    g = torch.Generator().manual_seed(11)
+
+    def codes(lo: int = -127, hi: int = 128) -> list:
+        return torch.randint(lo, hi, (4, 2, 2), generator=g).tolist()
+
+    held = codes()
+    return [
+        _edge("the spec's example: block 3 held 2 tokens at scale 0.01, a token of 2.0 "
+              "arrives at offset 2", [[[2.0, -0.5]]], [14],
+              {3: ([[[127, 0]], [[-64, 32]], [[0, 0]], [[0, 0]]], [0.01])},
+              shape=(5, 4, 1, 2)),
+        _edge("a first token of all zeros (a fresh block 2)", [[[0.0, 0.0], [0.0, 0.0]]],
+              [8], {2: (codes(), [0.5, 0.5])}),
+        _edge("a token exactly at the limit (|x| = 127 x scale = 63.5 with scale 0.5)",
+              [[[63.5, -10.0], [-63.5, 1.0]]], [5], {1: (held, [0.5, 0.5])}),
+        _edge("a token just past the limit (64 with scale 0.5: the scale doubles)",
+              [[[64.0, 1.0], [3.0, 1.0]]], [6], {1: (held, [0.5, 0.5])}),
+        _edge("a token far past the limit (1000 with scale 0.5)",
+              [[[1000.0, 1.0], [-2.0, 0.5]]], [7], {1: (held, [0.5, 0.5])}),
+        _edge("one head grows, the other does not", [[[100.0, 0.0], [0.1, 0.0]]], [9],
+              {2: (codes(), [0.5, 0.25])}),
+        _edge("several tokens of one step in one block (offsets 1-3: 5.0, then -9.0, then 1.0)",
+              [[[5.0, 1.0], [0.5, 0.5]], [[-9.0, 3.0], [1.0, 4.0]], [[1.0, 1.0], [1.0, 1.0]]],
+              [17, 18, 19], {4: (codes(), [0.03, 0.03])}),
+        _edge("a step that crosses a block boundary (offsets 2, 3 of block 5, then offsets "
+              "0, 1 of block 0, reallocated with an earlier owner's codes and scale 9)",
+              [[[5.0, 1.0], [1.0, 1.0]], [[0.5, 0.5], [0.5, 0.5]], [[0.2, 0.1], [0.3, 0.2]],
+               [[0.1, 0.1], [0.1, 0.1]]], [22, 23, 0, 1],
+              {5: (codes(), [0.01, 0.2]), 0: (codes(), [9.0, 9.0])}),
+        _edge("a block freed and reallocated (offset 0 of block 3, whose old scale 4.0 is "
+              "an earlier owner's)", [[[0.3, -0.2], [0.1, 0.05]]], [12],
+              {3: (codes(), [4.0, 4.0])}),
+        _edge("a block never written (scale NaN), first written at offset 2",
+              [[[1.0, -2.0], [0.5, 0.25]]], [6], {}),
+        _edge("a prompt of 6 tokens into two fresh blocks (offsets 0-3 of block 4, 0-1 of "
+              "block 1)", torch.randn(6, 2, 2, generator=g).mul(3).tolist(),
+              [16, 17, 18, 19, 4, 5], {4: (codes(), [0.7, 0.1]), 1: (codes(), [0.2, 0.2])}),
+    ]
+
+
+def _two_steps(fn: Callable) -> None:
+    """A first token of zeros, then a real one: the second write grows from the tiny
+    scale (the zeros stay zeros)."""
+    data = torch.zeros(3, 4, 1, 2, dtype=torch.int8)
+    scale = torch.full((3, 1), float("nan"))
+    ref = (data.clone(), scale.clone())
+    for x, slot in (([[[0.0, 0.0]]], 4), ([[[0.5, -1.0]]], 5), ([[[3.0, 0.0]]], 6)):
+        xs, ss = torch.tensor(x), torch.tensor([slot])
+        call = snap("three steps into block 1: a token of zeros at offset 0, then [0.5, -1.0]"
+                     ", then [3.0, 0.0]", xs, *ref, ss)
+        reference_write(xs.clone(), *ref, ss.clone())
+        got = (data, scale)
+        fn(xs.clone(), data, scale, ss.clone())
+        why = difference(call, *got, ref)
+        if why is not None:
+            grading.fail(f"{call.where}, step at offset {slot - 4}: {why}",
+                         hint_for(fn, call, got))
+
+
+# ------------------------------------------------------------------ the engine
+
+
+#: name, engine options, prompts (lengths), params, arrival steps
+QUANT_WORKLOADS = [
+    ("samples n=3 and beams of 3 sharing blocks (copy-on-write carries the scale), "
+     "preempted by recompute, 14 blocks of 4", dict(num_blocks=14, block_size=4, watermark=0),
+     [7, 13, 5], [dict(max_tokens=7, temperature=1.0, n=3, seed=1),
+                  dict(max_tokens=6, beam_width=3), dict(max_tokens=9, temperature=0.0)],
+     [0, 0, 2]),
+    ("prefix hits in the same step and later, chunks of 6 tokens, 16 blocks of 4",
+     dict(num_blocks=16, block_size=4, watermark=0, enable_prefix_caching=True,
+          enable_chunked_prefill=True, max_num_batched_tokens=6, max_num_seqs=4),
+     [11, 14, 9, 10],
+     [dict(max_tokens=5, temperature=0.0, ignore_eos=True)] * 4, [0, 0, 0, 3]),
+    ("samples n=2, preempted by swap, 10 blocks of 2 (CPU pool 40)",
+     dict(num_blocks=10, block_size=2, watermark=0, preemption="swap", num_cpu_blocks=40),
+     [5, 6, 3], [dict(max_tokens=6, temperature=0.8, n=2, seed=4),
+                 dict(max_tokens=5, temperature=0.0), dict(max_tokens=6, beam_width=2)],
+     [0, 0, 1]),
+]
+
+
+def _requests(prompts: list[int], params: list[dict]) -> tuple[list, list]:
+    from paged_lib.engine import SamplingParams
+
+    g = torch.Generator().manual_seed(113)
+    shared = torch.randint(32, 127, (8,), generator=g).tolist()
+    texts = [(shared + torch.randint(32, 127, (n,), generator=g).tolist())[:n] if n > 8
+             else torch.randint(32, 127, (n,), generator=g).tolist() for n in prompts]
+    return texts, [SamplingParams(**p) for p in params]
+
+
+def _serve(model: Any, workload: tuple, write: Callable) -> tuple[list, list, Any]:
+    """(tokens of every output, every layer's (K scale, V scale), the engine)."""
+    from paged_lib.engine import EngineHooks, LLMEngine
+
+    name, options, prompts, params, arrivals = workload
+    opts = dict(options)
+    engine = LLMEngine(model, opts.pop("num_blocks"), opts.pop("block_size"),
+                       attention_backend="torch", kv_cache_dtype="int8",
+                       hooks=EngineHooks(write_int8_blocks=write), **opts)
+    texts, sp = _requests(prompts, params)
+    outs = engine.generate(texts, sp, arrival_steps=arrivals)
+    tokens = [[c.token_ids for c in o.outputs] for o in outs]
+    scales = [(k.scale.clone(), v.scale.clone()) for k, v in engine.runner.kv_caches]
+    return tokens, scales, engine
+
+
+@functools.cache
+def recorded() -> tuple[list[WriteCall], list[tuple[list, list]]]:
+    """Every call the library's engine makes to the write on :data:`QUANT_WORKLOADS`
+    (with the library's answers), and each workload's tokens and scales; once per
+    process."""
+    from paged_lib.kernels.kv_quant import write_int8_blocks
+    from paged_lib.model import load_tiny_code_llama
+
+    model = load_tiny_code_llama()
+    per_pass = 2 * model.config.num_layers  # K then V of each layer, every forward pass
+    calls: list[WriteCall] = []
+    served = []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matrices: a second thread only adds overhead
+    try:
+        for w in QUANT_WORKLOADS:
+            made: list[int] = []
+
+            def record(x, data, scale, slots, w=w, made=made):
+                k = len(made)
+                made.append(k)
+                call = snap(f"'{w[0]}', forward pass {k // per_pass}, layer "
+                            f"{k % per_pass // 2}'s {'KV'[k % 2]}", x, data, scale, slots)
+                write_int8_blocks(x, data, scale, slots)
+                idx = torch.tensor(call.blocks, dtype=torch.long)
+                call.lib_data, call.lib_scale = call.state()
+                call.lib_data[idx], call.lib_scale[idx] = data[idx].cpu(), scale[idx].cpu()
+                calls.append(call)
+
+            served.append(_serve(model, w, record)[:2])
+    finally:
+        torch.set_num_threads(threads)
+    return calls, served
+
+
+def _check_engine(fn: Callable) -> None:
+    calls, served = recorded()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matrices: a second thread only adds overhead
+    try:
+        _replay_and_serve(fn, calls, served)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _replay_and_serve(fn: Callable, calls: list[WriteCall], served: list) -> None:
+    from paged_lib.model import load_tiny_code_llama
+
+    for call in calls:
+        compare(fn, call, f"replaying the engine: in {call.where}, it wrote "
+                           f"{len(call.slots)} token(s) to slots {call.slots.tolist()}")
+    model = load_tiny_code_llama()
+    for w, (tokens, scales) in zip(QUANT_WORKLOADS, served, strict=True):
+        mine, my_scales, _ = _serve(model, w, fn)
+        if mine != tokens:
+            r = next(i for i, (a, b) in enumerate(zip(mine, tokens, strict=True)) if a != b)
+            grading.fail(f"serving '{w[0]}' with your write plugged into the engine: request "
+                         f"{r} generated {mine[r]}, the library's engine {tokens[r]}",
+                         "every replayed call agreed, so look at what differs across calls: "
+                         "state kept outside data and scale, or the tensors' device and dtype")
+        for layer, (ours, theirs) in enumerate(zip(my_scales, scales, strict=True)):
+            for which, a, b in zip("KV", ours, theirs, strict=True):
+                if not torch.allclose(a, b, rtol=1e-6, atol=0, equal_nan=True):
+                    grading.fail(f"serving '{w[0]}' with your write: layer {layer}'s {which} "
+                                 "scales at the end differ from the library's",
+                                 "keep no state outside data and scale")
+
+
+def check_write_int8_blocks(fn: Callable[..., Any]) -> None:
+    """11.3: ``write_int8_blocks(x, data, scale, slots)`` writes in place."""
+    with grading.exercise("11.3", "The int8 block write, with a scale that grows"):
+        for call in _edges():
+            compare(fn, call, call.where)
+        _two_steps(fn)
+        _check_engine(fn)

@@ -1,0 +1,316 @@
+"""Chapter 11's exercise 11.4, ``drop_oldest`` (re-exported by
+:mod:`paged_lib.course.grading.ch11`): the sliding window's release of one block after
+the attention sinks (:func:`paged_lib.engine.window.drop_oldest`).
+
+Three parts, first difference told as a story (the table, the pool, the library's
+answer, the learner's):
+
+* named edge states: the spec's example, no sinks, sinks filling one or two blocks, more
+  sinks than a block, a table of exactly sinks + one block, a block size of 1, a shared
+  sink block (allowed), a shared block after the sinks and a table too short (both a
+  ``ValueError`` that changes nothing);
+* replay: the library's engine serves windowed workloads (with and without sinks, sinks
+  of every size against the block, requests that arrive while others slide, so freed
+  blocks are reused) and every call it makes is asked of the learner's function on a
+  pool in the same state; the new table, the ``WindowOp`` and the pool after (reference
+  counts and the free list in order) must be the library's;
+* the learner's function plugged into the engine, the same workloads served: tokens and
+  every step's block tables must be the library's.
+
+A wrong answer is named by recomputing the typical mistakes on the same state.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from paged_lib.blocks import BlockAllocator, BlockTable
+from paged_lib.course import grading
+from paged_lib.engine.window import WindowOp
+
+__all__ = ["WINDOW_WORKLOADS", "check_drop_oldest", "reference_drop"]
+
+
+def reference_drop(table: BlockTable, num_sink_tokens: int, *, gone: str = "floor",
+                   copy: str = "partial", rotate: str = "new", shift: int = 1,
+                   free: bool = True, check_shared: str = "after", check_short: bool = True
+                   ) -> tuple[BlockTable, WindowOp]:
+    """The release written out; with a keyword changed, what one typical mistake does
+    (the hints name them). Defaults: the library's rule."""
+    bs, sinks, pool = table.block_size, num_sink_tokens, table.allocator
+    if check_short and table.num_tokens < sinks + bs:
+        raise ValueError("too short")
+    blocks = table.blocks
+    g = {"floor": sinks // bs, "ceil": -(-sinks // bs), "first": 0}[gone]
+    looked = {"after": blocks[g:], "all": blocks, "none": []}[check_shared]
+    if any(pool.refcount(b) > 1 for b in looked):
+        raise ValueError("shared")
+    kept = blocks[:g] + blocks[g + 1:]
+    new = BlockTable(pool, bs, kept, table.num_tokens - bs)
+    if free:
+        pool.free(blocks[g])
+    source = kept if rotate == "new" else blocks
+    slots = tuple(source[x // bs] * bs + x % bs
+                  for x in range(sinks if rotate != "all" else 0, new.num_tokens))
+    r = sinks % bs
+    if copy == "partial" and r or copy == "always":
+        return new, WindowOp(slots, shift * bs, blocks[g], blocks[g + 1], r or bs)
+    return new, WindowOp(slots, shift * bs)
+
+
+_SLIPS: list[tuple[dict, str]] = [
+    (dict(check_shared="all"), "only the blocks from the released one on are rewritten: a "
+     "shared sink block before it is fine"),
+    (dict(gone="first"), "the sinks are never released: the block that goes is the one "
+     "at logical index num_sink_tokens // block_size, the first after the whole sink blocks"),
+    (dict(gone="ceil"), "the block at logical index num_sink_tokens // block_size goes (its "
+     "first num_sink_tokens % block_size slots are sinks, copied on before it goes), not "
+     "the first block after every sink"),
+    (dict(copy="never"), "when num_sink_tokens % block_size = r > 0, the released block "
+     "holds r sinks: copy them to the first r slots of the next block (copy_src, copy_dst, "
+     "copy_len)"),
+    (dict(copy="always"), "with whole sink blocks (num_sink_tokens % block_size == 0) "
+     "nothing is copied: copy_src = copy_dst = -1, copy_len = 0"),
+    (dict(rotate="old"), "rotate_slots are the slots of the kept tokens in the NEW table: "
+     "each recent token moved one logical block back"),
+    (dict(rotate="all"), "the sinks keep their positions: rotate only the tokens after them"),
+    (dict(shift=-1), "shift is block_size: the model runner rotates the keys by -shift "
+     "positions"),
+    (dict(free=False), "the released block goes back to the allocator (allocator.free: "
+     "one reference dropped): without it every window step leaks a block"),
+    (dict(check_shared="none"), "a block after the sinks that another sequence holds "
+     "(reference count > 1) is a ValueError: dropping rewrites it for every holder"),
+    (dict(check_short=False), "a table of fewer than num_sink_tokens + block_size tokens "
+     "has no block of recent tokens to drop: ValueError"),
+]
+
+
+# ------------------------------------------------------------------ states and answers
+
+
+@dataclass
+class DropCall:
+    where: str
+    blocks: list[int]
+    num_tokens: int
+    block_size: int
+    sinks: int
+    refs: list[int]          # the pool's reference counts before
+    free: list[int]          # its free list before, in order
+    result: Any = None       # the library's answer (see _answer)
+
+    def table(self) -> BlockTable:
+        pool = BlockAllocator(len(self.refs))
+        pool.ref_counts = list(self.refs)
+        pool.free_block_ids = deque(self.free)
+        return BlockTable(pool, self.block_size, self.blocks, self.num_tokens)
+
+    def story(self) -> str:
+        shared = {b: self.refs[b] for b in self.blocks if self.refs[b] > 1}
+        return (f"{self.where}: a table of {self.num_tokens} tokens on blocks {self.blocks} "
+                f"(block size {self.block_size}), {self.sinks} sink token(s)"
+                + (f", blocks shared (reference counts): {shared}" if shared else "")
+                + f", free list {self.free}")
+
+
+def _answer(fn: Callable, call: DropCall, **slip: Any) -> tuple:
+    """What a function does on the call's state, comparably: ('ValueError', pool) or
+    (new blocks, new num_tokens, op fields, pool: reference counts, free list)."""
+    table = call.table()
+    pool = table.allocator
+    try:
+        if fn is reference_drop:
+            out = reference_drop(table, call.sinks, **slip)
+        else:
+            out = fn(table, call.sinks)
+    except ValueError:
+        return ("ValueError", list(pool.ref_counts), list(pool.free_block_ids))
+    if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], WindowOp)
+            and hasattr(out[0], "blocks") and hasattr(out[0], "num_tokens")):
+        return ("not (table, WindowOp)", repr(out)[:120])
+    new, op = out
+    return (list(new.blocks), new.num_tokens, (tuple(op.rotate_slots), op.shift, op.copy_src,
+            op.copy_dst, op.copy_len), list(pool.ref_counts), list(pool.free_block_ids))
+
+
+def _show(ans: tuple) -> str:
+    if ans[0] == "ValueError":
+        return "a ValueError"
+    if ans[0] == "not (table, WindowOp)":
+        return f"{ans[1]} (not a (table, WindowOp) pair)"
+    blocks, n, (rot, shift, src, dst, length), refs, free = ans
+    copy = f"copy {length} slot(s) of block {src} into block {dst}" if length else "no copy"
+    return (f"table {blocks} of {n} tokens; rotate the keys at slots {list(rot)}, shift "
+            f"{shift}; {copy}; free list after {free}")
+
+
+def _compare(fn: Callable, call: DropCall, story: str) -> None:
+    want = call.result if call.result is not None else _answer(reference_drop, call)
+    got = _answer(fn, call)
+    if got == want:
+        return
+    if got[0] != "ValueError" and want[0] != "ValueError" and len(got) == 5 and \
+            got[:3] == want[:3]:  # only the pool differs: say how
+        detail = (f"; the pool after: the library's reference counts "
+                  f"{[want[3][b] for b in call.blocks]} on {call.blocks}, free list "
+                  f"{want[4]}; yours {[got[3][b] for b in call.blocks]}, {got[4]}")
+    else:
+        detail = ""
+    hint = next((h for slip, h in _SLIPS if _answer(reference_drop, call, **slip) == got),
+                "follow the spec's steps: which logical block goes, its sinks copied on, "
+                "the kept tokens' slots in the new table, the pool")
+    grading.fail(f"{story}; the library answers {_show(want)}, yours {_show(got)}{detail}",
+                 hint)
+
+
+def _edge(where: str, blocks: list[int], num_tokens: int, bs: int, sinks: int,
+          num_blocks: int = 12, shared: dict[int, int] | None = None) -> DropCall:
+    refs = [0] * num_blocks
+    for b in blocks:
+        refs[b] = 1
+    for b, n in (shared or {}).items():
+        refs[b] = n
+    free = [b for b in (5, 0, 11, 2, 9, 4, 10, 1, 8, 3, 6, 7) if b < num_blocks and refs[b] == 0]
+    return DropCall(where, blocks, num_tokens, bs, sinks, refs, free)
+
+
+def _edges() -> list[DropCall]:
+    return [
+        _edge("the spec's example", [7, 3, 5], 11, 4, 2),
+        _edge("no sinks", [4, 1, 6], 12, 4, 0),
+        _edge("sinks filling one block", [2, 5, 8], 10, 4, 4),
+        _edge("sinks filling two blocks", [0, 1, 2, 3], 14, 4, 8),
+        _edge("more sinks than a block (6 sinks, blocks of 4)", [9, 4, 7, 1], 15, 4, 6),
+        _edge("exactly sinks + one block of tokens", [3, 8], 6, 4, 2),
+        _edge("exactly sinks + one block, whole sink block", [1, 2], 8, 4, 4),
+        _edge("a block size of 1 and 3 sinks", [5, 6, 7, 8, 9], 5, 1, 3),
+        _edge("a sink block shared with another sequence (never rewritten)", [6, 2, 9], 10,
+              4, 4, shared={6: 2}),
+        _edge("a block after the sinks shared with another sequence", [6, 2, 9], 10, 4, 2,
+              shared={2: 2}),
+        _edge("a table too short to drop a block (5 tokens, 2 sinks, blocks of 4)", [4, 7],
+              5, 4, 2),
+    ]
+
+
+# ------------------------------------------------------------------ the engine
+
+
+#: name, engine options, prompt lengths, max_tokens, arrival steps
+WINDOW_WORKLOADS = [
+    ("a window of 12 with 2 sinks, blocks of 4", dict(num_blocks=14, block_size=4,
+     sliding_window=12, num_sink_tokens=2), [6, 10, 4], 30, [0, 1, 6]),
+    ("a window of 8 without sinks, blocks of 4", dict(num_blocks=10, block_size=4,
+     sliding_window=8, num_sink_tokens=0), [5, 8], 26, [0, 3]),
+    ("a window of 6 with 4 sinks (one whole block), blocks of 4", dict(
+        num_blocks=12, block_size=4, sliding_window=6, num_sink_tokens=4), [7, 3], 24,
+     [0, 2]),
+    ("a window of 7 with 6 sinks (more than a block), blocks of 4", dict(
+        num_blocks=14, block_size=4, sliding_window=7, num_sink_tokens=6), [12, 5], 24,
+     [0, 4]),
+    ("a window of 5 with 3 sinks, blocks of 2", dict(num_blocks=14, block_size=2,
+     sliding_window=5, num_sink_tokens=3), [8, 4, 6], 20, [0, 0, 5]),
+]
+
+
+def _serve(model: Any, workload: tuple, drop: Callable) -> tuple[list, list]:
+    """(tokens of every request, each step's (request, slots written, block table after)
+    of those scheduled)."""
+    import torch
+
+    from paged_lib.engine import EngineHooks, LLMEngine, SamplingParams
+
+    name, options, prompts, max_tokens, arrivals = workload
+    opts = dict(options)
+    tables: list = []
+    engine = LLMEngine(model, opts.pop("num_blocks"), opts.pop("block_size"),
+                       attention_backend="torch", watermark=0,
+                       hooks=EngineHooks(drop_oldest=drop), **opts,
+                       on_step=lambda out, stats: tables.append(
+                           [(sc.group.request_id, [(x.block, x.offset) for x in sc.slots],
+                             sc.seq.block_table and sc.seq.block_table.blocks)
+                            for sc in out.scheduled]))
+    g = torch.Generator().manual_seed(114)
+    texts = [torch.randint(32, 127, (n,), generator=g).tolist() for n in prompts]
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    outs = engine.generate(texts, [params] * len(texts), arrival_steps=arrivals)
+    return [o.outputs[0].token_ids for o in outs], tables
+
+
+@functools.cache
+def recorded() -> tuple[list[DropCall], list[tuple[list, list]]]:
+    """Every call the library's engine makes to ``drop_oldest`` on
+    :data:`WINDOW_WORKLOADS` (with the library's answers), and what each serves."""
+    import torch
+
+    from paged_lib.engine.window import drop_oldest
+    from paged_lib.model import load_tiny_code_llama
+
+    model = load_tiny_code_llama()
+    calls: list[DropCall] = []
+    served = []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matrices: a second thread only adds overhead
+    for w in WINDOW_WORKLOADS:
+        made: list[int] = []
+
+        def record(table, sinks, w=w, made=made):
+            pool = table.allocator
+            made.append(len(made))
+            call = DropCall(f"'{w[0]}', the engine's release number {len(made)}",
+                            table.blocks, table.num_tokens, table.block_size, sinks,
+                            list(pool.ref_counts), list(pool.free_block_ids))
+            out = drop_oldest(table, sinks)
+            new, op = out
+            call.result = (list(new.blocks), new.num_tokens, (
+                tuple(op.rotate_slots), op.shift, op.copy_src, op.copy_dst, op.copy_len),
+                list(pool.ref_counts), list(pool.free_block_ids))
+            calls.append(call)
+            return out
+
+        served.append(_serve(model, w, record))
+    torch.set_num_threads(threads)
+    return calls, served
+
+
+def _check_engine(fn: Callable) -> None:
+    import torch
+
+    from paged_lib.model import load_tiny_code_llama
+
+    calls, served = recorded()
+    for call in calls:
+        _compare(fn, call, f"replaying the engine: in {call.story()}")
+    model = load_tiny_code_llama()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for w, (tokens, tables) in zip(WINDOW_WORKLOADS, served, strict=True):
+            mine, my_tables = _serve(model, w, fn)
+            for step, (a, b) in enumerate(zip(my_tables, tables, strict=False)):
+                if a != b:
+                    grading.fail(f"serving '{w[0]}' with your drop_oldest plugged into the "
+                                 f"engine: at step {step} the scheduled (request, slots "
+                                 f"written, block table) are {a}, the library's engine's {b}",
+                                 "every replayed call agreed: keep no state outside the "
+                                 "table and its allocator")
+            if mine != tokens:
+                r = next(i for i, (a, b) in enumerate(zip(mine, tokens, strict=True)) if a != b)
+                grading.fail(f"serving '{w[0]}' with your drop_oldest: request {r} generated "
+                             f"{mine[r]}, the library's engine {tokens[r]}",
+                             "every replayed call agreed: keep no state outside the table "
+                             "and its allocator")
+    finally:
+        torch.set_num_threads(threads)
+
+
+def check_drop_oldest(fn: Callable[..., Any]) -> None:
+    """11.4: ``drop_oldest(table, num_sink_tokens) -> (BlockTable, WindowOp)``."""
+    with grading.exercise("11.4", "The sliding window's block release, with sinks"):
+        for call in _edges():
+            _compare(fn, call, call.story())
+        _check_engine(fn)
