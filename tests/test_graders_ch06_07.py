@@ -239,9 +239,11 @@ def test_06_not_attempted_is_not_a_failure(capsys):
 
 
 def test_graders_declare_their_twins():
-    assert ch06.TWINS == {"06.1": "paged_lib.engine.model_runner.build_metadata",
-                          "06.2": "paged_lib.engine.block_manager.num_required_blocks",
-                          "06.3": "paged_lib.engine.policy.can_admit"}
+    assert ch06.TWINS["06.1"][0] == "paged_lib.engine.model_runner.build_metadata"
+    assert ch06.TWINS["06.2"][0] == "paged_lib.engine.block_manager.num_required_blocks"
+    assert ch06.TWINS["06.3"] == ("paged_lib.engine.policy.can_admit",)
+    assert ch06.TWINS["06.4"][0] == "paged_lib.engine.policy.schedule_waiting"
+    assert "paged_lib.engine.policy.can_admit" in ch06.TWINS["06.4"]
 
 
 # ---------------------------------------------------------------- 07.1 swap_mapping
@@ -314,8 +316,10 @@ def test_07_1_not_attempted_and_twin(capsys):
         raise NotImplementedError()
     assert verdict(capsys, ch07.check_swap_mapping, stub).startswith("⏳ [07.1]")
     assert verdict(capsys, ch07.check_choose_victim, stub).startswith("⏳ [07.2]")
-    assert ch07.TWINS == {"07.1": "paged_lib.engine.block_manager.swap_mapping",
-                          "07.2": "paged_lib.engine.policy.choose_victim"}
+    assert ch07.TWINS["07.1"] == ("paged_lib.engine.block_manager.swap_mapping",)
+    assert ch07.TWINS["07.2"] == ("paged_lib.engine.policy.choose_victim",)
+    assert ch07.TWINS["07.3"][0] == "paged_lib.engine.policy.preempt_until_fits"
+    assert "paged_lib.engine.policy.choose_victim" in ch07.TWINS["07.3"]
 
 
 # ---------------------------------------------------------------- 07.2 choose_victim

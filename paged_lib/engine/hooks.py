@@ -12,6 +12,12 @@ builds an engine out of them. What each one is asked, and when:
   prompt plus each sequence's tail (chapter 06; vLLM's ``get_num_required_blocks``);
 * ``can_admit(blocks_needed, num_seqs, num_tokens, budget) -> bool``: may a waiting group
   join this step (chapter 06; :func:`~paged_lib.engine.policy.can_admit`);
+* ``schedule_waiting(waiting, step) -> None``: admit waiting groups into this step with
+  ``step.admit`` (chapter 06; :func:`~paged_lib.engine.policy.schedule_waiting`, the step
+  a :class:`~paged_lib.engine.scheduler_step.WaitingStep`);
+* ``preempt_until_fits(group, step) -> bool``: preempt until a running group's blocks fit
+  (chapter 07; :func:`~paged_lib.engine.policy.preempt_until_fits`, the step a
+  :class:`~paged_lib.engine.scheduler_step.RunningStep`);
 * ``swap_mapping(tables, allocate) -> [(src, dst), ...]``: the block copies that move a
   group to the other pool (chapter 07);
 * ``choose_victim(running) -> SequenceGroup``: which group to preempt, among those offered,
@@ -44,7 +50,12 @@ from paged_lib.blocks import BlockTable
 from paged_lib.engine.beam_search import beam_step
 from paged_lib.engine.block_manager import num_required_blocks, swap_mapping
 from paged_lib.engine.model_runner import build_metadata
-from paged_lib.engine.policy import can_admit, choose_victim
+from paged_lib.engine.policy import (
+    can_admit,
+    choose_victim,
+    preempt_until_fits,
+    schedule_waiting,
+)
 from paged_lib.engine.prefix_cache import (
     FreeBlockQueue,
     allocate_slots,
@@ -65,6 +76,8 @@ class EngineHooks:
     can_admit: Callable = can_admit
     swap_mapping: Callable = swap_mapping
     choose_victim: Callable = choose_victim
+    schedule_waiting: Callable = schedule_waiting
+    preempt_until_fits: Callable = preempt_until_fits
     beam_step: Callable = beam_step
     block_hashes: Callable = block_hashes
     longest_cache_hit: Callable = longest_cache_hit

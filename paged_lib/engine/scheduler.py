@@ -65,9 +65,10 @@ from collections import deque
 from paged_lib.engine.beam_search import update_beams
 from paged_lib.engine.block_manager import BlockManager
 from paged_lib.engine.hooks import EngineHooks
-from paged_lib.engine.policy import Budget, can_admit, choose_victim
+from paged_lib.engine.policy import Budget, can_admit, choose_victim, preempt, seqs_to_come
 from paged_lib.engine.prefill import is_decoding, tokens_to_run
 from paged_lib.engine.scheduler_output import ScheduledSeq, SchedulerOutput
+from paged_lib.engine.scheduler_step import RunningStep, WaitingStep
 from paged_lib.engine.sequence import (
     Sequence,
     SequenceGroup,
@@ -75,7 +76,6 @@ from paged_lib.engine.sequence import (
     fork_samples,
 )
 from paged_lib.engine.stop import check_stop
-from paged_lib.util import cdiv
 
 __all__ = ["Budget", "ScheduledSeq", "Scheduler", "SchedulerOutput", "can_admit",
            "choose_victim"]
@@ -114,7 +114,7 @@ class Scheduler:
         self.watermark_blocks = watermark_blocks
         self.preemption = preemption
         self.scheduling = scheduling
-        #: can_admit, num_required_blocks, choose_victim and beam_step are asked here
+        #: schedule_waiting, preempt_until_fits, can_admit, ... are asked here (EngineHooks)
         self.hooks = hooks if hooks is not None else EngineHooks()
         self.enable_chunked_prefill = enable_chunked_prefill
         self.waiting: deque[SequenceGroup] = deque()
@@ -147,8 +147,7 @@ class Scheduler:
         out = SchedulerOutput(step=self.step)
         if self.scheduling == "prefill_first":
             self._schedule_running(out, decoding=False)  # shared recomputes: prefills
-            if not self.swapped and not out.preempted:
-                self._schedule_waiting(out)
+            self._schedule_waiting(out)
             if out.scheduled:  # a prefill step: the running groups wait for the next one
                 return out
         self._schedule_running(out, decoding=True)
@@ -156,8 +155,7 @@ class Scheduler:
             self._schedule_swapped(out)
         if self.scheduling == "mixed":
             self._schedule_running(out, decoding=False)  # decodes first, then prefills
-            if not self.swapped and not out.preempted:  # as vLLM v1: a step that preempts
-                self._schedule_waiting(out)              # admits nobody (not its victim)
+            self._schedule_waiting(out)  # (nobody while swapped, nor after a preemption)
         return out
 
     def _tokens_left(self, out: SchedulerOutput) -> int:
@@ -176,29 +174,39 @@ class Scheduler:
             take, sample = tokens_to_run(group, self._tokens_left(out))
             if not any(take):
                 continue  # no budget left for it this step: it keeps its blocks
-            seqs = group.live_seqs()
-            while (self.block_manager.blocks_to_append(seqs, take)
-                   > self.block_manager.num_free_blocks):
-                later = self.running[self.running.index(group) + 1:]
-                victim = self._victim(group, [g for g in later if id(g) not in done])
-                self._preempt(victim, out)
-                if victim is group:
-                    break
-            else:
+            need = self.block_manager.blocks_to_append(group.live_seqs(), take)
+            if self._make_room(group, RunningStep(self, out, group, need, done)):
                 self._schedule_tokens(group, take, sample, out, decoding)
                 done.add(id(group))
 
-    def _victim(self, group: SequenceGroup, later: list[SequenceGroup]) -> SequenceGroup:
-        """Ask ``choose_victim`` among ``group`` and the groups after it not run this step."""
-        candidates = [group, *later]
-        victim = self.hooks.choose_victim(list(candidates))
-        if not any(victim is g for g in candidates):
-            ids = [g.request_id for g in candidates]
-            got = getattr(victim, "request_id", victim)
-            raise ValueError(f"choose_victim returned {got!r}, which is not one of the groups "
-                             f"it may preempt now (requests {ids}, oldest first): return one "
-                             "of the list it was given")
-        return victim
+    def _make_room(self, group: SequenceGroup, step: RunningStep) -> bool:
+        """Ask ``preempt_until_fits`` whether ``group`` runs now, and check its answer."""
+        before = len(step._out.preempted)
+        runs = self.hooks.preempt_until_fits(group, step)
+        if not isinstance(runs, bool):
+            raise ValueError(f"preempt_until_fits returned {runs!r} for request "
+                             f"{group.request_id}: expected True (it runs) or False")
+        for victim in step._out.preempted[before:]:
+            queue = self.swapped if victim.seqs[0].status is SequenceStatus.SWAPPED \
+                else self.waiting
+            if not any(victim is g for g in queue):
+                where = "swapped" if queue is self.swapped else "waiting"
+                raise ValueError(f"request {victim.request_id} was preempted but is not in "
+                                 f"{where}: put it back in the queue it returns from")
+        if runs and (step.blocks_needed > step.free_blocks or group not in self.running):
+            raise ValueError(f"preempt_until_fits said request {group.request_id} runs, "
+                             f"but it needs {step.blocks_needed} free blocks and "
+                             f"{step.free_blocks} are free"
+                             + ("" if group in self.running else ", and it is not running"))
+        if not runs and any(group is g for g in self.running):
+            raise ValueError(f"preempt_until_fits said request {group.request_id} does not "
+                             "run, but it is still running: return False only when it "
+                             "was preempted itself")
+        return runs
+
+    def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
+        """Preempt ``group`` now, as the library's ``preempt_until_fits`` does a victim."""
+        preempt(group, RunningStep(self, out, group, 0, set()))
 
     def _schedule_swapped(self, out: SchedulerOutput) -> None:
         while self.swapped:
@@ -219,47 +227,8 @@ class Scheduler:
             group.timeline.admitted_steps.append(self.step)
 
     def _schedule_waiting(self, out: SchedulerOutput) -> None:
-        bm, bs = self.block_manager, self.block_manager.block_size
-        while self.waiting:
-            group = self.waiting[0]
-            seqs = group.live_seqs()
-            # its first phase: the text of one sequence, or a shared recompute's prompt,
-            # less what the prefix cache holds; with chunked prefill, what the budget allows
-            text = seqs[0].token_ids if len(seqs) == 1 else group.prompt_token_ids
-            hits = bm.cache_hits(text)
-            start = len(hits) * bs
-            tokens = len(text) - start
-            if self.enable_chunked_prefill:
-                tokens = min(tokens, self._tokens_left(out))
-                if tokens < 1:
-                    break
-            if start + tokens < len(text):  # a first chunk: only its blocks are asked for
-                need = cdiv(start + tokens, bs) - len(hits)
-            else:
-                need = self._required_blocks(group) - len(hits)
-            need += bm.hits_taken_from_free(hits)
-            num_seqs = group.params.num_seqs if len(seqs) == 1 else len(seqs)
-            fits = self.hooks.can_admit(need, num_seqs, tokens, self._budget(out, group))
-            # progress rule: a group alone in an empty step is admitted if its blocks are
-            # free, even into the watermark (prefill_first: alone means nobody running
-            # either, since they decode next step)
-            alone = (out.is_empty() and (self.scheduling == "mixed" or not self.running)
-                     and need <= bm.num_free_blocks
-                     and tokens <= self._tokens_left(out))
-            if not (fits or alone):
-                break
-            self.waiting.popleft()
-            bm.check_allocation_fits(group.request_id, need, start + tokens, hits)
-            out.prefix_cache_hit_tokens += start
-            slots = bm.allocate(seqs[0], start + tokens, hits)
-            for seq in seqs:
-                seq.status = SequenceStatus.RUNNING
-            group.awaiting_tails = len(seqs) > 1  # the others fork once the prompt is in
-            sample = len(seqs) == 1 and start + tokens == len(text)
-            self._add_scheduled(group, seqs[0], slots, True, sample, out)
-            self.running.append(group)
-            out.admitted.append(group)
-            group.timeline.admitted_steps.append(self.step)
+        """Ask ``schedule_waiting`` who joins this step (it calls ``step.admit``)."""
+        self.hooks.schedule_waiting(self.waiting, WaitingStep(self, out))
 
     def _required_blocks(self, group: SequenceGroup) -> int:
         """The ``num_required_blocks`` hook's answer for a waiting group, checked."""
@@ -294,32 +263,9 @@ class Scheduler:
     def _budget(self, out: SchedulerOutput, group: SequenceGroup) -> Budget:
         """What is left when ``group`` asks to join: free blocks, and the sequences that
         run (every running group's, a fresh ``n > 1`` group counted as its ``n``)."""
-        num_seqs = sum(_seqs_to_come(g) for g in self.running if g is not group)
+        num_seqs = sum(seqs_to_come(g) for g in self.running if g is not group)
         return Budget(self.block_manager.num_free_blocks, self.watermark_blocks, num_seqs,
                       self.max_num_seqs, out.num_batched_tokens, self.max_num_batched_tokens)
-
-    def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
-        """All or nothing: the whole group leaves the GPU pool.
-
-        ``swap`` falls back to ``recompute`` when the CPU pool is too full to take it, or
-        when the group is part way through a prefill (its K/V is not all there yet).
-        """
-        out.preempted.append(group)
-        group.timeline.preempted_steps.append(self.step)
-        self.running.remove(group)
-        if (self.preemption == "swap" and is_decoding(group)
-                and self.block_manager.can_swap_out(group)):
-            out.swap_out += self.block_manager.swap_out(group)
-            for seq in group.live_seqs():
-                seq.status = SequenceStatus.SWAPPED
-            self.swapped.appendleft(group)
-            return
-        for seq in group.live_seqs():
-            self.block_manager.free(seq)
-            seq.num_cached = 0
-            seq.status = SequenceStatus.WAITING
-        group.awaiting_tails = False
-        self.waiting.appendleft(group)
 
     # ------------------------------------------------------------------ update
 
@@ -361,13 +307,6 @@ class Scheduler:
             self.running = [g for g in self.running if not g.is_finished()]
         self.step += 1
         return finished
-
-
-def _seqs_to_come(group: SequenceGroup) -> int:
-    """Sequences a running group decodes: its live ones, or ``n`` before it first samples."""
-    if any(s.output_token_ids for s in group.seqs):
-        return len(group.live_seqs())
-    return max(len(group.live_seqs()), group.params.num_seqs)
 
 
 def _prompt_done(group: SequenceGroup) -> bool:

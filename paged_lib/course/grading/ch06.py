@@ -6,6 +6,8 @@
   block size 1) and seeded random ones; dtypes are part of the answer.
 * 06.2 ``num_required_blocks`` and 06.3 ``can_admit``: how many blocks a waiting group
   takes, and whether it may join the step (:mod:`paged_lib.course.grading.ch06_admission`).
+* 06.4 ``schedule_waiting``: the whole admission loop, plugged into the engine and
+  compared call by call with the library's (:mod:`paged_lib.course.grading.ch06_waiting`).
 
 :func:`run_demo` then serves the chapter's trace with the learner's three functions plugged
 into :class:`~paged_lib.engine.LLMEngine` (``hooks=EngineHooks(build_metadata=...,
@@ -25,19 +27,25 @@ import torch
 from paged_lib.course import grading
 from paged_lib.course.grading import replay
 from paged_lib.course.grading.ch06_admission import check_can_admit, check_num_required_blocks
+from paged_lib.course.grading.ch06_waiting import check_schedule_waiting
 from paged_lib.engine.model_runner import build_metadata as lib_build_metadata
 from paged_lib.model import AttentionMetadata
 from paged_lib.util import cdiv
 
 __all__ = ["TWINS", "check_build_metadata", "check_can_admit",
-           "check_num_required_blocks", "run_demo"]
+           "check_num_required_blocks", "check_schedule_waiting", "run_demo"]
 
 #: Exercise id -> the library object the learner's code re-implements (it refuses
-#: the learner's calls while that exercise's check runs: see grading.exercise).
-TWINS: dict[str, str] = {
-    "06.1": "paged_lib.engine.model_runner.build_metadata",
-    "06.2": "paged_lib.engine.block_manager.num_required_blocks",
-    "06.3": "paged_lib.engine.policy.can_admit",
+#: the learner's calls while that exercise's check runs: see grading.exercise), with
+#: the library's helpers that do the same work.
+TWINS: dict[str, tuple[str, ...]] = {
+    "06.1": ("paged_lib.engine.model_runner.build_metadata",
+             "paged_lib.kernels.slot_mapping_from_positions"),
+    "06.2": ("paged_lib.engine.block_manager.num_required_blocks",
+             "paged_lib.engine.block_manager.shared_prompt_blocks"),
+    "06.3": ("paged_lib.engine.policy.can_admit",),
+    "06.4": ("paged_lib.engine.policy.schedule_waiting", "paged_lib.engine.policy.can_admit",
+             "paged_lib.engine.policy.seqs_to_come"),
 }
 
 # ------------------------------------------------------------------ 06.1 build_metadata
@@ -190,8 +198,10 @@ def _physical_blocks(tables, seq_lens, query_lens, block_size) -> list[int]:
 
 
 def run_demo(build_metadata: Callable[..., Any], num_required_blocks: Callable[..., Any],
-             can_admit: Callable[..., Any], model: Any = None) -> list[Any]:
-    """Serve the chapter's trace with the learner's three functions inside the engine.
+             can_admit: Callable[..., Any], model: Any = None,
+             schedule_waiting: Callable[..., Any] | None = None) -> list[Any]:
+    """Serve the chapter's trace with the learner's functions inside the engine (the
+    three, and ``schedule_waiting`` when given).
 
     Prints what the run did and whether every token and every step's numbers equal the
     library engine's; then serves chapter 07's pressure trace (recompute: preempted
@@ -208,7 +218,9 @@ def run_demo(build_metadata: Callable[..., Any], num_required_blocks: Callable[.
     from paged_lib.engine import EngineHooks
 
     hooks = EngineHooks(can_admit=can_admit, build_metadata=build_metadata,
-                        num_required_blocks=num_required_blocks)
+                        num_required_blocks=num_required_blocks,
+                        **({} if schedule_waiting is None else
+                           {"schedule_waiting": schedule_waiting}))
 
     def serve(prompts, params, num_blocks, block_size):
         mine = LLMEngine(model, num_blocks, block_size, hooks=hooks)
@@ -241,5 +253,5 @@ def run_demo(build_metadata: Callable[..., Any], num_required_blocks: Callable[.
         return [viz.plot_batching({"paged (your engine)": s, "static, max-length": static}),
                 viz.plot_timeline(s, "your engine: requests over time")]
 
-    return grading.on_learner_code(run, "exercises 06.1-06.3",
+    return grading.on_learner_code(run, "exercises 06.1-06.4",
                                    "the engine with your functions") or []

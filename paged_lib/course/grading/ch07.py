@@ -9,6 +9,8 @@
 
 * 07.2 ``choose_victim``: which running group to preempt
   (:mod:`paged_lib.course.grading.ch07_victim`).
+* 07.3 ``preempt_until_fits``: the whole preemption loop, plugged into the engine and
+  compared call by call with the library's (:mod:`paged_lib.course.grading.ch07_preempt`).
 
 :func:`run_demo` serves the chapter's too-small pool with the learner's ``choose_victim``,
 by recompute, then by swap with the learner's mapping too, and compares the tokens, the
@@ -23,19 +25,24 @@ from typing import Any
 from paged_lib.blocks import BlockTable
 from paged_lib.course import grading
 from paged_lib.course.grading import replay
+from paged_lib.course.grading.ch07_preempt import check_preempt_until_fits
 from paged_lib.course.grading.ch07_victim import check_choose_victim
 from paged_lib.engine.block_manager import BlockManager
 from paged_lib.engine.block_manager import swap_mapping as lib_swap_mapping
 from paged_lib.engine.hooks import EngineHooks
 from paged_lib.engine.sequence import SamplingParams, Sequence, SequenceGroup
 
-__all__ = ["PRESSURE_BLOCKS", "PRESSURE_BLOCK_SIZE", "TWINS",
-           "check_choose_victim", "check_swap_mapping", "pressure_requests", "run_demo"]
+__all__ = ["PRESSURE_BLOCKS", "PRESSURE_BLOCK_SIZE", "TWINS", "check_choose_victim",
+           "check_preempt_until_fits", "check_swap_mapping", "pressure_requests", "run_demo"]
 
 #: Exercise id -> the library object the learner's code re-implements (it refuses
 #: the learner's calls while that exercise's check runs: see grading.exercise).
-TWINS: dict[str, str] = {"07.1": "paged_lib.engine.block_manager.swap_mapping",
-                         "07.2": "paged_lib.engine.policy.choose_victim"}
+TWINS: dict[str, tuple[str, ...]] = {
+    "07.1": ("paged_lib.engine.block_manager.swap_mapping",),
+    "07.2": ("paged_lib.engine.policy.choose_victim",),
+    "07.3": ("paged_lib.engine.policy.preempt_until_fits", "paged_lib.engine.policy.preempt",
+             "paged_lib.engine.policy.choose_victim"),
+}
 
 #: name, tables, free blocks of the destination pool in allocation order
 _SCENARIOS: list[tuple[str, list[list[int]], list[int]]] = [
@@ -159,16 +166,21 @@ def _check_in_block_manager(fn) -> None:
 
 
 def run_demo(swap_mapping: Callable[..., Any], choose_victim: Callable[..., Any],
-             model: Any = None) -> None:
-    """The chapter's too-small pool served with the learner's ``choose_victim``, by
-    recompute and by swap (with the learner's mapping), next to the library's runs."""
+             model: Any = None, preempt_until_fits: Callable[..., Any] | None = None) -> None:
+    """The chapter's too-small pool served with the learner's ``choose_victim`` (and
+    ``preempt_until_fits`` when given), by recompute and by swap (with the learner's
+    mapping), next to the library's runs."""
     from paged_lib.engine import LLMEngine
     from paged_lib.model import load_tiny_code_llama
 
     model = model if model is not None else load_tiny_code_llama()
     prompts, params = pressure_requests()
 
+    also = "" if preempt_until_fits is None else " (and preempt_until_fits)"
+
     def serve(mode: str, **hooks: Any) -> tuple[Any, Any, bool]:
+        if preempt_until_fits is not None:
+            hooks["preempt_until_fits"] = preempt_until_fits
         kw = dict(num_cpu_blocks=64, preemption=mode)
         mine = LLMEngine(model, PRESSURE_BLOCKS, PRESSURE_BLOCK_SIZE, **kw,
                          hooks=EngineHooks(**hooks))
@@ -181,7 +193,7 @@ def run_demo(swap_mapping: Callable[..., Any], choose_victim: Callable[..., Any]
 
     def recompute() -> None:
         s, r, same = serve("recompute", choose_victim=choose_victim)
-        print(f"recompute, your choose_victim: {len(prompts)} requests on {PRESSURE_BLOCKS} "
+        print(f"recompute, your choose_victim{also}: {len(prompts)} requests on {PRESSURE_BLOCKS} "
               f"blocks in {s.steps} steps (library: {r.steps}), {s.preemptions} preemptions "
               f"(library: {r.preemptions}), {s.recomputed_tokens} tokens recomputed "
               f"(library: {r.recomputed_tokens})")
@@ -189,13 +201,14 @@ def run_demo(swap_mapping: Callable[..., Any], choose_victim: Callable[..., Any]
 
     def swap() -> None:
         s, r, same = serve("swap", choose_victim=choose_victim, swap_mapping=swap_mapping)
-        print(f"swap, your choose_victim and swap_mapping: {s.preemptions} preemptions, "
+        print(f"swap, your choose_victim and swap_mapping{also}: {s.preemptions} preemptions, "
               f"{s.swapped_blocks} block copies (library: {r.preemptions}, "
               f"{r.swapped_blocks})")
         print(f"every token {'equals' if same else 'DIFFERS from'} the library engine's")
 
-    grading.on_learner_code(recompute, "exercise 07.2", "recompute with your choose_victim")
-    grading.on_learner_code(swap, "exercises 07.1 and 07.2", "swap with your functions")
+    grading.on_learner_code(recompute, "exercises 07.2 and 07.3",
+                            "recompute with your choose_victim")
+    grading.on_learner_code(swap, "exercises 07.1-07.3", "swap with your functions")
 
 
 #: Chapter 07's "pool far too small": 7 requests (one of them 2 parallel samples).

@@ -1,0 +1,244 @@
+"""Grading a scheduler loop by serving: the learner's hook in the engine, call by call.
+
+The scheduler's two loops (``schedule_waiting``, exercise 06.4; ``preempt_until_fits``,
+exercise 07.3) act on a live step, so their calls cannot be replayed out of the engine.
+Instead the engine serves each workload twice, once with the library's hook and once with
+the learner's, everything else the library's. Every call is recorded as the state the
+hook saw (a plain snapshot) and what it did; the learner's run stops at the first call
+whose state or decision differs from the library's, and that call is told as a story:
+the workload, the engine step, the state, the library's decision, the learner's.
+
+Two sources of states: :func:`paged_lib.course.grading.replay.workloads` on the shipped
+tiny model (sampling, beams, prefix hits, chunked prefill, both preemptions,
+``prefill_first``, a window), and small edge scenarios served by the scheduler alone (no
+model: every sampled token is 3) that reach the boundaries the workloads rarely meet.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from paged_lib.course import grading
+from paged_lib.engine.block_manager import BlockManager
+from paged_lib.engine.hooks import EngineHooks
+from paged_lib.engine.policy import seqs_to_come
+from paged_lib.engine.sampler import num_samples
+from paged_lib.engine.scheduler import Scheduler
+from paged_lib.engine.sequence import SamplingParams, Sequence, SequenceGroup
+
+
+@dataclass
+class Record:
+    step: int
+    state: Any       # what the hook saw (plain data)
+    decision: Any    # what it did (plain data)
+
+
+class _Stop(Exception):
+    """The learner's run stops here: the story is in ``message``."""
+
+    def __init__(self, message: str, hint: str | None):
+        super().__init__(message)
+        self.message, self.hint = message, hint
+
+
+#: hook name -> (snapshot(args) -> state, decision(args, before, result) -> decision,
+#: describe(state) -> str, show(decision) -> str, hint(state, lib, yours) -> str)
+LOOPS: dict[str, tuple[Callable, ...]] = {}
+
+
+def recorder(name: str, fn: Callable, log: list[Record], where: list,
+             reference: list[Record] | None = None, label: str = "") -> Callable:
+    """``fn`` wrapped: every call is appended to ``log``; with ``reference`` (the
+    library's records of the same run), the first call that differs raises :class:`_Stop`."""
+    snapshot, decide, describe, show, why = LOOPS[name]
+
+    def call(*args: Any) -> Any:
+        step = where[0].step
+        state = snapshot(*args)
+        before = _marks(args)
+        k = len(log)
+        lib = reference[k] if reference is not None and k < len(reference) else None
+        story = f"in '{label}', at engine step {step}"
+        if reference is not None and lib is None:
+            raise _Stop(f"{story}: the engine asked {name} more often than with the "
+                        "library's (the schedules drifted apart before)", None)
+        if lib is not None and (lib.step, lib.state) != (step, state):
+            raise _Stop(f"{story}: the engine reached a state the library's run never "
+                        f"did ({describe(state)}; the library's run had {describe(lib.state)} "
+                        f"at step {lib.step})", "an earlier decision of yours changed "
+                        "something the comparison does not see: compare the steps before")
+        try:
+            result = fn(*args)
+        except (NotImplementedError, grading.TwinCalled):
+            raise  # not attempted yet; the library's twin called (the verdict says so)
+        except Exception as err:  # noqa: BLE001 - the learner's bug, told as a story
+            if reference is None:
+                raise
+            hint = why(state, lib.decision, err)
+            raise _Stop(f"{story}, with {describe(state)}: your {name} raised "
+                        f"{type(err).__name__}: {err}", hint) from None
+        got = decide(args, before, result)
+        log.append(Record(step, state, got))
+        if lib is not None and got != lib.decision:
+            raise _Stop(f"{story}, with {describe(state)}: the library {show(lib.decision)}; "
+                        f"yours {show(got)}", why(state, lib.decision, got))
+        return result
+
+    return call
+
+
+def _marks(args: tuple) -> tuple[int, int]:
+    step = args[-1]
+    out = step._out
+    return len(out.admitted), len(out.preempted)
+
+
+# ------------------------------------------------------------------ serving
+
+
+def _engine_run(model, workload, hooks: EngineHooks, where: list) -> tuple:
+    from paged_lib.engine import LLMEngine
+
+    opts = dict(workload.options)
+    engine = LLMEngine(model, opts.pop("num_blocks"), opts.pop("block_size"),
+                       attention_backend="torch", hooks=hooks, **opts)
+    where[0] = engine.scheduler
+    outs = engine.generate(workload.prompts, workload.params,
+                           arrival_steps=workload.arrivals)
+    tokens = [[c.token_ids for c in o.outputs] for o in outs]
+    return tokens, engine.block_manager.num_free_blocks, engine.stats.steps
+
+
+@functools.cache
+def library_runs(name: str) -> list[tuple[Any, list[Record], tuple]]:
+    """(workload, the library's records of hook ``name``, (tokens, free blocks at the end,
+    steps)) for each replay workload, once per process."""
+    from paged_lib.course.grading import replay
+    from paged_lib.model import load_tiny_code_llama
+
+    model = load_tiny_code_llama()
+    lib = getattr(EngineHooks(), name)
+    runs = []
+    with _one_thread():
+        for w in replay.workloads():
+            log: list[Record] = []
+            where: list = [None]
+            hooks = EngineHooks(**{name: recorder(name, lib, log, where)})
+            runs.append((w, log, _engine_run(model, w, hooks, where)))
+    return runs
+
+
+class _one_thread:
+    def __enter__(self):
+        self.threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # tiny matrices: a second thread only adds overhead
+
+    def __exit__(self, *exc):
+        torch.set_num_threads(self.threads)
+
+
+def check_workloads(name: str, fn: Callable) -> None:
+    """Serve every replay workload with ``fn`` as hook ``name``; fail at the first call
+    that differs from the library's, then on tokens or blocks at the end."""
+    from paged_lib.model import load_tiny_code_llama
+
+    model = load_tiny_code_llama()
+    with _one_thread():
+        for w, ref, (tokens, free, steps) in library_runs(name):
+            log: list[Record] = []
+            where: list = [None]
+            hooks = EngineHooks(**{name: recorder(name, fn, log, where, ref, w.name)})
+            try:
+                got = _engine_run(model, w, hooks, where)
+            except _Stop as stop:
+                grading.fail(f"serving the engine with your {name}: {stop.message}",
+                             stop.hint)
+            except ValueError as err:  # the scheduler's checks of the hook's answer
+                grading.fail(f"serving '{w.name}' with your {name}, at engine step "
+                             f"{where[0].step}: {err}", None)
+            _compare_end(name, w.name, (tokens, free, steps), got, len(ref), len(log))
+
+
+def _compare_end(name, label, want, got, calls, asked) -> None:
+    (tokens, free, steps), (mine, my_free, my_steps) = want, got
+    where = f"serving '{label}' with your {name}"
+    grading.expect_equal(asked, calls, f"{where}: calls to {name}",
+                         "the engine asked fewer times: the run ended differently")
+    grading.expect_equal(mine, tokens, f"{where}: the tokens", "same decisions, different "
+                         "tokens: a group must sample exactly when the library's does")
+    grading.expect_equal(my_free, free, f"{where}: free blocks at the end",
+                         "every block comes back when every request is done")
+    grading.expect_equal(my_steps, steps, f"{where}: steps", None)
+
+
+# ------------------------------------------------------------------ edge scenarios
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """Requests served by the scheduler alone. ``requests``: (prompt length or token ids,
+    max_tokens, arrival step, n); ``options``: the Scheduler's keywords (and ``num_blocks``,
+    ``block_size``, ``num_cpu_blocks``, ``enable_prefix_caching``)."""
+
+    name: str
+    options: dict
+    requests: tuple
+
+
+def serve_scenario(sc: Scenario, hooks: EngineHooks, where: list,
+                   max_steps: int = 300) -> tuple:
+    """(tokens per request, free blocks at the end, steps) of ``sc``, every token 3 (a
+    group of ``n`` draws 3 for each sample)."""
+    opts = dict(sc.options)
+    bm = BlockManager(opts.pop("num_blocks"), opts.pop("block_size"),
+                      num_cpu_blocks=opts.pop("num_cpu_blocks", 0),
+                      enable_prefix_caching=opts.pop("enable_prefix_caching", False),
+                      hooks=hooks)
+    sched = Scheduler(bm, hooks=hooks, **opts)
+    where[0] = sched
+    groups: dict[int, SequenceGroup] = {}
+    for _ in range(max_steps):
+        for rid, (prompt, max_tokens, arrival, n) in enumerate(sc.requests):
+            if arrival == sched.step:
+                text = list(prompt) if not isinstance(prompt, int) else \
+                    [10 + (7 * rid + t) % 50 for t in range(prompt)]
+                groups[rid] = SequenceGroup(rid, [Sequence(rid * 10, text)], SamplingParams(
+                    max_tokens=max_tokens, ignore_eos=True, n=n,
+                    temperature=1.0 if n > 1 else 0.0, seed=rid if n > 1 else None))
+                sched.add(groups[rid])
+        if len(groups) == len(sc.requests) and not sched.has_unfinished():
+            break
+        out = sched.schedule()
+        sched.update(out, [[(3, 0.0)] * num_samples(s) for s in out.scheduled], None)
+    tokens = [[s.output_token_ids for s in g.seqs] for _, g in sorted(groups.items())]
+    return tokens, bm.num_free_blocks, sched.step
+
+
+def check_scenarios(name: str, fn: Callable, scenarios: list[Scenario]) -> None:
+    lib = getattr(EngineHooks(), name)
+    for sc in scenarios:
+        ref: list[Record] = []
+        where: list = [None]
+        want = serve_scenario(sc, EngineHooks(**{name: recorder(name, lib, ref, where)}),
+                              where)
+        log: list[Record] = []
+        hooks = EngineHooks(**{name: recorder(name, fn, log, where, ref, sc.name)})
+        try:
+            got = serve_scenario(sc, hooks, where)
+        except _Stop as stop:
+            grading.fail(f"{stop.message}", stop.hint)
+        except ValueError as err:
+            grading.fail(f"serving '{sc.name}' with your {name}, at step {where[0].step}: "
+                         f"{err}", None)
+        _compare_end(name, sc.name, want, got, len(ref), len(log))
+
+
+def seqs_of(group: SequenceGroup) -> int:
+    """Sequences a waiting group brings (the library's rule, for the stories)."""
+    return seqs_to_come(group)

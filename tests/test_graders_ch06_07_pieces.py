@@ -1,0 +1,256 @@
+"""Chapters 06-07's whole pieces (06.4 ``schedule_waiting``, 07.3 ``preempt_until_fits``)
+against wrong answers of each kind: each gets ❌ with a hint naming the state that exposed
+it; and the library's twins (and the helpers that do the same work) are refused."""
+
+from __future__ import annotations
+
+import pytest
+
+from paged_lib.course.grading import ch06, ch07
+from paged_lib.engine.block_manager import shared_prompt_blocks
+from paged_lib.engine.policy import (
+    choose_victim,
+    preempt,
+    preempt_until_fits,
+    schedule_waiting,
+    seqs_to_come,
+)
+
+
+def verdict(capsys, check, answer) -> str:
+    check(answer)
+    out = capsys.readouterr().out
+    assert out.count("\n") <= 2, out  # one verdict line, at most one hint line
+    return out
+
+
+# ---------------------------------------------------------------- 06.4 schedule_waiting
+
+
+def waiting_with(gate_swapped=True, gate_preempted=True, hol=True, watermark=True,
+                 alone_rule=True, strict_watermark=False, n_as_live=False, chunk=True,
+                 alone_ignores_running=False, token_budget=True, strict_tokens=False,
+                 strict_seqs=False):
+    """A schedule_waiting with one planted mistake (defaults: correct)."""
+    def schedule(waiting, step):
+        if (gate_swapped and step.swapped) or (gate_preempted and step.num_preempted):
+            return
+        k = 0
+        while k < len(waiting):
+            group = list(waiting)[k]
+            if n_as_live or any(s.output_token_ids for s in group.seqs):
+                num_seqs = len(group.live_seqs())
+            else:
+                num_seqs = max(len(group.live_seqs()), group.params.num_seqs)
+            tokens = step.prefill_tokens(group)
+            if step.chunked_prefill and chunk:
+                tokens = min(tokens, step.tokens_left)
+                if tokens < 1:
+                    return
+            need = step.blocks_needed(group, tokens)
+            mark = step.watermark_blocks if watermark else 0
+            left = step.free_blocks - need
+            blocks_ok = left > mark if strict_watermark else left >= mark
+            seqs = step.num_seqs + num_seqs
+            seqs_ok = seqs < step.max_num_seqs if strict_seqs else seqs <= step.max_num_seqs
+            tokens_ok = (tokens < step.tokens_left if strict_tokens
+                         else tokens <= step.tokens_left) if token_budget else True
+            alone = (alone_rule and step.is_empty()
+                     and (not step.prefill_first or not step.running or alone_ignores_running)
+                     and need <= step.free_blocks and tokens <= step.tokens_left)
+            if not ((blocks_ok and seqs_ok and tokens_ok) or alone):
+                if hol:
+                    return
+                k += 1
+                continue
+            step.admit(group, tokens)
+    return schedule
+
+
+def test_06_4_a_correct_answer_passes(capsys):
+    assert verdict(capsys, ch06.check_schedule_waiting,
+                   waiting_with()).startswith("✅ [06.4]")
+
+
+@pytest.mark.parametrize("wrong, state, hint", [
+    (waiting_with(gate_swapped=False), "2 group(s) swapped out", "they come back first"),
+    (waiting_with(gate_preempted=False), "1 group(s) preempted this step",
+     "a step that preempts admits nobody"),
+    (waiting_with(hol=False), "yours admits request 0 (5 tokens), request 2",
+     "head-of-line blocking"),
+    (waiting_with(watermark=False), "10 free blocks (watermark 2)",
+     "at least watermark_blocks must stay free"),
+    (waiting_with(strict_watermark=True), "10 free blocks (watermark 2)",
+     "leaving exactly watermark_blocks free is allowed"),
+    (waiting_with(alone_rule=False), "a long request alone in an empty step",
+     "a group alone in an empty step joins"),
+    (waiting_with(n_as_live=True), "request 0 (3 sequence(s)", "a fresh n > 1 group"),
+    (waiting_with(chunk=False), "20 tokens to prefill, 8 of them now",
+     "a first chunk of min(tokens, step.tokens_left)"),
+    (waiting_with(alone_ignores_running=True), "prefill_first, 1 group(s) running",
+     "alone only if nobody is running either"),
+    (waiting_with(token_budget=False), "16 of 16 tokens left", "the token budget"),
+    (waiting_with(strict_tokens=True), "16 of 16 tokens left",
+     "reaching max_num_batched_tokens exactly is allowed"),
+    (waiting_with(strict_seqs=True), "3 of 4 sequences running",
+     "reaching max_num_seqs exactly is allowed"),
+])
+def test_06_4_wrong_answers_are_told_with_their_state(capsys, wrong, state, hint):
+    out = verdict(capsys, ch06.check_schedule_waiting, wrong)
+    assert out.startswith("❌ [06.4]") and state in out and hint in out, out
+    assert "the library admits" in out and "yours" in out, out
+
+
+def test_06_4_an_answer_that_raises_is_told_at_its_step(capsys):
+    def admits_twice(waiting, step):  # pops the group, which step.admit does itself
+        if waiting and not step.swapped and not step.num_preempted:
+            group = waiting.popleft()
+            step.admit(group, step.prefill_tokens(group))
+    out = verdict(capsys, ch06.check_schedule_waiting, admits_twice)
+    assert out.startswith("❌ [06.4]") and "(ties)', at engine step 2" in out, out
+    assert "raised ValueError: admit(request 0, 9): it is not waiting" in out, out
+    assert "takes the group out of waiting itself" in out, out
+
+
+@pytest.mark.parametrize("twin, name", [
+    (lambda w, s: schedule_waiting(w, s), "schedule_waiting"),
+    (schedule_waiting, "schedule_waiting"),
+    (lambda w, s: waiting_with()(w, s) if not w or seqs_to_come(w[0]) else None,
+     "seqs_to_come"),
+])
+def test_06_4_the_library_is_refused(capsys, twin, name):
+    out = verdict(capsys, ch06.check_schedule_waiting, twin)
+    assert out.startswith("❌ [06.4]") and f"library's {name}" in out, out
+
+
+def test_06_4_the_engines_can_admit_is_refused(capsys):
+    def through_hooks(waiting, step):  # step.hooks.can_admit is the library's here
+        if step.swapped or step.num_preempted:
+            return
+        while waiting:
+            group = waiting[0]
+            tokens = step.prefill_tokens(group)
+            if not step.hooks.can_admit(step.blocks_needed(group, tokens), 1, tokens,
+                                        step.budget()):
+                return
+            step.admit(group, tokens)
+    out = verdict(capsys, ch06.check_schedule_waiting, through_hooks)
+    assert out.startswith("❌ [06.4]") and "library's can_admit" in out, out
+
+
+# ---------------------------------------------------------------- 07.3 preempt_until_fits
+
+
+def preempt_with(pick="latest", skip_ran=True, cpu_fallback=True, prefill_fallback=True,
+                 front=True, loop=True, swap=True, false_when_self=True, eager=False):
+    """A preempt_until_fits with one planted mistake (defaults: correct)."""
+    def preempt_fn(group, step):
+        first = True
+        while step.blocks_needed > step.free_blocks or (
+                eager and first and step.running[-1] is not group
+                and not step.ran(step.running[-1])):
+            first = False
+            if pick == "anyone":
+                others = [g for g in step.running if g is not group]
+            else:
+                others = step.running[step.running.index(group) + 1:]
+            offered = [group] + [g for g in others if not (skip_ran and step.ran(g))]
+            victim = offered[0] if pick == "asker" else offered[-1]
+            step.running.remove(victim)
+            swapping = step.preemption == "swap" and swap
+            if prefill_fallback:
+                swapping = swapping and step.is_decoding(victim)
+            if cpu_fallback:
+                swapping = swapping and step.can_swap_out(victim)
+            if swapping:
+                step.swap_out(victim)
+                (step.swapped.appendleft if front else step.swapped.append)(victim)
+            else:
+                step.free(victim)
+                (step.waiting.appendleft if front else step.waiting.append)(victim)
+            if victim is group:
+                return not false_when_self
+            if not loop:
+                return True
+        return True
+    return preempt_fn
+
+
+def test_07_3_a_correct_answer_passes(capsys):
+    assert verdict(capsys, ch07.check_preempt_until_fits,
+                   preempt_with()).startswith("✅ [07.3]")
+
+
+@pytest.mark.parametrize("wrong, state, hint", [
+    (preempt_with(pick="asker"), "request 0 needs 1 free blocks and 0 are free",
+     "the latest admitted goes first"),
+    (preempt_with(pick="anyone"), "'samples and beams, recompute, 16 blocks of 4'",
+     "never preempt a group admitted before the one asking"),
+    (preempt_with(skip_ran=False), "ran this step",
+     "a group that already ran this step cannot be preempted"),
+    (preempt_with(cpu_fallback=False), "the CPU pool has 0 free blocks",
+     "swap falls back to recompute"),
+    (preempt_with(prefill_fallback=False), "part way through a prefill",
+     "a group part way through a prefill cannot be swapped"),
+    (preempt_with(front=False), "to position 0 of waiting", "FRONT of its queue"),
+    (preempt_with(loop=False), "a CPU pool of 5 blocks", "keep preempting"),
+    (preempt_with(swap=False), "preemption 'swap'", "copies a decoding victim"),
+    (preempt_with(false_when_self=False), "the library preempts request 1",
+     "False when it was preempted itself"),
+    (preempt_with(eager=True), "needs 1 free blocks and 4 are free",
+     "nobody at all when they already fit"),
+])
+def test_07_3_wrong_answers_are_told_with_their_state(capsys, wrong, state, hint):
+    out = verdict(capsys, ch07.check_preempt_until_fits, wrong)
+    assert out.startswith("❌ [07.3]") and state in out and hint in out, out
+
+
+@pytest.mark.parametrize("twin, name", [
+    (lambda g, s: preempt_until_fits(g, s), "preempt_until_fits"),
+    (preempt_until_fits, "preempt_until_fits"),
+    (lambda g, s: preempt_with()(g, s) if s.blocks_needed <= s.free_blocks
+     else (preempt(g, s), False)[1], "preempt"),
+    (lambda g, s: preempt_with()(g, s) if s.blocks_needed <= s.free_blocks
+     else choose_victim([g]) is g and preempt_with()(g, s), "choose_victim"),
+])
+def test_07_3_the_library_is_refused(capsys, twin, name):
+    out = verdict(capsys, ch07.check_preempt_until_fits, twin)
+    assert out.startswith("❌ [07.3]") and f"library's {name}" in out, out
+
+
+def test_07_3_not_attempted(capsys):
+    def stub(*args):
+        raise NotImplementedError()
+    assert verdict(capsys, ch07.check_preempt_until_fits, stub).startswith("⏳ [07.3]")
+    assert verdict(capsys, ch06.check_schedule_waiting, stub).startswith("⏳ [06.4]")
+
+
+# ---------------------------------------------------------------- helpers that are the exercise
+
+
+def test_06_1_and_06_2_refuse_the_helpers_that_do_the_same_work(capsys):
+    import torch
+
+    from paged_lib.kernels import slot_mapping_from_positions
+    from paged_lib.model import AttentionMetadata
+
+    def via_kernel_helper(tables, seq_lens, query_lens, bs):
+        width = max(len(t) for t in tables)
+        padded = torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32)
+        ids = torch.tensor([s for s, (n, q) in enumerate(zip(seq_lens, query_lens, strict=True))
+                            for _ in range(n - q, n)])
+        pos = torch.tensor([p for n, q in zip(seq_lens, query_lens, strict=True)
+                            for p in range(n - q, n)])
+        return AttentionMetadata(slot_mapping_from_positions(padded, ids, pos, bs), padded,
+                                 torch.tensor(seq_lens, dtype=torch.int32),
+                                 torch.tensor(query_lens, dtype=torch.int32), pos)
+    out = verdict(capsys, ch06.check_build_metadata, via_kernel_helper)
+    assert out.startswith("❌ [06.1]") and "slot_mapping_from_positions" in out, out
+
+    def via_shared(group, bs):
+        seqs, prompt = group.live_seqs(), len(group.prompt_token_ids)
+        if len(seqs) == 1:
+            return -(-seqs[0].num_tokens // bs)
+        return shared_prompt_blocks(prompt, [s.num_tokens - prompt for s in seqs], bs)
+    out = verdict(capsys, ch06.check_num_required_blocks, via_shared)
+    assert out.startswith("❌ [06.2]") and "library's shared_prompt_blocks" in out, out
