@@ -218,3 +218,18 @@ def test_the_pictures_draw(tiny):
     decode = [{"block_size": 1, "cpu": 3.0, "torch": 5.0}, {"block_size": 2, "cpu": 1.0,
                                                             "torch": 5.0}]
     assert viz.plot_decode_times(decode, {"cpu": 2}).axes
+
+
+def test_fastest_ms_keeps_the_fastest_run():
+    from paged_lib.studies.wall_clock import fastest_ms
+
+    delays = iter([0.0, 0.03, 0.001, 0.02])  # the first call is the untimed warm-up
+
+    def fn():
+        import time
+        time.sleep(next(delays))
+
+    ms = fastest_ms(fn, 3)
+    assert 1.0 <= ms < 15.0
+    with pytest.raises(ValueError):
+        fastest_ms(fn, 0)

@@ -35,9 +35,11 @@ SYSTEMS = ("static", "orca-max", "orca-pow2", "orca-oracle", "paged")
 
 @dataclass(frozen=True)
 class TimedRun:
-    """One system serving the requests: its stats, and the wall time of ``generate``."""
+    """One system serving the requests: its engine and stats, and the wall time of
+    ``generate``."""
 
     system: str
+    engine: object
     stats: EngineStats
     generated_tokens: int
     seconds: float
@@ -93,6 +95,6 @@ def serve_timed(model, prompts: Sequence[Sequence[int]], params, num_blocks: int
         elif tokens != first[1]:
             bad = next(i for i, (a, b) in enumerate(zip(tokens, first[1], strict=True)) if a != b)
             raise RuntimeError(f"{system}: request {bad}'s tokens differ from {first[0]}'s")
-        runs[system] = TimedRun(system, engine.stats, sum(len(t) for r in tokens for t in r),
-                                seconds)
+        generated = sum(len(t) for r in tokens for t in r)
+        runs[system] = TimedRun(system, engine, engine.stats, generated, seconds)
     return runs
