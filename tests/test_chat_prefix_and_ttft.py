@@ -61,6 +61,11 @@ def test_chat_hits_are_what_the_template_shares_in_whole_blocks(tiny):
         assert t.hit_tokens % 8 == 0 and t.hit_tokens < t.prompt_tokens
         assert t.system_hit == min(t.hit_tokens, system)
     later = [t for t in turns if t.turn > 0]
+    assert all(t.computed_before == 0 for t in turns if t.turn == 0)
+    prev = {(t.conversation, t.turn + 1): t for t in turns}
+    for t in later:  # the last prompt and up to 6 - 1 answer tokens (the last is unwritten)
+        p = prev[t.conversation, t.turn].prompt_tokens
+        assert p <= t.computed_before <= p + 5
     # a later turn re-sends its history: it hits more than the system prompt
     assert all(t.history_tokens > system and t.hit_tokens > system // 8 * 8 for t in later)
     rate = chat_prefix.hit_rate(turns)
@@ -117,7 +122,8 @@ def test_chat_on_smollm2_s_own_template():
     assert all(t.hit_tokens == t.reusable_hit for t in turns)
     assert turns[1].hit_tokens >= turns[1].system_tokens // 16 * 16 > 0
     # the model's answer, rendered again as text, gives back the tokens it generated
-    assert turns[2].history_tokens >= turns[0].prompt_tokens + 2
+    assert turns[2].history_came_back
+    assert turns[2].computed_before == turns[0].prompt_tokens + 2  # 3 tokens, last unwritten
 
 
 # ------------------------------------------------------------------ chunked prefill: TTFT
@@ -133,6 +139,12 @@ def test_ttft_of_one_prompt_is_its_number_of_chunks(tiny):
     for r in runs.values():
         assert r.ttft_seconds[0] == pytest.approx(sum(r.step_seconds[:r.ttft_steps[0]]))
         assert r.mean_ttft_steps([0]) == r.ttft_steps[0]
+    again = chunked_ttft.serve_and_time(tiny, [prompt], params, [0], "x", repeats=3,
+                                        enable_chunked_prefill=True, max_num_batched_tokens=32,
+                                        max_num_seqs=32)
+    assert again.ttft_steps == [cdiv(100, 32)] and len(again.step_seconds) == 6
+    with pytest.raises(ValueError, match="repeats"):
+        chunked_ttft.serve_and_time(tiny, [prompt], params, [0], repeats=0)
 
 
 def test_ttft_counts_from_arrival_and_grows_as_the_budget_shrinks(tiny):

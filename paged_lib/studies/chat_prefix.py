@@ -51,7 +51,8 @@ class ChatTurn:
     prompt_tokens: int
     hit_tokens: int       # prompt tokens whose K/V the engine read from the prefix cache
     system_tokens: int    # the rendered system message's tokens, at the start of every prompt
-    history_tokens: int   # tokens in common with what the engine computed for the last turn
+    computed_before: int  # tokens the engine computed for this conversation's last turn
+    history_tokens: int   # of those, how many this prompt starts with
     shared_tokens: int    # the longest start in common with anything computed before it
     block_size: int
     answer: str
@@ -63,6 +64,13 @@ class ChatTurn:
         before the prompt's end, in whole blocks."""
         return (min(self.shared_tokens, self.prompt_tokens - 1)
                 // self.block_size * self.block_size)
+
+    @property
+    def history_came_back(self) -> bool:
+        """Whether this prompt starts with every token the engine computed for the
+        conversation's last turn: the answer, decoded to text and rendered again by the
+        template, gave back the tokens the model generated."""
+        return self.history_tokens == self.computed_before
 
     @property
     def system_hit(self) -> int:
@@ -127,7 +135,7 @@ def serve_chat(llm, params, system_prompt: str = SYSTEM_PROMPT,
                 text = tok.decode(c.token_ids)
                 earlier = before_round + prompts[:k]  # same step: the prompts before it
                 turns.append(ChatTurn(i, t, len(prompt), hits[k], system_tokens,
-                                      _common_prefix(prompt, computed[i]),
+                                      len(computed[i]), _common_prefix(prompt, computed[i]),
                                       max((_common_prefix(prompt, e) for e in earlier),
                                           default=0),
                                       engine.block_manager.block_size, text, c.finish_reason))

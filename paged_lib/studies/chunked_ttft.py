@@ -12,7 +12,8 @@ configurations and reports, per configuration, each request's **time to first to
   token, both counted (a prompt prefilled in the step it arrives in: 1 step) -
   deterministic;
 * in **seconds** of wall clock over those steps (:attr:`EngineStats.step_seconds`:
-  scheduler, model and sampler) - this machine's, noisy.
+  scheduler, model and sampler) - this machine's, noisy: with ``repeats=k`` the trace is
+  served ``k`` times (the same schedule each time) and each step's median is kept.
 
 With the step's largest token count and the longest step, which is what chunking
 buys. The engine is the library's; nothing is changed, an ``on_step`` callback watches.
@@ -20,6 +21,7 @@ buys. The engine is the library's; nothing is changed, an ``on_step`` callback w
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -44,23 +46,31 @@ class TTFTRun:
 
 def serve_and_time(model, prompts: Sequence[list[int]], params, arrival_steps: Sequence[int],
                    name: str = "", num_blocks: int = 64, block_size: int = 8,
-                   **engine_options) -> TTFTRun:
-    """Serve the trace once on a fresh :class:`~paged_lib.engine.LLMEngine`
-    (``engine_options`` such as ``enable_chunked_prefill=True,
-    max_num_batched_tokens=48``) and time every request's first token."""
+                   repeats: int = 1, **engine_options) -> TTFTRun:
+    """Serve the trace ``repeats`` times, each on a fresh
+    :class:`~paged_lib.engine.LLMEngine` (``engine_options`` such as
+    ``enable_chunked_prefill=True, max_num_batched_tokens=48``), and time every request's
+    first token (each step's median wall clock over the repeats)."""
     from paged_lib.engine import LLMEngine
 
-    first: dict[int, int] = {}  # request id -> step that sampled its first token
+    if repeats < 1:
+        raise ValueError(f"repeats must be at least 1, got {repeats}")
+    timings = []
+    for _ in range(repeats):
+        first: dict[int, int] = {}  # request id -> step that sampled its first token
 
-    def watch(out, stats) -> None:
-        for sc in out.scheduled:
-            rid = sc.group.request_id
-            if rid not in first and any(s.output_token_ids for s in sc.group.seqs):
-                first[rid] = out.step
+        def watch(out, stats, first=first) -> None:
+            for sc in out.scheduled:
+                rid = sc.group.request_id
+                if rid not in first and any(s.output_token_ids for s in sc.group.seqs):
+                    first[rid] = out.step
 
-    engine = LLMEngine(model, num_blocks, block_size, on_step=watch, **engine_options)
-    outs = engine.generate([list(p) for p in prompts], params, list(arrival_steps))
-    seconds = list(engine.stats.step_seconds)
+        engine = LLMEngine(model, num_blocks, block_size, on_step=watch, **engine_options)
+        outs = engine.generate([list(p) for p in prompts], params, list(arrival_steps))
+        timings.append(engine.stats.step_seconds)
+    if len({len(t) for t in timings}) != 1:
+        raise RuntimeError("the repeats ran different numbers of steps")
+    seconds = [statistics.median(step) for step in zip(*timings, strict=True)]
     steps, wall = [], []
     for i, arrival in enumerate(arrival_steps):
         if i not in first:
@@ -72,13 +82,13 @@ def serve_and_time(model, prompts: Sequence[list[int]], params, arrival_steps: S
 
 
 def measure_ttft(model, prompts: Sequence[list[int]], params, arrival_steps: Sequence[int],
-                 configs: Mapping[str, dict], num_blocks: int = 64, block_size: int = 8
-                 ) -> dict[str, TTFTRun]:
+                 configs: Mapping[str, dict], num_blocks: int = 64, block_size: int = 8,
+                 repeats: int = 1) -> dict[str, TTFTRun]:
     """:func:`serve_and_time` for every ``{name: engine options}`` in ``configs``; the
     generated tokens must be the same in all (a ``RuntimeError`` otherwise: a
     configuration that changes tokens is a bug, not a trade-off)."""
     runs = {name: serve_and_time(model, prompts, params, arrival_steps, name, num_blocks,
-                                 block_size, **options)
+                                 block_size, repeats, **options)
             for name, options in configs.items()}
     first = next(iter(runs.values()))
     for run in runs.values():

@@ -170,7 +170,8 @@ def plot_savings(table: dict[tuple[str, str, int], Savings],
                 ax.scatter([x], [s.peak_saving], color="black", s=14, zorder=3)
                 ax.text(x, -0.01, f"{w}", ha="center", va="top", fontsize=8)
         ax.set_xticks(range(len(MODES)))
-        ax.set_xticklabels([f"\n{m} (width {', '.join(map(str, widths))})" for m in MODES],
+        present = sorted({k[2] for k in table if k[0] == trace})
+        ax.set_xticklabels([f"\n{m} (width {', '.join(map(str, present))})" for m in MODES],
                            fontsize=9)
         ax.tick_params(axis="x", length=0)
         ax.set_xlim(-0.5, len(MODES) - 0.5)
