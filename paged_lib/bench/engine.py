@@ -15,13 +15,16 @@ without the model (scheduling, block bookkeeping, building the metadata tensors)
 running sequences.
 
 The model is the course's shipped ``tiny-code-llama`` when present, else a random tiny
-Llama. Wall-clock numbers depend on the machine; steps do not.
+Llama. Wall-clock numbers depend on the machine; steps do not. ``--model
+SmolLM2-135M-Instruct`` serves a real chat model against transformers instead, with its
+own options (:mod:`paged_lib.bench.engine_chat`).
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from collections.abc import Sequence
 
@@ -206,8 +209,15 @@ def format_report(res: dict, args) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(argv if argv is not None else sys.argv[1:])
+    if any(a == "--model" or a.startswith("--model=") for a in argv):
+        from paged_lib.bench import engine_chat  # a real chat model: its own trace and systems
+
+        return engine_chat.main(argv)
     p = argparse.ArgumentParser(prog="python -m paged_lib.bench engine",
                                 description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", help="a real chat model instead (SmolLM2-135M-Instruct): "
+                   "python -m paged_lib.bench engine --model SmolLM2-135M-Instruct --help")
     p.add_argument("--requests", type=int, default=48)
     p.add_argument("--num-blocks", type=int, default=120)
     p.add_argument("--block-size", type=int, default=8)
