@@ -68,7 +68,30 @@ def apply_whole_block(k_cache, v_cache, slot, key, value):
     v_cache[slot.block, slot.offset:] = value
 
 
+def apply_flat(k_cache, v_cache, slot, key, value):
+    """Addresses the slot in a flattened cache: .reshape copies a non-contiguous view."""
+    if slot.copy is not None:
+        src, dst = slot.copy
+        k_cache[dst] = k_cache[src]
+        v_cache[dst] = v_cache[src]
+    bs = k_cache.shape[1]
+    for cache, x in ((k_cache, key), (v_cache, value)):
+        cache.reshape(-1, *cache.shape[2:])[slot.block * bs + slot.offset] = x
+
+
+def apply_new_tensor(k_cache, v_cache, slot, key, value):
+    """Builds each updated cache anew and swaps it in through .data."""
+    for cache, x in ((k_cache, key), (v_cache, value)):
+        new = cache.clone()
+        if slot.copy is not None:
+            new[slot.copy[1]] = new[slot.copy[0]]
+        new[slot.block, slot.offset] = x
+        cache.data = new
+
+
 @pytest.mark.parametrize("answer,hint", [
+    (apply_flat, "here k_cache and v_cache are views of one tensor"),
+    (apply_new_tensor, "here k_cache and v_cache are views of one tensor"),
     (apply_no_copy, "copy the whole block src into dst first"),
     (apply_k_only, "in K *and* V"),
     (apply_copy_after_write, "a copy made afterwards overwrites it"),
@@ -118,6 +141,29 @@ def step_ok(tables, cum_logprobs, candidates, beam_width):
         new.append((parent, tables[parent].fork() if parent in used else tables[parent],
                     token, cum))
         used.add(parent)
+    for i, table in enumerate(tables):
+        if i not in used:
+            table.free()
+    return new
+
+
+def step_token_ties(tables, cum_logprobs, candidates, beam_width):
+    """Breaks a tie by the lower token id instead of the candidate's rank."""
+    by_token = [[c for _, c in sorted(enumerate(opts), key=lambda rc: (-rc[1][1], rc[1][0]))]
+                for opts in candidates]
+    return step_ok(tables, cum_logprobs, by_token, beam_width)
+
+
+def step_sorted_set(tables, cum_logprobs, candidates, beam_width):
+    """Keeps the chosen parents in a set, assuming it iterates in the order they came."""
+    chosen = ranked(cum_logprobs, candidates)[:beam_width]
+    parents = {parent for _, parent, _, _ in chosen}
+    used, new = set(), []
+    for parent in parents:
+        for cum, p, _, token in chosen:
+            if p == parent:
+                new.append((p, tables[p].fork() if p in used else tables[p], token, cum))
+                used.add(p)
     for i, table in enumerate(tables):
         if i not in used:
             table.free()
@@ -249,6 +295,8 @@ def step_by_parent(tables, cum_logprobs, candidates, beam_width):
     (step_by_parent, "list the new beams best first"),
     (lambda *a: beam_step(*a), "your function called the library's beam_step"),
     (step_no_free, "free() the table of every old beam that nobody continues"),
+    (step_token_ties, "not to the lower token id"),
+    (step_sorted_set, "best first"),
     (step_fork_every_child, "the first child continues its parent's own table"),
     (step_by_this_logprob, "not by this step's logprob alone"),
     (step_per_beam, "compete across all beams"),

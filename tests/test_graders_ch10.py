@@ -37,6 +37,17 @@ def hashes_ok(token_ids, block_size, extra_keys=()):
     return chain(token_ids, block_size, extra_keys)
 
 
+_memo: dict = {}
+
+
+def memo_by_tokens(token_ids, block_size, extra_keys=()):
+    """Remembers each text's hashes, forgetting that the extra keys name them too."""
+    key = (tuple(token_ids), block_size)
+    if key not in _memo:
+        _memo[key] = chain(token_ids, block_size, extra_keys)
+    return list(_memo[key])
+
+
 @pytest.mark.parametrize("answer,hint", [
     (lambda t, b, e=(): chain(t, b, e, blocks=lambda n, s: -(-n // s)),
      "you hashed a partial block"),
@@ -59,6 +70,7 @@ def hashes_ok(token_ids, block_size, extra_keys=()):
     (lambda t, b, e=(): [h.value for h in chain(t, b, e)], "not its .value"),
     (lambda t, b, e=(): len(chain(t, b, e)), "not how many"),
     (lambda t, b, e=(): chain(t, b, e)[::-1], "wrong order"),
+    (memo_by_tokens, "'the same 20 tokens, extra keys ('lora-2',)': block 0's hash differs"),
 ])
 def test_block_hashes_wrong_answers(capsys, answer, hint):
     out = verdict(capsys, ch10.check_block_hashes, answer)
@@ -324,3 +336,113 @@ def test_worked_example_is_vllms():
     assert last.tables["request 2"] == [0, 1, 2, 7, 8, 9, 4, 3] and last.evicted == [3]
     assert last.free_queue == [6, 5]
     assert demo.worked_example(free_queue_cls=QueueOk) == frames
+
+
+# ---------------------------------------------------------------- 10.4 allocate_slots
+
+
+def alloc(pool, token_ids, hashes, block_size, max_new_tokens, *, cap=True, touch_first=True,
+          head=True, evict=True, register="full", by_value=False, budget=True,
+          incref=True, dedupe_list=False, unqueue=True):
+    """A new request's table, with one rule swappable, to build the wrong answers."""
+    queue, refs = pool.free_block_queue, pool.ref_counts
+
+    def lookup(h):
+        for b in pool.cached_blocks.get(h.value, []):
+            if by_value or pool.block_hash[b] == h:
+                return b
+        return None
+
+    blocks = []
+    limit = (len(token_ids) - 1) // block_size if cap else len(token_ids) // block_size
+    for h in hashes[:limit]:
+        b = lookup(h)
+        if b is None:
+            break
+        blocks.append(b)
+    computed = len(blocks) * block_size
+    end = computed + (min(len(token_ids) - computed, max_new_tokens) if budget
+                      else len(token_ids) - computed)
+
+    def take_hits():
+        for b in blocks[:computed // block_size]:
+            if refs[b] == 0 and unqueue:
+                queue.remove(b)
+            refs[b] = refs[b] + 1 if incref else 1
+
+    if touch_first:
+        take_hits()
+    while len(blocks) * block_size < end:
+        b = queue.popleft() if head else list(queue)[-1]
+        if not head:
+            queue.remove(b)
+        old = pool.block_hash.pop(b, None) if evict else None
+        if old is not None:
+            same = pool.cached_blocks[old.value]
+            same.remove(b)
+            if not same:
+                del pool.cached_blocks[old.value]
+        refs[b] = 1
+        blocks.append(b)
+    if not touch_first:
+        take_hits()
+    n = {"full": end // block_size, "partial": -(-end // block_size), "none": 0}[register]
+    for b, h in zip(blocks[:n], hashes, strict=False):
+        if pool.block_hash.get(b) != h:
+            pool.block_hash[b] = h
+            if dedupe_list:
+                pool.cached_blocks[h.value] = [b]
+            else:
+                pool.cached_blocks.setdefault(h.value, []).append(b)
+    return blocks, computed
+
+
+def alloc_with_pool_methods(pool, token_ids, hashes, block_size, max_new_tokens):
+    blocks = []
+    for h in hashes[:(len(token_ids) - 1) // block_size]:
+        b = pool.lookup(h)
+        if b is None:
+            break
+        blocks.append(b)
+    for b in blocks:
+        pool.touch(b)
+    return blocks, len(blocks) * block_size
+
+
+@pytest.mark.parametrize("answer,hint", [
+    (lambda *a: alloc(*a, cap=False), "a full hit: every block is cached"),
+    (lambda *a: alloc(*a, touch_first=False), "must leave the free queue before any fresh"),
+    # a hit left in the queue is popped as a fresh block, or stays listed as free
+    (lambda *a: alloc(*a, unqueue=False), "a hit on a block with ref count 0"),
+    (lambda *a: alloc(*a, head=False), "from the head of the free queue"),
+    (lambda *a: alloc(*a, evict=False), "loses its old hash (eviction)"),
+    (lambda *a: alloc(*a, register="partial"), "the chunk ends mid-block"),
+    (lambda *a: alloc(*a, register="none"), "a request admitted later in the same step"),
+    (lambda *a: alloc(*a, by_value=True), "compare the whole BlockHash"),
+    (lambda *a: alloc(*a, budget=False), "blocks for this step's tokens only"),
+    (lambda *a: alloc(*a, incref=False), "a hit takes one more reference"),
+    (lambda *a: alloc(*a, dedupe_list=True), "oldest first"),
+    (lambda *a: alloc(*a)[0], "return a pair"),
+])
+def test_allocate_slots_wrong_answers(capsys, answer, hint):
+    out = verdict(capsys, ch10.check_allocate_slots, answer)
+    assert out.startswith("❌ [10.4]") and hint in out, out
+    assert "the pool holds" in out or "serving" in out, out  # the state that exposed it
+
+
+def test_allocate_slots_right_answer_and_twins(capsys):
+    assert verdict(capsys, ch10.check_allocate_slots, alloc).startswith("✅ [10.4]")
+    out = verdict(capsys, ch10.check_allocate_slots, alloc_with_pool_methods)
+    assert out.startswith("❌ [10.4]") and "PrefixCachingAllocator.touch" in out, out
+    out = verdict(capsys, ch10.check_allocate_slots, pc.allocate_slots)
+    assert out.startswith("❌ [10.4]") and "you passed the library's allocate_slots" in out
+    pool = pc.PrefixCachingAllocator(4)  # the pool's methods work again after the check
+    b = pool.allocate()
+    pool.cache_block(b, pc.block_hashes([1, 2], 2)[0])
+    pool.touch(b)
+    assert pool.ref_counts[b] == 2
+
+
+def test_allocate_slots_story_names_the_state(capsys):
+    out = verdict(capsys, ch10.check_allocate_slots, lambda *a: alloc(*a, cap=False))
+    assert "edge state 'a full hit" in out and "free queue (head first)" in out, out

@@ -142,6 +142,7 @@ CHECKS = {"03.1": ch03.check_append_token, "03.2": ch03.check_fork,
           "07.1": ch07.check_swap_mapping, "07.2": ch07.check_choose_victim,
           "08.2": ch08.check_beam_step, "10.1": ch10.check_block_hashes,
           "10.2": ch10.check_longest_cache_hit, "10.3": ch10.check_free_queue,
+          "10.4": ch10.check_allocate_slots,
           "11.3": ch11.check_write_int8_blocks, "11.4": ch11.check_drop_oldest}
 
 
@@ -186,5 +187,5 @@ def test_a_notebook_cell_is_saved_through_ipython_linecache(tmp_path):
     victim = mine.load("07.2", Path(tmp_path / "mine"))
     assert victim([1, 2, 3]) == 3
     line = mine.share_line(mine.save_folder_for(tmp_path / "exercises"))  # make grade's line
-    assert line.startswith("Your engine (chapter 13): 1 of 14 pieces are yours")
+    assert line.startswith(f"Your engine (chapter 13): 1 of {len(mine.PIECES)} pieces are yours")
     assert "still the library's: 03.1 append_token," in line and "07.2" not in line

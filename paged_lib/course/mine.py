@@ -61,6 +61,7 @@ PIECES: dict[str, Piece] = {
     "10.1": Piece("10", "block_hashes", "prefix cache: chained block hashes"),
     "10.2": Piece("10", "longest_cache_hit", "prefix cache: the cached blocks a prompt reuses"),
     "10.3": Piece("10", "LRUFreeQueue", "prefix cache: the LRU free queue"),
+    "10.4": Piece("10", "allocate_slots", "prefix cache: a new request's table, hit and chunk"),
     "11.3": Piece("11", "write_int8_blocks", "int8 KV cache: the block write, its scale grows"),
     "11.4": Piece("11", "drop_oldest", "sliding window: release a block after the sinks"),
 }

@@ -35,6 +35,7 @@ from paged_lib.tokenizer import ByteTokenizer
 HOOKS = {"06.1": "build_metadata", "06.2": "num_required_blocks", "06.3": "can_admit",
          "07.1": "swap_mapping", "07.2": "choose_victim", "08.2": "beam_step",
          "10.1": "block_hashes", "10.2": "longest_cache_hit", "10.3": "FreeBlockQueue",
+         "10.4": "allocate_slots",
          "11.3": "write_int8_blocks", "11.4": "drop_oldest"}
 
 

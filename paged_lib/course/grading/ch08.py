@@ -70,19 +70,53 @@ def cow_walkthrough() -> dict[str, Any]:
     return out
 
 
+#: name, layout: the engine may hold K and V as views of one tensor (vLLM's FlashAttention
+#: cache is [2, num_blocks, ...]; FlashInfer's [num_blocks, 2, ...], whose views are not
+#: contiguous); the check then reads them back through that tensor
+_VIEW_SCENARIOS = [
+    ("K and V as views of one [2, num_blocks, ...] tensor (FlashAttention's layout)", "kv"),
+    ("K and V as views of one [num_blocks, 2, ...] tensor, not contiguous (FlashInfer's "
+     "layout), bfloat16", "blocks"),
+]
+
+
 def check_apply_slot(apply_slot: Callable[..., Any]) -> None:
     """``apply_slot(k_cache, v_cache, slot, key, value) -> None`` (in place)."""
     with grading.exercise("08.1", "Copy-on-write in the cache"):
         for scenario in _COW_SCENARIOS:
             _run_cow_scenario(apply_slot, *scenario)
+        for name, layout in _VIEW_SCENARIOS:
+            dtype = torch.bfloat16 if layout == "blocks" else torch.float32
+            try:
+                _run_cow_scenario(apply_slot, f"chapter 08's example, {name}", 4, 3, 4, 3,
+                                  dtype, layout)
+            except grading.CheckFailed as err:  # right on separate tensors: the views
+                grading.fail(err.message, "here k_cache and v_cache are views of one "
+                             "tensor, as an engine may hold them: write through indexing "
+                             "(cache[block, offset] = ...); .reshape(), .contiguous() or "
+                             "assigning .data may write into a copy the engine never reads")
 
 
-def _run_cow_scenario(apply_slot, name, block_size, prompt_len, n, new_tokens, dtype):
+def _caches(shape: tuple, dtype: torch.dtype, layout: str) -> Callable[[], tuple]:
+    """A NaN-filled K/V cache pair; the function returns fresh views of its storage."""
+    nan = float("nan")
+    if layout == "kv":
+        kv = torch.full((2, *shape), nan, dtype=dtype)
+        return lambda: (kv[0], kv[1])
+    if layout == "blocks":
+        kv = torch.full((shape[0], 2, *shape[1:]), nan, dtype=dtype)
+        return lambda: (kv[:, 0], kv[:, 1])
+    pair = (torch.full(shape, nan, dtype=dtype), torch.full(shape, nan, dtype=dtype))
+    return lambda: pair
+
+
+def _run_cow_scenario(apply_slot, name, block_size, prompt_len, n, new_tokens, dtype,
+                      layout: str = "separate"):
     g = torch.Generator().manual_seed(block_size * 100 + prompt_len)
     allocator = busy_pool(12, (7, 3, 9, 10, 11, 4, 2, 8, 5, 6, 0, 1))
     shape = (12, block_size, _KV_HEADS, _HEAD_DIM)
-    caches = {who: (torch.full(shape, float("nan"), dtype=dtype),
-                    torch.full(shape, float("nan"), dtype=dtype)) for who in ("mine", "ref")}
+    read = {who: _caches(shape, dtype, layout) for who in ("mine", "ref")}
+    handed = {who: read[who]() for who in read}  # what each apply_slot is given, once
     prompt = BlockTable(allocator, block_size)
     history: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[]]
 
@@ -90,9 +124,10 @@ def _run_cow_scenario(apply_slot, name, block_size, prompt_len, n, new_tokens, d
         key = torch.randn(_KV_HEADS, _HEAD_DIM, generator=g).to(dtype)
         value = torch.randn(_KV_HEADS, _HEAD_DIM, generator=g).to(dtype)
         slot = table.append_token()
-        sharing.apply_slot(*caches["ref"], slot, key.clone(), value.clone())
-        apply_slot(*caches["mine"], slot, key.clone(), value.clone())
+        sharing.apply_slot(*handed["ref"], slot, key.clone(), value.clone())
+        apply_slot(*handed["mine"], slot, key.clone(), value.clone())
         history[i].append((key, value))
+        caches = {who: read[who]() for who in read}  # read through the storage
         _compare(caches, slot, f"scenario '{name}', {what} (slot {_slot_str(slot)})")
         _check_readback(caches["mine"], tables, history, f"scenario '{name}', {what}")
 
@@ -178,6 +213,9 @@ _SCRIPTED: list[tuple[str, int, int, int, list[Candidates] | None]] = [
     ("exact ties: lower beam first, then the candidate's order", 2, 3, 3,
      [[[(1, -0.5), (2, -0.5), (3, -0.5)]],
       [[(4, -1.0), (5, -1.0)], [(6, -1.0)], [(7, -1.0)]]]),
+    ("exact ties with candidates listed in descending token order", 2, 3, 3,
+     [[[(9, -0.5), (4, -0.5), (2, -0.5)]],
+      [[(8, -1.0), (3, -1.0)], [(7, -0.5)], [(6, -1.0), (1, -1.0)]]]),
     ("EOS took candidates: beam 1 offers none, then beams offer fewer than the width; "
      "a tie the lower beam wins with its second candidate", 4, 6, 2,
      [[[(5, -0.25), (6, -0.75)]],

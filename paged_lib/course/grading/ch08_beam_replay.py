@@ -105,7 +105,13 @@ def _pick_hint(mine, cum, cands, width) -> str:
                                                                      c[0], c[1]))]
     rank_first = [(i, tok) for i, _, tok, _ in sorted(flat, key=lambda c: (-(cum[c[0]] + c[3]),
                                                                           c[1], c[0]))]
+    by_token = [(i, tok) for i, _, tok, _ in sorted(flat, key=lambda c: (-(cum[c[0]] + c[3]),
+                                                                        c[0], c[2]))]
     by_beam = sorted(mine[:width], key=lambda p: p[0])
+    if mine == by_token[:width] and mine != rank_first[:width]:
+        return ("an exact tie goes to the earlier candidate in the beam's list (its rank), "
+                "not to the lower token id: here the tied candidates come in descending "
+                "token order")
     if mine == by_step[:width]:
         return ("rank candidates by cum_logprobs[beam] + logprob (the whole sequence), not "
                 "by this step's logprob alone")

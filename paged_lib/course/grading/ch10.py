@@ -10,6 +10,8 @@
   :func:`paged_lib.engine.prefix_cache.longest_cache_hit`.
 * 10.3 the LRU free queue's ``popleft`` and ``remove``
   (:mod:`paged_lib.course.grading.ch10_queue`).
+* 10.4 ``allocate_slots``: a new request's table in the caching pool, with its hit, its
+  chunk's fresh blocks and its registered hashes (:mod:`paged_lib.course.grading.ch10_alloc`).
 
 :func:`run_demo` serves chapter 10's shared-prefix requests in the engine with the
 learner's three pieces and compares them with the library's.
@@ -22,6 +24,7 @@ from typing import Any
 
 from paged_lib.course import grading
 from paged_lib.course.grading import replay
+from paged_lib.course.grading.ch10_alloc import check_allocate_slots
 from paged_lib.course.grading.ch10_queue import check_free_queue
 from paged_lib.engine.prefix_cache import (
     BlockHash,
@@ -30,16 +33,22 @@ from paged_lib.engine.prefix_cache import (
     longest_cache_hit,
 )
 
-__all__ = ["TWINS", "check_block_hashes", "check_free_queue", "check_longest_cache_hit",
-           "run_demo"]
+__all__ = ["TWINS", "check_allocate_slots", "check_block_hashes", "check_free_queue",
+           "check_longest_cache_hit", "run_demo"]
 
 #: Exercise id -> the library object the learner's code re-implements (it refuses
 #: the learner's calls while that exercise's check runs: see grading.exercise).
 #: 10.3's class has two methods: the check refuses ``FreeBlockQueue.popleft`` itself.
-TWINS: dict[str, str] = {
+TWINS: dict[str, str | tuple[str, ...]] = {
     "10.1": "paged_lib.engine.prefix_cache.block_hashes",
     "10.2": "paged_lib.engine.prefix_cache.longest_cache_hit",
     "10.3": "paged_lib.engine.prefix_cache.FreeBlockQueue.remove",
+    # 10.4: the pool's own methods do the steps the exercise asks for
+    "10.4": ("paged_lib.engine.prefix_cache.allocate_slots",
+             "paged_lib.engine.prefix_cache.longest_cache_hit",
+             "paged_lib.engine.prefix_cache.PrefixCachingAllocator.touch",
+             "paged_lib.engine.prefix_cache.PrefixCachingAllocator.allocate",
+             "paged_lib.engine.prefix_cache.PrefixCachingAllocator.cache_block"),
 }
 
 
@@ -57,7 +66,9 @@ _HASH_SCENARIOS: list[tuple[str, list[int], int, tuple]] = [
     ("a prompt shorter than one block", [5, 6, 7], 4, ()),
     ("no tokens at all", [], 4, ()),
     ("block size 1", [3, 1, 4, 1, 5], 1, ()),
-    ("20 tokens, block size 8, extra keys ('lora-2',)", _tokens(20, 50), 8, ("lora-2",)),
+    ("20 tokens, block size 8, no extra keys", _tokens(20, 50), 8, ()),
+    ("the same 20 tokens, extra keys ('lora-2',)", _tokens(20, 50), 8, ("lora-2",)),
+    ("the same 20 tokens again, extra keys ('lora-3',)", _tokens(20, 50), 8, ("lora-3",)),
     ("17 tokens, block size 16", _tokens(17, 9), 16, ()),
 ]
 
@@ -278,10 +289,12 @@ def _check_hit(fn, name: str, num_tokens: int, block_size: int, cached: dict[int
 
 
 def run_demo(block_hashes_fn: Callable[..., Any], longest_cache_hit_fn: Callable[..., Any],
-             free_queue_cls: type, model: Any = None) -> None:
-    """Chapter 10's demos on the learner's three pieces: vLLM's worked example, then the
-    six shared-prefix requests served one after another on a 12-block pool through the
-    engine's hooks, next to the library's runs."""
+             free_queue_cls: type, allocate_slots_fn: Callable[..., Any] | None = None,
+             model: Any = None) -> None:
+    """Chapter 10's demos on the learner's pieces: vLLM's worked example (the first three),
+    then the six shared-prefix requests served one after another on a 12-block pool
+    through the engine's hooks (``allocate_slots_fn`` too, if given), next to the
+    library's runs."""
     from paged_lib.course.demos import prefix_cache as demo
 
     def example() -> None:
@@ -299,8 +312,11 @@ def run_demo(block_hashes_fn: Callable[..., Any], longest_cache_hit_fn: Callable
         m = model if model is not None else load_tiny_code_llama()
         prompts = demo.shared_prefix_prompts()
         params = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0)
-        hooks = EngineHooks(block_hashes=block_hashes_fn, longest_cache_hit=longest_cache_hit_fn,
-                            FreeBlockQueue=free_queue_cls)
+        mine = dict(block_hashes=block_hashes_fn, longest_cache_hit=longest_cache_hit_fn,
+                    FreeBlockQueue=free_queue_cls)
+        if allocate_slots_fn is not None:
+            mine["allocate_slots"] = allocate_slots_fn
+        hooks = EngineHooks(**mine)
         yours = LLMEngine(m, 12, 8, enable_prefix_caching=True, hooks=hooks)
         outs, hits = demo.serve_one_by_one(yours, prompts, params)
         lib = LLMEngine(m, 12, 8, enable_prefix_caching=True)
@@ -313,4 +329,4 @@ def run_demo(block_hashes_fn: Callable[..., Any], longest_cache_hit_fn: Callable
               f"{'' if pool.num_free == pool.num_blocks else ' (a LEAK)'}")
 
     grading.on_learner_code(example, "exercises 10.1-10.3", "vLLM's worked example")
-    grading.on_learner_code(engine, "exercises 10.1-10.3", "the engine with your pieces")
+    grading.on_learner_code(engine, "exercises 10.1-10.4", "the engine with your pieces")

@@ -1,0 +1,427 @@
+"""Exercise 10.4: a new request's table in the caching pool (``allocate_slots``).
+
+The learner's ``allocate_slots(pool, token_ids, hashes, block_size, max_new_tokens)``
+is checked three ways, each against :func:`paged_lib.engine.prefix_cache.allocate_slots`:
+
+1. **edge states** built by hand, the ones a serving run rarely reaches: a full hit, a hit
+   on a block in the middle of the free queue, a cached block at the head of the queue
+   (evicted), two requests in one step (the second hits the first's blocks), a chunk that
+   ends mid-block, a hash whose value collides with another block's and the same tokens
+   asked with different extra keys, a recomputed duplicate;
+2. **replay**: every call the library's engine makes to the hook while it serves the
+   prefix-caching workloads (replay's, and three here: a prompt served again after its
+   blocks were freed and partly evicted, requests sharing a prefix admitted in one step
+   under a token budget, parallel samples preempted by recompute) is asked again on a
+   pool rebuilt from the recorded state; the answer and the pool after it must be the
+   library's;
+3. **serving**: the same workloads served with the learner's piece plugged in, comparing
+   the tokens, each step's schedule and its prefix-cache hits.
+
+The first difference is told as a story: the pool before, what was asked, the library's
+answer and the pool after it, the learner's, and a hint that names the rule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from paged_lib.course import grading
+from paged_lib.engine.prefix_cache import (
+    BlockHash,
+    FreeBlockQueue,
+    PrefixCachingAllocator,
+    allocate_slots,
+    block_hashes,
+)
+
+
+@dataclass(frozen=True)
+class State:
+    """What a caching pool holds, comparable: the free queue head first, every block's
+    reference count, each cached block's hash, and the blocks under each hash value."""
+
+    free: tuple[int, ...]
+    refs: tuple[int, ...]
+    hashes: tuple[tuple[int, BlockHash], ...]
+    by_value: tuple[tuple[int, tuple[int, ...]], ...]
+
+
+def snapshot(pool: PrefixCachingAllocator) -> State:
+    return State(tuple(pool.free_block_queue), tuple(pool.ref_counts),
+                 tuple(sorted(pool.block_hash.items())),
+                 tuple(sorted((v, tuple(bs)) for v, bs in pool.cached_blocks.items())))
+
+
+def build(state: State) -> PrefixCachingAllocator:
+    """A fresh pool holding ``state`` (the library's own class and free queue)."""
+    pool = PrefixCachingAllocator(len(state.refs))
+    pool.free_block_queue = pool.free_block_ids = FreeBlockQueue(state.free)
+    pool.ref_counts = list(state.refs)
+    pool.block_hash = dict(state.hashes)
+    pool.cached_blocks = {v: list(bs) for v, bs in state.by_value}
+    return pool
+
+
+@dataclass(frozen=True)
+class Ask:
+    """One call: the pool before, and the arguments after the pool."""
+
+    where: str
+    before: State
+    token_ids: tuple[int, ...]
+    hashes: tuple[BlockHash, ...]
+    block_size: int
+    max_new_tokens: int
+
+
+def library_answer(ask: Ask) -> tuple[Any, State]:
+    pool = build(ask.before)
+    got = allocate_slots(pool, list(ask.token_ids), list(ask.hashes), ask.block_size,
+                         ask.max_new_tokens)
+    return (list(got[0]), got[1]), snapshot(pool)
+
+
+def learner_answer(fn: Callable, ask: Ask) -> tuple[Any, State]:
+    pool = build(ask.before)
+    got = fn(pool, list(ask.token_ids), list(ask.hashes), ask.block_size, ask.max_new_tokens)
+    if isinstance(got, tuple | list) and len(got) == 2 and isinstance(got[0], list | tuple):
+        got = (list(got[0]), got[1])
+    return got, snapshot(pool)
+
+
+# ------------------------------------------------------------------ the story
+
+
+def _pool_text(s: State, bs: int) -> str:
+    held = {b: r for b, r in enumerate(s.refs) if r}
+    cached = ", ".join(f"{b}: tokens {h.token_ids[:2]}..{'+' if h.extra_keys else ''}"
+                       for b, h in s.hashes)
+    return (f"free queue (head first) {list(s.free)}, held {held or 'none'}, cached "
+            f"{{{cached}}}")
+
+
+def _asked_text(ask: Ask) -> str:
+    found = [b for h in ask.hashes for b, c in ask.before.hashes if c == h]
+    return (f"allocate_slots(pool, {len(ask.token_ids)} token ids, {len(ask.hashes)} hashes "
+            f"(cached: {found or 'none'}), block_size={ask.block_size}, "
+            f"max_new_tokens={ask.max_new_tokens})")
+
+
+def diagnose(ask: Ask, want: Any, want_state: State, got: Any, got_state: State) -> str:
+    """The rule the learner's answer breaks, named from what differs."""
+    bs, before = ask.block_size, ask.before
+    if not (isinstance(got, tuple) and len(got) == 2):
+        return "return a pair: (the table's blocks, the number of tokens the cache supplied)"
+    blocks, computed = got
+    wb, wc = want
+    cached_at = dict(before.hashes)
+    leading = 0
+    for h in ask.hashes:
+        if not any(c == h for c in cached_at.values()):
+            break
+        leading += 1
+    if computed != wc or blocks[:wc // bs] != wb[:wc // bs]:
+        if isinstance(computed, int) and computed > wc and computed == leading * bs:
+            return ("a full hit: every block is cached, yet the last token must be computed "
+                    "(its logits give the next token), so at most (len(token_ids) - 1) // "
+                    "block_size blocks are adopted")
+        adopted = blocks[:computed // bs] if isinstance(computed, int) else []
+        if any(cached_at.get(b) is not None and cached_at[b] != h
+               and cached_at[b].value == h.value
+               for b, h in zip(adopted, ask.hashes, strict=False)):
+            return ("a block whose hash has the same value is not a hit: compare the whole "
+                    "BlockHash (value, token ids and extra keys), as pool.lookup does")
+        if isinstance(computed, int) and computed != len(blocks[:computed // bs]) * bs:
+            return "num_computed_tokens is the hit blocks times block_size"
+        return ("the hit is the cached blocks of the longest run of leading hashes, in "
+                "order, stopping at the first miss; num_computed_tokens their tokens")
+    if len(blocks) != len(wb):
+        return ("blocks for this step's tokens only: num_computed + min(len(token_ids) - "
+                "num_computed, max_new_tokens) tokens take cdiv(that, block_size) blocks "
+                "in all (a chunk under the budget; the rest come in later steps)")
+    fresh, wfresh = blocks[wc // bs:], wb[wc // bs:]
+    if fresh != wfresh:
+        hits = set(wb[:wc // bs])
+        if hits & set(fresh):
+            return ("a hit on a block with ref count 0 must leave the free queue before "
+                    "any fresh block is taken, or the head you pop may be the very block "
+                    "you hit")
+        tail = list(before.free)[::-1]
+        if fresh == [b for b in tail if b not in hits][:len(fresh)]:
+            return ("fresh blocks come from the head of the free queue (freed longest "
+                    "ago), not the tail (freed last, the most likely to be hit again)")
+        return "fresh blocks are popped from the head of the free queue, one per block"
+    if got_state.refs != want_state.refs:
+        b = next(i for i, (g, w) in enumerate(zip(got_state.refs, want_state.refs,
+                                                  strict=True)) if g != w)
+        return (f"block {b}'s reference count is {got_state.refs[b]}, the library's "
+                f"{want_state.refs[b]}: a hit takes one more reference (whoever else holds "
+                "it), a fresh block starts at 1")
+    if got_state.free != want_state.free:
+        left = set(got_state.free) & set(wb)
+        if left:
+            return (f"block {sorted(left)[0]} is in your table and still in the free queue: "
+                    "a hit on a block with ref count 0 takes it out of the queue")
+        return "only the blocks of the table leave the free queue; the others keep their order"
+    got_h, want_h = dict(got_state.hashes), dict(want_state.hashes)
+    stale = [b for b in wfresh if b in got_h and got_h[b] == cached_at.get(b)
+             and b not in want_h]
+    if stale or any(b in cached_at and got_h.get(b) == cached_at[b] != want_h.get(b)
+                    for b in wfresh):
+        b = (stale or [b for b in wfresh if b in cached_at])[0]
+        return (f"block {b} was cached and is reused: it loses its old hash (eviction), in "
+                "block_hash and in cached_blocks, or a later lookup finds stale K/V")
+    end = wc + min(len(ask.token_ids) - wc, ask.max_new_tokens)
+    full = end // bs
+    if any(b not in got_h for b in wb[:full]):
+        return ("register the full blocks this step fills when it is scheduled (block_hash "
+                "and cached_blocks), so a request admitted later in the same step hits them")
+    if any(b in got_h and b not in want_h for b in wb[full:]):
+        return ("the chunk ends mid-block: a part-filled block gets no hash (its K/V will "
+                "still change); only the end // block_size full blocks are registered")
+    if got_state.by_value != want_state.by_value:
+        return ("cached_blocks[value] lists every block cached under that value, oldest "
+                "first: a block recomputed with the same hash as another (a full hit's last "
+                "block) is added after it, and a hit, already there, is not added again")
+    return "the pool after the call differs from the library's"
+
+
+def compare(fn: Callable, ask: Ask) -> None:
+    """Ask ``fn`` and the library; fail with the story at the first difference."""
+    want, want_state = library_answer(ask)
+    got, got_state = learner_answer(fn, ask)
+    if got == want and got_state == want_state:
+        return
+    bs = ask.block_size
+    yours = (f"yours {got!r}" if got != want else "yours the same") + (
+        "" if got_state == want_state else f", leaving {_pool_text(got_state, bs)}")
+    grading.fail(f"{ask.where}: the pool holds {_pool_text(ask.before, bs)}; asked "
+                 f"{_asked_text(ask)}, the library answers {want!r}, leaving "
+                 f"{_pool_text(want_state, bs)}; {yours}",
+                 diagnose(ask, want, want_state, got, got_state))
+
+
+# ------------------------------------------------------------------ edge states
+
+
+def _text(n: int, start: int) -> list[int]:
+    return [start + i for i in range(n)]
+
+
+def _prefilled(num_blocks: int, texts: list[tuple[list[int], tuple]], bs: int,
+               free_after: list[int]) -> PrefixCachingAllocator:
+    """A pool where each text was prefilled (library allocation) in turn; the requests
+    ``free_after`` names (indices) are then freed, tail first, in that order."""
+    pool = PrefixCachingAllocator(num_blocks)
+    tables = []
+    for tokens, extra in texts:
+        hashes = block_hashes(tokens, bs, extra)
+        tables.append(allocate_slots(pool, tokens, hashes, bs, len(tokens))[0])
+    for i in free_after:
+        for b in reversed(tables[i]):
+            pool.free(b)
+    return pool
+
+
+def edge_states() -> list[tuple[str, PrefixCachingAllocator, list[tuple[list[int], tuple, int,
+                                                                       int]]]]:
+    """(what, the pool, the calls made one after another on it: tokens, extra keys,
+    block size, max_new_tokens)."""
+    a, b = _text(12, 100), _text(9, 300)
+    # lora-1's and lora-2's block over the same tokens, then a block cached under a forged
+    # hash with lora-2's value but lora-1's keys, listed first under that value
+    collision = _prefilled(8, [(a[:4] + [1], ("lora-1",)), (a[:4] + [1], ("lora-2",))], 4,
+                           [0, 1])
+    real = block_hashes(a[:4], 4, ("lora-2",))[0]
+    forged = BlockHash(real.value, real.token_ids, ("lora-1",))
+    collision.free_block_queue.remove(5)
+    collision.ref_counts[5] = 1
+    collision.block_hash[5] = forged
+    collision.cached_blocks[real.value].insert(0, 5)
+    # a request's leading blocks at the head of the free queue: its last block was
+    # reused by someone else, then another request freed its blocks behind them
+    head_hits = _prefilled(7, [(a, ()), (_text(16, 800), ())], 4, [0])
+    head_hits.allocate()
+    for block in (6, 5, 4, 3):
+        head_hits.free(block)
+    return [
+        ("a hit on the two blocks at the head of the free queue", head_hits,
+         [(a[:8] + [1, 2, 3], (), 4, 11)]),
+        ("a full hit: all 3 blocks of a 12-token prompt cached and free", _prefilled(
+            8, [(a, ())], 4, [0]), [(a, (), 4, 12)]),
+        ("a hit on blocks still held by a running request", _prefilled(
+            8, [(a, ())], 4, []), [(a[:8] + [7, 7, 7], (), 4, 11)]),
+        ("a hit on a free cached block in the middle of the free queue", _prefilled(
+            9, [(b, ()), (a, ()), (_text(5, 500), ())], 4, [0, 1, 2]),
+         [(a[:8] + [1, 2, 3], (), 4, 11)]),
+        ("cached blocks at the head of the free queue: taking fresh ones evicts them",
+         _prefilled(7, [(a, ()), (b, ())], 4, [0, 1]), [(_text(10, 700), (), 4, 10)]),
+        ("two requests in one step: the second hits the first's blocks", PrefixCachingAllocator(
+            10), [(a + [1, 2], (), 4, 14), (a + [5], (), 4, 13)]),
+        ("a chunk that ends mid-block (10 tokens of 17 this step, block size 4)",
+         PrefixCachingAllocator(8), [(_text(17, 900), (), 4, 10)]),
+        ("a chunk after a hit: 2 blocks cached, 3 tokens of budget", _prefilled(
+            10, [(a, ())], 4, [0]), [(a[:8] + _text(9, 40), (), 4, 3)]),
+        ("the same 4 tokens asked with extra keys ('lora-2',) then ('lora-1',); another "
+         "block's hash has lora-2's value", collision,
+         [(a[:4] + [2], ("lora-2",), 4, 5), (a[:4] + [3], ("lora-1",), 4, 5)]),
+        ("the same text with other extra keys: no hit", _prefilled(8, [(a, ())], 4, [0]),
+         [(a, ("lora-9",), 4, 12)]),
+        ("block size 1, a 3-token prompt whose 3 tokens are cached", _prefilled(
+            6, [(a[:3], ())], 1, [0]), [(a[:3], (), 1, 3)]),
+        ("a hit then a budget of 1 token", _prefilled(8, [(b, ())], 4, [0]),
+         [(b, (), 4, 1)]),
+    ]
+
+
+def check_edges(fn: Callable) -> None:
+    for what, pool, calls in edge_states():
+        for k, (tokens, extra, bs, budget) in enumerate(calls):
+            before = snapshot(pool)
+            ask = Ask(f"edge state '{what}'" + (f", call {k + 1}" if len(calls) > 1 else ""),
+                      before, tuple(tokens), tuple(block_hashes(tokens, bs, extra)), bs,
+                      budget)
+            compare(fn, ask)
+            pool = build(library_answer(ask)[1])
+
+
+# ------------------------------------------------------------------ the engine
+
+
+def workloads() -> list:
+    """Replay's prefix-caching workloads and three more that evict, repeat and preempt."""
+    from paged_lib.course.grading import replay
+    from paged_lib.engine import SamplingParams as P
+
+    own = [w for w in replay.workloads() if w.options.get("enable_prefix_caching")]
+    shared = _text(10, 40)
+    g = [P(max_tokens=5, ignore_eos=True, temperature=0.0)]
+    return own + [
+        replay.Workload("a prompt served again after evictions, 10 blocks of 4", dict(
+            num_blocks=10, block_size=4, watermark=0, enable_prefix_caching=True),
+            [shared + [1, 2], _text(19, 60), shared + [1, 2], shared + [9], _text(8, 90),
+             shared + [1, 2, 3]], g * 6, [0, 0, 3, 3, 9, 14]),
+        replay.Workload("a shared prefix admitted in one step, budget 9, 12 blocks of 4", dict(
+            num_blocks=12, block_size=4, watermark=0, enable_prefix_caching=True,
+            enable_chunked_prefill=True, max_num_batched_tokens=9, max_num_seqs=4),
+            [shared + [k] * 3 for k in (1, 2, 3, 4)] + [shared], g * 5, [0, 0, 0, 2, 6]),
+        replay.Workload("parallel samples preempted by recompute, 9 blocks of 4", dict(
+            num_blocks=9, block_size=4, watermark=0, enable_prefix_caching=True),
+            [shared + [5, 6], shared + [7]],
+            [P(max_tokens=9, temperature=1.0, n=2, seed=4, ignore_eos=True),
+             P(max_tokens=9, temperature=1.0, n=2, seed=5, ignore_eos=True)], [0, 1]),
+    ]
+
+
+#: the workloads served with the learner's piece (an answer equal to the library's on every
+#: replayed call serves the same, unless it keeps state of its own between calls)
+SERVED = ("a prompt served again after evictions, 10 blocks of 4",
+          "a shared prefix admitted in one step, budget 9, 12 blocks of 4")
+
+
+def serve(model, w, allocate: Callable, log: list | None = None) -> tuple[list, list]:
+    """Serve workload ``w`` with ``allocate`` as the hook: (tokens per request, the
+    schedule: per step the (request, sequence, tokens) run and the prefix-hit tokens).
+    ``log`` collects an :class:`Ask` per call (with the library's hook)."""
+    from paged_lib.engine import EngineHooks, LLMEngine
+
+    engine: Any = None
+
+    def hook(pool, token_ids, hashes, block_size, max_new_tokens):
+        if log is not None:
+            log.append(Ask(f"'{w.name}', engine step {engine.scheduler.step}", snapshot(pool),
+                           tuple(token_ids), tuple(hashes), block_size, max_new_tokens))
+        return allocate(pool, token_ids, hashes, block_size, max_new_tokens)
+
+    opts = dict(w.options)
+    engine = LLMEngine(model, opts.pop("num_blocks"), opts.pop("block_size"),
+                       attention_backend="torch", hooks=EngineHooks(allocate_slots=hook), **opts)
+    steps: list = []
+    schedule = engine.scheduler.schedule
+
+    def recording():
+        out = schedule()
+        steps.append(([(s.group.request_id, s.seq.seq_id, s.num_new_tokens)
+                       for s in out.scheduled], out.prefix_cache_hit_tokens))
+        return out
+
+    engine.scheduler.schedule = recording
+    outs = engine.generate(w.prompts, w.params, arrival_steps=w.arrivals)
+    return [[c.token_ids for c in o.outputs] for o in outs], steps
+
+
+@functools.cache
+def recorded() -> tuple[tuple[list[Ask], tuple], ...]:
+    """Per workload: every call the library's engine makes to ``allocate_slots`` and what
+    it served (tokens, schedule). Once per process (a few seconds on the tiny model)."""
+    import torch
+
+    from paged_lib.model import load_tiny_code_llama
+
+    model = load_tiny_code_llama()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        result = []
+        for w in workloads():
+            log: list[Ask] = []
+            result.append((log, serve(model, w, allocate_slots, log)))
+        return tuple(result)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def check_replay(fn: Callable) -> None:
+    for log, _ in recorded():
+        for ask in log:
+            compare(fn, dataclasses.replace(ask, where="replaying the engine in " + ask.where))
+
+
+def check_serving(fn: Callable) -> None:
+    import torch
+
+    from paged_lib.model import load_tiny_code_llama
+
+    model = load_tiny_code_llama()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for w, (_, (want_tokens, want_steps)) in zip(workloads(), recorded(), strict=True):
+            if w.name not in SERVED:
+                continue
+            try:
+                tokens, steps = serve(model, w, fn)
+            except grading.CheckFailed:
+                raise
+            except Exception as err:
+                grading.fail(f"serving '{w.name}' with your allocate_slots: the engine "
+                             f"stopped: {err}", "the engine checks each table it is given")
+            for k, (got, want) in enumerate(zip(steps, want_steps, strict=False)):
+                if got != want:
+                    grading.fail(f"serving '{w.name}' with your allocate_slots: at step {k} "
+                                 f"the library's engine runs (request, sequence, tokens) "
+                                 f"{want[0]} with {want[1]} prompt tokens from the cache; "
+                                 f"yours {got[0]} with {got[1]}",
+                                 "the schedule follows the cache: compare your pool with "
+                                 "the library's after each call (the replay above)")
+            if tokens != want_tokens or len(steps) != len(want_steps):
+                grading.fail(f"serving '{w.name}' with your allocate_slots: the tokens "
+                             "differ from the library engine's", "a table pointing at "
+                             "another request's K/V changes what the model reads")
+    finally:
+        torch.set_num_threads(threads)
+
+
+def check_allocate_slots(fn: Callable[..., Any]) -> None:
+    """``allocate_slots(pool, token_ids, hashes, block_size, max_new_tokens)``."""
+    with grading.exercise("10.4", "A new request's table in the caching pool"):
+        check_edges(fn)
+        check_replay(fn)
+        check_serving(fn)
+
+
+__all__ = ["State", "check_allocate_slots", "edge_states", "recorded", "workloads"]
