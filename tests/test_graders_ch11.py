@@ -316,3 +316,23 @@ def test_11_4_a_rule_right_on_every_edge_but_not_in_the_engine_is_caught_by_the_
     out = verdict(capsys, ch11.check_drop_oldest, lifo_free)
     assert out.startswith("❌ [11.4]") and "replaying the engine" in out \
         and "free list" in out, out
+
+
+def test_the_engine_releases_window_blocks_through_its_hook():
+    from paged_lib.engine import EngineHooks, LLMEngine, SamplingParams
+    from paged_lib.engine.window import drop_oldest
+    from paged_lib.model import load_tiny_code_llama
+
+    assert EngineHooks().drop_oldest is drop_oldest
+    seen = []
+
+    def spy(table, sinks):
+        seen.append((table.num_tokens, sinks))
+        return drop_oldest(table, sinks)
+    engine = LLMEngine(load_tiny_code_llama(), 8, 4, sliding_window=8, num_sink_tokens=2,
+                       attention_backend="torch", hooks=EngineHooks(drop_oldest=spy))
+    params = SamplingParams(max_tokens=20, ignore_eos=True, temperature=0.0)
+    engine.generate([[40, 41, 42, 43, 44]], params)
+    # 24 tokens fed (5 + 20 - 1): a block of 4 leaves whenever the next token would make
+    # 8 + 4 recent tokens after the 2 sinks, so the table holds 13 each time (fed 14, 18, 22)
+    assert seen == [(13, 2), (13, 2), (13, 2)]

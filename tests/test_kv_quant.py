@@ -253,6 +253,36 @@ def test_engine_both_backends_mostly_agree_with_auto(shipped, prompts, auto_toke
     assert same >= len(prompts) * NEW_TOKENS // 2
 
 
+def test_the_engine_writes_int8_through_its_hook(shipped, prompts):
+    """EngineHooks.write_int8_blocks is the int8 write (K then V of every layer, every
+    forward pass); the library's is the default, and fp8 and plain caches never call it."""
+    from paged_lib.engine import EngineHooks
+    from paged_lib.kernels.kv_quant import write_int8_blocks
+
+    params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, temperature=0.0)
+    assert EngineHooks().write_int8_blocks is write_int8_blocks
+    calls = []
+
+    def spy(x, data, scale, slots):
+        calls.append(len(slots))
+        write_int8_blocks(x, data, scale, slots)
+
+    def run(kind, **hooks):
+        engine = LLMEngine(shipped, 16, 8, kv_cache_dtype=kind, attention_backend="torch",
+                           hooks=EngineHooks(**hooks))
+        return [o.outputs[0].token_ids for o in engine.generate(prompts, params)], engine
+
+    spied, engine = run("int8", write_int8_blocks=spy)
+    assert spied == run("int8")[0]
+    layers = shipped.config.num_layers
+    assert len(calls) == 2 * layers * engine.stats.steps
+    assert sum(calls) == 2 * layers * sum(len(p) + NEW_TOKENS - 1 for p in prompts)
+    calls.clear()
+    run("fp8_e4m3", write_int8_blocks=spy)
+    run("auto", write_int8_blocks=spy)
+    assert calls == []
+
+
 def test_teacher_forced_agreement_and_bits_per_byte(shipped):
     texts = held_out_windows(2, 48)
     auto, int8, fp8 = teacher_forced(shipped, texts, ("auto", "int8", "fp8_e4m3"))
