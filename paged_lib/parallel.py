@@ -18,7 +18,7 @@ be split: each rank keeps one, and each KV head is *replicated* on
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -126,3 +126,82 @@ def shard_state_dict(state: dict[str, torch.Tensor], cfg: TinyLlamaConfig, tp_si
             w = w[:, by_cols[proj]]
         out[name] = w.detach().to("cpu", copy=True).contiguous()
     return out
+
+
+# ------------------------------------------------------------------ one rank's attention
+
+
+@dataclass(frozen=True)
+class AttentionWeights:
+    """One attention layer's weights, whole (every head), as one device would hold them.
+
+    ``q`` ``[num_heads * head_dim, hidden]``, ``k`` and ``v`` ``[num_kv_heads * head_dim,
+    hidden]``, ``o`` ``[hidden, num_heads * head_dim]`` (``nn.Linear`` layout: ``y = x @ W.T
+    + b``); biases ``None`` (Llama) or vectors of the matching output size (Qwen2 has
+    them on ``q``, ``k``, ``v``; some models on ``o``).
+    """
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    o: torch.Tensor
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    q_bias: torch.Tensor | None = None
+    k_bias: torch.Tensor | None = None
+    v_bias: torch.Tensor | None = None
+    o_bias: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, attn) -> AttentionWeights:
+        """The weights of a :class:`paged_lib.model.Attention` (no biases: Llama)."""
+        cfg = attn.cfg
+        return cls(attn.q_proj.weight.detach(), attn.k_proj.weight.detach(),
+                   attn.v_proj.weight.detach(), attn.o_proj.weight.detach(), cfg.num_heads,
+                   cfg.num_kv_heads, cfg.head_dim)
+
+
+def rank_attention(x: torch.Tensor, w: AttentionWeights, cos: torch.Tensor,
+                   sin: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], meta,
+                   rank: int, tp_size: int, all_reduce) -> torch.Tensor:
+    """Rank ``rank``'s share of one attention layer, summed over the ranks: ``[num_tokens,
+    hidden]``, the same on every rank (Megatron's split, as vLLM's ``QKVParallelLinear`` and
+    ``RowParallelLinear``).
+
+    The rank projects ``x`` on its query heads' and KV heads' rows of ``q``/``k``/``v`` (and
+    their biases), rotates, writes its KV heads into its own cache ``kv_cache`` (``[blocks,
+    block_size, its KV heads, head_dim]``) at ``meta.slot_mapping``, attends over its blocks
+    (:func:`paged_lib.kernels.paged_prefill`, which serves decode rows too), multiplies by
+    its heads' columns of ``o``, and ``all_reduce`` (an in-place sum over the ranks) adds
+    the partial outputs. ``o``'s bias is added once, after the sum.
+    """
+    q_heads, kv_heads = rank_heads(w.num_heads, w.num_kv_heads, tp_size, rank)
+    return heads_attention(x, w, cos, sin, kv_cache, meta, q_heads, kv_heads, all_reduce)
+
+
+def heads_attention(x: torch.Tensor, w: AttentionWeights, cos: torch.Tensor,
+                    sin: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], meta,
+                    q_heads: list[int], kv_heads: list[int], all_reduce) -> torch.Tensor:
+    """:func:`rank_attention` for given contiguous runs of query and KV heads."""
+    from paged_lib.kernels import paged_prefill, reshape_and_cache
+    from paged_lib.model import apply_rope
+
+    d, n = w.head_dim, x.shape[0]
+    qs = slice(q_heads[0] * d, (q_heads[-1] + 1) * d)
+    ks = slice(kv_heads[0] * d, (kv_heads[-1] + 1) * d)
+
+    def project(weight, bias, rows, heads):
+        y = x @ weight[rows].T
+        return (y if bias is None else y + bias[rows]).view(n, heads, d)
+
+    q = apply_rope(project(w.q, w.q_bias, qs, len(q_heads)), cos, sin)
+    k = apply_rope(project(w.k, w.k_bias, ks, len(kv_heads)), cos, sin)
+    v = project(w.v, w.v_bias, ks, len(kv_heads))
+    k_cache, v_cache = kv_cache
+    reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping, backend="torch")
+    out = paged_prefill(q.contiguous(), k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                        meta.query_lens, backend="torch")
+    partial = out.reshape(n, len(q_heads) * d) @ w.o[:, qs].T
+    all_reduce(partial)
+    return partial if w.o_bias is None else partial + w.o_bias

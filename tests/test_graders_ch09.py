@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import pytest
+import torch
 
 from paged_lib.course.grading import ch09
 from paged_lib.studies.block_size import choose_block_size, internal_waste
@@ -59,13 +63,17 @@ def test_09_1_wrong_answers_get_a_named_hint(capsys, wrong, hint):
     assert out.startswith("❌ [09.1]") and hint in out, out
 
 
+def _own_waste(lengths, b):  # the learner's own 09.1 (09.2 refuses the library's)
+    return waste_with()(lengths, b)
+
+
 def choice_with(pick="largest", strict=False, none="least", waste=None, check=True,
                 cast=int):
     """A choose_block_size with one planted mistake (defaults: correct)."""
     def fn(lengths, allowed, budget):
         if check and (not allowed or not 0 <= budget < 1):
             raise ValueError("bad input")
-        w = {b: (waste or internal_waste)(lengths, b) for b in allowed}
+        w = {b: (waste or _own_waste)(lengths, b) for b in allowed}
         fits = [b for b in allowed if (w[b] < budget if strict else w[b] <= budget)]
         if fits:
             return cast({"largest": max(fits), "smallest": min(fits), "first": fits[0]}[pick])
@@ -106,3 +114,146 @@ def test_09_demo_runs_on_the_library_answers(capsys):
     ch09.run_demo(waste_with(), choice_with())
     out = capsys.readouterr().out
     assert "sharegpt: waste" in out and "alpaca: waste" in out and "FlashMLA" in out
+
+
+# ---------------------------------------------------------------- the issue's classes
+
+
+def _float32_waste(lengths, b):
+    held = sum(cdiv(n, b) * b for n in lengths)
+    return float(np.float32(held - sum(lengths)) / np.float32(held))
+
+
+def test_09_1_float32_then_cast_gets_named(capsys):
+    def fn(lengths, b):
+        _bad_input(lengths, b)
+        return _float32_waste(lengths, b)
+
+    out = verdict(capsys, ch09.check_internal_waste, fn)
+    assert out.startswith("❌ [09.1]") and "float32" in out, out
+
+
+def choice_smallest_fallback(lengths, allowed, budget):
+    if not allowed or not 0 <= budget < 1:
+        raise ValueError("bad input")
+    fits = [b for b in allowed if _own_waste(lengths, b) <= budget]
+    return max(fits) if fits else min(allowed)  # right whenever the sizes divide each other
+
+
+def choice_in_set_order(lengths, allowed, budget):
+    if not allowed or not 0 <= budget < 1:
+        raise ValueError("bad input")
+    best = None
+    for b in set(allowed):  # small sets of small sizes come out sorted; others do not
+        if _own_waste(lengths, b) <= budget:
+            best = b
+    return best if best is not None else _least(lengths, allowed)
+
+
+def _least(lengths, allowed):
+    w = {b: _own_waste(lengths, b) for b in allowed}
+    return min(w, key=lambda b: (w[b], b))
+
+
+def choice_float32(lengths, allowed, budget):
+    if not allowed or not 0 <= budget < 1:
+        raise ValueError("bad input")
+    w = {b: _float32_waste(lengths, b) for b in allowed}
+    fits = [b for b in allowed if w[b] <= budget]
+    return max(fits) if fits else min(w, key=lambda b: (w[b], b))
+
+
+@pytest.mark.parametrize("wrong, state, hint", [
+    (choice_smallest_fallback, "not powers of two", "the smallest size does only when"),
+    (choice_in_set_order, "a long trace", "a set is not either"),
+    (choice_float32, "exactly the budget of 0.1", "float32"),
+])
+def test_09_2_the_issues_classes_get_named(capsys, wrong, state, hint):
+    out = verdict(capsys, ch09.check_choose_block_size, wrong)
+    assert out.startswith("❌ [09.2]") and state in out and hint in out, out
+
+
+# ---------------------------------------------------------------- 09.3 attend_tiles
+
+
+def tiles_with(block_of="block", rescale=True, kv="group", scale=True, wide=None,
+               whole_tiles=False, mask=True, at_once=False, empty="zeros"):
+    """An attend_tiles with one planted mistake (defaults: correct)."""
+    def fn(q, k_cache, v_cache, block_table, seq_len, tile):
+        h, d = q.shape
+        bs, nkv = k_cache.shape[1], k_cache.shape[2]
+        dt = wide or (torch.float64 if q.dtype == torch.float64 else torch.float32)
+        heads = torch.arange(h) // (h // nkv) if kv == "group" else torch.arange(h) % nkv
+        qf = q.to(dt) * (d ** -0.5 if scale else 1.0)
+        m = torch.full((h,), -math.inf, dtype=dt)
+        den, acc = torch.zeros(h, dtype=dt), torch.zeros(h, d, dtype=dt)
+        table = torch.as_tensor(block_table).long()
+        end = seq_len // tile * tile if whole_tiles else seq_len
+        step = max(seq_len, 1) if at_once else tile
+        for start in range(0, end, step):
+            stop = min(start + step, seq_len)
+            if not mask:  # whole blocks, slots past the end included
+                stop = min(-(-stop // bs) * bs, table.numel() * bs)
+            pos = torch.arange(start, stop)
+            blocks = table[pos // bs] if block_of == "block" else table[pos // tile]
+            k = k_cache[blocks, pos % bs].to(dt)[:, heads]
+            v = v_cache[blocks, pos % bs].to(dt)[:, heads]
+            s = torch.einsum("hd,thd->ht", qf, k)
+            m_new = torch.maximum(m, s.amax(-1))
+            alpha = torch.exp(m - m_new) if rescale else torch.ones_like(m)
+            p = torch.exp(s - m_new[:, None])
+            den = den * alpha + p.sum(-1)
+            acc = acc * alpha[:, None] + torch.einsum("ht,thd->hd", p, v)
+            m = m_new
+        if end == 0 and empty == "zeros":
+            return torch.zeros_like(q)
+        return (acc / den[:, None]).to(q.dtype)
+    return fn
+
+
+def test_09_3_a_correct_answer_passes_and_the_library_is_refused(capsys):
+    assert verdict(capsys, ch09.check_attend_tiles, tiles_with()).startswith("✅ [09.3]")
+
+    def delegating(q, k_cache, v_cache, block_table, seq_len, tile):
+        from paged_lib.attention import paged_blockwise_attention
+
+        return paged_blockwise_attention(q, k_cache, v_cache, block_table, seq_len)
+
+    out = verdict(capsys, ch09.check_attend_tiles, delegating)
+    assert out.startswith("❌ [09.3]") and "library's" in out, out
+
+
+@pytest.mark.parametrize("shown", ["torch_backend", "reference"])
+def test_09_3_what_chapter_04_shows_reads_too_much_at_once(capsys, shown):
+    """Chapter 04 shows the torch backend's decode and the float64 reference (so they are
+    not refused as twins); both read whole segments or sequences, never a tile."""
+    from paged_lib.kernels import reference, torch_backend
+
+    def delegating(q, k_cache, v_cache, block_table, seq_len, tile):
+        table = torch.as_tensor(block_table)[None].clamp(min=0)
+        lens = torch.tensor([seq_len], dtype=torch.int32)
+        if shown == "torch_backend":
+            return torch_backend.paged_attention_torch(q[None], k_cache, v_cache, table, lens,
+                                                       q.shape[-1] ** -0.5)[0]
+        return reference.ref_paged_attention(q[None], k_cache, v_cache, table, lens)[0] \
+            .to(q.dtype)
+
+    out = verdict(capsys, ch09.check_attend_tiles, delegating)
+    assert out.startswith("❌ [09.3]") and "one read of the cache returned" in out, out
+
+
+@pytest.mark.parametrize("wrong, state, hint", [
+    (tiles_with(rescale=False), "blocks of 4, tiles of 4", "exp(m_old - m_new)"),
+    (tiles_with(block_of="tile"), "tiles of 2 (two tiles per block)", "whatever the tile"),
+    (tiles_with(kv="mod"), "blocks of 4, tiles of 4", "h // (num_heads // num_kv_heads)"),
+    (tiles_with(scale=False), "blocks of 4, tiles of 4", "sqrt(head_dim)"),
+    (tiles_with(wide=torch.float32), "float64", "computed in float32"),
+    (tiles_with(whole_tiles=True), "blocks of 4, tiles of 4 (a tile is a block), 13 tokens",
+     "the last tile holds what is left"),
+    (tiles_with(mask=False), "blocks of 4, tiles of 4", "NaN: a slot past the sequence's end"),
+    (tiles_with(at_once=True), "blocks of 4, tiles of 4", "not the whole sequence at once"),
+    (tiles_with(empty="nan"), "an empty sequence", "return zeros"),
+])
+def test_09_3_wrong_answers_get_a_named_hint(capsys, wrong, state, hint):
+    out = verdict(capsys, ch09.check_attend_tiles, wrong)
+    assert out.startswith("❌ [09.3]") and state in out and hint in out, out

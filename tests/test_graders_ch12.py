@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import matplotlib.pyplot as plt
 import pytest
+import torch
 
 from paged_lib.accounting import kv_bytes
 from paged_lib.course.grading import ch12
@@ -51,6 +52,11 @@ def float_heads(spec, tp, n):
         * spec.dtype_bytes * n
 
 
+def two_bytes(spec, tp, n):  # every spec 2 bytes wide: right on fp16 models only
+    _checked(spec, tp)
+    return 2 * spec.num_layers * max(1, spec.num_kv_heads // tp) * spec.head_dim * 2 * n
+
+
 def no_check(spec, tp, n):
     return 2 * spec.num_layers * max(1, spec.num_kv_heads // max(tp, 1)) * spec.head_dim \
         * spec.dtype_bytes * n
@@ -64,6 +70,7 @@ def no_check(spec, tp, n):
     (bytes_with(lambda s, t: max(1, s.num_kv_heads // t), times=lambda t: t),
      "the sum over all ranks"),
     (bytes_with(lambda s, t: max(1, s.num_kv_heads // t), layers=1), "one layer only"),
+    (two_bytes, "dtype_bytes"),
     (float_heads, "expected an int"),
     (bytes_with(lambda s, t: max(1, s.num_kv_heads // t), as_float=True), "expected an int"),
     (no_check, "raises ValueError"),
@@ -105,6 +112,11 @@ def heads_with(q_of=None, kv_of=None, check=True, kind=list):
     return fn
 
 
+def unsorted_kv(h, kv, tp, r):  # the KV heads as a set: sorted only while they are small
+    return heads_with(kv_of=lambda h, kv, tp, r, q: list({x // (h // kv) for x in q}))(
+        h, kv, tp, r)
+
+
 @pytest.mark.parametrize("answer,hint", [
     (heads_with(q_of=lambda h, tp, r: list(range(r, h, tp))), "contiguous run"),
     (heads_with(kv_of=lambda h, kv, tp, r, q: [r % kv] if tp > kv else
@@ -116,6 +128,7 @@ def heads_with(q_of=None, kv_of=None, check=True, kind=list):
     (heads_with(kv_of=lambda h, kv, tp, r, q: [q[0] // (h // kv)]), "not just the first"),
     (heads_with(kv_of=lambda h, kv, tp, r, q: q), "KV head ids are not query head ids"),
     (heads_with(kind=lambda x: range(x[0], x[-1] + 1)), "a pair of lists"),
+    (unsorted_kv, "a set is not sorted"),
     (heads_with(check=False), "raises ValueError"),
 ])
 def test_12_2_wrong_answers_get_a_named_hint(capsys, answer, hint):
@@ -130,9 +143,11 @@ def test_12_2_right_answer_passes_and_delegating_fails(capsys):
     assert verdict(capsys, ch12.check_rank_heads, rank_heads).startswith("❌ [12.2]")
 
 
-def test_twins_are_the_library_functions():
-    assert ch12.TWINS == {"12.1": "paged_lib.parallel.kv_bytes_per_rank",
-                          "12.2": "paged_lib.parallel.rank_heads"}
+def test_twins_are_the_library_functions_and_the_helpers_that_do_the_exercise():
+    assert ch12.TWINS["12.1"][0] == "paged_lib.parallel.kv_bytes_per_rank"
+    assert ch12.TWINS["12.2"][0] == "paged_lib.parallel.rank_heads"
+    assert ch12.TWINS["12.3"][0] == "paged_lib.parallel.rank_attention"
+    assert all("paged_lib.parallel.kv_heads_per_rank" in t for t in ch12.TWINS.values())
 
 
 def test_demo_runs_the_learners_functions(capsys):
@@ -172,3 +187,158 @@ def test_blocks_picture_and_bars():
         viz.blocks_by_rank([], 8, 2, 2)
     with pytest.raises(ValueError):
         viz.kv_bytes_bars({})
+
+
+# ---------------------------------------------------------------- 12.3 rank_attention
+# Module-level functions: the check sends a passing answer to two spawned gloo ranks,
+# which import this module to find it.
+
+
+def _heads(w, rank, tp, kv_of=None, q_of=None):
+    per, group = w.num_heads // tp, w.num_heads // w.num_kv_heads
+    q = q_of(w, rank, tp) if q_of else list(range(rank * per, (rank + 1) * per))
+    kv = kv_of(w, rank, tp, q) if kv_of else sorted({j // group for j in q})
+    return q, kv
+
+
+def attention_with(x, w, cos, sin, kv_cache, meta, rank, tp, all_reduce, *, kv_of=None,
+                   q_of=None, reduce=True, bias="after", average=False, slice_bias=True,
+                   write=True, dtype=None, rope_k=True, history=True):
+    """A rank_attention with one planted mistake (defaults: correct)."""
+    from paged_lib.kernels import paged_prefill, reshape_and_cache
+    from paged_lib.model import apply_rope
+
+    d, n = w.head_dim, x.shape[0]
+    q_heads, kv_heads = _heads(w, rank, tp, kv_of, q_of)
+    qs, ks = [slice(h[0] * d, (h[-1] + 1) * d) for h in (q_heads, kv_heads)]
+    xin = x if dtype is None else x.to(dtype)
+
+    def project(weight, b, rows):
+        y = xin @ weight[rows].T.to(xin.dtype)
+        if b is not None:
+            y = y + (b[rows] if slice_bias else b).to(xin.dtype)
+        return y.float().view(n, -1, d)
+
+    q = apply_rope(project(w.q, w.q_bias, qs), cos, sin)
+    k = project(w.k, w.k_bias, ks)
+    k = apply_rope(k, cos, sin) if rope_k else k
+    v = project(w.v, w.v_bias, ks)
+    k_cache, v_cache = kv_cache
+    if write:
+        reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping, backend="torch")
+    if history:
+        out = paged_prefill(q.contiguous(), k_cache, v_cache, meta.block_tables,
+                            meta.seq_lens, meta.query_lens, backend="torch")
+    else:  # attends only to the step's new tokens, causally, sequence by sequence
+        parts, start = [], 0
+        for ql in meta.query_lens.tolist():
+            qq, kk, vv = (t[start:start + ql].transpose(0, 1) for t in (q, k, v))
+            kk = kk.repeat_interleave(qq.shape[0] // kk.shape[0], 0)
+            vv = vv.repeat_interleave(qq.shape[0] // vv.shape[0], 0)
+            parts.append(torch.nn.functional.scaled_dot_product_attention(
+                qq, kk, vv, is_causal=True).transpose(0, 1))
+            start += ql
+        out = torch.cat(parts)
+    partial = out.reshape(n, -1) @ w.o[:, qs].T
+    if bias == "before" and w.o_bias is not None:
+        partial = partial + w.o_bias
+    if reduce is True or (reduce == "rank 0" and rank == 0):
+        all_reduce(partial)
+    if average:
+        partial = partial / tp
+    return partial + w.o_bias if bias == "after" and w.o_bias is not None else partial
+
+
+def rank_attention_ok(*args):
+    return attention_with(*args)
+
+
+def ra_no_reduce(*args):
+    return attention_with(*args, reduce=False)
+
+
+def ra_reduce_on_rank0(*args):
+    return attention_with(*args, reduce="rank 0")
+
+
+def ra_bias_every_rank(*args):
+    return attention_with(*args, bias="before")
+
+
+def ra_averaged(*args):
+    return attention_with(*args, average=True)
+
+
+def ra_kv_rank_mod(*args):  # KV head rank % num_kv_heads: right whenever tp <= num_kv_heads
+    return attention_with(*args, kv_of=lambda w, r, tp, q: [r % w.num_kv_heads]
+                          if tp > w.num_kv_heads else sorted({j // (w.num_heads // w.num_kv_heads)
+                                                              for j in q}))
+
+
+def ra_kv_floor(*args):  # num_kv_heads // tp KV heads: none when there are fewer than ranks
+    return attention_with(*args, kv_of=lambda w, r, tp, q: list(range(
+        r * (w.num_kv_heads // tp), (r + 1) * (w.num_kv_heads // tp))))
+
+
+def ra_strided(*args):  # every tp-th query head
+    return attention_with(*args, q_of=lambda w, r, tp: list(range(r, w.num_heads, tp)))
+
+
+def ra_whole_bias(*args):  # q, k, v's whole biases added to the rank's slice
+    return attention_with(*args, slice_bias=False)
+
+
+def ra_no_write(*args):
+    return attention_with(*args, write=False)
+
+
+def ra_half(*args):  # computed in fp16, cast back to fp32 afterwards
+    return attention_with(*args, dtype=torch.float16)
+
+
+def ra_no_rope_k(*args):
+    return attention_with(*args, rope_k=False)
+
+
+def ra_new_tokens_only(*args):
+    return attention_with(*args, history=False)
+
+
+def ra_library(x, w, cos, sin, kv_cache, meta, rank, tp, all_reduce):
+    from paged_lib.parallel import rank_attention
+
+    return rank_attention(x, w, cos, sin, kv_cache, meta, rank, tp, all_reduce)
+
+
+def ra_library_heads(x, w, cos, sin, kv_cache, meta, rank, tp, all_reduce):
+    from paged_lib.parallel import rank_heads
+
+    return attention_with(x, w, cos, sin, kv_cache, meta, rank, tp, all_reduce,
+                          q_of=lambda w, r, t: rank_heads(w.num_heads, w.num_kv_heads, t, r)[0])
+
+
+@pytest.mark.parametrize("answer,state,hint", [
+    (ra_no_reduce, "a prefill of 2 sequences", "called all_reduce [0, 0] times"),
+    (ra_reduce_on_rank0, "a prefill of 2 sequences", "waits forever"),
+    (ra_bias_every_rank, "biases on q, k, v and o_proj", "add it once, after all_reduce"),
+    (ra_averaged, "a prefill of 2 sequences", "averaged"),
+    (ra_kv_rank_mod, "4 ranks for 2 KV heads", "KV head r // (tp / num_kv_heads)"),
+    (ra_kv_floor, "GQA split across ranks", "replicated"),
+    (ra_strided, "a prefill of 2 sequences", "contiguous query heads"),
+    (ra_whole_bias, "biases on q, k, v and o_proj", "sliced with their rows"),
+    (ra_no_write, "a prefill of 2 sequences", "NaN"),
+    (ra_half, "a prefill of 2 sequences", "rank 0 of 2"),
+    (ra_no_rope_k, "a prefill of 2 sequences", "rank 0 of 2"),
+    (ra_new_tokens_only, "a batch of 3 decodes", "a query of one token over every cached one"),
+])
+def test_12_3_wrong_answers_get_a_named_hint(capsys, answer, state, hint):
+    out = verdict(capsys, ch12.check_rank_attention, answer)
+    assert out.startswith("❌ [12.3]") and state in out and hint in out, out
+
+
+def test_12_3_right_answer_passes_on_gloo_ranks_and_delegating_fails(capsys):
+    assert verdict(capsys, ch12.check_rank_attention,
+                   rank_attention_ok).startswith("✅ [12.3]")
+    for answer in (ra_library, ra_library_heads):
+        out = verdict(capsys, ch12.check_rank_attention, answer)
+        assert out.startswith("❌ [12.3]") and "library's" in out, out

@@ -32,7 +32,7 @@ import torch
 
 from paged_lib.engine.model_input import ModelInput
 from paged_lib.model import TinyLlama
-from paged_lib.parallel import check_tp_size, shard_config, shard_state_dict
+from paged_lib.parallel import AttentionWeights, check_tp_size, shard_config, shard_state_dict
 
 #: seconds the driver waits for the ranks' answer to one step (or to start up)
 DEFAULT_TIMEOUT = 120.0
@@ -58,10 +58,43 @@ def _all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+class _RankAttention(torch.nn.Module):
+    """A layer's attention on one rank: ``fn`` (:func:`paged_lib.parallel.rank_attention`'s
+    signature) over the layer's whole weights, its all-reduce included."""
+
+    def __init__(self, fn, weights, rank: int, tp_size: int):
+        super().__init__()
+        self.fn, self.weights, self.rank, self.tp_size = fn, weights, rank, tp_size
+
+    def forward(self, x, cos, sin, kv_cache, meta, backend, validate=True):
+        return self.fn(x, self.weights, cos, sin, kv_cache, meta, self.rank, self.tp_size,
+                       torch.distributed.all_reduce)
+
+
+class _ReducedMLP(torch.nn.Module):
+    def __init__(self, mlp):
+        super().__init__()
+        self.mlp = mlp
+
+    def forward(self, x):
+        return _all_reduce(self.mlp(x))
+
+
+def use_rank_attention(model: TinyLlama, fn, weights: list, rank: int, tp_size: int) -> None:
+    """Make rank ``rank``'s shard ``model`` compute each layer's attention with ``fn``
+    (chapter 12's exercise 12.3: ``fn(x, weights[layer], cos, sin, kv_cache, meta, rank,
+    tp_size, all_reduce)``, the all-reduce inside it) instead of its shard's ``Attention``;
+    the MLPs keep their shards and their all-reduce."""
+    for layer, w in zip(model.layers, weights, strict=True):
+        layer.self_attn = _RankAttention(fn, w, rank, tp_size)
+        layer.mlp = _ReducedMLP(layer.mlp)
+    model.all_reduce = None
+
+
 def _worker_main(rank: int, world_size: int, init_method: str, dist_backend: str,
                  device: str, cfg, state: dict, num_blocks: int, max_blocks: int | None,
                  block_size: int, num_cpu_blocks: int, attention_backend: str,
-                 timeout: float, conn) -> None:
+                 timeout: float, conn, attention=None) -> None:
     """One rank: load its shard, agree on the pool, then run steps until told to stop."""
     from paged_lib.engine.model_runner import ModelRunner, allocate_kv_caches
 
@@ -74,6 +107,8 @@ def _worker_main(rank: int, world_size: int, init_method: str, dist_backend: str
         model.load_state_dict(state)
         model = model.to(device).eval()
         model.all_reduce = _all_reduce
+        if attention is not None:  # (fn, whole weights per layer): chapter 12's 12.3
+            use_rank_attention(model, attention[0], attention[1], rank, world_size)
         block_bytes = kv_cache_bytes(allocate_kv_caches(model, 1, block_size, "meta"))
         can_hold = min(num_blocks, _blocks_that_fit(model.device, block_bytes))
         if max_blocks is not None:
@@ -142,15 +177,17 @@ class TensorParallelRunner:
     ``num_blocks`` is what the engine asks for; :attr:`num_blocks` is what the ranks
     agreed to (at most that: the smallest number any rank can hold).
     ``max_blocks_per_rank`` caps what each rank says it can hold (``None``: no cap), e.g.
-    to watch the agreement. :attr:`kv_cache_bytes_per_rank` is measured by each rank on
-    its own caches.
+    to watch the agreement. ``rank_attention`` (a picklable function with
+    :func:`paged_lib.parallel.rank_attention`'s signature) replaces each rank's attention,
+    over the layers' whole weights (:func:`use_rank_attention`).
+    :attr:`kv_cache_bytes_per_rank` is measured by each rank on its own caches.
     """
 
     def __init__(self, model: TinyLlama, num_blocks: int, block_size: int,
                  num_cpu_blocks: int = 0, backend: str = "torch",
                  tensor_parallel_size: int = 2, *,
                  max_blocks_per_rank: list[int | None] | None = None,
-                 timeout: float = DEFAULT_TIMEOUT):
+                 timeout: float = DEFAULT_TIMEOUT, rank_attention=None):
         cfg = model.config
         check_tp_size(cfg, tensor_parallel_size)
         tp = tensor_parallel_size
@@ -177,6 +214,8 @@ class TensorParallelRunner:
         self.processes: list = []
         self.conns: list = []
         self._finalizer = weakref.finalize(self, _shutdown, self.processes, self.conns)
+        attention = None if rank_attention is None else (
+            rank_attention, [AttentionWeights.of(layer.self_attn) for layer in model.layers])
         ctx = mp.get_context("spawn")
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         start = time.perf_counter()
@@ -186,7 +225,7 @@ class TensorParallelRunner:
                             args=(rank, tp, init_method, dist_backend, devices[rank],
                                   local_cfg, shard_state_dict(state, cfg, tp, rank),
                                   num_blocks, limits[rank], block_size, num_cpu_blocks,
-                                  backend, self.timeout, child))
+                                  backend, self.timeout, child, attention))
             p.start()
             child.close()
             self.processes.append(p)
@@ -318,7 +357,7 @@ def kv_cache_bytes_per_rank(runner) -> list[int]:
 
 
 __all__ = ["DEFAULT_TIMEOUT", "TensorParallelRunner", "kv_cache_bytes",
-           "kv_cache_bytes_per_rank", "start_tensor_parallel"]
+           "kv_cache_bytes_per_rank", "start_tensor_parallel", "use_rank_attention"]
 
 
 def start_tensor_parallel(model: TinyLlama, num_blocks: int, block_size: int,

@@ -3,10 +3,13 @@
 * 09.1 ``internal_waste(lengths, block_size)``: the share of the slots a set of sequences
   holds in whole blocks that hold no token, over all slots (not averaged per sequence).
 * 09.2 ``choose_block_size(lengths, allowed, max_waste)``: the largest block size a
-  kernel accepts whose waste stays within a budget, or the least wasteful one.
+  kernel accepts whose waste stays within a budget, or the least wasteful one;
+* 09.3 ``attend_tiles(q, k_cache, v_cache, block_table, seq_len, tile)``: decode attention
+  over tiles that are not blocks (:mod:`~paged_lib.course.grading.ch09_tiles`).
 
-Both are compared with :mod:`paged_lib.studies.block_size`; a wrong answer is matched against
-the typical mistakes (computed on the same case) so the hint names the one made.
+09.1 and 09.2 are compared with :mod:`paged_lib.studies.block_size`; a wrong answer is
+matched against the typical mistakes (computed on the same case) so the hint names the
+one made.
 :func:`run_demo` runs the learner's two functions on the chapter's traces.
 """
 
@@ -16,23 +19,42 @@ import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
+
 from paged_lib.course import grading
+from paged_lib.course.grading.ch09_tiles import check_attend_tiles
 from paged_lib.studies.block_size import KERNEL_BLOCK_SIZES, choose_block_size, internal_waste
 from paged_lib.util import cdiv
 
-__all__ = ["TWINS", "check_choose_block_size", "check_internal_waste", "run_demo"]
+__all__ = ["TWINS", "check_attend_tiles", "check_choose_block_size", "check_internal_waste",
+           "run_demo"]
 
-#: Exercise id -> the library object the learner's code re-implements (it refuses
-#: the learner's calls while that exercise's check runs: see grading.exercise).
-TWINS: dict[str, str] = {"09.1": "paged_lib.studies.block_size.internal_waste",
-                         "09.2": "paged_lib.studies.block_size.choose_block_size"}
+_WASTE = ("paged_lib.studies.block_size.internal_waste",
+          "paged_lib.fragmentation.request.request_slots",
+          "paged_lib.fragmentation.request.reservation")
+#: Exercise id -> the library objects the learner's code re-implements: the top-level one
+#: and the helpers that do the exercise's work (they refuse the learner's calls while that
+#: exercise's check runs: see grading.exercise).
+TWINS: dict[str, tuple[str, ...]] = {
+    "09.1": _WASTE,
+    "09.2": ("paged_lib.studies.block_size.choose_block_size", *_WASTE),
+    # (chapter 04 shows the torch backend's decode and the reference's gather: reading
+    # whole segments or sequences at once, they fail the check's reads rule anyway)
+    "09.3": ("paged_lib.kernels.paged_attention", "paged_lib.kernels.paged_prefill",
+             "paged_lib.kernels.torch_backend.paged_prefill_torch",
+             "paged_lib.kernels.torch_backend.merge_segments",
+             "paged_lib.kernels.reference.flex_paged_attention",
+             "paged_lib.attention.paged_blockwise_attention",
+             "paged_lib.attention.blockwise_attention", "paged_lib.attention.merge_partials",
+             "paged_lib.attention.merge_states", "paged_lib.attention.merge"),
+}
 
 # ------------------------------------------------------------------ 09.1 internal_waste
 
 _WASTE_CASES: list[tuple[Sequence[int], int]] = [
     ([5, 16], 8), ([16, 32], 16), ([1], 16), ([17], 16), ([3, 100, 1000], 64),
     ((100, 100, 100, 7), 1), ([2047, 1], 4096), ([31, 33, 64, 65, 500], 32),
-    ([1, 1, 1, 400], 128), ([250, 6], 256),
+    ([1, 1, 1, 400], 128), ([250, 6], 256), ([47, 95], 20), ((9, 3, 12), 10),
 ]
 
 
@@ -55,6 +77,8 @@ def _wrong_waste(lengths: Sequence[int], b: int) -> dict[str, float]:
         "and weighs more"] = sum((cdiv(x, b) * b - x) / (cdiv(x, b) * b) for x in n) / len(n)
     out["divided by the tokens, not by the slots held"] = share(lambda x: cdiv(x, b), "tokens")
     out["returned the filled share: the waste is the empty one"] = 1 - (held - sum(n)) / held
+    out["computed in float32, then cast to a float: the share is off in its 8th digit "
+        "(Python's floats are float64)"] = float(np.float32(held - sum(n)) / np.float32(held))
     return {hint: v for hint, v in out.items() if v is not None}
 
 
@@ -100,11 +124,16 @@ _CHOICE_CASES: list[tuple[list[int], list[int], float, str]] = [
     ([3], [4, 2], 0.10, "no size fits; two waste the same"),
     ([120, 250, 1000, 64], [64], 0.5, "FlashMLA's single size"),
     ([500, 900, 1500], [32, 8, 16, 256, 64], 0.12, "a long trace"),
+    ([47, 95], [20, 24, 40], 0.01, "no size fits; the least wasteful is not the smallest "
+     "(sizes that are not powers of two)"),
+    ([9], [10, 5], 0.1, "both waste exactly the budget of 0.1 (in float32 a bit more)"),
+    ([480, 960], [96, 8, 40], 0.0, "every size fits; a set keeps them as 96, 8, 40"),
 ]
 
 
 def _wrong_choices(lengths: list[int], allowed: list[int], budget: float) -> dict[str, Any]:
     waste = {b: internal_waste(lengths, b) for b in allowed}
+    waste32 = {b: float(np.float32(w)) for b, w in waste.items()}
     per_seq = {b: sum((cdiv(x, b) * b - x) / (cdiv(x, b) * b) for x in lengths) / len(lengths)
                for b in allowed}
     fits = [b for b in allowed if waste[b] <= budget]
@@ -120,12 +149,20 @@ def _wrong_choices(lengths: list[int], allowed: list[int], budget: float) -> dic
             "bigger blocks for the kernel and the block manager)"] = min(fits)
         out["the first size that fits in the list's order: allowed is not sorted"] = fits[0]
         out["the last size that fits in the list's order: allowed is not sorted"] = fits[-1]
+        out["the last size that fits in a set's order: allowed is not sorted, and a set "
+            "is not either (small ones only happen to come out so)"] = \
+            [b for b in set(allowed) if waste[b] <= budget][-1]
     else:
         out["two sizes waste the same: return the smaller"] = \
             max(b for b in allowed if waste[b] == waste[least])
         out["when no size fits, return the one that wastes least"] = max(allowed)
+        out["when no size fits, return the one that wastes least: the smallest size does "
+            "only when the sizes divide each other"] = min(allowed)
         out["when no size fits, return the one that wastes least (not the first "
             "listed)"] = allowed[0]
+    fits32 = [b for b in allowed if waste32[b] <= budget]
+    out["the waste computed in float32: a waste exactly at the budget rounds above it"] = \
+        max(fits32) if fits32 else min(waste32, key=lambda b: (waste32[b], b))
     return out
 
 

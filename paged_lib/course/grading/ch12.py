@@ -3,9 +3,12 @@
 * 12.1 ``kv_bytes_per_rank(spec, tp_size, num_tokens)``: the K/V bytes one tensor-parallel
   rank caches, KV heads replicated when there are fewer of them than ranks;
 * 12.2 ``rank_heads(num_heads, num_kv_heads, tp_size, rank)``: the query heads and the KV
-  heads one rank owns.
+  heads one rank owns;
+* 12.3 ``rank_attention(x, w, cos, sin, kv_cache, meta, rank, tp_size, all_reduce)``: one
+  rank's attention layer with its all-reduce (:mod:`~paged_lib.course.grading.ch12_rank`,
+  :mod:`~paged_lib.course.grading.ch12_gloo`: generated steps, then two gloo ranks).
 
-Both are compared with :mod:`paged_lib.parallel`; a wrong answer is matched against the
+12.1 and 12.2 are compared with :mod:`paged_lib.parallel`; a wrong answer is matched against the
 typical mistakes (computed on the same case) so the hint names the one made.
 :func:`run_demo` runs the learner's functions on the shipped model's shape.
 """
@@ -17,19 +20,30 @@ from typing import Any
 
 from paged_lib.accounting import SPECS, ModelSpec, kv_bytes
 from paged_lib.course import grading
+from paged_lib.course.grading.ch12_gloo import check_rank_attention
 from paged_lib.parallel import kv_bytes_per_rank, rank_heads
 
-__all__ = ["TWINS", "check_kv_bytes_per_rank", "check_rank_heads", "run_demo"]
+__all__ = ["TWINS", "check_kv_bytes_per_rank", "check_rank_attention", "check_rank_heads",
+           "run_demo"]
 
-#: Exercise id -> the library object the learner's code re-implements (it refuses
-#: the learner's calls while that exercise's check runs: see grading.exercise).
-TWINS: dict[str, str] = {"12.1": "paged_lib.parallel.kv_bytes_per_rank",
-                         "12.2": "paged_lib.parallel.rank_heads"}
+_HEADS = ("paged_lib.parallel.kv_heads_per_rank", "paged_lib.parallel.kv_head_replicas")
+#: Exercise id -> the library objects the learner's code re-implements: the top-level one
+#: and the helpers that do the exercise's work (they refuse the learner's calls while that
+#: exercise's check runs: see grading.exercise).
+TWINS: dict[str, tuple[str, ...]] = {
+    "12.1": ("paged_lib.parallel.kv_bytes_per_rank", *_HEADS),
+    "12.2": ("paged_lib.parallel.rank_heads", *_HEADS),
+    "12.3": ("paged_lib.parallel.rank_attention", "paged_lib.parallel.heads_attention",
+             "paged_lib.parallel.rank_heads", "paged_lib.parallel.shard_state_dict",
+             "paged_lib.engine.tensor_parallel.use_rank_attention", *_HEADS),
+}
 
 _MQA = ModelSpec("a 32-head MQA model", num_layers=24, hidden_size=4096, num_heads=32,
                  num_kv_heads=1, head_dim=128, dtype_bytes=2)
 _TINY = ModelSpec("tiny-code-llama (fp32)", num_layers=4, hidden_size=256, num_heads=8,
                   num_kv_heads=2, head_dim=32, dtype_bytes=4)
+_FP8 = ModelSpec("LLaMA-2-70B with an fp8 KV cache", num_layers=80, hidden_size=8192,
+                 num_heads=64, num_kv_heads=8, head_dim=128, dtype_bytes=1)
 
 # ------------------------------------------------------------------ 12.1 kv_bytes_per_rank
 
@@ -39,6 +53,7 @@ _BYTES_CASES: list[tuple[ModelSpec, int, int]] = [
     (SPECS["llama-2-70b"], 16, 2048), (SPECS["llama-2-70b"], 1, 7),
     (SPECS["llama-2-7b"], 4, 4096), (SPECS["opt-13b"], 8, 1), (_MQA, 4, 300),
     (_TINY, 2, 512), (_TINY, 4, 512), (_TINY, 8, 33), (SPECS["llama-2-7b"], 32, 0),
+    (_FP8, 4, 100), (_FP8, 16, 3),
 ]
 
 
@@ -60,6 +75,8 @@ def _wrong_bytes(spec: ModelSpec, tp: int, n: int) -> dict[str, Any]:
             2 * per_head * mine * tp,
         "one layer only: every layer caches its own K and V":
             2 * spec.head_dim * spec.dtype_bytes * n * mine,
+        "every number counted as 2 bytes (fp16): use the spec's dtype_bytes (4 in fp32, 1 "
+        "in fp8)": 2 * per_head * mine * 2 // max(spec.dtype_bytes, 1),
     }
 
 
@@ -116,6 +133,7 @@ _HEAD_CASES: list[tuple[int, int, int, str]] = [
     (8, 2, 1, "one rank"), (32, 8, 8, "one KV head per rank"), (8, 2, 8, "one query head "
                                                                        "per rank"),
     (12, 4, 2, "two KV heads per rank"),
+    (24, 12, 4, "three KV heads per rank: rank 2's are 6, 7, 8, which a set holds as 8, 6, 7"),
 ]
 
 
@@ -144,6 +162,9 @@ def _wrong_heads(h: int, kv: int, tp: int, r: int) -> dict[str, Any]:
             (q, [q[0] // group]),
         "KV head ids are not query head ids: query heads share KV heads in groups":
             (q, q),
+        "a set is not sorted (small ones only happen to come out so): return the KV heads "
+        "ascending, sorted(...)":
+            (q, list({x // group for x in q})),
     }
 
 

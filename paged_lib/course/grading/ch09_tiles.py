@@ -1,0 +1,299 @@
+"""Chapter 09's exercise 09.3, ``attend_tiles`` (re-exported by
+:mod:`paged_lib.course.grading.ch09`): decode attention whose tile is not the block.
+
+``attend_tiles(q, k_cache, v_cache, block_table, seq_len, tile)`` walks one sequence
+``tile`` tokens at a time, gathers each tile's K and V from however many blocks it spans,
+and folds it into an online softmax (vLLM's Triton unified attention has a ``TILE_SIZE``
+apart from the ``BLOCK_SIZE``; FlashInfer's kernels tile pages likewise).
+
+Checked on generated cases (block sizes 1 to 16, tiles smaller, equal, larger, not a
+multiple, a last partial tile, one token, an empty sequence, GQA, MHA, MQA, float64 and
+float16) against :func:`paged_lib.kernels.paged_attention` (``backend="torch"``). Every
+unused slot of the cache is NaN and the table is padded with ``-1`` (``cache[-1]`` is a
+NaN block), so a read past the sequence's end shows. The caches watch what is read from
+them: one read may not return more than the blocks one tile spans (the whole sequence at
+once is not a tile). Then the engine serves a workload with every decode row's attention
+from the learner's function at a tile of 6 on blocks of 4, next to the library engine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from paged_lib.course import grading
+from paged_lib.kernels import paged_attention
+from paged_lib.kernels.torch_backend import paged_attention_torch
+from paged_lib.util import CheckFailed, cdiv
+
+__all__ = ["Case", "cases", "check_attend_tiles", "tiles_in_engine"]
+
+
+@dataclass
+class Case:
+    name: str
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    table: torch.Tensor  # int32 [max_blocks], -1 past the sequence's blocks
+    seq_len: int
+    tile: int
+
+
+def _case(name: str, block_size: int, tile: int, seq_len: int, heads: int = 4,
+          kv_heads: int = 2, dtype: torch.dtype = torch.float32, seed: int = 0,
+          growing: bool = False, head_dim: int = 8) -> Case:
+    g = torch.Generator().manual_seed(seed)
+    used = cdiv(seq_len, block_size)
+    num_blocks = used + 3
+    # the sequence's blocks in a shuffled order; the last block (cache[-1]) never used
+    physical = torch.randperm(num_blocks - 1, generator=g)[:used].tolist()
+    k = torch.full((num_blocks, block_size, kv_heads, head_dim), float("nan"), dtype=dtype)
+    v = k.clone()
+    for pos in range(seq_len):
+        grow = 1 + pos / 3 if growing else 1.0  # later tokens score higher: the max moves
+        base = torch.randn(kv_heads, head_dim, generator=g, dtype=torch.float64)
+        k[physical[pos // block_size], pos % block_size] = (base * 0.3 + grow).to(dtype)
+        v[physical[pos // block_size], pos % block_size] = torch.randn(
+            kv_heads, head_dim, generator=g, dtype=torch.float64).to(dtype)
+    q = (torch.randn(heads, head_dim, generator=g, dtype=torch.float64) * 1.5).to(dtype)
+    if growing:
+        q = q.abs() + 1
+    table = torch.tensor(physical + [-1] * 2, dtype=torch.int32)
+    return Case(name, q, k, v, table, seq_len, tile)
+
+
+def cases() -> list[Case]:
+    """The generated cases, the same on every call."""
+    out = [
+        _case("blocks of 4, tiles of 4 (a tile is a block), 13 tokens", 4, 4, 13, seed=1),
+        _case("blocks of 4, tiles of 2 (two tiles per block), 11 tokens", 4, 2, 11, seed=2),
+        _case("blocks of 4, tiles of 8 (two blocks per tile), 21 tokens", 4, 8, 21, seed=3),
+        _case("blocks of 4, tiles of 6 (not a multiple: tiles straddle blocks), 23 tokens",
+              4, 6, 23, seed=4),
+        _case("blocks of 3, tiles of 5, 16 tokens (a last tile of 1)", 3, 5, 16, seed=5),
+        _case("blocks of 16, tiles of 3, 40 tokens", 16, 3, 40, seed=6),
+        _case("blocks of 1, tiles of 7, 20 tokens", 1, 7, 20, seed=7),
+        _case("blocks of 4, tiles of 16, 9 tokens (one tile, longer than the sequence)", 4,
+              16, 9, seed=8),
+        _case("one token (blocks of 4, tiles of 3)", 4, 3, 1, seed=9),
+        _case("an empty sequence (length 0): zeros", 4, 3, 0, seed=10),
+        _case("scores that grow along the sequence: every tile raises the running max "
+              "(blocks of 4, tiles of 3, 17 tokens)", 4, 3, 17, seed=11, growing=True),
+        _case("MHA: 3 heads, 3 KV heads (blocks of 2, tiles of 5, 12 tokens)", 2, 5, 12,
+              heads=3, kv_heads=3, seed=12),
+        _case("MQA: 4 heads, 1 KV head (blocks of 4, tiles of 6, 14 tokens)", 4, 6, 14,
+              kv_heads=1, seed=13),
+        _case("GQA: 6 heads, 2 KV heads (blocks of 5, tiles of 4, 19 tokens)", 5, 4, 19,
+              heads=6, seed=14),
+        _case("float64 (blocks of 4, tiles of 6, 30 tokens)", 4, 6, 30,
+              dtype=torch.float64, seed=15),
+        _case("float16 (blocks of 8, tiles of 4, 27 tokens)", 8, 4, 27,
+              dtype=torch.float16, seed=16),
+    ]
+    return out
+
+
+def reference(c: Case) -> torch.Tensor:
+    """The library's answer: paged_attention with the torch backend (its PyTorch code
+    directly for float64, which the entry point does not take and the code computes in)."""
+    args = (c.q[None], c.k_cache, c.v_cache, c.table[None].clamp(min=0),
+            torch.tensor([c.seq_len], dtype=torch.int32))
+    if c.q.dtype == torch.float64:
+        return paged_attention_torch(*args, c.q.shape[-1] ** -0.5)[0]
+    return paged_attention(*args, backend="torch")[0]
+
+
+def _variant(c: Case, *, block_of: str = "block", rescale: bool = True, kv: str = "group",
+             scale: bool = True, wide: torch.dtype | None = None,
+             whole_tiles: bool = False) -> torch.Tensor:
+    """Online softmax over tiles with one typical mistake (defaults: none)."""
+    h, d = c.q.shape
+    bs, nkv = c.k_cache.shape[1], c.k_cache.shape[2]
+    dt = wide or (torch.float64 if c.q.dtype == torch.float64 else torch.float32)
+    heads = torch.arange(h) // (h // nkv) if kv == "group" else torch.arange(h) % nkv
+    qf = c.q.to(dt) * (d ** -0.5 if scale else 1.0)
+    m = torch.full((h,), -math.inf, dtype=dt)
+    den, acc = torch.zeros(h, dtype=dt), torch.zeros(h, d, dtype=dt)
+    table = c.table.long()
+    end = c.seq_len // c.tile * c.tile if whole_tiles else c.seq_len
+    for start in range(0, end, c.tile):
+        pos = torch.arange(start, min(start + c.tile, c.seq_len))
+        blocks = table[pos // bs] if block_of == "block" else table[pos // c.tile]
+        k = c.k_cache[blocks, pos % bs].to(dt)[:, heads]  # [t, h, d]
+        v = c.v_cache[blocks, pos % bs].to(dt)[:, heads]
+        s = torch.einsum("hd,thd->ht", qf, k)
+        m_new = torch.maximum(m, s.amax(-1))
+        alpha = torch.exp(m - m_new) if rescale else torch.ones_like(m)
+        p = torch.exp(s - m_new[:, None])
+        den = den * alpha + p.sum(-1)
+        acc = acc * alpha[:, None] + torch.einsum("ht,thd->hd", p, v)
+        m = m_new
+    if end == 0:
+        return torch.zeros_like(c.q)
+    return (acc / den[:, None]).to(c.q.dtype)
+
+
+#: (how the mistake is made, the hint naming it)
+_MISTAKES: list[tuple[dict, str]] = [
+    (dict(rescale=False), "when a tile raises the running max m, what was summed so far "
+     "(the denominator and the accumulator) is rescaled by exp(m_old - m_new)"),
+    (dict(block_of="tile"), "a token's block is block_table[pos // block_size] and its slot "
+     "pos % block_size, whatever the tile: a tile may span several blocks"),
+    (dict(kv="mod"), "query head h reads KV head h // (num_heads // num_kv_heads): the "
+     "heads that share a KV head are neighbours"),
+    (dict(scale=False), "scores are q . k / sqrt(head_dim)"),
+    (dict(whole_tiles=True), "the last tile holds what is left (seq_len % tile tokens), "
+     "and it counts too"),
+    (dict(wide=torch.float32), "computed in float32, then cast to float64: compute in "
+     "float64 when q is float64 (float32 for 16-bit inputs)"),
+]
+
+
+def _hint(c: Case, got: torch.Tensor, want: torch.Tensor) -> str:
+    if c.seq_len == 0:
+        return ("a sequence of length 0 has nothing to attend to: return zeros (as "
+                "paged_attention does for a padding row), not 0 / 0")
+    if got.isnan().any() and not want.isnan().any():
+        return ("NaN: a slot past the sequence's end was read (every unused slot is NaN, "
+                "and the table's padding -1 indexes the cache's last block): read only "
+                "positions below seq_len")
+    for how, hint in _MISTAKES:
+        try:
+            wrong = _variant(c, **how)
+        except (IndexError, RuntimeError):
+            continue
+        if not torch.allclose(wrong.double(), want.double(), 1e-9, 1e-12) and torch.allclose(
+                got.double(), wrong.double(), 1e-6, 1e-9):
+            return hint
+    return ("each tile's tokens are gathered from the blocks they sit in and folded into "
+            "the running max, denominator and accumulator (chapter 04's online softmax)")
+
+
+_READS = (torch.Tensor.__getitem__, torch.index_select, torch.Tensor.index_select,
+          torch.gather, torch.Tensor.gather, torch.take, torch.Tensor.take)
+
+
+class _Watched(torch.Tensor):
+    """A cache that records how many elements each read of it (or of a view of it)
+    returns."""
+
+    reads: list[int] = []
+    storages: set[int] = set()
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        out = super().__torch_function__(func, types, args, kwargs or {})
+        if func in _READS and isinstance(out, torch.Tensor) and args \
+                and isinstance(args[0], torch.Tensor) \
+                and args[0].untyped_storage().data_ptr() in _Watched.storages:
+            _Watched.reads.append(out.numel())
+        return out
+
+
+def _watched(cache: torch.Tensor) -> torch.Tensor:
+    return cache.as_subclass(_Watched)
+
+
+def _tolerance(c: Case) -> tuple[float, float]:
+    return {torch.float64: (1e-10, 1e-12), torch.float16: (2e-3, 2e-3)}.get(
+        c.q.dtype, (1e-5, 1e-6))
+
+
+def check_case(fn: Callable, c: Case) -> None:
+    what = (f"case '{c.name}': attend_tiles(q [{c.q.shape[0]}, {c.q.shape[1]}], table "
+            f"{c.table.tolist()}, seq_len={c.seq_len}, tile={c.tile})")
+    want = reference(c)
+    _Watched.reads = []
+    _Watched.storages = {c.k_cache.untyped_storage().data_ptr(),
+                         c.v_cache.untyped_storage().data_ptr()}
+    try:
+        got = fn(c.q.clone(), _watched(c.k_cache), _watched(c.v_cache), c.table.clone(),
+                 c.seq_len, c.tile)
+    except (CheckFailed, NotImplementedError):
+        raise
+    except Exception as err:  # noqa: BLE001 - told with the case that raised it
+        grading.fail(f"{what}: your function raised {type(err).__name__}: {err}",
+                     _MISTAKES[1][1] + "; positions run from 0 to seq_len - 1 only"
+                     if isinstance(err, IndexError) else None)
+    reads = list(_Watched.reads)
+    grading.expect_true(isinstance(got, torch.Tensor), f"{what}: returned "
+                        f"{type(got).__name__}", "return a tensor [num_heads, head_dim]")
+    got = got.as_subclass(torch.Tensor) if isinstance(got, _Watched) else got
+    grading.expect_true(got.dtype == c.q.dtype and tuple(got.shape) == tuple(c.q.shape),
+                        f"{what}: returned {got.dtype} {tuple(got.shape)}, expected "
+                        f"{c.q.dtype} {tuple(c.q.shape)}", "the output has q's shape and dtype")
+    rtol, atol = _tolerance(c)
+    bad = ~torch.isclose(got.double(), want.double(), rtol, atol)
+    if bad.any():
+        h, i = (int(x) for x in bad.nonzero()[0])
+        grading.fail(f"{what}: head {h}, element {i}: expected {float(want[h, i]):.6g}, got "
+                     f"{float(got[h, i]):.6g}", _hint(c, got, want))
+    bs, row = c.k_cache.shape[1], c.k_cache[0, 0].numel()
+    spans = max((cdiv(min(s + c.tile, c.seq_len), bs) - s // bs
+                 for s in range(0, c.seq_len, c.tile)), default=0)
+    most = max(reads, default=0)
+    if c.seq_len > c.tile and most > spans * bs * row:
+        grading.fail(f"{what}: one read of the cache returned {most // row} token rows; a "
+                     f"tile of {c.tile} spans at most {spans} blocks of {bs}",
+                     "gather each tile's tokens when you reach it, not the whole sequence "
+                     "at once: the tile is what a kernel holds on chip")
+
+
+@contextlib.contextmanager
+def tiles_in_engine(fn: Callable, tile: int) -> Iterator[list[int]]:
+    """While the block runs, every decode row's attention in the model is
+    ``fn(q[s], k_cache, v_cache, block_tables[s], seq_lens[s], tile)``; yields a list whose
+    one element counts the calls."""
+    import paged_lib.model as model_module
+
+    library, calls = model_module.paged_attention, [0]
+
+    def attention(q, k_cache, v_cache, block_tables, seq_lens, scale=None, **options):
+        calls[0] += 1
+        return torch.stack([fn(q[s], k_cache, v_cache, block_tables[s], int(seq_lens[s]),
+                               tile) for s in range(q.shape[0])])
+
+    model_module.paged_attention = attention
+    try:
+        yield calls
+    finally:
+        model_module.paged_attention = library
+
+
+def _serve(fn: Callable | None) -> list[list[int]]:
+    from paged_lib.engine import LLMEngine, SamplingParams
+    from paged_lib.model import load_tiny_code_llama
+    from paged_lib.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer()
+    prompts = [tok.encode(t) for t in ("def mean(xs):", "for i in range(", "import")]
+    engine = LLMEngine(load_tiny_code_llama(), 40, block_size=4, attention_backend="torch",
+                       enable_chunked_prefill=True, max_num_batched_tokens=16, max_num_seqs=4)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    ctx = tiles_in_engine(fn, 6) if fn is not None else contextlib.nullcontext([0])
+    with ctx as calls, torch.no_grad():
+        out = [o.outputs[0].token_ids for o in engine.generate(prompts, params)]
+    if fn is not None and not calls[0]:
+        raise RuntimeError("the engine never ran a decode through attend_tiles")
+    return out
+
+
+def check_attend_tiles(fn: Callable[..., torch.Tensor]) -> None:
+    """09.3: decode attention over tiles of ``tile`` tokens through a block table."""
+    with grading.exercise("09.3", "Tiles that are not blocks"):
+        for c in cases():
+            check_case(fn, c)
+        want, got = _serve(None), _serve(fn)
+        for r, (a, b) in enumerate(zip(want, got, strict=True)):
+            if a != b:
+                k = next(i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)
+                grading.fail(f"the engine served 3 prompts (blocks of 4, chunks of 16) with "
+                             f"your attend_tiles at tiles of 6 for every decode row: request "
+                             f"{r}'s token {k} is {b[k]}, the library engine's {a[k]}",
+                             "the generated cases pass but the engine's decodes do not: "
+                             "its block tables are padded with -1 past each sequence")

@@ -1,0 +1,242 @@
+"""Chapter 12's exercise 12.3, ``rank_attention`` (re-exported by
+:mod:`paged_lib.course.grading.ch12`): one tensor-parallel rank's attention layer with its
+all-reduce.
+
+The learner's function is asked on generated steps that reach the states a serving engine
+reaches (a prefill from an empty cache, one that starts mid-sequence, a batch of decodes, a
+mixed step, one token) with every way of sharing heads (a whole GQA group on each rank, a
+group split across ranks with its KV head replicated, MHA with two KV heads per rank, 4
+ranks for 2 KV heads, biases as in Qwen2), next to the single-device layer and the
+library's :func:`paged_lib.parallel.rank_attention`:
+
+1. in this process, every rank in turn: the all-reduce is replayed (each rank's partial
+   sums recorded, then every rank run again with their sum), so 4 ranks cost no process;
+2. on two real ``gloo`` ranks (spawned processes, ``torch.distributed``), as the
+   tensor-parallel engine runs them.
+
+Each rank's output must be the single-device layer's, and its cache the library rank's
+(unused slots are NaN, so a slot written by mistake shows). The first difference is told
+as a story: the step, the rank, the token, the two values, and the typical mistake that
+gives the learner's value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from paged_lib.course import grading
+from paged_lib.engine.model_runner import build_metadata, check_metadata
+from paged_lib.model import rope_cos_sin
+from paged_lib.parallel import AttentionWeights, rank_attention, rank_heads
+
+BLOCK_SIZE, NUM_BLOCKS, HIDDEN = 4, 16, 32
+
+
+@dataclass
+class Step:
+    name: str
+    tp: int
+    w: AttentionWeights
+    x: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    cache: tuple[torch.Tensor, torch.Tensor]  # every KV head, before the step
+    meta: Any
+    lens: list[tuple[int, int]]               # (cached, new) per sequence
+    hint: str
+
+
+def _step(name: str, tp: int, heads: int, kv_heads: int, lens: list[tuple[int, int]],
+          hint: str, seed: int, bias: bool = False, head_dim: int = 8) -> Step:
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * 0.3
+
+    d = head_dim
+    w = AttentionWeights(rand(heads * d, HIDDEN), rand(kv_heads * d, HIDDEN),
+                         rand(kv_heads * d, HIDDEN), rand(HIDDEN, heads * d), heads, kv_heads,
+                         d, *((rand(heads * d), rand(kv_heads * d), rand(kv_heads * d),
+                               rand(HIDDEN)) if bias else ()))
+    order = torch.randperm(NUM_BLOCKS, generator=g).tolist()
+    tables = []
+    for cached, new in lens:
+        need = -(-(cached + new) // BLOCK_SIZE)
+        tables.append([order.pop() for _ in range(need)])
+    k = torch.full((NUM_BLOCKS, BLOCK_SIZE, kv_heads, d), float("nan"))
+    v = k.clone()
+    for table, (cached, _) in zip(tables, lens, strict=True):
+        for pos in range(cached):  # the history, written by earlier steps
+            k[table[pos // BLOCK_SIZE], pos % BLOCK_SIZE] = rand(kv_heads, d)
+            v[table[pos // BLOCK_SIZE], pos % BLOCK_SIZE] = rand(kv_heads, d)
+    meta = build_metadata(tables, [c + n for c, n in lens], [n for _, n in lens], BLOCK_SIZE)
+    check_metadata(meta, NUM_BLOCKS, BLOCK_SIZE)
+    cos, sin = rope_cos_sin(meta.positions, d, 10000.0, torch.float32)
+    x = rand(int(meta.query_lens.sum()), HIDDEN) * 3
+    return Step(name, tp, w, x, cos, sin, (k, v), meta, lens, hint)
+
+
+_SPLIT = ("a rank computes num_heads / tp contiguous query heads and keeps the KV heads "
+          "they read: the rows of q, k, v (and of their biases) for those heads")
+_REPLICA = ("with fewer KV heads than ranks each KV head is replicated: rank r keeps the one "
+            "its query heads read, KV head r // (tp / num_kv_heads), and writes it too")
+
+
+_NAN = ("NaN: your attention read cache slots that were never written (they hold NaN): "
+        "write the new tokens' K and V into the rank's cache at meta.slot_mapping first")
+
+
+def steps() -> list[Step]:
+    """The generated steps (2 and 4 ranks), the same on every call."""
+    return [
+        _step("a prefill of 2 sequences (5 and 3 tokens) from an empty cache; 4 query "
+              "heads, 2 KV heads, 2 ranks", 2, 4, 2, [(0, 5), (0, 3)], _SPLIT, 1),
+        _step("a batch of 3 decodes (6, 9 and 1 tokens cached); 4 query heads, 2 KV heads",
+              2, 4, 2, [(6, 1), (9, 1), (1, 1)],
+              "a decode row is a query of one token over every cached one", 2),
+        _step("a mixed step: 2 decodes (7 and 4 cached), then a prefill of 4 tokens that "
+              "starts after 6 cached (a prefix hit)", 2, 4, 2, [(7, 1), (4, 1), (6, 4)],
+              "the new tokens attend to the cached ones and to each other, causally", 3),
+        _step("one token (a prefill of 1 at position 0)", 2, 4, 2, [(0, 1)], _SPLIT, 4),
+        _step("GQA split across ranks: 2 query heads share 1 KV head, one query head per "
+              "rank (prefill of 3 after 5 cached, and a decode)", 2, 2, 1, [(5, 3), (2, 1)],
+              _REPLICA, 5),
+        _step("MHA: 4 query heads, 4 KV heads, 2 KV heads per rank (a decode, a prefill of "
+              "6)", 2, 4, 4, [(3, 1), (0, 6)], _SPLIT, 6),
+        _step("biases on q, k, v and o_proj (as Qwen2 has on q, k, v); 4 query heads, 2 KV "
+              "heads (prefill of 4 after 2 cached, a decode)", 2, 4, 2, [(2, 4), (5, 1)],
+              "q, k, v's biases are sliced with their rows; o_proj's bias is added once, "
+              "after the sum (vLLM's RowParallelLinear adds it on one rank only)", 7,
+              bias=True),
+        _step("4 ranks for 2 KV heads: 8 query heads, each KV head on 2 neighbouring ranks "
+              "(a decode, a prefill of 3 after 4 cached)", 4, 8, 2, [(9, 1), (4, 3)],
+              _REPLICA, 8),
+        _step("4 ranks for 1 KV head (MQA), with biases (a prefill of 5)", 4, 4, 1,
+              [(0, 5)], _REPLICA, 9, bias=True),
+    ]
+
+
+def share(step: Step, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s cache before the step: its KV heads of every block (a copy)."""
+    _, kv = rank_heads(step.w.num_heads, step.w.num_kv_heads, step.tp, rank)
+    return tuple(c[:, :, kv[0]:kv[-1] + 1].clone() for c in step.cache)
+
+
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def single_device(step: Step) -> tuple[torch.Tensor, tuple]:
+    """The whole layer on one device (every head: ``tp_size=1``) and its cache after."""
+    cache = tuple(c.clone() for c in step.cache)
+    return rank_attention(step.x, step.w, step.cos, step.sin, cache, step.meta, 0, 1,
+                          _identity), cache
+
+
+def _recorder(calls: list) -> Callable:
+    def all_reduce(t: torch.Tensor) -> None:  # in place, returns nothing: as torch's
+        calls.append(t.detach().clone())
+    return all_reduce
+
+
+def _summer(sums) -> Callable:
+    def all_reduce(t: torch.Tensor) -> None:
+        t.copy_(next(sums))
+    return all_reduce
+
+
+def replayed(fn: Callable, step: Step) -> list[tuple[torch.Tensor, tuple]]:
+    """Every rank's (output, cache after) from ``fn`` with the all-reduce replayed: each
+    rank runs once with its partial sums recorded, then again with their sums."""
+    partials: list[list[torch.Tensor]] = []
+    for rank in range(step.tp):
+        calls: list[torch.Tensor] = []
+        fn(step.x.clone(), step.w, step.cos, step.sin, share(step, rank), step.meta, rank,
+           step.tp, _recorder(calls))
+        partials.append(calls)
+    counts = [len(c) for c in partials]
+    if 0 in counts or len(set(counts)) > 1:
+        grading.fail(f"step '{step.name}': your ranks called all_reduce {counts} times "
+                     "(rank 0 first)", "every rank calls all_reduce exactly as often (once, "
+                     "on its partial output); a rank that calls it alone waits forever")
+    for i in range(counts[0]):
+        shapes = {tuple(c[i].shape) for c in partials}
+        if len(shapes) > 1:
+            grading.fail(f"step '{step.name}': call {i + 1} of all_reduce got shapes "
+                         f"{sorted(shapes)} on different ranks", "an all-reduce sums tensors "
+                         "of one shape: each rank's partial output [tokens, hidden]")
+    sums = [sum(c[i] for c in partials) for i in range(counts[0])]
+    results = []
+    for rank in range(step.tp):
+        cache, it = share(step, rank), iter(sums)
+        out = fn(step.x.clone(), step.w, step.cos, step.sin, cache, step.meta, rank, step.tp,
+                 _summer(it))
+        results.append((out, cache))
+    return results
+
+
+def _token(step: Step, row: int) -> str:
+    for s, (cached, new) in enumerate(step.lens):
+        if row < new:
+            return f"sequence {s}'s position {cached + row}"
+        row -= new
+    return f"row {row}"
+
+
+def _mistake(step: Step, rank: int, got: torch.Tensor, want: torch.Tensor) -> str | None:
+    """The typical mistake whose output is ``got`` on this step and rank."""
+    lib = rank_attention(step.x, step.w, step.cos, step.sin, share(step, rank), step.meta,
+                         rank, step.tp, _identity)
+    b = step.w.o_bias if step.w.o_bias is not None else torch.zeros(HIDDEN)
+    close = lambda a: a.shape == got.shape and torch.allclose(got, a, 1e-4, 1e-5)  # noqa: E731
+    if close(lib):
+        return "that is this rank's own partial output: all_reduce (sum) the ranks' partial " \
+               "outputs, each its heads times its columns of o_proj"
+    if step.w.o_bias is not None and close(want + (step.tp - 1) * b):
+        return "o_proj's bias was added on every rank before the sum, so it counts tp times: " \
+               "add it once, after all_reduce"
+    if close((want - b) / step.tp + b):
+        return "the partial outputs were averaged: all_reduce sums them (the output is the " \
+               "sum over every head)"
+    return None
+
+
+def compare(step: Step, results: list, where: str) -> None:
+    """Every rank's output against the single-device layer, its cache against the library
+    rank's: the first difference as a story."""
+    want, _ = single_device(step)
+    for rank, (out, cache) in enumerate(results):
+        what = f"{where}step '{step.name}', rank {rank} of {step.tp}"
+        grading.expect_true(isinstance(out, torch.Tensor), f"{what}: returned "
+                            f"{type(out).__name__}", "return the layer's output, a tensor "
+                            "[tokens, hidden]")
+        grading.expect_true(tuple(out.shape) == tuple(want.shape), f"{what}: output of shape "
+                            f"{tuple(out.shape)}, expected {tuple(want.shape)}",
+                            "return [tokens, hidden]: after o_proj, not the heads")
+        bad = ~torch.isclose(out.detach().float(), want, 1e-4, 1e-5)
+        if bad.any():
+            row, col = (int(i) for i in bad.nonzero()[0])
+            grading.fail(f"{what}: {_token(step, row)}, output {col}: the single-device "
+                         f"layer gives {want[row, col]:.5f}, yours {float(out[row, col]):.5f}",
+                         _NAN if out[row, col].isnan() else
+                         _mistake(step, rank, out.detach().float(), want) or step.hint)
+        lib = share(step, rank)
+        rank_attention(step.x, step.w, step.cos, step.sin, lib, step.meta, rank, step.tp,
+                       _identity)
+        for name, mine, ref in zip("KV", cache, lib, strict=True):
+            same = torch.isclose(mine, ref, 1e-5, 1e-6, equal_nan=True)
+            if not bool(same.all()):
+                blk, off, head = (int(i) for i in (~same).nonzero()[0][:3])
+                grading.fail(f"{what}: your cache's {name} of block {blk}, slot {off}, the "
+                             f"rank's KV head {head}: expected {float(ref[blk, off, head, 0]):.4f}"
+                             f", got {float(mine[blk, off, head, 0]):.4f} (nan: never written)",
+                             _REPLICA if step.w.num_kv_heads < step.tp else
+                             "write this rank's KV heads (rotated K, and V) of the new tokens at "
+                             "meta.slot_mapping, into the cache it is given")
+
+
+__all__ = ["Step", "compare", "replayed", "share", "single_device", "steps"]
