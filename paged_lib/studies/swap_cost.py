@@ -20,6 +20,9 @@ as a cost model, with every number a parameter:
 Swap's time falls as ``1 / block_size`` towards its bandwidth floor; recompute's is flat.
 So they cross at most once (:func:`crossing_block_size`): below the crossing recompute
 wins, above it swap, provided recomputing a token costs more than moving its bytes.
+
+This is the model; :mod:`paged_lib.studies.preemption_time` measures the same two costs
+on the machine at hand, with the engine's own swap and recompute.
 """
 
 from __future__ import annotations
