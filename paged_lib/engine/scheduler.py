@@ -13,14 +13,16 @@ a chunk of it for a prefill - and **every token counts against one budget**,
    more token. When the pool cannot give a group its blocks, a group is preempted, all
    of it (:func:`~paged_lib.engine.policy.choose_victim`: the *most recently admitted*):
    ``recompute`` frees its blocks and puts it at the front of ``waiting``; ``swap``
-   copies its blocks to the CPU pool.
+   copies its blocks to the CPU pool (the loop is the ``preempt_until_fits`` hook,
+   :func:`~paged_lib.engine.policy.preempt_until_fits`).
 2. **Swap in** swapped groups, first come first served, if nothing was preempted this
    step and they fit.
 3. **Continue the prefills** of running groups part way through their text (a chunked
    prompt, a group recomputing), as much as the budget left allows, preempting as in 1.
 4. **Admit** waiting groups, first come first served, while :func:`can_admit` says yes,
    nobody is left in ``swapped`` (swapped groups come back first) and nobody was
-   preempted this step (vLLM v1: a victim is not readmitted in the step that evicted it).
+   preempted this step (vLLM v1: a victim is not readmitted in the step that evicted it);
+   the loop is the ``schedule_waiting`` hook (:func:`~paged_lib.engine.policy.schedule_waiting`).
    An admitted group is prefilled in the same step as the decodes (iteration-level
    batching, as in Orca).
 

@@ -20,6 +20,8 @@ from paged_lib.engine.prefill import is_decoding
 from paged_lib.engine.sequence import SequenceGroup, SequenceStatus
 from paged_lib.util import cdiv
 
+_MAX_READS = 100_000
+
 
 class _Step:
     """What both steps show: the scheduler's queues and the step's free blocks and tokens
@@ -33,10 +35,21 @@ class _Step:
         self.running: list[SequenceGroup] = sched.running
         self.waiting: deque[SequenceGroup] = sched.waiting
         self.swapped: deque[SequenceGroup] = sched.swapped
+        self._reads = 0
+
+    def _tick(self) -> None:
+        # a hook's loop that never ends (nothing admitted or freed, asked again and
+        # again) is told as an error instead of hanging the engine
+        self._reads += 1
+        if self._reads > _MAX_READS:
+            raise RuntimeError(f"the step was read {_MAX_READS} times in one call and "
+                               "nothing ended the loop: does it stop when the head does not "
+                               "fit, or when the blocks fit?")
 
     @property
     def free_blocks(self) -> int:
         """Free GPU blocks now."""
+        self._tick()
         return self._sched.block_manager.num_free_blocks
 
     @property
@@ -89,6 +102,7 @@ class WaitingStep(_Step):
         """Tokens ``group``'s first prefill computes: its text (a group of several
         sequences preempted by recompute: its prompt, the tails follow later) less the
         leading tokens the prefix cache already holds."""
+        self._tick()
         bs = self._sched.block_manager.block_size
         return len(self._text(group)) - len(self._hits(group)) * bs
 

@@ -141,6 +141,9 @@ def _why(st: WaitState, lib, got) -> str:
         if st.chunked and lib[i][1] < head.tokens:
             return ("with chunked prefill the head joins with what the budget leaves of its "
                     "prefill (a first chunk of min(tokens, step.tokens_left))")
+        if st.chunked and head.chunk == 1 and left >= 1:
+            return ("one token left, or one to prefill, is still a chunk: with chunked "
+                    "prefill admission stops only when no token is left")
         if st.empty and i == 0 and head.need <= free and head.chunk <= left \
                 and (not st.prefill_first or not st.running):
             return ("a group alone in an empty step joins when its blocks are free, even "
@@ -199,6 +202,10 @@ SCENARIOS: list[Scenario] = [
              dict(num_blocks=30, block_size=4, enable_chunked_prefill=True,
                   max_num_batched_tokens=8, max_num_seqs=4),
              ((20, 4, 0, 1), (5, 4, 0, 1), (3, 3, 1, 1), (9, 2, 2, 2))),
+    Scenario("chunks of 4: three decodes leave one token, a first chunk of 1",
+             dict(num_blocks=30, block_size=4, enable_chunked_prefill=True,
+                  max_num_batched_tokens=4, max_num_seqs=4),
+             ((1, 5, 0, 1), (1, 5, 0, 1), (1, 5, 0, 1), (5, 3, 1, 1))),
     Scenario("chunks of 8 on 7 blocks: a step that preempts admits nobody, not its victim",
              dict(num_blocks=7, block_size=4, enable_chunked_prefill=True,
                   max_num_batched_tokens=8, max_num_seqs=4),

@@ -32,8 +32,9 @@ from paged_lib.engine.block_manager import swap_mapping as lib_swap_mapping
 from paged_lib.engine.hooks import EngineHooks
 from paged_lib.engine.sequence import SamplingParams, Sequence, SequenceGroup
 
-__all__ = ["PRESSURE_BLOCKS", "PRESSURE_BLOCK_SIZE", "TWINS", "check_choose_victim",
-           "check_preempt_until_fits", "check_swap_mapping", "pressure_requests", "run_demo"]
+__all__ = ["EQUIVALENT_MUTANTS", "PRESSURE_BLOCKS", "PRESSURE_BLOCK_SIZE", "TWINS",
+           "check_choose_victim", "check_preempt_until_fits", "check_swap_mapping",
+           "pressure_requests", "run_demo"]
 
 #: Exercise id -> the library object the learner's code re-implements (it refuses
 #: the learner's calls while that exercise's check runs: see grading.exercise).
@@ -43,6 +44,13 @@ TWINS: dict[str, tuple[str, ...]] = {
     "07.3": ("paged_lib.engine.policy.preempt_until_fits", "paged_lib.engine.policy.preempt",
              "paged_lib.engine.policy.choose_victim"),
 }
+
+#: Mutants of the solutions that cannot change any answer (tools/mutants.py skips them).
+EQUIVALENT_MUTANTS: dict[str, dict[str, str]] = {"07.3": {
+    "off-by-one: `step.running.index(group) + 1` -> `step.running.index(group)` in "
+    "`after = step.running[step.running.index(group) + 1:]`":
+    "the slice then starts with group itself, which is first in the list offered anyway",
+}}
 
 #: name, tables, free blocks of the destination pool in allocation order
 _SCENARIOS: list[tuple[str, list[list[int]], list[int]]] = [
