@@ -130,7 +130,7 @@ def test_09_1_float32_then_cast_gets_named(capsys):
         return _float32_waste(lengths, b)
 
     out = verdict(capsys, ch09.check_internal_waste, fn)
-    assert out.startswith("❌ [09.1]") and "float32" in out, out
+    assert out.startswith("❌ [09.1]") and "computed in float32, then cast" in out, out
 
 
 def choice_smallest_fallback(lengths, allowed, budget):
@@ -166,7 +166,7 @@ def choice_float32(lengths, allowed, budget):
 @pytest.mark.parametrize("wrong, state, hint", [
     (choice_smallest_fallback, "not powers of two", "the smallest size does only when"),
     (choice_in_set_order, "a long trace", "a set is not either"),
-    (choice_float32, "exactly the budget of 0.1", "float32"),
+    (choice_float32, "exactly the budget of 0.1", "the waste computed in float32"),
 ])
 def test_09_2_the_issues_classes_get_named(capsys, wrong, state, hint):
     out = verdict(capsys, ch09.check_choose_block_size, wrong)

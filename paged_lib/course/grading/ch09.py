@@ -139,8 +139,13 @@ def _wrong_choices(lengths: list[int], allowed: list[int], budget: float) -> dic
     fits = [b for b in allowed if waste[b] <= budget]
     least = min(waste, key=lambda b: (waste[b], b))
     pfits = [b for b in allowed if per_seq[b] <= budget]
-    out: dict[str, Any] = {"waste averaged over sequences instead of over slots": max(pfits)
-                           if pfits else min(per_seq, key=lambda b: (per_seq[b], b))}
+    fits32 = [b for b in allowed if waste32[b] <= budget]
+    out: dict[str, Any] = {
+        "the waste computed in float32: a waste exactly at the budget rounds above it "
+        "(Python's floats are float64)":
+            max(fits32) if fits32 else min(waste32, key=lambda b: (waste32[b], b)),
+        "waste averaged over sequences instead of over slots": max(pfits)
+            if pfits else min(per_seq, key=lambda b: (per_seq[b], b))}
     if fits:
         strict = [b for b in allowed if waste[b] < budget]
         out["a waste exactly at max_waste fits (at most, not below)"] = \
@@ -160,9 +165,6 @@ def _wrong_choices(lengths: list[int], allowed: list[int], budget: float) -> dic
             "only when the sizes divide each other"] = min(allowed)
         out["when no size fits, return the one that wastes least (not the first "
             "listed)"] = allowed[0]
-    fits32 = [b for b in allowed if waste32[b] <= budget]
-    out["the waste computed in float32: a waste exactly at the budget rounds above it"] = \
-        max(fits32) if fits32 else min(waste32, key=lambda b: (waste32[b], b))
     return out
 
 
