@@ -257,3 +257,17 @@ def test_09_3_what_chapter_04_shows_reads_too_much_at_once(capsys, shown):
 def test_09_3_wrong_answers_get_a_named_hint(capsys, wrong, state, hint):
     out = verdict(capsys, ch09.check_attend_tiles, wrong)
     assert out.startswith("❌ [09.3]") and state in out and hint in out, out
+
+
+def test_the_helpers_that_do_09_1_and_09_2_are_refused(capsys):
+    from paged_lib.fragmentation.request import request_slots
+
+    def waste_by_helper(lengths, b):
+        _bad_input(lengths, b)
+        held = sum(sum(request_slots("paged", n, n, b)) for n in lengths)
+        return (held - sum(lengths)) / held
+
+    out = verdict(capsys, ch09.check_internal_waste, waste_by_helper)
+    assert out.startswith("❌ [09.1]") and "request_slots" in out, out
+    out = verdict(capsys, ch09.check_choose_block_size, choice_with(waste=internal_waste))
+    assert out.startswith("❌ [09.2]") and "internal_waste" in out, out

@@ -342,3 +342,23 @@ def test_12_3_right_answer_passes_on_gloo_ranks_and_delegating_fails(capsys):
     for answer in (ra_library, ra_library_heads):
         out = verdict(capsys, ch12.check_rank_attention, answer)
         assert out.startswith("❌ [12.3]") and "library's" in out, out
+
+
+def test_the_helpers_that_do_12_1_and_12_2_are_refused(capsys):
+    from paged_lib.parallel import kv_head_replicas, kv_heads_per_rank
+
+    def bytes_by_helper(spec, tp, n):
+        _checked(spec, tp)
+        return 2 * spec.num_layers * kv_heads_per_rank(spec.num_kv_heads, tp) \
+            * spec.head_dim * spec.dtype_bytes * n
+
+    out = verdict(capsys, ch12.check_kv_bytes_per_rank, bytes_by_helper)
+    assert out.startswith("❌ [12.1]") and "kv_heads_per_rank" in out, out
+
+    def heads_by_helper(h, kv, tp, r):
+        q, _ = heads_with()(h, kv, tp, r)
+        first = r // kv_head_replicas(kv, tp) * max(1, kv // tp)
+        return q, list(range(first, first + max(1, kv // tp)))
+
+    out = verdict(capsys, ch12.check_rank_heads, heads_by_helper)
+    assert out.startswith("❌ [12.2]") and "kv_head_replicas" in out, out
