@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from paged_lib.course import grading
 from paged_lib.course.grading import ch08
 from paged_lib.engine.beam_search import beam_step
 from paged_lib.studies import sharing
@@ -89,7 +90,17 @@ def apply_new_tensor(k_cache, v_cache, slot, key, value):
         cache.data = new
 
 
+def apply_library_copy(k_cache, v_cache, slot, key, value):
+    """Leaves the copy-on-write half to the library's block copy."""
+    from paged_lib.kernels.copy_blocks import copy_blocks
+
+    if slot.copy is not None:
+        copy_blocks([k_cache], [v_cache], [slot.copy])
+    apply_no_copy(k_cache, v_cache, slot, key, value)
+
+
 @pytest.mark.parametrize("answer,hint", [
+    (apply_library_copy, "called the library's copy_blocks"),
     (apply_flat, "here k_cache and v_cache are views of one tensor"),
     (apply_new_tensor, "here k_cache and v_cache are views of one tensor"),
     (apply_no_copy, "copy the whole block src into dst first"),
@@ -333,9 +344,10 @@ def test_a_learner_step_runs_a_whole_beam_search():
 def test_twins_name_library_objects():
     import importlib
 
-    for ex_id, dotted in ch08.TWINS.items():
-        module, name = dotted.rsplit(".", 1)
-        assert callable(getattr(importlib.import_module(module), name)), ex_id
+    for ex_id, twins in ch08.TWINS.items():
+        for dotted in (twins,) if isinstance(twins, str) else twins:
+            module, name = dotted.rsplit(".", 1)
+            assert callable(getattr(importlib.import_module(module), name)), ex_id
 
 
 def test_run_demo_on_right_answers(capsys):
@@ -363,3 +375,10 @@ def test_run_demo_reports_a_missing_copy(capsys):
     ch08.run_demo(apply_no_copy, todo)
     out = capsys.readouterr().out
     assert "DIFFERS from SDPA" in out and out.count("⏳") == 2
+
+
+def test_beam_step_is_served_in_the_engine_too():
+    """The last stage serves real beam groups: a wrong ranking changes the schedule."""
+    with pytest.raises(grading.CheckFailed, match="serving 'beams of 3 and 4.*at engine step"):
+        ch08._serve_beams(step_by_this_logprob)
+    ch08._serve_beams(step_ok)  # the right step serves as the library's

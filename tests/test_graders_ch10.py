@@ -446,3 +446,11 @@ def test_allocate_slots_right_answer_and_twins(capsys):
 def test_allocate_slots_story_names_the_state(capsys):
     out = verdict(capsys, ch10.check_allocate_slots, lambda *a: alloc(*a, cap=False))
     assert "edge state 'a full hit" in out and "free queue (head first)" in out, out
+
+
+def test_twins_name_library_objects():
+    from paged_lib.course import grading
+
+    for ex_id, twins in ch10.TWINS.items():
+        for dotted in (twins,) if isinstance(twins, str) else twins:
+            assert callable(grading._resolve(dotted)[2]), (ex_id, dotted)

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -28,8 +29,10 @@ from paged_lib.studies import sharing
 
 #: Exercise id -> the library object the learner's code re-implements (it refuses
 #: the learner's calls while that exercise's check runs: see grading.exercise).
-TWINS: dict[str, str] = {
-    "08.1": "paged_lib.studies.sharing.apply_slot",
+TWINS: dict[str, str | tuple[str, ...]] = {
+    # 08.1: the library's block copy does the copy-on-write half of the exercise
+    "08.1": ("paged_lib.studies.sharing.apply_slot", "paged_lib.kernels.copy_blocks.copy_blocks",
+             "paged_lib.kernels.cache_ops.copy_blocks_in_pool"),
     "08.2": "paged_lib.engine.beam_search.beam_step",
 }
 
@@ -238,6 +241,62 @@ def check_beam_step(beam_step: Callable[..., Any]) -> None:
     with grading.exercise("08.2", "One step of beam search over block tables"):
         for name, block_size, prompt_len, width, steps in _SCRIPTED:
             run_beam_scenario(beam_step, name, block_size, prompt_len, width, steps)
+        _serve_beams(beam_step)
+
+
+def _serve_beams(beam_step: Callable[..., Any]) -> None:
+    """Real beam groups in the engine: replay's workload with beams of 3 and 4, parallel
+    samples, swaps and chunks, served with the learner's step; the beams and each step's
+    schedule must be the library engine's."""
+    runs = [_served_beams(None), _served_beams(beam_step)]
+    w = _beam_workload()
+    (want, want_steps), (got, got_steps) = runs
+    for k, (a, b) in enumerate(zip(want_steps, got_steps, strict=False)):
+        if a != b:
+            grading.fail(f"serving '{w.name}' with your beam_step: at engine step {k} the "
+                         f"library runs (request, sequence, tokens) {a}, yours {b}",
+                         "in the engine a beam's table is the one you return: its forks and "
+                         "frees decide which blocks the next step writes")
+    grading.expect_equal(got, want, f"serving '{w.name}' with your beam_step: the beams",
+                         "the engine's beams must be the library's on the same candidates")
+
+
+def _beam_workload() -> Any:
+    from paged_lib.course.grading import replay
+
+    return next(w for w in replay.workloads() if "beams of 3 and 4" in w.name)
+
+
+@functools.cache
+def _library_beams() -> tuple[list, list]:
+    return _served_beams(None, library=True)
+
+
+def _served_beams(beam_step: Callable[..., Any] | None, library: bool = False
+                  ) -> tuple[list, list]:
+    """(each request's outputs, each step's (request, sequence, tokens)) of the beam
+    workload served with ``beam_step`` (None: the library's, computed once)."""
+    from paged_lib.engine import EngineHooks, LLMEngine
+    from paged_lib.model import load_tiny_code_llama
+
+    if beam_step is None and not library:
+        return _library_beams()
+    w = _beam_workload()
+    hooks = EngineHooks() if beam_step is None else EngineHooks(beam_step=beam_step)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        opts = dict(w.options)
+        engine = LLMEngine(load_tiny_code_llama(), opts.pop("num_blocks"),
+                           opts.pop("block_size"), attention_backend="torch", hooks=hooks,
+                           **opts)
+        steps: list = []
+        engine.on_step = lambda out, stats: steps.append(
+            [(s.group.request_id, s.seq.seq_id, s.num_new_tokens) for s in out.scheduled])
+        outs = engine.generate(w.prompts, w.params, arrival_steps=w.arrivals)
+    finally:
+        torch.set_num_threads(threads)
+    return [[c.token_ids for c in o.outputs] for o in outs], steps
 
 
 def run_beam_search(beam_step: Callable[..., Any], **kw) -> list[sharing.BeamFrame]:
