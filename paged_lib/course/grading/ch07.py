@@ -50,6 +50,8 @@ EQUIVALENT_MUTANTS: dict[str, dict[str, str]] = {"07.3": {
     "off-by-one: `step.running.index(group) + 1` -> `step.running.index(group)` in "
     "`after = step.running[step.running.index(group) + 1:]`":
     "the slice then starts with group itself, which is first in the list offered anyway",
+    "constant: `1` -> `0` in `after = step.running[step.running.index(group) + 1:]`":
+    "the same slice as above, starting with group itself",
 }}
 
 #: name, tables, free blocks of the destination pool in allocation order
