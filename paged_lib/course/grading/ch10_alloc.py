@@ -97,12 +97,21 @@ def learner_answer(fn: Callable, ask: Ask) -> tuple[Any, State]:
 # ------------------------------------------------------------------ the story
 
 
-def _pool_text(s: State, bs: int) -> str:
+def _parts(s: State) -> dict[str, str]:
+    """The pool's state in words: its free queue, the blocks held, the blocks cached."""
+    def cached(h: BlockHash) -> str:
+        extra = f" {h.extra_keys}" if h.extra_keys else ""
+        return f"tokens {h.token_ids[0]}..{h.token_ids[-1]}{extra}"
     held = {b: r for b, r in enumerate(s.refs) if r}
-    cached = ", ".join(f"{b}: tokens {h.token_ids[:2]}..{'+' if h.extra_keys else ''}"
-                       for b, h in s.hashes)
-    return (f"free queue (head first) {list(s.free)}, held {held or 'none'}, cached "
-            f"{{{cached}}}")
+    return {"free queue (head first)": str(list(s.free)),
+            "held (block: ref count)": str(held or "none"),
+            "cached": "{" + ", ".join(f"{b}: {cached(h)}" for b, h in s.hashes) + "}",
+            "blocks per hash value": str([list(bs) for _, bs in s.by_value if len(bs) > 1]
+                                         or "one each")}
+
+
+def _pool_text(s: State) -> str:
+    return ", ".join(f"{k} {v}" for k, v in _parts(s).items())
 
 
 def _asked_text(ask: Ask) -> str:
@@ -197,12 +206,13 @@ def compare(fn: Callable, ask: Ask) -> None:
     got, got_state = learner_answer(fn, ask)
     if got == want and got_state == want_state:
         return
-    bs = ask.block_size
-    yours = (f"yours {got!r}" if got != want else "yours the same") + (
-        "" if got_state == want_state else f", leaving {_pool_text(got_state, bs)}")
-    grading.fail(f"{ask.where}: the pool holds {_pool_text(ask.before, bs)}; asked "
-                 f"{_asked_text(ask)}, the library answers {want!r}, leaving "
-                 f"{_pool_text(want_state, bs)}; {yours}",
+    mine, lib = _parts(got_state), _parts(want_state)
+    after = "; ".join(f"{k}: the library's {lib[k]}, yours {mine[k]}" for k in lib
+                      if mine[k] != lib[k])
+    answers = (f"the library answers {want!r}, yours {got!r}" if got != want
+               else f"both answer {want!r}")
+    grading.fail(f"{ask.where}: the pool holds {_pool_text(ask.before)}; asked "
+                 f"{_asked_text(ask)}, {answers}" + (f"; after it, {after}" if after else ""),
                  diagnose(ask, want, want_state, got, got_state))
 
 
