@@ -52,7 +52,8 @@ CHAPTERS: tuple[Chapter, ...] = (
     Chapter("12", "beyond_one_device", "Beyond one device",
             "KV sharded by heads across ranks", "beyond"),
     Chapter("13", "your_engine", "Your engine",
-            "your saved pieces serve the shipped model end to end", "beyond", exercises=False),
+            "your saved pieces, each on its scenario, answer chat on SmolLM2", "beyond",
+            exercises=False),
     Chapter("14", "serving_online", "Serving online",
             "an OpenAI-compatible server, Poisson load, Fig. 12 on your engine", "beyond"),
 )

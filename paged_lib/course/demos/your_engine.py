@@ -4,14 +4,15 @@
   (saved when its check passed) or the library's (not saved yet, or saved but not
   importable);
 * :func:`build` makes an :class:`~paged_lib.engine.LLMEngine` with those pieces: the
-  engine's hooks (06, 07, 08, 10), the block table's ``append_token`` and ``fork`` and the
-  allocator's ``free`` (03), the slot mapping (05.6) in the step's metadata;
-  :func:`your_decode_kernel` lets the learner's Triton decode kernel (05.5) compute the
-  decode attention of every layer while a block runs;
-* :func:`mixed_workload` is what it serves (sampling, beams, a shared prefix with prefix
-  caching, preemption by swap); :func:`check` compares the tokens with transformers'
-  and the library engine's, and :func:`blame` names the pieces that change them;
+  engine's hooks (:data:`HOOKS`: chapters 06, 07, 08, 10 and later), the block table's
+  ``append_token`` and ``fork`` and the allocator's ``free`` (03), the slot mapping (05.6)
+  in the step's metadata; :func:`your_decode_kernel` lets the learner's Triton decode
+  kernel (05.5) compute the decode attention of every layer while a block runs;
 * :class:`YourLLM` is vLLM's ``LLM`` over the learner's engine.
+
+Each piece is checked on its own scenarios by
+:mod:`~paged_lib.course.demos.your_engine_scenarios`; the whole engine serves the real
+model in :mod:`~paged_lib.course.demos.your_engine_check`.
 """
 
 from __future__ import annotations
@@ -27,16 +28,15 @@ import torch
 
 from paged_lib.blocks import BlockTable
 from paged_lib.course import mine
-from paged_lib.engine import LLM, EngineHooks, LLMEngine, SamplingParams
+from paged_lib.engine import LLM, EngineHooks, LLMEngine
 from paged_lib.model import AttentionMetadata, TinyLlama
-from paged_lib.tokenizer import ByteTokenizer
 
 #: exercise id -> the EngineHooks field its piece goes to (the saved piece's own name)
 HOOKS = {"06.1": "build_metadata", "06.2": "num_required_blocks", "06.3": "can_admit",
-         "07.1": "swap_mapping", "07.2": "choose_victim", "08.2": "beam_step",
+         "06.4": "schedule_waiting", "07.1": "swap_mapping", "07.2": "choose_victim",
+         "07.3": "preempt_until_fits", "08.2": "beam_step",
          "10.1": "block_hashes", "10.2": "longest_cache_hit", "10.3": "FreeBlockQueue",
-         "10.4": "allocate_slots",
-         "11.3": "write_int8_blocks", "11.4": "drop_oldest"}
+         "10.4": "allocate_slots", "11.3": "write_int8_blocks", "11.4": "drop_oldest"}
 
 
 @dataclass(frozen=True)
@@ -113,27 +113,35 @@ def build(model: TinyLlama, num_blocks: int, block_size: int = 16,
     return engine
 
 
+class AttentionDiffers(ValueError):
+    """The learner's decode kernel computed another attention than the library's."""
+
+
 @contextlib.contextmanager
-def your_decode_kernel(kernel: Any | None) -> Iterator[None]:
+def your_decode_kernel(kernel: Any | None, compare: bool = False) -> Iterator[None]:
     """While the block runs, every decode row's attention is the learner's Triton kernel
-    (05.5's launch: one program per sequence and KV head); ``None`` changes nothing."""
+    (05.5's launch: one program per sequence and KV head); ``None`` changes nothing.
+    ``compare``: each call is also computed by the library, and a difference over 1e-4
+    raises :class:`AttentionDiffers` saying where."""
     import paged_lib.model as model_module
 
     if kernel is None:
         yield
         return
     library = model_module.paged_attention
+    calls = [0]
 
-    def attention(q, k_cache, v_cache, block_tables, seq_lens, scale=None, **_):
-        num_seqs, num_heads, head_dim = q.shape
-        kv_heads = k_cache.shape[2]
-        group = num_heads // kv_heads
-        out = torch.empty_like(q)
-        kernel[(num_seqs, kv_heads)](
-            out, q, k_cache, v_cache, block_tables, seq_lens,
-            scale if scale is not None else 1 / math.sqrt(head_dim), block_tables.shape[1],
-            NUM_KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=max(1, 1 << (group - 1).bit_length()),
-            HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1])
+    def attention(q, k_cache, v_cache, block_tables, seq_lens, scale=None, **options):
+        out = run_kernel(kernel, q, k_cache, v_cache, block_tables, seq_lens, scale)
+        calls[0] += 1
+        if compare:
+            want = library(q, k_cache, v_cache, block_tables, seq_lens, scale=scale, **options)
+            err = (out - want).abs().max().item()
+            if not err <= 1e-4:  # (NaN too)
+                raise AttentionDiffers(
+                    f"decode attention call {calls[0]} (sequence lengths "
+                    f"{seq_lens.tolist()}, blocks of {k_cache.shape[1]}): your kernel's "
+                    f"output is {err:.3g} away from the library's")
         return out
 
     model_module.paged_attention = attention
@@ -143,144 +151,32 @@ def your_decode_kernel(kernel: Any | None) -> Iterator[None]:
         model_module.paged_attention = library
 
 
-# ------------------------------------------------------------------ the workload
-
-#: the pool (blocks of 16 tokens), small enough that the workload preempts
-NUM_BLOCKS, BLOCK_SIZE, NUM_CPU_BLOCKS = 15, 16, 32
-OPTIONS = dict(preemption="swap", num_cpu_blocks=NUM_CPU_BLOCKS, enable_prefix_caching=True,
-               watermark=0.0)
-PREFIX = "def mean(values):\n    \"\"\"The average of a list of numbers.\"\"\"\n"
-
-
-def mixed_workload() -> tuple[list[list[int]], list[SamplingParams], list[int]]:
-    """Prompts (token ids), their params and arrival steps: two greedy requests sharing
-    a prefix (the second arrives later, when the prefix's blocks are cached), a sampled
-    one (top-k, top-p, seeded), parallel samples, a beam search."""
-    tok = ByteTokenizer()
-    texts = [PREFIX + "    total = ", "import os\n", "class Stack:\n    def ",
-             "for i in range(", PREFIX + "    if not values:"]
-    params = [SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.0),
-              SamplingParams(max_tokens=24, temperature=0.8, top_k=20, top_p=0.95, seed=1,
-                             ignore_eos=True),
-              SamplingParams(max_tokens=20, temperature=1.0, n=3, seed=2, ignore_eos=True),
-              SamplingParams(max_tokens=12, beam_width=3),
-              SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.0)]
-    return [tok.encode(t) for t in texts], params, [0, 0, 0, 1, 3]
-
-
-def token_ids(outputs) -> list[list[list[int]]]:
-    return [[c.token_ids for c in o.outputs] for o in outputs]
-
-
-def hf_reference(hf, prompts: list[list[int]], params: list[SamplingParams]
-                 ) -> dict[int, list[int]]:
-    """transformers' tokens for every request with one output that it samples the same
-    way (greedy, or seeded sampling with ``top_k`` / ``top_p``): request index -> tokens."""
-    want = {}
-    for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
-        if sp.beam_width is not None or sp.n > 1:
-            continue
-        kw = dict(do_sample=False) if sp.temperature == 0 else dict(
-            do_sample=True, temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p)
-        if sp.seed is not None:
-            torch.manual_seed(sp.seed)
-        with torch.no_grad():
-            out = hf.generate(torch.tensor([p]), max_new_tokens=sp.max_tokens,
-                              eos_token_id=None, pad_token_id=0, **kw)
-        want[i] = out[0, len(p):].tolist()
-    return want
-
-
-def kernel_workload() -> tuple[list[list[int]], list[SamplingParams], list[int]]:
-    """A small greedy batch for the decode kernel: Triton's interpreter runs each of its
-    programs as Python on a CPU, too slow for the whole workload."""
-    tok = ByteTokenizer()
-    return [tok.encode("def "), tok.encode("import ")], \
-        [SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0)] * 2, \
-        [0, 0]
-
-
-def serve(model: TinyLlama, pieces: dict[str, Any], workload=None, decode_kernel=None):
-    """``workload`` (default :func:`mixed_workload`) on an engine of ``pieces``, with
-    ``decode_kernel`` (if given) computing the decode attention; (outputs, stats)."""
-    prompts, params, arrivals = mixed_workload() if workload is None else workload
-    engine = build(model, NUM_BLOCKS, BLOCK_SIZE, pieces, **OPTIONS)
-    with your_decode_kernel(decode_kernel):
-        outputs = engine.generate(prompts, params, arrivals)
-    return outputs, engine.stats
-
-
-def outcome(outputs, stats) -> tuple[list, dict]:
-    """What must not depend on whose pieces run: the tokens, and the schedule (steps,
-    preemptions, swaps, prefix-cache hits, blocks held)."""
-    return token_ids(outputs), {**stats.summary(),
-                                "prefix_cache_hit_tokens": stats.prefix_cache_hit_tokens}
-
-
-def blame(model: TinyLlama, pieces: dict[str, Any], expected, workload=None
-          ) -> list[tuple[str, str]]:
-    """The learner's pieces that, alone among the library's, change ``workload``'s
-    :func:`outcome` from ``expected`` (or raise): ``(exercise id, what went wrong)``.
-    The kernel (05.5) is tried on :func:`kernel_workload` only."""
-    found = []
-    for ex_id, obj in pieces.items():
-        if ex_id == "05.5":
-            continue
-        try:
-            tokens, schedule = outcome(*serve(model, {ex_id: obj}, workload))
-        except Exception as err:  # a learner's bug: named, not a traceback
-            found.append((ex_id, f"raised {type(err).__name__}: {err}"))
-            continue
-        if tokens != expected[0]:
-            found.append((ex_id, "changed the generated tokens"))
-        elif schedule != expected[1]:
-            changed = [k for k in schedule if schedule[k] != expected[1][k]]
-            found.append((ex_id, f"changed the schedule ({', '.join(changed)})"))
-    return found
-
-
-def check(model: TinyLlama, hf, pieces: dict[str, Any], parts: list[Part]) -> bool:
-    """Serve both workloads on the learner's engine and print what matched: the library
-    engine's tokens and schedule, transformers' tokens, and which piece broke them."""
-    ok = True
-    for name, workload, kernel in (("the mixed workload", mixed_workload(), None),
-                                   ("the kernel's batch", kernel_workload(),
-                                    pieces.get("05.5"))):
-        library = outcome(*serve(model, {}, workload))
-        want = hf_reference(hf, workload[0], workload[1])
-        try:
-            got = outcome(*serve(model, pieces, workload, kernel))
-        except Exception as err:
-            got, error = (None, None), f"{type(err).__name__}: {err}"
-        same_hf = got[0] is not None and all(got[0][i][0] == t for i, t in want.items())
-        print(f"{name}: tokens equal the library engine's: {got[0] == library[0]}, and "
-              f"transformers' ({len(want)} requests): {same_hf}; the same schedule: "
-              f"{got[1] == library[1]}")
-        if got[0] is None:
-            print(f"   your engine raised {error}")
-        if got != library or not same_hf:
-            ok = False
-            try:  # the kernel alone to blame when the other pieces serve this right
-                without = outcome(*serve(model, pieces, workload)) if kernel else None
-            except Exception:
-                without = None
-            bad = [("05.5", "changed the decoded tokens")] if without == library else \
-                blame(model, pieces, library, workload)
-            for ex_id, what in bad:
-                print(f"   ❌ your {ex_id} ({mine.PIECES[ex_id].role}) {what}")
-    return ok
+def run_kernel(kernel: Any, q, k_cache, v_cache, block_tables, seq_lens, scale=None):
+    """05.5's launch: one program per sequence and KV head."""
+    num_seqs, num_heads, head_dim = q.shape
+    kv_heads = k_cache.shape[2]
+    group = num_heads // kv_heads
+    out = torch.empty_like(q)
+    kernel[(num_seqs, kv_heads)](
+        out, q, k_cache, v_cache, block_tables, seq_lens,
+        scale if scale is not None else 1 / math.sqrt(head_dim), block_tables.shape[1],
+        NUM_KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=max(1, 1 << (group - 1).bit_length()),
+        HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1])
+    return out
 
 
 class YourLLM(LLM):
     """vLLM's ``LLM`` (:class:`paged_lib.engine.llm.LLM`) over an engine of the learner's
     pieces (default: :func:`gather`'s). Attention runs the library's kernels: the decode
-    kernel (05.5) serves :func:`kernel_workload` in :func:`check`."""
+    kernel (05.5) is checked on its own scenario and on one layer of the real model."""
 
     def __init__(self, model, pieces: dict[str, Any] | None = None, **options):
         super().__init__(model, **options)
         engine_options = {k: v for k, v in options.items()
                           if k not in ("tokenizer", "num_blocks", "block_size", "dtype", "device")}
         e = self.engine
+        engine_options["max_model_len"] = e.max_model_len  # the front's choice (2048)
+        e.close()
         self.engine = build(e.model, e.num_blocks, e.block_size, pieces,
                             tokenizer=self.tokenizer, **engine_options)
 
