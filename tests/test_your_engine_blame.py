@@ -407,12 +407,14 @@ def save_alone(folder, ex_id: str, source: str) -> None:
 
 def test_every_piece_has_a_scenario_and_wrong_versions_here():
     assert your_engine_scenarios.missing() == []
-    assert {ex for ex, _, _ in WRONG} == set(mine.PIECES), "a piece without a wrong version"
+    missing = set(mine.PIECES) - {ex for ex, _, _ in WRONG}
+    assert not missing, f"pieces without a wrong version here: {sorted(missing)}"
     for name, keys in your_engine_scenarios.PIECE_SCENARIOS.items():
         assert keys and all(k in your_engine_scenarios.SCENARIOS for k in keys), name
 
 
-@pytest.mark.parametrize("ex_id, what, source", WRONG, ids=[f"{e} {w}" for e, w, _ in WRONG])
+@pytest.mark.parametrize("ex_id, what, source", [w for w in WRONG if w[0] in mine.PIECES],
+                         ids=[f"{e} {w}" for e, w, _ in WRONG if e in mine.PIECES])
 def test_a_wrong_piece_is_named_alone(tmp_path, monkeypatch, capsys, ex_id, what, source):
     folder = tmp_path / "mine"
     save_alone(folder, ex_id, source)
