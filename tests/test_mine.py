@@ -139,11 +139,13 @@ CHECKS = {"03.1": ch03.check_append_token, "03.2": ch03.check_fork,
           "03.3": ch03.check_free_block, "05.5": ch05.check_paged_decode_kernel,
           "05.6": ch05.check_slot_mapping, "06.1": ch06.check_build_metadata,
           "06.2": ch06.check_num_required_blocks, "06.3": ch06.check_can_admit,
+          "06.4": ch06.check_schedule_waiting,
           "07.1": ch07.check_swap_mapping, "07.2": ch07.check_choose_victim,
+          "07.3": ch07.check_preempt_until_fits,
           "08.2": ch08.check_beam_step, "10.1": ch10.check_block_hashes,
           "10.2": ch10.check_longest_cache_hit, "10.3": ch10.check_free_queue,
-          "10.4": ch10.check_allocate_slots,
-          "11.3": ch11.check_write_int8_blocks, "11.4": ch11.check_drop_oldest}
+          "10.4": ch10.check_allocate_slots, "11.3": ch11.check_write_int8_blocks,
+          "11.4": ch11.check_drop_oldest}
 
 
 @pytest.fixture(scope="module")
