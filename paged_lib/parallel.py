@@ -8,7 +8,8 @@ Megatron-style sharding of a Llama over ``tp_size`` ranks (the layout vLLM uses)
   its input, and the ranks' partial outputs are summed (an all-reduce);
 * the MLP's ``gate``/``up`` projections are split by output columns, ``down`` by its
   input rows, followed by the second all-reduce of the layer;
-* embeddings, norms and the LM head are replicated.
+* embeddings, norms and the LM head are replicated here (simpler; Megatron-LM and vLLM
+  split the embedding and the LM head by vocabulary: chapter 12 shows that split).
 
 When there are fewer KV heads than ranks (``num_kv_heads < tp_size``), a KV head cannot
 be split: each rank keeps one, and each KV head is *replicated* on

@@ -20,8 +20,9 @@ builds an engine out of them. What each one is asked, and when:
   :class:`~paged_lib.engine.scheduler_step.RunningStep`);
 * ``swap_mapping(tables, allocate) -> [(src, dst), ...]``: the block copies that move a
   group to the other pool (chapter 07);
-* ``choose_victim(running) -> SequenceGroup``: which group to preempt, among those offered,
-  oldest first (chapter 07; the most recently admitted);
+* ``choose_victim(running) -> SequenceGroup``: which group to preempt; ``running`` lists
+  the candidates in admission order, and the library picks the most recently admitted
+  (chapter 07; the end of vLLM's running queue);
 * ``beam_step(tables, cum_logprobs, candidates, beam_width) -> [(parent, table, token,
   cum_logprob), ...]``: one beam-search step over block tables (chapter 08);
 * ``block_hashes(token_ids, block_size) -> [BlockHash, ...]``, ``longest_cache_hit(hashes,
