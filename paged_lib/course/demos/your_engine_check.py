@@ -117,8 +117,9 @@ def check(model: TinyLlama, tokenizer, hf, pieces: dict[str, Any],
         return False, None, library.steps
     same = hf_reference(hf, outputs, workload[1])
     what = your_engine_scenarios.difference(library, got)
-    print(f"the chat workload ({len(got.steps)} steps, "
-          f"{sum(len(s['preempted']) for s in got.steps)} preemptions): the library "
+    preempted = sum(len(s["preempted"]) for s in got.steps)
+    print(f"the chat workload ({len(got.steps)} steps, {preempted} "
+          f"preemption{'' if preempted == 1 else 's'}): the library "
           f"engine's tokens and schedule: {what is None}; transformers' tokens "
           f"({len(same)} requests): {all(same.values())}")
     if what is not None:
