@@ -169,7 +169,8 @@ def test_demo_on_unfinished_code_says_so(capsys):
 
 
 def write_with(doubling=True, requantise=True, fresh=True, nan=True, per_head=True,
-               joint=True, strict=True, rnd=torch.round, tiny=True, dtype=torch.float32):
+               joint=True, strict=True, rnd=torch.round, tiny=True, dtype=torch.float32,
+               ratio_first=True):
     """A write_int8_blocks with one planted mistake (defaults: correct), written as a
     learner would: block by block."""
     def fn(x, data, scale, slots):
@@ -191,10 +192,13 @@ def write_with(doubling=True, requantise=True, fresh=True, nan=True, per_head=Tr
                 new = torch.where(grows, torch.maximum(need, 2 * old) if doubling else need, old)
                 if tiny:
                     new = new.clamp(min=torch.finfo(torch.float32).tiny)
-                if requantise:
+                if requantise and ratio_first:
                     ratio = torch.where(old > 0, old / new, torch.zeros_like(old))
                     data[b] = rnd(data[b].float() * ratio[None, :, None]).clamp(
                         -127, 127).to(torch.int8)
+                elif requantise:  # q * old / new: off a true tie by a rounding error
+                    data[b] = rnd(data[b].float() * old[None, :, None]
+                                  / new[None, :, None]).clamp(-127, 127).to(torch.int8)
                 scale[b] = new
                 data[b, offsets[part]] = rnd(vals.float() / new[None, :, None]).clamp(
                     -127, 127).to(torch.int8)
@@ -243,6 +247,14 @@ def test_11_3_a_rule_right_on_every_edge_but_not_on_a_prefill_is_caught_by_the_r
     out = verdict(capsys, ch11.check_write_int8_blocks, one_token_at_a_time_past_four)
     assert out.startswith("❌ [11.3]") and "replaying the engine" in out \
         and "forward pass" in out and "taken together" in out, out
+
+
+def test_11_3_requantising_in_the_other_order_is_told_why_only_serving_shows_it(capsys):
+    """q * old / new misses true ties by a rounding error: the replay lets a code one off at
+    a tie through, serving does not, and the hint names the order of step 4."""
+    out = verdict(capsys, ch11.check_write_int8_blocks, write_with(ratio_first=False))
+    assert out.startswith("❌ [11.3]") and "serving" in out \
+        and "round(q * (old / new))" in out, out
 
 
 # ------------------------------------------------------------------ 11.4 the window
