@@ -321,6 +321,15 @@ def drop_oldest(gone="sinks // bs", no_copy="r == 0", shift="bs"):
     return DROP_OLDEST.format(gone=gone, no_copy=no_copy, shift=shift)
 
 
+RANK_ATTENTION = '''
+from paged_lib.parallel import heads_attention, rank_heads
+
+def rank_attention(x, w, cos, sin, kv_cache, meta, rank, tp_size, all_reduce):
+    q_heads, kv_heads = rank_heads(w.num_heads, w.num_kv_heads, tp_size, {rank})
+    return heads_attention(x, w, cos, sin, kv_cache, meta, q_heads, kv_heads, {reduce})
+'''
+
+
 #: (exercise id, what is wrong, source of the saved section)
 WRONG = [
     ("03.1", "no copy-on-write of a shared last block", APPEND_TOKEN.format(shared="False")),
@@ -389,6 +398,9 @@ WRONG = [
     ("11.4", "the sinks not copied", drop_oldest(no_copy="True")),
     ("11.4", "keys not rotated", drop_oldest(shift="0")),
     ("11.4", "the second recent block dropped", drop_oldest(gone="sinks // bs + 1")),
+    ("12.3", "no all-reduce", RANK_ATTENTION.format(rank="rank", reduce="lambda t: None")),
+    ("12.3", "rank 0's heads on every rank", RANK_ATTENTION.format(rank="0",
+                                                                   reduce="all_reduce")),
     ("10.3", "pops the most recently freed block", LRU_FREE_QUEUE.format(
         end="prev[self.TAIL]", relink="self.prev[after] = before")),
     ("10.3", "a taken block's neighbour keeps its old link", LRU_FREE_QUEUE.format(

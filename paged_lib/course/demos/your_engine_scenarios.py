@@ -154,6 +154,7 @@ PIECE_SCENARIOS: dict[str, tuple[str, ...]] = {
     "allocate_slots": ("prefix", "hit at the head", "chunked"),
     "write_int8_blocks": ("int8",),
     "drop_oldest": ("window",),
+    "rank_attention": ("tensor parallel",),
 }
 
 
