@@ -199,3 +199,26 @@ def test_the_fork_workflow_runs_chapter_13_on_mine(solutions, monkeypatch, capsy
     assert f"{len(mine.PIECES)} of {len(mine.PIECES)} pieces of the engine are yours" in out
     assert out.count("✅ your ") == len(mine.PIECES)
     assert "the library engine's tokens and schedule: True; transformers' tokens" in out
+
+
+@pytest.mark.slow
+@needs_smollm2
+def test_a_failing_piece_is_named_first_and_the_chat_runs_the_library_s(tmp_path, capsys):
+    from transformers import LlamaForCausalLM
+
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "ch07.py").write_text(  # the oldest group first
+        "# >>> 07.2 choose_victim: x\ndef choose_victim(running):\n    return running[0]\n"
+        "# <<< 07.2\n")
+    pieces, _ = your_engine.gather(folder)
+    real, tokenizer = smollm2.load()
+    hf = LlamaForCausalLM.from_pretrained(smollm2.cache_folder(),
+                                          dtype=torch.float32).eval()
+    ok, outputs, _ = your_engine_check.check(real, tokenizer, hf, pieces)
+    lines = capsys.readouterr().out.splitlines()
+    assert not ok and outputs is not None
+    assert lines[0].startswith("❌ your 07.2 (preemption: which group to preempt) on recompute")
+    assert lines[1] == "the chat workload runs the library's 07.2 in place of yours"
+    assert lines[2].endswith("the library engine's tokens and schedule: True; transformers' "
+                             "tokens (4 requests): True")
