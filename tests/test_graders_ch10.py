@@ -343,7 +343,7 @@ def test_worked_example_is_vllms():
 
 def alloc(pool, token_ids, hashes, block_size, max_new_tokens, *, cap=True, touch_first=True,
           head=True, evict=True, register="full", by_value=False, budget=True,
-          incref=True, dedupe_list=False, unqueue=True):
+          incref=True, dedupe_list=False, unqueue=True, past_miss=False, drop_empty=True):
     """A new request's table, with one rule swappable, to build the wrong answers."""
     queue, refs = pool.free_block_queue, pool.ref_counts
 
@@ -358,6 +358,8 @@ def alloc(pool, token_ids, hashes, block_size, max_new_tokens, *, cap=True, touc
     for h in hashes[:limit]:
         b = lookup(h)
         if b is None:
+            if past_miss:
+                continue
             break
         blocks.append(b)
     computed = len(blocks) * block_size
@@ -380,7 +382,7 @@ def alloc(pool, token_ids, hashes, block_size, max_new_tokens, *, cap=True, touc
         if old is not None:
             same = pool.cached_blocks[old.value]
             same.remove(b)
-            if not same:
+            if not same and drop_empty:
                 del pool.cached_blocks[old.value]
         refs[b] = 1
         blocks.append(b)
@@ -422,6 +424,9 @@ def alloc_with_pool_methods(pool, token_ids, hashes, block_size, max_new_tokens)
     (lambda *a: alloc(*a, budget=False), "blocks for this step's tokens only"),
     (lambda *a: alloc(*a, incref=False), "a hit takes one more reference"),
     (lambda *a: alloc(*a, dedupe_list=True), "oldest first"),
+    (lambda *a: alloc(*a, past_miss=True), "a hit must be a leading run: after a miss"),
+    (lambda *a: alloc(*a, drop_empty=False),
+     "a hash with no block left must be deleted from cached_blocks"),
     (lambda *a: alloc(*a)[0], "return a pair"),
 ])
 def test_allocate_slots_wrong_answers(capsys, answer, hint):
@@ -454,3 +459,12 @@ def test_twins_name_library_objects():
     for ex_id, twins in ch10.TWINS.items():
         for dotted in (twins,) if isinstance(twins, str) else twins:
             assert callable(grading._resolve(dotted)[2]), (ex_id, dotted)
+
+
+def test_allocate_slots_stories_of_the_new_states(capsys):
+    out = verdict(capsys, ch10.check_allocate_slots, lambda *a: alloc(*a, past_miss=True))
+    assert "edge state 'LRU eviction took a prefix's first block" in out, out
+    assert "the library answers ([1, 2], 0), yours ([1, 2, 6, 5], 8)" in out, out
+    out = verdict(capsys, ch10.check_allocate_slots, lambda *a: alloc(*a, drop_empty=False))
+    assert "cached_blocks (blocks per hash value): the library's one each, yours one each, " \
+           "1 hash value(s) kept with an empty list" in out, out

@@ -7,7 +7,8 @@ is checked three ways, each against :func:`paged_lib.engine.prefix_cache.allocat
    on a block in the middle of the free queue, a cached block at the head of the queue
    (evicted), two requests in one step (the second hits the first's blocks), a chunk that
    ends mid-block, a hash whose value collides with another block's and the same tokens
-   asked with different extra keys, a recomputed duplicate;
+   asked with different extra keys, a recomputed duplicate, a prefix whose first block
+   was evicted while its later ones stay cached;
 2. **replay**: every call the library's engine makes to the hook while it serves the
    prefix-caching workloads (replay's, and three here: a prompt served again after its
    blocks were freed and partly evicted, requests sharing a prefix admitted in one step
@@ -103,11 +104,14 @@ def _parts(s: State) -> dict[str, str]:
         extra = f" {h.extra_keys}" if h.extra_keys else ""
         return f"tokens {h.token_ids[0]}..{h.token_ids[-1]}{extra}"
     held = {b: r for b, r in enumerate(s.refs) if r}
+    by_value = str([list(bs) for _, bs in s.by_value if len(bs) > 1] or "one each")
+    empty = sum(not bs for _, bs in s.by_value)
+    if empty:
+        by_value += f", {empty} hash value(s) kept with an empty list"
     return {"free queue (head first)": str(list(s.free)),
             "held (block: ref count)": str(held or "none"),
             "cached": "{" + ", ".join(f"{b}: {cached(h)}" for b, h in s.hashes) + "}",
-            "blocks per hash value": str([list(bs) for _, bs in s.by_value if len(bs) > 1]
-                                         or "one each")}
+            "cached_blocks (blocks per hash value)": by_value}
 
 
 def _pool_text(s: State) -> str:
@@ -147,6 +151,9 @@ def diagnose(ask: Ask, want: Any, want_state: State, got: Any, got_state: State)
                     "BlockHash (value, token ids and extra keys), as pool.lookup does")
         if isinstance(computed, int) and computed != len(blocks[:computed // bs]) * bs:
             return "num_computed_tokens is the hit blocks times block_size"
+        if any(cached_at.get(b) in ask.hashes[leading + 1:] for b in adopted):
+            return ("a hit must be a leading run: after a miss, later hashes cannot be used "
+                    "(the table's first blocks would hold the K/V of later tokens)")
         return ("the hit is the cached blocks of the longest run of leading hashes, in "
                 "order, stopping at the first miss; num_computed_tokens their tokens")
     if len(blocks) != len(wb):
@@ -193,6 +200,9 @@ def diagnose(ask: Ask, want: Any, want_state: State, got: Any, got_state: State)
     if any(b in got_h and b not in want_h for b in wb[full:]):
         return ("the chunk ends mid-block: a part-filled block gets no hash (its K/V will "
                 "still change); only the end // block_size full blocks are registered")
+    if any(not bs for _, bs in got_state.by_value):
+        return ("a hash with no block left must be deleted from cached_blocks (del "
+                "pool.cached_blocks[value]), not kept as an empty list")
     if got_state.by_value != want_state.by_value:
         return ("cached_blocks[value] lists every block cached under that value, oldest "
                 "first: a block recomputed with the same hash as another (a full hit's last "

@@ -52,6 +52,16 @@ def edge_states() -> list[tuple[str, PrefixCachingAllocator, list[tuple[list[int
     head_hits.allocate()
     for block in (6, 5, 4, 3):
         head_hits.free(block)
+    # LRU evicts the block freed longest ago, so a prefix whose blocks were freed first
+    # block first loses its first block before its later ones: A's blocks 0, 1, 2 freed in
+    # that order, another request takes block 0 (evicting A's first hash), a third one
+    # holding 3..6 finishes; blocks 1 and 2 stay cached and free, behind no hit
+    orphans = _prefilled(7, [(a, ()), (_text(16, 800), ())], 4, [])
+    for block in (0, 1, 2):
+        orphans.free(block)
+    orphans.allocate()
+    for block in (6, 5, 4, 3):
+        orphans.free(block)
     return [
         ("a hit on the two blocks at the head of the free queue", head_hits,
          [(a[:8] + [1, 2, 3], (), 4, 11)]),
@@ -79,6 +89,9 @@ def edge_states() -> list[tuple[str, PrefixCachingAllocator, list[tuple[list[int
             6, [(a[:3], ())], 1, [0]), [(a[:3], (), 1, 3)]),
         ("a hit then a budget of 1 token", _prefilled(8, [(b, ())], 4, [0]),
          [(b, (), 4, 1)]),
+        ("LRU eviction took a prefix's first block before its later ones (freed first "
+         "block first, not tail first): A's block 0 evicted, blocks 1 and 2 still cached "
+         "and free", orphans, [(a + [1], (), 4, 5)]),
     ]
 
 
