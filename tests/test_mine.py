@@ -13,7 +13,7 @@ import nbformat
 import pytest
 
 from paged_lib.course import grading, mine, notebooks
-from paged_lib.course.grading import ch03, ch05, ch06, ch07, ch08, ch10, ch11
+from paged_lib.course.grading import ch03, ch05, ch06, ch07, ch08, ch10, ch11, ch12
 
 _cells = iter(range(10**6))
 
@@ -145,7 +145,7 @@ CHECKS = {"03.1": ch03.check_append_token, "03.2": ch03.check_fork,
           "08.2": ch08.check_beam_step, "10.1": ch10.check_block_hashes,
           "10.2": ch10.check_longest_cache_hit, "10.3": ch10.check_free_queue,
           "10.4": ch10.check_allocate_slots, "11.3": ch11.check_write_int8_blocks,
-          "11.4": ch11.check_drop_oldest}
+          "11.4": ch11.check_drop_oldest, "12.3": ch12.check_rank_attention}
 
 
 @pytest.fixture(scope="module")

@@ -66,6 +66,7 @@ PIECES: dict[str, Piece] = {
     "10.4": Piece("10", "allocate_slots", "prefix cache: a new request's table, hit and chunk"),
     "11.3": Piece("11", "write_int8_blocks", "int8 KV cache: the block write, its scale grows"),
     "11.4": Piece("11", "drop_oldest", "sliding window: release a block after the sinks"),
+    "12.3": Piece("12", "rank_attention", "tensor parallel: one rank's attention, all-reduced"),
 }
 
 ENV = "PAGED_LIB_MINE"

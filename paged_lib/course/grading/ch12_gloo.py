@@ -14,12 +14,15 @@ samples and swaps; rank 0's logits must be the single-device engine's at every s
 from __future__ import annotations
 
 import functools
+import importlib.machinery
 import multiprocessing as mp
 import pickle
 import socket
+import sys
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -44,15 +47,30 @@ def shipped(fn: Callable) -> tuple[str, Any]:
     """``fn`` in a form a spawned process can rebuild: by reference when its module can be
     imported there, else its source with the imports and helpers it uses
     (:func:`paged_lib.course.mine.section_text`: a notebook's ``__main__`` is not)."""
-    if getattr(fn, "__module__", "__main__") != "__main__" \
-            and "<locals>" not in getattr(fn, "__qualname__", "<locals>"):
-        try:
-            return "pickle", pickle.dumps(fn)
-        except Exception:  # noqa: BLE001 - not picklable: try the source
-            pass
+    module = getattr(fn, "__module__", "__main__")
+    if module != "__main__" and "<locals>" not in getattr(fn, "__qualname__", "<locals>"):
+        if _importable(module):
+            try:
+                return "pickle", pickle.dumps(fn)
+            except Exception:  # noqa: BLE001 - not picklable: try the source
+                pass
+        path = getattr(sys.modules.get(module), "__file__", None)
+        if path:  # a module loaded from its file (mine/ch12.py): the file travels
+            text = Path(path).read_text()
+            if fn.__name__ != "rank_attention":
+                text += f"\nrank_attention = {fn.__name__}\n"
+            return "source", text
     from paged_lib.course import mine
 
     return "source", mine.section_text(fn, "rank_attention")
+
+
+def _importable(module: str) -> bool:
+    """Can a spawned process import ``module`` by name (pickle's way of sending a function)?"""
+    try:  # looked up on sys.path, not in sys.modules (mine/ch12.py is loaded by file)
+        return importlib.machinery.PathFinder.find_spec(module.split(".")[0]) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def _rebuilt(kind: str, body: Any) -> Callable:
