@@ -30,7 +30,7 @@ def verdict(capsys, check, answer) -> str:
 def waiting_with(gate_swapped=True, gate_preempted=True, hol=True, watermark=True,
                  alone_rule=True, strict_watermark=False, n_as_live=False, chunk=True,
                  alone_ignores_running=False, token_budget=True, strict_tokens=False,
-                 strict_seqs=False):
+                 strict_seqs=False, n_always=False):
     """A schedule_waiting with one planted mistake (defaults: correct)."""
     def schedule(waiting, step):
         if (gate_swapped and step.swapped) or (gate_preempted and step.num_preempted):
@@ -38,7 +38,9 @@ def waiting_with(gate_swapped=True, gate_preempted=True, hol=True, watermark=Tru
         k = 0
         while k < len(waiting):
             group = list(waiting)[k]
-            if n_as_live or any(s.output_token_ids for s in group.seqs):
+            if n_always:  # even after some of its samples finished
+                num_seqs = group.params.num_seqs
+            elif n_as_live or any(s.output_token_ids for s in group.seqs):
                 num_seqs = len(group.live_seqs())
             else:
                 num_seqs = max(len(group.live_seqs()), group.params.num_seqs)
@@ -85,6 +87,8 @@ def test_06_4_a_correct_answer_passes(capsys):
     (waiting_with(alone_rule=False), "a long request alone in an empty step",
      "a group alone in an empty step joins"),
     (waiting_with(n_as_live=True), "request 0 (3 sequence(s)", "a fresh n > 1 group"),
+    (waiting_with(n_always=True), "request 2 (2 of its 3 sequences live, 1 finished",
+     "a group that has sampled brings only its live sequences"),
     (waiting_with(chunk=False), "20 tokens to prefill, 8 of them now",
      "a first chunk of min(tokens, step.tokens_left)"),
     (waiting_with(alone_ignores_running=True), "prefill_first, 1 group(s) running",
@@ -141,8 +145,9 @@ def test_06_4_the_engines_can_admit_is_refused(capsys):
 # ---------------------------------------------------------------- 07.3 preempt_until_fits
 
 
-def preempt_with(pick="latest", skip_ran=True, cpu_fallback=True, prefill_fallback=True,
-                 front=True, loop=True, swap=True, false_when_self=True, eager=False):
+def preempt_with(pick="hook", skip_ran=True, cpu_fallback=True, prefill_fallback=True,
+                 front=True, loop=True, swap=True, false_when_self=True, eager=False,
+                 swapped_front=True):
     """A preempt_until_fits with one planted mistake (defaults: correct)."""
     def preempt_fn(group, step):
         first = True
@@ -155,7 +160,14 @@ def preempt_with(pick="latest", skip_ran=True, cpu_fallback=True, prefill_fallba
             else:
                 others = step.running[step.running.index(group) + 1:]
             offered = [group] + [g for g in others if not (skip_ran and step.ran(g))]
-            victim = offered[0] if pick == "asker" else offered[-1]
+            if pick == "asker":
+                victim = offered[0]
+            elif pick == "latest":  # chosen inline, not asked of the engine's rule
+                victim = offered[-1]
+            elif pick == "library":  # the library's rule, not the engine's
+                victim = choose_victim(offered)
+            else:
+                victim = step.hooks.choose_victim(offered)
             step.running.remove(victim)
             swapping = step.preemption == "swap" and swap
             if prefill_fallback:
@@ -164,7 +176,8 @@ def preempt_with(pick="latest", skip_ran=True, cpu_fallback=True, prefill_fallba
                 swapping = swapping and step.can_swap_out(victim)
             if swapping:
                 step.swap_out(victim)
-                (step.swapped.appendleft if front else step.swapped.append)(victim)
+                (step.swapped.appendleft if front and swapped_front
+                 else step.swapped.append)(victim)
             else:
                 step.free(victim)
                 (step.waiting.appendleft if front else step.waiting.append)(victim)
@@ -199,6 +212,12 @@ def test_07_3_a_correct_answer_passes(capsys):
      "False when it was preempted itself"),
     (preempt_with(eager=True), "needs 1 free blocks and 4 are free",
      "nobody at all when they already fit"),
+    (preempt_with(swapped_front=False), "to position 0 of swapped",
+     "a victim swapped out goes to the FRONT of step.swapped"),
+    (preempt_with(pick="latest"), "the engine's choose_victim takes the oldest admitted first",
+     "ask step.hooks.choose_victim for the victim: the engine's rule may be another one"),
+    (preempt_with(pick="library"), "the engine's choose_victim takes the oldest admitted first",
+     "ask step.hooks.choose_victim for the victim: the engine's rule may be another one"),
 ])
 def test_07_3_wrong_answers_are_told_with_their_state(capsys, wrong, state, hint):
     out = verdict(capsys, ch07.check_preempt_until_fits, wrong)
@@ -210,8 +229,6 @@ def test_07_3_wrong_answers_are_told_with_their_state(capsys, wrong, state, hint
     (preempt_until_fits, "preempt_until_fits"),
     (lambda g, s: preempt_with()(g, s) if s.blocks_needed <= s.free_blocks
      else (preempt(g, s), False)[1], "preempt"),
-    (lambda g, s: preempt_with()(g, s) if s.blocks_needed <= s.free_blocks
-     else choose_victim([g]) is g and preempt_with()(g, s), "choose_victim"),
 ])
 def test_07_3_the_library_is_refused(capsys, twin, name):
     out = verdict(capsys, ch07.check_preempt_until_fits, twin)

@@ -183,12 +183,16 @@ def _compare_end(name, label, want, got, calls, asked) -> None:
 @dataclass(frozen=True)
 class Scenario:
     """Requests served by the scheduler alone. ``requests``: (prompt length or token ids,
-    max_tokens, arrival step, n); ``options``: the Scheduler's keywords (and ``num_blocks``,
-    ``block_size``, ``num_cpu_blocks``, ``enable_prefix_caching``)."""
+    max_tokens, arrival step, n[, stop]); ``options``: the Scheduler's keywords (and
+    ``num_blocks``, ``block_size``, ``num_cpu_blocks``, ``enable_prefix_caching``);
+    ``hooks``: other engine hooks than the library's for both runs (a rule the loop must
+    ask, not assume). A request with a ``stop`` token id draws ``3 + j`` for its j-th
+    sample, and a sample that draws ``stop`` finishes (its group goes on with fewer)."""
 
     name: str
     options: dict
     requests: tuple
+    hooks: tuple = ()  # (hook name, function) pairs
 
 
 def serve_scenario(sc: Scenario, hooks: EngineHooks, where: list,
@@ -204,20 +208,30 @@ def serve_scenario(sc: Scenario, hooks: EngineHooks, where: list,
     where[0] = sched
     groups: dict[int, SequenceGroup] = {}
     for _ in range(max_steps):
-        for rid, (prompt, max_tokens, arrival, n) in enumerate(sc.requests):
+        for rid, (prompt, max_tokens, arrival, n, *stop) in enumerate(sc.requests):
             if arrival == sched.step:
                 text = list(prompt) if not isinstance(prompt, int) else \
                     [10 + (7 * rid + t) % 50 for t in range(prompt)]
                 groups[rid] = SequenceGroup(rid, [Sequence(rid * 10, text)], SamplingParams(
-                    max_tokens=max_tokens, ignore_eos=True, n=n,
+                    max_tokens=max_tokens, ignore_eos=True, n=n, stop_token_ids=stop or None,
                     temperature=1.0 if n > 1 else 0.0, seed=rid if n > 1 else None))
                 sched.add(groups[rid])
         if len(groups) == len(sc.requests) and not sched.has_unfinished():
             break
         out = sched.schedule()
-        sched.update(out, [[(3, 0.0)] * num_samples(s) for s in out.scheduled], None)
+        sched.update(out, [_draws(s) for s in out.scheduled], None)
     tokens = [[s.output_token_ids for s in g.seqs] for _, g in sorted(groups.items())]
     return tokens, bm.num_free_blocks, sched.step
+
+
+def _draws(s) -> list[tuple[int, float]]:
+    """Token 3 for every sample; ``3 + j`` for the j-th sample of a group with stop ids."""
+    k, group = num_samples(s), s.group
+    if not group.params.stop_token_ids:
+        return [(3, 0.0)] * k
+    if k > 1:
+        return [(3 + j, 0.0) for j in range(k)]
+    return [(3 + next(j for j, q in enumerate(group.seqs) if q is s.seq), 0.0)]
 
 
 def check_scenarios(name: str, fn: Callable, scenarios: list[Scenario]) -> None:
@@ -225,10 +239,12 @@ def check_scenarios(name: str, fn: Callable, scenarios: list[Scenario]) -> None:
     for sc in scenarios:
         ref: list[Record] = []
         where: list = [None]
-        want = serve_scenario(sc, EngineHooks(**{name: recorder(name, lib, ref, where)}),
+        want = serve_scenario(sc, EngineHooks(**dict(sc.hooks),
+                                              **{name: recorder(name, lib, ref, where)}),
                               where)
         log: list[Record] = []
-        hooks = EngineHooks(**{name: recorder(name, fn, log, where, ref, sc.name)})
+        hooks = EngineHooks(**dict(sc.hooks),
+                            **{name: recorder(name, fn, log, where, ref, sc.name)})
         try:
             got = serve_scenario(sc, hooks, where)
         except _Stop as stop:

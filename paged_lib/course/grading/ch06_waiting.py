@@ -24,6 +24,7 @@ from paged_lib.course.grading.ch06_loops import Scenario
 class Head(NamedTuple):
     rid: int
     seqs: int     # sequences it brings
+    n: int        # its params.num_seqs (samples or beams)
     tokens: int   # its first prefill's tokens, cache hits left out
     chunk: int    # what it would bring now (tokens, or what the budget leaves)
     need: int     # free blocks that takes
@@ -51,7 +52,7 @@ def _snapshot(waiting, step) -> WaitState:
     for g in list(waiting)[:4]:
         tokens = step.prefill_tokens(g)
         chunk = min(tokens, step.tokens_left) if step.chunked_prefill else tokens
-        heads.append(Head(g.request_id, loops.seqs_of(g), tokens, chunk,
+        heads.append(Head(g.request_id, loops.seqs_of(g), g.params.num_seqs, tokens, chunk,
                           step.blocks_needed(g, chunk) if chunk > 0 else 0))
     return WaitState(tuple(heads), len(waiting), step.free_blocks, step.watermark_blocks,
                      step.tokens_left, step.max_num_batched_tokens, step.num_seqs,
@@ -71,7 +72,10 @@ def _describe(st: WaitState) -> str:
         queue = "nobody waiting"
     else:
         queue = "waiting " + ", ".join(
-            f"request {h.rid} ({h.seqs} sequence(s), {h.tokens} tokens to prefill"
+            f"request {h.rid} ("
+            + (f"{h.seqs} of its {h.n} sequences live, {h.n - h.seqs} finished"
+               if h.seqs < h.n else f"{h.seqs} sequence(s)")
+            + f", {h.tokens} tokens to prefill"
             + (f", {h.chunk} of them now" if h.chunk != h.tokens else "")
             + f", {h.need} blocks)" for h in st.heads) + (
             f" and {st.num_waiting - len(st.heads)} more" if st.num_waiting > len(st.heads)
@@ -138,6 +142,10 @@ def _why(st: WaitState, lib, got) -> str:
                 return ("the token budget: the running groups' tokens come first; a group "
                         "joins only if its tokens fit what is left")
     if len(lib) > len(got) and i == len(got) and head is not None:
+        if head.seqs < head.n and seqs + head.seqs <= st.max_num_seqs < seqs + head.n:
+            return ("a group that has sampled brings only its live sequences "
+                    "(group.live_seqs()), not params.num_seqs: a sample that finished is gone, "
+                    "and a group preempted by recompute comes back without it")
         if st.chunked and lib[i][1] < head.tokens:
             return ("with chunked prefill the head joins with what the budget leaves of its "
                     "prefill (a first chunk of min(tokens, step.tokens_left))")
@@ -218,6 +226,11 @@ SCENARIOS: list[Scenario] = [
     Scenario("prefix caching under pressure: a victim's cached blocks would readmit it",
              dict(num_blocks=9, block_size=4, enable_prefix_caching=True),
              ((8, 14, 0, 1), (8, 14, 0, 1), (5, 6, 2, 1))),
+    Scenario("chunks of 6, recompute: 3 samples, one finished at once, back against "
+             "max_num_seqs 4",
+             dict(num_blocks=8, block_size=4, enable_chunked_prefill=True,
+                  max_num_batched_tokens=6, max_num_seqs=4),
+             ((3, 10, 2, 1), (9, 14, 0, 1), (7, 5, 0, 3, 4))),
     Scenario("prefill_first: alone means nobody running either (watermark 2)",
              dict(num_blocks=9, block_size=4, watermark_blocks=2, scheduling="prefill_first"),
              ((12, 4, 0, 1), (14, 3, 1, 1), (20, 2, 2, 1))),

@@ -41,9 +41,8 @@ __all__ = ["EQUIVALENT_MUTANTS", "PRESSURE_BLOCKS", "PRESSURE_BLOCK_SIZE", "TWIN
 TWINS: dict[str, tuple[str, ...]] = {
     "07.1": ("paged_lib.engine.block_manager.swap_mapping",),
     "07.2": ("paged_lib.engine.policy.choose_victim",),
-    "07.3": ("paged_lib.engine.policy.preempt_until_fits", "paged_lib.engine.policy.preempt",
-             "paged_lib.engine.policy.choose_victim"),
-}
+    "07.3": ("paged_lib.engine.policy.preempt_until_fits", "paged_lib.engine.policy.preempt"),
+}  # (07.3 asks step.hooks.choose_victim: the library's rule, or another the engine was given)
 
 #: Mutants of the solutions that cannot change any answer (tools/mutants.py skips them).
 EQUIVALENT_MUTANTS: dict[str, dict[str, str]] = {"07.3": {
@@ -187,8 +186,14 @@ def run_demo(swap_mapping: Callable[..., Any], choose_victim: Callable[..., Any]
     prompts, params = pressure_requests()
 
     also = "" if preempt_until_fits is None else " (and preempt_until_fits)"
+    asked = [0]
+
+    def victim(running: list) -> Any:
+        asked[0] += 1
+        return choose_victim(running)
 
     def serve(mode: str, **hooks: Any) -> tuple[Any, Any, bool]:
+        asked[0] = 0
         if preempt_until_fits is not None:
             hooks["preempt_until_fits"] = preempt_until_fits
         kw = dict(num_cpu_blocks=64, preemption=mode)
@@ -202,19 +207,26 @@ def run_demo(swap_mapping: Callable[..., Any], choose_victim: Callable[..., Any]
         return mine.stats, lib.stats, same
 
     def recompute() -> None:
-        s, r, same = serve("recompute", choose_victim=choose_victim)
+        s, r, same = serve("recompute", choose_victim=victim)
         print(f"recompute, your choose_victim{also}: {len(prompts)} requests on {PRESSURE_BLOCKS} "
               f"blocks in {s.steps} steps (library: {r.steps}), {s.preemptions} preemptions "
               f"(library: {r.preemptions}), {s.recomputed_tokens} tokens recomputed "
               f"(library: {r.recomputed_tokens})")
         print(f"every token {'equals' if same else 'DIFFERS from'} the library engine's")
+        unasked(s)
+
+    def unasked(s: Any) -> None:
+        if s.preemptions and not asked[0]:
+            print("your preempt_until_fits never asked step.hooks.choose_victim: these "
+                  "victims are its own choice, not your choose_victim's")
 
     def swap() -> None:
-        s, r, same = serve("swap", choose_victim=choose_victim, swap_mapping=swap_mapping)
+        s, r, same = serve("swap", choose_victim=victim, swap_mapping=swap_mapping)
         print(f"swap, your choose_victim and swap_mapping{also}: {s.preemptions} preemptions, "
               f"{s.swapped_blocks} block copies (library: {r.preemptions}, "
               f"{r.swapped_blocks})")
         print(f"every token {'equals' if same else 'DIFFERS from'} the library engine's")
+        unasked(s)
 
     grading.on_learner_code(recompute, "exercises 07.2 and 07.3",
                             "recompute with your choose_victim")

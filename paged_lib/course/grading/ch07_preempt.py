@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 from paged_lib.course import grading
 from paged_lib.course.grading import ch06_loops as loops
 from paged_lib.course.grading.ch06_loops import Scenario
+from paged_lib.engine import policy
 
 
 class Running(NamedTuple):
@@ -37,6 +38,7 @@ class PreState(NamedTuple):
     running: tuple
     mode: str
     cpu_free: int | None
+    rule: str | None  # the engine's choose_victim, when it is not the library's
 
 
 def _snapshot(group, step) -> PreState:
@@ -44,8 +46,11 @@ def _snapshot(group, step) -> PreState:
     running = tuple(Running(g.request_id, g.timeline.admitted_steps[-1], len(g.live_seqs()),
                             step.is_decoding(g), step.ran(g), _blocks(g))
                     for g in step.running)
+    rule = step.hooks.choose_victim
+    told = None if rule is policy.choose_victim else \
+        (rule.__doc__ or rule.__name__).strip().splitlines()[0]
     return PreState(group.request_id, step.blocks_needed, step.free_blocks, running,
-                    step.preemption, None if bm.cpu is None else bm.cpu.num_free)
+                    step.preemption, None if bm.cpu is None else bm.cpu.num_free, told)
 
 
 def _blocks(group) -> int:
@@ -74,8 +79,9 @@ def _describe(st: PreState) -> str:
         f"{'decoding' if r.decoding else 'part way through a prefill'}, {r.blocks} blocks"
         + (", ran this step" if r.ran else "") + ")" for r in st.running)
     cpu = f", the CPU pool has {st.cpu_free} free blocks" if st.cpu_free is not None else ""
+    rule = f"; the engine's choose_victim takes {st.rule}" if st.rule else ""
     return (f"request {st.rid} needs {st.need} free blocks and {st.free} are free; running "
-            f"[{groups}] (admission order); preemption '{st.mode}'{cpu}")
+            f"[{groups}] (admission order); preemption '{st.mode}'{cpu}{rule}")
 
 
 def _show(decision) -> str:
@@ -111,6 +117,10 @@ def _why(st: PreState, lib, got) -> str:
             if b[0] in order and order.index(b[0]) < order.index(asker.rid):
                 return ("never preempt a group admitted before the one asking: first come, "
                         "first served")
+            if st.rule is not None:
+                return ("ask step.hooks.choose_victim for the victim: the engine's rule may be "
+                        "another one (here it takes " + st.rule + "); offer it group and the "
+                        "groups after it that have not run, oldest first")
             return ("the latest admitted goes first (vLLM pops its running queue from the "
                     "end): it has done the least, and the group asking may be the victim "
                     "itself")
@@ -130,6 +140,11 @@ def _why(st: PreState, lib, got) -> str:
         return ("stop as soon as the blocks fit (step.blocks_needed <= step.free_blocks): "
                 "preempt nobody more, and nobody at all when they already fit")
     if mine != lib_v:
+        queue = next(a for a, b in zip(lib_v, mine, strict=False) if a != b)[2]
+        if queue == "swapped":
+            return ("a victim swapped out goes to the FRONT of step.swapped (appendleft): "
+                    "swapped groups come back from the front, and victims leave latest "
+                    "first, so each one put in front keeps the earliest admitted first")
         return ("a victim goes back to the FRONT of its queue (appendleft): it was admitted "
                 "before every group waiting, and comes back first")
     return ("answer True when the group's blocks fit and it runs now, False when it was "
@@ -137,6 +152,11 @@ def _why(st: PreState, lib, got) -> str:
 
 
 loops.LOOPS["preempt_until_fits"] = (_snapshot, _decide, _describe, _show, _why)
+
+
+def oldest_first(running: list) -> Any:
+    """the oldest admitted first (the group asking)"""
+    return running[0]
 
 
 #: scenarios served by the scheduler alone: requests (prompt, max_tokens, arrival, n)
@@ -165,6 +185,9 @@ SCENARIOS: list[Scenario] = [
     Scenario("recomputed samples first in line: the group at the end already ran",
              dict(num_blocks=9, block_size=4),
              ((14, 11, 4, 2), (5, 9, 4, 1), (5, 9, 1, 1), (2, 10, 2, 2))),
+    Scenario("four requests on a pool for two, the engine's choose_victim the oldest first",
+             dict(num_blocks=12, block_size=4), ((8, 16, 0, 1),) * 4,
+             hooks=(("choose_victim", oldest_first),)),
     Scenario("a long request among short ones arriving every 3 steps (recompute)",
              dict(num_blocks=10, block_size=4),
              ((6, 26, 0, 1),) + tuple((3, 6, 1 + 3 * k, 1) for k in range(6))),
