@@ -141,6 +141,10 @@ def _worker_main(rank: int, world_size: int, init_method: str, dist_backend: str
             conn.send(("error", traceback.format_exc()))
             break
     dist.destroy_process_group()
+    conn.close()
+    # leave now: tearing torch down at interpreter exit can take seconds on a busy CPU,
+    # and the driver waits for the exit code (0: this rank stopped cleanly)
+    os._exit(0)
 
 
 def _free_port() -> int:
@@ -156,7 +160,7 @@ def _shutdown(processes: list, conns: list) -> None:
             c.send(None)
         except (OSError, ValueError):
             pass
-    deadline = time.monotonic() + 5.0
+    deadline = time.monotonic() + 15.0  # a clean exit takes well under a second
     for p in processes:
         p.join(max(0.0, deadline - time.monotonic()))
     for p in processes:
