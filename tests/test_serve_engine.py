@@ -6,6 +6,7 @@ what can never run, fails the requests in flight when a step raises, and goes on
 """
 
 import asyncio
+import threading
 
 import pytest
 
@@ -127,18 +128,28 @@ def test_the_loop_refuses_what_can_never_run(tiny_model):
 
 def test_a_failed_step_fails_the_requests_in_flight_and_the_loop_goes_on(tiny_model):
     engine = _engine(tiny_model, enable_prefix_caching=True)
-    execute, calls = engine.runner.execute, []
+    execute, failed = engine.runner.execute, []
+    second_queued = threading.Event()
 
     def fails_once(inp):
-        calls.append(1)
-        if len(calls) == 3:
+        # the first request's first step waits until the second is queued, and the first
+        # step that runs both fails: both are in flight, whatever the CPU's speed (failing
+        # the 3rd call instead raced the second add_request: on a busy CPU the loop could
+        # run 3 steps of the first request alone, and the second ran after the failure)
+        assert second_queued.wait(30), "the test did not queue its second request"
+        if not failed and len(inp.seq_lens) == 2:
+            failed.append(1)
             raise RuntimeError("planted failure")
         return execute(inp)
 
     engine.runner.execute = fails_once
 
     async def body(loop_engine):
-        streams = [await loop_engine.add_request(p, GREEDY) for p in PROMPTS[:2]]
+        first = await loop_engine.add_request(PROMPTS[0], GREEDY)
+        adding = asyncio.ensure_future(loop_engine.add_request(PROMPTS[1], GREEDY))
+        await asyncio.sleep(0)  # it runs up to its wait for the engine: it is queued
+        second_queued.set()
+        streams = [first, await adding]
         for stream in streams:
             with pytest.raises(EngineError, match="planted failure"):
                 await _tokens(stream)
