@@ -271,3 +271,112 @@ def test_the_helpers_that_do_09_1_and_09_2_are_refused(capsys):
     assert out.startswith("❌ [09.1]") and "request_slots" in out, out
     out = verdict(capsys, ch09.check_choose_block_size, choice_with(waste=internal_waste))
     assert out.startswith("❌ [09.2]") and "internal_waste" in out, out
+
+
+# ------------------------------------------------ 09.3: state that grows where it must not
+
+
+def _tile_scores(q, k_cache, v_cache, table, start, seq_len, tile):
+    """One tile's scores [h, t] and values [t, h, d] (query heads grouped), in float32/64."""
+    h, d = q.shape
+    bs, nkv = k_cache.shape[1], k_cache.shape[2]
+    dt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    heads = torch.arange(h) // (h // nkv)
+    pos = torch.arange(start, min(start + tile, seq_len))
+    blocks = torch.as_tensor(table).long()[pos // bs]
+    k = k_cache[blocks, pos % bs].to(dt)[:, heads]
+    v = v_cache[blocks, pos % bs].to(dt)[:, heads]
+    return torch.einsum("hd,thd->ht", q.to(dt) * d ** -0.5, k), v
+
+
+def tiles_scores_concatenated(q, k_cache, v_cache, block_table, seq_len, tile):
+    """Gathers tile by tile, keeps every tile's scores and values, one softmax at the end."""
+    if seq_len == 0:
+        return torch.zeros_like(q)
+    scores, values = [], []
+    for start in range(0, seq_len, tile):
+        s, v = _tile_scores(q, k_cache, v_cache, block_table, start, seq_len, tile)
+        scores.append(s)
+        values.append(v)
+    p = torch.softmax(torch.cat(scores, -1), -1)
+    return torch.einsum("ht,thd->hd", p, torch.cat(values)).to(q.dtype)
+
+
+def tiles_states_merged_at_end(q, k_cache, v_cache, block_table, seq_len, tile):
+    """Every tile's (m, l, acc) kept in a list and merged after the loop."""
+    if seq_len == 0:
+        return torch.zeros_like(q)
+    states = []
+    for start in range(0, seq_len, tile):
+        s, v = _tile_scores(q, k_cache, v_cache, block_table, start, seq_len, tile)
+        m = s.amax(-1)
+        p = torch.exp(s - m[:, None])
+        states.append((m, p.sum(-1), torch.einsum("ht,thd->hd", p, v)))
+    m = torch.stack([st[0] for st in states]).amax(0)
+    den = sum(torch.exp(mi - m) * li for mi, li, _ in states)
+    acc = sum(torch.exp(mi - m)[:, None] * ai for mi, _, ai in states)
+    return (acc / den[:, None]).to(q.dtype)
+
+
+def tiles_two_passes(q, k_cache, v_cache, block_table, seq_len, tile):
+    """Pass 1 over the tiles finds the max; pass 2 reads them again for the sum."""
+    if seq_len == 0:
+        return torch.zeros_like(q)
+    m = None
+    for start in range(0, seq_len, tile):
+        s, _ = _tile_scores(q, k_cache, v_cache, block_table, start, seq_len, tile)
+        m = s.amax(-1) if m is None else torch.maximum(m, s.amax(-1))
+    den = acc = 0
+    for start in range(0, seq_len, tile):
+        s, v = _tile_scores(q, k_cache, v_cache, block_table, start, seq_len, tile)
+        p = torch.exp(s - m[:, None])
+        den = den + p.sum(-1)
+        acc = acc + torch.einsum("ht,thd->hd", p, v)
+    return (acc / den[:, None]).to(q.dtype)
+
+
+def tiles_in_place(q, k_cache, v_cache, block_table, seq_len, tile):
+    """Right: the running state updated in place, whole blocks read and sliced per tile."""
+    h, d = q.shape
+    bs, nkv = k_cache.shape[1], k_cache.shape[2]
+    if seq_len == 0:
+        return torch.zeros_like(q)
+    dt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    heads = torch.arange(h) // (h // nkv)
+    qf = q.to(dt) * d ** -0.5
+    m = torch.full((h,), -math.inf, dtype=dt)
+    den, acc = torch.zeros(h, dtype=dt), torch.zeros(h, d, dtype=dt)
+    for start in range(0, seq_len, tile):
+        stop = min(start + tile, seq_len)
+        ks, vs = [], []
+        for j in range(start // bs, (stop - 1) // bs + 1):
+            block = int(block_table[j])
+            lo, hi = max(start, j * bs) - j * bs, min(stop, (j + 1) * bs) - j * bs
+            ks.append(k_cache[block][lo:hi])
+            vs.append(v_cache[block][lo:hi])
+        k, v = torch.cat(ks).to(dt)[:, heads], torch.cat(vs).to(dt)[:, heads]
+        s = torch.einsum("hd,thd->ht", qf, k)
+        m_old = m.clone()
+        torch.maximum(m, s.amax(-1), out=m)
+        alpha = torch.exp(m_old - m)
+        p = torch.exp(s - m[:, None])
+        den.mul_(alpha).add_(p.sum(-1))
+        acc.mul_(alpha[:, None]).add_(torch.einsum("ht,thd->hd", p, v))
+    return (acc / den[:, None]).to(q.dtype)
+
+
+def test_09_3_an_in_place_state_and_block_slices_pass(capsys):
+    assert verdict(capsys, ch09.check_attend_tiles, tiles_in_place).startswith("✅ [09.3]")
+
+
+@pytest.mark.parametrize("wrong, problem, hint", [
+    (tiles_scores_concatenated, "you keep earlier tiles' scores or values",
+     "let its scores and values go"),
+    (tiles_states_merged_at_end, "every tile's scores or state and combine them at the end",
+     "hold one running (m, l, acc) and nothing else"),
+    (tiles_two_passes, "a second pass over the sequence (the max first, then the sum)",
+     "one pass over the tiles is enough"),
+])
+def test_09_3_state_that_grows_where_it_must_not(capsys, wrong, problem, hint):
+    out = verdict(capsys, ch09.check_attend_tiles, wrong)
+    assert out.startswith("❌ [09.3]") and problem in out and hint in out, out

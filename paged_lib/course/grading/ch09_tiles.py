@@ -11,9 +11,12 @@ multiple, a last partial tile, one token, an empty sequence, GQA, MHA, MQA, floa
 float16) against :func:`paged_lib.kernels.paged_attention` (``backend="torch"``). Every
 unused slot of the cache is NaN and the table is padded with ``-1`` (``cache[-1]`` is a
 NaN block), so a read past the sequence's end shows. The caches watch what is read from
-them: one read may not return more than the blocks one tile spans (the whole sequence at
-once is not a tile). Then the engine serves a workload with every decode row's attention
-from the learner's function at a tile of 6 on blocks of 4, next to the library engine.
+them and what is kept (:mod:`~paged_lib.course.grading.ch09_tile_reads`): one read may not
+return more than the blocks one tile spans (the whole sequence at once is not a tile);
+between tiles only the running state may be held (not every tile's scores, values or
+states, combined at the end), and no tile is read twice (a two-pass softmax). Then the
+engine serves a workload with every decode row's attention from the learner's function at
+a tile of 6 on blocks of 4, next to the library engine.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from paged_lib.course import grading
+from paged_lib.course.grading.ch09_tile_reads import TileLog, TileTensor, watching
 from paged_lib.kernels import paged_attention
 from paged_lib.kernels.torch_backend import paged_attention_torch
 from paged_lib.util import CheckFailed, cdiv
@@ -174,31 +178,6 @@ def _hint(c: Case, got: torch.Tensor, want: torch.Tensor) -> str:
             "the running max, denominator and accumulator (chapter 04's online softmax)")
 
 
-_READS = (torch.Tensor.__getitem__, torch.index_select, torch.Tensor.index_select,
-          torch.gather, torch.Tensor.gather, torch.take, torch.Tensor.take)
-
-
-class _Watched(torch.Tensor):
-    """A cache that records how many elements each read of it (or of a view of it)
-    returns."""
-
-    reads: list[int] = []
-    storages: set[int] = set()
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        out = super().__torch_function__(func, types, args, kwargs or {})
-        if func in _READS and isinstance(out, torch.Tensor) and args \
-                and isinstance(args[0], torch.Tensor) \
-                and args[0].untyped_storage().data_ptr() in _Watched.storages:
-            _Watched.reads.append(out.numel())
-        return out
-
-
-def _watched(cache: torch.Tensor) -> torch.Tensor:
-    return cache.as_subclass(_Watched)
-
-
 def _tolerance(c: Case) -> tuple[float, float]:
     return {torch.float64: (1e-10, 1e-12), torch.float16: (2e-3, 2e-3)}.get(
         c.q.dtype, (1e-5, 1e-6))
@@ -208,22 +187,20 @@ def check_case(fn: Callable, c: Case) -> None:
     what = (f"case '{c.name}': attend_tiles(q [{c.q.shape[0]}, {c.q.shape[1]}], table "
             f"{c.table.tolist()}, seq_len={c.seq_len}, tile={c.tile})")
     want = reference(c)
-    _Watched.reads = []
-    _Watched.storages = {c.k_cache.untyped_storage().data_ptr(),
-                         c.v_cache.untyped_storage().data_ptr()}
+    log = TileLog(c.k_cache, c.v_cache, c.table, c.seq_len, c.tile, c.q.shape[0])
     try:
-        got = fn(c.q.clone(), _watched(c.k_cache), _watched(c.v_cache), c.table.clone(),
-                 c.seq_len, c.tile)
+        with watching(log, c.k_cache, c.v_cache) as (k, v):
+            got = fn(c.q.clone(), k, v, c.table.clone(), c.seq_len, c.tile)
     except (CheckFailed, NotImplementedError):
         raise
     except Exception as err:  # noqa: BLE001 - told with the case that raised it
         grading.fail(f"{what}: your function raised {type(err).__name__}: {err}",
                      _MISTAKES[1][1] + "; positions run from 0 to seq_len - 1 only"
                      if isinstance(err, IndexError) else None)
-    reads = list(_Watched.reads)
+    reads = list(log.reads)
     grading.expect_true(isinstance(got, torch.Tensor), f"{what}: returned "
                         f"{type(got).__name__}", "return a tensor [num_heads, head_dim]")
-    got = got.as_subclass(torch.Tensor) if isinstance(got, _Watched) else got
+    got = got.as_subclass(torch.Tensor) if isinstance(got, TileTensor) else got
     grading.expect_true(got.dtype == c.q.dtype and tuple(got.shape) == tuple(c.q.shape),
                         f"{what}: returned {got.dtype} {tuple(got.shape)}, expected "
                         f"{c.q.dtype} {tuple(c.q.shape)}", "the output has q's shape and dtype")
@@ -241,7 +218,10 @@ def check_case(fn: Callable, c: Case) -> None:
         grading.fail(f"{what}: one read of the cache returned {most // row} token rows; a "
                      f"tile of {c.tile} spans at most {spans} blocks of {bs}",
                      "gather each tile's tokens when you reach it, not the whole sequence "
-                     "at once: the tile is what a kernel holds on chip")
+                     "at once (nor convert the whole cache first): the tile is what a "
+                     "kernel holds on chip")
+    if log.problem is not None:
+        grading.fail(f"{what}: {log.problem}", log.hint)
 
 
 @contextlib.contextmanager

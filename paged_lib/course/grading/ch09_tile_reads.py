@@ -1,0 +1,187 @@
+"""What exercise 09.3's check watches while the learner's ``attend_tiles`` runs.
+
+A tiled online softmax and "gather every tile, keep the scores, normalise once at the end"
+give the same numbers, so comparing outputs cannot tell them apart. What differs is what
+the code *holds* (chapter 04's exercise 04.2 is graded the same way, one block at a time:
+:mod:`paged_lib.instruments.block_reads`). Here a tile gathers from several blocks, so
+the caches are wrapped in :class:`TileTensor`, which maps every read of them (indexing,
+``index_select``, ``gather``, ``take``, or any other op on the cache or a view of it) to
+the sequence positions it returns. Every tensor computed from a read carries the span of
+positions its value depends on. At each read the check asks:
+
+* does one read return more than the blocks one tile spans (the whole sequence at once)?
+* is a tensor computed from two tiles back or older still alive, and bigger than one
+  running state per head (``head_dim`` numbers): earlier tiles' scores or values kept;
+* do the small tensors still alive from such earlier tiles add up to more than about one
+  running ``(m, l, acc)``: per-tile states (or scores) kept and combined at the end, so
+  what is held grows with the sequence;
+* does a read of K (or V) go back to positions before the start of an earlier read of
+  the same cache: a second pass (the max first, then the sum).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterator
+
+import torch
+
+_READS = (torch.Tensor.__getitem__, torch.index_select, torch.Tensor.index_select,
+          torch.gather, torch.Tensor.gather, torch.take, torch.Tensor.take)
+
+
+class TileLog:
+    """One call of the learner's function: its reads, what it holds, the first problem."""
+
+    def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
+                 seq_len: int, tile: int, num_heads: int):
+        nb, bs, _, d = k_cache.shape
+        posmap = torch.full((nb, bs), -1, dtype=torch.int64)
+        for j, b in enumerate(table.tolist()[:-(-seq_len // bs)] if seq_len else []):
+            n = min(bs, seq_len - j * bs)
+            posmap[b, :n] = torch.arange(j * bs, j * bs + n)
+        self.caches = {}  # storage pointer -> (kind, element-wise position map, its offset)
+        for kind, cache in (("K", k_cache), ("V", v_cache)):
+            full = posmap[:, :, None, None].expand(cache.shape).contiguous()
+            self.caches[cache.untyped_storage().data_ptr()] = (kind, full,
+                                                               cache.storage_offset())
+        self.tile, self.small = tile, num_heads * d
+        self.state = num_heads * (v_cache.shape[-1] + 2)
+        self.reads: list[int] = []  # elements each read returned
+        self.far = {"K": -1, "V": -1}  # the highest first position of an earlier read
+        self.live: dict[int, weakref.ref] = {}
+        self.problem: str | None = None
+        self.hint: str | None = None
+
+    def flag(self, problem: str, hint: str) -> None:
+        if self.problem is None:
+            self.problem, self.hint = problem, hint
+
+    def positions(self, t: torch.Tensor) -> tuple[str, torch.Tensor] | None:
+        """(kind, the position of every element of ``t``) if ``t`` is a cache or a view."""
+        found = self.caches.get(t.untyped_storage().data_ptr())
+        if found is None:
+            return None
+        kind, full, base = found
+        return kind, full.as_strided(t.shape, t.stride(), t.storage_offset() - base)
+
+    def read(self, kind: str | None, pos: torch.Tensor) -> tuple[int, int] | None:
+        """Log one read returning the elements at positions ``pos``; its in-sequence span.
+        ``kind`` None: an op on views of the cache (not an indexing read: no order check)."""
+        self.reads.append(pos.numel())
+        inside = pos[pos >= 0]
+        if inside.numel() == 0:
+            return None
+        lo, hi = int(inside.min()), int(inside.max())
+        if kind is not None:
+            if hi < self.far[kind]:
+                self.flag(f"read {kind} of positions {lo}-{hi} again after a read of {kind} "
+                          f"from position {self.far[kind]} on: a second pass over the "
+                          "sequence (the max first, then the sum)",
+                          "one pass over the tiles is enough: when a tile raises the running "
+                          "max m, rescale what was summed so far by exp(m_old - m_new)")
+            self.far[kind] = max(self.far[kind], lo)
+        self._check_held(lo // self.tile)
+        return lo, hi
+
+    def _check_held(self, now: int) -> None:
+        """At a read of tile ``now``: what is still alive from tile ``now - 2`` or older?"""
+        held: dict[int, int] = {}  # tile -> numbers still held that depend on it at most
+        for key, ref in list(self.live.items()):
+            t = ref()
+            if t is None:
+                del self.live[key]
+                continue
+            last = t._span[1] // self.tile
+            if last > now - 2:
+                continue
+            held[last] = held.get(last, 0) + t.numel()
+            if t.numel() > self.small:
+                self.flag(f"while reading tile {now} you still hold a tensor of shape "
+                          f"{tuple(t.shape)} computed from tile {last}: you keep earlier "
+                          "tiles' scores or values",
+                          "fold each tile into the running (m, l, acc) and let its scores "
+                          "and values go: a kernel holds one tile at a time")
+        if len(held) > 1 and sum(held.values()) > 1.5 * self.state:
+            self.flag(f"while reading tile {now} you still hold {sum(held.values())} numbers "
+                      f"computed from {len(held)} earlier tiles ({sorted(held)}): you keep "
+                      "every tile's scores or state and combine them at the end, so what "
+                      "you hold grows with the sequence",
+                      "between tiles hold one running (m, l, acc) and nothing else: fold "
+                      "each tile into it as soon as it is read")
+
+    def track(self, t: torch.Tensor, span: tuple[int, int]) -> None:
+        t._span = span
+        self.live[id(t)] = weakref.ref(t)
+
+
+_ACTIVE: list[TileLog] = []
+
+
+class TileTensor(torch.Tensor):
+    """A cache, or a tensor computed from it, that reports to the active :class:`TileLog`.
+
+    ``_span``: the first and last sequence position its value depends on (None: none).
+    """
+
+    _span: tuple[int, int] | None = None
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = super().__torch_function__(func, types, args, kwargs)
+        if _ACTIVE:
+            with torch._C.DisableTorchFunctionSubclass():
+                _after(_ACTIVE[-1], func, args, kwargs, out)
+        return out
+
+
+def _tensors(x) -> Iterator[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, list | tuple):
+        for y in x:
+            yield from _tensors(y)
+    elif isinstance(x, dict):
+        for y in x.values():
+            yield from _tensors(y)
+
+
+def _after(log: TileLog, func, args, kwargs, out) -> None:
+    outs = [t for t in _tensors(out) if isinstance(t, TileTensor)]
+    if not outs:
+        return
+    ins = list(_tensors((args, kwargs)))
+    views = [(t, p) for t in ins if (p := log.positions(t)) is not None]
+    spans = [s for s in (getattr(t, "_span", None) for t in ins) if s is not None]
+    if views and any(log.positions(o) is not None for o in outs) and func not in _READS:
+        return  # a view of the cache: nothing read yet
+    if views and func in _READS and args and args[0] is views[0][0]:
+        (t, (kind, pos)) = views[0]
+        try:  # the same read on the position map: the positions it returned
+            pos = func(pos, *args[1:], **{k: x for k, x in kwargs.items() if k != "out"})
+        except (RuntimeError, IndexError, TypeError):
+            pass  # (then every position of what it read from)
+        spans.append(log.read(kind, pos))
+    else:  # an op on views of the cache (a copy, a cat, an einsum) reads them whole
+        spans += [log.read(None, pos) for _, (_, pos) in views]
+    spans = [s for s in spans if s is not None]
+    span = (min(s[0] for s in spans), max(s[1] for s in spans)) if spans else None
+    if span is not None:
+        for o in outs:
+            log.track(o, span)
+
+
+class watching:
+    """``with watching(log) as (k, v):`` the learner reads ``k`` and ``v``, watched."""
+
+    def __init__(self, log: TileLog, k_cache: torch.Tensor, v_cache: torch.Tensor):
+        self.log, self.k, self.v = log, k_cache, v_cache
+
+    def __enter__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        _ACTIVE.append(self.log)
+        return self.k.as_subclass(TileTensor), self.v.as_subclass(TileTensor)
+
+    def __exit__(self, *exc) -> None:
+        _ACTIVE.remove(self.log)
+        self.log.live.clear()
