@@ -48,7 +48,42 @@ def memo_by_tokens(token_ids, block_size, extra_keys=()):
     return list(_memo[key])
 
 
+def parent_block_alone(token_ids, block_size, extra_keys=()):
+    """Each block's parent is the block before it hashed on its own."""
+    out = []
+    for i in range(len(token_ids) // block_size):
+        parent = hash_block_tokens(None, token_ids[(i - 1) * block_size:i * block_size],
+                                   extra_keys) if i else None
+        out.append(hash_block_tokens(parent, token_ids[i * block_size:(i + 1) * block_size],
+                                     extra_keys))
+    return out
+
+
+def extra_on_first_only(token_ids, block_size, extra_keys=()):
+    """The extra keys hashed into block 0 only, since the chain carries them on."""
+    out = []
+    for i in range(len(token_ids) // block_size):
+        out.append(hash_block_tokens(out[-1] if out else None,
+                                     token_ids[i * block_size:(i + 1) * block_size],
+                                     () if out else extra_keys))
+    return out
+
+
 @pytest.mark.parametrize("answer,hint", [
+    # deriving the chain from what a name must guarantee: the plausible other rules
+    (lambda t, b, e=(): chain(t, b, e, parent_of=lambda out, i: None,
+                              tokens_of=lambda t, i, s: t[:(i + 1) * s]),
+     "prompt '11 tokens, block size 4 (a part-filled last block)': block 1's hash differs"),
+    (lambda t, b, e=(): chain(t, b, e, parent_of=lambda out, i: None,
+                              tokens_of=lambda t, i, s: t[:(i + 1) * s]),
+     "you hashed the whole prefix, tokens 0 to 7, with no parent"),
+    (parent_block_alone, "prompt '12 tokens, block size 4 (every block full)': block 2's"),
+    (parent_block_alone, "stands for block 1's tokens alone, not for the 8 tokens before"),
+    (lambda t, b, e=(): chain(t, b, e, parent_of=lambda out, i: out[-1] if out
+                              else hash_block_tokens(None, (), e)),
+     "block 0 has nothing before it: hash_block_tokens takes parent None"),
+    (extra_on_first_only, "extra keys ('lora-2',)': block 1's hash differs"),
+    (extra_on_first_only, "extra keys on block 0 only"),
     (lambda t, b, e=(): chain(t, b, e, blocks=lambda n, s: -(-n // s)),
      "you hashed a partial block"),
     (lambda t, b, e=(): chain(t, b, e, parent_of=lambda out, i: None),
@@ -113,8 +148,25 @@ def hit(hashes, lookup, num_tokens, block_size, *, cap=None, past_miss=False,
 @pytest.mark.parametrize("answer,hint", [
     (lambda h, f, n, b: hit(h, f, n, b, past_miss=True), "past the first miss"),
     (lambda h, f, n, b: hit(h, f, n, b, cap=lambda n, s: n // s),
-     "the last token must still be computed"),
-    (lambda h, f, n, b: hit(h, f, n, b, cap=lambda n, s: n // s - 1), "off by one in the cap"),
+     "every block of a 16-token prompt cached (block size 4)': expected [4, 6, 2], got [4, 6,"
+     " 2, 11]"),
+    (lambda h, f, n, b: hit(h, f, n, b, cap=lambda n, s: n // s),
+     "its last token must still be computed (its logits give the first new token): the "
+     "prompt's last token (token 15, counting from 0) is in block 3, a full block"),
+    (lambda h, f, n, b: hit(h, f, n, b, cap=lambda n, s: n // s - 1),
+     "every full block of a 17-token prompt cached (block size 4)': expected [4, 6, 2, 11], "
+     "got [4, 6, 2]"),
+    # deriving the cap from "the last prompt token is computed": the plausible other rules
+    (lambda h, f, n, b: (lambda out: out[:-1] if out and len(out) == len(h) else out)(
+        hit(h, f, n, b, cap=lambda n, s: n // s)),
+     "the prompt's last token (token 16, counting from 0) is in block 4, part-filled"),
+    (lambda h, f, n, b: hit(h, f, n, b, cap=lambda n, s: n // s)[:-1],
+     "'the first 2 of 3 full blocks cached (14 tokens)': expected [5, 7], got [5]"),
+    (lambda h, f, n, b: hit(h, f, n, b, cap=lambda n, s: n // s)[:-1],
+     "you stopped after 1 hit(s), the library reads 2: block 1 is cached and the prompt's "
+     "last token (token 13, counting from 0) is in block 3, part-filled"),
+    (lambda h, f, n, b: hit(h, f, n, b, cap=lambda n, s: (n - 2) // s),  # (k+1)*s < n-1
+     "you stopped after 3 hit(s), the library reads 4"),
     (lambda h, f, n, b: hit(h, f, n, b, falsy_miss=True), "physical block 0"),
     (lambda h, f, n, b: len(hit(h, f, n, b)), "not how many"),
     (lambda h, f, n, b: hit([x.value for x in h], f, n, b), "pass lookup the BlockHash itself"),
@@ -290,7 +342,54 @@ class DelegatesRemove(QueueOk):
         return super(QueueOk, self).remove(block_id)
 
 
+class RemoveSpecialCasesHead(QueueOk):
+    """Head, tail and middle handled apart; the head case forgets the new head's prev."""
+
+    def remove(self, block_id):
+        if block_id not in self.next or block_id in (self.HEAD, self.TAIL):
+            raise ValueError("not queued")
+        before, after = self.prev.pop(block_id), self.next.pop(block_id)
+        if before == self.HEAD:
+            self.next[self.HEAD] = after
+        elif after == self.TAIL:
+            self.prev[self.TAIL], self.next[before] = before, self.TAIL
+        else:
+            self.next[before], self.prev[after] = after, before
+        self._len -= 1
+
+
+class RemoveSpecialCasesTail(QueueOk):
+    """Head, tail and middle handled apart; the tail case forgets the new tail's next."""
+
+    def remove(self, block_id):
+        if block_id not in self.next or block_id in (self.HEAD, self.TAIL):
+            raise ValueError("not queued")
+        before, after = self.prev.pop(block_id), self.next.pop(block_id)
+        if after == self.TAIL:
+            self.prev[self.TAIL] = before
+        else:
+            self.next[before], self.prev[after] = after, before
+        self._len -= 1
+
+
+class RemoveKeepsEntries(QueueOk):
+    """Relinks the neighbours, but the block keeps its own next/prev entries."""
+
+    def remove(self, block_id):
+        if block_id not in self.next or block_id in (self.HEAD, self.TAIL):
+            raise ValueError("not queued")
+        before, after = self.prev[block_id], self.next[block_id]
+        self.next[before], self.prev[after] = after, before
+        self._len -= 1
+
+
 @pytest.mark.parametrize("answer,hint", [
+    (RemoveSpecialCasesHead, "step 1 remove(7) on [7, 3, 9, 1, 5]: walking prev back"),
+    (RemoveSpecialCasesHead, "prev of the block after it must point at the block before it"),
+    (RemoveSpecialCasesTail, "step 2 remove(5) on [3, 9, 1, 5]: walking next from HEAD"),
+    (RemoveSpecialCasesTail, "next of the block before it must point at the block after it"),
+    (RemoveKeepsEntries, "step 1 remove(7) on [7, 3, 9, 1, 5]: block(s) [7]"),
+    (RemoveKeepsEntries, "still have next/prev entries"),
     (PopNoPrev, "popleft did not unlink the new head's prev"),
     (PopKeepsEntries, "still have next/prev entries"),
     (PopTail, "not the tail"),

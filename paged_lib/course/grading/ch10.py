@@ -134,11 +134,22 @@ def _wrong_hash(where, i, g, got, want, tokens, block_size, extra) -> None:
     chunk = tokens[i * block_size:(i + 1) * block_size]
     parent = want[i - 1] if i else None
     what = f"{where}: block {i}'s hash differs (expected {_short(want[i])}, got {_short(g)})"
+    before = tokens[(i - 1) * block_size:i * block_size]
     guesses = [
         (i > 0, hash_block_tokens(None, chunk, extra),
          "not chained on the parent: block i must be hashed with block i-1's hash as its "
          "parent, or equal blocks at different positions (and after different prefixes) "
          "get equal hashes and collide"),
+        (i > 0, hash_block_tokens(None, tokens[:(i + 1) * block_size], extra),
+         f"you hashed the whole prefix, tokens 0 to {(i + 1) * block_size - 1}, with no "
+         f"parent: block {i}'s BlockHash then records {(i + 1) * block_size} token ids, "
+         "not its own block's (the pool compares them with the block's tokens), and "
+         f"naming a long prompt hashes its start again for every block; block {i - 1}'s "
+         f"hash already stands for everything before block {i}"),
+        (i > 1, hash_block_tokens(hash_block_tokens(None, before, extra), chunk, extra),
+         f"the parent you gave block {i} stands for block {i - 1}'s tokens alone, not for "
+         f"the {i * block_size} tokens before block {i}: two prompts that differ only "
+         f"before block {i - 1} would share block {i}"),
         (i > 1, hash_block_tokens(want[0], chunk, extra),
          "hashed from the wrong parent: block i's parent is block i-1's hash, not the "
          "first block's"),
@@ -147,6 +158,13 @@ def _wrong_hash(where, i, g, got, want, tokens, block_size, extra) -> None:
          "one two back"),
         (i == 0, hash_block_tokens(want[0], chunk, extra),
          "the first block has no parent: hash it with parent None"),
+        (i == 0, hash_block_tokens(hash_block_tokens(None, (), extra), chunk, extra),
+         "block 0 has nothing before it: hash_block_tokens takes parent None for that "
+         "(its docstring says so), not the hash of a block of no tokens"),
+        (bool(extra) and i > 0 and got[0] == want[0], hash_block_tokens(parent, chunk, ()),
+         f"extra keys on block 0 only: the chain carries them on, but block {i}'s "
+         "BlockHash records the extra keys it was made from and the pool compares them on "
+         "lookup, so every block's hash takes them"),
         (bool(extra), hash_block_tokens(parent, chunk, ()),
          "extra keys forgotten: they go into every block's hash (a different LoRA "
          "adapter, say, must not share a block)"),
@@ -164,8 +182,11 @@ def _wrong_hash(where, i, g, got, want, tokens, block_size, extra) -> None:
     if any(h == g for j, h in enumerate(want) if j != i):
         grading.fail(what, "the hashes are in the wrong order: one per full block, first "
                      "block first")
-    grading.fail(what, "block i's hash is hash_block_tokens(hash of block i-1, or None for "
-                 "block 0, block i's own tokens, extra_keys)")
+    grading.fail(what, f"block {i}'s name stands for its own {block_size} tokens and the "
+                 f"extra keys, after the {i * block_size} tokens before it: the library "
+                 f"hashes them on top of block {i - 1}'s hash" if i else
+                 "block 0's name stands for its own tokens and the extra keys, with nothing "
+                 "before it")
 
 
 def _short(h: Any) -> str:
@@ -261,28 +282,31 @@ def _check_hit(fn, name: str, num_tokens: int, block_size: int, cached: dict[int
         if h not in cache:
             break
         leading.append(cache[h])
-    cap = (num_tokens - 1) // block_size
+    last = (num_tokens - 1) // block_size  # the block that holds the last prompt token
+    where_last = (f"the prompt's last token (token {num_tokens - 1}, counting from 0) is "
+                  f"in block {last}, "
+                  + ("part-filled" if num_tokens % block_size else "a full block"))
     what = f"{where}: expected {want}, got {got}"
     if len(got) > len(want) and got[:len(want)] == want and len(leading) > len(want):
-        grading.fail(what, "the whole prompt is cached, yet the last token must still be "
-                     "computed (its logits give the first new token): at most "
-                     "(num_tokens - 1) // block_size blocks hit")
+        grading.fail(what, f"every block of this prompt is cached, yet its last token must "
+                     f"still be computed (its logits give the first new token): "
+                     f"{where_last}, so that block is not a hit")
     if got == every_hit or (len(got) > len(leading) and got[:len(leading)] == leading):
-        grading.fail(what, "you counted hits past the first miss: a block after a miss "
-                     "has a different prefix in this request, so the hit is the leading "
-                     "run only")
+        grading.fail(what, "you counted hits past the first miss: the engine computes every "
+                     "token after the hit, so the hit is the leading run only")
     if len(got) < len(want) and got == want[:len(got)]:
         if 0 in want and 0 not in got and want[len(got)] == 0:
             grading.fail(what, "physical block 0 is a block like any other: a miss is "
                          "lookup(...) is None, not a falsy answer")
-        if len(got) == cap - 1 or len(got) == num_tokens // block_size - 1:
-            grading.fail(what, "off by one in the cap: at most (num_tokens - 1) // "
-                         "block_size blocks (the last token is computed, the blocks "
-                         "before it can all hit)")
+        grading.fail(what, f"you stopped after {len(got)} hit(s), the library reads "
+                     f"{len(want)}: block {len(got)} is cached and {where_last}; only that "
+                     "block and what follows it must be computed, every cached block "
+                     "before it is a hit")
     if sorted(got) == sorted(want):
         grading.fail(what, "the blocks in the order of the hashes (the prompt's order)")
-    grading.fail(what, "the blocks lookup finds for the leading hashes, up to the first "
-                 "miss, at most (num_tokens - 1) // block_size of them")
+    grading.fail(what, f"the library reads the blocks lookup finds for the leading hashes, "
+                 f"up to the first miss, and stops before the block that holds the last "
+                 f"prompt token: {where_last}")
 
 
 # ------------------------------------------------------------------ the demo
