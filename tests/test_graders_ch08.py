@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from paged_lib.course import grading
 from paged_lib.course.grading import ch08
@@ -99,7 +100,45 @@ def apply_library_copy(k_cache, v_cache, slot, key, value):
     apply_no_copy(k_cache, v_cache, slot, key, value)
 
 
+def apply_move(k_cache, v_cache, slot, key, value):
+    """Moves the block: the sample no longer holds src, so it clears it after copying."""
+    apply_ok(k_cache, v_cache, slot, key, value)
+    if slot.copy is not None:
+        k_cache[slot.copy[0]] = 0
+        v_cache[slot.copy[0]] = 0
+
+
+def apply_copy_on_contiguous(k_cache, v_cache, slot, key, value):
+    """Copies through .contiguous() (a no-op on separate caches, a copy on FlashInfer's)."""
+    if slot.copy is not None:
+        src, dst = slot.copy
+        for cache in (k_cache.contiguous(), v_cache.contiguous()):
+            cache[dst] = cache[src]
+    apply_no_copy(k_cache, v_cache, slot, key, value)
+
+
+def apply_out_of_place(k_cache, v_cache, slot, key, value):
+    """index_copy (not index_copy_) returns a new tensor: the copy never reaches the cache."""
+    if slot.copy is not None:
+        src, dst = slot.copy
+        k_cache = k_cache.index_copy(0, torch.tensor([dst]), k_cache[src][None])
+        v_cache = v_cache.index_copy(0, torch.tensor([dst]), v_cache[src][None])
+    apply_no_copy(k_cache, v_cache, slot, key, value)
+
+
+def apply_prefix_after_write(k_cache, v_cache, slot, key, value):
+    """Right: the token first, then only the slots the sample reads (before its offset)."""
+    apply_no_copy(k_cache, v_cache, slot, key, value)
+    if slot.copy is not None:
+        src, dst = slot.copy
+        k_cache[dst, :slot.offset] = k_cache[src, :slot.offset]
+        v_cache[dst, :slot.offset] = v_cache[src, :slot.offset]
+
+
 @pytest.mark.parametrize("answer,hint", [
+    (apply_move, "other samples still read block 7, so it stays as it is"),
+    (apply_copy_on_contiguous, "here k_cache and v_cache are views of one tensor"),
+    (apply_out_of_place, "an out-of-place op"),
     (apply_library_copy, "called the library's copy_blocks"),
     (apply_flat, "here k_cache and v_cache are views of one tensor"),
     (apply_new_tensor, "here k_cache and v_cache are views of one tensor"),
@@ -117,6 +156,8 @@ def test_apply_slot_wrong_answers(capsys, answer, hint):
 
 def test_apply_slot_right_answers(capsys):
     assert verdict(capsys, ch08.check_apply_slot, apply_ok).startswith("✅ [08.1]")
+    out = verdict(capsys, ch08.check_apply_slot, apply_prefix_after_write)
+    assert out.startswith("✅ [08.1]"), out
     out = verdict(capsys, ch08.check_apply_slot, sharing.apply_slot)
     assert out.startswith("❌ [08.1]") and "you passed the library's apply_slot" in out, out
 

@@ -380,3 +380,77 @@ def test_09_3_an_in_place_state_and_block_slices_pass(capsys):
 def test_09_3_state_that_grows_where_it_must_not(capsys, wrong, problem, hint):
     out = verdict(capsys, ch09.check_attend_tiles, wrong)
     assert out.startswith("❌ [09.3]") and problem in out and hint in out, out
+
+
+# ------------------------------- 09.1 and 09.2 by behaviour: rules a learner may derive
+
+
+def waste_empty_is_b_minus_rest(lengths, b):
+    _bad_input(lengths, b)
+    held = sum(cdiv(n, b) * b for n in lengths)
+    return sum(b - n % b for n in lengths) / held  # a full last block: b empty slots
+
+
+def waste_of_last_blocks(lengths, b):
+    _bad_input(lengths, b)
+    return sum(cdiv(n, b) * b - n for n in lengths) / (len(lengths) * b)
+
+
+def waste_of_the_mean(lengths, b):
+    _bad_input(lengths, b)
+    mean = sum(lengths) / len(lengths)
+    return (math.ceil(mean / b) * b - mean) / (math.ceil(mean / b) * b)
+
+
+@pytest.mark.parametrize("wrong, state, hint", [
+    (waste_empty_is_b_minus_rest, "internal_waste([5, 16], 8)",
+     "a multiple of the block size has no empty slot"),
+    (waste_of_last_blocks, "internal_waste([5, 16], 8)", "the last blocks' slots only"),
+    (waste_of_the_mean, "internal_waste([5, 16], 8)", "computed on the mean length"),
+])
+def test_09_1_derived_rules_get_named(capsys, wrong, state, hint):
+    out = verdict(capsys, ch09.check_internal_waste, wrong)
+    assert out.startswith("❌ [09.1]") and state in out and hint in out, out
+
+
+def choice_least_waste_always(lengths, allowed, budget):
+    if not allowed or not 0 <= budget < 1:
+        raise ValueError("bad input")
+    return _least(lengths, allowed)
+
+
+def choice_every_sequence_within(lengths, allowed, budget):
+    if not allowed or not 0 <= budget < 1:
+        raise ValueError("bad input")
+    fits = [b for b in allowed if all(_own_waste([n], b) <= budget for n in lengths)]
+    return max(fits) if fits else _least(lengths, allowed)
+
+
+def choice_refuses_when_none_fits(lengths, allowed, budget):
+    if not allowed or not 0 <= budget < 1:
+        raise ValueError("bad input")
+    fits = [b for b in allowed if _own_waste(lengths, b) <= budget]
+    if not fits:
+        raise ValueError("no block size keeps the budget")
+    return max(fits)
+
+
+def choice_none_when_none_fits(lengths, allowed, budget):
+    if not allowed or not 0 <= budget < 1:
+        raise ValueError("bad input")
+    fits = [b for b in allowed if _own_waste(lengths, b) <= budget]
+    return max(fits) if fits else None
+
+
+@pytest.mark.parametrize("wrong, state, hint", [
+    (choice_least_waste_always, "an unsorted list of sizes", "the largest one is asked"),
+    (choice_every_sequence_within, "vLLM's CUDA kernel sizes",
+     "on the memory all the sequences hold together"),
+    (choice_refuses_when_none_fits, "FlashAttention's sizes, none fits",
+     "no allowed size keeps the budget here"),
+    (choice_none_when_none_fits, "FlashAttention's sizes, none fits",
+     "no allowed size keeps the budget here"),
+])
+def test_09_2_derived_rules_get_named(capsys, wrong, state, hint):
+    out = verdict(capsys, ch09.check_choose_block_size, wrong)
+    assert out.startswith("❌ [09.2]") and state in out and hint in out, out

@@ -162,15 +162,18 @@ def _compare(caches, slot: Slot, where: str) -> None:
             if not _same(mine[src], ref[src]):
                 grading.fail(f"{where}: block {src}'s {which} changed, but the other "
                              "samples still read it",
-                             f"copy goes from src to dst (cache[{dst}] = cache[{src}]), and "
-                             "the new token goes into slot.block, never into the shared src")
+                             f"other samples still read block {src}, so it stays as it is: "
+                             f"the copy goes from src to dst (cache[{dst}] = cache[{src}]), "
+                             "and the new token goes into slot.block, never into the shared "
+                             "src")
         for which, mine, ref in (("K", mk, rk), ("V", mv, rv)):
             if not _same(mine[dst, :slot.offset], ref[dst, :slot.offset]):
                 grading.fail(f"{where}: the first {slot.offset} slot(s) of block {dst} ({which}) "
                              f"do not hold the tokens copied from block {src}",
-                             f"copy the whole block src into dst first, in K *and* V: the "
-                             f"sample's earlier tokens must be in its new block {dst} "
-                             "before it writes there")
+                             f"copy the whole block src into dst first, in K *and* V, in "
+                             f"place: the sample's earlier tokens must be in its new block "
+                             f"{dst} (an out-of-place op, index_copy or torch.where, returns "
+                             "a new tensor the engine never reads)")
     for which, mine, ref in (("key", mk, rk), ("value", mv, rv)):
         if not _same(mine[slot.block, slot.offset], ref[slot.block, slot.offset]):
             grading.fail(f"{where}: the new token's {which} is not at block {slot.block}, "

@@ -15,6 +15,7 @@ one made.
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -51,6 +52,36 @@ TWINS: dict[str, tuple[str, ...]] = {
 
 # ------------------------------------------------------------------ 09.1 internal_waste
 
+
+def _agrees(same: Callable, a: Any, b: Any) -> bool:
+    try:
+        return bool(same(a, b))
+    except (TypeError, ValueError):
+        return False
+
+
+def _slip(fn: Callable, cases: list, wrong: Callable, right: Callable, call: Callable,
+          case: Any, got: Any, same: Callable, default: str) -> str:
+    """The hint of the typical mistake the learner's answer ``got`` on ``case`` matches.
+
+    Two mistakes may give the same wrong answer on one case (on ``[5, 16]`` at 8, the last
+    blocks' share equals the per-sequence average): then the other cases decide, keeping
+    the mistakes whose answer the learner's function also gives there.
+    """
+    want = right(case)
+    named = [h for h, v in wrong(case).items() if same(got, v) and not same(v, want)]
+    for other in cases:
+        if len(named) < 2:
+            break
+        try:
+            mine = call(other)
+        except Exception:  # noqa: BLE001 - a crash elsewhere says nothing here
+            continue
+        seen = wrong(other)
+        narrower = [h for h in named if h in seen and _agrees(same, mine, seen[h])]
+        named = narrower or named
+    return named[0] if named else default
+
 _WASTE_CASES: list[tuple[Sequence[int], int]] = [
     ([5, 16], 8), ([16, 32], 16), ([1], 16), ([17], 16), ([3, 100, 1000], 64),
     ((100, 100, 100, 7), 1), ([2047, 1], 4096), ([31, 33, 64, 65, 500], 32),
@@ -77,6 +108,13 @@ def _wrong_waste(lengths: Sequence[int], b: int) -> dict[str, float]:
         "and weighs more"] = sum((cdiv(x, b) * b - x) / (cdiv(x, b) * b) for x in n) / len(n)
     out["divided by the tokens, not by the slots held"] = share(lambda x: cdiv(x, b), "tokens")
     out["returned the filled share: the waste is the empty one"] = 1 - (held - sum(n)) / held
+    out["a sequence whose length is a multiple of the block size has no empty slot (B - "
+        "length % B counts a whole empty block there)"] = sum(b - x % b for x in n) / held
+    out["divided by the last blocks' slots only: the share is over every slot the "
+        "sequences hold"] = (held - sum(n)) / (len(n) * b)
+    mean = sum(n) / len(n)
+    out["computed on the mean length: each sequence rounds up its own last block"] = \
+        (math.ceil(mean / b) * b - mean) / (math.ceil(mean / b) * b)
     out["computed in float32, then cast to a float: the share is off in its 8th digit "
         "(Python's floats are float64)"] = float(np.float32(held - sum(n)) / np.float32(held))
     return {hint: v for hint, v in out.items() if v is not None}
@@ -100,10 +138,11 @@ def check_internal_waste(fn: Callable[[Sequence[int], int], float]) -> None:
                 grading.fail(f"{what}: expected {want!r}, got {got!r} (an int)",
                              hint="integer division (//) rounded the share down: divide "
                              "with /")
-            hint = next((h for h, v in _wrong_waste(lengths, b).items()
-                         if _close(float(got), v) and not _close(v, want)),
-                        "each sequence holds ceil(length / B) whole blocks; the waste is "
-                        "their empty slots over all their slots")
+            hint = _slip(fn, _WASTE_CASES, lambda c: _wrong_waste(*c),
+                         lambda c: internal_waste(list(c[0]), c[1]),
+                         lambda c: fn(list(c[0]), c[1]), (lengths, b), got, _close,
+                         "each sequence holds ceil(length / B) whole blocks; the waste is "
+                         "their empty slots over all their slots")
             grading.expect_close(got, want, what=what, rel=1e-9, abs_=1e-12, hint=hint)
         for args, what in (((([], 16)), "no lengths"), ((([4, 0], 16)), "a length of 0"),
                            ((([4, 5], 0)), "block_size 0")):
@@ -139,19 +178,24 @@ def _wrong_choices(lengths: list[int], allowed: list[int], budget: float) -> dic
     fits = [b for b in allowed if waste[b] <= budget]
     least = min(waste, key=lambda b: (waste[b], b))
     pfits = [b for b in allowed if per_seq[b] <= budget]
+    each = [b for b in allowed if all(internal_waste([x], b) <= budget for x in lengths)]
     fits32 = [b for b in allowed if waste32[b] <= budget]
     out: dict[str, Any] = {
         "the waste computed in float32: a waste exactly at the budget rounds above it "
         "(Python's floats are float64)":
             max(fits32) if fits32 else min(waste32, key=lambda b: (waste32[b], b)),
         "waste averaged over sequences instead of over slots": max(pfits)
-            if pfits else min(per_seq, key=lambda b: (per_seq[b], b))}
+            if pfits else min(per_seq, key=lambda b: (per_seq[b], b)),
+        "the budget held by every sequence on its own: it is on the memory all the "
+        "sequences hold together": max(each) if each else least}
     if fits:
         strict = [b for b in allowed if waste[b] < budget]
         out["a waste exactly at max_waste fits (at most, not below)"] = \
             max(strict) if strict else least
         out["the smallest block that fits the budget: the largest one is asked (fewer, "
             "bigger blocks for the kernel and the block manager)"] = min(fits)
+        out["the least wasteful size although several keep the budget: within the budget "
+            "the kernel's side decides (fewer, bigger blocks)"] = least
         out["the first size that fits in the list's order: allowed is not sorted"] = fits[0]
         out["the last size that fits in the list's order: allowed is not sorted"] = fits[-1]
         out["the last size that fits in a set's order: allowed is not sorted, and a set "
@@ -174,12 +218,22 @@ def check_choose_block_size(fn: Callable[[Sequence[int], Sequence[int], float], 
         for lengths, allowed, budget, about in _CHOICE_CASES:
             what = f"choose_block_size({lengths}, {allowed}, {budget}) ({about})"
             want = choose_block_size(lengths, allowed, budget)
-            got = fn(list(lengths), list(allowed), budget)
-            grading.expect_int(got, what, hint="return one of the allowed sizes, an int")
-            hint = next((h for h, v in _wrong_choices(lengths, allowed, budget).items()
-                         if v == got and v != want),
-                        "the largest allowed size whose waste (over all slots) is at most "
-                        "max_waste; if none, the least wasteful, the smaller on a tie")
+            none_fits = all(internal_waste(lengths, b) > budget for b in allowed)
+            lost = ("no allowed size keeps the budget here, but the engine still needs a "
+                    "block size: the one that loses least memory on this workload")
+            try:
+                got = fn(list(lengths), list(allowed), budget)
+            except ValueError as err:
+                grading.fail(f"{what}: your function raised ValueError ({err}) on valid input",
+                             lost if none_fits else "raise ValueError only for bad input")
+            grading.expect_int(got, what, hint=lost if none_fits and got is None
+                               else "return one of the allowed sizes, an int")
+            hint = _slip(fn, _CHOICE_CASES, lambda c: _wrong_choices(*c[:3]),
+                         lambda c: choose_block_size(*c[:3]),
+                         lambda c: fn(list(c[0]), list(c[1]), c[2]),
+                         (lengths, allowed, budget, about), got, lambda a, b: a == b,
+                         "the largest allowed size whose waste (over all slots) is at most "
+                         "max_waste; if none, the least wasteful, the smaller on a tie")
             grading.expect_equal(int(got), want, what=what, hint=hint)
         for args, what in ((([5], [], 0.1), "no allowed size"),
                            (([5], [8], 1.0), "max_waste = 1"),
