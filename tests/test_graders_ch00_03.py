@@ -295,6 +295,20 @@ def predictions(**changes):
     (predictions(**{"parent's slot": Slot(12, 8, (9, 12))}), "one holder is written in place"),
     (predictions(**{"refs at the end": {5: 3, 2: 3, 9: 3, 10: 1, 11: 1}}),
      "took one reference off block 9"),
+    # child 2 writes in place, as if child 1's copy had left block 9 unshared
+    (predictions(**{"child 2's slot": Slot(9, 8)}), "still shared after child 1 copied it"),
+    # child 2 copies into the block child 1 already took
+    (predictions(**{"child 2's slot": Slot(10, 8, (9, 10))}), "next block on the free list"),
+    # off by one: the 41st token at offset 9 (40 tokens fill offsets 0 .. 7 of block 9)
+    (predictions(**{"child 1's slot": Slot(10, 9, (9, 10))}), "offset 40 % 16 = 8"),
+    # copy written (dst, src)
+    (predictions(**{"child 1's slot": Slot(10, 8, (10, 9))}),
+     "copy=(src, dst): src is the shared block"),
+    # copy-on-write taken to copy the whole table: every old block drops to 1
+    (predictions(**{"refs at the end": {5: 1, 2: 1, 9: 1, 10: 1, 11: 1}}),
+     "blocks 5 and 2 were never written"),
+    # counts in the order asked, as a list
+    (predictions(**{"refs after the forks": [3, 3, 3]}), "as a dict {block: count}"),
 ])
 def test_03_4_wrong_answers_get_a_named_hint(capsys, answer, hint):
     out = verdict(capsys, ch03.check_predictions, answer)
@@ -309,6 +323,22 @@ def test_03_4_solution_passes(capsys):
 
 def _run(capsys, check, fn) -> str:
     return verdict(capsys, check, fn)
+
+
+@pytest.mark.parametrize("mech, wrong, hint", [
+    # the oracle knows the final length, so "nothing is reserved" (it is, from the start)
+    ("reserve exactly the final length, first-fit (Orca Oracle)", {"internal", "reserved"},
+     "still held from the start (reserved)"),
+    # the last block's empty rest taken for internal fragmentation that remains
+    ("allocate on demand", {"reserved"}, "at most the rest of the last block"),
+    ("equal-size blocks through a block table", {"external", "reserved"},
+     "says nothing about reserving ahead"),
+    ("round the output up to a power of two (Orca Pow2)", None, "set(), not None"),
+])
+def test_02_1_more_wrong_answers(capsys, mech, wrong, hint):
+    answer = {k: set(v) for k, v in ch02.MECHANISMS.items()} | {mech: wrong}
+    out = _run(capsys, ch02.check_waste_removed, lambda: answer)
+    assert out.startswith("❌ [02.1]") and hint in out, out
 
 
 def test_02_1_waste_removed(capsys):
@@ -395,10 +425,36 @@ def _snapshot_float(prompt_lens, output_lens, step, slots):
     return tuple(float(v) for v in ch02.batch_snapshot(prompt_lens, output_lens, step, slots))
 
 
+def _snapshot_with(prompt_lens, output_lens, step, slots, *, bug):
+    total = [0, 0, 0]
+    for p, o in zip(prompt_lens, output_lens, strict=True):
+        running = step <= o if bug == "step <= o" else step < o
+        tokens = p + step if bug == "no +1" else p + step + 1
+        final = o if bug == "final = output" else p + o
+        if running:
+            for k, v in enumerate(slots(tokens, final)):
+                total[k] += v
+    return tuple(total)
+
+
+def _snapshot_cumulative(prompt_lens, output_lens, step, slots):
+    """Summed over steps 0 .. step, as if the question were the slot-steps so far."""
+    total = [0, 0, 0]
+    for s in range(step + 1):
+        for k, v in enumerate(ch02.batch_snapshot(prompt_lens, output_lens, s, slots)):
+            total[k] += v
+    return tuple(total)
+
+
 @pytest.mark.parametrize("answer, hint", [
     (_snapshot_off_by_one, "prompt + s + 1"),
     (_snapshot_keeps_finished, "takes part while step < output_len"),
     (_snapshot_float, "whole numbers"),
+    (lambda *a: _snapshot_with(*a, bug="step <= o"), "only while step < output_len"),
+    (lambda *a: _snapshot_with(*a, bug="no +1"), "prompt + s + 1"),
+    (lambda *a: _snapshot_with(*a, bug="final = output"), "prompt + output (not the output"),
+    (_snapshot_cumulative, "not summed over steps 0 .. step"),
+    (lambda *a: ch02.batch_snapshot(*a)[0], "return three numbers"),
 ])
 def test_02_4_batch_snapshot_wrong_answers(capsys, answer, hint):
     out = _run(capsys, ch02.check_batch_snapshot, answer)
@@ -576,7 +632,13 @@ def fill_ok(n, b):
     (lambda n, b: (n % b) / b, "multiple of block_size"),
     (lambda n, b: 100 * fill_ok(n, b), "not a percentage"),
     (lambda n, b: ((n - 1) % b + 1) / b, "0 tokens: 0.0"),
-    (lambda n, b: ((n - 1) % b) / b if n else 0.0, "tokens in the last block"),
+    (lambda n, b: ((n - 1) % b) / b if n else 0.0, "one token off"),
+    # the empty share (right at 1000 and 40 tokens, where half the block is empty)
+    (lambda n, b: 1 - fill_ok(n, b), "the empty share of the last block"),
+    # the fill of all blocks together
+    (lambda n, b: n / (-(-n // b) * b) if n else 0.0, "the fill of all 63 blocks together"),
+    (lambda n, b: (n % b or b) // b if n else 0.0, "`//` floors the fraction"),
+    (lambda n, b: (n % b or b) / b, "there is no last block"),  # 0 tokens: 1.0
 ])
 def test_01_3_wrong_answers_get_a_named_hint(capsys, answer, hint):
     out = verdict(capsys, ch01.check_last_block_fill, answer)
@@ -594,6 +656,16 @@ def max_ok(spec, budget, ctx, bs):
     (lambda spec, budget, ctx, bs: float(max_ok(spec, budget, ctx, bs)), "expected an int"),
     (lambda spec, budget, ctx, bs: (budget // (bs * kv_ok(spec))) // (ctx // bs),
      "occupy 63 blocks"),
+    # a block taken for one token: 16 times too many blocks
+    (lambda spec, budget, ctx, bs: budget // kv_ok(spec) // -(-ctx // bs),
+     "a block holds block_size = 16 tokens"),
+    # the budget's last partial block counted
+    (lambda spec, budget, ctx, bs: -(-budget // (bs * kv_ok(spec))) // -(-ctx // bs),
+     "smaller than a block is unusable"),
+    (lambda spec, budget, ctx, bs: round((budget // (bs * kv_ok(spec))) / -(-ctx // bs)),
+     "round the number of requests down"),
+    # 01.1's "forgot K and V" carried over
+    (lambda spec, budget, ctx, bs: max_ok(spec, 2 * budget, ctx, bs), "did it multiply by 2"),
 ])
 def test_01_4_wrong_answers_get_a_named_hint(capsys, answer, hint):
     out = verdict(capsys, ch01.check_max_requests, answer)

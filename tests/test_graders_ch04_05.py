@@ -6,6 +6,7 @@ For every exercise: the solution gets ✅, a stub gets ⏳, and each typical wro
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import paged_lib  # noqa: F401  (sets up the interpreter before anything Triton)
@@ -253,15 +254,33 @@ def test_paged_online_grader_catches_planted_bugs(capsys):
 
 # ---------------------------------------------------------------- 04.3 flash vs paged
 
+_RIGHT_04_3 = {i: ans for i, (_, ans, _) in enumerate(ch04.STATEMENTS, 1)}
+
+
 def test_flash_vs_paged_grader(capsys):
-    right = {i: ans for i, (_, ans, _) in enumerate(ch04.STATEMENTS, 1)}
+    right = _RIGHT_04_3
     assert _verdict(capsys, ch04.check_flash_vs_paged, lambda: right).startswith("✅ [04.3]")
-    online_is_both = {**right, 3: "both"}  # "vLLM's kernels use the online softmax"
-    out = _verdict(capsys, ch04.check_flash_vs_paged, lambda: online_is_both)
-    assert out.startswith("❌ [04.3]") and "two-pass" in out
-    for bad in [lambda: {i: "both" for i in right}, lambda: ["flash"],
-                lambda: {**right, 1: "Flash attention"}]:
-        assert _verdict(capsys, ch04.check_flash_vs_paged, bad).startswith("❌ [04.3]")
+    assert _verdict(capsys, ch04.check_flash_vs_paged, _stub).startswith("⏳ [04.3]")
+    spaced = {i: f" {a.title()} " for i, a in right.items()}  # case and spaces do not matter
+    assert _verdict(capsys, ch04.check_flash_vs_paged, lambda: spaced).startswith("✅ [04.3]")
+
+
+@pytest.mark.parametrize("answer, words", [
+    ({**_RIGHT_04_3, 3: "both"}, "two-pass"),  # "vLLM's kernels use the online softmax"
+    ({**_RIGHT_04_3, 7: "flash"}, "is either of them an approximation?"),  # "flash is exact"
+    ({**_RIGHT_04_3, 10: "flash"}, "FlashAttention-style kernels that read a paged cache"),
+    ({**_RIGHT_04_3, 4: "both"}, "which paper's own CUDA kernel"),  # "both use two passes"
+    ({**_RIGHT_04_3, 6: "both"}, "sharing needs an indirection"),
+    ({**_RIGHT_04_3, 9: "both"}, "written before KV caches were paged"),
+    ({i: "both" for i in _RIGHT_04_3}, "SRAM vs HBM"),  # "both work in blocks"
+    ([_RIGHT_04_3[i] for i in sorted(_RIGHT_04_3)], "a list's order is not relied on"),
+    ({**_RIGHT_04_3, 1: "FlashAttention"}, "one of the three words exactly"),
+    ({i - 1: a for i, a in _RIGHT_04_3.items()}, "numbered from 1 (as printed), not from 0"),
+    ({str(i): a for i, a in _RIGHT_04_3.items()}, "the statement numbers as ints"),
+])
+def test_flash_vs_paged_wrong_answers(capsys, answer, words):
+    out = _verdict(capsys, ch04.check_flash_vs_paged, lambda: answer)
+    assert out.startswith("❌ [04.3]") and words in out and "hint:" in out, out
 
 
 def test_twins_name_real_objects():
@@ -274,7 +293,6 @@ def test_twins_name_real_objects():
 
 # ================================================================== chapter 05 (Triton)
 # isort: split
-import pytest  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
@@ -314,7 +332,12 @@ def _scale_tile(x_ptr, out_ptr, M, N, stride_x, BLOCK_M: tl.constexpr, BLOCK_N: 
                 BUG: tl.constexpr = 0):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    if BUG == 7:  # program ids swapped: rows from axis 1, columns from axis 0
+        rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows[:, None] < M) & (cols[None, :] < N)
+    if BUG == 5:  # off by one: <= where < is meant
+        mask = (rows[:, None] <= M) & (cols[None, :] <= N)
     load_mask = mask
     if BUG == 1:  # no mask on the load
         load_mask = rows[:, None] >= 0
@@ -324,10 +347,15 @@ def _scale_tile(x_ptr, out_ptr, M, N, stride_x, BLOCK_M: tl.constexpr, BLOCK_N: 
     if BUG == 3:  # N as the row stride
         stride = N
     x = tl.load(x_ptr + rows[:, None] * stride + cols[None, :], mask=load_mask, other=0.0)
+    if BUG == 8:  # halved the traffic: x rounded to float16, cast back by the store
+        x = x.to(tl.float16)
     store_mask = mask
     if BUG == 4:  # unmasked store
         store_mask = rows[:, None] >= 0
-    tl.store(out_ptr + rows[:, None] * N + cols[None, :], 2 * x, mask=store_mask)
+    out_stride = N
+    if BUG == 6:  # out written with x's row stride
+        out_stride = stride_x
+    tl.store(out_ptr + rows[:, None] * out_stride + cols[None, :], 2 * x, mask=store_mask)
 
 
 @needs_interpreter
@@ -335,7 +363,10 @@ def test_scale_tile_grader(capsys):
     assert _verdict(capsys, ch05.check_scale_tile, _scale_tile).startswith("✅ [05.1]")
     assert _verdict(capsys, ch05.check_scale_tile, _stub_kernel).startswith("⏳ [05.1]")
     for bug, words in [(1, "outside the"), (2, "outside the"), (3, "stride_x, not N"),
-                       (4, "wrote outside out")]:
+                       (4, "wrote outside out"),
+                       (5, "mask the load with (rows < M)[:, None] & (cols < N)[None, :]"),
+                       (6, "element (i, j) of out is at i * N + j"),
+                       (7, "were never written"), (8, "rounded to float16")]:
         _expect_fail(capsys, ch05.check_scale_tile, Bugged(_scale_tile, bug), "05.1", words)
 
 
@@ -380,18 +411,29 @@ def _row_softmax(x_ptr, out_ptr, N, BLOCK_N: tl.constexpr, BUG: tl.constexpr = 0
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     mask = cols < N
+    start = row * N
+    if BUG == 4:  # rows taken BLOCK_N apart (the padded width), not N
+        start = row * BLOCK_N
     if BUG == 1:  # padding lanes load 0, not -inf
         x = tl.load(x_ptr + row * N + cols, mask=mask, other=0.0)
     elif BUG == 3:  # no mask at all
         x = tl.load(x_ptr + row * N + cols)
         x = tl.where(mask, x, float("-inf"))
     else:
-        x = tl.load(x_ptr + row * N + cols, mask=mask, other=float("-inf"))
+        x = tl.load(x_ptr + start + cols, mask=mask, other=float("-inf"))
+    if BUG == 7:  # x rounded to float16 before the softmax
+        x = x.to(tl.float16).to(tl.float32)
     if BUG == 2:  # no max subtracted
         e = tl.exp(x)
     else:
         e = tl.exp(x - tl.max(x, axis=0))
-    tl.store(out_ptr + row * N + cols, e / tl.sum(e, axis=0), mask=mask)
+    out = e / tl.sum(e, axis=0)
+    if BUG == 6:  # never normalised
+        out = e
+    store_mask = mask
+    if BUG == 5:  # unmasked store: padding lanes write past the row
+        store_mask = cols >= 0
+    tl.store(out_ptr + row * N + cols, out, mask=store_mask)
 
 
 @needs_interpreter
@@ -399,7 +441,9 @@ def test_row_softmax_grader(capsys):
     assert _verdict(capsys, ch05.check_row_softmax, _row_softmax).startswith("✅ [05.3]")
     assert _verdict(capsys, ch05.check_row_softmax, _stub_kernel).startswith("⏳ [05.3]")
     for bug, words in [(1, "other=-inf"), (2, "subtract the row's max"),
-                       (3, "of its row 0, which has")]:
+                       (3, "of its row 0, which has"), (4, "rows are N apart, not BLOCK_N"),
+                       (5, "mask the store with cols < N"), (6, "divide exp(x - max)"),
+                       (7, "rounded to float16")]:
         _expect_fail(capsys, ch05.check_row_softmax, Bugged(_row_softmax, bug), "05.3", words)
 
 

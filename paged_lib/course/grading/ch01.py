@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable
 from typing import Any
 
@@ -95,28 +96,80 @@ def _fill(num_tokens: int, block_size: int) -> float:
     return (num_tokens - (num_blocks(num_tokens, block_size) - 1) * block_size) / block_size
 
 
+def _fill_hint(n: int, bs: int, got: object, want: float) -> str:
+    """Name the slip from the wrong fill it produced."""
+    in_last = round(want * bs)
+    if not isinstance(got, numbers.Real) or isinstance(got, bool):
+        return "return one number between 0 and 1 (a float)."
+    if n == 0:
+        return "0 tokens: 0.0 (there is no last block to fill)."
+    if got == 0.0 and n % bs == 0:
+        return ("when num_tokens is a multiple of block_size the last block is full "
+                "(1.0), not empty: `n % bs` is 0 there.")
+    if got == 100 * want:
+        return "return a fraction (0.5), not a percentage (50)."
+    if got == 1 - want and want != 0.5:
+        return (f"that is the empty share of the last block (its waste): the fill is the "
+                f"share that holds tokens, {in_last} of {bs} slots here.")
+    if got == n / (num_blocks(n, bs) * bs) and bs > 1:
+        return (f"that is the fill of all {num_blocks(n, bs)} blocks together; asked is the "
+                f"last block alone ({in_last} of its {bs} slots hold tokens).")
+    if got == int(want) != want:
+        return "`//` floors the fraction to 0 or 1: divide with `/`."
+    if got in ((in_last - 1) / bs, (in_last + 1) / bs):
+        return (f"one token off: the last block holds {in_last} tokens (the {n} tokens less "
+                f"the {num_blocks(n, bs) - 1} full blocks before it), so the fill is "
+                f"{in_last}/{bs}.")
+    return ("tokens in the last block / block_size; the last block holds what is "
+            "left after the full ones. 0 tokens: 0.0.")
+
+
 def check_last_block_fill(fn: Callable[[int, int], float]) -> None:
     """01.3: share of the last block that holds tokens (1.0 when it is full)."""
-    cases = [(1000, 16), (40, 16), (992, 16), (1, 16), (17, 16), (0, 16), (5, 1), (100, 128)]
+    # 1000 and 40 fill half a block: an answer of "1 - fill" is right there by coincidence,
+    # 1003 (11 of 16) tells it apart; 992 fills the last block exactly.
+    cases = [(1000, 16), (40, 16), (1003, 16), (992, 16), (1, 16), (17, 16), (0, 16), (5, 1),
+             (100, 128)]
     with grading.exercise("01.3", "Last-block fill"):
         for n, bs in cases:
             got = fn(n, bs)
             want = _fill(n, bs)
-            if got == 0.0 and n > 0 and n % bs == 0:
-                hint = ("when num_tokens is a multiple of block_size the last block is full "
-                        "(1.0), not empty: `n % bs` is 0 there.")
-            elif isinstance(got, int | float) and got == 100 * want:
-                hint = "return a fraction (0.5), not a percentage (50)."
-            else:
-                hint = ("tokens in the last block / block_size; the last block holds what is "
-                        "left after the full ones. 0 tokens: 0.0.")
             grading.expect_close(got, want, what=f"fill of the last block for {n} tokens "
-                                                 f"at block size {bs}", rel=1e-9, hint=hint)
+                                                 f"at block size {bs}", rel=1e-9,
+                                 hint=_fill_hint(n, bs, got, want))
 
 
 def _max_requests(spec: ModelSpec, budget: int, context_len: int, block_size: int) -> int:
     block_bytes = block_size * kv_bytes_per_token(spec)
     return (budget // block_bytes) // num_blocks(context_len, block_size)
+
+
+def _max_requests_hint(spec: ModelSpec, budget: int, ctx: int, bs: int, got: object,
+                       want: int) -> str:
+    """Name the slip from the wrong count it produced."""
+    per_token = kv_bytes_per_token(spec)
+    blocks = num_blocks(ctx, bs)
+    if got == budget // (ctx * per_token) != want:
+        return (f"each request takes whole blocks: {ctx} tokens at block size {bs} "
+                f"occupy {blocks} blocks, i.e. {blocks * bs} token slots.")
+    if isinstance(got, float) and got != int(got):
+        return "only whole requests run: round down."
+    if got == budget // per_token // blocks:
+        return (f"a block holds block_size = {bs} tokens, so it takes {bs} x "
+                f"{per_token:,} bytes: the budget holds {budget // (bs * per_token):,} "
+                f"blocks, not {budget // per_token:,}.")
+    if got == -(-budget // (bs * per_token)) // blocks:
+        return ("a remainder of the budget smaller than a block is unusable: round the "
+                "number of blocks in the budget down (//), not up.")
+    if got == round(budget // (bs * per_token) / blocks) or \
+            got == -(-(budget // (bs * per_token)) // blocks):
+        return ("only whole requests run: the blocks left after the last whole request "
+                "hold no one, so round the number of requests down.")
+    if got == (budget // (bs * per_token // 2)) // blocks and bs * per_token > 1:
+        return (f"{spec.name} caches K and V: {per_token:,} bytes per token (check your "
+                "kv_bytes_per_token from 01.1: did it multiply by 2?).")
+    return ("blocks in the budget = budget // (block_size x bytes per token); "
+            "each request needs ceil(context_len / block_size) of them.")
 
 
 def check_max_requests(fn: Callable[[ModelSpec, int, int, int], int]) -> None:
@@ -126,6 +179,7 @@ def check_max_requests(fn: Callable[[ModelSpec, int, int, int], int]) -> None:
     blk7 = 16 * kv_bytes_per_token(l7)  # one 16-token block of llama-2-7b: 8 MiB
     cases = [
         (l7, 20 * GiB, 2048, 16),     # 2560 blocks / 128 per request
+        (l7, 100 * blk7, 1000, 16),   # 100 / 63 = 1.59 requests: round(...) says 2
         (l7, 125 * blk7, 1000, 16),   # 63 blocks per request, not 62.5: only 1 fits
         (l7, 128 * blk7 - 1, 2048, 16),  # one byte short of a request: 0
         (l7, 0, 2048, 16),
@@ -139,16 +193,7 @@ def check_max_requests(fn: Callable[[ModelSpec, int, int, int], int]) -> None:
             want = _max_requests(spec, budget, ctx, bs)
             if got == want:
                 grading.expect_int(got, f"{spec.name}, budget {budget:,} B, {ctx} tokens")
-            naive = budget // (ctx * kv_bytes_per_token(spec))
-            if got == naive and got != want:
-                hint = (f"each request takes whole blocks: {ctx} tokens at block size {bs} "
-                        f"occupy {num_blocks(ctx, bs)} blocks, i.e. "
-                        f"{num_blocks(ctx, bs) * bs} token slots.")
-            elif isinstance(got, float) and got != int(got):
-                hint = "only whole requests run: round down."
-            else:
-                hint = ("blocks in the budget = budget // (block_size x bytes per token); "
-                        "each request needs ceil(context_len / block_size) of them.")
+            hint = _max_requests_hint(spec, budget, ctx, bs, got, want)
             grading.expect_equal(got, want, what=f"{spec.name}, budget {budget:,} B, "
                                                  f"{ctx} tokens, block size {bs}", hint=hint)
 

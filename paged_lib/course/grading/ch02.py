@@ -59,6 +59,9 @@ def check_waste_removed(fn: Callable[[], dict[str, set[str]]]) -> None:
                             hint="use the mechanism names exactly as given in the dict stub")
         for mech, want in MECHANISMS.items():
             answer = got[mech]
+            grading.expect_true(answer is not None, f"{mech!r}: None",
+                                hint="a mechanism that removes no kind of waste gets an empty "
+                                     "set, set(), not None")
             if isinstance(answer, str):
                 answer = {answer}
             answer = set(answer)
@@ -126,6 +129,59 @@ def _snapshot_keeping_finished(prompt_lens, output_lens, step, slots):
     return batch_snapshot(prompts, [max(o, step + 1) for o in output_lens], step, slots)
 
 
+def _snapshot_tokens_off(prompt_lens, output_lens, step, slots, delta):
+    """Each running request counted with ``prompt + step + 1 + delta`` tokens."""
+    total = [0, 0, 0]
+    for p, o in zip(prompt_lens, output_lens, strict=True):
+        if step < o and 1 <= p + step + 1 + delta <= p + o:
+            for k, v in enumerate(slots(p + step + 1 + delta, p + o)):
+                total[k] += v
+    return tuple(total)
+
+
+_TOKENS_HINT = ("during step s (counting from 0) a request stores prompt + s + 1 tokens: its "
+                "prompt plus the token being produced.")
+_SNAPSHOT_SLIPS: list[tuple[Callable[..., tuple[int, ...] | None], str]] = [
+    (_snapshot_keeping_finished, "a request takes part while step < output_len; finished "
+                                 "ones have left and hold nothing."),
+    (lambda p, o, step, slots: batch_snapshot(p, o, step - 1, slots) if step >= 1 else None,
+     _TOKENS_HINT),
+    (lambda p, o, step, slots: _snapshot_tokens_off(p, o, step, slots, -1), _TOKENS_HINT),
+    (lambda p, o, step, slots: _snapshot_tokens_off(p, o, step, slots, 1), _TOKENS_HINT),
+    (lambda p, o, step, slots: tuple(int(v) for v in np.sum(
+        [batch_snapshot(p, o, s, slots) for s in range(step + 1)], axis=0)) if step else None,
+     "a snapshot is the totals during this one step, not summed over steps 0 .. step."),
+]
+
+
+def _snapshot_hint(p, o, step, slots, got) -> str:
+    for slip, hint in _SNAPSHOT_SLIPS:
+        if got == slip(p, o, step, slots):
+            return hint
+    return ("a request takes part while step < output_len; sum the slots function over "
+            "those requests only.")
+
+
+def _checked_slots(slots, prompt_lens, output_lens, step):
+    """``slots`` as the learner gets it: a call for a request past its end fails, named."""
+    finals = {p + o for p, o in zip(prompt_lens, output_lens, strict=True)}
+
+    def checked(num_tokens, final_len):
+        if not 1 <= num_tokens <= final_len:
+            if final_len not in finals and final_len in output_lens:
+                hint = ("final_len is the request's whole length, prompt + output (not the "
+                        "output alone).")
+            else:
+                hint = ("a running request stores prompt + step + 1 tokens, never more "
+                        "than its final length prompt + output: it takes part only while "
+                        "step < output_len (step counts from 0).")
+            grading.fail(f"at step {step} your function asked slots({num_tokens}, "
+                         f"{final_len}): {num_tokens} tokens for a request of final length "
+                         f"{final_len}", hint)
+        return slots(num_tokens, final_len)
+    return checked
+
+
 def check_batch_snapshot(fn: Callable[..., object], block_size: int = 16) -> None:
     """02.4: totals over a batch at one step, then the claim "paging wastes less than one
     block per running request" checked at every step with the learner's function."""
@@ -145,25 +201,16 @@ def check_batch_snapshot(fn: Callable[..., object], block_size: int = 16) -> Non
                 what = f"{name} snapshot of prompts {p}, outputs {o} at step {step}"
                 if len(what) > 120:
                     what = f"{name} snapshot of a batch of {len(p)} requests at step {step}"
-                got = _as_triple(fn(p, o, step, slots), what)
+                got = _as_triple(fn(p, o, step, _checked_slots(slots, p, o, step)), what)
                 want = batch_snapshot(p, o, step, slots)
-                kept = _snapshot_keeping_finished(p, o, step, slots)
-                if got != want and got == kept:
-                    hint = ("a request takes part while step < output_len; finished ones have "
-                            "left and hold nothing.")
-                elif got != want and step >= 1 and got == batch_snapshot(p, o, step - 1, slots):
-                    hint = ("during step s (counting from 0) a request stores prompt + s + 1 "
-                            "tokens: its prompt plus the token being produced.")
-                elif got != want:
-                    hint = ("a request takes part while step < output_len; sum the slots "
-                            "function over those requests only.")
-                else:
-                    hint = None
+                hint = _snapshot_hint(p, o, step, slots, got) if got != want else None
                 grading.expect_equal(got, want, what=what, hint=hint)
         slots = policies["paged"]
         for step in range(max(outputs)):
             running = sum(step < o for o in outputs)
-            _, reserved, internal = _as_triple(fn(prompts, outputs, step, slots), "snapshot")
+            _, reserved, internal = _as_triple(
+                fn(prompts, outputs, step, _checked_slots(slots, prompts, outputs, step)),
+                "snapshot")
             grading.expect_true(reserved + internal < block_size * running,
                                 f"at step {step}, {running} running requests waste "
                                 f"{reserved + internal} slots, not less than one "

@@ -241,7 +241,33 @@ def check_predictions(predict: Callable[[], dict[str, Any]]) -> None:
                 ok = isinstance(mine, dict) and dict(mine) == expected
             if not ok:
                 grading.fail(f"{key}: expected {expected!r}, got {mine!r}",
-                             _PREDICTION_HINTS[key])
+                             _prediction_hint(key, expected, mine))
+
+
+def _prediction_hint(key: str, expected: Any, mine: Any) -> str:
+    """The key's hint, or the one field of a slot (or the form of an answer) that is off."""
+    if not isinstance(expected, Slot):
+        if not isinstance(mine, dict):
+            return (f"give the counts as a dict {{block: count}}, one entry per block "
+                    f"asked: {sorted(expected)}")
+        if set(mine) != set(expected):
+            return f"give one count for each of the blocks {sorted(expected)}, no others"
+        return _PREDICTION_HINTS[key]
+    shape = _as_tuple(mine)
+    if not (isinstance(shape, tuple) and len(shape) == 3):
+        return "give a slot as Slot(block, offset, copy), copy=(src, dst) or None"
+    block, offset, copy = shape
+    if offset != expected.offset and block == expected.block and copy == expected.copy:
+        return (f"the new token is token 40 of the sequence (counting from 0): it goes at "
+                f"offset 40 % 16 = {expected.offset} of the last block")
+    if expected.copy and copy == expected.copy[::-1]:
+        return ("copy=(src, dst): src is the shared block the token's predecessors are "
+                "copied from, dst the new block")
+    if expected.copy and isinstance(copy, tuple) and copy[:1] == expected.copy[:1] and \
+            block != expected.block:
+        return ("a copy-on-write takes the next block on the free list (5, 2, 9 went to the "
+                "prompt, so 10, then 11), and the token is written into the copy")
+    return _PREDICTION_HINTS[key]
 
 
 # ------------------------------------------------------------------ the chapter's demo

@@ -287,18 +287,34 @@ def check_flash_vs_paged(classify: Callable[[], dict[int, str]]) -> None:
     """04.3: classify each statement as "flash", "paged" or "both"."""
     with grading.exercise("04.3", "FlashAttention vs PagedAttention"):
         answers = classify()
+        count = len(STATEMENTS)
         grading.expect_true(isinstance(answers, dict),
                             f"expected a dict {{statement number: answer}}, got "
-                            f"{type(answers).__name__}")
-        missing = [i for i in range(1, len(STATEMENTS) + 1) if i not in answers]
+                            f"{type(answers).__name__}",
+                            hint=f"return {{1: 'flash', 2: ..., {count}: ...}}: the keys are "
+                                 "the statement numbers, so a list's order is not relied on")
+        text_keys = [k for k in answers if isinstance(k, str)]
+        if text_keys:
+            grading.fail(f"the keys are strings, like {text_keys[0]!r}",
+                         hint=f"the keys are the statement numbers as ints, 1 .. {count}")
+        missing = [i for i in range(1, count + 1) if i not in answers]
+        if 0 in answers and missing == [count]:
+            grading.fail(f"no answer for statement {count}; an answer for statement 0",
+                         hint=f"the statements are numbered from 1 (as printed), not from "
+                              f"0: keys 1 .. {count}")
         grading.expect_true(not missing, f"no answer for statement(s) {missing}",
-                            hint=f"keys are 1 .. {len(STATEMENTS)}")
-        wrong = []
-        for i, (_, answer, hint) in enumerate(STATEMENTS, 1):
+                            hint=f"keys are 1 .. {count}")
+        for i in range(1, count + 1):
             got = str(answers[i]).strip().lower()
             grading.expect_true(got in ("flash", "paged", "both"),
                                 f"statement {i}: answer {answers[i]!r} is not one of "
-                                "'flash', 'paged', 'both'")
+                                "'flash', 'paged', 'both'",
+                                hint="answer with one of the three words exactly: 'flash' "
+                                     "(FlashAttention only), 'paged' (PagedAttention only) "
+                                     "or 'both'")
+        wrong = []
+        for i, (_, answer, hint) in enumerate(STATEMENTS, 1):
+            got = str(answers[i]).strip().lower()
             if got != answer:
                 wrong.append((i, got, hint))
         if wrong:

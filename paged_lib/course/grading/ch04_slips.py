@@ -76,9 +76,10 @@ def contiguous_slips(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     return out
 
 
-def name_slip(got: torch.Tensor, expected: torch.Tensor, slips: dict[str, torch.Tensor]
-              ) -> str | None:
-    """The hint of the slip that explains ``got`` far better than ``expected`` does."""
+def name_slip(got: torch.Tensor, expected: torch.Tensor, slips: dict[str, torch.Tensor],
+              hints: dict[str, str] | None = None) -> str | None:
+    """The hint (from ``hints``, by default :data:`SLIPS`) of the slip that explains ``got``
+    far better than ``expected`` does."""
     if got.shape != expected.shape or not got.isfinite().all():
         return None
     g = got.detach().cpu().double()
@@ -88,4 +89,4 @@ def name_slip(got: torch.Tensor, expected: torch.Tensor, slips: dict[str, torch.
         err = (g - wrong).abs().max().item()
         if err < right / 8 and (best is None or err < best[0]):
             best = (err, name)
-    return SLIPS[best[1]] if best else None
+    return (hints or SLIPS)[best[1]] if best else None

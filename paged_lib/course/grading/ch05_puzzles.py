@@ -46,16 +46,53 @@ def check_scale_tile(kernel: Any) -> None:
                     grading.fail(f"{what}: program ({pm}, {pn}) read x[{i}, {j}], outside the "
                                  f"{m} x {n} matrix ({count} such element(s) in that load)",
                                  hint=_tile_hint(x_g, trace, m, n, bm, bn))
-            grading.expect_true(out_g.guard_intact(),
-                                f"{what}: the kernel wrote outside out (past its last row or "
-                                "column)", hint="mask the store too, with the same (row, "
-                                "column) mask")
+            if not out_g.guard_intact():
+                _fail_store_outside(out_g, 2 * x, stride, what)
             got = out_g.view.cpu()
+            unwritten = got.isnan()
+            if interpreted() and unwritten.any():  # every load was inside: never stored
+                i, j = (int(v) for v in unwritten.nonzero()[0])
+                grading.fail(f"{what}: {int(unwritten.sum())} element(s) of out were never "
+                             f"written, the first out[{i}, {j}]",
+                             hint="every element must fall in one program's tile: program "
+                                  "(pid_m, pid_n) = (program_id(0), program_id(1)) covers "
+                                  "rows pid_m * BLOCK_M + arange(BLOCK_M) and columns "
+                                  "pid_n * BLOCK_N + arange(BLOCK_N)")
             expect_no_nan(got, 2 * x, f"{what}, out", hint="mask loads and stores with "
-                          "rows < M and cols < N")
+                          "rows < M and cols < N; and every element must fall in one "
+                          "program's tile (rows from program_id(0), columns from "
+                          "program_id(1))")
             grading.expect_tensor_close(got, 2 * x, f"{what}, out",
-                                        hint="element (i, j) of x is at i * stride_x + j "
-                                             "(stride_x, not N); of out at i * N + j")
+                                        hint=_rounded_hint(got, 2 * x, "out = 2 * x") or
+                                        "element (i, j) of x is at i * stride_x + j "
+                                        "(stride_x, not N); of out at i * N + j")
+
+
+def _fail_store_outside(out_g: Guarded, want: torch.Tensor, stride: int, what: str) -> None:
+    """The store reached out's guard: rows stride_x apart, or lanes left unmasked."""
+    m, n = want.shape
+    flat = out_g.buffer.cpu()[out_g.pad:]
+    at_stride = (torch.arange(m)[:, None] * stride + torch.arange(n)[None, :]).reshape(-1)
+    if stride != n and at_stride.max() < flat.numel() and \
+            torch.allclose(flat[at_stride], want.reshape(-1)):
+        grading.fail(f"{what}: the kernel wrote row i of the result at out + i * stride_x, "
+                     "past the end of out",
+                     hint="out is a new contiguous [M, N] tensor: element (i, j) of out is at "
+                          "i * N + j; stride_x is x's row stride only")
+    grading.fail(f"{what}: the kernel wrote outside out (past its last row or column)",
+                 hint="mask the store too, with the same (row, column) mask")
+
+
+def _rounded_hint(got: torch.Tensor, want: torch.Tensor, what: str) -> str | None:
+    """A hint when ``got`` is ``want`` rounded to a 16-bit float (a cast on the way)."""
+    if got.shape != want.shape or not got.isfinite().all():
+        return None
+    right = (got.double() - want.double()).abs().max().item()
+    for dtype in (torch.float16, torch.bfloat16):
+        if (got.double() - want.to(dtype).double()).abs().max().item() < right / 8:
+            return (f"{what} came out rounded to {str(dtype).split('.')[1]}: a value was "
+                    "cast to a 16-bit float on the way; keep float32 from load to store")
+    return None
 
 
 def _tile_hint(x_g: Guarded, trace: LoadTrace, m: int, n: int, bm: int, bn: int) -> str:
@@ -134,7 +171,10 @@ def check_row_softmax(kernel: Any) -> None:
                         f = int(flat[np.flatnonzero(bad)[0]])
                         grading.fail(f"{what}: program {row} read element {f - row * n} of "
                                      f"its row {row}, which has {n}",
-                                     hint="mask the load with cols < N (other=-inf)")
+                                     hint="the mask is right (N lanes) but the row starts "
+                                          "at x_ptr + row * N: rows are N apart, not "
+                                          "BLOCK_N" if int(mask.sum()) == n else
+                                          "mask the load with cols < N (other=-inf)")
             got = out_g.view.cpu()
             expected = torch.softmax(x.double(), 1).float()
             if got[0].isnan().any() or got[0].isinf().any():
@@ -142,11 +182,36 @@ def check_row_softmax(kernel: Any) -> None:
                              hint="subtract the row's max before tl.exp: exp(500) overflows")
             grading.expect_tensor_close(
                 got, expected, f"{what}, out", atol=1e-5, rtol=1e-4,
-                hint="padding lanes (cols >= N) must get weight 0: load them with "
-                     "other=-inf (exp(-inf) = 0), not 0")
+                hint=_softmax_slip(got, x, block) or "compare with torch.softmax(x, dim=1): "
+                     "exp(x - the row's max) over the row's N values, divided by their sum")
             grading.expect_true(out_g.guard_intact(),
                                 f"{what}: the kernel wrote outside out",
                                 hint="mask the store with cols < N")
+
+
+_SOFTMAX_SLIPS = {
+    "other=0": "padding lanes (cols >= N) must get weight 0: load them with other=-inf "
+               "(exp(-inf) = 0), not 0",
+    "no sum": "each row must sum to 1: divide exp(x - max) by the row's sum of it",
+    "float16": "x was rounded to float16 on the way (its spacing near 500 is 0.25): keep "
+               "float32 from load to store",
+    "bfloat16": "x was rounded to bfloat16 on the way: keep float32 from load to store",
+}
+
+
+def _softmax_slip(got: torch.Tensor, x: torch.Tensor, block: int) -> str | None:
+    """The hint of the typical wrong softmax that explains ``got`` (see ch04_slips.name_slip)."""
+    x64 = x.double()
+    padded = torch.cat([x64, torch.zeros(x.shape[0], block - x.shape[1],
+                                         dtype=torch.float64)], 1)
+    slips = {"other=0": torch.softmax(padded, 1)[:, :x.shape[1]],
+             "no sum": torch.exp(x64 - x64.amax(1, keepdim=True)),
+             "float16": torch.softmax(x.half().double(), 1),
+             "bfloat16": torch.softmax(x.bfloat16().double(), 1)}
+    rounded = _rounded_hint(got, torch.softmax(x64, 1), "out")
+    if rounded:
+        return rounded
+    return name_slip(got, torch.softmax(x64, 1), slips, _SOFTMAX_SLIPS)
 
 
 # ----------------------------------------------- 05.4 online softmax over contiguous K/V
