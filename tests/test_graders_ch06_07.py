@@ -33,21 +33,25 @@ def _meta(slots, padded, seq_lens, query_lens, positions, slot_dtype=torch.int64
 
 
 def meta_with(slot_fn=None, pad=-1, all_positions=False, slot_dtype=torch.int64,
-              table_dtype=torch.int32, in_place=False):
+              table_dtype=torch.int32, in_place=False, from_zero=False, pad_slots=False):
     """A build_metadata with one planted mistake (defaults: correct)."""
     def fn(block_tables, seq_lens, query_lens, block_size):
         slots, positions = [], []
         for table, n, q in zip(block_tables, seq_lens, query_lens, strict=True):
-            first = 0 if all_positions else n - q
-            for pos in range(first, n):
+            first = 0 if all_positions or from_zero else n - q
+            for pos in range(first, q if from_zero else n):
                 slots.append(slot_fn(table, pos, block_size) if slot_fn else
                              table[pos // block_size] * block_size + pos % block_size)
                 positions.append(pos)
+            if pad_slots:  # vLLM pads a padded batch's slots with -1 (PAD_SLOT_ID)
+                slots += [-1] * (max(query_lens) - q)
         width = max(len(t) for t in block_tables)
         if in_place:
             for t in block_tables:
                 t += [pad] * (width - len(t))
             padded = block_tables
+        elif pad == "last":  # "a valid block" as filler
+            padded = [t + [t[-1]] * (width - len(t)) for t in block_tables]
         else:
             padded = [t + [pad] * (width - len(t)) for t in block_tables]
         return _meta(slots, padded, seq_lens, query_lens, positions, slot_dtype, table_dtype)
@@ -68,6 +72,11 @@ def test_06_1_a_correct_answer_passes_and_the_library_is_refused(capsys):
     (meta_with(table_dtype=torch.int64), "block_tables is torch.int32"),
     (meta_with(all_positions=True), "only the new tokens get a slot"),
     (meta_with(in_place=True), "changed the block tables it was given"),
+    # new tokens counted from position 0 of each sequence: the spec's decode is wrong
+    (meta_with(from_zero=True), "slot_mapping[0] is 28, expected 9 (token at position 5)"),
+    (meta_with(from_zero=True), "a decode's one token is its last"),
+    (meta_with(pad_slots=True), "one slot per new token, sequences packed back to back"),
+    (meta_with(pad="last"), "pads short rows with [5], expected -1"),
     (lambda *a: meta_with()(*a).__dict__, "expected an AttentionMetadata"),
 ])
 def test_06_1_wrong_answers_get_a_named_hint(capsys, wrong, hint):
@@ -178,33 +187,78 @@ def admit_correct(need, seqs, tokens, b):
             and b.num_batched_tokens + tokens <= b.max_num_batched_tokens)
 
 
+def admit_with(blocks=None, seqs_ok=None, tokens_ok=None):
+    """can_admit with one of its three parts replaced (defaults: correct)."""
+    def fn(need, seqs, tokens, b):
+        return ((blocks or (lambda: b.free_blocks - need >= b.watermark_blocks))()
+                and (seqs_ok or (lambda: b.num_seqs + seqs <= b.max_num_seqs))()
+                and (tokens_ok or (lambda: b.num_batched_tokens + tokens
+                                   <= b.max_num_batched_tokens))())
+    return fn
+
+
 def admit_no_watermark(need, seqs, tokens, b):
-    return (b.free_blocks - need >= 0 and b.num_seqs + seqs <= b.max_num_seqs
-            and b.num_batched_tokens + tokens <= b.max_num_batched_tokens)
+    return admit_with(blocks=lambda: b.free_blocks - need >= 0)(need, seqs, tokens, b)
 
 
 def admit_strict(need, seqs, tokens, b):
-    return (b.free_blocks - need > b.watermark_blocks and b.num_seqs + seqs <= b.max_num_seqs
-            and b.num_batched_tokens + tokens <= b.max_num_batched_tokens)
+    return admit_with(blocks=lambda: b.free_blocks - need > b.watermark_blocks)(
+        need, seqs, tokens, b)
+
+
+def admit_watermark_before(need, seqs, tokens, b):  # watermark checked before taking
+    return admit_with(blocks=lambda: need <= b.free_blocks and b.free_blocks
+                      > b.watermark_blocks)(need, seqs, tokens, b)
 
 
 def admit_watermark_per_seq(need, seqs, tokens, b):
-    return (b.free_blocks - need >= b.watermark_blocks * seqs
-            and b.num_seqs + seqs <= b.max_num_seqs
-            and b.num_batched_tokens + tokens <= b.max_num_batched_tokens)
+    return admit_with(blocks=lambda: b.free_blocks - need >= b.watermark_blocks * seqs)(
+        need, seqs, tokens, b)
+
+
+def admit_blocks_per_seq(need, seqs, tokens, b):  # each sample its own blocks again
+    return admit_with(blocks=lambda: b.free_blocks - need * seqs >= b.watermark_blocks)(
+        need, seqs, tokens, b)
+
+
+def admit_empty_step_into_watermark(need, seqs, tokens, b):  # 06.4's progress rule, here
+    if b.num_seqs == 0 and b.num_batched_tokens == 0:
+        return admit_with(blocks=lambda: need <= b.free_blocks)(need, seqs, tokens, b)
+    return admit_correct(need, seqs, tokens, b)
 
 
 def admit_past_max_seqs(need, seqs, tokens, b):
-    return (b.free_blocks - need >= b.watermark_blocks
-            and b.num_batched_tokens + tokens <= b.max_num_batched_tokens)
+    return admit_with(seqs_ok=lambda: True)(need, seqs, tokens, b)
 
 
 def admit_one_seq_per_group(need, seqs, tokens, b):
     return admit_correct(need, 1, tokens, b)
 
 
+def admit_group_alone(need, seqs, tokens, b):  # the step's own sequences and tokens forgotten
+    return admit_with(seqs_ok=lambda: seqs <= b.max_num_seqs,
+                      tokens_ok=lambda: tokens <= b.max_num_batched_tokens)(
+        need, seqs, tokens, b)
+
+
+def admit_strict_limits(need, seqs, tokens, b):
+    return admit_with(seqs_ok=lambda: b.num_seqs + seqs < b.max_num_seqs,
+                      tokens_ok=lambda: b.num_batched_tokens + tokens
+                      < b.max_num_batched_tokens)(need, seqs, tokens, b)
+
+
 def admit_ignores_tokens(need, seqs, tokens, b):
-    return b.free_blocks - need >= b.watermark_blocks and b.num_seqs + seqs <= b.max_num_seqs
+    return admit_with(tokens_ok=lambda: True)(need, seqs, tokens, b)
+
+
+def admit_step_tokens_forgotten(need, seqs, tokens, b):
+    return admit_with(tokens_ok=lambda: tokens <= b.max_num_batched_tokens)(
+        need, seqs, tokens, b)
+
+
+def admit_tokens_per_seq(need, seqs, tokens, b):  # each sample computing the prompt
+    return admit_with(tokens_ok=lambda: b.num_batched_tokens + tokens * seqs
+                      <= b.max_num_batched_tokens)(need, seqs, tokens, b)
 
 
 def admit_as_int(need, seqs, tokens, b):
@@ -216,12 +270,21 @@ def test_06_3_a_correct_answer_passes(capsys):
 
 
 @pytest.mark.parametrize("wrong, hint", [
-    (admit_no_watermark, "ignores the watermark"),
+    (admit_no_watermark, "a request needing 19 blocks"),
+    (admit_no_watermark, "less than the watermark of 2"),
     (admit_strict, "off by one at the watermark"),
-    (admit_watermark_per_seq, "not watermark_blocks per sequence"),
-    (admit_past_max_seqs, "admitting past max_num_seqs"),
-    (admit_one_seq_per_group, "a group brings num_seqs sequences"),
-    (admit_ignores_tokens, "ignored the step's token budget"),
+    (admit_watermark_before, "only 1 stays free, less than the watermark of 2"),
+    (admit_watermark_per_seq, "kept once for the pool"),
+    (admit_blocks_per_seq, "blocks_needed already counts the whole group"),
+    (admit_empty_step_into_watermark, "the watermark holds in an empty step too"),
+    (admit_past_max_seqs, "the same request with n=4 samples"),
+    (admit_past_max_seqs, "9, past max_num_seqs of 8"),
+    (admit_one_seq_per_group, "the group brings 4 (its samples run together)"),
+    (admit_group_alone, "the step already holds 5 sequences"),
+    (admit_strict_limits, "reaching max_num_seqs exactly is allowed"),
+    (admit_ignores_tokens, "41 more make 101, past max_num_batched_tokens"),
+    (admit_step_tokens_forgotten, "the step already holds 60 tokens"),
+    (admit_tokens_per_seq, "they do not each compute it"),
     (admit_as_int, "return True or False"),
     (lambda *a: can_admit(*a), "your function called the library's can_admit"),
 ])
@@ -287,6 +350,23 @@ def swap_first_table_only(tables, allocate):
     return [(b, allocate()) for b in tables[0]]
 
 
+def swap_column_by_column(tables, allocate):  # position by position, as beams advance
+    copies = {}
+    for k in range(max(len(t) for t in tables)):
+        for t in tables:
+            if k < len(t) and t[k] not in copies:
+                copies[t[k]] = allocate()
+    return list(copies.items())
+
+
+def swap_common_prefix_once(tables, allocate):  # only the prefix all tables share
+    out, k = [], 0
+    while all(k < len(t) for t in tables) and len({t[k] for t in tables}) == 1:
+        out.append((tables[0][k], allocate()))
+        k += 1
+    return out + [(b, allocate()) for t in tables for b in t[k:]]
+
+
 def swap_in_place(tables, allocate):
     return [(b, b) for b in dict.fromkeys(b for t in tables for b in t)]
 
@@ -305,6 +385,10 @@ def test_07_1_a_correct_answer_passes_and_the_library_is_refused(capsys):
     (swap_sorted, "in the order the blocks are first met"),
     (swap_first_table_only, "every block of every table must be copied"),
     (swap_in_place, "each dst is a fresh block from allocate()"),
+    (swap_column_by_column, "scenario 'three beams share 2 prompt blocks"),
+    (swap_column_by_column, "in the order the blocks are first met"),
+    (swap_common_prefix_once, "scenario 'three beams share 2 prompt blocks"),
+    (swap_common_prefix_once, "block(s) [6] are copied more than once"),
 ])
 def test_07_1_wrong_answers_get_a_named_hint(capsys, wrong, hint):
     out = verdict(capsys, ch07.check_swap_mapping, wrong)
@@ -354,6 +438,14 @@ def victim_latest_admission_step(running):  # ties: the first of them
     return max(running, key=lambda g: g.timeline.admitted_steps[-1])
 
 
+def victim_fewest_blocks(running):  # "the least work lost" read as the least memory
+    return min(running, key=lambda g: len({b for s in g.seqs for b in s.block_table.blocks}))
+
+
+def victim_fewest_tokens(running):  # "the least work lost" read as the fewest tokens
+    return min(running, key=lambda g: sum(s.num_tokens for s in g.seqs))
+
+
 def victim_index(running):
     return len(running) - 1
 
@@ -370,6 +462,9 @@ def test_07_2_a_correct_answer_passes(capsys):
     (victim_latest_arrival, "you chose by arrival"),
     (victim_latest_admission_step, "groups admitted in the same step"),
     (victim_index, "not an index"),
+    (victim_fewest_blocks, "list 'a long request first, two short ones admitted after it'"),
+    (victim_fewest_blocks, "holding the fewest blocks"),
+    (victim_fewest_tokens, "the fewest tokens (prompt and output, all its sequences)"),
     (lambda running: running.pop(), "your function changed the list it was given"),
     (choose_victim, "you passed the library's choose_victim"),
     (lambda r: choose_victim(r), "your function called the library's choose_victim"),

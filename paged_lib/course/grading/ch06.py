@@ -3,7 +3,9 @@
 * 06.1 ``build_metadata``: one step's tensors from the batch's block tables. Compared
   field by field with :func:`paged_lib.engine.model_runner.build_metadata` on hand-made
   batches (prefill and decode mixed, tables in scrambled block order, full last blocks,
-  block size 1) and seeded random ones; dtypes are part of the answer.
+  block size 1), seeded random ones and every batch the engine builds (replayed); dtypes
+  are part of the answer. A wrong slot is named by recomputing the typical mistakes
+  (logical block, position as offset, new tokens counted from 0).
 * 06.2 ``num_required_blocks`` and 06.3 ``can_admit``: how many blocks a waiting group
   takes, and whether it may join the step (:mod:`paged_lib.course.grading.ch06_admission`).
 * 06.4 ``schedule_waiting``: the whole admission loop, plugged into the engine and
@@ -52,8 +54,8 @@ TWINS: dict[str, tuple[str, ...]] = {
 
 #: name, block tables, seq_lens, query_lens, block size
 _BATCHES: list[tuple[str, list[list[int]], list[int], list[int], int]] = [
-    ("the spec's example: blocks [7, 2], 6 tokens, decoding 1 (block size 4)",
-     [[7, 2]], [6], [1], 4),
+    ("the spec's example: a decode of 6 tokens over blocks [7, 2] next to a 3-token "
+     "prefill in block 5 (block size 4)", [[7, 2], [5]], [6, 3], [1, 3], 4),
     ("three decodes, tables of different widths, blocks out of order (block size 4)",
      [[3], [5, 0, 9], [8, 1]], [3, 10, 5], [1, 1, 1], 4),
     ("a prefill of 7 next to two decodes (block size 4)",
@@ -178,6 +180,11 @@ def _check_slots(got, want, tables, seq_lens, query_lens, block_size, where) -> 
                     "block)")
         elif slots == [b * block_size + p for b, p in zip(physical, wpos, strict=True)]:
             hint = "the offset inside the block is position % block_size, not the position"
+        elif slots == [t[p // block_size] * block_size + p % block_size
+                       for t, q in zip(tables, query_lens, strict=True) for p in range(q)]:
+            hint = ("the tokens a step computes are each sequence's newest: the ones before "
+                    "them are in the cache already (a decode's one token is its last, at "
+                    "position seq_lens[s] - 1, not 0)")
         else:
             hint = ("token at position p of sequence s: physical block "
                     "block_tables[s][p // block_size], offset p % block_size")

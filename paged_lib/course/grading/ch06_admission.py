@@ -5,8 +5,10 @@
   several sequences preempted by recompute (the prompt once, each tail, the part-filled
   prompt block's copies), against :func:`paged_lib.engine.block_manager.num_required_blocks`.
   A wrong count is named by recomputing the typical wrong rules on the case.
-* 06.3 ``can_admit``: the admission decision on boundary cases of each limit (watermark,
-  free blocks, ``max_num_seqs``, ``max_num_batched_tokens``).
+* 06.3 ``can_admit``: the admission decision on the spec's example and boundary cases of
+  each limit (watermark, free blocks, ``max_num_seqs``, ``max_num_batched_tokens``),
+  steps already holding decodes and empty ones, groups of several samples; then every
+  question the engine asks (replayed).
 """
 
 from __future__ import annotations
@@ -139,39 +141,66 @@ def _budget(free, watermark=0, num_seqs=0, max_num_seqs=256, tokens=0, max_token
     return Budget(free, watermark, num_seqs, max_num_seqs, tokens, max_tokens)
 
 
+#: The spec's example step: 20 free, watermark 2, 5 decodes (5 tokens) of 8 / 512.
+_SPEC = dict(free=20, watermark=2, num_seqs=5, max_num_seqs=8, tokens=5, max_tokens=512)
+
 #: (what, blocks_needed, num_seqs, num_tokens, budget, hint if the answer is wrong)
 _ADMISSION_CASES = [
-    ("plenty of room: 3 blocks needed, 50 free", 3, 1, 20, _budget(50, 1),
-     "a group whose blocks are free (watermark kept) and that fits both step limits joins"),
-    ("10 free, watermark 1, needs 10", 10, 1, 70, _budget(10, 1),
-     "admission ignores the watermark: after taking its blocks at least watermark_blocks "
-     "must stay free, for the running sequences to grow"),
-    ("10 free, watermark 1, needs 9 (exactly the watermark stays free)", 9, 1, 70,
+    ("the spec's example: a request of 100 tokens needing 13 blocks", 13, 1, 100,
+     _budget(**_SPEC),
+     "a group whose blocks leave the watermark free and that keeps the step within both "
+     "limits joins"),
+    ("the spec's example: the same request with n=4 samples", 13, 4, 100, _budget(**_SPEC),
+     "the step already holds 5 sequences and the group brings 4 (its samples run "
+     "together): 9, past max_num_seqs of 8"),
+    ("the spec's example: a request needing 19 blocks", 19, 1, 100, _budget(**_SPEC),
+     "after taking 19 of the 20 free blocks only 1 stays free, less than the watermark "
+     "of 2: admission never takes the watermark's blocks"),
+    ("10 free, watermark 1, the step holds 3 decodes, a group needing 10", 10, 1, 70,
+     _budget(10, 1, num_seqs=3, tokens=3),
+     "the group would take the watermark's last block: after taking its blocks at least "
+     "watermark_blocks must stay free, for the running sequences to grow"),
+    ("10 free, watermark 1, the step holds 3 decodes, a group needing 9 (exactly the "
+     "watermark stays free)", 9, 1, 70, _budget(10, 1, num_seqs=3, tokens=3),
+     "off by one at the watermark: leaving exactly watermark_blocks free is allowed"),
+    ("an empty step (nothing running), 10 free, watermark 1, a group needing 10", 10, 1,
+     70, _budget(10, 1),
+     "the watermark holds in an empty step too: can_admit never lets a group into it "
+     "(letting a lone request that needs the whole pool in is the admission loop's "
+     "decision, exercise 06.4)"),
+    ("10 free, watermark 1, a group of 4 samples needing 7 blocks", 7, 4, 30,
      _budget(10, 1),
-     "off by one at the watermark: leaving exactly watermark_blocks free is allowed (>=)"),
-    ("10 free, watermark 1, a group of 4 sequences needs 7", 7, 4, 30, _budget(10, 1),
-     "the watermark is kept once, for the whole pool: watermark_blocks free blocks, not "
-     "watermark_blocks per sequence of the group"),
-    ("10 free, watermark 0, needs 10 (every free block)", 10, 1, 70, _budget(10, 0),
-     "off by one: with watermark 0 a group may take every free block"),
-    ("5 free, watermark 0, needs 6", 6, 1, 40, _budget(5, 0),
+     "blocks_needed already counts the whole group (exercise 06.2), and the watermark is "
+     "kept once for the pool: neither grows with the group's sequences"),
+    ("10 free, watermark 0, a group needing 10 (every free block)", 10, 1, 70,
+     _budget(10, 0), "off by one: with watermark 0 a group may take every free block"),
+    ("5 free, watermark 0, a group needing 6", 6, 1, 40, _budget(5, 0),
      "a group needing more blocks than are free can never be admitted"),
-    ("max_num_seqs 4, 3 scheduled, group of 1", 2, 1, 10,
+    ("max_num_seqs 4, the step holds 3, a group of 1", 2, 1, 10,
      _budget(50, 1, num_seqs=3, max_num_seqs=4),
-     "reaching max_num_seqs exactly is allowed (<=)"),
-    ("max_num_seqs 4, 4 scheduled, group of 1", 2, 1, 10,
+     "reaching max_num_seqs exactly is allowed: that step is the one vLLM profiled"),
+    ("max_num_seqs 4, the step holds 4, a group of 1", 2, 1, 10,
      _budget(50, 1, num_seqs=4, max_num_seqs=4),
-     "admitting past max_num_seqs: count the sequences already scheduled this step"),
-    ("max_num_seqs 4, 2 scheduled, group of 3 sequences", 2, 3, 10,
+     "the step already holds 4 sequences: one more is past max_num_seqs"),
+    ("max_num_seqs 4, the step holds 2, a group of 3 samples", 2, 3, 10,
      _budget(50, 1, num_seqs=2, max_num_seqs=4),
-     "a group brings num_seqs sequences (all admitted together), not 1"),
-    ("max_num_batched_tokens 100, 60 scheduled, 40 more", 5, 1, 40,
+     "a group brings num_seqs sequences (all its samples run together), not 1"),
+    ("max_num_batched_tokens 100, the step holds 60, 40 more", 5, 1, 40,
      _budget(50, 1, tokens=60, max_tokens=100),
-     "reaching max_num_batched_tokens exactly is allowed (<=)"),
-    ("max_num_batched_tokens 100, 60 scheduled, 41 more", 5, 1, 41,
+     "reaching max_num_batched_tokens exactly is allowed: that step is the one vLLM "
+     "profiled"),
+    ("max_num_batched_tokens 100, the step holds 60, 41 more", 5, 1, 41,
      _budget(50, 1, tokens=60, max_tokens=100),
-     "ignored the step's token budget: this step's tokens plus the group's prompt must "
-     "stay within max_num_batched_tokens"),
+     "the step already holds 60 tokens: 41 more make 101, past max_num_batched_tokens "
+     "of 100"),
+    ("max_num_batched_tokens 100, the step holds 60, a group of 4 samples with a "
+     "30-token prompt", 3, 4, 30, _budget(50, 1, tokens=60, max_tokens=100),
+     "num_tokens is what the group computes this step: its samples fork the prompt after "
+     "one prefill, they do not each compute it"),
+    ("max_num_batched_tokens 100, an empty step, a prompt of 120", 10, 1, 120,
+     _budget(50, 1, max_tokens=100),
+     "ignored the step's token budget: a prompt past max_num_batched_tokens does not fit "
+     "one step"),
     ("an empty pool, nothing needed", 0, 1, 1, _budget(0, 0),
      "0 blocks needed and watermark 0: it fits"),
 ]
@@ -192,4 +221,5 @@ def check_can_admit(can_admit: Callable[..., Any]) -> None:
         replay.check_replay("can_admit", can_admit,
                             "the engine asks with what its steps really leave: decodes' "
                             "tokens and sequences already counted, blocks a chunked prompt "
-                            "holds, a watermark; compare each limit as the spec says")
+                            "holds, a watermark; look at which of the free blocks, the "
+                            "sequences and the tokens decides this answer")

@@ -55,8 +55,8 @@ EQUIVALENT_MUTANTS: dict[str, dict[str, str]] = {"07.3": {
 
 #: name, tables, free blocks of the destination pool in allocation order
 _SCENARIOS: list[tuple[str, list[list[int]], list[int]]] = [
-    ("the spec's example: two samples share block 7", [[7, 3], [7, 5]], [0, 1, 2]),
-    ("one sequence, nothing shared", [[4, 9, 2]], [5, 0, 3, 1]),
+    ("the spec's example: one sequence, nothing shared", [[4, 9, 2]], [5, 0, 3, 1]),
+    ("two samples share their prompt's block 7", [[7, 3], [7, 5]], [0, 1, 2]),
     ("three beams share 2 prompt blocks; two also share block 6",
      [[10, 11, 6, 1], [10, 11, 6, 8], [10, 11, 3]], [7, 2, 9, 0, 4, 5, 12, 13]),
     ("four samples fork a 1-block prompt, each wrote 1 block of its own",

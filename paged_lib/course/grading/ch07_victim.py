@@ -2,7 +2,8 @@
 :mod:`paged_lib.course.grading.ch07`).
 
 The learner's rule is asked on hand-made running lists first (groups admitted in the
-same step, a group admitted again after a recompute, long and short ones), then drives
+same step, a group admitted again after a recompute, long and short ones, groups of
+several samples sharing their prompt's blocks), then drives
 the real :class:`~paged_lib.engine.scheduler.Scheduler` (no model: every sampled token
 is the same) through pressure scenarios with both preemption modes, next to the
 library's :func:`paged_lib.engine.policy.choose_victim`. Every time the scheduler asks,
@@ -34,6 +35,10 @@ def _blocks(g: SequenceGroup) -> int:
     return len({b for s in g.live_seqs() if s.block_table for b in s.block_table.blocks})
 
 
+def _tokens(g: SequenceGroup) -> int:
+    return sum(s.num_tokens for s in g.live_seqs())
+
+
 def _admitted(g: SequenceGroup) -> int:
     return g.timeline.admitted_steps[-1] if g.timeline.admitted_steps else -1
 
@@ -61,19 +66,35 @@ WRONG_RULES: list[tuple[Callable[[list[SequenceGroup]], SequenceGroup], str]] = 
     (lambda r: max(r, key=_admitted),
      "groups admitted in the same step: max() of the admission step returns the first of "
      "them, but the list's order is their admission order (the later one came later)"),
+    (lambda r: min(r, key=_blocks),
+     "you preempted the group holding the fewest blocks: the least memory to recompute or "
+     "move, but a group admitted after it keeps running and takes its place (first come, "
+     "first served is never broken: the least work lost only explains why that is cheap)"),
+    (lambda r: min(r, key=_tokens),
+     "you preempted the group with the fewest tokens (prompt and output, all its "
+     "sequences): the least work, but a group admitted after it keeps running and takes "
+     "its place (first come, first served is never broken)"),
 ]
 
 
 def _group(pool: BlockAllocator, rid: int, prompt_len: int, generated: int, arrival: int,
-           admitted: list[int]) -> SequenceGroup:
-    """A running group of one sequence with a real block table (block size 4)."""
+           admitted: list[int], n: int = 1) -> SequenceGroup:
+    """A running group of ``n`` sequences (samples forked after the prompt, each with
+    ``generated`` tokens) with real block tables (block size 4)."""
     table = BlockTable(pool, 4)
-    for _ in range(prompt_len + generated - 1):  # the newest token is not cached yet
+    for _ in range(prompt_len if n > 1 else prompt_len + generated - 1):
         table.append_token()
-    seq = Sequence(rid, [1] * prompt_len, [2] * generated, block_table=table,
-                   num_cached=prompt_len + generated - 1, status=SequenceStatus.RUNNING)
-    group = SequenceGroup(rid, [seq],
-                          SamplingParams(max_tokens=128, ignore_eos=True, temperature=0.0))
+    tables = [table] + [table.fork() for _ in range(n - 1)]
+    seqs = []
+    for i, t in enumerate(tables):
+        if n > 1:
+            for _ in range(generated - 1):  # the newest token is not cached yet
+                t.append_token()
+        seqs.append(Sequence(100 * rid + i, [1] * prompt_len, [2 + i] * generated,
+                             block_table=t, num_cached=prompt_len + generated - 1,
+                             status=SequenceStatus.RUNNING))
+    group = SequenceGroup(rid, seqs, SamplingParams(
+        max_tokens=128, ignore_eos=True, n=n, temperature=1.0 if n > 1 else 0.0))
     group.timeline.arrival_step = arrival
     group.timeline.admitted_steps = list(admitted)
     return group
@@ -92,13 +113,23 @@ _LISTS: list[tuple[str, list[tuple]]] = [
      [(3, 4, 9, 0, [1]), (5, 60, 1, 4, [8])]),
     ("four groups: a long prompt, a long output, a fresh one last",
      [(0, 4, 3, 0, [0]), (1, 40, 5, 1, [2]), (2, 6, 20, 2, [5]), (3, 2, 1, 3, [7])]),
+    ("the spec's second example: D, then E of four samples",
+     [(0, 12, 3, 0, [1]), (1, 20, 2, 1, [5], 4)]),
+    ("a request of 3 samples and a short one admitted in the same step, after a long one",
+     [(0, 30, 5, 0, [0]), (1, 12, 5, 1, [2], 3), (2, 4, 1, 2, [2])]),
+    ("a long single request, then 4 samples of a short prompt",
+     [(0, 30, 5, 0, [0]), (1, 8, 2, 1, [3], 4)]),
 ]
 
 
 def _describe(groups: list[SequenceGroup]) -> str:
-    return "[" + ", ".join(f"request {g.request_id} (admitted at step {_admitted(g)}, "
-                           f"{_generated(g)} generated, {_blocks(g)} blocks)"
-                           for g in groups) + "]"
+    def one(g: SequenceGroup) -> str:
+        n = len(g.live_seqs())
+        what = f"{n} samples, {_generated(g)} generated each" if n > 1 else \
+            f"{_generated(g)} generated"
+        return (f"request {g.request_id} (admitted at step {_admitted(g)}, {what}, "
+                f"{_blocks(g)} blocks)")
+    return "[" + ", ".join(one(g) for g in groups) + "]"
 
 
 def _hint_for(picks: list[tuple[list[SequenceGroup], Any]]) -> str | None:
