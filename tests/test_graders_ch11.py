@@ -91,6 +91,54 @@ def test_11_1_wrong_answers_get_a_named_hint(capsys, wrong, hint):
     assert out.startswith("❌ [11.1]") and hint in out, out
 
 
+def _reserved_as_kept(spec, lengths, **kw):
+    """Level 3 counted from each request's real length (the window applied), not as the
+    reservation it is; the other levels right."""
+    right = levels_with()(spec, lengths, **kw)
+    keep = kw["max_len"] if kw["window"] is None else min(kw["max_len"],
+                                                          kw["window"] + kw["sinks"])
+    per = kv_bytes_per_token(spec.with_dtype(kw["kv_dtype_bytes"]))
+    return right[0], right[1], sum(min(n, keep) for n in lengths) * per, right[3]
+
+
+def _own_dtype(spec, lengths, **kw):
+    """Levels 2-4 in the model spec's own dtype: the KV dtype forgotten."""
+    right = levels_with()(spec, lengths, **kw)
+    scale = spec.dtype_bytes / kw["kv_dtype_bytes"]
+    return (right[0], *(int(v * scale) for v in right[1:]))
+
+
+def _batch_rounded(spec, lengths, **kw):
+    """The paged layout rounds the batch's kept tokens up to blocks once, as if requests
+    shared blocks."""
+    right = levels_with()(spec, lengths, **kw)
+    keep = kw["max_len"] if kw["window"] is None else min(kw["max_len"],
+                                                          kw["window"] + kw["sinks"])
+    kept = sum(min(n, keep) for n in lengths)
+    per = kv_bytes_per_token(spec.with_dtype(kw["kv_dtype_bytes"]))
+    return (*right[:3], cdiv(kept, kw["block_size"]) * kw["block_size"] * per)
+
+
+@pytest.mark.parametrize("wrong, hint, state", [
+    (_reserved_as_kept, "still a reservation made before a request's length is known",
+     "lengths [100, 2048, 700, 1]"),
+    (_own_dtype, "not in the model spec's own dtype_bytes", "fewer bytes per token"),
+    (_batch_rounded, "each request rounds up to whole blocks on its own",
+     "lengths [100, 2048, 700, 1]"),
+])
+def test_11_1_rules_read_from_the_levels_definitions_get_a_named_hint(capsys, wrong, hint,
+                                                                       state):
+    out = verdict(capsys, ch11.check_kv_levels, wrong)
+    assert out.startswith("❌ [11.1]") and hint in out and state in out, out
+
+
+def test_11_1_the_specs_example_is_the_librarys():
+    spec = acc.get_spec("llama-3-8b")
+    want = (1073741824, 134217728, 33030144, 33554432)  # as the spec's example says
+    assert ch11._levels(spec, [1000], 2048, 1, 16, 500, 4) == want
+    assert [v / 2**20 for v in want] == [1024, 128, 31.5, 32]
+
+
 def test_11_1_a_learner_that_sorts_the_lengths_in_place_is_told(capsys):
     def sorts(spec, lengths, **kw):
         lengths.sort()
@@ -133,6 +181,41 @@ def test_11_2_a_correct_answer_passes_and_the_library_is_refused(capsys):
 def test_11_2_wrong_answers_get_a_named_hint(capsys, wrong, hint):
     out = verdict(capsys, ch11.check_kv_bytes_per_token, wrong)
     assert out.startswith("❌ [11.2]") and hint in out, out
+
+
+def _mla_rope_kv(s):
+    """The decoupled RoPE part cached as a key and a value."""
+    if s.kv_lora_rank:
+        return s.num_layers * (s.kv_lora_rank + 2 * s.qk_rope_head_dim) * s.dtype_bytes
+    return bytes_with()(s)
+
+
+def _mla_per_kv_head(s):
+    """The latent and the RoPE key counted once per KV head."""
+    return bytes_with()(s) * (s.num_kv_heads if s.kv_lora_rank else 1)
+
+
+def _mla_by_rope(s):
+    """MLA told apart by its RoPE key instead of its latent."""
+    if s.qk_rope_head_dim:
+        return s.num_layers * (s.kv_lora_rank + s.qk_rope_head_dim) * s.dtype_bytes
+    return 2 * s.num_layers * s.num_kv_heads * s.head_dim * s.dtype_bytes
+
+
+@pytest.mark.parametrize("wrong, hint, state", [
+    (_mla_rope_kv, "no value beside it", "toy-mla (MLA"),
+    (_mla_per_kv_head, "not one per KV head", "toy-mla (MLA"),
+    (_mla_by_rope, "not every head's K and V", "toy-mla-no-rope"),
+])
+def test_11_2_rules_read_from_what_mla_caches_get_a_named_hint(capsys, wrong, hint, state):
+    out = verdict(capsys, ch11.check_kv_bytes_per_token, wrong)
+    assert out.startswith("❌ [11.2]") and hint in out and state in out, out
+
+
+def test_11_2_the_specs_examples_are_the_librarys():
+    assert kv_bytes_per_token(acc.DEEPSEEK_SPECS["deepseek-v2"]) == 69_120
+    assert kv_bytes_per_token(acc.SPECS["llama-2-70b"]) == 327_680
+    assert acc.gqa_groups(acc.DEEPSEEK_SPECS["deepseek-v2"]) == 2.25
 
 
 def test_twins_and_demo(capsys):

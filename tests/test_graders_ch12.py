@@ -80,6 +80,40 @@ def test_12_1_wrong_answers_get_a_named_hint(capsys, answer, hint):
     assert out.startswith("❌ [12.1]") and hint in out, out
 
 
+def kv_only_check(spec, tp, n):  # checks only the KV heads: 16 ranks for 8 query heads pass
+    kv = spec.num_kv_heads
+    if tp < 1 or ((kv % tp) if tp <= kv else (tp % kv)):
+        raise ValueError("tp_size")
+    return 2 * spec.num_layers * max(1, kv // tp) * spec.head_dim * spec.dtype_bytes * n
+
+
+def query_only_check(spec, tp, n):  # the old contract: the KV heads' evenness not checked
+    if tp < 1 or spec.num_heads % tp:
+        raise ValueError("tp_size")
+    return no_check(spec, tp, n)
+
+
+@pytest.mark.parametrize("answer,hint,state", [
+    (bytes_with(lambda s, t: s.num_kv_heads // t), "0 bytes with more ranks than KV heads",
+     "tp_size=16"),
+    (bytes_with(lambda s, t: s.num_kv_heads if t > s.num_kv_heads else s.num_kv_heads // t),
+     "not every KV head", "tp_size=16"),
+    (kv_only_check, "raises ValueError", "16 ranks for 8 heads"),
+    (query_only_check, "neither divides the KV heads nor is a multiple", "6 KV heads"),
+])
+def test_12_1_rules_read_from_the_behaviour_get_a_named_hint(capsys, answer, hint, state):
+    out = verdict(capsys, ch12.check_kv_bytes_per_rank, answer)
+    assert out.startswith("❌ [12.1]") and hint in out and state in out, out
+
+
+def test_12_1_the_specs_example_is_the_librarys():
+    from paged_lib.accounting import SPECS, kv_bytes_per_token
+    from paged_lib.parallel import kv_bytes_per_rank
+
+    assert kv_bytes_per_rank(SPECS["llama-2-70b"], 8, 1) == 40_960
+    assert kv_bytes_per_token(SPECS["llama-2-70b"]) == 8 * 40_960 == 327_680
+
+
 def test_12_1_right_answer_passes_and_delegating_fails(capsys):
     assert verdict(capsys, ch12.check_kv_bytes_per_rank, bytes_ok).startswith("✅ [12.1]")
     from paged_lib.parallel import kv_bytes_per_rank
@@ -134,6 +168,37 @@ def unsorted_kv(h, kv, tp, r):  # the KV heads as a set: sorted only while they 
 def test_12_2_wrong_answers_get_a_named_hint(capsys, answer, hint):
     out = verdict(capsys, ch12.check_rank_heads, answer)
     assert out.startswith("❌ [12.2]") and hint in out, out
+
+
+def _query_heads_only_checked(h, kv, tp, r):
+    if tp < 1 or h % tp or not 0 <= r < tp:
+        raise ValueError("tp_size or rank")
+    return heads_with(check=False)(h, kv, tp, r)
+
+
+@pytest.mark.parametrize("answer,hint,state", [
+    (heads_with(kv_of=lambda h, kv, tp, r, q: sorted({x % kv for x in q})),
+     "a group is consecutive query heads", "rank_heads(8, 2, tp_size=2, rank=0)"),
+    (heads_with(kv_of=lambda h, kv, tp, r, q: list(range(r * max(1, kv // tp),
+                                                         (r + 1) * max(1, kv // tp)))),
+     "not KV head number r", "rank_heads(8, 2, tp_size=4, rank=1)"),
+    (heads_with(kv_of=lambda h, kv, tp, r, q: list(range(q[0] // (h // kv),
+                                                         q[-1] // (h // kv)))),
+     "of the rank's last query head is kept too", "rank_heads(8, 2, tp_size=2, rank=0)"),
+    (_query_heads_only_checked, "divide the KV heads or be a multiple",
+     "4 ranks for 6 KV heads"),
+])
+def test_12_2_rules_read_from_the_behaviour_get_a_named_hint(capsys, answer, hint, state):
+    out = verdict(capsys, ch12.check_rank_heads, answer)
+    assert out.startswith("❌ [12.2]") and hint in out and state in out, out
+
+
+def test_12_2_the_specs_examples_are_the_librarys():
+    from paged_lib.parallel import rank_heads
+
+    assert rank_heads(64, 8, 4, 1) == (list(range(16, 32)), [2, 3])
+    assert rank_heads(32, 4, 8, 3) == ([12, 13, 14, 15], [1])
+    assert rank_heads(32, 4, 8, 2)[1] == [1]
 
 
 def test_12_2_right_answer_passes_and_delegating_fails(capsys):

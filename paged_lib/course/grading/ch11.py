@@ -61,6 +61,7 @@ LEVELS = ("baseline", "fewer bytes per token", "fewer tokens", "paged layout")
 
 #: spec name, lengths, max_len, kv_dtype_bytes, block_size, window, sinks, what it tests
 _LEVEL_CASES: list[tuple[str, list[int], int, int, int, int | None, int, str]] = [
+    ("llama-3-8b", [1000], 2048, 1, 16, 500, 4, "the spec's example"),
     ("llama-3-8b", [100, 2048, 700, 1], 2048, 1, 16, 1020, 4, "GQA in fp8, 1020 + 4 sinks"),
     ("deepseek-v2", [5000, 30000, 128000], 131072, 2, 64, None, 0, "MLA, no window"),
     ("llama-2-7b", [10, 17, 33], 64, 2, 16, 100, 4, "a window longer than max_len"),
@@ -86,12 +87,13 @@ def _levels(spec: ModelSpec, lengths: Sequence[int], max_len: int, kv_dtype_byte
             block_size: int, window: int | None, sinks: int, *, base_heads: str = "mha",
             base_dtype: str = "fp16", own: str = "own", with_sinks: bool = True,
             cap: bool = True, blocks: str = "ceil", paged_tokens: str = "kept",
-            zero_window: bool = True) -> tuple:
+            zero_window: bool = True, per_dtype: str = "kv", reserve: str = "keep") -> tuple:
     """The four levels, or (with a keyword changed) what one typical mistake gives."""
     base = mha_equivalent(spec) if base_heads == "mha" else spec
     base = base.with_dtype({"fp16": 2, "kv": kv_dtype_bytes, "model": spec.dtype_bytes}
                            [base_dtype])
-    per = (spec if own == "own" else mha_equivalent(spec)).with_dtype(kv_dtype_bytes)
+    per = (spec if own == "own" else mha_equivalent(spec)).with_dtype(
+        kv_dtype_bytes if per_dtype == "kv" else spec.dtype_bytes)
     b_base, b_per = kv_bytes_per_token(base), kv_bytes_per_token(per)
     keep = max_len if window is None or (window == 0 and not zero_window) \
         else window + (sinks if with_sinks else 0)
@@ -104,9 +106,13 @@ def _levels(spec: ModelSpec, lengths: Sequence[int], max_len: int, kv_dtype_byte
             }[paged_tokens]
     slots = {"ceil": lambda n: cdiv(n, block_size) * block_size,
              "floor": lambda n: n // block_size * block_size,
-             "exact": lambda n: n}[blocks]
+             "exact": lambda n: n, "batch": lambda n: n}[blocks]
+    held = sum(slots(n) for n in kept)
+    if blocks == "batch":  # the batch's tokens rounded up once, as if blocks were shared
+        held = cdiv(held, block_size) * block_size
+    reserved = len(lengths) * keep if reserve == "keep" else sum(min(n, keep) for n in lengths)
     return (len(lengths) * max_len * b_base, len(lengths) * max_len * b_per,
-            len(lengths) * keep * b_per, sum(slots(n) for n in kept) * b_per)
+            reserved * b_per, held * b_per)
 
 
 #: level index -> (the mistake's keywords for _levels, the hint that names it)
@@ -121,6 +127,11 @@ _LEVEL_SLIPS: list[tuple[int, dict, str]] = [
      "heads or its latent) as well as the KV dtype"),
     (1, dict(base_dtype="kv", own="mha"), "fewer bytes per token uses the model's own "
      "attention (its KV heads or its latent) as well as the KV dtype"),
+    (1, dict(per_dtype="model"), "fewer bytes per token stores each value in the "
+     "deployment's KV dtype (kv_dtype_bytes), not in the model spec's own dtype_bytes"),
+    (2, dict(reserve="kept"), "fewer tokens is still a reservation made before a request's "
+     "length is known: every request reserves the most the window lets it keep; what each "
+     "request really holds is the paged layout's level"),
     (2, dict(with_sinks=False), "the sinks are kept too: a request keeps window + sinks "
      "tokens"),
     (2, dict(cap=False), "a request never needs more than max_len tokens, however long "
@@ -130,6 +141,8 @@ _LEVEL_SLIPS: list[tuple[int, dict, str]] = [
     (3, dict(blocks="floor"), "the partly filled last block is a whole block: round up"),
     (3, dict(blocks="exact"), "paging holds whole blocks: ceil(kept / block_size) blocks "
      "of block_size slots each"),
+    (3, dict(blocks="batch"), "a block holds one request's tokens: each request rounds up "
+     "to whole blocks on its own, not the batch's total once"),
     (3, dict(paged_tokens="all"), "the levels stack: the paged layout holds only the "
      "tokens the window keeps"),
     (3, dict(paged_tokens="max_len"), "paging holds what each request really has (its "
@@ -211,6 +224,11 @@ def _bytes_slips(s: ModelSpec) -> list[tuple[int, str]]:
             ((latent + rope) * s.dtype_bytes, "every layer caches its own latent: multiply "
              "by num_layers"),
             (s.num_layers * (latent + rope), "bytes, not numbers: multiply by dtype_bytes"),
+            (s.num_layers * (latent + 2 * rope) * s.dtype_bytes, "the decoupled RoPE key has "
+             "no value beside it: values are rebuilt from the latent"),
+            (s.num_kv_heads * s.num_layers * (latent + rope) * s.dtype_bytes, "the latent and "
+             "the RoPE key are one per token and layer, shared by all heads: not one per "
+             "KV head"),
         ]
     else:
         out += [

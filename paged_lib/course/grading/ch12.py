@@ -44,6 +44,10 @@ _TINY = ModelSpec("tiny-code-llama (fp32)", num_layers=4, hidden_size=256, num_h
                   num_kv_heads=2, head_dim=32, dtype_bytes=4)
 _FP8 = ModelSpec("LLaMA-2-70B with an fp8 KV cache", num_layers=80, hidden_size=8192,
                  num_heads=64, num_kv_heads=8, head_dim=128, dtype_bytes=1)
+_SIX = ModelSpec("a 12-head model with 6 KV heads", num_layers=4, hidden_size=768,
+                 num_heads=12, num_kv_heads=6, head_dim=64, dtype_bytes=2)
+_FOUR = ModelSpec("a 12-head model with 4 KV heads", num_layers=4, hidden_size=768,
+                  num_heads=12, num_kv_heads=4, head_dim=64, dtype_bytes=2)
 
 # ------------------------------------------------------------------ 12.1 kv_bytes_per_rank
 
@@ -77,6 +81,12 @@ def _wrong_bytes(spec: ModelSpec, tp: int, n: int) -> dict[str, Any]:
             2 * spec.head_dim * spec.dtype_bytes * n * mine,
         "every number counted as 2 bytes (fp16): use the spec's dtype_bytes (4 in fp32, 1 "
         "in fp8)": 2 * per_head * mine * 2 // max(spec.dtype_bytes, 1),
+        "0 bytes with more ranks than KV heads: a rank whose query heads read a KV head "
+        "keeps all of it, so every rank keeps at least one whole KV head":
+            2 * per_head * (spec.num_kv_heads // tp),
+        "with more ranks than KV heads a rank keeps only the KV head its own query heads "
+        "read, not every KV head: the others are on other ranks":
+            2 * per_head * (spec.num_kv_heads if tp > spec.num_kv_heads else mine),
     }
 
 
@@ -117,10 +127,15 @@ def check_kv_bytes_per_rank(fn: Callable[[ModelSpec, int, int], int]) -> None:
             grading.expect_equal(int(got), want, what=what, hint=hint)
         for spec, tp, n, about in ((SPECS["llama-2-70b"], 3, 10, "3 ranks for 64 heads"),
                                    (SPECS["llama-2-70b"], 0, 10, "tp_size 0"),
-                                   (_TINY, 16, 10, "16 ranks for 8 heads")):
+                                   (_TINY, 16, 10, "16 ranks for 8 heads"),
+                                   (_SIX, 4, 10, "4 ranks for 12 query heads and 6 KV "
+                                    "heads: ranks 0 and 1 would both need KV head 1"),
+                                   (_FOUR, 6, 10, "6 ranks for 12 query heads and 4 KV "
+                                    "heads: rank 1 would need KV heads 0 and 1")):
             grading.expect_value_error(fn, (spec, tp, n), f"kv_bytes_per_rank with {about}",
-                                hint="a tp_size below 1, or one that does not divide the "
-                                "query heads, raises ValueError")
+                                hint="a tp_size below 1, one that does not divide the "
+                                "query heads, or one that neither divides the KV heads nor "
+                                "is a multiple of them raises ValueError")
 
 
 # ------------------------------------------------------------------ 12.2 rank_heads
@@ -165,6 +180,15 @@ def _wrong_heads(h: int, kv: int, tp: int, r: int) -> dict[str, Any]:
         "a set is not sorted (small ones only happen to come out so): return the KV heads "
         "ascending, sorted(...)":
             (q, list({x // group for x in q})),
+        "a group is consecutive query heads (0 .. g-1 read KV head 0, g = num_heads / "
+        "num_kv_heads), not every num_kv_heads-th head":
+            (q, sorted({x % kv for x in q})),
+        "with more ranks than KV heads, a rank keeps the KV head its own query heads read, "
+        "which its neighbours share: not KV head number r":
+            (q, list(range(r * kv_per, (r + 1) * kv_per))),
+        "the KV head of the rank's last query head is kept too (a range's end is "
+        "exclusive)":
+            (q, list(range(q[0] // group, q[-1] // group))),
     }
 
 
