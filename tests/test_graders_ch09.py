@@ -365,8 +365,48 @@ def tiles_in_place(q, k_cache, v_cache, block_table, seq_len, tile):
     return (acc / den[:, None]).to(q.dtype)
 
 
-def test_09_3_an_in_place_state_and_block_slices_pass(capsys):
-    assert verdict(capsys, ch09.check_attend_tiles, tiles_in_place).startswith("✅ [09.3]")
+def tiles_blocks_then_slice(q, k_cache, v_cache, block_table, seq_len, tile):
+    """Right: each tile's whole blocks concatenated, then the tile sliced out of them."""
+    h, d = q.shape
+    bs, nkv = k_cache.shape[1], k_cache.shape[2]
+    if seq_len == 0:
+        return torch.zeros_like(q)
+    dt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    heads = torch.arange(h) // (h // nkv)
+    m = torch.full((h,), -math.inf, dtype=dt)
+    den, acc = torch.zeros(h, dtype=dt), torch.zeros(h, d, dtype=dt)
+    for start in range(0, seq_len, tile):
+        stop = min(start + tile, seq_len)
+        blocks = [int(b) for b in block_table[start // bs:(stop - 1) // bs + 1]]
+        first = start // bs * bs
+        k = torch.cat([k_cache[b] for b in blocks])[start - first:stop - first]
+        v = torch.cat([v_cache[b] for b in blocks])[start - first:stop - first]
+        s = torch.einsum("hd,thd->ht", q.to(dt) * d ** -0.5, k.to(dt)[:, heads])
+        m_new = torch.maximum(m, s.amax(-1))
+        p = torch.exp(s - m_new[:, None])
+        alpha = torch.exp(m - m_new)
+        den = den * alpha + p.sum(-1)
+        acc = acc * alpha[:, None] + torch.einsum("ht,thd->hd", p, v.to(dt)[:, heads])
+        m = m_new
+    return (acc / den[:, None]).to(q.dtype)
+
+
+def tiles_concatenated_as_it_goes(q, k_cache, v_cache, block_table, seq_len, tile):
+    """Each tile's scores and values appended to two growing tensors, one softmax at the end."""
+    if seq_len == 0:
+        return torch.zeros_like(q)
+    scores = values = None
+    for start in range(0, seq_len, tile):
+        s, v = _tile_scores(q, k_cache, v_cache, block_table, start, seq_len, tile)
+        scores = s if scores is None else torch.cat([scores, s], -1)
+        values = v if values is None else torch.cat([values, v])
+    p = torch.softmax(scores, -1)
+    return torch.einsum("ht,thd->hd", p, values).to(q.dtype)
+
+
+@pytest.mark.parametrize("right", [tiles_in_place, tiles_blocks_then_slice])
+def test_09_3_an_in_place_state_and_block_slices_pass(capsys, right):
+    assert verdict(capsys, ch09.check_attend_tiles, right).startswith("✅ [09.3]")
 
 
 @pytest.mark.parametrize("wrong, problem, hint", [
@@ -376,6 +416,8 @@ def test_09_3_an_in_place_state_and_block_slices_pass(capsys):
      "hold one running (m, l, acc) and nothing else"),
     (tiles_two_passes, "a second pass over the sequence (the max first, then the sum)",
      "one pass over the tiles is enough"),
+    (tiles_concatenated_as_it_goes, "scores or values concatenated tile after tile",
+     "hold one running (m, l, acc) and nothing else"),
 ])
 def test_09_3_state_that_grows_where_it_must_not(capsys, wrong, problem, hint):
     out = verdict(capsys, ch09.check_attend_tiles, wrong)

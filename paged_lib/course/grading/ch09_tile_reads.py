@@ -15,6 +15,8 @@ positions its value depends on. At each read the check asks:
 * do the small tensors still alive from such earlier tiles add up to more than about one
   running ``(m, l, acc)``: per-tile states (or scores) kept and combined at the end, so
   what is held grows with the sequence;
+* is a tensor bigger than that still alive which depends on positions from before the
+  previous tile: scores or values concatenated tile after tile;
 * does a read of K (or V) go back to positions before the start of an earlier read of
   the same cache: a second pass (the max first, then the sum).
 """
@@ -45,7 +47,7 @@ class TileLog:
             full = posmap[:, :, None, None].expand(cache.shape).contiguous()
             self.caches[cache.untyped_storage().data_ptr()] = (kind, full,
                                                                cache.storage_offset())
-        self.tile, self.small = tile, num_heads * d
+        self.tile, self.small, self.block_size = tile, num_heads * d, bs
         self.state = num_heads * (v_cache.shape[-1] + 2)
         self.reads: list[int] = []  # elements each read returned
         self.far = {"K": -1, "V": -1}  # the highest first position of an earlier read
@@ -82,6 +84,7 @@ class TileLog:
                           "max m, rescale what was summed so far by exp(m_old - m_new)")
             self.far[kind] = max(self.far[kind], lo)
         self._check_held(lo // self.tile)
+        self._check_grown(lo)
         return lo, hi
 
     def _check_held(self, now: int) -> None:
@@ -109,6 +112,21 @@ class TileLog:
                       "you hold grows with the sequence",
                       "between tiles hold one running (m, l, acc) and nothing else: fold "
                       "each tile into it as soon as it is read")
+
+    def _check_grown(self, lo: int) -> None:
+        """At a read from position ``lo`` on: a big tensor still alive that depends on
+        positions from before the previous tile grew tile after tile (a concatenation).
+        (A tile read as whole blocks depends on up to a block more on each side.)"""
+        for ref in list(self.live.values()):
+            t = ref()
+            if t is not None and t.numel() > self.small \
+                    and t._span[0] < lo - 2 * self.tile - self.block_size:
+                self.flag(f"while reading from position {lo} on you still hold a tensor of "
+                          f"shape {tuple(t.shape)} computed from positions {t._span[0]}-"
+                          f"{t._span[1]}: scores or values concatenated tile after tile, so "
+                          "what you hold grows with the sequence",
+                          "between tiles hold one running (m, l, acc) and nothing else: fold "
+                          "each tile into it as soon as it is read")
 
     def track(self, t: torch.Tensor, span: tuple[int, int]) -> None:
         t._span = span
