@@ -442,7 +442,8 @@ def test_worked_example_is_vllms():
 
 def alloc(pool, token_ids, hashes, block_size, max_new_tokens, *, cap=True, touch_first=True,
           head=True, evict=True, register="full", by_value=False, budget=True,
-          incref=True, dedupe_list=False, unqueue=True, past_miss=False, drop_empty=True):
+          incref=True, dedupe_list=False, unqueue=True, past_miss=False, drop_empty=True,
+          evict_oldest=False):
     """A new request's table, with one rule swappable, to build the wrong answers."""
     queue, refs = pool.free_block_queue, pool.ref_counts
 
@@ -480,7 +481,10 @@ def alloc(pool, token_ids, hashes, block_size, max_new_tokens, *, cap=True, touc
         old = pool.block_hash.pop(b, None) if evict else None
         if old is not None:
             same = pool.cached_blocks[old.value]
-            same.remove(b)
+            if evict_oldest:  # the list's first block, not the one evicted
+                same.pop(0)
+            else:
+                same.remove(b)
             if not same and drop_empty:
                 del pool.cached_blocks[old.value]
         refs[b] = 1
@@ -527,6 +531,7 @@ def alloc_with_pool_methods(pool, token_ids, hashes, block_size, max_new_tokens)
     (lambda *a: alloc(*a, drop_empty=False),
      "a hash with no block left must be deleted from cached_blocks"),
     (lambda *a: alloc(*a)[0], "return a pair"),
+    (lambda *a: alloc(*a, evict_oldest=True), "take out the very block evicted"),
 ])
 def test_allocate_slots_wrong_answers(capsys, answer, hint):
     out = verdict(capsys, ch10.check_allocate_slots, answer)

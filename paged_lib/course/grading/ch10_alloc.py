@@ -203,6 +203,16 @@ def diagnose(ask: Ask, want: Any, want_state: State, got: Any, got_state: State)
     if any(not bs for _, bs in got_state.by_value):
         return ("a hash with no block left must be deleted from cached_blocks (del "
                 "pool.cached_blocks[value]), not kept as an empty list")
+    got_v, want_v = dict(got_state.by_value), dict(want_state.by_value)
+    evicted = [b for b in wfresh if b in cached_at]
+    if any(b in got_v.get(cached_at[b].value, ()) for b in evicted):
+        b = next(b for b in evicted if b in got_v.get(cached_at[b].value, ()))
+        value = cached_at[b].value
+        gone = sorted(set(want_v.get(value, ())) - set(got_v[value]))
+        return (f"block {b} was evicted but cached_blocks still lists it under its old "
+                f"value, and block(s) {gone} left the list instead: several blocks may be "
+                "cached under one value; take out the very block evicted, not the list's "
+                "first")
     if got_state.by_value != want_state.by_value:
         return ("cached_blocks[value] lists every block cached under that value, oldest "
                 "first: a block recomputed with the same hash as another (a full hit's last "

@@ -62,6 +62,16 @@ def edge_states() -> list[tuple[str, PrefixCachingAllocator, list[tuple[list[int
     orphans.allocate()
     for block in (6, 5, 4, 3):
         orphans.free(block)
+    # the same prompt asked while its first copy runs: its last full block is computed
+    # again (the last token is), so block 3 is cached beside block 2 under one hash; both
+    # tables freed, tail first, the newer copy ends nearer the head of the free queue
+    twins = PrefixCachingAllocator(6)
+    hashes = block_hashes(a, 4, ())
+    first = allocate_slots(twins, a, hashes, 4, 12)[0]
+    again = allocate_slots(twins, a, hashes, 4, 12)[0]
+    for table in (again, first):
+        for block in reversed(table):
+            twins.free(block)
     return [
         ("a hit on the two blocks at the head of the free queue", head_hits,
          [(a[:8] + [1, 2, 3], (), 4, 11)]),
@@ -89,6 +99,9 @@ def edge_states() -> list[tuple[str, PrefixCachingAllocator, list[tuple[list[int
             6, [(a[:3], ())], 1, [0]), [(a[:3], (), 1, 3)]),
         ("a hit then a budget of 1 token", _prefilled(8, [(b, ())], 4, [0]),
          [(b, (), 4, 1)]),
+        ("two blocks cached under one hash (a prompt asked again while it ran: blocks 2 "
+         "and 3), then fresh blocks evict the newer copy, block 3, not the oldest", twins,
+         [(_text(10, 700), (), 4, 10), (a, (), 4, 12)]),
         ("LRU eviction took a prefix's first block before its later ones (freed first "
          "block first, not tail first): A's block 0 evicted, blocks 1 and 2 still cached "
          "and free", orphans, [(a + [1], (), 4, 5)]),
