@@ -365,7 +365,8 @@ def drop_with(gone="floor", copy="partial", rotate="new", shift=1, free="one",
         if free == "one":
             pool.free(blocks[g])
         src = kept if rotate == "new" else blocks
-        slots = tuple(src[p // bs] * bs + p % bs for p in range(sinks, new.num_tokens))
+        first = g * bs if rotate == "copied" else sinks  # "copied": the moved sinks too
+        slots = tuple(src[p // bs] * bs + p % bs for p in range(first, new.num_tokens))
         r = sinks % bs
         if (copy == "partial" and r) or copy == "always":
             return new, WindowOp(slots, shift * bs, blocks[g], blocks[g + 1], r or bs)
@@ -387,6 +388,8 @@ def test_11_4_a_correct_answer_passes_and_the_library_is_refused(capsys):
     (drop_with(copy="never"), "copy them to the first r slots", "the spec's example"),
     (drop_with(copy="always"), "nothing is copied", "no sinks"),
     (drop_with(rotate="old"), "in the NEW table", "the spec's example"),
+    (drop_with(rotate="copied"), "the sinks copied on into the next block keep their",
+     "the spec's example"),
     (drop_with(shift=-1), "shift is block_size", "the spec's example"),
     (drop_with(free="none"), "leaks a block", "reference counts"),
     (drop_with(free="table"), "", "free list"),
@@ -397,6 +400,19 @@ def test_11_4_a_correct_answer_passes_and_the_library_is_refused(capsys):
 def test_11_4_wrong_answers_get_a_named_hint(capsys, wrong, hint, state):
     out = verdict(capsys, ch11.check_drop_oldest, wrong)
     assert out.startswith("❌ [11.4]") and hint in out and state in out, out
+
+
+def test_11_4_a_mistake_no_slip_explains_is_told_by_the_part_that_differs(capsys):
+    right = drop_with()
+
+    def no_copy_len(table, sinks):  # the copy's length left at the whole block
+        new, op = right(table, sinks)
+        if op.copy_len:
+            op = type(op)(op.rotate_slots, op.shift, op.copy_src, op.copy_dst,
+                          table.block_size)
+        return new, op
+    out = verdict(capsys, ch11.check_drop_oldest, no_copy_len)
+    assert out.startswith("❌ [11.4]") and "the WindowOp's copy_len differ(s)" in out, out
 
 
 def test_11_4_a_rule_right_on_every_edge_but_not_in_the_engine_is_caught_by_the_replay(capsys):

@@ -54,8 +54,8 @@ def reference_drop(table: BlockTable, num_sink_tokens: int, *, gone: str = "floo
     if free:
         pool.free(blocks[g])
     source = kept if rotate == "new" else blocks
-    slots = tuple(source[x // bs] * bs + x % bs
-                  for x in range(sinks if rotate != "all" else 0, new.num_tokens))
+    first = {"new": sinks, "old": sinks, "all": 0, "copied": g * bs}[rotate]
+    slots = tuple(source[x // bs] * bs + x % bs for x in range(first, new.num_tokens))
     r = sinks % bs
     if copy == "partial" and r or copy == "always":
         return new, WindowOp(slots, shift * bs, blocks[g], blocks[g + 1], r or bs)
@@ -77,6 +77,8 @@ _SLIPS: list[tuple[dict, str]] = [
      "nothing is copied: copy_src = copy_dst = -1, copy_len = 0"),
     (dict(rotate="old"), "rotate_slots are the slots of the kept tokens in the NEW table: "
      "each recent token moved one logical block back"),
+    (dict(rotate="copied"), "the sinks copied on into the next block keep their positions "
+     "too (they are sinks, only moved): rotate from position num_sink_tokens on"),
     (dict(rotate="all"), "the sinks keep their positions: rotate only the tokens after them"),
     (dict(shift=-1), "shift is block_size: the model runner rotates the keys by -shift "
      "positions"),
@@ -161,10 +163,26 @@ def _compare(fn: Callable, call: DropCall, story: str) -> None:
     else:
         detail = ""
     hint = next((h for slip, h in _SLIPS if _answer(reference_drop, call, **slip) == got),
-                "follow the spec's steps: which logical block goes, its sinks copied on, "
-                "the kept tokens' slots in the new table, the pool")
+                None) or _which_part(got, want)
     grading.fail(f"{story}; the library answers {_show(want)}, yours {_show(got)}{detail}",
                  hint)
+
+
+def _which_part(got: tuple, want: tuple) -> str:
+    """When no known slip explains the answer: name the first part that differs."""
+    if got[0] == "ValueError" or want[0] == "ValueError" or len(got) != 5:
+        return ("follow the spec's steps: which logical block goes, its sinks copied on, "
+                "the kept tokens' slots in the new table, the pool")
+    names = ["the new table's blocks", "its number of tokens", "the WindowOp"]
+    for name, g, w in zip(names, got[:3], want[:3], strict=True):
+        if g != w:
+            if name == "the WindowOp":
+                fields = ["rotate_slots", "shift", "copy_src", "copy_dst", "copy_len"]
+                name = "the WindowOp's " + ", ".join(
+                    f for f, a, b in zip(fields, g, w, strict=True) if a != b)
+            return (f"{name} differ(s) from the library's: compare them above, then follow "
+                    "the spec's steps for that part")
+    return "the pool after the call differs: compare the reference counts and the free list"
 
 
 def _edge(where: str, blocks: list[int], num_tokens: int, bs: int, sinks: int,
