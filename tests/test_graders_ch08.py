@@ -339,6 +339,57 @@ def step_by_parent(tables, cum_logprobs, candidates, beam_width):
     return sorted(new, key=lambda b: b[0])
 
 
+def step_sorting(key=None, reverse=False):
+    """beam_step ranking (score, beam, candidate's rank, token) tuples by ``sort(key, reverse)``."""
+    def step(tables, cum_logprobs, candidates, beam_width):
+        scored = [(cum_logprobs[i] + lp, i, r, tok)
+                  for i, opts in enumerate(candidates) for r, (tok, lp) in enumerate(opts)]
+        scored.sort(key=key, reverse=reverse)
+        used, new = set(), []
+        for cum, parent, _, token in scored[:beam_width]:
+            new.append((parent, tables[parent].fork() if parent in used else tables[parent],
+                        token, cum))
+            used.add(parent)
+        for i, table in enumerate(tables):
+            if i not in used:
+                table.free()
+        return new
+    return step
+
+
+_TIE_ORDER = "your new beams are in score order, but an exact tie goes the other way"
+
+
+@pytest.mark.parametrize("answer,hint", [
+    # sort(reverse=True) on the whole tuples: on a tie the later beam / candidate wins
+    (step_sorting(reverse=True), [_TIE_ORDER, "beam 0's tokens 1 and 3 both score -0.5, and "
+                                  "beam 0 lists token 1 first; you put token 3 first",
+                                  "the lower beam index goes first, then the earlier candidate"]),
+    # a tie broken by the higher token id, then by the later beam
+    (step_sorting(key=lambda c: (c[0], c[3]), reverse=True), [_TIE_ORDER, "token id does not"]),
+    (step_sorting(key=lambda c: (c[0], c[1]), reverse=True),
+     [_TIE_ORDER, "beam 0's token 4 and beam 2's token 7 both score -1.5; you put beam 2's "
+      "first"]),
+    (step_sorting(key=lambda c: (-c[0], c[1], -c[2])), [_TIE_ORDER, "then the earlier "
+                                                         "candidate in that beam's list"]),
+    # a tie broken by the lower token id, across beams or within one
+    (step_sorting(key=lambda c: (-c[0], c[3])), ["not to the lower token id"]),
+    (step_sorting(key=lambda c: (-c[0], c[1], c[3])), ["not to the lower token id"]),
+])
+def test_beam_step_tie_orders_get_the_tie_hint(capsys, answer, hint):
+    out = verdict(capsys, ch08.check_beam_step, answer)
+    assert out.startswith("❌ [08.2]") and all(h in out for h in hint), out
+    assert "not by parent" not in out, out
+
+
+@pytest.mark.parametrize("key,reverse", [(lambda c: c[0], True), (lambda c: -c[0], False)])
+def test_beam_step_stable_sort_on_the_score_alone_is_right(capsys, key, reverse):
+    """Python's sort is stable (reverse=True too): candidates listed beam by beam keep
+    that order on a tie, which is the library's tie order."""
+    out = verdict(capsys, ch08.check_beam_step, step_sorting(key=key, reverse=reverse))
+    assert out.startswith("✅ [08.2]"), out
+
+
 @pytest.mark.parametrize("answer,hint", [
     (step_fixed_width, "a beam may offer fewer than beam_width candidates, or none"),
     (step_rank_first_ties, "an exact tie goes to the lower beam index first"),

@@ -89,7 +89,7 @@ def _check_picks(got, expected, cum, cands, width, where: str):
     mine, want = _picks(got), _picks(expected)
     if mine != want:
         grading.fail(f"{where}: new beams as (parent, token) {mine}, expected {want}",
-                     _pick_hint(mine, cum, cands, width))
+                     _pick_hint(mine, want, cum, cands, width))
     for i, ((_, _, _, c), (_, _, _, e)) in enumerate(zip(got, expected, strict=True)):
         grading.expect_close(c, e, f"{where}: new beam {i}'s cum_logprob", rel=1e-9,
                              abs_=1e-9, hint="cum_logprob = cum_logprobs[parent] + the "
@@ -97,7 +97,32 @@ def _check_picks(got, expected, cum, cands, width, where: str):
     return list(got)
 
 
-def _pick_hint(mine, cum, cands, width) -> str:
+def _score(pick: tuple[int, int], cum, cands) -> float | None:
+    """cum_logprob of beam ``pick[0]`` continued by token ``pick[1]`` (None: not offered)."""
+    parent, token = pick
+    if not 0 <= parent < len(cands):
+        return None
+    return next((cum[parent] + lp for tok, lp in cands[parent] if tok == token), None)
+
+
+def _tie_hint(mine, want, cum, cands) -> str | None:
+    """The hint when the picks score exactly as the library's and only tied ones differ."""
+    scores = [_score(p, cum, cands) for p in mine]
+    if None in scores or scores != [_score(p, cum, cands) for p in want]:
+        return None
+    j = next(j for j, (a, b) in enumerate(zip(mine, want, strict=True)) if a != b)
+    (p, tok), (q, first) = mine[j], want[j]
+    same = (f"beam {q}'s tokens {first} and {tok} both score {scores[j]!r}, and beam {q} "
+            f"lists token {first} first" if p == q else
+            f"beam {q}'s token {first} and beam {p}'s token {tok} both score {scores[j]!r}")
+    put = f"token {tok}" if p == q else f"beam {p}'s"
+    return (f"your new beams are in score order, but an exact tie goes the other way: {same}; "
+            f"you put {put} first. On an exact tie the lower beam index goes first, then "
+            "the earlier candidate in that beam's list (sort(reverse=True) on (score, beam, "
+            "candidate) tuples reverses that tie order too; the token id does not decide)")
+
+
+def _pick_hint(mine, want, cum, cands, width) -> str:
     flat = [(i, r, tok, lp) for i, opts in enumerate(cands) for r, (tok, lp) in enumerate(opts)]
     by_step = [(i, tok) for i, _, tok, _ in sorted(flat, key=lambda c: (-c[3], c[0], c[1]))]
     per_beam = [(i, opts[0][0]) for i, opts in enumerate(cands) if opts]
@@ -120,6 +145,9 @@ def _pick_hint(mine, cum, cands, width) -> str:
     if mine == rank_first[:width]:
         return ("an exact tie goes to the lower beam index first, then to the earlier "
                 "candidate in that beam's list (not to the better-ranked candidate)")
+    tie = _tie_hint(mine, want, cum, cands)
+    if tie:
+        return tie
     best = sorted(flat, key=lambda c: (-(cum[c[0]] + c[3]), c[0], c[1]))[:width]
     if sorted(mine) == sorted((i, tok) for i, _, tok, _ in best) and mine == by_beam:
         return "list the new beams best first (by cum_logprob), not by parent"
