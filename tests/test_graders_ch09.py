@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -171,6 +172,63 @@ def choice_float32(lengths, allowed, budget):
 def test_09_2_the_issues_classes_get_named(capsys, wrong, state, hint):
     out = verdict(capsys, ch09.check_choose_block_size, wrong)
     assert out.startswith("❌ [09.2]") and state in out and hint in out, out
+
+
+def choice_fitting(fits):
+    """A choose_block_size deciding "within the budget" by ``fits(held, tokens, budget)``."""
+    def fn(lengths, allowed, budget):
+        if not allowed or not 0 <= budget < 1:
+            raise ValueError("bad input")
+        held = {b: sum(cdiv(n, b) * b for n in lengths) for b in allowed}
+        within = [b for b in allowed if fits(held[b], sum(lengths), budget)]
+        return max(within) if within else _least(lengths, allowed)
+    return fn
+
+
+_AT_03 = "choose_block_size([7], [10, 1], 0.3)"
+_AT_035 = "choose_block_size([13], [20, 4], 0.35)"
+
+
+@pytest.mark.parametrize("wrong, state, hint", [
+    # a learner's answer: the library returns 10 there, the float 0.3 being a hair below 3/10
+    (choice_fitting(lambda h, t, m: Fraction(h - t, h) <= Fraction(m)), _AT_03 + " (size 10 "
+     "wastes 3/10", ["the waste equals the budget as the float you are given",
+                     "compared as exact fractions with Fraction(max_waste)"]),
+    (choice_fitting(lambda h, t, m: (h - t) / h <= float(np.float32(m))), _AT_035,
+     ["the waste equals the budget as the floats you are given",
+      "max_waste rounded to float32"]),
+    (choice_fitting(lambda h, t, m: bool(np.float32(h - t) / np.float32(h) <= m)),
+     "choose_block_size([23040] * 10000 + [23039], [25600, 256], 0.1)",
+     ["the waste is a hair above the budget", "in float32 (torch's default dtype"]),
+    (choice_fitting(lambda h, t, m: bool(torch.tensor(h - t) / torch.tensor(h) <= m)),
+     "one slot more than 0.1 of 256,025,600", ["the waste is a hair above the budget"]),
+    (choice_fitting(lambda h, t, m: 1 - t / h <= m), _AT_03,
+     ["the waste computed as 1 - tokens / held"]),
+    (choice_fitting(lambda h, t, m: h - t <= m * h), "choose_block_size([5, 25, 45, 42], "
+     "[20, 5], 0.35)", ["the budget multiplied out"]),
+])
+def test_09_2_a_waste_at_a_budget_a_float_holds_approximately(capsys, wrong, state, hint):
+    """The budget is the float the learner is given, compared with the float 09.1 returns:
+    exact fractions, float32 on either side, and other roundings are told apart."""
+    out = verdict(capsys, ch09.check_choose_block_size, wrong)
+    assert out.startswith("❌ [09.2]") and state in out and all(h in out for h in hint), out
+
+
+def test_09_2_the_at_budget_cases_are_what_the_library_says():
+    assert choose_block_size([7], [10, 1], 0.3) == 10  # 3 / 10 == 0.3 as floats
+    assert Fraction(3, 10) > Fraction(0.3)  # what an exact comparison sees
+    assert choose_block_size([13], [20, 4], 0.35) == 20 and float(np.float32(0.35)) < 0.35
+    assert choose_block_size([5, 25, 45, 42], [20, 5], 0.35) == 20 and 0.35 * 180 < 63
+    assert choose_block_size([23040] * 10_000 + [23039], [25600, 256], 0.1) == 256
+
+
+@pytest.mark.parametrize("fits", [
+    lambda h, t, m: Fraction(h - t, h) <= Fraction(str(m)),  # the decimal the learner typed
+    lambda h, t, m: (h - t) / h <= m + 1e-12,  # a tolerance far below one slot
+])
+def test_09_2_other_readings_that_agree_with_the_float_pass(capsys, fits):
+    assert verdict(capsys, ch09.check_choose_block_size, choice_fitting(fits)).startswith(
+        "✅ [09.2]")
 
 
 # ---------------------------------------------------------------- 09.3 attend_tiles

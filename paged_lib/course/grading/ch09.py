@@ -15,9 +15,11 @@ one made.
 
 from __future__ import annotations
 
+import itertools
 import math
 import numbers
 from collections.abc import Callable, Sequence
+from fractions import Fraction
 from typing import Any
 
 import numpy as np
@@ -167,6 +169,14 @@ _CHOICE_CASES: list[tuple[list[int], list[int], float, str]] = [
      "(sizes that are not powers of two)"),
     ([9], [10, 5], 0.1, "both waste exactly the budget of 0.1 (in float32 a bit more)"),
     ([480, 960], [96, 8, 40], 0.0, "every size fits; a set keeps them as 96, 8, 40"),
+    ([7], [10, 1], 0.3, "size 10 wastes 3/10, which Python's float division makes exactly the "
+     "float 0.3 (a hair below 3/10)"),
+    ([13], [20, 4], 0.35, "size 20 wastes 7/20, which Python's float division makes exactly "
+     "the float 0.35 (a hair below 7/20; in float32 a bit less)"),
+    ([5, 25, 45, 42], [20, 5], 0.35, "size 20 wastes 63 of its 180 slots, which Python's "
+     "float division makes exactly the float 0.35"),
+    ([23040] * 10_000 + [23039], [25600, 256], 0.1, "size 25600 wastes one slot more than "
+     "0.1 of 256,025,600: a hair above the budget as floats, equal to it in float32"),
 ]
 
 
@@ -184,6 +194,7 @@ def _wrong_choices(lengths: list[int], allowed: list[int], budget: float) -> dic
         "the waste computed in float32: a waste exactly at the budget rounds above it "
         "(Python's floats are float64)":
             max(fits32) if fits32 else min(waste32, key=lambda b: (waste32[b], b)),
+        **_at_budget(lengths, allowed, budget, least),
         "waste averaged over sequences instead of over slots": max(pfits)
             if pfits else min(per_seq, key=lambda b: (per_seq[b], b)),
         "the budget held by every sequence on its own: it is on the memory all the "
@@ -212,11 +223,56 @@ def _wrong_choices(lengths: list[int], allowed: list[int], budget: float) -> dic
     return out
 
 
+def _at_budget(lengths: list[int], allowed: list[int], budget: float, least: int
+               ) -> dict[str, int]:
+    """What answers return that compare the waste with the budget otherwise than as the
+    float 09.1 returns (Python's float division) and the float max_waste as given."""
+    held = {b: sum(cdiv(x, b) * b for x in lengths) for b in allowed}
+    tokens = sum(lengths)
+    f32 = np.float32
+    rules: dict[str, Callable[[int], bool]] = {
+        "the waste equals the budget as the float you are given (Python's float division of "
+        "the empty slots by the slots held gives exactly max_waste), so the size is "
+        "acceptable: compared as exact fractions with Fraction(max_waste) it lands above, "
+        "as the float 0.3 (or 0.35) is a hair below 3/10 (7/20)":
+            lambda b: Fraction(held[b] - tokens, held[b]) <= Fraction(budget),
+        "the waste equals the budget as the floats you are given (Python's, float64), so "
+        "the size is acceptable: max_waste rounded to float32 (np.float32, a float32 "
+        "tensor) is a hair below 0.35 and the waste lands above it":
+            lambda b: (held[b] - tokens) / held[b] <= float(f32(budget)),
+        "the waste is a hair above the budget (one slot in 256 million) as Python's floats "
+        "(float64) compute it, so the size is not acceptable: in float32 (torch's default "
+        "dtype, or np.float32) both round to the same number":
+            lambda b: bool(f32(held[b] - tokens) / f32(held[b]) <= f32(budget)),
+        "the waste computed as 1 - tokens / held: the subtraction rounds (1 - 7/10 is "
+        "0.30000000000000004, above 0.3); the waste is the empty slots over the slots "
+        "held, (held - tokens) / held, as 09.1 returns it":
+            lambda b: 1 - tokens / held[b] <= budget,
+        "the budget multiplied out (held - tokens <= max_waste * held): the product rounds "
+        "(0.35 * 180 is 62.99999999999999, below 63 empty slots); divide, as 09.1 does, "
+        "and compare the two floats":
+            lambda b: held[b] - tokens <= budget * held[b],
+    }
+    out = {}
+    for hint, fits in rules.items():
+        sizes = [b for b in allowed if fits(b)]
+        out[hint] = max(sizes) if sizes else least
+    return out
+
+
+def _show(lengths: Sequence[int]) -> str:
+    """``lengths`` as a list, runs of one length written ``[n] * k`` when it is long."""
+    if len(lengths) <= 12:
+        return str(list(lengths))
+    runs = [(n, len(list(g))) for n, g in itertools.groupby(lengths)]
+    return " + ".join(f"[{n}] * {k}" if k > 1 else f"[{n}]" for n, k in runs)
+
+
 def check_choose_block_size(fn: Callable[[Sequence[int], Sequence[int], float], int]) -> None:
     """09.2: the largest allowed block size within the waste budget."""
     with grading.exercise("09.2", "Choosing a block size"):
         for lengths, allowed, budget, about in _CHOICE_CASES:
-            what = f"choose_block_size({lengths}, {allowed}, {budget}) ({about})"
+            what = f"choose_block_size({_show(lengths)}, {allowed}, {budget}) ({about})"
             want = choose_block_size(lengths, allowed, budget)
             none_fits = all(internal_waste(lengths, b) > budget for b in allowed)
             lost = ("no allowed size keeps the budget here, but the engine still needs a "
