@@ -317,6 +317,74 @@ def test_09_3_wrong_answers_get_a_named_hint(capsys, wrong, state, hint):
     assert out.startswith("❌ [09.3]") and state in out and hint in out, out
 
 
+def tiles_written(heads="repeat_interleave", rescale=("l", "acc"), running_max=True,
+                  factor="old - new", result="q"):
+    """An attend_tiles written as a learner may (the heads expanded with a tensor method,
+    [h, 1] running state, matmuls), with one planted slip (defaults: correct)."""
+    def fn(q, k_cache, v_cache, block_table, seq_len, tile):
+        h, d = q.shape
+        bs, nkv = k_cache.shape[1], k_cache.shape[2]
+        dt = torch.float64 if q.dtype == torch.float64 else torch.float32
+        qf = q.to(dt) / math.sqrt(d)
+        m = torch.full((h, 1), -math.inf, dtype=dt)
+        l, acc = torch.zeros(h, 1, dtype=dt), torch.zeros(h, d, dtype=dt)  # noqa: E741
+        for start in range(0, seq_len, tile):
+            pos = torch.arange(start, min(start + tile, seq_len))
+            blocks = block_table[pos // bs].long()
+            k = k_cache[blocks, pos % bs].to(dt)  # [t, num_kv_heads, d]
+            v = v_cache[blocks, pos % bs].to(dt)
+            if heads == "repeat_interleave":
+                k, v = k.repeat_interleave(h // nkv, dim=1), v.repeat_interleave(h // nkv, dim=1)
+            else:  # kv0, kv1, kv0, kv1, ...: query head h reads KV head h % num_kv_heads
+                k, v = k.repeat(1, h // nkv, 1), v.repeat(1, h // nkv, 1)
+            s = torch.bmm(k.transpose(0, 1), qf[:, :, None])[:, :, 0]  # [h, t]
+            m_new = torch.maximum(m, s.max(-1, keepdim=True).values) if running_max \
+                else torch.zeros_like(m)
+            a = torch.exp(m - m_new) if factor == "old - new" else torch.where(
+                m.isinf(), torch.ones_like(m), torch.exp(m_new - m))
+            if not running_max:
+                a = torch.ones_like(m)
+            p = torch.exp(s - m_new)
+            l = (l * a if "l" in rescale else l) + p.sum(-1, keepdim=True)  # noqa: E741
+            pv = torch.bmm(p[:, None, :], v.transpose(0, 1))[:, 0]
+            acc = (acc * a if "acc" in rescale else acc) + pv
+            m = m_new
+        if seq_len == 0:
+            return torch.zeros_like(q)
+        out = acc / l
+        return out if result == "working dtype" else out.to(q.dtype)
+    return fn
+
+
+def test_09_3_a_learner_style_answer_passes(capsys):
+    assert verdict(capsys, ch09.check_attend_tiles, tiles_written()).startswith("✅ [09.3]")
+
+
+@pytest.mark.parametrize("wrong, state, hint", [
+    # a learner's two answers that got the catch-all hint ("... folded into the running
+    # max, denominator and accumulator")
+    (tiles_written(heads="repeat"), "blocks of 4, tiles of 4 (a tile is a block)",
+     ["query head h reads KV head h // (num_heads // num_kv_heads)",
+      "yours read KV head h % num_kv_heads, as .repeat(...) lays"]),
+    (tiles_written(rescale=("l",)), "blocks of 4, tiles of 4", [
+        "the accumulator is rescaled by exp(m_old - m_new) as the denominator is"]),
+    (tiles_written(rescale=("acc",)), "blocks of 4, tiles of 4", [
+        "the denominator l is rescaled by exp(m_old - m_new) as the accumulator is"]),
+    (tiles_written(rescale=()), "blocks of 4, tiles of 4", ["yours rescales neither"]),
+    (tiles_written(factor="new - old"), "blocks of 4, tiles of 4",
+     ["exp(m_old - m_new), at most 1, not exp(m_new - m_old)"]),
+    (tiles_written(running_max=False), "scores in the hundreds",
+     ["exp of a raw score overflows (scores here reach", "subtract the running max m"]),
+    (tiles_written(result="working dtype"), "float16", [
+        "returned torch.float32 (4, 8), expected torch.float16 (4, 8)",
+        "then cast the result with .to(q.dtype)"]),
+])
+def test_09_3_learner_style_slips_get_their_own_hint(capsys, wrong, state, hint):
+    out = verdict(capsys, ch09.check_attend_tiles, wrong)
+    assert out.startswith("❌ [09.3]") and state in out and all(h in out for h in hint), out
+    assert "folded into the running max, denominator and accumulator" not in out, out
+
+
 def test_the_helpers_that_do_09_1_and_09_2_are_refused(capsys):
     from paged_lib.fragmentation.request import request_slots
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from paged_lib.course import grading
+from paged_lib.course.grading.ch04_slips import name_slip
 from paged_lib.course.grading.ch09_tile_reads import TileLog, TileTensor, watching
 from paged_lib.kernels import paged_attention
 from paged_lib.kernels.torch_backend import paged_attention_torch
@@ -50,7 +51,7 @@ class Case:
 
 def _case(name: str, block_size: int, tile: int, seq_len: int, heads: int = 4,
           kv_heads: int = 2, dtype: torch.dtype = torch.float32, seed: int = 0,
-          growing: bool = False, head_dim: int = 8) -> Case:
+          growing: bool = False, head_dim: int = 8, loud: float = 1.0) -> Case:
     g = torch.Generator().manual_seed(seed)
     used = cdiv(seq_len, block_size)
     num_blocks = used + 3
@@ -61,7 +62,8 @@ def _case(name: str, block_size: int, tile: int, seq_len: int, heads: int = 4,
     for pos in range(seq_len):
         grow = 1 + pos / 3 if growing else 1.0  # later tokens score higher: the max moves
         base = torch.randn(kv_heads, head_dim, generator=g, dtype=torch.float64)
-        k[physical[pos // block_size], pos % block_size] = (base * 0.3 + grow).to(dtype)
+        k[physical[pos // block_size], pos % block_size] = ((base * 0.3 + grow) * loud
+                                                            ).to(dtype)
         v[physical[pos // block_size], pos % block_size] = torch.randn(
             kv_heads, head_dim, generator=g, dtype=torch.float64).to(dtype)
     q = (torch.randn(heads, head_dim, generator=g, dtype=torch.float64) * 1.5).to(dtype)
@@ -88,6 +90,9 @@ def cases() -> list[Case]:
         _case("an empty sequence (length 0): zeros", 4, 3, 0, seed=10),
         _case("scores that grow along the sequence: every tile raises the running max "
               "(blocks of 4, tiles of 3, 17 tokens)", 4, 3, 17, seed=11, growing=True),
+        _case("scores in the hundreds, as a sharp softmax has them: exp of a raw score "
+              "overflows float32 (blocks of 4, tiles of 5, 18 tokens)", 4, 5, 18, seed=17,
+              growing=True, loud=4.0),
         _case("MHA: 3 heads, 3 KV heads (blocks of 2, tiles of 5, 12 tokens)", 2, 5, 12,
               heads=3, kv_heads=3, seed=12),
         _case("MQA: 4 heads, 1 KV head (blocks of 4, tiles of 6, 14 tokens)", 4, 6, 14,
@@ -112,10 +117,13 @@ def reference(c: Case) -> torch.Tensor:
     return paged_attention(*args, backend="torch")[0]
 
 
-def _variant(c: Case, *, block_of: str = "block", rescale: bool = True, kv: str = "group",
-             scale: bool = True, wide: torch.dtype | None = None,
-             whole_tiles: bool = False) -> torch.Tensor:
-    """Online softmax over tiles with one typical mistake (defaults: none)."""
+def _variant(c: Case, *, block_of: str = "block", rescale: bool | str = True,
+             kv: str = "group", scale: bool = True, wide: torch.dtype | None = None,
+             whole_tiles: bool = False, running_max: bool = True) -> torch.Tensor:
+    """Online softmax over tiles with one typical mistake (defaults: none). ``rescale``:
+    True, False, the one running sum rescaled ("l" or "acc"), or "inverted" (by
+    exp(m_new - m_old)); ``running_max`` False:
+    exp of the raw scores."""
     h, d = c.q.shape
     bs, nkv = c.k_cache.shape[1], c.k_cache.shape[2]
     dt = wide or (torch.float64 if c.q.dtype == torch.float64 else torch.float32)
@@ -131,11 +139,15 @@ def _variant(c: Case, *, block_of: str = "block", rescale: bool = True, kv: str 
         k = c.k_cache[blocks, pos % bs].to(dt)[:, heads]  # [t, h, d]
         v = c.v_cache[blocks, pos % bs].to(dt)[:, heads]
         s = torch.einsum("hd,thd->ht", qf, k)
-        m_new = torch.maximum(m, s.amax(-1))
-        alpha = torch.exp(m - m_new) if rescale else torch.ones_like(m)
+        m_new = torch.maximum(m, s.amax(-1)) if running_max else torch.zeros_like(m)
+        alpha = torch.exp(m - m_new) if rescale and running_max else torch.ones_like(m)
+        if rescale == "inverted":  # (the first tile has nothing summed to rescale)
+            alpha = torch.where(m.isinf(), torch.ones_like(m), torch.exp(m_new - m))
         p = torch.exp(s - m_new[:, None])
-        den = den * alpha + p.sum(-1)
-        acc = acc * alpha[:, None] + torch.einsum("ht,thd->hd", p, v)
+        one = torch.ones_like(alpha)
+        den = den * (alpha if rescale in (True, "l", "inverted") else one) + p.sum(-1)
+        acc = acc * (alpha if rescale in (True, "acc", "inverted") else one)[:, None] \
+            + torch.einsum("ht,thd->hd", p, v)
         m = m_new
     if end == 0:
         return torch.zeros_like(c.q)
@@ -145,11 +157,23 @@ def _variant(c: Case, *, block_of: str = "block", rescale: bool = True, kv: str 
 #: (how the mistake is made, the hint naming it)
 _MISTAKES: list[tuple[dict, str]] = [
     (dict(rescale=False), "when a tile raises the running max m, what was summed so far "
-     "(the denominator and the accumulator) is rescaled by exp(m_old - m_new)"),
+     "(the denominator and the accumulator) is rescaled by exp(m_old - m_new); yours "
+     "rescales neither"),
+    (dict(rescale="inverted"), "the factor that rescales the denominator and the "
+     "accumulator when the running max grows is exp(m_old - m_new), at most 1, not "
+     "exp(m_new - m_old)"),
+    (dict(rescale="l"), "when a tile raises the running max m, the accumulator is rescaled "
+     "by exp(m_old - m_new) as the denominator is: yours adds the new tile's p . v to "
+     "values still weighted by the old max"),
+    (dict(rescale="acc"), "when a tile raises the running max m, the denominator l is "
+     "rescaled by exp(m_old - m_new) as the accumulator is: yours adds the new tile's "
+     "exp(s - m_new) to a sum still taken with the old max"),
     (dict(block_of="tile"), "a token's block is block_table[pos // block_size] and its slot "
      "pos % block_size, whatever the tile: a tile may span several blocks"),
     (dict(kv="mod"), "query head h reads KV head h // (num_heads // num_kv_heads): the "
-     "heads that share a KV head are neighbours"),
+     "heads that share a KV head are neighbours; yours read KV head h % num_kv_heads, "
+     "as .repeat(...) lays the KV heads out (repeat_interleave keeps each one's group "
+     "together)"),
     (dict(scale=False), "scores are q . k / sqrt(head_dim)"),
     (dict(whole_tiles=True), "the last tile holds what is left (seq_len % tile tokens), "
      "and it counts too"),
@@ -158,24 +182,44 @@ _MISTAKES: list[tuple[dict, str]] = [
 ]
 
 
+#: the hint of a block found by the tile's index (an IndexError with it, too)
+_BLOCK_OF = next(hint for how, hint in _MISTAKES if how == dict(block_of="tile"))
+_OVERFLOW = ("exp of a raw score overflows (scores here reach {top:.0f}; in float32 exp "
+             "is inf from 89 on, and inf / inf is NaN): subtract the running max m before "
+             "exp, exp(s - m_new), and rescale what was summed (chapter 04's online softmax)")
+
+
 def _hint(c: Case, got: torch.Tensor, want: torch.Tensor) -> str:
     if c.seq_len == 0:
         return ("a sequence of length 0 has nothing to attend to: return zeros (as "
                 "paged_attention does for a padding row), not 0 / 0")
+    if not got.isfinite().all() and want.isfinite().all():
+        raw = _variant(c, running_max=False)
+        if not raw.isfinite().all() and torch.equal(raw.isfinite(), got.isfinite()):
+            return _OVERFLOW.format(top=float(_scores(c).max()))
     if got.isnan().any() and not want.isnan().any():
         return ("NaN: a slot past the sequence's end was read (every unused slot is NaN, "
                 "and the table's padding -1 indexes the cache's last block): read only "
                 "positions below seq_len")
-    for how, hint in _MISTAKES:
+    slips, hints = {}, {}
+    for i, (how, hint) in enumerate(_MISTAKES):
         try:
-            wrong = _variant(c, **how)
+            slips[i], hints[i] = _variant(c, **how).double(), hint
         except (IndexError, RuntimeError):
             continue
-        if not torch.allclose(wrong.double(), want.double(), 1e-9, 1e-12) and torch.allclose(
-                got.double(), wrong.double(), 1e-6, 1e-9):
-            return hint
-    return ("each tile's tokens are gathered from the blocks they sit in and folded into "
-            "the running max, denominator and accumulator (chapter 04's online softmax)")
+    named = name_slip(got, want, slips, hints)  # the slip far closer to got than want is
+    return named or ("each tile's tokens are gathered from the blocks they sit in and folded "
+                     "into the running max, denominator and accumulator (chapter 04's "
+                     "online softmax)")
+
+
+def _scores(c: Case) -> torch.Tensor:
+    """Every head's scores q . k / sqrt(head_dim) over the sequence, in float64."""
+    h, d = c.q.shape
+    bs, nkv = c.k_cache.shape[1], c.k_cache.shape[2]
+    pos = torch.arange(c.seq_len)
+    k = c.k_cache[c.table.long()[pos // bs], pos % bs].double()[:, torch.arange(h) // (h // nkv)]
+    return torch.einsum("hd,thd->ht", c.q.double(), k) * d ** -0.5
 
 
 def _tolerance(c: Case) -> tuple[float, float]:
@@ -195,7 +239,7 @@ def check_case(fn: Callable, c: Case) -> None:
         raise
     except Exception as err:  # noqa: BLE001 - told with the case that raised it
         grading.fail(f"{what}: your function raised {type(err).__name__}: {err}",
-                     _MISTAKES[1][1] + "; positions run from 0 to seq_len - 1 only"
+                     _BLOCK_OF + "; positions run from 0 to seq_len - 1 only"
                      if isinstance(err, IndexError) else None)
     reads = list(log.reads)
     grading.expect_true(isinstance(got, torch.Tensor), f"{what}: returned "
@@ -203,7 +247,10 @@ def check_case(fn: Callable, c: Case) -> None:
     got = got.as_subclass(torch.Tensor) if isinstance(got, TileTensor) else got
     grading.expect_true(got.dtype == c.q.dtype and tuple(got.shape) == tuple(c.q.shape),
                         f"{what}: returned {got.dtype} {tuple(got.shape)}, expected "
-                        f"{c.q.dtype} {tuple(c.q.shape)}", "the output has q's shape and dtype")
+                        f"{c.q.dtype} {tuple(c.q.shape)}", "the output has q's shape and dtype"
+                        + ("" if tuple(got.shape) != tuple(c.q.shape) else ": compute in "
+                           "float32 (float64 when q is float64), then cast the result with "
+                           ".to(q.dtype) at the end"))
     rtol, atol = _tolerance(c)
     bad = ~torch.isclose(got.double(), want.double(), rtol, atol)
     if bad.any():
