@@ -253,7 +253,7 @@ def test_demo_on_unfinished_code_says_so(capsys):
 
 def write_with(doubling=True, requantise=True, fresh=True, nan=True, per_head=True,
                joint=True, strict=True, rnd=torch.round, tiny=True, dtype=torch.float32,
-               ratio_first=True):
+               ratio_first=True, growth="least", need_of="block"):
     """A write_int8_blocks with one planted mistake (defaults: correct), written as a
     learner would: block by block."""
     def fn(x, data, scale, slots):
@@ -263,7 +263,8 @@ def write_with(doubling=True, requantise=True, fresh=True, nan=True, per_head=Tr
             where = (blocks == b).nonzero().flatten().tolist()
             for part in ([where] if joint else [[i] for i in where]):
                 vals = x[part].to(dtype)
-                need = (vals.abs().amax(dim=(0, 2)) / 127).float()
+                seen = vals if need_of == "block" else x.to(dtype)  # "call": every block's
+                need = (seen.abs().amax(dim=(0, 2)) / 127).float()
                 if not per_head:
                     need = need.max().expand_as(need)
                 old = scale[b].clone()
@@ -272,7 +273,13 @@ def write_with(doubling=True, requantise=True, fresh=True, nan=True, per_head=Tr
                 if nan:
                     old = torch.nan_to_num(old, nan=0.0)
                 grows = need > old if strict else need >= old
-                new = torch.where(grows, torch.maximum(need, 2 * old) if doubling else need, old)
+                if growth == "least":
+                    grown = torch.maximum(need, 2 * old)
+                else:  # "double": twice the old scale; "pow2": doubled until it holds need
+                    grown = torch.where(old > 0, 2 * old, need)
+                    while growth == "pow2" and bool((grown < need).any()):
+                        grown = torch.where(grown < need, 2 * grown, grown)
+                new = torch.where(grows, grown if doubling else need, old)
                 if tiny:
                     new = new.clamp(min=torch.finfo(torch.float32).tiny)
                 if requantise and ratio_first:
@@ -320,6 +327,19 @@ def test_11_3_wrong_answers_get_a_named_hint(capsys, wrong, hint, state):
     assert out.startswith("❌ [11.3]") and hint in out and state in out, out
 
 
+@pytest.mark.parametrize("wrong, hint, state", [
+    (write_with(growth="double"), "doubling is not enough", "a token far past the limit"),
+    (write_with(growth="pow2"), "not the old scale doubled until it fits",
+     "a token far past the limit"),
+    (write_with(need_of="call"), "only the tokens written into that block",
+     "a step that crosses a block boundary"),
+])
+def test_11_3_rules_read_from_the_invariants_get_a_named_hint(capsys, wrong, hint, state):
+    """Readings of 'at least doubles, nothing clips, one growth per call' that break one."""
+    out = verdict(capsys, ch11.check_write_int8_blocks, wrong)
+    assert out.startswith("❌ [11.3]") and hint in out and state in out, out
+
+
 def test_11_3_a_rule_right_on_every_edge_but_not_on_a_prefill_is_caught_by_the_replay(capsys):
     def one_token_at_a_time_past_four(x, data, scale, slots):
         if len(slots) > 4:  # a prompt: token by token (one growth each)
@@ -344,7 +364,7 @@ def test_11_3_requantising_in_the_other_order_is_told_why_only_serving_shows_it(
 
 
 def drop_with(gone="floor", copy="partial", rotate="new", shift=1, free="one",
-              shared="after", short=True):
+              shared="after", short=True, free_first=False):
     """A drop_oldest with one planted mistake (defaults: correct)."""
     from paged_lib.blocks import BlockTable
     from paged_lib.engine.window import WindowOp
@@ -354,20 +374,24 @@ def drop_with(gone="floor", copy="partial", rotate="new", shift=1, free="one",
         if short and table.num_tokens < sinks + bs:
             raise ValueError("short")
         blocks = table.blocks
-        g = {"floor": sinks // bs, "ceil": -(-sinks // bs), "first": 0}[gone]
-        looked = {"after": blocks[g:], "all": blocks, "none": []}[shared]
+        g = {"floor": sinks // bs, "ceil": -(-sinks // bs), "first": 0,
+             "last_sink": max(0, (sinks - 1) // bs)}[gone]
+        if free_first:  # the release before the check: a ValueError then leaves it freed
+            pool.free(blocks[g])
+        looked = {"after": blocks[g:], "all": blocks, "none": [],
+                  "rewritten": blocks[g + 1:]}[shared]
         if any(pool.refcount(b) > 1 for b in looked):
             raise ValueError("shared")
         kept = blocks[:g] + blocks[g + 1:]
         if free == "table":
             table.free()
         new = BlockTable(pool, bs, kept, table.num_tokens - bs)
-        if free == "one":
+        if free == "one" and not free_first:
             pool.free(blocks[g])
         src = kept if rotate == "new" else blocks
         first = g * bs if rotate == "copied" else sinks  # "copied": the moved sinks too
         slots = tuple(src[p // bs] * bs + p % bs for p in range(first, new.num_tokens))
-        r = sinks % bs
+        r = sinks - g * bs if gone == "last_sink" else sinks % bs  # every sink in block g
         if (copy == "partial" and r) or copy == "always":
             return new, WindowOp(slots, shift * bs, blocks[g], blocks[g + 1], r or bs)
         return new, WindowOp(slots, shift * bs)
@@ -398,6 +422,22 @@ def test_11_4_a_correct_answer_passes_and_the_library_is_refused(capsys):
     (drop_with(short=False), "has no block of recent tokens", "too short"),
 ])
 def test_11_4_wrong_answers_get_a_named_hint(capsys, wrong, hint, state):
+    out = verdict(capsys, ch11.check_drop_oldest, wrong)
+    assert out.startswith("❌ [11.4]") and hint in out and state in out, out
+
+
+@pytest.mark.parametrize("wrong, hint, state", [
+    (drop_with(gone="last_sink"), "whole sink blocks stay where they are",
+     "sinks filling one block"),
+    (drop_with(shared="rewritten"), "the released block counts too",
+     "the block to release shared"),
+    (drop_with(free_first=True), "a ValueError changes nothing",
+     "a block after the sinks shared"),
+])
+def test_11_4_rules_read_from_the_invariants_get_a_named_hint(capsys, wrong, hint, state):
+    """Readings of 'sinks then recent tokens, one block freed, nothing shared rewritten'
+    that break one: the sinks' own block released, the released block not looked at,
+    a ValueError raised after the release."""
     out = verdict(capsys, ch11.check_drop_oldest, wrong)
     assert out.startswith("❌ [11.4]") and hint in out and state in out, out
 
@@ -447,3 +487,48 @@ def test_the_engine_releases_window_blocks_through_its_hook():
     # 24 tokens fed (5 + 20 - 1): a block of 4 leaves whenever the next token would make
     # 8 + 4 recent tokens after the 2 sinks, so the table holds 13 each time (fed 14, 18, 22)
     assert seen == [(13, 2), (13, 2), (13, 2)]
+
+
+def _spec(exercise: str) -> str:
+    """The spec cell of an exercise in solutions/11, whitespace collapsed."""
+    import json
+    from pathlib import Path
+
+    nb = json.loads((Path(__file__).parents[1] / "solutions/11_kv_landscape.ipynb").read_text())
+    cell = next("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "markdown"
+                and "".join(c["source"]).startswith(f"### Exercise {exercise}:"))
+    return " ".join(cell.split())
+
+
+def test_11_3_the_specs_example_is_the_librarys():
+    from paged_lib.kernels.kv_quant import write_int8_blocks
+
+    data = torch.zeros(5, 4, 1, 2, dtype=torch.int8)
+    data[3, :2, 0] = torch.tensor([[127, 0], [-64, 32]], dtype=torch.int8)
+    scale = torch.full((5, 1), float("nan"))
+    scale[3] = 0.01
+    write_int8_blocks(torch.tensor([[[2.0, -0.5]]]), data, scale, torch.tensor([14]))
+    assert data[3, :3, 0].tolist() == [[64, 0], [-32, 16], [100, -25]]
+    assert abs(float(scale[3, 0]) - 0.02) < 1e-9
+    text = _spec("11.3")
+    for said in ("scale 0.01", "slot 14", "scale is 0.02", "are `[64, 0]`", "and `[-32, 16]`",
+                 "token is `[100, -25]`"):
+        assert said in text, said
+
+
+def test_11_4_the_specs_example_is_the_librarys():
+    from paged_lib.blocks import BlockAllocator, BlockTable
+    from paged_lib.engine.window import drop_oldest
+
+    pool = BlockAllocator(8)
+    blocks = [pool.allocate() for _ in range(8)]
+    for b in blocks:
+        if b not in (7, 3, 5):
+            pool.free(b)
+    new, op = drop_oldest(BlockTable(pool, 4, [7, 3, 5], 11), 2)
+    assert (new.blocks, new.num_tokens, pool.refcount(7)) == ([3, 5], 7, 0)
+    assert repr(op) == ("WindowOp(rotate_slots=(14, 15, 20, 21, 22), shift=4, copy_src=7, "
+                        "copy_dst=3, copy_len=2)")
+    text = _spec("11.4")
+    assert "blocks `[7, 3, 5]` holding 11 tokens become `[3, 5]` holding 7" in text
+    assert f"`{op!r}`" in text, text

@@ -199,11 +199,11 @@ def recorded() -> tuple[list[WriteCall], list[tuple[list, list]]]:
 
 
 #: every replayed call agreed, where a code one off at an exact tie is let through; served,
-#: that code feeds the next layer, so the usual cause is the order of step 4's arithmetic
+#: that code feeds the next layer, so the usual cause is the order of the requantising
 _SERVE_HINT = ("every replayed call agreed up to a code one off at an exact tie, which the "
                "engine's next layer sees: requantise with the ratio first, round(q * (old / "
-               "new)), not round(q * old / new) (step 4); else look for state kept outside "
-               "data and scale")
+               "new)), not round(q * old / new), as the spec's exact codes ask; else look "
+               "for state kept outside data and scale")
 
 
 def _check_engine(fn: Callable) -> None:

@@ -27,9 +27,14 @@ def reference_write(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor,
                     slots: torch.Tensor, *, doubling: bool = True, requantise: bool = True,
                     fresh_at_zero: bool = True, per_head: bool = True, joint: bool = True,
                     grow_at_equal: bool = False, rounding: str = "round",
-                    floor_tiny: bool = True, forget_rest: bool = True) -> None:
+                    floor_tiny: bool = True, forget_rest: bool = True, growth: str = "least",
+                    need_of: str = "block") -> None:
     """The block write, written out block by block; with a keyword changed, what one
-    typical mistake does (the hints name them). Defaults: the library's rule."""
+    typical mistake does (the hints name them). Defaults: the library's rule.
+    ``growth``: "least" (the smallest scale that holds the values and at least doubles),
+    "pow2" (doubled until it holds them), "double" (exactly doubled, clipping what does
+    not fit); ``need_of``: "block" (the tokens of the call in that block) or "call" (all
+    of the call's tokens, whatever block they go to)."""
     bs = data.shape[1]
     blocks, offsets = slots // bs, slots % bs
     rnd = {"round": torch.round, "trunc": torch.trunc, "floor": torch.floor}[rounding]
@@ -39,7 +44,7 @@ def reference_write(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor,
         groups = [here] if joint else [[i] for i in here]
         for part in groups:
             vals = x[part].float()
-            need = vals.abs().amax(dim=(0, 2)) / 127
+            need = (vals if need_of == "block" else x.float()).abs().amax(dim=(0, 2)) / 127
             if not per_head:
                 need = need.amax().expand_as(need)
             old = scale[b].clone()
@@ -47,7 +52,7 @@ def reference_write(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor,
                 old.zero_()
             old = torch.nan_to_num(old, nan=0.0)
             grows = need >= old if grow_at_equal else need > old
-            new = torch.where(grows, torch.maximum(need, 2 * old) if doubling else need, old)
+            new = torch.where(grows, _grown(need, old, growth) if doubling else need, old)
             if floor_tiny:
                 new = new.clamp(min=_TINY)
             if requantise:
@@ -61,11 +66,27 @@ def reference_write(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor,
                 -127, 127).to(torch.int8)
 
 
+def _grown(need: torch.Tensor, old: torch.Tensor, growth: str) -> torch.Tensor:
+    """The scale a growing (block, head) gets, per ``growth`` (:func:`reference_write`)."""
+    if growth == "least":
+        return torch.maximum(need, 2 * old)
+    new = torch.where(old > 0, 2 * old, need)
+    if growth == "pow2":
+        while bool((new < need).any()):
+            new = torch.where(new < need, 2 * new, new)
+    return new
+
+
 _SLIPS: list[tuple[dict, str]] = [
     (dict(doubling=False), "when the scale grows it at least doubles: new = max(need, 2 x "
      "old), so a value requantised many times has lost less than one final step"),
+    (dict(growth="double"), "nothing clips: when the new values need more than twice the "
+     "old scale, doubling is not enough; the scale grows to what they need, new = max(need, "
+     "2 x old)"),
+    (dict(need_of="call"), "each block's scale follows only the tokens written into that "
+     "block: a call that writes into several blocks takes each block's own largest value"),
     (dict(requantise=False), "when the scale grows, the codes already in the block must be "
-     "requantised to it (round(q x old / new)), or they now mean values old / new times "
+     "requantised to it (round(q x (old / new))), or they now mean values new / old times "
      "too large"),
     (dict(fresh_at_zero=False), "a token written at offset 0 starts the block afresh: the "
      "block was just allocated, and its scale belongs to an earlier owner"),
@@ -73,6 +94,9 @@ _SLIPS: list[tuple[dict, str]] = [
      "largest value"),
     (dict(joint=False), "the tokens of one call that land in one block are taken together: "
      "one growth from their joint largest value, not one per token"),
+    (dict(growth="pow2"), "a growing scale goes no higher than the two rules ask: what the "
+     "new values need, or twice the old scale if that is more, new = max(need, 2 x old), "
+     "not the old scale doubled until it fits (that wastes precision)"),
     (dict(grow_at_equal=True), "a value exactly at 127 x scale fits: the scale grows only "
      "when need > old"),
     (dict(rounding="trunc"), "round to the nearest code (torch.round), do not truncate"),
@@ -198,8 +222,9 @@ def hint_for(fn: Callable, call: WriteCall, got: tuple) -> str:
     for slip, hint in _SLIPS:
         if difference(call, *got, _run(reference_write, call, **slip)) is None:
             return hint
-    return ("follow the rule step by step for each (block, head): fresh or not, need, "
-            "grow (at least double), requantise what is held, write the new tokens")
+    return ("compare this state with your rule for each (block, KV head) on its own: was "
+            "the block just allocated, what do the new values need, does the scale grow and "
+            "to what, what do the codes already there become, what do the new tokens become")
 
 
 def compare(fn: Callable, call: WriteCall, story: str) -> None:

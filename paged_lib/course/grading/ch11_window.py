@@ -7,8 +7,8 @@ answer, the learner's):
 
 * named edge states: the spec's example, no sinks, sinks filling one or two blocks, more
   sinks than a block, a table of exactly sinks + one block, a block size of 1, a shared
-  sink block (allowed), a shared block after the sinks and a table too short (both a
-  ``ValueError`` that changes nothing);
+  sink block (allowed), a shared block after the sinks, the block to release shared and a
+  table too short (each a ``ValueError`` that changes nothing);
 * replay: the library's engine serves windowed workloads (with and without sinks, sinks
   of every size against the block, requests that arrive while others slide, so freed
   blocks are reused) and every call it makes is asked of the learner's function on a
@@ -37,26 +37,33 @@ __all__ = ["WINDOW_WORKLOADS", "check_drop_oldest", "reference_drop"]
 
 def reference_drop(table: BlockTable, num_sink_tokens: int, *, gone: str = "floor",
                    copy: str = "partial", rotate: str = "new", shift: int = 1,
-                   free: bool = True, check_shared: str = "after", check_short: bool = True
-                   ) -> tuple[BlockTable, WindowOp]:
+                   free: bool = True, check_shared: str = "after", check_short: bool = True,
+                   free_first: bool = False) -> tuple[BlockTable, WindowOp]:
     """The release written out; with a keyword changed, what one typical mistake does
-    (the hints name them). Defaults: the library's rule."""
+    (the hints name them). Defaults: the library's rule. ``gone="last_sink"``: the block
+    holding the last sink goes, every sink in it copied on; ``check_shared="rewritten"``:
+    only the blocks after the released one are checked; ``free_first``: the block is
+    freed before the shared check, which then raises on a changed pool."""
     bs, sinks, pool = table.block_size, num_sink_tokens, table.allocator
     if check_short and table.num_tokens < sinks + bs:
         raise ValueError("too short")
     blocks = table.blocks
-    g = {"floor": sinks // bs, "ceil": -(-sinks // bs), "first": 0}[gone]
-    looked = {"after": blocks[g:], "all": blocks, "none": []}[check_shared]
+    g = {"floor": sinks // bs, "ceil": -(-sinks // bs), "first": 0,
+         "last_sink": max(0, (sinks - 1) // bs)}[gone]
+    if free and free_first:
+        pool.free(blocks[g])
+    looked = {"after": blocks[g:], "all": blocks, "none": [],
+              "rewritten": blocks[g + 1:]}[check_shared]
     if any(pool.refcount(b) > 1 for b in looked):
         raise ValueError("shared")
     kept = blocks[:g] + blocks[g + 1:]
     new = BlockTable(pool, bs, kept, table.num_tokens - bs)
-    if free:
+    if free and not free_first:
         pool.free(blocks[g])
     source = kept if rotate == "new" else blocks
     first = {"new": sinks, "old": sinks, "all": 0, "copied": g * bs}[rotate]
     slots = tuple(source[x // bs] * bs + x % bs for x in range(first, new.num_tokens))
-    r = sinks % bs
+    r = sinks - g * bs if gone == "last_sink" else sinks % bs
     if copy == "partial" and r or copy == "always":
         return new, WindowOp(slots, shift * bs, blocks[g], blocks[g + 1], r or bs)
     return new, WindowOp(slots, shift * bs)
@@ -70,6 +77,10 @@ _SLIPS: list[tuple[dict, str]] = [
     (dict(gone="ceil"), "the block at logical index num_sink_tokens // block_size goes (its "
      "first num_sink_tokens % block_size slots are sinks, copied on before it goes), not "
      "the first block after every sink"),
+    (dict(gone="last_sink"), "whole sink blocks stay where they are: the block that goes "
+     "is the one holding the oldest recent token (logical position num_sink_tokens), so "
+     "only the sinks that share a block with leaving tokens are copied, none when the "
+     "sinks fill whole blocks"),
     (dict(copy="never"), "when num_sink_tokens % block_size = r > 0, the released block "
      "holds r sinks: copy them to the first r slots of the next block (copy_src, copy_dst, "
      "copy_len)"),
@@ -84,6 +95,12 @@ _SLIPS: list[tuple[dict, str]] = [
      "positions"),
     (dict(free=False), "the released block goes back to the allocator (allocator.free: "
      "one reference dropped): without it every window step leaks a block"),
+    (dict(check_shared="rewritten"), "the released block counts too: another sequence that "
+     "holds it shares this table's tokens (a forked table, which no window serves): "
+     "ValueError, as for the blocks after it"),
+    (dict(free_first=True), "a ValueError changes nothing: look at every block the drop "
+     "would touch before freeing one (the pool after your ValueError is not the pool "
+     "before it)"),
     (dict(check_shared="none"), "a block after the sinks that another sequence holds "
      "(reference count > 1) is a ValueError: dropping rewrites it for every holder"),
     (dict(check_short=False), "a table of fewer than num_sink_tokens + block_size tokens "
@@ -170,9 +187,11 @@ def _compare(fn: Callable, call: DropCall, story: str) -> None:
 
 def _which_part(got: tuple, want: tuple) -> str:
     """When no known slip explains the answer: name the first part that differs."""
+    if got[0] == "ValueError" and want[0] == "ValueError":
+        return ("a ValueError changes nothing: the pool after it must be the pool before it")
     if got[0] == "ValueError" or want[0] == "ValueError" or len(got) != 5:
-        return ("follow the spec's steps: which logical block goes, its sinks copied on, "
-                "the kept tokens' slots in the new table, the pool")
+        return ("compare this table with the spec's situations: which block goes, which "
+                "sinks must move and where, which keys change position, the pool after")
     names = ["the new table's blocks", "its number of tokens", "the WindowOp"]
     for name, g, w in zip(names, got[:3], want[:3], strict=True):
         if g != w:
@@ -180,8 +199,8 @@ def _which_part(got: tuple, want: tuple) -> str:
                 fields = ["rotate_slots", "shift", "copy_src", "copy_dst", "copy_len"]
                 name = "the WindowOp's " + ", ".join(
                     f for f, a, b in zip(fields, g, w, strict=True) if a != b)
-            return (f"{name} differ(s) from the library's: compare them above, then follow "
-                    "the spec's steps for that part")
+            return (f"{name} differ(s) from the library's: compare them above with what "
+                    "the model runner does with each field")
     return "the pool after the call differs: compare the reference counts and the free list"
 
 
@@ -210,6 +229,8 @@ def _edges() -> list[DropCall]:
               4, 4, shared={6: 2}),
         _edge("a block after the sinks shared with another sequence", [6, 2, 9], 10, 4, 2,
               shared={2: 2}),
+        _edge("the block to release shared with another sequence (4 sinks, blocks of 4)",
+              [6, 2, 9], 10, 4, 4, shared={2: 2}),
         _edge("a table too short to drop a block (5 tokens, 2 sinks, blocks of 4)", [4, 7],
               5, 4, 2),
     ]
