@@ -147,11 +147,13 @@ def test_06_4_the_engines_can_admit_is_refused(capsys):
 
 def preempt_with(pick="hook", skip_ran=True, cpu_fallback=True, prefill_fallback=True,
                  front=True, loop=True, swap=True, false_when_self=True, eager=False,
-                 swapped_front=True):
+                 swapped_front=True, offer_all_not_ran=False, swappable_only=False,
+                 queue_by_mode=False, count_tables=False):
     """A preempt_until_fits with one planted mistake (defaults: correct)."""
     def preempt_fn(group, step):
         first = True
-        while step.blocks_needed > step.free_blocks or (
+        short = step.blocks_needed - step.free_blocks  # count_tables: counted once
+        while (short > 0 if count_tables else step.blocks_needed > step.free_blocks) or (
                 eager and first and step.running[-1] is not group
                 and not step.ran(step.running[-1])):
             first = False
@@ -160,6 +162,11 @@ def preempt_with(pick="hook", skip_ran=True, cpu_fallback=True, prefill_fallback
             else:
                 others = step.running[step.running.index(group) + 1:]
             offered = [group] + [g for g in others if not (skip_ran and step.ran(g))]
+            if offer_all_not_ran:  # every group that has not run, older ones too
+                offered = [g for g in step.running if not step.ran(g)]
+            if swappable_only and step.preemption == "swap":  # pass over the unswappable
+                offered = [g for g in offered if step.is_decoding(g)
+                           and step.can_swap_out(g)] or offered
             if pick == "asker":
                 victim = offered[0]
             elif pick == "latest":  # chosen inline, not asked of the engine's rule
@@ -168,6 +175,9 @@ def preempt_with(pick="hook", skip_ran=True, cpu_fallback=True, prefill_fallback
                 victim = choose_victim(offered)
             else:
                 victim = step.hooks.choose_victim(offered)
+            if count_tables:  # each sample's table counted, shared blocks too
+                short -= sum(len(s.block_table.blocks) for s in victim.live_seqs()
+                             if s.block_table)
             step.running.remove(victim)
             swapping = step.preemption == "swap" and swap
             if prefill_fallback:
@@ -180,7 +190,9 @@ def preempt_with(pick="hook", skip_ran=True, cpu_fallback=True, prefill_fallback
                  else step.swapped.append)(victim)
             else:
                 step.free(victim)
-                (step.waiting.appendleft if front else step.waiting.append)(victim)
+                queue = step.swapped if queue_by_mode and step.preemption == "swap" \
+                    else step.waiting
+                (queue.appendleft if front else queue.append)(victim)
             if victim is group:
                 return not false_when_self
             if not loop:
@@ -218,6 +230,15 @@ def test_07_3_a_correct_answer_passes(capsys):
      "ask step.hooks.choose_victim for the victim: the engine's rule may be another one"),
     (preempt_with(pick="library"), "the engine's choose_victim takes the oldest admitted first",
      "ask step.hooks.choose_victim for the victim: the engine's rule may be another one"),
+    # wrong rules a learner deriving the loop from its goal may write
+    (preempt_with(offer_all_not_ran=True), "request 1 (admitted at step 6, 2 sequence(s), "
+     "part way through a prefill, 4 blocks), request 0", "even one that has not run yet"),
+    (preempt_with(swappable_only=True), "the CPU pool has 4 free blocks: the library preempts "
+     "request 0 (freed, to position 0 of waiting)", "it is still the victim, recomputed"),
+    (preempt_with(queue_by_mode=True), "yours preempts request 1 (freed, to position 0 of "
+     "swapped)", "it is prefilled again from its text, from step.waiting"),
+    (preempt_with(count_tables=True), "request 3 (admitted at step 2, 2 sequence(s), "
+     "decoding, 1 blocks)", "one victim may free too few (a group shares blocks"),
 ])
 def test_07_3_wrong_answers_are_told_with_their_state(capsys, wrong, state, hint):
     out = verdict(capsys, ch07.check_preempt_until_fits, wrong)

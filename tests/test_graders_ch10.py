@@ -443,7 +443,8 @@ def test_worked_example_is_vllms():
 def alloc(pool, token_ids, hashes, block_size, max_new_tokens, *, cap=True, touch_first=True,
           head=True, evict=True, register="full", by_value=False, budget=True,
           incref=True, dedupe_list=False, unqueue=True, past_miss=False, drop_empty=True,
-          evict_oldest=False):
+          evict_oldest=False, cap_minus_one=False, budget_counts_hit=False,
+          uncached_first=False, evict_value=False, no_duplicates=False):
     """A new request's table, with one rule swappable, to build the wrong answers."""
     queue, refs = pool.free_block_queue, pool.ref_counts
 
@@ -455,6 +456,8 @@ def alloc(pool, token_ids, hashes, block_size, max_new_tokens, *, cap=True, touc
 
     blocks = []
     limit = (len(token_ids) - 1) // block_size if cap else len(token_ids) // block_size
+    if cap_minus_one:  # "leave the last full block for the last token"
+        limit = max(len(token_ids) // block_size - 1, 0)
     for h in hashes[:limit]:
         b = lookup(h)
         if b is None:
@@ -465,6 +468,8 @@ def alloc(pool, token_ids, hashes, block_size, max_new_tokens, *, cap=True, touc
     computed = len(blocks) * block_size
     end = computed + (min(len(token_ids) - computed, max_new_tokens) if budget
                       else len(token_ids) - computed)
+    if budget_counts_hit:  # the budget read as counting the hit's tokens too
+        end = min(len(token_ids), max(max_new_tokens, computed))
 
     def take_hits():
         for b in blocks[:computed // block_size]:
@@ -475,13 +480,21 @@ def alloc(pool, token_ids, hashes, block_size, max_new_tokens, *, cap=True, touc
     if touch_first:
         take_hits()
     while len(blocks) * block_size < end:
+        spare = next((x for x in queue if x not in pool.block_hash), None)
+        if uncached_first and spare is not None:  # spare the cache: an uncached block first
+            queue.remove(spare)
+            refs[spare] = 1
+            blocks.append(spare)
+            continue
         b = queue.popleft() if head else list(queue)[-1]
         if not head:
             queue.remove(b)
         old = pool.block_hash.pop(b, None) if evict else None
         if old is not None:
             same = pool.cached_blocks[old.value]
-            if evict_oldest:  # the list's first block, not the one evicted
+            if evict_value:  # the whole value dropped, the other copies with it
+                same.clear()
+            elif evict_oldest:  # the list's first block, not the one evicted
                 same.pop(0)
             else:
                 same.remove(b)
@@ -494,6 +507,8 @@ def alloc(pool, token_ids, hashes, block_size, max_new_tokens, *, cap=True, touc
     n = {"full": end // block_size, "partial": -(-end // block_size), "none": 0}[register]
     for b, h in zip(blocks[:n], hashes, strict=False):
         if pool.block_hash.get(b) != h:
+            if no_duplicates and pool.lookup(h) is not None:
+                continue  # "the hash is cached already"
             pool.block_hash[b] = h
             if dedupe_list:
                 pool.cached_blocks[h.value] = [b]
@@ -524,7 +539,7 @@ def alloc_with_pool_methods(pool, token_ids, hashes, block_size, max_new_tokens)
     (lambda *a: alloc(*a, register="partial"), "the chunk ends mid-block"),
     (lambda *a: alloc(*a, register="none"), "a request admitted later in the same step"),
     (lambda *a: alloc(*a, by_value=True), "compare the whole BlockHash"),
-    (lambda *a: alloc(*a, budget=False), "blocks for this step's tokens only"),
+    (lambda *a: alloc(*a, budget=False), "the rest of a chunked prompt takes its blocks"),
     (lambda *a: alloc(*a, incref=False), "a hit takes one more reference"),
     (lambda *a: alloc(*a, dedupe_list=True), "oldest first"),
     (lambda *a: alloc(*a, past_miss=True), "a hit must be a leading run: after a miss"),
@@ -532,6 +547,17 @@ def alloc_with_pool_methods(pool, token_ids, hashes, block_size, max_new_tokens)
      "a hash with no block left must be deleted from cached_blocks"),
     (lambda *a: alloc(*a)[0], "return a pair"),
     (lambda *a: alloc(*a, evict_oldest=True), "take out the very block evicted"),
+    # wrong rules a learner deriving the allocation from the pool's invariants may write
+    (lambda *a: alloc(*a, cap_minus_one=True),
+     "your hit stops after 1 block(s), the library's after 2"),
+    (lambda *a: alloc(*a, budget_counts_hit=True),
+     "after its hit of 8 tokens this request computes 3 now"),
+    (lambda *a: alloc(*a, uncached_first=True), "fresh block 2 is 5 in yours, 2 in the "
+     "library's, which comes first in the free queue"),
+    (lambda *a: alloc(*a, evict_value=True),
+     "block 2 is still cached (block_hash), but cached_blocks no longer lists it"),
+    (lambda *a: alloc(*a, no_duplicates=True),
+     "even though it holds the same K/V as block 2, cached before"),
 ])
 def test_allocate_slots_wrong_answers(capsys, answer, hint):
     out = verdict(capsys, ch10.check_allocate_slots, answer)

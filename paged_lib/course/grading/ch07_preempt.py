@@ -5,7 +5,9 @@ The learner's loop is plugged into the engine (:mod:`~paged_lib.course.grading.c
 first on edge scenarios served by the scheduler alone (groups admitted in the same step,
 groups of several samples, one victim too few, the group asking being the victim, a CPU
 pool too small to take a victim, a victim part way through a chunked prefill, a step whose
-prefills preempt), then on the replay workloads with the tiny model. Every call must
+prefills preempt, a group admitted before the one asking that has not run yet, a victim the
+CPU pool cannot take while a smaller one before it could), then on the replay workloads
+with the tiny model. Every call must
 preempt the same groups, the same way, to the same place, and answer the same as the
 library's :func:`paged_lib.engine.policy.preempt_until_fits`; the first call that does
 not is told with its state, and the hint names the rule that state exposes.
@@ -115,8 +117,13 @@ def _why(st: PreState, lib, got) -> str:
                         "not run yet")
             order = [r.rid for r in st.running]
             if b[0] in order and order.index(b[0]) < order.index(asker.rid):
-                return ("never preempt a group admitted before the one asking: first come, "
-                        "first served")
+                return ("never preempt a group admitted before the one asking, even one "
+                        "that has not run yet this step: first come, first served")
+            if a[1] == "freed" and b[1] == "swapped out":
+                return (f"the engine's rule chose request {a[0]}, which cannot be swapped "
+                        "(its K/V is not all there, or the CPU pool cannot take it all): it "
+                        "is still the victim, recomputed; the loop does not pass it over "
+                        "for a group that could be swapped")
             if st.rule is not None:
                 return ("ask step.hooks.choose_victim for the victim: the engine's rule may be "
                         "another one (here it takes " + st.rule + "); offer it group and the "
@@ -124,6 +131,10 @@ def _why(st: PreState, lib, got) -> str:
             return ("the latest admitted goes first (vLLM pops its running queue from the "
                     "end): it has done the least, and the group asking may be the victim "
                     "itself")
+        if a[1] == b[1] == "freed" and a[2] != b[2]:
+            return (f"request {a[0]}'s blocks were freed, not copied: nothing of it waits on "
+                    "the CPU to be swapped back in; it is prefilled again from its text, from "
+                    "step.waiting, whatever the preemption mode")
         if a[1] == "freed" and not by_id[a[0]].decoding:
             return ("a group part way through a prefill cannot be swapped (its K/V is not "
                     "all written): it is recomputed instead")
@@ -188,6 +199,15 @@ SCENARIOS: list[Scenario] = [
     Scenario("four requests on a pool for two, the engine's choose_victim the oldest first",
              dict(num_blocks=12, block_size=4), ((8, 16, 0, 1),) * 4,
              hooks=(("choose_victim", oldest_first),)),
+    Scenario("samples recomputed by chunks of 6, admitted before a decoding group that "
+             "needs a block; the engine's choose_victim the oldest first",
+             dict(num_blocks=6, block_size=2, preemption="swap", num_cpu_blocks=4,
+                  enable_chunked_prefill=True, max_num_batched_tokens=6, max_num_seqs=4),
+             ((2, 6, 3, 1), (8, 10, 1, 2), (9, 10, 4, 1)),
+             hooks=(("choose_victim", oldest_first),)),
+    Scenario("by swap, a CPU pool of 4 blocks: the latest admitted holds 5, the one before "
+             "it 2", dict(num_blocks=12, block_size=4, preemption="swap", num_cpu_blocks=4),
+             ((18, 10, 3, 1), (17, 8, 4, 1), (18, 5, 2, 1), (5, 12, 2, 1))),
     Scenario("a long request among short ones arriving every 3 steps (recompute)",
              dict(num_blocks=10, block_size=4),
              ((6, 26, 0, 1),) + tuple((3, 6, 1 + 3 * k, 1) for k in range(6))),

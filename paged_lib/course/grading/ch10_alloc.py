@@ -151,15 +151,22 @@ def diagnose(ask: Ask, want: Any, want_state: State, got: Any, got_state: State)
                     "BlockHash (value, token ids and extra keys), as pool.lookup does")
         if isinstance(computed, int) and computed != len(blocks[:computed // bs]) * bs:
             return "num_computed_tokens is the hit blocks times block_size"
+        if isinstance(computed, int) and computed < wc and adopted == wb[:computed // bs]:
+            last = (len(ask.token_ids) - 1) // bs
+            return (f"your hit stops after {computed // bs} block(s), the library's after "
+                    f"{wc // bs}: every leading cached block can be read as long as the "
+                    f"text's last token is still computed, and here it is in block {last}")
         if any(cached_at.get(b) in ask.hashes[leading + 1:] for b in adopted):
             return ("a hit must be a leading run: after a miss, later hashes cannot be used "
                     "(the table's first blocks would hold the K/V of later tokens)")
         return ("the hit is the cached blocks of the longest run of leading hashes, in "
                 "order, stopping at the first miss; num_computed_tokens their tokens")
     if len(blocks) != len(wb):
-        return ("blocks for this step's tokens only: num_computed + min(len(token_ids) - "
-                "num_computed, max_new_tokens) tokens take cdiv(that, block_size) blocks "
-                "in all (a chunk under the budget; the rest come in later steps)")
+        now = min(len(ask.token_ids) - wc, ask.max_new_tokens)
+        return (f"after its hit of {wc} tokens this request computes {now} now (its budget "
+                "counts only the tokens it computes, and nothing past its text is "
+                f"computed): the table covers tokens 0..{wc + now - 1}, {len(wb)} blocks, "
+                "and the rest of a chunked prompt takes its blocks in later steps")
     fresh, wfresh = blocks[wc // bs:], wb[wc // bs:]
     if fresh != wfresh:
         hits = set(wb[:wc // bs])
@@ -171,7 +178,10 @@ def diagnose(ask: Ask, want: Any, want_state: State, got: Any, got_state: State)
         if fresh == [b for b in tail if b not in hits][:len(fresh)]:
             return ("fresh blocks come from the head of the free queue (freed longest "
                     "ago), not the tail (freed last, the most likely to be hit again)")
-        return "fresh blocks are popped from the head of the free queue, one per block"
+        k = next(i for i, (g, w) in enumerate(zip(fresh, wfresh, strict=False)) if g != w)
+        return (f"fresh block {k + 1} is {fresh[k]} in yours, {wfresh[k]} in the library's, "
+                f"which comes first in the free queue (freed longer ago): fresh blocks are "
+                "reused in the queue's order, cached or not")
     if got_state.refs != want_state.refs:
         b = next(i for i, (g, w) in enumerate(zip(got_state.refs, want_state.refs,
                                                   strict=True)) if g != w)
@@ -194,6 +204,13 @@ def diagnose(ask: Ask, want: Any, want_state: State, got: Any, got_state: State)
                 "block_hash and in cached_blocks, or a later lookup finds stale K/V")
     end = wc + min(len(ask.token_ids) - wc, ask.max_new_tokens)
     full = end // bs
+    dup = [b for b in wb[:full] if b not in got_h and want_h[b] in cached_at.values()]
+    if dup:
+        other = next(c for c, h in before.hashes if h == want_h[dup[0]])
+        return (f"block {dup[0]} is full after this step and is cached now, when it is "
+                "scheduled (a request admitted later in the same step may read it), even "
+                f"though it holds the same K/V as block {other}, cached before: both stay "
+                "cached (vLLM's duplicated blocks), so evicting one does not lose the prefix")
     if any(b not in got_h for b in wb[:full]):
         return ("register the full blocks this step fills when it is scheduled (block_hash "
                 "and cached_blocks), so a request admitted later in the same step hits them")
@@ -213,6 +230,13 @@ def diagnose(ask: Ask, want: Any, want_state: State, got: Any, got_state: State)
                 f"value, and block(s) {gone} left the list instead: several blocks may be "
                 "cached under one value; take out the very block evicted, not the list's "
                 "first")
+    unlisted = [b for b, h in got_state.hashes if b not in got_v.get(h.value, ())
+                and b in want_v.get(h.value, ())]
+    if unlisted:
+        return (f"block {unlisted[0]} is still cached (block_hash), but cached_blocks no "
+                "longer lists it under its value, which lists every block cached under it, "
+                "oldest first: an eviction takes out only the block reused, and a block "
+                "newly cached goes after the others")
     if got_state.by_value != want_state.by_value:
         return ("cached_blocks[value] lists every block cached under that value, oldest "
                 "first: a block recomputed with the same hash as another (a full hit's last "
