@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from paged_lib.serve import detokenize
+from paged_lib.engine import detokenize  # (the server's is the engine's: planted bugs go there)
 from paged_lib.serve.detokenize import IncrementalDetokenizer
 from paged_lib.tokenizer import ByteTokenizer
 

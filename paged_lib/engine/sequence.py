@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from paged_lib.blocks import BlockTable
+from paged_lib.engine.detokenize import IncrementalDetokenizer
 from paged_lib.engine.sampling_params import SamplingParams
 
 __all__ = ["CompletionOutput", "EngineStats", "Logprob", "RequestOutput", "RequestTimeline",
@@ -49,7 +50,7 @@ class Sequence:
     (:func:`~paged_lib.engine.stop.check_stop`). ``output_logprobs`` holds one
     ``{token id: Logprob}`` per generated token when the request asks for ``logprobs``;
     ``output_text`` is the text the stop-string check has seen (cut before the stop
-    string once one is found).
+    string once one is found), made by the sequence's own ``detokenizer``.
     """
 
     seq_id: int
@@ -63,6 +64,7 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     output_text: str | None = None
+    detokenizer: IncrementalDetokenizer | None = None
 
     @property
     def token_ids(self) -> list[int]:
@@ -158,6 +160,8 @@ def fork_samples(group: SequenceGroup, parent: Sequence, drawn: list[tuple]) -> 
                          parent.cumulative_logprob, parent.block_table.fork(),
                          parent.num_cached, SequenceStatus.RUNNING,
                          list(parent.output_logprobs))
+        if parent.detokenizer is not None:  # the same text so far, its own from now on
+            child.detokenizer = parent.detokenizer.fork()
         child.append(*sample)
         group.seqs.append(child)
 

@@ -11,7 +11,9 @@ After each step, every sequence that drew a token is checked, in vLLM v1's order
 4. one of ``stop_token_ids``: ``"stop"``, the id in ``stop_reason`` (the token is kept);
 5. with a tokenizer (the text front, :class:`~paged_lib.engine.llm.LLM`), one of the
    ``stop`` strings in the text so far: ``"stop"``, the string in ``stop_reason`` - even
-   at ``max_tokens`` - and the text ends before it (:class:`StopStrings`).
+   at ``max_tokens`` - and the text ends before it (:class:`StopStrings`: one
+   :class:`~paged_lib.engine.detokenize.IncrementalDetokenizer` per sequence, the one
+   the server streams with).
 
 A beam group only stops at ``max_tokens`` here; its EOS candidates become finished
 hypotheses in :mod:`~paged_lib.engine.beam_search`.
@@ -23,6 +25,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from paged_lib.engine.detokenize import IncrementalDetokenizer
 from paged_lib.engine.sampling_params import SamplingParams
 from paged_lib.engine.sequence import Sequence, SequenceGroup
 
@@ -70,29 +73,31 @@ def min_tokens_mask(logits: torch.Tensor, params: SamplingParams, num_generated:
 
 
 class StopStrings:
-    """The text front's stop strings, checked after each step as vLLM's detokenizer does.
+    """The text front's stop strings, checked after each step with vLLM v1's detokenizer.
 
-    Called with a sequence that just drew a token: decodes its output, searches only the
-    new text (and the ``len(stop) - 1`` characters before it, so a stop string that spans
-    two tokens is found), takes the first of ``params.stop`` found, cuts
-    ``seq.output_text`` before it and returns it. Text made within ``min_tokens`` is not
-    searched (vLLM's rule). An incomplete UTF-8 character at the end (a byte-level
-    tokenizer splits characters) counts once it is complete.
+    Called with a sequence that just drew a token: the sequence's own
+    :class:`~paged_lib.engine.detokenize.IncrementalDetokenizer` (kept in
+    ``seq.detokenizer``, made at its first check) takes the tokens it has not seen, so
+    each token is decoded once; ``seq.output_text`` is the text decided so far. A stop
+    string found (the earliest in the text; one may span tokens) cuts the text before it
+    and is returned. Text made within ``min_tokens`` is not searched (vLLM's rule); an
+    incomplete UTF-8 character at the end (a byte-level tokenizer splits characters)
+    counts once it is complete. The server streams with the same class
+    (:func:`paged_lib.serve.outputs.text_pieces`), so both see the same text.
+
+    A forked sample starts from a :meth:`~IncrementalDetokenizer.fork` of its parent's
+    (:func:`~paged_lib.engine.sequence.fork_samples`); a sequence without one (a beam
+    made by beam search, whose requests have no stop strings) gets one fed all its tokens.
     """
 
     def __init__(self, decode: Callable[[Iterable[int]], str]):
         self.decode = decode
 
     def __call__(self, seq: Sequence, params: SamplingParams) -> str | None:
-        seen = seq.output_text or ""
-        text = self.decode(seq.output_token_ids).rstrip("\ufffd")
-        seq.output_text = text
-        new = len(text) - len(seen)
-        if len(seq.output_token_ids) <= params.min_tokens or new <= 0:
-            return None
-        for stop in params.stop:
-            at = text.find(stop, max(0, len(text) - new - len(stop) + 1))
-            if at != -1:
-                seq.output_text = text[:at]
-                return stop
-        return None
+        det = seq.detokenizer
+        if det is None:
+            det = seq.detokenizer = IncrementalDetokenizer(self.decode, params.stop,
+                                                           params.min_tokens)
+        det.add(seq.output_token_ids[det.num_tokens:])
+        seq.output_text = det.text
+        return det.stopped

@@ -2,8 +2,9 @@
 
 :func:`text_pieces` runs each choice's tokens through an
 :class:`~paged_lib.serve.detokenize.IncrementalDetokenizer` (characters whole, stop strings
-held back and cut) and ends the request in the engine once stop strings have ended every
-choice, or when its reader goes away (a closed connection): blocks are freed at once.
+held back and cut; the engine's own, so a stream joins to the text the engine stops on)
+and ends the request in the engine once stop strings have ended every choice, or when its
+reader goes away (a closed connection): blocks are freed at once.
 :class:`Choices` gathers the pieces into a whole answer, or shapes each as a stream chunk.
 """
 
@@ -12,8 +13,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
+from paged_lib.engine.detokenize import IncrementalDetokenizer
 from paged_lib.serve.async_engine import AsyncEngine, RequestStream
-from paged_lib.serve.detokenize import IncrementalDetokenizer
 
 
 @dataclass
@@ -33,9 +34,12 @@ class Piece:
 async def text_pieces(engine: AsyncEngine, stream: RequestStream,
                       decode: Callable[[list[int]], str], stop: list[str]
                       ) -> AsyncIterator[Piece]:
-    """The request's choices as text pieces, each yielded as soon as it is decided."""
+    """The request's choices as text pieces, each yielded as soon as it is decided (text
+    made within the request's ``min_tokens`` is not searched for stops, as the engine
+    does)."""
     n = stream.params.n
-    detoks = [IncrementalDetokenizer(decode, stop) for _ in range(n)]
+    detoks = [IncrementalDetokenizer(decode, stop, stream.params.min_tokens)
+              for _ in range(n)]
     held = [Piece(i, "", [], []) for i in range(n)]  # tokens whose text is not out yet
     ended = [False] * n
     reason = "abort"  # why the request ends, if this generator is left before its end
