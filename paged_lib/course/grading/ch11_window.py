@@ -179,14 +179,29 @@ def _compare(fn: Callable, call: DropCall, story: str) -> None:
                   f"{want[4]}; yours {[got[3][b] for b in call.blocks]}, {got[4]}")
     else:
         detail = ""
-    hint = next((h for slip, h in _SLIPS if _answer(reference_drop, call, **slip) == got),
-                None) or _which_part(got, want)
+    hint = next((h for slip, h in _SLIPS if _slip_answer(call, slip) == got),
+                None) or _which_part(got, want, call)
     grading.fail(f"{story}; the library answers {_show(want)}, yours {_show(got)}{detail}",
                  hint)
 
 
-def _which_part(got: tuple, want: tuple) -> str:
+def _slip_answer(call: DropCall, slip: dict) -> tuple | None:
+    """What one typical mistake answers on this state; None where that mistake would
+    crash (a slip that skips a check may index past the table: not the learner's error)."""
+    try:
+        return _answer(reference_drop, call, **slip)
+    except Exception:  # noqa: BLE001 - any crash of a planted slip means "not this one"
+        return None
+
+
+def _which_part(got: tuple, want: tuple, call: DropCall) -> str:
     """When no known slip explains the answer: name the first part that differs."""
+    if got[0] == "ValueError" and want[0] != "ValueError":
+        if call.num_tokens == call.sinks + call.block_size:
+            return ("a table of exactly num_sink_tokens + block_size tokens is long enough: "
+                    "its one block of recent tokens goes, and no key is left to rotate")
+        return ("the library drops a block here: the table holds at least num_sink_tokens "
+                "+ block_size tokens, and no block from the released one on is shared")
     if got[0] == "ValueError" and want[0] == "ValueError":
         return ("a ValueError changes nothing: the pool after it must be the pool before it")
     if got[0] == "ValueError" or want[0] == "ValueError" or len(got) != 5:
