@@ -10,7 +10,9 @@ A request flows one way through one step (:meth:`LLMEngine.step`)::
 
 Files: ``sampling_params.py`` (:class:`SamplingParams`, :class:`BeamSearchParams`: vLLM's
 keywords and defaults), ``sequence.py`` (request state, outputs, :class:`EngineStats`),
-``stop.py`` (when a sequence is done and why), ``outputs.py`` (vLLM's output shapes),
+``stop.py`` (when a sequence is done and why), ``detokenize.py`` (tokens to text,
+with stop strings: the engine's check and the server's stream), ``outputs.py`` (vLLM's
+output shapes),
 ``block_manager.py``, ``policy.py`` (admission and victim choice), ``scheduler.py``,
 ``scheduler_output.py``, ``prefill.py`` (chunked prefill), ``prefix_cache.py`` (hashed
 full blocks and the LRU free queue, chapter 10), ``model_runner.py``, ``sampler.py``,
