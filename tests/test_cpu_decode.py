@@ -79,6 +79,24 @@ def test_one_thread_and_many_agree_bit_for_bit():
     assert torch.equal(one, many)  # each (sequence, KV head) is one thread's work
 
 
+@pytest.mark.skipif(not cpu_decode._torch_libgomp(), reason="PyTorch is not on GNU libgomp")
+def test_threads_are_pytorchs_openmp_team_and_one_runtime_is_loaded():
+    # Python threads beside PyTorch's spinning OpenMP threads fought them for the cores:
+    # the attention gained nothing from --threads 2 on two cores.
+    assert cpu_decode.build_info()["threads"] == "PyTorch's OpenMP team"
+    with open("/proc/self/maps") as maps:
+        runtimes = {line.split()[-1] for line in maps if "libgomp" in line}
+    assert len(runtimes) == 1, runtimes  # the kernel was handed PyTorch's own libgomp
+    case = make_decode_case([300, 7, 530, 64], 9, 3, 64, 16)  # 1.4 MB of K/V
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        team = cpu_decode.paged_attention_cpu(*case)  # enough K/V for both threads
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(team, cpu_decode.paged_attention_cpu(*case, num_threads=1))
+
+
 def test_int8_cache_equals_the_torch_backend():
     case = make_decode_case([40, 21], 4, 2, 64, 16)
     [(k, v)] = allocate_quantized_kv_caches("int8", 1, tuple(case.k_cache.shape), "cpu")

@@ -15,10 +15,15 @@ It is compiled at first use with the machine's C compiler (``$CC``, else ``cc``,
 or ``clang``; ``-O3 -march=native`` where the compiler takes it; GNU C, for its vector
 types) into ``~/.cache/paged_lib`` (``$PAGED_LIB_CACHE`` to move it), under a name that hashes the
 source, the compiler and the flags, so an edit or another machine's compiler builds
-afresh. Loaded with :mod:`ctypes`; up to ``torch.get_num_threads()`` Python threads call it
-at once (ctypes lets go of the GIL) and share one work counter; a small batch (under
-:data:`MIN_BYTES_PER_THREAD` of K/V per thread) runs on fewer. Decode only: prefill and
-the cache write of ``backend="cpu"`` are the torch backend's.
+afresh. Loaded with :mod:`ctypes` (which lets go of the GIL); up to
+``torch.get_num_threads()`` threads run it at once and share one work counter; a small
+batch (under :data:`MIN_BYTES_PER_THREAD` of K/V per thread) runs on fewer. Which threads:
+where PyTorch's OpenMP runtime is GNU libgomp (Linux wheels), the kernel is built with
+``-fopenmp`` and runs on PyTorch's own OpenMP threads, the ones its matmuls use; elsewhere
+on a pool of Python threads. The pool is the fallback only: its threads run beside
+PyTorch's, which keep spinning for a while after each matmul, so with as many torch threads
+as cores they fight for the cores and the attention gained nothing from a second thread.
+Decode only: prefill and the cache write of ``backend="cpu"`` are the torch backend's.
 """
 
 from __future__ import annotations
@@ -44,6 +49,8 @@ KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 #: K/V bytes below which one more thread costs more than it saves (one thread reads about
 #: 4.5 GB/s here, so 512 KB is ~0.1 ms of work: about what a hand-off to a thread costs).
 MIN_BYTES_PER_THREAD = 512 * 1024
+#: Added to the first flag set where PyTorch runs on GNU libgomp (:func:`_torch_libgomp`).
+OPENMP_FLAGS = ("-fopenmp",)
 
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
@@ -74,12 +81,27 @@ def _cache_dir() -> Path:
                                 "kernel: set PAGED_LIB_CACHE to one") from None
 
 
+def _torch_libgomp() -> bool:
+    """Is PyTorch's OpenMP runtime, already loaded in this process, GNU libgomp under its
+    usual name? Then a kernel built with ``-fopenmp`` is handed that same runtime by the
+    loader (one runtime, one thread team). Linux only (it reads ``/proc/self/maps``)."""
+    if "OpenMP" not in torch.__config__.parallel_info():
+        return False
+    try:
+        with open("/proc/self/maps") as maps:
+            names = {Path(line.split()[-1]).name for line in maps if "libgomp" in line}
+    except OSError:
+        return False
+    return names == {"libgomp.so.1"}
+
+
 def _build() -> tuple[ctypes.CDLL, dict]:
     cc = _compiler()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     source = SOURCE.read_bytes()
     errors = []
-    for flags in FLAG_SETS:
+    flag_sets = ((*FLAG_SETS[0], *OPENMP_FLAGS),) if _torch_libgomp() else ()
+    for flags in (*flag_sets, *FLAG_SETS):
         flags = (*flags, "-shared", "-fPIC", "-std=gnu11")
         key = hashlib.sha256(source + version.encode() + " ".join(flags).encode()).hexdigest()
         target = _cache_dir() / f"paged_decode-{key[:16]}.so"
@@ -102,8 +124,13 @@ def _build() -> tuple[ctypes.CDLL, dict]:
         fn.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_int] + [ctypes.c_void_p] * 3
                        + [ctypes.c_int] * 5 + [ctypes.c_int64] * 4 + [ctypes.c_float]
                        + [ctypes.c_int, ctypes.POINTER(ctypes.c_int64)])
+        openmp = hasattr(lib, "paged_decode_team")
+        if openmp:
+            lib.paged_decode_team.restype = None
+            lib.paged_decode_team.argtypes = [*fn.argtypes, ctypes.c_int]
         return lib, {"compiler": cc, "version": version.splitlines()[0] if version else "",
-                     "flags": list(flags), "library": str(target)}
+                     "flags": list(flags), "library": str(target),
+                     "threads": "PyTorch's OpenMP team" if openmp else "Python threads"}
     raise KernelUnavailable("could not build or load paged_lib/kernels/csrc/paged_decode.c:\n"
                             + "\n".join(errors))
 
@@ -146,7 +173,7 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if k_cache.stride(3) != 1 or v_cache.stride() != k_cache.stride():
         raise ValueError("backend='cpu' needs caches whose last dimension is contiguous "
                          "and whose K and V strides are equal")
-    fn = library().paged_decode
+    lib = library()
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     qf = q.to(torch.float32).contiguous()
@@ -168,10 +195,15 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
             num_kv_heads, head_dim, block_size, tables.shape[1], k_cache.stride(0),
             k_cache.stride(1), k_cache.stride(2), float(scale), per_item, ctypes.byref(counter))
     threads = min(threads, num_seqs * cdiv(num_kv_heads, per_item))
-    helpers = [_workers().submit(fn, *args) for _ in range(threads - 1)]
-    fn(*args)  # this thread works too
-    for h in helpers:
-        h.result()
+    if threads == 1:
+        lib.paged_decode(*args)
+    elif hasattr(lib, "paged_decode_team"):  # PyTorch's own threads
+        lib.paged_decode_team(*args, threads)
+    else:
+        helpers = [_workers().submit(lib.paged_decode, *args) for _ in range(threads - 1)]
+        lib.paged_decode(*args)  # this thread works too
+        for h in helpers:
+            h.result()
     return out.to(q.dtype)
 
 

@@ -14,8 +14,12 @@
  * item from, so a thread that drew short sequences simply takes more of them. An item is
  * a sequence and some of its KV heads (all of them unless there are too few sequences
  * to keep the threads busy). ctypes
- * releases the GIL during the call. No OpenMP, so no second OpenMP runtime beside
- * PyTorch's. Vectors: GNU C vector types of 8 floats (AVX2 with -march=native).
+ * releases the GIL during the call. Built with -fopenmp (only where PyTorch's own
+ * runtime is GNU libgomp, so the loader hands this file that same runtime), the file
+ * also has paged_decode_team(): the same loop on the calling thread's OpenMP team, i.e.
+ * PyTorch's own threads, which are still spinning from the last matmul, instead of
+ * Python threads that would compete with them for the cores. Vectors: GNU C vector
+ * types of 8 floats (AVX2 with -march=native).
  *
  * Caches: element (block, token, kv_head, d) sits at
  *   block * stride_block + token * stride_token + kv_head * stride_head + d
@@ -307,3 +311,18 @@ void paged_decode(const float *q, const void *k_cache, const void *v_cache, int 
                     stride_block, stride_token, stride_head, scale);
     }
 }
+
+#ifdef _OPENMP
+/* paged_decode() run by `num_threads` threads of the calling thread's OpenMP team. */
+void paged_decode_team(const float *q, const void *k_cache, const void *v_cache, int kind,
+                       const int32_t *block_tables, const int32_t *seq_lens, float *out,
+                       int num_seqs, int num_heads, int num_kv_heads, int head_dim,
+                       int block_size, int64_t table_width, int64_t stride_block,
+                       int64_t stride_token, int64_t stride_head, float scale,
+                       int kv_heads_per_item, int64_t *next_item, int num_threads) {
+#pragma omp parallel num_threads(num_threads)
+    paged_decode(q, k_cache, v_cache, kind, block_tables, seq_lens, out, num_seqs,
+                 num_heads, num_kv_heads, head_dim, block_size, table_width, stride_block,
+                 stride_token, stride_head, scale, kv_heads_per_item, next_item);
+}
+#endif
