@@ -3,6 +3,7 @@
     python -m paged_lib.bench attention     # the paged decode kernel (bench/attention.py)
     python -m paged_lib.bench engine ...    # the engine (bench/engine.py), its own options
     python -m paged_lib.bench engine --model SmolLM2-135M-Instruct  # vs transformers
+    python -m paged_lib.bench.engine_parts --threads 2  # where that engine's time goes
     python -m paged_lib.bench serve ...     # Poisson load, vllm bench serve's metrics (serve.py)
 """
 

@@ -27,7 +27,9 @@ dequantisation), so the three run the same weights, in fp32. The bench checks th
 request's greedy tokens are the same in all three (so they did the same work) and says
 which differ if any do. Wall clock and CPU time of this process, each system run
 ``--repeats`` times (median), after one untimed warm-up of each; torch threads are set
-explicitly (``--threads``, default 1: steadier than 2 on small CPUs).
+explicitly (``--threads``, default 1: steadier than 2 on small CPUs, where other work
+on the cores stalls every matmul's OpenMP threads). The engine's time part by part (linear
+maps, LM head, attention, cache writes): ``python -m paged_lib.bench.engine_parts``.
 """
 
 from __future__ import annotations

@@ -17,7 +17,8 @@ types) into ``~/.cache/paged_lib`` (``$PAGED_LIB_CACHE`` to move it), under a na
 source, the compiler and the flags, so an edit or another machine's compiler builds
 afresh. Loaded with :mod:`ctypes` (which lets go of the GIL); up to
 ``torch.get_num_threads()`` threads run it at once and share one work counter; a small
-batch (under :data:`MIN_BYTES_PER_THREAD` of K/V per thread) runs on fewer. Which threads:
+batch (under :data:`MIN_BYTES_PER_THREAD` of K/V per thread,
+:data:`MIN_BYTES_PER_TEAM_THREAD` on PyTorch's threads) runs on fewer. Which threads:
 where PyTorch's OpenMP runtime is GNU libgomp (Linux wheels), the kernel is built with
 ``-fopenmp`` and runs on PyTorch's own OpenMP threads, the ones its matmuls use; elsewhere
 on a pool of Python threads. The pool is the fallback only: its threads run beside
@@ -49,6 +50,10 @@ KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 #: K/V bytes below which one more thread costs more than it saves (one thread reads about
 #: 4.5 GB/s here, so 512 KB is ~0.1 ms of work: about what a hand-off to a thread costs).
 MIN_BYTES_PER_THREAD = 512 * 1024
+#: The same on PyTorch's OpenMP team, whose threads are still spinning from the last
+#: matmul and start within microseconds: two threads gain from ~512 KB (1.3x at 720 KB,
+#: 1.0x at 240 KB, timed between matmuls at 2 threads here).
+MIN_BYTES_PER_TEAM_THREAD = 256 * 1024
 #: Added to the first flag set where PyTorch runs on GNU libgomp (:func:`_torch_libgomp`).
 OPENMP_FLAGS = ("-fopenmp",)
 
@@ -181,9 +186,11 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     lens = seq_lens.to(torch.int32).contiguous()
     out = torch.empty_like(qf)
     threads = max(1, num_threads or torch.get_num_threads())
-    if num_threads is None:  # a thread's hand-off costs ~0.1 ms: only for enough work
+    team = hasattr(lib, "paged_decode_team")
+    if num_threads is None:  # a thread's hand-off has a cost: only for enough work
         kv_bytes = 2 * int(lens.sum()) * num_kv_heads * head_dim * k_cache.element_size()
-        threads = min(threads, max(1, kv_bytes // MIN_BYTES_PER_THREAD))
+        least = MIN_BYTES_PER_TEAM_THREAD if team else MIN_BYTES_PER_THREAD
+        threads = min(threads, max(1, kv_bytes // least))
     # A sequence's KV heads in one item (whole blocks streamed), unless that leaves
     # fewer than two items per thread: then the heads are split between items.
     per_item = num_kv_heads
@@ -197,7 +204,7 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     threads = min(threads, num_seqs * cdiv(num_kv_heads, per_item))
     if threads == 1:
         lib.paged_decode(*args)
-    elif hasattr(lib, "paged_decode_team"):  # PyTorch's own threads
+    elif team:  # PyTorch's own threads
         lib.paged_decode_team(*args, threads)
     else:
         helpers = [_workers().submit(lib.paged_decode, *args) for _ in range(threads - 1)]
