@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -241,6 +243,53 @@ def step_fork_every_child(tables, cum_logprobs, candidates, beam_width):
     return new
 
 
+def step_fork_all_then_free_old(tables, cum_logprobs, candidates, beam_width):
+    """Every continuation gets a fork, then every old table is freed: right memory, extra work."""
+    chosen = ranked(cum_logprobs, candidates)[:beam_width]
+    new = [(parent, tables[parent].fork(), token, cum) for cum, parent, _, token in chosen]
+    for table in tables:
+        table.free()
+    return new
+
+
+def step_width_per_beam(tables, cum_logprobs, candidates, beam_width):
+    """Keeps each beam's own beam_width best continuations instead of beam_width in all."""
+    chosen = ranked(cum_logprobs, candidates)
+    used, new = set(), []
+    for cum, parent, _, token in chosen:
+        new.append((parent, tables[parent].fork() if parent in used else tables[parent],
+                    token, cum))
+        used.add(parent)
+    for i, table in enumerate(tables):
+        if i not in used:
+            table.free()
+    return new
+
+
+def step_frees_continuing_parent(tables, cum_logprobs, candidates, beam_width):
+    """Gives the parent's table to its first child, forks the others, then frees every old
+    table, the parents that go on included."""
+    new = step_ok(tables, cum_logprobs, candidates, beam_width)
+    used = {p for p, _, _, _ in new}
+    for i in used:
+        tables[i].free()
+    return new
+
+
+def step_shallow_copy(tables, cum_logprobs, candidates, beam_width):
+    """A further child gets copy.copy(parent's table): a new object, but no new holder."""
+    chosen = ranked(cum_logprobs, candidates)[:beam_width]
+    used, new = set(), []
+    for cum, parent, _, token in chosen:
+        new.append((parent, copy.copy(tables[parent]) if parent in used else tables[parent],
+                    token, cum))
+        used.add(parent)
+    for i, table in enumerate(tables):
+        if i not in used:
+            table.free()
+    return new
+
+
 def step_by_this_logprob(tables, cum_logprobs, candidates, beam_width):
     return step_ok(tables, [0.0] * len(tables), candidates, beam_width)
 
@@ -407,6 +456,12 @@ def test_beam_step_stable_sort_on_the_score_alone_is_right(capsys, key, reverse)
     (step_free_first, "free only the beams nobody continues, after the forks"),
     (step_same_table, "each child after the first gets parent.fork()"),
     (step_worst_first, "best first"),
+    (step_fork_all_then_free_old, "you freed its table and gave its first child (new beam 0) "
+                                  "a fork of it"),
+    (step_fork_all_then_free_old, "a reference taken and given back"),
+    (step_width_per_beam, "the width bounds the whole search"),
+    (step_frees_continuing_parent, "got a freed table"),
+    (step_shallow_copy, "new beams' tables but its ref count is"),
 ])
 def test_beam_step_wrong_answers(capsys, answer, hint):
     out = verdict(capsys, ch08.check_beam_step, answer)

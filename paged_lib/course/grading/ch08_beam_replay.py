@@ -83,6 +83,12 @@ def _check_picks(got, expected, cum, cands, width, where: str):
         grading.fail(f"{where}: expected a list of (parent, table, token, cum_logprob) "
                      f"tuples, got {type(got).__name__}",
                      "return one 4-tuple per new beam, best first")
+    if len(got) > width:
+        offered = sum(len(c) for c in cands)
+        grading.fail(f"{where}: {len(got)} new beams from {len(cands)} beam(s) offering "
+                     f"{offered} candidates, at width {width}",
+                     f"the width bounds the whole search: {width} beams in all, the best "
+                     "continuations of every beam together, not each beam's own best")
     grading.expect_equal(len(got), len(expected), f"{where}: number of new beams",
                          "keep beam_width continuations (fewer only if there are fewer "
                          "candidates in all)")
@@ -163,6 +169,13 @@ def _check_tables(got, old, mine: _World, ref: _World, where: str, cands) -> Non
     for i, (p, table, _, _) in enumerate(got):
         first = p not in seen
         seen.add(p)
+        if first and table is not old[p] and getattr(old[p], "_freed", False):
+            grading.fail(f"{where}: beam {p} goes on, but you freed its table and gave its "
+                         f"first child (new beam {i}) a fork of it",
+                         "a fork for every child, then a free of every old table: a "
+                         "reference taken and given back on each of the parent's blocks, "
+                         "for nothing; the first child continues its parent's own table "
+                         "(the same object), only the further children fork it")
         if first and table is not old[p]:
             grading.fail(f"{where}: new beam {i} is the first child of beam {p} but got a new "
                          "table", "the first child continues its parent's own table (the "
@@ -173,6 +186,13 @@ def _check_tables(got, old, mine: _World, ref: _World, where: str, cands) -> Non
         if not isinstance(table, BlockTable):
             grading.fail(f"{where}: new beam {i}'s table is a {type(table).__name__}",
                          "return the BlockTable itself")
+    for i, (p, table, _, _) in enumerate(got):
+        if getattr(table, "_freed", False):
+            grading.fail(f"{where}: new beam {i} (a child of beam {p}) got a freed table",
+                         f"beam {p} goes on: its table carries its first child, and the "
+                         "engine writes the next token through it; free only the tables "
+                         "of the beams nobody continues")
+    _check_holders(got, mine, where)
     kept = [i for i, t in enumerate(old) if not getattr(t, "_freed", False)
             and not cands[i] and not any(t is b[1] for b in got)]
     if mine.alloc.num_free < ref.alloc.num_free and kept:
@@ -190,6 +210,24 @@ def _check_tables(got, old, mine: _World, ref: _World, where: str, cands) -> Non
     grading.expect_equal(mine.state(), ref.state(), f"{where}: (ref counts, free list)",
                          "fork with table.fork() (no incref by hand) and free each dead "
                          "beam's table exactly once")
+
+
+def _check_holders(got, mine: _World, where: str) -> None:
+    """A block the pool counts fewer holders for than the new beams' tables holding it."""
+    holders: dict[int, int] = {}
+    for _, table, _, _ in got:
+        for block in table.blocks:
+            holders[block] = holders.get(block, 0) + 1
+    for block, n in sorted(holders.items()):
+        refs = mine.alloc.refcount(block)
+        if refs < n:
+            grading.fail(f"{where}: block {block} is in {n} new beams' tables but its ref "
+                         f"count is {refs}",
+                         "a table that holds a block must be counted as its holder, or the "
+                         "first free or copy-on-write write takes the block from the others: "
+                         "a second table on the same blocks comes from table.fork() (a copy "
+                         "of the object adds no holder, nor does a BlockTable built on its blocks "
+                         "without an incref)")
 
 
 def _append_and_compare(mine: _World, ref: _World, where: str) -> None:
