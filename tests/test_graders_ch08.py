@@ -201,6 +201,20 @@ def step_ok(tables, cum_logprobs, candidates, beam_width):
     return new
 
 
+def step_frees_in_reverse(tables, cum_logprobs, candidates, beam_width):
+    """Right beams and ref counts, but the dead beams freed from the last one back."""
+    chosen = ranked(cum_logprobs, candidates)[:beam_width]
+    used, new = set(), []
+    for cum, parent, _, token in chosen:
+        new.append((parent, tables[parent].fork() if parent in used else tables[parent],
+                    token, cum))
+        used.add(parent)
+    for i in reversed(range(len(tables))):
+        if i not in used:
+            tables[i].free()
+    return new
+
+
 def step_token_ties(tables, cum_logprobs, candidates, beam_width):
     """Breaks a tie by the lower token id instead of the candidate's rank."""
     by_token = [[c for _, c in sorted(enumerate(opts), key=lambda rc: (-rc[1][1], rc[1][0]))]
@@ -462,6 +476,7 @@ def test_beam_step_stable_sort_on_the_score_alone_is_right(capsys, key, reverse)
     (step_width_per_beam, "the width bounds the whole search"),
     (step_frees_continuing_parent, "got a freed table"),
     (step_shallow_copy, "new beams' tables but its ref count is"),
+    (step_frees_in_reverse, "free the dead beams' tables in ascending beam index"),
 ])
 def test_beam_step_wrong_answers(capsys, answer, hint):
     out = verdict(capsys, ch08.check_beam_step, answer)

@@ -207,9 +207,22 @@ def _check_tables(got, old, mine: _World, ref: _World, where: str, cands) -> Non
         grading.fail(f"{where}: {mine.alloc.num_free} free blocks afterwards, expected "
                      f"{ref.alloc.num_free}: a block a new beam holds went back to the pool",
                      "free only the beams nobody continues; a fork holds its own references")
+    _free_order(mine, ref, where)
     grading.expect_equal(mine.state(), ref.state(), f"{where}: (ref counts, free list)",
                          "fork with table.fork() (no incref by hand) and free each dead "
                          "beam's table exactly once")
+
+
+def _free_order(mine: _World, ref: _World, where: str) -> None:
+    """Right ref counts and the right free blocks, in another order: name the order."""
+    (my_refs, my_free), (ref_refs, ref_free) = mine.state(), ref.state()
+    if my_refs == ref_refs and my_free != ref_free and sorted(my_free) == sorted(ref_free):
+        grading.fail(f"{where}: your ref counts are right and the same blocks are free, "
+                     f"but the free list ends {list(my_free[-4:])}, the library's "
+                     f"{list(ref_free[-4:])}",
+                     "free the dead beams' tables in ascending beam index: the free list's "
+                     "order decides which blocks the next allocations take, and the "
+                     "engine's schedule is compared block by block")
 
 
 def _check_holders(got, mine: _World, where: str) -> None:
