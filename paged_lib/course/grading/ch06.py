@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from paged_lib.course import grading
-from paged_lib.course.grading import replay
+from paged_lib.course.grading import generated, replay
 from paged_lib.course.grading.ch06_admission import check_can_admit, check_num_required_blocks
 from paged_lib.course.grading.ch06_waiting import check_schedule_waiting
 from paged_lib.engine.model_runner import build_metadata as lib_build_metadata
@@ -103,6 +103,8 @@ def check_build_metadata(build_metadata: Callable[..., Any]) -> None:
         for call in replay.recorded()["build_metadata"]:  # every state the engine reaches
             _check_batch(build_metadata, f"the engine's call in '{call.workload}', at engine "
                          f"step {call.step}", *call.args)
+        generated.check("build_metadata", build_metadata, "every new token's slot is its "
+                        "position's block in the table, at position % block_size")
 
 
 def _check_batch(fn, name, tables, seq_lens, query_lens, block_size) -> None:

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from paged_lib.course import grading
-from paged_lib.course.grading import replay
+from paged_lib.course.grading import generated, replay
 from paged_lib.engine.block_manager import num_required_blocks as lib_required
 from paged_lib.engine.policy import Budget
 from paged_lib.engine.policy import can_admit as lib_can_admit
@@ -123,6 +123,9 @@ def check_num_required_blocks(num_required_blocks: Callable[..., Any]) -> None:
                     group, bs, got))
         replay.check_replay("num_required_blocks", num_required_blocks,
                             lambda call, got: _name_rule(*call.args, got))
+        generated.check("num_required_blocks", num_required_blocks, "a fresh request: its "
+                        "prompt's blocks; a group of several: the prompt once, each tail's "
+                        "blocks past it, and the part-filled prompt block's copies")
 
 
 def _name_rule(group: SequenceGroup, block_size: int, got: int) -> str:
@@ -223,3 +226,6 @@ def check_can_admit(can_admit: Callable[..., Any]) -> None:
                             "tokens and sequences already counted, blocks a chunked prompt "
                             "holds, a watermark; look at which of the free blocks, the "
                             "sequences and the tokens decides this answer")
+        generated.check("can_admit", can_admit, "after its blocks at least watermark_blocks "
+                        "stay free, and the step's sequences and tokens (those already in "
+                        "it, decodes included, plus the group's) stay within their maximums")

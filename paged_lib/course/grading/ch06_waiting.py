@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 
 from paged_lib.course import grading
 from paged_lib.course.grading import ch06_loops as loops
+from paged_lib.course.grading import generated
 from paged_lib.course.grading.ch06_loops import Scenario
 
 
@@ -242,3 +243,6 @@ def check_schedule_waiting(schedule_waiting: Callable[..., Any]) -> None:
     with grading.exercise("06.4", "Admitting the waiting queue"):
         loops.check_scenarios("schedule_waiting", schedule_waiting, SCENARIOS)
         loops.check_workloads("schedule_waiting", schedule_waiting)
+        generated.check("schedule_waiting", schedule_waiting, "admission: the head first, "
+                        "while can_admit lets it in (or it is alone in an empty step), "
+                        "nobody while groups are swapped out or after a preemption")

@@ -24,7 +24,7 @@ from typing import Any
 
 from paged_lib.blocks import BlockTable
 from paged_lib.course import grading
-from paged_lib.course.grading import replay
+from paged_lib.course.grading import generated, replay
 from paged_lib.course.grading.ch07_preempt import check_preempt_until_fits
 from paged_lib.course.grading.ch07_victim import check_choose_victim
 from paged_lib.engine.block_manager import BlockManager
@@ -90,6 +90,8 @@ def check_swap_mapping(swap_mapping: Callable[..., Any]) -> None:
                             "a forked group's tables share blocks in any pattern (beams that "
                             "forked at different steps): copy each distinct block once, in "
                             "the order first met reading every table left to right")
+        generated.check("swap_mapping", swap_mapping, "copy each distinct block once, in "
+                        "the order first met reading every table left to right")
 
 
 def _check_scenario(fn, name: str, tables: list[list[int]], order: list[int]) -> None:

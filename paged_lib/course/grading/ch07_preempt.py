@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 
 from paged_lib.course import grading
 from paged_lib.course.grading import ch06_loops as loops
+from paged_lib.course.grading import generated
 from paged_lib.course.grading.ch06_loops import Scenario
 from paged_lib.engine import policy
 
@@ -219,3 +220,6 @@ def check_preempt_until_fits(preempt_until_fits: Callable[..., Any]) -> None:
     with grading.exercise("07.3", "Preempting until the blocks fit"):
         loops.check_scenarios("preempt_until_fits", preempt_until_fits, SCENARIOS)
         loops.check_workloads("preempt_until_fits", preempt_until_fits)
+        generated.check("preempt_until_fits", preempt_until_fits, "ask choose_victim among "
+                        "the group and those admitted after it that have not run, one victim "
+                        "at a time, until the blocks fit or the group itself is preempted")

@@ -19,7 +19,7 @@ from typing import Any
 
 from paged_lib.blocks import BlockAllocator, BlockTable
 from paged_lib.course import grading
-from paged_lib.course.grading import replay
+from paged_lib.course.grading import generated, replay
 from paged_lib.engine.block_manager import BlockManager
 from paged_lib.engine.hooks import EngineHooks
 from paged_lib.engine.policy import choose_victim as lib_victim
@@ -250,3 +250,6 @@ def check_choose_victim(choose_victim: Callable[..., Any]) -> None:
                             "the list is the group that needs blocks, then the groups admitted "
                             "after it, in admission order (several may share a step): the "
                             "last of the list is the latest admitted")
+        generated.check("choose_victim", choose_victim, "the list is in admission order, "
+                        "whatever the groups' ids, arrivals or sizes: the last is the latest "
+                        "admitted")

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from paged_lib.course import grading
-from paged_lib.course.grading import replay
+from paged_lib.course.grading import generated, replay
 from paged_lib.course.grading.ch10_alloc import check_allocate_slots
 from paged_lib.course.grading.ch10_queue import check_free_queue
 from paged_lib.engine.prefix_cache import (
@@ -82,6 +82,8 @@ def check_block_hashes(fn: Callable[..., Any]) -> None:
         replay.check_replay("block_hashes", fn,
                             "one hash per full block of the text the engine hands you "
                             "(prompts and generated tokens), each chained on the one before")
+        generated.check("block_hashes", fn, "one hash per full block, each chained on the "
+                        "one before, with the extra keys")
 
 
 def _check_hashes(fn, name: str, tokens: list[int], block_size: int, extra: tuple) -> None:
@@ -249,6 +251,8 @@ def check_longest_cache_hit(fn: Callable[..., Any]) -> None:
         replay.check_replay("longest_cache_hit", fn,
                             "the leading hits only, stopping at the first miss, and never the "
                             "block that holds the text's last token")
+        generated.check("longest_cache_hit", fn, "the leading hits only, stopping at the "
+                        "first miss, and never the block that holds the text's last token")
 
 
 def _check_hit(fn, name: str, num_tokens: int, block_size: int, cached: dict[int, int]

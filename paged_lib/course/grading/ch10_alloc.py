@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from paged_lib.course import grading
+from paged_lib.course.grading import generated
 from paged_lib.course.grading.ch10_alloc_cases import edge_states, workloads
 from paged_lib.engine.prefix_cache import (
     BlockHash,
@@ -382,6 +383,9 @@ def check_allocate_slots(fn: Callable[..., Any]) -> None:
         check_edges(fn)
         check_replay(fn)
         check_serving(fn)
+        generated.check("allocate_slots", fn, "the hit's blocks taken out of the free queue "
+                        "(touched) before any allocation, then the chunk's fresh blocks, "
+                        "each full block registered under its hash")
 
 
 __all__ = ["State", "check_allocate_slots", "edge_states", "recorded", "workloads"]

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from paged_lib.course import grading
+from paged_lib.course.grading import generated
 from paged_lib.engine.prefix_cache import FreeBlockQueue
 
 _POPLEFT = "paged_lib.engine.prefix_cache.FreeBlockQueue.popleft"
@@ -53,6 +54,9 @@ def check_free_queue(cls: Any) -> None:
         if calls:
             grading.fail(calls[0], "write popleft yourself from the spec: the check compares "
                          "your queue with the library's, so delegating proves nothing")
+        generated.check("FreeBlockQueue", cls, "popleft takes the least recently freed block "
+                        "(the front); remove unlinks a block anywhere and relinks its "
+                        "neighbours")
 
 
 def _check(cls: Any) -> None:
