@@ -23,7 +23,7 @@ from paged_lib.kernels.reference import ref_paged_attention, ref_paged_prefill
 
 def test_unpacks_into_the_api_and_the_reference():
     case = make_decode_case([1, 17, 40], num_heads=4, num_kv_heads=2, head_dim=64,
-                            block_size=16)
+                            block_size=16, device=paged_lib.default_device())
     assert isinstance(case, DecodeCase) and case.scale == 64 ** -0.5
     expected = ref_paged_attention(*case)
     assert not expected.isnan().any()
@@ -102,3 +102,17 @@ def test_prefill_case_unpacks_into_paged_prefill():
     out = paged_prefill(*case, backend="torch")
     torch.testing.assert_close(out.double(), ref_paged_prefill(*case).double(), atol=1e-5,
                                rtol=1e-5)
+
+
+def test_compiled_triton_refuses_cpu_tensors_with_a_clear_error(monkeypatch):
+    """Where Triton compiles (a GPU, no interpreter), CPU tensors would fail inside Triton's
+    launcher ("Pointer argument cannot be accessed"): the API says what to do instead."""
+    case = make_decode_case([3, 9], num_heads=2, num_kv_heads=1, head_dim=16, block_size=4)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="tensors are on the CPU: move them to 'cuda'"):
+        paged_attention(*case, backend="triton")
+    pf = make_prefill_case((2,), (3,), 2, 1, 16, 4, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="move them to 'cuda'"):
+        paged_prefill(*pf, backend="triton")
+    out = paged_attention(*case, backend="torch")  # the CPU backends still take them
+    assert out.shape == case.q.shape

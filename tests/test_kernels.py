@@ -34,6 +34,7 @@ from paged_lib.kernels import (
 from paged_lib.kernels import triton_decode as td
 from paged_lib.kernels.cases import make_decode_case, make_prefill_case
 from paged_lib.kernels.reference import gather_kv, ref_paged_attention, ref_paged_prefill
+from paged_lib.kernels.triton_split import MAX_SPLITS
 
 
 def ref_reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
@@ -279,7 +280,8 @@ def test_choose_num_splits_heuristic():
     # 512 programs on 132 SMs: under 4 per SM, so 2 segments each.
     assert choose_num_splits(64, 8, 4096, 132) == 2
     # Few long sequences: split in powers of two, bounded by MAX_SPLITS and the length.
-    assert choose_num_splits(1, 8, 32_768, 132) == 16
+    assert choose_num_splits(1, 8, 32_768, 132) == 64
+    assert choose_num_splits(1, 8, 100_000, 132) == MAX_SPLITS
     assert choose_num_splits(4, 8, 1024, 132) == 4
     assert choose_num_splits(8, 8, 8192, 132) == 8
     assert choose_num_splits(16, 8, 8192, 132) == 4

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import torch
 
+from paged_lib.device import interpreter_on
 from paged_lib.kernels.backends import BACKENDS
 from paged_lib.kernels.backends import check_backend as _check_backend
 from paged_lib.kernels.kv_quant import dequantize_used_blocks, is_quantized, write_quantized
@@ -87,6 +88,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             raise ImportError("backend='torch' needs paged_lib/kernels/torch_backend.py "
                               f"(chapter 04), which could not be imported: {err}") from err
         return paged_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, scale)
+    _check_triton_device(q.device)
     from paged_lib.kernels.triton_decode import paged_attention_triton
 
     return paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale,
@@ -128,6 +130,7 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
         return paged_prefill_torch(q, k_cache, v_cache, block_tables, seq_lens, query_lens,
                                    scale)
+    _check_triton_device(q.device)
     from paged_lib.kernels.triton_prefill import paged_prefill_triton
 
     return paged_prefill_triton(q, k_cache, v_cache, block_tables, seq_lens, query_lens, scale,
@@ -183,6 +186,7 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Ten
         from paged_lib.kernels.torch_backend import reshape_and_cache_torch
 
         return reshape_and_cache_torch(key, value, k_cache, v_cache, slot_mapping)
+    _check_triton_device(key.device)
     from paged_lib.kernels.triton_cache import reshape_and_cache_triton
 
     return reshape_and_cache_triton(key, value, k_cache, v_cache, slot_mapping)
@@ -209,6 +213,16 @@ def slot_mapping_from_positions(block_tables: torch.Tensor, seq_ids: torch.Tenso
 
 def _scale(scale: float | None, head_dim: int) -> float:
     return head_dim ** -0.5 if scale is None else float(scale)
+
+
+def _check_triton_device(device: torch.device) -> None:
+    """Compiled Triton kernels read GPU memory only; in the interpreter they read CPU tensors.
+    A CPU tensor handed to a compiled kernel would fail deep inside Triton's launcher
+    ("Pointer argument cannot be accessed"), so say here what to do instead."""
+    if device.type == "cpu" and not interpreter_on():
+        raise ValueError("backend='triton' runs compiled on the GPU here, but the tensors are "
+                         "on the CPU: move them to 'cuda' (paged_lib.default_device()), or use "
+                         "backend='torch' or backend='cpu' for CPU tensors")
 
 
 def _check_same_device(**tensors: torch.Tensor) -> None:

@@ -32,8 +32,10 @@ from paged_lib.util import cdiv
 
 #: A segment shorter than this is not worth its own program (and the merge it costs).
 MIN_TOKENS_PER_SPLIT = 256
-#: More segments than this only add merge work.
-MAX_SPLITS = 16
+#: More segments than this only add merge work. 16 left one long sequence with 8 KV heads
+#: at 128 programs on an H200's 132 SMs, one program per SM: 28% of peak bandwidth at 32K
+#: tokens (``reports/gpu-check-nvidia-h200.md``). 64 gives such a launch 512 programs.
+MAX_SPLITS = 64
 #: Programs per SM a split launch aims for: several, so that SMs whose programs finish
 #: early (shorter sequences) pick up others, and memory latency hides behind them.
 PROGRAMS_PER_SM = 4
