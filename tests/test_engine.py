@@ -144,8 +144,8 @@ def test_bad_params_name_the_request(model):
     engine = LLMEngine(model, 16, 4)
     params = [SamplingParams(max_tokens=3, temperature=0.0),
               SamplingParams(max_tokens=3, temperature=0.0),
-              SamplingParams(max_tokens=0, temperature=0.0)]
-    with pytest.raises(ValueError, match="request 2: max_tokens must be an int >= 1"):
+              SamplingParams(max_tokens=3, temperature=0.0, stop_token_ids=[999])]
+    with pytest.raises(ValueError, match=r"request 2: stop_token_ids \[999\] are not ids"):
         engine.generate([[1], [2], [3]], params)
     with pytest.raises(ValueError, match="2 prompts but 3"):
         engine.generate([[1], [2]], params)
@@ -278,24 +278,6 @@ def test_prefill_first_gives_the_same_tokens_in_pure_steps(model, prompts, refer
      "request 1: token True at position 0"),
     ([[1], [2.0]], SamplingParams(max_tokens=3, temperature=0.0), None,
      "request 1: token 2.0 at position 0"),
-    ([[1], [2]],
-     [SamplingParams(max_tokens=3, temperature=0.0),
-      SamplingParams(max_tokens=True, temperature=0.0)], None, "request 1: max_tokens"),
-    ([[1], [2]],
-     [SamplingParams(max_tokens=3, temperature=0.0),
-      SamplingParams(max_tokens=3, temperature="0.5")], None,
-     "request 1: temperature must be a number"),
-    ([[1], [2]],
-     [SamplingParams(max_tokens=3, temperature=0.0),
-      SamplingParams(max_tokens=3, temperature=float("nan"))], None,
-     "request 1: temperature"),
-    ([[1], [2]],
-     [SamplingParams(max_tokens=3, temperature=0.0),
-      SamplingParams(max_tokens=3, seed="7", temperature=0.0)], None, "request 1: seed"),
-    ([[1], [2]],
-     [SamplingParams(max_tokens=3, temperature=0.0),
-      SamplingParams(max_tokens=3, ignore_eos=1, temperature=0.0)], None,
-     "request 1: ignore_eos"),
     ([[1], [2]], SamplingParams(max_tokens=3, temperature=0.0), [0, True],
      "request 1: arrival step"),
     ([[1], [2]], [SamplingParams(max_tokens=3, temperature=0.0), "greedy"], [0, 9],
@@ -310,6 +292,17 @@ def test_malformed_input_raises_before_anything_runs(model, prompts, params, arr
     # nothing ran and nothing was lost: the last run's stats stand, every block is free
     assert engine.stats is before and engine.block_manager.num_free_blocks == 16
     assert not engine.scheduler.has_unfinished()
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(max_tokens=True), "max_tokens"),
+    (dict(temperature="0.5"), "temperature must be a number"),
+    (dict(temperature=float("nan")), "temperature"), (dict(seed="7"), "seed"),
+    (dict(ignore_eos=1), "ignore_eos")])
+def test_malformed_params_raise_when_built(kwargs, match):
+    """As vLLM's SamplingParams: checked when built, before any engine sees them."""
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**{"max_tokens": 3, "temperature": 0.0, **kwargs})
 
 
 def test_integer_prompts_of_numpy_or_torch_are_welcome(model, prompts, reference):

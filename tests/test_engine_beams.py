@@ -201,20 +201,17 @@ def test_early_stopping_ends_the_search_when_width_hypotheses_are_done(hf, promp
     assert steps and min(steps) < EOS_MAX_TOKENS
 
 
-@pytest.mark.parametrize("params, match", [
-    (SamplingParams(max_tokens=4, length_penalty=2.0, temperature=0.0),
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(max_tokens=4, length_penalty=2.0, temperature=0.0), "only apply to beam search"),
+    (dict(max_tokens=4, temperature=1.0, n=2, early_stopping=True),
      "only apply to beam search"),
-    (SamplingParams(max_tokens=4, temperature=1.0, n=2, early_stopping=True),
-     "only apply to beam search"),
-    (SamplingParams(max_tokens=4, beam_width=2, early_stopping="sometimes"),
-     "early_stopping must be"),
-    (SamplingParams(max_tokens=4, beam_width=2, length_penalty=float("nan")),
-     "length_penalty must be"),
+    (dict(max_tokens=4, beam_width=2, early_stopping="sometimes"), "early_stopping must be"),
+    (dict(max_tokens=4, beam_width=2, length_penalty=float("nan")), "length_penalty must be"),
 ])
-def test_beam_options_are_checked(hf, params, match):
-    engine = LLMEngine(TinyLlama.from_hf(hf), 16, 4)
-    with pytest.raises(ValueError, match=f"request 0: .*{match}"):
-        engine.generate([[1, 2]], params)
+def test_beam_options_are_checked(kwargs, match):
+    """Refused when SamplingParams is built (as vLLM checks its own values)."""
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
 
 
 def test_split_candidates_ends_eos_only_among_the_best_width():

@@ -112,7 +112,7 @@ def test_bad_prompts_are_a_value_error(llm, prompts, message):
 
 
 def test_bad_params_and_models_are_a_value_error(llm):
-    with pytest.raises(ValueError, match="top_p must be a number in"):
+    with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\]"):
         llm.generate("def ", SamplingParams(max_tokens=4, temperature=1.0, top_p=2.0))
     with pytest.raises(ValueError, match="2 prompts but 1 SamplingParams"):
         llm.generate(["a", "b"], [SamplingParams(max_tokens=4, temperature=0.0)])

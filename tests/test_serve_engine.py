@@ -118,8 +118,9 @@ def test_the_loop_refuses_what_can_never_run(tiny_model):
         with pytest.raises(RequestError, match="max_num_seqs"):
             await loop_engine.add_request([1], SamplingParams(max_tokens=4, n=3,
                                                               temperature=1.0))
-        with pytest.raises(RequestError, match="max_tokens"):
-            await loop_engine.add_request([1], SamplingParams(max_tokens=0, temperature=0.0))
+        with pytest.raises(RequestError, match="stop_token_ids"):
+            await loop_engine.add_request([1], SamplingParams(max_tokens=4, temperature=0.0,
+                                                              stop_token_ids=[999]))
         stream = await loop_engine.add_request(PROMPTS[0], GREEDY)
         assert await _tokens(stream) == _alone(tiny_model, PROMPTS[:1])[0]
 

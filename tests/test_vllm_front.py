@@ -67,23 +67,58 @@ def test_the_defaults_and_keywords_are_vllms():
     assert paged_lib.SamplingParams is SamplingParams
 
 
+#: bad values refused when SamplingParams is built, in vLLM's words (its _verify_args;
+#: ports vLLM's tests/test_sampling_params.py and tests/v1/engine/test_processor.py ideas)
+BUILT_BAD = [
+    (dict(max_tokens=4, min_tokens=5),
+     "min_tokens must be less than or equal to max_tokens=4, got 5."),
+    (dict(min_tokens=-1), "min_tokens must be greater than or equal to 0, got -1."),
+    (dict(stop=[""]), "stop cannot contain an empty string."),
+    (dict(stop=5), "stop must be a str or a list of str"),
+    (dict(stop_token_ids=[True]), "stop_token_ids must contain only integers"),
+    (dict(stop_token_ids=[-1]), "stop_token_ids must be token ids"),
+    (dict(logprobs=-2), "logprobs must be non-negative or -1, got -2."),
+    (dict(n=0), "n must be at least 1, got 0."),
+    (dict(n=2, temperature=0.0), "n must be 1 when using greedy sampling, got 2."),
+    (dict(top_p=0.0), "top_p must be in (0, 1], got 0.0."),
+    (dict(top_k=-2), "top_k must be 0 (disable), or at least 1, got -2."),
+    (dict(temperature=-1.0), "temperature must be non-negative, got -1.0."),
+    (dict(min_p=1.5), "min_p must be in [0, 1], got 1.5."),
+    (dict(max_tokens=0), "max_tokens must be at least 1, got 0."),
+    (dict(presence_penalty=2.5), "presence_penalty must be in [-2, 2], got 2.5."),
+    (dict(frequency_penalty=-3.0), "frequency_penalty must be in [-2, 2], got -3.0."),
+    (dict(repetition_penalty=0.0), "repetition_penalty must be greater than zero, got 0.0."),
+    (dict(bad_words=[""]), "bad_words cannot contain an empty string."),
+    (dict(allowed_token_ids=[]), "allowed_token_ids is not None and empty!"),
+    (dict(top_p="0.9"), "top_p must be a number"),
+    (dict(beam_width=2, n=2), "beam search ranks beams by"),
+    (dict(beam_width=2, stop_token_ids=[3]), "beam search here stops at EOS"),
+    (dict(beam_width=2, logprobs=1), "beam search here stops at EOS"),
+    (dict(beam_width=2, repetition_penalty=1.2), "beam search here ranks the model's own"),
+]
+
+
+@pytest.mark.parametrize("kwargs, message", BUILT_BAD, ids=[str(k) for k, _ in BUILT_BAD])
+def test_bad_values_raise_when_built_in_vllms_words(kwargs, message):
+    """vLLM: SamplingParams.__post_init__ -> _verify_args raises ValueError at once."""
+    with pytest.raises(ValueError) as err:
+        SamplingParams(**kwargs)
+    assert message in str(err.value)
+
+
 @pytest.mark.parametrize("params, message", [
-    (SamplingParams(max_tokens=4, min_tokens=5), "min_tokens must be an int in 0..max_tokens"),
-    (SamplingParams(min_tokens=-1), "min_tokens"),
-    (SamplingParams(stop=[""]), "stop must be a non-empty str or a list of them"),
-    (SamplingParams(stop=5), "stop must be"),
-    (SamplingParams(stop_token_ids=[-1]), "stop_token_ids must be a list of token ids"),
-    (SamplingParams(stop_token_ids=[True]), "stop_token_ids"),
     (SamplingParams(stop_token_ids=[500]), "stop_token_ids [500] are not ids"),
-    (SamplingParams(logprobs=21), "logprobs must be None or an int in 0..20"),
-    (SamplingParams(logprobs=-1), "logprobs"),
-    (SamplingParams(n=2, temperature=0.0), "greedy samples would all be equal"),
-    (SamplingParams(beam_width=2, n=2), "beam search ranks beams by"),
-    (SamplingParams(beam_width=2, stop_token_ids=[3]), "beam search here stops at EOS"),
-    (SamplingParams(beam_width=2, logprobs=1), "beam search here stops at EOS"),
+    (SamplingParams(logprobs=21), "Requested sample logprobs of 21, which is greater than "
+                                  "max allowed: 20"),
+    (SamplingParams(logprobs=-1), "Requested sample logprobs of 97"),
+    (SamplingParams(logit_bias={300: 1.0}), "token_id(s) [300] in logit_bias contain "
+                                            "out-of-vocab token ids. Vocabulary size: 97"),
+    (SamplingParams(allowed_token_ids=[1, 97]), "allowed_token_ids contains out-of-vocab"),
+    (SamplingParams(bad_words=["x"]), "bad_words need a tokenizer"),
     (SamplingParams(max_tokens=4, stop="x"), "stop strings need a tokenizer"),
 ])
-def test_bad_values_name_the_request_and_the_value(tiny_model, params, message):
+def test_what_depends_on_the_model_names_the_request(tiny_model, params, message):
+    """vLLM's processor checks these against the model when a request arrives."""
     with pytest.raises(ValueError) as err:
         LLMEngine(tiny_model, 16, 4).generate([[1], [2]], [SamplingParams(), params])
     assert "request 1: " in str(err.value) and message in str(err.value)

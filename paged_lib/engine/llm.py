@@ -129,6 +129,13 @@ class LLM:
                              f"only {model.config.vocab_size}")
         self.engine = LLMEngine(model, num_blocks, block_size, tokenizer=self.tokenizer,
                                 **engine_options)
+        #: vLLM's name for the engine (``llm.llm_engine``); ``llm.engine`` is the same one
+        self.llm_engine = self.engine
+
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's ``LLM.reset_prefix_cache``: forget every cached block; ``False`` (and
+        nothing changes) while a request holds blocks."""
+        return self.engine.reset_prefix_cache()
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams]
                  | None = None, *, use_tqdm: bool = True) -> list[RequestOutput]:
@@ -228,10 +235,21 @@ class LLM:
         if sampling_params is None:
             sampling_params = SamplingParams()  # vLLM's defaults
         outputs = self.engine.generate(ids, sampling_params)
-        return [dataclasses.replace(out, prompt=text)
-                for out, text in zip(outputs, texts, strict=True)]
+        params = (sampling_params if isinstance(sampling_params, list | tuple)
+                  else [sampling_params] * len(outputs))
+        return [dataclasses.replace(out, prompt=text, outputs=_vllm_outputs(out.outputs, p))
+                for out, text, p in zip(outputs, texts, params, strict=True)]
 
     @property
     def stats(self):
         """The engine's :class:`~paged_lib.engine.sequence.EngineStats` of the last call."""
         return self.engine.stats
+
+
+def _vllm_outputs(outputs: list, params: SamplingParams) -> list:
+    """vLLM's ``CompletionOutput.cumulative_logprob`` is ``None`` unless ``logprobs`` was
+    asked for. The token-id API (:meth:`LLMEngine.generate`) keeps the sum always: the
+    chapters compare it between engines without asking for per-token logprobs."""
+    if params.logprobs is not None or params.beam_width is not None:
+        return outputs
+    return [dataclasses.replace(c, cumulative_logprob=None) for c in outputs]

@@ -35,6 +35,7 @@ from paged_lib.engine.requests import (
 )
 from paged_lib.engine.reservation import make_reservation
 from paged_lib.engine.sampler import sample
+from paged_lib.engine.sampling_params import MAX_LOGPROBS
 from paged_lib.engine.scheduler import Scheduler
 from paged_lib.engine.sequence import (
     EngineStats,
@@ -102,7 +103,7 @@ class LLMEngine:
                  kv_cache_dtype: str = "auto", enable_chunked_prefill: bool = False,
                  tensor_parallel_size: int = 1, sliding_window: int | None = None,
                  num_sink_tokens: int = 0, max_model_len: int | None = None,
-                 reservation: str = "paged",
+                 reservation: str = "paged", max_logprobs: int = MAX_LOGPROBS,
                  hooks: EngineHooks | None = None, on_step: Callable | None = None,
                  tokenizer=None):
         if attention_backend not in ("auto", *BACKENDS):
@@ -125,6 +126,11 @@ class LLMEngine:
         if not 0 <= watermark < 1:
             raise ValueError(f"watermark is a fraction of the pool in [0, 1), got {watermark}")
         check_kv_cache_dtype(kv_cache_dtype)
+        if isinstance(max_logprobs, bool) or not isinstance(max_logprobs, int) \
+                or max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be non-negative or -1, got {max_logprobs}")
+        #: the most top log-probabilities a request may ask for (-1: the whole vocabulary)
+        self.max_logprobs = max_logprobs
         self.model = model.eval()
         self.block_size = block_size
         self.window = make_window(sliding_window, num_sink_tokens, block_size, model.config,
@@ -195,12 +201,23 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests
 
-    def _check_request(self, i: int, prompt, params: SamplingParams) -> list[int]:
+    def _check_request(self, i: int, prompt, params: SamplingParams
+                       ) -> tuple[list[int], SamplingParams]:
+        """The prompt as a list of ints and the params the engine runs (``max_tokens=None``
+        resolved to what the context has left); what depends on the model is checked
+        here, as vLLM's processor does, in its words."""
+        if isinstance(params, SamplingParams) and params.max_tokens is None:
+            room = self.max_model_len - len(prompt) if hasattr(prompt, "__len__") else 1
+            params = dataclasses.replace(params, max_tokens=max(1, room))
         prompt = check_request(i, prompt, params, self.model.config.vocab_size, self.window,
                                has_tokenizer=self.tokenizer is not None)
+        try:  # vLLM's SamplingParams.verify: what depends on the model
+            params.verify(self.model.config.vocab_size, self.max_logprobs, self.tokenizer)
+        except ValueError as e:
+            raise ValueError(f"request {i}: {e}") from None
         if self.reservation is not None:
             self.reservation.check_request(i, params)
-        return prompt
+        return prompt, params
 
     def _never_fits(self, prompt: list[int], params: SamplingParams) -> str | None:
         why = never_fits(prompt, params, max_model_len=self.max_model_len,
@@ -218,7 +235,7 @@ class LLMEngine:
                     params: SamplingParams) -> SequenceGroup:
         """Queue a request (checked: malformed input raises ``ValueError``); one that can
         never fit in the pool is returned already failed (``error`` set), and not queued."""
-        prompt = self._check_request(request_id, prompt, params)
+        prompt, params = self._check_request(request_id, prompt, params)
         seq = Sequence(self._next_seq_id, prompt)
         self._next_seq_id += 1
         gen = torch.Generator()
@@ -327,15 +344,14 @@ class LLMEngine:
         if prompts and token_id(prompts[0]) is not None:
             raise ValueError("prompts is a list of prompts, each a list of token ids; got a "
                              "list of ints (for one prompt, pass [prompt])")
-        if isinstance(params, SamplingParams):
-            params = [params] * len(prompts)
+        params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
         arrivals = [0] * len(prompts) if arrival_steps is None else list(arrival_steps)
         if len(arrivals) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(arrivals)} arrival steps")
         for i, (prompt, p, t) in enumerate(zip(prompts, params, arrivals, strict=True)):
-            prompts[i] = self._check_request(i, prompt, p)
+            prompts[i], params[i] = self._check_request(i, prompt, p)
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 raise ValueError(f"request {i}: arrival step must be an int >= 0, got {t!r}")
         self.stats = EngineStats(num_blocks=self.num_blocks, block_size=self.block_size)
@@ -368,3 +384,4 @@ class LLMEngine:
     def _output(self, group: SequenceGroup) -> RequestOutput:
         """vLLM's :class:`RequestOutput` for a finished ``group`` (texts with a tokenizer)."""
         return request_output(group, self.tokenizer.decode if self.tokenizer else None)
+

@@ -23,7 +23,11 @@ Decode = Callable[[Iterable[int]], str]
 def request_output(group: SequenceGroup, decode: Decode | None = None) -> RequestOutput:
     """The answer to ``group``'s request; texts (and each logprob's ``decoded_token``)
     only when ``decode`` is given. A beam hypothesis shorter than ``max_tokens`` ended at
-    EOS (``"stop"``); one that reached it is ``"length"``, as vLLM v1 checks length first."""
+    EOS (``"stop"``); one that reached it is ``"length"``, as vLLM v1 checks length first.
+
+    As vLLM v1's detokenizer: a sequence ended by EOS or one of ``stop_token_ids`` keeps
+    the token in ``token_ids`` but not its text in ``text``, and one ended by a stop
+    string has ``text`` cut before it; ``include_stop_str_in_output=True`` keeps both."""
     if group.error is not None:
         return RequestOutput(group.request_id, None, group.prompt_token_ids, [],
                              error=group.error)
@@ -35,8 +39,7 @@ def request_output(group: SequenceGroup, decode: Decode | None = None) -> Reques
                                          finish_reason=reason))
     else:
         for i, seq in enumerate(group.seqs):
-            text = (seq.output_text if isinstance(seq.stop_reason, str)
-                    else _text(seq.output_token_ids, decode))
+            text = _sequence_text(seq, params, decode)
             logprobs = None
             if params.logprobs is not None:
                 logprobs = [_decoded(top, decode) for top in seq.output_logprobs]
@@ -45,6 +48,16 @@ def request_output(group: SequenceGroup, decode: Decode | None = None) -> Reques
                                          seq.finish_reason, seq.stop_reason))
     return RequestOutput(group.request_id, None, group.prompt_token_ids, outs,
                          finished=group.is_finished())
+
+
+def _sequence_text(seq, params, decode: Decode | None) -> str | None:
+    keep = params.include_stop_str_in_output
+    if isinstance(seq.stop_reason, str):  # a stop string: the text ends before it
+        return seq.output_text + (seq.stop_reason if keep else "")
+    tokens = seq.output_token_ids
+    if seq.finish_reason == "stop" and not keep and tokens:  # EOS or a stop token id
+        tokens = tokens[:-1]
+    return _text(tokens, decode)
 
 
 def _text(tokens: list[int], decode: Decode | None) -> str | None:
