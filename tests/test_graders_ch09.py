@@ -622,3 +622,65 @@ def choice_none_when_none_fits(lengths, allowed, budget):
 def test_09_2_derived_rules_get_named(capsys, wrong, state, hint):
     out = verdict(capsys, ch09.check_choose_block_size, wrong)
     assert out.startswith("❌ [09.2]") and state in out and hint in out, out
+
+
+# ------------------------------------------- 09.3: overflow, underflow and a read past the end
+
+
+def tiles_m_from(m0=-math.inf, freeze=False):
+    """An attend_tiles whose running max starts at ``m0`` (0: a slip), or (``freeze``)
+    stays the first tile's max: exp(s - m) overflows once later tiles score far higher."""
+    def fn(q, k_cache, v_cache, block_table, seq_len, tile):
+        h, d = q.shape
+        bs, nkv = k_cache.shape[1], k_cache.shape[2]
+        dt = torch.float64 if q.dtype == torch.float64 else torch.float32
+        heads = torch.arange(h) // (h // nkv)
+        qf = q.to(dt) * d ** -0.5
+        m = torch.full((h,), m0, dtype=dt)
+        den, acc = torch.zeros(h, dtype=dt), torch.zeros(h, d, dtype=dt)
+        for start in range(0, seq_len, tile):
+            pos = torch.arange(start, min(start + tile, seq_len))
+            blocks = block_table[pos // bs].long()
+            k = k_cache[blocks, pos % bs].to(dt)[:, heads]
+            v = v_cache[blocks, pos % bs].to(dt)[:, heads]
+            s = torch.einsum("hd,thd->ht", qf, k)
+            m_new = torch.maximum(m, s.amax(-1)) if not (freeze and start) else m
+            alpha, p = torch.exp(m - m_new), torch.exp(s - m_new[:, None])
+            den = den * alpha + p.sum(-1)
+            acc = acc * alpha[:, None] + torch.einsum("ht,thd->hd", p, v)
+            m = m_new
+        if seq_len == 0:
+            return torch.zeros_like(q)
+        return (acc / den[:, None]).to(q.dtype)
+    return fn
+
+
+def test_09_3_an_underflow_is_told_as_an_underflow(capsys):
+    """A running max that starts at 0: right while scores are positive, 0 / 0 once every
+    score is hundreds below zero. Not 'a slot past the end', not 'overflows'."""
+    out = verdict(capsys, ch09.check_attend_tiles, tiles_m_from(m0=0.0))
+    assert out.startswith("❌ [09.3]") and "scores in the hundreds below zero" in out, out
+    assert "exp underflowed to 0" in out and "starting from -inf (not 0)" in out, out
+    assert "past the sequence's end" not in out and "overflows" not in out, out
+
+
+def test_09_3_an_overflow_of_a_stale_max_is_told_as_an_overflow(capsys):
+    """The first tile's max kept for every later tile: right while later scores are not
+    far higher, inf / inf where they reach the hundreds: an overflow, whatever the NaN
+    pattern, not a read past the end."""
+    out = verdict(capsys, ch09.check_attend_tiles, tiles_m_from(freeze=True))
+    assert out.startswith("❌ [09.3]") and "overflows" in out, out
+    assert "past the sequence's end" not in out, out
+
+
+def test_09_3_holding_the_last_tile_is_fine_when_the_tile_is_wider_than_the_head():
+    """A tile of 20 on heads of 8: the previous tile's exp(s - m_new) is still alive when
+    the next tile is read, and it depends on the running max of every tile so far; that
+    is one tile's data, not scores concatenated (it was refused before)."""
+    from paged_lib.course.grading import ch09_tiles
+
+    for c in (ch09_tiles._case("tile 20, heads of 8, 70 tokens", 4, 20, 70, seed=21),
+              ch09_tiles._case("tile 12, heads of 4, 50 tokens", 5, 12, 50, seed=22,
+                               head_dim=4)):
+        ch09_tiles.check_case(tiles_with(), c)
+        ch09_tiles.check_case(tiles_written(), c)

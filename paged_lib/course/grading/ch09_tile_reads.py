@@ -17,8 +17,14 @@ positions its value depends on. At each read the check asks:
   what is held grows with the sequence;
 * is a tensor bigger than that still alive which depends on positions from before the
   previous tile: scores or values concatenated tile after tile;
-* does a read of K (or V) go back to positions before the start of an earlier read of
-  the same cache: a second pass (the max first, then the sum).
+* does a read of K (or V) go back, for one KV head, to positions before the start of an
+  earlier read of that head: a second pass (the max first, then the sum). A loop over the
+  KV heads, each read once, is one pass; so is a walk from the last tile to the first.
+
+A tensor's ``_span`` is every position its value depends on (the running state depends on
+all tiles so far); ``_from`` is where the data it carries element by element starts: it
+does not follow the running max or denominator (one number per head, broadcast over a
+tile's scores), so a tile's ``exp(s - m_new)`` is that tile's, not the sequence's.
 """
 
 from __future__ import annotations
@@ -42,18 +48,29 @@ class TileLog:
         for j, b in enumerate(table.tolist()[:-(-seq_len // bs)] if seq_len else []):
             n = min(bs, seq_len - j * bs)
             posmap[b, :n] = torch.arange(j * bs, j * bs + n)
+        nkv = k_cache.shape[2]
+        # each element's position and KV head in one map: position * nkv + head
+        posmap = torch.where(posmap >= 0, posmap * nkv, posmap)
         self.caches = {}  # storage pointer -> (kind, element-wise position map, its offset)
         for kind, cache in (("K", k_cache), ("V", v_cache)):
-            full = posmap[:, :, None, None].expand(cache.shape).contiguous()
+            full = (posmap[:, :, None, None] + torch.arange(nkv)[None, None, :, None]
+                    * (posmap[:, :, None, None] >= 0)).expand(cache.shape).contiguous()
             self.caches[cache.untyped_storage().data_ptr()] = (kind, full,
                                                                cache.storage_offset())
         self.tile, self.small, self.block_size = tile, num_heads * d, bs
+        self.num_heads, self.num_kv_heads = num_heads, nkv
         self.state = num_heads * (v_cache.shape[-1] + 2)
         self.reads: list[int] = []  # elements each read returned
-        self.far = {"K": -1, "V": -1}  # the highest first position of an earlier read
+        self.far: dict[tuple[str, int], int] = {}  # (kind, KV head) -> highest first position
+        self.back: dict[tuple[str, int], int] = {}  # (kind, KV head) -> lowest last position
+        self.ways: dict[tuple[str, int], set[str]] = {}  # the walks its reads still fit
         self.live: dict[int, weakref.ref] = {}
         self.problem: str | None = None
         self.hint: str | None = None
+        self.past_end = False  # a read returned a slot past seq_len (or of the padding)
+        #: the first op whose inputs were finite and whose output was not: (its name,
+        #: "inf" or "nan", whether an input held a zero)
+        self.made_nonfinite: tuple[str, str, bool] | None = None
 
     def flag(self, problem: str, hint: str) -> None:
         if self.problem is None:
@@ -72,20 +89,36 @@ class TileLog:
         ``kind`` None: an op on views of the cache (not an indexing read: no order check)."""
         self.reads.append(pos.numel())
         inside = pos[pos >= 0]
+        self.past_end |= inside.numel() < pos.numel()
         if inside.numel() == 0:
             return None
-        lo, hi = int(inside.min()), int(inside.max())
+        nkv = self.num_kv_heads
+        lo, hi = int(inside.min()) // nkv, int(inside.max()) // nkv
         if kind is not None:
-            if hi < self.far[kind]:
-                self.flag(f"read {kind} of positions {lo}-{hi} again after a read of {kind} "
-                          f"from position {self.far[kind]} on: a second pass over the "
-                          "sequence (the max first, then the sum)",
-                          "one pass over the tiles is enough: when a tile raises the running "
-                          "max m, rescale what was summed so far by exp(m_old - m_new)")
-            self.far[kind] = max(self.far[kind], lo)
+            for head in (inside % nkv).unique().tolist():
+                mine = inside[inside % nkv == head] // nkv
+                self._check_pass(kind, head, int(mine.min()), int(mine.max()))
         self._check_held(lo // self.tile)
         self._check_grown(lo)
         return lo, hi
+
+    def _check_pass(self, kind: str, head: int, lo: int, hi: int) -> None:
+        """One read of ``kind`` for KV ``head``, positions ``lo``-``hi``: a second pass
+        goes back over positions already passed, whichever way the tiles are walked."""
+        key = (kind, head)
+        far, back = self.far.get(key, -1), self.back.get(key, 1 << 62)
+        ways = self.ways.setdefault(key, {"forward", "backward"})
+        if hi < far:
+            ways.discard("forward")
+        if lo > back:
+            ways.discard("backward")
+        if not ways:  # neither a forward nor a backward walk: a second pass
+            self.flag(f"read {kind} (KV head {head}) of positions {lo}-{hi} again after your "
+                      "reads of it had gone past them: a second pass over the sequence (the "
+                      "max first, then the sum)",
+                      "one pass over the tiles is enough: when a tile raises the running "
+                      "max m, rescale what was summed so far by exp(m_old - m_new)")
+        self.far[key], self.back[key] = max(far, lo), min(back, hi)
 
     def _check_held(self, now: int) -> None:
         """At a read of tile ``now``: what is still alive from tile ``now - 2`` or older?"""
@@ -120,16 +153,16 @@ class TileLog:
         for ref in list(self.live.values()):
             t = ref()
             if t is not None and t.numel() > self.small \
-                    and t._span[0] < lo - 2 * self.tile - self.block_size:
+                    and t._from[0] < lo - 2 * self.tile - self.block_size:
                 self.flag(f"while reading from position {lo} on you still hold a tensor of "
-                          f"shape {tuple(t.shape)} computed from positions {t._span[0]}-"
-                          f"{t._span[1]}: scores or values concatenated tile after tile, so "
+                          f"shape {tuple(t.shape)} computed from positions {t._from[0]}-"
+                          f"{t._from[1]}: scores or values concatenated tile after tile, so "
                           "what you hold grows with the sequence",
                           "between tiles hold one running (m, l, acc) and nothing else: fold "
                           "each tile into it as soon as it is read")
 
-    def track(self, t: torch.Tensor, span: tuple[int, int]) -> None:
-        t._span = span
+    def track(self, t: torch.Tensor, span: tuple[int, int], data: tuple[int, int]) -> None:
+        t._span, t._from = span, data
         self.live[id(t)] = weakref.ref(t)
 
 
@@ -143,6 +176,7 @@ class TileTensor(torch.Tensor):
     """
 
     _span: tuple[int, int] | None = None
+    _from: tuple[int, int] | None = None
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -172,6 +206,9 @@ def _after(log: TileLog, func, args, kwargs, out) -> None:
     ins = list(_tensors((args, kwargs)))
     views = [(t, p) for t in ins if (p := log.positions(t)) is not None]
     spans = [s for s in (getattr(t, "_span", None) for t in ins) if s is not None]
+    # the data carried element by element: not a state of one number per head
+    datas = [t._from for t in ins if getattr(t, "_from", None) is not None
+             and t.numel() > log.num_heads]
     if views and any(log.positions(o) is not None for o in outs) and func not in _READS:
         return  # a view of the cache: nothing read yet
     if views and func in _READS and args and args[0] is views[0][0]:
@@ -180,14 +217,32 @@ def _after(log: TileLog, func, args, kwargs, out) -> None:
             pos = func(pos, *args[1:], **{k: x for k, x in kwargs.items() if k != "out"})
         except (RuntimeError, IndexError, TypeError):
             pass  # (then every position of what it read from)
-        spans.append(log.read(kind, pos))
+        reads = [log.read(kind, pos)]
     else:  # an op on views of the cache (a copy, a cat, an einsum) reads them whole
-        spans += [log.read(None, pos) for _, (_, pos) in views]
-    spans = [s for s in spans if s is not None]
+        reads = [log.read(None, pos) for _, (_, pos) in views]
+    if log.made_nonfinite is None:
+        _watch_finite(log, func, ins, outs)
+    spans = [s for s in spans + reads if s is not None]
+    datas = [s for s in datas + reads if s is not None] or spans
     span = (min(s[0] for s in spans), max(s[1] for s in spans)) if spans else None
     if span is not None:
+        data = (min(s[0] for s in datas), max(s[1] for s in datas))
         for o in outs:
-            log.track(o, span)
+            log.track(o, span, data)
+
+
+def _watch_finite(log: TileLog, func, ins: list[torch.Tensor], outs: list) -> None:
+    """Note the first op that made inf or NaN out of finite numbers (an overflowing
+    exp, a 0 / 0): what the learner's arithmetic did, as opposed to NaN read from a slot
+    past the sequence's end."""
+    floats = [t for t in ins if t.is_floating_point()]
+    made = [o for o in outs if o.is_floating_point() and not bool(o.isfinite().all())]
+    name = getattr(func, "__name__", str(func))
+    if made and any(w in name for w in ("exp", "div", "softmax")) \
+            and all(bool(t.isfinite().all()) for t in floats):
+        what = "inf" if any(bool(o.isinf().any()) for o in made) else "nan"
+        zero = any(bool((t == 0).any()) for t in floats)
+        log.made_nonfinite = (name, what, zero)
 
 
 class watching:

@@ -51,7 +51,8 @@ class Case:
 
 def _case(name: str, block_size: int, tile: int, seq_len: int, heads: int = 4,
           kv_heads: int = 2, dtype: torch.dtype = torch.float32, seed: int = 0,
-          growing: bool = False, head_dim: int = 8, loud: float = 1.0) -> Case:
+          growing: bool = False, head_dim: int = 8, loud: float = 1.0,
+          sign: float = 1.0) -> Case:
     g = torch.Generator().manual_seed(seed)
     used = cdiv(seq_len, block_size)
     num_blocks = used + 3
@@ -68,7 +69,7 @@ def _case(name: str, block_size: int, tile: int, seq_len: int, heads: int = 4,
             kv_heads, head_dim, generator=g, dtype=torch.float64).to(dtype)
     q = (torch.randn(heads, head_dim, generator=g, dtype=torch.float64) * 1.5).to(dtype)
     if growing:
-        q = q.abs() + 1
+        q = (q.abs() + 1) * sign
     table = torch.tensor(physical + [-1] * 2, dtype=torch.int32)
     return Case(name, q, k, v, table, seq_len, tile)
 
@@ -93,6 +94,9 @@ def cases() -> list[Case]:
         _case("scores in the hundreds, as a sharp softmax has them: exp of a raw score "
               "overflows float32 (blocks of 4, tiles of 5, 18 tokens)", 4, 5, 18, seed=17,
               growing=True, loud=4.0),
+        _case("scores in the hundreds below zero: exp of a raw score is 0 in float32 "
+              "(blocks of 4, tiles of 5, 18 tokens)", 4, 5, 18, seed=18, growing=True,
+              loud=20.0, sign=-1.0),
         _case("MHA: 3 heads, 3 KV heads (blocks of 2, tiles of 5, 12 tokens)", 2, 5, 12,
               heads=3, kv_heads=3, seed=12),
         _case("MQA: 4 heads, 1 KV head (blocks of 4, tiles of 6, 14 tokens)", 4, 6, 14,
@@ -187,20 +191,31 @@ _BLOCK_OF = next(hint for how, hint in _MISTAKES if how == dict(block_of="tile")
 _OVERFLOW = ("exp of a raw score overflows (scores here reach {top:.0f}; in float32 exp "
              "is inf from 89 on, and inf / inf is NaN): subtract the running max m before "
              "exp, exp(s - m_new), and rescale what was summed (chapter 04's online softmax)")
+_UNDERFLOW = ("exp underflowed to 0 for every score of a head (scores here go down to "
+              "{low:.0f}; in float32 exp is 0 below about -104), so the denominator is 0 and "
+              "0 / 0 is NaN: subtract the running max, the largest score seen so far, starting "
+              "from -inf (not 0), so that the largest term is exp(0) = 1")
+_PAST_END = ("NaN: a slot past the sequence's end was read (every unused slot is NaN, and "
+             "the table's padding -1 indexes the cache's last block): read only positions "
+             "below seq_len")
 
 
-def _hint(c: Case, got: torch.Tensor, want: torch.Tensor) -> str:
+def _hint(c: Case, got: torch.Tensor, want: torch.Tensor, log: TileLog | None = None) -> str:
     if c.seq_len == 0:
         return ("a sequence of length 0 has nothing to attend to: return zeros (as "
                 "paged_attention does for a padding row), not 0 / 0")
     if not got.isfinite().all() and want.isfinite().all():
-        raw = _variant(c, running_max=False)
-        if not raw.isfinite().all() and torch.equal(raw.isfinite(), got.isfinite()):
+        made = log.made_nonfinite if log is not None else None
+        if made is not None and "exp" in made[0] and made[1] == "inf":
             return _OVERFLOW.format(top=float(_scores(c).max()))
-    if got.isnan().any() and not want.isnan().any():
-        return ("NaN: a slot past the sequence's end was read (every unused slot is NaN, "
-                "and the table's padding -1 indexes the cache's last block): read only "
-                "positions below seq_len")
+        if made is not None and made[1] == "nan" and made[2]:  # 0 / 0
+            return _UNDERFLOW.format(low=float(_scores(c).min()))
+        if made is None and (log is None or log.past_end):
+            return _PAST_END
+        if made is not None:
+            return (f"{made[0]} turned finite numbers into {made[1]} (scores here run from "
+                    f"{float(_scores(c).min()):.0f} to {float(_scores(c).max()):.0f}): keep "
+                    "every exp's argument at most 0 by subtracting the running max")
     slips, hints = {}, {}
     for i, (how, hint) in enumerate(_MISTAKES):
         try:
@@ -256,7 +271,7 @@ def check_case(fn: Callable, c: Case) -> None:
     if bad.any():
         h, i = (int(x) for x in bad.nonzero()[0])
         grading.fail(f"{what}: head {h}, element {i}: expected {float(want[h, i]):.6g}, got "
-                     f"{float(got[h, i]):.6g}", _hint(c, got, want))
+                     f"{float(got[h, i]):.6g}", _hint(c, got, want, log))
     bs, row = c.k_cache.shape[1], c.k_cache[0, 0].numel()
     spans = max((cdiv(min(s + c.tile, c.seq_len), bs) - s // bs
                  for s in range(0, c.seq_len, c.tile)), default=0)
