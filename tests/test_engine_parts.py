@@ -1,31 +1,99 @@
-"""The engine's time split into parts (python -m paged_lib.bench.engine_parts)."""
+"""The engine's time split into parts (python -m paged_lib.bench.engine_parts).
+
+Checked by what the accounting must satisfy on any machine, never by comparing durations:
+which part runs inside which, how many calls each part gets, that the wrappers go away,
+and (with a clock that ticks once per reading, so every "time" is a count) that a parent's
+time holds its children's and its rest exactly.
+"""
+
+import itertools
 
 import pytest
+import torch
 from conftest import needs_smollm2
 from torch import nn
 
 import paged_lib  # noqa: F401  # isort: split
 from paged_lib import model as model_module
 from paged_lib.bench import engine_parts
+from paged_lib.data import TINY_CODE_LLAMA_DIR
+from paged_lib.engine import LLMEngine, SamplingParams
+from paged_lib.engine.llm import load_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
+FORWARD, HEAD = ("model forward",), ("LM head",)
+
+
+def linear_maps_per_layer(model) -> int:
+    return sum(isinstance(m, nn.Linear) for m in model.layers[0].modules())
+
+
+def serve_with_ticks(model, prompts, max_tokens):
+    """Serve ``prompts`` with every part wrapped and both clocks replaced by counters
+    that advance by one at each reading: the accounting's arithmetic, without time."""
+    acc = engine_parts.defaultdict(lambda: [0, 0, 0])
+    ticks = itertools.count()
+    clocks = (lambda: next(ticks), lambda: next(ticks))
+    engine = LLMEngine(model, num_blocks=32, block_size=4, attention_backend="torch")
+    with engine_parts.timed_parts(acc, clocks=clocks):
+        engine.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+    return dict(acc), engine
+
+
+def test_parts_nest_and_count_on_the_shipped_model():
+    model, _ = load_model(str(TINY_CODE_LLAMA_DIR))
+    before = [getattr(owner, name) for owner, name, _ in engine_parts.PARTS]
+    parts, engine = serve_with_ticks(model, [[1, 2, 3, 4, 5], [6, 7, 8]], max_tokens=4)
+    assert [getattr(owner, name) for owner, name, _ in engine_parts.PARTS] == before
+
+    # the layers' linear maps, attention and cache writes run inside the forward; the
+    # LM head after it, holding its own linear map; nothing is timed twice at the top
+    assert set(parts) == {FORWARD, FORWARD + ("linear maps",), FORWARD + ("cache writes",),
+                          FORWARD + ("decode attention",), FORWARD + ("prefill attention",),
+                          HEAD, HEAD + ("linear maps",)}
+    forwards, layers = parts[FORWARD][2], model.config.num_layers
+    assert forwards == engine.stats.steps
+    assert parts[FORWARD + ("linear maps",)][2] == forwards * layers * linear_maps_per_layer(
+        model)
+    assert parts[FORWARD + ("cache writes",)][2] == forwards * layers
+    assert parts[HEAD + ("linear maps",)][2] == parts[HEAD][2] == forwards
+
+    # a child's readings lie inside its parent's: with one tick per reading the times
+    # are counts, and parent = its children + its rest exactly, rest > 0 (embedding,
+    # RoPE, norms run there)
+    table = {path: (wall, cpu) for path, wall, cpu, _ in engine_parts.rows(parts)}
+    for parent in (FORWARD, HEAD):
+        kids = [p for p in parts if len(p) == 2 and p[0] == parent[0]]
+        for clock in (0, 1):
+            assert parts[parent][clock] == (sum(parts[k][clock] for k in kids)
+                                            + table[parent + ("rest",)][clock])
+            assert all(parts[k][clock] < parts[parent][clock] for k in kids)
+            assert table[parent + ("rest",)][clock] > 0
+
+
+def test_rows_lists_each_parent_before_its_children_and_its_rest_after():
+    parts = {("a",): (10.0, 8.0, 2), ("a", "x"): (3.0, 2.0, 5), ("a", "y"): (6.0, 5.0, 1),
+             ("b",): (1.0, 1.0, 1)}
+    assert engine_parts.rows(parts) == [
+        (("a",), 10.0, 8.0, 2), (("a", "y"), 6.0, 5.0, 1), (("a", "x"), 3.0, 2.0, 5),
+        (("a", "rest"), 1.0, 1.0, 0), (("b",), 1.0, 1.0, 1)]
+
 
 @needs_smollm2
-def test_parts_are_timed_inside_the_forward_and_the_wrappers_go_away(capsys):
+def test_the_bench_prints_every_part_under_its_parent_and_unwraps(capsys):
     before = [getattr(owner, name) for owner, name, _ in engine_parts.PARTS]
     assert engine_parts.main(["--requests", "3", "--max-tokens", "6"]) == 0
     assert [getattr(owner, name) for owner, name, _ in engine_parts.PARTS] == before
-    assert nn.Linear.forward is before[1] and model_module.paged_attention is before[3]
-    text = capsys.readouterr().out
-    rows = {line.split("  wall")[0].strip(): line for line in text.splitlines()[1:]}
-    assert set(rows) == {part for _, _, part in engine_parts.PARTS}
-
-    def wall(part):
-        return float(rows[part].split("wall")[1].split()[0])
-
-    # the forward holds the others; 30 layers x 7 linear maps per forward
-    assert wall("model forward") >= wall("linear maps (LM head too)") + wall("LM head") > 0
-    forwards = int(rows["model forward"].split(", ")[-1].split()[0])
-    assert int(rows["linear maps (LM head too)"].split(", ")[-1].split()[0]) == 211 * forwards
-    assert int(rows["decode attention"].split(", ")[-1].split()[0]) > 0
+    assert nn.Linear.forward is before[2] and model_module.paged_attention is before[3]
+    lines = capsys.readouterr().out.splitlines()
+    names = [line.split(" wall")[0].rstrip() for line in lines[1:]]
+    assert names[0] == "  model forward"
+    assert {"    linear maps", "    decode attention", "    cache writes",
+            "    prefill attention", "    rest (untimed)", "  LM head"} <= set(names)
+    head = names.index("  LM head")
+    assert names[head + 1:] == ["    linear maps", "    rest (untimed)"]
+    calls = {n: int(line.rsplit(", ", 1)[1].split()[0]) for n, line in zip(names, lines[1:],
+                                                                              strict=True)
+             if line.endswith("calls")}
+    assert calls["  LM head"] > 0 and torch.get_num_threads() == 1

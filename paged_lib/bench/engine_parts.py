@@ -5,9 +5,9 @@
 
 Serves :mod:`paged_lib.bench.engine_chat`'s trace with the engine only (after one untimed
 warm-up) and times, around each call, the model forward and inside it the layers' linear
-maps, the LM head, the decode attention, the cache writes and the prefill attention: wall
-seconds and the CPU seconds of the calling thread. The LM head runs after the forward
-(on each sequence's last token) and is one of the linear maps too. Run it at
+maps, the decode attention, the cache writes and the prefill attention, and after it the
+LM head (on each sequence's last token): wall seconds and the CPU seconds of the calling
+thread, each part indented under the part it ran inside. Run it at
 ``--threads 1`` and ``2`` to see which parts gain from a second thread; on shared cores
 repeat it (wall clocks there are noisy, the calling thread's CPU seconds less so).
 """
@@ -28,30 +28,44 @@ from paged_lib.bench.engine_chat import chat_trace, run_engine
 from paged_lib.engine.llm import load_model
 from paged_lib.models import smollm2
 
-#: (owner, attribute, part) of each timed function.
+#: (owner, attribute, part) of each timed function. A part called while another runs is
+#: that one's child: the layers' linear maps sit inside "model forward", the LM head's own
+#: linear map inside "LM head" (which runs after the forward, on last tokens only).
 PARTS = ((model_module.TinyLlama, "forward", "model forward"),
-         (nn.Linear, "forward", "linear maps (LM head too)"),
          (model_module.TinyLlama, "compute_logits", "LM head"),
+         (nn.Linear, "forward", "linear maps"),
          (model_module, "paged_attention", "decode attention"),
          (model_module, "reshape_and_cache", "cache writes"),
          (model_module, "paged_prefill", "prefill attention"))
 
+#: The clocks read around each call: wall seconds and the calling thread's CPU seconds.
+CLOCKS = (time.perf_counter, time.thread_time)
+
 
 @contextlib.contextmanager
-def timed_parts(acc: dict):
-    """Wrap each of :data:`PARTS` to add its ``[wall s, thread CPU s, calls]`` to ``acc``."""
+def timed_parts(acc: dict, clocks=CLOCKS):
+    """Wrap each of :data:`PARTS` to add its ``[wall s, thread CPU s, calls]`` to ``acc``,
+    keyed by its path: ``("model forward", "linear maps")`` for a linear map run inside the
+    forward, ``("LM head", "linear maps")`` for the head's. A child's clocks are read inside
+    its parent's, so no child is ever reported longer than its parent, and a time counted
+    in a child is not counted again beside it (:func:`rows` gives each parent's rest).
+    ``clocks`` (two callables) are there for tests that drive the accounting by hand."""
     saved = [(owner, name, getattr(owner, name)) for owner, name, _ in PARTS]
+    stack: list[str] = []
 
     def wrap(fn, part):
         def timed(*args, **kwargs):
-            wall, cpu = time.perf_counter(), time.thread_time()
+            stack.append(part)
+            path = tuple(stack)
+            start = [clock() for clock in clocks]
             try:
                 return fn(*args, **kwargs)
             finally:
-                row = acc[part]
-                row[0] += time.perf_counter() - wall
-                row[1] += time.thread_time() - cpu
+                row = acc[path]
+                for i, clock in enumerate(clocks):
+                    row[i] += clock() - start[i]
                 row[2] += 1
+                stack.pop()
         return timed
 
     try:
@@ -61,6 +75,28 @@ def timed_parts(acc: dict):
     finally:
         for owner, name, fn in saved:
             setattr(owner, name, fn)
+
+
+def rows(parts: dict) -> list[tuple[tuple[str, ...], float, float, int]]:
+    """``(path, wall, cpu, calls)`` in tree order (each parent before its children), and
+    after the children of each part that has some, the part's own rest:
+    ``path + ("rest",)`` with the parent's time less its timed children's (calls 0)."""
+    out = []
+
+    def visit(prefix: tuple[str, ...]):
+        kids = sorted((p for p in parts if len(p) == len(prefix) + 1 and p[:-1] == prefix),
+                      key=lambda p: -parts[p][0])
+        for path in kids:
+            wall, cpu, calls = parts[path]
+            out.append((path, wall, cpu, calls))
+            grandkids = [q for q in parts if len(q) == len(path) + 1 and q[:-1] == path]
+            visit(path)
+            if grandkids:
+                out.append((path + ("rest",), wall - sum(parts[q][0] for q in grandkids),
+                            cpu - sum(parts[q][1] for q in grandkids), 0))
+
+    visit(())
+    return out
 
 
 def run(threads: int = 1, num_requests: int = 32, max_tokens: int = 160,
@@ -79,16 +115,20 @@ def run(threads: int = 1, num_requests: int = 32, max_tokens: int = 160,
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     return {"threads": threads, "backend": engine.attention_backend, "wall": wall,
             "cpu": cpu, "tokens": sum(map(len, tokens)), "steps": engine.stats.steps,
-            "parts": {part: tuple(acc[part]) for _, _, part in PARTS}}
+            "parts": {path: tuple(row) for path, row in acc.items()}}
 
 
 def format_parts(res: dict) -> str:
+    """The run's line, then every part indented under the part it ran inside, each
+    parent's untimed ``rest`` after its children."""
     lines = [f"paged engine, {res['tokens']} tokens in {res['steps']} steps, torch threads "
              f"{res['threads']}, attention backend '{res['backend']}': wall {res['wall']:.2f}"
              f" s, process CPU {res['cpu']:.2f} s"]
-    for part, (wall, cpu, calls) in res["parts"].items():
-        lines.append(f"  {part:<27} wall {wall:6.2f} s ({100 * wall / res['wall']:4.1f}%), "
-                     f"calling thread's CPU {cpu:6.2f} s, {calls} calls")
+    for path, wall, cpu, calls in rows(res["parts"]):
+        name = "  " * len(path) + (path[-1] if path[-1] != "rest" else "rest (untimed)")
+        count = f", {calls} calls" if calls else ""
+        lines.append(f"{name:<29} wall {wall:6.2f} s ({100 * wall / res['wall']:4.1f}%), "
+                     f"calling thread's CPU {cpu:6.2f} s{count}")
     return "\n".join(lines)
 
 
