@@ -22,7 +22,7 @@ import torch
 
 from paged_lib.blocks import BlockTable, Slot
 from paged_lib.course import grading
-from paged_lib.course.grading.ch08_beam_replay import run_beam_scenario
+from paged_lib.course.grading.ch08_beam_replay import on_copies, run_beam_scenario
 from paged_lib.course.grading.toy_pool import busy_pool
 from paged_lib.kernels.reference import gather_kv
 from paged_lib.studies import sharing
@@ -285,7 +285,7 @@ def _served_beams(beam_step: Callable[..., Any] | None, library: bool = False
     if beam_step is None and not library:
         return _library_beams()
     w = _beam_workload()
-    hooks = EngineHooks() if beam_step is None else EngineHooks(beam_step=beam_step)
+    hooks = EngineHooks() if beam_step is None else EngineHooks(beam_step=on_copies(beam_step))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -304,7 +304,7 @@ def _served_beams(beam_step: Callable[..., Any] | None, library: bool = False
 
 def run_beam_search(beam_step: Callable[..., Any], **kw) -> list[sharing.BeamFrame]:
     """A whole (synthetic) beam search driven by the learner's step, recorded."""
-    frames, _ = sharing.record_beam_search(step_fn=beam_step, **kw)
+    frames, _ = sharing.record_beam_search(step_fn=on_copies(beam_step), **kw)
     return frames
 
 
@@ -350,7 +350,7 @@ def run_demo(apply_slot: Callable[..., Any], beam_step: Callable[..., Any]) -> l
         prompt = torch.randint(0, 97, (13,), generator=torch.Generator().manual_seed(1)).tolist()
         params = SamplingParams(max_tokens=12, beam_width=4)
         yours = LLMEngine(model, num_blocks=64, block_size=4,
-                          hooks=EngineHooks(beam_step=beam_step))
+                          hooks=EngineHooks(beam_step=on_copies(beam_step)))
         mine = yours.generate([prompt], params)[0].outputs
         library = LLMEngine(model, num_blocks=64, block_size=4)
         ref = library.generate([prompt], params)[0].outputs

@@ -12,6 +12,11 @@ that names the mistake.
 
 from __future__ import annotations
 
+import copy
+import functools
+from collections.abc import Callable
+from typing import Any
+
 from paged_lib.blocks import BlockAllocator, BlockTable
 from paged_lib.course import grading
 from paged_lib.course.grading.toy_pool import ToyStore, pool_state
@@ -37,8 +42,22 @@ class _World:
         return pool_state(self.alloc)
 
 
+def on_copies(beam_step: Callable[..., Any]) -> Callable[..., Any]:
+    """``beam_step`` handed copies of what it may not keep or change: the tables list, the
+    cumulative log-probabilities and every beam's candidate list (an answer that pops from
+    them must not change what the grader, the library or the engine reads next). The
+    tables themselves are the learner's to fork and free."""
+    @functools.wraps(beam_step)
+    def step(tables, cum_logprobs, candidates, beam_width):
+        return beam_step(list(tables), list(cum_logprobs), copy.deepcopy(candidates),
+                         beam_width)
+    return step
+
+
 def run_beam_scenario(beam_step, name, block_size, prompt_len, width, steps):
     from paged_lib.engine.beam_search import beam_step as ref_step
+
+    beam_step = on_copies(beam_step)
 
     ref, mine = _World(block_size, prompt_len, width), _World(block_size, prompt_len, width)
     scorer = sharing.RandomBeamScorer(seed=8, vocab=6, sigma=2.0)
