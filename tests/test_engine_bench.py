@@ -20,6 +20,9 @@ def test_engine_bench_small_run(capsys):
     assert int(static[2]) == int(hf[2]) > int(engine[2])
     assert "overhead per decode step, 64 running sequences" in text
     assert "goal: engine >= 2x transformers, wall clock:" in text
+    assert "floor: this machine now, 1 thread(s): reads memory at" in text
+    assert "paged engine over the trace:" in text and "x the floor" in text
+    assert "decode step at batch 32 (64 tokens each)" in text
     parts = next(line for line in text.splitlines() if line.startswith("paged engine, ms per"))
     for part in ("scheduling", "model input", "model", "sampling", "other", "total"):
         assert f"{part} " in parts
@@ -74,7 +77,7 @@ def test_engine_bench_on_smollm2_serves_the_same_tokens_three_ways(capsys, monke
     run = engine_chat.run
     monkeypatch.setattr(engine_chat, "run", lambda *a, **k: seen.append(run(*a, **k)) or seen[0])
     assert bench.main(["--model", "SmolLM2-135M-Instruct", "--requests", "2",
-                       "--max-tokens", "4", "--num-blocks", "8",
+                       "--max-tokens", "4", "--num-blocks", "8", "--no-decode-steps",
                        "--hf-weights", str(smollm2.cache_folder())]) == 0
     res, text = seen[0], capsys.readouterr().out
     assert [r["system"] for r in res["rows"]] == [
@@ -86,3 +89,5 @@ def test_engine_bench_on_smollm2_serves_the_same_tokens_three_ways(capsys, monke
     assert res["kv_cb"]["pages"] == 8 and res["threads"] == 1
     assert "ratio engine / generate:" in text and "ratio engine / generate_batch:" in text
     assert "greedy tokens, engine = transformers generate_batch: 2/2 requests" in text
+    assert f"the floor of its {res['engine_steps']} steps" in text
+    assert "0 of " in text and "computed tokens recomputed" in text

@@ -59,11 +59,15 @@ def decode_bytes(case: DecodeCase) -> int:
 def cpu_ratios(num_seqs: int = 16, num_heads: int = 32, num_kv_heads: int = 8,
                head_dim: int = 128, min_len: int = 512, max_len: int = 1536,
                block_size: int = 16, seed: int = 0, repeats: int = 5,
-               flex_repeats: int = 1, sdpa_gqa: bool = True) -> list[dict]:
+               flex_repeats: int = 1, sdpa_gqa: bool = True,
+               bandwidth: float | None = None) -> list[dict]:
     """Time the torch backend, contiguous SDPA and FlexAttention paged on the CPU (fp32).
 
     Rows: ``{"impl", "ms", "vs_sdpa", "check"}`` (``vs_sdpa``: time / contiguous SDPA's
-    time; ``check``: ``"ok"``, or ``WRONG`` with no time). Each implementation's output
+    time; ``check``: ``"ok"``, or ``WRONG`` with no time), and with ``bandwidth`` (bytes/s
+    this machine reads, :func:`paged_lib.bench.floor.measure_machine`) ``GB/s`` (the
+    bytes decode must read, :func:`decode_bytes`, over the time) and ``x floor`` (the
+    time over those bytes at ``bandwidth``). Each implementation's output
     is checked against the float64 reference first. FlexAttention without
     ``torch.compile`` materializes scores over the whole cache and evaluates its mask
     element by element: seconds per call, so it runs last, ``flex_repeats`` times (0
@@ -100,8 +104,12 @@ def cpu_ratios(num_seqs: int = 16, num_heads: int = 32, num_kv_heads: int = 8,
             rows.append(_cpu_row("FlexAttention paged (eager)", flex, expected, flex_repeats))
     rows.append(_read_floor_row(kv, repeats))
     sdpa_ms = rows[0]["ms"]
+    floor_ms = None if bandwidth is None else 1e3 * decode_bytes(case) / bandwidth
     for row in rows:
         row["vs_sdpa"] = row["ms"] / sdpa_ms
+        if floor_ms is not None:
+            row["GB/s"] = decode_bytes(case) / row["ms"] / 1e6
+            row["x floor"] = row["ms"] / floor_ms
     return rows
 
 
@@ -243,11 +251,15 @@ def attention_report() -> str:
                 "the float64 reference on the same batch first."]
         rows = gpu_sweep(achievable_gbs=bw["read_GB/s"])
         return "\n".join([*head, format_table(rows), "", "Goals:", *goals(rows)])
+    from paged_lib.bench.floor import measure_machine
+
+    machine = measure_machine()
     head = ("CPU (no GPU, Triton only interprets): torch backend and C kernel vs contiguous "
             "SDPA vs FlexAttention paged;\n16 sequences, 32 query / 8 KV heads, head_dim 128, "
             "lengths 512-1536 (seed 0), block 16, fp32; every output checked against the "
-            "float64 reference before it is timed")
-    rows = cpu_ratios()
+            "float64 reference before it is timed.\nFloor: " + machine.describe()
+            + "; 'x floor' is each time over the time to read the K/V bytes at that rate")
+    rows = cpu_ratios(bandwidth=machine.bandwidth)
     return "\n".join([head, format_table(rows), "", "Goal:", cpu_goal(rows)])
 
 

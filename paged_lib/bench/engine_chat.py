@@ -45,6 +45,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from paged_lib.bench.floor import StepRecorder, decode_step_lines, measure_machine
 from paged_lib.engine.llm import load_model
 from paged_lib.engine.llm_engine import LLMEngine
 from paged_lib.engine.sequence import SamplingParams
@@ -101,10 +102,14 @@ def until_stop(ids: list[int], max_tokens: int, eos: int) -> list[int]:
 
 
 def run_engine(model, prompts, lens, num_blocks, block_size, backend, prefix_caching,
-               max_batched):
+               max_batched, recorders: list | None = None, **engine_options):
+    """Serve the trace with the paged engine; ``recorders`` (a list) gets a
+    :class:`~paged_lib.bench.floor.StepRecorder` of the run's steps appended."""
     engine = LLMEngine(model, num_blocks, block_size, attention_backend=backend,
                        max_model_len=max_batched, max_num_batched_tokens=max_batched,
-                       enable_prefix_caching=prefix_caching)
+                       enable_prefix_caching=prefix_caching, **engine_options)
+    if recorders is not None:
+        recorders.append(StepRecorder(engine))
     outs = engine.generate(prompts, [SamplingParams(max_tokens=n, temperature=0.0)
                                      for n in lens])
     return [o.outputs[0].token_ids for o in outs], engine
@@ -204,9 +209,15 @@ def first_difference(a: list[list[int]], b: list[list[int]]) -> str | None:
 def run(model_name: str = smollm2.NAME, num_requests: int = 32, num_blocks: int = 96,
         block_size: int = 16, max_tokens: int = 160, repeats: int = 1,
         backend: str = "auto", prefix_caching: bool = False, hf_weights: str | Path = "gguf",
-        max_batched: int = 2048, max_seqs: int = 256) -> dict:
+        max_batched: int = 2048, max_seqs: int = 256, decode_steps: bool = True,
+        **engine_options) -> dict:
     """Serve one chat trace three ways; rows of (system, tokens, wall s, CPU s), the
-    token checks, the KV budgets and the engine's time per phase."""
+    token checks, the KV budgets, the engine's time per phase, and the floor
+    (:mod:`paged_lib.bench.floor`, measured first): of the engine's own steps over the
+    trace, and of a decode step at batch 1, 8 and 32 (``decode_steps``), each beside
+    the time. ``engine_options`` go to the engine (``watermark``, ``preemption``,
+    ``num_cpu_blocks``: how the trace's preemptions are served)."""
+    machine = measure_machine()  # this run's floor: bandwidth and matmul rate now
     model, tokenizer = load_model(model_name)
     model = model.to("cpu")
     eos = model.config.eos_token_id
@@ -217,9 +228,11 @@ def run(model_name: str = smollm2.NAME, num_requests: int = 32, num_blocks: int 
     longest = max(map(len, prompts)) + max_tokens
     batch_size = max(1, num_blocks * block_size // longest)
     config = cb_config(num_blocks, block_size, prefix_caching, max_batched, max_seqs)
+    recorders: list = []
     systems = {
         "paged engine": lambda p, n: run_engine(model, p, n, num_blocks, block_size, backend,
-                                                prefix_caching, max_batched),
+                                                prefix_caching, max_batched, recorders,
+                                                **engine_options),
         "transformers generate": lambda p, n: run_generate(hf, p, n, batch_size, eos),
         "transformers generate_batch": lambda p, n: run_continuous(hf, p, n, eos, config)}
     rows, tokens, extra = [], {}, {}
@@ -233,7 +246,15 @@ def run(model_name: str = smollm2.NAME, num_requests: int = 32, num_blocks: int 
     steps = engine.stats.steps
     phases = {part: 1e3 * s / steps for part, s in engine.stats.phase_seconds.items()}
     base = tokens["paged engine"]
-    return {"model": model_name, "requests": num_requests, "rows": rows,
+    trace_floor = recorders[-1].floor(model.config, machine)
+    return {"machine": machine, "trace_floor": trace_floor,
+            "recomputed": engine.stats.recomputed_tokens,
+            "computed": sum(engine.stats.computed_tokens),
+            "swapped_blocks": engine.stats.swapped_blocks,
+            "engine_options": engine_options,
+            "decode_steps": decode_step_lines(model, machine, backend=backend)
+            if decode_steps else [],
+            "model": model_name, "requests": num_requests, "rows": rows,
             "prompt_tokens": sum(map(len, prompts)), "max_tokens": max_tokens,
             "lens": lens, "batch_size": batch_size, "longest": longest,
             "threads": torch.get_num_threads(), "backend": engine.attention_backend,
@@ -288,10 +309,28 @@ def format_report(res: dict) -> str:
                      + ("" if diff is None else f"; first difference: {diff}"))
     parts = res["phases_ms"]
     lines.append(f"paged engine: {res['engine_steps']} steps, peak batch {res['peak_batch']}, "
-                 f"{res['preemptions']} preemptions; ms per step: " + ", ".join(
+                 f"{res['preemptions']} preemptions ({res['recomputed']} of "
+                 f"{res['computed']} computed tokens recomputed, {res['swapped_blocks']} "
+                 "blocks swapped" + "".join(f", {k}={v}" for k, v in
+                                             res["engine_options"].items())
+                 + "); ms per step: " + ", ".join(
                      f"{part} {ms:.1f}" for part, ms in parts.items())
                  + f" (total {sum(parts.values()):.1f})")
+    lines += floor_lines(res, base)
     return "\n".join(lines)
+
+
+def floor_lines(res: dict, base: dict) -> list[str]:
+    """The machine's measured rates, the floor of the engine's own steps over the trace
+    beside its time, and each decode step's line."""
+    f = res["trace_floor"]
+    return [f"floor: {res['machine'].describe()}",
+            f"paged engine over the trace: {base['seconds']:.2f} s wall, {base['cpu_seconds']:.2f}"
+            f" s CPU; the floor of its {res['engine_steps']} steps {f.seconds:.2f} s "
+            f"({f.bytes / 1e9:.1f} GB read, {f.flops / 1e9:.0f} GFLOP): "
+            f"{f.ratio(base['seconds']):.2f}x the floor "
+            f"({f.ratio(base['cpu_seconds'] / res['threads']):.2f}x by CPU time per thread)",
+            *res["decode_steps"]]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -310,9 +349,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--hf-weights", default="gguf",
                    help="'gguf' (transformers reads the packaged file) or a model folder")
     p.add_argument("--repeats", type=int, default=1, help="timed runs per system (median)")
+    p.add_argument("--watermark", type=float, default=None,
+                   help="the engine's admission watermark (fraction of the pool; default: "
+                        "the engine's)")
+    p.add_argument("--preemption", choices=["recompute", "swap"], default=None,
+                   help="how the engine preempts (default: the engine's)")
+    p.add_argument("--cpu-blocks", type=int, default=0,
+                   help="CPU blocks for --preemption swap")
+    p.add_argument("--no-decode-steps", action="store_true",
+                   help="skip timing decode steps at batch 1, 8 and 32")
     args = p.parse_args(argv)
+    if args.preemption == "swap" and args.cpu_blocks < 1:
+        p.error("--preemption swap needs --cpu-blocks N (N > 0) to swap into")
     torch.set_num_threads(args.threads)
+    options = {k: v for k, v in (("watermark", args.watermark),
+                                 ("preemption", args.preemption),
+                                 ("num_cpu_blocks", args.cpu_blocks or None)) if v is not None}
     res = run(args.model, args.requests, args.num_blocks, args.block_size, args.max_tokens,
-              args.repeats, args.backend, args.prefix_caching, args.hf_weights)
+              args.repeats, args.backend, args.prefix_caching, args.hf_weights,
+              decode_steps=not args.no_decode_steps, **options)
     print(format_report(res))
     return 0 if all(n == res["requests"] for n in res["same"].values()) else 1

@@ -1,0 +1,209 @@
+"""The floor: how fast this machine could run a step at best, measured in the same run.
+
+A decode step must read every weight once (the LM head too) and the K/V of every token
+its sequences attend to, and must do two FLOPs per weight per token (plus attention's).
+Memory and arithmetic overlap at best, so the step cannot take less than the larger of
+
+    bytes read / memory bandwidth      and      FLOPs / matmul rate
+
+(the roofline model: Williams, Waterman and Patterson, "Roofline", CACM 2009; the vLLM
+paper's section 2.3 makes the same point for GPUs, where a decode step is bound by
+reading memory). :func:`measure_machine` measures both rates here and now, at the
+threads torch uses, so every figure a bench prints comes beside its own floor as a ratio.
+
+On a CPU the bandwidth is the best of two plain reads of a buffer far larger than the
+caches (a sum, and a matrix-vector product that streams a matrix once); the matmul rate
+is fp32 ``torch.mm`` of square matrices. Both are what this machine delivers to PyTorch
+now (other work on shared cores lowers them), not a spec sheet's peak.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from paged_lib.model import TinyLlamaConfig
+
+
+@dataclass(frozen=True)
+class Machine:
+    """Measured rates: ``bandwidth`` bytes/s read from memory, ``flops`` fp32 FLOP/s of a
+    large matmul, at ``threads`` torch threads."""
+
+    bandwidth: float
+    flops: float
+    threads: int
+
+    def describe(self) -> str:
+        return (f"this machine now, {self.threads} thread(s): reads memory at "
+                f"{self.bandwidth / 1e9:.1f} GB/s, fp32 matmul {self.flops / 1e9:.0f} GFLOP/s")
+
+
+def _best_seconds(fn, repeats: int) -> float:
+    fn()  # warm-up: page faults and first-call costs are not the rate
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def measure_machine(read_bytes: int = 256 * 2**20, matmul_size: int = 1536,
+                    repeats: int = 5) -> Machine:
+    """Memory bandwidth and fp32 matmul rate at ``torch.get_num_threads()`` threads, on
+    the CPU (about a second). The best of ``repeats`` runs: the floor is what the
+    machine *can* do, so a run slowed by other work does not lower it."""
+    if read_bytes < 2**20 or matmul_size < 64:
+        raise ValueError(f"read_bytes must be at least 1 MiB and matmul_size at least 64, "
+                         f"got {read_bytes} and {matmul_size}")
+    cols = 4096
+    x = torch.ones(read_bytes // 4 // cols, cols)
+    v = torch.ones(cols)
+    nbytes = x.numel() * 4
+    read = min(_best_seconds(lambda: x.sum(), repeats),
+               _best_seconds(lambda: torch.mv(x, v), repeats))
+    x = None  # free it before the matmuls
+    a, b = torch.randn(matmul_size, matmul_size), torch.randn(matmul_size, matmul_size)
+    mm = _best_seconds(lambda: torch.mm(a, b), repeats)
+    return Machine(bandwidth=nbytes / read, flops=2 * matmul_size**3 / mm,
+                   threads=torch.get_num_threads())
+
+
+def linear_params(cfg: TinyLlamaConfig) -> int:
+    """Weights of one decoder layer's linear maps (Q, K, V, O, gate, up, down)."""
+    h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    return h * q + 2 * h * kv + q * h + 3 * h * cfg.intermediate_size
+
+
+def weight_bytes(cfg: TinyLlamaConfig) -> int:
+    """Bytes of weights a step reads: every layer's linear maps and norms, the final norm
+    and the LM head (the embedding table is only looked up, a few rows; when it is tied
+    to the head it is read once, as the head)."""
+    per_layer = linear_params(cfg) + 2 * cfg.hidden_size
+    params = cfg.num_layers * per_layer + cfg.hidden_size + cfg.vocab_size * cfg.hidden_size
+    return params * cfg.dtype_bytes
+
+
+def kv_bytes_per_token(cfg: TinyLlamaConfig) -> int:
+    """K and V of one token, all layers."""
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * cfg.dtype_bytes
+
+
+@dataclass(frozen=True)
+class Floor:
+    """A step's (or several steps') work and the least time it can take."""
+
+    bytes: int
+    flops: int
+    seconds: float
+
+    def ratio(self, seconds: float) -> float:
+        return seconds / self.seconds
+
+
+def step_floor(cfg: TinyLlamaConfig, seq_lens: list[int], query_lens: list[int],
+               machine: Machine) -> Floor:
+    """The floor of one step that runs ``query_lens[s]`` new tokens of sequence ``s``,
+    which holds ``seq_lens[s]`` tokens after the step (as the model runner's input says).
+
+    Bytes: the weights once, every K/V the sequences read, the new tokens' K/V written.
+    FLOPs: two per linear weight per new token, two per head weight per sequence (the
+    LM head runs on each sequence's last token only), and attention's four per head
+    dimension per (query, key) pair, causal within a prompt.
+    """
+    if len(seq_lens) != len(query_lens) or any(
+            not 1 <= q <= s for s, q in zip(seq_lens, query_lens, strict=True)):
+        raise ValueError(f"need 1 <= query_len <= seq_len for each sequence, got seq_lens "
+                         f"{seq_lens} and query_lens {query_lens}")
+    tokens, seqs = sum(query_lens), len(seq_lens)
+    pairs = sum(q * s - q * (q - 1) // 2 for s, q in zip(seq_lens, query_lens, strict=True))
+    kv = kv_bytes_per_token(cfg)
+    nbytes = weight_bytes(cfg) + kv * (sum(seq_lens) + tokens)
+    flops = (2 * tokens * cfg.num_layers * linear_params(cfg)
+             + 2 * seqs * cfg.vocab_size * cfg.hidden_size
+             + 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * pairs)
+    return Floor(nbytes, flops, max(nbytes / machine.bandwidth, flops / machine.flops))
+
+
+def decode_floor(cfg: TinyLlamaConfig, batch: int, context: int, machine: Machine) -> Floor:
+    """The floor of a decode step of ``batch`` sequences of ``context`` tokens each."""
+    return step_floor(cfg, [context] * batch, [1] * batch, machine)
+
+
+class StepRecorder:
+    """Records each step an engine's model runs (its sequences' lengths), so a trace's
+    time can be set beside the floor of the very steps the engine chose::
+
+        rec = StepRecorder(engine)   # wraps engine.runner.execute
+        engine.generate(...)
+        rec.floor(cfg, machine)      # the sum of the steps' floors
+    """
+
+    def __init__(self, engine):
+        self.steps: list[tuple[list[int], list[int]]] = []
+        execute = engine.runner.execute
+
+        def recorded(inp):
+            if not inp.is_empty():
+                self.steps.append((list(inp.seq_lens), list(inp.query_lens)))
+            return execute(inp)
+
+        engine.runner.execute = recorded
+
+    def floor(self, cfg: TinyLlamaConfig, machine: Machine) -> Floor:
+        floors = [step_floor(cfg, s, q, machine) for s, q in self.steps]
+        return Floor(sum(f.bytes for f in floors), sum(f.flops for f in floors),
+                     sum(f.seconds for f in floors))
+
+
+def time_decode_steps(model, batch: int, context: int, steps: int = 5,
+                      block_size: int = 16, backend: str = "auto") -> tuple[float, float]:
+    """Median (wall, calling thread's CPU) seconds of one decode step of the model runner
+    (metadata, forward, LM head on the last tokens; no scheduler, no sampling) at
+    ``batch`` sequences of ``context`` tokens (their prompts are prefilled first)."""
+    from paged_lib.engine.model_input import ModelInput
+    from paged_lib.engine.model_runner import ModelRunner
+    from paged_lib.kernels.backends import resolve_backend
+
+    if batch < 1 or context < 2 or steps < 1:
+        raise ValueError(f"need batch >= 1, context >= 2, steps >= 1; got {batch}, "
+                         f"{context}, {steps}")
+    per_seq = -(-(context + steps) // block_size)
+    runner = ModelRunner(model, batch * per_seq, block_size,
+                         backend=resolve_backend(backend, model.device))
+    tables = [list(range(s * per_seq, (s + 1) * per_seq)) for s in range(batch)]
+    vocab = model.config.vocab_size
+    prompt_len = context - 1
+    runner.execute(ModelInput(input_ids=[(7 * i) % vocab for i in range(batch * prompt_len)],
+                              block_tables=tables, seq_lens=[prompt_len] * batch,
+                              query_lens=[prompt_len] * batch))
+    walls, cpus = [], []
+    for step in range(steps + 1):  # the first decode step is a warm-up
+        inp = ModelInput(input_ids=[(3 * s + step) % vocab for s in range(batch)],
+                         block_tables=tables, seq_lens=[prompt_len + 1 + step] * batch,
+                         query_lens=[1] * batch)
+        wall, cpu = time.perf_counter(), time.thread_time()
+        runner.execute(inp)
+        if step:
+            walls.append(time.perf_counter() - wall)
+            cpus.append(time.thread_time() - cpu)
+    return statistics.median(walls), statistics.median(cpus)
+
+
+def decode_step_lines(model, machine: Machine, batches=(1, 8, 32), context: int = 128,
+                      backend: str = "auto") -> list[str]:
+    """One line per batch size: a decode step's time (wall and thread CPU) beside its
+    floor, as a ratio."""
+    lines = []
+    for batch in batches:
+        wall, cpu = time_decode_steps(model, batch, context, backend=backend)
+        f = decode_floor(model.config, batch, context + 3, machine)
+        lines.append(f"decode step at batch {batch} ({context} tokens each): {1e3 * wall:.1f}"
+                     f" ms wall, {1e3 * cpu:.1f} ms thread CPU; floor {1e3 * f.seconds:.1f} ms"
+                     f" ({f.bytes / 1e6:.0f} MB, {f.flops / 1e6:.0f} MFLOP): "
+                     f"{f.ratio(wall):.2f}x the floor ({f.ratio(cpu):.2f}x by CPU time)")
+    return lines

@@ -1,0 +1,74 @@
+"""The floor the benches print beside every figure: its arithmetic, and what it records."""
+
+import pytest
+
+import paged_lib  # noqa: F401  # isort: split
+from paged_lib.bench import floor
+from paged_lib.model import TinyLlamaConfig
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+SMOLLM2 = TinyLlamaConfig(name="SmolLM2-135M", num_layers=30, hidden_size=576, num_heads=9,
+                          num_kv_heads=3, head_dim=64, vocab_size=49152,
+                          intermediate_size=1536, tie_word_embeddings=True)
+
+
+def test_smollm2_reads_538_mb_and_costs_269_mflop_per_token():
+    assert floor.weight_bytes(SMOLLM2) == 538_060_032  # 134.5M fp32 parameters
+    machine = floor.Machine(bandwidth=1e30, flops=1.0, threads=1)  # FLOPs decide
+    f = floor.step_floor(SMOLLM2, [1], [1], machine)
+    head = 2 * 49152 * 576
+    assert f.flops - 4 * 30 * 9 * 64 == 2 * 30 * floor.linear_params(SMOLLM2) + head
+    assert round(f.flops / 1e6) == 269 and f.seconds == f.flops
+    assert floor.kv_bytes_per_token(SMOLLM2) == 46_080
+
+
+def test_the_floor_is_the_larger_of_reading_and_computing():
+    cfg = SMOLLM2
+    slow_memory = floor.Machine(bandwidth=1e9, flops=1e15, threads=1)
+    f = floor.decode_floor(cfg, batch=8, context=100, machine=slow_memory)
+    assert f.bytes == floor.weight_bytes(cfg) + floor.kv_bytes_per_token(cfg) * 8 * 101
+    assert f.seconds == f.bytes / 1e9 and f.ratio(2 * f.seconds) == 2
+    slow_math = floor.Machine(bandwidth=1e15, flops=1e9, threads=1)
+    assert floor.decode_floor(cfg, 8, 100, slow_math).seconds == f.flops / 1e9
+
+
+def test_a_prompt_counts_its_causal_pairs_and_the_head_once():
+    cfg = TinyLlamaConfig()
+    m = floor.Machine(bandwidth=1.0, flops=1.0, threads=1)
+    prompt = floor.step_floor(cfg, [4], [4], m)  # pairs 1+2+3+4 = 10, one head row
+    one = floor.step_floor(cfg, [1], [1], m)
+    attn = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim
+    linear = 2 * cfg.num_layers * floor.linear_params(cfg)
+    assert prompt.flops - one.flops == 3 * linear + 9 * attn
+
+
+@pytest.mark.parametrize("seq_lens, query_lens", [([3], [4]), ([3], [0]), ([3, 4], [1])])
+def test_bad_lengths_are_refused(seq_lens, query_lens):
+    m = floor.Machine(1.0, 1.0, 1)
+    with pytest.raises(ValueError, match="query_len <= seq_len"):
+        floor.step_floor(TinyLlamaConfig(), seq_lens, query_lens, m)
+
+
+def test_the_recorder_sees_every_step_the_engine_runs(tiny_model):
+    from paged_lib.engine import LLMEngine, SamplingParams
+
+    engine = LLMEngine(tiny_model, num_blocks=16, block_size=4)
+    rec = floor.StepRecorder(engine)
+    engine.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=3, temperature=0.0))
+    assert len(rec.steps) == engine.stats.steps
+    assert [sum(q) for _, q in rec.steps] == engine.stats.computed_tokens
+    m = floor.Machine(1e9, 1e9, 1)
+    total = rec.floor(tiny_model.config, m)
+    assert total.seconds == sum(floor.step_floor(tiny_model.config, s, q, m).seconds
+                                for s, q in rec.steps)
+
+
+def test_machine_and_decode_step_lines(tiny_model):
+    machine = floor.measure_machine(read_bytes=2**20, matmul_size=64, repeats=1)
+    assert machine.threads == 1 and "GB/s" in machine.describe()
+    lines = floor.decode_step_lines(tiny_model, machine, batches=(1, 3), context=9)
+    assert len(lines) == 2 and lines[1].startswith("decode step at batch 3 (9 tokens each)")
+    assert all("x the floor" in line for line in lines)
+    with pytest.raises(ValueError, match="batch >= 1"):
+        floor.time_decode_steps(tiny_model, 0, 9)
