@@ -5,7 +5,8 @@ told as a story (used by :mod:`paged_lib.course.grading.ch11_quant`).
 Codes are compared exactly, except that a code one away from the library's is accepted
 where the exact quotient is within 1e-3 of a half (a tie: computing ``q * old / new``
 instead of ``q * (old / new)`` may round it the other way); scales within 1e-6 relative;
-slots past the last token written in a block are never read, so they are not compared.
+slots past the last token written in a block are never read, so they are not compared,
+nor, in a block never written before (scale NaN), the slots below the first one written.
 """
 
 from __future__ import annotations
@@ -180,6 +181,10 @@ def difference(call: WriteCall, data: Any, scale: Any, ref: tuple) -> str | None
     for i, b in enumerate(call.blocks):
         live = int(offsets[blocks == b].max()) + 1  # slots past the last written: unread
         diff = (data[b, :live].int() - rd[b, :live].int()).abs()
+        # a (block, head) never written (scale NaN) and first written past offset 0: the
+        # codes below the first offset written are never read (the spec: any accepted)
+        first = int(offsets[blocks == b].min())
+        diff[:first, call.scale[i].isnan()] = 0
         if not bool((diff > 0).any()):
             continue
         quotient = _quotients(call, i, rs[b].double())[:live]

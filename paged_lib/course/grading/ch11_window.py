@@ -152,8 +152,18 @@ def _answer(fn: Callable, call: DropCall, **slip: Any) -> tuple:
             and hasattr(out[0], "blocks") and hasattr(out[0], "num_tokens")):
         return ("not (table, WindowOp)", repr(out)[:120])
     new, op = out
-    return (list(new.blocks), new.num_tokens, (tuple(op.rotate_slots), op.shift, op.copy_src,
-            op.copy_dst, op.copy_len), list(pool.ref_counts), list(pool.free_block_ids))
+    return (list(new.blocks), new.num_tokens, _canonical(op), list(pool.ref_counts),
+            list(pool.free_block_ids))
+
+
+def _canonical(op: WindowOp) -> tuple:
+    """The op's fields as the model runner reads them: a shift with no key to rotate
+    does nothing (``WindowOp((), 0)`` is ``WindowOp((), 4)``), nor does a copy of no slot
+    say anything with its source and destination; both are told as the defaults."""
+    rot = tuple(op.rotate_slots)
+    copied = op.copy_len != 0
+    return (rot, op.shift if rot else 0, op.copy_src if copied else -1,
+            op.copy_dst if copied else -1, op.copy_len)
 
 
 def _show(ans: tuple) -> str:
@@ -320,9 +330,8 @@ def recorded() -> tuple[list[DropCall], list[tuple[list, list]]]:
                             list(pool.ref_counts), list(pool.free_block_ids))
             out = drop_oldest(table, sinks)
             new, op = out
-            call.result = (list(new.blocks), new.num_tokens, (
-                tuple(op.rotate_slots), op.shift, op.copy_src, op.copy_dst, op.copy_len),
-                list(pool.ref_counts), list(pool.free_block_ids))
+            call.result = (list(new.blocks), new.num_tokens, _canonical(op),
+                           list(pool.ref_counts), list(pool.free_block_ids))
             calls.append(call)
             return out
 
