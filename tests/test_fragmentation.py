@@ -3,8 +3,6 @@ allocator invariants, graders and pictures."""
 
 from __future__ import annotations
 
-import time
-
 import matplotlib
 import numpy as np
 import pytest
@@ -44,9 +42,7 @@ def _close_figures():
 def fig2():
     """600 ShareGPT-like requests, 40,000 slots, block 16: every policy, once."""
     reqs = sharegpt_like(600, seed=0)
-    start = time.perf_counter()
     out = {p: simulate(reqs, p, 40_000, block_size=16) for p in POLICIES}
-    out["elapsed"] = time.perf_counter() - start
     out["paged-256"] = simulate(reqs, "paged", 40_000, block_size=256)
     return out
 
@@ -83,10 +79,6 @@ def test_breakdowns_sum_to_one(fig2):
         assert isinstance(b, Breakdown)
         assert sum(b) == pytest.approx(1.0, abs=1e-12)
         assert all(v >= 0 for v in b)
-
-
-def test_600_requests_simulate_fast(fig2):
-    assert fig2["elapsed"] < 10.0  # about 0.2 s on one core; generous for shared CI
 
 
 def test_orca_max_close_to_the_paper(fig2):
