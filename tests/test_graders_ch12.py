@@ -427,3 +427,84 @@ def test_the_helpers_that_do_12_1_and_12_2_are_refused(capsys):
 
     out = verdict(capsys, ch12.check_rank_heads, heads_by_helper)
     assert out.startswith("❌ [12.2]") and "kv_head_replicas" in out, out
+
+
+# ------------------------------------------------ 12.3: three mistakes, three causes
+
+
+def ra_cached_unrotated(x, w, cos, sin, kv_cache, meta, rank, tp, all_reduce):
+    """Writes k into the cache before RoPE, then attends over the cache."""
+    from paged_lib.kernels import paged_prefill, reshape_and_cache
+    from paged_lib.model import apply_rope
+
+    d, n = w.head_dim, x.shape[0]
+    q_heads, kv_heads = _heads(w, rank, tp)
+    qs, ks = [slice(h[0] * d, (h[-1] + 1) * d) for h in (q_heads, kv_heads)]
+    lin = lambda wt, b, rows: (x @ wt[rows].T + (0 if b is None else b[rows])).view(n, -1, d)  # noqa: E731
+    k = lin(w.k, w.k_bias, ks)
+    reshape_and_cache(k, lin(w.v, w.v_bias, ks), *kv_cache, meta.slot_mapping, backend="torch")
+    q = apply_rope(lin(w.q, w.q_bias, qs), cos, sin)
+    out = paged_prefill(q.contiguous(), *kv_cache, meta.block_tables, meta.seq_lens,
+                        meta.query_lens, backend="torch")
+    partial = out.reshape(n, -1) @ w.o[:, qs].T
+    all_reduce(partial)
+    return partial if w.o_bias is None else partial + w.o_bias
+
+
+def _heads_then(x, w, cos, sin, kv_cache, meta, rank, tp, all_reduce, *, how):
+    """The heads' output right; then ``how`` "reduce first" (all_reduce before o_proj) or
+    "rows" (o's rows of the rank's heads for its columns)."""
+    from paged_lib.kernels import paged_prefill, reshape_and_cache
+    from paged_lib.model import apply_rope
+
+    d, n = w.head_dim, x.shape[0]
+    q_heads, kv_heads = _heads(w, rank, tp)
+    qs, ks = [slice(h[0] * d, (h[-1] + 1) * d) for h in (q_heads, kv_heads)]
+    lin = lambda wt, b, rows: (x @ wt[rows].T + (0 if b is None else b[rows])).view(n, -1, d)  # noqa: E731
+    k = apply_rope(lin(w.k, w.k_bias, ks), cos, sin)
+    reshape_and_cache(k, lin(w.v, w.v_bias, ks), *kv_cache, meta.slot_mapping, backend="torch")
+    q = apply_rope(lin(w.q, w.q_bias, qs), cos, sin)
+    out = paged_prefill(q.contiguous(), *kv_cache, meta.block_tables, meta.seq_lens,
+                        meta.query_lens, backend="torch").reshape(n, -1)
+    if how == "reduce first":
+        all_reduce(out)
+        partial = out @ w.o[:, qs].T
+    else:
+        partial = out @ w.o[qs, :]
+        all_reduce(partial)
+    return partial if w.o_bias is None else partial + w.o_bias
+
+
+@pytest.mark.parametrize("answer,hint", [
+    (ra_cached_unrotated, "keys go into the cache rotated"),
+    (lambda *a: _heads_then(*a, how="reduce first"), "all_reduce comes after o_proj"),
+    (lambda *a: _heads_then(*a, how="rows"), "o_proj is row-parallel"),
+])
+def test_12_3_each_mistake_hears_its_own_cause(capsys, answer, hint):
+    out = verdict(capsys, ch12.check_rank_attention, answer)
+    assert out.startswith("❌ [12.3]") and hint in out, out
+    assert "contiguous query heads" not in out, out
+
+
+def test_12_3_a_rank_process_importing_a_script_runs_no_check(capsys, monkeypatch):
+    """A script without a __main__ guard is imported again by each spawned rank: there the
+    check prints nothing (it used to print '❌ your code raised RuntimeError: ...
+    bootstrapping phase', blaming the learner for multiprocessing's rule)."""
+    from paged_lib.course.grading import ch12_gloo
+
+    assert not ch12_gloo._in_a_rank_bootstrapping()
+    monkeypatch.setattr(ch12_gloo, "_in_a_rank_bootstrapping", lambda: True)
+    ch12.check_rank_attention(rank_attention_ok)
+    assert capsys.readouterr().out == ""
+
+
+def test_12_3_ranks_that_cannot_start_are_not_blamed_on_the_learner(capsys, monkeypatch):
+    import multiprocessing.context as ctx
+
+    def refuse(self):
+        raise RuntimeError("An attempt has been made to start a new process before the "
+                           "current process has finished its bootstrapping phase.")
+
+    monkeypatch.setattr(ctx.SpawnProcess, "start", refuse)
+    out = verdict(capsys, ch12.check_rank_attention, rank_attention_ok)
+    assert "this is not your function" in out and "your code raised" not in out, out

@@ -187,6 +187,59 @@ def _token(step: Step, row: int) -> str:
     return f"row {row}"
 
 
+def _heads_out(step: Step, rank: int, rotated_cache: bool = True) -> torch.Tensor:
+    """Rank ``rank``'s attention output per head ``[tokens, its heads * head_dim]``, keys
+    cached rotated (the library) or (``rotated_cache`` False) before RoPE."""
+    from paged_lib.kernels import paged_prefill, reshape_and_cache
+    from paged_lib.model import apply_rope
+
+    w, n, d = step.w, step.x.shape[0], step.w.head_dim
+    q_heads, kv_heads = rank_heads(w.num_heads, w.num_kv_heads, step.tp, rank)
+
+    def project(weight, bias, heads):
+        rows = slice(heads[0] * d, (heads[-1] + 1) * d)
+        y = step.x @ weight[rows].T
+        return (y if bias is None else y + bias[rows]).view(n, len(heads), d)
+
+    q = apply_rope(project(w.q, w.q_bias, q_heads), step.cos, step.sin)
+    k = project(w.k, w.k_bias, kv_heads)
+    k = apply_rope(k, step.cos, step.sin) if rotated_cache else k
+    k_cache, v_cache = share(step, rank)
+    reshape_and_cache(k, project(w.v, w.v_bias, kv_heads), k_cache, v_cache,
+                      step.meta.slot_mapping, backend="torch")
+    return paged_prefill(q.contiguous(), k_cache, v_cache, step.meta.block_tables,
+                         step.meta.seq_lens, step.meta.query_lens,
+                         backend="torch").reshape(n, -1)
+
+
+def _slipped(step: Step, rank: int) -> list[tuple[torch.Tensor, str]]:
+    """What rank ``rank`` returns, after the all-reduce, with each of three mistakes whose
+    outputs the heads' hint does not describe: (output, the hint that names it)."""
+    w, d = step.w, step.w.head_dim
+    cols = [slice(rank_heads(w.num_heads, w.num_kv_heads, step.tp, r)[0][0] * d,
+                  (rank_heads(w.num_heads, w.num_kv_heads, step.tp, r)[0][-1] + 1) * d)
+            for r in range(step.tp)]
+    b = w.o_bias if w.o_bias is not None else torch.zeros(HIDDEN)
+    raw = [_heads_out(step, r, rotated_cache=False) for r in range(step.tp)]
+    heads = [_heads_out(step, r) for r in range(step.tp)]
+    out = [(sum(h @ w.o[:, c].T for h, c in zip(raw, cols, strict=True)) + b,
+            "keys go into the cache rotated: apply RoPE to k first, then write it at "
+            "meta.slot_mapping (a cached key is read at every later step with its position "
+            "already in it)"),
+           (sum(heads) @ w.o[:, cols[rank]].T + b,
+            "all_reduce comes after o_proj: each rank multiplies its heads' output by its "
+            "columns of o_proj, and the ranks' [tokens, hidden] partial outputs are summed "
+            "(a sum of different heads' outputs mixes heads that o_proj keeps apart)")]
+    try:  # o[its heads' rows, :]: multiplies only where hidden == num_heads * head_dim
+        rows = sum(h @ w.o[c, :] for h, c in zip(heads, cols, strict=True)) + b
+        out.append((rows, "o_proj is row-parallel: a rank multiplies by the columns of o_proj "
+                    "that its heads feed, o[:, its heads].T (nn.Linear stores W as [out, "
+                    "in]), not by rows of it"))
+    except RuntimeError:
+        pass
+    return out
+
+
 def _mistake(step: Step, rank: int, got: torch.Tensor, want: torch.Tensor) -> str | None:
     """The typical mistake whose output is ``got`` on this step and rank."""
     lib = rank_attention(step.x, step.w, step.cos, step.sin, share(step, rank), step.meta,
@@ -202,7 +255,7 @@ def _mistake(step: Step, rank: int, got: torch.Tensor, want: torch.Tensor) -> st
     if close((want - b) / step.tp + b):
         return "the partial outputs were averaged: all_reduce sums them (the output is the " \
                "sum over every head)"
-    return None
+    return next((hint for out, hint in _slipped(step, rank) if close(out)), None)
 
 
 def compare(step: Step, results: list, where: str) -> None:
