@@ -7,7 +7,8 @@ As vLLM serves its engine to the OpenAI client, with requests arriving while oth
 * :mod:`~paged_lib.serve.detokenize` - tokens to text pieces safe to stream: whole
   characters, stop strings held back until decided;
 * :mod:`~paged_lib.serve.outputs` - pieces to OpenAI's choices, logprobs and usage;
-* :mod:`~paged_lib.serve.protocol` - the requests accepted (strict) and the error shape;
+* :mod:`~paged_lib.serve.protocol` - the requests accepted (unknown fields ignored, as vLLM), their
+  one mapping to ``SamplingParams``, and the error shape;
 * :mod:`~paged_lib.serve.api_server` - the FastAPI routes and server-sent events;
 * :mod:`~paged_lib.serve.metrics` - ``/metrics`` under vLLM's names;
 * ``__main__`` - the command line, engine options as flags.

@@ -10,9 +10,10 @@
 ``"stream": true`` answers with server-sent events: one ``data: {chunk}`` per new text
 piece, ``data: [DONE]`` at the end. Every error is OpenAI's shape,
 ``{"error": {"message", "type", "param", "code"}}``: a 4xx for a request the client must
-fix (malformed JSON, an unknown field or model, a value out of range, a prompt longer than
-the model takes), 503 when the engine failed while running it (in a stream: an error event,
-then ``[DONE]``). A client that disconnects has its request aborted, its blocks freed.
+fix (malformed JSON, an unknown model, a value out of range, a prompt longer than the
+model takes), 503 when the engine failed while running it (in a stream: an error event,
+then ``[DONE]``). A field the server does not know is ignored and named once in the log,
+as vLLM does. A client that disconnects has its request aborted, its blocks freed.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException
 
 from paged_lib.engine.llm import LLM
-from paged_lib.engine.sequence import SamplingParams
 from paged_lib.serve.async_engine import AsyncEngine, EngineError, RequestError
 from paged_lib.serve.metrics import ServerMetrics
 from paged_lib.serve.outputs import Choices, Piece, text_pieces
@@ -40,6 +40,7 @@ from paged_lib.serve.protocol import (
     CompletionRequest,
     SamplingFields,
     ServeError,
+    log_ignored,
     validation_error,
 )
 
@@ -78,37 +79,39 @@ class OpenAIServing:
 
     async def completions(self, req: CompletionRequest, raw: Request):
         self._check_model(req.model)
+        if req.echo:
+            raise ServeError(400, "echo is not supported by this server: the prompt is the "
+                             "one you sent", "echo")
         ids = self._prompt_ids(req.prompt)
-        choices = Choices(req.n, self.tokenizer.decode, self._token_bytes, chat=False,
-                          logprobs=req.logprobs is not None)
-        return await self._serve(req, raw, ids, req.max_tokens or self._room(ids), choices,
-                                 "cmpl", "text_completion")
+        return await self._serve(req, raw, ids, "cmpl", "text_completion")
 
     async def chat_completions(self, req: ChatCompletionRequest, raw: Request):
         self._check_model(req.model)
-        if req.top_logprobs is not None and not req.logprobs:
-            raise ServeError(400, "top_logprobs needs logprobs set to true", "top_logprobs")
+        if req.top_logprobs and not req.logprobs:  # vLLM's check (0 or null is fine)
+            raise ServeError(400, "when using `top_logprobs`, `logprobs` must be set to true",
+                             "top_logprobs")
         ids = self._chat_prompt_ids(req.messages)
-        max_tokens = req.max_completion_tokens or req.max_tokens or self._room(ids)
-        choices = Choices(req.n, self.tokenizer.decode, self._token_bytes, chat=True,
-                          logprobs=req.logprobs)
-        return await self._serve(req, raw, ids, max_tokens, choices, "chatcmpl",
-                                 "chat.completion")
+        return await self._serve(req, raw, ids, "chatcmpl", "chat.completion")
 
     # ------------------------------------------------------------ the common path
 
-    async def _serve(self, req: SamplingFields, raw: Request, ids: list[int], max_tokens: int,
-                     choices: Choices, prefix: str, kind: str):
-        params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, n=req.n,
-                                seed=req.seed, top_p=req.top_p, top_k=req.top_k,
-                                ignore_eos=req.ignore_eos)
+    async def _serve(self, req: SamplingFields, raw: Request, ids: list[int], prefix: str,
+                     kind: str):
+        log_ignored(req)
+        try:
+            params = req.to_sampling_params(self._room(ids))
+        except ValueError as e:  # SamplingParams' own checks, in vLLM's words
+            raise ServeError(400, str(e)) from None
+        choices = Choices(params.n, self.tokenizer.decode, self._token_bytes,
+                          chat=kind == "chat.completion", logprobs=params.logprobs is not None,
+                          top_k=params.logprobs or 0)
         try:
             stream = await self.engine.add_request(ids, params)
         except RequestError as e:
             raise ServeError(400, str(e)) from None
         except EngineError as e:
             raise ServeError(503, str(e)) from None
-        pieces = text_pieces(self.engine, stream, self.tokenizer.decode, req.stop_strings())
+        pieces = text_pieces(self.engine, stream, self.tokenizer.decode, params.stop)
         head = {"id": f"{prefix}-{uuid.uuid4().hex}", "object": kind,
                 "created": int(time.time()), "model": self.model_name}
         if req.stream:

@@ -46,13 +46,17 @@ class EngineError(RuntimeError):
 @dataclass
 class Delta:
     """What one step gave one sequence of a request: ``index`` (0..n-1), its new tokens,
-    their log-probabilities, and ``finish_reason`` ("stop": EOS; "length": max_tokens)
-    once it has ended."""
+    their log-probabilities, and ``finish_reason`` ("stop": EOS, a stop token id or string,
+    named in ``stop_reason``; "length": max_tokens) once it has ended. ``top``: each new
+    token's ``{token id: Logprob}`` (the most likely ones) when the request asks for
+    ``logprobs``, else empty."""
 
     index: int
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    top: list[dict] = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -219,11 +223,15 @@ class AsyncEngine:
                 continue
             # a step makes one token per sequence: its logprob is what the sum gained
             logprobs = [seq.cumulative_logprob - stream.cumulative[i]]
+            top = (seq.output_logprobs[stream.sent[i]:stream.sent[i] + len(new)]
+                   if stream.params.logprobs is not None else [])
             stream.sent[i] += len(new)
             stream.cumulative[i] = seq.cumulative_logprob
+            stop_reason = None
             if seq.is_finished():
                 stream.ended[i] = seq.finish_reason  # the engine's check_stop says why
-            deltas.append(Delta(i, new, logprobs, stream.ended[i]))
+                stop_reason = seq.stop_reason
+            deltas.append(Delta(i, new, logprobs, stream.ended[i], stop_reason, top))
         if not deltas:
             return
         self.metrics.add("vllm:generation_tokens", sum(len(d.token_ids) for d in deltas))

@@ -19,16 +19,18 @@ from paged_lib.serve.async_engine import AsyncEngine, RequestStream
 
 @dataclass
 class Piece:
-    """New text of choice ``index``, the tokens behind it and their logprobs; the last
-    piece of a choice has ``finish_reason`` ("stop": EOS or a stop string, named in
-    ``stop_reason``; "length": ``max_tokens``)."""
+    """New text of choice ``index``, the tokens behind it, their logprobs and (when asked
+    for) each token's most likely alternatives (``top``: ``{token id: Logprob}`` per
+    token); the last piece of a choice has ``finish_reason`` ("stop": EOS, a stop token id
+    or a stop string, the last two named in ``stop_reason``; "length": ``max_tokens``)."""
 
     index: int
     text: str
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str | None = None
-    stop_reason: str | None = None
+    stop_reason: int | str | None = None
+    top: list[dict] = field(default_factory=list)
 
 
 async def text_pieces(engine: AsyncEngine, stream: RequestStream,
@@ -36,8 +38,11 @@ async def text_pieces(engine: AsyncEngine, stream: RequestStream,
                       ) -> AsyncIterator[Piece]:
     """The request's choices as text pieces, each yielded as soon as it is decided (text
     made within the request's ``min_tokens`` is not searched for stops, as the engine
-    does)."""
+    does). As vLLM's detokenizer, a choice ended by EOS or a stop token id keeps the token
+    in ``token_ids`` but not its text, and a stop string is left out of the text, unless
+    the request's ``include_stop_str_in_output``."""
     n = stream.params.n
+    keep_stop = getattr(stream.params, "include_stop_str_in_output", False)
     detoks = [IncrementalDetokenizer(decode, stop, stream.params.min_tokens)
               for _ in range(n)]
     held = [Piece(i, "", [], []) for i in range(n)]  # tokens whose text is not out yet
@@ -51,12 +56,17 @@ async def text_pieces(engine: AsyncEngine, stream: RequestStream,
                 det, piece = detoks[d.index], held[d.index]
                 piece.token_ids += d.token_ids
                 piece.logprobs += d.logprobs
-                piece.text = det.add(d.token_ids)
+                piece.top += d.top
+                stop_token = (d.finish_reason == "stop" and not keep_stop
+                              and not isinstance(d.stop_reason, str))
+                piece.text = det.add(d.token_ids[:-1] if stop_token else d.token_ids)
                 if det.stopped is not None:
                     piece.finish_reason, piece.stop_reason = "stop", det.stopped
+                    if keep_stop:
+                        piece.text += det.stopped
                 elif d.finish_reason is not None:
                     piece.text += det.finish()
-                    piece.finish_reason = d.finish_reason
+                    piece.finish_reason, piece.stop_reason = d.finish_reason, d.stop_reason
                 if piece.text or piece.finish_reason:
                     ended[d.index] = piece.finish_reason is not None
                     held[d.index] = Piece(d.index, "", [], [])
@@ -80,6 +90,7 @@ class Choices:
     token_bytes: Callable[[int], bytes]
     chat: bool
     logprobs: bool
+    top_k: int = 0  # the most likely tokens listed per position (top_logprobs, logprobs=k)
     text: list[str] = field(init=False)
     pieces: list[list[Piece]] = field(init=False)
 
@@ -118,20 +129,41 @@ class Choices:
                 "total_tokens": prompt_tokens + done}
 
     def _logprobs(self, pieces: list[Piece], offset: int) -> dict:
-        """The chosen tokens' logprobs: ``{"content": [...]}`` (chat) or ``{"tokens",
-        "token_logprobs", "top_logprobs", "text_offset"}`` (completions)."""
-        pairs = [(t, lp) for p in pieces for t, lp in zip(p.token_ids, p.logprobs, strict=True)]
+        """OpenAI's logprobs: ``{"content": [{token, logprob, bytes, top_logprobs}]}``
+        (chat: ``top_logprobs`` the ``k`` most likely tokens, most likely first) or
+        ``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`` (completions: each
+        position's ``{token: logprob}`` for the ``k`` most likely and the chosen one, as
+        vLLM). A log-probability of ``-inf`` is sent as -9999.0 (JSON has no infinity),
+        as vLLM does."""
+        rows = [(t, lp, top) for p in pieces for t, lp, top in zip(
+            p.token_ids, p.logprobs, p.top or [None] * len(p.token_ids), strict=True)]
         if self.chat:
             def entry(t, lp):
-                return {"token": self.decode([t]), "logprob": lp,
+                return {"token": self.decode([t]), "logprob": _finite(lp),
                         "bytes": list(self.token_bytes(t))}
-            return {"content": [{**entry(t, lp), "top_logprobs": [entry(t, lp)]}
-                                for t, lp in pairs]}
-        tokens = [self.decode([t]) for t, _ in pairs]
+            return {"content": [{**entry(t, lp), "top_logprobs": [
+                entry(u, x.logprob) for u, x in _ranked(top, self.top_k)]} for t, lp, top in rows]}
+        tokens = [self.decode([t]) for t, _, _ in rows]
         offsets = []
         for tok in tokens:
             offsets.append(offset)
             offset += len(tok)
-        return {"tokens": tokens, "token_logprobs": [lp for _, lp in pairs],
-                "top_logprobs": [{tok: lp} for tok, (_, lp) in zip(tokens, pairs, strict=True)],
-                "text_offset": offsets}
+        tops = []
+        for tok, (_, lp, top) in zip(tokens, rows, strict=True):
+            best = {self.decode([u]): _finite(x.logprob) for u, x in _ranked(top, self.top_k)}
+            tops.append({**best, tok: _finite(lp)})
+        return {"tokens": tokens, "token_logprobs": [_finite(lp) for _, lp, _ in rows],
+                "top_logprobs": tops, "text_offset": offsets}
+
+
+def _ranked(top: dict | None, k: int) -> list:
+    """The ``k`` most likely of a ``{token id: Logprob}`` (``k=-1``: all), most likely
+    first; the chosen token is among them only if its rank says so."""
+    if not top:
+        return []
+    ranked = sorted(top.items(), key=lambda ux: ux[1].rank)
+    return ranked if k < 0 else ranked[:k]
+
+
+def _finite(lp: float) -> float:
+    return max(lp, -9999.0)

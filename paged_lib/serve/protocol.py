@@ -1,40 +1,80 @@
 """The OpenAI API's requests, as the server accepts them, and its error shape.
 
-Strict, as vLLM's validation is: a field the server does not know is a 400 (not silently
-ignored), and so is a value out of range. The fields are OpenAI's, plus vLLM's extra
-sampling fields that the engine has (``top_k``, ``ignore_eos``). ``logprobs`` reports the
-chosen token's log-probability; ``top_logprobs`` lists the chosen token alone (the sampler
-keeps no alternatives).
+As vLLM's request models: a field the server does not know is ignored, not refused, and
+named once in the server's log ("ignored request fields"), so a client library or chat UI
+that sends ``user``, ``metadata``, ``store`` or ``response_format`` by default gets its
+answer. The sampling fields are OpenAI's (``temperature``, ``top_p``, ``n``, ``seed``,
+``stop``, ``max_tokens``, ``presence_penalty``, ``frequency_penalty``, ``logit_bias``,
+``logprobs``/``top_logprobs``) plus vLLM's extra ones that the engine has (``top_k``,
+``min_p``, ``repetition_penalty``, ``min_tokens``, ``stop_token_ids``,
+``include_stop_str_in_output``, ``ignore_eos``, ``bad_words``, ``allowed_token_ids``), and
+:meth:`SamplingFields.to_sampling_params` is the one place that maps them to
+:class:`~paged_lib.engine.sampling_params.SamplingParams`, whose own checks (vLLM's words)
+make a bad value a 400. ``null`` means the default, as OpenAI's clients send it.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from paged_lib.engine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
 NonEmptyStr = Annotated[str, Field(min_length=1)]
+#: OpenAI clamps each logit bias to this range; vLLM does the same
+LOGIT_BIAS_LIMIT = 100.0
+_ignored_logged: set[str] = set()
 
 
-class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class Lenient(BaseModel):
+    """Unknown fields are kept aside (``model_extra``) and ignored, as vLLM's
+    ``OpenAIBaseModel`` (``extra="allow"``)."""
+
+    model_config = ConfigDict(extra="allow")
 
 
-class StreamOptions(Strict):
-    include_usage: bool = False
+def log_ignored(req: BaseModel) -> list[str]:
+    """The unknown fields of ``req`` (and of its messages); each name is logged once per
+    server process, as vLLM warns about the fields it ignores."""
+    names = sorted(req.model_extra or {})
+    for m in getattr(req, "messages", None) or []:
+        names += [f"messages[].{k}" for k in sorted(m.model_extra or {})]
+    new = [n for n in dict.fromkeys(names) if n not in _ignored_logged]
+    if new:
+        _ignored_logged.update(new)
+        log.warning("ignored request fields (this server does not use them): %s",
+                    ", ".join(new))
+    return names
 
 
-class SamplingFields(Strict):
+class StreamOptions(Lenient):
+    include_usage: bool | None = False
+
+
+class SamplingFields(Lenient):
     """What completions and chat completions share."""
 
     model: str | None = None
-    temperature: float = Field(1.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=-1)
-    n: int = Field(1, ge=1)
-    seed: int | None = Field(None, ge=0, lt=2**64)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    n: int | None = 1
+    seed: int | None = None
     stop: str | list[str] | None = None
-    stream: bool = False
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    min_tokens: int = 0
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     user: str | None = None
@@ -47,22 +87,69 @@ class SamplingFields(Strict):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def num_logprobs(self) -> int | None:
+        """Top log-probabilities per token the request asks for (``None``: no logprobs)."""
+        raise NotImplementedError
+
+    def asked_max_tokens(self) -> int | None:
+        """``max_tokens`` as the client sent it (``None``: what the context has left)."""
+        raise NotImplementedError
+
+    def to_sampling_params(self, room: int) -> SamplingParams:
+        """The request's :class:`SamplingParams` (the one place fields are mapped; a bad
+        value raises ``ValueError`` in vLLM's words). ``room``: what the context has left
+        after the prompt, the ``max_tokens`` of a request that gives none. Each
+        ``logit_bias`` is clamped to [-100, 100] and its keys read as token ids, as vLLM
+        does."""
+        bias = None
+        if self.logit_bias:
+            try:
+                bias = {int(t): min(LOGIT_BIAS_LIMIT, max(-LOGIT_BIAS_LIMIT, float(b)))
+                        for t, b in self.logit_bias.items()}
+            except ValueError:
+                raise ValueError(f"logit_bias keys must be token ids, got "
+                                 f"{list(self.logit_bias)}") from None
+        asked = self.asked_max_tokens()
+        given = {
+            "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
+            "min_p": self.min_p, "n": self.n, "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty}
+        return SamplingParams(
+            **{k: v for k, v in given.items() if v is not None},
+            seed=self.seed, stop=self.stop_strings(), stop_token_ids=self.stop_token_ids,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
+            max_tokens=room if asked is None else asked, logprobs=self.num_logprobs,
+            logit_bias=bias, bad_words=self.bad_words,
+            allowed_token_ids=self.allowed_token_ids)
+
 
 class CompletionRequest(SamplingFields):
     """``POST /v1/completions``: one prompt, as text or token ids (a list of one is fine).
-    ``max_tokens`` defaults to 16 (OpenAI's default); ``null``: what the context has left."""
+    ``max_tokens`` defaults to 16 (OpenAI's default); ``null``: what the context has left.
+    ``logprobs=k``: the chosen token's and the ``k`` most likely tokens' logprobs."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
-    logprobs: int | None = Field(None, ge=0, le=20)
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool | None = False
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
+
+    def asked_max_tokens(self) -> int | None:
+        return self.max_tokens
 
 
-class TextPart(Strict):
+class TextPart(Lenient):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(Strict):
+class ChatMessage(Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -75,13 +162,23 @@ class ChatMessage(Strict):
 
 class ChatCompletionRequest(SamplingFields):
     """``POST /v1/chat/completions``. ``max_tokens`` (or OpenAI's newer
-    ``max_completion_tokens``) defaults to what the context has left, as in vLLM."""
+    ``max_completion_tokens``) defaults to what the context has left, as in vLLM.
+    ``logprobs=true`` with ``top_logprobs=k``: the ``k`` most likely tokens too."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def asked_max_tokens(self) -> int | None:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
 
 
 class ServeError(Exception):
@@ -102,8 +199,8 @@ class ServeError(Exception):
 
 
 def validation_error(errors: list[dict]) -> ServeError:
-    """FastAPI's ``RequestValidationError.errors()`` (malformed JSON, an unknown field, a
-    value out of range) as one 400, naming the first field at fault."""
+    """FastAPI's ``RequestValidationError.errors()`` (malformed JSON, a value of the wrong
+    type) as one 400, naming the first field at fault."""
     parts, param = [], None
     for e in errors:
         loc = [str(x) for x in e.get("loc", ()) if x != "body"]
@@ -112,8 +209,5 @@ def validation_error(errors: list[dict]) -> ServeError:
             continue
         where = ".".join(loc)
         param = param or (loc[0] if loc else None)
-        if e.get("type") == "extra_forbidden":
-            parts.append(f"{where}: unknown field (this server does not support it)")
-        else:
-            parts.append(f"{where}: {e.get('msg')}" if where else str(e.get("msg")))
+        parts.append(f"{where}: {e.get('msg')}" if where else str(e.get("msg")))
     return ServeError(400, "; ".join(parts) or "invalid request", param)
