@@ -15,7 +15,7 @@ class Det:
     flag plants one typical mistake."""
 
     SPLIT = NO_HOLD = KEEP_STOP = LIST_ORDER = NO_FLUSH = HOLD_ONE_MORE = False
-    HOLD_WITHOUT_STOPS = False
+    HOLD_WITHOUT_STOPS = SHORTEST_AT_TIE = False
 
     def __init__(self, decode, stop=()):
         self.decode, self.stop = decode, [s for s in stop if s]
@@ -43,7 +43,8 @@ class Det:
     def _release(self, final):
         found = [(i, s) for s in self.stop if (i := self.text.find(s)) >= 0]
         if found:
-            i, s = found[0] if self.LIST_ORDER else min(found, key=lambda f: f[0])
+            i, s = found[0] if self.LIST_ORDER else min(
+                found, key=lambda f: (f[0], len(f[1])) if self.SHORTEST_AT_TIE else f[0])
             end = i + len(s) if self.KEEP_STOP else i
             self.stopped, self.text = s, self.text[:end]
         else:
@@ -114,3 +115,9 @@ def test_the_demo_streams_through_the_learners_class(capsys):
     out = capsys.readouterr().out
     assert "stopped at 'string'" in out and "[R][e][t][u][r][n]" in out
     assert "pieces from" in out
+
+
+def test_14_1_two_stops_at_one_index_the_first_listed_wins(capsys):
+    out = verdict(capsys, _bug(SHORTEST_AT_TIE=True))
+    assert out.startswith("❌ [14.1]") and "two stops at the same index" in out, out
+    assert "the one listed first in stop wins" in out, out

@@ -45,6 +45,8 @@ _CASES: list[tuple[str, list[str], int, str]] = [
     ("stop here, not here", ["here"], 4, "text after the stop is ignored"),
     ("aaaa", ["aa", "aaa"], 1, "overlapping stops"),
     ("plain text", ["", "t"], 1, "an empty stop string is ignored"),
+    ("say abc now", ["abc", "ab"], 11, "two stops at the same index in one add: the first "
+     "listed wins"),
 ]
 
 
@@ -126,7 +128,11 @@ def _run_case(cls: Any, text: str, stops: list[str], per_add: int, what: str) ->
         grading.fail(f"{what} ({text!r}, stop={stops}): after finish the text sent is "
                      f"{out!r}, expected {want!r}",
                      _describe(out, want, text, stops, data, True))
+    tie = stop is not None and det.stopped in stops and det.stopped != stop and \
+        text.find(det.stopped) == text.find(stop)
     grading.expect_equal(det.stopped, stop, f"{what} ({text!r}, stop={stops}): stopped",
+                         "two stops found at the same index: the one listed first in stop "
+                         "wins (vLLM's order)" if tie else
                          "stopped names the stop string that ended the text (None if none)")
     grading.expect_equal(det.text, want, f"{what} ({text!r}, stop={stops}): the text "
                          "attribute", "text is all the text decided, cut before the stop")
