@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 
 from paged_lib.accounting import MiB, kv_bytes_per_token
+from paged_lib.engine.config import EngineConfig
 from paged_lib.engine.llm_engine import LLMEngine
 from paged_lib.engine.outputs import BeamSearchOutput, BeamSearchSequence
 from paged_lib.engine.requests import token_id
@@ -100,13 +101,15 @@ class LLM:
     tokens (default: :func:`default_num_blocks`, room for :data:`DEFAULT_POOL_SEQS`
     sequences of ``max_model_len`` tokens, at most :data:`DEFAULT_POOL_BYTES` of KV
     cache); ``device`` defaults to where the model is (a loaded one goes to ``cuda`` when
-    there is one). Every other keyword goes to :class:`LLMEngine`.
+    there is one). Every other keyword goes to :class:`LLMEngine`; or give the engine's
+    options as one :class:`~paged_lib.engine.config.EngineConfig` (``config=``), as the
+    server does.
     """
 
     def __init__(self, model: str | Path | TinyLlama, *, tokenizer: Tokenizer | None = None,
                  num_blocks: int | None = None, block_size: int = 16,
                  dtype: torch.dtype = torch.float32, device: str | None = None,
-                 **engine_options):
+                 config: EngineConfig | None = None, **engine_options):
         loaded_tokenizer = None
         if isinstance(model, str | Path):
             model, loaded_tokenizer = load_model(model, dtype)
@@ -117,6 +120,10 @@ class LLM:
                              f"TinyLlama, got {type(model).__name__}")
         if device is not None:
             model = model.to(device)
+        if config is not None:  # its options, in the keywords' place (both: the engine says)
+            engine_options = {**config.engine_options(), **engine_options}
+            num_blocks = engine_options.pop("num_blocks", num_blocks)
+            block_size = engine_options.pop("block_size", block_size)
         if engine_options.get("max_model_len") is None:
             engine_options["max_model_len"] = min(model.config.max_position,
                                                   DEFAULT_MAX_MODEL_LEN)

@@ -22,6 +22,7 @@ from collections.abc import Callable
 import torch
 
 from paged_lib.engine.block_manager import BlockManager
+from paged_lib.engine.config import ENGINE_FIELDS, EngineConfig
 from paged_lib.engine.hooks import EngineHooks
 from paged_lib.engine.model_input import model_input
 from paged_lib.engine.model_runner import ModelRunner
@@ -48,9 +49,8 @@ from paged_lib.engine.sequence import (
 from paged_lib.engine.stop import StopStrings
 from paged_lib.engine.tensor_parallel import kv_cache_bytes_per_rank, start_tensor_parallel
 from paged_lib.engine.window import make_window
-from paged_lib.kernels import BACKENDS
 from paged_lib.kernels.backends import resolve_backend
-from paged_lib.kernels.kv_quant import check_kv_cache_dtype, use_int8_write
+from paged_lib.kernels.kv_quant import use_int8_write
 from paged_lib.model import TinyLlama
 
 
@@ -95,7 +95,7 @@ class LLMEngine:
     finishes (:mod:`paged_lib.engine.reservation`); ``"paged"`` (the default) reserves none.
     """
 
-    def __init__(self, model: TinyLlama, num_blocks: int, block_size: int = 16,
+    def __init__(self, model: TinyLlama, num_blocks: int | None = None, block_size: int = 16,
                  num_cpu_blocks: int = 0, preemption: str = "recompute",
                  attention_backend: str = "auto", *, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 4096, watermark: float = 0.01,
@@ -104,36 +104,35 @@ class LLMEngine:
                  tensor_parallel_size: int = 1, sliding_window: int | None = None,
                  num_sink_tokens: int = 0, max_model_len: int | None = None,
                  reservation: str = "paged", max_logprobs: int = MAX_LOGPROBS,
+                 threads: int | None = None, config: EngineConfig | None = None,
                  hooks: EngineHooks | None = None, on_step: Callable | None = None,
                  tokenizer=None):
-        if attention_backend not in ("auto", *BACKENDS):
-            raise ValueError(f"attention_backend must be 'auto' or one of {BACKENDS}, "
-                             f"got {attention_backend!r}")
+        options = {k: v for k, v in locals().items() if k in ENGINE_FIELDS}
+        config = EngineConfig.of(config, options)  # every option checked, once
+        if config.num_blocks is None:
+            raise ValueError("LLMEngine needs num_blocks: the GPU blocks of its KV pool")
+        if config.threads is not None:
+            torch.set_num_threads(config.threads)
+        #: the engine's options (:class:`EngineConfig`), ``max_model_len`` resolved
+        self.config = config = config.replace(max_model_len=check_max_model_len(
+            config.max_model_len, model.config.max_position))
+        c = config
+        num_blocks, block_size, num_cpu_blocks = c.num_blocks, c.block_size, c.num_cpu_blocks
+        preemption, enable_prefix_caching = c.preemption, c.enable_prefix_caching
+        kv_cache_dtype, enable_chunked_prefill = c.kv_cache_dtype, c.enable_chunked_prefill
+        sliding_window, tensor_parallel_size = c.sliding_window, c.tensor_parallel_size
         #: the backend that runs (``"auto"`` resolved: the C kernel on a CPU where it builds)
-        self.attention_backend = attention_backend = resolve_backend(attention_backend,
+        self.attention_backend = attention_backend = resolve_backend(c.attention_backend,
                                                                      model.device)
-        self.max_model_len = check_max_model_len(max_model_len, model.config.max_position)
+        self.max_model_len = c.max_model_len
+        #: the most top log-probabilities a request may ask for (-1: the whole vocabulary)
+        self.max_logprobs = c.max_logprobs
         if hooks is not None and not isinstance(hooks, EngineHooks):
             raise ValueError(f"hooks must be an EngineHooks, got {type(hooks).__name__}")
         self.hooks = hooks = hooks if hooks is not None else EngineHooks()
-        if not enable_chunked_prefill and max_num_batched_tokens < self.max_model_len:
-            raise ValueError(  # vLLM's SchedulerConfig check, in its words
-                f"max_num_batched_tokens ({max_num_batched_tokens}) is smaller than "
-                f"max_model_len ({self.max_model_len}). This effectively limits the maximum "
-                "sequence length to max_num_batched_tokens and makes the engine reject longer "
-                "sequences. Please increase max_num_batched_tokens, decrease max_model_len, "
-                "or set enable_chunked_prefill=True")
-        if not 0 <= watermark < 1:
-            raise ValueError(f"watermark is a fraction of the pool in [0, 1), got {watermark}")
-        check_kv_cache_dtype(kv_cache_dtype)
-        if isinstance(max_logprobs, bool) or not isinstance(max_logprobs, int) \
-                or max_logprobs < -1:
-            raise ValueError(f"max_logprobs must be non-negative or -1, got {max_logprobs}")
-        #: the most top log-probabilities a request may ask for (-1: the whole vocabulary)
-        self.max_logprobs = max_logprobs
         self.model = model.eval()
         self.block_size = block_size
-        self.window = make_window(sliding_window, num_sink_tokens, block_size, model.config,
+        self.window = make_window(sliding_window, c.num_sink_tokens, block_size, model.config,
                                   enable_prefix_caching=enable_prefix_caching,
                                   preemption=preemption, kv_cache_dtype=kv_cache_dtype,
                                   tensor_parallel_size=tensor_parallel_size,
@@ -143,7 +142,7 @@ class LLMEngine:
             scheduler_hooks = dataclasses.replace(hooks, num_required_blocks=self.window.reserving(
                 hooks.num_required_blocks, lambda: self.scheduler.running))
         self.reservation = make_reservation(
-            reservation, block_size, self.max_model_len,
+            c.reservation, block_size, self.max_model_len,
             enable_prefix_caching=enable_prefix_caching,
             enable_chunked_prefill=enable_chunked_prefill, sliding_window=sliding_window)
         if self.reservation is not None:  # chapter 14: admission reserves Orca's blocks
@@ -159,16 +158,12 @@ class LLMEngine:
                                                 kv_cache_dtype=kv_cache_dtype)
             num_blocks = self.runner.num_blocks
         self.num_blocks = num_blocks
-        self.watermark_blocks = int(watermark * num_blocks)
+        self.watermark_blocks = int(c.watermark * num_blocks)
         self.block_manager = BlockManager(num_blocks, block_size, num_cpu_blocks,
                                           enable_prefix_caching=enable_prefix_caching,
                                           hooks=hooks)
-        self.scheduler = Scheduler(self.block_manager, max_num_seqs=max_num_seqs,
-                                   max_num_batched_tokens=max_num_batched_tokens,
-                                   watermark_blocks=self.watermark_blocks,
-                                   preemption=preemption, scheduling=scheduling,
-                                   enable_chunked_prefill=enable_chunked_prefill,
-                                   hooks=scheduler_hooks)
+        self.scheduler = Scheduler.from_config(self.block_manager, c, self.watermark_blocks,
+                                               scheduler_hooks)
         if self.runner is None:
             self.runner = ModelRunner(model, num_blocks, block_size, num_cpu_blocks,
                                       attention_backend, build_metadata=hooks.build_metadata,

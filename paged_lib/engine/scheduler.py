@@ -126,6 +126,17 @@ class Scheduler:
         #: step, :meth:`idle_step` one with nothing to run, :meth:`restart_clock` a new run
         self.step = 0
 
+    @classmethod
+    def from_config(cls, block_manager: BlockManager, config, watermark_blocks: int = 0,
+                    hooks: EngineHooks | None = None) -> Scheduler:
+        """The scheduler of an :class:`~paged_lib.engine.config.EngineConfig` (its budgets,
+        preemption and scheduling mode)."""
+        return cls(block_manager, max_num_seqs=config.max_num_seqs,
+                   max_num_batched_tokens=config.max_num_batched_tokens,
+                   watermark_blocks=watermark_blocks, preemption=config.preemption,
+                   scheduling=config.scheduling,
+                   enable_chunked_prefill=config.enable_chunked_prefill, hooks=hooks)
+
     def idle_step(self) -> None:
         """A step passes with nothing to run (requests yet to arrive)."""
         self.step += 1
