@@ -136,8 +136,11 @@ class LLM:
                              f"only {model.config.vocab_size}")
         self.engine = LLMEngine(model, num_blocks, block_size, tokenizer=self.tokenizer,
                                 **engine_options)
-        #: vLLM's name for the engine (``llm.llm_engine``); ``llm.engine`` is the same one
-        self.llm_engine = self.engine
+
+    @property
+    def llm_engine(self) -> LLMEngine:
+        """vLLM's name for the engine; ``llm.engine`` is the same one."""
+        return self.engine
 
     def reset_prefix_cache(self) -> bool:
         """vLLM's ``LLM.reset_prefix_cache``: forget every cached block; ``False`` (and
