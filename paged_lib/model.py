@@ -28,6 +28,7 @@ from torch.nn import functional as F
 from paged_lib.accounting import ModelSpec
 from paged_lib.data import TINY_CODE_LLAMA_DIR  # where the course's trained model lives
 from paged_lib.kernels import paged_attention, paged_prefill, reshape_and_cache
+from paged_lib.kernels.cpu_linear import linear, stacked_weights
 
 
 @dataclass(frozen=True)
@@ -181,13 +182,21 @@ class Attention(nn.Module):
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
                 backend: str, validate: bool = True) -> torch.Tensor:
         cfg, n = self.cfg, x.shape[0]
-        q = apply_rope(self.q_proj(x).view(n, cfg.num_heads, cfg.head_dim), cos, sin)
-        k = apply_rope(self.k_proj(x).view(n, cfg.num_kv_heads, cfg.head_dim), cos, sin)
-        v = self.v_proj(x).view(n, cfg.num_kv_heads, cfg.head_dim)
+        heads, kv_heads, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        if torch.is_grad_enabled():  # autograd through the modules themselves
+            q = apply_rope(self.q_proj(x).view(n, heads, d), cos, sin)
+            k = apply_rope(self.k_proj(x).view(n, kv_heads, d), cos, sin)
+            v = self.v_proj(x).view(n, kv_heads, d)
+        else:  # inference: Q, K and V as one prepacked map, Q and K rotated together
+            qkv = linear(x, stacked_weights(self, "qkv", [
+                self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]))
+            qk = apply_rope(qkv[:, :(heads + kv_heads) * d].view(n, heads + kv_heads, d),
+                            cos, sin)
+            q, k = qk[:, :heads], qk[:, heads:]
+            v = qkv[:, (heads + kv_heads) * d:].view(n, kv_heads, d)
         k_cache, v_cache = kv_cache
         # 1. write: this step's K/V go to their slots (the cache now holds seq_lens tokens)
-        reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping, backend=backend,
-                          validate=validate)
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping, backend, validate)
         # 2. read: attend over the whole history through the block tables
         q = q.contiguous()
         if meta.is_decode:
@@ -199,15 +208,34 @@ class Attention(nn.Module):
                                 meta.query_lens, backend=backend, validate=validate,
                                 max_query_len=meta.max_query_len)
         else:  # mixed step: the leading decodes (one token each), then the prefills
-            d = meta.num_decodes
+            nd = meta.num_decodes
             out = torch.cat([
-                paged_attention(q[:d], k_cache, v_cache, meta.block_tables[:d],
-                                meta.seq_lens[:d], backend=backend, validate=validate,
+                paged_attention(q[:nd], k_cache, v_cache, meta.block_tables[:nd],
+                                meta.seq_lens[:nd], backend=backend, validate=validate,
                                 max_seq_len=meta.max_seq_len),
-                paged_prefill(q[d:], k_cache, v_cache, meta.block_tables[d:],
-                              meta.seq_lens[d:], meta.query_lens[d:], backend=backend,
+                paged_prefill(q[nd:], k_cache, v_cache, meta.block_tables[nd:],
+                              meta.seq_lens[nd:], meta.query_lens[nd:], backend=backend,
                               validate=validate, max_query_len=meta.max_query_len)])
-        return self.o_proj(out.reshape(n, cfg.num_heads * cfg.head_dim))
+        out = out.reshape(n, heads * d)
+        if torch.is_grad_enabled():
+            return self.o_proj(out)
+        return linear(out, stacked_weights(self, "o", [self.o_proj.weight]))
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache, v_cache, slot_mapping: torch.Tensor,
+             backend: str, validate: bool) -> None:
+    """This step's K/V into their slots: :func:`~paged_lib.kernels.reshape_and_cache`, or,
+    for a step whose slots the model runner has checked (``validate=False``: every slot
+    in the pool, none skipped) on plain CPU caches, one ``index_copy_`` per cache (the
+    same writes without the kernel's per-layer checks)."""
+    if (validate or backend == "triton" or not isinstance(k_cache, torch.Tensor)
+            or k_cache.device.type != "cpu" or k.dtype != k_cache.dtype
+            or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
+        reshape_and_cache(k, v, k_cache, v_cache, slot_mapping, backend=backend,
+                          validate=validate)
+        return
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
 
 
 class MLP(nn.Module):
@@ -220,7 +248,11 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if torch.is_grad_enabled():
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate_up = stacked_weights(self, "gate_up", [self.gate_proj.weight, self.up_proj.weight])
+        gate, up = gate_up.split(linear(x, gate_up))  # one prepacked map for both
+        return linear(F.silu(gate) * up, stacked_weights(self, "down", [self.down_proj.weight]))
 
 
 class DecoderLayer(nn.Module):
@@ -305,7 +337,9 @@ class TinyLlama(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Next-token logits ``[rows, vocab_size]`` (fp32) from hidden states."""
-        return self.lm_head(hidden).float()
+        if torch.is_grad_enabled():
+            return self.lm_head(hidden).float()
+        return linear(hidden, stacked_weights(self, "lm_head", [self.lm_head.weight])).float()
 
     # ------------------------------------------------------------- loading weights
 

@@ -1,0 +1,75 @@
+"""Prepacked, stacked linear maps: the same numbers as F.linear, rebuilt when weights change."""
+
+import copy
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+import paged_lib  # noqa: F401  # isort: split
+from paged_lib.kernels import cpu_linear
+from paged_lib.kernels.cpu_linear import LinearWeights, linear, stacked_weights
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.mark.parametrize("rows", [1, 2, 8, 33])
+def test_stacked_maps_equal_f_linear_to_1e6_relative(rows):
+    g = torch.Generator().manual_seed(rows)
+    ws = [torch.randn(n, 96, generator=g) * 0.05 for n in (96, 32, 32)]
+    x = torch.randn(rows, 96, generator=g)
+    w = LinearWeights(ws)
+    for got, want in zip(w.split(linear(x, w)), (F.linear(x, wi) for wi in ws), strict=True):
+        assert got.shape == want.shape
+        assert ((got - want).abs().max() / want.abs().max()).item() < 1e-6
+
+
+def test_prepacked_where_onednn_works_and_plain_elsewhere(monkeypatch):
+    w = torch.randn(16, 8)
+    assert (LinearWeights([w]).packed is not None) == cpu_linear.prepack_available(w)
+    assert LinearWeights([w.double()]).packed is None  # fp32 only
+    monkeypatch.setattr(cpu_linear, "prepack_available", lambda weight: False)
+    plain = LinearWeights([w])
+    x = torch.randn(4, 8)
+    assert plain.packed is None and torch.equal(linear(x, plain), F.linear(x, w))
+
+
+def test_bad_weights_are_refused():
+    with pytest.raises(ValueError, match="same input size"):
+        LinearWeights([torch.ones(4, 8), torch.ones(4, 9)])
+    with pytest.raises(ValueError, match="2-D weights"):
+        LinearWeights([])
+
+
+def test_a_changed_or_replaced_weight_is_stacked_again():
+    layer = torch.nn.Linear(8, 4, bias=False)
+    first = stacked_weights(layer, "w", [layer.weight])
+    assert stacked_weights(layer, "w", [layer.weight]) is first  # built once
+    with torch.no_grad():
+        layer.weight.mul_(2)  # in place: the version counter moves
+    again = stacked_weights(layer, "w", [layer.weight])
+    assert again is not first and torch.equal(again.plain, layer.weight)
+    layer.weight = torch.nn.Parameter(torch.ones(4, 8))  # replaced
+    assert torch.equal(stacked_weights(layer, "w", [layer.weight]).plain, torch.ones(4, 8))
+
+
+def test_the_model_loads_new_weights_and_copies_after_prepacking(tiny_hf_llama):
+    from paged_lib.model import TinyLlama
+
+    tiny_model = TinyLlama.from_hf(tiny_hf_llama)  # its own: its weights change below
+    x = torch.randint(0, tiny_model.config.vocab_size, (3,))
+    hidden = tiny_model.embed_tokens(x)
+    mlp = tiny_model.layers[0].mlp
+    with torch.no_grad():
+        before = mlp(hidden)
+        expected = mlp.down_proj(F.silu(mlp.gate_proj(hidden)) * mlp.up_proj(hidden))
+        assert ((before - expected).abs().max() / expected.abs().max()).item() < 1e-6
+        other = TinyLlama.from_hf(tiny_hf_llama)
+        for p in other.parameters():
+            p.mul_(0.5)
+        tiny_model.load_state_dict(other.state_dict())  # in place, into the same tensors
+        halved = mlp(hidden)
+    clone = copy.deepcopy(tiny_model)  # the packed weights live outside the module
+    with torch.no_grad():
+        assert torch.allclose(clone.layers[0].mlp(hidden), halved)
+    assert not torch.allclose(halved, before)
