@@ -77,6 +77,9 @@ execute: $(STAMP)
 clean:
 	rm -rf $(VENV) test-artifacts .pytest_cache .ruff_cache .hypothesis
 
+# GPU_PYTHON=python3: a Python that already has CUDA torch (a GPU machine's own image);
+# nothing is installed then. Without it, .venv as for everything else.
+GPU_PYTHON ?=
 .PHONY: gpu-check
-gpu-check: $(STAMP)
-	$(BIN)/python -m paged_lib.bench.gpu_check
+gpu-check: $(if $(GPU_PYTHON),,$(STAMP))
+	$(if $(GPU_PYTHON),$(GPU_PYTHON),$(BIN)/python) -m paged_lib.bench.gpu_check

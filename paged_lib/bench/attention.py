@@ -217,12 +217,15 @@ def _flex_pass(jobs: list, num_heads: int, num_kv_heads: int, head_dim: int, blo
         if time.monotonic() > deadline:
             row["flex_us"] = "time box"
             continue
-        case = make_decode_case([ctx] * batch, num_heads, num_kv_heads, head_dim, block_size,
-                                dtype, "cuda", shared=False, poison=False)
-        try:
+        try:  # everything CUDA in here: a fault in FlexAttention's kernel (an illegal
+            # address leaves the context unusable) must not lose the rows measured before
+            case = make_decode_case([ctx] * batch, num_heads, num_kv_heads, head_dim,
+                                    block_size, dtype, "cuda", shared=False, poison=False)
             flex = flex_paged_attention(*case, compiled=True)
             expected = ref_paged_attention(*case)
             row["flex_us"] = 1e3 * measure("FlexAttention paged", flex, expected, gpu_timer)
+            del case, flex, expected
+            torch.cuda.empty_cache()
         except CheckFailed as err:
             print(f"not timed: {err}")
             row["flex_us"] = WRONG
@@ -231,8 +234,6 @@ def _flex_pass(jobs: list, num_heads: int, num_kv_heads: int, head_dim: int, blo
                   f"{type(err).__name__}: {str(err)[:200]}")
             row["flex_us"] = "failed"
             deadline = 0.0
-        del case
-        torch.cuda.empty_cache()
 
 
 def attention_report() -> str:

@@ -180,11 +180,13 @@ def flex_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         pa.physical_to_logical[s, used] = torch.arange(len(used), device=q.device)
     kc = k_cache.permute(2, 0, 1, 3).reshape(1, num_kv_heads, num_blocks * block_size, head_dim)
     vc = v_cache.permute(2, 0, 1, 3).reshape(1, num_kv_heads, num_blocks * block_size, head_dim)
-    # KV blocks are our blocks (the page table maps them); the query's block is 128 (its
-    # default), not 1: compiled flex decoding needs it to be a multiple of its BLOCK_M (16),
-    # and with 1 every configuration is refused ("NoValidChoicesError" on an H200)
+    # Eager FlexAttention (what the tests compare with) is right with any query block.
+    # Compiled, on an H200 with torch 2.11 (reports/gpu-check-nvidia-h200.md), a query block
+    # of 1 finds no kernel configuration (NoValidChoicesError) and 128 reads out of bounds;
+    # 16 is right at batch 1 with 512 tokens, wrong at 4096 and 32768 (the bench checks
+    # before it times, and says WRONG), and fails to lower at batch 8.
     logical = create_block_mask(noop_mask, num_seqs, None, 1, block_tables.shape[1] * block_size,
-                                device=device, BLOCK_SIZE=(128, block_size))
+                                device=device, BLOCK_SIZE=(16, block_size))
     mask = pa.convert_logical_block_mask(logical, kv_len=seq_lens.long())
     fn = torch.compile(flex_attention) if compiled else flex_attention
     q4 = q.unsqueeze(2)
