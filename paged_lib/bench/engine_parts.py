@@ -31,11 +31,15 @@ from paged_lib.models import smollm2
 #: (owner, attribute, part) of each timed function. A part called while another runs is
 #: that one's child: the layers' linear maps sit inside "model forward", the LM head's own
 #: linear map inside "LM head" (which runs after the forward, on last tokens only).
+#: Serving runs under no_grad, where the model's linear maps are ``model.linear`` on
+#: stacked, prepacked weights (:mod:`paged_lib.kernels.cpu_linear`); with gradients on
+#: they are the ``nn.Linear`` modules. Both count as "linear maps".
 PARTS = ((model_module.TinyLlama, "forward", "model forward"),
          (model_module.TinyLlama, "compute_logits", "LM head"),
+         (model_module, "linear", "linear maps"),
          (nn.Linear, "forward", "linear maps"),
          (model_module, "paged_attention", "decode attention"),
-         (model_module, "reshape_and_cache", "cache writes"),
+         (model_module, "write_kv", "cache writes"),
          (model_module, "paged_prefill", "prefill attention"))
 
 #: The clocks read around each call: wall seconds and the calling thread's CPU seconds.
