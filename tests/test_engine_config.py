@@ -45,11 +45,12 @@ def test_the_engines_keywords_are_the_configs_fields_with_the_same_defaults():
     (dict(watermark=1.0), "watermark is a fraction of the pool in [0, 1)"),
     (dict(kv_cache_dtype="int4"), "kv_cache_dtype must be one of"),
     (dict(reservation="orca"), "reservation must be one of"),
-    (dict(block_size=0), "block_size must be an int >= 1, got 0"),
-    (dict(block_size=True), "block_size must be an int, got True"),
+    (dict(block_size=0), "block_size must be an integer >= 1, got 0"),
+    (dict(block_size=True), "block_size must be an integer >= 1, got True"),
+    (dict(sliding_window=16.0), "sliding_window must be an integer, got 16.0"),
     (dict(enable_prefix_caching=1), "enable_prefix_caching must be True or False"),
     (dict(max_logprobs=-2), "max_logprobs must be non-negative or -1"),
-    (dict(threads=0), "threads must be an int >= 1"),
+    (dict(threads=0), "threads must be an integer >= 1"),
 ])
 def test_bad_options_are_refused_once_when_built(kwargs, message):
     with pytest.raises(ValueError) as err:

@@ -15,6 +15,7 @@ from paged_lib.data import TINY_CODE_LLAMA_DIR
 from paged_lib.engine import LLM, SamplingParams
 from paged_lib.serve import protocol
 from paged_lib.serve.api_server import build_app
+from paged_lib.serve.metrics import parse_metrics
 from paged_lib.serve.protocol import ChatCompletionRequest, CompletionRequest
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -182,3 +183,23 @@ def test_penalties_and_logit_bias_reach_the_engine(client):
                                        temperature=0, presence_penalty=2.0,
                                        frequency_penalty=2.0)
     assert r.choices[0].finish_reason in ("stop", "length")
+
+
+def test_metrics_has_vllms_latency_histograms(http, client):
+    """vLLM's ``vllm:e2e_request_latency_seconds``, ``vllm:inter_token_latency_seconds``
+    and ``vllm:request_time_per_output_token_seconds`` (tests/entrypoints/openai/
+    test_metrics.py lists them): one e2e and one per-request TPOT observation per finished
+    request, one inter-token observation per output after the first."""
+    def counts():
+        m = parse_metrics(http.get("/metrics").text)
+        return {k.split("_seconds")[0]: v for k, v in m.items()
+                if k.endswith(f'_seconds_count{{model_name="{MODEL}"}}')}
+    before = counts()
+    assert set(before) == {"vllm:time_to_first_token", "vllm:e2e_request_latency",
+                           "vllm:inter_token_latency", "vllm:request_time_per_output_token"}
+    client.completions.create(model=MODEL, prompt="def ", max_tokens=5, temperature=0,
+                              extra_body={"ignore_eos": True})
+    after = counts()
+    assert {k: after[k] - before[k] for k in after} == {
+        "vllm:time_to_first_token": 1, "vllm:e2e_request_latency": 1,
+        "vllm:inter_token_latency": 4, "vllm:request_time_per_output_token": 1}

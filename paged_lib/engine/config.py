@@ -30,6 +30,8 @@ from paged_lib.kernels import BACKENDS
 from paged_lib.kernels.kv_quant import KV_CACHE_DTYPES, check_kv_cache_dtype
 
 PREEMPTION_MODES = ("recompute", "swap")
+_AT_LEAST_ONE = ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens",
+                 "tensor_parallel_size", "max_model_len", "threads")
 SCHEDULING_MODES = ("mixed", "prefill_first")
 
 
@@ -93,7 +95,8 @@ class EngineConfig:
             if kind is bool and not isinstance(value, bool):
                 return f"{f.name} must be True or False, got {value!r}"
             if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
-                return f"{f.name} must be an int, got {value!r}"
+                at_least = " >= 1" if f.name in _AT_LEAST_ONE else ""
+                return f"{f.name} must be an integer{at_least}, got {value!r}"
             if f.metadata["choices"] and value not in f.metadata["choices"]:
                 if f.name == "attention_backend":
                     return (f"attention_backend must be 'auto' or one of {BACKENDS}, "
@@ -102,12 +105,11 @@ class EngineConfig:
                     check_kv_cache_dtype(value)
                 choices = RESERVATIONS if f.name == "reservation" else f.metadata["choices"]
                 return f"{f.name} must be one of {choices}, got {value!r}"
-        for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens",
-                     "max_model_len", "threads"):
+        for name in _AT_LEAST_ONE:
             if (v := getattr(self, name)) is not None and v < 1:
-                return f"{name} must be an int >= 1, got {v!r}"
+                return f"{name} must be an integer >= 1, got {v!r}"
         if self.num_cpu_blocks < 0:
-            return f"num_cpu_blocks must be an int >= 0, got {self.num_cpu_blocks}"
+            return f"num_cpu_blocks must be an integer >= 0, got {self.num_cpu_blocks}"
         if not 0 <= self.watermark < 1:
             return f"watermark is a fraction of the pool in [0, 1), got {self.watermark}"
         if self.max_logprobs < -1:

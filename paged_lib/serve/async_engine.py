@@ -76,6 +76,8 @@ class RequestStream:
     cumulative: list[float] = field(default_factory=list)  # their logprob sum, per sequence
     ended: list[str | None] = field(default_factory=list)  # finish reason, per sequence
     first_token: bool = False
+    first_token_time: float = 0.0
+    last_token_time: float = 0.0
 
     def put(self, item) -> None:
         """From the engine thread: hand ``item`` to the handler's event loop."""
@@ -235,15 +237,25 @@ class AsyncEngine:
         if not deltas:
             return
         self.metrics.add("vllm:generation_tokens", sum(len(d.token_ids) for d in deltas))
+        now = time.monotonic()
         if not stream.first_token:
-            stream.first_token = True
-            self.metrics.observe_ttft(time.monotonic() - stream.arrival)
+            stream.first_token, stream.first_token_time = True, now
+            self.metrics.observe_ttft(now - stream.arrival)
             self.metrics.add("vllm:prompt_tokens", len(stream.prompt_token_ids))
-        stream.put(deltas)
-        if group.is_finished():
+        else:
+            self.metrics.observe("vllm:inter_token_latency_seconds", now - stream.last_token_time)
+        stream.last_token_time = now
+        finished = group.is_finished()
+        if finished:  # (counted before the handler hears of it: a scrape after sees it)
             del self._streams[stream.request_id]
             self.metrics.request_finished(
                 "length" if set(stream.ended) == {"length"} else "stop")
+            self.metrics.observe("vllm:e2e_request_latency_seconds", now - stream.arrival)
+            if (made := max(stream.sent)) > 1:
+                self.metrics.observe("vllm:request_time_per_output_token_seconds",
+                                     (now - stream.first_token_time) / (made - 1))
+        stream.put(deltas)
+        if finished:
             stream.put(None)
 
     def _fail_all(self, error: Exception) -> None:

@@ -28,6 +28,21 @@ COUNTERS = {
     "vllm:prompt_tokens": "Number of prefill tokens processed.",
     "vllm:generation_tokens": "Number of generation tokens processed.",
 }
+#: vLLM's buckets for its request-latency and per-token histograms
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+                           40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+TOKEN_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+                         2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+HISTOGRAMS = {
+    "vllm:time_to_first_token_seconds": ("Histogram of time to first token in seconds.",
+                                         TTFT_BUCKETS),
+    "vllm:e2e_request_latency_seconds": ("Histogram of e2e request latency in seconds.",
+                                         REQUEST_LATENCY_BUCKETS),
+    "vllm:inter_token_latency_seconds": ("Histogram of inter-token latency in seconds.",
+                                         TOKEN_LATENCY_BUCKETS),
+    "vllm:request_time_per_output_token_seconds": (
+        "Histogram of time_per_output_token_seconds per request.", TOKEN_LATENCY_BUCKETS),
+}
 #: ``vllm:request_success`` is counted per ``finished_reason``
 FINISHED_REASONS = ("stop", "length", "abort", "error")
 
@@ -39,7 +54,9 @@ def _labels(pairs: dict[str, str]) -> str:
 
 
 class ServerMetrics:
-    """Gauges set after each engine-loop turn, counters and the TTFT histogram added to."""
+    """Gauges set after each engine-loop turn, counters and histograms added to: time to
+    first token, end-to-end latency, inter-token latency (between a request's consecutive
+    outputs) and each request's time per output token (after its first)."""
 
     def __init__(self, model_name: str):
         self.model_name = model_name
@@ -47,8 +64,8 @@ class ServerMetrics:
         self.gauges = dict.fromkeys(GAUGES, 0.0)
         self.counters = dict.fromkeys(COUNTERS, 0)
         self.finished = dict.fromkeys(FINISHED_REASONS, 0)
-        self._ttft = [0] * (len(TTFT_BUCKETS) + 1)  # the last is +Inf
-        self._ttft_sum = 0.0
+        #: per histogram: a count per bucket (the last is +Inf) and the sum
+        self._hist = {name: ([0] * (len(b) + 1), [0.0]) for name, (_, b) in HISTOGRAMS.items()}
 
     def set(self, **gauges: float) -> None:
         with self._lock:
@@ -63,10 +80,15 @@ class ServerMetrics:
         with self._lock:
             self.finished[reason] += 1
 
-    def observe_ttft(self, seconds: float) -> None:
+    def observe(self, name: str, seconds: float) -> None:
+        """One observation of histogram ``name`` (one of :data:`HISTOGRAMS`)."""
+        counts, total = self._hist[name]
         with self._lock:
-            self._ttft[bisect.bisect_left(TTFT_BUCKETS, seconds)] += 1
-            self._ttft_sum += seconds
+            counts[bisect.bisect_left(HISTOGRAMS[name][1], seconds)] += 1
+            total[0] += seconds
+
+    def observe_ttft(self, seconds: float) -> None:
+        self.observe("vllm:time_to_first_token_seconds", seconds)
 
     def render(self) -> str:
         """The exposition text (``text/plain; version=0.0.4``)."""
@@ -84,15 +106,15 @@ class ServerMetrics:
                       f"# TYPE {name} counter"]
             lines += [f"{name}_total{_labels({**model, 'finished_reason': r})} {float(n)}"
                       for r, n in self.finished.items()]
-            name = "vllm:time_to_first_token_seconds"
-            lines += [f"# HELP {name} Histogram of time to first token in seconds.",
-                      f"# TYPE {name} histogram"]
-            total = 0
-            for le, n in zip((*map(str, TTFT_BUCKETS), "+Inf"), self._ttft, strict=True):
-                total += n
-                lines.append(f"{name}_bucket{_labels({**model, 'le': le})} {float(total)}")
-            lines += [f"{name}_count{_labels(model)} {float(total)}",
-                      f"{name}_sum{_labels(model)} {self._ttft_sum}"]
+            for name, (help_, buckets) in HISTOGRAMS.items():
+                counts, seconds = self._hist[name]
+                lines += [f"# HELP {name} {help_}", f"# TYPE {name} histogram"]
+                total = 0
+                for le, n in zip((*map(str, buckets), "+Inf"), counts, strict=True):
+                    total += n
+                    lines.append(f"{name}_bucket{_labels({**model, 'le': le})} {float(total)}")
+                lines += [f"{name}_count{_labels(model)} {float(total)}",
+                          f"{name}_sum{_labels(model)} {seconds[0]}"]
         return "\n".join(lines) + "\n"
 
 
