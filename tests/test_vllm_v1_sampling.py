@@ -237,3 +237,33 @@ def test_llm_engine_and_reset_prefix_cache():
     assert llm.reset_prefix_cache() is False and gpu.cached_blocks
     llm.llm_engine.abort_request(group.request_id)
     assert llm.reset_prefix_cache() is True and not gpu.cached_blocks
+
+
+def test_use_tqdm_draws_vllms_progress_bar(llm):
+    """vLLM's ``LLM._run_engine`` bar (no vLLM test checks it): "Processed prompts" over
+    the requests, one update per finished request, the input/output speeds as postfix;
+    ``use_tqdm`` may be a tqdm-like class."""
+    bars = []
+
+    class Bar:
+        def __init__(self, total, desc, dynamic_ncols, postfix):
+            self.total, self.desc, self.postfix, self.n, self.closed = total, desc, postfix, 0, 0
+            self.format_dict = {"elapsed": 1.0}
+            bars.append(self)
+
+        def update(self, k):
+            self.n += k
+
+        def close(self):
+            self.closed += 1
+
+    out = llm.generate(["def ", "class ", "import "], SamplingParams(max_tokens=5,
+                                                                     ignore_eos=True),
+                       use_tqdm=Bar)
+    (bar,) = bars
+    assert (bar.total, bar.desc, bar.n, bar.closed) == (3, "Processed prompts", 3, 1)
+    prompt_tokens = sum(len(o.prompt_token_ids) for o in out)
+    assert bar.postfix == (f"est. speed input: {prompt_tokens:.2f} toks/s, "
+                           f"output: {15:.2f} toks/s")  # (elapsed fixed at 1 s above)
+    llm.generate("def ", SamplingParams(max_tokens=2), use_tqdm=False)
+    assert len(bars) == 1

@@ -34,6 +34,7 @@ the chapters' hooks, ...) pass through as keywords.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -42,6 +43,7 @@ from paged_lib.accounting import MiB, kv_bytes_per_token
 from paged_lib.engine.config import EngineConfig
 from paged_lib.engine.llm_engine import LLMEngine
 from paged_lib.engine.outputs import BeamSearchOutput, BeamSearchSequence
+from paged_lib.engine.progress import progress
 from paged_lib.engine.requests import token_id
 from paged_lib.engine.sampling_params import BeamSearchParams, SamplingParams
 from paged_lib.engine.sequence import RequestOutput
@@ -148,7 +150,7 @@ class LLM:
         return self.engine.reset_prefix_cache()
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams]
-                 | None = None, *, use_tqdm: bool = True) -> list[RequestOutput]:
+                 | None = None, *, use_tqdm: bool | Callable = True) -> list[RequestOutput]:
         """Complete each prompt; one :class:`RequestOutput` per prompt, in order, with every
         ``outputs[i].text`` filled in (and ``prompt``, for a prompt given as text).
 
@@ -156,11 +158,11 @@ class LLM:
         (strings, token-id lists, ``{"prompt": "..."}`` or ``{"prompt_token_ids": [...]}``
         dicts); ``sampling_params`` one :class:`SamplingParams` for all, or one per prompt
         (default: ``SamplingParams()``, vLLM's: temperature 1.0, 16 tokens). Bad input
-        raises ``ValueError`` before anything runs. ``use_tqdm`` is accepted for vLLM's
-        signature (no progress bar here).
+        raises ``ValueError`` before anything runs. ``use_tqdm``: vLLM's progress bar
+        (:mod:`~paged_lib.engine.progress`; drawn on a terminal only).
         """
         texts, ids = self._prompts(prompts)
-        return self._run(texts, ids, sampling_params)
+        return self._run(texts, ids, sampling_params, use_tqdm)
 
     def beam_search(self, prompts, params: BeamSearchParams, *, use_tqdm: bool = False
                     ) -> list[BeamSearchOutput]:
@@ -190,7 +192,8 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
-             add_generation_prompt: bool = True, use_tqdm: bool = True) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, use_tqdm: bool | Callable = True
+             ) -> list[RequestOutput]:
         """Answer one conversation (``[{"role": "user", "content": "..."}, ...]``) or a list
         of them, as vLLM's ``LLM.chat``: each is rendered with the model's chat template
         (ending with the assistant's turn opened, ``add_generation_prompt``), encoded, and
@@ -208,7 +211,7 @@ class LLM:
                              "{'role': ..., 'content': ...} dicts) or a list of them")
         texts = [self.tokenizer.render_chat(list(c), add_generation_prompt) for c in messages]
         return self._run(texts, [self.tokenizer.encode(t, add_bos=False) for t in texts],
-                         sampling_params)
+                         sampling_params, use_tqdm)
 
     def _prompts(self, prompts) -> tuple[list[str | None], list[list[int]]]:
         """Each prompt's text (``None`` for token ids) and token ids (see :meth:`generate`)."""
@@ -238,13 +241,19 @@ class LLM:
                                                           else ""))
         return texts, ids
 
-    def _run(self, texts: list[str | None], ids: list[list[int]], sampling_params
-             ) -> list[RequestOutput]:
+    def _run(self, texts: list[str | None], ids: list[list[int]], sampling_params,
+             use_tqdm: bool | Callable = False) -> list[RequestOutput]:
         """Generate from ``ids`` (the engine decodes the completions); fill in the prompts'
         texts."""
         if sampling_params is None:
             sampling_params = SamplingParams()  # vLLM's defaults
-        outputs = self.engine.generate(ids, sampling_params)
+        bar = progress(len(ids), use_tqdm)
+        try:
+            outputs = (self.engine.generate(ids, sampling_params) if bar is None else
+                       self.engine.generate(ids, sampling_params, on_finish=bar.finished))
+        finally:
+            if bar is not None:
+                bar.close()
         params = (sampling_params if isinstance(sampling_params, list | tuple)
                   else [sampling_params] * len(outputs))
         return [dataclasses.replace(out, prompt=text, outputs=_vllm_outputs(out.outputs, p))

@@ -323,11 +323,14 @@ class LLMEngine:
 
     def generate(self, prompts: list[list[int]],
                  params: SamplingParams | list[SamplingParams],
-                 arrival_steps: list[int] | None = None) -> list[RequestOutput]:
+                 arrival_steps: list[int] | None = None, *,
+                 on_finish: Callable[[SequenceGroup], None] | None = None
+                 ) -> list[RequestOutput]:
         """Serve every prompt to the end; one :class:`RequestOutput` per prompt, in order.
 
         Request ``i`` joins the waiting queue at step ``arrival_steps[i]`` (default: all at
-        step 0); a step with nothing to run is recorded as ``"idle"``.
+        step 0); a step with nothing to run is recorded as ``"idle"``. ``on_finish(group)``
+        (if given) hears of each request as it ends (``LLM``'s progress bar).
 
         Two kinds of bad request, two answers. *Malformed* input (wrong types or values:
         an empty prompt, a token outside the vocabulary, ``max_tokens < 1``, ...) raises
@@ -363,10 +366,14 @@ class LLMEngine:
                 groups[i] = self.add_request(i, prompts[i], params[i])
                 groups[i].timeline.arrival_step = arrivals[i]
                 nxt += 1
+                if groups[i].error is not None and on_finish is not None:
+                    on_finish(groups[i])
             if self.stats.steps > limit:
                 raise RuntimeError(f"no progress after {limit} steps (a scheduling bug?)")
             if self.scheduler.has_unfinished():
-                self.step()
+                for group in self.step():
+                    if on_finish is not None:
+                        on_finish(group)
             else:  # nobody to run until the next arrival
                 self.stats.record_step("idle", 0, self.block_manager.num_used_blocks, 0, 0)
                 self.scheduler.idle_step()
