@@ -5,7 +5,9 @@ MODEL is a model folder (the shipped one: ``paged_lib/data/tiny-code-llama``, or
 from :class:`~paged_lib.engine.config.EngineConfig`'s fields, with vLLM's names
 (``--num-blocks``, ``--block-size``, ``--max-num-seqs``, ``--threads``, ...; ``--help``
 lists them); those left out keep :class:`~paged_lib.engine.llm.LLM`'s defaults, and
-``--threads`` the cores this process may use. Then talk to it with OpenAI's client::
+``--threads`` the cores this process may use. ``--mine`` serves chapter 13's engine of
+the learner's own pieces (:class:`~paged_lib.course.demos.your_engine.YourLLM`). Then talk
+to it with OpenAI's client::
 
     from openai import OpenAI
     client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="none")
@@ -30,6 +32,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--device", help="cpu or cuda (default: cuda when there is one)")
+    p.add_argument("--mine", action="store_true",
+                   help="serve an engine of your own pieces (chapter 13's YourLLM: those "
+                   "saved in mine/, the library's for the rest)")
     p.add_argument("--log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug"))
     EngineConfig.add_cli_args(p)  # one flag per EngineConfig field, as vLLM's EngineArgs
@@ -42,17 +47,29 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig.from_cli_args(args, threads=args.threads or default_threads())
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    import uvicorn
-
+def build_llm(args: argparse.Namespace):
+    """The ``LLM`` the flags ask for: the library's, or with ``--mine`` chapter 13's
+    ``YourLLM`` (the learner's pieces in the same engine)."""
     from paged_lib.engine.llm import LLM
-    from paged_lib.serve.api_server import build_app
 
     model = args.model
     if model == TINY_CODE_LLAMA_DIR.name and not Path(model).exists():
         model = TINY_CODE_LLAMA_DIR
-    llm = LLM(model, device=args.device, config=engine_config(args))
+    config = engine_config(args)
+    if not args.mine:
+        return LLM(model, device=args.device, config=config)
+    from paged_lib.course.demos.your_engine import YourLLM
+
+    return YourLLM(model, device=args.device, **config.engine_options())
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    import uvicorn
+
+    from paged_lib.serve.api_server import build_app
+
+    llm = build_llm(args)
     app = build_app(llm, args.served_model_name or args.model)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
 
