@@ -34,12 +34,13 @@ import torch
 from paged_lib.course import grading
 
 #: Workloads drawn per exercise, and the most pairs of runs a shrink may try.
-NUM_WORKLOADS, MAX_SHRINK_RUNS = 12, 60
+NUM_WORKLOADS, MAX_SHRINK_RUNS = 16, 60
 
-#: The engine's options at their defaults (what shrinking switches back to).
+#: What shrinking switches an option back to: the engine's defaults, but at most 16
+#: sequences a step (a step's token budget must hold them).
 DEFAULTS: dict[str, Any] = dict(
     preemption="recompute", num_cpu_blocks=0, watermark=0.01, scheduling="mixed",
-    max_num_seqs=256, enable_chunked_prefill=False, enable_prefix_caching=False,
+    max_num_seqs=16, enable_chunked_prefill=False, enable_prefix_caching=False,
     kv_cache_dtype="auto", sliding_window=None, num_sink_tokens=0, dtype="fp32")
 
 #: hook name -> what its workloads always turn on (the rest is drawn)
@@ -53,6 +54,8 @@ FOCUS: dict[str, dict[str, Any]] = {
 
 #: Pieces whose calls depend on pool pressure: their workloads use the smallest pools.
 _PRESSURE = ("choose_victim", "preempt_until_fits", "swap_mapping", "num_required_blocks")
+#: Pieces that decide admission: half their workloads bring waves of long prompts.
+_TIGHT = ("can_admit", "schedule_waiting")
 
 
 @dataclass(frozen=True)
@@ -99,7 +102,7 @@ def _prompt(rng: random.Random, n: int) -> tuple[int, ...]:
 
 def _params(rng: random.Random, beams_ok: bool) -> dict[str, Any]:
     kind = rng.choice(["greedy", "greedy", "samples", "beams" if beams_ok else "stop", "stop"])
-    p: dict[str, Any] = dict(max_tokens=rng.randint(1, 12), ignore_eos=True)
+    p: dict[str, Any] = dict(max_tokens=rng.randint(1, 20), ignore_eos=True)
     if kind == "greedy":
         p["temperature"] = 0.0
     elif kind == "samples":
@@ -113,23 +116,29 @@ def _params(rng: random.Random, beams_ok: bool) -> dict[str, Any]:
 
 
 def draw(seed: int, hook: str) -> Workload:
-    """One seeded workload for the piece filling ``hook`` (its FOCUS options on)."""
+    """One seeded workload for the piece filling ``hook`` (its FOCUS options on). Half
+    the pools (all, for the pieces that act under pressure) hold a tenth to two fifths
+    of what the requests would hold together, so they preempt."""
     rng = random.Random(f"{hook}:{seed}")
     o: dict[str, Any] = {}
     block_size = rng.choice([2, 4, 4, 8])
     pressure = hook in _PRESSURE or rng.random() < 0.5
-    num_blocks = rng.randint(6, 12) if pressure else rng.randint(14, 40)
+    tight = hook in _TIGHT and rng.random() < 0.5  # long prompts against the token budget
     if rng.random() < 0.4:
         o["preemption"] = "swap"
-        o["num_cpu_blocks"] = rng.choice([0, 2, 3, 5, 8, 64])
+        o["num_cpu_blocks"] = rng.choice([2, 3, 5, 8, 64])
     o["watermark"] = rng.choice([0.0, 0.01, 0.1, 0.2])
     if rng.random() < 0.25:
         o["scheduling"] = "prefill_first"
-    if rng.random() < 0.5:
-        o["max_num_seqs"] = rng.randint(3, 8)
+    o["max_num_seqs"] = rng.randint(4, 8) if rng.random() < (0.2 if pressure else 0.5) else 16
+    o["max_model_len"] = rng.choice([48, 64, 64])
     if rng.random() < 0.4 and o.get("scheduling") != "prefill_first":
         o["enable_chunked_prefill"] = True
-        o["max_num_batched_tokens"] = rng.randint(max(4, o.get("max_num_seqs", 4)), 16)
+        o["max_num_batched_tokens"] = rng.randint(4, 16)
+        o["max_num_seqs"] = min(o["max_num_seqs"], o["max_num_batched_tokens"])
+    else:  # at least max_model_len (vLLM's rule), a few tokens more at most
+        o["max_num_batched_tokens"] = o["max_model_len"] + (
+            0 if tight else rng.choice([0, 0, 4, 16]))
     if rng.random() < 0.4:
         o["enable_prefix_caching"] = True
     if rng.random() < 0.2:
@@ -143,14 +152,29 @@ def draw(seed: int, hook: str) -> Workload:
         o["sliding_window"] = rng.choice([6, 8, 12])
         o["num_sink_tokens"] = rng.choice([0, 1, 2, 4])
     shared = _prompt(rng, rng.randint(block_size, 3 * block_size))
+    longest = 40 if tight else rng.choice([14, 30, 40])
+    burst = rng.choice([2, 4, 6] if tight else [0, 2, 4, 6])  # a wave arrives together
     requests = []
-    for _ in range(rng.randint(2, 6)):
-        own = _prompt(rng, rng.randint(1, 14))
+    for _ in range(rng.randint(3, 8)):
+        own = _prompt(rng, rng.randint(1, longest))
         roll = rng.random()
         prompt = shared if roll < 0.15 else shared + own if roll < 0.45 else own
-        arrival = rng.choice([0, 0, 0, 1, 2, 3, 5])
+        arrival = burst if rng.random() < (0.7 if tight else 0.4) else \
+            rng.choice([0, 0, 1, 2, 3, 4, 6, 8])
         requests.append(Request(prompt, tuple(sorted(_params(rng, True).items())), arrival))
-    return Workload(seed, num_blocks, block_size, tuple(sorted(o.items())), tuple(requests))
+    need = [len(r.prompt) + (dict(r.params)["max_tokens"] + block_size) * _width(r)
+            for r in requests]
+    if pressure:
+        tokens = max(max(need), int(sum(need) * rng.uniform(0.1, 0.4)))
+    else:
+        tokens = sum(need) + rng.randint(0, 64)
+    return Workload(seed, -(-tokens // block_size), block_size, tuple(sorted(o.items())),
+                    tuple(requests))
+
+
+def _width(r: Request) -> int:
+    p = dict(r.params)
+    return p.get("beam_width") or p.get("n", 1)
 
 
 # ------------------------------------------------------------------ serving
@@ -158,9 +182,15 @@ def draw(seed: int, hook: str) -> Workload:
 
 @functools.cache
 def _model(dtype: str):
+    """The shipped tiny model cut to its first layer: the pieces graded here decide
+    schedules, blocks and slots, which one layer reads and writes as four would (a
+    wrong slot still changes its tokens), in a quarter of the time."""
     from paged_lib.model import load_tiny_code_llama
 
-    return load_tiny_code_llama(torch.float16 if dtype == "fp16" else torch.float32)
+    model = load_tiny_code_llama(torch.float16 if dtype == "fp16" else torch.float32)
+    model.layers = torch.nn.ModuleList(list(model.layers)[:1])
+    model.config = dataclasses.replace(model.config, num_layers=1)
+    return model
 
 
 def _engine(w: Workload, hooks: Any, on_step: Callable):
@@ -168,10 +198,8 @@ def _engine(w: Workload, hooks: Any, on_step: Callable):
 
     opts = dict(w.options)
     model = _model(opts.pop("dtype", "fp32"))
-    if not opts.get("enable_chunked_prefill"):
-        opts["max_num_batched_tokens"] = opts.get("max_num_batched_tokens", 64)
     return LLMEngine(model, w.num_blocks, w.block_size, attention_backend="torch",
-                     max_model_len=64, hooks=hooks, on_step=on_step, **opts)
+                     hooks=hooks, on_step=on_step, **opts)
 
 
 def _record(out: Any, stats: Any) -> tuple:
@@ -191,15 +219,33 @@ _FIELDS = ("ran (request, sequence, tokens)", "admitted", "preempted", "swapped 
            "blocks in use after the step", "tokens drawn (request, sequence, token)")
 
 
-def serve(w: Workload, hooks: Any = None) -> tuple[list[tuple], Any]:
-    """(the steps' records, the outputs' tokens or the error that stopped the run)."""
+class _Differs(Exception):
+    """The learner's run left the library's: no need to serve the rest."""
+
+
+def serve(w: Workload, hooks: Any = None, reference: list[tuple] | None = None,
+          limit: int | None = None) -> tuple[list[tuple], Any]:
+    """(the steps' records, the outputs' tokens or the error that stopped the run, or
+    ``None`` when it was cut short): with ``reference`` (the library's records) the run
+    stops at the first step that differs, with ``limit`` after that many steps."""
     steps: list[tuple] = []
     engine = None
+
+    def on_step(out: Any, stats: Any) -> None:
+        steps.append(_record(out, stats))
+        k = len(steps) - 1
+        if reference is not None and (k >= len(reference) or steps[k] != reference[k]):
+            raise _Differs
+        if limit is not None and len(steps) >= limit:
+            raise _Differs
+
     try:
-        engine = _engine(w, hooks, lambda out, stats: steps.append(_record(out, stats)))
+        engine = _engine(w, hooks, on_step)
         outs = engine.generate([list(r.prompt) for r in w.requests], [
             _sampling(r) for r in w.requests], arrival_steps=[r.arrival for r in w.requests])
         end: Any = [(o.error, [c.token_ids for c in o.outputs]) for o in outs]
+    except _Differs:
+        end = None
     except (NotImplementedError, grading.CheckFailed):
         raise  # not attempted yet, or the library's twin called: the verdict says so
     except Exception as err:  # noqa: BLE001 - the learner's piece, or what the engine checks
@@ -226,8 +272,8 @@ def _sampling(r: Request):
 
 
 @functools.cache
-def _library(w: Workload) -> tuple[list[tuple], Any]:
-    return serve(w)
+def _library(w: Workload, limit: int | None = None) -> tuple[list[tuple], Any]:
+    return serve(w, limit=limit)
 
 
 def valid(w: Workload) -> bool:
@@ -235,26 +281,29 @@ def valid(w: Workload) -> bool:
     return not isinstance(_library(w)[1], _Raised)
 
 
-def difference(w: Workload, hooks: Any) -> str | None:
-    """The first step (or the end) where ``w`` served with ``hooks`` differs from the
-    library's run, told in words; ``None`` when it serves the same."""
-    want, want_end = _library(w)
-    got, got_end = serve(w, hooks)
-    for lib, mine in zip(want, got, strict=False):
+def difference(w: Workload, hooks: Any, limit: int | None = None) -> tuple[int, str] | None:
+    """(how many steps in, the story) of the first step (or the end) where ``w`` served
+    with ``hooks`` differs from the library's run; ``None`` when it serves the same (in
+    its first ``limit`` steps, when given)."""
+    want, want_end = _library(w, limit)
+    got, got_end = serve(w, hooks, want, limit)
+    for k, (lib, mine) in enumerate(zip(want, got, strict=False)):
         if lib != mine:
             if lib[0] != mine[0]:
-                return (f"the library's engine ran engine step {lib[0]} next; yours ran "
-                        f"step {mine[0]}")
+                return k, (f"the library's engine ran engine step {lib[0]} next; yours ran "
+                           f"step {mine[0]}")
             parts = [f"{name}: the library's {a!r}, yours {b!r}"
                      for name, a, b in zip(_FIELDS, lib[1:], mine[1:], strict=True) if a != b]
-            return f"at engine step {lib[0]}, " + "; ".join(parts)
+            return k, f"at engine step {lib[0]}, " + "; ".join(parts)
     if isinstance(got_end, _Raised):
-        return f"serving stopped with {got_end.what}"
+        return len(got), f"serving stopped with {got_end.what}"
+    if want_end is None:  # both cut short at the limit, the same so far
+        return None
     if len(got) != len(want):
-        return (f"the library's engine took {len(want)} steps that ran something, yours "
-                f"{len(got)}")
+        return min(len(got), len(want)), (f"the library's engine took {len(want)} steps "
+                                          f"that ran something, yours {len(got)}")
     if got_end != want_end:
-        return f"the outputs differ: the library's {want_end!r}, yours {got_end!r}"
+        return len(got), f"the outputs differ: the library's {want_end!r}, yours {got_end!r}"
     return None
 
 
@@ -267,17 +316,28 @@ def _smaller(w: Workload):
     for i in reversed(range(len(reqs))):
         if len(reqs) > 1:
             yield dataclasses.replace(w, requests=reqs[:i] + reqs[i + 1:])
+    if any(dict(r.params)["max_tokens"] > 1 for r in reqs):  # every output halved at once
+        yield dataclasses.replace(w, requests=tuple(
+            _with(r, max_tokens=max(1, dict(r.params)["max_tokens"] // 2)) for r in reqs))
+    first = min(r.arrival for r in reqs)
+    if first:  # every arrival moved earlier together
+        yield dataclasses.replace(w, requests=tuple(
+            dataclasses.replace(r, arrival=r.arrival - first) for r in reqs))
     opts = dict(w.options)
     for name in list(opts):
-        if name == "max_num_batched_tokens" or opts[name] == DEFAULTS.get(name):
+        if name in ("max_num_batched_tokens", "max_model_len", "max_num_seqs") or \
+                opts[name] == DEFAULTS.get(name):
             continue
         o = {k: v for k, v in opts.items() if k != name}
         if name == "enable_chunked_prefill":
-            o.pop("max_num_batched_tokens", None)
+            o["max_num_batched_tokens"] = o["max_model_len"]
         if name == "preemption":
             o.pop("num_cpu_blocks", None)
         if name == "sliding_window":
             o.pop("num_sink_tokens", None)
+        yield dataclasses.replace(w, options=tuple(sorted(o.items())))
+    if opts["max_num_seqs"] < min(16, opts["max_num_batched_tokens"]):  # the limit lifted
+        o = {**opts, "max_num_seqs": min(16, opts["max_num_batched_tokens"])}
         yield dataclasses.replace(w, options=tuple(sorted(o.items())))
     for i, r in enumerate(reqs):
         p = dict(r.params)
@@ -288,10 +348,13 @@ def _smaller(w: Workload):
         for k in (p["max_tokens"] // 2, p["max_tokens"] - 1):
             if 1 <= k < p["max_tokens"]:
                 simpler.append(_with(r, max_tokens=k))
-        if p.get("beam_width", 0) > 2:
-            simpler.append(_with(r, beam_width=p["beam_width"] - 1))
+        if p.get("beam_width"):
+            simpler.append(_with(r, beam_width=None, temperature=0.0) if p["beam_width"] == 2
+                           else _with(r, beam_width=p["beam_width"] - 1))
         if p.get("n", 1) > 1:
             simpler.append(_with(r, n=p["n"] - 1))
+        elif p.get("temperature") != 0.0 and not p.get("beam_width"):
+            simpler.append(_with(r, temperature=0.0, seed=None, stop_token_ids=None))
         if p.get("stop_token_ids"):
             simpler.append(_with(r, stop_token_ids=None))
         if r.arrival:
@@ -307,23 +370,24 @@ def _with(r: Request, **changes: Any) -> Request:
     return dataclasses.replace(r, params=tuple(sorted(p.items())))
 
 
-def shrink(w: Workload, hooks: Any, story: str,
+def shrink(w: Workload, hooks: Any, found: tuple[int, str],
            max_runs: int = MAX_SHRINK_RUNS) -> tuple[Workload, str]:
-    """The smallest workload found that still differs, and its difference."""
+    """The smallest workload found that still differs, and its difference. A candidate
+    is served only as far as the difference found so far (a later one is no smaller)."""
     runs, changed = 0, True
     while changed and runs < max_runs:
         changed = False
         for smaller in _smaller(w):
             if runs >= max_runs:
                 break
-            if not valid(smaller):
-                continue
             runs += 1
-            found = difference(smaller, hooks)
-            if found is not None:
-                w, story, changed = smaller, found, True
+            if isinstance(_library(smaller, found[0] + 1)[1], _Raised):
+                continue  # options that do not combine, or a request the engine refuses
+            again = difference(smaller, hooks, found[0] + 1)
+            if again is not None:
+                w, found, changed = smaller, again, True
                 break
-    return w, story
+    return w, found[1]
 
 
 # ------------------------------------------------------------------ the stage
@@ -353,6 +417,7 @@ def check(hook: str, piece: Any, hint: str, count: int = NUM_WORKLOADS) -> None:
             found = difference(w, hooks)
             if found is not None:
                 small, story = shrink(w, hooks, found)
+                _library.cache_clear()  # the shrink's runs are not asked again
                 grading.fail(f"random workload {w.seed} for your {hook}, shrunk to "
                              f"{small.describe()}: {story}", hint)
     finally:
