@@ -72,3 +72,39 @@ def test_machine_and_decode_step_lines(tiny_model):
     assert all("x the floor" in line for line in lines)
     with pytest.raises(ValueError, match="batch >= 1"):
         floor.time_decode_steps(tiny_model, 0, 9)
+
+
+def test_the_parts_floors_add_up_to_the_steps_arithmetic():
+    slow_math = floor.Machine(bandwidth=1e30, flops=1e9, threads=1)
+    seq_lens, query_lens = [40, 7, 9], [1, 7, 2]
+    parts = floor.part_floors(SMOLLM2, seq_lens, query_lens, slow_math)
+    assert list(parts) == ["linear maps", "LM head", "decode attention", "prefill attention"]
+    whole = floor.step_floor(SMOLLM2, seq_lens, query_lens, slow_math)
+    assert sum(parts.values()) == pytest.approx(whole.seconds, rel=1e-12)
+    slow_memory = floor.Machine(bandwidth=1e9, flops=1e30, threads=1)
+    parts = floor.part_floors(SMOLLM2, seq_lens, query_lens, slow_memory)
+    assert parts["decode attention"] == floor.kv_bytes_per_token(SMOLLM2) * 41 / 1e9
+    norms = (2 * SMOLLM2.num_layers + 1) * SMOLLM2.hidden_size * 4  # read, not a part
+    whole = floor.step_floor(SMOLLM2, seq_lens, query_lens, slow_memory)
+    assert sum(parts.values()) == pytest.approx(whole.seconds - norms / 1e9, rel=1e-12)
+
+
+def test_engine_parts_prints_each_part_beside_its_floor():
+    from paged_lib.bench import engine_parts
+
+    res = {"tokens": 10, "steps": 4, "threads": 1, "backend": "cpu", "wall": 2.0, "cpu": 1.5,
+           "machine": floor.Machine(20e9, 100e9, 1), "floor": 0.5,
+           "part_floors": {"linear maps": 0.25, "LM head": 0.125, "decode attention": 0.0625,
+                           "prefill attention": 0.5},
+           "parts": {("model forward",): (1.5, 1.2, 4),
+                     ("model forward", "linear maps"): (1.0, 1.0, 40),
+                     ("model forward", "decode attention"): (0.2, 0.125, 8),
+                     ("LM head",): (0.3, 0.25, 4), ("LM head", "linear maps"): (0.3, 0.25, 4)}}
+    lines = engine_parts.format_parts(res).splitlines()
+    assert lines[0].endswith("the run's steps at best 0.50 s: wall 4.00x, process CPU per "
+                             "thread 3.00x")
+    assert lines[2].endswith("CPU   1.00 s (4.00x its floor 0.25 s), 40 calls")
+    assert lines[3].endswith("CPU   0.12 s (2.00x its floor 0.06 s), 8 calls")
+    head = next(line for line in lines if line.startswith("  LM head"))
+    assert head.endswith("(2.00x its floor 0.12 s), 4 calls")
+    assert lines[-2].endswith(", 4 calls") and "floor" not in lines[-2]  # the head's map

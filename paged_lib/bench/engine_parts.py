@@ -25,6 +25,7 @@ from torch import nn
 
 from paged_lib import model as model_module
 from paged_lib.bench.engine_chat import chat_trace, run_engine
+from paged_lib.bench.floor import measure_machine
 from paged_lib.engine.llm import load_model
 from paged_lib.models import smollm2
 
@@ -106,34 +107,55 @@ def rows(parts: dict) -> list[tuple[tuple[str, ...], float, float, int]]:
 def run(threads: int = 1, num_requests: int = 32, max_tokens: int = 160,
         num_blocks: int = 96, block_size: int = 16, backend: str = "auto") -> dict:
     torch.set_num_threads(threads)
+    machine = measure_machine()  # the floor: this machine's bandwidth and FLOP/s now
     model, tokenizer = load_model(smollm2.NAME)
     questions, lens = chat_trace(num_requests, max_tokens)
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}])
                for q in questions]
     run_engine(model, [prompts[0][:8]], [2], num_blocks, block_size, backend, False, 2048)
     acc: dict = defaultdict(lambda: [0.0, 0.0, 0])
+    recorders: list = []
     with timed_parts(acc):
         wall, cpu = time.perf_counter(), time.process_time()
         tokens, engine = run_engine(model, prompts, lens, num_blocks, block_size, backend,
-                                    False, 2048)
+                                    False, 2048, recorders)
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     return {"threads": threads, "backend": engine.attention_backend, "wall": wall,
             "cpu": cpu, "tokens": sum(map(len, tokens)), "steps": engine.stats.steps,
-            "parts": {path: tuple(row) for path, row in acc.items()}}
+            "parts": {path: tuple(row) for path, row in acc.items()}, "machine": machine,
+            "floor": recorders[-1].floor(model.config, machine).seconds,
+            "part_floors": recorders[-1].part_floors(model.config, machine)}
 
 
 def format_parts(res: dict) -> str:
     """The run's line, then every part indented under the part it ran inside, each
     parent's untimed ``rest`` after its children."""
+    floors = floor_lines(res)
     lines = [f"paged engine, {res['tokens']} tokens in {res['steps']} steps, torch threads "
              f"{res['threads']}, attention backend '{res['backend']}': wall {res['wall']:.2f}"
-             f" s, process CPU {res['cpu']:.2f} s"]
+             f" s, process CPU {res['cpu']:.2f} s" + floors.get((), "")]
     for path, wall, cpu, calls in rows(res["parts"]):
         name = "  " * len(path) + (path[-1] if path[-1] != "rest" else "rest (untimed)")
         count = f", {calls} calls" if calls else ""
         lines.append(f"{name:<29} wall {wall:6.2f} s ({100 * wall / res['wall']:4.1f}%), "
-                     f"calling thread's CPU {cpu:6.2f} s{count}")
+                     f"calling thread's CPU {cpu:6.2f} s{floors.get(path, '')}{count}")
     return "\n".join(lines)
+
+
+def floor_lines(res: dict) -> dict:
+    """Each part's floor (:mod:`paged_lib.bench.floor`) beside its calling thread's CPU
+    time (a wall clock on shared cores counts other processes' turns), by path; and the
+    whole run's under ``()``."""
+    floors = res.get("part_floors", {})
+    out = {(): f"; floor: {res['machine'].describe()}, the run's steps at best "
+               f"{res['floor']:.2f} s: wall {res['wall'] / res['floor']:.2f}x, process CPU "
+               f"per thread {res['cpu'] / res['threads'] / res['floor']:.2f}x"} \
+        if "floor" in res else {}
+    for path, (_, cpu, _) in res["parts"].items():
+        part = "LM head" if path == ("LM head",) else path[-1]
+        if part in floors and (part != "linear maps" or path[0] == "model forward"):
+            out[path] = f" ({cpu / floors[part]:.2f}x its floor {floors[part]:.2f} s)"
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:
