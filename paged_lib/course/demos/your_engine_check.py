@@ -8,9 +8,9 @@
   workload on an engine of all of them, compared with the library engine (tokens and
   schedule) and with transformers (tokens);
 * :func:`capture_decode` and :func:`kernel_on_one_layer`: the learner's Triton decode
-  kernel, which Triton's interpreter runs as Python on a CPU (a few milliseconds per
-  program and block: far too slow for 30 layers over every step), on one real decode
-  call of the real model, beside the library's attention.
+  kernel, which Triton's interpreter runs as Python on a CPU (the chapter measures one
+  call interpreted and compiled), on one real decode call of the real model, beside the
+  library's attention; :func:`kernel_story` says ✅ or ❌ with a hint.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -162,17 +162,66 @@ def capture_decode(model: TinyLlama, seen: dict | None, layer: int = 0) -> Itera
         model_module.paged_attention = library
 
 
-def kernel_on_one_layer(kernel: Any | None, call: dict) -> tuple[float, float]:
-    """(largest difference from the library's attention, seconds) of ``kernel`` (None: the
-    library's own Triton decode kernel) on a captured call."""
+class KernelRun(NamedTuple):
+    error: float            # largest difference from the library's attention (inf: raised)
+    seconds: float          # the kernel in Triton's interpreter
+    library_seconds: float  # the attention the engine serves with (auto), same call
+    problem: str | None     # what it raised, or that it read outside the sequence
+
+
+def kernel_on_one_layer(kernel: Any | None, call: dict) -> KernelRun:
+    """``kernel`` (None: the library's own Triton decode kernel) on a captured call,
+    beside the attention the engine serves with (``attention_backend="auto"``: the C
+    decode kernel on a CPU, Triton's compiled kernels on a GPU) on the same call."""
     from paged_lib.kernels import paged_attention
 
     args = [call[k] for k in ("q", "k_cache", "v_cache", "block_tables", "seq_lens")]
-    start = time.perf_counter()
-    out = paged_attention(*args, backend="triton") if kernel is None else \
-        your_engine.run_kernel(kernel, *args)
-    seconds = time.perf_counter() - start
-    return (out - call["out"]).abs().max().item(), seconds
+    from paged_lib.kernels.backends import resolve_backend
+
+    served = resolve_backend("auto", args[0].device)  # what the chat workload ran
+    library_seconds = _best_of(3, lambda: paged_attention(*args, backend=served))
+    problem = None
+    try:
+        out = paged_attention(*args, backend="triton") if kernel is None else \
+            your_engine.run_kernel(kernel, *args)
+        start = time.perf_counter()  # a second time, warm: what each further call costs
+        out = paged_attention(*args, backend="triton") if kernel is None else \
+            your_engine.run_kernel(kernel, *args)
+        seconds = time.perf_counter() - start
+        error = (out - call["out"]).abs().max().item()
+        if out.isnan().any():
+            error, problem = float("inf"), f"'s {your_engine.NAN_READ}"
+    except Exception as err:  # noqa: BLE001 - a learner's kernel: a line, no traceback
+        error, problem = float("inf"), f"raised {type(err).__name__}: {str(err).splitlines()[0]}"
+        seconds = float("nan")
+    return KernelRun(error, seconds, library_seconds, problem)
+
+
+def _best_of(times: int, fn: Any) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(times):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def kernel_story(kernel: Any | None, call: dict, run: KernelRun) -> str:
+    """The verdict on :func:`kernel_on_one_layer`'s run, ✅ or ❌ with a hint."""
+    seqs, heads, _ = call["q"].shape
+    who = "your" if kernel is not None else "the library's"
+    what = (f"on SmolLM2's layer 0 ({seqs} sequences of {call['seq_lens'].tolist()} "
+            f"tokens, {heads} query heads in {call['k_cache'].shape[2]} groups), {who} "
+            "Triton decode kernel")
+    if run.error <= 1e-4:
+        return f"✅ {what} agrees with the library's attention (within 1e-4)"
+    why = run.problem or f"is {run.error:.3g} away from the library's attention"
+    sep = "" if why.startswith("'") else " "
+    return (f"❌ {what}{sep}{why}\n   hint: a group's query heads share their KV head's "
+            "blocks: each program walks its sequence's block table to seq_len, masks the "
+            "slots past it and the padded heads of the group, and scales q . k by "
+            "1 / sqrt(head_dim) (05.5's spec)")
 
 
 

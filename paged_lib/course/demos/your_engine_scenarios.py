@@ -208,10 +208,12 @@ def _model(name: str) -> TinyLlama:
     return tied_model() if name == "tied" else load_tiny_code_llama()
 
 
-def serve(scenario: Scenario, pieces: dict[str, Any], kernel: Any = None) -> Served:
-    """``scenario`` on an engine of ``pieces`` (the library's for the rest)."""
+def serve(scenario: Scenario, pieces: dict[str, Any], kernel: Any = None,
+          steps: list[dict] | None = None) -> Served:
+    """``scenario`` on an engine of ``pieces`` (the library's for the rest); ``steps``
+    receives each step's record as it runs (what ran before an exception, too)."""
     opts = dict(scenario.options)
-    steps: list[dict] = []
+    steps = [] if steps is None else steps
     engine = your_engine.build(_model(scenario.model), opts.pop("num_blocks"),
                                opts.pop("block_size"), pieces, attention_backend="torch",
                                on_step=lambda out, stats: record(out, stats, steps), **opts)
@@ -284,26 +286,96 @@ def difference(want: Served, got: Served, numeric: bool = False) -> str | None:
     return None
 
 
+class PieceDiffers(ValueError):
+    """A piece answered one call otherwise than the library's twin (told in its words)."""
+
+
+def _compared_cache_hit(fn: Any) -> Any:
+    """10.2 beside the library's on every call: a difference is told in 10.2's words,
+    before 10.4's allocation (which takes the hit) can fail on it in its own."""
+    from paged_lib.engine.prefix_cache import longest_cache_hit
+
+    def hit(hashes, lookup, num_tokens, block_size):
+        got = fn(list(hashes), lookup, num_tokens, block_size)
+        want = longest_cache_hit(list(hashes), lookup, num_tokens, block_size)
+        if list(got) != list(want):
+            cached = next((i for i, h in enumerate(hashes) if lookup(h) is None), len(hashes))
+            raise PieceDiffers(
+                f"longest_cache_hit (10.2) for a text of {num_tokens} tokens (blocks of "
+                f"{block_size}) whose first {cached} blocks are cached returned blocks "
+                f"{list(got)}, the library's {list(want)}: the leading cached blocks, at "
+                f"most (num_tokens - 1) // block_size = {max(num_tokens - 1, 0) // block_size}"
+                " of them (the last token is computed again for its logits)")
+        return got
+    return hit
+
+
+#: what the model says when it read NaN (a block nobody wrote) and then sampled from it
+_NAN_SAMPLED = "probability tensor contains either `inf`, `nan` or element < 0"
+_COPIED = ("the library copied blocks (source, destination) {want} for copy-on-write, yours "
+           "{got}: a sequence wrote into a new block without the shared block's tokens "
+           "copied into it (Slot's copy), so the model read a block nobody wrote")
+
+
+def _story(scenario: Scenario, key: str, got: Served, err: Exception | None) -> str | None:
+    """The first difference of a run (cut short by ``err``, if any) from the library's."""
+    want = library(key)
+    for i, (w, g) in enumerate(zip(want.steps, got.steps, strict=False)):
+        if w != g:  # the first step that differs: in its copies only, a missed copy
+            if w["copied"] != g["copied"] and w["ran"] == g["ran"]:
+                return f"at engine step {i}, " + _COPIED.format(want=w["copied"],
+                                                                 got=g["copied"])
+            break
+    if err is None:
+        return difference(want, got, scenario.numeric)
+    partial = Served([], got.steps[:len(want.steps)])
+    what = difference(Served([], want.steps[:len(partial.steps)]), partial)
+    text = str(err).split("\n")[0]
+    at = len(got.steps)  # the step that raised (not recorded)
+    if _NAN_SAMPLED in text and what is None and at < len(want.steps) \
+            and want.steps[at]["copied"]:
+        return (f"at engine step {at}, the model read NaN (its logits were NaN) where the "
+                f"library copies blocks (source, destination) {want.steps[at]['copied']} "
+                "for copy-on-write: a sequence wrote into a new block without the shared "
+                "block's tokens copied into it (Slot's copy), then read that block")
+    if _NAN_SAMPLED in text:
+        text = "the model's logits were NaN: it read K/V from a slot nobody wrote"
+    elif not isinstance(err, PieceDiffers):
+        text = f"raised {type(err).__name__}: {text[:300]}"
+    return f"{what}; then {text}" if what is not None else text
+
+
 def check_piece(ex_id: str, obj: Any) -> str | None:
     """None if ``obj`` (exercise ``ex_id``'s saved piece) serves each of its scenarios as
-    the library does; else what went wrong, in one line."""
+    the library does; else what went wrong, in one line. Remembered per piece object
+    (:func:`verdict_of`)."""
     name = mine.PIECES[ex_id].name
     if name not in PIECE_SCENARIOS:
         return f"no scenario checks {name} yet (paged_lib.course.demos.your_engine_scenarios)"
     kernel = obj if name == "paged_decode_kernel" else None
-    pieces = {} if kernel is not None else {ex_id: obj}
+    pieces = {} if kernel is not None else {
+        ex_id: _compared_cache_hit(obj) if ex_id == "10.2" else obj}
+    verdict = None
     for key in PIECE_SCENARIOS[name]:
-        scenario = SCENARIOS[key]
+        scenario, steps = SCENARIOS[key], []
         try:
-            got = serve(scenario, pieces, kernel)
-        except your_engine.AttentionDiffers as err:
-            return f"on {scenario.story}: {err}"
-        except Exception as err:  # a learner's bug: named in a line, not a traceback
-            text = str(err).split("\n")[0]
-            return f"on {scenario.story}: raised {type(err).__name__}: {text[:300]}"
-        if (what := difference(library(key), got, scenario.numeric)) is not None:
-            return f"on {scenario.story}: {what[:400]}"
-    return None
+            got, err = serve(scenario, pieces, kernel, steps), None
+        except your_engine.AttentionDiffers as caught:
+            verdict = f"on {scenario.story}: {caught}"
+            break
+        except Exception as caught:  # noqa: BLE001 - a learner's bug: a line, no traceback
+            got, err = Served([], steps), caught
+        if (what := _story(scenario, key, got, err)) is not None:
+            verdict = f"on {scenario.story}: {what[:400]}"
+            break
+    your_engine.VERDICTS[ex_id, id(obj)] = (obj, verdict)
+    return verdict
+
+
+def verdict_of(ex_id: str, obj: Any) -> str | None:
+    """:func:`check_piece`'s verdict on ``obj``, checked now if it was not yet."""
+    known = your_engine.VERDICTS.get((ex_id, id(obj)))
+    return known[1] if known is not None and known[0] is obj else check_piece(ex_id, obj)
 
 
 def check_pieces(pieces: dict[str, Any]) -> list[tuple[str, str | None]]:
