@@ -260,3 +260,45 @@ def test_a_step_that_only_preempts_is_not_an_error_and_the_victims_run_next():
         alone = LLMEngine(model, 64, 4, attention_backend="torch").generate(prompts, params)
         assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in alone]
         assert engine.block_manager.num_free_blocks == 16, mode
+
+
+def test_priority_scheduling_order_and_preemption():
+    """test_scheduler.py::test_priority_scheduling_basic_ordering and
+    ::test_priority_scheduling_preemption: with ``policy="priority"`` waiting requests
+    are admitted lowest value first (ties: first come), and the victim of a full pool is
+    the request of lowest priority, where FCFS takes the latest admitted."""
+    for policy, admitted, victim in (("fcfs", [0, 1], 1), ("priority", [1, 0], 0)):
+        bm, sched, runner = parts(2, caching=False, policy=policy)
+        low, high = group(0, [1, 2, 3, 4], max_tokens=4), group(1, [5, 6, 7, 8], max_tokens=4)
+        low.priority, high.priority = 5, 0
+        sched.add(low)
+        sched.add(high)
+        out = step(sched, runner)
+        assert [g.request_id for g in out.admitted] == admitted, policy
+        out = step(sched, runner)  # each needs a second block; the pool has none
+        assert [g.request_id for g in out.preempted] == [victim], policy
+    bm, sched, runner = parts(64, caching=False, policy="priority", max_num_seqs=2)
+    groups = [group(i, [i + 1] * 5) for i in range(5)]
+    for g, p in zip(groups, [3, 1, 3, 0, 1], strict=True):
+        g.priority = p
+        sched.add(g)
+    out = step(sched, runner)
+    assert [g.request_id for g in out.admitted] == [3, 1]  # 0 first, then 1 (first come)
+    assert [g.request_id for g in sched.waiting] == [4, 0, 2]
+
+
+def test_priority_needs_the_priority_policy_and_orders_the_engines_requests(tiny_model):
+    """vLLM's processor: "Got priority 1 but Priority scheduling is not enabled."; with
+    ``scheduling_policy="priority"`` one sequence at a time serves the requests in order
+    of priority."""
+    from paged_lib.engine import LLMEngine
+    from paged_lib.engine import SamplingParams as P
+
+    prompts, params = [[1, 2, 3], [4, 5], [6, 7, 8, 9]], P(max_tokens=3, ignore_eos=True)
+    with pytest.raises(ValueError, match="request 1: Got priority 1 but Priority scheduling "
+                                         "is not enabled."):
+        LLMEngine(tiny_model, 32, 4).generate(prompts, params, priority=[0, 1, 0])
+    engine = LLMEngine(tiny_model, 32, 4, max_num_seqs=1, scheduling_policy="priority")
+    engine.generate(prompts, params, priority=[2, 0, 1])
+    finished = [r.finished_step for r in engine.stats.requests]
+    assert finished[1] < finished[2] < finished[0]

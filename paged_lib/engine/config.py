@@ -33,6 +33,7 @@ PREEMPTION_MODES = ("recompute", "swap")
 _AT_LEAST_ONE = ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens",
                  "tensor_parallel_size", "max_model_len", "threads")
 SCHEDULING_MODES = ("mixed", "prefill_first")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 def default_threads() -> int:
@@ -69,6 +70,8 @@ class EngineConfig:
     watermark: float = _opt(0.01, "fraction of the pool admission keeps free")
     scheduling: str = _opt("mixed", "prefills batched with decodes (Orca) or apart "
                            "(vLLM v0)", SCHEDULING_MODES)
+    scheduling_policy: str = _opt("fcfs", "waiting requests first come first served, or by "
+                                  "priority (lower first), as vLLM v1", SCHEDULING_POLICIES)
     enable_prefix_caching: bool = _opt(False, "keep freed full blocks for reuse (chapter 10)")
     enable_chunked_prefill: bool = _opt(False, "long prompts in chunks beside the decodes")
     kv_cache_dtype: str = _opt("auto", "K/V storage (chapter 11)", KV_CACHE_DTYPES)
@@ -146,6 +149,15 @@ class EngineConfig:
             raise ValueError(f"give the engine's options in config or as keywords, not both "
                              f"(got config and {', '.join(given)})")
         return config
+
+    def check_priority(self, request_id, priority) -> None:
+        """A request's ``priority``: an int, and 0 unless ``scheduling_policy="priority"``
+        (vLLM's message)."""
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"request {request_id}: priority must be an int, got {priority!r}")
+        if priority != 0 and self.scheduling_policy != "priority":
+            raise ValueError(f"request {request_id}: Got priority {priority} but Priority "
+                             "scheduling is not enabled.")
 
     def replace(self, **changes) -> EngineConfig:
         """A copy with ``changes`` (checked again)."""

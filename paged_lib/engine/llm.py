@@ -150,7 +150,8 @@ class LLM:
         return self.engine.reset_prefix_cache()
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams]
-                 | None = None, *, use_tqdm: bool | Callable = True) -> list[RequestOutput]:
+                 | None = None, *, use_tqdm: bool | Callable = True,
+                 priority: list[int] | None = None) -> list[RequestOutput]:
         """Complete each prompt; one :class:`RequestOutput` per prompt, in order, with every
         ``outputs[i].text`` filled in (and ``prompt``, for a prompt given as text).
 
@@ -159,10 +160,11 @@ class LLM:
         dicts); ``sampling_params`` one :class:`SamplingParams` for all, or one per prompt
         (default: ``SamplingParams()``, vLLM's: temperature 1.0, 16 tokens). Bad input
         raises ``ValueError`` before anything runs. ``use_tqdm``: vLLM's progress bar
-        (:mod:`~paged_lib.engine.progress`; drawn on a terminal only).
+        (:mod:`~paged_lib.engine.progress`; drawn on a terminal only). ``priority``: one per
+        prompt (lower first), with ``scheduling_policy="priority"``, as vLLM's.
         """
         texts, ids = self._prompts(prompts)
-        return self._run(texts, ids, sampling_params, use_tqdm)
+        return self._run(texts, ids, sampling_params, use_tqdm, priority)
 
     def beam_search(self, prompts, params: BeamSearchParams, *, use_tqdm: bool = False
                     ) -> list[BeamSearchOutput]:
@@ -242,15 +244,18 @@ class LLM:
         return texts, ids
 
     def _run(self, texts: list[str | None], ids: list[list[int]], sampling_params,
-             use_tqdm: bool | Callable = False) -> list[RequestOutput]:
+             use_tqdm: bool | Callable = False, priority: list[int] | None = None
+             ) -> list[RequestOutput]:
         """Generate from ``ids`` (the engine decodes the completions); fill in the prompts'
         texts."""
         if sampling_params is None:
             sampling_params = SamplingParams()  # vLLM's defaults
         bar = progress(len(ids), use_tqdm)
+        options = {} if bar is None else {"on_finish": bar.finished}
+        if priority is not None:
+            options["priority"] = priority
         try:
-            outputs = (self.engine.generate(ids, sampling_params) if bar is None else
-                       self.engine.generate(ids, sampling_params, on_finish=bar.finished))
+            outputs = self.engine.generate(ids, sampling_params, **options)
         finally:
             if bar is not None:
                 bar.close()

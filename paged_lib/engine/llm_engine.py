@@ -104,7 +104,8 @@ class LLMEngine:
                  tensor_parallel_size: int = 1, sliding_window: int | None = None,
                  num_sink_tokens: int = 0, max_model_len: int | None = None,
                  reservation: str = "paged", max_logprobs: int = MAX_LOGPROBS,
-                 threads: int | None = None, config: EngineConfig | None = None,
+                 threads: int | None = None, scheduling_policy: str = "fcfs",
+                 config: EngineConfig | None = None,
                  hooks: EngineHooks | None = None, on_step: Callable | None = None,
                  tokenizer=None):
         options = {k: v for k, v in locals().items() if k in ENGINE_FIELDS}
@@ -226,17 +227,19 @@ class LLMEngine:
                    f" blocks for it but the whole pool has {self.num_blocks}: it can never run")
         return why
 
-    def add_request(self, request_id: int, prompt: list[int],
-                    params: SamplingParams) -> SequenceGroup:
+    def add_request(self, request_id: int, prompt: list[int], params: SamplingParams,
+                    priority: int = 0) -> SequenceGroup:
         """Queue a request (checked: malformed input raises ``ValueError``); one that can
-        never fit in the pool is returned already failed (``error`` set), and not queued."""
+        never fit in the pool is returned already failed (``error`` set), and not queued.
+        ``priority`` (lower first) needs ``scheduling_policy="priority"``, as in vLLM."""
         prompt, params = self._check_request(request_id, prompt, params)
+        self.config.check_priority(request_id, priority)
         seq = Sequence(self._next_seq_id, prompt)
         self._next_seq_id += 1
         gen = torch.Generator()
         gen.manual_seed(params.seed if params.seed is not None
                         else int(torch.randint(0, 2**62, (1,))))
-        group = SequenceGroup(request_id, [seq], params, generator=gen)
+        group = SequenceGroup(request_id, [seq], params, generator=gen, priority=priority)
         group.error = self._never_fits(prompt, params)
         if group.error is None:
             self.scheduler.add(group)
@@ -324,13 +327,14 @@ class LLMEngine:
     def generate(self, prompts: list[list[int]],
                  params: SamplingParams | list[SamplingParams],
                  arrival_steps: list[int] | None = None, *,
-                 on_finish: Callable[[SequenceGroup], None] | None = None
-                 ) -> list[RequestOutput]:
+                 on_finish: Callable[[SequenceGroup], None] | None = None,
+                 priority: list[int] | None = None) -> list[RequestOutput]:
         """Serve every prompt to the end; one :class:`RequestOutput` per prompt, in order.
 
         Request ``i`` joins the waiting queue at step ``arrival_steps[i]`` (default: all at
         step 0); a step with nothing to run is recorded as ``"idle"``. ``on_finish(group)``
-        (if given) hears of each request as it ends (``LLM``'s progress bar).
+        (if given) hears of each request as it ends (``LLM``'s progress bar); ``priority``
+        gives each request's (with ``scheduling_policy="priority"``).
 
         Two kinds of bad request, two answers. *Malformed* input (wrong types or values:
         an empty prompt, a token outside the vocabulary, ``max_tokens < 1``, ...) raises
@@ -345,11 +349,15 @@ class LLMEngine:
         params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
+        priority = [0] * len(prompts) if priority is None else list(priority)
+        if len(priority) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(priority)} priorities")
         arrivals = [0] * len(prompts) if arrival_steps is None else list(arrival_steps)
         if len(arrivals) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(arrivals)} arrival steps")
         for i, (prompt, p, t) in enumerate(zip(prompts, params, arrivals, strict=True)):
             prompts[i], params[i] = self._check_request(i, prompt, p)
+            self.config.check_priority(i, priority[i])
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 raise ValueError(f"request {i}: arrival step must be an int >= 0, got {t!r}")
         self.stats = EngineStats(num_blocks=self.num_blocks, block_size=self.block_size)
@@ -363,7 +371,7 @@ class LLMEngine:
         while nxt < len(order) or self.scheduler.has_unfinished():
             while nxt < len(order) and arrivals[order[nxt]] <= self.scheduler.step:
                 i = order[nxt]
-                groups[i] = self.add_request(i, prompts[i], params[i])
+                groups[i] = self.add_request(i, prompts[i], params[i], priority[i])
                 groups[i].timeline.arrival_step = arrivals[i]
                 nxt += 1
                 if groups[i].error is not None and on_finish is not None:

@@ -62,6 +62,7 @@ longer than the budget left is prefilled in chunks (:mod:`~paged_lib.engine.pref
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 
 from paged_lib.engine.beam_search import update_beams
@@ -84,6 +85,16 @@ __all__ = ["Budget", "ScheduledSeq", "Scheduler", "SchedulerOutput", "can_admit"
 
 PREEMPTION_MODES = ("recompute", "swap")
 SCHEDULING_MODES = ("mixed", "prefill_first")
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
+def priority_victim(running: list[SequenceGroup]) -> SequenceGroup:
+    """vLLM v1's victim under ``scheduling_policy="priority"``: the group of lowest
+    priority (largest value), the latest arrival of those, the latest admitted of ties.
+    It chooses among the groups :func:`~paged_lib.engine.policy.choose_victim` is offered
+    (the group short of blocks and those admitted after it), where vLLM looks at every
+    running request: here a group that already ran this step keeps its blocks."""
+    return max(reversed(running), key=lambda g: (g.priority, g.timeline.arrival_step))
 
 
 class Scheduler:
@@ -92,12 +103,15 @@ class Scheduler:
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 4096, watermark_blocks: int = 0,
                  preemption: str = "recompute", scheduling: str = "mixed",
-                 enable_chunked_prefill: bool = False, hooks: EngineHooks | None = None):
+                 enable_chunked_prefill: bool = False, hooks: EngineHooks | None = None,
+                 policy: str = "fcfs"):
         if enable_chunked_prefill and scheduling != "mixed":
             raise ValueError("enable_chunked_prefill batches chunks with decodes: it needs "
                              f"scheduling='mixed', got {scheduling!r}")
         if preemption not in PREEMPTION_MODES:
             raise ValueError(f"preemption must be one of {PREEMPTION_MODES}, got {preemption!r}")
+        if policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"policy must be one of {SCHEDULING_POLICIES}, got {policy!r}")
         if scheduling not in SCHEDULING_MODES:
             raise ValueError(f"scheduling must be one of {SCHEDULING_MODES}, got {scheduling!r}")
         if preemption == "swap" and block_manager.cpu is None:
@@ -116,8 +130,15 @@ class Scheduler:
         self.watermark_blocks = watermark_blocks
         self.preemption = preemption
         self.scheduling = scheduling
+        #: ``"fcfs"``, or ``"priority"`` (vLLM v1's): waiting groups in order of
+        #: ``(priority, arrival)`` and, with the default ``choose_victim``, the victim the
+        #: one of lowest priority (the largest value; of those, the latest admitted)
+        self.policy = policy
+        hooks = hooks if hooks is not None else EngineHooks()
+        if policy == "priority" and hooks.choose_victim is choose_victim:
+            hooks = dataclasses.replace(hooks, choose_victim=priority_victim)
         #: schedule_waiting, preempt_until_fits, can_admit, ... are asked here (EngineHooks)
-        self.hooks = hooks if hooks is not None else EngineHooks()
+        self.hooks = hooks
         self.enable_chunked_prefill = enable_chunked_prefill
         self.waiting: deque[SequenceGroup] = deque()
         self.running: list[SequenceGroup] = []
@@ -134,7 +155,7 @@ class Scheduler:
         return cls(block_manager, max_num_seqs=config.max_num_seqs,
                    max_num_batched_tokens=config.max_num_batched_tokens,
                    watermark_blocks=watermark_blocks, preemption=config.preemption,
-                   scheduling=config.scheduling,
+                   scheduling=config.scheduling, policy=config.scheduling_policy,
                    enable_chunked_prefill=config.enable_chunked_prefill, hooks=hooks)
 
     def idle_step(self) -> None:
@@ -158,6 +179,9 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Decide this step (see the module docstring); changes queues and block tables."""
         out = SchedulerOutput(step=self.step)
+        if self.policy == "priority":  # (stable: a preempted group keeps its place)
+            self.waiting = deque(sorted(self.waiting, key=lambda g: (
+                g.priority, g.timeline.arrival_step)))
         if self.scheduling == "prefill_first":
             self._schedule_running(out, decoding=False)  # shared recomputes: prefills
             self._schedule_waiting(out)

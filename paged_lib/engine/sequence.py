@@ -138,6 +138,8 @@ class SequenceGroup:
     # the first live sequence's table; next step the others fork it and every sequence
     # recomputes its own generated tail (see the scheduler's module docstring)
     awaiting_tails: bool = False
+    #: vLLM's request priority (``scheduling_policy="priority"``: lower runs first)
+    priority: int = 0
 
     @property
     def prompt_token_ids(self) -> list[int]:

@@ -5,8 +5,8 @@ MODEL is a model folder (the shipped one: ``paged_lib/data/tiny-code-llama``, or
 from :class:`~paged_lib.engine.config.EngineConfig`'s fields, with vLLM's names
 (``--num-blocks``, ``--block-size``, ``--max-num-seqs``, ``--threads``, ...; ``--help``
 lists them); those left out keep :class:`~paged_lib.engine.llm.LLM`'s defaults, and
-``--threads`` the cores this process may use. ``--mine`` serves chapter 13's engine of
-the learner's own pieces (:class:`~paged_lib.course.demos.your_engine.YourLLM`). Then talk
+``--threads`` the cores this process may use. ``--llm-class`` serves a subclass of ``LLM``
+instead, such as chapter 13's engine of the learner's own pieces (:data:`MINE`). Then talk
 to it with OpenAI's client::
 
     from openai import OpenAI
@@ -17,10 +17,15 @@ to it with OpenAI's client::
 from __future__ import annotations
 
 import argparse
+import importlib
 from pathlib import Path
 
 from paged_lib.data import TINY_CODE_LLAMA_DIR
 from paged_lib.engine.config import EngineConfig, default_threads
+
+#: ``--llm-class`` for chapter 13's engine of the learner's own pieces (those saved in
+#: ``mine/``, the library's for the rest)
+MINE = "paged_lib.course.demos.your_engine:YourLLM"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -32,9 +37,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--device", help="cpu or cuda (default: cuda when there is one)")
-    p.add_argument("--mine", action="store_true",
-                   help="serve an engine of your own pieces (chapter 13's YourLLM: those "
-                   "saved in mine/, the library's for the rest)")
+    p.add_argument("--llm-class", metavar="MODULE:CLASS",
+                   help="serve this subclass of LLM instead, built with the same flags "
+                   f"(your own engine, chapter 13: {MINE})")
     p.add_argument("--log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug"))
     EngineConfig.add_cli_args(p)  # one flag per EngineConfig field, as vLLM's EngineArgs
@@ -48,19 +53,24 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def build_llm(args: argparse.Namespace):
-    """The ``LLM`` the flags ask for: the library's, or with ``--mine`` chapter 13's
-    ``YourLLM`` (the learner's pieces in the same engine)."""
+    """The ``LLM`` the flags ask for: the library's, or ``--llm-class``'s (a subclass,
+    given the engine's options as keywords, as chapter 13's ``YourLLM`` takes them). The
+    server names the class by its path, never imports the course itself: the system runs
+    without it."""
     from paged_lib.engine.llm import LLM
 
     model = args.model
     if model == TINY_CODE_LLAMA_DIR.name and not Path(model).exists():
         model = TINY_CODE_LLAMA_DIR
     config = engine_config(args)
-    if not args.mine:
+    if not args.llm_class:
         return LLM(model, device=args.device, config=config)
-    from paged_lib.course.demos.your_engine import YourLLM
-
-    return YourLLM(model, device=args.device, **config.engine_options())
+    module, _, name = args.llm_class.partition(":")
+    cls = getattr(importlib.import_module(module), name, None) if name else None
+    if not (isinstance(cls, type) and issubclass(cls, LLM)):
+        raise SystemExit(f"--llm-class {args.llm_class}: not MODULE:CLASS naming a subclass "
+                         f"of paged_lib.LLM (chapter 13's is {MINE})")
+    return cls(model, device=args.device, **config.engine_options())
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -106,7 +106,7 @@ class OpenAIServing:
                           chat=kind == "chat.completion", logprobs=params.logprobs is not None,
                           top_k=params.logprobs or 0)
         try:
-            stream = await self.engine.add_request(ids, params)
+            stream = await self.engine.add_request(ids, params, req.priority)
         except RequestError as e:
             raise ServeError(400, str(e)) from None
         except EngineError as e:

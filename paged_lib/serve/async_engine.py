@@ -68,6 +68,7 @@ class RequestStream:
     prompt_token_ids: list[int]
     params: SamplingParams
     loop: asyncio.AbstractEventLoop
+    priority: int = 0
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     arrival: float = field(default_factory=time.monotonic)
     # the engine thread's bookkeeping
@@ -128,12 +129,12 @@ class AsyncEngine:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
-    async def add_request(self, prompt_token_ids: list[int],
-                          params: SamplingParams) -> RequestStream:
+    async def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                          priority: int = 0) -> RequestStream:
         """Queue a request for the next turn of the loop; returns once the engine took it
         (raises :class:`RequestError` if it refused it)."""
         stream = RequestStream(next(self._ids), prompt_token_ids, params,
-                               asyncio.get_running_loop())
+                               asyncio.get_running_loop(), priority)
         with self._cond:
             self._new.append(stream)
             self._cond.notify()
@@ -183,7 +184,7 @@ class AsyncEngine:
     def _admit(self, stream: RequestStream) -> None:
         try:
             group = self.engine.add_request(stream.request_id, stream.prompt_token_ids,
-                                            stream.params)
+                                            stream.params, stream.priority)
         except ValueError as e:
             stream.put(RequestError(str(e)))
             return

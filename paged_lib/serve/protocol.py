@@ -7,7 +7,8 @@ answer. The sampling fields are OpenAI's (``temperature``, ``top_p``, ``n``, ``s
 ``stop``, ``max_tokens``, ``presence_penalty``, ``frequency_penalty``, ``logit_bias``,
 ``logprobs``/``top_logprobs``) plus vLLM's extra ones that the engine has (``top_k``,
 ``min_p``, ``repetition_penalty``, ``min_tokens``, ``stop_token_ids``,
-``include_stop_str_in_output``, ``ignore_eos``, ``bad_words``, ``allowed_token_ids``), and
+``include_stop_str_in_output``, ``ignore_eos``, ``bad_words``, ``allowed_token_ids``; and
+``priority``, for a server started with ``--scheduling-policy priority``), and
 :meth:`SamplingFields.to_sampling_params` is the one place that maps them to
 :class:`~paged_lib.engine.sampling_params.SamplingParams`, whose own checks (vLLM's words)
 make a bad value a 400. ``null`` means the default, as OpenAI's clients send it.
@@ -77,6 +78,7 @@ class SamplingFields(Lenient):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
+    priority: int = 0
     user: str | None = None
 
     def stop_strings(self) -> list[str]:
