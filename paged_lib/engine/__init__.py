@@ -43,11 +43,14 @@ first ``S`` tokens and its last ``W`` to ``W + block_size - 1``, at positions wi
 cache, as StreamingLLM does; the blocks that leave go back to the pool),
 ``tensor_parallel_size=T`` (chapter 12, ``tensor_parallel.py``: one worker process per
 rank holds its heads' share of every block; the scheduler stays in the driver and sends
-each step's block tables to every rank; ``engine.close()`` stops the workers).
+each step's block tables to every rank; ``engine.close()`` stops the workers). The
+options may also be given as one :class:`~paged_lib.engine.config.EngineConfig`
+(``LLMEngine(model, config=...)``), checked once; the server's flags are made from it.
 """
 
 from paged_lib.engine.beam_search import beam_step
 from paged_lib.engine.block_manager import BlockManager, num_required_blocks, swap_mapping
+from paged_lib.engine.config import EngineConfig
 from paged_lib.engine.hooks import EngineHooks
 from paged_lib.engine.llm import LLM
 from paged_lib.engine.llm_engine import LLMEngine
@@ -73,8 +76,9 @@ from paged_lib.engine.sequence import (
 from paged_lib.engine.static_batching import StaticBatchingEngine
 
 __all__ = ["LLM", "BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence", "BlockManager",
-           "Budget", "CompletionOutput", "EngineHooks", "EngineStats", "LLMEngine", "Logprob",
-           "ModelInput", "ModelRunner", "RequestOutput", "RequestTimeline", "SamplingParams",
-           "Scheduler", "SchedulerOutput", "Sequence", "SequenceGroup", "SequenceStatus",
-           "StaticBatchingEngine", "beam_step", "build_metadata", "can_admit", "choose_victim",
-           "model_input", "num_required_blocks", "swap_mapping", "worst_case_blocks"]
+           "Budget", "CompletionOutput", "EngineConfig", "EngineHooks", "EngineStats",
+           "LLMEngine", "Logprob", "ModelInput", "ModelRunner", "RequestOutput",
+           "RequestTimeline", "SamplingParams", "Scheduler", "SchedulerOutput", "Sequence",
+           "SequenceGroup", "SequenceStatus", "StaticBatchingEngine", "beam_step",
+           "build_metadata", "can_admit", "choose_victim", "model_input", "num_required_blocks",
+           "swap_mapping", "worst_case_blocks"]
