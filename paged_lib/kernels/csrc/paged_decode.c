@@ -156,6 +156,27 @@ static inline __attribute__((always_inline)) void values_upto4(
     }
 }
 
+/* e^x, 8 lanes at once, for the softmax's x <= 0: Cephes' expf (x = n ln 2 + r, a degree-6
+ * polynomial in r, then n added to the exponent bits), within about 2 ulp of expf; below
+ * -87.3 (where e^x leaves the normal floats) the result is 0, and a NaN stays a NaN. */
+typedef int32_t vi8 __attribute__((vector_size(32), aligned(4)));
+static inline v8 exp_v8(v8 x) {
+    const v8 lo = {-87.3f, -87.3f, -87.3f, -87.3f, -87.3f, -87.3f, -87.3f, -87.3f};
+    const vi8 under = x < lo;                     /* lanes that underflow: 0 at the end */
+    x = (v8)(((vi8)x & ~under) | ((vi8)lo & under));
+    const v8 magic = x * 0.0f + 12582912.0f;     /* 1.5 * 2^23: adding it rounds to an int */
+    const v8 n = (x * 1.44269504088896341f + magic) - magic;
+    const v8 r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+    v8 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const vi8 bits = (__builtin_convertvector(n, vi8) + 127) << 23;
+    return (v8)((vi8)(p * (v8)bits) & ~under);
+}
+
 /* The two steps with `n` a constant in each case, so the compiler unrolls the head loops
  * and keeps the accumulators in registers. */
 static void scores2_vec(const float *q, const float *k0, const float *k1, int n,
@@ -214,7 +235,8 @@ static void attend_item(int s, int kvh0, int kv_heads, const float *q, const voi
 
     const int vec = head_dim % 8 == 0;
     /* Converted rows (float16/bfloat16 caches) land in buf: one row per token of a block. */
-    float qs[heads * head_dim], m[heads], l[heads], w[block_size * group];
+    float qs[heads * head_dim], m[heads], l[heads], w[block_size * group],
+          shift[block_size * group];
     float buf[kind == KIND_F32 ? 1 : block_size * head_dim];
     const float *rows[block_size];
     for (int i = 0; i < heads * head_dim; ++i) qs[i] = q[first_row + i] * scale;
@@ -265,14 +287,17 @@ static void attend_item(int s, int kvh0, int kv_heads, const float *q, const voi
                     for (int i = 0; i < head_dim; ++i) accj[g * head_dim + i] *= c;
                     mj[g] = m_new;
                 }
-                float sum = 0.0f;
-                for (int t = 0; t < tokens; ++t) {
-                    const float e = expf(w[t * group + g] - m_new);
-                    w[t * group + g] = e;
-                    sum += e;
-                }
-                lj[g] += sum;
+                for (int t = 0; t < tokens; ++t) shift[t * group + g] = m_new;
             }
+            /* The block's weights e^(score - max), 8 at a time, then each head's sum. */
+            const int scored = tokens * group;
+            int i = 0;
+            if (vec)
+                for (; i + 8 <= scored; i += 8)
+                    STORE(w + i, exp_v8(LOAD(w + i) - LOAD(shift + i)));
+            for (; i < scored; ++i) w[i] = expf(w[i] - shift[i]);
+            for (int t = 0; t < tokens; ++t)
+                for (int g = 0; g < group; ++g) lj[g] += w[t * group + g];
             /* Values: each V row is read once for all `group` heads. */
             for (int t = 0; t < tokens; ++t)
                 rows[t] = row_f32(v_cache, base + t * stride_token, kind, head_dim,
