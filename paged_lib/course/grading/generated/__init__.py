@@ -219,3 +219,25 @@ def check(hook: str, piece: Any, hint: str, count: int = NUM_WORKLOADS) -> None:
                              f"{small.describe()}: {story}", hint)
     finally:
         torch.set_num_threads(threads)
+
+
+def states(hook: str, count: int = NUM_WORKLOADS) -> dict[str, int]:
+    """How often the library's runs of ``hook``'s workloads reach the states this stage
+    is for (steps, preemptions, steps with several victims, swaps out and in, copies,
+    prompt tokens from the prefix cache, admissions next to decodes, requests refused)."""
+    seen = dict.fromkeys(("steps", "preempted", "several victims in one step", "swaps out",
+                          "swaps in", "copy-on-write copies", "prefix-cache hit tokens",
+                          "admitted next to decodes", "requests refused"), 0)
+    for w in workloads(hook, count):
+        steps, end = _library(w)
+        for _, ran, admitted, preempted, out, back, copies, hits, _, _ in steps:
+            for key, n in (("steps", 1), ("preempted", len(preempted)),
+                           ("several victims in one step", len(preempted) > 1),
+                           ("swaps out", bool(out)), ("swaps in", bool(back)),
+                           ("copy-on-write copies", len(copies)),
+                           ("prefix-cache hit tokens", hits),
+                           ("admitted next to decodes",
+                            bool(admitted) and any(r not in admitted for r, _, _ in ran))):
+                seen[key] += n
+        seen["requests refused"] += sum(error is not None for error, _ in end)
+    return seen

@@ -1,0 +1,142 @@
+"""The random stage of the engine pieces' graders (paged_lib.course.grading.generated).
+
+Seeded workloads served side by side with the library's pieces and the learner's: the
+library's pieces and other correct answers pass, a wrong piece that every fixed case and
+the replay let through gets ❌ with the shrunk story of the state that exposed it, and
+the workloads reach the states the stage is there for.
+"""
+
+import re
+
+import pytest
+
+import paged_lib  # noqa: F401  # isort: split
+from paged_lib.course import grading
+from paged_lib.course.grading import ch06, ch07, generated
+from paged_lib.course.grading.generated import workload
+from paged_lib.engine import EngineHooks
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def verdict(check, fn, monkeypatch=None):
+    """The grader's verdict on ``fn``; with ``monkeypatch``, without the random stage."""
+    if monkeypatch is not None:
+        monkeypatch.setattr(generated, "check", lambda *args, **kwargs: None)
+    with grading.record_verdicts() as seen:
+        check(fn)
+    if monkeypatch is not None:
+        monkeypatch.undo()
+    return seen[-1]
+
+
+def test_workloads_are_seeded_and_span_the_options():
+    a = [workload.draw(seed, "choose_victim") for seed in range(40)]
+    assert a == [workload.draw(seed, "choose_victim") for seed in range(40)]
+    options = {k: {dict(w.options).get(k) for w in a} for k in workload.DEFAULTS}
+    assert {"swap", None} <= options["preemption"] and True in options["enable_prefix_caching"]
+    assert True in options["enable_chunked_prefill"] and "int8" in options["kv_cache_dtype"]
+    assert "fp16" in options["dtype"] and "prefill_first" in options["scheduling"]
+    params = [dict(r.params) for w in a for r in w.requests]
+    assert {p.get("beam_width") for p in params} >= {2, 3, 4}
+    assert {p.get("n") for p in params} >= {2, 3, 4}
+    assert any(p.get("stop_token_ids") for p in params)
+    assert any(w.requests[i].prompt == w.requests[j].prompt for w in a
+               for i in range(len(w.requests)) for j in range(i)), "a duplicated prompt"
+    assert any(r.arrival > s.arrival for w in a for i, r in enumerate(w.requests)
+               for s in w.requests[i + 1:]), "arrivals out of request order"
+    windows = [workload.draw(seed, "can_admit") for seed in range(60)]
+    assert any(dict(w.options).get("sliding_window") for w in windows)
+
+
+def test_the_workloads_reach_the_states_fixed_cases_rarely_do():
+    seen = generated.states("preempt_until_fits")
+    assert seen["several victims in one step"] > 0 and seen["swaps out"] > 0
+    assert seen["admitted next to decodes"] > 0 and seen["copy-on-write copies"] > 0
+    assert seen["prefix-cache hit tokens"] > 0
+
+
+@pytest.mark.parametrize("hook", ["build_metadata", "num_required_blocks", "can_admit",
+                                  "schedule_waiting", "swap_mapping", "choose_victim",
+                                  "preempt_until_fits", "block_hashes", "longest_cache_hit",
+                                  "allocate_slots", "FreeBlockQueue"])
+def test_the_librarys_own_pieces_serve_the_same(hook):
+    generated.check(hook, getattr(EngineHooks(), hook), "unused", count=3)
+
+
+# ------------------------------------------------------------------ 06.3 can_admit
+
+
+def can_admit_decode_tokens_free(need, seqs, tokens, b):
+    """Counts one token per sequence already in the step as free (as if only prompts
+    used the token budget): right whenever the step holds nothing but what is asked."""
+    return (b.free_blocks - need >= b.watermark_blocks
+            and b.num_seqs + seqs <= b.max_num_seqs
+            and b.num_batched_tokens - b.num_seqs + tokens <= b.max_num_batched_tokens)
+
+
+def can_admit_by_what_is_left(need, seqs, tokens, b):
+    left = {"blocks": b.free_blocks - b.watermark_blocks,
+            "seqs": b.max_num_seqs - b.num_seqs,
+            "tokens": b.max_num_batched_tokens - b.num_batched_tokens}
+    return all(x <= left[k] for k, x in (("blocks", need), ("seqs", seqs), ("tokens", tokens)))
+
+
+def test_06_3_a_wrong_piece_only_random_workloads_catch(monkeypatch):
+    mark, _, _ = verdict(ch06.check_can_admit, can_admit_decode_tokens_free, monkeypatch)
+    assert mark == "✅", "the fixed cases and the replay let it through"
+    mark, ex, story = verdict(ch06.check_can_admit, can_admit_decode_tokens_free)
+    assert (mark, ex) == ("❌", "06.3")
+    print(story)  # the shrunk story, for the record
+    assert story.startswith("random workload ") and "shrunk to " in story
+    assert "at engine step " in story and "admitted: the library's" in story
+    assert "max_num_batched_tokens=" in story
+
+
+def test_06_3_a_correct_piece_of_another_shape_passes():
+    assert verdict(ch06.check_can_admit, can_admit_by_what_is_left)[0] == "✅"
+
+
+# ------------------------------------------------------------------ 07.2 choose_victim
+
+
+def victim_latest_step_then_latest_id(running):
+    """The latest admission step, and among groups admitted in the same step the highest
+    request id: right while ids follow admission, wrong when a request that arrived
+    later (a lower id arriving after a higher one) is admitted in the same step."""
+    return max(running, key=lambda g: (g.timeline.admitted_steps[-1], g.request_id))
+
+
+def victim_by_position(running):
+    return max(running, key=lambda g: next(i for i, x in enumerate(running) if x is g))
+
+
+def test_07_2_a_wrong_piece_only_random_workloads_catch(monkeypatch):
+    mark, _, _ = verdict(ch07.check_choose_victim, victim_latest_step_then_latest_id,
+                         monkeypatch)
+    assert mark == "✅", "the fixed lists, the scenarios and the replay let it through"
+    mark, ex, story = verdict(ch07.check_choose_victim, victim_latest_step_then_latest_id)
+    assert (mark, ex) == ("❌", "07.2")
+    print(story)
+    assert story.startswith("random workload ") and "preempted: the library's" in story
+    arrivals = [int(n) for n in re.findall(r"arriving at step (\d+)", story)]
+    assert arrivals != sorted(arrivals), "the story shows requests arriving out of order"
+
+
+def test_07_2_a_correct_piece_of_another_shape_passes():
+    assert verdict(ch07.check_choose_victim, victim_by_position)[0] == "✅"
+
+
+# ------------------------------------------------------------------ shrinking
+
+
+def test_a_difference_is_shrunk_to_a_smaller_workload():
+    hooks = EngineHooks(choose_victim=victim_latest_step_then_latest_id)
+    w = next(w for w in generated.workloads("choose_victim")
+             if generated.difference(w, hooks) is not None)
+    found = generated.difference(w, hooks)
+    small, story = generated.shrink(w, hooks, found)
+    assert len(small.requests) <= len(w.requests)
+    assert sum(len(r.prompt) for r in small.requests) < sum(len(r.prompt) for r in w.requests)
+    assert generated.difference(small, hooks) is not None, "the small one still differs"
+    assert story.startswith("at engine step ")
