@@ -2,6 +2,7 @@
 
     python -m paged_lib.bench engine --model SmolLM2-135M-Instruct [--requests 32]
         [--num-blocks 96] [--block-size 16] [--max-tokens 160] [--threads 1] [--repeats 1]
+        [--watermark 0.01] [--preemption recompute|swap --cpu-blocks N] [--no-decode-steps]
 
 One chat trace: ``--requests`` questions, each rendered with the model's chat template
 (ChatML, its default system prompt), each with its own ``max_tokens`` (Alpaca-like
@@ -30,6 +31,12 @@ which differ if any do. Wall clock and CPU time of this process, each system run
 explicitly (``--threads``, default 1: steadier than 2 on small CPUs, where other work
 on the cores stalls every matmul's OpenMP threads). The engine's time part by part (linear
 maps, LM head, attention, cache writes): ``python -m paged_lib.bench.engine_parts``.
+
+The floor (:mod:`paged_lib.bench.floor`): the run first measures this machine's memory
+bandwidth and fp32 matmul rate, then prints the engine's time over the trace beside the
+least time its own steps could take (weights and K/V read, FLOPs done), and a decode
+step at batch 1, 8 and 32 beside its floor, with how many tokens preemption made the
+engine compute again (``--watermark``, ``--preemption swap --cpu-blocks N`` to compare).
 """
 
 from __future__ import annotations

@@ -10,6 +10,8 @@ LM head (on each sequence's last token): wall seconds and the CPU seconds of the
 thread, each part indented under the part it ran inside. Run it at
 ``--threads 1`` and ``2`` to see which parts gain from a second thread; on shared cores
 repeat it (wall clocks there are noisy, the calling thread's CPU seconds less so).
+Each part is printed beside its floor (:mod:`paged_lib.bench.floor`, this machine's
+bandwidth and matmul rate measured first): the least time its bytes or FLOPs allow.
 """
 
 from __future__ import annotations
