@@ -246,9 +246,10 @@ def check_case(fn: Callable, c: Case) -> None:
     what = (f"case '{c.name}': attend_tiles(q [{c.q.shape[0]}, {c.q.shape[1]}], table "
             f"{c.table.tolist()}, seq_len={c.seq_len}, tile={c.tile})")
     want = reference(c)
-    log = TileLog(c.k_cache, c.v_cache, c.table, c.seq_len, c.tile, c.q.shape[0])
+    k_cache, v_cache = c.k_cache.clone(), c.v_cache.clone()  # the learner's to change
+    log = TileLog(k_cache, v_cache, c.table, c.seq_len, c.tile, c.q.shape[0])
     try:
-        with watching(log, c.k_cache, c.v_cache) as (k, v):
+        with watching(log, k_cache, v_cache) as (k, v):
             got = fn(c.q.clone(), k, v, c.table.clone(), c.seq_len, c.tile)
     except (CheckFailed, NotImplementedError):
         raise
@@ -297,8 +298,9 @@ def tiles_in_engine(fn: Callable, tile: int) -> Iterator[list[int]]:
 
     def attention(q, k_cache, v_cache, block_tables, seq_lens, scale=None, **options):
         calls[0] += 1
-        return torch.stack([fn(q[s], k_cache, v_cache, block_tables[s], int(seq_lens[s]),
-                               tile) for s in range(q.shape[0])])
+        return torch.stack([fn(q[s].clone(), k_cache.clone(), v_cache.clone(),
+                               block_tables[s].clone(), int(seq_lens[s]), tile)
+                            for s in range(q.shape[0])])
 
     model_module.paged_attention = attention
     try:

@@ -155,7 +155,8 @@ def _serve(model: Any, workload: tuple, write: Callable) -> tuple[list, list, An
     opts = dict(options)
     engine = LLMEngine(model, opts.pop("num_blocks"), opts.pop("block_size"),
                        attention_backend="torch", kv_cache_dtype="int8",
-                       hooks=EngineHooks(write_int8_blocks=write), **opts)
+                       hooks=EngineHooks(write_int8_blocks=lambda x, data, scale, slots: write(
+                           x.clone(), data, scale, slots.clone())), **opts)
     texts, sp = _requests(prompts, params)
     outs = engine.generate(texts, sp, arrival_steps=arrivals)
     tokens = [[c.token_ids for c in o.outputs] for o in outs]

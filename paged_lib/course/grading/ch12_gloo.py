@@ -13,6 +13,7 @@ samples and swaps; rank 0's logits must be the single-device engine's at every s
 
 from __future__ import annotations
 
+import copy
 import functools
 import importlib.machinery
 import multiprocessing as mp
@@ -28,7 +29,14 @@ from typing import Any
 import torch
 
 from paged_lib.course import grading
-from paged_lib.course.grading.ch12_rank import Step, compare, replayed, share, steps
+from paged_lib.course.grading.ch12_rank import (
+    Step,
+    _copies,
+    compare,
+    replayed,
+    share,
+    steps,
+)
 from paged_lib.parallel import AttentionWeights
 
 __all__ = ["ENGINE", "check_rank_attention", "engine_calls", "on_gloo_ranks", "shipped"]
@@ -129,12 +137,16 @@ def _gloo_rank(rank: int, port: int, fn: tuple[str, Any], todo: bytes, conn) -> 
         generated, inputs = pickle.loads(todo)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=2, timeout=timedelta(seconds=GLOO_TIMEOUT // 3))
-        learner = _rebuilt(*fn)
+        theirs = _rebuilt(*fn)
+
+        def learner(x, w, cos, sin, kv_cache, meta, rank, tp, all_reduce):  # on copies
+            return theirs(x.clone(), copy.deepcopy(w), cos.clone(), sin.clone(), kv_cache,
+                          copy.deepcopy(meta), rank, tp, all_reduce)
         out = []
         for step in generated:
             cache = share(step, rank)
-            y = learner(step.x.clone(), step.w, step.cos, step.sin, cache, step.meta, rank,
-                        2, lambda t: dist.all_reduce(t))
+            y = learner(*_copies(step), cache, copy.deepcopy(step.meta), rank, 2,
+                        lambda t: dist.all_reduce(t))
             out.append((y, cache))
         full = load_tiny_code_llama()
         model = TinyLlama(shard_config(full.config, 2))

@@ -22,6 +22,7 @@ gives the learner's value.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -149,14 +150,20 @@ def _summer(sums) -> Callable:
     return all_reduce
 
 
+def _copies(step: Step) -> tuple:
+    """(x, w, cos, sin) as the learner's function gets them: copies, so that nothing it
+    changes in place reaches the next rank, the next step or the library's answer."""
+    return step.x.clone(), copy.deepcopy(step.w), step.cos.clone(), step.sin.clone()
+
+
 def replayed(fn: Callable, step: Step) -> list[tuple[torch.Tensor, tuple]]:
     """Every rank's (output, cache after) from ``fn`` with the all-reduce replayed: each
     rank runs once with its partial sums recorded, then again with their sums."""
     partials: list[list[torch.Tensor]] = []
     for rank in range(step.tp):
         calls: list[torch.Tensor] = []
-        fn(step.x.clone(), step.w, step.cos, step.sin, share(step, rank), step.meta, rank,
-           step.tp, _recorder(calls))
+        fn(*_copies(step), share(step, rank), copy.deepcopy(step.meta), rank, step.tp,
+           _recorder(calls))
         partials.append(calls)
     counts = [len(c) for c in partials]
     if 0 in counts or len(set(counts)) > 1:
@@ -173,8 +180,7 @@ def replayed(fn: Callable, step: Step) -> list[tuple[torch.Tensor, tuple]]:
     results = []
     for rank in range(step.tp):
         cache, it = share(step, rank), iter(sums)
-        out = fn(step.x.clone(), step.w, step.cos, step.sin, cache, step.meta, rank, step.tp,
-                 _summer(it))
+        out = fn(*_copies(step), cache, copy.deepcopy(step.meta), rank, step.tp, _summer(it))
         results.append((out, cache))
     return results
 
