@@ -73,3 +73,12 @@ def test_the_model_loads_new_weights_and_copies_after_prepacking(tiny_hf_llama):
     with torch.no_grad():
         assert torch.allclose(clone.layers[0].mlp(hidden), halved)
     assert not torch.allclose(halved, before)
+
+
+def test_weights_made_in_inference_mode_are_stacked_too():
+    with torch.inference_mode():
+        layer = torch.nn.Linear(8, 4, bias=False)
+        x = torch.randn(3, 8)
+        w = stacked_weights(layer, "w", [layer.weight])
+        assert stacked_weights(layer, "w", [layer.weight]) is w
+        assert torch.allclose(linear(x, w), layer(x), rtol=1e-6, atol=1e-6)

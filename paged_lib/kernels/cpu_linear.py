@@ -64,7 +64,9 @@ class LinearWeights:
 
     @staticmethod
     def _key(weights: list[torch.Tensor]) -> tuple:
-        return tuple((w.data_ptr(), w._version, w.dtype, w.device) for w in weights)
+        # an inference-mode tensor has no version counter (and cannot change in place)
+        return tuple((w.data_ptr(), -1 if w.is_inference() else w._version, w.dtype,
+                      w.device) for w in weights)
 
     def stale(self, weights: list[torch.Tensor]) -> bool:
         """Were these weights replaced or changed in place since they were stacked?"""
