@@ -6,7 +6,8 @@ from :class:`~paged_lib.engine.config.EngineConfig`'s fields, with vLLM's names
 (``--num-blocks``, ``--block-size``, ``--max-num-seqs``, ``--threads``, ...; ``--help``
 lists them); those left out keep :class:`~paged_lib.engine.llm.LLM`'s defaults, and
 ``--threads`` the cores this process may use. ``--llm-class`` serves a subclass of ``LLM``
-instead, such as chapter 13's engine of the learner's own pieces (:data:`MINE`). Then talk
+instead; ``--mine`` chapter 13's engine of the learner's own pieces (:data:`MINE`, imported
+by name: the system itself never imports the course). Then talk
 to it with OpenAI's client::
 
     from openai import OpenAI
@@ -40,6 +41,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--llm-class", metavar="MODULE:CLASS",
                    help="serve this subclass of LLM instead, built with the same flags "
                    f"(your own engine, chapter 13: {MINE})")
+    p.add_argument("--mine", action="store_true",
+                   help=f"serve your own engine of chapter 13: --llm-class {MINE}")
     p.add_argument("--log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug"))
     EngineConfig.add_cli_args(p)  # one flag per EngineConfig field, as vLLM's EngineArgs
@@ -63,12 +66,13 @@ def build_llm(args: argparse.Namespace):
     if model == TINY_CODE_LLAMA_DIR.name and not Path(model).exists():
         model = TINY_CODE_LLAMA_DIR
     config = engine_config(args)
-    if not args.llm_class:
+    llm_class = MINE if args.mine else args.llm_class
+    if not llm_class:
         return LLM(model, device=args.device, config=config)
-    module, _, name = args.llm_class.partition(":")
+    module, _, name = llm_class.partition(":")
     cls = getattr(importlib.import_module(module), name, None) if name else None
     if not (isinstance(cls, type) and issubclass(cls, LLM)):
-        raise SystemExit(f"--llm-class {args.llm_class}: not MODULE:CLASS naming a subclass "
+        raise SystemExit(f"--llm-class {llm_class}: not MODULE:CLASS naming a subclass "
                          f"of paged_lib.LLM (chapter 13's is {MINE})")
     return cls(model, device=args.device, **config.engine_options())
 
