@@ -267,3 +267,32 @@ def test_use_tqdm_draws_vllms_progress_bar(llm):
                            f"output: {15:.2f} toks/s")  # (elapsed fixed at 1 s above)
     llm.generate("def ", SamplingParams(max_tokens=2), use_tqdm=False)
     assert len(bars) == 1
+
+
+def test_prompt_logprobs_are_transformers_log_softmax(tiny_hf_llama, tiny_model):
+    """test_logprobs.py::test_get_logprobs_and_prompt_logprobs: ``prompt_logprobs=k`` gives
+    ``None`` for the first prompt token, then each token's log-probability given the
+    tokens before it (with its rank) and the k most likely; the generation is unchanged,
+    and a prefix-cache hit does not change them (the prompt is run on its own)."""
+    prompt = PROMPTS[1]
+    with torch.no_grad():
+        ref = torch.log_softmax(tiny_hf_llama(torch.tensor([prompt])).logits[0].float(), -1)
+    engine = LLMEngine(tiny_model, 64, 4, enable_prefix_caching=True)
+    plain = engine.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0))[0]
+    for _ in range(2):  # the second run hits the cached prompt blocks
+        out = engine.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0,
+                                                       prompt_logprobs=2))[0]
+        assert out.outputs[0].token_ids == plain.outputs[0].token_ids
+        assert plain.prompt_logprobs is None and out.prompt_logprobs[0] is None
+        assert len(out.prompt_logprobs) == len(prompt)
+        for i, (token, top) in enumerate(zip(prompt[1:], out.prompt_logprobs[1:],
+                                             strict=True)):
+            assert top[token].logprob == pytest.approx(float(ref[i, token]), abs=1e-4)
+            assert top[token].rank == int((ref[i] >= ref[i, token]).sum())
+            best = torch.topk(ref[i], 2).indices.tolist()
+            assert set(best) <= set(top) and len(top) in (2, 3)
+    assert engine.stats.prefix_cache_hit_tokens > 0
+    with pytest.raises(ValueError, match="prompt_logprobs must be non-negative or -1"):
+        SamplingParams(prompt_logprobs=-2)
+    with pytest.raises(ValueError, match="Requested prompt logprobs of 21"):
+        engine.generate([prompt], SamplingParams(prompt_logprobs=21))

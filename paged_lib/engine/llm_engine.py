@@ -28,6 +28,7 @@ from paged_lib.engine.model_input import model_input
 from paged_lib.engine.model_runner import ModelRunner
 from paged_lib.engine.outputs import request_output
 from paged_lib.engine.prefix_cache import PrefixCachingAllocator
+from paged_lib.engine.prompt_logprobs import prompt_logprobs
 from paged_lib.engine.requests import (
     check_max_model_len,
     check_request,
@@ -115,9 +116,8 @@ class LLMEngine:
         if config.threads is not None:
             torch.set_num_threads(config.threads)
         #: the engine's options (:class:`EngineConfig`), ``max_model_len`` resolved
-        self.config = config = config.replace(max_model_len=check_max_model_len(
+        self.config = c = config.replace(max_model_len=check_max_model_len(
             config.max_model_len, model.config.max_position))
-        c = config
         num_blocks, block_size, num_cpu_blocks = c.num_blocks, c.block_size, c.num_cpu_blocks
         preemption, enable_prefix_caching = c.preemption, c.enable_prefix_caching
         kv_cache_dtype, enable_chunked_prefill = c.kv_cache_dtype, c.enable_chunked_prefill
@@ -126,8 +126,6 @@ class LLMEngine:
         self.attention_backend = attention_backend = resolve_backend(c.attention_backend,
                                                                      model.device)
         self.max_model_len = c.max_model_len
-        #: the most top log-probabilities a request may ask for (-1: the whole vocabulary)
-        self.max_logprobs = c.max_logprobs
         if hooks is not None and not isinstance(hooks, EngineHooks):
             raise ValueError(f"hooks must be an EngineHooks, got {type(hooks).__name__}")
         self.hooks = hooks = hooks if hooks is not None else EngineHooks()
@@ -208,7 +206,8 @@ class LLMEngine:
         prompt = check_request(i, prompt, params, self.model.config.vocab_size, self.window,
                                has_tokenizer=self.tokenizer is not None)
         try:  # vLLM's SamplingParams.verify: what depends on the model
-            params.verify(self.model.config.vocab_size, self.max_logprobs, self.tokenizer)
+            params.verify(self.model.config.vocab_size, self.config.max_logprobs,
+                          self.tokenizer)
         except ValueError as e:
             raise ValueError(f"request {i}: {e}") from None
         if self.reservation is not None:
@@ -393,5 +392,9 @@ class LLMEngine:
 
     def _output(self, group: SequenceGroup) -> RequestOutput:
         """vLLM's :class:`RequestOutput` for a finished ``group`` (texts with a tokenizer)."""
-        return request_output(group, self.tokenizer.decode if self.tokenizer else None)
+        out = request_output(group, self.tokenizer.decode if self.tokenizer else None)
+        if (k := group.params.prompt_logprobs) is not None and group.error is None:
+            out = dataclasses.replace(out, prompt_logprobs=prompt_logprobs(
+                self.model, out.prompt_token_ids, k, self.block_size, self.attention_backend))
+        return out
 

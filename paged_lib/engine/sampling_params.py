@@ -53,7 +53,9 @@ class SamplingParams:
       ``include_stop_str_in_output=True``;
     * ``logprobs=k`` returns, for each generated token, the ``k`` most likely tokens'
       log-probabilities and the chosen token's (``CompletionOutput.logprobs``); ``-1``
-      the whole vocabulary (the engine's ``max_logprobs`` permitting, as in vLLM).
+      the whole vocabulary (the engine's ``max_logprobs`` permitting, as in vLLM);
+      ``prompt_logprobs=k`` the same for each prompt token (``RequestOutput.
+      prompt_logprobs``: :mod:`~paged_lib.engine.prompt_logprobs`).
 
     Beam search (the engine's beam groups, as vLLM v0 and transformers): ``beam_width``
     beams ranked by the model's log-probabilities (``temperature`` is ignored; ``n``,
@@ -82,6 +84,7 @@ class SamplingParams:
     max_tokens: int | None = 16
     min_tokens: int = 0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     beam_width: int | None = None
@@ -174,6 +177,9 @@ class SamplingParams:
                     f"got {self.min_tokens}.")
         if self.logprobs is not None and not (_is_int(self.logprobs) and self.logprobs >= -1):
             return f"logprobs must be non-negative or -1, got {self.logprobs}."
+        if self.prompt_logprobs is not None and not (_is_int(self.prompt_logprobs)
+                                                     and self.prompt_logprobs >= -1):
+            return f"prompt_logprobs must be non-negative or -1, got {self.prompt_logprobs}."
         if self.seed is not None and not (_is_int(self.seed) and 0 <= self.seed < 2**64):
             return f"seed must be None or an int in 0..2**64 - 1, got {self.seed!r}"
         for name in ("ignore_eos", "include_stop_str_in_output"):
@@ -209,11 +215,11 @@ class SamplingParams:
         """What depends on the model, checked when the engine takes the request (vLLM's
         ``SamplingParams.verify``, in its words); tokenizes ``bad_words`` into
         ``bad_words_token_ids`` (vLLM's ``update_from_tokenizer``)."""
-        if self.logprobs is not None:
-            wanted = vocab_size if self.logprobs == -1 else self.logprobs
-            limit = vocab_size if max_logprobs == -1 else max_logprobs
-            if wanted > limit:
-                raise ValueError(f"Requested sample logprobs of {wanted}, which is greater "
+        limit = vocab_size if max_logprobs == -1 else max_logprobs
+        for asked, what in ((self.logprobs, "sample"), (self.prompt_logprobs, "prompt")):
+            wanted = vocab_size if asked == -1 else asked
+            if asked is not None and wanted > limit:
+                raise ValueError(f"Requested {what} logprobs of {wanted}, which is greater "
                                  f"than max allowed: {limit}")
         if bad := [t for t in self.logit_bias or {} if not 0 <= t < vocab_size]:
             raise ValueError(f"token_id(s) {bad} in logit_bias contain out-of-vocab token "
@@ -253,7 +259,8 @@ class SamplingParams:
         if self.n != 1 or self.top_p != 1 or self.top_k > 0 or self.min_p:
             return ("beam search ranks beams by their log-probabilities: leave n=1, "
                     "top_p=1.0, top_k=0 and min_p=0.0 (temperature is ignored)")
-        if self.stop or self.stop_token_ids or self.min_tokens or self.logprobs is not None:
+        if self.stop or self.stop_token_ids or self.min_tokens or self.logprobs is not None \
+                or self.prompt_logprobs is not None:
             return ("beam search here stops at EOS and max_tokens only: leave stop, "
                     "stop_token_ids, min_tokens and logprobs unset")
         if self.changes_logits or self.max_tokens is None:

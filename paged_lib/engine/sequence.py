@@ -224,6 +224,9 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = True
     error: str | None = None
+    #: with ``SamplingParams(prompt_logprobs=k)``: ``None``, then each prompt token's
+    #: ``{token id: Logprob}`` (:mod:`~paged_lib.engine.prompt_logprobs`)
+    prompt_logprobs: list | None = None
 
 
 @dataclass
