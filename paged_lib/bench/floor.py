@@ -43,20 +43,24 @@ class Machine:
 
 
 def _best_seconds(fn, repeats: int) -> float:
+    """The shortest of ``repeats`` runs, each timed by the wall clock and by this process's
+    CPU seconds per torch thread, whichever is shorter: on shared cores a run's wall
+    clock also counts the turns other processes took, which say nothing about the
+    machine's rates."""
     fn()  # warm-up: page faults and first-call costs are not the rate
-    times = []
+    threads, times = torch.get_num_threads(), []
     for _ in range(repeats):
-        start = time.perf_counter()
+        wall, cpu = time.perf_counter(), time.process_time()
         fn()
-        times.append(time.perf_counter() - start)
+        times.append(min(time.perf_counter() - wall, (time.process_time() - cpu) / threads))
     return min(times)
 
 
 def measure_machine(read_bytes: int = 256 * 2**20, matmul_size: int = 1536,
                     repeats: int = 5) -> Machine:
     """Memory bandwidth and fp32 matmul rate at ``torch.get_num_threads()`` threads, on
-    the CPU (about a second). The best of ``repeats`` runs: the floor is what the
-    machine *can* do, so a run slowed by other work does not lower it."""
+    the CPU (about a second). The best of ``repeats`` runs (:func:`_best_seconds`): the
+    floor is what the machine *can* do, so a run slowed by other work does not lower it."""
     if read_bytes < 2**20 or matmul_size < 64:
         raise ValueError(f"read_bytes must be at least 1 MiB and matmul_size at least 64, "
                          f"got {read_bytes} and {matmul_size}")
