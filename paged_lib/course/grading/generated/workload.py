@@ -114,6 +114,8 @@ def draw(seed: int, hook: str) -> Workload:
     if rng.random() < 0.2:
         o["dtype"] = "fp16"
     o.update(FOCUS.get(hook, {}))
+    if o.get("preemption") == "swap" and "num_cpu_blocks" not in o:
+        o["num_cpu_blocks"] = rng.choice([2, 3, 5, 8, 64])
     if not any(o.get(k, DEFAULTS[k]) != DEFAULTS[k] for k in ("enable_prefix_caching",
                                                               "preemption", "kv_cache_dtype")) \
             and rng.random() < 0.3:
