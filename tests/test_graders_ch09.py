@@ -684,3 +684,33 @@ def test_09_3_holding_the_last_tile_is_fine_when_the_tile_is_wider_than_the_head
                                head_dim=4)):
         ch09_tiles.check_case(tiles_with(), c)
         ch09_tiles.check_case(tiles_written(), c)
+
+
+def tiles_query_head_loop(q, k_cache, v_cache, block_table, seq_len, tile):
+    """One pass per query head: each KV head of a group is read once per query head."""
+    h, d = q.shape
+    bs, nkv = k_cache.shape[1], k_cache.shape[2]
+    out = torch.zeros(h, d)
+    for head in range(h):
+        kh = head // (h // nkv)
+        m, den, acc = -math.inf, torch.zeros(()), torch.zeros(d)
+        for start in range(0, seq_len, tile):
+            pos = torch.arange(start, min(start + tile, seq_len))
+            blocks = block_table[pos // bs].long()
+            k = k_cache[blocks, pos % bs, kh].float()
+            v = v_cache[blocks, pos % bs, kh].float()
+            s = k @ q[head].float() * d ** -0.5
+            m_new = max(m, float(s.max()))
+            p = torch.exp(s - m_new)
+            den = den * math.exp(m - m_new) + p.sum()
+            acc = acc * math.exp(m - m_new) + p @ v
+            m = m_new
+        if seq_len:
+            out[head] = acc / den
+    return out.to(q.dtype)
+
+
+def test_09_3_a_query_head_loop_is_told_to_loop_over_kv_heads(capsys):
+    out = verdict(capsys, ch09.check_attend_tiles, tiles_query_head_loop)
+    assert out.startswith("❌ [09.3]") and "a second pass" in out, out
+    assert "a loop over KV heads, not over query heads" in out, out

@@ -117,7 +117,9 @@ class TileLog:
                       "reads of it had gone past them: a second pass over the sequence (the "
                       "max first, then the sum)",
                       "one pass over the tiles is enough: when a tile raises the running "
-                      "max m, rescale what was summed so far by exp(m_old - m_new)")
+                      "max m, rescale what was summed so far by exp(m_old - m_new); and "
+                      "the query heads that share a KV head are served by one read of it "
+                      "(a loop over KV heads, not over query heads)")
         self.far[key], self.back[key] = max(far, lo), min(back, hi)
 
     def _check_held(self, now: int) -> None:
