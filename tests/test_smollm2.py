@@ -18,6 +18,7 @@ masks the chat template's ``<|im_end|>`` tokens out.
 from __future__ import annotations
 
 import shutil
+import unicodedata
 
 import pytest
 import torch
@@ -180,13 +181,34 @@ def test_tokenizer_ids_equal_transformers(llm, hf_tokenizer):
     assert (tok.bos_token_id, tok.eos_token_id, tok.vocab_size) == (1, EOS, 49152)
 
 
-@settings(max_examples=150, deadline=None)
+def numeric_beyond_ascii(text: str) -> bool:
+    """A numeric character (Unicode Nd, Nl, No) that is not an ASCII digit: ``¼``, ``²``."""
+    return any(not c.isascii() and unicodedata.category(c) in ("Nd", "Nl", "No")
+               for c in text)
+
+
+@settings(max_examples=150, deadline=None, derandomize=True)
 @given(text=st.text(max_size=40))
 def test_tokenizer_ids_equal_transformers_on_any_text(llm, hf_tokenizer, text):
     ids = llm.tokenizer.encode(text)
-    assert ids == hf_tokenizer.encode(text, add_special_tokens=False)
+    if not numeric_beyond_ascii(text):  # see the test below
+        assert ids == hf_tokenizer.encode(text, add_special_tokens=False)
     if not set(text.encode()) & NO_TOKEN:
         assert llm.tokenizer.decode(ids) == text
+
+
+def test_every_numeric_character_is_split_off_as_smollm2_splits_it(llm, hf_tokenizer):
+    # SmolLM2 splits every numeric character off before BPE (its tokenizer.json:
+    # Digits(individual_digits=True); llama.cpp's "smollm" pre-tokenizer: \p{N}), ASCII
+    # digits or not. transformers' GGUF conversion has no such step, so where a numeric
+    # character other than 0-9 follows a space the two differ: " ¼" is "Ġ" + "Â¼" for
+    # the model, "ĠÂ" + "¼" for that conversion. (Found by the test above.)
+    spell = hf_tokenizer.convert_ids_to_tokens
+    for text in (" ¼", "x ²"):
+        assert spell(llm.tokenizer.encode(text))[-2:] == ["Ġ", text[-1].encode().decode(
+            "latin-1")]
+        assert llm.tokenizer.encode(text) != hf_tokenizer.encode(text, add_special_tokens=False)
+    assert llm.tokenizer.encode(" 12") == hf_tokenizer.encode(" 12", add_special_tokens=False)
 
 
 def test_the_bytes_smollm2_has_no_token_for(llm, hf_tokenizer):
