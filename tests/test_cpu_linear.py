@@ -18,7 +18,7 @@ def test_stacked_maps_equal_f_linear_to_1e6_relative(rows):
     g = torch.Generator().manual_seed(rows)
     ws = [torch.randn(n, 96, generator=g) * 0.05 for n in (96, 32, 32)]
     x = torch.randn(rows, 96, generator=g)
-    w = LinearWeights(ws)
+    w = LinearWeights(ws, min_prepack_bytes=0)  # prepacked, small as they are
     for got, want in zip(w.split(linear(x, w)), (F.linear(x, wi) for wi in ws), strict=True):
         assert got.shape == want.shape
         assert ((got - want).abs().max() / want.abs().max()).item() < 1e-6
@@ -26,10 +26,13 @@ def test_stacked_maps_equal_f_linear_to_1e6_relative(rows):
 
 def test_prepacked_where_onednn_works_and_plain_elsewhere(monkeypatch):
     w = torch.randn(16, 8)
-    assert (LinearWeights([w]).packed is not None) == cpu_linear.prepack_available(w)
-    assert LinearWeights([w.double()]).packed is None  # fp32 only
+    assert (LinearWeights([w], 0).packed is not None) == cpu_linear.prepack_available(w)
+    assert LinearWeights([w]).packed is None  # 512 bytes: left plain (cache-resident)
+    big = torch.randn(cpu_linear.MIN_PREPACK_BYTES // 4 // 64, 64)
+    assert (LinearWeights([big]).packed is not None) == cpu_linear.prepack_available(big)
+    assert LinearWeights([w.double()], 0).packed is None  # fp32 only
     monkeypatch.setattr(cpu_linear, "prepack_available", lambda weight: False)
-    plain = LinearWeights([w])
+    plain = LinearWeights([w], 0)
     x = torch.randn(4, 8)
     assert plain.packed is None and torch.equal(linear(x, plain), F.linear(x, w))
 

@@ -9,8 +9,9 @@ the blocked layout its fp32 kernels read fastest
 (results agree to about 1e-6 relative). A :class:`LinearWeights` holds one or several
 weights stacked by rows (Q, K and V as one map, gate and up as another: one pass over
 the input instead of three) in both forms, the plain one for a single row (a
-matrix-vector product, already at the bandwidth in BLAS) and where oneDNN is missing
-(not built, another device, another dtype).
+matrix-vector product, already at the bandwidth in BLAS), for maps small enough to sit
+in a core's cache (:data:`MIN_PREPACK_BYTES`), and where oneDNN is missing (not built,
+another device, another dtype).
 
 The model builds them from its ``nn.Linear`` weights on first use and again whenever a
 weight changes (:meth:`LinearWeights.stale`), so loading new weights needs no call.
@@ -23,6 +24,12 @@ import weakref
 
 import torch
 from torch.nn import functional as F
+
+#: Smaller stacked weights stay plain: they sit in a core's cache, where oneDNN's call
+#: costs more than it saves (the course's tiny-code-llama, 512 KB to 1 MB per map: decode
+#: steps at batch 8 and 32 took 3.0 and 5.1 ms prepacked, 2.6 and 4.7 plain); SmolLM2's
+#: maps are 1.3 to 3.5 MB and stream from memory.
+MIN_PREPACK_BYTES = 5 * 2**18  # 1.25 MiB
 
 
 @functools.cache
@@ -49,7 +56,7 @@ class LinearWeights:
     """One or several ``[out_i, in]`` weights stacked by rows, plain and (where it works)
     prepacked; :func:`linear` multiplies by them, :meth:`split` cuts the output back."""
 
-    def __init__(self, weights: list[torch.Tensor], prepack: bool = True):
+    def __init__(self, weights: list[torch.Tensor], min_prepack_bytes: int | None = None):
         if not weights or any(w.ndim != 2 or w.shape[1] != weights[0].shape[1]
                               for w in weights):
             raise ValueError("LinearWeights needs 2-D weights with the same input size, got "
@@ -59,8 +66,10 @@ class LinearWeights:
         with torch.no_grad():
             plain = weights[0] if len(weights) == 1 else torch.cat(weights)
             self.plain = plain.detach().contiguous()
+            least = MIN_PREPACK_BYTES if min_prepack_bytes is None else min_prepack_bytes
+            big = self.plain.numel() * self.plain.element_size() >= least
             self.packed = (torch.ops.mkldnn._reorder_linear_weight(self.plain)
-                           if prepack and prepack_available(self.plain) else None)
+                           if big and prepack_available(self.plain) else None)
 
     @staticmethod
     def _key(weights: list[torch.Tensor]) -> tuple:
