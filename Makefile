@@ -52,7 +52,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 
 unit: $(STAMP)
-	$(BIN)/pytest -q -n 2 --dist loadfile -m "not browser" tests
+	$(BIN)/pytest -q -n 2 --dist loadfile -m "not browser" --durations=15 tests
 
 notebooks: $(STAMP)
 	$(BIN)/pytest -q -n 2 --dist loadscope --nbval notebooks solutions \
