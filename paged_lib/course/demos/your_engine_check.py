@@ -25,6 +25,7 @@ import torch
 from paged_lib.course.demos import your_engine, your_engine_scenarios
 from paged_lib.engine import SamplingParams
 from paged_lib.model import TinyLlama
+from paged_lib.studies.wall_clock import fastest_ms
 
 QUESTIONS = ["What is the capital of France?", "Explain how a hash table works.",
              "Give three tips for learning a new language.", "Write a haiku about the sea.",
@@ -179,7 +180,7 @@ def kernel_on_one_layer(kernel: Any | None, call: dict) -> KernelRun:
     from paged_lib.kernels.backends import resolve_backend
 
     served = resolve_backend("auto", args[0].device)  # what the chat workload ran
-    library_seconds = _best_of(3, lambda: paged_attention(*args, backend=served))
+    library_seconds = fastest_ms(lambda: paged_attention(*args, backend=served), 3) / 1e3
     problem = None
     try:
         out = paged_attention(*args, backend="triton") if kernel is None else \
@@ -195,16 +196,6 @@ def kernel_on_one_layer(kernel: Any | None, call: dict) -> KernelRun:
         error, problem = float("inf"), f"raised {type(err).__name__}: {str(err).splitlines()[0]}"
         seconds = float("nan")
     return KernelRun(error, seconds, library_seconds, problem)
-
-
-def _best_of(times: int, fn: Any) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(times):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def kernel_story(kernel: Any | None, call: dict, run: KernelRun) -> str:
