@@ -1,4 +1,10 @@
-"""The floor the benches print beside every figure: its arithmetic, and what it records."""
+"""The floor the benches print beside every figure: its arithmetic, and what it records.
+
+Every ``floor.Machine`` here but one is built by hand (bandwidth and FLOP/s given), so a
+floor's ``seconds`` is arithmetic on counted bytes and FLOPs, the same on any machine,
+loaded or not; the one measured machine (``measure_machine``) is checked only for what it
+prints, never for a figure.
+"""
 
 import pytest
 
