@@ -119,3 +119,24 @@ def test_shipped_model_loads_without_transformers_and_matches_it():
     ids = list(b"def main():\n    ")
     got = run_paged(model, ids, split=10, block_size=16)
     assert torch.allclose(got, hf(torch.tensor([ids])).logits[0], atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rms_norm_matches_hugging_face_formula(dtype):
+    """fp32 takes PyTorch's fused ``F.rms_norm``, other dtypes the ops Hugging Face's
+    ``LlamaRMSNorm`` uses (upcast, normalise, cast back, then scale): both must give that
+    formula's values, for rows of any scale."""
+    from paged_lib.model import RMSNorm
+
+    g = torch.Generator().manual_seed(0)
+    norm = RMSNorm(96, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(96, generator=g))
+    norm = norm.to(dtype)
+    for scale in (1e-3, 1.0, 1e3):
+        x = (torch.randn(5, 96, generator=g) * scale).to(dtype)
+        xf = x.float()
+        expected = norm.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)
+                                  ).to(dtype)
+        torch.testing.assert_close(norm(x), expected, rtol=1e-6 if dtype == torch.float32
+                                   else 1e-3, atol=0)
