@@ -140,3 +140,77 @@ def test_a_difference_is_shrunk_to_a_smaller_workload():
     assert sum(len(r.prompt) for r in small.requests) < sum(len(r.prompt) for r in w.requests)
     assert generated.difference(small, hooks) is not None, "the small one still differs"
     assert story.startswith("at engine step ")
+
+
+# ------------------------------------------------------------------ 06.4 schedule_waiting
+
+
+def schedule_waiting_chunks_skip_ahead(waiting, step):
+    """The spec's loop, except that with chunked prefill a head that does not fit lets
+    the groups behind it try (as if chunking made head-of-line blocking unnecessary):
+    right whenever the head fits, or the one behind it does not either."""
+    if step.swapped or step.num_preempted:
+        return
+    for group in list(waiting):
+        if any(seq.output_token_ids for seq in group.seqs):
+            num_seqs = len(group.live_seqs())
+        else:
+            num_seqs = max(len(group.live_seqs()), group.params.num_seqs)
+        tokens = step.prefill_tokens(group)
+        if step.chunked_prefill:
+            tokens = min(tokens, step.tokens_left)
+            if tokens < 1:
+                return
+        need = step.blocks_needed(group, tokens)
+        tokens_ok = tokens <= step.tokens_left
+        fits = (step.free_blocks - need >= step.watermark_blocks
+                and step.num_seqs + num_seqs <= step.max_num_seqs and tokens_ok)
+        alone = (step.is_empty() and (not step.prefill_first or not step.running)
+                 and need <= step.free_blocks and tokens_ok)
+        if not (fits or alone):
+            if step.chunked_prefill:
+                continue
+            return
+        step.admit(group, tokens)
+
+
+def schedule_waiting_first_admitted_alone(waiting, step):
+    """A right answer of another shape: "alone" as "nothing admitted yet and nobody
+    running", which is the same state as the spec's wherever the engine can be."""
+    if step.swapped or step.num_preempted:
+        return
+    admitted = 0
+    while waiting:
+        group = waiting[0]
+        sampled = any(seq.output_token_ids for seq in group.seqs)
+        num_seqs = (len(group.live_seqs()) if sampled
+                    else max(len(group.live_seqs()), group.params.num_seqs))
+        tokens = step.prefill_tokens(group)
+        if step.chunked_prefill:
+            tokens = min(tokens, step.tokens_left)
+        if tokens < 1:
+            return
+        need = step.blocks_needed(group, tokens)
+        within = tokens <= step.tokens_left
+        if not ((step.free_blocks - need >= step.watermark_blocks and within
+                 and step.num_seqs + num_seqs <= step.max_num_seqs)
+                or (admitted == 0 and step.is_empty() and not step.running
+                    and need <= step.free_blocks and within)):
+            return
+        step.admit(group, tokens)
+        admitted += 1
+
+
+def test_06_4_a_wrong_piece_only_random_workloads_catch(monkeypatch):
+    mark, _, _ = verdict(ch06.check_schedule_waiting, schedule_waiting_chunks_skip_ahead,
+                         monkeypatch)
+    assert mark == "✅", "the scenarios and the replay let it through"
+    mark, ex, story = verdict(ch06.check_schedule_waiting, schedule_waiting_chunks_skip_ahead)
+    assert (mark, ex) == ("❌", "06.4")
+    print(story)
+    assert story.startswith("random workload ") and "enable_chunked_prefill=True" in story
+    assert "admitted: the library's" in story or "ran (request" in story
+
+
+def test_06_4_a_correct_piece_of_another_shape_passes():
+    assert verdict(ch06.check_schedule_waiting, schedule_waiting_first_admitted_alone)[0] == "✅"
