@@ -30,6 +30,19 @@ def verdict(check, fn, monkeypatch=None):
     return seen[-1]
 
 
+def story_of_a_random_only_catch(check, fn, exercise, monkeypatch):
+    """``fn`` passes every fixed case and the replay, then the random stage gives it ❌:
+    its shrunk story, printed for the record."""
+    mark, _, told = verdict(check, fn, monkeypatch)
+    assert mark == "✅", f"the fixed cases and the replay already catch it: {told}"
+    mark, ex, story = verdict(check, fn)
+    assert (mark, ex) == ("❌", exercise)
+    print(story)
+    assert story.startswith("random workload ") and "shrunk to " in story
+    assert "at engine step " in story
+    return story
+
+
 def test_workloads_are_seeded_and_span_the_options():
     a = [workload.draw(seed, "choose_victim") for seed in range(40)]
     assert a == [workload.draw(seed, "choose_victim") for seed in range(40)]
@@ -83,14 +96,9 @@ def can_admit_by_what_is_left(need, seqs, tokens, b):
 
 
 def test_06_3_a_wrong_piece_only_random_workloads_catch(monkeypatch):
-    mark, _, _ = verdict(ch06.check_can_admit, can_admit_decode_tokens_free, monkeypatch)
-    assert mark == "✅", "the fixed cases and the replay let it through"
-    mark, ex, story = verdict(ch06.check_can_admit, can_admit_decode_tokens_free)
-    assert (mark, ex) == ("❌", "06.3")
-    print(story)  # the shrunk story, for the record
-    assert story.startswith("random workload ") and "shrunk to " in story
-    assert "at engine step " in story and "admitted: the library's" in story
-    assert "max_num_batched_tokens=" in story
+    story = story_of_a_random_only_catch(ch06.check_can_admit, can_admit_decode_tokens_free,
+                                         "06.3", monkeypatch)
+    assert "admitted: the library's" in story and "max_num_batched_tokens=" in story
 
 
 def test_06_3_a_correct_piece_of_another_shape_passes():
@@ -112,13 +120,9 @@ def victim_by_position(running):
 
 
 def test_07_2_a_wrong_piece_only_random_workloads_catch(monkeypatch):
-    mark, _, _ = verdict(ch07.check_choose_victim, victim_latest_step_then_latest_id,
-                         monkeypatch)
-    assert mark == "✅", "the fixed lists, the scenarios and the replay let it through"
-    mark, ex, story = verdict(ch07.check_choose_victim, victim_latest_step_then_latest_id)
-    assert (mark, ex) == ("❌", "07.2")
-    print(story)
-    assert story.startswith("random workload ") and "preempted: the library's" in story
+    story = story_of_a_random_only_catch(ch07.check_choose_victim,
+                                         victim_latest_step_then_latest_id, "07.2", monkeypatch)
+    assert "preempted: the library's" in story
     arrivals = [int(n) for n in re.findall(r"arriving at step (\d+)", story)]
     assert arrivals != sorted(arrivals), "the story shows requests arriving out of order"
 
@@ -202,14 +206,9 @@ def schedule_waiting_first_admitted_alone(waiting, step):
 
 
 def test_06_4_a_wrong_piece_only_random_workloads_catch(monkeypatch):
-    mark, _, _ = verdict(ch06.check_schedule_waiting, schedule_waiting_chunks_skip_ahead,
-                         monkeypatch)
-    assert mark == "✅", "the scenarios and the replay let it through"
-    mark, ex, story = verdict(ch06.check_schedule_waiting, schedule_waiting_chunks_skip_ahead)
-    assert (mark, ex) == ("❌", "06.4")
-    print(story)
-    assert story.startswith("random workload ") and "enable_chunked_prefill=True" in story
-    assert "admitted: the library's" in story or "ran (request" in story
+    story = story_of_a_random_only_catch(ch06.check_schedule_waiting,
+                                         schedule_waiting_chunks_skip_ahead, "06.4", monkeypatch)
+    assert "enable_chunked_prefill=True" in story and "admitted: the library's" in story
 
 
 def test_06_4_a_correct_piece_of_another_shape_passes():
