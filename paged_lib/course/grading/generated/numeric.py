@@ -277,7 +277,7 @@ TILE_CONTRASTS = (
 # ------------------------------------------------------------------ what they reach
 
 
-def tile_cases(count: int = 14) -> list[Tiles]:
+def tile_cases(count: int = 35) -> list[Tiles]:
     """09.3's generated cases (seeds 0, 1, ...)."""
     return [_draw_tiles(seed) for seed in range(count)]
 

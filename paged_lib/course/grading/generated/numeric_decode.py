@@ -121,7 +121,7 @@ def _draw(seed: int) -> Decode:
                   seed % 4 == 3)
 
 
-def decode_cases(count: int = 12) -> list[Decode]:
+def decode_cases(count: int = 24) -> list[Decode]:
     """05.5's generated cases (seeds 0, 1, ...)."""
     return [_draw(seed) for seed in range(count)]
 

@@ -164,7 +164,7 @@ def _draw(seed: int) -> Int8:
                 calls, regimes, bool(pick([0, 1])), bool(pick([0, 0, 1])))
 
 
-def int8_cases(count: int = 24) -> list[Int8]:
+def int8_cases(count: int = 48) -> list[Int8]:
     """11.3's generated cases (seeds 0, 1, ...)."""
     return [_draw(seed) for seed in range(count)]
 
