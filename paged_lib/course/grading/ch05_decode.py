@@ -19,6 +19,7 @@ from paged_lib.course.grading.ch05_common import (
     interpreted,
     launch,
 )
+from paged_lib.course.grading.generated import numeric, numeric_decode
 from paged_lib.instruments.load_trace import LoadTrace
 from paged_lib.kernels.cases import NAN_BLOCK, make_decode_case
 from paged_lib.kernels.reference import ref_paged_attention
@@ -180,6 +181,33 @@ def _why_not(case, seq: int, blk: int, slot: int, n: int) -> str:
 DECODE_CASES = [((1, 4, 9), 4, 2, 16, 4, 1.0), ((3, 8, 17), 6, 2, 16, 8, 40.0)]
 
 
+def check_decode_case(kernel: Any, case, what: str, loud: bool = False) -> None:
+    """One decode batch: the learner's kernel under the trace, next to the reference."""
+    got, trace, caches = run_decode_kernel(kernel, case)
+    if interpreted():
+        _check_decode_reads(trace, caches, case, what)
+    expected = ref_paged_attention(*case)
+    if loud and not got.isfinite().all():
+        where = "" if interpreted() else " (or a read past seq_len)"
+        grading.fail(f"{what}: scores in the hundreds gave NaN or inf{where}",
+                     hint="exp of a raw score overflows float32 beyond 88: keep a "
+                          "running max m and exponentiate s - m_new, rescaling l and "
+                          "acc by exp(m_old - m_new) when m grows")
+    expect_no_nan(got, expected, f"{what}, out",
+                  hint="visit only cdiv(seq_len, BLOCK_SIZE) blocks, and mask K and V "
+                       "loads (other=0.0) and scores (-inf) past seq_len")
+    named = None
+    if got.shape == expected.shape and not torch.allclose(got, expected.float(),
+                                                          atol=1e-4, rtol=1e-4):
+        named = name_slip(got, expected, decode_slips(
+            case.q, case.k_cache, case.v_cache, case.block_tables.tolist(),
+            case.seq_lens.tolist(), case.scale))
+    grading.expect_tensor_close(
+        got, expected, f"{what}, out [seq, head, dim]", atol=1e-4, rtol=1e-4,
+        hint=named or "compare with the spec: query head h = kv_head * GROUP + g "
+                      "attends with its own softmax over the sequence's seq_len keys")
+
+
 def check_paged_decode_kernel(kernel: Any) -> None:
     """05.5: the paged decode kernel, one program per (sequence, KV head)."""
     with grading.exercise("05.5", "Paged decode kernel"):
@@ -187,26 +215,6 @@ def check_paged_decode_kernel(kernel: Any) -> None:
             case = decode_case(lens, heads, kv_heads, d, bs, seed=seed)
             case = case._replace(q=case.q * q_scale)
             what = f"seq_lens {list(lens)}, heads {heads}/{kv_heads}, block_size {bs}"
-            got, trace, caches = run_decode_kernel(kernel, case)
-            if interpreted():
-                _check_decode_reads(trace, caches, case, what)
-            expected = ref_paged_attention(*case)
-            if q_scale > 1 and not got.isfinite().all():
-                where = "" if interpreted() else " (or a read past seq_len)"
-                grading.fail(f"{what}: scores in the hundreds gave NaN or inf{where}",
-                             hint="exp of a raw score overflows float32 beyond 88: keep a "
-                                  "running max m and exponentiate s - m_new, rescaling l and "
-                                  "acc by exp(m_old - m_new) when m grows")
-            expect_no_nan(got, expected, f"{what}, out",
-                          hint="visit only cdiv(seq_len, BLOCK_SIZE) blocks, and mask K and V "
-                               "loads (other=0.0) and scores (-inf) past seq_len")
-            named = None
-            if got.shape == expected.shape and not torch.allclose(got, expected.float(),
-                                                                  atol=1e-4, rtol=1e-4):
-                named = name_slip(got, expected, decode_slips(
-                    case.q, case.k_cache, case.v_cache, case.block_tables.tolist(),
-                    case.seq_lens.tolist(), case.scale))
-            grading.expect_tensor_close(
-                got, expected, f"{what}, out [seq, head, dim]", atol=1e-4, rtol=1e-4,
-                hint=named or "compare with the spec: query head h = kv_head * GROUP + g "
-                              "attends with its own softmax over the sequence's seq_len keys")
+            check_decode_case(kernel, case, what, loud=q_scale > 1)
+        numeric.check("05.5", numeric_decode.decode_cases(), lambda p: check_decode_case(
+            kernel, p.build(), p.what(), loud=p.loud > 1), numeric_decode.DECODE_CONTRASTS)

@@ -35,6 +35,7 @@ from paged_lib.course.grading.ch11_quant_rule import (
     reference_write,
     snap,
 )
+from paged_lib.course.grading.generated import numeric, numeric_int8
 
 __all__ = ["QUANT_WORKLOADS", "check_write_int8_blocks"]
 
@@ -246,3 +247,5 @@ def check_write_int8_blocks(fn: Callable[..., Any]) -> None:
             compare(fn, call, call.where)
         _two_steps(fn)
         _check_engine(fn)
+        numeric.check("11.3", numeric_int8.int8_cases(), lambda p: [
+            compare(fn, call, call.where) for call in p.build()], numeric_int8.INT8_CONTRASTS)
