@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from paged_lib.course import mine
+from paged_lib.course.chapters import REPO
 from paged_lib.course.demos import your_engine
 
 #: pieces the server never runs, and why
@@ -66,7 +67,11 @@ def report(parts: list[your_engine.Part], kept: dict[str, Any], notes: dict[str,
     """The lines ``--mine`` prints: one per piece, whose it is and why."""
     where = "" if Path(folder).is_dir() else (": no such folder yet; a check cell of "
                                                "exercises/ saves there when it passes")
-    lines = [f"--mine: chapter 13's engine, your pieces from {folder}{where} (the "
+    try:  # the checkout's own mine/ is named from the checkout's root
+        shown = Path(folder).resolve().relative_to(REPO)
+    except ValueError:
+        shown = folder
+    lines = [f"--mine: chapter 13's engine, your pieces from {shown}{where} (the "
              "library's for the rest)"]
     for part in parts:
         ex_id, note = part.ex_id, part.note
