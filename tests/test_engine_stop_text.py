@@ -69,17 +69,16 @@ def vllm_rule(tokens: list[int], stops: list[str], min_tokens: int
               ) -> tuple[str, str | None, int]:
     """vLLM v1's stop strings, the slow way: after each token decode everything again,
     search only the new text (and ``len(stop) - 1`` characters before it), not before
-    ``min_tokens``; of the stops found, the earliest in the text ends it (vLLM takes the
-    first of its list; they differ only when one token completes two). (text, stop,
-    tokens used)."""
+    ``min_tokens``; of the stops found, the one that completes first ends it, ties going
+    to the first listed (vLLM's ``check_stop_strings``). (text, stop, tokens used)."""
     seen = ""
     for k in range(1, len(tokens) + 1):
         text = TOK.decode(tokens[:k]).rstrip("\ufffd")
         if k > min_tokens and len(text) > len(seen):
-            found = [(at, s) for s in stops
+            found = [(at + len(s), j, at, s) for j, s in enumerate(stops)
                      if (at := text.find(s, max(0, len(seen) - len(s) + 1))) >= 0]
             if found:
-                at, stop = min(found, key=lambda f: f[0])
+                _, _, at, stop = min(found)
                 return text[:at], stop, k
         seen = text
     return TOK.decode(tokens), None, len(tokens)

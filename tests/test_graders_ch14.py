@@ -15,7 +15,7 @@ class Det:
     flag plants one typical mistake."""
 
     SPLIT = NO_HOLD = KEEP_STOP = LIST_ORDER = NO_FLUSH = HOLD_ONE_MORE = False
-    HOLD_WITHOUT_STOPS = SHORTEST_AT_TIE = False
+    HOLD_WITHOUT_STOPS = START_ORDER = LAST_AT_TIE = False
 
     def __init__(self, decode, stop=()):
         self.decode, self.stop = decode, [s for s in stop if s]
@@ -42,9 +42,14 @@ class Det:
 
     def _release(self, final):
         found = [(i, s) for s in self.stop if (i := self.text.find(s)) >= 0]
-        if found:
-            i, s = found[0] if self.LIST_ORDER else min(
-                found, key=lambda f: (f[0], len(f[1])) if self.SHORTEST_AT_TIE else f[0])
+        if found:  # right: the first to complete, ties the first listed (vLLM)
+            if self.LIST_ORDER:  # (vLLM before its check_stop_strings took completion)
+                i, s = found[0]
+            elif self.START_ORDER:
+                i, s = min(found, key=lambda f: f[0])
+            else:
+                i, s = min(found[::-1] if self.LAST_AT_TIE else found,
+                           key=lambda f: f[0] + len(f[1]))
             end = i + len(s) if self.KEEP_STOP else i
             self.stopped, self.text = s, self.text[:end]
         else:
@@ -88,14 +93,16 @@ def test_a_right_answer_written_differently_passes(capsys):
     (_bug(SPLIT=True), "half a character went out as U+FFFD"),
     (_bug(NO_HOLD=True), "no hold-back"),
     (_bug(KEEP_STOP=True), "the stop string itself was sent"),
-    (_bug(LIST_ORDER=True), "*earliest* occurrence"),
+    (_bug(LIST_ORDER=True), "*completes* first"),
+    (_bug(START_ORDER=True), "nor the one that starts first"),
     (_bug(NO_FLUSH=True), "finish must return everything still held back"),
     (_bug(HOLD_ONE_MORE=True), "too much held back"),
     (_bug(HOLD_WITHOUT_STOPS=True), "text held back with no stop strings"),
     (Inherits, "inherits the library's IncrementalDetokenizer.add"),
     (Twin, "write it yourself from the spec"),
     (Det(lambda ids: "", ()), "expected a class"),
-], ids=["split-character", "no-hold-back", "stop-kept", "first-stop-in-list", "no-flush",
+], ids=["split-character", "no-hold-back", "stop-kept", "first-stop-in-list",
+     "first-to-start", "no-flush",
         "holds-len-stop", "holds-without-stops", "inherits", "delegates", "an-instance"])
 def test_14_1_wrong_answers_get_a_named_hint(capsys, wrong, hint):
     out = verdict(capsys, wrong)
@@ -117,7 +124,7 @@ def test_the_demo_streams_through_the_learners_class(capsys):
     assert "pieces from" in out
 
 
-def test_14_1_two_stops_at_one_index_the_first_listed_wins(capsys):
-    out = verdict(capsys, _bug(SHORTEST_AT_TIE=True))
-    assert out.startswith("❌ [14.1]") and "two stops at the same index" in out, out
+def test_14_1_two_stops_completing_together_the_first_listed_wins(capsys):
+    out = verdict(capsys, _bug(LAST_AT_TIE=True))
+    assert out.startswith("❌ [14.1]") and "complete at the same character" in out, out
     assert "the one listed first in stop wins" in out, out

@@ -31,9 +31,10 @@ def run(cls, tokens: list[int], stop=(), per_add: int = 1) -> tuple[list[str], o
 
 
 def cut(text: str, stops) -> str:
-    """The text a stream must give: up to the earliest stop string."""
-    at = [i for s in stops if s and (i := text.find(s)) >= 0]
-    return text[:min(at)] if at else text
+    """The text a stream must give: up to the stop string that completes first (ties: the
+    first listed, vLLM's rule)."""
+    at = [(i + len(s), k, i) for k, s in enumerate(stops) if s and (i := text.find(s)) >= 0]
+    return text[:min(at)[2]] if at else text
 
 
 # ---------------------------------------------------------------- the checks (also on mutants)
@@ -112,11 +113,15 @@ def test_the_checks_catch_a_planted_bug(name):
 
 # ---------------------------------------------------------------- the rest of the spec
 
-def test_earliest_stop_wins_and_the_rest_is_ignored():
+def test_the_stop_that_completes_first_wins_and_the_rest_is_ignored():
     det = IncrementalDetokenizer(TOK.decode, ["world", "o w"])
     out = det.add(ids("hello world, more"))
     assert out == "hell" and det.stopped == "o w"
     assert det.add(ids("anything")) == "" and det.finish() == ""
+    det = IncrementalDetokenizer(TOK.decode, ["lo wo", "o w"])  # both start at "o"...
+    assert det.add(ids("hello world")) == "hell" and det.stopped == "o w"  # ...this ends first
+    det = IncrementalDetokenizer(TOK.decode, ["hello w", "o w"])  # starts later, ends together
+    assert det.add(ids("hello world")) == "" and det.stopped == "hello w"  # the first listed
 
 
 def test_held_back_text_comes_out_at_finish():

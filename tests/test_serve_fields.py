@@ -113,7 +113,9 @@ def test_request_fields_map_to_sampling_params_in_one_place():
     ({"max_tokens": 0}, "max_tokens must be at least 1, got 0."),
     ({"logprobs": 21}, "Requested sample logprobs of 21, which is greater than max allowed"),
     ({"logit_bias": {"x": 1}}, "logit_bias keys must be token ids"),
-    ({"echo": True}, "echo is not supported"),
+    ({"prompt_logprobs": 2, "stream": True},
+     "`prompt_logprobs` are not available when `stream=True`."),
+    ({"prompt_logprobs": -1}, "Requested prompt logprobs of 264, which is greater than max"),
 ])
 def test_bad_values_are_a_400_in_vllms_words(http, body, message):
     """test_completion.py's bad-parameter cases: SamplingParams' own message, a 400."""
@@ -161,6 +163,60 @@ def test_completion_logprobs_k_lists_the_k_most_likely_and_the_chosen(client):
         best = sorted(ref.values(), key=lambda x: x.rank)[:3]
         assert sorted(top.values(), reverse=True)[:3] == pytest.approx([x.logprob
                                                                        for x in best])
+
+
+@pytest.mark.parametrize("prompt", ["def add(a, b):", [104, 105, 40, 41]])
+@pytest.mark.parametrize("logprobs_arg", [1, 0])
+def test_echo_logprob_completion(client, prompt, logprobs_arg):
+    """test_completion.py::test_echo_logprob_completion: with ``echo`` the text starts with
+    the prompt (text, or token ids decoded), and with ``logprobs`` the prompt's tokens come
+    first, the first with ``null`` logprob and top logprobs."""
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0.0,
+                                  echo=True, logprobs=logprobs_arg)
+    prompt_text = prompt if isinstance(prompt, str) else bytes(prompt).decode()
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5,
+                                      temperature=0.0)
+    assert r.choices[0].text == prompt_text + plain.choices[0].text
+    lp = r.choices[0].logprobs
+    n = len(prompt_text) + (1 if isinstance(prompt, str) else 0)  # (BOS with a text prompt)
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset) == n + 5
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for top in lp.top_logprobs[1:]:
+        assert max(logprobs_arg, 1) <= len(top) <= logprobs_arg + 1
+    assert "".join(lp.tokens) == r.choices[0].text
+    # streamed: the first chunk carries the prompt
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=5,
+                                            temperature=0.0, echo=True, stream=True))
+    assert chunks[0].choices[0].text.startswith(prompt_text)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == r.choices[0].text
+
+
+def test_prompt_logprobs_completion_and_chat(client):
+    """test_chat.py::test_prompt_logprobs_chat (and its completions twin): vLLM's extra
+    ``prompt_logprobs`` field, ``null`` first, then each prompt token's ``{id: {logprob,
+    rank, decoded_token}}`` with the token and the k most likely; equal to the engine's
+    ``RequestOutput.prompt_logprobs``; absent unless asked for."""
+    r = client.completions.create(model=MODEL, prompt="def f", max_tokens=2, temperature=0,
+                                  extra_body={"prompt_logprobs": 2})
+    got = r.choices[0].model_extra["prompt_logprobs"]
+    llm = LLM(TINY_CODE_LLAMA_DIR, num_blocks=64, device="cpu")  # (the server's is busy)
+    ids = llm.tokenizer.encode("def f")
+    want = llm.generate([ids], SamplingParams(max_tokens=2, temperature=0,
+                                              prompt_logprobs=2))[0].prompt_logprobs
+    assert got[0] is None and len(got) == len(ids) == len(want)
+    for tok, entry, ref in zip(ids[1:], got[1:], want[1:], strict=True):
+        assert str(tok) in entry and 2 <= len(entry) <= 3
+        assert {int(k): v["logprob"] for k, v in entry.items()} == pytest.approx(
+            {k: v.logprob for k, v in ref.items()}, abs=1e-4)
+        assert {v["rank"] for v in entry.values()} >= {1, 2}
+        assert entry[str(tok)]["decoded_token"] == llm.tokenizer.decode([tok])
+    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2,
+                                          extra_body={"prompt_logprobs": 0})
+    plp = chat.model_extra["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == chat.usage.prompt_tokens
+    assert all(len(entry) == 1 for entry in plp[1:])  # the prompt token itself
+    plain = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2)
+    assert plain.model_extra["prompt_logprobs"] is None
 
 
 def test_penalties_and_logit_bias_reach_the_engine(client):

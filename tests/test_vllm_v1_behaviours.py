@@ -302,3 +302,88 @@ def test_priority_needs_the_priority_policy_and_orders_the_engines_requests(tiny
     engine.generate(prompts, params, priority=[2, 0, 1])
     finished = [r.finished_step for r in engine.stats.requests]
     assert finished[1] < finished[2] < finished[0]
+
+
+# ------------------------------------------------- stop strings (tests/detokenizer/ in vLLM)
+
+def check_stop_strings(output_text, new_char_count, stop, include_in_output):
+    """vLLM's ``check_stop_strings(output_text, new_char_count, stop, include_in_output)``
+    asked of this library's detokenizer: the text before the last ``new_char_count``
+    characters is added first (none of these tests' stops is in it), then the new
+    characters in one ``add``, as one step of several tokens. Returns vLLM's answer,
+    ``(stop string, length to cut the text to, or -1)`` or None."""
+    from paged_lib.engine.detokenize import IncrementalDetokenizer
+    from paged_lib.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer()
+    old = output_text[:len(output_text) - new_char_count]
+    det = IncrementalDetokenizer(tok.decode, stop, min_tokens=len(old))  # old: not searched
+    det.add(tok.encode(old, add_bos=False))
+    det.add(tok.encode(output_text[len(old):], add_bos=False))
+    if det.stopped is None:
+        return None
+    if not include_in_output:
+        return det.stopped, len(det.text)
+    end = len(det.text) + len(det.stopped)
+    return det.stopped, -1 if end >= len(output_text) else end
+
+
+@pytest.mark.parametrize("stop", [["a", "is"], ["is", "a"]])
+def test_earliest_completing_stop_wins_regardless_of_list_order(stop):
+    """test_check_stop_strings.py::test_earliest_completing_stop_wins_regardless_of_list_order
+    (and ::test_earliest_completing_stop_include_in_output): " is a" came in one step;
+    "is" completes before "a", whatever the list's order."""
+    assert check_stop_strings(" The user is a", len(" is a"), stop, False) == ("is", 10)
+    assert check_stop_strings(" The user is a", len(" is a"), stop, True) == ("is", 12)
+
+
+def test_completion_position_not_start_position():
+    """test_check_stop_strings.py::test_completion_position_not_start_position: "b" starts
+    after "abc" but completes first, so it wins."""
+    assert check_stop_strings("abc", 3, ["abc", "b"], False) == ("b", 1)
+
+
+@pytest.mark.parametrize("stop, expected", [(["ab", "b"], ("ab", 0)), (["b", "ab"], ("b", 1))])
+def test_ties_broken_by_list_order(stop, expected):
+    """test_check_stop_strings.py::test_ties_broken_by_list_order: both complete at the same
+    character; the first listed wins."""
+    assert check_stop_strings("ab", 2, stop, False) == expected
+
+
+def test_single_stop_in_window_unchanged():
+    """test_check_stop_strings.py::test_single_stop_in_window_unchanged."""
+    assert check_stop_strings("hello world.", 1, ["."], False) == (".", 11)
+    assert check_stop_strings("hello world.", 1, ["."], True) == (".", -1)
+
+
+def test_no_match_and_empty_inputs_return_none():
+    """test_check_stop_strings.py::test_no_match_and_empty_inputs_return_none (no new
+    characters: an add that completes no character searches nothing)."""
+    assert check_stop_strings("hello", 5, ["zzz"], False) is None
+    assert check_stop_strings("hello", 5, [], False) is None
+    from paged_lib.engine.detokenize import IncrementalDetokenizer
+    from paged_lib.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer()
+    det = IncrementalDetokenizer(tok.decode, ["h"], min_tokens=5)
+    det.add(tok.encode("hello", add_bos=False))
+    assert det.add([0xC3]) == "" and det.stopped is None  # half of é: no new character
+
+
+def test_the_engines_text_ends_at_the_stop_that_completes_first():
+    """test_ties_broken_by_list_order through ``LLM.generate``: two stops completed by the
+    same token (the tiny model's tokens are bytes); the first listed wins and the text ends
+    before it, in either order (the stop that starts first does not win by starting)."""
+    from paged_lib.data import TINY_CODE_LLAMA_DIR
+    from paged_lib.engine import LLM
+    from paged_lib.engine import SamplingParams as P
+
+    llm = LLM(TINY_CODE_LLAMA_DIR, num_blocks=64, device="cpu")
+    greedy = P(max_tokens=16, temperature=0.0)
+    text = llm.generate(["def "], greedy)[0].outputs[0].text
+    at = next(i for i in range(2, len(text)) if text[i] not in text[:i])
+    long, short = text[at - 2:at + 1], text[at]  # both complete with character `at`
+    for stop, cut in (([long, short], at - 2), ([short, long], at)):
+        params = P(max_tokens=16, temperature=0.0, stop=stop)
+        out = llm.generate(["def "], params)[0].outputs[0]
+        assert out.stop_reason == stop[0] and out.text == text[:cut], (text, stop, out)

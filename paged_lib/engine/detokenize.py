@@ -15,10 +15,11 @@ complete, its first ``"\\n"`` must not have been sent already. vLLM's answer, ke
 decode a window of tokens, hold back an incomplete character, and hold back
 ``len(longest stop) - 1`` characters until they are decided (its output text buffer).
 Each token's text is decoded once (the window restarts at every whole character), so a
-generation of ``n`` tokens costs ``O(n)`` decoding, not ``O(n^2)``. One difference: when
-one step completes two stop strings, vLLM's ``check_stop_strings`` takes the first of the
-``stop`` list that it finds; here the one that starts earliest in the text wins (ties: the
-first of the list), as chapter 14's exercise specifies.
+generation of ``n`` tokens costs ``O(n)`` decoding, not ``O(n^2)``. When one ``add``
+completes two stop strings, the one that *completes* first (ends earliest in the text) wins,
+ties going to the first of the ``stop`` list: vLLM's ``check_stop_strings`` rule, so the
+result is what adding one token at a time would give (``"abc"`` with stops ``["abc", "b"]``
+stops at ``"b"``, the text ``"a"``).
 """
 
 from __future__ import annotations
@@ -40,10 +41,10 @@ class IncrementalDetokenizer:
       Joined, the pieces are the decoded text, cut before the first stop string.
     * Never half a character: decoded text that ends in U+FFFD may be a character still
       arriving, so that tail waits for the next tokens (or :meth:`finish`).
-    * Stops: once the text contains a string of ``stop``, it ends just before the earliest
-      occurrence (the stop itself is left out), :attr:`stopped` names it, and later tokens
-      are ignored. Until then the last ``len(longest stop) - 1`` characters are held back:
-      a stop may be starting there.
+    * Stops: once the text contains a string of ``stop``, it ends just before the stop that
+      completed first (ties: the first listed; the stop itself is left out), :attr:`stopped`
+      names it, and later tokens are ignored. Until then the last ``len(longest stop) - 1``
+      characters are held back: a stop may be starting there.
     * ``min_tokens`` (vLLM's rule): text made by the first ``min_tokens`` tokens is not
       searched; a stop must end in text of a later token (it may begin earlier).
     * :meth:`finish` (the sequence ended) returns everything still held.
@@ -102,12 +103,12 @@ class IncrementalDetokenizer:
         # only a stop that ends in text not searched before: one that ended earlier was
         # found then (or lay in the min_tokens text, which vLLM never searches)
         found = []
-        if self.num_tokens > self.min_tokens:
-            found = [(i, s) for s in self.stop if (i := self.text.find(
-                s, max(self.sent, self._searched - len(s) + 1))) >= 0]
+        if self.num_tokens > self.min_tokens:  # (where it ends, its place in the list, ...)
+            found = [(i + len(s), k, i, s) for k, s in enumerate(self.stop)
+                     if (i := self.text.find(s, max(self.sent, self._searched - len(s) + 1))) >= 0]
         self._searched = len(self.text)
-        if found:
-            end, self.stopped = min(found, key=lambda f: f[0])
+        if found:  # the first to complete; ties: the first listed (vLLM)
+            _, _, end, self.stopped = min(found)
             self.text = self.text[:end]
         else:
             end = len(self.text) if final else max(self.sent, len(self.text) - self.hold)

@@ -79,7 +79,8 @@ class StopStrings:
     :class:`~paged_lib.engine.detokenize.IncrementalDetokenizer` (kept in
     ``seq.detokenizer``, made at its first check) takes the tokens it has not seen, so
     each token is decoded once; ``seq.output_text`` is the text decided so far. A stop
-    string found (the earliest in the text; one may span tokens) cuts the text before it
+    string found (the first to complete, ties the first listed, as vLLM; one may span
+    tokens) cuts the text before it
     and is returned. Text made within ``min_tokens`` is not searched (vLLM's rule); an
     incomplete UTF-8 character at the end (a byte-level tokenizer splits characters)
     counts once it is complete. The server streams with the same class

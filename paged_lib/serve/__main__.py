@@ -7,8 +7,9 @@ from :class:`~paged_lib.engine.config.EngineConfig`'s fields, with vLLM's names
 lists them); those left out keep :class:`~paged_lib.engine.llm.LLM`'s defaults, and
 ``--threads`` the cores this process may use. ``--llm-class`` serves a subclass of ``LLM``
 instead; ``--mine`` chapter 13's engine of the learner's own pieces (:data:`MINE`, imported
-by name: the system itself never imports the course). Then talk
-to it with OpenAI's client::
+by name: the system itself never imports the course), which first prints, piece by piece,
+whose code it runs (the learner's saved pieces that pass chapter 13's scenarios, the
+library's for the rest). Then talk to it with OpenAI's client::
 
     from openai import OpenAI
     client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="none")
@@ -25,8 +26,8 @@ from paged_lib.data import TINY_CODE_LLAMA_DIR
 from paged_lib.engine.config import EngineConfig, default_threads
 
 #: ``--llm-class`` for chapter 13's engine of the learner's own pieces (those saved in
-#: ``mine/``, the library's for the rest)
-MINE = "paged_lib.course.demos.your_engine:YourLLM"
+#: ``mine/`` that pass chapter 13's scenarios, the library's for the rest; it says which)
+MINE = "paged_lib.course.demos.your_server:ServedLLM"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -8,12 +8,18 @@
     /metrics                Prometheus text, vLLM's metric names (:mod:`.metrics`)
 
 ``"stream": true`` answers with server-sent events: one ``data: {chunk}`` per new text
-piece, ``data: [DONE]`` at the end. Every error is OpenAI's shape,
-``{"error": {"message", "type", "param", "code"}}``: a 4xx for a request the client must
-fix (malformed JSON, an unknown model, a value out of range, a prompt longer than the
-model takes), 503 when the engine failed while running it (in a stream: an error event,
-then ``[DONE]``). A field the server does not know is ignored and named once in the log,
-as vLLM does. A client that disconnects has its request aborted, its blocks freed.
+piece, ``data: [DONE]`` at the end. vLLM's ``prompt_logprobs`` (not with a stream, as in
+vLLM) come in the response (chat) or in each choice (completions); a completion's ``echo``
+puts the prompt first in the text, and with ``logprobs`` its tokens' logprobs first.
+Every error is OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``: a
+4xx for a request the client must fix (malformed JSON, an unknown model, a value out of
+range, a prompt longer than the model takes), 503 when the engine failed while running it
+(in a stream: an error event, then ``[DONE]``). A field the server does not know is
+ignored and named once in the log, as vLLM does. A client that disconnects has its request
+aborted, its blocks freed. Where this server still differs from vLLM's: chapter 14, section
+1 (one prompt per completions request; ``prompt_logprobs`` from a second prefill; tools,
+``response_format`` and other unknown fields ignored, not honoured; a model without a chat
+template gets ``role: content`` lines).
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ from starlette.exceptions import HTTPException
 from paged_lib.engine.llm import LLM
 from paged_lib.serve.async_engine import AsyncEngine, EngineError, RequestError
 from paged_lib.serve.metrics import ServerMetrics
-from paged_lib.serve.outputs import Choices, Piece, text_pieces
+from paged_lib.serve.outputs import Choices, Echo, Piece, prompt_logprobs_json, text_pieces
 from paged_lib.serve.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -79,11 +85,14 @@ class OpenAIServing:
 
     async def completions(self, req: CompletionRequest, raw: Request):
         self._check_model(req.model)
-        if req.echo:
-            raise ServeError(400, "echo is not supported by this server: the prompt is the "
-                             "one you sent", "echo")
         ids = self._prompt_ids(req.prompt)
-        return await self._serve(req, raw, ids, "cmpl", "text_completion")
+        echo = None
+        if req.echo:  # the prompt as sent when it is text, else its tokens decoded
+            text = req.prompt if isinstance(req.prompt, str) else (
+                req.prompt[0] if isinstance(req.prompt, list) and req.prompt
+                and isinstance(req.prompt[0], str) else self.tokenizer.decode(ids))
+            echo = Echo(text, ids)
+        return await self._serve(req, raw, ids, "cmpl", "text_completion", echo)
 
     async def chat_completions(self, req: ChatCompletionRequest, raw: Request):
         self._check_model(req.model)
@@ -96,21 +105,25 @@ class OpenAIServing:
     # ------------------------------------------------------------ the common path
 
     async def _serve(self, req: SamplingFields, raw: Request, ids: list[int], prefix: str,
-                     kind: str):
+                     kind: str, echo: Echo | None = None):
         log_ignored(req)
         try:
             params = req.to_sampling_params(self._room(ids))
         except ValueError as e:  # SamplingParams' own checks, in vLLM's words
             raise ServeError(400, str(e)) from None
-        choices = Choices(params.n, self.tokenizer.decode, self._token_bytes,
-                          chat=kind == "chat.completion", logprobs=params.logprobs is not None,
-                          top_k=params.logprobs or 0)
+        chat = kind == "chat.completion"
+        choices = Choices(params.n, self.tokenizer.decode, self._token_bytes, chat=chat,
+                          logprobs=params.logprobs is not None, top_k=params.logprobs or 0,
+                          echo=echo)
         try:
             stream = await self.engine.add_request(ids, params, req.priority)
         except RequestError as e:
             raise ServeError(400, str(e)) from None
         except EngineError as e:
             raise ServeError(503, str(e)) from None
+        if echo is not None:
+            echo.top = stream.prompt_logprobs
+        prompt_lps = prompt_logprobs_json(stream.prompt_logprobs, self.tokenizer.decode)
         pieces = text_pieces(self.engine, stream, self.tokenizer.decode, params.stop)
         head = {"id": f"{prefix}-{uuid.uuid4().hex}", "object": kind,
                 "created": int(time.time()), "model": self.model_name}
@@ -129,7 +142,12 @@ class OpenAIServing:
             raise ServeError(503, str(e)) from None
         finally:
             drain.cancel()  # (done already, or its client left: text_pieces aborts it)
-        return {**head, "choices": choices.final(), "usage": choices.usage(len(ids))}
+        final = choices.final()
+        if chat:  # vLLM's extra field: the response's in chat, each choice's in completions
+            return {**head, "choices": final, "usage": choices.usage(len(ids)),
+                    "prompt_logprobs": prompt_lps}
+        final = [{**c, "prompt_logprobs": prompt_lps} for c in final]
+        return {**head, "choices": final, "usage": choices.usage(len(ids))}
 
     async def _events(self, head: dict, pieces: AsyncIterator[Piece], choices: Choices,
                       prompt_tokens: int, include_usage: bool) -> AsyncIterator[str]:

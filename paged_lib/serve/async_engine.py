@@ -11,6 +11,9 @@ it and loops::
 
 A request that can never run (too long for the model, ``n`` above ``max_num_seqs``, ...)
 is refused when it is added, before its HTTP answer has started: :class:`RequestError`.
+One that asks for ``prompt_logprobs`` has them computed as it is added, on this thread
+(the prompt run once more in a scratch pool: :mod:`paged_lib.engine.prompt_logprobs`), in
+:attr:`RequestStream.prompt_logprobs`.
 A step that raises fails every request in flight with :class:`EngineError` (their blocks
 freed, the prefix cache reset, since that step may have cached blocks it never wrote) and
 the loop goes on serving.
@@ -26,6 +29,7 @@ import time
 from dataclasses import dataclass, field
 
 from paged_lib.engine.llm_engine import LLMEngine
+from paged_lib.engine.prompt_logprobs import prompt_logprobs
 from paged_lib.engine.sequence import EngineStats, SamplingParams, SequenceGroup
 from paged_lib.serve.metrics import ServerMetrics
 
@@ -69,6 +73,8 @@ class RequestStream:
     params: SamplingParams
     loop: asyncio.AbstractEventLoop
     priority: int = 0
+    #: with ``params.prompt_logprobs``: ``None``, then each prompt token's ``{id: Logprob}``
+    prompt_logprobs: list | None = None
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     arrival: float = field(default_factory=time.monotonic)
     # the engine thread's bookkeeping
@@ -195,6 +201,16 @@ class AsyncEngine:
         if group.error is not None:
             stream.put(RequestError(group.error))
             return
+        if (k := stream.params.prompt_logprobs) is not None:
+            e = self.engine
+            try:
+                stream.prompt_logprobs = prompt_logprobs(
+                    e.model, stream.prompt_token_ids, k, e.block_size, e.attention_backend)
+            except Exception as err:  # noqa: BLE001
+                e.abort_request(stream.request_id)
+                stream.put(EngineError(f"the prompt's logprobs could not be computed "
+                                       f"({type(err).__name__}: {err})"))
+                return
         n = stream.params.n
         stream.group, stream.sent = group, [0] * n
         stream.cumulative, stream.ended = [0.0] * n, [None] * n

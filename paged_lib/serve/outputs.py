@@ -81,6 +81,16 @@ async def text_pieces(engine: AsyncEngine, stream: RequestStream,
 
 
 @dataclass
+class Echo:
+    """A completion's prompt, written before each choice's text (``echo``): its text, its
+    tokens and (with ``logprobs``) each token's ``{id: Logprob}`` (the first ``None``)."""
+
+    text: str
+    token_ids: list[int]
+    top: list | None = None
+
+
+@dataclass
 class Choices:
     """The choices of one request, as OpenAI's completions (``chat=False``) or chat
     completions shape them."""
@@ -91,19 +101,27 @@ class Choices:
     chat: bool
     logprobs: bool
     top_k: int = 0  # the most likely tokens listed per position (top_logprobs, logprobs=k)
+    echo: Echo | None = None
     text: list[str] = field(init=False)
     pieces: list[list[Piece]] = field(init=False)
 
     def __post_init__(self):
-        self.text = [""] * self.n
+        self.text = [self.echo.text if self.echo else ""] * self.n
         self.pieces = [[] for _ in range(self.n)]
 
     def add(self, piece: Piece) -> dict:
-        """Record ``piece``; returns its choice as a stream chunk shapes it."""
-        offset = len(self.text[piece.index])
+        """Record ``piece``; returns its choice as a stream chunk shapes it (a choice's
+        first chunk carries the echoed prompt)."""
+        first = not self.pieces[piece.index]
+        offset = len(self.text[piece.index])  # (the echoed prompt's text included)
         self.text[piece.index] += piece.text
         self.pieces[piece.index].append(piece)
-        lp = self._logprobs([piece], offset) if self.logprobs else None
+        rows = self._rows([piece])
+        if first and self.echo is not None:
+            piece = Piece(piece.index, self.echo.text + piece.text, piece.token_ids,
+                          piece.logprobs, piece.finish_reason, piece.stop_reason, piece.top)
+            rows, offset = self._echo_rows() + rows, 0
+        lp = self._logprobs(rows, offset) if self.logprobs else None
         if self.chat:
             return {"index": piece.index, "delta": {"content": piece.text} if piece.text else {},
                     "logprobs": lp, "finish_reason": piece.finish_reason,
@@ -116,7 +134,8 @@ class Choices:
         out = []
         for i, pieces in enumerate(self.pieces):
             last = pieces[-1] if pieces else Piece(i, "", [], [], "abort")
-            lp = self._logprobs(pieces, 0) if self.logprobs else None
+            rows = (self._echo_rows() if self.echo else []) + self._rows(pieces)
+            lp = self._logprobs(rows, 0) if self.logprobs else None
             body = ({"message": {"role": "assistant", "content": self.text[i]}} if self.chat
                     else {"text": self.text[i]})
             out.append({"index": i, **body, "logprobs": lp,
@@ -128,15 +147,23 @@ class Choices:
         return {"prompt_tokens": prompt_tokens, "completion_tokens": done,
                 "total_tokens": prompt_tokens + done}
 
-    def _logprobs(self, pieces: list[Piece], offset: int) -> dict:
+    def _rows(self, pieces: list[Piece]) -> list[tuple]:
+        return [(t, lp, top) for p in pieces for t, lp, top in zip(
+            p.token_ids, p.logprobs, p.top or [None] * len(p.token_ids), strict=True)]
+
+    def _echo_rows(self) -> list[tuple]:
+        """The prompt's tokens as rows (token, its logprob or None, its top or None)."""
+        tops = self.echo.top or [None] * len(self.echo.token_ids)
+        return [(t, top[t].logprob if top else None, top)
+                for t, top in zip(self.echo.token_ids, tops, strict=True)]
+
+    def _logprobs(self, rows: list[tuple], offset: int) -> dict:
         """OpenAI's logprobs: ``{"content": [{token, logprob, bytes, top_logprobs}]}``
         (chat: ``top_logprobs`` the ``k`` most likely tokens, most likely first) or
         ``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`` (completions: each
         position's ``{token: logprob}`` for the ``k`` most likely and the chosen one, as
         vLLM). A log-probability of ``-inf`` is sent as -9999.0 (JSON has no infinity),
-        as vLLM does."""
-        rows = [(t, lp, top) for p in pieces for t, lp, top in zip(
-            p.token_ids, p.logprobs, p.top or [None] * len(p.token_ids), strict=True)]
+        as vLLM does. An echoed prompt's first token has ``null`` for both."""
         if self.chat:
             def entry(t, lp):
                 return {"token": self.decode([t]), "logprob": _finite(lp),
@@ -151,9 +178,20 @@ class Choices:
         tops = []
         for tok, (_, lp, top) in zip(tokens, rows, strict=True):
             best = {self.decode([u]): _finite(x.logprob) for u, x in _ranked(top, self.top_k)}
-            tops.append({**best, tok: _finite(lp)})
-        return {"tokens": tokens, "token_logprobs": [_finite(lp) for _, lp, _ in rows],
+            tops.append(None if lp is None else {**best, tok: _finite(lp)})
+        return {"tokens": tokens, "token_logprobs": [None if lp is None else _finite(lp)
+                                                     for _, lp, _ in rows],
                 "top_logprobs": tops, "text_offset": offsets}
+
+
+def prompt_logprobs_json(top: list | None, decode: Callable[[list[int]], str]) -> list | None:
+    """vLLM's ``prompt_logprobs`` field: ``null`` for the first prompt token, then each
+    token's ``{"id": {"logprob", "rank", "decoded_token"}}`` (itself and the most likely)."""
+    if top is None:
+        return None
+    return [None if t is None else {str(u): {"logprob": _finite(x.logprob), "rank": x.rank,
+                                             "decoded_token": decode([u])}
+                                    for u, x in t.items()} for t in top]
 
 
 def _ranked(top: dict | None, k: int) -> list:

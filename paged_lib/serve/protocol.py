@@ -7,8 +7,9 @@ answer. The sampling fields are OpenAI's (``temperature``, ``top_p``, ``n``, ``s
 ``stop``, ``max_tokens``, ``presence_penalty``, ``frequency_penalty``, ``logit_bias``,
 ``logprobs``/``top_logprobs``) plus vLLM's extra ones that the engine has (``top_k``,
 ``min_p``, ``repetition_penalty``, ``min_tokens``, ``stop_token_ids``,
-``include_stop_str_in_output``, ``ignore_eos``, ``bad_words``, ``allowed_token_ids``; and
-``priority``, for a server started with ``--scheduling-policy priority``), and
+``include_stop_str_in_output``, ``ignore_eos``, ``bad_words``, ``allowed_token_ids``,
+``prompt_logprobs``; and ``priority``, for a server started with ``--scheduling-policy
+priority``; completions also take ``echo``), and
 :meth:`SamplingFields.to_sampling_params` is the one place that maps them to
 :class:`~paged_lib.engine.sampling_params.SamplingParams`, whose own checks (vLLM's words)
 make a bad value a 400. ``null`` means the default, as OpenAI's clients send it.
@@ -78,6 +79,7 @@ class SamplingFields(Lenient):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
+    prompt_logprobs: int | None = None
     priority: int = 0
     user: str | None = None
 
@@ -98,6 +100,11 @@ class SamplingFields(Lenient):
         """``max_tokens`` as the client sent it (``None``: what the context has left)."""
         raise NotImplementedError
 
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """Top log-probabilities per prompt token (``None``: none asked for)."""
+        return self.prompt_logprobs
+
     def to_sampling_params(self, room: int) -> SamplingParams:
         """The request's :class:`SamplingParams` (the one place fields are mapped; a bad
         value raises ``ValueError`` in vLLM's words). ``room``: what the context has left
@@ -113,6 +120,9 @@ class SamplingFields(Lenient):
                 raise ValueError(f"logit_bias keys must be token ids, got "
                                  f"{list(self.logit_bias)}") from None
         asked = self.asked_max_tokens()
+        prompt_k, sent = self.num_prompt_logprobs, self.prompt_logprobs
+        if self.stream and sent is not None and (sent > 0 or sent == -1):  # vLLM's check
+            raise ValueError("`prompt_logprobs` are not available when `stream=True`.")
         given = {
             "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
             "min_p": self.min_p, "n": self.n, "presence_penalty": self.presence_penalty,
@@ -125,13 +135,16 @@ class SamplingFields(Lenient):
             ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
             max_tokens=room if asked is None else asked, logprobs=self.num_logprobs,
             logit_bias=bias, bad_words=self.bad_words,
-            allowed_token_ids=self.allowed_token_ids)
+            allowed_token_ids=self.allowed_token_ids, prompt_logprobs=prompt_k)
 
 
 class CompletionRequest(SamplingFields):
     """``POST /v1/completions``: one prompt, as text or token ids (a list of one is fine).
     ``max_tokens`` defaults to 16 (OpenAI's default); ``null``: what the context has left.
-    ``logprobs=k``: the chosen token's and the ``k`` most likely tokens' logprobs."""
+    ``logprobs=k``: the chosen token's and the ``k`` most likely tokens' logprobs.
+    ``echo``: the prompt comes first in each choice's text, and with ``logprobs`` its
+    tokens' logprobs first (the first token's ``null``), as vLLM, which asks for
+    ``prompt_logprobs=logprobs`` when none are given."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
@@ -141,6 +154,12 @@ class CompletionRequest(SamplingFields):
     @property
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        if self.prompt_logprobs is None and self.echo:
+            return self.logprobs
+        return self.prompt_logprobs
 
     def asked_max_tokens(self) -> int | None:
         return self.max_tokens

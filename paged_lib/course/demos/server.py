@@ -3,8 +3,11 @@
     with local_server(num_blocks=96) as base_url:       # e.g. "http://127.0.0.1:51234"
         client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="none")
 
-The server runs the shipped tiny model on a free port; the block waits for ``/health``
-and stops the process on the way out (also when the block raises).
+The server runs the shipped tiny model on a free port (or ``model=``, e.g.
+``"SmolLM2-135M-Instruct"``; ``mine=True`` adds ``--mine``: chapter 13's engine of your
+pieces); the block waits for ``/health`` and stops the process on the way out (also when
+the block raises). ``echo=True`` prints what the server said while it started (``--mine``'s
+list of whose pieces it runs).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 
@@ -32,17 +36,22 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def local_server(name: str = "tiny-code-llama", num_blocks: int = 96, max_num_seqs: int = 16,
-                 startup_s: float = 120.0, extra_args: tuple[str, ...] = ()) -> Iterator[str]:
-    """Start the server on the tiny model as ``name`` (more flags in ``extra_args``, e.g.
-    ``("--reservation", "orca-max")``); yields its base URL."""
+                 startup_s: float = 120.0, extra_args: tuple[str, ...] = (),
+                 model: str | Path = TINY_CODE_LLAMA_DIR, mine: bool = False,
+                 echo: bool = False) -> Iterator[str]:
+    """Start the server on ``model`` (default: the tiny model) as ``name`` (more flags in
+    ``extra_args``, e.g. ``("--reservation", "orca-max")``; ``mine``: ``--mine``); yields
+    its base URL, once ``/health`` answers (``echo``: after printing the server's output
+    so far)."""
     port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     log = tempfile.TemporaryFile(mode="w+")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "paged_lib.serve", "--model", str(TINY_CODE_LLAMA_DIR),
+        [sys.executable, "-m", "paged_lib.serve", "--model", str(model),
          "--served-model-name", name, "--host", "127.0.0.1", "--port", str(port),
          "--num-blocks", str(num_blocks), "--max-num-seqs", str(max_num_seqs),
-         "--device", "cpu", "--log-level", "warning", *extra_args],
+         "--device", "cpu", "--log-level", "warning", *(("--mine",) if mine else ()),
+         *extra_args],
         stdout=log, stderr=subprocess.STDOUT, env=env)
     base = f"http://127.0.0.1:{port}"
     try:
@@ -59,6 +68,10 @@ def local_server(name: str = "tiny-code-llama", num_blocks: int = 96, max_num_se
             except httpx.TransportError:
                 pass
             time.sleep(0.2)
+        if echo:
+            log.seek(0)
+            print(log.read(), end="")
+            log.seek(0, os.SEEK_END)
         yield base
     finally:
         proc.terminate()

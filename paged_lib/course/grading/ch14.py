@@ -8,7 +8,8 @@
 The tokens are the tiny model's bytes (:class:`paged_lib.tokenizer.ByteTokenizer`), so é
 is two tokens, 日 three and 🎉 four. After every ``add`` the text released so far must be
 exactly what is decided: every whole character when no stop is given; with stops, the
-text cut before the earliest stop once one has appeared, else all but the last
+text cut before the stop that completed first (ties: the first listed, vLLM's
+``check_stop_strings``) once one has appeared, else all but the last
 ``len(longest stop) - 1`` characters. The expected text is computed here from the bytes
 (no call to the library), and a wrong piece is matched to the typical mistake.
 """
@@ -39,23 +40,29 @@ _CASES: list[tuple[str, list[str], int, str]] = [
     ("x = 1\nreturn x", ["\nret"], 1, "a stop of four characters"),
     ("go 日本 now", ["本 n"], 1, "a stop that starts inside a multi-byte character's tokens"),
     ("wait 🎉🎉 now", ["🎉🎉"], 3, "a stop made of emoji, three tokens per add"),
-    ("hello world", ["world", "lo"], 11, "two stops in one add: the earliest in the text wins"),
+    ("hello world", ["world", "lo"], 11, "two stops in one add: the one that completes first "
+     "wins"),
     ("xabcx", ["b", "abc"], 1, "the stop that appears first ends the text"),
     ("ab", ["xyz"], 1, "a stop that never comes: finish releases the held text"),
     ("stop here, not here", ["here"], 4, "text after the stop is ignored"),
     ("aaaa", ["aa", "aaa"], 1, "overlapping stops"),
     ("plain text", ["", "t"], 1, "an empty stop string is ignored"),
-    ("say abc now", ["abc", "ab"], 11, "two stops at the same index in one add: the first "
-     "listed wins"),
+    ("say abc now", ["abc", "ab"], 11, "two stops starting at one index in one add: the "
+     "shorter completes first and wins"),
+    ("xabcx", ["abc", "b"], 5, "a stop inside a longer one, in one add: it completes first"),
+    ("say abc now", ["c", "bc"], 11, "two stops that complete at the same character in one "
+     "add: the first listed wins"),
 ]
 
 
 def _cut(text: str, stops: Sequence[str]) -> tuple[str, str | None]:
-    """The text up to the earliest stop, and which stop (the earliest; ties: the first)."""
-    found = [(i, s) for s in stops if s and (i := text.find(s)) >= 0]
+    """The text up to the stop that completes first, and which stop (ties: the first
+    listed). On the whole text this is what an incremental search finds: a stop that
+    completed in an earlier add would have ended the text there."""
+    found = [(i + len(s), k, i, s) for k, s in enumerate(stops) if s and (i := text.find(s)) >= 0]
     if not found:
         return text, None
-    i, s = min(found, key=lambda f: f[0])
+    _, _, i, s = min(found)
     return text[:i], s
 
 
@@ -79,10 +86,10 @@ def _describe(got: str, want: str, text: str, stops: Sequence[str], sofar: bytes
         return ("half a character went out as U+FFFD: a byte token can end half way "
                 "through a character; keep the incomplete tail (decoded as U+FFFD) until "
                 "its other bytes arrive")
-    if stop is not None and any(s != stop and s in whole and got == whole[:whole.find(s)]
-                                for s in stops if s):
-        return ("the text must end before the *earliest* occurrence of any stop string "
-                "in the text, not before the first stop of the list that occurs")
+    other = next((s for s in stops if s and s != stop and s in whole
+                  and got == whole[:whole.find(s)]), None) if stop is not None else None
+    if other is not None:
+        return _stopped_hint(other, stop, whole, stops)
     if stop is not None and got.startswith(cut + stop):
         return "the stop string itself was sent: cut the text just before the stop"
     if stop is not None and got.startswith(cut) and len(got) > len(cut):
@@ -128,17 +135,26 @@ def _run_case(cls: Any, text: str, stops: list[str], per_add: int, what: str) ->
         grading.fail(f"{what} ({text!r}, stop={stops}): after finish the text sent is "
                      f"{out!r}, expected {want!r}",
                      _describe(out, want, text, stops, data, True))
-    tie = stop is not None and det.stopped in stops and det.stopped != stop and \
-        text.find(det.stopped) == text.find(stop)
     grading.expect_equal(det.stopped, stop, f"{what} ({text!r}, stop={stops}): stopped",
-                         "two stops found at the same index: the one listed first in stop "
-                         "wins (vLLM's order)" if tie else
-                         "stopped names the stop string that ended the text (None if none)")
+                         _stopped_hint(det.stopped, stop, text, stops))
     grading.expect_equal(det.text, want, f"{what} ({text!r}, stop={stops}): the text "
                          "attribute", "text is all the text decided, cut before the stop")
     grading.expect_equal((det.add(list(b"more")), det.finish()) if stop else ("", ""),
                          ("", ""), f"{what}: add and finish after the stop",
                          "after a stop, the sequence is over: add and finish return ''")
+
+
+def _stopped_hint(got: Any, want: str | None, text: str, stops: Sequence[str]) -> str:
+    """Why ``stopped`` is ``got`` and not ``want``, when both are stops found in ``text``."""
+    if want is None or got not in stops or got == want or text.find(got) < 0:
+        return "stopped names the stop string that ended the text (None if none)"
+    got_end, want_end = text.find(got) + len(got), text.find(want) + len(want)
+    if got_end == want_end:
+        return ("two stops complete at the same character: the one listed first in stop "
+                "wins (vLLM's check_stop_strings)")
+    return (f"{want!r} completes before {got!r} (it ends earlier in the text): the text "
+            "ends before the stop that *completes* first, not the first of the list found, "
+            "nor the one that starts first (vLLM's check_stop_strings)")
 
 
 def _random_cases(seed: int = 14, count: int = 150) -> list[tuple[str, list[str], int]]:
