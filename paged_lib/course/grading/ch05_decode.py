@@ -182,7 +182,7 @@ DECODE_CASES = [((1, 4, 9), 4, 2, 16, 4, 1.0), ((3, 8, 17), 6, 2, 16, 8, 40.0)]
 
 def check_paged_decode_kernel(kernel: Any) -> None:
     """05.5: the paged decode kernel, one program per (sequence, KV head)."""
-    with grading.exercise("05.5", "Paged decode kernel"):
+    with grading.exercise("05.5"):
         for seed, (lens, heads, kv_heads, d, bs, q_scale) in enumerate(DECODE_CASES):
             case = decode_case(lens, heads, kv_heads, d, bs, seed=seed)
             case = case._replace(q=case.q * q_scale)

@@ -34,21 +34,9 @@ from paged_lib.engine.model_runner import build_metadata as lib_build_metadata
 from paged_lib.model import AttentionMetadata
 from paged_lib.util import cdiv
 
-__all__ = ["TWINS", "check_build_metadata", "check_can_admit",
+__all__ = ["check_build_metadata", "check_can_admit",
            "check_num_required_blocks", "check_schedule_waiting", "run_demo"]
 
-#: Exercise id -> the library object the learner's code re-implements (it refuses
-#: the learner's calls while that exercise's check runs: see grading.exercise), with
-#: the library's helpers that do the same work.
-TWINS: dict[str, tuple[str, ...]] = {
-    "06.1": ("paged_lib.engine.model_runner.build_metadata",
-             "paged_lib.kernels.slot_mapping_from_positions"),
-    "06.2": ("paged_lib.engine.block_manager.num_required_blocks",
-             "paged_lib.engine.block_manager.shared_prompt_blocks"),
-    "06.3": ("paged_lib.engine.policy.can_admit",),
-    "06.4": ("paged_lib.engine.policy.schedule_waiting", "paged_lib.engine.policy.can_admit",
-             "paged_lib.engine.policy.seqs_to_come"),
-}
 
 # ------------------------------------------------------------------ 06.1 build_metadata
 
@@ -97,7 +85,7 @@ _FIELD_HINTS = {
 
 def check_build_metadata(build_metadata: Callable[..., Any]) -> None:
     """``build_metadata(block_tables, seq_lens, query_lens, block_size) -> AttentionMetadata``."""
-    with grading.exercise("06.1", "slot_mapping and padded block tables"):
+    with grading.exercise("06.1"):
         for batch in _BATCHES + _random_batches():
             _check_batch(build_metadata, *batch)
         for call in replay.recorded()["build_metadata"]:  # every state the engine reaches

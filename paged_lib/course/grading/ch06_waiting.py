@@ -240,7 +240,7 @@ SCENARIOS: list[Scenario] = [
 
 def check_schedule_waiting(schedule_waiting: Callable[..., Any]) -> None:
     """``schedule_waiting(waiting, step) -> None`` (admits with ``step.admit``)."""
-    with grading.exercise("06.4", "Admitting the waiting queue"):
+    with grading.exercise("06.4"):
         loops.check_scenarios("schedule_waiting", schedule_waiting, SCENARIOS)
         loops.check_workloads("schedule_waiting", schedule_waiting)
         generated.check("schedule_waiting", schedule_waiting, "admission: the head first, "

@@ -32,17 +32,10 @@ from paged_lib.engine.block_manager import swap_mapping as lib_swap_mapping
 from paged_lib.engine.hooks import EngineHooks
 from paged_lib.engine.sequence import SamplingParams, Sequence, SequenceGroup
 
-__all__ = ["EQUIVALENT_MUTANTS", "PRESSURE_BLOCKS", "PRESSURE_BLOCK_SIZE", "TWINS",
+__all__ = ["EQUIVALENT_MUTANTS", "PRESSURE_BLOCKS", "PRESSURE_BLOCK_SIZE",
            "check_choose_victim", "check_preempt_until_fits", "check_swap_mapping",
            "pressure_requests", "run_demo"]
 
-#: Exercise id -> the library object the learner's code re-implements (it refuses
-#: the learner's calls while that exercise's check runs: see grading.exercise).
-TWINS: dict[str, tuple[str, ...]] = {
-    "07.1": ("paged_lib.engine.block_manager.swap_mapping",),
-    "07.2": ("paged_lib.engine.policy.choose_victim",),
-    "07.3": ("paged_lib.engine.policy.preempt_until_fits", "paged_lib.engine.policy.preempt"),
-}  # (07.3 asks step.hooks.choose_victim: the library's rule, or another the engine was given)
 
 #: Mutants of the solutions that cannot change any answer (tools/mutants.py skips them).
 EQUIVALENT_MUTANTS: dict[str, dict[str, str]] = {"07.3": {
@@ -82,7 +75,7 @@ class _CountingPool:
 
 def check_swap_mapping(swap_mapping: Callable[..., Any]) -> None:
     """``swap_mapping(tables, allocate) -> list[tuple[int, int]]``."""
-    with grading.exercise("07.1", "Swap mapping"):
+    with grading.exercise("07.1"):
         for name, tables, order in _SCENARIOS:
             _check_scenario(swap_mapping, name, tables, order)
         _check_in_block_manager(swap_mapping)

@@ -217,7 +217,7 @@ SCENARIOS: list[Scenario] = [
 
 def check_preempt_until_fits(preempt_until_fits: Callable[..., Any]) -> None:
     """``preempt_until_fits(group, step) -> bool``."""
-    with grading.exercise("07.3", "Preempting until the blocks fit"):
+    with grading.exercise("07.3"):
         loops.check_scenarios("preempt_until_fits", preempt_until_fits, SCENARIOS)
         loops.check_workloads("preempt_until_fits", preempt_until_fits)
         generated.check("preempt_until_fits", preempt_until_fits, "ask choose_victim among "

@@ -27,15 +27,6 @@ from paged_lib.course.grading.toy_pool import busy_pool
 from paged_lib.kernels.reference import gather_kv
 from paged_lib.studies import sharing
 
-#: Exercise id -> the library object the learner's code re-implements (it refuses
-#: the learner's calls while that exercise's check runs: see grading.exercise).
-TWINS: dict[str, str | tuple[str, ...]] = {
-    # 08.1: the library's block copy does the copy-on-write half of the exercise
-    "08.1": ("paged_lib.studies.sharing.apply_slot", "paged_lib.kernels.copy_blocks.copy_blocks",
-             "paged_lib.kernels.cache_ops.copy_blocks_in_pool"),
-    "08.2": "paged_lib.engine.beam_search.beam_step",
-}
-
 #: Mutants of the solution that compute the same thing (see ``tools/mutants.py``).
 EQUIVALENT_MUTANTS: dict[str, dict[str, str]] = {
     "08.2": {
@@ -85,7 +76,7 @@ _VIEW_SCENARIOS = [
 
 def check_apply_slot(apply_slot: Callable[..., Any]) -> None:
     """``apply_slot(k_cache, v_cache, slot, key, value) -> None`` (in place)."""
-    with grading.exercise("08.1", "Copy-on-write in the cache"):
+    with grading.exercise("08.1"):
         for scenario in _COW_SCENARIOS:
             _run_cow_scenario(apply_slot, *scenario)
         for name, layout in _VIEW_SCENARIOS:
@@ -241,7 +232,7 @@ _SCRIPTED: list[tuple[str, int, int, int, list[Candidates] | None]] = [
 def check_beam_step(beam_step: Callable[..., Any]) -> None:
     """``beam_step(tables, cum_logprobs, candidates, beam_width) -> [(parent, table, token,
     cum_logprob), ...]`` (the engine's :func:`paged_lib.engine.beam_search.beam_step`)."""
-    with grading.exercise("08.2", "One step of beam search over block tables"):
+    with grading.exercise("08.2"):
         for name, block_size, prompt_len, width, steps in _SCRIPTED:
             run_beam_scenario(beam_step, name, block_size, prompt_len, width, steps)
         _serve_beams(beam_step)

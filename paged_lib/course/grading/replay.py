@@ -27,11 +27,8 @@ from typing import Any
 import torch
 
 from paged_lib.course import grading
+from paged_lib.course.exercises import REPLAYED  # the hooks this module replays
 from paged_lib.engine.sequence import Sequence, SequenceGroup
-
-#: the hooks this module replays (classes and beam_step have their own graders)
-REPLAYED = ("can_admit", "num_required_blocks", "choose_victim", "swap_mapping",
-            "block_hashes", "longest_cache_hit", "build_metadata")
 
 
 @dataclass
