@@ -74,3 +74,20 @@ def test_no_module_keeps_a_table_of_its_own(path):
     assert not re.search(r"^(TWINS|PIECES|HOOKS|REPLAYED)\b.*=", source, re.M), path
     # graders name their exercise by id only: the title comes from the registry
     assert not re.search(r'grading\.exercise\("\d\d\.\d+", ', source), path
+
+
+GRADING = ROOT / "paged_lib" / "course" / "grading"
+
+
+@pytest.mark.parametrize("path", sorted(GRADING.glob("ch[0-9][0-9]*.py")), ids=lambda p: p.stem)
+def test_no_grader_imports_another_chapters_grader(path):
+    """What chapters share lives in a shared module of the grading package."""
+    own = path.stem[:4]
+    named = re.findall(r"paged_lib\.course\.grading(?:\.|\s+import\s+)(ch\d\d)", path.read_text())
+    assert all(ch == own for ch in named), (path.name, named)
+
+
+@pytest.mark.parametrize("path", sorted(GRADING.rglob("*.py")), ids=lambda p: p.stem)
+def test_no_grader_reads_the_engines_private_state(path):
+    """Graders read the step through its public surface (``step.admitted``, ...)."""
+    assert not re.search(r"\.(_out|_sched|_blocks|_ran|_reads)\b", path.read_text()), path

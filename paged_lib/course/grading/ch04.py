@@ -14,7 +14,7 @@ import torch
 
 from paged_lib import attention as A
 from paged_lib.course import grading
-from paged_lib.course.grading.ch04_slips import decode_slips, name_slip
+from paged_lib.course.grading.slips import decode_slips, name_slip
 from paged_lib.instruments import block_reads
 from paged_lib.kernels.reference import ref_paged_attention
 from paged_lib.util import cdiv

@@ -9,7 +9,6 @@ import numpy as np
 import torch
 
 from paged_lib.course import grading
-from paged_lib.course.grading.ch04_slips import decode_slips, name_slip
 from paged_lib.course.grading.ch05_common import (
     NAN,
     OUT_GUARD,
@@ -19,6 +18,7 @@ from paged_lib.course.grading.ch05_common import (
     interpreted,
     launch,
 )
+from paged_lib.course.grading.slips import decode_slips, name_slip
 from paged_lib.instruments.load_trace import LoadTrace
 from paged_lib.kernels.cases import NAN_BLOCK, make_decode_case
 from paged_lib.kernels.reference import ref_paged_attention

@@ -9,7 +9,6 @@ import numpy as np
 import torch
 
 from paged_lib.course import grading
-from paged_lib.course.grading.ch04_slips import contiguous_slips, name_slip
 from paged_lib.course.grading.ch05_common import (
     NAN,
     OUT_GUARD,
@@ -19,6 +18,7 @@ from paged_lib.course.grading.ch05_common import (
     interpreted,
     launch,
 )
+from paged_lib.course.grading.slips import contiguous_slips, name_slip
 from paged_lib.instruments.load_trace import LoadTrace
 from paged_lib.util import cdiv
 
@@ -200,7 +200,7 @@ _SOFTMAX_SLIPS = {
 
 
 def _softmax_slip(got: torch.Tensor, x: torch.Tensor, block: int) -> str | None:
-    """The hint of the typical wrong softmax that explains ``got`` (see ch04_slips.name_slip)."""
+    """The hint of the typical wrong softmax that explains ``got`` (see slips.name_slip)."""
     x64 = x.double()
     padded = torch.cat([x64, torch.zeros(x.shape[0], block - x.shape[1],
                                          dtype=torch.float64)], 1)

@@ -206,7 +206,6 @@ def run_demo(build_metadata: Callable[..., Any], num_required_blocks: Callable[.
     admission the same way. Returns the chapter's two figures drawn from the learner's run.
     """
     from paged_lib.course.demos import engine_compare as ec
-    from paged_lib.course.grading import ch07
     from paged_lib.course.viz import engine as viz
     from paged_lib.engine import LLMEngine
     from paged_lib.model import load_tiny_code_llama
@@ -240,8 +239,8 @@ def run_demo(build_metadata: Callable[..., Any], num_required_blocks: Callable[.
               f"peak {s.peak_blocks_used} of {s.num_blocks} blocks)")
         print(f"tokens {'equal' if same_tokens else 'DIFFER from'} the library engine's; "
               f"batch sizes and blocks per step {'equal' if same_steps else 'DIFFER from'} it")
-        outs7, s7, tokens7, steps7 = serve(*ch07.pressure_requests(), ch07.PRESSURE_BLOCKS,
-                                           ch07.PRESSURE_BLOCK_SIZE)
+        outs7, s7, tokens7, steps7 = serve(*ec.pressure_requests(), ec.PRESSURE_BLOCKS,
+                                           ec.PRESSURE_BLOCK_SIZE)
         print(f"chapter 07's pressure trace ({len(outs7)} requests on {s7.num_blocks} "
               f"blocks, {s7.preemptions} preemptions): tokens "
               f"{'equal' if tokens7 else 'DIFFER from'} the library's; steps "

@@ -24,6 +24,11 @@ from typing import Any
 
 from paged_lib.blocks import BlockTable
 from paged_lib.course import grading
+from paged_lib.course.demos.engine_compare import (  # the chapter's trace (notebook 07)
+    PRESSURE_BLOCK_SIZE,
+    PRESSURE_BLOCKS,
+    pressure_requests,
+)
 from paged_lib.course.grading import generated, replay
 from paged_lib.course.grading.ch07_preempt import check_preempt_until_fits
 from paged_lib.course.grading.ch07_victim import check_choose_victim
@@ -227,18 +232,3 @@ def run_demo(swap_mapping: Callable[..., Any], choose_victim: Callable[..., Any]
                             "recompute with your choose_victim")
     grading.on_learner_code(swap, "exercises 07.1-07.3", "swap with your functions")
 
-
-#: Chapter 07's "pool far too small": 7 requests (one of them 2 parallel samples).
-PRESSURE_BLOCKS, PRESSURE_BLOCK_SIZE = 10, 8
-
-
-def pressure_requests() -> tuple[list[list[int]], list[SamplingParams]]:
-    """Seven requests that need about 30 blocks of 8 at once: six greedy, and one that
-    draws 2 seeded samples (its prompt blocks are shared, so swapping it meets sharing)."""
-    from paged_lib.course.demos import engine_compare as ec
-
-    trace = ec.chapter_trace(7, seed=5, max_len=64)
-    params = [SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.0)] * 6 + [
-        SamplingParams(max_tokens=24, n=2, temperature=0.8, seed=7, ignore_eos=True)]
-    prompts, _ = ec.chapter_requests(trace)
-    return prompts, params

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 import torch
 
 from paged_lib.course import grading
-from paged_lib.course.grading.ch04_slips import name_slip
 from paged_lib.course.grading.ch09_tile_reads import TileLog, TileTensor, watching
+from paged_lib.course.grading.slips import name_slip
 from paged_lib.kernels import paged_attention
 from paged_lib.kernels.torch_backend import paged_attention_torch
 from paged_lib.util import CheckFailed, cdiv

@@ -95,8 +95,7 @@ def recorder(name: str, fn: Callable, log: list[Record], where: list,
 
 def _marks(args: tuple) -> tuple[int, int]:
     step = args[-1]
-    out = step._out
-    return len(out.admitted), len(out.preempted)
+    return len(step.admitted), len(step.preempted)
 
 
 # ------------------------------------------------------------------ serving
