@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from paged_lib.course import grading
-from paged_lib.course.grading import generated, replay
+from paged_lib.course.grading import generated, replay, serving
 from paged_lib.course.grading.ch06_admission import check_can_admit, check_num_required_blocks
 from paged_lib.course.grading.ch06_waiting import check_schedule_waiting
 from paged_lib.engine.model_runner import build_metadata as lib_build_metadata
@@ -207,7 +207,6 @@ def run_demo(build_metadata: Callable[..., Any], num_required_blocks: Callable[.
     """
     from paged_lib.course.demos import engine_compare as ec
     from paged_lib.course.viz import engine as viz
-    from paged_lib.engine import LLMEngine
     from paged_lib.model import load_tiny_code_llama
 
     model = model if model is not None else load_tiny_code_llama()
@@ -219,16 +218,8 @@ def run_demo(build_metadata: Callable[..., Any], num_required_blocks: Callable[.
                            {"schedule_waiting": schedule_waiting}))
 
     def serve(prompts, params, num_blocks, block_size):
-        mine = LLMEngine(model, num_blocks, block_size, hooks=hooks)
-        outs = mine.generate(prompts, params)
-        lib = LLMEngine(model, num_blocks, block_size)
-        ref = lib.generate(prompts, params)
-        same_tokens = [[c.token_ids for c in o.outputs] for o in outs] == \
-            [[c.token_ids for c in o.outputs] for o in ref]
-        s, r = mine.stats, lib.stats
-        same_steps = (s.batch_sizes, s.blocks_used, s.preemptions) == \
-            (r.batch_sizes, r.blocks_used, r.preemptions)
-        return outs, s, same_tokens, same_steps
+        run = serving.side_by_side(model, num_blocks, block_size, prompts, params, hooks)
+        return run.outs, run.yours.stats, run.same_tokens, run.same_steps
 
     def run():
         trace = ec.chapter_trace()

@@ -29,7 +29,7 @@ from paged_lib.course.demos.engine_compare import (  # the chapter's trace (note
     PRESSURE_BLOCKS,
     pressure_requests,
 )
-from paged_lib.course.grading import generated, replay
+from paged_lib.course.grading import generated, replay, serving
 from paged_lib.course.grading.ch07_preempt import check_preempt_until_fits
 from paged_lib.course.grading.ch07_victim import check_choose_victim
 from paged_lib.engine.block_manager import BlockManager
@@ -179,7 +179,6 @@ def run_demo(swap_mapping: Callable[..., Any], choose_victim: Callable[..., Any]
     """The chapter's too-small pool served with the learner's ``choose_victim`` (and
     ``preempt_until_fits`` when given), by recompute and by swap (with the learner's
     mapping), next to the library's runs."""
-    from paged_lib.engine import LLMEngine
     from paged_lib.model import load_tiny_code_llama
 
     model = model if model is not None else load_tiny_code_llama()
@@ -196,15 +195,10 @@ def run_demo(swap_mapping: Callable[..., Any], choose_victim: Callable[..., Any]
         asked[0] = 0
         if preempt_until_fits is not None:
             hooks["preempt_until_fits"] = preempt_until_fits
-        kw = dict(num_cpu_blocks=64, preemption=mode)
-        mine = LLMEngine(model, PRESSURE_BLOCKS, PRESSURE_BLOCK_SIZE, **kw,
-                         hooks=EngineHooks(**hooks))
-        outs = mine.generate(prompts, params)
-        lib = LLMEngine(model, PRESSURE_BLOCKS, PRESSURE_BLOCK_SIZE, **kw)
-        ref = lib.generate(prompts, params)
-        same = [[c.token_ids for c in o.outputs] for o in outs] == \
-            [[c.token_ids for c in o.outputs] for o in ref]
-        return mine.stats, lib.stats, same
+        run = serving.side_by_side(model, PRESSURE_BLOCKS, PRESSURE_BLOCK_SIZE, prompts,
+                                   params, EngineHooks(**hooks), num_cpu_blocks=64,
+                                   preemption=mode)
+        return run.yours.stats, run.library.stats, run.same_tokens
 
     def recompute() -> None:
         s, r, same = serve("recompute", choose_victim=victim)
