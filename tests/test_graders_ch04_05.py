@@ -223,7 +223,7 @@ def _wrong_gqa(q, k_cache, v_cache, block_table, seq_len, scale):
 
 def test_paged_online_grader_passes_the_solution(capsys):
     out = _verdict(capsys, ch04.check_paged_online, _paged_ok)
-    assert out == "✅ [04.2] Online-softmax attention through a block table: correct\n", out
+    assert out == "✅ [04.2] Attention through a block table, one block at a time: correct\n", out
     assert _verdict(capsys, ch04.check_paged_online, _stub).startswith("⏳ [04.2]")
 
 
@@ -281,14 +281,6 @@ def test_flash_vs_paged_grader(capsys):
 def test_flash_vs_paged_wrong_answers(capsys, answer, words):
     out = _verdict(capsys, ch04.check_flash_vs_paged, lambda: answer)
     assert out.startswith("❌ [04.3]") and words in out and "hint:" in out, out
-
-
-def test_twins_name_real_objects():
-    import importlib
-
-    for dotted in ch04.TWINS.values():
-        module, name = dotted.rsplit(".", 1)
-        assert hasattr(importlib.import_module(module), name), dotted
 
 
 # ================================================================== chapter 05 (Triton)
@@ -705,10 +697,3 @@ def test_the_library_twin_itself_fails_and_grading_still_works(capsys):
     assert _verdict(capsys, ch05.check_merge_partials, _merge).startswith("✅ [05.7]")
 
 
-def test_every_grader_declares_its_twins():
-    import importlib
-
-    for module in (ch04, ch05):
-        for dotted in module.TWINS.values():
-            name, attr = dotted.rsplit(".", 1)
-            assert hasattr(importlib.import_module(name), attr), dotted

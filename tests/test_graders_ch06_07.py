@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from paged_lib.course.exercises import EXERCISES
 from paged_lib.course.grading import ch06, ch07
 from paged_lib.engine.block_manager import num_required_blocks, swap_mapping
 from paged_lib.engine.model_runner import build_metadata
@@ -302,11 +303,11 @@ def test_06_not_attempted_is_not_a_failure(capsys):
 
 
 def test_graders_declare_their_twins():
-    assert ch06.TWINS["06.1"][0] == "paged_lib.engine.model_runner.build_metadata"
-    assert ch06.TWINS["06.2"][0] == "paged_lib.engine.block_manager.num_required_blocks"
-    assert ch06.TWINS["06.3"] == ("paged_lib.engine.policy.can_admit",)
-    assert ch06.TWINS["06.4"][0] == "paged_lib.engine.policy.schedule_waiting"
-    assert "paged_lib.engine.policy.can_admit" in ch06.TWINS["06.4"]
+    assert EXERCISES["06.1"].twins[0] == "paged_lib.engine.model_runner.build_metadata"
+    assert EXERCISES["06.2"].twins[0] == "paged_lib.engine.block_manager.num_required_blocks"
+    assert EXERCISES["06.3"].twins == ("paged_lib.engine.policy.can_admit",)
+    assert EXERCISES["06.4"].twins[0] == "paged_lib.engine.policy.schedule_waiting"
+    assert "paged_lib.engine.policy.can_admit" in EXERCISES["06.4"].twins
 
 
 # ---------------------------------------------------------------- 07.1 swap_mapping
@@ -400,11 +401,11 @@ def test_07_1_not_attempted_and_twin(capsys):
         raise NotImplementedError()
     assert verdict(capsys, ch07.check_swap_mapping, stub).startswith("⏳ [07.1]")
     assert verdict(capsys, ch07.check_choose_victim, stub).startswith("⏳ [07.2]")
-    assert ch07.TWINS["07.1"] == ("paged_lib.engine.block_manager.swap_mapping",)
-    assert ch07.TWINS["07.2"] == ("paged_lib.engine.policy.choose_victim",)
-    assert ch07.TWINS["07.3"][0] == "paged_lib.engine.policy.preempt_until_fits"
+    assert EXERCISES["07.1"].twins == ("paged_lib.engine.block_manager.swap_mapping",)
+    assert EXERCISES["07.2"].twins == ("paged_lib.engine.policy.choose_victim",)
+    assert EXERCISES["07.3"].twins[0] == "paged_lib.engine.policy.preempt_until_fits"
     # 07.3 asks the engine's rule (step.hooks.choose_victim), so that twin is allowed there
-    assert "paged_lib.engine.policy.choose_victim" not in ch07.TWINS["07.3"]
+    assert "paged_lib.engine.policy.choose_victim" not in EXERCISES["07.3"].twins
 
 
 # ---------------------------------------------------------------- 07.2 choose_victim

@@ -503,15 +503,6 @@ def test_a_learner_step_runs_a_whole_beam_search():
     assert mine == sharing.record_beam_search(seed=3)[0]
 
 
-def test_twins_name_library_objects():
-    import importlib
-
-    for ex_id, twins in ch08.TWINS.items():
-        for dotted in (twins,) if isinstance(twins, str) else twins:
-            module, name = dotted.rsplit(".", 1)
-            assert callable(getattr(importlib.import_module(module), name)), ex_id
-
-
 def test_run_demo_on_right_answers(capsys):
     figs = ch08.run_demo(apply_ok, step_ok)
     out = capsys.readouterr().out

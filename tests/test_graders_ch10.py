@@ -583,14 +583,6 @@ def test_allocate_slots_story_names_the_state(capsys):
     assert "edge state 'a full hit" in out and "free queue (head first)" in out, out
 
 
-def test_twins_name_library_objects():
-    from paged_lib.course import grading
-
-    for ex_id, twins in ch10.TWINS.items():
-        for dotted in (twins,) if isinstance(twins, str) else twins:
-            assert callable(grading._resolve(dotted)[2]), (ex_id, dotted)
-
-
 def test_allocate_slots_stories_of_the_new_states(capsys):
     out = verdict(capsys, ch10.check_allocate_slots, lambda *a: alloc(*a, past_miss=True))
     assert "edge state 'LRU eviction took a prefix's first block" in out, out

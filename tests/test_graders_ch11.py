@@ -12,6 +12,7 @@ import torch  # noqa: E402
 
 from paged_lib import accounting as acc  # noqa: E402
 from paged_lib.accounting import kv_bytes_per_token, mha_equivalent  # noqa: E402
+from paged_lib.course.exercises import EXERCISES  # noqa: E402
 from paged_lib.course.grading import ch11  # noqa: E402
 from paged_lib.util import cdiv  # noqa: E402
 
@@ -219,8 +220,8 @@ def test_11_2_the_specs_examples_are_the_librarys():
 
 
 def test_twins_and_demo(capsys):
-    assert set(ch11.TWINS) == {"11.1", "11.2", "11.3", "11.4"}
-    assert ch11.TWINS["11.2"][0] == "paged_lib.accounting.kv_bytes_per_token"
+    assert all(EXERCISES[k].twins for k in ("11.1", "11.2", "11.3", "11.4"))
+    assert EXERCISES["11.2"].twins[0] == "paged_lib.accounting.kv_bytes_per_token"
     ch11.run_demo(levels_with(), bytes_with())
     out = capsys.readouterr().out
     assert "baseline" in out and "paged layout" in out and "deepseek-v2" in out

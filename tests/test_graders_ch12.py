@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from paged_lib.accounting import kv_bytes
+from paged_lib.course.exercises import EXERCISES
 from paged_lib.course.grading import ch12
 from paged_lib.course.viz import parallel as viz
 from paged_lib.parallel import tp_size_problem
@@ -209,10 +210,11 @@ def test_12_2_right_answer_passes_and_delegating_fails(capsys):
 
 
 def test_twins_are_the_library_functions_and_the_helpers_that_do_the_exercise():
-    assert ch12.TWINS["12.1"][0] == "paged_lib.parallel.kv_bytes_per_rank"
-    assert ch12.TWINS["12.2"][0] == "paged_lib.parallel.rank_heads"
-    assert ch12.TWINS["12.3"][0] == "paged_lib.parallel.rank_attention"
-    assert all("paged_lib.parallel.kv_heads_per_rank" in t for t in ch12.TWINS.values())
+    assert EXERCISES["12.1"].twins[0] == "paged_lib.parallel.kv_bytes_per_rank"
+    assert EXERCISES["12.2"].twins[0] == "paged_lib.parallel.rank_heads"
+    assert EXERCISES["12.3"].twins[0] == "paged_lib.parallel.rank_attention"
+    assert all("paged_lib.parallel.kv_heads_per_rank" in EXERCISES[k].twins
+               for k in ("12.1", "12.2", "12.3"))
 
 
 def test_demo_runs_the_learners_functions(capsys):

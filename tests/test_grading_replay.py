@@ -12,6 +12,7 @@ import torch
 
 import paged_lib  # noqa: F401  # isort: split
 from paged_lib.course import grading
+from paged_lib.course.exercises import REPLAYED
 from paged_lib.course.grading import ch06, ch07, replay
 from paged_lib.course.grading import ch06_admission as admission
 from paged_lib.engine import EngineHooks
@@ -43,7 +44,7 @@ def test_the_recorded_calls_reach_the_states_fixed_cases_miss():
     assert any(c.result for c in calls["longest_cache_hit"]), "a hit"
 
 
-@pytest.mark.parametrize("name", replay.REPLAYED)
+@pytest.mark.parametrize("name", REPLAYED)
 def test_the_librarys_own_pieces_pass_their_replay(name):
     replay.check_replay(name, getattr(EngineHooks(), name), "unused")
 

@@ -13,6 +13,7 @@ import nbformat
 import pytest
 
 from paged_lib.course import grading, mine, notebooks
+from paged_lib.course.exercises import SAVED
 from paged_lib.course.grading import ch03, ch05, ch06, ch07, ch08, ch10, ch11, ch12
 
 _cells = iter(range(10**6))
@@ -159,8 +160,8 @@ def test_every_piece_of_the_solutions_is_saved_and_passes_from_its_file(solution
     """The saved files stand alone: imported from mine/, each piece passes its check
     again (the Triton kernel too: it is read back from its file)."""
     folder, done = solutions_saved
-    assert sorted(done) == sorted(mine.PIECES) == sorted(CHECKS)
-    assert mine.saved(folder) == sorted(mine.PIECES)
+    assert sorted(done) == sorted(SAVED) == sorted(CHECKS)
+    assert mine.saved(folder) == sorted(SAVED)
     for ex_id, check in CHECKS.items():
         piece = mine.load(ex_id, folder)
         assert piece is not None, ex_id
@@ -189,5 +190,5 @@ def test_a_notebook_cell_is_saved_through_ipython_linecache(tmp_path):
     victim = mine.load("07.2", Path(tmp_path / "mine"))
     assert victim([1, 2, 3]) == 3
     line = mine.share_line(mine.save_folder_for(tmp_path / "exercises"))  # make grade's line
-    assert line.startswith(f"Your engine (chapter 13): 1 of {len(mine.PIECES)} pieces are yours")
+    assert line.startswith(f"Your engine (chapter 13): 1 of {len(SAVED)} pieces are yours")
     assert "still the library's: 03.1 append_token," in line and "07.2" not in line

@@ -2,8 +2,8 @@
 
 Two checks, over every chapter found on disk:
 
-* a grader module ``paged_lib/course/grading/chNN.py`` declares ``TWINS`` (exercise id -> the
-  library object the learner re-implements); no chapter notebook may show a twin's
+* the exercise registry :mod:`paged_lib.course.exercises` gives each exercise's twins (the
+  library objects the learner re-implements); no chapter notebook may show a twin's
   source, neither by ``show_source(...)``/``getsource(...)`` of it (or of its class or
   module) nor as lines in a cell's stored output;
 * fewer than 40% of the lines of each solution (the ``### BEGIN SOLUTION`` regions of
@@ -34,7 +34,6 @@ from paged_lib.course.notebooks import code_cells, exercise_headings, solution_s
 
 ROOT = Path(__file__).resolve().parent.parent
 SOLUTIONS = sorted((ROOT / "solutions").glob("[0-9][0-9]_*.ipynb"))
-GRADERS = sorted((ROOT / "paged_lib" / "course" / "grading").glob("ch[0-9][0-9].py"))
 MAX_SHARE = 0.40
 TOKEN = re.compile(r"#.*|[rbfu]*'[^']*'|[rbfu]*\"[^\"]*\"|[A-Za-z_]\w*|\d[\w.]*"
                    r"|==|!=|<=|>=|//|\*\*|->|:=|[^\s\w]")
@@ -150,13 +149,9 @@ def span(obj: Any) -> tuple[str, int, int] | None:
 
 
 def twins() -> list[tuple[str, str, Any]]:
-    found = []
-    for path in GRADERS:
-        module = importlib.import_module(f"paged_lib.course.grading.{path.stem}")
-        for ex_id, names in getattr(module, "TWINS", {}).items():
-            for dotted in (names,) if isinstance(names, str) else names:  # one, or a tuple
-                found.append((ex_id, dotted, resolve(dotted)))
-    return found
+    from paged_lib.course.exercises import EXERCISES
+
+    return [(ex.id, dotted, resolve(dotted)) for ex in EXERCISES.values() for dotted in ex.twins]
 
 
 def shown_objects(nb: nbformat.NotebookNode) -> list[tuple[int, str, Any]]:

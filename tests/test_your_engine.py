@@ -17,6 +17,7 @@ from conftest import needs_smollm2
 from paged_lib.blocks import BlockTable
 from paged_lib.course import mine
 from paged_lib.course.demos import your_engine, your_engine_check, your_engine_scenarios
+from paged_lib.course.exercises import SAVED
 from paged_lib.engine import LLMEngine, SamplingParams
 from paged_lib.engine.block_manager import BlockManager
 from paged_lib.engine.hooks import EngineHooks
@@ -40,8 +41,8 @@ def solutions(tmp_path_factory):
 
 def test_the_solutions_pass_every_scenario(solutions, capsys):
     pieces, parts = your_engine.gather(solutions)
-    assert all(p.yours for p in parts) and sorted(pieces) == sorted(mine.PIECES)
-    n = len(mine.PIECES)
+    assert all(p.yours for p in parts) and sorted(pieces) == sorted(SAVED)
+    n = len(SAVED)
     assert your_engine.summary(parts) == f"{n} of {n} pieces of the engine are yours"
     verdicts = your_engine_scenarios.check_pieces(pieces)
     assert [v for v in verdicts if v[1] is not None] == []
@@ -184,8 +185,8 @@ def test_the_fork_workflow_runs_chapter_13_on_mine(solutions, monkeypatch, capsy
     monkeypatch.setenv(mine.ENV, str(solutions))
     assert your_engine.main() == 0
     out = capsys.readouterr().out
-    assert f"{len(mine.PIECES)} of {len(mine.PIECES)} pieces of the engine are yours" in out
-    assert out.count("✅ your ") == len(mine.PIECES)
+    assert f"{len(SAVED)} of {len(SAVED)} pieces of the engine are yours" in out
+    assert out.count("✅ your ") == len(SAVED)
     assert "the library engine's tokens and schedule: True; transformers' tokens" in out
 
 

@@ -5,7 +5,7 @@ Each wrong version is saved alone into a temporary ``mine/`` folder
 (``PAGED_LIB_MINE``-style, as :mod:`paged_lib.course.mine` writes it) and chapter 13's
 check of every saved piece (:func:`your_engine_scenarios.check_pieces`) must name
 exactly that piece, with a one-line story of the state that exposed it. Every piece of
-:data:`mine.PIECES` must have a scenario and at least one wrong version here.
+:data:`SAVED` must have a scenario and at least one wrong version here.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import pytest
 
 from paged_lib.course import mine
 from paged_lib.course.demos import your_engine, your_engine_scenarios
+from paged_lib.course.exercises import SAVED
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -410,7 +411,7 @@ WRONG = [
 
 def save_alone(folder, ex_id: str, source: str) -> None:
     """``source`` as exercise ``ex_id``'s section of ``folder/chNN.py`` (mine's format)."""
-    piece = mine.PIECES[ex_id]
+    piece = SAVED[ex_id]
     folder.mkdir(parents=True, exist_ok=True)
     (folder / f"ch{piece.chapter}.py").write_text(
         f"# >>> {ex_id} {piece.name}: {piece.role}\n{textwrap.dedent(source).strip()}\n"
@@ -419,14 +420,14 @@ def save_alone(folder, ex_id: str, source: str) -> None:
 
 def test_every_piece_has_a_scenario_and_wrong_versions_here():
     assert your_engine_scenarios.missing() == []
-    missing = set(mine.PIECES) - {ex for ex, _, _ in WRONG}
+    missing = set(SAVED) - {ex for ex, _, _ in WRONG}
     assert not missing, f"pieces without a wrong version here: {sorted(missing)}"
     for name, keys in your_engine_scenarios.PIECE_SCENARIOS.items():
         assert keys and all(k in your_engine_scenarios.SCENARIOS for k in keys), name
 
 
-@pytest.mark.parametrize("ex_id, what, source", [w for w in WRONG if w[0] in mine.PIECES],
-                         ids=[f"{e} {w}" for e, w, _ in WRONG if e in mine.PIECES])
+@pytest.mark.parametrize("ex_id, what, source", [w for w in WRONG if w[0] in SAVED],
+                         ids=[f"{e} {w}" for e, w, _ in WRONG if e in SAVED])
 def test_a_wrong_piece_is_named_alone(tmp_path, monkeypatch, capsys, ex_id, what, source):
     folder = tmp_path / "mine"
     save_alone(folder, ex_id, source)
@@ -436,6 +437,6 @@ def test_a_wrong_piece_is_named_alone(tmp_path, monkeypatch, capsys, ex_id, what
     verdicts = your_engine_scenarios.check_pieces(pieces)
     out = capsys.readouterr().out.splitlines()
     assert verdicts[0][0] == ex_id and verdicts[0][1] is not None, f"{what}: not caught"
-    assert out == [f"❌ your {ex_id} ({mine.PIECES[ex_id].role}) {verdicts[0][1]}"]
+    assert out == [f"❌ your {ex_id} ({SAVED[ex_id].role}) {verdicts[0][1]}"]
     assert verdicts[0][1].startswith("on ") and len(out[0]) < 700  # one line: a story
     assert "Traceback" not in out[0]

@@ -3,11 +3,12 @@
 An exercise whose function has a place in the engine (chapter 03's block table and
 allocator, 05's decode kernel and slot mapping, 06's metadata and admission, 07's victim
 and swap mapping, 08's beam step, 10's block hashes, cache hit and free queue:
-:data:`PIECES`) is saved by its check cell once it passes, as d2l saves its code into its
-package: ``mine/chNN.py`` at the root of the checkout (beside ``exercises/``, git-ignored),
-one section per exercise, with the imports and notebook helpers it uses. Later notebooks
-import it (``from mine.ch06 import build_metadata``, from the checkout's root, or
-:func:`load` from anywhere); chapter 13 builds an engine out of it.
+:data:`paged_lib.course.exercises.SAVED`) is saved by its check cell once it passes, as
+d2l saves its code into its package: ``mine/chNN.py`` at the root of the checkout
+(beside ``exercises/``, git-ignored), one section per exercise, with the imports and
+notebook helpers it uses. Later notebooks import it (``from mine.ch06 import
+build_metadata``, from the checkout's root, or :func:`load` from anywhere); chapter 13
+builds an engine out of it.
 
 Rules:
 
@@ -31,43 +32,11 @@ import os
 import re
 import sys
 import types
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from paged_lib.course.chapters import REPO
-
-
-@dataclass(frozen=True)
-class Piece:
-    chapter: str  # "03": the file is mine/ch03.py
-    name: str     # the name the exercise's stub defines, and the saved module exports
-    role: str     # what it does in the engine
-
-
-#: Exercise id -> the piece it saves (the engine's hooks: :mod:`paged_lib.engine`).
-PIECES: dict[str, Piece] = {
-    "03.1": Piece("03", "append_token", "block table: a token's slot, copy-on-write"),
-    "03.2": Piece("03", "fork", "block table: fork, sharing every block"),
-    "03.3": Piece("03", "free_block", "allocator: free with reference counts"),
-    "05.5": Piece("05", "paged_decode_kernel", "Triton decode kernel through block tables"),
-    "05.6": Piece("05", "slot_mapping", "slot mapping: where each new token's K/V goes"),
-    "06.1": Piece("06", "build_metadata", "attention metadata: slots, padded tables"),
-    "06.2": Piece("06", "num_required_blocks", "admission: blocks a waiting group needs"),
-    "06.3": Piece("06", "can_admit", "admission: may a group join this step"),
-    "06.4": Piece("06", "schedule_waiting", "admission: the waiting queue, in order"),
-    "07.1": Piece("07", "swap_mapping", "preemption: swap mapping"),
-    "07.2": Piece("07", "choose_victim", "preemption: which group to preempt"),
-    "07.3": Piece("07", "preempt_until_fits", "preemption: victims until the step fits"),
-    "08.2": Piece("08", "beam_step", "beam search: one step over block tables"),
-    "10.1": Piece("10", "block_hashes", "prefix cache: chained block hashes"),
-    "10.2": Piece("10", "longest_cache_hit", "prefix cache: the cached blocks a prompt reuses"),
-    "10.3": Piece("10", "LRUFreeQueue", "prefix cache: the LRU free queue"),
-    "10.4": Piece("10", "allocate_slots", "prefix cache: a new request's table, hit and chunk"),
-    "11.3": Piece("11", "write_int8_blocks", "int8 KV cache: the block write, its scale grows"),
-    "11.4": Piece("11", "drop_oldest", "sliding window: release a block after the sinks"),
-    "12.3": Piece("12", "rank_attention", "tensor parallel: one rank's attention, all-reduced"),
-}
+from paged_lib.course.exercises import SAVED
 
 ENV = "PAGED_LIB_MINE"
 _CELL = re.compile(r"(ipykernel_\d+[/\\]\d+\.py$)|(^<ipython-input-)")
@@ -243,7 +212,7 @@ def _sections(path: Path) -> dict[str, str]:
 def save(ex_id: str, obj: Any, folder: Path) -> Path:
     """Write ``obj``'s source as exercise ``ex_id``'s section of ``folder/chNN.py``
     (replacing an older one; the other sections stay) and return the file's path."""
-    piece = PIECES[ex_id]
+    piece = SAVED[ex_id]
     body = section_text(obj, piece.name)
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -266,16 +235,16 @@ def save(ex_id: str, obj: Any, folder: Path) -> Path:
 def saved(folder: Path | None = None) -> list[str]:
     """Exercise ids with a saved section in ``folder`` (default :func:`load_folder`)."""
     folder = load_folder() if folder is None else Path(folder)
-    ids = {ex for ch in {p.chapter for p in PIECES.values()}
+    ids = {ex for ch in {p.chapter for p in SAVED.values()}
            for ex in _sections(_file(folder, ch))}
-    return sorted(ids & PIECES.keys())
+    return sorted(ids & SAVED.keys())
 
 
 def load(ex_id: str, folder: Path | None = None) -> Any | None:
     """The saved piece of exercise ``ex_id`` (imported from ``folder/chNN.py``), or None
     if it was never saved. A saved file that does not import raises ``ImportError``."""
     folder = load_folder() if folder is None else Path(folder)
-    piece = PIECES[ex_id]
+    piece = SAVED[ex_id]
     path = _file(folder, piece.chapter)
     if ex_id not in _sections(path):
         return None
@@ -295,8 +264,8 @@ def share_line(folder: Path | None = None) -> str:
     """One line for the scoreboard: how much of chapter 13's engine is the learner's."""
     folder = load_folder() if folder is None else Path(folder)
     have = saved(folder)
-    missing = [f"{k} {PIECES[k].name}" for k in PIECES if k not in have]
-    line = (f"Your engine (chapter 13): {len(have)} of {len(PIECES)} pieces are yours "
+    missing = [f"{k} {SAVED[k].name}" for k in SAVED if k not in have]
+    line = (f"Your engine (chapter 13): {len(have)} of {len(SAVED)} pieces are yours "
             f"(saved in {folder})")
     return line + (f"; still the library's: {', '.join(missing)}" if missing else "")
 
@@ -312,14 +281,14 @@ def _from_a_cell(obj: Any) -> bool:
 def after_verdict(ex_id: str, passed: bool, candidates: list[Any]) -> None:
     """Called by :func:`paged_lib.course.grading.exercise` after it printed a verdict:
     saves the learner's piece when it passed (one note line says where), never raises."""
-    if ex_id not in PIECES:
+    if ex_id not in SAVED:
         return
     try:
         folder = save_folder()
         ours = [c for c in candidates if _from_a_cell(c)]
         if folder is None or not ours:
             return
-        shown = f"{folder.name}/ch{PIECES[ex_id].chapter}.py"
+        shown = f"{folder.name}/ch{SAVED[ex_id].chapter}.py"
         if not passed:
             if ex_id in saved(folder):
                 print(f"   {shown} keeps your earlier {ex_id} that passed; this attempt is "
@@ -327,7 +296,7 @@ def after_verdict(ex_id: str, passed: bool, candidates: list[Any]) -> None:
             return
         save(ex_id, ours[0], folder)
         print(f"   saved to {shown} ({folder.resolve()}): `from mine.ch"
-              f"{PIECES[ex_id].chapter} import {PIECES[ex_id].name}`; chapter 13 builds "
+              f"{SAVED[ex_id].chapter} import {SAVED[ex_id].name}`; chapter 13 builds "
               "your engine from it")
     except Exception as err:  # saving must never change a verdict
         print(f"   (your code was not saved: {err})")
@@ -346,7 +315,7 @@ def save_solutions(folder: Path, solutions: Path | None = None) -> list[str]:
 
     solutions = REPO / "solutions" if solutions is None else Path(solutions)
     done, threads = [], torch.get_num_threads()
-    for chapter in sorted({p.chapter for p in PIECES.values()}):
+    for chapter in sorted({p.chapter for p in SAVED.values()}):
         path = next(solutions.glob(f"{chapter}_*.ipynb"))
         space: dict[str, Any] = {"__name__": "__main__"}
         for n, (i, cell) in enumerate(notebooks.code_cells(notebooks.read(path))):
@@ -357,7 +326,7 @@ def save_solutions(folder: Path, solutions: Path | None = None) -> list[str]:
             name = f"<solution {path.stem} cell {i}>"
             linecache.cache[name] = (len(code), None, code.splitlines(True), name)
             exec(compile(code, name, "exec"), space)
-        for ex_id, piece in PIECES.items():
+        for ex_id, piece in SAVED.items():
             if piece.chapter == chapter:
                 save(ex_id, space[piece.name], folder)
                 done.append(ex_id)

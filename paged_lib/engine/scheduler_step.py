@@ -67,6 +67,26 @@ class _Step:
         """Nothing scheduled yet this step."""
         return self._out.is_empty()
 
+    @property
+    def admitted(self) -> tuple[SequenceGroup, ...]:
+        """Groups admitted so far this step, in order (a copy)."""
+        return tuple(self._out.admitted)
+
+    @property
+    def preempted(self) -> tuple[SequenceGroup, ...]:
+        """Groups preempted so far this step, in order (a copy)."""
+        return tuple(self._out.preempted)
+
+    def tokens_scheduled(self, group: SequenceGroup) -> int:
+        """Tokens scheduled for ``group``'s sequences so far this step (0: none)."""
+        return sum(s.num_new_tokens for s in self._out.scheduled if s.group is group)
+
+    @property
+    def cpu_free_blocks(self) -> int | None:
+        """Free blocks in the CPU pool now; ``None`` when the engine has no CPU pool."""
+        cpu = self._sched.block_manager.cpu
+        return None if cpu is None else cpu.num_free
+
 
 class WaitingStep(_Step):
     """The step as ``schedule_waiting`` sees it (the hook's docstring says what it is for)."""

@@ -168,3 +168,17 @@ def preemption_cost(stats: EngineStats, config: ModelSpec) -> dict[str, int]:
             "swapped_bytes": stats.swapped_blocks * kv_bytes_per_block(config,
                                                                        stats.block_size),
             "recomputed_tokens": stats.recomputed_tokens}
+
+
+#: Chapter 07's "pool far too small": 7 requests (one of them 2 parallel samples).
+PRESSURE_BLOCKS, PRESSURE_BLOCK_SIZE = 10, 8
+
+
+def pressure_requests() -> tuple[list[list[int]], list[SamplingParams]]:
+    """Seven requests that need about 30 blocks of 8 at once: six greedy, and one that
+    draws 2 seeded samples (its prompt blocks are shared, so swapping it meets sharing)."""
+    trace = chapter_trace(7, seed=5, max_len=64)
+    params = [SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.0)] * 6 + [
+        SamplingParams(max_tokens=24, n=2, temperature=0.8, seed=7, ignore_eos=True)]
+    prompts, _ = chapter_requests(trace)
+    return prompts, params

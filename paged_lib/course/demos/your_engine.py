@@ -4,7 +4,8 @@
   (saved when its check passed) or the library's (not saved yet, or saved but not
   importable);
 * :func:`build` makes an :class:`~paged_lib.engine.LLMEngine` with those pieces: the
-  engine's hooks (:data:`HOOKS`: chapters 06, 07, 08, 10 and later), the block table's
+  engine's hooks (:data:`paged_lib.course.exercises.HOOKS`: chapters 06, 07, 08, 10 and
+  later), the block table's
   ``append_token`` and ``fork`` and the allocator's ``free`` (03), the slot mapping (05.6)
   in the step's metadata; :func:`your_decode_kernel` lets the learner's Triton decode
   kernel (05.5) compute the decode attention of every layer while a block runs;
@@ -28,16 +29,9 @@ import torch
 
 from paged_lib.blocks import BlockTable
 from paged_lib.course import mine
+from paged_lib.course.exercises import HOOKS, SAVED
 from paged_lib.engine import LLM, EngineHooks, LLMEngine
 from paged_lib.model import AttentionMetadata, TinyLlama
-
-#: exercise id -> the EngineHooks field its piece goes to (the saved piece's own name)
-HOOKS = {"06.1": "build_metadata", "06.2": "num_required_blocks", "06.3": "can_admit",
-         "06.4": "schedule_waiting", "07.1": "swap_mapping", "07.2": "choose_victim",
-         "07.3": "preempt_until_fits", "08.2": "beam_step",
-         "10.1": "block_hashes", "10.2": "longest_cache_hit", "10.3": "FreeBlockQueue",
-         "10.4": "allocate_slots", "11.3": "write_int8_blocks", "11.4": "drop_oldest"}
-
 
 #: (exercise id, id of the piece) -> (the piece, None or what its scenarios found), as
 #: :func:`paged_lib.course.demos.your_engine_scenarios.check_piece` last said
@@ -71,7 +65,7 @@ def gather(folder: Path | None = None) -> tuple[dict[str, Any], list[Part]]:
     """(the learner's pieces by exercise id, one :class:`Part` per piece of the engine)."""
     pieces: dict[str, Any] = {}
     parts = []
-    for ex_id, piece in mine.PIECES.items():
+    for ex_id, piece in SAVED.items():
         try:
             obj = mine.load(ex_id, folder)
             note = "" if obj is not None else f"exercise {ex_id} not passed yet"

@@ -3,7 +3,7 @@
 One workload that never repeats a prompt, never evicts a cached block and never meets a
 budget lets a piece that is wrong in exactly those states pass. So every piece has its
 scenarios here (:data:`PIECE_SCENARIOS`, keyed by the piece's name in
-:data:`paged_lib.course.mine.PIECES`): small workloads on the shipped tiny model, each
+:data:`paged_lib.course.exercises.SAVED`): small workloads on the shipped tiny model, each
 built to reach one state the engine meets (a prompt served twice, an eviction from the
 LRU free queue, the token budget and the watermark met, a swap of blocks shared by
 samples, ties among beams, chunked prefill after a prefix hit, ...). :func:`check_piece`
@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from paged_lib.course import mine
 from paged_lib.course.demos import your_engine
+from paged_lib.course.exercises import SAVED
 from paged_lib.engine import SamplingParams as P
 from paged_lib.model import TinyLlama
 
@@ -133,7 +133,7 @@ def _scenarios() -> dict[str, Scenario]:
 #: every scenario, by name
 SCENARIOS: dict[str, Scenario] = _scenarios()
 
-#: piece name (``mine.PIECES[ex_id].name``) -> the scenarios it is checked on
+#: piece name (``SAVED[ex_id].name``) -> the scenarios it is checked on
 PIECE_SCENARIOS: dict[str, tuple[str, ...]] = {
     "append_token": ("samples", "swap"),
     "fork": ("samples", "swap"),
@@ -160,7 +160,7 @@ PIECE_SCENARIOS: dict[str, tuple[str, ...]] = {
 
 def missing() -> list[str]:
     """Exercise ids of saved pieces with no scenario (a test keeps this empty)."""
-    return [ex for ex, piece in mine.PIECES.items() if piece.name not in PIECE_SCENARIOS]
+    return [ex for ex, piece in SAVED.items() if piece.name not in PIECE_SCENARIOS]
 
 
 # ------------------------------------------------------------------ serving, traced
@@ -349,7 +349,7 @@ def check_piece(ex_id: str, obj: Any) -> str | None:
     """None if ``obj`` (exercise ``ex_id``'s saved piece) serves each of its scenarios as
     the library does; else what went wrong, in one line. Remembered per piece object
     (:func:`verdict_of`)."""
-    name = mine.PIECES[ex_id].name
+    name = SAVED[ex_id].name
     if name not in PIECE_SCENARIOS:
         return f"no scenario checks {name} yet (paged_lib.course.demos.your_engine_scenarios)"
     kernel = obj if name == "paged_decode_kernel" else None
@@ -384,9 +384,9 @@ def check_pieces(pieces: dict[str, Any]) -> list[tuple[str, str | None]]:
     found = []
     for ex_id in sorted(pieces):
         verdict = check_piece(ex_id, pieces[ex_id])
-        name = mine.PIECES[ex_id].name
+        name = SAVED[ex_id].name
         scenarios = ", ".join(PIECE_SCENARIOS.get(name, ()))
         print(f"✅ your {ex_id} {name}: as the library on {scenarios}" if verdict is None
-              else f"❌ your {ex_id} ({mine.PIECES[ex_id].role}) {verdict}")
+              else f"❌ your {ex_id} ({SAVED[ex_id].role}) {verdict}")
         found.append((ex_id, verdict))
     return found

@@ -2,7 +2,7 @@
 
 A check cell in an exercise notebook looks like this::
 
-    with grading.exercise("01.1", "KV bytes per token"):
+    with grading.exercise("01.1"):
         grading.expect_equal(my_kv_bytes_per_token(SPECS["llama-2-70b"]), 327_680,
                              what="bytes per token of LLaMA-2-70B",
                              hint="2 (K and V) x layers x KV heads x head_dim x bytes")
@@ -34,6 +34,7 @@ import types
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
+from paged_lib.course.exercises import EXERCISES, title_text
 from paged_lib.util import CheckFailed
 
 T = TypeVar("T")
@@ -184,11 +185,10 @@ def _resolve(dotted: str) -> tuple[Any, str, Any]:
 
 
 def _twin_of(ex_id: str) -> tuple[str, ...]:
-    """The dotted twins of ``ex_id`` (``TWINS`` of its grader module: one name, or a tuple
-    of names when library helpers other than the top-level one do the exercise too)."""
-    module = sys.modules.get(f"{__name__}.ch{ex_id.split('.')[0]}")
-    twins = None if module is None else getattr(module, "TWINS", {}).get(ex_id)
-    return (twins,) if isinstance(twins, str) else tuple(twins or ())
+    """The dotted twins of ``ex_id`` (:mod:`paged_lib.course.exercises`; none for an id
+    the course does not have)."""
+    known = EXERCISES.get(ex_id)
+    return () if known is None else known.twins
 
 
 def _twin_message(dotted: str) -> str:
@@ -320,11 +320,13 @@ def _swap_in_guard(original: types.FunctionType, dotted: str, calls: list[str]
 
 
 @contextlib.contextmanager
-def exercise(ex_id: str, title: str) -> Iterator[None]:
+def exercise(ex_id: str, title: str | None = None) -> Iterator[None]:
     """Run one exercise's checks and print a single verdict line (see module docstring).
 
-    While the checks run, the library's twin of the exercise (``TWINS`` of its grader
-    module) refuses to be called by the learner's code: a function that delegates to it
+    The line names the exercise by its title in :mod:`paged_lib.course.exercises` (``title``
+    only for an id the course does not have). While the checks run, the library's twins of
+    the exercise (its ``twins`` there) refuse to be called by the learner's code: a
+    function that delegates to one
     fails, whatever else it gets right. After the verdict, an engine piece that passed is
     saved to ``mine/`` (:mod:`paged_lib.course.mine`; the verdict never depends on it).
     """
@@ -350,7 +352,7 @@ def exercise(ex_id: str, title: str) -> Iterator[None]:
         mark, message = FAIL, calls[0]
         hint = ("write it yourself from the spec: the check compares your code with the "
                 "library's, so delegating to the library proves nothing")
-    _say(mark, ex_id, title, message, hint)
+    _say(mark, ex_id, title or title_text(ex_id), message, hint)
     if mark != TODO:  # an engine piece that passed goes to mine/ (paged_lib.course.mine)
         from paged_lib.course import mine
 

@@ -9,13 +9,6 @@ from typing import Any
 from paged_lib.accounting import SPECS, ModelSpec, kv_bytes_per_token, num_blocks
 from paged_lib.course import grading
 
-#: Exercise id -> the library object the learner's code re-implements (it refuses
-#: the learner's calls while that exercise's check runs: see grading.exercise).
-TWINS: dict[str, str] = {
-    "01.1": "paged_lib.accounting.kv_bytes_per_token",
-    "01.2": "paged_lib.accounting.num_blocks",
-}
-
 # A tiny model whose numbers are all different, so a swapped field shows up.
 TOY = ModelSpec("toy-gqa", num_layers=3, hidden_size=96, num_heads=6, num_kv_heads=2,
                 head_dim=16, dtype_bytes=4)
@@ -54,7 +47,7 @@ def check_kv_bytes_per_token(fn: Callable[[ModelSpec], int]) -> None:
     cases = [SPECS["llama-2-70b"], SPECS["opt-13b"], SPECS["llama-2-7b"], SPECS["falcon-7b"],
              SPECS["mistral-7b"].with_dtype("fp8"), SPECS["llama-2-13b"].with_dtype("fp32"),
              TOY, WIDE_HEADS]
-    with grading.exercise("01.1", "KV bytes per token"):
+    with grading.exercise("01.1"):
         for spec in cases:
             got = fn(spec)
             if got == kv_bytes_per_token(spec):
@@ -71,7 +64,7 @@ BLOCK_CASES = [(1000, 16), (0, 16), (16, 16), (17, 16), (1, 16), (2048, 16), (5,
 
 def check_logical_blocks(fn: Callable[[int, int], int]) -> None:
     """01.2: logical blocks for a request (ceil division, 0 tokens -> 0 blocks)."""
-    with grading.exercise("01.2", "Logical blocks"):
+    with grading.exercise("01.2"):
         for n, bs in BLOCK_CASES:
             got = fn(n, bs)
             want = num_blocks(n, bs)
@@ -130,7 +123,7 @@ def check_last_block_fill(fn: Callable[[int, int], float]) -> None:
     # 1003 (11 of 16) tells it apart; 992 fills the last block exactly.
     cases = [(1000, 16), (40, 16), (1003, 16), (992, 16), (1, 16), (17, 16), (0, 16), (5, 1),
              (100, 128)]
-    with grading.exercise("01.3", "Last-block fill"):
+    with grading.exercise("01.3"):
         for n, bs in cases:
             got = fn(n, bs)
             want = _fill(n, bs)
@@ -187,7 +180,7 @@ def check_max_requests(fn: Callable[[ModelSpec, int, int, int], int]) -> None:
         (falcon, 1 * GiB, 4096, 1),
         (SPECS["llama-3-8b"], 50 * GiB, 8192, 16),
     ]
-    with grading.exercise("01.4", "Requests that fit in a KV budget"):
+    with grading.exercise("01.4"):
         for spec, budget, ctx, bs in cases:
             got = fn(spec, budget, ctx, bs)
             want = _max_requests(spec, budget, ctx, bs)

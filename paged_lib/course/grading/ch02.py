@@ -31,13 +31,6 @@ from paged_lib.course.grading.ch02_answers import (
 from paged_lib.fragmentation import request_slots
 from paged_lib.workloads import sharegpt_like
 
-#: Exercise id -> the library object the learner's code re-implements (it refuses
-#: the learner's calls while that exercise's check runs: see grading.exercise).
-TWINS: dict[str, str] = {
-    "02.2": "paged_lib.fragmentation.request_slots",
-    "02.5": "paged_lib.fragmentation.simulate_timeline",
-}
-
 #: Mutants of the solution that compute the same thing (see ``tools/mutants.py``).
 EQUIVALENT_MUTANTS: dict[str, dict[str, str]] = {
     "02.5": {
@@ -50,7 +43,7 @@ EQUIVALENT_MUTANTS: dict[str, dict[str, str]] = {
 
 def check_waste_removed(fn: Callable[[], dict[str, set[str]]]) -> None:
     """02.1: mechanism -> set of waste kinds it removes."""
-    with grading.exercise("02.1", "Which waste each mechanism removes"):
+    with grading.exercise("02.1"):
         got = fn()
         grading.expect_true(isinstance(got, dict), f"expected a dict, got "
                             f"{type(got).__name__}", hint="return {mechanism: {kinds}}")
@@ -195,7 +188,7 @@ def check_batch_snapshot(fn: Callable[..., object], block_size: int = 16) -> Non
         "paged": lambda n, length: request_slots("paged", n, length, block_size=block_size),
         "orca-max": lambda n, length: request_slots("orca-max", n, length, max_len=2048),
     }
-    with grading.exercise("02.4", "A batch snapshot, and less than one block per request"):
+    with grading.exercise("02.4"):
         for name, slots in policies.items():
             for p, o, step in cases:
                 what = f"{name} snapshot of prompts {p}, outputs {o} at step {step}"
@@ -221,7 +214,7 @@ def check_batch_snapshot(fn: Callable[..., object], block_size: int = 16) -> Non
 
 def check_derivation(derive: Callable[[], dict[str, Any]]) -> None:
     """02.3: ``derive() -> dict`` with the keys of :data:`DERIVATION_KEYS`."""
-    with grading.exercise("02.3", "Why equal blocks on demand remove both fragmentations"):
+    with grading.exercise("02.3"):
         got = derive()
         grading.expect_true(isinstance(got, dict), f"derive() returned "
                             f"{type(got).__name__}, expected a dict",
@@ -270,7 +263,7 @@ def _time_limit(seconds: float, what: str) -> Iterator[None]:
 
 def check_paged_simulator(simulate_paged: Callable[..., Any]) -> None:
     """02.5: ``simulate_paged(requests, capacity_tokens, block_size) -> dict``."""
-    with grading.exercise("02.5", "A time-stepped paged simulator"):
+    with grading.exercise("02.5"):
         for name, requests, capacity, block_size, hint in SIM_TRACES:
             want = reference_paged(requests, capacity, block_size)
             with _time_limit(SIM_TIME_LIMIT_S, name):

@@ -17,15 +17,6 @@ from paged_lib.course import grading
 from paged_lib.course.grading.ch03_replay import World, replay
 from paged_lib.course.grading.toy_pool import busy_pool, pool_state
 
-#: Exercise id -> the library object the learner's code re-implements (it refuses
-#: the learner's calls while that exercise's check runs: see grading.exercise).
-TWINS: dict[str, str] = {
-    "03.1": "paged_lib.blocks.BlockTable.append_token",
-    "03.2": "paged_lib.blocks.BlockTable.fork",
-    "03.3": "paged_lib.blocks.BlockAllocator.free",
-}
-
-
 # ------------------------------------------------------------------ 03.1 append_token
 
 # Steps: ("append", name, count) / ("fork", parent, child) / ("free", name)
@@ -55,7 +46,7 @@ _APPEND_SCENARIOS: list[tuple[str, int, tuple[int, ...] | None, int, list[tuple]
 
 def check_append_token(append_token: Callable[[BlockTable], Any]) -> None:
     """03.1: ``append_token(table) -> Slot`` with on-demand allocation and copy-on-write."""
-    with grading.exercise("03.1", "append_token with copy-on-write"):
+    with grading.exercise("03.1"):
         for name, num_blocks, free_list, block_size, steps in _APPEND_SCENARIOS:
             ref = World(busy_pool(num_blocks, free_list), block_size)
             mine = World(busy_pool(num_blocks, free_list), block_size)
@@ -79,7 +70,7 @@ _FORK_SCENARIOS: list[tuple[str, int, int, list[tuple]]] = [
 
 def check_fork(fork: Callable[[BlockTable], Any]) -> None:
     """03.2: ``fork(table) -> BlockTable`` sharing every block and allocating nothing."""
-    with grading.exercise("03.2", "fork"):
+    with grading.exercise("03.2"):
         for name, num_blocks, block_size, steps in _FORK_SCENARIOS:
             ref = World(BlockAllocator(num_blocks), block_size)
             mine = World(BlockAllocator(num_blocks), block_size)
@@ -102,7 +93,7 @@ class _LearnerAllocator(BlockAllocator):
 
 def check_free_block(free_block: Callable[..., Any]) -> None:
     """03.3: ``free_block(block, ref_counts, free_block_ids) -> None``."""
-    with grading.exercise("03.3", "Free with reference counts"):
+    with grading.exercise("03.3"):
         _check_free_steps(free_block)
         _check_free_lifecycle(free_block)
 
@@ -225,7 +216,7 @@ def _as_tuple(slot: Any) -> Any:
 
 def check_predictions(predict: Callable[[], dict[str, Any]]) -> None:
     """03.4: ``predict() -> dict`` with the keys of :data:`PREDICTION_KEYS`."""
-    with grading.exercise("03.4", "Predict the reference counts"):
+    with grading.exercise("03.4"):
         got = predict()
         grading.expect_true(isinstance(got, dict), f"predict() returned {type(got).__name__}, "
                             "expected a dict", f"use the keys {list(PREDICTION_KEYS)}")

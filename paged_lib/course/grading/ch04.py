@@ -14,18 +14,12 @@ import torch
 
 from paged_lib import attention as A
 from paged_lib.course import grading
-from paged_lib.course.grading.ch04_slips import decode_slips, name_slip
+from paged_lib.course.grading.slips import decode_slips, name_slip
 from paged_lib.instruments import block_reads
 from paged_lib.kernels.reference import ref_paged_attention
 from paged_lib.util import cdiv
 
 NEG_INF = float("-inf")
-
-#: Exercise id -> the library object it re-implements (chapter 04 must not show them).
-TWINS: dict[str, str] = {
-    "04.1": "paged_lib.attention.merge",
-    "04.2": "paged_lib.attention.paged_blockwise_attention",
-}
 
 
 def _state_of(scores: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -88,7 +82,7 @@ def _named_merge_slip(got, a, b) -> str | None:
 
 def check_merge_states(merge_states: Callable) -> None:
     """04.1: merging two blocks' (m, l, acc) equals the state of both blocks together."""
-    with grading.exercise("04.1", "Merge two partial softmax states"):
+    with grading.exercise("04.1"):
         g = torch.Generator().manual_seed(41)
         for shape, n_a, n_b, d in [((), 5, 3, 4), ((4,), 8, 8, 16), ((2, 3), 1, 7, 8)]:
             s = torch.randn(*shape, n_a + n_b, generator=g, dtype=torch.float64) * 3
@@ -179,7 +173,7 @@ def check_paged_online(paged_decode: Callable) -> None:
     tokens first, or a softmax that needs the whole score row, fails even though its
     numbers are right.
     """
-    with grading.exercise("04.2", "Online-softmax attention through a block table"):
+    with grading.exercise("04.2"):
         g = torch.Generator().manual_seed(43)
         for ((num_heads, kv_heads), d, block_size), q_scale in zip(PAGED_CASES, Q_SCALES,
                                                                    strict=True):
@@ -285,7 +279,7 @@ def statements() -> str:
 
 def check_flash_vs_paged(classify: Callable[[], dict[int, str]]) -> None:
     """04.3: classify each statement as "flash", "paged" or "both"."""
-    with grading.exercise("04.3", "FlashAttention vs PagedAttention"):
+    with grading.exercise("04.3"):
         answers = classify()
         count = len(STATEMENTS)
         grading.expect_true(isinstance(answers, dict),

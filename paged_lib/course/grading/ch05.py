@@ -34,17 +34,11 @@ from paged_lib.course.grading.ch05_puzzles import (
     check_scale_tile,
 )
 
-__all__ = ["EQUIVALENT_MUTANTS", "TWINS", "Guarded", "check_gather_rows",
+__all__ = ["EQUIVALENT_MUTANTS", "Guarded", "check_gather_rows",
            "check_merge_partials", "check_online_attention", "check_paged_decode_kernel",
            "check_row_softmax", "check_scale_tile", "check_slot_mapping", "decode_case", "launch",
            "run_decode_kernel"]
 
-#: Exercise id -> the library object it re-implements (chapter 05 must not show them).
-TWINS: dict[str, str] = {
-    "05.5": "paged_lib.kernels.triton_decode._paged_decode_kernel",
-    "05.6": "paged_lib.kernels.slot_mapping_from_positions",
-    "05.7": "paged_lib.attention.merge_partials",
-}
 
 #: Mutants (tools/mutants.py) of the solutions that compute the same thing.
 EQUIVALENT_MUTANTS: dict[str, dict[str, str]] = {

@@ -80,7 +80,7 @@ def check_slot_mapping(slot_mapping: Callable[..., torch.Tensor]) -> None:
     """05.6: slot of each new token from its sequence's block table (int64, -1 padding)."""
     from paged_lib.kernels import reshape_and_cache, slot_mapping_from_positions
 
-    with grading.exercise("05.6", "Slot mapping"):
+    with grading.exercise("05.6"):
         for block_size, tables, seqs, poss in SLOT_CASES:
             bt = torch.tensor(tables, dtype=torch.int32)
             seq_ids, positions = torch.tensor(seqs), torch.tensor(poss)
@@ -133,7 +133,7 @@ def _partials(scores: torch.Tensor, v: torch.Tensor, cuts: list[tuple[int, int]]
 def check_merge_partials(merge_partials: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
                          ) -> None:
     """05.7: merge split-KV partial outputs with their log-sum-exps."""
-    with grading.exercise("05.7", "Merge split-KV partials"):
+    with grading.exercise("05.7"):
         g = torch.Generator().manual_seed(0)
         for shift, cuts in [(0.0, [(0, 5), (5, 9), (9, 12), (12, 12)]),
                             (1000.0, [(0, 2), (2, 12)]), (-1000.0, [(0, 7), (7, 12)])]:

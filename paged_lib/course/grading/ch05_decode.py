@@ -9,7 +9,6 @@ import numpy as np
 import torch
 
 from paged_lib.course import grading
-from paged_lib.course.grading.ch04_slips import decode_slips, name_slip
 from paged_lib.course.grading.ch05_common import (
     NAN,
     OUT_GUARD,
@@ -20,6 +19,7 @@ from paged_lib.course.grading.ch05_common import (
     launch,
 )
 from paged_lib.course.grading.generated import numeric, numeric_decode
+from paged_lib.course.grading.slips import decode_slips, name_slip
 from paged_lib.instruments.load_trace import LoadTrace
 from paged_lib.kernels.cases import NAN_BLOCK, make_decode_case
 from paged_lib.kernels.reference import ref_paged_attention
@@ -210,7 +210,7 @@ def check_decode_case(kernel: Any, case, what: str, loud: bool = False) -> None:
 
 def check_paged_decode_kernel(kernel: Any) -> None:
     """05.5: the paged decode kernel, one program per (sequence, KV head)."""
-    with grading.exercise("05.5", "Paged decode kernel"):
+    with grading.exercise("05.5"):
         for seed, (lens, heads, kv_heads, d, bs, q_scale) in enumerate(DECODE_CASES):
             case = decode_case(lens, heads, kv_heads, d, bs, seed=seed)
             case = case._replace(q=case.q * q_scale)

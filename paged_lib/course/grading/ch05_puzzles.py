@@ -9,7 +9,6 @@ import numpy as np
 import torch
 
 from paged_lib.course import grading
-from paged_lib.course.grading.ch04_slips import contiguous_slips, name_slip
 from paged_lib.course.grading.ch05_common import (
     NAN,
     OUT_GUARD,
@@ -19,6 +18,7 @@ from paged_lib.course.grading.ch05_common import (
     interpreted,
     launch,
 )
+from paged_lib.course.grading.slips import contiguous_slips, name_slip
 from paged_lib.instruments.load_trace import LoadTrace
 from paged_lib.util import cdiv
 
@@ -26,7 +26,7 @@ from paged_lib.util import cdiv
 
 def check_scale_tile(kernel: Any) -> None:
     """05.1: ``out = 2 * x`` for an ``[M, N]`` view with row stride ``stride_x``."""
-    with grading.exercise("05.1", "A 2-D masked tile"):
+    with grading.exercise("05.1"):
         g = torch.Generator().manual_seed(51)
         for m, n, stride, bm, bn in [(5, 7, 9, 4, 4), (3, 16, 16, 4, 8)]:
             x = torch.randn(m, n, generator=g)
@@ -110,7 +110,7 @@ def _tile_hint(x_g: Guarded, trace: LoadTrace, m: int, n: int, bm: int, bn: int)
 
 def check_gather_rows(kernel: Any) -> None:
     """05.2: ``out[i] = x[idx[i]]`` for ``i < n``; row ids int32, offsets int64."""
-    with grading.exercise("05.2", "Gather rows through a table"):
+    with grading.exercise("05.2"):
         g = torch.Generator().manual_seed(52)
         for num_rows, n, d, block in [(9, 5, 8, 4), (12, 3, 16, 2)]:
             x = torch.randn(num_rows, d, generator=g)
@@ -154,7 +154,7 @@ def check_gather_rows(kernel: Any) -> None:
 
 def check_row_softmax(kernel: Any) -> None:
     """05.3: ``out = softmax(x, dim=1)``, one program per row, large and negative values."""
-    with grading.exercise("05.3", "Row softmax"):
+    with grading.exercise("05.3"):
         g = torch.Generator().manual_seed(53)
         for rows, n, block in [(3, 5, 8), (2, 16, 16), (2, 3, 4)]:
             x = torch.randn(rows, n, generator=g) * 3
@@ -200,7 +200,7 @@ _SOFTMAX_SLIPS = {
 
 
 def _softmax_slip(got: torch.Tensor, x: torch.Tensor, block: int) -> str | None:
-    """The hint of the typical wrong softmax that explains ``got`` (see ch04_slips.name_slip)."""
+    """The hint of the typical wrong softmax that explains ``got`` (see slips.name_slip)."""
     x64 = x.double()
     padded = torch.cat([x64, torch.zeros(x.shape[0], block - x.shape[1],
                                          dtype=torch.float64)], 1)
@@ -218,7 +218,7 @@ def _softmax_slip(got: torch.Tensor, x: torch.Tensor, block: int) -> str | None:
 
 def check_online_attention(kernel: Any) -> None:
     """05.4: ``out[b] = softmax(k[b] @ q[b] * scale) @ v[b]``, TILE keys per iteration."""
-    with grading.exercise("05.4", "Online softmax over contiguous K"):
+    with grading.exercise("05.4"):
         g = torch.Generator().manual_seed(54)
         for batch, n, d, tile in [(2, 13, 8, 4), (2, 8, 16, 8), (1, 3, 8, 4)]:
             q = torch.randn(batch, d, generator=g)

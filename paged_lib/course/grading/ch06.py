@@ -27,28 +27,16 @@ from typing import Any
 import torch
 
 from paged_lib.course import grading
-from paged_lib.course.grading import generated, replay
+from paged_lib.course.grading import generated, replay, serving
 from paged_lib.course.grading.ch06_admission import check_can_admit, check_num_required_blocks
 from paged_lib.course.grading.ch06_waiting import check_schedule_waiting
 from paged_lib.engine.model_runner import build_metadata as lib_build_metadata
 from paged_lib.model import AttentionMetadata
 from paged_lib.util import cdiv
 
-__all__ = ["TWINS", "check_build_metadata", "check_can_admit",
+__all__ = ["check_build_metadata", "check_can_admit",
            "check_num_required_blocks", "check_schedule_waiting", "run_demo"]
 
-#: Exercise id -> the library object the learner's code re-implements (it refuses
-#: the learner's calls while that exercise's check runs: see grading.exercise), with
-#: the library's helpers that do the same work.
-TWINS: dict[str, tuple[str, ...]] = {
-    "06.1": ("paged_lib.engine.model_runner.build_metadata",
-             "paged_lib.kernels.slot_mapping_from_positions"),
-    "06.2": ("paged_lib.engine.block_manager.num_required_blocks",
-             "paged_lib.engine.block_manager.shared_prompt_blocks"),
-    "06.3": ("paged_lib.engine.policy.can_admit",),
-    "06.4": ("paged_lib.engine.policy.schedule_waiting", "paged_lib.engine.policy.can_admit",
-             "paged_lib.engine.policy.seqs_to_come"),
-}
 
 # ------------------------------------------------------------------ 06.1 build_metadata
 
@@ -97,7 +85,7 @@ _FIELD_HINTS = {
 
 def check_build_metadata(build_metadata: Callable[..., Any]) -> None:
     """``build_metadata(block_tables, seq_lens, query_lens, block_size) -> AttentionMetadata``."""
-    with grading.exercise("06.1", "slot_mapping and padded block tables"):
+    with grading.exercise("06.1"):
         for batch in _BATCHES + _random_batches():
             _check_batch(build_metadata, *batch)
         for call in replay.recorded()["build_metadata"]:  # every state the engine reaches
@@ -218,9 +206,7 @@ def run_demo(build_metadata: Callable[..., Any], num_required_blocks: Callable[.
     admission the same way. Returns the chapter's two figures drawn from the learner's run.
     """
     from paged_lib.course.demos import engine_compare as ec
-    from paged_lib.course.grading import ch07
     from paged_lib.course.viz import engine as viz
-    from paged_lib.engine import LLMEngine
     from paged_lib.model import load_tiny_code_llama
 
     model = model if model is not None else load_tiny_code_llama()
@@ -232,16 +218,8 @@ def run_demo(build_metadata: Callable[..., Any], num_required_blocks: Callable[.
                            {"schedule_waiting": schedule_waiting}))
 
     def serve(prompts, params, num_blocks, block_size):
-        mine = LLMEngine(model, num_blocks, block_size, hooks=hooks)
-        outs = mine.generate(prompts, params)
-        lib = LLMEngine(model, num_blocks, block_size)
-        ref = lib.generate(prompts, params)
-        same_tokens = [[c.token_ids for c in o.outputs] for o in outs] == \
-            [[c.token_ids for c in o.outputs] for o in ref]
-        s, r = mine.stats, lib.stats
-        same_steps = (s.batch_sizes, s.blocks_used, s.preemptions) == \
-            (r.batch_sizes, r.blocks_used, r.preemptions)
-        return outs, s, same_tokens, same_steps
+        run = serving.side_by_side(model, num_blocks, block_size, prompts, params, hooks)
+        return run.outs, run.yours.stats, run.same_tokens, run.same_steps
 
     def run():
         trace = ec.chapter_trace()
@@ -252,8 +230,8 @@ def run_demo(build_metadata: Callable[..., Any], num_required_blocks: Callable[.
               f"peak {s.peak_blocks_used} of {s.num_blocks} blocks)")
         print(f"tokens {'equal' if same_tokens else 'DIFFER from'} the library engine's; "
               f"batch sizes and blocks per step {'equal' if same_steps else 'DIFFER from'} it")
-        outs7, s7, tokens7, steps7 = serve(*ch07.pressure_requests(), ch07.PRESSURE_BLOCKS,
-                                           ch07.PRESSURE_BLOCK_SIZE)
+        outs7, s7, tokens7, steps7 = serve(*ec.pressure_requests(), ec.PRESSURE_BLOCKS,
+                                           ec.PRESSURE_BLOCK_SIZE)
         print(f"chapter 07's pressure trace ({len(outs7)} requests on {s7.num_blocks} "
               f"blocks, {s7.preemptions} preemptions): tokens "
               f"{'equal' if tokens7 else 'DIFFER from'} the library's; steps "

@@ -107,7 +107,7 @@ _WRONG_RULES: list[tuple[str, Callable[[SequenceGroup, int], int], str]] = [
 
 def check_num_required_blocks(num_required_blocks: Callable[..., Any]) -> None:
     """``num_required_blocks(group, block_size) -> int``."""
-    with grading.exercise("06.2", "Blocks a waiting group needs"):
+    with grading.exercise("06.2"):
         for what, prompt, outputs, n, finished, bs in _GROUPS:
             group = make_group(prompt, outputs, n, finished)
             want = lib_required(group, bs)
@@ -211,7 +211,7 @@ _ADMISSION_CASES = [
 
 def check_can_admit(can_admit: Callable[..., Any]) -> None:
     """``can_admit(blocks_needed, num_seqs, num_tokens, budget) -> bool``."""
-    with grading.exercise("06.3", "Admission check"):
+    with grading.exercise("06.3"):
         for what, need, seqs, tokens, budget, hint in _ADMISSION_CASES:
             want = lib_can_admit(need, seqs, tokens, budget)
             got = can_admit(need, seqs, tokens, budget)

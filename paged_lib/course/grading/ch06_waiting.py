@@ -1,7 +1,7 @@
 """Chapter 06's exercise 06.4, ``schedule_waiting`` (re-exported by
 :mod:`paged_lib.course.grading.ch06`).
 
-The learner's loop is plugged into the engine (:mod:`~paged_lib.course.grading.ch06_loops`):
+The learner's loop is plugged into the engine (:mod:`~paged_lib.course.grading.scheduler_loops`):
 first on edge scenarios served by the scheduler alone (ties, an empty queue, a full pool,
 the token budget and the watermark met exactly, ``n > 1`` against ``max_num_seqs``,
 head-of-line blocking, a group alone in an empty step, swapped groups, a preempting step,
@@ -17,9 +17,9 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from paged_lib.course import grading
-from paged_lib.course.grading import ch06_loops as loops
 from paged_lib.course.grading import generated
-from paged_lib.course.grading.ch06_loops import Scenario
+from paged_lib.course.grading import scheduler_loops as loops
+from paged_lib.course.grading.scheduler_loops import Scenario
 
 
 class Head(NamedTuple):
@@ -63,9 +63,8 @@ def _snapshot(waiting, step) -> WaitState:
 
 
 def _decide(args, before, result) -> tuple:
-    out = args[1]._out
-    return tuple((g.request_id, sum(s.num_new_tokens for s in out.scheduled if s.group is g))
-                 for g in out.admitted[before[0]:])
+    step = args[1]
+    return tuple((g.request_id, step.tokens_scheduled(g)) for g in step.admitted[before[0]:])
 
 
 def _describe(st: WaitState) -> str:
@@ -240,7 +239,7 @@ SCENARIOS: list[Scenario] = [
 
 def check_schedule_waiting(schedule_waiting: Callable[..., Any]) -> None:
     """``schedule_waiting(waiting, step) -> None`` (admits with ``step.admit``)."""
-    with grading.exercise("06.4", "Admitting the waiting queue"):
+    with grading.exercise("06.4"):
         loops.check_scenarios("schedule_waiting", schedule_waiting, SCENARIOS)
         loops.check_workloads("schedule_waiting", schedule_waiting)
         generated.check("schedule_waiting", schedule_waiting, "admission: the head first, "

@@ -24,7 +24,12 @@ from typing import Any
 
 from paged_lib.blocks import BlockTable
 from paged_lib.course import grading
-from paged_lib.course.grading import generated, replay
+from paged_lib.course.demos.engine_compare import (  # the chapter's trace (notebook 07)
+    PRESSURE_BLOCK_SIZE,
+    PRESSURE_BLOCKS,
+    pressure_requests,
+)
+from paged_lib.course.grading import generated, replay, serving
 from paged_lib.course.grading.ch07_preempt import check_preempt_until_fits
 from paged_lib.course.grading.ch07_victim import check_choose_victim
 from paged_lib.engine.block_manager import BlockManager
@@ -32,17 +37,10 @@ from paged_lib.engine.block_manager import swap_mapping as lib_swap_mapping
 from paged_lib.engine.hooks import EngineHooks
 from paged_lib.engine.sequence import SamplingParams, Sequence, SequenceGroup
 
-__all__ = ["EQUIVALENT_MUTANTS", "PRESSURE_BLOCKS", "PRESSURE_BLOCK_SIZE", "TWINS",
+__all__ = ["EQUIVALENT_MUTANTS", "PRESSURE_BLOCKS", "PRESSURE_BLOCK_SIZE",
            "check_choose_victim", "check_preempt_until_fits", "check_swap_mapping",
            "pressure_requests", "run_demo"]
 
-#: Exercise id -> the library object the learner's code re-implements (it refuses
-#: the learner's calls while that exercise's check runs: see grading.exercise).
-TWINS: dict[str, tuple[str, ...]] = {
-    "07.1": ("paged_lib.engine.block_manager.swap_mapping",),
-    "07.2": ("paged_lib.engine.policy.choose_victim",),
-    "07.3": ("paged_lib.engine.policy.preempt_until_fits", "paged_lib.engine.policy.preempt"),
-}  # (07.3 asks step.hooks.choose_victim: the library's rule, or another the engine was given)
 
 #: Mutants of the solutions that cannot change any answer (tools/mutants.py skips them).
 EQUIVALENT_MUTANTS: dict[str, dict[str, str]] = {"07.3": {
@@ -82,7 +80,7 @@ class _CountingPool:
 
 def check_swap_mapping(swap_mapping: Callable[..., Any]) -> None:
     """``swap_mapping(tables, allocate) -> list[tuple[int, int]]``."""
-    with grading.exercise("07.1", "Swap mapping"):
+    with grading.exercise("07.1"):
         for name, tables, order in _SCENARIOS:
             _check_scenario(swap_mapping, name, tables, order)
         _check_in_block_manager(swap_mapping)
@@ -181,7 +179,6 @@ def run_demo(swap_mapping: Callable[..., Any], choose_victim: Callable[..., Any]
     """The chapter's too-small pool served with the learner's ``choose_victim`` (and
     ``preempt_until_fits`` when given), by recompute and by swap (with the learner's
     mapping), next to the library's runs."""
-    from paged_lib.engine import LLMEngine
     from paged_lib.model import load_tiny_code_llama
 
     model = model if model is not None else load_tiny_code_llama()
@@ -198,15 +195,10 @@ def run_demo(swap_mapping: Callable[..., Any], choose_victim: Callable[..., Any]
         asked[0] = 0
         if preempt_until_fits is not None:
             hooks["preempt_until_fits"] = preempt_until_fits
-        kw = dict(num_cpu_blocks=64, preemption=mode)
-        mine = LLMEngine(model, PRESSURE_BLOCKS, PRESSURE_BLOCK_SIZE, **kw,
-                         hooks=EngineHooks(**hooks))
-        outs = mine.generate(prompts, params)
-        lib = LLMEngine(model, PRESSURE_BLOCKS, PRESSURE_BLOCK_SIZE, **kw)
-        ref = lib.generate(prompts, params)
-        same = [[c.token_ids for c in o.outputs] for o in outs] == \
-            [[c.token_ids for c in o.outputs] for o in ref]
-        return mine.stats, lib.stats, same
+        run = serving.side_by_side(model, PRESSURE_BLOCKS, PRESSURE_BLOCK_SIZE, prompts,
+                                   params, EngineHooks(**hooks), num_cpu_blocks=64,
+                                   preemption=mode)
+        return run.yours.stats, run.library.stats, run.same_tokens
 
     def recompute() -> None:
         s, r, same = serve("recompute", choose_victim=victim)
@@ -234,18 +226,3 @@ def run_demo(swap_mapping: Callable[..., Any], choose_victim: Callable[..., Any]
                             "recompute with your choose_victim")
     grading.on_learner_code(swap, "exercises 07.1-07.3", "swap with your functions")
 
-
-#: Chapter 07's "pool far too small": 7 requests (one of them 2 parallel samples).
-PRESSURE_BLOCKS, PRESSURE_BLOCK_SIZE = 10, 8
-
-
-def pressure_requests() -> tuple[list[list[int]], list[SamplingParams]]:
-    """Seven requests that need about 30 blocks of 8 at once: six greedy, and one that
-    draws 2 seeded samples (its prompt blocks are shared, so swapping it meets sharing)."""
-    from paged_lib.course.demos import engine_compare as ec
-
-    trace = ec.chapter_trace(7, seed=5, max_len=64)
-    params = [SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.0)] * 6 + [
-        SamplingParams(max_tokens=24, n=2, temperature=0.8, seed=7, ignore_eos=True)]
-    prompts, _ = ec.chapter_requests(trace)
-    return prompts, params

@@ -1,7 +1,7 @@
 """Chapter 07's exercise 07.3, ``preempt_until_fits`` (re-exported by
 :mod:`paged_lib.course.grading.ch07`).
 
-The learner's loop is plugged into the engine (:mod:`~paged_lib.course.grading.ch06_loops`):
+The learner's loop is plugged into the engine (:mod:`~paged_lib.course.grading.scheduler_loops`):
 first on edge scenarios served by the scheduler alone (groups admitted in the same step,
 groups of several samples, one victim too few, the group asking being the victim, a CPU
 pool too small to take a victim, a victim part way through a chunked prefill, a step whose
@@ -19,9 +19,9 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from paged_lib.course import grading
-from paged_lib.course.grading import ch06_loops as loops
 from paged_lib.course.grading import generated
-from paged_lib.course.grading.ch06_loops import Scenario
+from paged_lib.course.grading import scheduler_loops as loops
+from paged_lib.course.grading.scheduler_loops import Scenario
 from paged_lib.engine import policy
 
 
@@ -45,7 +45,6 @@ class PreState(NamedTuple):
 
 
 def _snapshot(group, step) -> PreState:
-    bm = step._sched.block_manager
     running = tuple(Running(g.request_id, g.timeline.admitted_steps[-1], len(g.live_seqs()),
                             step.is_decoding(g), step.ran(g), _blocks(g))
                     for g in step.running)
@@ -53,7 +52,7 @@ def _snapshot(group, step) -> PreState:
     told = None if rule is policy.choose_victim else \
         (rule.__doc__ or rule.__name__).strip().splitlines()[0]
     return PreState(group.request_id, step.blocks_needed, step.free_blocks, running,
-                    step.preemption, None if bm.cpu is None else bm.cpu.num_free, told)
+                    step.preemption, step.cpu_free_blocks, told)
 
 
 def _blocks(group) -> int:
@@ -63,7 +62,7 @@ def _blocks(group) -> int:
 def _decide(args, before, result) -> tuple:
     step = args[1]
     victims = []
-    for g in step._out.preempted[before[1]:]:
+    for g in step.preempted[before[1]:]:
         for name, queue in (("swapped", step.swapped), ("waiting", step.waiting)):
             at = next((k for k, q in enumerate(queue) if q is g), None)
             if at is not None:
@@ -217,7 +216,7 @@ SCENARIOS: list[Scenario] = [
 
 def check_preempt_until_fits(preempt_until_fits: Callable[..., Any]) -> None:
     """``preempt_until_fits(group, step) -> bool``."""
-    with grading.exercise("07.3", "Preempting until the blocks fit"):
+    with grading.exercise("07.3"):
         loops.check_scenarios("preempt_until_fits", preempt_until_fits, SCENARIOS)
         loops.check_workloads("preempt_until_fits", preempt_until_fits)
         generated.check("preempt_until_fits", preempt_until_fits, "ask choose_victim among "

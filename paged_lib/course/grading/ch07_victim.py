@@ -243,7 +243,7 @@ def _consequence(choose_victim, blocks, bs, mode, requests) -> str:
 
 def check_choose_victim(choose_victim: Callable[..., Any]) -> None:
     """``choose_victim(running: list[SequenceGroup]) -> SequenceGroup``."""
-    with grading.exercise("07.2", "Which group to preempt"):
+    with grading.exercise("07.2"):
         check_lists(choose_victim)
         check_scenarios(choose_victim)
         replay.check_replay("choose_victim", choose_victim,

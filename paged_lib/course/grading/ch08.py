@@ -22,19 +22,11 @@ import torch
 
 from paged_lib.blocks import BlockTable, Slot
 from paged_lib.course import grading
+from paged_lib.course.grading import serving
 from paged_lib.course.grading.ch08_beam_replay import on_copies, run_beam_scenario
 from paged_lib.course.grading.toy_pool import busy_pool
 from paged_lib.kernels.reference import gather_kv
 from paged_lib.studies import sharing
-
-#: Exercise id -> the library object the learner's code re-implements (it refuses
-#: the learner's calls while that exercise's check runs: see grading.exercise).
-TWINS: dict[str, str | tuple[str, ...]] = {
-    # 08.1: the library's block copy does the copy-on-write half of the exercise
-    "08.1": ("paged_lib.studies.sharing.apply_slot", "paged_lib.kernels.copy_blocks.copy_blocks",
-             "paged_lib.kernels.cache_ops.copy_blocks_in_pool"),
-    "08.2": "paged_lib.engine.beam_search.beam_step",
-}
 
 #: Mutants of the solution that compute the same thing (see ``tools/mutants.py``).
 EQUIVALENT_MUTANTS: dict[str, dict[str, str]] = {
@@ -85,7 +77,7 @@ _VIEW_SCENARIOS = [
 
 def check_apply_slot(apply_slot: Callable[..., Any]) -> None:
     """``apply_slot(k_cache, v_cache, slot, key, value) -> None`` (in place)."""
-    with grading.exercise("08.1", "Copy-on-write in the cache"):
+    with grading.exercise("08.1"):
         for scenario in _COW_SCENARIOS:
             _run_cow_scenario(apply_slot, *scenario)
         for name, layout in _VIEW_SCENARIOS:
@@ -241,7 +233,7 @@ _SCRIPTED: list[tuple[str, int, int, int, list[Candidates] | None]] = [
 def check_beam_step(beam_step: Callable[..., Any]) -> None:
     """``beam_step(tables, cum_logprobs, candidates, beam_width) -> [(parent, table, token,
     cum_logprob), ...]`` (the engine's :func:`paged_lib.engine.beam_search.beam_step`)."""
-    with grading.exercise("08.2", "One step of beam search over block tables"):
+    with grading.exercise("08.2"):
         for name, block_size, prompt_len, width, steps in _SCRIPTED:
             run_beam_scenario(beam_step, name, block_size, prompt_len, width, steps)
         _serve_beams(beam_step)
@@ -279,27 +271,18 @@ def _served_beams(beam_step: Callable[..., Any] | None, library: bool = False
                   ) -> tuple[list, list]:
     """(each request's outputs, each step's (request, sequence, tokens)) of the beam
     workload served with ``beam_step`` (None: the library's, computed once)."""
-    from paged_lib.engine import EngineHooks, LLMEngine
+    from paged_lib.engine import EngineHooks
     from paged_lib.model import load_tiny_code_llama
 
     if beam_step is None and not library:
         return _library_beams()
-    w = _beam_workload()
     hooks = EngineHooks() if beam_step is None else EngineHooks(beam_step=on_copies(beam_step))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        opts = dict(w.options)
-        engine = LLMEngine(load_tiny_code_llama(), opts.pop("num_blocks"),
-                           opts.pop("block_size"), attention_backend="torch", hooks=hooks,
-                           **opts)
-        steps: list = []
-        engine.on_step = lambda out, stats: steps.append(
-            [(s.group.request_id, s.seq.seq_id, s.num_new_tokens) for s in out.scheduled])
-        outs = engine.generate(w.prompts, w.params, arrival_steps=w.arrivals)
-    finally:
-        torch.set_num_threads(threads)
-    return [[c.token_ids for c in o.outputs] for o in outs], steps
+    steps: list = []
+    with serving.one_thread():
+        tokens, _ = serving.serve(load_tiny_code_llama(), _beam_workload(), hooks,
+                                  on_step=lambda out, stats: steps.append(
+                                      serving.schedule_of(out)))
+    return tokens, steps
 
 
 def run_beam_search(beam_step: Callable[..., Any], **kw) -> list[sharing.BeamFrame]:
@@ -320,7 +303,7 @@ def run_demo(apply_slot: Callable[..., Any], beam_step: Callable[..., Any]) -> l
     compared with the library's.
     """
     from paged_lib.course.viz import sharing as viz
-    from paged_lib.engine import EngineHooks, LLMEngine, SamplingParams
+    from paged_lib.engine import EngineHooks, SamplingParams
     from paged_lib.workloads import alpaca_like
 
     def sampling() -> None:
@@ -349,15 +332,11 @@ def run_demo(apply_slot: Callable[..., Any], beam_step: Callable[..., Any]) -> l
         _, model = sharing.tiny_random_llama()
         prompt = torch.randint(0, 97, (13,), generator=torch.Generator().manual_seed(1)).tolist()
         params = SamplingParams(max_tokens=12, beam_width=4)
-        yours = LLMEngine(model, num_blocks=64, block_size=4,
-                          hooks=EngineHooks(beam_step=on_copies(beam_step)))
-        mine = yours.generate([prompt], params)[0].outputs
-        library = LLMEngine(model, num_blocks=64, block_size=4)
-        ref = library.generate([prompt], params)[0].outputs
-        same = [b.token_ids for b in mine] == [b.token_ids for b in ref]
+        run = serving.side_by_side(model, 64, 4, [prompt], params,
+                                   EngineHooks(beam_step=on_copies(beam_step)))
         print(f"engine beam search (width 4), your beam_step: beams "
-              f"{'equal' if same else 'DIFFER from'} the engine's own; peak blocks "
-              f"{yours.stats.peak_blocks_used} vs {library.stats.peak_blocks_used}")
+              f"{'equal' if run.same_tokens else 'DIFFER from'} the engine's own; peak blocks "
+              f"{run.yours.stats.peak_blocks_used} vs {run.library.stats.peak_blocks_used}")
 
     grading.on_learner_code(sampling, "exercise 08.1", "parallel sampling")
     figs = grading.on_learner_code(synthetic, "exercise 08.2", "synthetic beam search") or []

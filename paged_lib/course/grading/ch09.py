@@ -29,28 +29,9 @@ from paged_lib.course.grading.ch09_tiles import check_attend_tiles
 from paged_lib.studies.block_size import KERNEL_BLOCK_SIZES, choose_block_size, internal_waste
 from paged_lib.util import cdiv
 
-__all__ = ["TWINS", "check_attend_tiles", "check_choose_block_size", "check_internal_waste",
+__all__ = ["check_attend_tiles", "check_choose_block_size", "check_internal_waste",
            "run_demo"]
 
-_WASTE = ("paged_lib.studies.block_size.internal_waste",
-          "paged_lib.fragmentation.request.request_slots",
-          "paged_lib.fragmentation.request.reservation")
-#: Exercise id -> the library objects the learner's code re-implements: the top-level one
-#: and the helpers that do the exercise's work (they refuse the learner's calls while that
-#: exercise's check runs: see grading.exercise).
-TWINS: dict[str, tuple[str, ...]] = {
-    "09.1": _WASTE,
-    "09.2": ("paged_lib.studies.block_size.choose_block_size", *_WASTE),
-    # (chapter 04 shows the torch backend's decode and the reference's gather: reading
-    # whole segments or sequences at once, they fail the check's reads rule anyway)
-    "09.3": ("paged_lib.kernels.paged_attention", "paged_lib.kernels.paged_prefill",
-             "paged_lib.kernels.torch_backend.paged_prefill_torch",
-             "paged_lib.kernels.torch_backend.merge_segments",
-             "paged_lib.kernels.reference.flex_paged_attention",
-             "paged_lib.attention.paged_blockwise_attention",
-             "paged_lib.attention.blockwise_attention", "paged_lib.attention.merge_partials",
-             "paged_lib.attention.merge_states", "paged_lib.attention.merge"),
-}
 
 # ------------------------------------------------------------------ 09.1 internal_waste
 
@@ -128,7 +109,7 @@ def _close(a: float, b: float) -> bool:
 
 def check_internal_waste(fn: Callable[[Sequence[int], int], float]) -> None:
     """09.1: the empty share of whole blocks, over all slots."""
-    with grading.exercise("09.1", "Internal waste of a trace"):
+    with grading.exercise("09.1"):
         for lengths, b in _WASTE_CASES:
             what = f"internal_waste({list(lengths)}, {b})"
             want = internal_waste(list(lengths), b)
@@ -270,7 +251,7 @@ def _show(lengths: Sequence[int]) -> str:
 
 def check_choose_block_size(fn: Callable[[Sequence[int], Sequence[int], float], int]) -> None:
     """09.2: the largest allowed block size within the waste budget."""
-    with grading.exercise("09.2", "Choosing a block size"):
+    with grading.exercise("09.2"):
         for lengths, allowed, budget, about in _CHOICE_CASES:
             what = f"choose_block_size({_show(lengths)}, {allowed}, {budget}) ({about})"
             want = choose_block_size(lengths, allowed, budget)

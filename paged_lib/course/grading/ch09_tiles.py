@@ -29,9 +29,9 @@ from dataclasses import dataclass
 import torch
 
 from paged_lib.course import grading
-from paged_lib.course.grading.ch04_slips import name_slip
 from paged_lib.course.grading.ch09_tile_reads import TileLog, TileTensor, watching
 from paged_lib.course.grading.generated import numeric
+from paged_lib.course.grading.slips import name_slip
 from paged_lib.kernels import paged_attention
 from paged_lib.kernels.torch_backend import paged_attention_torch
 from paged_lib.util import CheckFailed, cdiv
@@ -331,7 +331,7 @@ def _serve(fn: Callable | None) -> list[list[int]]:
 
 def check_attend_tiles(fn: Callable[..., torch.Tensor]) -> None:
     """09.3: decode attention over tiles of ``tile`` tokens through a block table."""
-    with grading.exercise("09.3", "Tiles that are not blocks"):
+    with grading.exercise("09.3"):
         for c in cases():
             check_case(fn, c)
         want, got = _serve(None), _serve(fn)

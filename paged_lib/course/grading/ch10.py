@@ -33,23 +33,8 @@ from paged_lib.engine.prefix_cache import (
     longest_cache_hit,
 )
 
-__all__ = ["TWINS", "check_allocate_slots", "check_block_hashes", "check_free_queue",
+__all__ = ["check_allocate_slots", "check_block_hashes", "check_free_queue",
            "check_longest_cache_hit", "run_demo"]
-
-#: Exercise id -> the library object the learner's code re-implements (it refuses
-#: the learner's calls while that exercise's check runs: see grading.exercise).
-#: 10.3's class has two methods: the check refuses ``FreeBlockQueue.popleft`` itself.
-TWINS: dict[str, str | tuple[str, ...]] = {
-    "10.1": "paged_lib.engine.prefix_cache.block_hashes",
-    "10.2": "paged_lib.engine.prefix_cache.longest_cache_hit",
-    "10.3": "paged_lib.engine.prefix_cache.FreeBlockQueue.remove",
-    # 10.4: the pool's own methods do the steps the exercise asks for
-    "10.4": ("paged_lib.engine.prefix_cache.allocate_slots",
-             "paged_lib.engine.prefix_cache.longest_cache_hit",
-             "paged_lib.engine.prefix_cache.PrefixCachingAllocator.touch",
-             "paged_lib.engine.prefix_cache.PrefixCachingAllocator.allocate",
-             "paged_lib.engine.prefix_cache.PrefixCachingAllocator.cache_block"),
-}
 
 
 # ------------------------------------------------------------------ 10.1 block_hashes
@@ -75,7 +60,7 @@ _HASH_SCENARIOS: list[tuple[str, list[int], int, tuple]] = [
 
 def check_block_hashes(fn: Callable[..., Any]) -> None:
     """``block_hashes(token_ids, block_size, extra_keys=()) -> list[BlockHash]``."""
-    with grading.exercise("10.1", "A prompt's block hashes"):
+    with grading.exercise("10.1"):
         for name, tokens, block_size, extra in _HASH_SCENARIOS:
             _check_hashes(fn, name, tokens, block_size, extra)
         _check_shared_prefix(fn)
@@ -245,7 +230,7 @@ class _Lookup:
 
 def check_longest_cache_hit(fn: Callable[..., Any]) -> None:
     """``longest_cache_hit(hashes, lookup, num_tokens, block_size) -> list[int]``."""
-    with grading.exercise("10.2", "The cache hit"):
+    with grading.exercise("10.2"):
         for name, num_tokens, block_size, cached in _HIT_SCENARIOS:
             _check_hit(fn, name, num_tokens, block_size, cached)
         replay.check_replay("longest_cache_hit", fn,

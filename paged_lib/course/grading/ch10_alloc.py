@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from paged_lib.course import grading
-from paged_lib.course.grading import generated
+from paged_lib.course.grading import generated, serving
 from paged_lib.course.grading.ch10_alloc_cases import edge_states, workloads
 from paged_lib.engine.prefix_cache import (
     BlockHash,
@@ -288,52 +288,45 @@ def serve(model, w, allocate: Callable, log: list | None = None) -> tuple[list, 
     """Serve workload ``w`` with ``allocate`` as the hook: (tokens per request, the
     schedule: per step the (request, sequence, tokens) run and the prefix-hit tokens).
     ``log`` collects an :class:`Ask` per call (with the library's hook)."""
-    from paged_lib.engine import EngineHooks, LLMEngine
+    from paged_lib.engine import EngineHooks
 
-    engine: Any = None
+    sched: Any = None
+    steps: list = []
 
     def hook(pool, token_ids, hashes, block_size, max_new_tokens):
         if log is not None:
-            log.append(Ask(f"'{w.name}', engine step {engine.scheduler.step}", snapshot(pool),
+            log.append(Ask(f"'{w.name}', engine step {sched.step}", snapshot(pool),
                            tuple(token_ids), tuple(hashes), block_size, max_new_tokens))
         return allocate(pool, token_ids, hashes, block_size, max_new_tokens)
 
-    opts = dict(w.options)
-    engine = LLMEngine(model, opts.pop("num_blocks"), opts.pop("block_size"),
-                       attention_backend="torch", hooks=EngineHooks(allocate_slots=hook), **opts)
-    steps: list = []
-    schedule = engine.scheduler.schedule
+    def ready(engine):
+        nonlocal sched
+        sched, schedule = engine.scheduler, engine.scheduler.schedule
 
-    def recording():
-        out = schedule()
-        steps.append(([(s.group.request_id, s.seq.seq_id, s.num_new_tokens)
-                       for s in out.scheduled], out.prefix_cache_hit_tokens))
-        return out
+        def recording():
+            out = schedule()
+            steps.append((serving.schedule_of(out), out.prefix_cache_hit_tokens))
+            return out
 
-    engine.scheduler.schedule = recording
-    outs = engine.generate(w.prompts, w.params, arrival_steps=w.arrivals)
-    return [[c.token_ids for c in o.outputs] for o in outs], steps
+        sched.schedule = recording
+
+    tokens, _ = serving.serve(model, w, EngineHooks(allocate_slots=hook), ready=ready)
+    return tokens, steps
 
 
 @functools.cache
 def recorded() -> tuple[tuple[list[Ask], tuple], ...]:
     """Per workload: every call the library's engine makes to ``allocate_slots`` and what
     it served (tokens, schedule). Once per process (a few seconds on the tiny model)."""
-    import torch
-
     from paged_lib.model import load_tiny_code_llama
 
     model = load_tiny_code_llama()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        result = []
+    result = []
+    with serving.one_thread():
         for w in workloads():
             log: list[Ask] = []
             result.append((log, serve(model, w, allocate_slots, log)))
-        return tuple(result)
-    finally:
-        torch.set_num_threads(threads)
+    return tuple(result)
 
 
 def check_replay(fn: Callable) -> None:
@@ -343,14 +336,10 @@ def check_replay(fn: Callable) -> None:
 
 
 def check_serving(fn: Callable) -> None:
-    import torch
-
     from paged_lib.model import load_tiny_code_llama
 
     model = load_tiny_code_llama()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with serving.one_thread():
         for w, (_, (want_tokens, want_steps)) in zip(workloads(), recorded(), strict=True):
             if w.name not in SERVED:
                 continue
@@ -373,13 +362,11 @@ def check_serving(fn: Callable) -> None:
                 grading.fail(f"serving '{w.name}' with your allocate_slots: the tokens "
                              "differ from the library engine's", "a table pointing at "
                              "another request's K/V changes what the model reads")
-    finally:
-        torch.set_num_threads(threads)
 
 
 def check_allocate_slots(fn: Callable[..., Any]) -> None:
     """``allocate_slots(pool, token_ids, hashes, block_size, max_new_tokens)``."""
-    with grading.exercise("10.4", "A new request's table in the caching pool"):
+    with grading.exercise("10.4"):
         check_edges(fn)
         check_replay(fn)
         check_serving(fn)

@@ -35,24 +35,9 @@ from paged_lib.course.grading.ch11_quant import check_write_int8_blocks
 from paged_lib.course.grading.ch11_window import check_drop_oldest
 from paged_lib.util import cdiv
 
-__all__ = ["DEPLOYMENT", "LEVELS", "TWINS", "check_drop_oldest", "check_kv_bytes_per_token",
+__all__ = ["DEPLOYMENT", "LEVELS", "check_drop_oldest", "check_kv_bytes_per_token",
            "check_kv_levels", "check_write_int8_blocks", "run_demo"]
 
-#: Exercise id -> the library objects the learner's code re-implements: the top-level
-#: twin and every library helper that does the same job (they refuse the learner's calls
-#: while that exercise's check runs: see grading.exercise).
-TWINS: dict[str, tuple[str, ...]] = {
-    "11.1": ("paged_lib.course.grading.ch11._levels",),
-    "11.2": ("paged_lib.accounting.kv_bytes_per_token", "paged_lib.accounting.kv_bytes",
-             "paged_lib.parallel.kv_bytes_per_rank",
-             "paged_lib.studies.kv_quant_eval.kv_bytes_per_token_quant"),
-    "11.3": ("paged_lib.kernels.kv_quant.write_int8_blocks",
-             "paged_lib.kernels.kv_quant.write_quantized",
-             "paged_lib.course.grading.ch11_quant.reference_write"),
-    "11.4": ("paged_lib.engine.window.drop_oldest",
-             "paged_lib.engine.window.SlidingWindow.slide",
-             "paged_lib.course.grading.ch11_window.reference_drop"),
-}
 
 #: The names of 11.1's four numbers, in order.
 LEVELS = ("baseline", "fewer bytes per token", "fewer tokens", "paged layout")
@@ -159,7 +144,7 @@ _LEVEL_SLIPS: list[tuple[int, dict, str]] = [
 
 def check_kv_levels(fn: Callable[..., Any]) -> None:
     """11.1: the deployment's KV bytes after each level of saving."""
-    with grading.exercise("11.1", "Three levels of saving, combined"):
+    with grading.exercise("11.1"):
         for name, lengths, max_len, dtype_b, b, window, sinks, about in _LEVEL_CASES:
             spec = _OWN_SPECS[name] if name in _OWN_SPECS else get_spec(name)
             args = (spec, lengths, max_len, dtype_b, b, window, sinks)
@@ -243,7 +228,7 @@ def _bytes_slips(s: ModelSpec) -> list[tuple[int, str]]:
 
 def check_kv_bytes_per_token(fn: Callable[[ModelSpec], Any]) -> None:
     """11.2: bytes per token for any attention, MLA included."""
-    with grading.exercise("11.2", "KV bytes per token, MLA included"):
+    with grading.exercise("11.2"):
         for s in _bytes_cases():
             what = (f"{s.name} ({s.attention}, {s.dtype_bytes} B per value"
                     + (f", latent {s.kv_lora_rank}, RoPE key {s.qk_rope_head_dim}"

@@ -242,7 +242,7 @@ def _replay_and_serve(fn: Callable, calls: list[WriteCall], served: list) -> Non
 
 def check_write_int8_blocks(fn: Callable[..., Any]) -> None:
     """11.3: ``write_int8_blocks(x, data, scale, slots)`` writes in place."""
-    with grading.exercise("11.3", "The int8 block write, with a scale that grows"):
+    with grading.exercise("11.3"):
         for call in _edges():
             compare(fn, call, call.where)
         _two_steps(fn)

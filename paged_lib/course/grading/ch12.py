@@ -23,20 +23,9 @@ from paged_lib.course import grading
 from paged_lib.course.grading.ch12_gloo import check_rank_attention
 from paged_lib.parallel import kv_bytes_per_rank, rank_heads
 
-__all__ = ["TWINS", "check_kv_bytes_per_rank", "check_rank_attention", "check_rank_heads",
+__all__ = ["check_kv_bytes_per_rank", "check_rank_attention", "check_rank_heads",
            "run_demo"]
 
-_HEADS = ("paged_lib.parallel.kv_heads_per_rank", "paged_lib.parallel.kv_head_replicas")
-#: Exercise id -> the library objects the learner's code re-implements: the top-level one
-#: and the helpers that do the exercise's work (they refuse the learner's calls while that
-#: exercise's check runs: see grading.exercise).
-TWINS: dict[str, tuple[str, ...]] = {
-    "12.1": ("paged_lib.parallel.kv_bytes_per_rank", *_HEADS),
-    "12.2": ("paged_lib.parallel.rank_heads", *_HEADS),
-    "12.3": ("paged_lib.parallel.rank_attention", "paged_lib.parallel.heads_attention",
-             "paged_lib.parallel.rank_heads", "paged_lib.parallel.shard_state_dict",
-             "paged_lib.engine.tensor_parallel.use_rank_attention", *_HEADS),
-}
 
 _MQA = ModelSpec("a 32-head MQA model", num_layers=24, hidden_size=4096, num_heads=32,
                  num_kv_heads=1, head_dim=128, dtype_bytes=2)
@@ -114,7 +103,7 @@ def _normal(value: Any) -> Any:
 
 def check_kv_bytes_per_rank(fn: Callable[[ModelSpec, int, int], int]) -> None:
     """12.1: the bytes of K and V one rank caches for ``num_tokens`` tokens."""
-    with grading.exercise("12.1", "KV bytes per rank"):
+    with grading.exercise("12.1"):
         for spec, tp, n in _BYTES_CASES:
             what = f"kv_bytes_per_rank({spec.name}, tp_size={tp}, num_tokens={n})"
             want = kv_bytes_per_rank(spec, tp, n)
@@ -194,7 +183,7 @@ def _wrong_heads(h: int, kv: int, tp: int, r: int) -> dict[str, Any]:
 
 def check_rank_heads(fn: Callable[[int, int, int, int], tuple[list[int], list[int]]]) -> None:
     """12.2: the query heads and KV heads rank ``rank`` of ``tp_size`` owns."""
-    with grading.exercise("12.2", "Which rank owns which head"):
+    with grading.exercise("12.2"):
         for h, kv, tp, about in _HEAD_CASES:
             for r in range(tp):
                 what = f"rank_heads({h}, {kv}, tp_size={tp}, rank={r}) ({about})"

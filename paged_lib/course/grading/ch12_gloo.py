@@ -243,7 +243,7 @@ def check_rank_attention(fn: Callable[..., torch.Tensor]) -> None:
     """12.3: one rank's attention layer, its all-reduce included."""
     if _in_a_rank_bootstrapping():
         return  # a script re-imported by a spawned rank: the parent prints the verdict
-    with grading.exercise("12.3", "One rank's attention, all-reduced"):
+    with grading.exercise("12.3"):
         all_steps = steps()
         for step in all_steps:
             try:

@@ -24,10 +24,8 @@ from paged_lib.course import grading
 from paged_lib.serve.detokenize import IncrementalDetokenizer
 from paged_lib.tokenizer import ByteTokenizer
 
-__all__ = ["TWINS", "check_detokenizer", "run_demo"]
+__all__ = ["check_detokenizer", "run_demo"]
 
-#: Exercise id -> the library object the learner's code re-implements.
-TWINS: dict[str, str] = {"14.1": "paged_lib.serve.detokenize.IncrementalDetokenizer.add"}
 
 _TOK = ByteTokenizer()
 
@@ -171,7 +169,7 @@ def _random_cases(seed: int = 14, count: int = 150) -> list[tuple[str, list[str]
 
 def check_detokenizer(cls: Any) -> None:
     """``cls``: the learner's class, ``cls(decode, stop)`` with ``add`` and ``finish``."""
-    with grading.exercise("14.1", "Streaming text: whole characters, stop strings"):
+    with grading.exercise("14.1"):
         grading.expect_true(isinstance(cls, type), f"expected a class, got {cls!r}",
                             "pass the class itself (check_detokenizer(MyDetokenizer)), not "
                             "an instance")

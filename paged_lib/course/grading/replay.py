@@ -27,11 +27,9 @@ from typing import Any
 import torch
 
 from paged_lib.course import grading
+from paged_lib.course.exercises import REPLAYED  # the hooks this module replays
+from paged_lib.course.grading import serving
 from paged_lib.engine.sequence import Sequence, SequenceGroup
-
-#: the hooks this module replays (classes and beam_step have their own graders)
-REPLAYED = ("can_admit", "num_required_blocks", "choose_victim", "swap_mapping",
-            "block_hashes", "longest_cache_hit", "build_metadata")
 
 
 @dataclass
@@ -168,29 +166,15 @@ def recorded() -> dict[str, list[Call]]:
     from paged_lib.engine import EngineHooks
     from paged_lib.model import load_tiny_code_llama
 
-    model = load_tiny_code_llama()
-    library = EngineHooks()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matrices: a second thread only adds overhead
-    try:
-        _record(model, library, log := {name: [] for name in REPLAYED})
-    finally:
-        torch.set_num_threads(threads)
+    model, library = load_tiny_code_llama(), EngineHooks()
+    log: dict[str, list[Call]] = {name: [] for name in REPLAYED}
+    with serving.one_thread():
+        for w in workloads():
+            where: list = [w.name, None]
+            hooks = EngineHooks(**{n: _recorder(n, getattr(library, n), log, where)
+                                   for n in REPLAYED})
+            serving.serve(model, w, hooks, ready=lambda e, where=where: where.__setitem__(1, e))
     return log
-
-
-def _record(model, library, log: dict[str, list[Call]]) -> None:
-    from paged_lib.engine import EngineHooks, LLMEngine
-
-    for w in workloads():
-        where: list = [w.name, None]
-        hooks = EngineHooks(**{n: _recorder(n, getattr(library, n), log, where)
-                               for n in REPLAYED})
-        opts = dict(w.options)
-        engine = LLMEngine(model, opts.pop("num_blocks"), opts.pop("block_size"),
-                           attention_backend="torch", hooks=hooks, **opts)
-        where[1] = engine
-        engine.generate(w.prompts, w.params, arrival_steps=w.arrivals)
 
 
 # ------------------------------------------------------------------ replay

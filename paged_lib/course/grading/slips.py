@@ -1,5 +1,5 @@
 """What the typical wrong decode attentions compute, so a hint can name the one a learner
-wrote (04.2's blockwise attention in Python, 05.5's Triton kernel).
+wrote (04.2's blockwise attention in Python, 05.5's Triton kernel, 09.3's tiles).
 
 Each slip is recomputed in float64 on the grader's own case; :func:`name_slip` returns
 the hint of the slip whose output is much closer to the learner's than the right answer

@@ -21,9 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from paged_lib.course import grading
+from paged_lib.course.grading import serving
 from paged_lib.engine.block_manager import BlockManager
 from paged_lib.engine.hooks import EngineHooks
 from paged_lib.engine.policy import seqs_to_come
@@ -95,23 +94,15 @@ def recorder(name: str, fn: Callable, log: list[Record], where: list,
 
 def _marks(args: tuple) -> tuple[int, int]:
     step = args[-1]
-    out = step._out
-    return len(out.admitted), len(out.preempted)
+    return len(step.admitted), len(step.preempted)
 
 
 # ------------------------------------------------------------------ serving
 
 
 def _engine_run(model, workload, hooks: EngineHooks, where: list) -> tuple:
-    from paged_lib.engine import LLMEngine
-
-    opts = dict(workload.options)
-    engine = LLMEngine(model, opts.pop("num_blocks"), opts.pop("block_size"),
-                       attention_backend="torch", hooks=hooks, **opts)
-    where[0] = engine.scheduler
-    outs = engine.generate(workload.prompts, workload.params,
-                           arrival_steps=workload.arrivals)
-    tokens = [[c.token_ids for c in o.outputs] for o in outs]
+    tokens, engine = serving.serve(model, workload, hooks,
+                                   ready=lambda e: where.__setitem__(0, e.scheduler))
     return tokens, engine.block_manager.num_free_blocks, engine.stats.steps
 
 
@@ -125,7 +116,7 @@ def library_runs(name: str) -> list[tuple[Any, list[Record], tuple]]:
     model = load_tiny_code_llama()
     lib = getattr(EngineHooks(), name)
     runs = []
-    with _one_thread():
+    with serving.one_thread():
         for w in replay.workloads():
             log: list[Record] = []
             where: list = [None]
@@ -134,22 +125,13 @@ def library_runs(name: str) -> list[tuple[Any, list[Record], tuple]]:
     return runs
 
 
-class _one_thread:
-    def __enter__(self):
-        self.threads = torch.get_num_threads()
-        torch.set_num_threads(1)  # tiny matrices: a second thread only adds overhead
-
-    def __exit__(self, *exc):
-        torch.set_num_threads(self.threads)
-
-
 def check_workloads(name: str, fn: Callable) -> None:
     """Serve every replay workload with ``fn`` as hook ``name``; fail at the first call
     that differs from the library's, then on tokens or blocks at the end."""
     from paged_lib.model import load_tiny_code_llama
 
     model = load_tiny_code_llama()
-    with _one_thread():
+    with serving.one_thread():
         for w, ref, (tokens, free, steps) in library_runs(name):
             log: list[Record] = []
             where: list = [None]
