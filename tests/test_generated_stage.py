@@ -11,10 +11,12 @@ import re
 import pytest
 
 import paged_lib  # noqa: F401  # isort: split
+from paged_lib.blocks import BlockTable
 from paged_lib.course import grading
-from paged_lib.course.grading import ch06, ch07, generated
+from paged_lib.course.grading import ch06, ch07, ch08, ch11, generated
 from paged_lib.course.grading.generated import workload
 from paged_lib.engine import EngineHooks
+from paged_lib.engine.window import WindowOp
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -72,7 +74,8 @@ def test_the_workloads_reach_the_states_fixed_cases_rarely_do():
 @pytest.mark.parametrize("hook", ["build_metadata", "num_required_blocks", "can_admit",
                                   "schedule_waiting", "swap_mapping", "choose_victim",
                                   "preempt_until_fits", "block_hashes", "longest_cache_hit",
-                                  "allocate_slots", "FreeBlockQueue"])
+                                  "allocate_slots", "FreeBlockQueue", "beam_step",
+                                  "drop_oldest"])
 def test_the_librarys_own_pieces_serve_the_same(hook):
     generated.check(hook, getattr(EngineHooks(), hook), "unused", count=3)
 
@@ -213,3 +216,163 @@ def test_06_4_a_wrong_piece_only_random_workloads_catch(monkeypatch):
 
 def test_06_4_a_correct_piece_of_another_shape_passes():
     assert verdict(ch06.check_schedule_waiting, schedule_waiting_first_admitted_alone)[0] == "✅"
+
+
+# ------------------------------------------------------------------ 07.3 preempt_until_fits
+
+
+def preempt_counting_what_victims_hold(group, step):
+    """Counts what is still missing once, then takes each victim's blocks off it (the
+    distinct blocks its sequences hold) instead of reading step.free_blocks again: right
+    unless a victim holds a block another request holds too (a prefix-cache hit), which
+    its preemption does not free."""
+    short = step.blocks_needed - step.free_blocks
+    while short > 0:
+        later = step.running[step.running.index(group) + 1:]
+        victim = step.hooks.choose_victim([group, *[g for g in later if not step.ran(g)]])
+        held = len({b for s in victim.live_seqs() if s.block_table
+                    for b in s.block_table.blocks})
+        step.running.remove(victim)
+        if step.preemption == "swap" and step.is_decoding(victim) and \
+                step.can_swap_out(victim):
+            step.swap_out(victim)
+            step.swapped.appendleft(victim)
+        else:
+            step.free(victim)
+            step.waiting.appendleft(victim)
+        if victim is group:
+            return False
+        short -= held
+    return True
+
+
+def preempt_recursively(group, step):
+    """A right answer of another shape: one victim, then ask again."""
+    if step.blocks_needed <= step.free_blocks:
+        return True
+    at = next(i for i, g in enumerate(step.running) if g is group)
+    offered = [g for k, g in enumerate(step.running) if k == at or (k > at and not step.ran(g))]
+    victim = step.hooks.choose_victim(offered)
+    step.running.remove(victim)
+    swap = step.preemption == "swap" and step.is_decoding(victim) and step.can_swap_out(victim)
+    if swap:
+        step.swap_out(victim)
+    else:
+        step.free(victim)
+    (step.swapped if swap else step.waiting).appendleft(victim)
+    return victim is not group and preempt_recursively(group, step)
+
+
+def test_07_3_a_wrong_piece_only_random_workloads_catch(monkeypatch):
+    story = story_of_a_random_only_catch(ch07.check_preempt_until_fits,
+                                         preempt_counting_what_victims_hold, "07.3",
+                                         monkeypatch)
+    assert "enable_prefix_caching=True" in story and "free blocks" in story
+
+
+def test_07_3_a_correct_piece_of_another_shape_passes():
+    assert verdict(ch07.check_preempt_until_fits, preempt_recursively)[0] == "✅"
+
+
+# ------------------------------------------------------------------ 08.2 beam_step
+
+
+def beam_step_by_heap(tables, cum_logprobs, candidates, beam_width):
+    """A right answer of another shape: heapq.nlargest (stable on ties), forks made
+    parent by parent, the dead freed after."""
+    import heapq
+
+    flat = [(cum_logprobs[i] + lp, i, tok) for i, c in enumerate(candidates) for tok, lp in c]
+    best = heapq.nlargest(beam_width, flat, key=lambda c: c[0])
+    seen: dict[int, int] = {}
+    out = []
+    for cum, parent, tok in best:
+        seen[parent] = seen.get(parent, 0) + 1
+        out.append((parent, tables[parent] if seen[parent] == 1 else tables[parent].fork(),
+                    tok, cum))
+    for i, table in enumerate(tables):
+        if i not in seen:
+            table.free()
+    return out
+
+
+def test_08_2_a_correct_piece_of_another_shape_passes():
+    assert verdict(ch08.check_beam_step, beam_step_by_heap)[0] == "✅"
+
+
+def test_beam_workloads_serve_beams_under_pressure_and_sharing():
+    ws = generated.workloads("beam_step")
+    widths = {dict(r.params).get("beam_width") for w in ws for r in w.requests}
+    assert {2, 3, 4} <= widths
+    assert any(w.option("enable_prefix_caching") for w in ws)
+    assert any(w.option("enable_chunked_prefill") for w in ws)
+    seen = generated.states("beam_step")
+    assert seen["preempted"] > 0 and seen["swaps out"] > 0
+    assert seen["prefix-cache hit tokens"] > 0 and seen["copy-on-write copies"] > 0
+
+
+# ------------------------------------------------------------------ 11.4 drop_oldest
+
+
+def drop_oldest_by_shifts(table, num_sink_tokens):
+    """Block and offset of a position by shifts and masks, as for a block size of 16:
+    right for every power of two, wrong for a block of 3, 5 or 6 tokens."""
+    bs, sinks, pool = table.block_size, num_sink_tokens, table.allocator
+    if table.num_tokens < sinks + bs:
+        raise ValueError("too short")
+    k, mask = bs.bit_length() - 1, bs - 1
+    blocks, gone = table.blocks, sinks >> k
+    if any(pool.refcount(b) > 1 for b in blocks[gone:]):
+        raise ValueError("shared")
+    kept = blocks[:gone] + blocks[gone + 1:]
+    new = BlockTable(pool, bs, kept, table.num_tokens - bs)
+    pool.free(blocks[gone])
+    rotate = tuple((kept[x >> k] << k) + (x & mask) for x in range(sinks, new.num_tokens))
+    if sinks & mask:
+        return new, WindowOp(rotate, bs, blocks[gone], blocks[gone + 1], sinks & mask)
+    return new, WindowOp(rotate, bs)
+
+
+def drop_oldest_by_divmod(table, num_sink_tokens):
+    """A right answer of another shape: divmod, the slots listed block by block."""
+    bs, pool = table.block_size, table.allocator
+    gone, r = divmod(num_sink_tokens, bs)
+    if table.num_tokens - num_sink_tokens < bs:
+        raise ValueError("no block of recent tokens")
+    if any(pool.refcount(b) != 1 for b in table.blocks[gone:]):
+        raise ValueError("shared")
+    old = table.blocks
+    kept = old[:gone] + old[gone + 1:]
+    n = table.num_tokens - bs
+    new = BlockTable(pool, bs, kept, n)
+    pool.free(old[gone])
+    slots = tuple(b * bs + off for i, b in enumerate(kept) for off in range(bs)
+                  if num_sink_tokens <= i * bs + off < n)
+    return new, WindowOp(slots, bs, *((old[gone], old[gone + 1], r) if r else ()))
+
+
+def test_11_4_a_wrong_piece_only_random_workloads_catch(monkeypatch):
+    story = story_of_a_random_only_catch(ch11.check_drop_oldest, drop_oldest_by_shifts,
+                                         "11.4", monkeypatch)
+    assert re.search(r"blocks of [356],", story) and "sliding_window=" in story
+
+
+def test_11_4_a_correct_piece_of_another_shape_passes():
+    assert verdict(ch11.check_drop_oldest, drop_oldest_by_divmod)[0] == "✅"
+
+
+def test_window_workloads_slide_with_every_block_size_and_sink_count():
+    ws = generated.workloads("drop_oldest")
+    assert all(w.option("sliding_window") for w in ws)
+    assert {w.block_size for w in ws} >= {3, 5, 6, 8}
+    assert any(w.option("num_sink_tokens") >= 2 * w.block_size and
+               w.option("num_sink_tokens") % w.block_size for w in ws), "sinks past 2 blocks"
+    calls = []
+
+    def counting(table, sinks):
+        calls.append((table.block_size, sinks))
+        return EngineHooks().drop_oldest(table, sinks)
+
+    for w in ws[:4]:
+        generated.serve(w, EngineHooks(drop_oldest=counting))
+    assert len(calls) > 20

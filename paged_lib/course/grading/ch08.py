@@ -22,7 +22,7 @@ import torch
 
 from paged_lib.blocks import BlockTable, Slot
 from paged_lib.course import grading
-from paged_lib.course.grading import serving
+from paged_lib.course.grading import generated, serving
 from paged_lib.course.grading.ch08_beam_replay import on_copies, run_beam_scenario
 from paged_lib.course.grading.toy_pool import busy_pool
 from paged_lib.kernels.reference import gather_kv
@@ -237,6 +237,10 @@ def check_beam_step(beam_step: Callable[..., Any]) -> None:
         for name, block_size, prompt_len, width, steps in _SCRIPTED:
             run_beam_scenario(beam_step, name, block_size, prompt_len, width, steps)
         _serve_beams(beam_step)
+        generated.check("beam_step", on_copies(beam_step), "the best beam_width "
+                        "continuations of all beams by cumulative log-probability; a parent "
+                        "chosen again is forked, its own table goes to its best child; the "
+                        "tables nobody continues are freed, in beam order, tail first")
 
 
 def _serve_beams(beam_step: Callable[..., Any]) -> None:

@@ -30,7 +30,7 @@ from typing import Any
 
 from paged_lib.blocks import BlockAllocator, BlockTable
 from paged_lib.course import grading
-from paged_lib.course.grading import serving
+from paged_lib.course.grading import generated, serving
 from paged_lib.engine.window import WindowOp
 
 __all__ = ["WINDOW_WORKLOADS", "check_drop_oldest", "reference_drop"]
@@ -369,3 +369,7 @@ def check_drop_oldest(fn: Callable[..., Any]) -> None:
         for call in _edges():
             _compare(fn, call, call.story())
         _check_engine(fn)
+        generated.check("drop_oldest", fn, "the block at logical index num_sink_tokens // "
+                        "block_size goes, its num_sink_tokens % block_size sinks copied to "
+                        "the next block, and every recent token's key rotated by -block_size, "
+                        "whatever the block size and however many sinks")

@@ -21,7 +21,11 @@ FOCUS: dict[str, dict[str, Any]] = {"swap_mapping": dict(preemption="swap"), **{
                                                   "allocate_slots", "FreeBlockQueue")}}
 
 #: Pieces whose calls depend on pool pressure: their workloads use the smallest pools.
-_PRESSURE = ("choose_victim", "preempt_until_fits", "swap_mapping", "num_required_blocks")
+_PRESSURE = ("choose_victim", "preempt_until_fits", "swap_mapping", "num_required_blocks",
+             "beam_step")
+#: Pieces that see blocks shared across requests: prefix caching and a shared prefix are
+#: drawn more often, so a victim or a beam holds blocks another request holds too.
+_SHARING = ("preempt_until_fits", "beam_step")
 #: Pieces that decide admission: half their workloads bring waves of long prompts.
 _TIGHT = ("can_admit", "schedule_waiting")
 
@@ -68,8 +72,11 @@ def _prompt(rng: random.Random, n: int) -> tuple[int, ...]:
     return tuple(rng.randint(32, 126) for _ in range(n))
 
 
-def _params(rng: random.Random) -> dict[str, Any]:
-    kind = rng.choice(["greedy", "greedy", "samples", "beams", "stop"])
+def _params(rng: random.Random, hook: str = "") -> dict[str, Any]:
+    kind = rng.choice(["greedy", "beams", "samples", "beams", "beams"] if hook == "beam_step"
+                      else ["greedy", "greedy", "stop", "greedy", "stop"]
+                      if hook == "drop_oldest"  # a window serves one sequence a request
+                      else ["greedy", "greedy", "samples", "beams", "stop"])
     p: dict[str, Any] = dict(max_tokens=rng.randint(1, 20), ignore_eos=True)
     if kind == "greedy":
         p["temperature"] = 0.0
@@ -80,6 +87,10 @@ def _params(rng: random.Random) -> dict[str, Any]:
     else:  # a sampled request that stops at a likely byte (space or newline)
         p.update(temperature=1.0, seed=rng.randint(0, 99), stop_token_ids=(rng.choice([32, 10]),),
                  n=rng.choice([1, 2]))
+        if hook == "drop_oldest":
+            p["n"] = 1
+    if hook == "drop_oldest":  # long enough outputs to slide many times
+        p["max_tokens"] += rng.randint(0, 40)
     return p
 
 
@@ -89,7 +100,9 @@ def draw(seed: int, hook: str) -> Workload:
     of what the requests would hold together, so they preempt."""
     rng = random.Random(f"{hook}:{seed}")
     o: dict[str, Any] = {}
-    block_size = rng.choice([2, 4, 4, 8])
+    window = hook == "drop_oldest"
+    # windows: block sizes that are not powers of two too (the engine takes any)
+    block_size = rng.choice([2, 3, 4, 5, 6, 8] if window else [2, 4, 4, 8])
     pressure = hook in _PRESSURE or rng.random() < 0.5
     tight = hook in _TIGHT and rng.random() < 0.5  # long prompts against the token budget
     if rng.random() < 0.4:
@@ -107,7 +120,7 @@ def draw(seed: int, hook: str) -> Workload:
     else:  # at least max_model_len (vLLM's rule), a few tokens more at most
         o["max_num_batched_tokens"] = o["max_model_len"] + (
             0 if tight else rng.choice([0, 0, 4, 16]))
-    if rng.random() < 0.4:
+    if rng.random() < (0.6 if hook in _SHARING else 0.4):
         o["enable_prefix_caching"] = True
     if rng.random() < 0.2:
         o["kv_cache_dtype"] = "int8"
@@ -121,17 +134,30 @@ def draw(seed: int, hook: str) -> Workload:
             and rng.random() < 0.3:
         o["sliding_window"] = rng.choice([6, 8, 12])
         o["num_sink_tokens"] = rng.choice([0, 1, 2, 4])
+    if window:  # what a window does not combine with off, sinks of every size against B
+        for k in ("enable_prefix_caching", "preemption", "num_cpu_blocks", "kv_cache_dtype"):
+            o.pop(k, None)
+        o["sliding_window"] = rng.randint(3, 14)
+        o["num_sink_tokens"] = rng.choice([0, 1, 2, 3, 4, 5, 7, 9, 11])
     shared = _prompt(rng, rng.randint(block_size, 3 * block_size))
     longest = 40 if tight else rng.choice([14, 30, 40])
+    if window:  # prompts the window takes (at most sinks + window), a few it refuses
+        longest = o["num_sink_tokens"] + o["sliding_window"] + rng.choice([0, 0, 0, 2])
+        shared = shared[:longest]
+    sharing = 0.5 if hook in _SHARING and o.get("enable_prefix_caching") else 0.0
+    if sharing:  # a prefix of two to four blocks that most requests start with
+        shared = _prompt(rng, rng.randint(2 * block_size, 4 * block_size))
     burst = rng.choice([2, 4, 6] if tight else [0, 2, 4, 6])  # a wave arrives together
     requests = []
     for _ in range(rng.randint(3, 8)):
         own = _prompt(rng, rng.randint(1, longest))
         roll = rng.random()
-        prompt = shared if roll < 0.15 else shared + own if roll < 0.45 else own
+        prompt = shared if roll < 0.15 else shared + own if roll < 0.45 + sharing else own
+        if window:
+            prompt = prompt[:longest]
         arrival = burst if rng.random() < (0.7 if tight else 0.4) else \
             rng.choice([0, 0, 1, 2, 3, 4, 6, 8])
-        requests.append(Request(prompt, tuple(sorted(_params(rng).items())), arrival))
+        requests.append(Request(prompt, tuple(sorted(_params(rng, hook).items())), arrival))
     need = [len(r.prompt) + (p["max_tokens"] + block_size) * (p.get("beam_width") or
                                                               p.get("n", 1))
             for r in requests for p in [dict(r.params)]]
