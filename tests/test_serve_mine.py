@@ -11,6 +11,7 @@ from fastapi.testclient import TestClient
 
 from paged_lib.course import mine
 from paged_lib.course.demos.your_server import ServedLLM
+from paged_lib.course.exercises import SAVED
 from paged_lib.data import TINY_CODE_LLAMA_DIR
 from paged_lib.serve.__main__ import MINE, build_llm, parse_args
 from paged_lib.serve.api_server import build_app
@@ -41,7 +42,7 @@ def test_a_fresh_clone_serves_the_librarys_pieces_and_says_so(tmp_path, monkeypa
     out = capsys.readouterr().out
     assert isinstance(llm, ServedLLM) and "no such folder yet" in out
     rows = lines_of(out)
-    assert sorted(rows) == sorted(mine.PIECES)
+    assert sorted(rows) == sorted(SAVED)
     assert all("  library  " in row and "not passed yet" in row for row in rows.values())
     assert "0 of 20 pieces of the served engine are yours" in out
 
