@@ -47,17 +47,20 @@ def test_parts_nest_and_count_on_the_shipped_model():
     # LM head after it, holding its own linear map; nothing is timed twice at the top
     assert set(parts) == {FORWARD, FORWARD + ("linear maps",), FORWARD + ("cache writes",),
                           FORWARD + ("decode attention",), FORWARD + ("prefill attention",),
+                          FORWARD + ("RMSNorm",), FORWARD + ("RoPE",),
                           HEAD, HEAD + ("linear maps",)}
     forwards, layers = parts[FORWARD][2], model.config.num_layers
     assert forwards == engine.stats.steps
     linear_calls = parts[FORWARD + ("linear maps",)][2]  # the same maps in every layer
     assert linear_calls > 0 and linear_calls % (forwards * layers) == 0
     assert parts[FORWARD + ("cache writes",)][2] == forwards * layers
+    assert parts[FORWARD + ("RoPE",)][2] == forwards * layers  # Q and K rotated together
+    assert parts[FORWARD + ("RMSNorm",)][2] == forwards * (2 * layers + 1)  # and the last
     assert parts[HEAD + ("linear maps",)][2] == parts[HEAD][2] == forwards
 
     # a child's readings lie inside its parent's: with one tick per reading the times
-    # are counts, and parent = its children + its rest exactly, rest > 0 (embedding,
-    # RoPE, norms run there)
+    # are counts, and parent = its children + its rest exactly, rest > 0 (the embedding,
+    # the rotation angles, SwiGLU and the residual adds run there)
     table = {path: (wall, cpu) for path, wall, cpu, _ in engine_parts.rows(parts)}
     for parent in (FORWARD, HEAD):
         kids = [p for p in parts if len(p) == 2 and p[0] == parent[0]]
@@ -86,7 +89,8 @@ def test_the_bench_prints_every_part_under_its_parent_and_unwraps(capsys):
     names = [line.split(" wall")[0].rstrip() for line in lines[1:]]
     assert names[0] == "  model forward"
     assert {"    linear maps", "    decode attention", "    cache writes",
-            "    prefill attention", "    rest (untimed)", "  LM head"} <= set(names)
+            "    prefill attention", "    RMSNorm", "    RoPE", "    rest (untimed)",
+            "  LM head"} <= set(names)
     head = names.index("  LM head")
     assert names[head + 1:] == ["    linear maps", "    rest (untimed)"]
     calls = {n: int(line.rsplit(", ", 1)[1].split()[0]) for n, line in zip(names, lines[1:],

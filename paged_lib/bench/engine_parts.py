@@ -5,7 +5,9 @@
 
 Serves :mod:`paged_lib.bench.engine_chat`'s trace with the engine only (after one untimed
 warm-up) and times, around each call, the model forward and inside it the layers' linear
-maps, the decode attention, the cache writes and the prefill attention, and after it the
+maps, the decode attention, the cache writes, the prefill attention, the RMSNorms and the
+rotary embedding (what is left, the untimed rest: the embedding, the rotation angles,
+SwiGLU's activation and the residual adds, and the timers' own cost), and after it the
 LM head (on each sequence's last token): wall seconds and the CPU seconds of the calling
 thread, each part indented under the part it ran inside. Run it at
 ``--threads 1`` and ``2`` to see which parts gain from a second thread; on shared cores
@@ -43,7 +45,9 @@ PARTS = ((model_module.TinyLlama, "forward", "model forward"),
          (nn.Linear, "forward", "linear maps"),
          (model_module, "paged_attention", "decode attention"),
          (model_module, "write_kv", "cache writes"),
-         (model_module, "paged_prefill", "prefill attention"))
+         (model_module, "paged_prefill", "prefill attention"),
+         (model_module.RMSNorm, "forward", "RMSNorm"),
+         (model_module, "apply_rope", "RoPE"))
 
 #: The clocks read around each call: wall seconds and the calling thread's CPU seconds.
 CLOCKS = (time.perf_counter, time.thread_time)
