@@ -1,0 +1,183 @@
+"""The generated stage of the small exercises' graders (04.1, 04.2, 05.6, 05.7, 09.2,
+11.2, 12.1): paged_lib.course.grading.generated.small_*.
+
+For each exercise: a plausible wrong answer passes every fixed case (✅ with the generated
+stage patched out) and gets ❌ from the generated stage, with a shrunk story that names
+the state; and a correct answer of another shape than the solution's passes.
+"""
+
+import contextlib
+import io
+import math
+
+import pytest
+import torch
+
+import paged_lib  # noqa: F401  # isort: split
+from paged_lib import attention as A
+from paged_lib.course import grading
+from paged_lib.course.grading import ch04, ch05
+from paged_lib.course.grading.generated import numeric, small_around, small_attention
+from paged_lib.util import cdiv
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def verdict(check, fn, monkeypatch=None):
+    """(mark, message, hint) of the grader on ``fn``; with ``monkeypatch``, without the
+    generated stage (every one runs through ``numeric.check``)."""
+    if monkeypatch is not None:
+        monkeypatch.setattr(numeric, "check", lambda *args, **kwargs: None)
+    with grading.record_verdicts() as seen, contextlib.redirect_stdout(io.StringIO()) as out:
+        check(fn)
+    if monkeypatch is not None:
+        monkeypatch.undo()
+    mark, _, message = seen[-1]
+    printed = out.getvalue()
+    return mark, message, printed.split("hint: ", 1)[1] if "hint: " in printed else ""
+
+
+def caught_only_by_the_stage(check, wrong, monkeypatch, *words):
+    """``wrong`` passes the fixed cases, and the generated stage's story names ``words``;
+    returns the hint."""
+    assert verdict(check, wrong, monkeypatch)[0] == "✅"
+    mark, message, hint = verdict(check, wrong)
+    assert mark == "❌" and message.startswith("generated case"), message
+    for w in words:
+        assert w in message, message
+    return hint
+
+
+def test_cases_are_seeded_and_reach_states_the_fixed_cases_do_not():
+    for cases in (small_attention.merge_cases, small_attention.paged_cases,
+                  small_around.slot_cases, small_around.partials_cases):
+        assert cases() == cases()
+    merge = numeric.states(small_attention.merge_cases())
+    assert merge["b masked, a real"] and merge["masked and real rows together"]
+    assert merge["float32"] and merge["tied maxima"]
+    paged = numeric.states(small_attention.paged_cases())
+    assert paged["a scale that is not 1 / sqrt(head_dim)"] and paged["3 padding entries"]
+    assert numeric.states(small_around.slot_cases())["slots past 2**31"]
+    partials = numeric.states(small_around.partials_cases())
+    assert partials["an empty segment first"] and partials["several empty segments"]
+    assert partials["log-sum-exps hundreds apart"]
+
+
+# ------------------------------------------------------------------ 04.1 merge_states
+
+def merge_stacked(a, b):
+    """Right, another shape: both states stacked, NaN weights of all-masked rows zeroed."""
+    m, den, acc = (torch.stack([x, y]) for x, y in zip(a, b, strict=True))
+    top = m.amax(0)
+    w = torch.nan_to_num(torch.exp(m - top), nan=0.0)
+    return top, (w * den).sum(0), (w[..., None] * acc).sum(0)
+
+
+def merge_one_if_for_masked(a, b):
+    """Wrong: the fully masked case handled by one ``if`` over the whole tensor, right only
+    when every row of both blocks is masked (as the fixed case has it)."""
+    (m_a, l_a, acc_a), (m_b, l_b, acc_b) = a, b
+    if torch.isinf(m_a).all() and torch.isinf(m_b).all():
+        return m_a.clone(), l_a.clone(), acc_a.clone()
+    m = torch.maximum(m_a, m_b)
+    wa, wb = torch.exp(m_a - m), torch.exp(m_b - m)
+    return m, wa * l_a + wb * l_b, wa[..., None] * acc_a + wb[..., None] * acc_b
+
+
+def test_04_1_one_if_for_masked_blocks_is_caught_only_by_the_generated_cases(monkeypatch):
+    hint = caught_only_by_the_stage(ch04.check_merge_states, merge_one_if_for_masked,
+                                    monkeypatch, "both masked, both real", "contains NaN")
+    assert "per element with torch.where" in hint
+
+
+def test_04_1_a_right_answer_of_another_shape_passes():
+    assert verdict(ch04.check_merge_states, merge_stacked)[0] == "✅"
+
+
+# ------------------------------------------------------------------ 04.2 paged_decode
+
+def paged_decode(q, k_cache, v_cache, block_table, seq_len, scale, *, own_scale=False):
+    """Right, another shape than the solution's: head by head, one block at a time with
+    the library's block_state/merge; ``own_scale``: 1 / sqrt(head_dim) in place of the
+    scale given (wrong)."""
+    heads, d = q.shape
+    _, bs, kv, _ = k_cache.shape
+    scale = d ** -0.5 if own_scale else scale
+    state = A.empty_state(q)
+    for j in range(cdiv(seq_len, bs)):
+        keep = torch.arange(bs) < seq_len - j * bs
+        k = torch.where(keep[:, None, None], k_cache[int(block_table[j])], 0.0)
+        v = torch.where(keep[:, None, None], v_cache[int(block_table[j])], 0.0)
+        kh, vh = (x.repeat_interleave(heads // kv, dim=1).transpose(0, 1) for x in (k, v))
+        s = torch.einsum("hd,htd->ht", q, kh) * scale
+        state = A.merge(state, A.block_state(s.masked_fill(~keep, -math.inf), vh))
+    return A.finalize(state)
+
+
+def test_04_2_a_scale_of_its_own_is_caught_only_by_the_generated_cases(monkeypatch):
+    hint = caught_only_by_the_stage(ch04.check_paged_online,
+                                    lambda *a: paged_decode(*a, own_scale=True), monkeypatch,
+                                    "scale 1 / sqrt(")
+    assert "use the scale argument you are given" in hint
+
+
+def test_04_2_a_right_answer_of_another_shape_passes():
+    assert verdict(ch04.check_paged_online, paged_decode)[0] == "✅"
+
+
+# ------------------------------------------------------------------ 05.6 slot_mapping
+
+def slots_masked_assign(block_tables, seq_ids, positions, block_size):
+    """Right, another shape: -1 everywhere, then the real tokens' slots assigned."""
+    out = torch.full(positions.shape, -1, dtype=torch.int64)
+    real = positions >= 0
+    pos = positions[real]
+    out[real] = block_tables[seq_ids[real], pos // block_size].to(torch.int64) * block_size \
+        + pos % block_size
+    return out
+
+
+def slots_in_int32(block_tables, seq_ids, positions, block_size):
+    """Wrong: the int32 table's block id times block_size, widened only by the int64 offset
+    added afterwards (the product has wrapped by then)."""
+    pos = positions.clamp(min=0)
+    slots = block_tables[seq_ids, pos // block_size] * block_size + pos % block_size
+    return torch.where(positions >= 0, slots, -1)
+
+
+def test_05_6_a_32_bit_product_is_caught_only_by_the_generated_cases(monkeypatch):
+    hint = caught_only_by_the_stage(ch05.check_slot_mapping, slots_in_int32, monkeypatch,
+                                    "slots past 2**31")
+    assert "wraps in 32 bits" in hint
+
+
+def test_05_6_a_right_answer_of_another_shape_passes():
+    assert verdict(ch05.check_slot_mapping, slots_masked_assign)[0] == "✅"
+
+
+# ------------------------------------------------------------------ 05.7 merge_partials
+
+def partials_softmax(out, lse):
+    """Right, another shape: the weights as a softmax of the log-sum-exps."""
+    return torch.softmax(lse, 0) @ out
+
+
+def partials_pairwise(out, lse):
+    """Wrong: the segments merged pairwise from the first one, with no guard for -inf:
+    right while the empty segment is last (as the fixed case has it)."""
+    m, den, acc = lse[0], torch.ones((), dtype=out.dtype), out[0]
+    for j in range(1, len(lse)):
+        top = torch.maximum(m, lse[j])
+        a, b = torch.exp(m - top), torch.exp(lse[j] - top)
+        m, den, acc = top, a * den + b, a * acc + b * out[j]
+    return acc / den
+
+
+def test_05_7_pairwise_merges_are_caught_only_by_the_generated_cases(monkeypatch):
+    hint = caught_only_by_the_stage(ch05.check_merge_partials, partials_pairwise, monkeypatch,
+                                    "(empty: [0, 1])", "NaN")
+    assert "first or several in a row" in hint
+
+
+def test_05_7_a_right_answer_of_another_shape_passes():
+    assert verdict(ch05.check_merge_partials, partials_softmax)[0] == "✅"
