@@ -16,8 +16,13 @@ import torch
 import paged_lib  # noqa: F401  # isort: split
 from paged_lib import attention as A
 from paged_lib.course import grading
-from paged_lib.course.grading import ch04, ch05
-from paged_lib.course.grading.generated import numeric, small_around, small_attention
+from paged_lib.course.grading import ch04, ch05, ch09, ch11, ch12
+from paged_lib.course.grading.generated import (
+    numeric,
+    small_around,
+    small_attention,
+    small_counts,
+)
 from paged_lib.util import cdiv
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -61,6 +66,13 @@ def test_cases_are_seeded_and_reach_states_the_fixed_cases_do_not():
     partials = numeric.states(small_around.partials_cases())
     assert partials["an empty segment first"] and partials["several empty segments"]
     assert partials["log-sum-exps hundreds apart"]
+    for cases in (small_counts.choice_cases, small_counts.token_cases, small_counts.rank_cases):
+        assert cases() == cases()
+    choice = numeric.states(small_counts.choice_cases())
+    assert choice["a budget below a waste"] and choice["a pool past 2**32 slots"]
+    assert numeric.states(small_counts.token_cases())["head_dim not hidden / heads"]
+    rank = numeric.states(small_counts.rank_cases())
+    assert rank["head_dim not hidden / heads"] and rank["more ranks than KV heads"]
 
 
 # ------------------------------------------------------------------ 04.1 merge_states
@@ -181,3 +193,85 @@ def test_05_7_pairwise_merges_are_caught_only_by_the_generated_cases(monkeypatch
 
 def test_05_7_a_right_answer_of_another_shape_passes():
     assert verdict(ch05.check_merge_partials, partials_softmax)[0] == "✅"
+
+
+# ------------------------------------------------------------------ 09.2 choose_block_size
+
+def waste(lengths, b):
+    held = sum(cdiv(n, b) * b for n in lengths)
+    return (held - sum(lengths)) / held
+
+
+def choose_largest_first(lengths, allowed, max_waste):
+    """Right, another shape: the sizes tried from the largest down."""
+    if len(allowed) == 0 or not 0 <= max_waste < 1:
+        raise ValueError("bad input")
+    for b in sorted(set(allowed), reverse=True):
+        if waste(lengths, b) <= max_waste:
+            return b
+    return min(sorted(set(allowed)), key=lambda b: waste(lengths, b))
+
+
+def choose_with_isclose(lengths, allowed, max_waste):
+    """Wrong: "never compare floats exactly", so a waste close to the budget fits: right
+    on every budget that is exactly a waste or far from one."""
+    if len(allowed) == 0 or not 0 <= max_waste < 1:
+        raise ValueError("bad input")
+    w = {b: waste(lengths, b) for b in allowed}
+    fits = [b for b in w if w[b] < max_waste or math.isclose(w[b], max_waste)]
+    return max(fits) if fits else min(sorted(w), key=lambda b: w[b])
+
+
+def test_09_2_a_tolerance_is_caught_only_by_the_generated_cases(monkeypatch):
+    hint = caught_only_by_the_stage(ch09.check_choose_block_size, choose_with_isclose,
+                                    monkeypatch, "less one slot")
+    assert "math.isclose" in hint
+
+
+def test_09_2_a_right_answer_of_another_shape_passes():
+    assert verdict(ch09.check_choose_block_size, choose_largest_first)[0] == "✅"
+
+
+# ------------------------------------------------------------------ 11.2 and 12.1
+
+def head_dim_from_hidden(spec):
+    """Wrong: the head size derived as hidden_size // num_heads, which every fixed case's
+    model has (not Gemma's, Mistral NeMo's or Qwen3 32B's)."""
+    return spec.hidden_size // spec.num_heads
+
+
+def bytes_per_token(spec, head_dim=lambda s: s.head_dim):
+    """Right, another shape (numbers per layer first, then bytes)."""
+    per_layer = spec.kv_lora_rank + spec.qk_rope_head_dim if spec.kv_lora_rank else \
+        2 * spec.num_kv_heads * head_dim(spec)
+    return per_layer * spec.dtype_bytes * spec.num_layers
+
+
+def bytes_per_rank(spec, tp, tokens, head_dim=lambda s: s.head_dim):
+    """Right, another shape: the KV heads per rank from the replicas."""
+    heads, kv = spec.num_heads, spec.num_kv_heads
+    if tp < 1 or heads % tp or (tp <= kv and kv % tp) or (tp > kv and tp % kv):
+        raise ValueError("vLLM refuses this tp_size")
+    replicas = tp // kv if tp > kv else 1
+    return 2 * (kv * replicas // tp) * head_dim(spec) * spec.num_layers * spec.dtype_bytes \
+        * tokens
+
+
+def test_11_2_head_dim_from_hidden_is_caught_only_by_the_generated_cases(monkeypatch):
+    hint = caught_only_by_the_stage(
+        ch11.check_kv_bytes_per_token,
+        lambda s: bytes_per_token(s, head_dim_from_hidden), monkeypatch, "(not 3072 / 16 = 192)")
+    assert "use spec.head_dim" in hint
+
+
+def test_12_1_head_dim_from_hidden_is_caught_only_by_the_generated_cases(monkeypatch):
+    hint = caught_only_by_the_stage(
+        ch12.check_kv_bytes_per_rank,
+        lambda s, tp, n: bytes_per_rank(s, tp, n, head_dim_from_hidden), monkeypatch,
+        "(not 3584 / 16 = 224)")
+    assert "use spec.head_dim" in hint
+
+
+def test_11_2_and_12_1_right_answers_of_another_shape_pass():
+    assert verdict(ch11.check_kv_bytes_per_token, bytes_per_token)[0] == "✅"
+    assert verdict(ch12.check_kv_bytes_per_rank, bytes_per_rank)[0] == "✅"
