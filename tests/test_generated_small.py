@@ -16,13 +16,15 @@ import torch
 import paged_lib  # noqa: F401  # isort: split
 from paged_lib import attention as A
 from paged_lib.course import grading
-from paged_lib.course.grading import ch04, ch05, ch09, ch11, ch12
+from paged_lib.course.grading import ch04, ch05, ch06, ch09, ch11, ch12
 from paged_lib.course.grading.generated import (
     numeric,
     small_around,
     small_attention,
     small_counts,
+    small_engine,
 )
+from paged_lib.model import AttentionMetadata
 from paged_lib.util import cdiv
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -73,6 +75,9 @@ def test_cases_are_seeded_and_reach_states_the_fixed_cases_do_not():
     assert numeric.states(small_counts.token_cases())["head_dim not hidden / heads"]
     rank = numeric.states(small_counts.rank_cases())
     assert rank["head_dim not hidden / heads"] and rank["more ranks than KV heads"]
+    assert small_engine.metadata_cases() == small_engine.metadata_cases()
+    batch = numeric.states(small_engine.metadata_cases())
+    assert batch["slots past 2**31"] and batch["a chunk in the middle of a prompt"]
 
 
 # ------------------------------------------------------------------ 04.1 merge_states
@@ -275,3 +280,34 @@ def test_12_1_head_dim_from_hidden_is_caught_only_by_the_generated_cases(monkeyp
 def test_11_2_and_12_1_right_answers_of_another_shape_pass():
     assert verdict(ch11.check_kv_bytes_per_token, bytes_per_token)[0] == "✅"
     assert verdict(ch12.check_kv_bytes_per_rank, bytes_per_rank)[0] == "✅"
+
+
+# ------------------------------------------------------------------ 06.1 build_metadata
+
+def metadata_vectorised(block_tables, seq_lens, query_lens, block_size, widen=True):
+    """Right, another shape than the solution's loop: every token at once in tensors;
+    ``widen=False``: the int32 table's ids times block_size (wrong: it wraps)."""
+    width = max(len(t) for t in block_tables)
+    bt = torch.tensor([list(t) + [-1] * (width - len(t)) for t in block_tables],
+                      dtype=torch.int32)
+    sl, ql = torch.tensor(seq_lens, dtype=torch.int32), torch.tensor(query_lens,
+                                                                      dtype=torch.int32)
+    q = ql.long()
+    seq = torch.repeat_interleave(torch.arange(len(seq_lens)), q)
+    pos = torch.repeat_interleave(sl.long() - q, q) + torch.arange(int(q.sum())) \
+        - torch.repeat_interleave(torch.cumsum(q, 0) - q, q)
+    table = bt.long() if widen else bt
+    slots = table[seq, pos // block_size] * block_size + pos % block_size
+    return AttentionMetadata(slot_mapping=slots.long(), block_tables=bt, seq_lens=sl,
+                             query_lens=ql, positions=pos)
+
+
+def test_06_1_slots_in_int32_are_caught_only_by_the_generated_batches(monkeypatch):
+    hint = caught_only_by_the_stage(ch06.check_build_metadata,
+                                    lambda *a: metadata_vectorised(*a, widen=False),
+                                    monkeypatch, "slots past 2**31")
+    assert "wraps in 32 bits" in hint
+
+
+def test_06_1_a_right_answer_of_another_shape_passes():
+    assert verdict(ch06.check_build_metadata, metadata_vectorised)[0] == "✅"
