@@ -78,6 +78,9 @@ def test_cases_are_seeded_and_reach_states_the_fixed_cases_do_not():
     assert small_engine.metadata_cases() == small_engine.metadata_cases()
     batch = numeric.states(small_engine.metadata_cases())
     assert batch["slots past 2**31"] and batch["a chunk in the middle of a prompt"]
+    assert small_engine.required_cases() == small_engine.required_cases()
+    waiting = numeric.states(small_engine.required_cases())
+    assert waiting["samples that agree"] and waiting["block size 7"]
 
 
 # ------------------------------------------------------------------ 04.1 merge_states
@@ -311,3 +314,40 @@ def test_06_1_slots_in_int32_are_caught_only_by_the_generated_batches(monkeypatc
 
 def test_06_1_a_right_answer_of_another_shape_passes():
     assert verdict(ch06.check_build_metadata, metadata_vectorised)[0] == "✅"
+
+
+# ------------------------------------------------------------------ 06.2 num_required_blocks
+
+def blocks_over_common_prefix(group, block_size):
+    """Wrong: the part shared by the sequences taken as their longest common prefix, so
+    generated tokens the samples agree on are counted once: right whenever the outputs
+    differ from their first token (every fixed group, and the workloads' groups)."""
+    seqs = group.live_seqs()
+    if len(seqs) == 1:
+        return cdiv(seqs[0].num_tokens, block_size)
+    texts = [list(s.prompt_token_ids) + list(s.output_token_ids) for s in seqs]
+    common = 0
+    while all(len(t) > common for t in texts) and len({t[common] for t in texts}) == 1:
+        common += 1
+    shared = cdiv(common, block_size)
+    copies = len(seqs) - 1 if common % block_size else 0
+    return shared + sum(cdiv(len(t), block_size) - shared for t in texts) + copies
+
+
+def blocks_by_sequence(group, block_size):
+    """Right, another shape: each live sequence's own blocks, less the full prompt blocks
+    every sequence but the first shares."""
+    seqs = group.live_seqs()
+    prompt = len(group.prompt_token_ids)
+    return sum(cdiv(s.num_tokens, block_size) for s in seqs) \
+        - (len(seqs) - 1) * (prompt // block_size)
+
+
+def test_06_2_a_common_prefix_is_caught_only_by_the_generated_groups(monkeypatch):
+    hint = caught_only_by_the_stage(ch06.check_num_required_blocks, blocks_over_common_prefix,
+                                    monkeypatch, "generated tokens the same in every sequence")
+    assert "even the ones it has in common" in hint
+
+
+def test_06_2_a_right_answer_of_another_shape_passes():
+    assert verdict(ch06.check_num_required_blocks, blocks_by_sequence)[0] == "✅"
