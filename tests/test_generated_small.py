@@ -16,13 +16,14 @@ import torch
 import paged_lib  # noqa: F401  # isort: split
 from paged_lib import attention as A
 from paged_lib.course import grading
-from paged_lib.course.grading import ch04, ch05, ch06, ch09, ch11, ch12
+from paged_lib.course.grading import ch04, ch05, ch06, ch09, ch11, ch12, ch14
 from paged_lib.course.grading.generated import (
     numeric,
     small_around,
     small_attention,
     small_counts,
     small_engine,
+    small_text,
 )
 from paged_lib.model import AttentionMetadata
 from paged_lib.util import cdiv
@@ -81,6 +82,8 @@ def test_cases_are_seeded_and_reach_states_the_fixed_cases_do_not():
     assert small_engine.required_cases() == small_engine.required_cases()
     waiting = numeric.states(small_engine.required_cases())
     assert waiting["samples that agree"] and waiting["block size 7"]
+    assert small_text.stream_cases() == small_text.stream_cases()
+    assert numeric.states(small_text.stream_cases())["a tie, the shorter stop listed first"]
 
 
 # ------------------------------------------------------------------ 04.1 merge_states
@@ -351,3 +354,54 @@ def test_06_2_a_common_prefix_is_caught_only_by_the_generated_groups(monkeypatch
 
 def test_06_2_a_right_answer_of_another_shape_passes():
     assert verdict(ch06.check_num_required_blocks, blocks_by_sequence)[0] == "✅"
+
+
+# ------------------------------------------------------------------ 14.1 the detokenizer
+
+class Detokenizer:
+    """Right, another shape than the solution's: the bytes kept, the text decoded again
+    on each add, the stop found by scanning the text once. ``LONGEST``: on a tie the
+    longer stop wins (wrong: the one listed first does)."""
+
+    LONGEST = False
+
+    def __init__(self, decode, stop=()):
+        self.decode, self.stops = decode, [s for s in stop if s]
+        self.ids, self.sent, self.text, self.stopped = [], 0, "", None
+
+    def add(self, token_ids):
+        if self.stopped is not None:
+            return ""
+        self.ids.extend(token_ids)
+        text = self.decode(self.ids)
+        return self._out(text.rstrip("\ufffd"), final=False)
+
+    def finish(self):
+        return "" if self.stopped is not None else self._out(self.decode(self.ids), True)
+
+    def _out(self, text, final):
+        for i in range(len(text)):
+            here = [s for s in self.stops if text.startswith(s, i)]
+            if here:
+                self.stopped = max(here, key=len) if self.LONGEST else here[0]
+                text, final = text[:i], True
+                break
+        hold = 0 if final or not self.stops else max(map(len, self.stops)) - 1
+        self.text = text
+        end = max(self.sent, len(text) - hold)
+        piece, self.sent = text[self.sent:end], end
+        return piece
+
+
+class LongestOnATie(Detokenizer):
+    LONGEST = True
+
+
+def test_14_1_the_longest_stop_on_a_tie_is_caught_only_by_the_generated_cases(monkeypatch):
+    hint = caught_only_by_the_stage(ch14.check_detokenizer, LongestOnATie, monkeypatch,
+                                    "both start at the earliest stop's index")
+    assert "whatever its length" in hint
+
+
+def test_14_1_a_right_answer_of_another_shape_passes():
+    assert verdict(ch14.check_detokenizer, Detokenizer)[0] == "✅"
