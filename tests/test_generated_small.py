@@ -16,15 +16,17 @@ import torch
 import paged_lib  # noqa: F401  # isort: split
 from paged_lib import attention as A
 from paged_lib.course import grading
-from paged_lib.course.grading import ch04, ch05, ch06, ch09, ch11, ch12, ch14
+from paged_lib.course.grading import ch04, ch05, ch06, ch09, ch10, ch11, ch12, ch14
 from paged_lib.course.grading.generated import (
     numeric,
     small_around,
     small_attention,
     small_counts,
     small_engine,
+    small_prefix,
     small_text,
 )
+from paged_lib.engine.prefix_cache import hash_block_tokens
 from paged_lib.model import AttentionMetadata
 from paged_lib.util import cdiv
 
@@ -84,6 +86,9 @@ def test_cases_are_seeded_and_reach_states_the_fixed_cases_do_not():
     assert waiting["samples that agree"] and waiting["block size 7"]
     assert small_text.stream_cases() == small_text.stream_cases()
     assert numeric.states(small_text.stream_cases())["a tie, the shorter stop listed first"]
+    assert small_prefix.prompt_cases() == small_prefix.prompt_cases()
+    prompts = numeric.states(small_prefix.prompt_cases())
+    assert prompts["2 extra keys"] and prompts["a text hashed again at another block size"]
 
 
 # ------------------------------------------------------------------ 04.1 merge_states
@@ -405,3 +410,31 @@ def test_14_1_the_longest_stop_on_a_tie_is_caught_only_by_the_generated_cases(mo
 
 def test_14_1_a_right_answer_of_another_shape_passes():
     assert verdict(ch14.check_detokenizer, Detokenizer)[0] == "✅"
+
+
+# ------------------------------------------------------------------ 10.1 block_hashes
+
+def hashes_folded(token_ids, block_size, extra_keys=()):
+    """Right, another shape: the blocks cut first, then each hashed on the list's last."""
+    blocks = [token_ids[i:i + block_size]
+              for i in range(0, len(token_ids) - block_size + 1, block_size)]
+    out = []
+    for b in blocks:
+        out.append(hash_block_tokens(out[-1] if out else None, b, extra_keys))
+    return out
+
+
+def hashes_sorted_extras(token_ids, block_size, extra_keys=()):
+    """Wrong: the extra keys sorted "to make them canonical": right with none or one, as
+    every fixed prompt and the workloads have them."""
+    return hashes_folded(token_ids, block_size, tuple(sorted(extra_keys, key=str)))
+
+
+def test_10_1_sorted_extra_keys_are_caught_only_by_the_generated_prompts(monkeypatch):
+    hint = caught_only_by_the_stage(ch10.check_block_hashes, hashes_sorted_extras, monkeypatch,
+                                    "extra keys ('salt-9', 'lora-7')")
+    assert "in their order" in hint
+
+
+def test_10_1_a_right_answer_of_another_shape_passes():
+    assert verdict(ch10.check_block_hashes, hashes_folded)[0] == "✅"

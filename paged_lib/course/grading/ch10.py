@@ -26,6 +26,7 @@ from paged_lib.course import grading
 from paged_lib.course.grading import generated, replay
 from paged_lib.course.grading.ch10_alloc import check_allocate_slots
 from paged_lib.course.grading.ch10_queue import check_free_queue
+from paged_lib.course.grading.generated import small_prefix
 from paged_lib.engine.prefix_cache import (
     BlockHash,
     block_hashes,
@@ -84,6 +85,7 @@ def check_block_hashes(fn: Callable[..., Any]) -> None:
                             "(prompts and generated tokens), each chained on the one before")
         generated.check("block_hashes", fn, "one hash per full block, each chained on the "
                         "one before, with the extra keys")
+        small_prefix.prompt_stage(fn, _check_hashes)  # generated: block sizes, extra keys
 
 
 def _check_hashes(fn, name: str, tokens: list[int], block_size: int, extra: tuple) -> None:
@@ -155,7 +157,7 @@ def _wrong_hash(where, i, g, got, want, tokens, block_size, extra) -> None:
         (i > 1, hash_block_tokens(want[0], chunk, extra),
          "hashed from the wrong parent: block i's parent is block i-1's hash, not the "
          "first block's"),
-        (i > 1, hash_block_tokens(want[i - 2], chunk, extra),
+        (i > 1, hash_block_tokens(want[max(i - 2, 0)], chunk, extra),
          "hashed from the wrong parent: block i's parent is block i-1's hash, not the "
          "one two back"),
         (i == 0, hash_block_tokens(want[0], chunk, extra),
