@@ -9,6 +9,7 @@ the state; and a correct answer of another shape than the solution's passes.
 import contextlib
 import io
 import math
+from collections import deque
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ import torch
 import paged_lib  # noqa: F401  # isort: split
 from paged_lib import attention as A
 from paged_lib.course import grading
-from paged_lib.course.grading import ch04, ch05, ch06, ch09, ch10, ch11, ch12, ch14
+from paged_lib.course.grading import ch02, ch04, ch05, ch06, ch09, ch10, ch11, ch12, ch14
 from paged_lib.course.grading.generated import (
     numeric,
     small_around,
@@ -24,6 +25,7 @@ from paged_lib.course.grading.generated import (
     small_counts,
     small_engine,
     small_prefix,
+    small_sim,
     small_text,
 )
 from paged_lib.engine.prefix_cache import hash_block_tokens
@@ -88,6 +90,9 @@ def test_cases_are_seeded_and_reach_states_the_fixed_cases_do_not():
     assert numeric.states(small_text.stream_cases())["a tie, the shorter stop listed first"]
     assert small_prefix.prompt_cases() == small_prefix.prompt_cases()
     prompts = numeric.states(small_prefix.prompt_cases())
+    assert small_sim.trace_cases() == small_sim.trace_cases()
+    traces = numeric.states(small_sim.trace_cases())
+    assert traces["two or more preemptions"] and traces["capacity not a multiple of block_size"]
     assert prompts["2 extra keys"] and prompts["a text hashed again at another block size"]
 
 
@@ -438,3 +443,74 @@ def test_10_1_sorted_extra_keys_are_caught_only_by_the_generated_prompts(monkeyp
 
 def test_10_1_a_right_answer_of_another_shape_passes():
     assert verdict(ch10.check_block_hashes, hashes_folded)[0] == "✅"
+
+
+# ------------------------------------------------------------------ 02.5 the simulator
+
+def simulator(requests, capacity_tokens, block_size, victim=None):
+    """Right, another shape than the solution's: requests as dicts, an admission stamp on
+    each, the victim the running request with the highest stamp. ``victim(running)``: the
+    running request to preempt instead (wrong ones)."""
+    reqs = sorted(({"p": r.prompt_len, "o": r.output_len, "at": max(0, math.ceil(r.arrival)),
+                    "arrival": r.arrival, "done": 0, "blocks": 0, "stamp": 0}
+                   for r in requests), key=lambda r: r["arrival"])
+    pending, queue, running = deque(reqs), deque(), []
+    free, stamp, t = capacity_tokens // block_size, 0, 0
+    out = dict.fromkeys(("token_states", "reserved", "internal", "external", "preemptions"),
+                        0)
+
+    def need(r):
+        return cdiv(r["p"] + r["done"] + 1, block_size)
+
+    while pending or queue or running:
+        while pending and pending[0]["at"] <= t:
+            queue.append(pending.popleft())
+        if not queue and not running:
+            t = pending[0]["at"]
+            continue
+        while sum(need(r) - r["blocks"] for r in running) > free:
+            out["preemptions"] += 1
+            v = victim(running) if victim else max(running, key=lambda r: r["stamp"])
+            running.remove(v)
+            free, v["blocks"] = free + v["blocks"], 0
+            queue.appendleft(v)
+        for r in running:
+            free, r["blocks"] = free - (need(r) - r["blocks"]), need(r)
+        while queue and need(queue[0]) <= free:
+            r = queue.popleft()
+            stamp += 1
+            r["blocks"], r["stamp"] = need(r), stamp
+            free -= r["blocks"]
+            running.append(r)
+        for r in running:
+            tokens, held = r["p"] + r["done"] + 1, r["blocks"] * block_size
+            use = min(held, r["p"] + r["o"])
+            out["token_states"] += tokens
+            out["reserved"] += use - tokens
+            out["internal"] += held - use
+        if queue:
+            out["external"] += free * block_size + capacity_tokens % block_size
+        t += 1
+        for r in running:
+            r["done"] += 1
+            if r["done"] == r["o"]:
+                free, r["blocks"] = free + r["blocks"], 0
+        running = [r for r in running if r["done"] < r["o"]]
+    return {**out, "num_steps": t}
+
+
+def latest_arrival(running):
+    """Wrong: the victim chosen by arrival time alone; of two that arrived at the same
+    step, max() keeps the first, the one admitted earlier."""
+    return max(running, key=lambda r: r["arrival"])
+
+
+def test_02_5_a_victim_by_arrival_time_is_caught_only_by_the_generated_traces(monkeypatch):
+    hint = caught_only_by_the_stage(ch02.check_paged_simulator,
+                                    lambda *a: simulator(*a, victim=latest_arrival),
+                                    monkeypatch, "preemption(s)")
+    assert "most recently *admitted*" in hint
+
+
+def test_02_5_a_right_answer_of_another_shape_passes():
+    assert verdict(ch02.check_paged_simulator, simulator)[0] == "✅"
