@@ -17,13 +17,26 @@ import torch
 import paged_lib  # noqa: F401  # isort: split
 from paged_lib import attention as A
 from paged_lib.course import grading
-from paged_lib.course.grading import ch02, ch04, ch05, ch06, ch09, ch10, ch11, ch12, ch14
+from paged_lib.course.grading import (
+    ch00,
+    ch01,
+    ch02,
+    ch04,
+    ch05,
+    ch06,
+    ch09,
+    ch10,
+    ch11,
+    ch12,
+    ch14,
+)
 from paged_lib.course.grading.generated import (
     numeric,
     small_around,
     small_attention,
     small_counts,
     small_engine,
+    small_ints,
     small_prefix,
     small_sim,
     small_text,
@@ -92,6 +105,8 @@ def test_cases_are_seeded_and_reach_states_the_fixed_cases_do_not():
     prompts = numeric.states(small_prefix.prompt_cases())
     assert small_sim.trace_cases() == small_sim.trace_cases()
     traces = numeric.states(small_sim.trace_cases())
+    assert small_ints.count_cases() == small_ints.count_cases()
+    assert numeric.states(small_ints.count_cases())["n past 2**53, rounded the other way"]
     assert traces["two or more preemptions"] and traces["capacity not a multiple of block_size"]
     assert prompts["2 extra keys"] and prompts["a text hashed again at another block size"]
 
@@ -514,3 +529,42 @@ def test_02_5_a_victim_by_arrival_time_is_caught_only_by_the_generated_traces(mo
 
 def test_02_5_a_right_answer_of_another_shape_passes():
     assert verdict(ch02.check_paged_simulator, simulator)[0] == "✅"
+
+
+# ------------------------------------------------------------------ 00.1, 01.2, 01.3 counts
+
+def blocks_float_then_remainder(n, b):
+    """Wrong: the float quotient's integer part, plus one for a remainder: right at the
+    fixed 10**18 + 1 (its quotient rounds down to a whole number), wrong where it rounds
+    the other way."""
+    return int(n / b) + (n % b > 0)
+
+
+def blocks_divmod(n, b):
+    """Right, another shape."""
+    q, r = divmod(n, b)
+    return q + (1 if r else 0)
+
+
+def fill_float_fraction(n, b):
+    """Wrong: the fill as the fractional part of the float n / b."""
+    if n == 0:
+        return 0.0
+    return (n / b) % 1 or 1.0
+
+
+def fill_remainder(n, b):
+    """Right, another shape: the remainder, a full block when it is 0."""
+    return 0.0 if n == 0 else (n % b or b) / b
+
+
+@pytest.mark.parametrize("check, wrong, right", [
+    (ch00.check_ceil_div, blocks_float_then_remainder, blocks_divmod),
+    (ch01.check_logical_blocks, blocks_float_then_remainder, blocks_divmod),
+    (ch01.check_last_block_fill, fill_float_fraction, fill_remainder),
+])
+def test_00_1_01_2_01_3_float_quotients_are_caught_only_by_the_generated_counts(
+        monkeypatch, check, wrong, right):
+    hint = caught_only_by_the_stage(check, wrong, monkeypatch, "as a float")
+    assert "stay in integers" in hint
+    assert verdict(check, right)[0] == "✅"

@@ -8,6 +8,7 @@ from typing import Any
 
 from paged_lib.accounting import SPECS, ModelSpec, kv_bytes_per_token, num_blocks
 from paged_lib.course import grading
+from paged_lib.course.grading.generated import small_ints
 
 #: Exercise id -> the library object the learner's code re-implements (it refuses
 #: the learner's calls while that exercise's check runs: see grading.exercise).
@@ -88,6 +89,7 @@ def check_logical_blocks(fn: Callable[[int, int], int]) -> None:
                 hint = "ceil(num_tokens / block_size); 0 tokens need 0 blocks."
             grading.expect_equal(got, want, what=f"blocks for {n} tokens at block size {bs}",
                                  hint=hint)
+        small_ints.count_stage("01.2", fn)  # generated: counts past 2**53
 
 
 def _fill(num_tokens: int, block_size: int) -> float:
@@ -137,6 +139,7 @@ def check_last_block_fill(fn: Callable[[int, int], float]) -> None:
             grading.expect_close(got, want, what=f"fill of the last block for {n} tokens "
                                                  f"at block size {bs}", rel=1e-9,
                                  hint=_fill_hint(n, bs, got, want))
+        small_ints.count_stage("01.3", fn)  # generated: counts past 2**53
 
 
 def _max_requests(spec: ModelSpec, budget: int, context_len: int, block_size: int) -> int:
