@@ -103,6 +103,7 @@ def test_cases_are_seeded_and_reach_states_the_fixed_cases_do_not():
     assert numeric.states(small_text.stream_cases())["a tie, the shorter stop listed first"]
     assert small_prefix.prompt_cases() == small_prefix.prompt_cases()
     prompts = numeric.states(small_prefix.prompt_cases())
+    assert numeric.states(small_prefix.hit_cases())["more than 1,000 cached blocks"]
     assert small_sim.trace_cases() == small_sim.trace_cases()
     traces = numeric.states(small_sim.trace_cases())
     assert small_ints.count_cases() == small_ints.count_cases()
@@ -568,3 +569,37 @@ def test_00_1_01_2_01_3_float_quotients_are_caught_only_by_the_generated_counts(
     hint = caught_only_by_the_stage(check, wrong, monkeypatch, "as a float")
     assert "stay in integers" in hint
     assert verdict(check, right)[0] == "✅"
+
+
+# ------------------------------------------------------------------ 10.2 longest_cache_hit
+
+def hit_recursive(hashes, lookup, num_tokens, block_size, i=0):
+    """Wrong: one call deeper per cached block: right on every prompt of fewer than about
+    1,000 blocks."""
+    if i >= min(len(hashes), (num_tokens - 1) // block_size):
+        return []
+    block = lookup(hashes[i])
+    return [] if block is None else [block] + hit_recursive(hashes, lookup, num_tokens,
+                                                            block_size, i + 1)
+
+
+def hit_while(hashes, lookup, num_tokens, block_size):
+    """Right, another shape: a while loop over the usable blocks."""
+    usable, hits = max(num_tokens - 1, 0) // block_size, []
+    while len(hits) < min(usable, len(hashes)):
+        block = lookup(hashes[len(hits)])
+        if block is None:
+            break
+        hits.append(block)
+    return hits
+
+
+def test_10_2_a_recursion_is_caught_only_by_the_generated_long_prompts(monkeypatch):
+    hint = caught_only_by_the_stage(ch10.check_longest_cache_hit, hit_recursive, monkeypatch,
+                                    "full blocks), cached: every full block",
+                                    "RecursionError")
+    assert "not one call deep per block" in hint
+
+
+def test_10_2_a_right_answer_of_another_shape_passes():
+    assert verdict(ch10.check_longest_cache_hit, hit_while)[0] == "✅"

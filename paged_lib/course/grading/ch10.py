@@ -255,6 +255,7 @@ def check_longest_cache_hit(fn: Callable[..., Any]) -> None:
                             "block that holds the text's last token")
         generated.check("longest_cache_hit", fn, "the leading hits only, stopping at the "
                         "first miss, and never the block that holds the text's last token")
+        small_prefix.hit_stage(fn, _check_hit)  # generated: prompts of 8,192 blocks
 
 
 def _check_hit(fn, name: str, num_tokens: int, block_size: int, cached: dict[int, int]
