@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 from paged_lib.course import grading
+from paged_lib.course.grading.generated import small_ints
 from paged_lib.util import cdiv
 
 CASES = [(0, 16), (1, 16), (16, 16), (17, 16), (40, 16), (1000, 16), (7, 1), (5, 3),
@@ -35,6 +36,7 @@ def check_ceil_div(ceil_div: Callable[[int, int], int]) -> None:
             grading.expect_int(got, f"ceil_div({n}, {b})",
                                hint="use // rather than / and math.ceil: a count of blocks "
                                     "is an int")
+        small_ints.count_stage("00.1", ceil_div)  # generated: counts floats round the other way
 
 
 def run_demo(ceil_div: Callable[[int, int], int], n: int = 1000, block: int = 128) -> None:

@@ -8,6 +8,7 @@ from typing import Any
 
 from paged_lib.accounting import SPECS, ModelSpec, kv_bytes_per_token, num_blocks
 from paged_lib.course import grading
+from paged_lib.course.grading.generated import small_ints
 
 # A tiny model whose numbers are all different, so a swapped field shows up.
 TOY = ModelSpec("toy-gqa", num_layers=3, hidden_size=96, num_heads=6, num_kv_heads=2,
@@ -81,6 +82,7 @@ def check_logical_blocks(fn: Callable[[int, int], int]) -> None:
                 hint = "ceil(num_tokens / block_size); 0 tokens need 0 blocks."
             grading.expect_equal(got, want, what=f"blocks for {n} tokens at block size {bs}",
                                  hint=hint)
+        small_ints.count_stage("01.2", fn)  # generated: counts past 2**53
 
 
 def _fill(num_tokens: int, block_size: int) -> float:
@@ -130,6 +132,7 @@ def check_last_block_fill(fn: Callable[[int, int], float]) -> None:
             grading.expect_close(got, want, what=f"fill of the last block for {n} tokens "
                                                  f"at block size {bs}", rel=1e-9,
                                  hint=_fill_hint(n, bs, got, want))
+        small_ints.count_stage("01.3", fn)  # generated: counts past 2**53
 
 
 def _max_requests(spec: ModelSpec, budget: int, context_len: int, block_size: int) -> int:

@@ -28,6 +28,7 @@ from paged_lib.course.grading.ch02_answers import (
     derivation_answers,
     reference_paged,
 )
+from paged_lib.course.grading.generated import small_sim
 from paged_lib.fragmentation import request_slots
 from paged_lib.workloads import sharegpt_like
 
@@ -279,6 +280,7 @@ def check_paged_simulator(simulate_paged: Callable[..., Any]) -> None:
             if wrong:
                 shown = ", ".join(f"{k} {want[k]} (yours {got[k]})" for k in wrong)
                 grading.fail(f"{name}: expected {shown}", hint)
+        small_sim.trace_stage(simulate_paged, lambda what: _time_limit(SIM_TIME_LIMIT_S, what))
 
 
 def a100_slots() -> int:

@@ -14,6 +14,7 @@ import torch
 
 from paged_lib import attention as A
 from paged_lib.course import grading
+from paged_lib.course.grading.generated import small_attention
 from paged_lib.course.grading.slips import decode_slips, name_slip
 from paged_lib.instruments import block_reads
 from paged_lib.kernels.reference import ref_paged_attention
@@ -125,6 +126,8 @@ def check_merge_states(merge_states: Callable) -> None:
         _expect_state(merge_states(both, both), both,
                       "merge of two fully masked blocks (should stay m=-inf, l=0, acc=0)",
                       hint=hint_inf)
+        # generated: masked rows anywhere, mixed with real ones; ties; float32
+        small_attention.merge_stage(merge_states)
 
 
 def _poisoned_cache(g: torch.Generator, num_blocks: int, block_size: int, num_kv_heads: int,
@@ -214,6 +217,8 @@ def check_paged_online(paged_decode: Callable) -> None:
                     hint=named or "compare with the spec element by element: each query "
                                   "head's softmax over this sequence's first seq_len keys, "
                                   "times its values")
+        # generated: scales of Gemma 2 and MLA, several -1 after the table, GQA
+        small_attention.paged_stage(paged_decode, _run_watched)
 
 
 def _run_watched(paged_decode: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

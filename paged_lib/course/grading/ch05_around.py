@@ -10,6 +10,7 @@ import torch
 
 from paged_lib.course import grading
 from paged_lib.course.grading.ch05_common import NAN
+from paged_lib.course.grading.generated import small_around
 from paged_lib.kernels.reference import gather_kv
 
 # ---------------------------------------------------------------------- 05.6 slot mapping
@@ -112,6 +113,7 @@ def check_slot_mapping(slot_mapping: Callable[..., torch.Tensor]) -> None:
         read = gather_kv(k_cache, bt[2], 8)[5:8]
         grading.expect_tensor_close(read, key[4:7], "sequence 2's positions 5-7 read back "
                                     "through its block table")
+        small_around.slot_stage(slot_mapping)  # generated: pools past 2**31 slots
 
 
 # ------------------------------------------------------------ 05.7 merge split-KV partials
@@ -159,3 +161,4 @@ def check_merge_partials(merge_partials: Callable[[torch.Tensor, torch.Tensor], 
                      "on the way (a .float(), a float32 tensor); stay in float64" if rounded
                 else "weight each partial by exp(lse_j - max lse) (an empty segment, lse = "
                      "-inf, weighs 0) and divide by the sum of the weights")
+        small_around.partials_stage(merge_partials)  # generated: empties anywhere

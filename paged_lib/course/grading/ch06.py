@@ -30,6 +30,7 @@ from paged_lib.course import grading
 from paged_lib.course.grading import generated, replay, serving
 from paged_lib.course.grading.ch06_admission import check_can_admit, check_num_required_blocks
 from paged_lib.course.grading.ch06_waiting import check_schedule_waiting
+from paged_lib.course.grading.generated import small_engine
 from paged_lib.engine.model_runner import build_metadata as lib_build_metadata
 from paged_lib.model import AttentionMetadata
 from paged_lib.util import cdiv
@@ -93,6 +94,7 @@ def check_build_metadata(build_metadata: Callable[..., Any]) -> None:
                          f"step {call.step}", *call.args)
         generated.check("build_metadata", build_metadata, "every new token's slot is its "
                         "position's block in the table, at position % block_size")
+        small_engine.metadata_stage(build_metadata, _check_batch)  # pools past 2**31 slots
 
 
 def _check_batch(fn, name, tables, seq_lens, query_lens, block_size) -> None:

@@ -18,6 +18,7 @@ from typing import Any
 
 from paged_lib.course import grading
 from paged_lib.course.grading import generated, replay
+from paged_lib.course.grading.generated import small_engine
 from paged_lib.engine.block_manager import num_required_blocks as lib_required
 from paged_lib.engine.policy import Budget
 from paged_lib.engine.policy import can_admit as lib_can_admit
@@ -126,6 +127,7 @@ def check_num_required_blocks(num_required_blocks: Callable[..., Any]) -> None:
         generated.check("num_required_blocks", num_required_blocks, "a fresh request: its "
                         "prompt's blocks; a group of several: the prompt once, each tail's "
                         "blocks past it, and the part-filled prompt block's copies")
+        small_engine.required_stage(num_required_blocks, _name_rule)  # samples agree
 
 
 def _name_rule(group: SequenceGroup, block_size: int, got: int) -> str:

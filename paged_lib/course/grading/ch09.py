@@ -26,6 +26,7 @@ import numpy as np
 
 from paged_lib.course import grading
 from paged_lib.course.grading.ch09_tiles import check_attend_tiles
+from paged_lib.course.grading.generated import small_counts
 from paged_lib.studies.block_size import KERNEL_BLOCK_SIZES, choose_block_size, internal_waste
 from paged_lib.util import cdiv
 
@@ -278,6 +279,7 @@ def check_choose_block_size(fn: Callable[[Sequence[int], Sequence[int], float], 
             grading.expect_value_error(fn, args, f"choose_block_size with {what}",
                                 hint="bad input (no allowed size, max_waste outside "
                                 "[0, 1)) raises ValueError")
+        small_counts.choice_stage(fn)  # generated: budgets one ulp from a waste
 
 
 # ------------------------------------------------------------------------------ demo

@@ -26,6 +26,7 @@ from paged_lib.course import grading
 from paged_lib.course.grading import generated, replay
 from paged_lib.course.grading.ch10_alloc import check_allocate_slots
 from paged_lib.course.grading.ch10_queue import check_free_queue
+from paged_lib.course.grading.generated import small_prefix
 from paged_lib.engine.prefix_cache import (
     BlockHash,
     block_hashes,
@@ -69,6 +70,7 @@ def check_block_hashes(fn: Callable[..., Any]) -> None:
                             "(prompts and generated tokens), each chained on the one before")
         generated.check("block_hashes", fn, "one hash per full block, each chained on the "
                         "one before, with the extra keys")
+        small_prefix.prompt_stage(fn, _check_hashes)  # generated: block sizes, extra keys
 
 
 def _check_hashes(fn, name: str, tokens: list[int], block_size: int, extra: tuple) -> None:
@@ -140,7 +142,7 @@ def _wrong_hash(where, i, g, got, want, tokens, block_size, extra) -> None:
         (i > 1, hash_block_tokens(want[0], chunk, extra),
          "hashed from the wrong parent: block i's parent is block i-1's hash, not the "
          "first block's"),
-        (i > 1, hash_block_tokens(want[i - 2], chunk, extra),
+        (i > 1, hash_block_tokens(want[max(i - 2, 0)], chunk, extra),
          "hashed from the wrong parent: block i's parent is block i-1's hash, not the "
          "one two back"),
         (i == 0, hash_block_tokens(want[0], chunk, extra),
@@ -238,6 +240,7 @@ def check_longest_cache_hit(fn: Callable[..., Any]) -> None:
                             "block that holds the text's last token")
         generated.check("longest_cache_hit", fn, "the leading hits only, stopping at the "
                         "first miss, and never the block that holds the text's last token")
+        small_prefix.hit_stage(fn, _check_hit)  # generated: prompts of 8,192 blocks
 
 
 def _check_hit(fn, name: str, num_tokens: int, block_size: int, cached: dict[int, int]

@@ -33,6 +33,7 @@ from paged_lib.accounting import (
 from paged_lib.course import grading
 from paged_lib.course.grading.ch11_quant import check_write_int8_blocks
 from paged_lib.course.grading.ch11_window import check_drop_oldest
+from paged_lib.course.grading.generated import small_counts
 from paged_lib.util import cdiv
 
 __all__ = ["DEPLOYMENT", "LEVELS", "check_drop_oldest", "check_kv_bytes_per_token",
@@ -241,6 +242,7 @@ def check_kv_bytes_per_token(fn: Callable[[ModelSpec], Any]) -> None:
                             "MHA/GQA/MQA: 2 x layers x KV heads x head_dim x bytes; MLA: "
                             "layers x (latent + RoPE key) x bytes")
                 grading.fail(f"{what}: expected {want:,} bytes, got {got:,}", hint)
+        small_counts.token_stage(fn)  # generated: real models, head_dim not hidden / heads
 
 
 # ------------------------------------------------------------------------------ demo

@@ -21,6 +21,7 @@ from typing import Any
 from paged_lib.accounting import SPECS, ModelSpec, kv_bytes
 from paged_lib.course import grading
 from paged_lib.course.grading.ch12_gloo import check_rank_attention
+from paged_lib.course.grading.generated import small_counts
 from paged_lib.parallel import kv_bytes_per_rank, rank_heads
 
 __all__ = ["check_kv_bytes_per_rank", "check_rank_attention", "check_rank_heads",
@@ -125,6 +126,7 @@ def check_kv_bytes_per_rank(fn: Callable[[ModelSpec, int, int], int]) -> None:
                                 hint="a tp_size below 1, one that does not divide the "
                                 "query heads, or one that neither divides the KV heads nor "
                                 "is a multiple of them raises ValueError")
+        small_counts.rank_stage(fn)  # generated: real models, head_dim not hidden / heads
 
 
 # ------------------------------------------------------------------ 12.2 rank_heads

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from paged_lib.course import grading
+from paged_lib.course.grading.generated import small_text
 from paged_lib.serve.detokenize import IncrementalDetokenizer
 from paged_lib.tokenizer import ByteTokenizer
 
@@ -183,6 +184,7 @@ def check_detokenizer(cls: Any) -> None:
             _run_case(cls, text, stops, per_add, what)
         for k, (text, stops, per_add) in enumerate(_random_cases()):
             _run_case(cls, text, stops, per_add, f"random case {k}")
+        small_text.stream_stage(cls, _run_case)  # generated: stops cut from the text, ties
 
 
 def run_demo(cls: Any, prompt: str = "def add(a, b):", max_tokens: int = 60,

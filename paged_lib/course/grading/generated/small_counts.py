@@ -1,0 +1,289 @@
+"""Generated inputs for the counting exercises: the last stage of 09.2 (choosing a block
+size), 11.2 (KV bytes per token, MLA included) and 12.1 (KV bytes per rank), on the
+harness of :mod:`~paged_lib.course.grading.generated.numeric`.
+
+Their fixed cases stay in one family: every model's ``head_dim`` is ``hidden_size //
+num_heads`` (so code that derives it from the hidden size passes), and 09.2's budgets sit
+exactly at a waste or well away from it. Here the models are real configurations whose
+head size is not ``hidden / heads`` (Gemma, Gemma 2, Mistral NeMo, Qwen3 32B), beside
+GQA, MQA, MHA and MLA ones (DeepSeek-V2-Lite, DeepSeek-V3, MiniCPM3) in fp8, fp16 and
+fp32, on 1 to 32 ranks (some that vLLM refuses) and for up to 2**33 tokens; 09.2's
+budgets are a size's waste with one slot less or more, on workloads from one token to
+pools of 10**10 slots (where one slot is a share of 1e-10, far below a relative tolerance
+of 1e-9, far above an absolute one of 1e-12), with block sizes that are not powers
+of two, in any order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from paged_lib import parallel
+from paged_lib.accounting import ModelSpec, kv_bytes_per_token
+from paged_lib.course import grading
+from paged_lib.course.grading.generated import numeric
+from paged_lib.course.grading.generated.numeric import Contrast
+from paged_lib.course.grading.generated.small_attention import rng
+from paged_lib.studies.block_size import choose_block_size, internal_waste
+
+__all__ = ["Choice", "PerRank", "PerToken", "choice_cases", "choice_stage", "rank_cases",
+           "rank_stage", "token_cases", "token_stage"]
+
+# ------------------------------------------------------------------ 09.2 choose_block_size
+
+_BUDGET = {"at": "exactly the waste of size {b}",
+           "below": "the waste of size {b} less one slot", "above": "the waste of size {b} "
+           "and one slot more", "value": "a budget of {b!r}"}
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One generated case of 09.2; ``budget``: (how, size or value), as in ``_BUDGET``."""
+
+    seed: int
+    lengths: tuple[int, ...]
+    allowed: tuple[int, ...]
+    budget: tuple[str, Any]
+
+    def max_waste(self) -> float:
+        how, x = self.budget
+        if how == "value":
+            return x
+        held = sum(-(-n // x) * x for n in self.lengths)
+        empty = held - sum(self.lengths) + {"at": 0, "below": -1, "above": 1}[how]
+        return internal_waste(list(self.lengths), x) if how == "at" else \
+            min(max(empty, 0) / held, math.nextafter(1.0, 0.0))
+
+    def describe(self) -> str:
+        how, x = self.budget
+        return (f"choose_block_size({list(self.lengths)}, {list(self.allowed)}, "
+                f"{self.max_waste()!r}) (" + _BUDGET[how].format(b=x) + ")")
+
+    def states(self) -> list[str]:
+        out = [f"a budget {self.budget[0]} a waste"] if self.budget[0] in ("below",
+                                                                           "above") else []
+        out += ["a pool past 2**32 slots"] if sum(self.lengths) > 2 ** 32 else []
+        out += ["a size listed twice"] if len(set(self.allowed)) < len(self.allowed) else []
+        return out
+
+    def smaller(self) -> Iterator[Choice]:
+        for i in range(len(self.lengths)):
+            if len(self.lengths) > 1:
+                yield dataclasses.replace(self, lengths=self.lengths[:i] + self.lengths[i + 1:])
+        for i, b in enumerate(self.allowed):
+            if len(self.allowed) > 1 and (self.budget[0] == "value" or b != self.budget[1]
+                                          or self.allowed.count(b) > 1):
+                yield dataclasses.replace(self, allowed=self.allowed[:i] + self.allowed[i + 1:])
+
+
+#: lengths and sizes up to pools of 10**10 slots, where one slot is a share of 1e-10
+_LENGTHS = [1, 7, 16, 33, 100, 255, 1000, 4097, 9 * 10 ** 9 + 7, 10 ** 10 + 1, 3 * 10 ** 10]
+_SIZES = [1, 3, 5, 8, 12, 16, 24, 48, 64, 96, 100, 256, 3 * 10 ** 9, 10 ** 10]
+
+
+def _draw_choice(seed: int) -> Choice:
+    pick = rng(9201 + seed)
+    lengths = tuple(pick(_LENGTHS) for _ in range(pick([1, 1, 2, 3, 5])))
+    allowed = tuple(pick(_SIZES) for _ in range(pick([1, 2, 3, 4])))
+    # not exactly at a waste: the fixed cases have those, as typed decimals (a reading of the
+    # budget as the decimal typed, Fraction(str(max_waste)), is right there and would not be
+    # on a computed float)
+    how = ("below", "value", "above", "below", "value")[seed % 5]
+    x = pick([0.0, 0.05, 0.1, 0.3, 0.35, 0.5]) if how == "value" else pick(allowed)
+    if seed % 10 == 0:  # a pool of 10**10 slots and more: one slot is a share of 1e-10
+        lengths = lengths[:1] + tuple(pick(_LENGTHS[-3:]) for _ in range(pick([1, 2])))
+        x = pick(_SIZES[-2:])
+        allowed = allowed[:2] + (x,)
+    return Choice(seed, lengths, allowed, (how, x))
+
+
+def choice_cases(count: int = 40) -> list[Choice]:
+    return [_draw_choice(seed) for seed in range(count)]
+
+
+def run_choice(fn: Callable, p: Choice) -> None:
+    budget = p.max_waste()
+    want = choose_block_size(list(p.lengths), list(p.allowed), budget)
+    got = fn(list(p.lengths), list(p.allowed), budget)
+    grading.expect_int(got, "the size returned")
+    grading.expect_equal(int(got), want, "the size returned",
+                         hint="the largest allowed size whose waste (held - tokens) / held is "
+                              "<= max_waste as floats; if none, the least wasteful, the "
+                              "smaller on a tie")
+
+
+CHOICE_CONTRASTS = (
+    Contrast(lambda p: dataclasses.replace(p, budget=("at", p.budget[1]))
+             if p.budget[0] == "below" else None,
+             "it passes when the budget is exactly a size's waste and fails when that size "
+             "wastes one slot more than the budget: it does not fit, however many slots the "
+             "pool holds; compare waste <= max_waste as floats (no relative tolerance such "
+             "as math.isclose's)"),
+)
+
+
+def choice_stage(fn: Callable) -> None:
+    """09.2's generated stage."""
+    numeric.check("09.2", choice_cases(), lambda p: run_choice(fn, p), CHOICE_CONTRASTS)
+
+
+# ------------------------------------------------------------------ 11.2 and 12.1 models
+
+#: Published configurations (their config.json): name, layers, hidden size, query heads,
+#: KV heads, head size, MLA latent, MLA RoPE key. The first four have a head size that is
+#: not hidden / heads.
+MODELS = [
+    ("Gemma 7B", 28, 3072, 16, 16, 256, 0, 0), ("Gemma 2 9B", 42, 3584, 16, 8, 256, 0, 0),
+    ("Gemma 2 27B", 46, 4608, 32, 16, 128, 0, 0),
+    ("Mistral NeMo 12B", 40, 5120, 32, 8, 128, 0, 0),
+    ("Qwen3 32B", 64, 5120, 64, 8, 128, 0, 0), ("Qwen2 7B", 28, 3584, 28, 4, 128, 0, 0),
+    ("Phi-3 mini", 32, 3072, 32, 32, 96, 0, 0), ("Llama 3.2 1B", 16, 2048, 32, 8, 64, 0, 0),
+    ("Falcon 7B", 32, 4544, 71, 1, 64, 0, 0),
+    ("DeepSeek-V2-Lite", 27, 2048, 16, 16, 128, 512, 64),
+    ("DeepSeek-V3", 61, 7168, 128, 128, 128, 512, 64),
+    ("MiniCPM3 4B", 62, 2560, 40, 40, 64, 256, 32),
+]
+_BYTES = {1: "fp8", 2: "fp16", 4: "fp32"}
+
+
+def _spec(model: int, layers: int | None, dtype_bytes: int, hidden: int | None) -> ModelSpec:
+    """``hidden``: another hidden size (the contrast: one that is heads x head_dim)."""
+    name, n, size, heads, kv, d, latent, rope = MODELS[model]
+    return ModelSpec(name, n if layers is None else layers, hidden or size, heads, kv, d,
+                     dtype_bytes=dtype_bytes, kv_lora_rank=latent, qk_rope_head_dim=rope)
+
+
+def _about(s: ModelSpec) -> str:
+    odd = s.head_dim != s.hidden_size // s.num_heads and not s.kv_lora_rank
+    return (f"{s.name} ({s.attention}, {s.num_layers} layer{'s' * (s.num_layers > 1)}, "
+            f"hidden {s.hidden_size}, {s.num_heads} query heads, {s.num_kv_heads} KV heads of "
+            f"{s.head_dim}"
+            + (f" (not {s.hidden_size} / {s.num_heads} = {s.hidden_size // s.num_heads})"
+               if odd else "")
+            + (f", latent {s.kv_lora_rank}, RoPE key {s.qk_rope_head_dim}"
+               if s.kv_lora_rank else "") + f", {_BYTES[s.dtype_bytes]})")
+
+
+def _states(s: ModelSpec) -> list[str]:
+    out = ["head_dim not hidden / heads"] if s.head_dim != s.hidden_size // s.num_heads \
+        and not s.kv_lora_rank else []
+    return out + [f"{s.attention} in {_BYTES[s.dtype_bytes]}"]
+
+
+_HEAD_DIM = Contrast(lambda p: None if p.spec().kv_lora_rank or p.spec().head_dim ==
+                     p.spec().hidden_size // p.spec().num_heads else
+                     dataclasses.replace(p, hidden=p.spec().num_heads * p.spec().head_dim),
+                     "it passes on models whose head_dim is hidden_size // num_heads and "
+                     "fails on this one, whose is not (as Gemma's, Mistral NeMo's, Qwen3 "
+                     "32B's): use spec.head_dim, never derive it from hidden_size")
+
+
+@dataclass(frozen=True)
+class PerToken:
+    """One generated case of 11.2."""
+
+    seed: int
+    model: int
+    layers: int | None
+    dtype_bytes: int
+    hidden: int | None = None
+
+    def spec(self) -> ModelSpec:
+        return _spec(self.model, self.layers, self.dtype_bytes, self.hidden)
+
+    def describe(self) -> str:
+        return f"kv_bytes_per_token of {_about(self.spec())}"
+
+    def states(self) -> list[str]:
+        return _states(self.spec())
+
+    def smaller(self) -> Iterator[PerToken]:
+        yield from numeric.fewer(self, layers=[1] if self.layers != 1 else [],
+                                 dtype_bytes=[2] if self.dtype_bytes != 2 else [])
+
+
+def token_cases() -> list[PerToken]:
+    """11.2's cases: every model, in a dtype of its own, all its layers (seeds 0, 1 ...)."""
+    return [PerToken(i, i, None, (2, 4, 1)[i % 3]) for i in range(len(MODELS))]
+
+
+def run_token(fn: Callable, p: PerToken) -> None:
+    s = p.spec()
+    got = fn(s)
+    grading.expect_int(got, "bytes per token")
+    grading.expect_equal(int(got), kv_bytes_per_token(s), "bytes per token",
+                         hint="MHA/GQA/MQA: 2 x layers x KV heads x head_dim x bytes; MLA: "
+                              "layers x (latent + RoPE key) x bytes")
+
+
+def token_stage(fn: Callable) -> None:
+    """11.2's generated stage."""
+    numeric.check("11.2", token_cases(), lambda p: run_token(fn, p), (_HEAD_DIM,))
+
+
+@dataclass(frozen=True)
+class PerRank:
+    """One generated case of 12.1 (models without a latent: 12.1 counts KV heads)."""
+
+    seed: int
+    model: int
+    layers: int | None
+    dtype_bytes: int
+    tp: int
+    tokens: int
+    hidden: int | None = None
+
+    def spec(self) -> ModelSpec:
+        return _spec(self.model, self.layers, self.dtype_bytes, self.hidden)
+
+    def describe(self) -> str:
+        return (f"kv_bytes_per_rank of {_about(self.spec())}, tp_size {self.tp}, "
+                f"{self.tokens:,} tokens")
+
+    def states(self) -> list[str]:
+        s = self.spec()
+        out = _states(s) + (["more ranks than KV heads"] if self.tp > s.num_kv_heads else [])
+        return out + (["2**33 tokens"] if self.tokens > 2 ** 32 else [])
+
+    def smaller(self) -> Iterator[PerRank]:
+        yield from numeric.fewer(self, tokens=[1] if self.tokens > 1 else [],
+                                 layers=[1] if self.layers != 1 else [],
+                                 dtype_bytes=[2] if self.dtype_bytes != 2 else [],
+                                 tp=[1] if self.tp > 1 else [])
+
+
+def rank_cases() -> list[PerRank]:
+    """12.1's cases: each model without a latent on 1 to 32 ranks (some refused)."""
+    plain = [i for i, m in enumerate(MODELS) if not m[6]]
+    out = []
+    for seed in range(3 * len(plain)):
+        pick = rng(1201 + seed)
+        out.append(PerRank(seed, plain[seed % len(plain)], None, pick([1, 2, 4]),
+                           pick([1, 2, 3, 4, 8, 16, 32]), pick([0, 1, 7, 4096, 2 ** 33])))
+    return out
+
+
+def run_rank(fn: Callable, p: PerRank) -> None:
+    s = p.spec()
+    try:
+        want = parallel.kv_bytes_per_rank(s, p.tp, p.tokens)
+    except ValueError:
+        grading.expect_value_error(fn, (s, p.tp, p.tokens), "vLLM refuses this tp_size",
+                                   hint="a tp_size that does not divide the query heads, or "
+                                        "that neither divides the KV heads nor is a multiple "
+                                        "of them, raises ValueError")
+        return
+    got = fn(s, p.tp, p.tokens)
+    grading.expect_int(got, "bytes per rank")
+    grading.expect_equal(int(got), want, "bytes per rank",
+                         hint="2 (K and V) x layers x the KV heads this rank keeps x head_dim "
+                              "x dtype bytes x tokens")
+
+
+def rank_stage(fn: Callable) -> None:
+    """12.1's generated stage."""
+    numeric.check("12.1", rank_cases(), lambda p: run_rank(fn, p), (_HEAD_DIM,))

@@ -1,0 +1,170 @@
+"""Generated prompts for 10.1 (a prompt's block hashes) and 10.2 (the cache hit), on the
+harness of :mod:`~paged_lib.course.grading.generated.numeric`.
+
+10.1's named prompts, the engine's replayed calls and the random workloads hash each text
+at one block size and with at most one extra key. Here seeded prompts (token ids up to
+Qwen2's vocabulary of 152,000) are hashed one after another at block sizes 2, 3, 5 and
+16, with the extra keys real requests carry together (a LoRA adapter, a multimodal
+input's hash, a cache salt: two or three keys, in the request's order). Each case runs
+through the grader's own per-prompt check against the library's hashes.
+
+10.2's named scenarios have prompts of at most 29 tokens (7 blocks). Here prompts run up
+to Llama 3's context of 131,072 tokens (8,192 blocks of 16), every block cached, a
+prefix of them, or all but one; block ids come from a pool of 2**31 - 1 blocks, block 0
+among them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from paged_lib.course.grading.generated import numeric
+from paged_lib.course.grading.generated.numeric import Contrast
+
+__all__ = ["HIT_CONTRASTS", "PROMPT_CONTRASTS", "Hit", "Prompt", "hit_cases", "hit_stage",
+           "prompt_cases", "prompt_stage"]
+
+#: extra keys as requests carry them, in their order
+_EXTRAS = [(), ("lora-7",), ("salt-9", "lora-7"), ("lora-2", "mm:3f2a", "salt-1"),
+           ("mm:9c01", 4)]
+_SIZES = (16, 5, 3, 2)
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One generated case of 10.1: prompt ``family`` (its tokens and extra keys), cut to
+    ``length`` tokens, hashed at ``block_size``."""
+
+    seed: int
+    family: int
+    length: int
+    block_size: int
+    extras: tuple
+
+    def tokens(self) -> list[int]:
+        return [(7919 * t + 104_729 * self.family + 13) % 152_000 for t in range(self.length)]
+
+    def describe(self) -> str:
+        t = self.tokens()
+        before = [b for b in _SIZES[:self.seed % len(_SIZES)]]
+        return (f"{self.length} tokens {t[:5]}{' ...' if self.length > 5 else ''}, block size "
+                f"{self.block_size}, extra keys {self.extras}"
+                + (f" (the same tokens were hashed at block size(s) {before} just before)"
+                   if before else ""))
+
+    def states(self) -> list[str]:
+        out = [f"{len(self.extras)} extra keys"] if len(self.extras) > 1 else []
+        out += ["a text hashed again at another block size"] if self.seed % len(_SIZES) \
+            else []
+        out += ["token ids past 100,000"] if max(self.tokens(), default=0) > 100_000 else []
+        return out
+
+    def smaller(self) -> Iterator[Prompt]:
+        n, bs = self.length, self.block_size
+        yield from numeric.fewer(self, length=sorted({x for x in (0, bs, n // 2, n - 1)
+                                                      if 0 <= x < n}))
+
+
+def prompt_cases(families: int = 10) -> list[Prompt]:
+    """Each family's prompt at block sizes 16, 5, 3 and 2, in turn (seeds 0, 1 ...)."""
+    out = []
+    for f in range(families):
+        length = (9, 16, 30, 31, 47)[f % 5]
+        out += [Prompt(len(_SIZES) * f + k, f, length, bs, _EXTRAS[f % len(_EXTRAS)])
+                for k, bs in enumerate(_SIZES)]
+    # and a long prompt: 20,000 tokens are 1,250 blocks of 16
+    return out + [Prompt(len(out), families, 20_000, 16, ("lora-7",))]
+
+
+def _in_order(p: Prompt) -> Prompt | None:
+    ordered = tuple(sorted(p.extras, key=str))
+    return dataclasses.replace(p, extras=ordered) if ordered != p.extras else None
+
+
+PROMPT_CONTRASTS = (
+    Contrast(_in_order, "it passes when the extra keys come sorted and fails when they do "
+             "not: every hash takes the request's extra keys as given, in their order (each "
+             "BlockHash records them, and the pool compares them on lookup)"),
+)
+
+
+def prompt_stage(fn: Callable, check_hashes: Callable) -> None:
+    """10.1's generated stage; ``check_hashes(fn, name, tokens, block_size, extra)``: the
+    grader's own per-prompt check."""
+    numeric.check("10.1", prompt_cases(), lambda p: check_hashes(
+        fn, "generated", p.tokens(), p.block_size, p.extras), PROMPT_CONTRASTS)
+
+
+# ------------------------------------------------------------------ 10.2 longest_cache_hit
+
+
+@dataclass(frozen=True)
+class Hit:
+    """One generated case of 10.2: a prompt of ``num_tokens`` whose full blocks are cached
+    as ``pattern`` says: ("all", 0), ("prefix", k) or ("hole", j), all but block j."""
+
+    seed: int
+    num_tokens: int
+    block_size: int
+    pattern: tuple[str, int]
+
+    def cached(self) -> dict[int, int]:
+        full = self.num_tokens // self.block_size
+        how, k = self.pattern
+        keep = [i for i in range(full) if how == "all" or (how == "prefix" and i < k)
+                or (how == "hole" and i != k)]
+        ids = random.Random(1002 + self.seed).sample(range(2 ** 31 - 1), len(keep))
+        ids[len(ids) // 3:len(ids) // 3 + 1] = [0] * bool(ids)  # block 0 is a block
+        return dict(zip(keep, ids, strict=True))
+
+    def describe(self) -> str:
+        full = self.num_tokens // self.block_size
+        how, k = self.pattern
+        return (f"a prompt of {self.num_tokens:,} tokens, block size {self.block_size} "
+                f"({full:,} full blocks), cached: " + {"all": "every full block",
+                                                       "prefix": f"the first {k}",
+                                                       "hole": f"all but block {k}"}[how])
+
+    def states(self) -> list[str]:
+        full = self.num_tokens // self.block_size
+        return (["more than 1,000 cached blocks"] if full > 1000 and self.pattern != (
+            "prefix", 0) else []) + (["block size 5 or 7"] if self.block_size in (5, 7) else [])
+
+    def smaller(self) -> Iterator[Hit]:
+        for n in (self.num_tokens // 4, self.num_tokens // 2):
+            if self.block_size < n < self.num_tokens:
+                how, k = self.pattern
+                yield dataclasses.replace(self, num_tokens=n, pattern=(
+                    how, min(k, n // self.block_size - 1)))
+
+
+def hit_cases() -> list[Hit]:
+    """Short prompts at block sizes 5, 7, 16 in every pattern, then long ones (seeds 0 ...)."""
+    out: list[Hit] = []
+    for bs in (5, 7, 16):
+        for n in (bs, bs + 1, 3 * bs, 3 * bs + 1, 50):
+            for pattern in (("all", 0), ("prefix", 1), ("hole", 0), ("hole", 2)):
+                out.append(Hit(len(out), n, bs, pattern))
+    for n, bs in ((131_072, 16), (32_768, 16), (20_001, 5)):
+        for pattern in (("all", 0), ("hole", n // bs - 2)):
+            out.append(Hit(len(out), n, bs, pattern))
+    return out
+
+
+HIT_CONTRASTS = (
+    Contrast(lambda p: dataclasses.replace(p, num_tokens=29 * p.block_size // 4, pattern=(
+        p.pattern[0], min(p.pattern[1], 5))) if p.num_tokens > 1000 else None,
+             "it passes on short prompts and fails on a long one (a context of 131,072 "
+             "tokens is 8,192 blocks of 16): walk the hashes in a loop, not one call deep "
+             "per block (Python stops recursion at about 1,000 calls)"),
+)
+
+
+def hit_stage(fn: Callable, check_hit: Callable) -> None:
+    """10.2's generated stage; ``check_hit(fn, name, num_tokens, block_size, cached)``: the
+    grader's own per-scenario check."""
+    numeric.check("10.2", hit_cases(), lambda p: check_hit(
+        fn, "generated", p.num_tokens, p.block_size, p.cached()), HIT_CONTRASTS)
