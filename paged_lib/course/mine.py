@@ -194,7 +194,7 @@ def section_text(obj: Any, export: str) -> str:
 
 # ------------------------------------------------------------------ writing, reading
 
-def _sections(path: Path) -> dict[str, str]:
+def sections(path: Path) -> dict[str, str]:
     """Exercise id -> its section (marker lines included) of a saved file."""
     if not path.is_file():
         return {}
@@ -221,13 +221,13 @@ def save(ex_id: str, obj: Any, folder: Path) -> Path:
         init.write_text('"""Your code from the course\'s exercises, saved as each passed its '
                         'check (paged_lib.course.mine)."""\n')
     path = _file(folder, piece.chapter)
-    sections = _sections(path)
-    sections[ex_id] = f"{_BEGIN}{ex_id} {piece.name}: {piece.role}\n{body}{_END}{ex_id}\n"
+    found = sections(path)
+    found[ex_id] = f"{_BEGIN}{ex_id} {piece.name}: {piece.role}\n{body}{_END}{ex_id}\n"
     head = (f'"""Your code from chapter {piece.chapter}\'s exercises, each section written '
             "when its check passed.\n\nWritten by paged_lib.course.mine: run the exercise "
             'again to replace a section.\n"""\n')
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(head + "".join(f"\n{sections[k]}" for k in sorted(sections)))
+    tmp.write_text(head + "".join(f"\n{found[k]}" for k in sorted(found)))
     os.replace(tmp, path)
     return path
 
@@ -236,7 +236,7 @@ def saved(folder: Path | None = None) -> list[str]:
     """Exercise ids with a saved section in ``folder`` (default :func:`load_folder`)."""
     folder = load_folder() if folder is None else Path(folder)
     ids = {ex for ch in {p.chapter for p in SAVED.values()}
-           for ex in _sections(_file(folder, ch))}
+           for ex in sections(_file(folder, ch))}
     return sorted(ids & SAVED.keys())
 
 
@@ -246,7 +246,7 @@ def load(ex_id: str, folder: Path | None = None) -> Any | None:
     folder = load_folder() if folder is None else Path(folder)
     piece = SAVED[ex_id]
     path = _file(folder, piece.chapter)
-    if ex_id not in _sections(path):
+    if ex_id not in sections(path):
         return None
     name = f"mine_ch{piece.chapter}_{abs(hash(str(path.resolve()))):x}"
     spec = importlib.util.spec_from_file_location(name, path)

@@ -54,10 +54,16 @@ def _model(dtype: str):
 
 
 def _engine(w: Workload, hooks: Any, on_step: Callable):
-    from paged_lib.engine import LLMEngine
+    """The engine ``w`` is served on: ``hooks`` is an :class:`EngineHooks` (or ``None``,
+    the library's), or a function that builds the engine from the model, the pool's size
+    and the options (chapter 13's engine of saved pieces, some of which are not hooks)."""
+    from paged_lib.engine import EngineHooks, LLMEngine
 
     opts = dict(w.options)
     model = _model(opts.pop("dtype", "fp32"))
+    if hooks is not None and not isinstance(hooks, EngineHooks):
+        return hooks(model, w.num_blocks, w.block_size, attention_backend="torch",
+                     on_step=on_step, **opts)
     return LLMEngine(model, w.num_blocks, w.block_size, attention_backend="torch",
                      hooks=hooks, on_step=on_step, **opts)
 
@@ -201,12 +207,11 @@ def workloads(hook: str, count: int = NUM_WORKLOADS) -> list[Workload]:
     return out
 
 
-def check(hook: str, piece: Any, hint: str, count: int = NUM_WORKLOADS) -> None:
-    """Serve ``count`` random workloads with ``piece`` as hook ``hook`` next to the
-    library's; at the first that differs, shrink it and fail with its story and ``hint``."""
-    from paged_lib.engine import EngineHooks
-
-    hooks = EngineHooks(**{hook: piece})
+def find(hook: str, hooks: Any,
+         count: int = NUM_WORKLOADS) -> tuple[Workload, Workload, str] | None:
+    """Serve ``count`` random workloads drawn for ``hook`` with ``hooks`` (see
+    :func:`_engine`) next to the library's; the first that differs as (the workload
+    drawn, the workload it shrank to, what differs there), or ``None``."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny matrices: a second thread only adds overhead
     try:
@@ -215,10 +220,22 @@ def check(hook: str, piece: Any, hint: str, count: int = NUM_WORKLOADS) -> None:
             if found is not None:
                 small, story = shrink(w, hooks, found)
                 _library.cache_clear()  # the shrink's runs are not asked again
-                grading.fail(f"random workload {w.seed} for your {hook}, shrunk to "
-                             f"{small.describe()}: {story}", hint)
+                return w, small, story
+        return None
     finally:
         torch.set_num_threads(threads)
+
+
+def check(hook: str, piece: Any, hint: str, count: int = NUM_WORKLOADS) -> None:
+    """Serve ``count`` random workloads with ``piece`` as hook ``hook`` next to the
+    library's; at the first that differs, shrink it and fail with its story and ``hint``."""
+    from paged_lib.engine import EngineHooks
+
+    found = find(hook, EngineHooks(**{hook: piece}), count)
+    if found is not None:
+        drawn, small, story = found
+        grading.fail(f"random workload {drawn.seed} for your {hook}, shrunk to "
+                     f"{small.describe()}: {story}", hint)
 
 
 def states(hook: str, count: int = NUM_WORKLOADS) -> dict[str, int]:
