@@ -401,6 +401,14 @@ def _saved_text(ex_id: str, obj: Any) -> str | None:
     return mine.sections(Path(path)).get(ex_id) or Path(path).read_text()
 
 
+def _clip(text: str, n: int) -> str:
+    """``text`` cut after its last whole "; "-separated part within ``n`` characters."""
+    if len(text) <= n:
+        return text
+    cut = text.rfind("; ", 0, n)
+    return (text[:cut] if cut > 0 else text[:n]) + "; ..."
+
+
 def generated_verdict(ex_id: str, obj: Any, served: Any,
                       count: int | None = None) -> str | None:
     """After the scenarios: ``count`` random workloads (by default those its exercise's
@@ -422,8 +430,8 @@ def generated_verdict(ex_id: str, obj: Any, served: Any,
     try:
         found = generated.find(hook, build, count)
         verdict = None if found is None else (
-            f"on random workload {found[0].seed} drawn for {hook}: {found[2][:320]} "
-            f"(the workload, shrunk: {found[1].describe()[:260]})")
+            f"on random workload {found[0].seed} drawn for {hook}: {_clip(found[2], 320)} "
+            f"(the workload, shrunk: {_clip(found[1].describe(tokens=False), 400)})")
     except Exception as caught:  # noqa: BLE001 - a learner's bug: a line, no traceback
         verdict = f"on random workloads drawn for {hook}: raised {type(caught).__name__}: " \
                   f"{str(caught)[:300]}"

@@ -36,14 +36,16 @@ class Request:
     params: tuple[tuple[str, Any], ...]  # SamplingParams keywords, sorted
     arrival: int
 
-    def describe(self) -> str:
+    def describe(self, tokens: bool = True) -> str:
+        """In words; ``tokens=False`` leaves out the prompt's first tokens."""
         p = dict(self.params)
         kind = (f"{p['beam_width']} beams" if p.get("beam_width") else
                 f"{p['n']} samples" if p.get("n", 1) > 1 else
                 "greedy" if p.get("temperature") == 0.0 else "1 sample")
         stop = f", stops at token {p['stop_token_ids'][0]}" if p.get("stop_token_ids") else ""
         shown = list(self.prompt[:8]) + (["..."] if len(self.prompt) > 8 else [])
-        return (f"a prompt of {len(self.prompt)} tokens {shown}, {kind}, max_tokens "
+        return (f"a prompt of {len(self.prompt)} tokens{f' {shown}' if tokens else ''}, "
+                f"{kind}, max_tokens "
                 f"{p['max_tokens']}{stop}, arriving at step {self.arrival}")
 
 
@@ -58,11 +60,11 @@ class Workload:
     def option(self, name: str) -> Any:
         return dict(self.options).get(name, DEFAULTS.get(name))
 
-    def describe(self) -> str:
+    def describe(self, tokens: bool = True) -> str:
         changed = [f"{k}={v!r}" for k, v in self.options if DEFAULTS.get(k, object()) != v]
         return (f"{self.num_blocks} blocks of {self.block_size}"
                 + (", " + ", ".join(changed) if changed else "") + "; requests: "
-                + "; ".join(f"#{i} {r.describe()}" for i, r in enumerate(self.requests)))
+                + "; ".join(f"#{i} {r.describe(tokens)}" for i, r in enumerate(self.requests)))
 
 
 # ------------------------------------------------------------------ drawing
