@@ -12,25 +12,22 @@ library engine on the same scenario, the tokens and the schedule step by step (w
 how many tokens, which blocks their new tokens went to, who was preempted, the swaps and
 copies, the prefix-cache hits); the first difference, or an exception, becomes a
 one-line story. After its scenarios, a piece serves the random workloads its exercise's
-check serves (:func:`generated_verdict`): every option of the engine and their
-combinations, a difference shrunk to the smallest workload that still shows it. A new
-piece needs only an entry in :data:`PIECE_SCENARIOS` (and a new
-:class:`Scenario` if none of :data:`SCENARIOS` reaches its state).
+check serves (:mod:`~paged_lib.course.demos.your_engine_random`). A new piece needs only
+an entry in :data:`PIECE_SCENARIOS` (and a new :class:`Scenario` if none of
+:data:`SCENARIOS` reaches its state).
 """
 
 from __future__ import annotations
 
 import functools
-import inspect
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from paged_lib.course import mine
 from paged_lib.course.demos import your_engine
-from paged_lib.course.exercises import HOOKS, SAVED
+from paged_lib.course.demos.your_engine_random import NOT_GENERATED, generated_verdict
+from paged_lib.course.exercises import SAVED
 from paged_lib.engine import SamplingParams as P
 from paged_lib.model import TinyLlama
 
@@ -377,66 +374,6 @@ def check_piece(ex_id: str, obj: Any) -> str | None:
     if verdict is None and ex_id not in NOT_GENERATED:
         verdict = generated_verdict(ex_id, obj, pieces.get(ex_id, obj))
     your_engine.VERDICTS[ex_id, id(obj)] = (obj, verdict)
-    return verdict
-
-
-#: pieces the random workloads do not serve here: the Triton kernel (the interpreter
-#: takes seconds a step; chapter 05's check draws its shapes) and one rank's attention
-#: (two processes a run; chapter 12's check serves it on both ranks)
-NOT_GENERATED = ("05.5", "12.3")
-#: (exercise id, the saved code the piece was loaded from, workloads) -> verdict: the same saved
-#: code gets the same verdict without serving it again
-_GENERATED: dict[tuple[str, str, int], str | None] = {}
-
-
-def _saved_text(ex_id: str, obj: Any) -> str | None:
-    """The section of ``mine/`` that ``obj`` was loaded from (the whole file if it has
-    none); ``None`` for a piece defined in a notebook cell (checked each time)."""
-    try:
-        path = inspect.getsourcefile(obj)
-    except TypeError:
-        return None
-    if path is None or not Path(path).is_file():
-        return None
-    return mine.sections(Path(path)).get(ex_id) or Path(path).read_text()
-
-
-def _clip(text: str, n: int) -> str:
-    """``text`` cut after its last whole "; "-separated part within ``n`` characters."""
-    if len(text) <= n:
-        return text
-    cut = text.rfind("; ", 0, n)
-    return (text[:cut] if cut > 0 else text[:n]) + "; ..."
-
-
-def generated_verdict(ex_id: str, obj: Any, served: Any,
-                      count: int | None = None) -> str | None:
-    """After the scenarios: ``count`` random workloads (by default those its exercise's
-    check serves, drawn for the piece's hook by :mod:`paged_lib.course.grading.generated`)
-    served by an engine with ``served`` in place of the library's piece and by the
-    library's; the first difference, shrunk, in one line, or ``None``."""
-    from paged_lib.course.grading import generated
-
-    count = count or generated.NUM_WORKLOADS
-    text = _saved_text(ex_id, obj)
-    key = (ex_id, text, count) if text is not None else None
-    if key in _GENERATED:
-        return _GENERATED[key]
-
-    def build(model, num_blocks, block_size, **options):
-        return your_engine.build(model, num_blocks, block_size, {ex_id: served}, **options)
-
-    hook = HOOKS.get(ex_id) or SAVED[ex_id].name
-    try:
-        found = generated.find(hook, build, count)
-        verdict = None if found is None else (
-            f"on random workload {found[0].seed} drawn for {hook}: {_clip(found[2], 320)} "
-            f"(the workload, shrunk: {_clip(found[1].describe(tokens=False), 400)})")
-    except Exception as caught:  # noqa: BLE001 - a learner's bug: a line, no traceback
-        verdict = f"on random workloads drawn for {hook}: raised {type(caught).__name__}: " \
-                  f"{str(caught)[:300]}"
-    if key is not None:
-        _GENERATED[key] = verdict
     return verdict
 
 
