@@ -17,7 +17,7 @@ from typing import Any
 
 from paged_lib.blocks import BlockAllocator, BlockTable, OutOfBlocks, Slot
 from paged_lib.course import grading
-from paged_lib.course.grading.toy_pool import ToyStore, pool_state
+from paged_lib.course.grading.toy_pool import ToyStore, busy_pool, pool_state
 
 
 @dataclass
@@ -48,7 +48,11 @@ def _slot_str(slot: Any) -> str:
     return repr(slot)
 
 
-def replay(steps, ref: World, mine: World, scenario: str, *, append, fork) -> None:
+def replay(scenario: str, num_blocks: int, free_list: tuple[int, ...] | None, block_size: int,
+           steps: list[tuple], *, append, fork) -> None:
+    """Run ``steps`` on two pools :func:`busy_pool` ``(num_blocks, free_list)``, the library
+    in one and ``append``/``fork`` in the other, comparing after every step."""
+    ref, mine = (World(busy_pool(num_blocks, free_list), block_size) for _ in range(2))
     n = 0
     for step in steps:
         kind, who = step[0], step[1]

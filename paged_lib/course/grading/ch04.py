@@ -303,20 +303,17 @@ def check_flash_vs_paged(classify: Callable[[], dict[int, str]]) -> None:
                               f"0: keys 1 .. {count}")
         grading.expect_true(not missing, f"no answer for statement(s) {missing}",
                             hint=f"keys are 1 .. {count}")
+        got = {i: str(answers[i]).strip().lower() for i in range(1, count + 1)}
         for i in range(1, count + 1):
-            got = str(answers[i]).strip().lower()
-            grading.expect_true(got in ("flash", "paged", "both"),
+            grading.expect_true(got[i] in ("flash", "paged", "both"),
                                 f"statement {i}: answer {answers[i]!r} is not one of "
                                 "'flash', 'paged', 'both'",
                                 hint="answer with one of the three words exactly: 'flash' "
                                      "(FlashAttention only), 'paged' (PagedAttention only) "
                                      "or 'both'")
-        wrong = []
-        for i, (_, answer, hint) in enumerate(STATEMENTS, 1):
-            got = str(answers[i]).strip().lower()
-            if got != answer:
-                wrong.append((i, got, hint))
+        wrong = [(i, hint) for i, (_, answer, hint) in enumerate(STATEMENTS, 1)
+                 if got[i] != answer]
         if wrong:
-            i, got, hint = wrong[0]
-            grading.fail(f"{len(STATEMENTS) - len(wrong)} of {len(STATEMENTS)} right; "
-                         f"statement {i} is not {got!r}", hint)
+            i, hint = wrong[0]
+            grading.fail(f"{count - len(wrong)} of {count} right; statement {i} is not "
+                         f"{got[i]!r}", hint)

@@ -82,12 +82,6 @@ def check_gpu_limits(trace: LoadTrace) -> None:
                               "axis=1); or pad the tile to 16 rows (masked) before tl.dot")
 
 
-def kernel_device() -> torch.device:
-    from paged_lib import default_device
-
-    return default_device()
-
-
 class Guarded:
     """A tensor in the middle of a flat buffer with ``pad`` poisoned elements on each side.
 
@@ -97,11 +91,13 @@ class Guarded:
     """
 
     def __init__(self, values: torch.Tensor, pad: int, fill: float | int = NAN):
+        from paged_lib import default_device
+
         pad = max(pad, values.numel())  # a sign error in an offset stays in the guard
         self.pad, self.shape, self.fill = pad, tuple(values.shape), fill
         buffer = torch.full((values.numel() + 2 * pad,), fill, dtype=values.dtype)
         buffer[pad:pad + values.numel()] = values.reshape(-1)
-        self.buffer = buffer.to(kernel_device())
+        self.buffer = buffer.to(default_device())
         self.view = self.buffer[pad:pad + values.numel()].view(self.shape)
 
     def reads(self, trace: LoadTrace) -> list[tuple[tuple, np.ndarray, np.ndarray]]:

@@ -27,6 +27,7 @@ import numpy as np
 from paged_lib.course import grading
 from paged_lib.course.grading.ch09_tiles import check_attend_tiles
 from paged_lib.course.grading.generated import small_counts
+from paged_lib.course.grading.slips import name_mistake
 from paged_lib.studies.block_size import KERNEL_BLOCK_SIZES, choose_block_size, internal_waste
 from paged_lib.util import cdiv
 
@@ -36,35 +37,6 @@ __all__ = ["check_attend_tiles", "check_choose_block_size", "check_internal_wast
 
 # ------------------------------------------------------------------ 09.1 internal_waste
 
-
-def _agrees(same: Callable, a: Any, b: Any) -> bool:
-    try:
-        return bool(same(a, b))
-    except (TypeError, ValueError):
-        return False
-
-
-def _slip(fn: Callable, cases: list, wrong: Callable, right: Callable, call: Callable,
-          case: Any, got: Any, same: Callable, default: str) -> str:
-    """The hint of the typical mistake the learner's answer ``got`` on ``case`` matches.
-
-    Two mistakes may give the same wrong answer on one case (on ``[5, 16]`` at 8, the last
-    blocks' share equals the per-sequence average): then the other cases decide, keeping
-    the mistakes whose answer the learner's function also gives there.
-    """
-    want = right(case)
-    named = [h for h, v in wrong(case).items() if same(got, v) and not same(v, want)]
-    for other in cases:
-        if len(named) < 2:
-            break
-        try:
-            mine = call(other)
-        except Exception:  # noqa: BLE001 - a crash elsewhere says nothing here
-            continue
-        seen = wrong(other)
-        narrower = [h for h in named if h in seen and _agrees(same, mine, seen[h])]
-        named = narrower or named
-    return named[0] if named else default
 
 _WASTE_CASES: list[tuple[Sequence[int], int]] = [
     ([5, 16], 8), ([16, 32], 16), ([1], 16), ([17], 16), ([3, 100, 1000], 64),
@@ -122,11 +94,10 @@ def check_internal_waste(fn: Callable[[Sequence[int], int], float]) -> None:
                 grading.fail(f"{what}: expected {want!r}, got {got!r} (an int)",
                              hint="integer division (//) rounded the share down: divide "
                              "with /")
-            hint = _slip(fn, _WASTE_CASES, lambda c: _wrong_waste(*c),
-                         lambda c: internal_waste(list(c[0]), c[1]),
-                         lambda c: fn(list(c[0]), c[1]), (lengths, b), got, _close,
-                         "each sequence holds ceil(length / B) whole blocks; the waste is "
-                         "their empty slots over all their slots")
+            hint = name_mistake((lengths, b), got, want, _WASTE_CASES,
+                                lambda c: _wrong_waste(*c), lambda c: fn(list(c[0]), c[1]),
+                                "each sequence holds ceil(length / B) whole blocks; the "
+                                "waste is their empty slots over all their slots", _close)
             grading.expect_close(got, want, what=what, rel=1e-9, abs_=1e-12, hint=hint)
         for args, what in (((([], 16)), "no lengths"), ((([4, 0], 16)), "a length of 0"),
                            ((([4, 5], 0)), "block_size 0")):
@@ -266,12 +237,12 @@ def check_choose_block_size(fn: Callable[[Sequence[int], Sequence[int], float], 
                              lost if none_fits else "raise ValueError only for bad input")
             grading.expect_int(got, what, hint=lost if none_fits and got is None
                                else "return one of the allowed sizes, an int")
-            hint = _slip(fn, _CHOICE_CASES, lambda c: _wrong_choices(*c[:3]),
-                         lambda c: choose_block_size(*c[:3]),
-                         lambda c: fn(list(c[0]), list(c[1]), c[2]),
-                         (lengths, allowed, budget, about), got, lambda a, b: a == b,
-                         "the largest allowed size whose waste (over all slots) is at most "
-                         "max_waste; if none, the least wasteful, the smaller on a tie")
+            hint = name_mistake((lengths, allowed, budget), got, want, _CHOICE_CASES,
+                                lambda c: _wrong_choices(*c[:3]),
+                                lambda c: fn(list(c[0]), list(c[1]), c[2]),
+                                "the largest allowed size whose waste (over all slots) is at "
+                                "most max_waste; if none, the least wasteful, the smaller on "
+                                "a tie")
             grading.expect_equal(int(got), want, what=what, hint=hint)
         for args, what in ((([5], [], 0.1), "no allowed size"),
                            (([5], [8], 1.0), "max_waste = 1"),

@@ -77,7 +77,7 @@ def _case(name: str, block_size: int, tile: int, seq_len: int, heads: int = 4,
 
 def cases() -> list[Case]:
     """The generated cases, the same on every call."""
-    out = [
+    return [
         _case("blocks of 4, tiles of 4 (a tile is a block), 13 tokens", 4, 4, 13, seed=1),
         _case("blocks of 4, tiles of 2 (two tiles per block), 11 tokens", 4, 2, 11, seed=2),
         _case("blocks of 4, tiles of 8 (two blocks per tile), 21 tokens", 4, 8, 21, seed=3),
@@ -109,7 +109,6 @@ def cases() -> list[Case]:
         _case("float16 (blocks of 8, tiles of 4, 27 tokens)", 8, 4, 27,
               dtype=torch.float16, seed=16),
     ]
-    return out
 
 
 def reference(c: Case) -> torch.Tensor:

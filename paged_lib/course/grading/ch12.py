@@ -22,6 +22,7 @@ from paged_lib.accounting import SPECS, ModelSpec, kv_bytes
 from paged_lib.course import grading
 from paged_lib.course.grading.ch12_gloo import check_rank_attention
 from paged_lib.course.grading.generated import small_counts
+from paged_lib.course.grading.slips import name_mistake
 from paged_lib.parallel import kv_bytes_per_rank, rank_heads
 
 __all__ = ["check_kv_bytes_per_rank", "check_rank_attention", "check_rank_heads",
@@ -80,20 +81,6 @@ def _wrong_bytes(spec: ModelSpec, tp: int, n: int) -> dict[str, Any]:
     }
 
 
-def _name_mistake(fn: Callable[..., Any], cases: list[tuple], wrong_of: Callable[..., dict],
-                  case: tuple, got: Any, want: Any, fallback: str) -> str:
-    """The hint of the typical mistake that gives what ``fn`` gives on *every* case (two
-    mistakes can agree on one case), else of the first one that gives ``got`` here."""
-    here = [h for h, v in wrong_of(*case).items() if v == got and v != want]
-    for hint in here:
-        try:
-            if all(wrong_of(*c)[hint] == _normal(fn(*c)) for c in cases):
-                return hint
-        except Exception:  # noqa: BLE001 - the learner's code fails elsewhere: keep looking
-            continue
-    return here[0] if here else fallback
-
-
 def _normal(value: Any) -> Any:
     """Answers as the mistakes' tables hold them (pairs of lists as tuples of lists)."""
     if isinstance(value, tuple | list) and len(value) == 2 and all(
@@ -111,9 +98,10 @@ def check_kv_bytes_per_rank(fn: Callable[[ModelSpec, int, int], int]) -> None:
             got = fn(spec, tp, n)
             grading.expect_int(got, what, hint="bytes are a whole number: divide heads "
                                "with //, never with /")
-            hint = _name_mistake(fn, _BYTES_CASES, _wrong_bytes, (spec, tp, n), got, want,
-                                 "2 (K and V) x layers x the KV heads this rank keeps x "
-                                 "head_dim x dtype bytes x tokens")
+            hint = name_mistake((spec, tp, n), got, want, _BYTES_CASES,
+                                lambda c: _wrong_bytes(*c), lambda c: _normal(fn(*c)),
+                                "2 (K and V) x layers x the KV heads this rank keeps x "
+                                "head_dim x dtype bytes x tokens")
             grading.expect_equal(int(got), want, what=what, hint=hint)
         for spec, tp, n, about in ((SPECS["llama-2-70b"], 3, 10, "3 ranks for 64 heads"),
                                    (SPECS["llama-2-70b"], 0, 10, "tp_size 0"),
@@ -198,9 +186,10 @@ def check_rank_heads(fn: Callable[[int, int, int, int], tuple[list[int], list[in
                     hint="return (list_of_query_heads, list_of_kv_heads): lists, e.g. "
                     "list(range(...))")
                 got = (list(got[0]), list(got[1]))
-                hint = _name_mistake(fn, _RANK_CASES, _wrong_heads, (h, kv, tp, r), got,
-                                     want, "rank r owns query heads r*H/T up to (r+1)*H/T "
-                                     "and the KV heads those query heads read")
+                hint = name_mistake((h, kv, tp, r), got, want, _RANK_CASES,
+                                    lambda c: _wrong_heads(*c), lambda c: _normal(fn(*c)),
+                                    "rank r owns query heads r*H/T up to (r+1)*H/T and the "
+                                    "KV heads those query heads read")
                 grading.expect_equal(got, want, what=what, hint=hint)
         for args, about in (((8, 2, 3, 0), "3 ranks for 8 heads"),
                             ((12, 6, 4, 0), "4 ranks for 6 KV heads"),

@@ -4,9 +4,15 @@ wrote (04.2's blockwise attention in Python, 05.5's Triton kernel, 09.3's tiles)
 Each slip is recomputed in float64 on the grader's own case; :func:`name_slip` returns
 the hint of the slip whose output is much closer to the learner's than the right answer
 is (a float16 rounding is small, so "closer" is relative to the right answer's error).
+:func:`name_mistake` does the same for exact answers (09.1, 09.2, 12.1, 12.2), the other
+cases deciding between mistakes that agree on one.
 """
 
 from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 
@@ -90,3 +96,32 @@ def name_slip(got: torch.Tensor, expected: torch.Tensor, slips: dict[str, torch.
         if err < right / 8 and (best is None or err < best[0]):
             best = (err, name)
     return (hints or SLIPS)[best[1]] if best else None
+
+
+def name_mistake(case: Any, got: Any, want: Any, cases: Iterable, wrong: Callable[[Any], dict],
+                 call: Callable[[Any], Any], default: str,
+                 same: Callable[[Any, Any], bool] = operator.eq) -> str:
+    """The hint of the typical mistake (``wrong(case)``: hint -> what that mistake returns)
+    that gives ``got`` on ``case``, where the right answer is ``want``; else ``default``.
+
+    Two mistakes may give the same wrong answer on one case (on ``[5, 16]`` at 8, the last
+    blocks' share equals the per-sequence average): then the other ``cases`` decide,
+    keeping the mistakes whose answer the learner's function (``call(c)``) gives there too.
+    """
+    def agrees(a: Any, b: Any) -> bool:
+        try:
+            return bool(same(a, b))
+        except (TypeError, ValueError):
+            return False
+
+    named = [h for h, v in wrong(case).items() if agrees(got, v) and not agrees(v, want)]
+    for other in cases:
+        if len(named) < 2:
+            break
+        try:
+            mine = call(other)
+        except Exception:  # noqa: BLE001 - a crash elsewhere says nothing here
+            continue
+        seen = wrong(other)
+        named = [h for h in named if h in seen and agrees(mine, seen[h])] or named
+    return named[0] if named else default
