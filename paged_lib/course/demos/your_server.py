@@ -38,9 +38,9 @@ NEEDS_FLAG = {"11.3": "--kv-cache-dtype int8", "11.4": "--sliding-window",
 
 def checked_pieces(pieces: dict[str, Any], options: dict[str, Any]
                    ) -> tuple[dict[str, Any], dict[str, str]]:
-    """(the pieces that serve chapter 13's scenarios as the library does, a note per piece
-    of yours that does not run: why the library's runs instead). A piece the server does
-    not run with these ``options`` is not checked."""
+    """(the pieces that pass chapter 13's checks (its scenarios, then random workloads), a
+    note per piece of yours that does not run: why the library's runs instead). A piece
+    the server does not run with these ``options`` is not checked."""
     from paged_lib.course.demos import your_engine_scenarios as scenarios
 
     kept, notes = {}, {}
