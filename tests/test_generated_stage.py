@@ -13,7 +13,7 @@ import pytest
 import paged_lib  # noqa: F401  # isort: split
 from paged_lib.blocks import BlockTable
 from paged_lib.course import grading
-from paged_lib.course.grading import ch06, ch07, ch08, ch11, generated
+from paged_lib.course.grading import ch06, ch07, ch08, ch10_alloc, ch11, generated
 from paged_lib.course.grading.generated import workload
 from paged_lib.engine import EngineHooks
 from paged_lib.engine.window import WindowOp
@@ -309,6 +309,97 @@ def test_beam_workloads_serve_beams_under_pressure_and_sharing():
     seen = generated.states("beam_step")
     assert seen["preempted"] > 0 and seen["swaps out"] > 0
     assert seen["prefix-cache hit tokens"] > 0 and seen["copy-on-write copies"] > 0
+
+
+# ------------------------------------------------------------------ 10.4 allocate_slots
+
+
+def alloc_by_a_hash_map(pool, token_ids, hashes, block_size, max_new_tokens):
+    """Finds the hits in a map built from pool.block_hash ({hash: block}), where a block
+    cached later under an equal hash overwrites the one before: right while each hash
+    names one block, wrong once a text was computed twice (two requests with one prompt
+    admitted in the same step: the second recomputes the prompt's last full block, cached
+    beside the first's) and a later text hits that hash: it adopts the newer copy, where
+    pool.lookup, and the engine's admission, take the oldest."""
+    by_hash = {h: b for b, h in pool.block_hash.items()}
+    queue, refs = pool.free_block_queue, pool.ref_counts
+    blocks = []
+    for h in hashes[:(len(token_ids) - 1) // block_size]:
+        if h not in by_hash:
+            break
+        blocks.append(by_hash[h])
+    for b in blocks:
+        if refs[b] == 0:
+            queue.remove(b)
+        refs[b] += 1
+    computed = len(blocks) * block_size
+    end = computed + min(len(token_ids) - computed, max_new_tokens)
+    while len(blocks) * block_size < end:
+        b = queue.popleft()
+        old = pool.block_hash.pop(b, None)
+        if old is not None:
+            same = pool.cached_blocks[old.value]
+            same.remove(b)
+            if not same:
+                del pool.cached_blocks[old.value]
+        refs[b] = 1
+        blocks.append(b)
+    for b, h in zip(blocks[:end // block_size], hashes, strict=False):
+        if b not in pool.block_hash:
+            pool.block_hash[b] = h
+            pool.cached_blocks.setdefault(h.value, []).append(b)
+    return blocks, computed
+
+
+def alloc_block_by_block(pool, token_ids, hashes, block_size, max_new_tokens):
+    """A right answer of another shape: its own oldest-first search of cached_blocks,
+    membership in the queue, an eviction that rebuilds the value's list, and only the
+    fresh full blocks registered (a hit is cached already)."""
+    queue = pool.free_block_queue
+    limit = min(len(hashes), (len(token_ids) - 1) // block_size)
+    hits: list[int] = []
+    while len(hits) < limit:
+        h = hashes[len(hits)]
+        found = [b for b in pool.cached_blocks.get(h.value, []) if pool.block_hash[b] == h]
+        if not found:
+            break
+        hits.append(found[0])
+    for b in hits:
+        if b in queue:
+            queue.remove(b)
+        pool.ref_counts[b] += 1
+    computed = len(hits) * block_size
+    end = min(len(token_ids), computed + max_new_tokens)
+    fresh = []
+    for _ in range(-(-(end - computed) // block_size)):
+        b = queue.popleft()
+        if b in pool.block_hash:
+            old = pool.block_hash.pop(b)
+            left = [x for x in pool.cached_blocks[old.value] if x != b]
+            if left:
+                pool.cached_blocks[old.value] = left
+            else:
+                del pool.cached_blocks[old.value]
+        pool.ref_counts[b] = 1
+        fresh.append(b)
+    blocks = hits + fresh
+    for i in range(len(hits), end // block_size):
+        pool.block_hash[blocks[i]] = hashes[i]
+        pool.cached_blocks.setdefault(hashes[i].value, []).append(blocks[i])
+    return blocks, computed
+
+
+def test_10_4_a_wrong_piece_only_random_workloads_catch(monkeypatch, capsys):
+    story = story_of_a_random_only_catch(ch10_alloc.check_allocate_slots, alloc_by_a_hash_map,
+                                         "10.4", monkeypatch)
+    assert "enable_prefix_caching=True" in story and "starting with the hits" in story
+    assert "where two blocks are cached under one hash, the oldest" in capsys.readouterr().out
+    prompts = re.findall(r"a prompt of \d+ tokens (\[[^]]*\])", story)
+    assert len(prompts) > len(set(prompts)), "the story shows a prompt asked twice"
+
+
+def test_10_4_a_correct_piece_of_another_shape_passes():
+    assert verdict(ch10_alloc.check_allocate_slots, alloc_block_by_block)[0] == "✅"
 
 
 # ------------------------------------------------------------------ 11.4 drop_oldest

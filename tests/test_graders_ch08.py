@@ -535,3 +535,31 @@ def test_beam_step_is_served_in_the_engine_too():
     with pytest.raises(grading.CheckFailed, match="serving 'beams of 3 and 4.*at engine step"):
         ch08._serve_beams(step_by_this_logprob)
     ch08._serve_beams(step_ok)  # the right step serves as the library's
+
+
+def step_float32_tensor(tables, cum_logprobs, candidates, beam_width):
+    """Ranks a torch tensor of the scores (a stable argsort: ties to the lower beam).
+    torch.tensor of Python floats is float32: two scores 1e-9 apart come out equal, so
+    the lower beam wins where the higher score should. The engine's real scores never
+    come that near; the scripted near tie does."""
+    flat = [(cum_logprobs[i] + lp, i, tok)
+            for i, opts in enumerate(candidates) for tok, lp in opts]
+    order = torch.argsort(torch.tensor([s for s, _, _ in flat]), descending=True,
+                          stable=True)[:beam_width].tolist() if flat else []
+    used, new = set(), []
+    for k in order:
+        cum, parent, token = flat[k]
+        new.append((parent, tables[parent].fork() if parent in used else tables[parent],
+                    token, cum))
+        used.add(parent)
+    for i, table in enumerate(tables):
+        if i not in used:
+            table.free()
+    return new
+
+
+def test_beam_step_ranked_in_float32_fails_on_the_near_tie(capsys):
+    out = verdict(capsys, ch08.check_beam_step, step_float32_tensor)
+    assert out.startswith("❌ [08.2]") and "scenario 'a near tie" in out, out
+    assert "less than float32 can tell" in out and "(float64)" in out, out
+    assert "new beams as (parent, token) [(0, 3), (0, 5)], expected [(1, 4), (0, 3)]" in out

@@ -48,6 +48,22 @@ def memo_by_tokens(token_ids, block_size, extra_keys=()):
     return list(_memo[key])
 
 
+_by_block: dict = {}
+
+
+def memo_by_block(token_ids, block_size, extra_keys=()):
+    """Chains each block on its parent, but remembers each hash (at module level) under
+    the block's own tokens: a block that repeats, in this text or one hashed before, gets
+    the hash of the first block with those tokens, whatever came before it."""
+    out = []
+    for i in range(len(token_ids) // block_size):
+        chunk = tuple(token_ids[i * block_size:(i + 1) * block_size])
+        if chunk not in _by_block:
+            _by_block[chunk] = hash_block_tokens(out[-1] if out else None, chunk, extra_keys)
+        out.append(_by_block[chunk])
+    return out
+
+
 def parent_block_alone(token_ids, block_size, extra_keys=()):
     """Each block's parent is the block before it hashed on its own."""
     out = []
@@ -110,6 +126,23 @@ def extra_on_first_only(token_ids, block_size, extra_keys=()):
 def test_block_hashes_wrong_answers(capsys, answer, hint):
     out = verdict(capsys, ch10.check_block_hashes, answer)
     assert out.startswith("❌ [10.1]") and hint in out, out
+
+
+def test_block_hashes_kept_between_blocks_or_calls_get_a_hint_naming_the_memo(capsys):
+    """A memo keyed by less than what names a block gives hashes a stateless slip would
+    give too (not chained; extra keys forgotten): the hint must name the memo, found by
+    asking the same text again under token ids the function has never seen."""
+    out = verdict(capsys, ch10.check_block_hashes, memo_by_block)
+    assert "'the same 3 tokens, four times over (block size 3)': block 1's" in out, out
+    assert "block 1 got block 0's hash" in out and "leaves out the parent" in out, out
+    assert "not chained on the parent" not in out, out
+    out = verdict(capsys, ch10.check_block_hashes, memo_by_tokens)
+    assert "extra keys ('lora-2',)': block 0's hash differs" in out, out
+    assert "remembers hashes between calls" in out and "extra keys forgotten" not in out, out
+    # a stateless slip keeps its own hint
+    out = verdict(capsys, ch10.check_block_hashes, lambda t, b, e=(): chain(t, b, e,
+                                                                           extra=False))
+    assert "extra keys forgotten" in out and "remembers" not in out, out
 
 
 def test_block_hashes_right_answers(capsys):

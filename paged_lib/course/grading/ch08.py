@@ -7,9 +7,11 @@
   every sample's K/V read back through its block table.
 * 08.2 ``beam_step``: one step of beam search over block tables, the engine's hook
   (:func:`paged_lib.engine.beam_search.beam_step`), replayed next to it on the scripted
-  and seeded random scenarios below (exact ties; beams that offer fewer candidates than
-  the width, or none, as after EOS) by :mod:`paged_lib.course.grading.ch08_beam_replay`,
-  which compares every step and names the mistake.
+  and seeded random scenarios below (exact ties, and a near tie that float32 calls one;
+  beams that offer fewer candidates than the width, or none, as after EOS) by
+  :mod:`paged_lib.course.grading.ch08_beam_replay`, which compares every step and names
+  the mistake. The engine's real scores never come that near (no two of 15,129 adjacent
+  scores in 64 random beam workloads merge in float32), so only the scripted case can.
 """
 
 from __future__ import annotations
@@ -225,6 +227,10 @@ _SCRIPTED: list[tuple[str, int, int, int, list[Candidates] | None]] = [
      [[[(1, -0.5), (2, -1.0)]],
       [[(3, -0.25)], [(4, -0.25), (5, -0.5)]],
       [[], [(6, -0.5)], []]]),
+    ("a near tie: beam 1's token 4 scores 1e-9 above beam 0's tokens 3 and 5 (equal in "
+     "float32, not in the float64 of Python's floats)", 4, 5, 2,
+     [[[(1, -0.5), (2, -0.7)]],
+      [[(3, -1.0), (5, -1.0)], [(4, -0.799999999)]]]),
     ("block size 1 (every token takes a new block)", 1, 3, 2, None),
     ("a seeded random beam search (width 4, 10 steps)", 4, 7, 4, None),
 ]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import struct
 from collections.abc import Callable
 from typing import Any
 
@@ -147,8 +148,19 @@ def _tie_hint(mine, want, cum, cands) -> str | None:
             "candidate) tuples reverses that tie order too; the token id does not decide)")
 
 
+def _float32(x: float) -> float:
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
 def _pick_hint(mine, want, cum, cands, width) -> str:
     flat = [(i, r, tok, lp) for i, opts in enumerate(cands) for r, (tok, lp) in enumerate(opts)]
+    in_float32 = [(i, tok) for i, _, tok, _ in sorted(flat, key=lambda c: (
+        -_float32(cum[c[0]] + c[3]), c[0], c[1]))]
+    if mine == in_float32[:width]:
+        return ("two scores here differ by less than float32 can tell: rank the Python "
+                "floats cum_logprobs[beam] + logprob themselves (float64), not a float32 "
+                "tensor of them (torch.tensor of Python floats is float32) nor rounded "
+                "scores; only an exact tie goes to the lower beam")
     by_step = [(i, tok) for i, _, tok, _ in sorted(flat, key=lambda c: (-c[3], c[0], c[1]))]
     per_beam = [(i, opts[0][0]) for i, opts in enumerate(cands) if opts]
     worst = [(i, tok) for i, _, tok, _ in sorted(flat, key=lambda c: (cum[c[0]] + c[3],

@@ -4,7 +4,9 @@
   :func:`paged_lib.engine.prefix_cache.block_hashes` on prompts chosen so that each typical
   slip shows (a part-filled last block, a prompt that fills its blocks exactly, equal
   blocks at different positions, extra keys, two prompts that share a prefix); a wrong
-  hash is recomputed the ways a slip would compute it, to name it.
+  hash is recomputed the ways a slip would compute it, to name it, after asking the text
+  again under token ids never seen, to tell a hash remembered from before (a memo keyed
+  by the tokens alone) from a slip that gives the same hash.
 * 10.2 ``longest_cache_hit``: the cached blocks a new request reuses, on caches with
   holes, whole-prompt hits and block id 0, against
   :func:`paged_lib.engine.prefix_cache.longest_cache_hit`.
@@ -19,6 +21,7 @@ learner's three pieces and compares them with the library's.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -96,7 +99,50 @@ def _check_hashes(fn, name: str, tokens: list[int], block_size: int, extra: tupl
         _wrong_count(where, got, want, len(tokens), block_size, n_full)
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
         if g != w:
+            _remembered(fn, where, i, g, got, want, tokens, block_size, extra)
             _wrong_hash(where, i, g, got, want, tokens, block_size, extra)
+
+
+_unseen = itertools.count(1)
+
+
+def _right_on_new_tokens(fn, tokens: list[int], block_size: int, extra: tuple) -> bool:
+    """Does ``fn`` hash ``tokens`` right once they are renamed to token ids no call has
+    asked about (equal ids stay equal)? A hash remembered from an earlier call cannot
+    answer for them."""
+    base = 10**9 + 10**6 * next(_unseen)
+    names = {t: base + k for k, t in enumerate(dict.fromkeys(tokens))}
+    fresh = [names[t] for t in tokens]
+    try:
+        got = fn(list(fresh), block_size, extra) if extra else fn(list(fresh), block_size)
+    except Exception:  # noqa: BLE001 - the learner's function: the usual hint then
+        return False
+    return got == block_hashes(fresh, block_size, extra)
+
+
+def _remembered(fn, where, i, g, got, want, tokens, block_size, extra) -> None:
+    """Name a hash that is kept from before: from an earlier call (right on new tokens,
+    wrong on tokens asked before), or from an earlier block with the same tokens (right
+    on blocks that all differ, wrong on a block that repeats)."""
+    what = f"{where}: block {i}'s hash differs (expected {_short(want[i])}, got {_short(g)})"
+    if _right_on_new_tokens(fn, tokens, block_size, extra):
+        grading.fail(what, "your hashes are right on this text once its token ids are new "
+                     "to your function, and wrong here, after the texts it hashed before: "
+                     "it remembers hashes between calls (a dict kept at module level?) "
+                     "under a key that leaves out part of what names a block (the parent "
+                     "hash, the extra keys, the block size). block_hashes must depend on "
+                     "its arguments alone: compute each hash afresh, or key a cache by "
+                     "everything hash_block_tokens is given")
+    mine = tokens[i * block_size:(i + 1) * block_size]
+    same = [j for j in range(i) if got[j] == g
+            and tokens[j * block_size:(j + 1) * block_size] == mine]
+    if same and _right_on_new_tokens(fn, list(range(len(tokens))), block_size, extra):
+        grading.fail(what, f"block {i} got block {same[0]}'s hash: the same tokens, after "
+                     "other tokens. Your chain is right where no block repeats, so the hash "
+                     "is looked up by the block's own tokens (a dict keyed by them?), which "
+                     "leaves out the parent: equal tokens after a different prefix are a "
+                     "different block. Hash each block on its parent's hash, or key a "
+                     "cache by (parent, tokens, extra keys)")
 
 
 def _wrong_count(where, got, want, num_tokens, block_size, n_full) -> None:

@@ -370,9 +370,11 @@ def check_allocate_slots(fn: Callable[..., Any]) -> None:
         check_edges(fn)
         check_replay(fn)
         check_serving(fn)
-        generated.check("allocate_slots", fn, "the hit's blocks taken out of the free queue "
-                        "(touched) before any allocation, then the chunk's fresh blocks, "
-                        "each full block registered under its hash")
+        generated.check("allocate_slots", fn, "the hit's blocks (pool.lookup's: where two "
+                        "blocks are cached under one hash, the oldest, as the engine's "
+                        "admission counted) taken out of the free queue (touched) before "
+                        "any allocation, then the chunk's fresh blocks, each full block "
+                        "registered under its hash")
 
 
 __all__ = ["State", "check_allocate_slots", "edge_states", "recorded", "workloads"]
