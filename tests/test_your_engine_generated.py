@@ -2,12 +2,13 @@
 
 Each piece here is wrong only in a state chapter 13's scenarios never reach (a token budget
 already spent by decodes, a head that does not fit under chunked prefill, requests that
-arrive out of order, a victim whose blocks a prefix hit shares, a block size that is not a
-power of two): the wrong pieces that only the random stage of their exercises' checks
-catches (``tests/test_generated_stage.py``). Saved alone into ``mine/``, it passes every scenario of
+arrive out of order, a victim whose blocks a prefix hit shares, a hash cached in two
+blocks, a block size that is not a power of two): the wrong pieces that only the random
+stage of their exercises' checks catches (``tests/test_generated_stage.py``). Saved alone
+into ``mine/``, it passes every scenario of
 :mod:`~paged_lib.course.demos.your_engine_scenarios`; the random workloads served after
-them (:func:`~paged_lib.course.demos.your_engine_scenarios.generated_verdict`) name it,
-with the shrunk workload that shows it, and name no other piece.
+them (:mod:`~paged_lib.course.demos.your_engine_random`) name it, with the shrunk
+workload that shows it, and name no other piece.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ ONLY_GENERATED = [
      stage.victim_latest_step_then_latest_id),
     ("07.3", "a victim sharing blocks through a prefix hit",
      stage.preempt_counting_what_victims_hold),
+    ("10.4", "one hash cached in two blocks", stage.alloc_by_a_hash_map),
     ("11.4", "block sizes that are not powers of two", stage.drop_oldest_by_shifts),
 ]
 
