@@ -33,8 +33,9 @@ from paged_lib.course.grading.generated.workload import (
     draw,
 )
 
-#: Workloads drawn per exercise, and the most pairs of runs a shrink may try.
-NUM_WORKLOADS, MAX_SHRINK_RUNS = 16, 60
+#: Workloads drawn per exercise, and the most pairs of runs a shrink may try (then the
+#: most it may try on the pool's size alone).
+NUM_WORKLOADS, MAX_SHRINK_RUNS, POOL_SHRINK_RUNS = 16, 60, 16
 
 
 # ------------------------------------------------------------------ serving
@@ -176,21 +177,32 @@ def difference(w: Workload, hooks: Any, limit: int | None = None) -> tuple[int, 
 def shrink(w: Workload, hooks: Any, found: tuple[int, str],
            max_runs: int = MAX_SHRINK_RUNS) -> tuple[Workload, str]:
     """The smallest workload found that still differs, and its difference. A candidate
-    is served only as far as the difference found so far (a later one is no smaller)."""
-    runs, changed = 0, True
-    while changed and runs < max_runs:
-        changed = False
-        for smaller in candidates(w):
-            if runs >= max_runs:
-                break
-            runs += 1
-            if isinstance(_library(smaller, found[0] + 1)[1], _Raised):
-                continue  # options that do not combine, or a request the engine refuses
-            again = difference(smaller, hooks, found[0] + 1)
-            if again is not None:
-                w, found, changed = smaller, again, True
-                break
+    is served only as far as the difference found so far (a later one is no smaller).
+    Requests, options and lengths first (:func:`candidates`), then the pool, with runs of
+    its own: halved, cut by a quarter, by one block, while the difference stays."""
+    for simpler, cap in ((candidates, max_runs), (_smaller_pools, POOL_SHRINK_RUNS)):
+        runs, changed = 0, True
+        while changed and runs < cap:
+            changed = False
+            for smaller in simpler(w):
+                if runs >= cap:
+                    break
+                runs += 1
+                if isinstance(_library(smaller, found[0] + 1)[1], _Raised):
+                    continue  # options that do not combine, or a request the engine refuses
+                again = difference(smaller, hooks, found[0] + 1)
+                if again is not None:
+                    w, found, changed = smaller, again, True
+                    break
     return w, found[1]
+
+
+def _smaller_pools(w: Workload):
+    if w.num_blocks > 4:
+        for n in sorted({max(4, w.num_blocks // 2), max(4, w.num_blocks * 3 // 4),
+                         w.num_blocks - 1}):
+            if n < w.num_blocks:
+                yield dataclasses.replace(w, num_blocks=n)
 
 
 # ------------------------------------------------------------------ the stage

@@ -225,8 +225,6 @@ def candidates(w: Workload):
             simpler.append(dataclasses.replace(r, arrival=0))
         for s in simpler:
             yield dataclasses.replace(w, requests=reqs[:i] + (s,) + reqs[i + 1:])
-    if w.num_blocks > 4:
-        yield dataclasses.replace(w, num_blocks=w.num_blocks - 1)
 
 
 def _with(r: Request, **changes: Any) -> Request:
