@@ -32,6 +32,7 @@ from paged_lib.course import grading
 from paged_lib.course.grading.ch12_rank import (
     Step,
     _copies,
+    check_generated,
     compare,
     replayed,
     share,
@@ -254,6 +255,7 @@ def check_rank_attention(fn: Callable[..., torch.Tensor]) -> None:
                 grading.fail(f"step '{step.name}': your function raised "
                              f"{type(err).__name__}: {err}", step.hint)
             compare(step, results, "")
+        check_generated(fn)
         two = [s for s in all_steps if s.tp == 2]
         calls = engine_calls()
         replies = on_gloo_ranks(fn, two, [inp for inp, _ in calls])

@@ -52,32 +52,34 @@ class Step:
 
 
 def _step(name: str, tp: int, heads: int, kv_heads: int, lens: list[tuple[int, int]],
-          hint: str, seed: int, bias: bool = False, head_dim: int = 8) -> Step:
+          hint: str, seed: int, bias: bool = False, head_dim: int = 8,
+          block_size: int = BLOCK_SIZE, hidden: int = HIDDEN, loud: float = 1.0) -> Step:
+    """A step of ``lens`` ((cached, new) per sequence), its history written in a cache
+    whose other slots are NaN; ``loud`` scales the new tokens' input."""
     g = torch.Generator().manual_seed(seed)
 
     def rand(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=g) * 0.3
 
-    d = head_dim
-    w = AttentionWeights(rand(heads * d, HIDDEN), rand(kv_heads * d, HIDDEN),
-                         rand(kv_heads * d, HIDDEN), rand(HIDDEN, heads * d), heads, kv_heads,
+    d, bs = head_dim, block_size
+    w = AttentionWeights(rand(heads * d, hidden), rand(kv_heads * d, hidden),
+                         rand(kv_heads * d, hidden), rand(hidden, heads * d), heads, kv_heads,
                          d, *((rand(heads * d), rand(kv_heads * d), rand(kv_heads * d),
-                               rand(HIDDEN)) if bias else ()))
-    order = torch.randperm(NUM_BLOCKS, generator=g).tolist()
-    tables = []
-    for cached, new in lens:
-        need = -(-(cached + new) // BLOCK_SIZE)
-        tables.append([order.pop() for _ in range(need)])
-    k = torch.full((NUM_BLOCKS, BLOCK_SIZE, kv_heads, d), float("nan"))
+                               rand(hidden)) if bias else ()))
+    need = [-(-(cached + new) // bs) for cached, new in lens]
+    num_blocks = max(NUM_BLOCKS, sum(need) + 2)
+    order = torch.randperm(num_blocks, generator=g).tolist()
+    tables = [[order.pop() for _ in range(n)] for n in need]
+    k = torch.full((num_blocks, bs, kv_heads, d), float("nan"))
     v = k.clone()
     for table, (cached, _) in zip(tables, lens, strict=True):
         for pos in range(cached):  # the history, written by earlier steps
-            k[table[pos // BLOCK_SIZE], pos % BLOCK_SIZE] = rand(kv_heads, d)
-            v[table[pos // BLOCK_SIZE], pos % BLOCK_SIZE] = rand(kv_heads, d)
-    meta = build_metadata(tables, [c + n for c, n in lens], [n for _, n in lens], BLOCK_SIZE)
-    check_metadata(meta, NUM_BLOCKS, BLOCK_SIZE)
+            k[table[pos // bs], pos % bs] = rand(kv_heads, d)
+            v[table[pos // bs], pos % bs] = rand(kv_heads, d)
+    meta = build_metadata(tables, [c + n for c, n in lens], [n for _, n in lens], bs)
+    check_metadata(meta, num_blocks, bs)
     cos, sin = rope_cos_sin(meta.positions, d, 10000.0, torch.float32)
-    x = rand(int(meta.query_lens.sum()), HIDDEN) * 3
+    x = rand(int(meta.query_lens.sum()), hidden) * 3 * loud
     return Step(name, tp, w, x, cos, sin, (k, v), meta, lens, hint)
 
 
@@ -225,7 +227,7 @@ def _slipped(step: Step, rank: int) -> list[tuple[torch.Tensor, str]]:
     cols = [slice(rank_heads(w.num_heads, w.num_kv_heads, step.tp, r)[0][0] * d,
                   (rank_heads(w.num_heads, w.num_kv_heads, step.tp, r)[0][-1] + 1) * d)
             for r in range(step.tp)]
-    b = w.o_bias if w.o_bias is not None else torch.zeros(HIDDEN)
+    b = w.o_bias if w.o_bias is not None else torch.zeros(step.x.shape[1])
     raw = [_heads_out(step, r, rotated_cache=False) for r in range(step.tp)]
     heads = [_heads_out(step, r) for r in range(step.tp)]
     out = [(sum(h @ w.o[:, c].T for h, c in zip(raw, cols, strict=True)) + b,
@@ -250,7 +252,7 @@ def _mistake(step: Step, rank: int, got: torch.Tensor, want: torch.Tensor) -> st
     """The typical mistake whose output is ``got`` on this step and rank."""
     lib = rank_attention(step.x, step.w, step.cos, step.sin, share(step, rank), step.meta,
                          rank, step.tp, _identity)
-    b = step.w.o_bias if step.w.o_bias is not None else torch.zeros(HIDDEN)
+    b = step.w.o_bias if step.w.o_bias is not None else torch.zeros(step.x.shape[1])
     close = lambda a: a.shape == got.shape and torch.allclose(got, a, 1e-4, 1e-5)  # noqa: E731
     if close(lib):
         return "that is this rank's own partial output: all_reduce (sum) the ranks' partial " \
@@ -298,4 +300,20 @@ def compare(step: Step, results: list, where: str) -> None:
                              "meta.slot_mapping, into the cache it is given")
 
 
-__all__ = ["Step", "compare", "replayed", "share", "single_device", "steps"]
+def check_generated(fn: Callable) -> None:
+    """The generated steps (:mod:`~paged_lib.course.grading.generated.numeric_rank`), each
+    replayed on every rank and compared as the fixed ones; a failing one is shrunk."""
+    from paged_lib.course.grading.generated import numeric
+    from paged_lib.course.grading.generated.numeric_rank import RANK_CONTRASTS, rank_cases
+
+    def run(p) -> None:
+        step = _step("generated", p.tp, p.heads, p.kv_heads, list(p.lens),
+                     _REPLICA if p.kv_heads < p.tp else _SPLIT, p.seed, p.bias, p.head_dim,
+                     p.block_size, p.hidden, p.loud)
+        compare(step, replayed(fn, step), "")
+
+    numeric.check("12.3", rank_cases(), run, RANK_CONTRASTS)
+
+
+__all__ = ["Step", "check_generated", "compare", "replayed", "share", "single_device",
+           "steps"]
