@@ -76,7 +76,7 @@ def report(parts: list[your_engine.Part], kept: dict[str, Any], notes: dict[str,
     for part in parts:
         ex_id, note = part.ex_id, part.note
         if ex_id in kept:
-            who, note = "yours  ", "as the library on chapter 13's scenarios"
+            who, note = "yours  ", "as the library on chapter 13's checks"
         elif part.yours:
             who, note = "library", notes.get(ex_id, note)
         else:
@@ -96,12 +96,15 @@ def _option_on(ex_id: str, options: dict[str, Any]) -> bool:
 
 class ServedLLM(your_engine.YourLLM):
     """:class:`~paged_lib.course.demos.your_engine.YourLLM` as ``--mine`` serves it: the
-    saved pieces that pass chapter 13's scenarios, the library's for the rest, and the
+    saved pieces that pass chapter 13's checks, the library's for the rest, and the
     report (:func:`report`) printed first."""
 
     def __init__(self, model, pieces: dict[str, Any] | None = None, **options):
         folder = mine.load_folder()
         found, parts = your_engine.gather(folder)
+        if pieces is None and found:
+            print(f"--mine: checking {len(found)} saved piece(s) on chapter 13's scenarios "
+                  "and random workloads (a few seconds each)", flush=True)
         kept, notes = checked_pieces(found if pieces is None else pieces, options)
         print(report(parts, kept, notes, folder), flush=True)
         super().__init__(model, pieces=kept, **options)
