@@ -22,7 +22,7 @@ from paged_lib.engine.window import apply_ops
 from paged_lib.kernels.cache_ops import copy_blocks_in_pool, swap_blocks
 from paged_lib.kernels.kv_quant import allocate_quantized_kv_caches
 from paged_lib.model import AttentionMetadata, TinyLlama
-from paged_lib.util import cdiv
+from paged_lib.util import cdiv, keep_freed_memory
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -128,6 +128,8 @@ class ModelRunner:
         self.block_size = block_size
         self.backend = backend
         self.build_metadata = build_metadata  # the hook (chapter 06)
+        if torch.device(model.device).type == "cpu":
+            keep_freed_memory()  # a step's activations reused, not faulted in anew
         self.kv_caches = allocate_kv_caches(model, num_blocks, block_size, model.device,
                                             kv_cache_dtype)
         self.cpu_kv_caches = (allocate_kv_caches(model, num_cpu_blocks, block_size, "cpu",
