@@ -37,6 +37,13 @@ bandwidth and fp32 matmul rate, then prints the engine's time over the trace bes
 least time its own steps could take (weights and K/V read, FLOPs done), and a decode
 step at batch 1, 8 and 32 beside its floor, with how many tokens preemption made the
 engine compute again (``--watermark``, ``--preemption swap --cpu-blocks N`` to compare).
+
+The defaults are vLLM's (recompute, watermark 0.01), kept after measuring the others on
+this trace (SmolLM2, two threads, 2 cores, 2026-12-05): recompute 11.4-11.6 s with 14
+preemptions and 726 of 3,625 computed tokens recomputed; watermark 0.05: 10 preemptions,
+510 recomputed, 11.2 s; swap with 96 CPU blocks: nothing recomputed, 102 blocks swapped,
+10.7 s, but only by giving the engine twice the KV memory the other two systems get.
+Every variant gave the same 32 greedy completions.
 """
 
 from __future__ import annotations
