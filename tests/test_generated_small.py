@@ -1,5 +1,5 @@
-"""The generated stage of the small exercises' graders (04.1, 04.2, 05.6, 05.7, 09.2,
-11.2, 12.1): paged_lib.course.grading.generated.small_*.
+"""The generated stage of the small exercises' graders (03.1, 03.2, 04.1, 04.2, 05.6,
+05.7, 09.2, 11.2, 12.1): paged_lib.course.grading.generated.small_*.
 
 For each exercise: a plausible wrong answer passes every fixed case (✅ with the generated
 stage patched out) and gets ❌ from the generated stage, with a shrunk story that names
@@ -17,10 +17,12 @@ import torch
 import paged_lib  # noqa: F401  # isort: split
 from paged_lib import attention as A
 from paged_lib.course import grading
+from paged_lib.blocks import Slot
 from paged_lib.course.grading import (
     ch00,
     ch01,
     ch02,
+    ch03,
     ch04,
     ch05,
     ch06,
@@ -34,6 +36,7 @@ from paged_lib.course.grading.generated import (
     numeric,
     small_around,
     small_attention,
+    small_blocks,
     small_counts,
     small_engine,
     small_ints,
@@ -605,3 +608,52 @@ def test_10_2_a_recursion_is_caught_only_by_the_generated_long_prompts(monkeypat
 
 def test_10_2_a_right_answer_of_another_shape_passes():
     assert verdict(ch10.check_longest_cache_hit, hit_while)[0] == "✅"
+
+
+# ------------------------------------------------------------------ 03.1 / 03.2 block tables
+
+def append_token(table, *, bit_mask=False):
+    """Right, another shape than the solution's: the copy-on-write case first, divmod for
+    the place; ``bit_mask``: the offset as num_tokens & (block_size - 1) (wrong: right
+    only for the named scenarios' block sizes, all powers of two)."""
+    index, offset = divmod(table._num_tokens, table.block_size)
+    if bit_mask:
+        offset = table._num_tokens & (table.block_size - 1)
+    copy = None
+    if offset and table.allocator.refcount(table._blocks[index]) > 1:
+        new = table.allocator.allocate()
+        copy = (table._blocks[index], new)
+        table.allocator.free(copy[0])
+        table._blocks[index] = new
+    elif not offset:
+        table._blocks.append(table.allocator.allocate())
+    table._num_tokens += 1
+    return Slot(table._blocks[-1], offset, copy)
+
+
+def fork(table):
+    """Right, another shape: a new table filled block by block."""
+    child = type(table)(table.allocator, table.block_size)
+    for b in table._blocks:
+        table.allocator.incref(b)
+        child._blocks.append(b)
+    child._num_tokens = table._num_tokens
+    return child
+
+
+def test_03_block_scenarios_reach_states_the_named_ones_do_not():
+    seen = numeric.states(small_blocks.block_scenarios())
+    assert {"block size 3", "block size 5", "block size 6", "block size 7",
+            "block size 12", "a fork of a fork", "the pool runs out"} <= set(seen), seen
+
+
+def test_03_1_a_bit_mask_offset_is_caught_only_by_the_generated_scenarios(monkeypatch):
+    hint = caught_only_by_the_stage(ch03.check_append_token,
+                                    lambda t: append_token(t, bit_mask=True), monkeypatch,
+                                    "block size 3")
+    assert "only for powers of two" in hint
+
+
+def test_03_1_and_03_2_right_answers_of_another_shape_pass():
+    assert verdict(ch03.check_append_token, append_token)[0] == "✅"
+    assert verdict(ch03.check_fork, fork)[0] == "✅"

@@ -15,6 +15,7 @@ from typing import Any
 from paged_lib.blocks import BlockAllocator, BlockTable, Slot
 from paged_lib.course import grading
 from paged_lib.course.grading.ch03_replay import replay
+from paged_lib.course.grading.generated.small_blocks import block_stage
 from paged_lib.course.grading.toy_pool import busy_pool, pool_state
 
 # ------------------------------------------------------------------ 03.1 append_token
@@ -50,6 +51,7 @@ def check_append_token(append_token: Callable[[BlockTable], Any]) -> None:
     with grading.exercise("03.1"):
         for scenario in _APPEND_SCENARIOS:
             replay(*scenario, append=append_token, fork=BlockTable.fork)
+        block_stage("03.1", append_token, BlockTable.fork)
 
 
 # ------------------------------------------------------------------ 03.2 fork
@@ -72,6 +74,7 @@ def check_fork(fork: Callable[[BlockTable], Any]) -> None:
     with grading.exercise("03.2"):
         for scenario in _FORK_SCENARIOS:
             replay(*scenario, append=BlockTable.append_token, fork=fork)
+        block_stage("03.2", BlockTable.append_token, fork)
 
 
 # ------------------------------------------------------------------ 03.3 free_block
