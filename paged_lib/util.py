@@ -75,7 +75,8 @@ def keep_freed_memory() -> bool:
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         mallopt = libc.mallopt
-        libc.gnu_get_libc_version  # glibc's own symbol: another libc's mallopt differs
+        if not hasattr(libc, "gnu_get_libc_version"):  # another libc's mallopt differs
+            return False
     except (OSError, AttributeError):
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int

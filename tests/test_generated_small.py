@@ -16,8 +16,8 @@ import torch
 
 import paged_lib  # noqa: F401  # isort: split
 from paged_lib import attention as A
-from paged_lib.course import grading
 from paged_lib.blocks import Slot
+from paged_lib.course import grading
 from paged_lib.course.grading import (
     ch00,
     ch01,
