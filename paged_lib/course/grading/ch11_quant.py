@@ -12,8 +12,9 @@ Three parts, first difference told as a story:
   copy-on-write carries the scale, preemption by recompute and by swap, prefix hits and
   chunked prefill) and every call it makes to the write is asked of the learner's
   function, on the same blocks, and compared;
-* the learner's write plugged into the engine, the same workloads served: tokens and
-  every layer's scales must be the library's;
+* the learner's write plugged into the engine, the same workloads served: every
+  output's tokens must be the library's (a code one off at a tie, which the replay lets
+  through, shows here);
 * generated cases (:mod:`~paged_lib.course.grading.generated.numeric_int8`): blocks of
   any size, 1 to 4 heads, calls in every regime of growth, each call compared.
 
@@ -108,19 +109,9 @@ QUANT_WORKLOADS = [
 ]
 
 
-def _requests(prompts: list[int], params: list[dict]) -> tuple[list, list]:
-    from paged_lib.engine import SamplingParams
-
-    g = torch.Generator().manual_seed(113)
-    shared = torch.randint(32, 127, (8,), generator=g).tolist()
-    texts = [(shared + torch.randint(32, 127, (n,), generator=g).tolist())[:n] if n > 8
-             else torch.randint(32, 127, (n,), generator=g).tolist() for n in prompts]
-    return texts, [SamplingParams(**p) for p in params]
-
-
-def _serve(model: Any, workload: tuple, write: Callable) -> tuple[list, list, Any]:
-    """(tokens of every output, every layer's (K scale, V scale), the engine)."""
-    from paged_lib.engine import EngineHooks, LLMEngine
+def _serve(model: Any, workload: tuple, write: Callable) -> list:
+    """The tokens of every output of ``workload`` served with ``write`` as the hook."""
+    from paged_lib.engine import EngineHooks, LLMEngine, SamplingParams
 
     name, options, prompts, params, arrivals = workload
     opts = dict(options)
@@ -128,17 +119,19 @@ def _serve(model: Any, workload: tuple, write: Callable) -> tuple[list, list, An
                        attention_backend="torch", kv_cache_dtype="int8",
                        hooks=EngineHooks(write_int8_blocks=lambda x, data, scale, slots: write(
                            x.clone(), data, scale, slots.clone())), **opts)
-    texts, sp = _requests(prompts, params)
-    outs = engine.generate(texts, sp, arrival_steps=arrivals)
-    tokens = [[c.token_ids for c in o.outputs] for o in outs]
-    scales = [(k.scale.clone(), v.scale.clone()) for k, v in engine.runner.kv_caches]
-    return tokens, scales, engine
+    g = torch.Generator().manual_seed(113)
+    shared = torch.randint(32, 127, (8,), generator=g).tolist()  # prompts past 8 share it
+    texts = [(shared + torch.randint(32, 127, (n,), generator=g).tolist())[:n] if n > 8
+             else torch.randint(32, 127, (n,), generator=g).tolist() for n in prompts]
+    outs = engine.generate(texts, [SamplingParams(**p) for p in params],
+                           arrival_steps=arrivals)
+    return [[c.token_ids for c in o.outputs] for o in outs]
 
 
 @functools.cache
-def recorded() -> tuple[list[WriteCall], list[tuple[list, list]]]:
+def recorded() -> tuple[list[WriteCall], list[list]]:
     """Every call the library's engine makes to the write on :data:`QUANT_WORKLOADS`
-    (with the library's answers), and each workload's tokens and scales; once per
+    (with the library's answers), and each workload's tokens; once per
     process."""
     from paged_lib.kernels.kv_quant import write_int8_blocks
     from paged_lib.model import load_tiny_code_llama
@@ -162,7 +155,7 @@ def recorded() -> tuple[list[WriteCall], list[tuple[list, list]]]:
                 call.lib_data[idx], call.lib_scale[idx] = data[idx].cpu(), scale[idx].cpu()
                 calls.append(call)
 
-            served.append(_serve(model, w, record)[:2])
+            served.append(_serve(model, w, record))
     return calls, served
 
 
@@ -182,20 +175,14 @@ def _check_engine(fn: Callable) -> None:
         compare(fn, call, f"replaying the engine: in {call.where}, it wrote "
                            f"{len(call.slots)} token(s) to slots {call.slots.tolist()}")
     model = load_tiny_code_llama()
-    for w, (tokens, scales) in zip(QUANT_WORKLOADS, served, strict=True):
+    for w, tokens in zip(QUANT_WORKLOADS, served, strict=True):
         with serving.one_thread():
-            mine, my_scales, _ = _serve(model, w, fn)
+            mine = _serve(model, w, fn)
         if mine != tokens:
             r = next(i for i, (a, b) in enumerate(zip(mine, tokens, strict=True)) if a != b)
             grading.fail(f"serving '{w[0]}' with your write plugged into the engine: request "
                          f"{r} generated {mine[r]}, the library's engine {tokens[r]}",
                          _SERVE_HINT)
-        for layer, (ours, theirs) in enumerate(zip(my_scales, scales, strict=True)):
-            for which, a, b in zip("KV", ours, theirs, strict=True):
-                if not torch.allclose(a, b, rtol=1e-6, atol=0, equal_nan=True):
-                    grading.fail(f"serving '{w[0]}' with your write: layer {layer}'s {which} "
-                                 "scales at the end differ from the library's",
-                                 _SERVE_HINT)
 
 
 def check_write_int8_blocks(fn: Callable[..., Any]) -> None:

@@ -142,10 +142,7 @@ def _answer(fn: Callable, call: DropCall, **slip: Any) -> tuple:
     table = call.table()
     pool = table.allocator
     try:
-        if fn is reference_drop:
-            out = reference_drop(table, call.sinks, **slip)
-        else:
-            out = fn(table, call.sinks)
+        out = fn(table, call.sinks, **slip)  # slips are reference_drop's keywords
     except ValueError:
         return ("ValueError", list(pool.ref_counts), list(pool.free_block_ids))
     if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], WindowOp)
