@@ -19,7 +19,7 @@ import torch
 
 from paged_lib.course import grading
 
-__all__ = ["WriteCall", "compare", "difference", "hint_for", "reference_write", "snap"]
+__all__ = ["WriteCall", "compare", "difference", "reference_write", "snap"]
 
 _TINY = torch.finfo(torch.float32).tiny
 
@@ -223,19 +223,17 @@ def _before(call: WriteCall, i: int, h: int) -> str:
             f"{amax:.6g} (/ 127 = {amax / 127:.6g}); {held}")
 
 
-def hint_for(fn: Callable, call: WriteCall, got: tuple) -> str:
-    for slip, hint in _SLIPS:
-        if difference(call, *got, _run(reference_write, call, **slip)) is None:
-            return hint
-    return ("compare this state with your rule for each (block, KV head) on its own: was "
-            "the block just allocated, what do the new values need, does the scale grow and "
-            "to what, what do the codes already there become, what do the new tokens become")
-
-
 def compare(fn: Callable, call: WriteCall, story: str) -> None:
+    """Fail with the first difference of ``fn``'s answer from the library's, and the hint
+    of the typical mistake that gives the same answer."""
     ref = (call.lib_data, call.lib_scale) if call.lib_data is not None else \
         _run(reference_write, call)
     got = _run(fn, call)
     why = difference(call, *got, ref)
     if why is not None:
-        grading.fail(f"{story}: {why}", hint_for(fn, call, got))
+        grading.fail(f"{story}: {why}", next(
+            (hint for slip, hint in _SLIPS
+             if difference(call, *got, _run(reference_write, call, **slip)) is None),
+            "compare this state with your rule for each (block, KV head) on its own: was "
+            "the block just allocated, what do the new values need, does the scale grow and "
+            "to what, what do the codes already there become, what do the new tokens become"))

@@ -9,13 +9,12 @@ answer, the learner's):
   sinks than a block, a table of exactly sinks + one block, a block size of 1, a shared
   sink block (allowed), a shared block after the sinks, the block to release shared and a
   table too short (each a ``ValueError`` that changes nothing);
-* replay: the library's engine serves windowed workloads (with and without sinks, sinks
-  of every size against the block, requests that arrive while others slide, so freed
-  blocks are reused) and every call it makes is asked of the learner's function on a
-  pool in the same state; the new table, the ``WindowOp`` and the pool after (reference
-  counts and the free list in order) must be the library's;
-* the learner's function plugged into the engine, the same workloads served: tokens and
-  every step's block tables must be the library's.
+* replay: every call the library's engine makes while it serves the generated stage's
+  random windowed workloads is asked of the learner's function on a pool in the same
+  state; the new table, the ``WindowOp`` and the pool after (reference counts and the
+  free list in order) must be the library's;
+* the generated stage (:mod:`paged_lib.course.grading.generated`): the learner's function
+  plugged into the engine, those workloads served side by side with the library's.
 
 A wrong answer is named by recomputing the typical mistakes on the same state.
 """
@@ -33,7 +32,7 @@ from paged_lib.course import grading
 from paged_lib.course.grading import generated, serving
 from paged_lib.engine.window import WindowOp
 
-__all__ = ["WINDOW_WORKLOADS", "check_drop_oldest", "reference_drop"]
+__all__ = ["check_drop_oldest", "reference_drop"]
 
 
 def reference_drop(table: BlockTable, num_sink_tokens: int, *, gone: str = "floor",
@@ -143,10 +142,7 @@ def _answer(fn: Callable, call: DropCall, **slip: Any) -> tuple:
     table = call.table()
     pool = table.allocator
     try:
-        if fn is reference_drop:
-            out = reference_drop(table, call.sinks, **slip)
-        else:
-            out = fn(table, call.sinks)
+        out = fn(table, call.sinks, **slip)  # slips are reference_drop's keywords
     except ValueError:
         return ("ValueError", list(pool.ref_counts), list(pool.free_block_ids))
     if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], WindowOp)
@@ -265,102 +261,37 @@ def _edges() -> list[DropCall]:
 # ------------------------------------------------------------------ the engine
 
 
-#: name, engine options, prompt lengths, max_tokens, arrival steps
-WINDOW_WORKLOADS = [
-    ("a window of 12 with 2 sinks, blocks of 4", dict(num_blocks=14, block_size=4,
-     sliding_window=12, num_sink_tokens=2), [6, 10, 4], 30, [0, 1, 6]),
-    ("a window of 8 without sinks, blocks of 4", dict(num_blocks=10, block_size=4,
-     sliding_window=8, num_sink_tokens=0), [5, 8], 26, [0, 3]),
-    ("a window of 6 with 4 sinks (one whole block), blocks of 4", dict(
-        num_blocks=12, block_size=4, sliding_window=6, num_sink_tokens=4), [7, 3], 24,
-     [0, 2]),
-    ("a window of 7 with 6 sinks (more than a block), blocks of 4", dict(
-        num_blocks=14, block_size=4, sliding_window=7, num_sink_tokens=6), [12, 5], 24,
-     [0, 4]),
-    ("a window of 5 with 3 sinks, blocks of 2", dict(num_blocks=14, block_size=2,
-     sliding_window=5, num_sink_tokens=3), [8, 4, 6], 20, [0, 0, 5]),
-]
-
-
-def _serve(model: Any, workload: tuple, drop: Callable) -> tuple[list, list]:
-    """(tokens of every request, each step's (request, slots written, block table after)
-    of those scheduled)."""
-    import torch
-
-    from paged_lib.engine import EngineHooks, LLMEngine, SamplingParams
-
-    name, options, prompts, max_tokens, arrivals = workload
-    opts = dict(options)
-    tables: list = []
-    engine = LLMEngine(model, opts.pop("num_blocks"), opts.pop("block_size"),
-                       attention_backend="torch", watermark=0,
-                       hooks=EngineHooks(drop_oldest=drop), **opts,
-                       on_step=lambda out, stats: tables.append(
-                           [(sc.group.request_id, [(x.block, x.offset) for x in sc.slots],
-                             sc.seq.block_table and sc.seq.block_table.blocks)
-                            for sc in out.scheduled]))
-    g = torch.Generator().manual_seed(114)
-    texts = [torch.randint(32, 127, (n,), generator=g).tolist() for n in prompts]
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    outs = engine.generate(texts, [params] * len(texts), arrival_steps=arrivals)
-    return [o.outputs[0].token_ids for o in outs], tables
-
-
 @functools.cache
-def recorded() -> tuple[list[DropCall], list[tuple[list, list]]]:
-    """Every call the library's engine makes to ``drop_oldest`` on
-    :data:`WINDOW_WORKLOADS` (with the library's answers), and what each serves."""
-
+def recorded() -> list[DropCall]:
+    """Every call the library's engine makes to ``drop_oldest`` while it serves the
+    generated stage's random workloads on pools of at most 24 blocks (free lists short
+    enough to read) of a power of two, with the library's answers; the other block sizes
+    are the generated stage's, told by a shrunk workload."""
+    from paged_lib.engine import EngineHooks
     from paged_lib.engine.window import drop_oldest
-    from paged_lib.model import load_tiny_code_llama
 
-    model = load_tiny_code_llama()
     calls: list[DropCall] = []
-    served = []
-    for w in WINDOW_WORKLOADS:
+    for w in generated.workloads("drop_oldest"):
+        if w.num_blocks > 24 or w.block_size & (w.block_size - 1):
+            continue
         made: list[int] = []
 
         def record(table, sinks, w=w, made=made):
             pool = table.allocator
-            made.append(len(made))
-            call = DropCall(f"'{w[0]}', the engine's release number {len(made)}",
-                            table.blocks, table.num_tokens, table.block_size, sinks,
+            made.append(1)
+            call = DropCall(f"random workload {w.seed} (window {w.option('sliding_window')}"
+                            f"), the engine's release number {len(made)}", table.blocks,
+                            table.num_tokens, table.block_size, sinks,
                             list(pool.ref_counts), list(pool.free_block_ids))
             out = drop_oldest(table, sinks)
-            new, op = out
-            call.result = (list(new.blocks), new.num_tokens, _canonical(op),
+            call.result = (list(out[0].blocks), out[0].num_tokens, _canonical(out[1]),
                            list(pool.ref_counts), list(pool.free_block_ids))
             calls.append(call)
             return out
 
         with serving.one_thread():
-            served.append(_serve(model, w, record))
-    return calls, served
-
-
-def _check_engine(fn: Callable) -> None:
-    from paged_lib.model import load_tiny_code_llama
-
-    calls, served = recorded()
-    for call in calls:
-        _compare(fn, call, f"replaying the engine: in {call.story()}")
-    model = load_tiny_code_llama()
-    with serving.one_thread():
-        for w, (tokens, tables) in zip(WINDOW_WORKLOADS, served, strict=True):
-            mine, my_tables = _serve(model, w, fn)
-            for step, (a, b) in enumerate(zip(my_tables, tables, strict=False)):
-                if a != b:
-                    grading.fail(f"serving '{w[0]}' with your drop_oldest plugged into the "
-                                 f"engine: at step {step} the scheduled (request, slots "
-                                 f"written, block table) are {a}, the library's engine's {b}",
-                                 "every replayed call agreed: keep no state outside the "
-                                 "table and its allocator")
-            if mine != tokens:
-                r = next(i for i, (a, b) in enumerate(zip(mine, tokens, strict=True)) if a != b)
-                grading.fail(f"serving '{w[0]}' with your drop_oldest: request {r} generated "
-                             f"{mine[r]}, the library's engine {tokens[r]}",
-                             "every replayed call agreed: keep no state outside the table "
-                             "and its allocator")
+            generated.serve(w, EngineHooks(drop_oldest=record))
+    return calls
 
 
 def check_drop_oldest(fn: Callable[..., Any]) -> None:
@@ -368,7 +299,8 @@ def check_drop_oldest(fn: Callable[..., Any]) -> None:
     with grading.exercise("11.4"):
         for call in _edges():
             _compare(fn, call, call.story())
-        _check_engine(fn)
+        for call in recorded():
+            _compare(fn, call, f"replaying the engine: in {call.story()}")
         generated.check("drop_oldest", fn, "the block at logical index num_sink_tokens // "
                         "block_size goes, its num_sink_tokens % block_size sinks copied to "
                         "the next block, and every recent token's key rotated by -block_size, "
