@@ -7,11 +7,13 @@
   every sample's K/V read back through its block table.
 * 08.2 ``beam_step``: one step of beam search over block tables, the engine's hook
   (:func:`paged_lib.engine.beam_search.beam_step`), replayed next to it on the scripted
-  and seeded random scenarios below (exact ties, and a near tie that float32 calls one;
-  beams that offer fewer candidates than the width, or none, as after EOS) by
+  scenarios below (exact ties, and a near tie that float32 calls one; beams that offer
+  fewer candidates than the width, or none, as after EOS) by
   :mod:`paged_lib.course.grading.ch08_beam_replay`, which compares every step and names
   the mistake. The engine's real scores never come that near (no two of 15,129 adjacent
   scores in 64 random beam workloads merge in float32), so only the scripted case can.
+  Then real beam groups in the engine, and the random workloads of
+  :mod:`paged_lib.course.grading.generated`.
 """
 
 from __future__ import annotations
@@ -200,12 +202,8 @@ def _check_readback(cache, tables, history, where: str) -> None:
 
 
 Candidates = list[list[tuple[int, float]]]
-#: name, block size, prompt length, width, candidates per step (None: seeded random)
-_SCRIPTED: list[tuple[str, int, int, int, list[Candidates] | None]] = [
-    ("two beams, width 2: beam 0 continues twice, beam 1 dies", 4, 6, 2,
-     [[[(5, -0.3), (6, -0.9)]],
-      [[(5, -0.1), (6, -0.5)], [(7, -0.05)]],
-      [[(1, -2.0)], [(2, -0.1), (3, -0.2)]]]),
+#: name, block size, prompt length, width, candidates per step
+_SCRIPTED: list[tuple[str, int, int, int, list[Candidates]]] = [
     ("cumulative scores decide (a beam far behind loses even its best token)", 4, 5, 3,
      [[[(1, -0.1), (2, -1.5), (3, -3.0)]],
       [[(4, -0.7)], [(5, -0.1)], [(6, -0.05)]],
@@ -231,8 +229,6 @@ _SCRIPTED: list[tuple[str, int, int, int, list[Candidates] | None]] = [
      "float32, not in the float64 of Python's floats)", 4, 5, 2,
      [[[(1, -0.5), (2, -0.7)]],
       [[(3, -1.0), (5, -1.0)], [(4, -0.799999999)]]]),
-    ("block size 1 (every token takes a new block)", 1, 3, 2, None),
-    ("a seeded random beam search (width 4, 10 steps)", 4, 7, 4, None),
 ]
 
 

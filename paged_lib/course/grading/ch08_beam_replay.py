@@ -3,7 +3,8 @@
 :func:`run_beam_scenario` starts two worlds, each a prefilled prompt on its own pool
 with a :class:`~paged_lib.course.grading.toy_pool.ToyStore`, and steps beam search in
 both: the engine's :func:`paged_lib.engine.beam_search.beam_step` in one, the learner's
-in the other, on scripted candidates or :data:`RANDOM_STEPS` seeded random ones. After
+in the other, on scripted candidates (random ones come in the engine, from the generated
+stage). After
 every step it compares the chosen (parent, token) pairs and scores, which table each
 new beam got, the ref counts and free list; then every new beam appends, and the slots
 (copies) and each beam's tokens read back must match. Each difference fails with a hint
@@ -21,17 +22,13 @@ from typing import Any
 from paged_lib.blocks import BlockAllocator, BlockTable
 from paged_lib.course import grading
 from paged_lib.course.grading.toy_pool import ToyStore, pool_state
-from paged_lib.studies import sharing
-
-#: Steps of a scenario whose candidates are drawn at random.
-RANDOM_STEPS = 10
 
 
 class _World:
     """A prefilled prompt on its own pool, plus what every beam should read back."""
 
-    def __init__(self, block_size: int, prompt_len: int, width: int):
-        self.alloc = BlockAllocator(width * (prompt_len + RANDOM_STEPS + 2))
+    def __init__(self, block_size: int, prompt_len: int, width: int, steps: int):
+        self.alloc = BlockAllocator(width * (prompt_len + steps + 2))
         self.store = ToyStore(block_size)
         table = BlockTable(self.alloc, block_size)
         for t in range(prompt_len):
@@ -60,11 +57,8 @@ def run_beam_scenario(beam_step, name, block_size, prompt_len, width, steps):
 
     beam_step = on_copies(beam_step)
 
-    ref, mine = _World(block_size, prompt_len, width), _World(block_size, prompt_len, width)
-    scorer = sharing.RandomBeamScorer(seed=8, vocab=6, sigma=2.0)
-    for k in range(1, (len(steps) if steps else RANDOM_STEPS) + 1):
-        cands = steps[k - 1] if steps else sharing.top_candidates(scorer(len(ref.tables)),
-                                                                 width)
+    ref, mine = (_World(block_size, prompt_len, width, len(steps)) for _ in "ab")
+    for k, cands in enumerate(steps, 1):
         where = f"scenario '{name}', step {k}"
         expected = ref_step(list(ref.tables), list(ref.cum), cands, width)
         old = list(mine.tables)
