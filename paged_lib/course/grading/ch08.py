@@ -69,52 +69,39 @@ def cow_walkthrough() -> dict[str, Any]:
     return out
 
 
-#: name, layout: the engine may hold K and V as views of one tensor (vLLM's FlashAttention
-#: cache is [2, num_blocks, ...]; FlashInfer's [num_blocks, 2, ...], whose views are not
-#: contiguous); the check then reads them back through that tensor
-_VIEW_SCENARIOS = [
-    ("K and V as views of one [2, num_blocks, ...] tensor (FlashAttention's layout)", "kv"),
-    ("K and V as views of one [num_blocks, 2, ...] tensor, not contiguous (FlashInfer's "
-     "layout), bfloat16", "blocks"),
-]
-
-
 def check_apply_slot(apply_slot: Callable[..., Any]) -> None:
     """``apply_slot(k_cache, v_cache, slot, key, value) -> None`` (in place)."""
     with grading.exercise("08.1"):
         for scenario in _COW_SCENARIOS:
             _run_cow_scenario(apply_slot, *scenario)
-        for name, layout in _VIEW_SCENARIOS:
-            dtype = torch.bfloat16 if layout == "blocks" else torch.float32
-            try:
-                _run_cow_scenario(apply_slot, f"chapter 08's example, {name}", 4, 3, 4, 3,
-                                  dtype, layout)
-            except grading.CheckFailed as err:  # right on separate tensors: the views
-                grading.fail(err.message, "here k_cache and v_cache are views of one "
-                             "tensor, as an engine may hold them: write through indexing "
-                             "(cache[block, offset] = ...); .reshape(), .contiguous() or "
-                             "assigning .data may write into a copy the engine never reads")
+        try:  # right on separate tensors; an engine may hold K and V as views of one
+            # tensor (FlashInfer's cache is [num_blocks, 2, ...]: views not contiguous)
+            _run_cow_scenario(apply_slot, "chapter 08's example, K and V as views of one "
+                              "[num_blocks, 2, ...] tensor, not contiguous (FlashInfer's "
+                              "layout), bfloat16", 4, 3, 4, 3, torch.bfloat16, views=True)
+        except grading.CheckFailed as err:
+            grading.fail(err.message, "here k_cache and v_cache are views of one "
+                         "tensor, as an engine may hold them: write through indexing "
+                         "(cache[block, offset] = ...); .reshape(), .contiguous() or "
+                         "assigning .data may write into a copy the engine never reads")
 
 
-def _caches(shape: tuple, dtype: torch.dtype, layout: str) -> Callable[[], tuple]:
+def _caches(shape: tuple, dtype: torch.dtype, views: bool) -> Callable[[], tuple]:
     """A NaN-filled K/V cache pair; the function returns fresh views of its storage."""
-    nan = float("nan")
-    if layout == "kv":
-        kv = torch.full((2, *shape), nan, dtype=dtype)
-        return lambda: (kv[0], kv[1])
-    if layout == "blocks":
-        kv = torch.full((shape[0], 2, *shape[1:]), nan, dtype=dtype)
+    if views:
+        kv = torch.full((shape[0], 2, *shape[1:]), float("nan"), dtype=dtype)
         return lambda: (kv[:, 0], kv[:, 1])
-    pair = (torch.full(shape, nan, dtype=dtype), torch.full(shape, nan, dtype=dtype))
+    pair = (torch.full(shape, float("nan"), dtype=dtype),
+            torch.full(shape, float("nan"), dtype=dtype))
     return lambda: pair
 
 
 def _run_cow_scenario(apply_slot, name, block_size, prompt_len, n, new_tokens, dtype,
-                      layout: str = "separate"):
+                      views: bool = False):
     g = torch.Generator().manual_seed(block_size * 100 + prompt_len)
     allocator = busy_pool(12, (7, 3, 9, 10, 11, 4, 2, 8, 5, 6, 0, 1))
     shape = (12, block_size, _KV_HEADS, _HEAD_DIM)
-    read = {who: _caches(shape, dtype, layout) for who in ("mine", "ref")}
+    read = {who: _caches(shape, dtype, views) for who in ("mine", "ref")}
     handed = {who: read[who]() for who in read}  # what each apply_slot is given, once
     prompt = BlockTable(allocator, block_size)
     history: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[]]
@@ -249,46 +236,37 @@ def _serve_beams(beam_step: Callable[..., Any]) -> None:
     """Real beam groups in the engine: replay's workload with beams of 3 and 4, parallel
     samples, swaps and chunks, served with the learner's step; the beams and each step's
     schedule must be the library engine's."""
-    runs = [_served_beams(None), _served_beams(beam_step)]
-    w = _beam_workload()
-    (want, want_steps), (got, got_steps) = runs
+    name, want, want_steps = _library_beams()
+    _, got, got_steps = _served_beams(beam_step)
     for k, (a, b) in enumerate(zip(want_steps, got_steps, strict=False)):
         if a != b:
-            grading.fail(f"serving '{w.name}' with your beam_step: at engine step {k} the "
+            grading.fail(f"serving '{name}' with your beam_step: at engine step {k} the "
                          f"library runs (request, sequence, tokens) {a}, yours {b}",
                          "in the engine a beam's table is the one you return: its forks and "
                          "frees decide which blocks the next step writes")
-    grading.expect_equal(got, want, f"serving '{w.name}' with your beam_step: the beams",
+    grading.expect_equal(got, want, f"serving '{name}' with your beam_step: the beams",
                          "the engine's beams must be the library's on the same candidates")
 
 
-def _beam_workload() -> Any:
-    from paged_lib.course.grading import replay
-
-    return next(w for w in replay.workloads() if "beams of 3 and 4" in w.name)
-
-
 @functools.cache
-def _library_beams() -> tuple[list, list]:
-    return _served_beams(None, library=True)
+def _library_beams() -> tuple[str, list, list]:
+    return _served_beams(None)
 
 
-def _served_beams(beam_step: Callable[..., Any] | None, library: bool = False
-                  ) -> tuple[list, list]:
-    """(each request's outputs, each step's (request, sequence, tokens)) of the beam
-    workload served with ``beam_step`` (None: the library's, computed once)."""
+def _served_beams(beam_step: Callable[..., Any] | None) -> tuple[str, list, list]:
+    """(the workload's name, each request's outputs, each step's (request, sequence,
+    tokens)) of replay's beam workload served with ``beam_step`` (None: the library's)."""
+    from paged_lib.course.grading import replay
     from paged_lib.engine import EngineHooks
     from paged_lib.model import load_tiny_code_llama
 
-    if beam_step is None and not library:
-        return _library_beams()
-    hooks = EngineHooks() if beam_step is None else EngineHooks(beam_step=on_copies(beam_step))
+    w = next(w for w in replay.workloads() if "beams of 3 and 4" in w.name)
+    hooks = None if beam_step is None else EngineHooks(beam_step=on_copies(beam_step))
     steps: list = []
     with serving.one_thread():
-        tokens, _ = serving.serve(load_tiny_code_llama(), _beam_workload(), hooks,
-                                  on_step=lambda out, stats: steps.append(
-                                      serving.schedule_of(out)))
-    return tokens, steps
+        tokens, _ = serving.serve(load_tiny_code_llama(), w, hooks, on_step=lambda out, _:
+                                  steps.append(serving.schedule_of(out)))
+    return w.name, tokens, steps
 
 
 def run_beam_search(beam_step: Callable[..., Any], **kw) -> list[sharing.BeamFrame]:
