@@ -148,40 +148,38 @@ def _float32(x: float) -> float:
 
 def _pick_hint(mine, want, cum, cands, width) -> str:
     flat = [(i, r, tok, lp) for i, opts in enumerate(cands) for r, (tok, lp) in enumerate(opts)]
-    in_float32 = [(i, tok) for i, _, tok, _ in sorted(flat, key=lambda c: (
-        -_float32(cum[c[0]] + c[3]), c[0], c[1]))]
-    if mine == in_float32[:width]:
+
+    def top(key: Callable) -> list[tuple[int, int]]:
+        """The (beam, token) picks of ``flat`` sorted by ``key(score, beam, rank, token,
+        logprob)``, the first ``width``."""
+        return [(i, tok) for i, r, tok, lp in sorted(flat, key=lambda c: key(
+            cum[c[0]] + c[3], *c))][:width]
+
+    if mine == top(lambda s, i, r, t, lp: (-_float32(s), i, r)):
         return ("two scores here differ by less than float32 can tell: rank the Python "
                 "floats cum_logprobs[beam] + logprob themselves (float64), not a float32 "
                 "tensor of them (torch.tensor of Python floats is float32) nor rounded "
                 "scores; only an exact tie goes to the lower beam")
-    by_step = [(i, tok) for i, _, tok, _ in sorted(flat, key=lambda c: (-c[3], c[0], c[1]))]
-    per_beam = [(i, opts[0][0]) for i, opts in enumerate(cands) if opts]
-    worst = [(i, tok) for i, _, tok, _ in sorted(flat, key=lambda c: (cum[c[0]] + c[3],
-                                                                     c[0], c[1]))]
-    rank_first = [(i, tok) for i, _, tok, _ in sorted(flat, key=lambda c: (-(cum[c[0]] + c[3]),
-                                                                          c[1], c[0]))]
-    by_token = [(i, tok) for i, _, tok, _ in sorted(flat, key=lambda c: (-(cum[c[0]] + c[3]),
-                                                                        c[0], c[2]))]
-    by_beam = sorted(mine[:width], key=lambda p: p[0])
-    if mine == by_token[:width] and mine != rank_first[:width]:
+    rank_first = top(lambda s, i, r, t, lp: (-s, r, i))
+    if mine == top(lambda s, i, r, t, lp: (-s, i, t)) and mine != rank_first:
         return ("an exact tie goes to the earlier candidate in the beam's list (its rank), "
                 "not to the lower token id: here the tied candidates come in descending "
                 "token order")
-    if mine == by_step[:width]:
+    if mine == top(lambda s, i, r, t, lp: (-lp, i, r)):
         return ("rank candidates by cum_logprobs[beam] + logprob (the whole sequence), not "
                 "by this step's logprob alone")
-    if mine == worst[:width]:
+    if mine == top(lambda s, i, r, t, lp: (s, i, r)):
         return "best first: the highest cumulative log-probability wins"
-    if mine == rank_first[:width]:
+    if mine == rank_first:
         return ("an exact tie goes to the lower beam index first, then to the earlier "
                 "candidate in that beam's list (not to the better-ranked candidate)")
     tie = _tie_hint(mine, want, cum, cands)
     if tie:
         return tie
-    best = sorted(flat, key=lambda c: (-(cum[c[0]] + c[3]), c[0], c[1]))[:width]
-    if sorted(mine) == sorted((i, tok) for i, _, tok, _ in best) and mine == by_beam:
+    if sorted(mine) == sorted(top(lambda s, i, r, t, lp: (-s, i, r))) and \
+            mine == sorted(mine, key=lambda p: p[0]):
         return "list the new beams best first (by cum_logprob), not by parent"
+    per_beam = [(i, opts[0][0]) for i, opts in enumerate(cands) if opts]
     if mine[:len(per_beam)] == per_beam[:width]:
         return ("compete across all beams: one beam may keep several children and another "
                 "none")
