@@ -3,7 +3,8 @@
 :func:`run_beam_scenario` starts two worlds, each a prefilled prompt on its own pool
 with a :class:`~paged_lib.course.grading.toy_pool.ToyStore`, and steps beam search in
 both: the engine's :func:`paged_lib.engine.beam_search.beam_step` in one, the learner's
-in the other, on scripted candidates or :data:`RANDOM_STEPS` seeded random ones. After
+in the other, on scripted candidates (random ones come in the engine, from the generated
+stage). After
 every step it compares the chosen (parent, token) pairs and scores, which table each
 new beam got, the ref counts and free list; then every new beam appends, and the slots
 (copies) and each beam's tokens read back must match. Each difference fails with a hint
@@ -21,17 +22,13 @@ from typing import Any
 from paged_lib.blocks import BlockAllocator, BlockTable
 from paged_lib.course import grading
 from paged_lib.course.grading.toy_pool import ToyStore, pool_state
-from paged_lib.studies import sharing
-
-#: Steps of a scenario whose candidates are drawn at random.
-RANDOM_STEPS = 10
 
 
 class _World:
     """A prefilled prompt on its own pool, plus what every beam should read back."""
 
-    def __init__(self, block_size: int, prompt_len: int, width: int):
-        self.alloc = BlockAllocator(width * (prompt_len + RANDOM_STEPS + 2))
+    def __init__(self, block_size: int, prompt_len: int, width: int, steps: int):
+        self.alloc = BlockAllocator(width * (prompt_len + steps + 2))
         self.store = ToyStore(block_size)
         table = BlockTable(self.alloc, block_size)
         for t in range(prompt_len):
@@ -60,11 +57,8 @@ def run_beam_scenario(beam_step, name, block_size, prompt_len, width, steps):
 
     beam_step = on_copies(beam_step)
 
-    ref, mine = _World(block_size, prompt_len, width), _World(block_size, prompt_len, width)
-    scorer = sharing.RandomBeamScorer(seed=8, vocab=6, sigma=2.0)
-    for k in range(1, (len(steps) if steps else RANDOM_STEPS) + 1):
-        cands = steps[k - 1] if steps else sharing.top_candidates(scorer(len(ref.tables)),
-                                                                 width)
+    ref, mine = (_World(block_size, prompt_len, width, len(steps)) for _ in "ab")
+    for k, cands in enumerate(steps, 1):
         where = f"scenario '{name}', step {k}"
         expected = ref_step(list(ref.tables), list(ref.cum), cands, width)
         old = list(mine.tables)
@@ -154,40 +148,38 @@ def _float32(x: float) -> float:
 
 def _pick_hint(mine, want, cum, cands, width) -> str:
     flat = [(i, r, tok, lp) for i, opts in enumerate(cands) for r, (tok, lp) in enumerate(opts)]
-    in_float32 = [(i, tok) for i, _, tok, _ in sorted(flat, key=lambda c: (
-        -_float32(cum[c[0]] + c[3]), c[0], c[1]))]
-    if mine == in_float32[:width]:
+
+    def top(key: Callable) -> list[tuple[int, int]]:
+        """The (beam, token) picks of ``flat`` sorted by ``key(score, beam, rank, token,
+        logprob)``, the first ``width``."""
+        return [(i, tok) for i, r, tok, lp in sorted(flat, key=lambda c: key(
+            cum[c[0]] + c[3], *c))][:width]
+
+    if mine == top(lambda s, i, r, t, lp: (-_float32(s), i, r)):
         return ("two scores here differ by less than float32 can tell: rank the Python "
                 "floats cum_logprobs[beam] + logprob themselves (float64), not a float32 "
                 "tensor of them (torch.tensor of Python floats is float32) nor rounded "
                 "scores; only an exact tie goes to the lower beam")
-    by_step = [(i, tok) for i, _, tok, _ in sorted(flat, key=lambda c: (-c[3], c[0], c[1]))]
-    per_beam = [(i, opts[0][0]) for i, opts in enumerate(cands) if opts]
-    worst = [(i, tok) for i, _, tok, _ in sorted(flat, key=lambda c: (cum[c[0]] + c[3],
-                                                                     c[0], c[1]))]
-    rank_first = [(i, tok) for i, _, tok, _ in sorted(flat, key=lambda c: (-(cum[c[0]] + c[3]),
-                                                                          c[1], c[0]))]
-    by_token = [(i, tok) for i, _, tok, _ in sorted(flat, key=lambda c: (-(cum[c[0]] + c[3]),
-                                                                        c[0], c[2]))]
-    by_beam = sorted(mine[:width], key=lambda p: p[0])
-    if mine == by_token[:width] and mine != rank_first[:width]:
+    rank_first = top(lambda s, i, r, t, lp: (-s, r, i))
+    if mine == top(lambda s, i, r, t, lp: (-s, i, t)) and mine != rank_first:
         return ("an exact tie goes to the earlier candidate in the beam's list (its rank), "
                 "not to the lower token id: here the tied candidates come in descending "
                 "token order")
-    if mine == by_step[:width]:
+    if mine == top(lambda s, i, r, t, lp: (-lp, i, r)):
         return ("rank candidates by cum_logprobs[beam] + logprob (the whole sequence), not "
                 "by this step's logprob alone")
-    if mine == worst[:width]:
+    if mine == top(lambda s, i, r, t, lp: (s, i, r)):
         return "best first: the highest cumulative log-probability wins"
-    if mine == rank_first[:width]:
+    if mine == rank_first:
         return ("an exact tie goes to the lower beam index first, then to the earlier "
                 "candidate in that beam's list (not to the better-ranked candidate)")
     tie = _tie_hint(mine, want, cum, cands)
     if tie:
         return tie
-    best = sorted(flat, key=lambda c: (-(cum[c[0]] + c[3]), c[0], c[1]))[:width]
-    if sorted(mine) == sorted((i, tok) for i, _, tok, _ in best) and mine == by_beam:
+    if sorted(mine) == sorted(top(lambda s, i, r, t, lp: (-s, i, r))) and \
+            mine == sorted(mine, key=lambda p: p[0]):
         return "list the new beams best first (by cum_logprob), not by parent"
+    per_beam = [(i, opts[0][0]) for i, opts in enumerate(cands) if opts]
     if mine[:len(per_beam)] == per_beam[:width]:
         return ("compete across all beams: one beam may keep several children and another "
                 "none")

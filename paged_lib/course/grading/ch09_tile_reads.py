@@ -29,11 +29,14 @@ tile's scores), so a tile's ``exp(s - m_new)`` is that tile's, not the sequence'
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Iterator
 
 import torch
 
+_ONE_STATE = ("between tiles hold one running (m, l, acc) and nothing else: fold each tile "
+              "into it as soon as it is read")
 _READS = (torch.Tensor.__getitem__, torch.index_select, torch.Tensor.index_select,
           torch.gather, torch.Tensor.gather, torch.take, torch.Tensor.take)
 
@@ -144,9 +147,7 @@ class TileLog:
             self.flag(f"while reading tile {now} you still hold {sum(held.values())} numbers "
                       f"computed from {len(held)} earlier tiles ({sorted(held)}): you keep "
                       "every tile's scores or state and combine them at the end, so what "
-                      "you hold grows with the sequence",
-                      "between tiles hold one running (m, l, acc) and nothing else: fold "
-                      "each tile into it as soon as it is read")
+                      "you hold grows with the sequence", _ONE_STATE)
 
     def _check_grown(self, lo: int) -> None:
         """At a read from position ``lo`` on: a big tensor still alive that depends on
@@ -159,9 +160,7 @@ class TileLog:
                 self.flag(f"while reading from position {lo} on you still hold a tensor of "
                           f"shape {tuple(t.shape)} computed from positions {t._from[0]}-"
                           f"{t._from[1]}: scores or values concatenated tile after tile, so "
-                          "what you hold grows with the sequence",
-                          "between tiles hold one running (m, l, acc) and nothing else: fold "
-                          "each tile into it as soon as it is read")
+                          "what you hold grows with the sequence", _ONE_STATE)
 
     def track(self, t: torch.Tensor, span: tuple[int, int], data: tuple[int, int]) -> None:
         t._span, t._from = span, data
@@ -247,16 +246,13 @@ def _watch_finite(log: TileLog, func, ins: list[torch.Tensor], outs: list) -> No
         log.made_nonfinite = (name, what, zero)
 
 
-class watching:
-    """``with watching(log) as (k, v):`` the learner reads ``k`` and ``v``, watched."""
-
-    def __init__(self, log: TileLog, k_cache: torch.Tensor, v_cache: torch.Tensor):
-        self.log, self.k, self.v = log, k_cache, v_cache
-
-    def __enter__(self) -> tuple[torch.Tensor, torch.Tensor]:
-        _ACTIVE.append(self.log)
-        return self.k.as_subclass(TileTensor), self.v.as_subclass(TileTensor)
-
-    def __exit__(self, *exc) -> None:
-        _ACTIVE.remove(self.log)
-        self.log.live.clear()
+@contextlib.contextmanager
+def watching(log: TileLog, k_cache: torch.Tensor, v_cache: torch.Tensor
+             ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """``with watching(log, k, v) as (k, v):`` the learner reads ``k`` and ``v``, watched."""
+    _ACTIVE.append(log)
+    try:
+        yield k_cache.as_subclass(TileTensor), v_cache.as_subclass(TileTensor)
+    finally:
+        _ACTIVE.remove(log)
+        log.live.clear()
