@@ -644,7 +644,8 @@ def fork(table):
 def test_03_block_scenarios_reach_states_the_named_ones_do_not():
     seen = numeric.states(small_blocks.block_scenarios())
     assert {"block size 3", "block size 5", "block size 6", "block size 7",
-            "block size 12", "a fork of a fork", "the pool runs out"} <= set(seen), seen
+            "block size 12", "a fork of a fork", "the pool runs out",
+            "blocks handed out of order"} <= set(seen), seen
 
 
 def test_03_1_a_bit_mask_offset_is_caught_only_by_the_generated_scenarios(monkeypatch):
@@ -652,6 +653,22 @@ def test_03_1_a_bit_mask_offset_is_caught_only_by_the_generated_scenarios(monkey
                                     lambda t: append_token(t, bit_mask=True), monkeypatch,
                                     "block size 3")
     assert "only for powers of two" in hint
+
+
+def fork_through_a_set(table):
+    """Wrong: one reference per distinct block, the child's blocks taken from the set,
+    which puts them in the order of their ids; right only while the pool hands blocks out
+    in increasing order, as it does in every named scenario."""
+    blocks = set(table.blocks)
+    for b in blocks:
+        table.allocator.incref(b)
+    return type(table)(table.allocator, table.block_size, sorted(blocks), table.num_tokens)
+
+
+def test_03_2_a_fork_through_a_set_is_caught_only_by_the_generated_scenarios(monkeypatch):
+    hint = caught_only_by_the_stage(ch03.check_fork, fork_through_a_set, monkeypatch,
+                                    "free list")
+    assert "in the table's order" in hint
 
 
 def test_03_1_and_03_2_right_answers_of_another_shape_pass():

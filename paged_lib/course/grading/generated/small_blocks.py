@@ -48,6 +48,7 @@ class Scenario:
         out += ["a fork of a fork"] if any(s[0] == "fork" and s[1] != "s0"
                                            for s in self.steps) else []
         out += ["the pool runs out"] if _peak(self) > len(self.free) else []
+        out += ["blocks handed out of order"] if list(self.free) != sorted(self.free) else []
         return out
 
     def smaller(self) -> Iterator[Scenario]:
@@ -134,11 +135,22 @@ def _power_of_two(s: Scenario) -> Scenario | None:
     return dataclasses.replace(s, block_size=1 << s.block_size.bit_length())
 
 
-#: a failing scenario that passes once its block size is a power of two
+def _in_order(s: Scenario) -> Scenario | None:
+    if list(s.free) == sorted(s.free):
+        return None
+    return dataclasses.replace(s, free=tuple(sorted(s.free)))
+
+
+#: a failing scenario that passes once its block size is a power of two, or once the pool
+#: hands its blocks out in increasing order
 CONTRASTS = (numeric.Contrast(_power_of_two, (
     "it passes once the block size is a power of two: a token's offset is num_tokens % "
     "block_size and its block num_tokens // block_size; a bit mask (& (block_size - 1)) "
-    "or a shift (>> log2) is that only for powers of two")),)
+    "or a shift (>> log2) is that only for powers of two")),
+    numeric.Contrast(_in_order, (
+        "it passes once the pool hands out blocks in increasing order: a table's i-th "
+        "block holds its tokens i * block_size onwards, so keep the blocks in the table's "
+        "order (a set, or sorting, puts them in the order of their ids)")))
 
 
 def run_scenario(s: Scenario, append: Callable, fork: Callable) -> None:
