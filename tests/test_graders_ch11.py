@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import matplotlib
 
 matplotlib.use("Agg")
@@ -35,6 +37,9 @@ def levels_with(base="mha", base_fp16=True, own=True, sinks_kept=True, cap=True,
     """A kv_levels with one planted mistake (defaults: correct)."""
     def fn(spec, lengths, *, max_len, kv_dtype_bytes, block_size, window=None, sinks=0):
         b = (mha_equivalent(spec) if base == "mha" else spec)
+        if base == "hidden":  # 2 x layers x hidden_size: MHA's heads x head_dim, mostly
+            b = dataclasses.replace(mha_equivalent(spec),
+                                    head_dim=spec.hidden_size // spec.num_heads)
         b = b if base_fp16 == "model" else b.with_dtype(2 if base_fp16 else kv_dtype_bytes)
         per = (spec if own else mha_equivalent(spec)).with_dtype(kv_dtype_bytes)
         if float32:
@@ -70,6 +75,7 @@ def test_11_1_not_attempted(capsys):
 
 @pytest.mark.parametrize("wrong, hint", [
     (levels_with(base="own"), "the baseline is plain MHA"),
+    (levels_with(base="hidden"), "2 x layers x hidden_size is that only where"),
     (levels_with(base_fp16=False), "the baseline is fp16"),
     (levels_with(own=False), "uses the model's own attention"),
     (levels_with(sinks_kept=False), "the sinks are kept too"),

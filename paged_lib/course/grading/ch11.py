@@ -18,6 +18,7 @@ chapter's deployment and models.
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -75,7 +76,9 @@ def _levels(spec: ModelSpec, lengths: Sequence[int], max_len: int, kv_dtype_byte
             cap: bool = True, blocks: str = "ceil", paged_tokens: str = "kept",
             zero_window: bool = True, per_dtype: str = "kv", reserve: str = "keep") -> tuple:
     """The four levels, or (with a keyword changed) what one typical mistake gives."""
-    base = mha_equivalent(spec) if base_heads == "mha" else spec
+    base = {"mha": mha_equivalent(spec), "own": spec,
+            "hidden": dataclasses.replace(mha_equivalent(spec),
+                                          head_dim=spec.hidden_size // spec.num_heads)}[base_heads]
     base = base.with_dtype({"fp16": 2, "kv": kv_dtype_bytes, "model": spec.dtype_bytes}
                            [base_dtype])
     per = (spec if own == "own" else mha_equivalent(spec)).with_dtype(
@@ -105,6 +108,9 @@ def _levels(spec: ModelSpec, lengths: Sequence[int], max_len: int, kv_dtype_byte
 _LEVEL_SLIPS: list[tuple[int, dict, str]] = [
     (0, dict(base_heads="own"), "the baseline is plain MHA: one KV head per query head "
      "(accounting.mha_equivalent), not the model's own GQA/MQA/MLA"),
+    (0, dict(base_heads="hidden"), "the baseline's MHA has num_heads heads of head_dim "
+     "(accounting.mha_equivalent): 2 x layers x hidden_size is that only where head_dim is "
+     "hidden_size / num_heads, and this model's is not"),
     (0, dict(base_dtype="kv"), "the baseline is fp16 (2 bytes per value): the KV dtype is "
      "a saving, counted in the next level"),
     (0, dict(base_dtype="model"), "the baseline is fp16 (2 bytes per value) whatever the "
