@@ -20,6 +20,7 @@ from paged_lib.course import grading
 from paged_lib.course.grading import generated
 from paged_lib.course.grading import scheduler_loops as loops
 from paged_lib.course.grading.scheduler_loops import Scenario
+from paged_lib.engine.policy import seqs_to_come
 
 
 class Head(NamedTuple):
@@ -53,7 +54,7 @@ def _snapshot(waiting, step) -> WaitState:
     for g in list(waiting)[:4]:
         tokens = step.prefill_tokens(g)
         chunk = min(tokens, step.tokens_left) if step.chunked_prefill else tokens
-        heads.append(Head(g.request_id, loops.seqs_of(g), g.params.num_seqs, tokens, chunk,
+        heads.append(Head(g.request_id, seqs_to_come(g), g.params.num_seqs, tokens, chunk,
                           step.blocks_needed(g, chunk) if chunk > 0 else 0))
     return WaitState(tuple(heads), len(waiting), step.free_blocks, step.watermark_blocks,
                      step.tokens_left, step.max_num_batched_tokens, step.num_seqs,
@@ -240,8 +241,7 @@ SCENARIOS: list[Scenario] = [
 def check_schedule_waiting(schedule_waiting: Callable[..., Any]) -> None:
     """``schedule_waiting(waiting, step) -> None`` (admits with ``step.admit``)."""
     with grading.exercise("06.4"):
-        loops.check_scenarios("schedule_waiting", schedule_waiting, SCENARIOS)
-        loops.check_workloads("schedule_waiting", schedule_waiting)
+        loops.run_scheduler("schedule_waiting", schedule_waiting, SCENARIOS)
         generated.check("schedule_waiting", schedule_waiting, "admission: the head first, "
                         "while can_admit lets it in (or it is alone in an empty step), "
                         "nobody while groups are swapped out or after a preemption")

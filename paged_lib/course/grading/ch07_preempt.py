@@ -217,8 +217,7 @@ SCENARIOS: list[Scenario] = [
 def check_preempt_until_fits(preempt_until_fits: Callable[..., Any]) -> None:
     """``preempt_until_fits(group, step) -> bool``."""
     with grading.exercise("07.3"):
-        loops.check_scenarios("preempt_until_fits", preempt_until_fits, SCENARIOS)
-        loops.check_workloads("preempt_until_fits", preempt_until_fits)
+        loops.run_scheduler("preempt_until_fits", preempt_until_fits, SCENARIOS)
         generated.check("preempt_until_fits", preempt_until_fits, "ask choose_victim among "
                         "the group and those admitted after it that have not run, one victim "
                         "at a time, until the blocks fit or the group itself is preempted")
