@@ -20,7 +20,6 @@ everything with the library's runs.
 
 from __future__ import annotations
 
-import random
 from collections.abc import Callable
 from typing import Any
 
@@ -33,7 +32,6 @@ from paged_lib.course.grading.ch06_waiting import check_schedule_waiting
 from paged_lib.course.grading.generated import small_engine
 from paged_lib.engine.model_runner import build_metadata as lib_build_metadata
 from paged_lib.model import AttentionMetadata
-from paged_lib.util import cdiv
 
 __all__ = ["check_build_metadata", "check_can_admit",
            "check_num_required_blocks", "check_schedule_waiting", "run_demo"]
@@ -55,26 +53,6 @@ _BATCHES: list[tuple[str, list[list[int]], list[int], list[int], int]] = [
 ]
 
 
-def _random_batches(seed: int = 6, count: int = 6) -> list[tuple]:
-    rng = random.Random(seed)
-    out = []
-    for k in range(count):
-        block_size = rng.choice([2, 4, 8])
-        num_seqs = rng.randint(1, 5)
-        pool = list(range(40))
-        rng.shuffle(pool)
-        tables, seq_lens, query_lens = [], [], []
-        for _ in range(num_seqs):
-            seq_len = rng.randint(1, 30)
-            query = seq_len if rng.random() < 0.3 else 1
-            tables.append([pool.pop() for _ in range(cdiv(seq_len, block_size))])
-            seq_lens.append(seq_len)
-            query_lens.append(query)
-        out.append((f"random batch {k} (seed {seed}, block size {block_size})", tables,
-                    seq_lens, query_lens, block_size))
-    return out
-
-
 _DTYPES = {"slot_mapping": torch.int64, "block_tables": torch.int32, "seq_lens": torch.int32,
            "query_lens": torch.int32, "positions": torch.int64}
 _FIELD_HINTS = {
@@ -87,7 +65,7 @@ _FIELD_HINTS = {
 def check_build_metadata(build_metadata: Callable[..., Any]) -> None:
     """``build_metadata(block_tables, seq_lens, query_lens, block_size) -> AttentionMetadata``."""
     with grading.exercise("06.1"):
-        for batch in _BATCHES + _random_batches():
+        for batch in _BATCHES:
             _check_batch(build_metadata, *batch)
         for call in replay.recorded()["build_metadata"]:  # every state the engine reaches
             _check_batch(build_metadata, f"the engine's call in '{call.workload}', at engine "

@@ -177,10 +177,6 @@ def _why(st: WaitState, lib, got) -> str:
 loops.LOOPS["schedule_waiting"] = (_snapshot, _decide, _describe, _show, _why)
 
 
-def _prefix(k: int, n: int) -> list[int]:
-    return [40 + t % 7 for t in range(k)] + [90 + n] * 3
-
-
 #: scenarios served by the scheduler alone: requests (prompt, max_tokens, arrival, n)
 SCENARIOS: list[Scenario] = [
     Scenario("nobody waiting, then four requests arriving together (ties)",
@@ -198,12 +194,6 @@ SCENARIOS: list[Scenario] = [
     Scenario("samples against max_num_seqs 4 (n=3, n=2, then one behind)",
              dict(num_blocks=40, block_size=4, max_num_seqs=4, max_num_batched_tokens=64),
              ((5, 3, 0, 3), (5, 3, 0, 2), (4, 3, 0, 1), (6, 2, 1, 1))),
-    Scenario("head-of-line: a big request blocks a small one behind it",
-             dict(num_blocks=12, block_size=4, watermark_blocks=1),
-             ((16, 8, 0, 1), (29, 3, 1, 1), (3, 3, 1, 1), (2, 2, 5, 1))),
-    Scenario("a full pool, recompute: requests wait, a step that preempts admits nobody",
-             dict(num_blocks=7, block_size=4),
-             ((8, 12, 0, 1), (6, 10, 1, 1), (3, 6, 2, 1), (2, 4, 6, 1))),
     Scenario("swap: nobody is admitted while a group is swapped out",
              dict(num_blocks=7, block_size=4, preemption="swap", num_cpu_blocks=16),
              ((8, 12, 0, 1), (6, 10, 1, 1), (2, 3, 4, 1), (3, 3, 6, 1))),
@@ -219,14 +209,6 @@ SCENARIOS: list[Scenario] = [
              dict(num_blocks=7, block_size=4, enable_chunked_prefill=True,
                   max_num_batched_tokens=8, max_num_seqs=4),
              ((9, 5, 0, 1), (10, 8, 0, 1), (10, 13, 1, 1))),
-    Scenario("prefix hits in the same step and later (blocks of 4)",
-             dict(num_blocks=16, block_size=4, enable_prefix_caching=True,
-                  watermark_blocks=1, max_num_batched_tokens=24, max_num_seqs=8),
-             ((_prefix(8, 1), 3, 0, 1), (_prefix(8, 2), 3, 0, 1), (_prefix(8, 3), 3, 3, 1),
-              (_prefix(12, 4), 2, 3, 1))),
-    Scenario("prefix caching under pressure: a victim's cached blocks would readmit it",
-             dict(num_blocks=9, block_size=4, enable_prefix_caching=True),
-             ((8, 14, 0, 1), (8, 14, 0, 1), (5, 6, 2, 1))),
     Scenario("chunks of 6, recompute: 3 samples, one finished at once, back against "
              "max_num_seqs 4",
              dict(num_blocks=8, block_size=4, enable_chunked_prefill=True,

@@ -22,7 +22,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from paged_lib.blocks import BlockTable
 from paged_lib.course import grading
 from paged_lib.course.demos.engine_compare import (  # the chapter's trace (notebook 07)
     PRESSURE_BLOCK_SIZE,
@@ -32,10 +31,8 @@ from paged_lib.course.demos.engine_compare import (  # the chapter's trace (note
 from paged_lib.course.grading import generated, replay, serving
 from paged_lib.course.grading.ch07_preempt import check_preempt_until_fits
 from paged_lib.course.grading.ch07_victim import check_choose_victim
-from paged_lib.engine.block_manager import BlockManager
 from paged_lib.engine.block_manager import swap_mapping as lib_swap_mapping
 from paged_lib.engine.hooks import EngineHooks
-from paged_lib.engine.sequence import SamplingParams, Sequence, SequenceGroup
 
 __all__ = ["EQUIVALENT_MUTANTS", "PRESSURE_BLOCKS", "PRESSURE_BLOCK_SIZE",
            "check_choose_victim", "check_preempt_until_fits", "check_swap_mapping",
@@ -83,7 +80,6 @@ def check_swap_mapping(swap_mapping: Callable[..., Any]) -> None:
     with grading.exercise("07.1"):
         for name, tables, order in _SCENARIOS:
             _check_scenario(swap_mapping, name, tables, order)
-        _check_in_block_manager(swap_mapping)
         replay.check_replay("swap_mapping", swap_mapping,
                             "a forked group's tables share blocks in any pattern (beams that "
                             "forked at different steps): copy each distinct block once, in "
@@ -133,42 +129,6 @@ def _check_scenario(fn, name: str, tables: list[list[int]], order: list[int]) ->
     grading.expect_equal(got, want, f"{where}: mapping",
                          "pairs in the order the blocks are first met, reading the tables "
                          "left to right, top to bottom")
-
-
-def _check_in_block_manager(fn) -> None:
-    """Swap a forked group out and back with the learner's function in the block manager."""
-    bm = BlockManager(num_blocks=10, block_size=2, num_cpu_blocks=6,
-                      hooks=EngineHooks(swap_mapping=fn))
-    seq = Sequence(0, [1, 2, 3])
-    group = SequenceGroup(0, [seq], SamplingParams(max_tokens=4, n=2, temperature=1.0))
-    bm.allocate(seq)  # blocks [0, 1]: 3 tokens
-    child = Sequence(1, [1, 2, 3], block_table=seq.block_table.fork())
-    group.seqs.append(child)
-    child.block_table.append_token()  # copy-on-write: the child's last block is its own
-    before = [s.block_table.blocks for s in group.seqs]
-    gpu_free, cpu_free = bm.gpu.num_free, bm.cpu.num_free
-    out = bm.swap_out(group)
-    where = f"a swap out of two samples over GPU tables {before}"
-    grading.expect_equal(bm.gpu.num_free, bm.gpu.num_blocks, f"{where}: free GPU blocks after",
-                         "every GPU block of the group must come free after a swap out")
-    grading.expect_equal(bm.cpu.num_free, cpu_free - len(out),
-                         f"{where}: free CPU blocks after",
-                         "the CPU pool holds one block per distinct GPU block")
-    mapped = dict(out)
-    grading.expect_equal([s.block_table.blocks for s in group.seqs],
-                         [[mapped[b] for b in t] for t in before],
-                         f"{where}: CPU tables", "each table points at the copies")
-    back = bm.swap_in(group)
-    grading.expect_equal(bm.cpu.num_free, bm.cpu.num_blocks, f"{where}: free CPU blocks "
-                         "after swapping back in", "a swap in frees every CPU block")
-    grading.expect_equal(bm.gpu.num_free, gpu_free, f"{where}: free GPU blocks after "
-                         "swapping back in", "the group takes as many GPU blocks as before")
-    grading.expect_equal(len(back), len(out), f"{where}: copies on the way back",
-                         "a swap in copies each distinct block once, like a swap out")
-    for s in group.seqs:
-        grading.expect_true(isinstance(s.block_table, BlockTable)
-                            and s.block_table.allocator is bm.gpu,
-                            f"{where}: a table is not in the GPU pool after swap in")
 
 
 # ------------------------------------------------------------------ the demo
