@@ -85,7 +85,10 @@ def check_swap_mapping(swap_mapping: Callable[..., Any]) -> None:
                             "forked at different steps): copy each distinct block once, in "
                             "the order first met reading every table left to right")
         generated.check("swap_mapping", swap_mapping, "copy each distinct block once, in "
-                        "the order first met reading every table left to right")
+                        "the order first met reading every table left to right, to a block "
+                        "this call's allocate() returns: nothing carries over from an "
+                        "earlier call (the engine passes the same pool's allocate each "
+                        "time, and block ids come back)")
 
 
 def _check_scenario(fn, name: str, tables: list[list[int]], order: list[int]) -> None:
