@@ -2,11 +2,12 @@
 :mod:`paged_lib.course.grading.ch06`).
 
 The learner's loop is plugged into the engine (:mod:`~paged_lib.course.grading.scheduler_loops`):
-first on edge scenarios served by the scheduler alone (ties, an empty queue, a full pool,
-the token budget and the watermark met exactly, ``n > 1`` against ``max_num_seqs``,
-head-of-line blocking, a group alone in an empty step, swapped groups, a preempting step,
-chunks, prefix hits), then on the replay workloads with the tiny model. Every call must
-admit the same groups with the same tokens as the library's
+first on edge scenarios served by the scheduler alone (ties after an empty queue, the token
+budget and the watermark met exactly, a group alone in an empty step, ``n > 1`` against
+``max_num_seqs`` and head-of-line blocking, swapped groups, chunks, a preempting step, a
+group back with a finished sample, ``prefill_first``), then on the replay workloads with
+the tiny model, then on random workloads (:mod:`~paged_lib.course.grading.generated`).
+Every call must admit the same groups with the same tokens as the library's
 :func:`paged_lib.engine.policy.schedule_waiting`; the first that does not is told with its
 state, and the hint names the rule that state exposes.
 """

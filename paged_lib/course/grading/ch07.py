@@ -4,8 +4,8 @@
   the other pool. Checked on tables with and without shared blocks (a forked prompt, beams
   with a common history) against :func:`paged_lib.engine.block_manager.swap_mapping`,
   with an allocator that counts every block handed out (a block allocated and never used
-  is a leak); then plugged into the engine's block manager for a swap out and back in,
-  where both pools must end as they started.
+  is a leak); then every call the engine makes (replayed) and random workloads, where the
+  engine calls it again and again with the same pool's ``allocate``.
 
 * 07.2 ``choose_victim``: which running group to preempt
   (:mod:`paged_lib.course.grading.ch07_victim`).
@@ -61,18 +61,15 @@ _SCENARIOS: list[tuple[str, list[list[int]], list[int]]] = [
 ]
 
 
-class _CountingPool:
-    """A destination pool whose ``allocate`` hands out blocks in a fixed order (then
-    100, 101, ...: a real pool has more free blocks than one group needs)."""
+def _pool(order: list[int]) -> tuple[Callable[[], int], list[int]]:
+    """A destination pool's ``allocate``, handing out blocks in a fixed order (then 100,
+    101, ...: a real pool has more free blocks than one group needs), and what it handed."""
+    handed: list[int] = []
 
-    def __init__(self, order: list[int]):
-        self.order = list(order)
-        self.handed: list[int] = []
-
-    def allocate(self) -> int:
-        k = len(self.handed)
-        self.handed.append(self.order[k] if k < len(self.order) else 100 + k)
-        return self.handed[-1]
+    def allocate() -> int:
+        handed.append(order[len(handed)] if len(handed) < len(order) else 100 + len(handed))
+        return handed[-1]
+    return allocate, handed
 
 
 def check_swap_mapping(swap_mapping: Callable[..., Any]) -> None:
@@ -93,11 +90,9 @@ def check_swap_mapping(swap_mapping: Callable[..., Any]) -> None:
 
 def _check_scenario(fn, name: str, tables: list[list[int]], order: list[int]) -> None:
     where = f"scenario '{name}' (tables {tables})"
-    given = [list(t) for t in tables]
-    pool = _CountingPool(order)
-    got = fn(given, pool.allocate)
-    want = lib_swap_mapping(tables, _CountingPool(order).allocate)
-    distinct = len({b for t in tables for b in t})
+    given, (allocate, handed) = [list(t) for t in tables], _pool(order)
+    got = fn(given, allocate)
+    want = lib_swap_mapping(tables, _pool(order)[0])
     grading.expect_true(given == tables, f"{where}: your function changed the tables",
                         "read the tables, do not change them: the block manager "
                         "rebuilds them from your mapping")
@@ -105,33 +100,29 @@ def _check_scenario(fn, name: str, tables: list[list[int]], order: list[int]) ->
         isinstance(p, tuple) and len(p) == 2 and all(type(x) is int for x in p) for p in got),
         f"{where}: expected a list of (src, dst) int tuples, got {got!r}",
         "return a list of pairs, e.g. [(7, 0), (3, 1), (5, 2)]")
-    sources = [p[0] for p in got]
-    if len(sources) != len(set(sources)):
-        twice = sorted({b for b in sources if sources.count(b) > 1})
-        grading.fail(f"{where}: block(s) {twice} are copied more than once: {got}",
-                     "copied a shared block twice: a block held by several sequences "
-                     "moves once, and every table then points at its one copy")
-    if set(sources) != {b for t in tables for b in t} and \
-            {p[1] for p in got} == {b for t in tables for b in t}:
-        grading.fail(f"{where}: got {got}, expected {want}",
-                     "the pairs are (src, dst): the block you copy from, then the block "
-                     "allocate() gave you")
-    grading.expect_true(set(sources) == {b for t in tables for b in t},
-                        f"{where}: the sources {sorted(set(sources))} are not the tables' "
-                        f"blocks {sorted({b for t in tables for b in t})}",
-                        "every block of every table must be copied (once)")
-    if len(pool.handed) > distinct:
-        grading.fail(f"{where}: allocate() was called {len(pool.handed)} times for "
-                     f"{distinct} distinct blocks",
-                     "leaked blocks: allocate() only for a block you have not met yet; "
-                     "a block allocated and not in the mapping is never freed")
-    grading.expect_true(sorted(p[1] for p in got) == sorted(pool.handed),
-                        f"{where}: destinations {[p[1] for p in got]} are not the blocks "
-                        f"allocate() returned {pool.handed}",
-                        "each dst is a fresh block from allocate(), never a source block")
-    grading.expect_equal(got, want, f"{where}: mapping",
-                         "pairs in the order the blocks are first met, reading the tables "
-                         "left to right, top to bottom")
+    blocks, sources, dsts = {b for t in tables for b in t}, [p[0] for p in got], \
+        [p[1] for p in got]
+    twice = sorted({b for b in sources if sources.count(b) > 1})
+    for wrong, what, hint in (
+            (twice, f"block(s) {twice} are copied more than once: {got}", "copied a shared "
+             "block twice: a block held by several sequences moves once, and every table "
+             "then points at its one copy"),
+            (set(sources) != blocks and set(dsts) == blocks, f"got {got}, expected {want}",
+             "the pairs are (src, dst): the block you copy from, then the block allocate() "
+             "gave you"),
+            (set(sources) != blocks, f"the sources {sorted(set(sources))} are not the "
+             f"tables' blocks {sorted(blocks)}", "every block of every table must be copied "
+             "(once)"),
+            (len(handed) > len(blocks), f"allocate() was called {len(handed)} times for "
+             f"{len(blocks)} distinct blocks", "leaked blocks: allocate() only for a block you "
+             "have not met yet; a block allocated and not in the mapping is never freed"),
+            (sorted(dsts) != sorted(handed), f"destinations {dsts} are not the blocks "
+             f"allocate() returned {handed}", "each dst is a fresh block from allocate(), "
+             "never a source block"),
+            (got != want, f"mapping: expected {want}, got {got}", "pairs in the order the "
+             "blocks are first met, reading the tables left to right, top to bottom")):
+        if wrong:
+            grading.fail(f"{where}: {what}", hint)
 
 
 # ------------------------------------------------------------------ the demo
@@ -154,38 +145,28 @@ def run_demo(swap_mapping: Callable[..., Any], choose_victim: Callable[..., Any]
         asked[0] += 1
         return choose_victim(running)
 
-    def serve(mode: str, **hooks: Any) -> tuple[Any, Any, bool]:
+    def serve(mode: str, **hooks: Any) -> None:
         asked[0] = 0
         if preempt_until_fits is not None:
             hooks["preempt_until_fits"] = preempt_until_fits
         run = serving.side_by_side(model, PRESSURE_BLOCKS, PRESSURE_BLOCK_SIZE, prompts,
-                                   params, EngineHooks(**hooks), num_cpu_blocks=64,
-                                   preemption=mode)
-        return run.yours.stats, run.library.stats, run.same_tokens
-
-    def recompute() -> None:
-        s, r, same = serve("recompute", choose_victim=victim)
+                                   params, EngineHooks(choose_victim=victim, **hooks),
+                                   num_cpu_blocks=64, preemption=mode)
+        s, r = run.yours.stats, run.library.stats
         print(f"recompute, your choose_victim{also}: {len(prompts)} requests on {PRESSURE_BLOCKS} "
               f"blocks in {s.steps} steps (library: {r.steps}), {s.preemptions} preemptions "
               f"(library: {r.preemptions}), {s.recomputed_tokens} tokens recomputed "
-              f"(library: {r.recomputed_tokens})")
-        print(f"every token {'equals' if same else 'DIFFERS from'} the library engine's")
-        unasked(s)
-
-    def unasked(s: Any) -> None:
+              f"(library: {r.recomputed_tokens})" if mode == "recompute" else
+              f"swap, your choose_victim and swap_mapping{also}: {s.preemptions} preemptions, "
+              f"{s.swapped_blocks} block copies (library: {r.preemptions}, "
+              f"{r.swapped_blocks})")
+        print(f"every token {'equals' if run.same_tokens else 'DIFFERS from'} the library "
+              "engine's")
         if s.preemptions and not asked[0]:
             print("your preempt_until_fits never asked step.hooks.choose_victim: these "
                   "victims are its own choice, not your choose_victim's")
 
-    def swap() -> None:
-        s, r, same = serve("swap", choose_victim=victim, swap_mapping=swap_mapping)
-        print(f"swap, your choose_victim and swap_mapping{also}: {s.preemptions} preemptions, "
-              f"{s.swapped_blocks} block copies (library: {r.preemptions}, "
-              f"{r.swapped_blocks})")
-        print(f"every token {'equals' if same else 'DIFFERS from'} the library engine's")
-        unasked(s)
-
-    grading.on_learner_code(recompute, "exercises 07.2 and 07.3",
+    grading.on_learner_code(lambda: serve("recompute"), "exercises 07.2 and 07.3",
                             "recompute with your choose_victim")
-    grading.on_learner_code(swap, "exercises 07.1-07.3", "swap with your functions")
-
+    grading.on_learner_code(lambda: serve("swap", swap_mapping=swap_mapping),
+                            "exercises 07.1-07.3", "swap with your functions")

@@ -3,14 +3,14 @@
 
 The learner's loop is plugged into the engine (:mod:`~paged_lib.course.grading.scheduler_loops`):
 first on edge scenarios served by the scheduler alone (groups admitted in the same step,
-groups of several samples, one victim too few, the group asking being the victim, a CPU
-pool too small to take a victim, a victim part way through a chunked prefill, a step whose
-prefills preempt, a group admitted before the one asking that has not run yet, a victim the
-CPU pool cannot take while a smaller one before it could), then on the replay workloads
-with the tiny model. Every call must
-preempt the same groups, the same way, to the same place, and answer the same as the
-library's :func:`paged_lib.engine.policy.preempt_until_fits`; the first call that does
-not is told with its state, and the hint names the rule that state exposes.
+by recompute and by swap, groups of several samples, one victim too few, a CPU pool too
+small to take a victim, groups that already ran this step, the engine's rule the oldest
+first, a group admitted before the one asking that has not run yet, a victim the CPU pool
+cannot take while a smaller one before it could), then on the replay workloads with the
+tiny model, then on random workloads (:mod:`~paged_lib.course.grading.generated`). Every
+call must preempt the same groups, the same way, to the same place, and answer the same
+as the library's :func:`paged_lib.engine.policy.preempt_until_fits`; the first call that
+does not is told with its state, and the hint names the rule that state exposes.
 """
 
 from __future__ import annotations
