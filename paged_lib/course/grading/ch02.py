@@ -87,21 +87,20 @@ def _slots_hint(got: tuple[int, ...], want: tuple[int, ...], max_len: int) -> st
             "(up to final_len); internal = the rest.")
 
 
-_SLOT_CASES = [(1, 1), (1, 500), (161, 499), (499, 499), (16, 40), (17, 40), (40, 40),
-               (32, 33), (33, 33), (2047, 2048), (2048, 2048), (100, 2000)]
+def _check_slots(fn: Callable[[int, int, int], object], n: int, length: int,
+                 max_len: int) -> None:
+    want = request_slots("orca-max", n, length, max_len=max_len)
+    what = f"{n} tokens stored, final length {length}, max_len={max_len}"
+    got = _as_triple(fn(n, length, max_len), what)
+    grading.expect_equal(got, want, what=what, hint=_slots_hint(got, want, max_len))
 
 
 def check_orca_max_slots(fn: Callable[[int, int, int], object]) -> None:
     """02.2: (token_states, reserved, internal) of one Orca (Max) request."""
     with grading.exercise("02.2"):
-        for max_len in (2048, 512, 40):
-            for n, length in _SLOT_CASES:
-                if length > max_len:
-                    continue
-                want = request_slots("orca-max", n, length, max_len=max_len)
-                what = f"{n} tokens stored, final length {length}, max_len={max_len}"
-                got = _as_triple(fn(n, length, max_len), what)
-                grading.expect_equal(got, want, what=what, hint=_slots_hint(got, want, max_len))
+        for n, length, max_len in [(261, 499, 2048), (1, 500, 512), (16, 40, 40)]:
+            _check_slots(fn, n, length, max_len)
+        small_sim.slot_stage(lambda *args: _check_slots(fn, *args))  # generated: last steps
 
 
 def _snapshot_keeping_finished(prompt_lens, output_lens, step, slots):
@@ -164,29 +163,32 @@ def _checked_slots(slots, prompt_lens, output_lens, step):
     return checked
 
 
+def _check_snapshot(fn: Callable[..., object], what: str, slots, p, o, step) -> None:
+    got = _as_triple(fn(p, o, step, _checked_slots(slots, p, o, step)), what)
+    want = batch_snapshot(p, o, step, slots)
+    hint = _snapshot_hint(p, o, step, slots, got) if got != want else None
+    grading.expect_equal(got, want, what=what, hint=hint)
+
+
 def check_batch_snapshot(fn: Callable[..., object], block_size: int = 16) -> None:
     """02.4: totals over a batch at one step, then the claim "paging wastes less than one
     block per running request" checked at every step with the learner's function."""
     rng = np.random.default_rng(2)
     prompts = [int(v) for v in rng.integers(1, 300, size=12)]
     outputs = [int(v) for v in rng.integers(1, 400, size=12)]
-    cases = [([10], [5], 0), ([10], [5], 4), ([10], [5], 5), ([16, 1, 30], [1, 16, 3], 0),
-             ([16, 1, 30], [1, 16, 3], 2), (prompts, outputs, 0), (prompts, outputs, 150),
-             (prompts, outputs, 10_000)]
     policies = {
         "paged": lambda n, length: request_slots("paged", n, length, block_size=block_size),
         "orca-max": lambda n, length: request_slots("orca-max", n, length, max_len=2048),
     }
     with grading.exercise("02.4"):
         for name, slots in policies.items():
-            for p, o, step in cases:
-                what = f"{name} snapshot of prompts {p}, outputs {o} at step {step}"
-                if len(what) > 120:
-                    what = f"{name} snapshot of a batch of {len(p)} requests at step {step}"
-                got = _as_triple(fn(p, o, step, _checked_slots(slots, p, o, step)), what)
-                want = batch_snapshot(p, o, step, slots)
-                hint = _snapshot_hint(p, o, step, slots, got) if got != want else None
-                grading.expect_equal(got, want, what=what, hint=hint)
+            for p, o, step in [([10], [5], 0), ([10], [5], 4), ([10], [5], 5),
+                               ([16, 1, 30], [1, 16, 3], 0), ([16, 1, 30], [1, 16, 3], 2)]:
+                _check_snapshot(fn, f"{name} snapshot of prompts {p}, outputs {o} at step "
+                                    f"{step}", slots, p, o, step)
+        small_sim.batch_stage(lambda b: _check_snapshot(fn, "the snapshot", b.slots(),
+                                                        list(b.prompts), list(b.outputs),
+                                                        b.step))  # generated: ties, edges
         slots = policies["paged"]
         for step in range(max(outputs)):
             running = sum(step < o for o in outputs)

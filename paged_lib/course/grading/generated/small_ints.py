@@ -1,25 +1,35 @@
-"""Generated counts for 00.1 (ceil division), 01.2 (logical blocks) and 01.3 (last-block
-fill), on the harness of :mod:`~paged_lib.course.grading.generated.numeric`.
+"""Generated inputs for chapters 00 and 01, on the harness of
+:mod:`~paged_lib.course.grading.generated.numeric`.
 
-Their fixed cases hold one count past 2**53, ``10**18 + 1`` at blocks of 16, whose
-quotient 62,500,000,000,000,000.0625 a float rounds to a whole number: code that takes
-the float quotient's integer part and adds one for a remainder lands on the right answer
-there by luck. Here seeded counts sit where floats round the other way (``10**18 + 17``,
-``2**53 + 1``, ``3 * 10**17 + 5``, ``2**62 + 3``) and next to small ones, at block sizes
-that are not powers of two (3, 7, 100, 2**20 + 1) as well as 1 and 16, and each answer is
-compared with the library's integer one.
+00.1 (ceil division), 01.2 (logical blocks) and 01.3 (last-block fill): the fixed cases
+are counts a float holds exactly. Here seeded counts sit past 2**53, where n / b as a
+float rounds one way or the other (``10**18 + 17``, ``2**53 + 1``, ``3 * 10**17 + 5``,
+``2**62 + 3``), next to small ones, at block sizes that are not powers of two (3, 7, 100,
+2**20 + 1) as well as 1 and 16, and each answer is compared with the library's.
+
+01.1 (KV bytes per token) and 01.4 (requests in a KV budget): the fixed models all have
+``head_dim == hidden_size // num_heads`` and blocks of 1, 16 or 32. Here the models are
+real configurations (Gemma, Mistral NeMo, Qwen, Phi-3, Llama 3.2, Falcon: MHA, GQA, MQA,
+some whose head size is not hidden / heads) in fp8, fp16 and fp32, with block sizes that
+are not powers of two, contexts of one token and of whole blocks, and budgets of exactly
+k requests, one byte less, a block less one byte more, past 2**32 bytes.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
+from paged_lib.accounting import ModelSpec, kv_bytes_per_token
 from paged_lib.course import grading
 from paged_lib.course.grading.generated import numeric
 from paged_lib.util import cdiv
 
-__all__ = ["Count", "count_cases", "count_stage"]
+__all__ = ["Budget", "Count", "budget_cases", "budget_stage", "count_cases", "count_stage",
+           "kv_cases", "kv_stage"]
 
 _NS = [0, 1, 15, 10 ** 18 + 17, 2 ** 53 + 1, 3 * 10 ** 17 + 5, 2 ** 62 + 3, 10 ** 15 + 7,
        2 ** 53 + 15]
@@ -91,3 +101,98 @@ def count_stage(ex: str, fn: Callable) -> None:
     """The generated stage of 00.1, 01.2 or 01.3 (``ex``)."""
     numeric.check(ex, count_cases(), lambda p: run_count(ex, fn, p))
 
+
+
+# ------------------------------------------------------------------ 01.1 and 01.4 models
+
+def _counts() -> Any:
+    """:mod:`small_counts` (its models), imported when first asked: it imports Triton."""
+    from paged_lib.course.grading.generated import small_counts
+
+    return small_counts
+
+
+def _plain() -> list[int]:
+    """The models of ``small_counts.MODELS`` that cache K and V (01.1 does not ask for MLA)."""
+    return [i for i, m in enumerate(_counts().MODELS) if not m[6]]
+
+
+def kv_cases() -> list[Any]:
+    """01.1's cases (``small_counts.PerToken``): every plain model, all its layers, in
+    fp8, fp16 or fp32."""
+    return [_counts().PerToken(k, m, None, (1, 2, 4)[k % 3]) for k, m in enumerate(_plain())]
+
+
+def kv_stage(run: Callable[[ModelSpec], None]) -> None:
+    """01.1's generated stage; ``run(spec)``: the chapter's check of one model."""
+    numeric.check("01.1", kv_cases(), lambda p: run(p.spec()), (_counts()._HEAD_DIM,))
+
+
+@dataclass(frozen=True)
+class Budget:
+    """One generated case of 01.4: a budget of ``requests`` whole requests of
+    ``context_len`` tokens, less one byte (``extra`` -1), exactly (0), or with a block less
+    one byte more (1)."""
+
+    seed: int
+    token: Any  # small_counts.PerToken: the model, its layers, its dtype
+    block_size: int
+    context_len: int
+    requests: int
+    extra: int
+
+    def args(self) -> tuple[ModelSpec, int, int, int]:
+        spec, bs = self.token.spec(), self.block_size
+        block = bs * kv_bytes_per_token(spec)
+        budget = self.requests * cdiv(self.context_len, bs) * block + \
+            {-1: -1, 0: 0, 1: block - 1}[self.extra]
+        return spec, budget, self.context_len, bs
+
+    def describe(self) -> str:
+        spec, budget, ctx, bs = self.args()
+        left = {-1: " less one byte", 0: "", 1: " and a block less one byte"}[self.extra]
+        return (f"max_requests of {_counts()._about(spec)}, a budget of {budget:,} bytes "
+                f"({self.requests} x {cdiv(ctx, bs)} blocks{left}), context_len {ctx}, "
+                f"block_size {bs}")
+
+    def states(self) -> list[str]:
+        spec, budget, ctx, bs = self.args()
+        out = [f"block size {bs}"] if bs & (bs - 1) else []
+        out += ["a context of whole blocks of a size not a power of two"] if \
+            bs & (bs - 1) and ctx % bs == 0 else []
+        out += ["a budget past 2**32 bytes"] if budget > 2 ** 32 else []
+        return out + [s for s in self.token.states() if "hidden" in s]
+
+    def smaller(self) -> Iterator[Budget]:
+        for t in self.token.smaller():
+            yield dataclasses.replace(self, token=t)
+        yield from numeric.fewer(self, requests=[1] if self.requests > 1 else [],
+                                 extra=[0] if self.extra else [],
+                                 context_len=[x for x in (1, self.block_size)
+                                              if x < self.context_len])
+
+
+def _draw_budget(seed: int) -> Budget:
+    pick = random.Random(104 + seed).choice
+    bs = pick([1, 3, 12, 16, 24, 48, 100])
+    return Budget(seed, _counts().PerToken(seed, pick(_plain()), None, pick([1, 2, 4])), bs,
+                  pick([1, bs, 7 * bs, 7 * bs + 1, 1000, 4096, 32768]), pick([1, 2, 7, 40]),
+                  pick([-1, 0, 1]))
+
+
+def budget_cases(count: int = 30) -> list[Budget]:
+    return [_draw_budget(seed) for seed in range(count)]
+
+
+_POW2 = numeric.Contrast(
+    lambda p: dataclasses.replace(p, block_size=1 << p.block_size.bit_length())
+    if p.block_size & (p.block_size - 1) else None,
+    "it passes once block_size is a power of two: rounding up to a multiple of block_size "
+    "with a bit mask (& -block_size) or counting blocks with a shift (>> log2) holds only "
+    "for powers of two; count blocks with ceil division in integers")
+
+
+def budget_stage(run: Callable[[ModelSpec, int, int, int], None]) -> None:
+    """01.4's generated stage; ``run(spec, budget, context_len, block_size)``: the chapter's
+    check of one case."""
+    numeric.check("01.4", budget_cases(), lambda p: run(*p.args()), (_POW2,))

@@ -1,5 +1,15 @@
-"""Generated traces for 02.5 (a time-stepped paged simulator), on the harness of
+"""Generated inputs for chapter 02, on the harness of
 :mod:`~paged_lib.course.grading.generated.numeric`.
+
+02.2 (one Orca (Max) request's slots): the fixed cases are requests in the middle of
+their life. Here seeded cases include a request in its last step (it stores its final
+length), one whose final length is max_len, both at once, and max_len of 1 to 10**6 + 3.
+
+02.4 (a batch snapshot): the fixed batches have requests of distinct prompt lengths. Here
+seeded batches of zero to six requests, with prompt lengths that repeat (as the samples
+of one prompt have), outputs of 1 token, steps at a request's last step and just past it,
+paged with block sizes that are not powers of two and Orca (Max) with a max_len just
+above the longest request, are compared with the chapter's snapshot.
 
 02.5's six named traces are each built around one rule; in the one that preempts, the
 victim is also the first running request of the latest arrival time, so a victim chosen
@@ -21,10 +31,12 @@ from dataclasses import dataclass
 from paged_lib.course import grading
 from paged_lib.course.grading.ch02_answers import reference_paged
 from paged_lib.course.grading.generated import numeric
+from paged_lib.fragmentation import request_slots
 from paged_lib.util import cdiv
 from paged_lib.workloads import Request
 
-__all__ = ["Trace", "trace_cases", "trace_stage"]
+__all__ = ["Batch", "Slots", "Trace", "batch_cases", "batch_stage", "slot_cases",
+           "slot_stage", "trace_cases", "trace_stage"]
 
 _KEYS = ("token_states", "reserved", "internal", "external", "num_steps", "preemptions")
 
@@ -116,3 +128,132 @@ def trace_stage(simulate_paged: Callable, time_limit: Callable | None = None) ->
     """02.5's generated stage; ``time_limit(what)``: the grader's guard against a loop that
     never ends."""
     numeric.check("02.5", trace_cases(), lambda p: run_trace(simulate_paged, time_limit, p))
+
+
+# ------------------------------------------------------------------ 02.2 one request
+
+
+@dataclass(frozen=True)
+class Slots:
+    """One generated case of 02.2: ``orca_max_slots(num_tokens, final_len, max_len)``."""
+
+    seed: int
+    num_tokens: int
+    final_len: int
+    max_len: int
+
+    def describe(self) -> str:
+        n, f, m = self.num_tokens, self.final_len, self.max_len
+        return (f"orca_max_slots({n}, {f}, {m})" + (" (its last step: it stores its final "
+                "length)" if n == f else "") + (" (its final length is max_len)" if f == m
+                                                else ""))
+
+    def states(self) -> list[str]:
+        n, f, m = self.num_tokens, self.final_len, self.max_len
+        return ((["its last step"] if n == f else []) + (["final_len = max_len"] if f == m
+                                                        else [])
+                + (["last step, final_len < max_len"] if n == f < m else []))
+
+    def smaller(self) -> Iterator[Slots]:
+        n, f, m = self.num_tokens, self.final_len, self.max_len
+        for x in (n, f, m):
+            for y in numeric.shorter(x):
+                c = dataclasses.replace(self, **{k: y if v == x else v for k, v in (
+                    ("num_tokens", n), ("final_len", f), ("max_len", m))})
+                if 1 <= c.num_tokens <= c.final_len <= c.max_len:
+                    yield c
+
+
+def slot_cases(count: int = 30) -> list[Slots]:
+    out = []
+    for seed in range(count):
+        r = random.Random(202 + seed)
+        m = r.choice([1, 2, 40, 500, 2048, 3000, 131072, 10 ** 6 + 3])
+        f = r.choice([1, m, m - 1, r.randint(1, m)]) or 1
+        out.append(Slots(seed, r.choice([1, f, f - 1, r.randint(1, f)]) or 1, f, m))
+    return out
+
+
+def slot_stage(run: Callable[[int, int, int], None]) -> None:
+    """02.2's generated stage; ``run(num_tokens, final_len, max_len)``: the chapter's check
+    of one case."""
+    numeric.check("02.2", slot_cases(), lambda p: run(p.num_tokens, p.final_len,
+                                                      p.max_len), (numeric.Contrast(
+        lambda p: dataclasses.replace(p, final_len=p.final_len + 1)
+        if p.num_tokens == p.final_len < p.max_len else None,
+        "it passes while the request still has tokens to produce and fails in its last "
+        "step, when it stores its final length: it still holds all max_len slots then "
+        "(reserved 0, internal max_len - final_len) and frees them after the step"),))
+
+
+# ------------------------------------------------------------------ 02.4 a batch
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One generated case of 02.4: a batch at ``step`` under ``policy`` ("paged", with
+    blocks of ``size``, or "orca-max", with max_len the longest request plus ``size``)."""
+
+    seed: int
+    prompts: tuple[int, ...]
+    outputs: tuple[int, ...]
+    step: int
+    policy: str
+    size: int
+
+    def slots(self) -> Callable[[int, int], tuple[int, int, int]]:
+        if self.policy == "paged":
+            return lambda n, f: request_slots("paged", n, f, block_size=self.size)
+        top = max((p + o for p, o in zip(self.prompts, self.outputs, strict=True)), default=0)
+        return lambda n, f: request_slots("orca-max", n, f, max_len=top + self.size)
+
+    def describe(self) -> str:
+        return (f"batch_snapshot({list(self.prompts)}, {list(self.outputs)}, {self.step}, "
+                f"slots) with " + (f"paged slots, blocks of {self.size}" if self.policy ==
+                                   "paged" else "Orca (Max) slots"))
+
+    def states(self) -> list[str]:
+        pairs = list(zip(self.prompts, self.outputs, strict=True))
+        out = ["an empty batch"] if not pairs else []
+        out += ["two requests of the same prompt length"] if len(set(self.prompts)) < \
+            len(pairs) else []
+        out += ["a request in its last step"] if any(self.step == o - 1 for o in
+                                                     self.outputs) else []
+        out += ["a request that just left"] if self.step in self.outputs else []
+        return out + (["block size not a power of two"] if self.policy == "paged" and
+                      self.size & (self.size - 1) else [])
+
+    def smaller(self) -> Iterator[Batch]:
+        for k in range(len(self.prompts)):
+            yield dataclasses.replace(self, prompts=self.prompts[:k] + self.prompts[k + 1:],
+                                      outputs=self.outputs[:k] + self.outputs[k + 1:])
+        for k, o in enumerate(self.outputs):
+            for x in numeric.shorter(o):
+                yield dataclasses.replace(self, outputs=self.outputs[:k] + (x,)
+                                          + self.outputs[k + 1:])
+        yield from numeric.fewer(self, step=numeric.shorter(self.step, 0))
+
+
+def _draw_batch(seed: int) -> Batch:
+    r = random.Random(204 + seed)
+    k = r.choice([0, 1, 2, 3, 4, 6])
+    outputs = tuple(r.choice([1, 2, 3, 8, 20]) for _ in range(k))
+    step = r.choice([0, 1, *(o - 1 for o in outputs), *outputs])
+    paged = seed % 2 == 0
+    return Batch(seed, tuple(r.choice([1, 5, 16, 17, 30]) for _ in range(k)), outputs, step,
+                 "paged" if paged else "orca-max", r.choice([3, 5, 12, 16] if paged
+                                                            else [0, 7, 100]))
+
+
+def batch_cases(count: int = 40) -> list[Batch]:
+    return [_draw_batch(seed) for seed in range(count)]
+
+
+def batch_stage(run: Callable[[Batch], None]) -> None:
+    """02.4's generated stage; ``run(batch)``: the chapter's check of one batch."""
+    numeric.check("02.4", batch_cases(), run, (numeric.Contrast(
+        lambda p: dataclasses.replace(p, prompts=tuple(x + 100 * i for i, x in enumerate(
+            p.prompts))) if len(set(p.prompts)) < len(p.prompts) else None,
+        "it passes once every request has a prompt length of its own: two requests of the "
+        "same length (samples of one prompt) are still two requests, each counted; a dict "
+        "or a set keyed by length keeps one"),))
