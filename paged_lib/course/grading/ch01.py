@@ -8,6 +8,7 @@ from typing import Any
 
 from paged_lib.accounting import SPECS, ModelSpec, kv_bytes_per_token, num_blocks
 from paged_lib.course import grading
+from paged_lib.course.grading import ch00
 from paged_lib.course.grading.generated import small_ints
 
 # A tiny model whose numbers are all different, so a swapped field shows up.
@@ -54,23 +55,9 @@ def check_kv_bytes_per_token(fn: Callable[[ModelSpec], int]) -> None:
 
 
 def check_logical_blocks(fn: Callable[[int, int], int]) -> None:
-    """01.2: logical blocks for a request (ceil division, 0 tokens -> 0 blocks)."""
-    with grading.exercise("01.2"):
-        for n, bs in [(1000, 16), (0, 16), (16, 16), (17, 16), (1, 16), (2048, 16), (5, 1),
-                      (100, 128), (7, 3)]:
-            got = fn(n, bs)
-            want = num_blocks(n, bs)
-            if got == want:
-                grading.expect_int(got, f"blocks for {n} tokens at block size {bs}")
-            if got == n // bs and got != want:
-                hint = "a partly filled last block still counts: round up, not down."
-            elif isinstance(got, float) and got != int(got):
-                hint = "`/` gives a fraction of a block; blocks are whole: round up."
-            else:
-                hint = "ceil(num_tokens / block_size); 0 tokens need 0 blocks."
-            grading.expect_equal(got, want, what=f"blocks for {n} tokens at block size {bs}",
-                                 hint=hint)
-        small_ints.count_stage("01.2", fn)  # generated: counts past 2**53
+    """01.2: logical blocks for a request (ceil division, 0 tokens -> 0 blocks): 00.1's
+    check."""
+    ch00.check_ceil_div(fn, "01.2", "logical_blocks")
 
 
 def _fill(num_tokens: int, block_size: int) -> float:

@@ -79,7 +79,8 @@ def _slots_hint(got: tuple[int, ...], want: tuple[int, ...], max_len: int) -> st
     if got[0] != want[0]:
         return "token states = num_tokens: the slots that hold a token now, no more, no less."
     if sum(got) != sum(want):
-        return f"Orca (Max) holds max_len = {max_len} slots from admission to the end."
+        return (f"Orca (Max) holds max_len = {max_len} slots from admission to the end, its "
+                f"last step (when it stores its final length) included.")
     if got[1] == want[1] + want[2] or got[2] == want[1] + want[2]:
         return ("split the free slots: those below the final length will be filled later "
                 "(reserved); those at or past it never will (internal).")
@@ -103,44 +104,24 @@ def check_orca_max_slots(fn: Callable[[int, int, int], object]) -> None:
         small_sim.slot_stage(lambda *args: _check_slots(fn, *args))  # generated: last steps
 
 
-def _snapshot_keeping_finished(prompt_lens, output_lens, step, slots):
-    """The typical slip: finished requests still counted, frozen at their final length."""
-    prompts = [p + min(step, o - 1) - step for p, o in zip(prompt_lens, output_lens,
-                                                            strict=True)]
-    return batch_snapshot(prompts, [max(o, step + 1) for o in output_lens], step, slots)
-
-
-def _snapshot_tokens_off(prompt_lens, output_lens, step, slots, delta):
-    """Each running request counted with ``prompt + step + 1 + delta`` tokens."""
-    total = [0, 0, 0]
-    for p, o in zip(prompt_lens, output_lens, strict=True):
-        if step < o and 1 <= p + step + 1 + delta <= p + o:
-            for k, v in enumerate(slots(p + step + 1 + delta, p + o)):
-                total[k] += v
-    return tuple(total)
-
-
-_TOKENS_HINT = ("during step s (counting from 0) a request stores prompt + s + 1 tokens: its "
-                "prompt plus the token being produced.")
-_SNAPSHOT_SLIPS: list[tuple[Callable[..., tuple[int, ...] | None], str]] = [
-    (_snapshot_keeping_finished, "a request takes part while step < output_len; finished "
-                                 "ones have left and hold nothing."),
-    (lambda p, o, step, slots: batch_snapshot(p, o, step - 1, slots) if step >= 1 else None,
-     _TOKENS_HINT),
-    (lambda p, o, step, slots: _snapshot_tokens_off(p, o, step, slots, -1), _TOKENS_HINT),
-    (lambda p, o, step, slots: _snapshot_tokens_off(p, o, step, slots, 1), _TOKENS_HINT),
-    (lambda p, o, step, slots: tuple(int(v) for v in np.sum(
-        [batch_snapshot(p, o, s, slots) for s in range(step + 1)], axis=0)) if step else None,
-     "a snapshot is the totals during this one step, not summed over steps 0 .. step."),
-]
-
-
 def _snapshot_hint(p, o, step, slots, got) -> str:
-    for slip, hint in _SNAPSHOT_SLIPS:
-        if got == slip(p, o, step, slots):
-            return hint
-    return ("a request takes part while step < output_len; sum the slots function over "
-            "those requests only.")
+    """Name the slip from the wrong totals it produced."""
+    def total(d: int = 0, kept: bool = False) -> tuple[int, ...]:
+        """Running requests (and, ``kept``, finished ones at their end) with d more tokens."""
+        n = [(x + min(step, y - 1 if kept else step) + 1 + d, x + y) for x, y in zip(
+            p, o, strict=True) if step < y or kept]
+        return tuple(map(sum, zip((0, 0, 0), *(slots(*a) for a in n if 1 <= a[0] <= a[1]),
+                                  strict=True)))
+    if got == total(kept=True):
+        return ("a request takes part while step < output_len; finished ones have left and "
+                "hold nothing.")
+    if got in (total(-1), total(1)) or step and got == batch_snapshot(p, o, step - 1, slots):
+        return ("during step s (counting from 0) a request stores prompt + s + 1 tokens: its "
+                "prompt plus the token being produced.")
+    if step and got == tuple(map(sum, zip(*(batch_snapshot(p, o, s, slots) for s in range(
+            step + 1)), strict=True))):
+        return "a snapshot is the totals during this one step, not summed over steps 0 .. step."
+    return "a request takes part while step < output_len; sum the slots over those only."
 
 
 def _checked_slots(slots, prompt_lens, output_lens, step):
@@ -186,9 +167,8 @@ def check_batch_snapshot(fn: Callable[..., object], block_size: int = 16) -> Non
                                ([16, 1, 30], [1, 16, 3], 0), ([16, 1, 30], [1, 16, 3], 2)]:
                 _check_snapshot(fn, f"{name} snapshot of prompts {p}, outputs {o} at step "
                                     f"{step}", slots, p, o, step)
-        small_sim.batch_stage(lambda b: _check_snapshot(fn, "the snapshot", b.slots(),
-                                                        list(b.prompts), list(b.outputs),
-                                                        b.step))  # generated: ties, edges
+        small_sim.batch_stage(lambda p, o, step, slots: _check_snapshot(
+            fn, "the snapshot", slots, p, o, step))  # generated: tied prompt lengths, edges
         slots = policies["paged"]
         for step in range(max(outputs)):
             running = sum(step < o for o in outputs)

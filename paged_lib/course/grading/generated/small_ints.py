@@ -106,21 +106,17 @@ def count_stage(ex: str, fn: Callable) -> None:
 # ------------------------------------------------------------------ 01.1 and 01.4 models
 
 def _counts() -> Any:
-    """:mod:`small_counts` (its models), imported when first asked: it imports Triton."""
+    """:mod:`small_counts` (its real models), imported when first asked: it imports Triton."""
     from paged_lib.course.grading.generated import small_counts
 
     return small_counts
 
 
-def _plain() -> list[int]:
-    """The models of ``small_counts.MODELS`` that cache K and V (01.1 does not ask for MLA)."""
-    return [i for i, m in enumerate(_counts().MODELS) if not m[6]]
-
-
 def kv_cases() -> list[Any]:
-    """01.1's cases (``small_counts.PerToken``): every plain model, all its layers, in
-    fp8, fp16 or fp32."""
-    return [_counts().PerToken(k, m, None, (1, 2, 4)[k % 3]) for k, m in enumerate(_plain())]
+    """01.1's cases (``small_counts.PerToken``): every model that caches K and V (not MLA),
+    all its layers, in fp8, fp16 or fp32."""
+    plain = [i for i, m in enumerate(_counts().MODELS) if not m[6]]
+    return [_counts().PerToken(k, m, None, (1, 2, 4)[k % 3]) for k, m in enumerate(plain)]
 
 
 def kv_stage(run: Callable[[ModelSpec], None]) -> None:
@@ -130,9 +126,8 @@ def kv_stage(run: Callable[[ModelSpec], None]) -> None:
 
 @dataclass(frozen=True)
 class Budget:
-    """One generated case of 01.4: a budget of ``requests`` whole requests of
-    ``context_len`` tokens, less one byte (``extra`` -1), exactly (0), or with a block less
-    one byte more (1)."""
+    """One generated case of 01.4: a budget of ``requests`` requests of ``context_len``
+    tokens, less one byte (``extra`` -1), exactly (0), or a block less one byte more (1)."""
 
     seed: int
     token: Any  # small_counts.PerToken: the model, its layers, its dtype
@@ -144,55 +139,47 @@ class Budget:
     def args(self) -> tuple[ModelSpec, int, int, int]:
         spec, bs = self.token.spec(), self.block_size
         block = bs * kv_bytes_per_token(spec)
-        budget = self.requests * cdiv(self.context_len, bs) * block + \
-            {-1: -1, 0: 0, 1: block - 1}[self.extra]
-        return spec, budget, self.context_len, bs
+        extra = {-1: -1, 0: 0, 1: block - 1}[self.extra]
+        return spec, self.requests * cdiv(self.context_len, bs) * block + extra, \
+            self.context_len, bs
 
     def describe(self) -> str:
         spec, budget, ctx, bs = self.args()
-        left = {-1: " less one byte", 0: "", 1: " and a block less one byte"}[self.extra]
         return (f"max_requests of {_counts()._about(spec)}, a budget of {budget:,} bytes "
-                f"({self.requests} x {cdiv(ctx, bs)} blocks{left}), context_len {ctx}, "
+                f"({self.requests} x {cdiv(ctx, bs)} blocks" + {-1: " less one byte", 0: "",
+                1: " and a block less one byte"}[self.extra] + f"), context_len {ctx}, "
                 f"block_size {bs}")
 
     def states(self) -> list[str]:
         spec, budget, ctx, bs = self.args()
-        out = [f"block size {bs}"] if bs & (bs - 1) else []
-        out += ["a context of whole blocks of a size not a power of two"] if \
-            bs & (bs - 1) and ctx % bs == 0 else []
-        out += ["a budget past 2**32 bytes"] if budget > 2 ** 32 else []
-        return out + [s for s in self.token.states() if "hidden" in s]
+        odd = bs & (bs - 1) > 0
+        return [f"block size {bs}"] * odd + ["a budget past 2**32 bytes"] * (budget > 2 ** 32) \
+            + ["a context of whole blocks of a size not a power of two"] * (odd and ctx % bs == 0)
 
     def smaller(self) -> Iterator[Budget]:
-        for t in self.token.smaller():
-            yield dataclasses.replace(self, token=t)
-        yield from numeric.fewer(self, requests=[1] if self.requests > 1 else [],
-                                 extra=[0] if self.extra else [],
-                                 context_len=[x for x in (1, self.block_size)
-                                              if x < self.context_len])
-
-
-def _draw_budget(seed: int) -> Budget:
-    pick = random.Random(104 + seed).choice
-    bs = pick([1, 3, 12, 16, 24, 48, 100])
-    return Budget(seed, _counts().PerToken(seed, pick(_plain()), None, pick([1, 2, 4])), bs,
-                  pick([1, bs, 7 * bs, 7 * bs + 1, 1000, 4096, 32768]), pick([1, 2, 7, 40]),
-                  pick([-1, 0, 1]))
+        yield from (dataclasses.replace(self, token=t) for t in self.token.smaller())
+        yield from numeric.fewer(self, requests=[1], extra=[0], context_len=[
+            x for x in (1, self.block_size) if x < self.context_len])
 
 
 def budget_cases(count: int = 30) -> list[Budget]:
-    return [_draw_budget(seed) for seed in range(count)]
-
-
-_POW2 = numeric.Contrast(
-    lambda p: dataclasses.replace(p, block_size=1 << p.block_size.bit_length())
-    if p.block_size & (p.block_size - 1) else None,
-    "it passes once block_size is a power of two: rounding up to a multiple of block_size "
-    "with a bit mask (& -block_size) or counting blocks with a shift (>> log2) holds only "
-    "for powers of two; count blocks with ceil division in integers")
+    """01.4's cases: real models, blocks of 1 to 100, contexts of 1 token and whole blocks."""
+    out = []
+    for seed in range(count):
+        pick = random.Random(104 + seed).choice
+        bs, model = pick([1, 3, 12, 16, 24, 48, 100]), kv_cases()[seed % 9].model
+        out.append(Budget(seed, _counts().PerToken(seed, model, None, pick([1, 2, 4])), bs,
+                          pick([1, bs, 7 * bs, 7 * bs + 1, 1000, 4096, 32768]),
+                          pick([1, 2, 7, 40]), pick([-1, 0, 1])))
+    return out
 
 
 def budget_stage(run: Callable[[ModelSpec, int, int, int], None]) -> None:
     """01.4's generated stage; ``run(spec, budget, context_len, block_size)``: the chapter's
     check of one case."""
-    numeric.check("01.4", budget_cases(), lambda p: run(*p.args()), (_POW2,))
+    numeric.check("01.4", budget_cases(), lambda p: run(*p.args()), (numeric.Contrast(
+        lambda p: dataclasses.replace(p, block_size=1 << p.block_size.bit_length())
+        if p.block_size & (p.block_size - 1) else None,
+        "it passes once block_size is a power of two: rounding up to a multiple of "
+        "block_size with a bit mask (& -block_size) or counting blocks with a shift (>> "
+        "log2) holds only for powers of two; count blocks with ceil division in integers"),))

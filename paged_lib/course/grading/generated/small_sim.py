@@ -130,130 +130,105 @@ def trace_stage(simulate_paged: Callable, time_limit: Callable | None = None) ->
     numeric.check("02.5", trace_cases(), lambda p: run_trace(simulate_paged, time_limit, p))
 
 
-# ------------------------------------------------------------------ 02.2 one request
+# ------------------------------------------------------------------ 02.2 and 02.4
 
 
 @dataclass(frozen=True)
 class Slots:
-    """One generated case of 02.2: ``orca_max_slots(num_tokens, final_len, max_len)``."""
+    """One generated case of 02.2: ``orca_max_slots(*args)``, args (tokens, final, max)."""
 
     seed: int
-    num_tokens: int
-    final_len: int
-    max_len: int
+    args: tuple[int, int, int]
 
     def describe(self) -> str:
-        n, f, m = self.num_tokens, self.final_len, self.max_len
-        return (f"orca_max_slots({n}, {f}, {m})" + (" (its last step: it stores its final "
-                "length)" if n == f else "") + (" (its final length is max_len)" if f == m
-                                                else ""))
+        n, f, m = self.args
+        return f"orca_max_slots{self.args}" + (" (its last step)" if n == f else "")
 
     def states(self) -> list[str]:
-        n, f, m = self.num_tokens, self.final_len, self.max_len
-        return ((["its last step"] if n == f else []) + (["final_len = max_len"] if f == m
-                                                        else [])
-                + (["last step, final_len < max_len"] if n == f < m else []))
+        n, f, m = self.args
+        return ["its last step"] * (n == f) + ["final_len = max_len"] * (f == m) + [
+            "its last step, final_len < max_len"] * (n == f < m)
 
     def smaller(self) -> Iterator[Slots]:
-        n, f, m = self.num_tokens, self.final_len, self.max_len
-        for x in (n, f, m):
+        for x in sorted(set(self.args)):
             for y in numeric.shorter(x):
-                c = dataclasses.replace(self, **{k: y if v == x else v for k, v in (
-                    ("num_tokens", n), ("final_len", f), ("max_len", m))})
-                if 1 <= c.num_tokens <= c.final_len <= c.max_len:
-                    yield c
+                c = tuple(y if v == x else v for v in self.args)  # equal ones stay equal
+                if 1 <= c[0] <= c[1] <= c[2]:
+                    yield Slots(self.seed, c)
 
 
 def slot_cases(count: int = 30) -> list[Slots]:
+    """02.2's cases: max_len from 1 to 10**6 + 3, final lengths and tokens at its edges."""
     out = []
     for seed in range(count):
         r = random.Random(202 + seed)
         m = r.choice([1, 2, 40, 500, 2048, 3000, 131072, 10 ** 6 + 3])
         f = r.choice([1, m, m - 1, r.randint(1, m)]) or 1
-        out.append(Slots(seed, r.choice([1, f, f - 1, r.randint(1, f)]) or 1, f, m))
+        out.append(Slots(seed, (r.choice([1, f, f - 1, r.randint(1, f)]) or 1, f, m)))
     return out
-
-
-def slot_stage(run: Callable[[int, int, int], None]) -> None:
-    """02.2's generated stage; ``run(num_tokens, final_len, max_len)``: the chapter's check
-    of one case."""
-    numeric.check("02.2", slot_cases(), lambda p: run(p.num_tokens, p.final_len,
-                                                      p.max_len), (numeric.Contrast(
-        lambda p: dataclasses.replace(p, final_len=p.final_len + 1)
-        if p.num_tokens == p.final_len < p.max_len else None,
-        "it passes while the request still has tokens to produce and fails in its last "
-        "step, when it stores its final length: it still holds all max_len slots then "
-        "(reserved 0, internal max_len - final_len) and frees them after the step"),))
-
-
-# ------------------------------------------------------------------ 02.4 a batch
 
 
 @dataclass(frozen=True)
 class Batch:
-    """One generated case of 02.4: a batch at ``step`` under ``policy`` ("paged", with
-    blocks of ``size``, or "orca-max", with max_len the longest request plus ``size``)."""
+    """One generated case of 02.4: ``requests`` (prompt, output) at ``step``, paged with
+    blocks of ``size`` or (``orca``) Orca (Max) with max_len the longest plus ``size``."""
 
     seed: int
-    prompts: tuple[int, ...]
-    outputs: tuple[int, ...]
+    requests: tuple[tuple[int, int], ...]
     step: int
-    policy: str
+    orca: bool
     size: int
 
-    def slots(self) -> Callable[[int, int], tuple[int, int, int]]:
-        if self.policy == "paged":
-            return lambda n, f: request_slots("paged", n, f, block_size=self.size)
-        top = max((p + o for p, o in zip(self.prompts, self.outputs, strict=True)), default=0)
-        return lambda n, f: request_slots("orca-max", n, f, max_len=top + self.size)
+    def args(self) -> tuple[list[int], list[int], int, Callable]:
+        top = max((p + o for p, o in self.requests), default=0) + self.size
+        return [p for p, _ in self.requests], [o for _, o in self.requests], self.step, (
+            (lambda n, f: request_slots("orca-max", n, f, max_len=top)) if self.orca else
+            (lambda n, f: request_slots("paged", n, f, block_size=self.size)))
 
     def describe(self) -> str:
-        return (f"batch_snapshot({list(self.prompts)}, {list(self.outputs)}, {self.step}, "
-                f"slots) with " + (f"paged slots, blocks of {self.size}" if self.policy ==
-                                   "paged" else "Orca (Max) slots"))
+        p, o, step, _ = self.args()
+        return f"batch_snapshot({p}, {o}, {step}, slots) with " + (
+            "Orca (Max) slots" if self.orca else f"paged slots, blocks of {self.size}")
 
     def states(self) -> list[str]:
-        pairs = list(zip(self.prompts, self.outputs, strict=True))
-        out = ["an empty batch"] if not pairs else []
-        out += ["two requests of the same prompt length"] if len(set(self.prompts)) < \
-            len(pairs) else []
-        out += ["a request in its last step"] if any(self.step == o - 1 for o in
-                                                     self.outputs) else []
-        out += ["a request that just left"] if self.step in self.outputs else []
-        return out + (["block size not a power of two"] if self.policy == "paged" and
-                      self.size & (self.size - 1) else [])
+        p, o, step, _ = self.args()
+        return ["an empty batch"] * (not p) + ["two requests of the same prompt length"] * (
+            len(set(p)) < len(p)) + ["a request in its last step"] * (step + 1 in o) + [
+            "a request that just left"] * (step in o) + ["block size not a power of two"] * (
+            not self.orca and self.size & (self.size - 1) > 0)
 
     def smaller(self) -> Iterator[Batch]:
-        for k in range(len(self.prompts)):
-            yield dataclasses.replace(self, prompts=self.prompts[:k] + self.prompts[k + 1:],
-                                      outputs=self.outputs[:k] + self.outputs[k + 1:])
-        for k, o in enumerate(self.outputs):
+        r = self.requests
+        for k, (p, o) in enumerate(r):
+            yield dataclasses.replace(self, requests=r[:k] + r[k + 1:])
             for x in numeric.shorter(o):
-                yield dataclasses.replace(self, outputs=self.outputs[:k] + (x,)
-                                          + self.outputs[k + 1:])
+                yield dataclasses.replace(self, requests=r[:k] + ((p, x),) + r[k + 1:])
         yield from numeric.fewer(self, step=numeric.shorter(self.step, 0))
 
 
-def _draw_batch(seed: int) -> Batch:
-    r = random.Random(204 + seed)
-    k = r.choice([0, 1, 2, 3, 4, 6])
-    outputs = tuple(r.choice([1, 2, 3, 8, 20]) for _ in range(k))
-    step = r.choice([0, 1, *(o - 1 for o in outputs), *outputs])
-    paged = seed % 2 == 0
-    return Batch(seed, tuple(r.choice([1, 5, 16, 17, 30]) for _ in range(k)), outputs, step,
-                 "paged" if paged else "orca-max", r.choice([3, 5, 12, 16] if paged
-                                                            else [0, 7, 100]))
-
-
 def batch_cases(count: int = 40) -> list[Batch]:
-    return [_draw_batch(seed) for seed in range(count)]
+    """02.4's cases: zero to six requests, prompt lengths that repeat, steps at an end."""
+    out = []
+    for seed in range(count):
+        r = random.Random(204 + seed)
+        reqs = tuple((r.choice([1, 5, 16, 17, 30]), r.choice([1, 2, 3, 8, 20]))
+                     for _ in range(r.choice([0, 1, 2, 3, 4, 6])))
+        out.append(Batch(seed, reqs, r.choice([0, 1, *(o - x for _, o in reqs for x in (0, 1))]),
+                         seed % 2 == 1, r.choice([0, 7, 100] if seed % 2 else [3, 5, 12, 16])))
+    return out
 
 
-def batch_stage(run: Callable[[Batch], None]) -> None:
-    """02.4's generated stage; ``run(batch)``: the chapter's check of one batch."""
-    numeric.check("02.4", batch_cases(), run, (numeric.Contrast(
-        lambda p: dataclasses.replace(p, prompts=tuple(x + 100 * i for i, x in enumerate(
-            p.prompts))) if len(set(p.prompts)) < len(p.prompts) else None,
+def slot_stage(run: Callable[[int, int, int], None]) -> None:
+    """02.2's generated stage; ``run(*args)``: the chapter's check of one case."""
+    numeric.check("02.2", slot_cases(), lambda p: run(*p.args))
+
+
+def batch_stage(run: Callable[..., None]) -> None:
+    """02.4's generated stage; ``run(prompts, outputs, step, slots)``: the chapter's check
+    of one batch."""
+    numeric.check("02.4", batch_cases(), lambda p: run(*p.args()), (numeric.Contrast(
+        lambda p: dataclasses.replace(p, requests=tuple((x + 100 * i, o) for i, (x, o) in
+                                                        enumerate(p.requests))), (
         "it passes once every request has a prompt length of its own: two requests of the "
         "same length (samples of one prompt) are still two requests, each counted; a dict "
-        "or a set keyed by length keeps one"),))
+        "or a set keyed by length keeps one")),))
