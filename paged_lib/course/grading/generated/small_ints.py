@@ -102,6 +102,32 @@ def count_stage(ex: str, fn: Callable) -> None:
     numeric.check(ex, count_cases(), lambda p: run_count(ex, fn, p))
 
 
+def _division_hint(n: int, b: int, got: Any) -> str:
+    """Name the slip from the wrong number it produced."""
+    if got == n // b:
+        return "a partly filled last block still takes a whole block: round up, not down"
+    if isinstance(got, float) and got != int(got):
+        return "`/` gives a fraction of a block; blocks are whole: round up"
+    if n % b == 0 and got == n // b + 1:
+        return (f"when n is a multiple of b the last block is exactly full: {n} tokens in "
+                f"blocks of {b} need {n // b}, not one more")
+    return "ceil(n / b): the number of b-sized blocks that hold n items, 0 for n = 0"
+
+
+def check_division(ex: str, name: str, fn: Callable[[int, int], int]) -> None:
+    """The check of 00.1 (``ceil_div``) and 01.2 (``logical_blocks``), the same division:
+    named cases, then the generated counts."""
+    with grading.exercise(ex):
+        for n, b in [(1, 16), (0, 16), (16, 16), (17, 16), (40, 16), (1000, 16), (7, 1),
+                     (5, 3), (100, 128)]:
+            got = fn(n, b)
+            grading.expect_equal(got, cdiv(n, b), f"{name}({n}, {b})",
+                                 hint=_division_hint(n, b, got))
+            grading.expect_int(got, f"{name}({n}, {b})", hint="use // rather than / and "
+                               "math.ceil: a count of blocks is an int")
+        count_stage(ex, fn)  # generated: counts past 2**53
+
+
 
 # ------------------------------------------------------------------ 01.1 and 01.4 models
 
