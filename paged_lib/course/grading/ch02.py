@@ -52,13 +52,10 @@ def check_waste_removed(fn: Callable[[], dict[str, set[str]]]) -> None:
         grading.expect_true(not missing, f"no answer for {missing}",
                             hint="use the mechanism names exactly as given in the dict stub")
         for mech, want in MECHANISMS.items():
-            answer = got[mech]
-            grading.expect_true(answer is not None, f"{mech!r}: None",
+            grading.expect_true(got[mech] is not None, f"{mech!r}: None",
                                 hint="a mechanism that removes no kind of waste gets an empty "
                                      "set, set(), not None")
-            if isinstance(answer, str):
-                answer = {answer}
-            answer = set(answer)
+            answer = {got[mech]} if isinstance(got[mech], str) else set(got[mech])
             unknown = answer - set(WASTE_KINDS)
             grading.expect_true(not unknown, f"{mech!r}: unknown waste kind(s) "
                                 f"{sorted(unknown)}", hint=f"use only {WASTE_KINDS}")

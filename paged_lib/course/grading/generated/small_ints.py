@@ -1,18 +1,19 @@
 """Generated inputs for chapters 00 and 01, on the harness of
 :mod:`~paged_lib.course.grading.generated.numeric`.
 
-00.1 (ceil division), 01.2 (logical blocks) and 01.3 (last-block fill): the fixed cases
-are counts a float holds exactly. Here seeded counts sit past 2**53, where n / b as a
-float rounds one way or the other (``10**18 + 17``, ``2**53 + 1``, ``3 * 10**17 + 5``,
-``2**62 + 3``), next to small ones, at block sizes that are not powers of two (3, 7, 100,
-2**20 + 1) as well as 1 and 16, and each answer is compared with the library's.
+00.1 (ceil division) and 01.2 (logical blocks), whose whole check is here, and 01.3
+(last-block fill): the named cases are counts a float holds exactly. Here seeded counts
+sit past 2**53, where n / b as a float rounds one way or the other (``10**18 + 17``,
+``2**53 + 1``, ``3 * 10**17 + 5``, ``2**62 + 3``), next to small ones, at block sizes
+that are not powers of two (3, 7, 100, 2**20 + 1) as well as 1 and 16.
 
-01.1 (KV bytes per token) and 01.4 (requests in a KV budget): the fixed models all have
-``head_dim == hidden_size // num_heads`` and blocks of 1, 16 or 32. Here the models are
-real configurations (Gemma, Mistral NeMo, Qwen, Phi-3, Llama 3.2, Falcon: MHA, GQA, MQA,
-some whose head size is not hidden / heads) in fp8, fp16 and fp32, with block sizes that
-are not powers of two, contexts of one token and of whole blocks, and budgets of exactly
-k requests, one byte less, a block less one byte more, past 2**32 bytes.
+01.1 (KV bytes per token) and 01.4 (requests in a KV budget): the named models all have
+``head_dim == hidden_size // num_heads``, and 01.4's blocks hold 16 tokens. Here the
+models are real configurations (Gemma, Mistral NeMo, Qwen, Phi-3, Llama 3.2, Falcon:
+MHA, GQA, MQA, some whose head size is not hidden / heads) in fp8, fp16 and fp32, with
+block sizes that are not powers of two, contexts of one token and of whole blocks, and
+budgets of exactly k requests, one byte less, a block less one byte more, past 2**32.
+Each answer is compared with the library's.
 """
 
 from __future__ import annotations

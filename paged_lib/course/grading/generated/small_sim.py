@@ -68,13 +68,11 @@ class Trace:
 
     def states(self) -> list[str]:
         want = reference_paged(*self.build())
-        out = ["two or more preemptions"] if want["preemptions"] > 1 else []
-        out += ["listed out of arrival order"] if list(self.requests) != sorted(
-            self.requests, key=lambda r: r[2]) else []
-        out += [f"block size {self.block_size}"] if self.block_size in (3, 5, 7) else []
-        out += ["capacity not a multiple of block_size"] if self.capacity() % \
-            self.block_size else []
-        return out
+        return ["two or more preemptions"] * (want["preemptions"] > 1) + [
+            "listed out of arrival order"] * (list(self.requests) != sorted(
+                self.requests, key=lambda r: r[2])) + [f"block size {self.block_size}"] * (
+            self.block_size in (3, 5, 7)) + ["capacity not a multiple of block_size"] * (
+            self.capacity() % self.block_size > 0)
 
     def smaller(self) -> Iterator[Trace]:
         for k in range(len(self.requests)):
