@@ -58,12 +58,6 @@ def check_logical_blocks(fn: Callable[[int, int], int]) -> None:
     small_ints.check_division("01.2", "logical_blocks", fn)
 
 
-def _fill(num_tokens: int, block_size: int) -> float:
-    if num_tokens == 0:
-        return 0.0
-    return (num_tokens - (num_blocks(num_tokens, block_size) - 1) * block_size) / block_size
-
-
 def _fill_hint(n: int, bs: int, got: object, want: float) -> str:
     """Name the slip from the wrong fill it produced."""
     in_last = round(want * bs)
@@ -101,7 +95,7 @@ def check_last_block_fill(fn: Callable[[int, int], float]) -> None:
     with grading.exercise("01.3"):
         for n, bs in cases:
             got = fn(n, bs)
-            want = _fill(n, bs)
+            want = small_ints.fill(n, bs)
             grading.expect_close(got, want, what=f"fill of the last block for {n} tokens "
                                                  f"at block size {bs}", rel=1e-9,
                                  hint=_fill_hint(n, bs, got, want))

@@ -29,8 +29,8 @@ from paged_lib.course import grading
 from paged_lib.course.grading.generated import numeric
 from paged_lib.util import cdiv
 
-__all__ = ["Budget", "Count", "budget_cases", "budget_stage", "count_cases", "count_stage",
-           "kv_cases", "kv_stage"]
+__all__ = ["Budget", "Count", "budget_cases", "budget_stage", "check_division", "count_cases",
+           "count_stage", "fill", "kv_cases", "kv_stage"]
 
 _NS = [0, 1, 15, 10 ** 18 + 17, 2 ** 53 + 1, 3 * 10 ** 17 + 5, 2 ** 62 + 3, 10 ** 15 + 7,
        2 ** 53 + 15]
@@ -77,13 +77,14 @@ def count_cases(count: int = 30) -> list[Count]:
             for k in range(count)]
 
 
-def _fill(n: int, b: int) -> float:
+def fill(n: int, b: int) -> float:
+    """01.3's answer: the share of the last block that holds tokens (0.0 for no tokens)."""
     return ((n % b) or b) / b if n else 0.0
 
 
 #: what each exercise asks of (n, b), and what it calls the answer
 ASKED: dict[str, tuple[Callable[[int, int], float], str]] = {
-    "00.1": (cdiv, "ceil_div"), "01.2": (cdiv, "blocks"), "01.3": (_fill, "fill")}
+    "00.1": (cdiv, "ceil_div"), "01.2": (cdiv, "blocks"), "01.3": (fill, "fill")}
 _HINT = ("stay in integers: n // b and n % b are exact at any size, n / b is a float that "
          "holds 53 bits and rounds past 2**53")
 
