@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -21,8 +22,7 @@ from paged_lib.course.grading.generated.numeric import Contrast, fewer, shorter
 from paged_lib.kernels.cases import NAN_BLOCK, make_decode_case
 from paged_lib.util import cdiv
 
-__all__ = ["DECODE_CONTRASTS", "RAMP_CONTRASTS", "Attention", "Decode", "Gather", "Softmax",
-           "Tile", "decode_cases", "ramp_cases"]
+__all__ = ["DECODE_CONTRASTS", "RAMP_CONTRASTS", "Decode", "Ramp", "decode_cases", "ramp_cases"]
 
 #: scale -> (head size it is taken over, as a multiple of HEAD_DIM; what has it)
 _SCALES = {"head": (1.0, "1 / sqrt(HEAD_DIM)"),
@@ -139,19 +139,121 @@ DECODE_CONTRASTS = (
 )
 
 
+
 # ------------------------------------------------------------------ 05.1-05.4 the ramp
 #
 # The ramp's fixed cases launch at most two programs along an axis, with BLOCK_M ==
-# BLOCK_N or a single row of programs, rows a few units from 0 and scale 1 / sqrt(D).
+# BLOCK_N or one row of programs, softmax rows no lower than -50 and scale 1 / sqrt(D).
 # Here: up to five programs along an axis, tiles of 1 to 16 (tall, wide, square) over
-# sizes that are not powers of two, row ids repeated (blocks shared), rows of a softmax
-# from -1000 to +500 or tied, scores all far below (or above) 0, rising or falling from
-# tile to tile, one spike, and the scales of Gemma 2 and MLA.
+# sizes that are not powers of two, row ids repeated (shared blocks), softmax rows from
+# -1000 to +500 or tied, scores all far below (or above) 0, rising or falling from tile
+# to tile, one spike, tied, and the scales of Gemma 2 and MLA.
+
+#: a field's simpler values, tried in turn by ``Ramp.smaller``
+_SIMPLER: dict[str, Callable[[Any], list]] = {
+    "pad": lambda v: shorter(v, 0), "shared": lambda v: [False], "ties": lambda v: [False],
+    "shifts": lambda v: [v[:i] + v[i + 1:] for i in range(len(v))] if len(v) > 1 else [],
+    "spread": lambda v: [3.0], "scale": lambda v: ["head"], "loud": lambda v: [1.0],
+    "profile": lambda v: ["random"]}
+_POW2 = ("bm", "bn", "block", "tile", "d")
+#: profile of 05.4 -> the score it puts on every key (or its step from key to key)
+_LEVELS = {"random": None, "below": -200.0, "above": 200.0, "rising": 3.0, "falling": -3.0,
+           "spike": 30.0, "ties": None}
 
 
-def _gen(base: int, seed: int) -> tuple[torch.Generator, Callable]:
-    g = torch.Generator().manual_seed(base + seed)
-    return g, lambda xs: xs[int(torch.randint(len(xs), (1,), generator=g))]
+@dataclass(frozen=True)
+class Ramp:
+    """One generated case of 05.1-05.4: the exercise, a seed, and its fields by name."""
+
+    ex: str
+    seed: int
+    fields: tuple[tuple[str, Any], ...]
+
+    def __getattr__(self, name: str) -> Any:
+        for key, value in object.__getattribute__(self, "fields"):
+            if key == name:
+                return value
+        raise AttributeError(name)
+
+    def replace(self, **changes: Any) -> Ramp:
+        return Ramp(self.ex, self.seed, tuple((k, changes.get(k, v)) for k, v in self.fields))
+
+    def build(self) -> tuple:
+        g = torch.Generator().manual_seed(self.seed)
+        if self.ex == "05.1":
+            return torch.randn(self.m, self.n, generator=g), self.n + self.pad, self.bm, self.bn
+        if self.ex == "05.2":
+            x = torch.randn(self.num_rows, self.d, generator=g)
+            idx = torch.randint(self.num_rows, (self.n,), generator=g) if self.shared else \
+                torch.randperm(self.num_rows, generator=g)[:self.n]
+            return x, idx.to(torch.int32), self.block
+        if self.ex == "05.3":
+            x = torch.randn(len(self.shifts), self.n, generator=g) * self.spread
+            x = x[:, :1].expand_as(x).clone() if self.ties else x
+            return x + torch.tensor(self.shifts)[:, None], self.block
+        return self._attention(g)
+
+    def _attention(self, g: torch.Generator) -> tuple:
+        """05.4's q, k, v (float32), scale and TILE: scores = the profile's level at each
+        key plus a few units of noise (k leans along q by level / scale)."""
+        scale = (_SCALES[self.scale][0] * self.d) ** -0.5
+        q, k, v = (torch.randn(*shape, self.d, generator=g, dtype=torch.float64)
+                   for shape in ((self.batch,), (self.batch, self.n), (self.batch, self.n)))
+        level, pos = _LEVELS[self.profile], torch.arange(self.n, dtype=torch.float64)
+        if self.profile == "ties":
+            k = k[:, :1].expand_as(k)
+        elif level is not None:
+            at = {"rising": pos * level, "falling": (self.n - pos) * -level,
+                  "spike": (pos == self.n // 2) * level}.get(self.profile, pos * 0 + level)
+            q = q.abs() + 1
+            k = 0.3 * k + (at / scale)[None, :, None] * (q / (q * q).sum(1, True))[:, None]
+        return (q * self.loud).float(), k.float(), v.float(), scale, self.tile
+
+    def describe(self) -> str:
+        if self.ex == "05.1":
+            return f"a {cdiv(self.m, self.bm)} x {cdiv(self.n, self.bn)} grid of programs"
+        if self.ex == "05.2":
+            return f"{cdiv(self.n, self.block)} programs" + (
+                ", some row ids repeated" if self.shared else "")
+        if self.ex == "05.3":
+            return (f"rows around {', '.join(f'{s:g}' for s in self.shifts)}, "
+                    + ("every value of a row tied" if self.ties else f"spread {self.spread:g}"))
+        what = {"random": f"random scores (q x {self.loud:g})", "below": "every score around "
+                "-200", "above": "every score around +200", "rising": "scores rising 3 a key",
+                "falling": "scores falling 3 a key (the max in the first tile)",
+                "spike": "one key's score 30 above the rest", "ties": "every score tied"}
+        return (f"{what[self.profile]}, scale "
+                f"{_SCALES[self.scale][1].replace('HEAD_DIM', 'D')}")
+
+    def states(self) -> list[str]:
+        return [name for name, reached in _STATES[self.ex].items() if reached(self)]
+
+    def smaller(self) -> Iterator[Ramp]:
+        for key, value in self.fields:
+            for v in [b for b in (1, 2, 4) if b < value] if key in _POW2 else \
+                    _SIMPLER.get(key, shorter)(value):
+                small = self.replace(**{key: v})
+                if v != value and small.n <= (small.block if self.ex == "05.3" else
+                                              small.num_rows if self.ex == "05.2" else small.n):
+                    yield small
+
+
+#: per exercise, the states no fixed case reaches
+_STATES: dict[str, dict[str, Callable[[Ramp], bool]]] = {
+    "05.1": {"more than two programs along an axis":
+             lambda p: max(cdiv(p.m, p.bm), cdiv(p.n, p.bn)) > 2,
+             "BLOCK_M != BLOCK_N over several rows of programs":
+             lambda p: p.bm != p.bn and p.m > p.bm},
+    "05.2": {"more than two programs": lambda p: cdiv(p.n, p.block) > 2,
+             "repeated row ids": lambda p: p.shared},
+    "05.3": {"a row far below 0 with lanes past N":
+             lambda p: min(p.shifts) < -104 and p.n < p.block,
+             "tied values": lambda p: p.ties, "tiny differences": lambda p: p.spread < 0.01},
+    "05.4": {"every score far below 0": lambda p: p.profile == "below",
+             "a scale that is not 1 / sqrt(D)": lambda p: p.scale != "head",
+             "tied scores": lambda p: p.profile == "ties" and p.n > 1,
+             "N <= TILE": lambda p: p.n <= p.tile},
+}
 
 
 def _span(pick: Callable, programs: int, block: int) -> int:
@@ -159,258 +261,85 @@ def _span(pick: Callable, programs: int, block: int) -> int:
     return (programs - 1) * block + pick(sorted({1, block // 2 + 1, block}))
 
 
-@dataclass(frozen=True)
-class Tile:
-    """One generated case of 05.1."""
+def _draw_ramp(ex: str, seed: int) -> Ramp:
+    g = torch.Generator().manual_seed(5000 + 100 * int(ex[-1]) + seed)
 
-    seed: int
-    m: int
-    n: int
-    pad: int
-    bm: int
-    bn: int
+    def pick(xs: Any) -> Any:
+        xs = list(xs)
+        return xs[int(torch.randint(len(xs), (1,), generator=g))]
 
-    def build(self) -> tuple:
-        x = torch.randn(self.m, self.n, generator=torch.Generator().manual_seed(self.seed))
-        return x, self.n + self.pad, self.bm, self.bn
-
-    def describe(self) -> str:
-        return (f"M={self.m}, N={self.n}, stride_x={self.n + self.pad}, BLOCK_M={self.bm}, "
-                f"BLOCK_N={self.bn} (a {cdiv(self.m, self.bm)} x {cdiv(self.n, self.bn)} grid)")
-
-    def states(self) -> list[str]:
-        out = ["more than two programs along an axis"] \
-            if max(cdiv(self.m, self.bm), cdiv(self.n, self.bn)) > 2 else []
-        return out + ["BLOCK_M != BLOCK_N over several rows of programs"] \
-            if self.bm != self.bn and self.m > self.bm else out
-
-    def smaller(self) -> Iterator[Tile]:
-        yield from fewer(self, m=shorter(self.m), n=shorter(self.n), pad=shorter(self.pad, 0),
-                         bm=[b for b in (1, 2, 4) if b < self.bm],
-                         bn=[b for b in (1, 2, 4) if b < self.bn])
-
-
-def _draw_tile(seed: int) -> Tile:
-    _, pick = _gen(5100, seed)
-    bm, bn, pm = pick([1, 2, 4, 8, 16]), pick([1, 2, 4, 8, 16]), pick([1, 2, 3, 4, 5])
-    return Tile(seed, _span(pick, pm, bm), _span(pick, pick(range(1, 12 // pm + 1)), bn),
-                pick([0, 1, 3, 5]), bm, bn)
+    if ex == "05.1":
+        bm, bn, pm = pick([1, 2, 4, 8, 16]), pick([1, 2, 4, 8, 16]), pick(range(1, 6))
+        return Ramp(ex, seed, (("m", _span(pick, pm, bm)), ("n", _span(
+            pick, pick(range(1, 12 // pm + 1)), bn)), ("pad", pick([0, 1, 3, 5])),
+                               ("bm", bm), ("bn", bn)))
+    if ex == "05.2":
+        block = pick([1, 2, 4, 8])
+        n = _span(pick, pick(range(1, 6)), block)
+        return Ramp(ex, seed, (("num_rows", n + pick([0, 1, 7])), ("n", n), ("d", pick(
+            [1, 2, 4, 8, 32])), ("block", block), ("shared", pick([False, True]))))
+    if ex == "05.3":
+        n = pick([1, 2, 3, 5, 7, 8, 13, 16, 17, 31])
+        return Ramp(ex, seed, (("shifts", tuple(pick([0.0, 500.0, -50.0, -200.0, -1000.0,
+                                                      90.0, -90.0]) for _ in range(pick(
+                                                          [1, 2, 3])))),
+                               ("n", n), ("block", 1 << (n - 1).bit_length() << pick([0, 0, 1])),
+                               ("spread", pick([3.0, 1e-3, 30.0])),
+                               ("ties", pick([False] * 4 + [True]))))
+    tile, profile, batch = pick([1, 2, 4, 8]), list(_LEVELS)[seed % len(_LEVELS)], pick([1, 2, 3])
+    return Ramp(ex, seed, (("batch", batch), ("n", _span(pick, pick(range(1, 12 // batch + 1)),
+                                                          tile)),
+                           ("d", pick([2, 4, 8, 16])), ("tile", tile), ("profile", profile),
+                           ("loud", pick([1e-3, 1.0, 40.0]) if profile == "random" else 1.0),
+                           ("scale", ("head", "gemma", "mla")[seed % 3])))
 
 
-TILE_CONTRASTS = (
-    Contrast(lambda p: dataclasses.replace(p, bn=p.bm) if p.bn != p.bm else None,
-             "it passes with square tiles and fails when BLOCK_M != BLOCK_N: rows step by "
-             "BLOCK_M (pid_m * BLOCK_M + arange(BLOCK_M)), columns by BLOCK_N"),
-    Contrast(lambda p: dataclasses.replace(p, bm=1) if p.bm > 1 else None,
-             "it passes with BLOCK_M = 1 and fails with taller tiles: program pid_m's first "
-             "row is pid_m * BLOCK_M, not pid_m"),
-    Contrast(lambda p: dataclasses.replace(p, bn=1) if p.bn > 1 else None,
-             "it passes with BLOCK_N = 1 and fails with wider tiles: program pid_n's first "
-             "column is pid_n * BLOCK_N, not pid_n"),
-)
-
-
-@dataclass(frozen=True)
-class Gather:
-    """One generated case of 05.2 (``shared``: row ids repeat, as shared blocks do)."""
-
-    seed: int
-    num_rows: int
-    n: int
-    d: int
-    block: int
-    shared: bool
-
-    def build(self) -> tuple:
-        g = torch.Generator().manual_seed(self.seed)
-        x = torch.randn(self.num_rows, self.d, generator=g)
-        idx = torch.randint(self.num_rows, (self.n,), generator=g) if self.shared else \
-            torch.randperm(self.num_rows, generator=g)[:self.n]
-        return x, idx.to(torch.int32), self.block
-
-    def describe(self) -> str:
-        return (f"{self.num_rows} rows of {self.d}, n={self.n}, BLOCK_I={self.block} "
-                f"({cdiv(self.n, self.block)} programs)"
-                + (", some row ids repeated" if self.shared else ""))
-
-    def states(self) -> list[str]:
-        out = ["more than two programs"] if cdiv(self.n, self.block) > 2 else []
-        return out + ["repeated row ids"] if self.shared else out
-
-    def smaller(self) -> Iterator[Gather]:
-        yield from fewer(self, n=shorter(self.n), shared=[False],
-                         d=[x for x in (1, 2) if x < self.d],
-                         block=[b for b in (1, 2) if b < self.block])
-        if self.num_rows > self.n:
-            yield dataclasses.replace(self, num_rows=self.n)
-
-
-def _draw_gather(seed: int) -> Gather:
-    _, pick = _gen(5200, seed)
-    block = pick([1, 2, 4, 8])
-    n = _span(pick, pick([1, 2, 3, 4, 5]), block)
-    return Gather(seed, n + pick([0, 1, 7]), n, pick([1, 2, 4, 8, 32]), block,
-                  pick([False, True]))
-
-
-GATHER_CONTRASTS = (
-    Contrast(lambda p: dataclasses.replace(p, block=1) if p.block > 1 else None,
-             "it passes with BLOCK_I = 1 and fails with larger blocks: program pid covers "
-             "rows pid * BLOCK_I + arange(BLOCK_I) of out, not pid + arange(BLOCK_I)"),
-)
-
-
-@dataclass(frozen=True)
-class Softmax:
-    """One generated case of 05.3: one row per value of ``shifts`` (what it is centred
-    on), values ``spread`` apart, or every value of a row tied."""
-
-    seed: int
-    n: int
-    block: int
-    shifts: tuple[float, ...]
-    spread: float
-    ties: bool
-
-    def build(self) -> tuple:
-        g = torch.Generator().manual_seed(self.seed)
-        x = torch.randn(len(self.shifts), self.n, generator=g) * self.spread
-        if self.ties:
-            x = x[:, :1].expand_as(x).clone()
-        return x + torch.tensor(self.shifts)[:, None], self.block
-
-    def describe(self) -> str:
-        return (f"{len(self.shifts)} row(s) of N={self.n}, BLOCK_N={self.block}, values "
-                f"around {', '.join(f'{s:g}' for s in self.shifts)}, "
-                + ("every value of a row tied" if self.ties else f"spread {self.spread:g}"))
-
-    def states(self) -> list[str]:
-        out = ["a row far below 0 with lanes past N"] \
-            if min(self.shifts) < -104 and self.n < self.block else []
-        out += ["tied values"] if self.ties else []
-        return out + ["tiny differences"] if self.spread < 0.01 else out
-
-    def smaller(self) -> Iterator[Softmax]:
-        for i in range(len(self.shifts) if len(self.shifts) > 1 else 0):
-            yield dataclasses.replace(self, shifts=self.shifts[:i] + self.shifts[i + 1:])
-        yield from fewer(self, n=shorter(self.n), block=[b for b in (1, 2, 4, 8)
-                                                          if self.n <= b < self.block],
-                         ties=[False], spread=[3.0])
-
-
-def _draw_softmax(seed: int) -> Softmax:
-    _, pick = _gen(5300, seed)
-    n = pick([1, 2, 3, 5, 7, 8, 13, 16, 17, 31])
-    block = 1 << (n - 1).bit_length() << pick([0, 0, 1])
-    shifts = tuple(pick([0.0, 500.0, -50.0, -200.0, -1000.0, 90.0, -90.0])
-                   for _ in range(pick([1, 2, 3])))
-    return Softmax(seed, n, block, shifts, pick([3.0, 1e-3, 30.0]), pick([False] * 4 + [True]))
-
-
-SOFTMAX_CONTRASTS = (
-    Contrast(lambda p: dataclasses.replace(p, block=p.n) if p.block > p.n and
-             p.n & (p.n - 1) == 0 else None,
-             "it passes when N == BLOCK_N and fails with lanes past N: a padding lane must "
-             "not raise the row's max (load it with other=-inf, not 0); in a row far below "
-             "0, exp(x - 0) underflows to 0 in every lane and the sum is 0"),
-    Contrast(lambda p: dataclasses.replace(p, shifts=tuple(0.0 for _ in p.shifts))
-             if any(p.shifts) else None,
-             "it passes with values near 0 and fails with rows far from 0: subtract the "
-             "row's own max (over its N values) before tl.exp"),
-)
-
-#: profile -> the score it puts on every key (or its step from key to key)
-_ATT_LEVELS = {"random": None, "below": -200.0, "above": 200.0, "rising": 3.0,
-               "falling": -3.0, "spike": 30.0, "ties": None}
-
-
-@dataclass(frozen=True)
-class Attention:
-    """One generated case of 05.4: ``profile`` shapes the scores along the keys (all
-    around -200 or +200, rising or falling 3 a key, one spike of 30, tied, or random
-    with q x ``loud``)."""
-
-    seed: int
-    batch: int
-    n: int
-    d: int
-    tile: int
-    profile: str
-    loud: float
-    scale: str
-
-    def build(self) -> tuple:
-        g = torch.Generator().manual_seed(self.seed)
-        scale = (_SCALES[self.scale][0] * self.d) ** -0.5
-        q = torch.randn(self.batch, self.d, generator=g, dtype=torch.float64)
-        k = torch.randn(self.batch, self.n, self.d, generator=g, dtype=torch.float64)
-        v = torch.randn(self.batch, self.n, self.d, generator=g, dtype=torch.float64)
-        level, pos = _ATT_LEVELS[self.profile], torch.arange(self.n, dtype=torch.float64)
-        if self.profile == "ties":
-            k = k[:, :1].expand_as(k)
-        elif level is not None:  # scores = level (per key) + a few units of noise
-            per_key = pos * level if self.profile == "rising" else (self.n - pos) * -level \
-                if self.profile == "falling" else (pos == self.n // 2) * level \
-                if self.profile == "spike" else torch.full_like(pos, level)
-            q = q.abs() + 1
-            k = 0.3 * k + (per_key / scale)[None, :, None] * (q / (q * q).sum(1, True))[:, None]
-        q = q * self.loud
-        return q.float(), k.float(), v.float(), scale, self.tile
-
-    def describe(self) -> str:
-        what = {"random": f"random scores (q x {self.loud:g})",
-                "below": "every score around -200", "above": "every score around +200",
-                "rising": "scores rising 3 a key", "falling": "scores falling 3 a key (the "
-                "max in the first tile)", "spike": "one key's score 30 above the rest",
-                "ties": "every score tied"}[self.profile]
-        return (f"batch {self.batch}, N={self.n}, D={self.d}, TILE={self.tile}, {what}, "
-                f"scale {_SCALES[self.scale][1].replace('HEAD_DIM', 'D')}")
-
-    def states(self) -> list[str]:
-        out = ["every score far below 0"] if self.profile == "below" else []
-        out += ["a scale that is not 1 / sqrt(D)"] if self.scale != "head" else []
-        out += ["tied scores"] if self.profile == "ties" and self.n > 1 else []
-        return out + ["N <= TILE"] if self.n <= self.tile else out
-
-    def smaller(self) -> Iterator[Attention]:
-        yield from fewer(self, batch=shorter(self.batch), n=shorter(self.n),
-                         d=[x for x in (1, 2, 4) if x < self.d],
-                         tile=[t for t in (1, 2, 4) if t < self.tile], scale=["head"],
-                         profile=["random"] if self.profile != "below" else [], loud=[1.0])
-
-
-def _draw_attention(seed: int) -> Attention:
-    _, pick = _gen(5400, seed)
-    tile, profile = pick([1, 2, 4, 8]), list(_ATT_LEVELS)[seed % len(_ATT_LEVELS)]
-    batch = pick([1, 2, 3])
-    n = _span(pick, pick(range(1, 12 // batch + 1)), tile)
-    return Attention(seed, batch, n, pick([2, 4, 8, 16]), tile, profile,
-                     pick([1e-3, 1.0, 40.0]) if profile == "random" else 1.0,
-                     ("head", "gemma", "mla")[seed % 3])
-
-
-ATTENTION_CONTRASTS = (
-    Contrast(lambda p: dataclasses.replace(p, profile="above") if p.profile == "below"
-             else None,
-             "it passes when every score is far above 0 and fails when every score is far "
-             "below 0: start the running max at -inf, not 0 (with m = 0, exp(s - m) "
-             "underflows to 0 for every key, and l = 0)"),
-    Contrast(lambda p: dataclasses.replace(p, scale="head") if p.scale != "head" else None,
-             "it passes with scale = 1 / sqrt(D) and fails with another: multiply the scores "
-             "by the kernel's scale argument (Gemma 2 and MLA pass their own)"),
-    Contrast(lambda p: dataclasses.replace(p, loud=1.0) if p.loud > 1 else None,
-             "it passes with scores a few units apart and fails with scores in the "
-             "hundreds: keep a running max m, exponentiate s - m_new, and rescale l and acc "
-             "by exp(m_old - m_new) when m grows"),
-)
-
-
-def ramp_cases(ex: str, count: int = 16) -> list:
+def ramp_cases(ex: str, count: int = 16) -> list[Ramp]:
     """05.1-05.4's generated cases (seeds 0, 1, ...)."""
-    draw = {"05.1": _draw_tile, "05.2": _draw_gather, "05.3": _draw_softmax,
-            "05.4": _draw_attention}[ex]
-    return [draw(seed) for seed in range(count)]
+    return [_draw_ramp(ex, seed) for seed in range(count)]
 
 
-RAMP_CONTRASTS = {"05.1": TILE_CONTRASTS, "05.2": GATHER_CONTRASTS,
-                  "05.3": SOFTMAX_CONTRASTS, "05.4": ATTENTION_CONTRASTS}
+def _undo(field: str, value: Any, when: Callable[[Ramp], bool]) -> Callable:
+    return lambda p: p.replace(**{field: value(p) if callable(value) else value}) \
+        if when(p) else None
+
+
+#: per exercise: undo one feature of the shrunk case; if it then passes, the hint names it
+RAMP_CONTRASTS = {
+    "05.1": (Contrast(_undo("bn", lambda p: p.bm, lambda p: p.bn != p.bm),
+                      "it passes with square tiles and fails when BLOCK_M != BLOCK_N: rows "
+                      "step by BLOCK_M (pid_m * BLOCK_M + arange(BLOCK_M)), columns by "
+                      "BLOCK_N"),
+             Contrast(_undo("bm", 1, lambda p: p.bm > 1),
+                      "it passes with BLOCK_M = 1 and fails with taller tiles: program "
+                      "pid_m's first row is pid_m * BLOCK_M, not pid_m"),
+             Contrast(_undo("bn", 1, lambda p: p.bn > 1),
+                      "it passes with BLOCK_N = 1 and fails with wider tiles: program "
+                      "pid_n's first column is pid_n * BLOCK_N, not pid_n")),
+    "05.2": (Contrast(_undo("block", 1, lambda p: p.block > 1),
+                      "it passes with BLOCK_I = 1 and fails with larger blocks: program pid "
+                      "covers rows pid * BLOCK_I + arange(BLOCK_I) of out, not pid + "
+                      "arange(BLOCK_I)"),),
+    "05.3": (Contrast(_undo("block", lambda p: p.n, lambda p: p.n < p.block
+                            and p.n & (p.n - 1) == 0),
+                      "it passes when N == BLOCK_N and fails with lanes past N: a padding "
+                      "lane must not raise the row's max (load it with other=-inf, not 0); "
+                      "in a row far below 0, exp(x - 0) underflows to 0 in every lane and "
+                      "the sum is 0"),
+             Contrast(_undo("shifts", lambda p: tuple(0.0 for _ in p.shifts),
+                            lambda p: any(p.shifts)),
+                      "it passes with values near 0 and fails with rows far from 0: "
+                      "subtract the row's own max (over its N values) before tl.exp")),
+    "05.4": (Contrast(_undo("profile", "above", lambda p: p.profile == "below"),
+                      "it passes when every score is far above 0 and fails when every score "
+                      "is far below 0: start the running max at -inf, not 0 (with m = 0, "
+                      "exp(s - m) underflows to 0 for every key, and l = 0)"),
+             Contrast(_undo("scale", "head", lambda p: p.scale != "head"),
+                      "it passes with scale = 1 / sqrt(D) and fails with another: multiply "
+                      "the scores by the kernel's scale argument (Gemma 2 and MLA pass their "
+                      "own)"),
+             Contrast(_undo("loud", 1.0, lambda p: p.loud > 1),
+                      "it passes with scores a few units apart and fails with scores in the "
+                      "hundreds: keep a running max m, exponentiate s - m_new, and rescale l "
+                      "and acc by exp(m_old - m_new) when m grows")),
+}
