@@ -1,28 +1,31 @@
-"""Generated inputs for 05.5, the paged decode kernel (the stage's harness:
-:mod:`~paged_lib.course.grading.generated.numeric`).
+"""Generated inputs for chapter 05's kernels, 05.1-05.5 (the stage's harness:
+:mod:`~paged_lib.course.grading.generated.numeric`), small enough for Triton's
+interpreter (a few dozen program-iterations a case).
 
-A case is a decode batch of one to three sequences in Triton's interpreter, so kept small
-(at most 48 program-iterations): GQA groups of 1 to 7 (``GROUP_PAD``
-above ``GROUP``), one or two KV heads, head sizes and block sizes from 1 to 32 (powers of
-two, as ``tl.arange`` needs), lengths of 1 and at block boundaries, scales that are not
-``1 / sqrt(HEAD_DIM)`` (Gemma 2's ``query_pre_attn_scalar``, MLA's q . k over more numbers
-than V holds), scores from tiny to extreme, and tied scores.
+The fixed cases launch at most two programs along an axis, with BLOCK_M == BLOCK_N or one
+row of programs, softmax rows no lower than -50, scale 1 / sqrt(D), GQA groups of 2 or 3.
+Here: up to five programs along an axis, tiles of 1 to 16 (tall, wide, square) over sizes
+that are not powers of two, row ids repeated (shared blocks), softmax rows from -1000 to
++500 or tied, scores all far below (or above) 0, rising or falling from tile to tile, one
+spike, tied or tiny; decode batches of one to three sequences with GQA groups of 1 to 7
+(``GROUP_PAD`` above ``GROUP``), head and block sizes from 1 to 32, lengths of 1 and at
+block boundaries; and scales that are not ``1 / sqrt(HEAD_DIM)`` (Gemma 2's
+``query_pre_attn_scalar``, MLA's q . k over more numbers than V holds).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from paged_lib.course.grading.generated.numeric import Contrast, fewer, shorter
+from paged_lib.course.grading.generated.numeric import Contrast, shorter
 from paged_lib.kernels.cases import NAN_BLOCK, make_decode_case
 from paged_lib.util import cdiv
 
-__all__ = ["DECODE_CONTRASTS", "RAMP_CONTRASTS", "Decode", "Ramp", "decode_cases", "ramp_cases"]
+__all__ = ["DECODE_CONTRASTS", "RAMP_CONTRASTS", "Ramp", "decode_cases", "ramp_cases"]
 
 #: scale -> (head size it is taken over, as a multiple of HEAD_DIM; what has it)
 _SCALES = {"head": (1.0, "1 / sqrt(HEAD_DIM)"),
@@ -32,130 +35,20 @@ _SCALES = {"head": (1.0, "1 / sqrt(HEAD_DIM)"),
                    "V of 128 (DeepSeek-V2)")}
 
 
-@dataclass(frozen=True)
-class Decode:
-    """One generated case of 05.5."""
 
-    seed: int
-    lens: tuple[int, ...]
-    heads: int
-    kv_heads: int
-    head_dim: int
-    block_size: int
-    scale: str
-    loud: float
-    ties: bool = False
-
-    def build(self):
-        """The DecodeCase (NaN-poisoned cache, padding through an all-NaN block 0)."""
-        case = make_decode_case(self.lens, self.heads, self.kv_heads, self.head_dim,
-                                self.block_size, seed=self.seed, shared=False, pad=NAN_BLOCK)
-        k = case.k_cache
-        if self.ties:  # every key the same: the scores of a head tie
-            live = ~k.isnan()
-            row = k[live].reshape(-1, self.kv_heads, self.head_dim)[0]
-            k = torch.where(live, row.expand_as(k), k)
-        return case._replace(q=case.q * self.loud, k_cache=k, scale=(
-            _SCALES[self.scale][0] * self.head_dim) ** -0.5)
-
-    def what(self) -> str:
-        return (f"seq_lens {list(self.lens)}, heads {self.heads}/{self.kv_heads}, head_dim "
-                f"{self.head_dim}, block_size {self.block_size}")
-
-    def describe(self) -> str:
-        group = self.heads // self.kv_heads
-        ends = [n for n in self.lens if n % self.block_size == 0 and self.block_size > 1]
-        return (f"seq_lens {list(self.lens)}" + (f" ({ends} on a block boundary)" if ends
-                                                  else "")
-                + f", blocks of {self.block_size}, {self.heads} query heads on "
-                f"{self.kv_heads} KV head(s) (GROUP {group}, GROUP_PAD "
-                f"{1 << (group - 1).bit_length()}), HEAD_DIM {self.head_dim}, scale "
-                f"{_SCALES[self.scale][1]}, q x {self.loud:g}"
-                + (" (scores in the hundreds)" if self.loud > 1 else " (tiny scores)"
-                   if self.loud < 1 else "") + (", every score of a head tied"
-                                                if self.ties else ""))
-
-    def states(self) -> list[str]:
-        """The states of this case that no fixed case of 05.5 has."""
-        group = self.heads // self.kv_heads
-        out = [f"GROUP {group}"] if group not in (2, 3) else []
-        out += ["one KV head"] if self.kv_heads == 1 else []
-        out += [f"HEAD_DIM {self.head_dim}"] if self.head_dim != 16 else []
-        out += [f"block size {self.block_size}"] if self.block_size not in (4, 8) else []
-        out += ["a scale that is not 1 / sqrt(HEAD_DIM)"] if self.scale != "head" else []
-        out += ["tiny scores"] if self.loud < 1 else []
-        out += ["tied scores"] if self.ties else []
-        return out
-
-    def smaller(self) -> Iterator[Decode]:
-        for i in range(len(self.lens)):
-            if len(self.lens) > 1:
-                yield dataclasses.replace(self, lens=self.lens[:i] + self.lens[i + 1:])
-            for n in shorter(self.lens[i]):
-                yield dataclasses.replace(self, lens=self.lens[:i] + (n,) + self.lens[i + 1:])
-        if self.kv_heads > 1:
-            yield dataclasses.replace(self, heads=self.heads // self.kv_heads, kv_heads=1)
-        yield from fewer(self, heads=[h for h in (self.kv_heads, 2 * self.kv_heads)
-                                       if h < self.heads],
-                          head_dim=[d for d in (4, 8) if d < self.head_dim],
-                          ties=[False], loud=[1.0], scale=["head"],
-                          block_size=[b for b in (1, 2, 4) if b < self.block_size])
-
-
-_MODELS = [(4, 1), (6, 1), (5, 1), (7, 1), (8, 2), (2, 2), (6, 2), (3, 1)]
-
-
-def _draw(seed: int) -> Decode:
-    g = torch.Generator().manual_seed(550 + seed)
-
-    def pick(xs: list | tuple):
-        return xs[int(torch.randint(len(xs), (1,), generator=g))]
-
-    bs, (heads, kv) = pick([1, 2, 4, 8, 16]), pick(_MODELS)
-    lens: list[int] = []
-    for _ in range(pick([1, 2, 3])):
-        n = pick([1, bs, bs + 1, 2 * bs - 1, 2 * bs, 3 * bs + 1, 5, 11, 23])
-        if kv * sum(cdiv(x, bs) for x in lens + [n]) <= 48:
-            lens.append(n)
-    return Decode(seed, tuple(lens or [1]), heads, kv, pick([4, 8, 16, 32]), bs,
-                  ("gemma", "head", "mla")[seed % 3], (40.0, 1e-3, 1.0, 40.0, 1.0, 1e-3)[seed % 6],
-                  seed % 4 == 3)
-
-
-def decode_cases(count: int = 24) -> list[Decode]:
-    """05.5's generated cases (seeds 0, 1, ...)."""
-    return [_draw(seed) for seed in range(count)]
-
-
-DECODE_CONTRASTS = (
-    Contrast(lambda p: dataclasses.replace(p, scale="head") if p.scale != "head" else None,
-             "it passes with scale = 1 / sqrt(HEAD_DIM) and fails with another: multiply the "
-             "scores by the kernel's scale argument; models choose their own (Gemma 2's "
-             "query_pre_attn_scalar, MLA's q . k over more numbers than V holds)"),
-    Contrast(lambda p: dataclasses.replace(p, loud=1.0) if p.loud > 1 else None,
-             "it passes with scores a few units apart and fails with scores in the "
-             "hundreds: keep a running max m, exponentiate s - m_new, and rescale l and acc "
-             "by exp(m_old - m_new) when m grows"),
-)
-
-
-
-# ------------------------------------------------------------------ 05.1-05.4 the ramp
-#
-# The ramp's fixed cases launch at most two programs along an axis, with BLOCK_M ==
-# BLOCK_N or one row of programs, softmax rows no lower than -50 and scale 1 / sqrt(D).
-# Here: up to five programs along an axis, tiles of 1 to 16 (tall, wide, square) over
-# sizes that are not powers of two, row ids repeated (shared blocks), softmax rows from
-# -1000 to +500 or tied, scores all far below (or above) 0, rising or falling from tile
-# to tile, one spike, tied, and the scales of Gemma 2 and MLA.
+# ------------------------------------------------------------------ the cases
 
 #: a field's simpler values, tried in turn by ``Ramp.smaller``
-_SIMPLER: dict[str, Callable[[Any], list]] = {
-    "pad": lambda v: shorter(v, 0), "shared": lambda v: [False], "ties": lambda v: [False],
-    "shifts": lambda v: [v[:i] + v[i + 1:] for i in range(len(v))] if len(v) > 1 else [],
-    "spread": lambda v: [3.0], "scale": lambda v: ["head"], "loud": lambda v: [1.0],
-    "profile": lambda v: ["random"]}
-_POW2 = ("bm", "bn", "block", "tile", "d")
+_SIMPLER: dict[str, Callable[[Any, Any], list]] = {
+    "pad": lambda v, p: shorter(v, 0), "shared": lambda v, p: [False],
+    "ties": lambda v, p: [False], "spread": lambda v, p: [3.0], "scale": lambda v, p: ["head"],
+    "loud": lambda v, p: [1.0], "profile": lambda v, p: ["random"],
+    "shifts": lambda v, p: [v[:i] + v[i + 1:] for i in range(len(v))] if len(v) > 1 else [],
+    "lens": lambda v, p: [x for i in range(len(v)) for x in ([v[:i] + v[i + 1:]] if len(v) > 1
+                          else []) + [v[:i] + (n,) + v[i + 1:] for n in shorter(v[i])]],
+    "heads": lambda v, p: [h for h in (p.kv_heads, 2 * p.kv_heads) if h < v],
+    "head_dim": lambda v, p: [d for d in (4, 8) if d < v], "kv_heads": lambda v, p: []}
+_POW2 = ("bm", "bn", "block", "tile", "d", "block_size")
 #: profile of 05.4 -> the score it puts on every key (or its step from key to key)
 _LEVELS = {"random": None, "below": -200.0, "above": 200.0, "rising": 3.0, "falling": -3.0,
            "spike": 30.0, "ties": None}
@@ -191,7 +84,22 @@ class Ramp:
             x = torch.randn(len(self.shifts), self.n, generator=g) * self.spread
             x = x[:, :1].expand_as(x).clone() if self.ties else x
             return x + torch.tensor(self.shifts)[:, None], self.block
-        return self._attention(g)
+        if self.ex == "05.4":
+            return self._attention(g)
+        case = make_decode_case(self.lens, self.heads, self.kv_heads, self.head_dim,
+                                self.block_size, seed=self.seed, shared=False, pad=NAN_BLOCK)
+        k = case.k_cache  # NaN-poisoned, padding through an all-NaN block 0
+        if self.ties:  # every key the same: the scores of a head tie
+            live = ~k.isnan()
+            row = k[live].reshape(-1, self.kv_heads, self.head_dim)[0]
+            k = torch.where(live, row.expand_as(k), k)
+        return case._replace(q=case.q * self.loud, k_cache=k, scale=(
+            _SCALES[self.scale][0] * self.head_dim) ** -0.5)
+
+    def what(self) -> str:
+        """05.5's case in the words of its fixed cases."""
+        return (f"seq_lens {list(self.lens)}, heads {self.heads}/{self.kv_heads}, head_dim "
+                f"{self.head_dim}, block_size {self.block_size}")
 
     def _attention(self, g: torch.Generator) -> tuple:
         """05.4's q, k, v (float32), scale and TILE: scores = the profile's level at each
@@ -218,6 +126,15 @@ class Ramp:
         if self.ex == "05.3":
             return (f"rows around {', '.join(f'{s:g}' for s in self.shifts)}, "
                     + ("every value of a row tied" if self.ties else f"spread {self.spread:g}"))
+        if self.ex == "05.5":
+            group, bs = self.heads // self.kv_heads, self.block_size
+            ends = [n for n in self.lens if n % bs == 0 and bs > 1]
+            return (f"seq_lens {list(self.lens)}" + (f" ({ends} on a block boundary)" * bool(
+                ends)) + f", blocks of {bs}, {self.heads} query heads on {self.kv_heads} KV "
+                f"head(s) (GROUP {group}, GROUP_PAD {1 << (group - 1).bit_length()}), HEAD_DIM "
+                f"{self.head_dim}, scale {_SCALES[self.scale][1]}, q x {self.loud:g}"
+                + (" (scores in the hundreds)" if self.loud > 1 else " (tiny scores)"
+                   if self.loud < 1 else "") + (", every score of a head tied" * self.ties))
         what = {"random": f"random scores (q x {self.loud:g})", "below": "every score around "
                 "-200", "above": "every score around +200", "rising": "scores rising 3 a key",
                 "falling": "scores falling 3 a key (the max in the first tile)",
@@ -230,11 +147,13 @@ class Ramp:
 
     def smaller(self) -> Iterator[Ramp]:
         for key, value in self.fields:
+            if key == "kv_heads" and value > 1:
+                yield self.replace(heads=self.heads // value, kv_heads=1)
             for v in [b for b in (1, 2, 4) if b < value] if key in _POW2 else \
-                    _SIMPLER.get(key, shorter)(value):
+                    _SIMPLER.get(key, lambda v, p: shorter(v))(value, self):
                 small = self.replace(**{key: v})
-                if v != value and small.n <= (small.block if self.ex == "05.3" else
-                                              small.num_rows if self.ex == "05.2" else small.n):
+                if v != value and (self.ex not in ("05.2", "05.3") or small.n <= (
+                        small.block if self.ex == "05.3" else small.num_rows)):
                     yield small
 
 
@@ -253,6 +172,12 @@ _STATES: dict[str, dict[str, Callable[[Ramp], bool]]] = {
              "a scale that is not 1 / sqrt(D)": lambda p: p.scale != "head",
              "tied scores": lambda p: p.profile == "ties" and p.n > 1,
              "N <= TILE": lambda p: p.n <= p.tile},
+    "05.5": {**{f"GROUP {g}": lambda p, g=g: p.heads // p.kv_heads == g for g in (1, 4, 5, 6, 7)},
+             "one KV head": lambda p: p.kv_heads == 1,
+             **{f"HEAD_DIM {d}": lambda p, d=d: p.head_dim == d for d in (4, 8, 32)},
+             **{f"block size {b}": lambda p, b=b: p.block_size == b for b in (1, 2, 16)},
+             "a scale that is not 1 / sqrt(HEAD_DIM)": lambda p: p.scale != "head",
+             "tiny scores": lambda p: p.loud < 1, "tied scores": lambda p: p.ties},
 }
 
 
@@ -299,12 +224,50 @@ def ramp_cases(ex: str, count: int = 16) -> list[Ramp]:
     return [_draw_ramp(ex, seed) for seed in range(count)]
 
 
+_MODELS = [(4, 1), (6, 1), (5, 1), (7, 1), (8, 2), (2, 2), (6, 2), (3, 1)]
+
+
+def _draw_decode(seed: int) -> Ramp:
+    g = torch.Generator().manual_seed(550 + seed)
+
+    def pick(xs: list | tuple):
+        return xs[int(torch.randint(len(xs), (1,), generator=g))]
+
+    bs, (heads, kv) = pick([1, 2, 4, 8, 16]), pick(_MODELS)
+    lens: list[int] = []
+    for _ in range(pick([1, 2, 3])):
+        n = pick([1, bs, bs + 1, 2 * bs - 1, 2 * bs, 3 * bs + 1, 5, 11, 23])
+        if kv * sum(cdiv(x, bs) for x in lens + [n]) <= 48:
+            lens.append(n)
+    return Ramp("05.5", seed, (("lens", tuple(lens or [1])), ("kv_heads", kv), ("heads", heads),
+                               ("head_dim", pick([4, 8, 16, 32])), ("ties", seed % 4 == 3),
+                               ("loud", (40.0, 1e-3, 1.0, 40.0, 1.0, 1e-3)[seed % 6]),
+                               ("scale", ("gemma", "head", "mla")[seed % 3]),
+                               ("block_size", bs)))
+
+
+def decode_cases(count: int = 24) -> list[Ramp]:
+    """05.5's generated cases (seeds 0, 1, ...)."""
+    return [_draw_decode(seed) for seed in range(count)]
+
+
 def _undo(field: str, value: Any, when: Callable[[Ramp], bool]) -> Callable:
     return lambda p: p.replace(**{field: value(p) if callable(value) else value}) \
         if when(p) else None
 
 
-#: per exercise: undo one feature of the shrunk case; if it then passes, the hint names it
+#: 05.5's (and 05.4's): undo one feature of the shrunk case; if it then passes, the hint
+#: names it
+DECODE_CONTRASTS = (
+    Contrast(_undo("scale", "head", lambda p: p.scale != "head"),
+             "it passes with scale = 1 / sqrt(HEAD_DIM) and fails with another: multiply the "
+             "scores by the kernel's scale argument; models choose their own (Gemma 2's "
+             "query_pre_attn_scalar, MLA's q . k over more numbers than V holds)"),
+    Contrast(_undo("loud", 1.0, lambda p: p.loud > 1),
+             "it passes with scores a few units apart and fails with scores in the "
+             "hundreds: keep a running max m, exponentiate s - m_new, and rescale l and acc "
+             "by exp(m_old - m_new) when m grows"),
+)
 RAMP_CONTRASTS = {
     "05.1": (Contrast(_undo("bn", lambda p: p.bm, lambda p: p.bn != p.bm),
                       "it passes with square tiles and fails when BLOCK_M != BLOCK_N: rows "
@@ -334,12 +297,5 @@ RAMP_CONTRASTS = {
                       "it passes when every score is far above 0 and fails when every score "
                       "is far below 0: start the running max at -inf, not 0 (with m = 0, "
                       "exp(s - m) underflows to 0 for every key, and l = 0)"),
-             Contrast(_undo("scale", "head", lambda p: p.scale != "head"),
-                      "it passes with scale = 1 / sqrt(D) and fails with another: multiply "
-                      "the scores by the kernel's scale argument (Gemma 2 and MLA pass their "
-                      "own)"),
-             Contrast(_undo("loud", 1.0, lambda p: p.loud > 1),
-                      "it passes with scores a few units apart and fails with scores in the "
-                      "hundreds: keep a running max m, exponentiate s - m_new, and rescale l "
-                      "and acc by exp(m_old - m_new) when m grows")),
+             *DECODE_CONTRASTS),
 }
