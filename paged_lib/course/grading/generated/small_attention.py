@@ -1,18 +1,12 @@
-"""Generated inputs for the small attention pieces: the last stage of 04.1 (merge two
-softmax states) and 04.2 (attention through a block table); 05.6 and 05.7 are in
-:mod:`~paged_lib.course.grading.generated.small_around`.
+"""Generated inputs for 04.1 (merge two softmax states) and 04.2 (attention through a
+block table); 05.6 and 05.7 are in :mod:`~paged_lib.course.grading.generated.small_around`.
 
-Their fixed cases stay in one family: float64 states whose fully masked rows are all on
-one side (or all of them), a scale of ``1 / sqrt(head_dim)``, one ``-1`` after the last
-block of a table, block ids small enough for 32-bit arithmetic, the empty segment last
-and log-sum-exps a few units apart. Here seeded cases leave it: masked rows in any
-position and mixed with real ones, float32, ties, scores from tiny to extreme, scales of
-Gemma 2 and MLA, GQA groups of 1 to 7, block sizes that are not powers of two, tables
-padded with several ``-1``, a pool of block ids past ``2**31 / block_size``, empty
-segments first or several in a row, and segments whose log-sum-exps are hundreds apart.
-Each case is compared with the library's answer through the harness of
-:mod:`~paged_lib.course.grading.generated.numeric` (the first failure shrunk, told in one
-line that names its state).
+The fixed cases are float64 states whose fully masked rows are all on one side, a scale
+of ``1 / sqrt(head_dim)`` and one ``-1`` after a table's last block. Here: masked rows in
+any position beside real ones, float32, ties, scores from tiny to extreme (around +1000
+and -800), scales of Gemma 2 and MLA, GQA groups of 1 to 7, block sizes that are not
+powers of two, tables padded with several ``-1``; each compared with the library's answer
+through :mod:`~paged_lib.course.grading.generated.numeric` (shrunk, told in one line).
 """
 
 from __future__ import annotations
