@@ -18,15 +18,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from paged_lib.blocks import BlockTable, Slot
+from paged_lib.blocks import BlockTable, OutOfBlocks, Slot
 from paged_lib.course import grading
 from paged_lib.course.grading import generated, serving
+from paged_lib.course.grading.generated import numeric
+from paged_lib.course.grading.generated.small_attention import rng
 from paged_lib.course.grading.ch08_beam_replay import on_copies, run_beam_scenario
 from paged_lib.course.grading.toy_pool import busy_pool
 from paged_lib.studies import sharing
@@ -47,8 +51,6 @@ EQUIVALENT_MUTANTS: dict[str, dict[str, str]] = {
 _COW_SCENARIOS = [
     ("chapter 08's example: 4 samples share block 7 (block size 4, prompt of 3)", 4, 3, 4, 3,
      torch.float32),
-    ("2 samples, prompt of 5, block size 4, float16", 4, 5, 2, 5, torch.float16),
-    ("a prompt that fills its blocks exactly (no copy needed)", 2, 4, 3, 2, torch.float32),
 ]
 _KV_HEADS, _HEAD_DIM = 2, 8
 
@@ -83,6 +85,7 @@ def check_apply_slot(apply_slot: Callable[..., Any]) -> None:
                          "tensor, as an engine may hold them: write through indexing "
                          "(cache[block, offset] = ...); .reshape(), .contiguous() or "
                          "assigning .data may write into a copy the engine never reads")
+        numeric.check("08.1", cow_cases(), lambda p: _cow_replay(p, apply_slot), (_STALE,))
 
 
 def _caches(shape: tuple, dtype: torch.dtype, views: bool) -> Callable[[], tuple]:
@@ -165,6 +168,170 @@ def _compare(caches, slot: Slot, where: str) -> None:
             grading.fail(f"{where}: {which} differs from the expected cache in block(s) {bad}",
                          "touch only block dst (the copy) and the slot (block, offset); "
                          "the cache is updated in place and keeps its dtype")
+
+
+# ------------------------------------------------------------------ 08.1 generated
+
+
+@dataclass(frozen=True)
+class Cow:
+    """One generated run of 08.1 on a pool whose free list is ``free``: steps ("prompt",
+    name, tokens), ("fork", parent, child), ("append", name), ("free", name); the cache
+    starts ``stale`` (every block holds an earlier request's K/V, as a busy engine's) or
+    NaN."""
+
+    seed: int
+    block_size: int
+    kv_heads: int
+    head_dim: int
+    dtype: str
+    layout: str
+    stale: bool
+    free: tuple[int, ...]
+    steps: tuple[tuple, ...]
+
+    def describe(self) -> str:
+        return (f"block size {self.block_size}, {self.kv_heads} KV head(s) of {self.head_dim}, "
+                f"{self.dtype}, {_LAYOUTS[self.layout]}, a cache "
+                + ("whose blocks hold earlier requests' K/V" if self.stale else "of NaN")
+                + f", free list {list(self.free)}, steps {list(self.steps)}")
+
+    def states(self) -> list[str]:
+        out = [f"block size {self.block_size}"] if self.block_size in (3, 5, 6, 7, 12) else []
+        out += ["a cache with earlier requests' K/V"] if self.stale else []
+        out += ["a sequence freed mid-run"] if any(s[0] == "free" for s in self.steps) else []
+        out += [_LAYOUTS[self.layout]] if self.layout == "vllm" else []
+        return out + [f"{self.kv_heads} KV head(s)"] if self.kv_heads != 2 else out
+
+    def smaller(self) -> Iterator[Cow]:
+        def steps() -> Iterator[Cow]:
+            for k, step in enumerate(self.steps):
+                yield dataclasses.replace(self, steps=self.steps[:k] + self.steps[k + 1:])
+                for n in numeric.shorter(step[2]) if step[0] == "prompt" else ():
+                    yield dataclasses.replace(self, steps=self.steps[:k] + (
+                        step[:2] + (n,),) + self.steps[k + 1:])
+            if len(self.free) > 1:
+                yield dataclasses.replace(self, free=self.free[:-1])
+        yield from filter(_cow_valid, steps())
+        yield from numeric.fewer(self, kv_heads=[1], head_dim=[2], dtype=["float32"],
+                                 layout=["separate"])
+
+
+_LAYOUTS = {"separate": "separate K and V tensors", "flashinfer": "K and V as views of one "
+            "[num_blocks, 2, ...] tensor (FlashInfer's)", "vllm": "K and V as views of one "
+            "[2, num_blocks, ...] tensor (vLLM's)"}
+
+
+def _cow_valid(p: Cow) -> bool:
+    """Every step names a live sequence, and the pool holds what the steps need."""
+    try:
+        _cow_replay(p, None)
+    except (KeyError, OutOfBlocks):
+        return False
+    return True
+
+
+def _draw_cow(seed: int) -> Cow:
+    pick = rng(801 + seed)
+    bs = pick([1, 2, 3, 4, 5, 6, 7, 8, 12, 16])
+    steps, live = [("prompt", "s0", pick([1, bs + 1, 2 * bs - 1]))], ["s0"]
+    for n in range(1, pick([8, 11, 14])):
+        who, kind = pick(live), pick(["append"] * 4 + ["fork"] * 2 + ["free", "prompt"])
+        if kind == "fork" and len(live) < 5:
+            steps += [("fork", who, f"s{n}")] + [("append", x) for x in (f"s{n}", who)]
+            live.append(f"s{n}")
+        elif kind == "free" and len(live) > 1:
+            steps.append(("free", who))
+            live.remove(who)
+        elif kind == "prompt":
+            steps.append(("prompt", f"s{n}", pick([1, bs, bs + 2])))
+            live.append(f"s{n}")
+        else:
+            steps.append(("append", who))
+    tokens = sum(s[2] if s[0] == "prompt" else s[0] == "append" for s in steps)
+    order = torch.randperm(tokens + 3, generator=torch.Generator().manual_seed(seed)).tolist()
+    p = Cow(seed, bs, pick([1, 2, 3, 4]), pick([4, 6, 8, 12]),
+            pick(["float32", "float16", "bfloat16"]), pick(list(_LAYOUTS)), seed % 4 != 3,
+            tuple(order[:tokens]), tuple(steps))
+    need = _cow_replay(p, None)  # the most blocks in use at once: a pool that tight (or
+    return dataclasses.replace(p, free=p.free[:need + pick([0, 0, 1])])  # one more)
+
+
+def cow_cases(count: int = 24) -> list[Cow]:
+    """08.1's generated runs (seeds 0, 1, ...)."""
+    return [_draw_cow(seed) for seed in range(count)]
+
+
+def _cow_replay(p: Cow, apply_slot: Callable[..., Any] | None) -> int:
+    """Run ``p``'s steps, each token written by the library and by ``apply_slot`` (None:
+    the library's alone) into caches of their own; after each write every live sequence
+    reads its K and V back through its table from both. Returns the most blocks in use."""
+    g = torch.Generator().manual_seed(p.seed)
+    dtype, num = getattr(torch, p.dtype), max(p.free, default=0) + 1
+    shape = (num, p.block_size, p.kv_heads, p.head_dim)
+
+    def cache() -> tuple[torch.Tensor, torch.Tensor]:
+        full = (torch.randn((2, *shape), generator=g) if p.stale else
+                torch.full((2, *shape), float("nan"))).to(dtype)
+        if p.layout == "flashinfer":
+            full = full.transpose(0, 1).contiguous().transpose(0, 1)
+        return full[0], full[1]
+
+    worlds = {"the library's": cache()}
+    if apply_slot is not None:
+        worlds["yours"] = cache()
+        worlds["yours"][0].copy_(worlds["the library's"][0])
+        worlds["yours"][1].copy_(worlds["the library's"][1])
+    alloc, tables, peak = busy_pool(num, p.free), {}, 0
+    for k, (kind, who, *rest) in enumerate(p.steps):
+        peak = max(peak, len(p.free) - alloc.num_free)
+        if kind == "fork":
+            if rest[0] in tables:
+                raise KeyError(rest[0])
+            tables[rest[0]] = tables[who].fork()
+        elif kind == "free":
+            tables.pop(who).free()
+        else:
+            if kind == "prompt":
+                if who in tables:
+                    raise KeyError(who)
+                tables[who] = BlockTable(alloc, p.block_size)
+            for t in range(rest[0] if kind == "prompt" else 1):
+                key, value = (torch.randn(p.kv_heads, p.head_dim, generator=g).to(dtype)
+                              for _ in "kv")
+                slot = tables[who].append_token()
+                sharing.apply_slot(*worlds["the library's"], slot, key.clone(), value.clone())
+                if apply_slot is not None:
+                    apply_slot(*worlds["yours"], slot, key.clone(), value.clone())
+                    _cow_reads(worlds, tables, f"at step {k} ({kind} {who}), token "
+                               f"{tables[who].num_tokens - 1} (slot {_slot_str(slot)})")
+    return max(peak, len(p.free) - alloc.num_free)
+
+
+def _cow_reads(worlds: dict, tables: dict, where: str) -> None:
+    (rk, rv), (mk, mv) = worlds.values()
+    for name, table in tables.items():
+        pos = torch.arange(table.num_tokens)
+        blocks = torch.tensor(table.blocks, dtype=torch.long)[pos // table.block_size]
+        for which, ref, mine in (("K", rk, mk), ("V", rv, mv)):
+            a, b = ref[blocks, pos % table.block_size], mine[blocks, pos % table.block_size]
+            same = (torch.nan_to_num(a.float(), 1e9) == torch.nan_to_num(b.float(), 1e9)
+                    ).flatten(1).all(1)
+            if not bool(same.all()):
+                i = int((~same).nonzero()[0])
+                grading.fail(f"{where}: sequence {name} reads its token {i}'s {which} from "
+                             f"block {int(blocks[i])}, slot {i % table.block_size}: the "
+                             f"library's cache holds {a[i].flatten()[0].item():.4g}..., "
+                             f"yours {b[i].flatten()[0].item():.4g}...",
+                             "copy all of block src into dst (K and V), then write the token "
+                             "at (slot.block, slot.offset), whatever those slots held")
+
+
+_STALE = numeric.Contrast(
+    lambda p: dataclasses.replace(p, stale=False) if p.stale else None,
+    "it passes on a cache of NaN and fails on one whose blocks hold earlier requests' K/V "
+    "(a freed block keeps them: nothing clears it, and the next request takes it): copy "
+    "and write whatever the slots hold; never test a slot for NaN (or zeros) to decide")
 
 
 # ------------------------------------------------------------------ 08.2 beam_step
