@@ -29,9 +29,9 @@ import torch
 from paged_lib.blocks import BlockTable, OutOfBlocks, Slot
 from paged_lib.course import grading
 from paged_lib.course.grading import generated, serving
+from paged_lib.course.grading.ch08_beam_replay import on_copies, run_beam_scenario
 from paged_lib.course.grading.generated import numeric
 from paged_lib.course.grading.generated.small_attention import rng
-from paged_lib.course.grading.ch08_beam_replay import on_copies, run_beam_scenario
 from paged_lib.course.grading.toy_pool import busy_pool
 from paged_lib.studies import sharing
 
@@ -296,7 +296,7 @@ def _cow_replay(p: Cow, apply_slot: Callable[..., Any] | None) -> int:
                 if who in tables:
                     raise KeyError(who)
                 tables[who] = BlockTable(alloc, p.block_size)
-            for t in range(rest[0] if kind == "prompt" else 1):
+            for _ in range(rest[0] if kind == "prompt" else 1):
                 key, value = (torch.randn(p.kv_heads, p.head_dim, generator=g).to(dtype)
                               for _ in "kv")
                 slot = tables[who].append_token()

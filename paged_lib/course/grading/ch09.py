@@ -133,9 +133,9 @@ class Waste:
         n = self.lengths
         for i in range(len(n)):
             yield dataclasses.replace(self, lengths=n[:i] + n[i + 1:])
-            for x in {1, -1, x // 2 if (x := n[i]) > 2 else 1} - {n[i]}:
+            for x in sorted({1, -1, max(n[i] // 2, 1)} - {n[i]}):
                 yield dataclasses.replace(self, lengths=n[:i] + (x,) + n[i + 1:])
-        yield from numeric.fewer(self, block_size={1, -1, self.block_size // 2} - {0})
+        yield from numeric.fewer(self, block_size=sorted({1, -1, self.block_size // 2} - {0}))
 
 
 _LENGTHS = [1, 1, 3, 7, 16, 33, 100, 4097, 0, -1, -5, 10 ** 10 + 1]
