@@ -47,14 +47,6 @@ EQUIVALENT_MUTANTS: dict[str, dict[str, str]] = {
 
 # ------------------------------------------------------------------ 08.1 apply_slot
 
-# name, block size, prompt length, samples, new tokens each, dtype
-_COW_SCENARIOS = [
-    ("chapter 08's example: 4 samples share block 7 (block size 4, prompt of 3)", 4, 3, 4, 3,
-     torch.float32),
-]
-_KV_HEADS, _HEAD_DIM = 2, 8
-
-
 def cow_walkthrough() -> dict[str, Any]:
     """Chapter 08's copy-on-write example with the library: the flow and ref counts."""
     allocator = busy_pool(12, (7, 3, 9, 10, 11))
@@ -73,56 +65,19 @@ def cow_walkthrough() -> dict[str, Any]:
 def check_apply_slot(apply_slot: Callable[..., Any]) -> None:
     """``apply_slot(k_cache, v_cache, slot, key, value) -> None`` (in place)."""
     with grading.exercise("08.1"):
-        for scenario in _COW_SCENARIOS:
-            _run_cow_scenario(apply_slot, *scenario)
+        _cow_replay(_EXAMPLE, apply_slot)
         try:  # right on separate tensors; an engine may hold K and V as views of one
             # tensor (FlashInfer's cache is [num_blocks, 2, ...]: views not contiguous)
-            _run_cow_scenario(apply_slot, "chapter 08's example, K and V as views of one "
-                              "[num_blocks, 2, ...] tensor, not contiguous (FlashInfer's "
-                              "layout), bfloat16", 4, 3, 4, 3, torch.bfloat16, views=True)
+            _cow_replay(dataclasses.replace(_EXAMPLE, layout="flashinfer", dtype="bfloat16",
+                                            name=_EXAMPLE.name + ", K and V as views of one "
+                                            "[num_blocks, 2, ...] tensor, not contiguous "
+                                            "(FlashInfer's layout), bfloat16"), apply_slot)
         except grading.CheckFailed as err:
             grading.fail(err.message, "here k_cache and v_cache are views of one "
                          "tensor, as an engine may hold them: write through indexing "
                          "(cache[block, offset] = ...); .reshape(), .contiguous() or "
                          "assigning .data may write into a copy the engine never reads")
         numeric.check("08.1", cow_cases(), lambda p: _cow_replay(p, apply_slot), (_STALE,))
-
-
-def _caches(shape: tuple, dtype: torch.dtype, views: bool) -> Callable[[], tuple]:
-    """A NaN-filled K/V cache pair; the function returns fresh views of its storage."""
-    if views:
-        kv = torch.full((shape[0], 2, *shape[1:]), float("nan"), dtype=dtype)
-        return lambda: (kv[:, 0], kv[:, 1])
-    pair = (torch.full(shape, float("nan"), dtype=dtype),
-            torch.full(shape, float("nan"), dtype=dtype))
-    return lambda: pair
-
-
-def _run_cow_scenario(apply_slot, name, block_size, prompt_len, n, new_tokens, dtype,
-                      views: bool = False):
-    g = torch.Generator().manual_seed(block_size * 100 + prompt_len)
-    allocator = busy_pool(12, (7, 3, 9, 10, 11, 4, 2, 8, 5, 6, 0, 1))
-    shape = (12, block_size, _KV_HEADS, _HEAD_DIM)
-    read = {who: _caches(shape, dtype, views) for who in ("mine", "ref")}
-    handed = {who: read[who]() for who in read}  # what each apply_slot is given, once
-    prompt = BlockTable(allocator, block_size)
-
-    def write(table: BlockTable, what: str) -> None:
-        key = torch.randn(_KV_HEADS, _HEAD_DIM, generator=g).to(dtype)
-        value = torch.randn(_KV_HEADS, _HEAD_DIM, generator=g).to(dtype)
-        slot = table.append_token()
-        sharing.apply_slot(*handed["ref"], slot, key.clone(), value.clone())
-        apply_slot(*handed["mine"], slot, key.clone(), value.clone())
-        caches = {who: read[who]() for who in read}  # read through the storage
-        _compare(caches, slot, f"scenario '{name}', {what} (slot {_slot_str(slot)})")
-
-    for t in range(prompt_len):
-        write(prompt, f"prompt token {t}")
-    tables = [prompt] + [prompt.fork() for _ in range(n - 1)]
-    order = [2, 0, 1, 3][:n] if n == 4 else list(range(n))  # the example: sample 3 writes first
-    for step in range(new_tokens):
-        for i in order:
-            write(tables[i], f"sample {i + 1}'s token {step}")
 
 
 def _slot_str(slot: Slot) -> str:
@@ -189,6 +144,7 @@ class Cow:
     stale: bool
     free: tuple[int, ...]
     steps: tuple[tuple, ...]
+    name: str = ""  # a named case: its caches are compared whole after every write
 
     def describe(self) -> str:
         return (f"block size {self.block_size}, {self.kv_heads} KV head(s) of {self.head_dim}, "
@@ -217,6 +173,12 @@ class Cow:
                                  layout=["separate"])
 
 
+#: chapter 08's example: four samples share block 7 (the prompt's 3 tokens); sample 3
+#: writes first, then 1, 2 and 4, three tokens each
+_EXAMPLE = Cow(0, 4, 2, 8, "float32", "separate", False, (7, 3, 9, 10, 11, 4, 2, 8, 5, 6, 0, 1),
+               (("prompt", "s1", 3), *(("fork", "s1", f"s{i}") for i in (2, 3, 4)),
+                *[("append", f"s{i}") for i in (3, 1, 2, 4)] * 3),
+               "chapter 08's example: 4 samples share block 7 (block size 4, prompt of 3)")
 _LAYOUTS = {"separate": "separate K and V tensors", "flashinfer": "K and V as views of one "
             "[num_blocks, 2, ...] tensor (FlashInfer's)", "vllm": "K and V as views of one "
             "[2, num_blocks, ...] tensor (vLLM's)"}
@@ -270,18 +232,23 @@ def _cow_replay(p: Cow, apply_slot: Callable[..., Any] | None) -> int:
     dtype, num = getattr(torch, p.dtype), max(p.free, default=0) + 1
     shape = (num, p.block_size, p.kv_heads, p.head_dim)
 
-    def cache() -> tuple[torch.Tensor, torch.Tensor]:
+    def cache() -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
+        """The cache's two halves, as views read afresh (through the storage) each call."""
         full = (torch.randn((2, *shape), generator=g) if p.stale else
                 torch.full((2, *shape), float("nan"))).to(dtype)
         if p.layout == "flashinfer":
             full = full.transpose(0, 1).contiguous().transpose(0, 1)
-        return full[0], full[1]
+        elif p.layout == "separate":
+            pair = full[0].clone(), full[1].clone()
+            return lambda: pair
+        return lambda: (full[0], full[1])
 
-    worlds = {"the library's": cache()}
+    read = {"ref": cache()}
     if apply_slot is not None:
-        worlds["yours"] = cache()
-        worlds["yours"][0].copy_(worlds["the library's"][0])
-        worlds["yours"][1].copy_(worlds["the library's"][1])
+        read["mine"] = cache()
+        for a, b in zip(read["mine"](), read["ref"](), strict=True):
+            a.copy_(b)
+    handed = {who: read[who]() for who in read}  # what each apply_slot is given, once
     alloc, tables, peak = busy_pool(num, p.free), {}, 0
     for k, (kind, who, *rest) in enumerate(p.steps):
         peak = max(peak, len(p.free) - alloc.num_free)
@@ -300,16 +267,21 @@ def _cow_replay(p: Cow, apply_slot: Callable[..., Any] | None) -> int:
                 key, value = (torch.randn(p.kv_heads, p.head_dim, generator=g).to(dtype)
                               for _ in "kv")
                 slot = tables[who].append_token()
-                sharing.apply_slot(*worlds["the library's"], slot, key.clone(), value.clone())
-                if apply_slot is not None:
-                    apply_slot(*worlds["yours"], slot, key.clone(), value.clone())
-                    _cow_reads(worlds, tables, f"at step {k} ({kind} {who}), token "
-                               f"{tables[who].num_tokens - 1} (slot {_slot_str(slot)})")
+                sharing.apply_slot(*handed["ref"], slot, key.clone(), value.clone())
+                if apply_slot is None:
+                    continue
+                apply_slot(*handed["mine"], slot, key.clone(), value.clone())
+                where = f"at step {k} ({kind} {who}), token {tables[who].num_tokens - 1} " \
+                    f"(slot {_slot_str(slot)})"
+                caches = {who: read[who]() for who in read}
+                if p.name:
+                    _compare(caches, slot, f"scenario '{p.name}', {where}")
+                _cow_reads(caches, tables, where)
     return max(peak, len(p.free) - alloc.num_free)
 
 
-def _cow_reads(worlds: dict, tables: dict, where: str) -> None:
-    (rk, rv), (mk, mv) = worlds.values()
+def _cow_reads(caches: dict, tables: dict, where: str) -> None:
+    (rk, rv), (mk, mv) = caches["ref"], caches["mine"]
     for name, table in tables.items():
         pos = torch.arange(table.num_tokens)
         blocks = torch.tensor(table.blocks, dtype=torch.long)[pos // table.block_size]
