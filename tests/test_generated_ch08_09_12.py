@@ -93,7 +93,7 @@ def test_08_1_cases_are_seeded_and_reach_states_the_fixed_cases_do_not():
     cases = ch08.cow_cases()
     assert cases == ch08.cow_cases() and len(cases) == 24
     seen = numeric.states(cases)
-    assert seen["a cache with earlier requests' K/V"] and seen["a sequence freed mid-run"]
+    assert seen["a cache of earlier requests' K/V"] and seen["a sequence freed mid-run"]
     assert seen["block size 3"] and seen["block size 7"] and seen["1 KV head(s)"]
     assert seen["K and V as views of one [2, num_blocks, ...] tensor (vLLM's)"]
 

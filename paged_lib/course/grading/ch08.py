@@ -1,10 +1,11 @@
 """Checks for chapter 08 (sharing: copy-on-write, parallel sampling, beam search).
 
-* 08.1 ``apply_slot``: the cache side of copy-on-write, on chapter 08's step-by-step example (four
-  samples share the prompt's block 7; sample 3 writes first). The learner's function
-  writes into a NaN-poisoned cache next to the library's; after every write the check
-  compares the block other samples still read, the copied block, the new token, then the
-  whole cache (so every sample reads back its own K/V through its block table).
+* 08.1 ``apply_slot``: the cache side of copy-on-write. On chapter 08's example (four samples
+  share block 7; sample 3 writes first), in a NaN-poisoned cache next to the library's,
+  after every write the check compares the block others still read, the copied block, the
+  new token, then the whole cache. Then generated runs (:class:`Cow`): forks, frees,
+  blocks taken again, caches that hold earlier requests' K/V, three layouts; every live
+  sequence reads its K/V back after each write.
 * 08.2 ``beam_step``: one step of beam search over block tables, the engine's hook
   (:func:`paged_lib.engine.beam_search.beam_step`), replayed next to it on the scripted
   scenarios below (exact ties, and a near tie that float32 calls one; beams that offer
@@ -19,7 +20,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -29,7 +29,7 @@ import torch
 from paged_lib.blocks import BlockTable, OutOfBlocks, Slot
 from paged_lib.course import grading
 from paged_lib.course.grading import generated, serving
-from paged_lib.course.grading.ch08_beam_replay import on_copies, run_beam_scenario
+from paged_lib.course.grading.ch08_beam_replay import on_copies, run_beam_scenario, serve_beams
 from paged_lib.course.grading.generated import numeric
 from paged_lib.course.grading.generated.small_attention import rng
 from paged_lib.course.grading.toy_pool import busy_pool
@@ -47,21 +47,6 @@ EQUIVALENT_MUTANTS: dict[str, dict[str, str]] = {
 
 # ------------------------------------------------------------------ 08.1 apply_slot
 
-def cow_walkthrough() -> dict[str, Any]:
-    """Chapter 08's copy-on-write example with the library: the flow and ref counts."""
-    allocator = busy_pool(12, (7, 3, 9, 10, 11))
-    prompt = BlockTable(allocator, 4)
-    for _ in range(3):
-        prompt.append_token()
-    samples = [prompt] + [prompt.fork() for _ in range(3)]
-    out: dict[str, Any] = {"prompt blocks": prompt.blocks, "ref 7 after forks":
-                           allocator.refcount(7)}
-    slot = samples[2].append_token()
-    out["sample 3 writes"] = slot
-    out["refs after"] = {7: allocator.refcount(7), slot.block: allocator.refcount(slot.block)}
-    return out
-
-
 def check_apply_slot(apply_slot: Callable[..., Any]) -> None:
     """``apply_slot(k_cache, v_cache, slot, key, value) -> None`` (in place)."""
     with grading.exercise("08.1"):
@@ -78,11 +63,6 @@ def check_apply_slot(apply_slot: Callable[..., Any]) -> None:
                          "(cache[block, offset] = ...); .reshape(), .contiguous() or "
                          "assigning .data may write into a copy the engine never reads")
         numeric.check("08.1", cow_cases(), lambda p: _cow_replay(p, apply_slot), (_STALE,))
-
-
-def _slot_str(slot: Slot) -> str:
-    copy = f", copy={slot.copy}" if slot.copy else ""
-    return f"Slot(block={slot.block}, offset={slot.offset}{copy})"
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -117,10 +97,9 @@ def _compare(caches, slot: Slot, where: str) -> None:
                          "v_cache[...] after copying (a copy made afterwards overwrites it)")
     for which, mine, ref in (("k_cache", mk, rk), ("v_cache", mv, rv)):
         if mine.dtype != ref.dtype or not _same(mine, ref):
-            bad = sorted({int(b) for b in (~torch.isclose(
-                torch.nan_to_num(mine.double(), nan=1e9), torch.nan_to_num(ref.double(), nan=1e9))
-            ).nonzero()[:, 0]})
-            grading.fail(f"{where}: {which} differs from the expected cache in block(s) {bad}",
+            bad = [b for b in range(len(ref)) if not _same(mine[b].to(ref.dtype), ref[b])]
+            grading.fail(f"{where}: {which} ({mine.dtype}) differs from the expected cache "
+                         f"in block(s) {bad}",
                          "touch only block dst (the copy) and the slot (block, offset); "
                          "the cache is updated in place and keeps its dtype")
 
@@ -130,10 +109,9 @@ def _compare(caches, slot: Slot, where: str) -> None:
 
 @dataclass(frozen=True)
 class Cow:
-    """One generated run of 08.1 on a pool whose free list is ``free``: steps ("prompt",
-    name, tokens), ("fork", parent, child), ("append", name), ("free", name); the cache
-    starts ``stale`` (every block holds an earlier request's K/V, as a busy engine's) or
-    NaN."""
+    """One run of 08.1 on a pool whose free list is ``free``: steps ("prompt", name, tokens),
+    ("fork", parent, child), ("append", name), ("free", name), in a cache that starts NaN or
+    ``stale`` (every block holding an earlier request's K/V, as a busy engine's)."""
 
     seed: int
     block_size: int
@@ -148,16 +126,16 @@ class Cow:
 
     def describe(self) -> str:
         return (f"block size {self.block_size}, {self.kv_heads} KV head(s) of {self.head_dim}, "
-                f"{self.dtype}, {_LAYOUTS[self.layout]}, a cache "
-                + ("whose blocks hold earlier requests' K/V" if self.stale else "of NaN")
-                + f", free list {list(self.free)}, steps {list(self.steps)}")
+                f"{self.dtype}, {_LAYOUTS[self.layout]}, a cache of " + ("earlier requests' "
+                "K/V" if self.stale else "NaN") + f", free list {list(self.free)}, steps "
+                f"{list(self.steps)}")
 
     def states(self) -> list[str]:
-        out = [f"block size {self.block_size}"] if self.block_size in (3, 5, 6, 7, 12) else []
-        out += ["a cache with earlier requests' K/V"] if self.stale else []
-        out += ["a sequence freed mid-run"] if any(s[0] == "free" for s in self.steps) else []
-        out += [_LAYOUTS[self.layout]] if self.layout == "vllm" else []
-        return out + [f"{self.kv_heads} KV head(s)"] if self.kv_heads != 2 else out
+        return [x for x, on in ((f"block size {self.block_size}", self.block_size in (
+            3, 5, 6, 7, 12)), ("a cache of earlier requests' K/V", self.stale), (
+            "a sequence freed mid-run", any(s[0] == "free" for s in self.steps)), (
+            _LAYOUTS["vllm"], self.layout == "vllm"), (f"{self.kv_heads} KV head(s)",
+                                                        self.kv_heads != 2)) if on]
 
     def smaller(self) -> Iterator[Cow]:
         def steps() -> Iterator[Cow]:
@@ -199,17 +177,17 @@ def _draw_cow(seed: int) -> Cow:
     steps, live = [("prompt", "s0", pick([1, bs + 1, 2 * bs - 1]))], ["s0"]
     for n in range(1, pick([8, 11, 14])):
         who, kind = pick(live), pick(["append"] * 4 + ["fork"] * 2 + ["free", "prompt"])
-        if kind == "fork" and len(live) < 5:
-            steps += [("fork", who, f"s{n}")] + [("append", x) for x in (f"s{n}", who)]
-            live.append(f"s{n}")
+        if kind == "fork" and len(live) < 5:  # both then write: one of them copies
+            steps += [("fork", who, f"s{n}"), ("append", f"s{n}"), ("append", who)]
         elif kind == "free" and len(live) > 1:
             steps.append(("free", who))
             live.remove(who)
         elif kind == "prompt":
             steps.append(("prompt", f"s{n}", pick([1, bs, bs + 2])))
-            live.append(f"s{n}")
         else:
             steps.append(("append", who))
+        live += [f"s{n}"] if steps[-1][0] == "prompt" or steps[-3:-2] == [
+            ("fork", who, f"s{n}")] else []
     tokens = sum(s[2] if s[0] == "prompt" else s[0] == "append" for s in steps)
     order = torch.randperm(tokens + 3, generator=torch.Generator().manual_seed(seed)).tolist()
     p = Cow(seed, bs, pick([1, 2, 3, 4]), pick([4, 6, 8, 12]),
@@ -232,8 +210,7 @@ def _cow_replay(p: Cow, apply_slot: Callable[..., Any] | None) -> int:
     dtype, num = getattr(torch, p.dtype), max(p.free, default=0) + 1
     shape = (num, p.block_size, p.kv_heads, p.head_dim)
 
-    def cache() -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
-        """The cache's two halves, as views read afresh (through the storage) each call."""
+    def cache() -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:  # K and V, read afresh
         full = (torch.randn((2, *shape), generator=g) if p.stale else
                 torch.full((2, *shape), float("nan"))).to(dtype)
         if p.layout == "flashinfer":
@@ -268,7 +245,7 @@ def _cow_replay(p: Cow, apply_slot: Callable[..., Any] | None) -> int:
                     continue
                 apply_slot(*handed["mine"], slot, key.clone(), value.clone())
                 where = f"at step {k} ({kind} {who}), token {tables[who].num_tokens - 1} " \
-                    f"(slot {_slot_str(slot)})"
+                    f"({slot})"
                 caches = {who: read[who]() for who in read}
                 if p.name:
                     _compare(caches, slot, f"scenario '{p.name}', {where}")
@@ -288,11 +265,11 @@ def _cow_reads(caches: dict, tables: dict, where: str) -> None:
             if not bool(same.all()):
                 i = int((~same).nonzero()[0])
                 grading.fail(f"{where}: sequence {name} reads its token {i}'s {which} from "
-                             f"block {int(blocks[i])}, slot {i % table.block_size}: the "
-                             f"library's cache holds {a[i].flatten()[0].item():.4g}..., "
-                             f"yours {b[i].flatten()[0].item():.4g}...",
-                             "copy all of block src into dst (K and V), then write the token "
-                             "at (slot.block, slot.offset), whatever those slots held")
+                             f"block {int(blocks[i])}: the library's cache holds "
+                             f"{a[i].flatten()[0].item():.4g}..., yours "
+                             f"{b[i].flatten()[0].item():.4g}...", "copy all of block src into "
+                             "dst (K and V), then write the token at (slot.block, "
+                             "slot.offset), whatever those slots held")
 
 
 _STALE = numeric.Contrast(
@@ -342,48 +319,11 @@ def check_beam_step(beam_step: Callable[..., Any]) -> None:
     with grading.exercise("08.2"):
         for name, block_size, prompt_len, width, steps in _SCRIPTED:
             run_beam_scenario(beam_step, name, block_size, prompt_len, width, steps)
-        _serve_beams(beam_step)
+        serve_beams(beam_step)
         generated.check("beam_step", on_copies(beam_step), "the best beam_width "
                         "continuations of all beams by cumulative log-probability; a parent "
                         "chosen again is forked, its own table goes to its best child; the "
                         "tables nobody continues are freed, in beam order, tail first")
-
-
-def _serve_beams(beam_step: Callable[..., Any]) -> None:
-    """Real beam groups in the engine: replay's workload with beams of 3 and 4, parallel
-    samples, swaps and chunks, served with the learner's step; the beams and each step's
-    schedule must be the library engine's."""
-    name, want, want_steps = _library_beams()
-    _, got, got_steps = _served_beams(beam_step)
-    for k, (a, b) in enumerate(zip(want_steps, got_steps, strict=False)):
-        if a != b:
-            grading.fail(f"serving '{name}' with your beam_step: at engine step {k} the "
-                         f"library runs (request, sequence, tokens) {a}, yours {b}",
-                         "in the engine a beam's table is the one you return: its forks and "
-                         "frees decide which blocks the next step writes")
-    grading.expect_equal(got, want, f"serving '{name}' with your beam_step: the beams",
-                         "the engine's beams must be the library's on the same candidates")
-
-
-@functools.cache
-def _library_beams() -> tuple[str, list, list]:
-    return _served_beams(None)
-
-
-def _served_beams(beam_step: Callable[..., Any] | None) -> tuple[str, list, list]:
-    """(the workload's name, each request's outputs, each step's (request, sequence,
-    tokens)) of replay's beam workload served with ``beam_step`` (None: the library's)."""
-    from paged_lib.course.grading import replay
-    from paged_lib.engine import EngineHooks
-    from paged_lib.model import load_tiny_code_llama
-
-    w = next(w for w in replay.workloads() if "beams of 3 and 4" in w.name)
-    hooks = None if beam_step is None else EngineHooks(beam_step=on_copies(beam_step))
-    steps: list = []
-    with serving.one_thread():
-        tokens, _ = serving.serve(load_tiny_code_llama(), w, hooks, on_step=lambda out, _:
-                                  steps.append(serving.schedule_of(out)))
-    return w.name, tokens, steps
 
 
 def run_beam_search(beam_step: Callable[..., Any], **kw) -> list[sharing.BeamFrame]:
