@@ -258,7 +258,7 @@ GRADERS = [
      "num_kv_heads, not num_heads"),
     ("01.2", ch01.check_logical_blocks, lambda n, bs: -(-n // bs),
      lambda n, bs: n // bs + 1,  # 16 tokens -> 2 blocks
-     "ceil"),
+     "exactly full"),
     ("01.2", ch01.check_logical_blocks, lambda n, bs: -(-n // bs),
      lambda n, bs: n // bs,
      "round up, not down"),

@@ -1,6 +1,6 @@
 """12.3's generated steps (paged_lib.course.grading.generated.numeric_rank).
 
-The steps are seeded and reach shardings the nine fixed steps do not (3 ranks, groups of
+The steps are seeded and reach shardings the fixed steps do not (3 ranks, groups of
 3 to 7, hidden sizes other than 32, blocks of 1, 3 and 5, sequences past 10 tokens, louder
 inputs); the library's piece and right answers of other shapes pass them; a wrong one is
 shrunk to a one-token step and its hint names the feature that breaks it. Every wrong

@@ -617,7 +617,7 @@ def test_01_1_wrong_answers_get_a_named_hint(capsys, answer, hint):
     (lambda n, b: __import__("math").ceil(n / b), "53 bits"),
     (lambda n, b: n / b, "`/` gives a fraction"),
     (lambda n, b: float(-(-n // b)), "expected an int"),
-    (lambda n, b: n // b + 1, "ceil(num_tokens / block_size)"),
+    (lambda n, b: n // b + 1, "exactly full"),
 ])
 def test_01_2_wrong_answers_get_a_named_hint(capsys, answer, hint):
     out = verdict(capsys, ch01.check_logical_blocks, answer)

@@ -475,15 +475,12 @@ def test_07_2_wrong_answers_get_a_named_hint(capsys, wrong, hint):
     assert out.startswith("❌ [07.2]") and hint in out, out
 
 
-def test_07_2_scenarios_say_what_the_wrong_rule_does(capsys):
-    """Past the hand-made lists, a wrong pick in the scheduler names its consequence."""
-    from paged_lib.course import grading
-    from paged_lib.course.grading import ch07_victim
-
-    with grading.exercise("07.2", "scenarios"):
-        ch07_victim.check_scenarios(victim_oldest)
-    out = capsys.readouterr().out
-    assert out.startswith("❌ [07.2]") and "run to the end, your rule finishes request 0" in out
+def test_07_2_a_wrong_pick_says_what_the_rule_does_run_to_the_end(capsys):
+    """A wrong pick is told with what the learner's rule does to a pressure scenario
+    the scheduler runs to the end with it."""
+    out = verdict(capsys, ch07.check_choose_victim, victim_oldest)
+    assert out.startswith("❌ [07.2]") and "run to the end on 'a long request among" in out
+    assert "your rule finishes request 0 at step 28 instead of 25" in out, out
     assert "recomputes 34 tokens instead of 9" in out and "the oldest group" in out, out
 
 

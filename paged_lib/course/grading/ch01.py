@@ -13,21 +13,12 @@ from paged_lib.course.grading.generated import small_ints
 # A tiny model whose numbers are all different, so a swapped field shows up.
 TOY = ModelSpec("toy-gqa", num_layers=3, hidden_size=96, num_heads=6, num_kv_heads=2,
                 head_dim=16, dtype_bytes=4)
-# Gemma-7B's shape: 16 heads of 256 = 4096, wider than its hidden size of 3072, so
-# hidden_size // num_heads is not the head size.
-WIDE_HEADS = ModelSpec("gemma-7b", num_layers=28, hidden_size=3072, num_heads=16,
-                       num_kv_heads=16, head_dim=256)
 
 
 def _kv_hint(spec: ModelSpec, got: object) -> str:
     """Name the likely slip from the wrong number a learner's formula produced."""
     right = kv_bytes_per_token(spec)
     slips = [
-        (2 * spec.num_layers * spec.num_kv_heads * (spec.hidden_size // spec.num_heads)
-         * spec.dtype_bytes,
-         f"the head size is its own field, spec.head_dim ({spec.head_dim} here): "
-         f"hidden_size // num_heads = {spec.hidden_size // spec.num_heads} only when "
-         f"num_heads x head_dim = hidden_size, which {spec.name} does not have."),
         (right // 2, "K and V are both cached: multiply by 2."),
         (right * spec.group_size, "only KV heads are cached (num_kv_heads, not num_heads): "
                                   "with GQA several query heads share one KV head."),
@@ -43,52 +34,28 @@ def _kv_hint(spec: ModelSpec, got: object) -> str:
     return "2 (K and V) x num_layers x num_kv_heads x head_dim x dtype_bytes."
 
 
+def _check_kv(fn: Callable[[ModelSpec], int], spec: ModelSpec) -> None:
+    got = fn(spec)
+    if got == kv_bytes_per_token(spec):
+        grading.expect_int(got, f"bytes per token of {spec.name}")
+    grading.expect_equal(got, kv_bytes_per_token(spec),
+                         what=f"bytes per token of {spec.name} ({spec.attention}, "
+                              f"{spec.dtype_bytes} B per value)", hint=_kv_hint(spec, got))
+
+
 def check_kv_bytes_per_token(fn: Callable[[ModelSpec], int]) -> None:
     """01.1: bytes of KV per token, on MHA, GQA and MQA models and other dtypes."""
-    cases = [SPECS["llama-2-70b"], SPECS["opt-13b"], SPECS["llama-2-7b"], SPECS["falcon-7b"],
-             SPECS["mistral-7b"].with_dtype("fp8"), SPECS["llama-2-13b"].with_dtype("fp32"),
-             TOY, WIDE_HEADS]
     with grading.exercise("01.1"):
-        for spec in cases:
-            got = fn(spec)
-            if got == kv_bytes_per_token(spec):
-                grading.expect_int(got, f"bytes per token of {spec.name}")
-            grading.expect_equal(got, kv_bytes_per_token(spec),
-                                 what=f"bytes per token of {spec.name} ({spec.attention}, "
-                                      f"{spec.dtype_bytes} B per value)",
-                                 hint=_kv_hint(spec, got))
-
-
-BLOCK_CASES = [(1000, 16), (0, 16), (16, 16), (17, 16), (1, 16), (2048, 16), (5, 1),
-               (100, 128), (7, 3), (10**18 + 1, 16)]
+        for spec in [SPECS["llama-2-70b"], SPECS["opt-13b"], SPECS["llama-2-7b"],
+                     SPECS["falcon-7b"], SPECS["mistral-7b"].with_dtype("fp8"),
+                     SPECS["llama-2-13b"].with_dtype("fp32"), TOY]:
+            _check_kv(fn, spec)
+        small_ints.kv_stage(lambda spec: _check_kv(fn, spec))  # generated: real configs
 
 
 def check_logical_blocks(fn: Callable[[int, int], int]) -> None:
     """01.2: logical blocks for a request (ceil division, 0 tokens -> 0 blocks)."""
-    with grading.exercise("01.2"):
-        for n, bs in BLOCK_CASES:
-            got = fn(n, bs)
-            want = num_blocks(n, bs)
-            if got == want:
-                grading.expect_int(got, f"blocks for {n} tokens at block size {bs}")
-            if n > 2**53:
-                hint = ("n / block_size is a float, and floats hold only 53 bits: for long "
-                        "counts it rounds. Stay in integers (// and cdiv).")
-            elif got == n // bs and got != want:
-                hint = "a partly filled last block still counts: round up, not down."
-            elif isinstance(got, float) and got != int(got):
-                hint = "`/` gives a fraction of a block; blocks are whole: round up."
-            else:
-                hint = "ceil(num_tokens / block_size); 0 tokens need 0 blocks."
-            grading.expect_equal(got, want, what=f"blocks for {n} tokens at block size {bs}",
-                                 hint=hint)
-        small_ints.count_stage("01.2", fn)  # generated: counts past 2**53
-
-
-def _fill(num_tokens: int, block_size: int) -> float:
-    if num_tokens == 0:
-        return 0.0
-    return (num_tokens - (num_blocks(num_tokens, block_size) - 1) * block_size) / block_size
+    small_ints.check_division("01.2", "logical_blocks", fn)
 
 
 def _fill_hint(n: int, bs: int, got: object, want: float) -> str:
@@ -128,7 +95,7 @@ def check_last_block_fill(fn: Callable[[int, int], float]) -> None:
     with grading.exercise("01.3"):
         for n, bs in cases:
             got = fn(n, bs)
-            want = _fill(n, bs)
+            want = small_ints.fill(n, bs)
             grading.expect_close(got, want, what=f"fill of the last block for {n} tokens "
                                                  f"at block size {bs}", rel=1e-9,
                                  hint=_fill_hint(n, bs, got, want))
@@ -168,30 +135,30 @@ def _max_requests_hint(spec: ModelSpec, budget: int, ctx: int, bs: int, got: obj
             "each request needs ceil(context_len / block_size) of them.")
 
 
+def _check_max(fn: Callable[..., int], spec: ModelSpec, budget: int, ctx: int,
+               bs: int) -> None:
+    got = fn(spec, budget, ctx, bs)
+    want = _max_requests(spec, budget, ctx, bs)
+    if got == want:
+        grading.expect_int(got, f"{spec.name}, budget {budget:,} B, {ctx} tokens")
+    grading.expect_equal(got, want, what=f"{spec.name}, budget {budget:,} B, {ctx} tokens, "
+                                         f"block size {bs}",
+                         hint=_max_requests_hint(spec, budget, ctx, bs, got, want))
+
+
 def check_max_requests(fn: Callable[[ModelSpec, int, int, int], int]) -> None:
     """01.4: how many requests fit in a KV budget, counting whole blocks."""
-    GiB = 2**30
-    l7, l70, falcon = SPECS["llama-2-7b"], SPECS["llama-2-70b"], SPECS["falcon-7b"]
+    l7 = SPECS["llama-2-7b"]
     blk7 = 16 * kv_bytes_per_token(l7)  # one 16-token block of llama-2-7b: 8 MiB
-    cases = [
-        (l7, 20 * GiB, 2048, 16),     # 2560 blocks / 128 per request
-        (l7, 100 * blk7, 1000, 16),   # 100 / 63 = 1.59 requests: round(...) says 2
-        (l7, 125 * blk7, 1000, 16),   # 63 blocks per request, not 62.5: only 1 fits
-        (l7, 128 * blk7 - 1, 2048, 16),  # one byte short of a request: 0
-        (l7, 0, 2048, 16),
-        (l70, 40 * GiB, 4096, 32),
-        (falcon, 1 * GiB, 4096, 1),
-        (SPECS["llama-3-8b"], 50 * GiB, 8192, 16),
-    ]
     with grading.exercise("01.4"):
-        for spec, budget, ctx, bs in cases:
-            got = fn(spec, budget, ctx, bs)
-            want = _max_requests(spec, budget, ctx, bs)
-            if got == want:
-                grading.expect_int(got, f"{spec.name}, budget {budget:,} B, {ctx} tokens")
-            hint = _max_requests_hint(spec, budget, ctx, bs, got, want)
-            grading.expect_equal(got, want, what=f"{spec.name}, budget {budget:,} B, "
-                                                 f"{ctx} tokens, block size {bs}", hint=hint)
+        for budget, ctx in [(2560 * blk7, 2048),  # 20 GiB: 2560 blocks / 128 per request
+                            (100 * blk7, 1000),  # 100 / 63 = 1.59 requests: round(...) says 2
+                            (125 * blk7, 1000),  # 63 blocks per request, not 62.5: only 1
+                            (128 * blk7 - 1, 2048),  # one byte short of a request: 0
+                            (0, 2048)]:
+            _check_max(fn, l7, budget, ctx, 16)
+        small_ints.budget_stage(lambda *args: _check_max(fn, *args))  # generated: real
+        # configurations, block sizes that are not powers of two, budgets past 2**32
 
 
 def run_demo(kv_bytes_per_token: Callable[[ModelSpec], int]) -> Any:

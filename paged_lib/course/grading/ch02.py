@@ -52,13 +52,10 @@ def check_waste_removed(fn: Callable[[], dict[str, set[str]]]) -> None:
         grading.expect_true(not missing, f"no answer for {missing}",
                             hint="use the mechanism names exactly as given in the dict stub")
         for mech, want in MECHANISMS.items():
-            answer = got[mech]
-            grading.expect_true(answer is not None, f"{mech!r}: None",
+            grading.expect_true(got[mech] is not None, f"{mech!r}: None",
                                 hint="a mechanism that removes no kind of waste gets an empty "
                                      "set, set(), not None")
-            if isinstance(answer, str):
-                answer = {answer}
-            answer = set(answer)
+            answer = {got[mech]} if isinstance(got[mech], str) else set(got[mech])
             unknown = answer - set(WASTE_KINDS)
             grading.expect_true(not unknown, f"{mech!r}: unknown waste kind(s) "
                                 f"{sorted(unknown)}", hint=f"use only {WASTE_KINDS}")
@@ -79,7 +76,8 @@ def _slots_hint(got: tuple[int, ...], want: tuple[int, ...], max_len: int) -> st
     if got[0] != want[0]:
         return "token states = num_tokens: the slots that hold a token now, no more, no less."
     if sum(got) != sum(want):
-        return f"Orca (Max) holds max_len = {max_len} slots from admission to the end."
+        return (f"Orca (Max) holds max_len = {max_len} slots from admission to the end, its "
+                f"last step (when it stores its final length) included.")
     if got[1] == want[1] + want[2] or got[2] == want[1] + want[2]:
         return ("split the free slots: those below the final length will be filled later "
                 "(reserved); those at or past it never will (internal).")
@@ -87,61 +85,40 @@ def _slots_hint(got: tuple[int, ...], want: tuple[int, ...], max_len: int) -> st
             "(up to final_len); internal = the rest.")
 
 
-_SLOT_CASES = [(1, 1), (1, 500), (161, 499), (499, 499), (16, 40), (17, 40), (40, 40),
-               (32, 33), (33, 33), (2047, 2048), (2048, 2048), (100, 2000)]
+def _check_slots(fn: Callable[[int, int, int], object], n: int, length: int,
+                 max_len: int) -> None:
+    want = request_slots("orca-max", n, length, max_len=max_len)
+    what = f"{n} tokens stored, final length {length}, max_len={max_len}"
+    got = _as_triple(fn(n, length, max_len), what)
+    grading.expect_equal(got, want, what=what, hint=_slots_hint(got, want, max_len))
 
 
 def check_orca_max_slots(fn: Callable[[int, int, int], object]) -> None:
     """02.2: (token_states, reserved, internal) of one Orca (Max) request."""
     with grading.exercise("02.2"):
-        for max_len in (2048, 512, 40):
-            for n, length in _SLOT_CASES:
-                if length > max_len:
-                    continue
-                want = request_slots("orca-max", n, length, max_len=max_len)
-                what = f"{n} tokens stored, final length {length}, max_len={max_len}"
-                got = _as_triple(fn(n, length, max_len), what)
-                grading.expect_equal(got, want, what=what, hint=_slots_hint(got, want, max_len))
-
-
-def _snapshot_keeping_finished(prompt_lens, output_lens, step, slots):
-    """The typical slip: finished requests still counted, frozen at their final length."""
-    prompts = [p + min(step, o - 1) - step for p, o in zip(prompt_lens, output_lens,
-                                                            strict=True)]
-    return batch_snapshot(prompts, [max(o, step + 1) for o in output_lens], step, slots)
-
-
-def _snapshot_tokens_off(prompt_lens, output_lens, step, slots, delta):
-    """Each running request counted with ``prompt + step + 1 + delta`` tokens."""
-    total = [0, 0, 0]
-    for p, o in zip(prompt_lens, output_lens, strict=True):
-        if step < o and 1 <= p + step + 1 + delta <= p + o:
-            for k, v in enumerate(slots(p + step + 1 + delta, p + o)):
-                total[k] += v
-    return tuple(total)
-
-
-_TOKENS_HINT = ("during step s (counting from 0) a request stores prompt + s + 1 tokens: its "
-                "prompt plus the token being produced.")
-_SNAPSHOT_SLIPS: list[tuple[Callable[..., tuple[int, ...] | None], str]] = [
-    (_snapshot_keeping_finished, "a request takes part while step < output_len; finished "
-                                 "ones have left and hold nothing."),
-    (lambda p, o, step, slots: batch_snapshot(p, o, step - 1, slots) if step >= 1 else None,
-     _TOKENS_HINT),
-    (lambda p, o, step, slots: _snapshot_tokens_off(p, o, step, slots, -1), _TOKENS_HINT),
-    (lambda p, o, step, slots: _snapshot_tokens_off(p, o, step, slots, 1), _TOKENS_HINT),
-    (lambda p, o, step, slots: tuple(int(v) for v in np.sum(
-        [batch_snapshot(p, o, s, slots) for s in range(step + 1)], axis=0)) if step else None,
-     "a snapshot is the totals during this one step, not summed over steps 0 .. step."),
-]
+        for n, length, max_len in [(261, 499, 2048), (1, 500, 512), (16, 40, 40)]:
+            _check_slots(fn, n, length, max_len)
+        small_sim.slot_stage(lambda *args: _check_slots(fn, *args))  # generated: last steps
 
 
 def _snapshot_hint(p, o, step, slots, got) -> str:
-    for slip, hint in _SNAPSHOT_SLIPS:
-        if got == slip(p, o, step, slots):
-            return hint
-    return ("a request takes part while step < output_len; sum the slots function over "
-            "those requests only.")
+    """Name the slip from the wrong totals it produced."""
+    def total(d: int = 0, kept: bool = False) -> tuple[int, ...]:
+        """Running requests (and, ``kept``, finished ones at their end) with d more tokens."""
+        n = [(x + min(step, y - 1 if kept else step) + 1 + d, x + y) for x, y in zip(
+            p, o, strict=True) if step < y or kept]
+        return tuple(map(sum, zip((0, 0, 0), *(slots(*a) for a in n if 1 <= a[0] <= a[1]),
+                                  strict=True)))
+    if got == total(kept=True):
+        return ("a request takes part while step < output_len; finished ones have left and "
+                "hold nothing.")
+    if got in (total(-1), total(1)) or step and got == batch_snapshot(p, o, step - 1, slots):
+        return ("during step s (counting from 0) a request stores prompt + s + 1 tokens: its "
+                "prompt plus the token being produced.")
+    if step and got == tuple(map(sum, zip(*(batch_snapshot(p, o, s, slots) for s in range(
+            step + 1)), strict=True))):
+        return "a snapshot is the totals during this one step, not summed over steps 0 .. step."
+    return "a request takes part while step < output_len; sum the slots over those only."
 
 
 def _checked_slots(slots, prompt_lens, output_lens, step):
@@ -164,29 +141,31 @@ def _checked_slots(slots, prompt_lens, output_lens, step):
     return checked
 
 
+def _check_snapshot(fn: Callable[..., object], what: str, slots, p, o, step) -> None:
+    got = _as_triple(fn(p, o, step, _checked_slots(slots, p, o, step)), what)
+    want = batch_snapshot(p, o, step, slots)
+    hint = _snapshot_hint(p, o, step, slots, got) if got != want else None
+    grading.expect_equal(got, want, what=what, hint=hint)
+
+
 def check_batch_snapshot(fn: Callable[..., object], block_size: int = 16) -> None:
     """02.4: totals over a batch at one step, then the claim "paging wastes less than one
     block per running request" checked at every step with the learner's function."""
     rng = np.random.default_rng(2)
     prompts = [int(v) for v in rng.integers(1, 300, size=12)]
     outputs = [int(v) for v in rng.integers(1, 400, size=12)]
-    cases = [([10], [5], 0), ([10], [5], 4), ([10], [5], 5), ([16, 1, 30], [1, 16, 3], 0),
-             ([16, 1, 30], [1, 16, 3], 2), (prompts, outputs, 0), (prompts, outputs, 150),
-             (prompts, outputs, 10_000)]
     policies = {
         "paged": lambda n, length: request_slots("paged", n, length, block_size=block_size),
         "orca-max": lambda n, length: request_slots("orca-max", n, length, max_len=2048),
     }
     with grading.exercise("02.4"):
         for name, slots in policies.items():
-            for p, o, step in cases:
-                what = f"{name} snapshot of prompts {p}, outputs {o} at step {step}"
-                if len(what) > 120:
-                    what = f"{name} snapshot of a batch of {len(p)} requests at step {step}"
-                got = _as_triple(fn(p, o, step, _checked_slots(slots, p, o, step)), what)
-                want = batch_snapshot(p, o, step, slots)
-                hint = _snapshot_hint(p, o, step, slots, got) if got != want else None
-                grading.expect_equal(got, want, what=what, hint=hint)
+            for p, o, step in [([10], [5], 0), ([10], [5], 4), ([10], [5], 5),
+                               ([16, 1, 30], [1, 16, 3], 0), ([16, 1, 30], [1, 16, 3], 2)]:
+                _check_snapshot(fn, f"{name} snapshot of prompts {p}, outputs {o} at step "
+                                    f"{step}", slots, p, o, step)
+        small_sim.batch_stage(lambda p, o, step, slots: _check_snapshot(
+            fn, "the snapshot", slots, p, o, step))  # generated: tied prompt lengths, edges
         slots = policies["paged"]
         for step in range(max(outputs)):
             running = sum(step < o for o in outputs)

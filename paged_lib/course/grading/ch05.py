@@ -10,7 +10,9 @@ the other cannot:
   element each program loaded, so a read past a sequence's end fails even when
   ``tl.where`` hid its value, and the message names the program and the slot.
 
-On a GPU (kernels compiled, not interpreted) only the first kind runs.
+On a GPU (kernels compiled, not interpreted) only the first kind runs. After the fixed
+cases, each check runs seeded generated cases (:mod:`~paged_lib.course.grading.generated.
+numeric_decode`, :mod:`~paged_lib.course.grading.generated.small_around`), shrunk.
 
 The kernel checks live in ``ch05_puzzles`` (05.1-05.4) and ``ch05_decode`` (05.5), on
 ``ch05_common``'s launcher and guarded buffers; this module is the chapter's grader
@@ -29,7 +31,6 @@ from paged_lib.course import grading
 from paged_lib.course.grading.ch05_common import NAN, Guarded, launch
 from paged_lib.course.grading.ch05_decode import (
     check_paged_decode_kernel,
-    decode_case,
     run_decode_kernel,
 )
 from paged_lib.course.grading.ch05_puzzles import (
@@ -43,7 +44,7 @@ from paged_lib.kernels.reference import gather_kv
 
 __all__ = ["EQUIVALENT_MUTANTS", "Guarded", "check_gather_rows",
            "check_merge_partials", "check_online_attention", "check_paged_decode_kernel",
-           "check_row_softmax", "check_scale_tile", "check_slot_mapping", "decode_case", "launch",
+           "check_row_softmax", "check_scale_tile", "check_slot_mapping", "launch",
            "run_decode_kernel"]
 
 

@@ -21,18 +21,10 @@ from paged_lib.course.grading.ch05_common import (
 from paged_lib.course.grading.generated import numeric, numeric_decode
 from paged_lib.course.grading.slips import decode_slips, name_slip
 from paged_lib.instruments.load_trace import LoadTrace
-from paged_lib.kernels.cases import NAN_BLOCK, make_decode_case
 from paged_lib.kernels.reference import ref_paged_attention
 from paged_lib.util import cdiv
 
 # -------------------------------------------------------------- 05.5 the paged decode kernel
-
-def decode_case(seq_lens: tuple[int, ...], num_heads: int, num_kv_heads: int, head_dim: int,
-                block_size: int, seed: int = 0):
-    """A decode batch for the grader: distinct blocks, padding through an all-NaN block 0."""
-    return make_decode_case(seq_lens, num_heads, num_kv_heads, head_dim, block_size,
-                            seed=seed, shared=False, pad=NAN_BLOCK)
-
 
 def run_decode_kernel(kernel: Any, case) -> tuple[torch.Tensor, LoadTrace, tuple]:
     """Launch the exercise kernel, one program per (sequence, KV head); output on the CPU.
@@ -212,9 +204,9 @@ def check_paged_decode_kernel(kernel: Any) -> None:
     """05.5: the paged decode kernel, one program per (sequence, KV head)."""
     with grading.exercise("05.5"):
         for seed, (lens, heads, kv_heads, d, bs, q_scale) in enumerate(DECODE_CASES):
-            case = decode_case(lens, heads, kv_heads, d, bs, seed=seed)
-            case = case._replace(q=case.q * q_scale)
-            what = f"seq_lens {list(lens)}, heads {heads}/{kv_heads}, block_size {bs}"
-            check_decode_case(kernel, case, what, loud=q_scale > 1)
+            p = numeric_decode.Ramp("05.5", seed, (
+                ("lens", lens), ("kv_heads", kv_heads), ("heads", heads), ("head_dim", d),
+                ("ties", False), ("loud", q_scale), ("scale", "head"), ("block_size", bs)))
+            check_decode_case(kernel, p.build(), p.what(), loud=q_scale > 1)
         numeric.check("05.5", numeric_decode.decode_cases(), lambda p: check_decode_case(
             kernel, p.build(), p.what(), loud=p.loud > 1), numeric_decode.DECODE_CONTRASTS)

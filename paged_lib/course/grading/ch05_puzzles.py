@@ -18,6 +18,7 @@ from paged_lib.course.grading.ch05_common import (
     interpreted,
     launch,
 )
+from paged_lib.course.grading.generated import numeric, numeric_decode
 from paged_lib.course.grading.slips import contiguous_slips, name_slip
 from paged_lib.instruments.load_trace import LoadTrace
 from paged_lib.util import cdiv
@@ -29,43 +30,52 @@ def check_scale_tile(kernel: Any) -> None:
     with grading.exercise("05.1"):
         g = torch.Generator().manual_seed(51)
         for m, n, stride, bm, bn in [(5, 7, 9, 4, 4), (3, 16, 16, 4, 8)]:
-            x = torch.randn(m, n, generator=g)
-            rows = torch.full((m, stride), NAN)
-            rows[:, :n] = x
-            x_g = Guarded(rows, pad=bm * stride + bn)
-            out_g = Guarded(torch.full((m, n), NAN), pad=bm * n + bn, fill=OUT_GUARD)
-            what = f"M={m}, N={n}, stride_x={stride}, BLOCK_M={bm}, BLOCK_N={bn}"
-            trace = launch(kernel, (cdiv(m, bm), cdiv(n, bn)), x_g.view, out_g.view, m, n,
-                           stride, BLOCK_M=bm, BLOCK_N=bn)
-            if interpreted():
-                bad = first_outside(x_g, trace, lambda f, m=m, s=stride, n=n: (f >= 0)
-                                    & (f < m * s) & (f % s < n))
-                if bad:
-                    (pm, pn, _), flat, count = bad
-                    i, j = divmod(flat, stride)
-                    grading.fail(f"{what}: program ({pm}, {pn}) read x[{i}, {j}], outside the "
-                                 f"{m} x {n} matrix ({count} such element(s) in that load)",
-                                 hint=_tile_hint(x_g, trace, m, n, bm, bn))
-            if not out_g.guard_intact():
-                _fail_store_outside(out_g, 2 * x, stride, what)
-            got = out_g.view.cpu()
-            unwritten = got.isnan()
-            if interpreted() and unwritten.any():  # every load was inside: never stored
-                i, j = (int(v) for v in unwritten.nonzero()[0])
-                grading.fail(f"{what}: {int(unwritten.sum())} element(s) of out were never "
-                             f"written, the first out[{i}, {j}]",
-                             hint="every element must fall in one program's tile: program "
-                                  "(pid_m, pid_n) = (program_id(0), program_id(1)) covers "
-                                  "rows pid_m * BLOCK_M + arange(BLOCK_M) and columns "
-                                  "pid_n * BLOCK_N + arange(BLOCK_N)")
-            expect_no_nan(got, 2 * x, f"{what}, out", hint="mask loads and stores with "
-                          "rows < M and cols < N; and every element must fall in one "
-                          "program's tile (rows from program_id(0), columns from "
-                          "program_id(1))")
-            grading.expect_tensor_close(got, 2 * x, f"{what}, out",
-                                        hint=_rounded_hint(got, 2 * x, "out = 2 * x") or
-                                        "element (i, j) of x is at i * stride_x + j "
-                                        "(stride_x, not N); of out at i * N + j")
+            _tile_case(kernel, torch.randn(m, n, generator=g), stride, bm, bn)
+        _ramp_stage("05.1", lambda p: _tile_case(kernel, *p.build()))
+
+
+def _ramp_stage(ex: str, run: Any) -> None:
+    """The generated stage of 05.1-05.4 (:mod:`~paged_lib.course.grading.generated.numeric`)."""
+    numeric.check(ex, numeric_decode.ramp_cases(ex), run, numeric_decode.RAMP_CONTRASTS[ex])
+
+
+def _tile_case(kernel: Any, x: torch.Tensor, stride: int, bm: int, bn: int) -> None:
+    m, n = x.shape
+    rows = torch.full((m, stride), NAN)
+    rows[:, :n] = x
+    x_g = Guarded(rows, pad=bm * stride + bn)
+    out_g = Guarded(torch.full((m, n), NAN), pad=bm * n + bn, fill=OUT_GUARD)
+    what = f"M={m}, N={n}, stride_x={stride}, BLOCK_M={bm}, BLOCK_N={bn}"
+    trace = launch(kernel, (cdiv(m, bm), cdiv(n, bn)), x_g.view, out_g.view, m, n,
+                   stride, BLOCK_M=bm, BLOCK_N=bn)
+    if interpreted():
+        bad = first_outside(x_g, trace, lambda f: (f >= 0) & (f < m * stride) & (f % stride < n))
+        if bad:
+            (pm, pn, _), flat, count = bad
+            i, j = divmod(flat, stride)
+            grading.fail(f"{what}: program ({pm}, {pn}) read x[{i}, {j}], outside the "
+                         f"{m} x {n} matrix ({count} such element(s) in that load)",
+                         hint=_tile_hint(x_g, trace, m, n, bm, bn))
+    if not out_g.guard_intact():
+        _fail_store_outside(out_g, 2 * x, stride, what)
+    got = out_g.view.cpu()
+    unwritten = got.isnan()
+    if interpreted() and unwritten.any():  # every load was inside: never stored
+        i, j = (int(v) for v in unwritten.nonzero()[0])
+        grading.fail(f"{what}: {int(unwritten.sum())} element(s) of out were never "
+                     f"written, the first out[{i}, {j}]",
+                     hint="every element must fall in one program's tile: program "
+                          "(pid_m, pid_n) = (program_id(0), program_id(1)) covers "
+                          "rows pid_m * BLOCK_M + arange(BLOCK_M) and columns "
+                          "pid_n * BLOCK_N + arange(BLOCK_N)")
+    expect_no_nan(got, 2 * x, f"{what}, out", hint="mask loads and stores with "
+                  "rows < M and cols < N; and every element must fall in one "
+                  "program's tile (rows from program_id(0), columns from "
+                  "program_id(1))")
+    grading.expect_tensor_close(got, 2 * x, f"{what}, out",
+                                hint=_rounded_hint(got, 2 * x, "out = 2 * x") or
+                                "element (i, j) of x is at i * stride_x + j "
+                                "(stride_x, not N); of out at i * N + j")
 
 
 def _fail_store_outside(out_g: Guarded, want: torch.Tensor, stride: int, what: str) -> None:
@@ -113,41 +123,44 @@ def check_gather_rows(kernel: Any) -> None:
     with grading.exercise("05.2"):
         g = torch.Generator().manual_seed(52)
         for num_rows, n, d, block in [(9, 5, 8, 4), (12, 3, 16, 2)]:
-            x = torch.randn(num_rows, d, generator=g)
-            x_g = Guarded(x, pad=d * (block + 1))
-            idx = torch.full((n + block,), num_rows, dtype=torch.int32)  # past n: garbage,
-            idx[:n] = torch.randperm(num_rows, generator=g)[:n].to(torch.int32)  # row "num_rows"
-            idx_g = Guarded(idx, pad=block, fill=num_rows)
-            out_g = Guarded(torch.full((n, d), NAN), pad=d * (block + 1), fill=OUT_GUARD)
-            what = f"{num_rows} rows of {d}, n={n}, BLOCK_I={block}"
-            trace = launch(kernel, (cdiv(n, block),), x_g.view, idx_g.view[:n], out_g.view, n,
-                           D=d, BLOCK_I=block)
-            if interpreted():
-                bad = first_outside(idx_g, trace, lambda f, n=n: (f >= 0) & (f < n))
-                if bad:
-                    grading.fail(f"{what}: program {bad[0][0]} read idx[{bad[1]}], outside its "
-                                 f"n={n} entries", hint="mask the load of idx with i < n "
-                                 "(other=0)")
-                if trace.narrow_products(idx_g.buffer):
-                    grading.fail(f"{what}: a row id loaded from idx was multiplied in 32 bits "
-                                 "(a cast to int64 after the multiply is too late: the "
-                                 "product has already wrapped)",
-                                 hint="cast the row ids to tl.int64 right after loading them, "
-                                      "before multiplying by D: beyond 2**31 elements an "
-                                      "int32 product wraps and reads the wrong row")
-                if trace.narrow_offsets(x_g.buffer, reach=d):
-                    grading.fail(f"{what}: the offsets into x (row id x D) were computed in "
-                                 "32 bits",
-                                 hint="cast the row ids to tl.int64 before multiplying: "
-                                      "beyond 2**31 elements a 32-bit offset wraps and reads "
-                                      "the wrong row")
-            grading.expect_true(out_g.guard_intact(),
-                                f"{what}: the kernel wrote rows of out at i >= n (or < 0)",
-                                hint="mask the store with i < n")
-            grading.expect_tensor_close(out_g.view.cpu(), x[idx[:n].long()], f"{what}, out",
-                                        atol=0, rtol=0,
-                                        hint="row i of out is row idx[i] of x (load idx[i] "
-                                             "first), at offset idx[i] * D + d")
+            _gather_case(kernel, torch.randn(num_rows, d, generator=g),
+                         torch.randperm(num_rows, generator=g)[:n].to(torch.int32), block)
+        _ramp_stage("05.2", lambda p: _gather_case(kernel, *p.build()))
+
+
+def _gather_case(kernel: Any, x: torch.Tensor, ids: torch.Tensor, block: int) -> None:
+    (num_rows, d), n = x.shape, len(ids)
+    x_g = Guarded(x, pad=d * (block + 1))
+    idx = torch.full((n + block,), num_rows, dtype=torch.int32)  # past n: garbage, row
+    idx[:n] = ids                                                # "num_rows"
+    idx_g = Guarded(idx, pad=block, fill=num_rows)
+    out_g = Guarded(torch.full((n, d), NAN), pad=d * (block + 1), fill=OUT_GUARD)
+    what = f"{num_rows} rows of {d}, n={n}, BLOCK_I={block}"
+    trace = launch(kernel, (cdiv(n, block),), x_g.view, idx_g.view[:n], out_g.view, n,
+                   D=d, BLOCK_I=block)
+    if interpreted():
+        bad = first_outside(idx_g, trace, lambda f: (f >= 0) & (f < n))
+        if bad:
+            grading.fail(f"{what}: program {bad[0][0]} read idx[{bad[1]}], outside its "
+                         f"n={n} entries", hint="mask the load of idx with i < n (other=0)")
+        if trace.narrow_products(idx_g.buffer):
+            grading.fail(f"{what}: a row id loaded from idx was multiplied in 32 bits "
+                         "(a cast to int64 after the multiply is too late: the "
+                         "product has already wrapped)",
+                         hint="cast the row ids to tl.int64 right after loading them, "
+                              "before multiplying by D: beyond 2**31 elements an "
+                              "int32 product wraps and reads the wrong row")
+    grading.expect_true(out_g.guard_intact(),
+                        f"{what}: the kernel wrote rows of out at i >= n (or < 0)",
+                        hint="mask the store with i < n")
+    got = out_g.view.cpu()
+    unwritten = got.isnan().any(1).nonzero()[:, 0].tolist()
+    grading.expect_true(not unwritten, f"{what}: row(s) {unwritten} of out were never written",
+                        hint="every row i < n belongs to one program: program pid covers "
+                             "rows pid * BLOCK_I + arange(BLOCK_I)")
+    grading.expect_tensor_close(got, x[ids.long()], f"{what}, out", atol=0, rtol=0,
+                                hint="row i of out is row idx[i] of x (load idx[i] "
+                                     "first), at offset idx[i] * D + d")
 
 
 # ---------------------------------------------------------------------- 05.3 row softmax
@@ -160,33 +173,40 @@ def check_row_softmax(kernel: Any) -> None:
             x = torch.randn(rows, n, generator=g) * 3
             x[0] += 500.0  # exp(500) overflows float32: subtract the row max first
             x[-1] -= 50.0  # all negative: padding lanes must weigh 0, not exp(0 - max)
-            x_g = Guarded(x, pad=block)
-            out_g = Guarded(torch.full((rows, n), NAN), pad=block, fill=OUT_GUARD)
-            what = f"{rows} rows of N={n}, BLOCK_N={block}"
-            trace = launch(kernel, (rows,), x_g.view, out_g.view, n, BLOCK_N=block)
-            if interpreted():
-                for (row, _, _), flat, mask in x_g.reads(trace):
-                    bad = mask & ((flat < row * n) | (flat >= (row + 1) * n))
-                    if bad.any():
-                        f = int(flat[np.flatnonzero(bad)[0]])
-                        grading.fail(f"{what}: program {row} read element {f - row * n} of "
-                                     f"its row {row}, which has {n}",
-                                     hint="the mask is right (N lanes) but the row starts "
-                                          "at x_ptr + row * N: rows are N apart, not "
-                                          "BLOCK_N" if int(mask.sum()) == n else
-                                          "mask the load with cols < N (other=-inf)")
-            got = out_g.view.cpu()
-            expected = torch.softmax(x.double(), 1).float()
-            if got[0].isnan().any() or got[0].isinf().any():
-                grading.fail(f"{what}: row 0 (values around 500) came out NaN or inf",
-                             hint="subtract the row's max before tl.exp: exp(500) overflows")
-            grading.expect_tensor_close(
-                got, expected, f"{what}, out", atol=1e-5, rtol=1e-4,
-                hint=_softmax_slip(got, x, block) or "compare with torch.softmax(x, dim=1): "
-                     "exp(x - the row's max) over the row's N values, divided by their sum")
-            grading.expect_true(out_g.guard_intact(),
-                                f"{what}: the kernel wrote outside out",
-                                hint="mask the store with cols < N")
+            _softmax_case(kernel, x, block)
+        _ramp_stage("05.3", lambda p: _softmax_case(kernel, *p.build()))
+
+
+def _softmax_case(kernel: Any, x: torch.Tensor, block: int) -> None:
+    rows, n = x.shape
+    x_g = Guarded(x, pad=block)
+    out_g = Guarded(torch.full((rows, n), NAN), pad=block, fill=OUT_GUARD)
+    what = f"{rows} rows of N={n}, BLOCK_N={block}"
+    trace = launch(kernel, (rows,), x_g.view, out_g.view, n, BLOCK_N=block)
+    if interpreted():
+        for (row, _, _), flat, mask in x_g.reads(trace):
+            bad = mask & ((flat < row * n) | (flat >= (row + 1) * n))
+            if bad.any():
+                f = int(flat[np.flatnonzero(bad)[0]])
+                grading.fail(f"{what}: program {row} read element {f - row * n} of "
+                             f"its row {row}, which has {n}",
+                             hint="the mask is right (N lanes) but the row starts "
+                                  "at x_ptr + row * N: rows are N apart, not "
+                                  "BLOCK_N" if int(mask.sum()) == n else
+                                  "mask the load with cols < N (other=-inf)")
+    got = out_g.view.cpu()
+    expected = torch.softmax(x.double(), 1).float()
+    for r in range(rows):
+        if not got[r].isfinite().all():
+            grading.fail(f"{what}: row {r} (values around {x[r].mean().item():.3g}) came "
+                         "out NaN or inf",
+                         hint="subtract the row's max before tl.exp: exp(500) overflows")
+    grading.expect_tensor_close(
+        got, expected, f"{what}, out", atol=1e-5, rtol=1e-4,
+        hint=_softmax_slip(got, x, block) or "compare with torch.softmax(x, dim=1): "
+             "exp(x - the row's max) over the row's N values, divided by their sum")
+    grading.expect_true(out_g.guard_intact(), f"{what}: the kernel wrote outside out",
+                        hint="mask the store with cols < N")
 
 
 _SOFTMAX_SLIPS = {
@@ -224,33 +244,37 @@ def check_online_attention(kernel: Any) -> None:
             q = torch.randn(batch, d, generator=g)
             q[0] *= 40.0  # scores in the hundreds: exp without the max overflows
             k = torch.randn(batch, n, d, generator=g)
-            v = torch.randn(batch, n, d, generator=g)
-            q_g, k_g, v_g = (Guarded(t, pad=tile * d) for t in (q, k, v))
-            out_g = Guarded(torch.full((batch, d), NAN), pad=tile * d, fill=OUT_GUARD)
-            scale = d ** -0.5
-            what = f"batch {batch}, N={n}, D={d}, TILE={tile}"
-            trace = launch(kernel, (batch,), q_g.view, k_g.view, v_g.view, out_g.view, n, scale,
-                           D=d, TILE=tile)
-            if interpreted():
-                _check_tiles(trace, k_g, "K", n, d, tile, what)
-                _check_tiles(trace, v_g, "V", n, d, tile, what)
-            grading.expect_true(out_g.guard_intact(), f"{what}: the kernel wrote outside out",
-                                hint="program b writes out[b, :D] only")
-            got = out_g.view.cpu()
-            expected = (torch.softmax(torch.einsum("bnd,bd->bn", k.double(), q.double())
-                                      * scale, 1)[..., None] * v.double()).sum(1).float()
-            if got[0].isnan().any() or got[0].isinf().any():
-                grading.fail(f"{what}: scores in the hundreds gave NaN or inf",
-                             hint="exponentiate s - m_new, never s itself: exp(200) overflows")
-            named = None
-            if got.shape == expected.shape and not torch.allclose(got, expected, atol=1e-4,
-                                                                  rtol=1e-4):
-                named = name_slip(got, expected.double(),
-                                  contiguous_slips(q, k, v, scale, tile))
-            grading.expect_tensor_close(
-                got, expected, f"{what}, out", atol=1e-4, rtol=1e-4,
-                hint=named or "compare with the spec: one softmax over all N scores; the "
-                              "last tile is partial (N % TILE), its missing keys weigh 0")
+            _attention_case(kernel, q, k, torch.randn(batch, n, d, generator=g), d ** -0.5,
+                            tile)
+        _ramp_stage("05.4", lambda p: _attention_case(kernel, *p.build()))
+
+
+def _attention_case(kernel: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    scale: float, tile: int) -> None:
+    batch, n, d = k.shape
+    q_g, k_g, v_g = (Guarded(t, pad=tile * d) for t in (q, k, v))
+    out_g = Guarded(torch.full((batch, d), NAN), pad=tile * d, fill=OUT_GUARD)
+    what = f"batch {batch}, N={n}, D={d}, TILE={tile}"
+    trace = launch(kernel, (batch,), q_g.view, k_g.view, v_g.view, out_g.view, n, scale,
+                   D=d, TILE=tile)
+    if interpreted():
+        _check_tiles(trace, k_g, "K", n, d, tile, what)
+        _check_tiles(trace, v_g, "V", n, d, tile, what)
+    grading.expect_true(out_g.guard_intact(), f"{what}: the kernel wrote outside out",
+                        hint="program b writes out[b, :D] only")
+    got = out_g.view.cpu()
+    expected = (torch.softmax(torch.einsum("bnd,bd->bn", k.double(), q.double())
+                              * scale, 1)[..., None] * v.double()).sum(1).float()
+    if not got.isfinite().all():
+        grading.fail(f"{what}: scores in the hundreds gave NaN or inf",
+                     hint="exponentiate s - m_new, never s itself: exp(200) overflows")
+    named = None
+    if got.shape == expected.shape and not torch.allclose(got, expected, atol=1e-4, rtol=1e-4):
+        named = name_slip(got, expected.double(), contiguous_slips(q, k, v, scale, tile))
+    grading.expect_tensor_close(
+        got, expected, f"{what}, out", atol=1e-4, rtol=1e-4,
+        hint=named or "compare with the spec: one softmax over all N scores; the "
+                      "last tile is partial (N % TILE), its missing keys weigh 0")
 
 
 def _check_tiles(trace: LoadTrace, kv: Guarded, name: str, n: int, d: int, tile: int,

@@ -3,7 +3,7 @@
 * 06.1 ``build_metadata``: one step's tensors from the batch's block tables. Compared
   field by field with :func:`paged_lib.engine.model_runner.build_metadata` on hand-made
   batches (prefill and decode mixed, tables in scrambled block order, full last blocks,
-  block size 1), seeded random ones and every batch the engine builds (replayed); dtypes
+  block size 1), every batch the engine builds (replayed) and random workloads; dtypes
   are part of the answer. A wrong slot is named by recomputing the typical mistakes
   (logical block, position as offset, new tokens counted from 0).
 * 06.2 ``num_required_blocks`` and 06.3 ``can_admit``: how many blocks a waiting group
@@ -20,7 +20,6 @@ everything with the library's runs.
 
 from __future__ import annotations
 
-import random
 from collections.abc import Callable
 from typing import Any
 
@@ -33,7 +32,6 @@ from paged_lib.course.grading.ch06_waiting import check_schedule_waiting
 from paged_lib.course.grading.generated import small_engine
 from paged_lib.engine.model_runner import build_metadata as lib_build_metadata
 from paged_lib.model import AttentionMetadata
-from paged_lib.util import cdiv
 
 __all__ = ["check_build_metadata", "check_can_admit",
            "check_num_required_blocks", "check_schedule_waiting", "run_demo"]
@@ -55,26 +53,6 @@ _BATCHES: list[tuple[str, list[list[int]], list[int], list[int], int]] = [
 ]
 
 
-def _random_batches(seed: int = 6, count: int = 6) -> list[tuple]:
-    rng = random.Random(seed)
-    out = []
-    for k in range(count):
-        block_size = rng.choice([2, 4, 8])
-        num_seqs = rng.randint(1, 5)
-        pool = list(range(40))
-        rng.shuffle(pool)
-        tables, seq_lens, query_lens = [], [], []
-        for _ in range(num_seqs):
-            seq_len = rng.randint(1, 30)
-            query = seq_len if rng.random() < 0.3 else 1
-            tables.append([pool.pop() for _ in range(cdiv(seq_len, block_size))])
-            seq_lens.append(seq_len)
-            query_lens.append(query)
-        out.append((f"random batch {k} (seed {seed}, block size {block_size})", tables,
-                    seq_lens, query_lens, block_size))
-    return out
-
-
 _DTYPES = {"slot_mapping": torch.int64, "block_tables": torch.int32, "seq_lens": torch.int32,
            "query_lens": torch.int32, "positions": torch.int64}
 _FIELD_HINTS = {
@@ -87,7 +65,7 @@ _FIELD_HINTS = {
 def check_build_metadata(build_metadata: Callable[..., Any]) -> None:
     """``build_metadata(block_tables, seq_lens, query_lens, block_size) -> AttentionMetadata``."""
     with grading.exercise("06.1"):
-        for batch in _BATCHES + _random_batches():
+        for batch in _BATCHES:
             _check_batch(build_metadata, *batch)
         for call in replay.recorded()["build_metadata"]:  # every state the engine reaches
             _check_batch(build_metadata, f"the engine's call in '{call.workload}', at engine "
@@ -209,37 +187,35 @@ def run_demo(build_metadata: Callable[..., Any], num_required_blocks: Callable[.
     """
     from paged_lib.course.demos import engine_compare as ec
     from paged_lib.course.viz import engine as viz
+    from paged_lib.engine import EngineHooks
     from paged_lib.model import load_tiny_code_llama
 
     model = model if model is not None else load_tiny_code_llama()
-    from paged_lib.engine import EngineHooks
-
     hooks = EngineHooks(can_admit=can_admit, build_metadata=build_metadata,
                         num_required_blocks=num_required_blocks,
                         **({} if schedule_waiting is None else
                            {"schedule_waiting": schedule_waiting}))
 
-    def serve(prompts, params, num_blocks, block_size):
-        run = serving.side_by_side(model, num_blocks, block_size, prompts, params, hooks)
-        return run.outs, run.yours.stats, run.same_tokens, run.same_steps
-
     def run():
+        def said(same: bool) -> str:
+            return "equal" if same else "DIFFER from"
         trace = ec.chapter_trace()
-        outs, s, same_tokens, same_steps = serve(*ec.chapter_requests(trace), ec.NUM_BLOCKS,
-                                                 ec.BLOCK_SIZE)
-        print(f"your engine served {len(outs)} requests in {s.steps} steps "
+        r = serving.side_by_side(model, ec.NUM_BLOCKS, ec.BLOCK_SIZE,
+                                 *ec.chapter_requests(trace), hooks)
+        s = r.yours.stats
+        print(f"your engine served {len(r.outs)} requests in {s.steps} steps "
               f"({s.generated_tokens} tokens, {s.preemptions} preemptions, "
               f"peak {s.peak_blocks_used} of {s.num_blocks} blocks)")
-        print(f"tokens {'equal' if same_tokens else 'DIFFER from'} the library engine's; "
-              f"batch sizes and blocks per step {'equal' if same_steps else 'DIFFER from'} it")
-        outs7, s7, tokens7, steps7 = serve(*ec.pressure_requests(), ec.PRESSURE_BLOCKS,
-                                           ec.PRESSURE_BLOCK_SIZE)
-        print(f"chapter 07's pressure trace ({len(outs7)} requests on {s7.num_blocks} "
-              f"blocks, {s7.preemptions} preemptions): tokens "
-              f"{'equal' if tokens7 else 'DIFFER from'} the library's; steps "
-              f"{'equal' if steps7 else 'DIFFER from'} it")
-        static = ec.static_stats(trace)
-        return [viz.plot_batching({"paged (your engine)": s, "static, max-length": static}),
+        print(f"tokens {said(r.same_tokens)} the library engine's; batch sizes and blocks "
+              f"per step {said(r.same_steps)} it")
+        r7 = serving.side_by_side(model, ec.PRESSURE_BLOCKS, ec.PRESSURE_BLOCK_SIZE,
+                                  *ec.pressure_requests(), hooks)
+        print(f"chapter 07's pressure trace ({len(r7.outs)} requests on "
+              f"{r7.yours.stats.num_blocks} blocks, {r7.yours.stats.preemptions} "
+              f"preemptions): tokens {said(r7.same_tokens)} the library's; steps "
+              f"{said(r7.same_steps)} it")
+        return [viz.plot_batching({"paged (your engine)": s,
+                                   "static, max-length": ec.static_stats(trace)}),
                 viz.plot_timeline(s, "your engine: requests over time")]
 
     return grading.on_learner_code(run, "exercises 06.1-06.4",

@@ -44,21 +44,13 @@ def make_group(prompt_len: int, outputs: list[int], n: int = 1,
 #: (what, prompt length, generated per sequence, n, finished sequences, block size)
 _GROUPS: list[tuple[str, int, list[int], int, tuple[int, ...], int]] = [
     ("a fresh request, prompt of 6", 6, [0], 1, (), 4),
-    ("a fresh request whose prompt fills its blocks exactly (8 tokens)", 8, [0], 1, (), 4),
     ("a fresh request of n=4 samples, prompt of 6", 6, [0], 4, (), 4),
     ("one sequence preempted by recompute: prompt 6, 5 generated", 6, [5], 1, (), 4),
     ("3 samples preempted by recompute: prompt 5, 3 generated each", 5, [3, 3, 3], 3, (), 4),
-    ("2 samples preempted by recompute: prompt 6, tails of 3 (the example)", 6, [3, 3], 2,
-     (), 4),
     ("3 samples preempted by recompute, prompt of 8 fills its blocks: tails 2, 5, 1", 8,
      [2, 5, 1], 3, (), 4),
     ("3 samples preempted by recompute, one of them finished: prompt 5, tails 4, 9, 2", 5,
      [4, 9, 2], 3, (1,), 4),
-    ("2 samples preempted by recompute, one finished: prompt 6, tails 7, 3", 6, [7, 3], 2,
-     (0,), 4),
-    ("4 beams preempted by recompute: prompt 13, tails of 6 (block size 8)", 13,
-     [6, 6, 6, 6], 4, (), 8),
-    ("block size 1: 2 samples, prompt 3, tails 2 and 4", 3, [2, 4], 2, (), 1),
 ]
 
 
@@ -161,10 +153,6 @@ _ADMISSION_CASES = [
     ("the spec's example: a request needing 19 blocks", 19, 1, 100, _budget(**_SPEC),
      "after taking 19 of the 20 free blocks only 1 stays free, less than the watermark "
      "of 2: admission never takes the watermark's blocks"),
-    ("10 free, watermark 1, the step holds 3 decodes, a group needing 10", 10, 1, 70,
-     _budget(10, 1, num_seqs=3, tokens=3),
-     "the group would take the watermark's last block: after taking its blocks at least "
-     "watermark_blocks must stay free, for the running sequences to grow"),
     ("10 free, watermark 1, the step holds 3 decodes, a group needing 9 (exactly the "
      "watermark stays free)", 9, 1, 70, _budget(10, 1, num_seqs=3, tokens=3),
      "off by one at the watermark: leaving exactly watermark_blocks free is allowed"),
@@ -177,16 +165,9 @@ _ADMISSION_CASES = [
      _budget(10, 1),
      "blocks_needed already counts the whole group (exercise 06.2), and the watermark is "
      "kept once for the pool: neither grows with the group's sequences"),
-    ("10 free, watermark 0, a group needing 10 (every free block)", 10, 1, 70,
-     _budget(10, 0), "off by one: with watermark 0 a group may take every free block"),
-    ("5 free, watermark 0, a group needing 6", 6, 1, 40, _budget(5, 0),
-     "a group needing more blocks than are free can never be admitted"),
     ("max_num_seqs 4, the step holds 3, a group of 1", 2, 1, 10,
      _budget(50, 1, num_seqs=3, max_num_seqs=4),
      "reaching max_num_seqs exactly is allowed: that step is the one vLLM profiled"),
-    ("max_num_seqs 4, the step holds 4, a group of 1", 2, 1, 10,
-     _budget(50, 1, num_seqs=4, max_num_seqs=4),
-     "the step already holds 4 sequences: one more is past max_num_seqs"),
     ("max_num_seqs 4, the step holds 2, a group of 3 samples", 2, 3, 10,
      _budget(50, 1, num_seqs=2, max_num_seqs=4),
      "a group brings num_seqs sequences (all its samples run together), not 1"),
@@ -202,12 +183,6 @@ _ADMISSION_CASES = [
      "30-token prompt", 3, 4, 30, _budget(50, 1, tokens=60, max_tokens=100),
      "num_tokens is what the group computes this step: its samples fork the prompt after "
      "one prefill, they do not each compute it"),
-    ("max_num_batched_tokens 100, an empty step, a prompt of 120", 10, 1, 120,
-     _budget(50, 1, max_tokens=100),
-     "ignored the step's token budget: a prompt past max_num_batched_tokens does not fit "
-     "one step"),
-    ("an empty pool, nothing needed", 0, 1, 1, _budget(0, 0),
-     "0 blocks needed and watermark 0: it fits"),
 ]
 
 

@@ -4,8 +4,8 @@
   the other pool. Checked on tables with and without shared blocks (a forked prompt, beams
   with a common history) against :func:`paged_lib.engine.block_manager.swap_mapping`,
   with an allocator that counts every block handed out (a block allocated and never used
-  is a leak); then plugged into the engine's block manager for a swap out and back in,
-  where both pools must end as they started.
+  is a leak); then every call the engine makes (replayed) and random workloads, where the
+  engine calls it again and again with the same pool's ``allocate``.
 
 * 07.2 ``choose_victim``: which running group to preempt
   (:mod:`paged_lib.course.grading.ch07_victim`).
@@ -22,7 +22,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from paged_lib.blocks import BlockTable
 from paged_lib.course import grading
 from paged_lib.course.demos.engine_compare import (  # the chapter's trace (notebook 07)
     PRESSURE_BLOCK_SIZE,
@@ -32,10 +31,8 @@ from paged_lib.course.demos.engine_compare import (  # the chapter's trace (note
 from paged_lib.course.grading import generated, replay, serving
 from paged_lib.course.grading.ch07_preempt import check_preempt_until_fits
 from paged_lib.course.grading.ch07_victim import check_choose_victim
-from paged_lib.engine.block_manager import BlockManager
 from paged_lib.engine.block_manager import swap_mapping as lib_swap_mapping
 from paged_lib.engine.hooks import EngineHooks
-from paged_lib.engine.sequence import SamplingParams, Sequence, SequenceGroup
 
 __all__ = ["EQUIVALENT_MUTANTS", "PRESSURE_BLOCKS", "PRESSURE_BLOCK_SIZE",
            "check_choose_victim", "check_preempt_until_fits", "check_swap_mapping",
@@ -64,18 +61,15 @@ _SCENARIOS: list[tuple[str, list[list[int]], list[int]]] = [
 ]
 
 
-class _CountingPool:
-    """A destination pool whose ``allocate`` hands out blocks in a fixed order (then
-    100, 101, ...: a real pool has more free blocks than one group needs)."""
+def _pool(order: list[int]) -> tuple[Callable[[], int], list[int]]:
+    """A destination pool's ``allocate``, handing out blocks in a fixed order (then 100,
+    101, ...: a real pool has more free blocks than one group needs), and what it handed."""
+    handed: list[int] = []
 
-    def __init__(self, order: list[int]):
-        self.order = list(order)
-        self.handed: list[int] = []
-
-    def allocate(self) -> int:
-        k = len(self.handed)
-        self.handed.append(self.order[k] if k < len(self.order) else 100 + k)
-        return self.handed[-1]
+    def allocate() -> int:
+        handed.append(order[len(handed)] if len(handed) < len(order) else 100 + len(handed))
+        return handed[-1]
+    return allocate, handed
 
 
 def check_swap_mapping(swap_mapping: Callable[..., Any]) -> None:
@@ -83,22 +77,22 @@ def check_swap_mapping(swap_mapping: Callable[..., Any]) -> None:
     with grading.exercise("07.1"):
         for name, tables, order in _SCENARIOS:
             _check_scenario(swap_mapping, name, tables, order)
-        _check_in_block_manager(swap_mapping)
         replay.check_replay("swap_mapping", swap_mapping,
                             "a forked group's tables share blocks in any pattern (beams that "
                             "forked at different steps): copy each distinct block once, in "
                             "the order first met reading every table left to right")
         generated.check("swap_mapping", swap_mapping, "copy each distinct block once, in "
-                        "the order first met reading every table left to right")
+                        "the order first met reading every table left to right, to a block "
+                        "this call's allocate() returns: nothing carries over from an "
+                        "earlier call (the engine passes the same pool's allocate each "
+                        "time, and block ids come back)")
 
 
 def _check_scenario(fn, name: str, tables: list[list[int]], order: list[int]) -> None:
     where = f"scenario '{name}' (tables {tables})"
-    given = [list(t) for t in tables]
-    pool = _CountingPool(order)
-    got = fn(given, pool.allocate)
-    want = lib_swap_mapping(tables, _CountingPool(order).allocate)
-    distinct = len({b for t in tables for b in t})
+    given, (allocate, handed) = [list(t) for t in tables], _pool(order)
+    got = fn(given, allocate)
+    want = lib_swap_mapping(tables, _pool(order)[0])
     grading.expect_true(given == tables, f"{where}: your function changed the tables",
                         "read the tables, do not change them: the block manager "
                         "rebuilds them from your mapping")
@@ -106,69 +100,29 @@ def _check_scenario(fn, name: str, tables: list[list[int]], order: list[int]) ->
         isinstance(p, tuple) and len(p) == 2 and all(type(x) is int for x in p) for p in got),
         f"{where}: expected a list of (src, dst) int tuples, got {got!r}",
         "return a list of pairs, e.g. [(7, 0), (3, 1), (5, 2)]")
-    sources = [p[0] for p in got]
-    if len(sources) != len(set(sources)):
-        twice = sorted({b for b in sources if sources.count(b) > 1})
-        grading.fail(f"{where}: block(s) {twice} are copied more than once: {got}",
-                     "copied a shared block twice: a block held by several sequences "
-                     "moves once, and every table then points at its one copy")
-    if set(sources) != {b for t in tables for b in t} and \
-            {p[1] for p in got} == {b for t in tables for b in t}:
-        grading.fail(f"{where}: got {got}, expected {want}",
-                     "the pairs are (src, dst): the block you copy from, then the block "
-                     "allocate() gave you")
-    grading.expect_true(set(sources) == {b for t in tables for b in t},
-                        f"{where}: the sources {sorted(set(sources))} are not the tables' "
-                        f"blocks {sorted({b for t in tables for b in t})}",
-                        "every block of every table must be copied (once)")
-    if len(pool.handed) > distinct:
-        grading.fail(f"{where}: allocate() was called {len(pool.handed)} times for "
-                     f"{distinct} distinct blocks",
-                     "leaked blocks: allocate() only for a block you have not met yet; "
-                     "a block allocated and not in the mapping is never freed")
-    grading.expect_true(sorted(p[1] for p in got) == sorted(pool.handed),
-                        f"{where}: destinations {[p[1] for p in got]} are not the blocks "
-                        f"allocate() returned {pool.handed}",
-                        "each dst is a fresh block from allocate(), never a source block")
-    grading.expect_equal(got, want, f"{where}: mapping",
-                         "pairs in the order the blocks are first met, reading the tables "
-                         "left to right, top to bottom")
-
-
-def _check_in_block_manager(fn) -> None:
-    """Swap a forked group out and back with the learner's function in the block manager."""
-    bm = BlockManager(num_blocks=10, block_size=2, num_cpu_blocks=6,
-                      hooks=EngineHooks(swap_mapping=fn))
-    seq = Sequence(0, [1, 2, 3])
-    group = SequenceGroup(0, [seq], SamplingParams(max_tokens=4, n=2, temperature=1.0))
-    bm.allocate(seq)  # blocks [0, 1]: 3 tokens
-    child = Sequence(1, [1, 2, 3], block_table=seq.block_table.fork())
-    group.seqs.append(child)
-    child.block_table.append_token()  # copy-on-write: the child's last block is its own
-    before = [s.block_table.blocks for s in group.seqs]
-    gpu_free, cpu_free = bm.gpu.num_free, bm.cpu.num_free
-    out = bm.swap_out(group)
-    where = f"a swap out of two samples over GPU tables {before}"
-    grading.expect_equal(bm.gpu.num_free, bm.gpu.num_blocks, f"{where}: free GPU blocks after",
-                         "every GPU block of the group must come free after a swap out")
-    grading.expect_equal(bm.cpu.num_free, cpu_free - len(out),
-                         f"{where}: free CPU blocks after",
-                         "the CPU pool holds one block per distinct GPU block")
-    mapped = dict(out)
-    grading.expect_equal([s.block_table.blocks for s in group.seqs],
-                         [[mapped[b] for b in t] for t in before],
-                         f"{where}: CPU tables", "each table points at the copies")
-    back = bm.swap_in(group)
-    grading.expect_equal(bm.cpu.num_free, bm.cpu.num_blocks, f"{where}: free CPU blocks "
-                         "after swapping back in", "a swap in frees every CPU block")
-    grading.expect_equal(bm.gpu.num_free, gpu_free, f"{where}: free GPU blocks after "
-                         "swapping back in", "the group takes as many GPU blocks as before")
-    grading.expect_equal(len(back), len(out), f"{where}: copies on the way back",
-                         "a swap in copies each distinct block once, like a swap out")
-    for s in group.seqs:
-        grading.expect_true(isinstance(s.block_table, BlockTable)
-                            and s.block_table.allocator is bm.gpu,
-                            f"{where}: a table is not in the GPU pool after swap in")
+    blocks, sources, dsts = {b for t in tables for b in t}, [p[0] for p in got], \
+        [p[1] for p in got]
+    twice = sorted({b for b in sources if sources.count(b) > 1})
+    for wrong, what, hint in (
+            (twice, f"block(s) {twice} are copied more than once: {got}", "copied a shared "
+             "block twice: a block held by several sequences moves once, and every table "
+             "then points at its one copy"),
+            (set(sources) != blocks and set(dsts) == blocks, f"got {got}, expected {want}",
+             "the pairs are (src, dst): the block you copy from, then the block allocate() "
+             "gave you"),
+            (set(sources) != blocks, f"the sources {sorted(set(sources))} are not the "
+             f"tables' blocks {sorted(blocks)}", "every block of every table must be copied "
+             "(once)"),
+            (len(handed) > len(blocks), f"allocate() was called {len(handed)} times for "
+             f"{len(blocks)} distinct blocks", "leaked blocks: allocate() only for a block you "
+             "have not met yet; a block allocated and not in the mapping is never freed"),
+            (sorted(dsts) != sorted(handed), f"destinations {dsts} are not the blocks "
+             f"allocate() returned {handed}", "each dst is a fresh block from allocate(), "
+             "never a source block"),
+            (got != want, f"mapping: expected {want}, got {got}", "pairs in the order the "
+             "blocks are first met, reading the tables left to right, top to bottom")):
+        if wrong:
+            grading.fail(f"{where}: {what}", hint)
 
 
 # ------------------------------------------------------------------ the demo
@@ -191,38 +145,28 @@ def run_demo(swap_mapping: Callable[..., Any], choose_victim: Callable[..., Any]
         asked[0] += 1
         return choose_victim(running)
 
-    def serve(mode: str, **hooks: Any) -> tuple[Any, Any, bool]:
+    def serve(mode: str, **hooks: Any) -> None:
         asked[0] = 0
         if preempt_until_fits is not None:
             hooks["preempt_until_fits"] = preempt_until_fits
         run = serving.side_by_side(model, PRESSURE_BLOCKS, PRESSURE_BLOCK_SIZE, prompts,
-                                   params, EngineHooks(**hooks), num_cpu_blocks=64,
-                                   preemption=mode)
-        return run.yours.stats, run.library.stats, run.same_tokens
-
-    def recompute() -> None:
-        s, r, same = serve("recompute", choose_victim=victim)
+                                   params, EngineHooks(choose_victim=victim, **hooks),
+                                   num_cpu_blocks=64, preemption=mode)
+        s, r = run.yours.stats, run.library.stats
         print(f"recompute, your choose_victim{also}: {len(prompts)} requests on {PRESSURE_BLOCKS} "
               f"blocks in {s.steps} steps (library: {r.steps}), {s.preemptions} preemptions "
               f"(library: {r.preemptions}), {s.recomputed_tokens} tokens recomputed "
-              f"(library: {r.recomputed_tokens})")
-        print(f"every token {'equals' if same else 'DIFFERS from'} the library engine's")
-        unasked(s)
-
-    def unasked(s: Any) -> None:
+              f"(library: {r.recomputed_tokens})" if mode == "recompute" else
+              f"swap, your choose_victim and swap_mapping{also}: {s.preemptions} preemptions, "
+              f"{s.swapped_blocks} block copies (library: {r.preemptions}, "
+              f"{r.swapped_blocks})")
+        print(f"every token {'equals' if run.same_tokens else 'DIFFERS from'} the library "
+              "engine's")
         if s.preemptions and not asked[0]:
             print("your preempt_until_fits never asked step.hooks.choose_victim: these "
                   "victims are its own choice, not your choose_victim's")
 
-    def swap() -> None:
-        s, r, same = serve("swap", choose_victim=victim, swap_mapping=swap_mapping)
-        print(f"swap, your choose_victim and swap_mapping{also}: {s.preemptions} preemptions, "
-              f"{s.swapped_blocks} block copies (library: {r.preemptions}, "
-              f"{r.swapped_blocks})")
-        print(f"every token {'equals' if same else 'DIFFERS from'} the library engine's")
-        unasked(s)
-
-    grading.on_learner_code(recompute, "exercises 07.2 and 07.3",
+    grading.on_learner_code(lambda: serve("recompute"), "exercises 07.2 and 07.3",
                             "recompute with your choose_victim")
-    grading.on_learner_code(swap, "exercises 07.1-07.3", "swap with your functions")
-
+    grading.on_learner_code(lambda: serve("swap", swap_mapping=swap_mapping),
+                            "exercises 07.1-07.3", "swap with your functions")

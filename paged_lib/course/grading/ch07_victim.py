@@ -1,15 +1,13 @@
 """Chapter 07's exercise 07.2, ``choose_victim`` (re-exported by
 :mod:`paged_lib.course.grading.ch07`).
 
-The learner's rule is asked on hand-made running lists first (groups admitted in the
-same step, a group admitted again after a recompute, long and short ones, groups of
-several samples sharing their prompt's blocks), then drives
-the real :class:`~paged_lib.engine.scheduler.Scheduler` (no model: every sampled token
-is the same) through pressure scenarios with both preemption modes, next to the
-library's :func:`paged_lib.engine.policy.choose_victim`. Every time the scheduler asks,
-the learner's pick must be the library's; a wrong pick is named by recomputing the
-typical wrong rules on the same list, and the message says what the learner's rule does
-to the scenario when it runs to the end (a request that finishes much later, or never).
+The learner's rule is asked on hand-made running lists (groups admitted in the same step,
+a group admitted again after a recompute, long and short ones, groups of several samples
+sharing their prompt's blocks), then on every list the engine offers (replayed) and on
+random workloads. A wrong pick is named by recomputing the typical wrong rules on the same
+list, and the message says what the learner's rule does when the scheduler (no model:
+every sampled token is the same) runs a pressure scenario to the end with it (a request
+that finishes much later, or never).
 """
 
 from __future__ import annotations
@@ -20,10 +18,9 @@ from typing import Any
 from paged_lib.blocks import BlockAllocator, BlockTable
 from paged_lib.course import grading
 from paged_lib.course.grading import generated, replay
-from paged_lib.engine.block_manager import BlockManager
+from paged_lib.course.grading import scheduler_loops as loops
 from paged_lib.engine.hooks import EngineHooks
 from paged_lib.engine.policy import choose_victim as lib_victim
-from paged_lib.engine.scheduler import Scheduler
 from paged_lib.engine.sequence import SamplingParams, Sequence, SequenceGroup, SequenceStatus
 
 
@@ -104,15 +101,10 @@ def _group(pool: BlockAllocator, rid: int, prompt_len: int, generated: int, arri
 _LISTS: list[tuple[str, list[tuple]]] = [
     ("the example: A, B, C admitted at steps 0, 3, 3 (C after B)",
      [(0, 12, 30, 0, [0]), (1, 8, 10, 1, [3]), (2, 5, 10, 2, [3])]),
-    ("only the group asking for the block", [(4, 20, 7, 0, [1])]),
     ("a long request first, two short ones admitted after it",
      [(0, 40, 60, 0, [0]), (1, 6, 2, 0, [0]), (2, 9, 1, 3, [5])]),
     ("request 0 was preempted by recompute and admitted again, last",
      [(1, 10, 4, 1, [2]), (2, 6, 3, 2, [4]), (0, 30, 25, 0, [0, 6])]),
-    ("the newest group has the longest prompt",
-     [(3, 4, 9, 0, [1]), (5, 60, 1, 4, [8])]),
-    ("four groups: a long prompt, a long output, a fresh one last",
-     [(0, 4, 3, 0, [0]), (1, 40, 5, 1, [2]), (2, 6, 20, 2, [5]), (3, 2, 1, 3, [7])]),
     ("the spec's second example: D, then E of four samples",
      [(0, 12, 3, 0, [1]), (1, 20, 2, 1, [5], 4)]),
     ("a request of 3 samples and a short one admitted in the same step, after a long one",
@@ -146,14 +138,16 @@ _GENERIC = ("a group is never preempted to make room for one admitted after it; 
             "those offered, preempting costs the least where the least was done")
 
 
-def _fail_pick(running: list[SequenceGroup], got: Any, where: str, hint: str | None) -> None:
+def _fail_pick(running: list[SequenceGroup], got: Any, where: str, hint: str | None,
+               consequence: str = "") -> None:
     if not any(got is g for g in running):
         grading.fail(f"{where}: returned {got!r}, which is not one of the groups offered",
                      "return one of the SequenceGroup objects in running itself (not an "
                      "index, a request id or a copy)")
     want = lib_victim(list(running))
     grading.fail(f"{where}: running {_describe(running)}: you preempted request "
-                 f"{got.request_id}, expected request {want.request_id}", hint or _GENERIC)
+                 f"{got.request_id}, expected request {want.request_id}{consequence}",
+                 hint or _GENERIC)
 
 
 def check_lists(choose_victim: Callable[..., Any]) -> None:
@@ -169,83 +163,40 @@ def check_lists(choose_victim: Callable[..., Any]) -> None:
         picks.append((running, got))
     for (what, _), (running, got) in zip(_LISTS, picks, strict=True):
         if not any(got is g for g in running) or got is not lib_victim(list(running)):
-            _fail_pick(running, got, f"list '{what}'", _hint_for(picks))
+            _fail_pick(running, got, f"list '{what}'", _hint_for(picks),
+                       _consequence(choose_victim) if any(got is g for g in running) else "")
 
 
-# ------------------------------------------------------------------ scheduler scenarios
-
-#: (what, blocks, block size, preemption, requests as (prompt, max_tokens, arrival))
-SCENARIOS: list[tuple[str, int, int, str, list[tuple[int, int, int]]]] = [
-    ("a long request among short ones arriving every 3 steps (recompute)", 10, 4,
-     "recompute", [(6, 26, 0)] + [(3, 6, 1 + 3 * k) for k in range(10)]),
-    ("four equal requests on a pool for two (recompute)", 12, 4, "recompute",
-     [(8, 16, 0)] * 4),
-    ("four equal requests on a pool for two (swap)", 12, 4, "swap", [(8, 16, 0)] * 4),
-]
+#: the scheduler scenario a wrong rule is run on to the end, to tell what it does
+PRESSURE = loops.Scenario("a long request among short ones arriving every 3 steps "
+                          "(recompute)", dict(num_blocks=10, block_size=4),
+                          ((6, 26, 0, 1),) + tuple((3, 6, 1 + 3 * k, 1) for k in range(10)))
 
 
-def simulate(choose_victim: Callable, blocks: int, block_size: int, preemption: str,
-             requests: list[tuple[int, int, int]], ask: Callable | None = None,
-             max_steps: int = 400) -> tuple[dict[int, int | None], int]:
-    """Run the scheduler without a model (every token is 3); ``ask(running, pick)`` sees
-    each question. Returns (finish step per request, or None; tokens recomputed)."""
-    bm = BlockManager(blocks, block_size, num_cpu_blocks=64 if preemption == "swap" else 0)
-
-    def victim(running):
-        pick = choose_victim(list(running))
-        if ask is not None:
-            ask(running, pick)
-        return pick
-
-    sched = Scheduler(bm, preemption=preemption, hooks=EngineHooks(choose_victim=victim))
-    groups: dict[int, SequenceGroup] = {}
-    recomputed = 0
-    for step in range(max_steps):
-        for rid, (prompt, max_tokens, arrival) in enumerate(requests):
-            if arrival == step:
-                groups[rid] = SequenceGroup(rid, [Sequence(rid, [1 + rid] * prompt)],
-                                            SamplingParams(max_tokens=max_tokens,
-                                                           ignore_eos=True, temperature=0.0))
-                sched.add(groups[rid])
-        if len(groups) == len(requests) and not sched.has_unfinished():
-            break
-        out = sched.schedule()
-        recomputed += out.recomputed_tokens
-        sched.update(out, [[(3, 0.0)] for _ in out.scheduled], None)
-    return {rid: g.timeline.finished_step for rid, g in sorted(groups.items())}, recomputed
-
-
-def check_scenarios(choose_victim: Callable[..., Any]) -> None:
-    for what, blocks, bs, mode, requests in SCENARIOS:
-        def ask(running, pick, what=what, blocks=blocks, bs=bs, mode=mode, requests=requests):
-            if pick is not lib_victim(list(running)):
-                hint = _hint_for([(running, pick)]) if any(pick is g for g in running) \
-                    else None
-                _fail_pick(running, pick, f"scenario '{what}'"
-                           f"{_consequence(choose_victim, blocks, bs, mode, requests)}", hint)
-        simulate(choose_victim, blocks, bs, mode, requests, ask)
-
-
-def _consequence(choose_victim, blocks, bs, mode, requests) -> str:
+def _consequence(choose_victim: Callable) -> str:
+    """What the learner's rule does to :data:`PRESSURE`, next to the library's."""
+    def run(rule: Callable) -> tuple:
+        return loops.serve_scenario(PRESSURE, EngineHooks(choose_victim=rule), [None])[3]
     try:
-        mine, lost = simulate(choose_victim, blocks, bs, mode, requests)
+        mine, lost = run(lambda running: choose_victim(list(running)))
     except Exception:  # noqa: BLE001 - only what the rule would do, not the verdict
         return ""
-    ref, ref_lost = simulate(lib_victim, blocks, bs, mode, requests)
+    ref, ref_lost = run(lib_victim)
+    told = f" (run to the end on '{PRESSURE.name}', your rule"
     never = [r for r, s in mine.items() if s is None]
     if never:
-        return f" (run to the end, your rule never finishes request(s) {never})"
+        return f"{told} never finishes request(s) {never})"
     late = max(mine, key=lambda r: mine[r] - ref[r])
-    lost_note = f", recomputes {lost} tokens instead of {ref_lost}" if lost != ref_lost else ""
-    return (f" (run to the end, your rule finishes request {late} at step {mine[late]} "
-            f"instead of {ref[late]}{lost_note})")
+    said = ([f"finishes request {late} at step {mine[late]} instead of {ref[late]}"]
+            if mine[late] != ref[late] else []) + (
+        [f"recomputes {lost} tokens instead of {ref_lost}"] if lost != ref_lost else [])
+    return f"{told} {', '.join(said)})" if said else ""
 
 
 def check_choose_victim(choose_victim: Callable[..., Any]) -> None:
     """``choose_victim(running: list[SequenceGroup]) -> SequenceGroup``."""
     with grading.exercise("07.2"):
         check_lists(choose_victim)
-        check_scenarios(choose_victim)
         replay.check_replay("choose_victim", choose_victim,
                             "the list is the group that needs blocks, then the groups admitted "
                             "after it, in admission order (several may share a step): the "

@@ -1,10 +1,11 @@
 """Checks for chapter 08 (sharing: copy-on-write, parallel sampling, beam search).
 
-* 08.1 ``apply_slot``: the cache side of copy-on-write, on chapter 08's step-by-step example (four
-  samples share the prompt's block 7; sample 3 writes first). The learner's function
-  writes into a NaN-poisoned cache next to the library's; after every write the check
-  compares the block other samples still read, the copied block, the new token, then the
-  whole cache (so every sample reads back its own K/V through its block table).
+* 08.1 ``apply_slot``: the cache side of copy-on-write. On chapter 08's example (four samples
+  share block 7; sample 3 writes first), in a NaN-poisoned cache next to the library's,
+  after every write the check compares the block others still read, the copied block, the
+  new token, then the whole cache. Then generated runs (:class:`Cow`): forks, frees,
+  blocks taken again, caches that hold earlier requests' K/V, three layouts; every live
+  sequence reads its K/V back after each write.
 * 08.2 ``beam_step``: one step of beam search over block tables, the engine's hook
   (:func:`paged_lib.engine.beam_search.beam_step`), replayed next to it on the scripted
   scenarios below (exact ties, and a near tie that float32 calls one; beams that offer
@@ -18,16 +19,19 @@
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from paged_lib.blocks import BlockTable, Slot
+from paged_lib.blocks import BlockTable, OutOfBlocks, Slot
 from paged_lib.course import grading
 from paged_lib.course.grading import generated, serving
-from paged_lib.course.grading.ch08_beam_replay import on_copies, run_beam_scenario
+from paged_lib.course.grading.ch08_beam_replay import on_copies, run_beam_scenario, serve_beams
+from paged_lib.course.grading.generated import numeric
+from paged_lib.course.grading.generated.small_attention import rng
 from paged_lib.course.grading.toy_pool import busy_pool
 from paged_lib.studies import sharing
 
@@ -43,88 +47,22 @@ EQUIVALENT_MUTANTS: dict[str, dict[str, str]] = {
 
 # ------------------------------------------------------------------ 08.1 apply_slot
 
-# name, block size, prompt length, samples, new tokens each, dtype
-_COW_SCENARIOS = [
-    ("chapter 08's example: 4 samples share block 7 (block size 4, prompt of 3)", 4, 3, 4, 3,
-     torch.float32),
-    ("2 samples, prompt of 5, block size 4, float16", 4, 5, 2, 5, torch.float16),
-    ("a prompt that fills its blocks exactly (no copy needed)", 2, 4, 3, 2, torch.float32),
-]
-_KV_HEADS, _HEAD_DIM = 2, 8
-
-
-def cow_walkthrough() -> dict[str, Any]:
-    """Chapter 08's copy-on-write example with the library: the flow and ref counts."""
-    allocator = busy_pool(12, (7, 3, 9, 10, 11))
-    prompt = BlockTable(allocator, 4)
-    for _ in range(3):
-        prompt.append_token()
-    samples = [prompt] + [prompt.fork() for _ in range(3)]
-    out: dict[str, Any] = {"prompt blocks": prompt.blocks, "ref 7 after forks":
-                           allocator.refcount(7)}
-    slot = samples[2].append_token()
-    out["sample 3 writes"] = slot
-    out["refs after"] = {7: allocator.refcount(7), slot.block: allocator.refcount(slot.block)}
-    return out
-
-
 def check_apply_slot(apply_slot: Callable[..., Any]) -> None:
     """``apply_slot(k_cache, v_cache, slot, key, value) -> None`` (in place)."""
     with grading.exercise("08.1"):
-        for scenario in _COW_SCENARIOS:
-            _run_cow_scenario(apply_slot, *scenario)
+        _cow_replay(_EXAMPLE, apply_slot)
         try:  # right on separate tensors; an engine may hold K and V as views of one
             # tensor (FlashInfer's cache is [num_blocks, 2, ...]: views not contiguous)
-            _run_cow_scenario(apply_slot, "chapter 08's example, K and V as views of one "
-                              "[num_blocks, 2, ...] tensor, not contiguous (FlashInfer's "
-                              "layout), bfloat16", 4, 3, 4, 3, torch.bfloat16, views=True)
+            _cow_replay(dataclasses.replace(_EXAMPLE, layout="flashinfer", dtype="bfloat16",
+                                            name=_EXAMPLE.name + ", K and V as views of one "
+                                            "[num_blocks, 2, ...] tensor, not contiguous "
+                                            "(FlashInfer's layout), bfloat16"), apply_slot)
         except grading.CheckFailed as err:
             grading.fail(err.message, "here k_cache and v_cache are views of one "
                          "tensor, as an engine may hold them: write through indexing "
                          "(cache[block, offset] = ...); .reshape(), .contiguous() or "
                          "assigning .data may write into a copy the engine never reads")
-
-
-def _caches(shape: tuple, dtype: torch.dtype, views: bool) -> Callable[[], tuple]:
-    """A NaN-filled K/V cache pair; the function returns fresh views of its storage."""
-    if views:
-        kv = torch.full((shape[0], 2, *shape[1:]), float("nan"), dtype=dtype)
-        return lambda: (kv[:, 0], kv[:, 1])
-    pair = (torch.full(shape, float("nan"), dtype=dtype),
-            torch.full(shape, float("nan"), dtype=dtype))
-    return lambda: pair
-
-
-def _run_cow_scenario(apply_slot, name, block_size, prompt_len, n, new_tokens, dtype,
-                      views: bool = False):
-    g = torch.Generator().manual_seed(block_size * 100 + prompt_len)
-    allocator = busy_pool(12, (7, 3, 9, 10, 11, 4, 2, 8, 5, 6, 0, 1))
-    shape = (12, block_size, _KV_HEADS, _HEAD_DIM)
-    read = {who: _caches(shape, dtype, views) for who in ("mine", "ref")}
-    handed = {who: read[who]() for who in read}  # what each apply_slot is given, once
-    prompt = BlockTable(allocator, block_size)
-
-    def write(table: BlockTable, what: str) -> None:
-        key = torch.randn(_KV_HEADS, _HEAD_DIM, generator=g).to(dtype)
-        value = torch.randn(_KV_HEADS, _HEAD_DIM, generator=g).to(dtype)
-        slot = table.append_token()
-        sharing.apply_slot(*handed["ref"], slot, key.clone(), value.clone())
-        apply_slot(*handed["mine"], slot, key.clone(), value.clone())
-        caches = {who: read[who]() for who in read}  # read through the storage
-        _compare(caches, slot, f"scenario '{name}', {what} (slot {_slot_str(slot)})")
-
-    for t in range(prompt_len):
-        write(prompt, f"prompt token {t}")
-    tables = [prompt] + [prompt.fork() for _ in range(n - 1)]
-    order = [2, 0, 1, 3][:n] if n == 4 else list(range(n))  # the example: sample 3 writes first
-    for step in range(new_tokens):
-        for i in order:
-            write(tables[i], f"sample {i + 1}'s token {step}")
-
-
-def _slot_str(slot: Slot) -> str:
-    copy = f", copy={slot.copy}" if slot.copy else ""
-    return f"Slot(block={slot.block}, offset={slot.offset}{copy})"
+        numeric.check("08.1", cow_cases(), lambda p: _cow_replay(p, apply_slot), (_STALE,))
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -159,12 +97,186 @@ def _compare(caches, slot: Slot, where: str) -> None:
                          "v_cache[...] after copying (a copy made afterwards overwrites it)")
     for which, mine, ref in (("k_cache", mk, rk), ("v_cache", mv, rv)):
         if mine.dtype != ref.dtype or not _same(mine, ref):
-            bad = sorted({int(b) for b in (~torch.isclose(
-                torch.nan_to_num(mine.double(), nan=1e9), torch.nan_to_num(ref.double(), nan=1e9))
-            ).nonzero()[:, 0]})
-            grading.fail(f"{where}: {which} differs from the expected cache in block(s) {bad}",
+            bad = [b for b in range(len(ref)) if not _same(mine[b].to(ref.dtype), ref[b])]
+            grading.fail(f"{where}: {which} ({mine.dtype}) differs from the expected cache "
+                         f"in block(s) {bad}",
                          "touch only block dst (the copy) and the slot (block, offset); "
                          "the cache is updated in place and keeps its dtype")
+
+
+# ------------------------------------------------------------------ 08.1 generated
+
+
+@dataclass(frozen=True)
+class Cow:
+    """One run of 08.1 on a pool whose free list is ``free``: steps ("prompt", name, tokens),
+    ("fork", parent, child), ("append", name), ("free", name), in a cache that starts NaN or
+    ``stale`` (every block holding an earlier request's K/V, as a busy engine's)."""
+
+    seed: int
+    block_size: int
+    kv_heads: int
+    head_dim: int
+    dtype: str
+    layout: str
+    stale: bool
+    free: tuple[int, ...]
+    steps: tuple[tuple, ...]
+    name: str = ""  # a named case: its caches are compared whole after every write
+
+    def describe(self) -> str:
+        return (f"block size {self.block_size}, {self.kv_heads} KV head(s) of {self.head_dim}, "
+                f"{self.dtype}, {_LAYOUTS[self.layout]}, a cache of " + ("earlier requests' "
+                "K/V" if self.stale else "NaN") + f", free list {list(self.free)}, steps "
+                f"{list(self.steps)}")
+
+    def states(self) -> list[str]:
+        return [x for x, on in ((f"block size {self.block_size}", self.block_size in (
+            3, 5, 6, 7, 12)), ("a cache of earlier requests' K/V", self.stale), (
+            "a sequence freed mid-run", any(s[0] == "free" for s in self.steps)), (
+            _LAYOUTS["vllm"], self.layout == "vllm"), (f"{self.kv_heads} KV head(s)",
+                                                        self.kv_heads != 2)) if on]
+
+    def smaller(self) -> Iterator[Cow]:
+        def steps() -> Iterator[Cow]:
+            for k, step in enumerate(self.steps):
+                yield dataclasses.replace(self, steps=self.steps[:k] + self.steps[k + 1:])
+                for n in numeric.shorter(step[2]) if step[0] == "prompt" else ():
+                    yield dataclasses.replace(self, steps=self.steps[:k] + (
+                        step[:2] + (n,),) + self.steps[k + 1:])
+            if len(self.free) > 1:
+                yield dataclasses.replace(self, free=self.free[:-1])
+        yield from filter(_cow_valid, steps())
+        yield from numeric.fewer(self, kv_heads=[1], head_dim=[2], dtype=["float32"],
+                                 layout=["separate"])
+
+
+#: chapter 08's example: four samples share block 7 (the prompt's 3 tokens); sample 3
+#: writes first, then 1, 2 and 4, three tokens each
+_EXAMPLE = Cow(0, 4, 2, 8, "float32", "separate", False, (7, 3, 9, 10, 11, 4, 2, 8, 5, 6, 0, 1),
+               (("prompt", "s1", 3), *(("fork", "s1", f"s{i}") for i in (2, 3, 4)),
+                *[("append", f"s{i}") for i in (3, 1, 2, 4)] * 3),
+               "chapter 08's example: 4 samples share block 7 (block size 4, prompt of 3)")
+_LAYOUTS = {"separate": "separate K and V tensors", "flashinfer": "K and V as views of one "
+            "[num_blocks, 2, ...] tensor (FlashInfer's)", "vllm": "K and V as views of one "
+            "[2, num_blocks, ...] tensor (vLLM's)"}
+
+
+def _cow_valid(p: Cow) -> bool:
+    """Every step names a live sequence, and the pool holds what the steps need."""
+    try:
+        _cow_replay(p, None)
+    except (KeyError, OutOfBlocks):
+        return False
+    return True
+
+
+def _draw_cow(seed: int) -> Cow:
+    pick = rng(801 + seed)
+    bs = pick([1, 2, 3, 4, 5, 6, 7, 8, 12, 16])
+    steps, live = [("prompt", "s0", pick([1, bs + 1, 2 * bs - 1]))], ["s0"]
+    for n in range(1, pick([8, 11, 14])):
+        who, kind = pick(live), pick(["append"] * 4 + ["fork"] * 2 + ["free", "prompt"])
+        if kind == "fork" and len(live) < 5:  # both then write: one of them copies
+            steps += [("fork", who, f"s{n}"), ("append", f"s{n}"), ("append", who)]
+        elif kind == "free" and len(live) > 1:
+            steps.append(("free", who))
+            live.remove(who)
+        elif kind == "prompt":
+            steps.append(("prompt", f"s{n}", pick([1, bs, bs + 2])))
+        else:
+            steps.append(("append", who))
+        live += [f"s{n}"] if steps[-1][0] == "prompt" or steps[-3:-2] == [
+            ("fork", who, f"s{n}")] else []
+    tokens = sum(s[2] if s[0] == "prompt" else s[0] == "append" for s in steps)
+    order = torch.randperm(tokens + 3, generator=torch.Generator().manual_seed(seed)).tolist()
+    p = Cow(seed, bs, pick([1, 2, 3, 4]), pick([4, 6, 8, 12]),
+            pick(["float32", "float16", "bfloat16"]), pick(list(_LAYOUTS)), seed % 4 != 3,
+            tuple(order[:tokens]), tuple(steps))
+    need = _cow_replay(p, None)  # the most blocks in use at once: a pool that tight (or
+    return dataclasses.replace(p, free=p.free[:need + pick([0, 0, 1])])  # one more)
+
+
+def cow_cases(count: int = 24) -> list[Cow]:
+    """08.1's generated runs (seeds 0, 1, ...)."""
+    return [_draw_cow(seed) for seed in range(count)]
+
+
+def _cow_replay(p: Cow, apply_slot: Callable[..., Any] | None) -> int:
+    """Run ``p``'s steps, each token written by the library and by ``apply_slot`` (None:
+    the library's alone) into caches of their own; after each write every live sequence
+    reads its K and V back through its table from both. Returns the most blocks in use."""
+    g = torch.Generator().manual_seed(p.seed)
+    dtype, num = getattr(torch, p.dtype), max(p.free, default=0) + 1
+    shape = (num, p.block_size, p.kv_heads, p.head_dim)
+
+    def cache() -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:  # K and V, read afresh
+        full = (torch.randn((2, *shape), generator=g) if p.stale else
+                torch.full((2, *shape), float("nan"))).to(dtype)
+        if p.layout == "flashinfer":
+            full = full.transpose(0, 1).contiguous().transpose(0, 1)
+        elif p.layout == "separate":
+            pair = full[0].clone(), full[1].clone()
+            return lambda: pair
+        return lambda: (full[0], full[1])
+
+    read = {"ref": cache()}
+    if apply_slot is not None:
+        read["mine"] = cache()
+        for a, b in zip(read["mine"](), read["ref"](), strict=True):
+            a.copy_(b)
+    handed = {who: read[who]() for who in read}  # what each apply_slot is given, once
+    alloc, tables, peak = busy_pool(num, p.free), {}, 0
+    for k, (kind, who, *rest) in enumerate(p.steps):
+        peak = max(peak, len(p.free) - alloc.num_free)
+        if kind == "fork":  # (a step of a sequence a shrink dropped: KeyError)
+            tables[rest[0]] = tables[who].fork()
+        elif kind == "free":
+            tables.pop(who).free()
+        else:
+            if kind == "prompt":
+                tables[who] = BlockTable(alloc, p.block_size)
+            for _ in range(rest[0] if kind == "prompt" else 1):
+                key, value = (torch.randn(p.kv_heads, p.head_dim, generator=g).to(dtype)
+                              for _ in "kv")
+                slot = tables[who].append_token()
+                sharing.apply_slot(*handed["ref"], slot, key.clone(), value.clone())
+                if apply_slot is None:
+                    continue
+                apply_slot(*handed["mine"], slot, key.clone(), value.clone())
+                where = f"at step {k} ({kind} {who}), token {tables[who].num_tokens - 1} " \
+                    f"({slot})"
+                caches = {who: read[who]() for who in read}
+                if p.name:
+                    _compare(caches, slot, f"scenario '{p.name}', {where}")
+                _cow_reads(caches, tables, where)
+    return max(peak, len(p.free) - alloc.num_free)
+
+
+def _cow_reads(caches: dict, tables: dict, where: str) -> None:
+    (rk, rv), (mk, mv) = caches["ref"], caches["mine"]
+    for name, table in tables.items():
+        pos = torch.arange(table.num_tokens)
+        blocks = torch.tensor(table.blocks, dtype=torch.long)[pos // table.block_size]
+        for which, ref, mine in (("K", rk, mk), ("V", rv, mv)):
+            a, b = ref[blocks, pos % table.block_size], mine[blocks, pos % table.block_size]
+            same = (torch.nan_to_num(a.float(), 1e9) == torch.nan_to_num(b.float(), 1e9)
+                    ).flatten(1).all(1)
+            if not bool(same.all()):
+                i = int((~same).nonzero()[0])
+                grading.fail(f"{where}: sequence {name} reads its token {i}'s {which} from "
+                             f"block {int(blocks[i])}: the library's cache holds "
+                             f"{a[i].flatten()[0].item():.4g}..., yours "
+                             f"{b[i].flatten()[0].item():.4g}...", "copy all of block src into "
+                             "dst (K and V), then write the token at (slot.block, "
+                             "slot.offset), whatever those slots held")
+
+
+_STALE = numeric.Contrast(
+    lambda p: dataclasses.replace(p, stale=False) if p.stale else None,
+    "it passes on a cache of NaN and fails on one whose blocks hold earlier requests' K/V "
+    "(a freed block keeps them: nothing clears it, and the next request takes it): copy "
+    "and write whatever the slots hold; never test a slot for NaN (or zeros) to decide")
 
 
 # ------------------------------------------------------------------ 08.2 beam_step
@@ -207,48 +319,11 @@ def check_beam_step(beam_step: Callable[..., Any]) -> None:
     with grading.exercise("08.2"):
         for name, block_size, prompt_len, width, steps in _SCRIPTED:
             run_beam_scenario(beam_step, name, block_size, prompt_len, width, steps)
-        _serve_beams(beam_step)
+        serve_beams(beam_step)
         generated.check("beam_step", on_copies(beam_step), "the best beam_width "
                         "continuations of all beams by cumulative log-probability; a parent "
                         "chosen again is forked, its own table goes to its best child; the "
                         "tables nobody continues are freed, in beam order, tail first")
-
-
-def _serve_beams(beam_step: Callable[..., Any]) -> None:
-    """Real beam groups in the engine: replay's workload with beams of 3 and 4, parallel
-    samples, swaps and chunks, served with the learner's step; the beams and each step's
-    schedule must be the library engine's."""
-    name, want, want_steps = _library_beams()
-    _, got, got_steps = _served_beams(beam_step)
-    for k, (a, b) in enumerate(zip(want_steps, got_steps, strict=False)):
-        if a != b:
-            grading.fail(f"serving '{name}' with your beam_step: at engine step {k} the "
-                         f"library runs (request, sequence, tokens) {a}, yours {b}",
-                         "in the engine a beam's table is the one you return: its forks and "
-                         "frees decide which blocks the next step writes")
-    grading.expect_equal(got, want, f"serving '{name}' with your beam_step: the beams",
-                         "the engine's beams must be the library's on the same candidates")
-
-
-@functools.cache
-def _library_beams() -> tuple[str, list, list]:
-    return _served_beams(None)
-
-
-def _served_beams(beam_step: Callable[..., Any] | None) -> tuple[str, list, list]:
-    """(the workload's name, each request's outputs, each step's (request, sequence,
-    tokens)) of replay's beam workload served with ``beam_step`` (None: the library's)."""
-    from paged_lib.course.grading import replay
-    from paged_lib.engine import EngineHooks
-    from paged_lib.model import load_tiny_code_llama
-
-    w = next(w for w in replay.workloads() if "beams of 3 and 4" in w.name)
-    hooks = None if beam_step is None else EngineHooks(beam_step=on_copies(beam_step))
-    steps: list = []
-    with serving.one_thread():
-        tokens, _ = serving.serve(load_tiny_code_llama(), w, hooks, on_step=lambda out, _:
-                                  steps.append(serving.schedule_of(out)))
-    return w.name, tokens, steps
 
 
 def run_beam_search(beam_step: Callable[..., Any], **kw) -> list[sharing.BeamFrame]:

@@ -8,7 +8,8 @@ stage). After
 every step it compares the chosen (parent, token) pairs and scores, which table each
 new beam got, the ref counts and free list; then every new beam appends, and the slots
 (copies) and each beam's tokens read back must match. Each difference fails with a hint
-that names the mistake.
+that names the mistake. :func:`serve_beams` then serves real beam groups in the engine
+with the learner's step.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 
 from paged_lib.blocks import BlockAllocator, BlockTable
 from paged_lib.course import grading
+from paged_lib.course.grading import serving
 from paged_lib.course.grading.toy_pool import ToyStore, pool_state
 
 
@@ -282,3 +284,43 @@ def _append_and_compare(mine: _World, ref: _World, where: str) -> None:
                              "parent's blocks: never hand two new beams the same table")
     grading.expect_equal(mine.state(), ref.state(), f"{where}: after the appends, "
                          "(ref counts, free list)", "free each dead beam exactly once")
+
+
+# ------------------------------------------------------------------ in the engine
+
+
+def serve_beams(beam_step: Callable[..., Any]) -> None:
+    """Real beam groups in the engine: replay's workload with beams of 3 and 4, parallel
+    samples, swaps and chunks, served with the learner's step; the beams and each step's
+    schedule must be the library engine's."""
+    name, want, want_steps = _library_beams()
+    _, got, got_steps = _served_beams(beam_step)
+    for k, (a, b) in enumerate(zip(want_steps, got_steps, strict=False)):
+        if a != b:
+            grading.fail(f"serving '{name}' with your beam_step: at engine step {k} the "
+                         f"library runs (request, sequence, tokens) {a}, yours {b}",
+                         "in the engine a beam's table is the one you return: its forks and "
+                         "frees decide which blocks the next step writes")
+    grading.expect_equal(got, want, f"serving '{name}' with your beam_step: the beams",
+                         "the engine's beams must be the library's on the same candidates")
+
+
+@functools.cache
+def _library_beams() -> tuple[str, list, list]:
+    return _served_beams(None)
+
+
+def _served_beams(beam_step: Callable[..., Any] | None) -> tuple[str, list, list]:
+    """(the workload's name, each request's outputs, each step's (request, sequence,
+    tokens)) of replay's beam workload served with ``beam_step`` (None: the library's)."""
+    from paged_lib.course.grading import replay
+    from paged_lib.engine import EngineHooks
+    from paged_lib.model import load_tiny_code_llama
+
+    w = next(w for w in replay.workloads() if "beams of 3 and 4" in w.name)
+    hooks = None if beam_step is None else EngineHooks(beam_step=on_copies(beam_step))
+    steps: list = []
+    with serving.one_thread():
+        tokens, _ = serving.serve(load_tiny_code_llama(), w, hooks, on_step=lambda out, _:
+                                  steps.append(serving.schedule_of(out)))
+    return w.name, tokens, steps

@@ -15,10 +15,12 @@ one made.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import numbers
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
@@ -26,7 +28,8 @@ import numpy as np
 
 from paged_lib.course import grading
 from paged_lib.course.grading.ch09_tiles import check_attend_tiles
-from paged_lib.course.grading.generated import small_counts
+from paged_lib.course.grading.generated import numeric, small_counts
+from paged_lib.course.grading.generated.small_attention import rng
 from paged_lib.course.grading.slips import name_mistake
 from paged_lib.studies.block_size import KERNEL_BLOCK_SIZES, choose_block_size, internal_waste
 from paged_lib.util import cdiv
@@ -101,9 +104,73 @@ def check_internal_waste(fn: Callable[[Sequence[int], int], float]) -> None:
             grading.expect_close(got, want, what=what, rel=1e-9, abs_=1e-12, hint=hint)
         for args, what in (((([], 16)), "no lengths"), ((([4, 0], 16)), "a length of 0"),
                            ((([4, 5], 0)), "block_size 0")):
-            grading.expect_value_error(fn, args, f"internal_waste with {what}",
-                                hint="bad input (no lengths, a length or block size below "
-                                "1) raises ValueError")
+            grading.expect_value_error(fn, args, f"internal_waste with {what}", hint=_BAD)
+        numeric.check("09.1", waste_cases(), lambda p: _run_waste(fn, p), (_NEGATIVE,))
+
+
+_BAD = "bad input (no lengths, a length or block size below 1) raises ValueError"
+
+
+@dataclass(frozen=True)
+class Waste:
+    """One generated case of 09.1 (bad input too: what a parsed trace or a config holds)."""
+
+    seed: int
+    lengths: tuple[int, ...]
+    block_size: int
+
+    def describe(self) -> str:
+        return f"internal_waste({list(self.lengths)}, {self.block_size})"
+
+    def states(self) -> list[str]:
+        out = ["a negative length"] if any(n < 0 for n in self.lengths) else []
+        out += ["a negative block size"] if self.block_size < 0 else []
+        out += ["a pool past 2**32 slots"] if sum(map(abs, self.lengths)) > 2 ** 32 else []
+        return out + ["a length listed twice"] if len(set(self.lengths)) < len(
+            self.lengths) else out
+
+    def smaller(self) -> Iterator[Waste]:
+        n = self.lengths
+        for i in range(len(n)):
+            yield dataclasses.replace(self, lengths=n[:i] + n[i + 1:])
+            for x in sorted({1, -1, max(n[i] // 2, 1)} - {n[i]}):
+                yield dataclasses.replace(self, lengths=n[:i] + (x,) + n[i + 1:])
+        yield from numeric.fewer(self, block_size=sorted({1, -1, self.block_size // 2} - {0}))
+
+
+_LENGTHS = [1, 1, 3, 7, 16, 33, 100, 4097, 0, -1, -5, 10 ** 10 + 1]
+_SIZES = [1, 3, 5, 6, 12, 16, 100, 3 * 10 ** 9, 0, -1, -16]
+
+
+def waste_cases(count: int = 40) -> list[Waste]:
+    """09.1's generated cases (seeds 0, 1, ...): block sizes not powers of two, repeated
+    lengths, pools past 2**32 slots, and bad input beyond 0: negative lengths and sizes."""
+    out = []
+    for seed in range(count):
+        pick = rng(901 + seed)
+        out.append(Waste(seed, tuple(pick(_LENGTHS) for _ in range(pick([0, 1, 2, 3, 5]))),
+                         pick(_SIZES)))
+    return out
+
+
+def _run_waste(fn: Callable, p: Waste) -> None:
+    try:
+        want = internal_waste(list(p.lengths), p.block_size)
+    except ValueError:
+        grading.expect_value_error(fn, (list(p.lengths), p.block_size), "bad input", hint=_BAD)
+        return
+    grading.expect_close(fn(list(p.lengths), p.block_size), want, "the waste", rel=1e-9,
+                         abs_=1e-12, hint="each sequence holds ceil(length / B) whole blocks; "
+                         "the waste is their empty slots over all their slots")
+
+
+#: a failing bad input that raises once its negative numbers are 0
+_NEGATIVE = numeric.Contrast(
+    lambda p: dataclasses.replace(p, lengths=tuple(max(n, 0) for n in p.lengths),
+                                  block_size=max(p.block_size, 0))
+    if min((p.block_size, *p.lengths)) < 0 else None,
+    "it raises ValueError for a length or block size of 0 and not for a negative one: "
+    "test below 1 (n < 1), not equal to 0")
 
 
 # --------------------------------------------------------------- 09.2 choose_block_size

@@ -21,7 +21,7 @@ from typing import Any
 from paged_lib.accounting import SPECS, ModelSpec, kv_bytes
 from paged_lib.course import grading
 from paged_lib.course.grading.ch12_gloo import check_rank_attention
-from paged_lib.course.grading.generated import small_counts
+from paged_lib.course.grading.generated import numeric, numeric_rank, small_counts
 from paged_lib.course.grading.slips import name_mistake
 from paged_lib.parallel import kv_bytes_per_rank, rank_heads
 
@@ -171,6 +171,12 @@ def _wrong_heads(h: int, kv: int, tp: int, r: int) -> dict[str, Any]:
     }
 
 
+_OWNS = ("rank r owns query heads r*H/T up to (r+1)*H/T and the KV heads those query heads "
+         "read")
+_REFUSED = ("tp_size must divide the query heads and divide the KV heads or be a multiple of "
+            "them; rank is in 0..tp_size-1; anything else raises ValueError")
+
+
 def check_rank_heads(fn: Callable[[int, int, int, int], tuple[list[int], list[int]]]) -> None:
     """12.2: the query heads and KV heads rank ``rank`` of ``tp_size`` owns."""
     with grading.exercise("12.2"):
@@ -188,8 +194,7 @@ def check_rank_heads(fn: Callable[[int, int, int, int], tuple[list[int], list[in
                 got = (list(got[0]), list(got[1]))
                 hint = name_mistake((h, kv, tp, r), got, want, _RANK_CASES,
                                     lambda c: _wrong_heads(*c), lambda c: _normal(fn(*c)),
-                                    "rank r owns query heads r*H/T up to (r+1)*H/T and the "
-                                    "KV heads those query heads read")
+                                    _OWNS)
                 grading.expect_equal(got, want, what=what, hint=hint)
         for args, about in (((8, 2, 3, 0), "3 ranks for 8 heads"),
                             ((12, 6, 4, 0), "4 ranks for 6 KV heads"),
@@ -197,9 +202,21 @@ def check_rank_heads(fn: Callable[[int, int, int, int], tuple[list[int], list[in
                             ((8, 2, 0, 0), "tp_size 0"), ((8, 2, 2, 2), "rank 2 of 2"),
                             ((8, 2, 2, -1), "rank -1")):
             grading.expect_value_error(fn, args, f"rank_heads{args} ({about})",
-                                hint="tp_size must divide the query heads and divide the KV "
-                                "heads or be a multiple of them; rank is in 0..tp_size-1; "
-                                "anything else raises ValueError")
+                                       hint=_REFUSED)
+        numeric.check("12.2", numeric_rank.head_cases(), lambda p: _run_heads(fn, p),
+                      numeric_rank.HEAD_CONTRASTS)  # generated: published models, 1-71 ranks
+
+
+def _run_heads(fn: Callable, p: numeric_rank.Heads) -> None:
+    args = (p.heads, p.kv_heads, p.tp, p.rank)
+    try:
+        want = rank_heads(*args)
+    except ValueError:
+        grading.expect_value_error(fn, args, "vLLM refuses this tp_size", hint=_REFUSED)
+        return
+    got = fn(*args)
+    grading.expect_equal(_normal(tuple(got) if isinstance(got, list) else got), want,
+                         "(query heads, KV heads)", hint=_OWNS)
 
 
 # ------------------------------------------------------------------------------ demo

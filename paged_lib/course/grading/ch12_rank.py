@@ -104,12 +104,9 @@ def steps() -> list[Step]:
         _step("a mixed step: 2 decodes (7 and 4 cached), then a prefill of 4 tokens that "
               "starts after 6 cached (a prefix hit)", 2, 4, 2, [(7, 1), (4, 1), (6, 4)],
               "the new tokens attend to the cached ones and to each other, causally", 3),
-        _step("one token (a prefill of 1 at position 0)", 2, 4, 2, [(0, 1)], _SPLIT, 4),
         _step("GQA split across ranks: 2 query heads share 1 KV head, one query head per "
               "rank (prefill of 3 after 5 cached, and a decode)", 2, 2, 1, [(5, 3), (2, 1)],
               _REPLICA, 5),
-        _step("MHA: 4 query heads, 4 KV heads, 2 KV heads per rank (a decode, a prefill of "
-              "6)", 2, 4, 4, [(3, 1), (0, 6)], _SPLIT, 6),
         _step("biases on q, k, v and o_proj (as Qwen2 has on q, k, v); 4 query heads, 2 KV "
               "heads (prefill of 4 after 2 cached, a decode)", 2, 4, 2, [(2, 4), (5, 1)],
               "q, k, v's biases are sliced with their rows; o_proj's bias is added once, "

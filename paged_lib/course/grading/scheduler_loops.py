@@ -25,7 +25,6 @@ from paged_lib.course import grading
 from paged_lib.course.grading import serving
 from paged_lib.engine.block_manager import BlockManager
 from paged_lib.engine.hooks import EngineHooks
-from paged_lib.engine.policy import seqs_to_come
 from paged_lib.engine.sampler import num_samples
 from paged_lib.engine.scheduler import Scheduler
 from paged_lib.engine.sequence import SamplingParams, Sequence, SequenceGroup
@@ -100,68 +99,6 @@ def _marks(args: tuple) -> tuple[int, int]:
 # ------------------------------------------------------------------ serving
 
 
-def _engine_run(model, workload, hooks: EngineHooks, where: list) -> tuple:
-    tokens, engine = serving.serve(model, workload, hooks,
-                                   ready=lambda e: where.__setitem__(0, e.scheduler))
-    return tokens, engine.block_manager.num_free_blocks, engine.stats.steps
-
-
-@functools.cache
-def library_runs(name: str) -> list[tuple[Any, list[Record], tuple]]:
-    """(workload, the library's records of hook ``name``, (tokens, free blocks at the end,
-    steps)) for each replay workload, once per process."""
-    from paged_lib.course.grading import replay
-    from paged_lib.model import load_tiny_code_llama
-
-    model = load_tiny_code_llama()
-    lib = getattr(EngineHooks(), name)
-    runs = []
-    with serving.one_thread():
-        for w in replay.workloads():
-            log: list[Record] = []
-            where: list = [None]
-            hooks = EngineHooks(**{name: recorder(name, lib, log, where)})
-            runs.append((w, log, _engine_run(model, w, hooks, where)))
-    return runs
-
-
-def check_workloads(name: str, fn: Callable) -> None:
-    """Serve every replay workload with ``fn`` as hook ``name``; fail at the first call
-    that differs from the library's, then on tokens or blocks at the end."""
-    from paged_lib.model import load_tiny_code_llama
-
-    model = load_tiny_code_llama()
-    with serving.one_thread():
-        for w, ref, (tokens, free, steps) in library_runs(name):
-            log: list[Record] = []
-            where: list = [None]
-            hooks = EngineHooks(**{name: recorder(name, fn, log, where, ref, w.name)})
-            try:
-                got = _engine_run(model, w, hooks, where)
-            except _Stop as stop:
-                grading.fail(f"serving the engine with your {name}: {stop.message}",
-                             stop.hint)
-            except ValueError as err:  # the scheduler's checks of the hook's answer
-                grading.fail(f"serving '{w.name}' with your {name}, at engine step "
-                             f"{where[0].step}: {err}", None)
-            _compare_end(name, w.name, (tokens, free, steps), got, len(ref), len(log))
-
-
-def _compare_end(name, label, want, got, calls, asked) -> None:
-    (tokens, free, steps), (mine, my_free, my_steps) = want, got
-    where = f"serving '{label}' with your {name}"
-    grading.expect_equal(asked, calls, f"{where}: calls to {name}",
-                         "the engine asked fewer times: the run ended differently")
-    grading.expect_equal(mine, tokens, f"{where}: the tokens", "same decisions, different "
-                         "tokens: a group must sample exactly when the library's does")
-    grading.expect_equal(my_free, free, f"{where}: free blocks at the end",
-                         "every block comes back when every request is done")
-    grading.expect_equal(my_steps, steps, f"{where}: steps", None)
-
-
-# ------------------------------------------------------------------ edge scenarios
-
-
 @dataclass(frozen=True)
 class Scenario:
     """Requests served by the scheduler alone. ``requests``: (prompt length or token ids,
@@ -177,18 +114,17 @@ class Scenario:
     hooks: tuple = ()  # (hook name, function) pairs
 
 
-def serve_scenario(sc: Scenario, hooks: EngineHooks, where: list,
-                   max_steps: int = 300) -> tuple:
-    """(tokens per request, free blocks at the end, steps) of ``sc``, every token 3 (a
-    group of ``n`` draws 3 for each sample)."""
+def serve_scenario(sc: Scenario, hooks: EngineHooks, where: list, max_steps: int = 300) -> tuple:
+    """(tokens per request, free blocks at the end, steps, (finish step per request,
+    tokens recomputed)) of ``sc``, every token 3 (a group of ``n`` draws 3 per sample)."""
     opts = dict(sc.options)
     bm = BlockManager(opts.pop("num_blocks"), opts.pop("block_size"),
                       num_cpu_blocks=opts.pop("num_cpu_blocks", 0),
                       enable_prefix_caching=opts.pop("enable_prefix_caching", False),
                       hooks=hooks)
-    sched = Scheduler(bm, hooks=hooks, **opts)
-    where[0] = sched
+    sched = where[0] = Scheduler(bm, hooks=hooks, **opts)
     groups: dict[int, SequenceGroup] = {}
+    recomputed = 0
     for _ in range(max_steps):
         for rid, (prompt, max_tokens, arrival, n, *stop) in enumerate(sc.requests):
             if arrival == sched.step:
@@ -201,9 +137,11 @@ def serve_scenario(sc: Scenario, hooks: EngineHooks, where: list,
         if len(groups) == len(sc.requests) and not sched.has_unfinished():
             break
         out = sched.schedule()
+        recomputed += out.recomputed_tokens
         sched.update(out, [_draws(s) for s in out.scheduled], None)
     tokens = [[s.output_token_ids for s in g.seqs] for _, g in sorted(groups.items())]
-    return tokens, bm.num_free_blocks, sched.step
+    return tokens, bm.num_free_blocks, sched.step, (
+        {rid: g.timeline.finished_step for rid, g in sorted(groups.items())}, recomputed)
 
 
 def _draws(s) -> list[tuple[int, float]]:
@@ -216,27 +154,48 @@ def _draws(s) -> list[tuple[int, float]]:
     return [(3 + next(j for j, q in enumerate(group.seqs) if q is s.seq), 0.0)]
 
 
-def check_scenarios(name: str, fn: Callable, scenarios: list[Scenario]) -> None:
-    lib = getattr(EngineHooks(), name)
-    for sc in scenarios:
-        ref: list[Record] = []
-        where: list = [None]
-        want = serve_scenario(sc, EngineHooks(**dict(sc.hooks),
-                                              **{name: recorder(name, lib, ref, where)}),
-                              where)
-        log: list[Record] = []
-        hooks = EngineHooks(**dict(sc.hooks),
-                            **{name: recorder(name, fn, log, where, ref, sc.name)})
-        try:
-            got = serve_scenario(sc, hooks, where)
-        except _Stop as stop:
-            grading.fail(f"{stop.message}", stop.hint)
-        except ValueError as err:
-            grading.fail(f"serving '{sc.name}' with your {name}, at step {where[0].step}: "
-                         f"{err}", None)
-        _compare_end(name, sc.name, want, got, len(ref), len(log))
+def _serve_workload(w: Any, hooks: EngineHooks, where: list) -> tuple:
+    """A replay workload on the shipped tiny model, as :func:`serve_scenario` tells it."""
+    from paged_lib.model import load_tiny_code_llama
+
+    tokens, engine = serving.serve(load_tiny_code_llama(), w, hooks,
+                                   ready=lambda e: where.__setitem__(0, e.scheduler))
+    return tokens, engine.block_manager.num_free_blocks, engine.stats.steps, None
 
 
-def seqs_of(group: SequenceGroup) -> int:
-    """Sequences a waiting group brings (the library's rule, for the stories)."""
-    return seqs_to_come(group)
+_LIBRARY: dict[tuple[str, str], tuple[list[Record], tuple]] = {}
+
+
+def run_scheduler(name: str, fn: Callable, scenarios: list[Scenario]) -> None:
+    """Serve each scenario, then each replay workload, with the library's hook ``name``
+    and with ``fn`` (the library's runs once per process); fail at the first call that
+    differs from the library's, then on the tokens, blocks or steps at the end."""
+    from paged_lib.course.grading import replay
+
+    runs = [(sc.name, functools.partial(serve_scenario, sc), dict(sc.hooks))
+            for sc in scenarios] + [(w.name, functools.partial(_serve_workload, w), {})
+                                    for w in replay.workloads()]
+    with serving.one_thread():
+        for label, serve, others in runs:
+            if (name, label) not in _LIBRARY:
+                ref, where = [], [None]
+                lib = recorder(name, getattr(EngineHooks(), name), ref, where)
+                _LIBRARY[name, label] = ref, serve(EngineHooks(**others, **{name: lib}), where)
+            ref, want = _LIBRARY[name, label]
+            log, where = [], [None]
+            hooks = EngineHooks(**others, **{name: recorder(name, fn, log, where, ref, label)})
+            try:
+                got = serve(hooks, where)
+            except _Stop as stop:
+                grading.fail(f"serving with your {name}: {stop.message}", stop.hint)
+            except ValueError as err:  # the scheduler's checks of the hook's answer
+                grading.fail(f"serving '{label}' with your {name}, at engine step "
+                             f"{where[0].step}: {err}", None)
+            at = f"serving '{label}' with your {name}"
+            grading.expect_equal(len(log), len(ref), f"{at}: calls to {name}",
+                                 "the engine asked fewer times: the run ended differently")
+            for what, k, hint in (("the tokens", 0, "same decisions, different tokens: a "
+                                   "group must sample exactly when the library's does"),
+                                  ("free blocks at the end", 1, "every block comes back when "
+                                   "every request is done"), ("steps", 2, None)):
+                grading.expect_equal(got[k], want[k], f"{at}: {what}", hint)

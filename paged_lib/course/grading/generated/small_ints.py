@@ -1,25 +1,36 @@
-"""Generated counts for 00.1 (ceil division), 01.2 (logical blocks) and 01.3 (last-block
-fill), on the harness of :mod:`~paged_lib.course.grading.generated.numeric`.
+"""Generated inputs for chapters 00 and 01, on the harness of
+:mod:`~paged_lib.course.grading.generated.numeric`.
 
-Their fixed cases hold one count past 2**53, ``10**18 + 1`` at blocks of 16, whose
-quotient 62,500,000,000,000,000.0625 a float rounds to a whole number: code that takes
-the float quotient's integer part and adds one for a remainder lands on the right answer
-there by luck. Here seeded counts sit where floats round the other way (``10**18 + 17``,
-``2**53 + 1``, ``3 * 10**17 + 5``, ``2**62 + 3``) and next to small ones, at block sizes
-that are not powers of two (3, 7, 100, 2**20 + 1) as well as 1 and 16, and each answer is
-compared with the library's integer one.
+00.1 (ceil division) and 01.2 (logical blocks), whose whole check is here, and 01.3
+(last-block fill): the named cases are counts a float holds exactly. Here seeded counts
+sit past 2**53, where n / b as a float rounds one way or the other (``10**18 + 17``,
+``2**53 + 1``, ``3 * 10**17 + 5``, ``2**62 + 3``), next to small ones, at block sizes
+that are not powers of two (3, 7, 100, 2**20 + 1) as well as 1 and 16.
+
+01.1 (KV bytes per token) and 01.4 (requests in a KV budget): the named models all have
+``head_dim == hidden_size // num_heads``, and 01.4's blocks hold 16 tokens. Here the
+models are real configurations (Gemma, Mistral NeMo, Qwen, Phi-3, Llama 3.2, Falcon:
+MHA, GQA, MQA, some whose head size is not hidden / heads) in fp8, fp16 and fp32, with
+block sizes that are not powers of two, contexts of one token and of whole blocks, and
+budgets of exactly k requests, one byte less, a block less one byte more, past 2**32.
+Each answer is compared with the library's.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
+from paged_lib.accounting import ModelSpec, kv_bytes_per_token
 from paged_lib.course import grading
 from paged_lib.course.grading.generated import numeric
 from paged_lib.util import cdiv
 
-__all__ = ["Count", "count_cases", "count_stage"]
+__all__ = ["Budget", "Count", "budget_cases", "budget_stage", "check_division", "count_cases",
+           "count_stage", "fill", "kv_cases", "kv_stage"]
 
 _NS = [0, 1, 15, 10 ** 18 + 17, 2 ** 53 + 1, 3 * 10 ** 17 + 5, 2 ** 62 + 3, 10 ** 15 + 7,
        2 ** 53 + 15]
@@ -66,13 +77,14 @@ def count_cases(count: int = 30) -> list[Count]:
             for k in range(count)]
 
 
-def _fill(n: int, b: int) -> float:
+def fill(n: int, b: int) -> float:
+    """01.3's answer: the share of the last block that holds tokens (0.0 for no tokens)."""
     return ((n % b) or b) / b if n else 0.0
 
 
 #: what each exercise asks of (n, b), and what it calls the answer
 ASKED: dict[str, tuple[Callable[[int, int], float], str]] = {
-    "00.1": (cdiv, "ceil_div"), "01.2": (cdiv, "blocks"), "01.3": (_fill, "fill")}
+    "00.1": (cdiv, "ceil_div"), "01.2": (cdiv, "blocks"), "01.3": (fill, "fill")}
 _HINT = ("stay in integers: n // b and n % b are exact at any size, n / b is a float that "
          "holds 53 bits and rounds past 2**53")
 
@@ -91,3 +103,111 @@ def count_stage(ex: str, fn: Callable) -> None:
     """The generated stage of 00.1, 01.2 or 01.3 (``ex``)."""
     numeric.check(ex, count_cases(), lambda p: run_count(ex, fn, p))
 
+
+def _division_hint(n: int, b: int, got: Any) -> str:
+    """Name the slip from the wrong number it produced."""
+    if got == n // b:
+        return "a partly filled last block still takes a whole block: round up, not down"
+    if isinstance(got, float) and got != int(got):
+        return "`/` gives a fraction of a block; blocks are whole: round up"
+    if n % b == 0 and got == n // b + 1:
+        return (f"when n is a multiple of b the last block is exactly full: {n} tokens in "
+                f"blocks of {b} need {n // b}, not one more")
+    return "ceil(n / b): the number of b-sized blocks that hold n items, 0 for n = 0"
+
+
+def check_division(ex: str, name: str, fn: Callable[[int, int], int]) -> None:
+    """The check of 00.1 (``ceil_div``) and 01.2 (``logical_blocks``), the same division:
+    named cases, then the generated counts."""
+    with grading.exercise(ex):
+        for n, b in [(1, 16), (0, 16), (16, 16), (17, 16), (40, 16), (1000, 16), (7, 1),
+                     (5, 3), (100, 128)]:
+            got = fn(n, b)
+            grading.expect_equal(got, cdiv(n, b), f"{name}({n}, {b})",
+                                 hint=_division_hint(n, b, got))
+            grading.expect_int(got, f"{name}({n}, {b})", hint="use // rather than / and "
+                               "math.ceil: a count of blocks is an int")
+        count_stage(ex, fn)  # generated: counts past 2**53
+
+
+
+# ------------------------------------------------------------------ 01.1 and 01.4 models
+
+def _counts() -> Any:
+    """:mod:`small_counts` (its real models), imported when first asked: it imports Triton."""
+    from paged_lib.course.grading.generated import small_counts
+
+    return small_counts
+
+
+def kv_cases() -> list[Any]:
+    """01.1's cases (``small_counts.PerToken``): every model that caches K and V (not MLA),
+    all its layers, in fp8, fp16 or fp32."""
+    plain = [i for i, m in enumerate(_counts().MODELS) if not m[6]]
+    return [_counts().PerToken(k, m, None, (1, 2, 4)[k % 3]) for k, m in enumerate(plain)]
+
+
+def kv_stage(run: Callable[[ModelSpec], None]) -> None:
+    """01.1's generated stage; ``run(spec)``: the chapter's check of one model."""
+    numeric.check("01.1", kv_cases(), lambda p: run(p.spec()), (_counts()._HEAD_DIM,))
+
+
+@dataclass(frozen=True)
+class Budget:
+    """One generated case of 01.4: a budget of ``requests`` requests of ``context_len``
+    tokens, less one byte (``extra`` -1), exactly (0), or a block less one byte more (1)."""
+
+    seed: int
+    token: Any  # small_counts.PerToken: the model, its layers, its dtype
+    block_size: int
+    context_len: int
+    requests: int
+    extra: int
+
+    def args(self) -> tuple[ModelSpec, int, int, int]:
+        spec, bs = self.token.spec(), self.block_size
+        block = bs * kv_bytes_per_token(spec)
+        extra = {-1: -1, 0: 0, 1: block - 1}[self.extra]
+        return spec, self.requests * cdiv(self.context_len, bs) * block + extra, \
+            self.context_len, bs
+
+    def describe(self) -> str:
+        spec, budget, ctx, bs = self.args()
+        return (f"max_requests of {_counts()._about(spec)}, a budget of {budget:,} bytes "
+                f"({self.requests} x {cdiv(ctx, bs)} blocks" + {-1: " less one byte", 0: "",
+                1: " and a block less one byte"}[self.extra] + f"), context_len {ctx}, "
+                f"block_size {bs}")
+
+    def states(self) -> list[str]:
+        spec, budget, ctx, bs = self.args()
+        odd = bs & (bs - 1) > 0
+        return [f"block size {bs}"] * odd + ["a budget past 2**32 bytes"] * (budget > 2 ** 32) \
+            + ["a context of whole blocks of a size not a power of two"] * (odd and ctx % bs == 0)
+
+    def smaller(self) -> Iterator[Budget]:
+        yield from (dataclasses.replace(self, token=t) for t in self.token.smaller())
+        yield from numeric.fewer(self, requests=[1], extra=[0], context_len=[
+            x for x in (1, self.block_size) if x < self.context_len])
+
+
+def budget_cases(count: int = 30) -> list[Budget]:
+    """01.4's cases: real models, blocks of 1 to 100, contexts of 1 token and whole blocks."""
+    out = []
+    for seed in range(count):
+        pick = random.Random(104 + seed).choice
+        bs, model = pick([1, 3, 12, 16, 24, 48, 100]), kv_cases()[seed % 9].model
+        out.append(Budget(seed, _counts().PerToken(seed, model, None, pick([1, 2, 4])), bs,
+                          pick([1, bs, 7 * bs, 7 * bs + 1, 1000, 4096, 32768]),
+                          pick([1, 2, 7, 40]), pick([-1, 0, 1])))
+    return out
+
+
+def budget_stage(run: Callable[[ModelSpec, int, int, int], None]) -> None:
+    """01.4's generated stage; ``run(spec, budget, context_len, block_size)``: the chapter's
+    check of one case."""
+    numeric.check("01.4", budget_cases(), lambda p: run(*p.args()), (numeric.Contrast(
+        lambda p: dataclasses.replace(p, block_size=1 << p.block_size.bit_length())
+        if p.block_size & (p.block_size - 1) else None,
+        "it passes once block_size is a power of two: rounding up to a multiple of "
+        "block_size with a bit mask (& -block_size) or counting blocks with a shift (>> "
+        "log2) holds only for powers of two; count blocks with ceil division in integers"),))

@@ -1,5 +1,15 @@
-"""Generated traces for 02.5 (a time-stepped paged simulator), on the harness of
+"""Generated inputs for chapter 02, on the harness of
 :mod:`~paged_lib.course.grading.generated.numeric`.
+
+02.2 (one Orca (Max) request's slots): the fixed cases are requests in the middle of
+their life. Here seeded cases include a request in its last step (it stores its final
+length), one whose final length is max_len, both at once, and max_len of 1 to 10**6 + 3.
+
+02.4 (a batch snapshot): the fixed batches have requests of distinct prompt lengths. Here
+seeded batches of zero to six requests, with prompt lengths that repeat (as the samples
+of one prompt have), outputs of 1 token, steps at a request's last step and just past it,
+paged with block sizes that are not powers of two and Orca (Max) with a max_len just
+above the longest request, are compared with the chapter's snapshot.
 
 02.5's six named traces are each built around one rule; in the one that preempts, the
 victim is also the first running request of the latest arrival time, so a victim chosen
@@ -21,10 +31,12 @@ from dataclasses import dataclass
 from paged_lib.course import grading
 from paged_lib.course.grading.ch02_answers import reference_paged
 from paged_lib.course.grading.generated import numeric
+from paged_lib.fragmentation import request_slots
 from paged_lib.util import cdiv
 from paged_lib.workloads import Request
 
-__all__ = ["Trace", "trace_cases", "trace_stage"]
+__all__ = ["Batch", "Slots", "Trace", "batch_cases", "batch_stage", "slot_cases",
+           "slot_stage", "trace_cases", "trace_stage"]
 
 _KEYS = ("token_states", "reserved", "internal", "external", "num_steps", "preemptions")
 
@@ -56,13 +68,11 @@ class Trace:
 
     def states(self) -> list[str]:
         want = reference_paged(*self.build())
-        out = ["two or more preemptions"] if want["preemptions"] > 1 else []
-        out += ["listed out of arrival order"] if list(self.requests) != sorted(
-            self.requests, key=lambda r: r[2]) else []
-        out += [f"block size {self.block_size}"] if self.block_size in (3, 5, 7) else []
-        out += ["capacity not a multiple of block_size"] if self.capacity() % \
-            self.block_size else []
-        return out
+        return ["two or more preemptions"] * (want["preemptions"] > 1) + [
+            "listed out of arrival order"] * (list(self.requests) != sorted(
+                self.requests, key=lambda r: r[2])) + [f"block size {self.block_size}"] * (
+            self.block_size in (3, 5, 7)) + ["capacity not a multiple of block_size"] * (
+            self.capacity() % self.block_size > 0)
 
     def smaller(self) -> Iterator[Trace]:
         for k in range(len(self.requests)):
@@ -116,3 +126,107 @@ def trace_stage(simulate_paged: Callable, time_limit: Callable | None = None) ->
     """02.5's generated stage; ``time_limit(what)``: the grader's guard against a loop that
     never ends."""
     numeric.check("02.5", trace_cases(), lambda p: run_trace(simulate_paged, time_limit, p))
+
+
+# ------------------------------------------------------------------ 02.2 and 02.4
+
+
+@dataclass(frozen=True)
+class Slots:
+    """One generated case of 02.2: ``orca_max_slots(*args)``, args (tokens, final, max)."""
+
+    seed: int
+    args: tuple[int, int, int]
+
+    def describe(self) -> str:
+        n, f, m = self.args
+        return f"orca_max_slots{self.args}" + (" (its last step)" if n == f else "")
+
+    def states(self) -> list[str]:
+        n, f, m = self.args
+        return ["its last step"] * (n == f) + ["final_len = max_len"] * (f == m) + [
+            "its last step, final_len < max_len"] * (n == f < m)
+
+    def smaller(self) -> Iterator[Slots]:
+        for x in sorted(set(self.args)):
+            for y in numeric.shorter(x):
+                c = tuple(y if v == x else v for v in self.args)  # equal ones stay equal
+                if 1 <= c[0] <= c[1] <= c[2]:
+                    yield Slots(self.seed, c)
+
+
+def slot_cases(count: int = 30) -> list[Slots]:
+    """02.2's cases: max_len from 1 to 10**6 + 3, final lengths and tokens at its edges."""
+    out = []
+    for seed in range(count):
+        r = random.Random(202 + seed)
+        m = r.choice([1, 2, 40, 500, 2048, 3000, 131072, 10 ** 6 + 3])
+        f = r.choice([1, m, m - 1, r.randint(1, m)]) or 1
+        out.append(Slots(seed, (r.choice([1, f, f - 1, r.randint(1, f)]) or 1, f, m)))
+    return out
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One generated case of 02.4: ``requests`` (prompt, output) at ``step``, paged with
+    blocks of ``size`` or (``orca``) Orca (Max) with max_len the longest plus ``size``."""
+
+    seed: int
+    requests: tuple[tuple[int, int], ...]
+    step: int
+    orca: bool
+    size: int
+
+    def args(self) -> tuple[list[int], list[int], int, Callable]:
+        top = max((p + o for p, o in self.requests), default=0) + self.size
+        return [p for p, _ in self.requests], [o for _, o in self.requests], self.step, (
+            (lambda n, f: request_slots("orca-max", n, f, max_len=top)) if self.orca else
+            (lambda n, f: request_slots("paged", n, f, block_size=self.size)))
+
+    def describe(self) -> str:
+        p, o, step, _ = self.args()
+        return f"batch_snapshot({p}, {o}, {step}, slots) with " + (
+            "Orca (Max) slots" if self.orca else f"paged slots, blocks of {self.size}")
+
+    def states(self) -> list[str]:
+        p, o, step, _ = self.args()
+        return ["an empty batch"] * (not p) + ["two requests of the same prompt length"] * (
+            len(set(p)) < len(p)) + ["a request in its last step"] * (step + 1 in o) + [
+            "a request that just left"] * (step in o) + ["block size not a power of two"] * (
+            not self.orca and self.size & (self.size - 1) > 0)
+
+    def smaller(self) -> Iterator[Batch]:
+        r = self.requests
+        for k, (p, o) in enumerate(r):
+            yield dataclasses.replace(self, requests=r[:k] + r[k + 1:])
+            for x in numeric.shorter(o):
+                yield dataclasses.replace(self, requests=r[:k] + ((p, x),) + r[k + 1:])
+        yield from numeric.fewer(self, step=numeric.shorter(self.step, 0))
+
+
+def batch_cases(count: int = 40) -> list[Batch]:
+    """02.4's cases: zero to six requests, prompt lengths that repeat, steps at an end."""
+    out = []
+    for seed in range(count):
+        r = random.Random(204 + seed)
+        reqs = tuple((r.choice([1, 5, 16, 17, 30]), r.choice([1, 2, 3, 8, 20]))
+                     for _ in range(r.choice([0, 1, 2, 3, 4, 6])))
+        out.append(Batch(seed, reqs, r.choice([0, 1, *(o - x for _, o in reqs for x in (0, 1))]),
+                         seed % 2 == 1, r.choice([0, 7, 100] if seed % 2 else [3, 5, 12, 16])))
+    return out
+
+
+def slot_stage(run: Callable[[int, int, int], None]) -> None:
+    """02.2's generated stage; ``run(*args)``: the chapter's check of one case."""
+    numeric.check("02.2", slot_cases(), lambda p: run(*p.args))
+
+
+def batch_stage(run: Callable[..., None]) -> None:
+    """02.4's generated stage; ``run(prompts, outputs, step, slots)``: the chapter's check
+    of one batch."""
+    numeric.check("02.4", batch_cases(), lambda p: run(*p.args()), (numeric.Contrast(
+        lambda p: dataclasses.replace(p, requests=tuple((x + 100 * i, o) for i, (x, o) in
+                                                        enumerate(p.requests))), (
+        "it passes once every request has a prompt length of its own: two requests of the "
+        "same length (samples of one prompt) are still two requests, each counted; a dict "
+        "or a set keyed by length keeps one")),))

@@ -20,9 +20,10 @@ FOCUS: dict[str, dict[str, Any]] = {"swap_mapping": dict(preemption="swap"), **{
     h: dict(enable_prefix_caching=True) for h in ("block_hashes", "longest_cache_hit",
                                                   "allocate_slots", "FreeBlockQueue")}}
 
-#: Pieces whose calls depend on pool pressure: their workloads use the smallest pools.
+#: Pieces whose calls depend on pool pressure: their workloads use the smallest pools (the
+#: free queue's too: evictions and reuse put any block anywhere in it, block 0 included).
 _PRESSURE = ("choose_victim", "preempt_until_fits", "swap_mapping", "num_required_blocks",
-             "beam_step")
+             "beam_step", "FreeBlockQueue")
 #: Pieces that see blocks shared across requests: prefix caching and a shared prefix are
 #: drawn more often, so a victim or a beam holds blocks another request holds too.
 _SHARING = ("preempt_until_fits", "beam_step")
