@@ -8,40 +8,13 @@ that names the mistake; a correct answer of another shape than the solution's pa
 (02.1 and 02.3 take no input: their fixed checks compare the whole answer.)
 """
 
-import contextlib
-import io
 import math
 
 import numpy as np
+from stage_verdicts import caught_only_by_the_stage, verdict
 
-from paged_lib.course import grading
 from paged_lib.course.grading import ch01, ch02
 from paged_lib.course.grading.generated import numeric, small_ints, small_sim
-
-
-def verdict(check, fn, monkeypatch=None):
-    """(mark, message, hint) of ``check(fn)``; with ``monkeypatch``, without the generated
-    stage."""
-    if monkeypatch is not None:
-        monkeypatch.setattr(numeric, "check", lambda *args, **kwargs: None)
-    with grading.record_verdicts() as seen, contextlib.redirect_stdout(io.StringIO()) as out:
-        check(fn)
-    if monkeypatch is not None:
-        monkeypatch.undo()
-    mark, _, message = seen[-1]
-    printed = out.getvalue()
-    return mark, message, printed.split("hint: ", 1)[1] if "hint: " in printed else ""
-
-
-def caught_only_by_the_stage(check, wrong, monkeypatch, *words):
-    """``wrong`` passes the fixed cases; the generated stage fails it with a story naming
-    ``words``; returns the hint."""
-    assert verdict(check, wrong, monkeypatch)[0] == "✅"
-    mark, message, hint = verdict(check, wrong)
-    assert mark == "❌" and message.startswith("generated case"), message
-    for w in words:
-        assert w in message, message
-    return hint
 
 
 def test_cases_are_seeded_and_reach_states_no_fixed_case_does():

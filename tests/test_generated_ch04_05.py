@@ -9,15 +9,12 @@ with a hint that names the mistake; and a right kernel written another way gets 
 there is nothing for a generated input to reach.)
 """
 
-import contextlib
-import io
-
 import pytest
 import triton
 import triton.language as tl
+from stage_verdicts import verdict
 
 import paged_lib  # noqa: F401  # isort: split
-from paged_lib.course import grading
 from paged_lib.course.grading import ch05
 from paged_lib.course.grading.generated import numeric, numeric_decode
 from paged_lib.device import interpreter_on
@@ -25,19 +22,6 @@ from paged_lib.device import interpreter_on
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
               pytest.mark.skipif(not interpreter_on(), reason="the ramp's cases run in "
                                  "Triton's interpreter here (a GPU compiles each shape)")]
-
-
-def verdict(check, kernel, monkeypatch=None):
-    """(mark, message, hint); with ``monkeypatch``, the fixed cases alone."""
-    if monkeypatch is not None:
-        monkeypatch.setattr(numeric, "check", lambda *args, **kwargs: None)
-    with grading.record_verdicts() as seen, contextlib.redirect_stdout(io.StringIO()) as out:
-        check(kernel)
-    if monkeypatch is not None:
-        monkeypatch.undo()
-    mark, _, message = seen[-1]
-    printed = out.getvalue()
-    return mark, message, printed.split("hint: ", 1)[1] if "hint: " in printed else ""
 
 
 def test_cases_are_seeded_and_reach_states_the_fixed_cases_do_not():

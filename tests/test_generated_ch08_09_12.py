@@ -8,13 +8,10 @@ stage runs two ranks of the course's model (2 KV heads on 2 ranks), where no KV 
 replicated and the mistake cannot show.
 """
 
-import contextlib
-import io
-
 import pytest
 import torch
+from stage_verdicts import caught_only_by_the_stage, verdict
 
-from paged_lib.course import grading
 from paged_lib.course.grading import ch08, ch09, ch12, ch12_rank
 from paged_lib.course.grading.generated import numeric, numeric_rank
 from paged_lib.kernels import paged_prefill, reshape_and_cache
@@ -22,29 +19,6 @@ from paged_lib.model import apply_rope
 from paged_lib.util import CheckFailed
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-def verdict(check, fn, monkeypatch=None):
-    """(mark, message, hint) of the grader on ``fn``; with ``monkeypatch``, without the
-    generated stage."""
-    if monkeypatch is not None:
-        monkeypatch.setattr(numeric, "check", lambda *args, **kwargs: None)
-    with grading.record_verdicts() as seen, contextlib.redirect_stdout(io.StringIO()) as out:
-        check(fn)
-    if monkeypatch is not None:
-        monkeypatch.undo()
-    mark, _, message = seen[-1]
-    printed = out.getvalue()
-    return mark, message, printed.split("hint: ", 1)[1] if "hint: " in printed else ""
-
-
-def caught_only_by_the_stage(check, wrong, monkeypatch, *words):
-    assert verdict(check, wrong, monkeypatch)[0] == "✅"
-    mark, message, hint = verdict(check, wrong)
-    assert mark == "❌" and message.startswith("generated case"), message
-    for w in words:
-        assert w in message, message
-    return hint
 
 
 # ---------------------------------------------------------------- 08.1 apply_slot

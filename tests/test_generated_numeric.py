@@ -7,36 +7,20 @@ generated stage with a shrunk story that names the state; and the three likelies
 mistakes get ❌ with a hint that names them.
 """
 
-import contextlib
-import io
 import math
 
 import pytest
 import torch
 import triton
 import triton.language as tl
+from stage_verdicts import verdict
 
 import paged_lib  # noqa: F401  # isort: split
-from paged_lib.course import grading
 from paged_lib.course.grading import ch05, ch09, ch11
 from paged_lib.course.grading.generated import numeric, numeric_decode, numeric_int8
 from paged_lib.device import interpreter_on
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-def verdict(check, fn, monkeypatch=None, stage=numeric):
-    """(mark, message, hint) of the grader on ``fn``; with ``monkeypatch``, without the
-    generated stage (``stage.check``, as the grader's module imported it)."""
-    if monkeypatch is not None:
-        monkeypatch.setattr(stage, "check", lambda *args, **kwargs: None)
-    with grading.record_verdicts() as seen, contextlib.redirect_stdout(io.StringIO()) as out:
-        check(fn)
-    if monkeypatch is not None:
-        monkeypatch.undo()
-    mark, _, message = seen[-1]
-    printed = out.getvalue()
-    return mark, message, printed.split("hint: ", 1)[1] if "hint: " in printed else ""
 
 
 def test_cases_are_seeded_and_reach_states_the_fixed_cases_do_not():

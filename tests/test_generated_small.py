@@ -6,18 +6,16 @@ stage patched out) and gets ❌ from the generated stage, with a shrunk story th
 the state; and a correct answer of another shape than the solution's passes.
 """
 
-import contextlib
-import io
 import math
 from collections import deque
 
 import pytest
 import torch
+from stage_verdicts import caught_only_by_the_stage, verdict
 
 import paged_lib  # noqa: F401  # isort: split
 from paged_lib import attention as A
 from paged_lib.blocks import Slot
-from paged_lib.course import grading
 from paged_lib.course.grading import (
     ch00,
     ch01,
@@ -49,31 +47,6 @@ from paged_lib.model import AttentionMetadata
 from paged_lib.util import cdiv
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-def verdict(check, fn, monkeypatch=None):
-    """(mark, message, hint) of the grader on ``fn``; with ``monkeypatch``, without the
-    generated stage (every one runs through ``numeric.check``)."""
-    if monkeypatch is not None:
-        monkeypatch.setattr(numeric, "check", lambda *args, **kwargs: None)
-    with grading.record_verdicts() as seen, contextlib.redirect_stdout(io.StringIO()) as out:
-        check(fn)
-    if monkeypatch is not None:
-        monkeypatch.undo()
-    mark, _, message = seen[-1]
-    printed = out.getvalue()
-    return mark, message, printed.split("hint: ", 1)[1] if "hint: " in printed else ""
-
-
-def caught_only_by_the_stage(check, wrong, monkeypatch, *words):
-    """``wrong`` passes the fixed cases, and the generated stage's story names ``words``;
-    returns the hint."""
-    assert verdict(check, wrong, monkeypatch)[0] == "✅"
-    mark, message, hint = verdict(check, wrong)
-    assert mark == "❌" and message.startswith("generated case"), message
-    for w in words:
-        assert w in message, message
-    return hint
 
 
 def test_cases_are_seeded_and_reach_states_the_fixed_cases_do_not():
