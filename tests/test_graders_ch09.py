@@ -678,10 +678,10 @@ def test_09_3_holding_the_last_tile_is_fine_when_the_tile_is_wider_than_the_head
     the next tile is read, and it depends on the running max of every tile so far; that
     is one tile's data, not scores concatenated (it was refused before)."""
     from paged_lib.course.grading import ch09_tiles
+    from paged_lib.course.grading.generated import numeric
 
-    for c in (ch09_tiles._case("tile 20, heads of 8, 70 tokens", 4, 20, 70, seed=21),
-              ch09_tiles._case("tile 12, heads of 4, 50 tokens", 5, 12, 50, seed=22,
-                               head_dim=4)):
+    for c in (numeric.Tiles(21, 4, 20, 70, 4, 2, 8, "fp32", "random", 1.0),
+              numeric.Tiles(22, 5, 12, 50, 4, 2, 4, "fp32", "random", 1.0)):
         ch09_tiles.check_case(tiles_with(), c)
         ch09_tiles.check_case(tiles_written(), c)
 

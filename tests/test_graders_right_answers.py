@@ -436,10 +436,10 @@ def test_09_3_right_answers_pass(capsys, answer):
 @pytest.mark.parametrize("answer", TILES)
 def test_09_3_right_answers_pass_with_tiles_wider_than_the_head(answer):
     from paged_lib.course.grading import ch09_tiles
+    from paged_lib.course.grading.generated import numeric
 
-    for c in (ch09_tiles._case("tile 20, heads of 8, 70 tokens", 4, 20, 70, seed=21),
-              ch09_tiles._case("tile 12, heads of 4, 50 tokens", 5, 12, 50, seed=22,
-                               head_dim=4)):
+    for c in (numeric.Tiles(21, 4, 20, 70, 4, 2, 8, "fp32", "random", 1.0),
+              numeric.Tiles(22, 5, 12, 50, 4, 2, 4, "fp32", "random", 1.0)):
         ch09_tiles.check_case(answer, c)
 
 

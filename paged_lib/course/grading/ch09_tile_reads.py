@@ -1,30 +1,15 @@
 """What exercise 09.3's check watches while the learner's ``attend_tiles`` runs.
 
-A tiled online softmax and "gather every tile, keep the scores, normalise once at the end"
-give the same numbers, so comparing outputs cannot tell them apart. What differs is what
-the code *holds* (chapter 04's exercise 04.2 is graded the same way, one block at a time:
-:mod:`paged_lib.instruments.block_reads`). Here a tile gathers from several blocks, so
-the caches are wrapped in :class:`TileTensor`, which maps every read of them (indexing,
-``index_select``, ``gather``, ``take``, or any other op on the cache or a view of it) to
-the sequence positions it returns. Every tensor computed from a read carries the span of
-positions its value depends on. At each read the check asks:
-
-* does one read return more than the blocks one tile spans (the whole sequence at once)?
-* is a tensor computed from two tiles back or older still alive, and bigger than one
-  running state per head (``head_dim`` numbers): earlier tiles' scores or values kept;
-* do the small tensors still alive from such earlier tiles add up to more than about one
-  running ``(m, l, acc)``: per-tile states (or scores) kept and combined at the end, so
-  what is held grows with the sequence;
-* is a tensor bigger than that still alive which depends on positions from before the
-  previous tile: scores or values concatenated tile after tile;
-* does a read of K (or V) go back, for one KV head, to positions before the start of an
-  earlier read of that head: a second pass (the max first, then the sum). A loop over the
-  KV heads, each read once, is one pass; so is a walk from the last tile to the first.
-
-A tensor's ``_span`` is every position its value depends on (the running state depends on
-all tiles so far); ``_from`` is where the data it carries element by element starts: it
-does not follow the running max or denominator (one number per head, broadcast over a
-tile's scores), so a tile's ``exp(s - m_new)`` is that tile's, not the sequence's.
+A tiled online softmax and "keep every tile's scores, normalise once at the end" give the
+same numbers; what differs is what the code holds. The caches are wrapped in
+:class:`TileTensor`, which maps every read (indexing, ``index_select``, ``gather``,
+``take``, any op on a view) to the positions it returns; every tensor computed from a read
+carries ``_span`` (every position its value depends on) and ``_from`` (where the data it
+carries element by element starts: not the running max or denominator). At each read
+:class:`TileLog` flags the first of: a tensor bigger than one state per head still alive
+from two tiles back; small tensors from several earlier tiles adding up to more than one
+``(m, l, acc)``; a big tensor grown tile after tile; a read of one KV head's K or V going
+back over positions already passed (a second pass; walking the tiles backward is one pass).
 """
 
 from __future__ import annotations

@@ -1,29 +1,17 @@
-"""Chapter 09's exercise 09.3, ``attend_tiles`` (re-exported by
-:mod:`paged_lib.course.grading.ch09`): decode attention whose tile is not the block.
+"""Exercise 09.3, ``attend_tiles`` (re-exported by :mod:`~paged_lib.course.grading.ch09`):
+decode attention over tiles of ``tile`` tokens that are not the blocks.
 
-``attend_tiles(q, k_cache, v_cache, block_table, seq_len, tile)`` walks one sequence
-``tile`` tokens at a time, gathers each tile's K and V from however many blocks it spans,
-and folds it into an online softmax (vLLM's Triton unified attention has a ``TILE_SIZE``
-apart from the ``BLOCK_SIZE``; FlashInfer's kernels tile pages likewise).
-
-Checked against :func:`paged_lib.kernels.paged_attention` (``backend="torch"``) on a
-few fixed cases (a tile that is a block, two tiles per block, an empty sequence, scores
-that overflow or underflow exp, float16), then on
-:func:`~paged_lib.course.grading.generated.numeric.tile_cases` (block and tile sizes 1 to
-24, tiles that straddle blocks, one token, GQA, MHA, MQA, float64, shrunk when one
-fails). Every unused slot of the cache is NaN and the table is padded with ``-1``
-(``cache[-1]`` is a NaN block), so a read past the sequence's end shows. The caches watch
-what is read from them and what is kept (:mod:`~paged_lib.course.grading.ch09_tile_reads`):
-one read may not return more than the blocks one tile spans (the whole sequence at once is
-not a tile); between tiles only the running state may be held (not every tile's scores,
-values or states, combined at the end), and no tile is read twice (a two-pass softmax).
+Compared with ``paged_attention`` (``backend="torch"``) on :data:`CASES`, then on
+:func:`~paged_lib.course.grading.generated.numeric.tile_cases` (shrunk when one fails).
+Unused slots are NaN and the table is padded with ``-1``, so a read past the end shows; the
+caches watch what is read and kept (:mod:`~paged_lib.course.grading.ch09_tile_reads`).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from types import SimpleNamespace as Case
 
 import torch
 
@@ -35,60 +23,23 @@ from paged_lib.kernels import paged_attention
 from paged_lib.kernels.torch_backend import paged_attention_torch
 from paged_lib.util import CheckFailed, cdiv
 
-__all__ = ["Case", "cases", "check_attend_tiles"]
+__all__ = ["CASES", "check_attend_tiles", "check_case"]
 
 
-@dataclass
-class Case:
-    name: str
-    q: torch.Tensor
-    k_cache: torch.Tensor
-    v_cache: torch.Tensor
-    table: torch.Tensor  # int32 [max_blocks], -1 past the sequence's blocks
-    seq_len: int
-    tile: int
-
-
-def _case(name: str, block_size: int, tile: int, seq_len: int, heads: int = 4,
-          kv_heads: int = 2, dtype: torch.dtype = torch.float32, seed: int = 0,
-          growing: bool = False, head_dim: int = 8, loud: float = 1.0,
-          sign: float = 1.0) -> Case:
-    g = torch.Generator().manual_seed(seed)
-    used = cdiv(seq_len, block_size)
-    num_blocks = used + 3
-    # the sequence's blocks in a shuffled order; the last block (cache[-1]) never used
-    physical = torch.randperm(num_blocks - 1, generator=g)[:used].tolist()
-    k = torch.full((num_blocks, block_size, kv_heads, head_dim), float("nan"), dtype=dtype)
-    v = k.clone()
-    for pos in range(seq_len):
-        grow = 1 + pos / 3 if growing else 1.0  # later tokens score higher: the max moves
-        base = torch.randn(kv_heads, head_dim, generator=g, dtype=torch.float64)
-        k[physical[pos // block_size], pos % block_size] = ((base * 0.3 + grow) * loud
-                                                            ).to(dtype)
-        v[physical[pos // block_size], pos % block_size] = torch.randn(
-            kv_heads, head_dim, generator=g, dtype=torch.float64).to(dtype)
-    q = (torch.randn(heads, head_dim, generator=g, dtype=torch.float64) * 1.5).to(dtype)
-    if growing:
-        q = (q.abs() + 1) * sign
-    table = torch.tensor(physical + [-1] * 2, dtype=torch.int32)
-    return Case(name, q, k, v, table, seq_len, tile)
-
-
-def cases() -> list[Case]:
-    """The fixed cases, the same on every call (each named by a hint's test)."""
-    return [
-        _case("blocks of 4, tiles of 4 (a tile is a block), 13 tokens", 4, 4, 13, seed=1),
-        _case("blocks of 4, tiles of 2 (two tiles per block), 11 tokens", 4, 2, 11, seed=2),
-        _case("an empty sequence (length 0): zeros", 4, 3, 0, seed=10),
-        _case("scores in the hundreds, as a sharp softmax has them: exp of a raw score "
-              "overflows float32 (blocks of 4, tiles of 5, 18 tokens)", 4, 5, 18, seed=17,
-              growing=True, loud=4.0),
-        _case("scores in the hundreds below zero: exp of a raw score is 0 in float32 "
-              "(blocks of 4, tiles of 5, 18 tokens)", 4, 5, 18, seed=18, growing=True,
-              loud=20.0, sign=-1.0),
-        _case("float16 (blocks of 8, tiles of 4, 27 tokens)", 8, 4, 27,
-              dtype=torch.float16, seed=16),
-    ]
+#: the fixed cases (each named by a hint's test): (name, its params)
+CASES = [(name, numeric.Tiles(seed, bs, tile, n, 4, 2, 8, dtype, profile, loud, sign))
+         for name, seed, bs, tile, n, dtype, profile, loud, sign in [
+    ("blocks of 4, tiles of 4 (a tile is a block), 13 tokens", 1, 4, 4, 13, "fp32", "random",
+     1.0, 1.0),
+    ("blocks of 4, tiles of 2 (two tiles per block), 11 tokens", 2, 4, 2, 11, "fp32", "random",
+     1.0, 1.0),
+    ("an empty sequence (length 0): zeros", 10, 4, 3, 0, "fp32", "random", 1.0, 1.0),
+    ("scores in the hundreds, as a sharp softmax has them: exp of a raw score overflows "
+     "float32 (blocks of 4, tiles of 5, 18 tokens)", 17, 4, 5, 18, "fp32", "rising", 4.0, 1.0),
+    ("scores in the hundreds below zero: exp of a raw score is 0 in float32 (blocks of 4, "
+     "tiles of 5, 18 tokens)", 18, 4, 5, 18, "fp32", "offset", 30.0, -1.0),
+    ("float16 (blocks of 8, tiles of 4, 27 tokens)", 16, 8, 4, 27, "fp16", "random", 1.0, 1.0),
+]]
 
 
 def reference(c: Case) -> torch.Tensor:
@@ -180,21 +131,23 @@ _PAST_END = ("NaN: a slot past the sequence's end was read (every unused slot is
              "below seq_len")
 
 
-def _hint(c: Case, got: torch.Tensor, want: torch.Tensor, log: TileLog | None = None) -> str:
+def _hint(c: Case, p: numeric.Tiles, got: torch.Tensor, want: torch.Tensor,
+          log: TileLog | None = None) -> str:
+    lo, hi = p.scores()
     if c.seq_len == 0:
         return ("a sequence of length 0 has nothing to attend to: return zeros (as "
                 "paged_attention does for a padding row), not 0 / 0")
     if not got.isfinite().all() and want.isfinite().all():
         made = log.made_nonfinite if log is not None else None
         if made is not None and "exp" in made[0] and made[1] == "inf":
-            return _OVERFLOW.format(top=float(_scores(c).max()))
+            return _OVERFLOW.format(top=hi)
         if made is not None and made[1] == "nan" and made[2]:  # 0 / 0
-            return _UNDERFLOW.format(low=float(_scores(c).min()))
+            return _UNDERFLOW.format(low=lo)
         if made is None and (log is None or log.past_end):
             return _PAST_END
         if made is not None:
             return (f"{made[0]} turned finite numbers into {made[1]} (scores here run from "
-                    f"{float(_scores(c).min()):.0f} to {float(_scores(c).max()):.0f}): keep "
+                    f"{lo:.0f} to {hi:.0f}): keep "
                     "every exp's argument at most 0 by subtracting the running max")
     slips, hints = {}, {}
     for i, (how, hint) in enumerate(_MISTAKES):
@@ -208,22 +161,15 @@ def _hint(c: Case, got: torch.Tensor, want: torch.Tensor, log: TileLog | None = 
                      "online softmax)")
 
 
-def _scores(c: Case) -> torch.Tensor:
-    """Every head's scores q . k / sqrt(head_dim) over the sequence, in float64."""
-    h, d = c.q.shape
-    bs, nkv = c.k_cache.shape[1], c.k_cache.shape[2]
-    pos = torch.arange(c.seq_len)
-    k = c.k_cache[c.table.long()[pos // bs], pos % bs].double()[:, torch.arange(h) // (h // nkv)]
-    return torch.einsum("hd,thd->ht", c.q.double(), k) * d ** -0.5
-
-
 def _tolerance(c: Case) -> tuple[float, float]:
     # (float32: an absolute 1e-5, as an output near 0 sums terms of about 1)
     return {torch.float64: (1e-10, 1e-12), torch.float16: (2e-3, 2e-3)}.get(
         c.q.dtype, (1e-5, 1e-5))
 
 
-def check_case(fn: Callable, c: Case) -> None:
+def check_case(fn: Callable, p: numeric.Tiles, name: str | None = None) -> None:
+    """``fn`` on ``p``'s case (named ``name``, by default its seed's) against the library."""
+    c = Case(**{**p.build(), **({"name": name} if name else {})})
     what = (f"case '{c.name}': attend_tiles(q [{c.q.shape[0]}, {c.q.shape[1]}], table "
             f"{c.table.tolist()}, seq_len={c.seq_len}, tile={c.tile})")
     want = reference(c)
@@ -253,7 +199,7 @@ def check_case(fn: Callable, c: Case) -> None:
     if bad.any():
         h, i = (int(x) for x in bad.nonzero()[0])
         grading.fail(f"{what}: head {h}, element {i}: expected {float(want[h, i]):.6g}, got "
-                     f"{float(got[h, i]):.6g}", _hint(c, got, want, log))
+                     f"{float(got[h, i]):.6g}", _hint(c, p, got, want, log))
     bs, row = c.k_cache.shape[1], c.k_cache[0, 0].numel()
     spans = max((cdiv(min(s + c.tile, c.seq_len), bs) - s // bs
                  for s in range(0, c.seq_len, c.tile)), default=0)
@@ -271,7 +217,7 @@ def check_case(fn: Callable, c: Case) -> None:
 def check_attend_tiles(fn: Callable[..., torch.Tensor]) -> None:
     """09.3: decode attention over tiles of ``tile`` tokens through a block table."""
     with grading.exercise("09.3"):
-        for c in cases():
-            check_case(fn, c)
-        numeric.check("09.3", numeric.tile_cases(), lambda p: check_case(fn, Case(**p.build())),
+        for name, p in CASES:
+            check_case(fn, p, name)
+        numeric.check("09.3", numeric.tile_cases(), lambda p: check_case(fn, p),
                       numeric.TILE_CONTRASTS)
