@@ -1,15 +1,9 @@
-"""The side-by-side replay behind the chapter 08 check of ``beam_step``.
+"""The scripted replay of 08.2's ``beam_step``, next to the engine's.
 
-:func:`run_beam_scenario` starts two worlds, each a prefilled prompt on its own pool
-with a :class:`~paged_lib.course.grading.toy_pool.ToyStore`, and steps beam search in
-both: the engine's :func:`paged_lib.engine.beam_search.beam_step` in one, the learner's
-in the other, on scripted candidates (random ones come in the engine, from the generated
-stage). After
-every step it compares the chosen (parent, token) pairs and scores, which table each
-new beam got, the ref counts and free list; then every new beam appends, and the slots
-(copies) and each beam's tokens read back must match. Each difference fails with a hint
-that names the mistake. :func:`serve_beams` then serves real beam groups in the engine
-with the learner's step.
+:func:`run_beam_scenario` prefills a prompt on two pools and steps beam search on both, the
+library's step in one and the learner's in the other, on scripted candidates. After every
+step it compares the (parent, token) picks and scores, which table each new beam got, the
+holders of every block, the ref counts and the free list; each difference names the mistake.
 """
 
 from __future__ import annotations
@@ -22,21 +16,18 @@ from typing import Any
 
 from paged_lib.blocks import BlockAllocator, BlockTable
 from paged_lib.course import grading
-from paged_lib.course.grading import serving
-from paged_lib.course.grading.toy_pool import ToyStore, pool_state
+from paged_lib.course.grading.toy_pool import pool_state
 
 
 class _World:
-    """A prefilled prompt on its own pool, plus what every beam should read back."""
+    """A prefilled prompt on its own pool: the beams' tables and scores."""
 
     def __init__(self, block_size: int, prompt_len: int, width: int, steps: int):
         self.alloc = BlockAllocator(width * (prompt_len + steps + 2))
-        self.store = ToyStore(block_size)
         table = BlockTable(self.alloc, block_size)
-        for t in range(prompt_len):
-            self.store.write(table.append_token(), t)
+        for _ in range(prompt_len):
+            table.append_token()
         self.tables, self.cum = [table], [0.0]
-        self.seqs = [list(range(prompt_len))]
 
     def state(self) -> tuple[list[int], list[int]]:
         return pool_state(self.alloc)
@@ -82,11 +73,10 @@ def run_beam_scenario(beam_step, name, block_size, prompt_len, width, steps):
         got = _check_picks(got, expected, list(mine.cum), cands, width, where)
         _check_tables(got, old, mine, ref, where, cands)
         for world, result in ((ref, expected), (mine, got)):
-            world.seqs = [world.seqs[p] + [1000 * k + i]
-                          for i, (p, _, _, _) in enumerate(result)]
             world.tables = [t for _, t, _, _ in result]
             world.cum = [float(c) for _, _, _, c in result]
-        _append_and_compare(mine, ref, where)
+            for t in world.tables:  # each new beam writes its token, as the engine does next
+                t.append_token()
 
 
 def _picks(result) -> list[tuple[int, int]]:
@@ -266,61 +256,3 @@ def _check_holders(got, mine: _World, where: str) -> None:
                          "a second table on the same blocks comes from table.fork() (a copy "
                          "of the object adds no holder, nor does a BlockTable built on its blocks "
                          "without an incref)")
-
-
-def _append_and_compare(mine: _World, ref: _World, where: str) -> None:
-    """Each new beam writes its token, as the engine does next; who copies what?"""
-    for world in (ref, mine):
-        world.slots = [t.append_token() for t in world.tables]
-        for slot, seq in zip(world.slots, world.seqs, strict=True):
-            world.store.write(slot, seq[-1])
-    grading.expect_equal([(s.block, s.offset, s.copy) for s in mine.slots],
-                         [(s.block, s.offset, s.copy) for s in ref.slots],
-                         f"{where}: then each new beam appends; slots (block, offset, copy)",
-                         "a new beam's table must hold exactly its parent's blocks and tokens")
-    for i, table in enumerate(mine.tables):
-        grading.expect_equal(mine.store.read(table), mine.seqs[i],
-                             f"{where}: beam {i} reads back", "a fork must share its "
-                             "parent's blocks: never hand two new beams the same table")
-    grading.expect_equal(mine.state(), ref.state(), f"{where}: after the appends, "
-                         "(ref counts, free list)", "free each dead beam exactly once")
-
-
-# ------------------------------------------------------------------ in the engine
-
-
-def serve_beams(beam_step: Callable[..., Any]) -> None:
-    """Real beam groups in the engine: replay's workload with beams of 3 and 4, parallel
-    samples, swaps and chunks, served with the learner's step; the beams and each step's
-    schedule must be the library engine's."""
-    name, want, want_steps = _library_beams()
-    _, got, got_steps = _served_beams(beam_step)
-    for k, (a, b) in enumerate(zip(want_steps, got_steps, strict=False)):
-        if a != b:
-            grading.fail(f"serving '{name}' with your beam_step: at engine step {k} the "
-                         f"library runs (request, sequence, tokens) {a}, yours {b}",
-                         "in the engine a beam's table is the one you return: its forks and "
-                         "frees decide which blocks the next step writes")
-    grading.expect_equal(got, want, f"serving '{name}' with your beam_step: the beams",
-                         "the engine's beams must be the library's on the same candidates")
-
-
-@functools.cache
-def _library_beams() -> tuple[str, list, list]:
-    return _served_beams(None)
-
-
-def _served_beams(beam_step: Callable[..., Any] | None) -> tuple[str, list, list]:
-    """(the workload's name, each request's outputs, each step's (request, sequence,
-    tokens)) of replay's beam workload served with ``beam_step`` (None: the library's)."""
-    from paged_lib.course.grading import replay
-    from paged_lib.engine import EngineHooks
-    from paged_lib.model import load_tiny_code_llama
-
-    w = next(w for w in replay.workloads() if "beams of 3 and 4" in w.name)
-    hooks = None if beam_step is None else EngineHooks(beam_step=on_copies(beam_step))
-    steps: list = []
-    with serving.one_thread():
-        tokens, _ = serving.serve(load_tiny_code_llama(), w, hooks, on_step=lambda out, _:
-                                  steps.append(serving.schedule_of(out)))
-    return w.name, tokens, steps
