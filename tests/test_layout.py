@@ -14,7 +14,9 @@ The rules:
 1. the system never imports the studies or the course;
 2. the studies never import the course;
 3. no import cycle among the modules of ``paged_lib``;
-4. no module is over 400 lines.
+4. no module is over 400 lines, except a chapter's grader (``course/grading/``), which may
+   have 800: a chapter's checks are one concept, and cutting them in two for a count
+   only made modules that import each other's helpers.
 
 What counts as an import: every ``import`` and ``from ... import`` anywhere in a file (at
 the top, inside functions, under ``if``), relative ones resolved, and
@@ -42,6 +44,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "paged_lib"
 MAX_LINES = 400
+MAX_GRADER_LINES = 800  # course/grading/: one chapter's checks are one module
 PARTS = ("studies", "course")  # subpackages that are not the system
 SYSTEM_RULE = "the system imports the studies or the course"
 STUDIES_RULE = "the studies import the course"
@@ -171,9 +174,15 @@ def import_cycles(package: Path) -> list[str]:
     return cycles
 
 
+def max_lines(package: Path, path: Path) -> int:
+    grader = path.relative_to(package).parts[:2] == ("course", "grading")
+    return MAX_GRADER_LINES if grader else MAX_LINES
+
+
 def long_modules(package: Path) -> list[str]:
     return [f"{path.relative_to(package.parent)} has {n} lines" for path in
-            sorted(package.rglob("*.py")) if (n := len(path.read_text().splitlines())) > MAX_LINES]
+            sorted(package.rglob("*.py"))
+            if (n := len(path.read_text().splitlines())) > max_lines(package, path)]
 
 
 def violations(package: Path) -> dict[str, list[str]]:
@@ -203,9 +212,9 @@ def test_no_import_cycle():
 @pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")),
                          ids=lambda p: str(p.relative_to(PACKAGE)))
 def test_no_module_is_over_400_lines(path):
-    lines = len(path.read_text().splitlines())
-    assert lines <= MAX_LINES, (
-        f"{path.relative_to(PACKAGE.parent)} has {lines} lines (at most {MAX_LINES}): split it "
+    lines, most = len(path.read_text().splitlines()), max_lines(PACKAGE, path)
+    assert lines <= most, (
+        f"{path.relative_to(PACKAGE.parent)} has {lines} lines (at most {most}): split it "
         "by what its parts do")
 
 
@@ -281,6 +290,8 @@ PLANTED = {
         "studies/c.py": "from paged_lib.studies.a import f\n"}),
     "a long module": (LENGTH_RULE, {
         "blocks.py": "x = 0\n" * (MAX_LINES + 1)}),
+    "a long grader": (LENGTH_RULE, {
+        "course/grading/ch03.py": "x = 0\n" * (MAX_GRADER_LINES + 1)}),
 }
 
 
