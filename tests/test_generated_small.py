@@ -32,7 +32,6 @@ from paged_lib.course.grading import (
 )
 from paged_lib.course.grading.generated import (
     numeric,
-    small_around,
     small_attention,
     small_blocks,
     small_counts,
@@ -51,15 +50,15 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 def test_cases_are_seeded_and_reach_states_the_fixed_cases_do_not():
     for cases in (small_attention.merge_cases, small_attention.paged_cases,
-                  small_around.slot_cases, small_around.partials_cases):
+                  small_attention.slot_cases, small_attention.partials_cases):
         assert cases() == cases()
     merge = numeric.states(small_attention.merge_cases())
     assert merge["b masked, a real"] and merge["masked and real rows together"]
     assert merge["float32"] and merge["tied maxima"]
     paged = numeric.states(small_attention.paged_cases())
     assert paged["a scale that is not 1 / sqrt(head_dim)"] and paged["3 padding entries"]
-    assert numeric.states(small_around.slot_cases())["slots past 2**31"]
-    partials = numeric.states(small_around.partials_cases())
+    assert numeric.states(small_attention.slot_cases())["slots past 2**31"]
+    partials = numeric.states(small_attention.partials_cases())
     assert partials["an empty segment first"] and partials["several empty segments"]
     assert partials["log-sum-exps hundreds apart"]
     for cases in (small_counts.choice_cases, small_counts.token_cases, small_counts.rank_cases):

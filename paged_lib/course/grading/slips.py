@@ -27,8 +27,8 @@ def _attend(q, k, v, scale, block_size, *, slip: str | None):
     for start in range(0, k.shape[0], block_size):
         s = k[start:start + block_size] @ q * (1.0 if slip == "no scale" else scale)
         m_new = torch.maximum(m, s.max())
-        alpha = torch.ones(()) if slip == "no rescale" else torch.exp(m - m_new)
-        p = torch.exp(s - m_new)
+        alpha = torch.ones(()) if slip in RESCALE else torch.exp(m - m_new)
+        p = torch.exp(s - (s.max() if slip == "block max" else m_new))
         p_v = p.half().double() if slip == "fp16 p" else p
         l = l * alpha + p.sum()  # noqa: E741
         acc = acc * alpha + p_v @ v[start:start + block_size]
@@ -41,10 +41,14 @@ SLIPS = {
            "consecutive query heads share a KV head), not h % num_kv_heads",
     "no rescale": "when the running max grows, rescale l and acc by alpha = exp(m_old - "
                   "m_new) before adding the new block",
+    "block max": "each block's (m, l, acc) was added as it is: when the running max grows, "
+                 "rescale l and acc by alpha = exp(m_old - m_new) before adding the new block",
     "fp16 p": "the probabilities were rounded to float16 before multiplying V: keep p in "
               "float32 (the rounding costs about 1e-3)",
     "no scale": "the scores are q . k times scale (1 / sqrt(head_dim)); it was left out",
 }
+
+RESCALE = ("no rescale", "block max")  # p counted from the running max, or the block's own
 
 
 def decode_slips(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
