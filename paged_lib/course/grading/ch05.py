@@ -168,7 +168,8 @@ def check_scale_tile(kernel: Any) -> None:
 
 
 def _ramp_stage(ex: str, run: Any) -> None:
-    """The generated stage of 05.1-05.4 (:mod:`~paged_lib.course.grading.generated.numeric`)."""
+    """05.1-05.4's generated cases, shrunk at the first failure (05.1, 05.3 and 05.4 run a few
+    fixed cases first: their trace and slip hints are more precise than a contrast)."""
     numeric.check(ex, numeric_decode.ramp_cases(ex), run, numeric_decode.RAMP_CONTRASTS[ex])
 
 
@@ -254,10 +255,6 @@ def _tile_hint(x_g: Guarded, trace: LoadTrace, m: int, n: int, bm: int, bn: int)
 def check_gather_rows(kernel: Any) -> None:
     """05.2: ``out[i] = x[idx[i]]`` for ``i < n``; row ids int32, offsets int64."""
     with grading.exercise("05.2"):
-        g = torch.Generator().manual_seed(52)
-        for num_rows, n, d, block in [(9, 5, 8, 4), (12, 3, 16, 2)]:
-            _gather_case(kernel, torch.randn(num_rows, d, generator=g),
-                         torch.randperm(num_rows, generator=g)[:n].to(torch.int32), block)
         _ramp_stage("05.2", lambda p: _gather_case(kernel, *p.build()))
 
 
@@ -577,12 +574,6 @@ def _why_not(case, seq: int, blk: int, slot: int, n: int) -> str:
             "its block table?)")
 
 
-# (seq_lens, heads, KV heads, head_dim, block_size, q scale). The second case's scores run
-# in the hundreds (q x 40): exp of a raw score overflows float32 past 88, so a kernel with
-# no running max (or one that never lets it grow) fails there, as 05.4's does.
-DECODE_CASES = [((1, 4, 9), 4, 2, 16, 4, 1.0), ((3, 8, 17), 6, 2, 16, 8, 40.0)]
-
-
 def check_decode_case(kernel: Any, case, what: str, loud: bool = False) -> None:
     """One decode batch: the learner's kernel under the trace, next to the reference."""
     got, trace, caches = run_decode_kernel(kernel, case)
@@ -613,11 +604,6 @@ def check_decode_case(kernel: Any, case, what: str, loud: bool = False) -> None:
 def check_paged_decode_kernel(kernel: Any) -> None:
     """05.5: the paged decode kernel, one program per (sequence, KV head)."""
     with grading.exercise("05.5"):
-        for seed, (lens, heads, kv_heads, d, bs, q_scale) in enumerate(DECODE_CASES):
-            p = numeric_decode.Ramp("05.5", seed, (
-                ("lens", lens), ("kv_heads", kv_heads), ("heads", heads), ("head_dim", d),
-                ("ties", False), ("loud", q_scale), ("scale", "head"), ("block_size", bs)))
-            check_decode_case(kernel, p.build(), p.what(), loud=q_scale > 1)
         numeric.check("05.5", numeric_decode.decode_cases(), lambda p: check_decode_case(
             kernel, p.build(), p.what(), loud=p.loud > 1), numeric_decode.DECODE_CONTRASTS)
 
