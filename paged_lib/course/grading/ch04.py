@@ -14,7 +14,7 @@ import torch
 
 from paged_lib.course import grading
 from paged_lib.course.grading.generated import small_attention
-from paged_lib.course.grading.slips import decode_slips, name_slip
+from paged_lib.course.grading.slips import decode_slips, expect_attention
 from paged_lib.instruments import block_reads
 from paged_lib.util import cdiv
 
@@ -46,26 +46,17 @@ def _paged_case(paged_decode: Callable, q: torch.Tensor, k: torch.Tensor, v: tor
     got = got.as_subclass(torch.Tensor)
     grading.expect_true(got.dtype == q.dtype, f"{what}: expected dtype {q.dtype}, "
                         f"got {got.dtype}", hint="compute in q's dtype")
-    same = got.shape == ref.shape
-    if loud and same and not got.isfinite().all():
-        grading.fail(f"{what}, scores in the hundreds: the output contains NaN or inf",
-                     hint="exp of a raw score overflows beyond 709: keep a running max m, "
-                          "exponentiate scores - m and rescale l and acc by exp(m_old - "
-                          "m_new) when m grows")
-    if same and (got.isnan() & ~ref.isnan()).any():
-        grading.fail(f"{what}: the output contains NaN: a slot past seq_len reached it (the "
-                     "last block's tail holds NaN)",
-                     hint="mask the last block's slots at or past seq_len: score -inf AND "
-                          "value 0 (0 * NaN is NaN)")
-    named = None
-    if same and not torch.allclose(got, ref, atol=1e-9, rtol=1e-9):
-        named = name_slip(got[None], ref[None], decode_slips(q[None], k, v, [table], [n],
-                                                             scale))
-    grading.expect_tensor_close(
-        got, ref, what, atol=1e-9, rtol=1e-9,
-        hint=named or "compare with the spec element by element: each query head's softmax "
-                      "over this sequence's first seq_len keys (times the scale you are "
-                      "given), times its values")
+    overflow = ("exp of a raw score overflows beyond 709: keep a running max m, exponentiate "
+                "scores - m and rescale l and acc by exp(m_old - m_new) when m grows")
+    expect_attention(
+        got, ref, what, 1e-9,
+        lambda: {name: out[0] for name, out in decode_slips(q[None], k, v, [table], [n],
+                                                            scale).items()},
+        "compare with the spec element by element: each query head's softmax over this "
+        "sequence's first seq_len keys (times the scale you are given), times its values",
+        loud=overflow if loud else None,
+        poison="mask the last block's slots at or past seq_len: score -inf AND value 0 "
+               "(0 * NaN is NaN)")
 
 
 def _run_watched(paged_decode: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

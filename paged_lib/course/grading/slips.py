@@ -102,6 +102,29 @@ def name_slip(got: torch.Tensor, expected: torch.Tensor, slips: dict[str, torch.
     return (hints or SLIPS)[best[1]] if best else None
 
 
+def expect_attention(got: torch.Tensor, want: torch.Tensor, what: str, tol: float,
+                     slips: Callable[[], dict[str, torch.Tensor]], hint: str, *,
+                     loud: str | None = None, poison: str | None = None) -> None:
+    """``got`` next to the right attention ``want``: with ``loud`` (its hint), scores in the
+    hundreds that gave NaN or inf fail first; with ``poison``, NaN (a slot past seq_len)
+    that reached the output; then a wrong output is named by the slip that explains it
+    (``slips()``: :func:`decode_slips` or :func:`contiguous_slips`), else ``hint``."""
+    from paged_lib.course import grading
+
+    same = got.shape == want.shape
+    if loud and same and not got.isfinite().all():
+        grading.fail(f"{what}: scores in the hundreds gave NaN or inf", loud)
+    nan = got.isnan() & ~want.isnan() if same else torch.zeros(())
+    if poison and nan.any():
+        where = [int(i) for i in nan.nonzero()[0]]
+        grading.fail(f"{what}: NaN at {where}: poison (a slot past seq_len, memory the code "
+                     "must not use) reached the output", poison)
+    named = None
+    if same and not torch.allclose(got.double(), want.double(), atol=tol, rtol=tol):
+        named = name_slip(got, want, slips())
+    grading.expect_tensor_close(got, want, what, atol=tol, rtol=tol, hint=named or hint)
+
+
 def name_mistake(case: Any, got: Any, want: Any, cases: Iterable, wrong: Callable[[Any], dict],
                  call: Callable[[Any], Any], default: str,
                  same: Callable[[Any, Any], bool] = operator.eq) -> str:
