@@ -553,14 +553,6 @@ def _check_decode_reads(trace: LoadTrace, caches: tuple, case, what: str) -> Non
                              f"{name} element {int(count.max())} times",
                              hint="load each K/V tile once and score it for all GROUP query "
                                   "heads at once: a [GROUP_PAD, HEAD_DIM] query tile")
-    reach = bs * num_kv_heads * head_dim
-    for cache in caches:
-        if trace.narrow_offsets(cache, reach):
-            grading.fail(f"{what}: offsets into the cache (block id x block stride) were "
-                         "computed in 32 bits",
-                         hint="cast the block id loaded from the block table with "
-                              ".to(tl.int64) before multiplying: a cache of more than 2**31 "
-                              "elements (a few GB) would wrap around")
 
 
 def _why_not(case, seq: int, blk: int, slot: int, n: int) -> str:
