@@ -99,7 +99,8 @@ def merge_stacked(a, b):
 
 def merge_one_if_for_masked(a, b):
     """Wrong: the fully masked case handled by one ``if`` over the whole tensor, right only
-    when every row of both blocks is masked (as the fixed case has it)."""
+    when every row of both blocks is masked (04.1 has no fixed case left: its generated
+    cases are its only stage)."""
     (m_a, l_a, acc_a), (m_b, l_b, acc_b) = a, b
     if torch.isinf(m_a).all() and torch.isinf(m_b).all():
         return m_a.clone(), l_a.clone(), acc_a.clone()
@@ -188,7 +189,7 @@ def partials_softmax(out, lse):
 
 def partials_pairwise(out, lse):
     """Wrong: the segments merged pairwise from the first one, with no guard for -inf:
-    right while the empty segment is last (as the fixed case has it)."""
+    right while the empty segment is last (05.7's generated cases are its only stage)."""
     m, den, acc = lse[0], torch.ones((), dtype=out.dtype), out[0]
     for j in range(1, len(lse)):
         top = torch.maximum(m, lse[j])
