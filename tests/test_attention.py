@@ -10,7 +10,7 @@ import torch
 
 import paged_lib  # noqa: F401  (sets up the interpreter before anything Triton)
 from paged_lib import attention as A
-from paged_lib.course.grading import ch04
+from paged_lib.course.grading.generated import small_attention
 from paged_lib.course.viz import attention as viz
 from paged_lib.kernels.reference import gather_kv, ref_paged_attention
 
@@ -94,7 +94,8 @@ def test_merge_of_two_empty_states_has_no_nan():
 
 def _poisoned(seed, num_blocks, block_size, kv_heads, d, tables, lens, dtype=F64):
     g = torch.Generator().manual_seed(seed)
-    return ch04._poisoned_cache(g, num_blocks, block_size, kv_heads, d, tables, lens, dtype)
+    return small_attention.poisoned_cache(g, num_blocks, block_size, kv_heads, d, tables, lens,
+                                          dtype)
 
 
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2), (5, 1)])

@@ -32,7 +32,6 @@ from paged_lib.course.grading import (
 )
 from paged_lib.course.grading.generated import (
     numeric,
-    small_around,
     small_attention,
     small_blocks,
     small_counts,
@@ -51,15 +50,15 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 def test_cases_are_seeded_and_reach_states_the_fixed_cases_do_not():
     for cases in (small_attention.merge_cases, small_attention.paged_cases,
-                  small_around.slot_cases, small_around.partials_cases):
+                  small_attention.slot_cases, small_attention.partials_cases):
         assert cases() == cases()
     merge = numeric.states(small_attention.merge_cases())
     assert merge["b masked, a real"] and merge["masked and real rows together"]
     assert merge["float32"] and merge["tied maxima"]
     paged = numeric.states(small_attention.paged_cases())
     assert paged["a scale that is not 1 / sqrt(head_dim)"] and paged["3 padding entries"]
-    assert numeric.states(small_around.slot_cases())["slots past 2**31"]
-    partials = numeric.states(small_around.partials_cases())
+    assert numeric.states(small_attention.slot_cases())["slots past 2**31"]
+    partials = numeric.states(small_attention.partials_cases())
     assert partials["an empty segment first"] and partials["several empty segments"]
     assert partials["log-sum-exps hundreds apart"]
     for cases in (small_counts.choice_cases, small_counts.token_cases, small_counts.rank_cases):
@@ -100,7 +99,8 @@ def merge_stacked(a, b):
 
 def merge_one_if_for_masked(a, b):
     """Wrong: the fully masked case handled by one ``if`` over the whole tensor, right only
-    when every row of both blocks is masked (as the fixed case has it)."""
+    when every row of both blocks is masked (04.1 has no fixed case left: its generated
+    cases are its only stage)."""
     (m_a, l_a, acc_a), (m_b, l_b, acc_b) = a, b
     if torch.isinf(m_a).all() and torch.isinf(m_b).all():
         return m_a.clone(), l_a.clone(), acc_a.clone()
@@ -189,7 +189,7 @@ def partials_softmax(out, lse):
 
 def partials_pairwise(out, lse):
     """Wrong: the segments merged pairwise from the first one, with no guard for -inf:
-    right while the empty segment is last (as the fixed case has it)."""
+    right while the empty segment is last (05.7's generated cases are its only stage)."""
     m, den, acc = lse[0], torch.ones((), dtype=out.dtype), out[0]
     for j in range(1, len(lse)):
         top = torch.maximum(m, lse[j])

@@ -230,10 +230,10 @@ def test_paged_online_grader_passes_the_solution(capsys):
 def test_paged_online_grader_fails_wrong_answers(capsys):
     cases = [
         (_gather_fancy, "gathers many blocks"),
-        (_gather_list_cat, "concatenated"),
+        (_gather_list_cat, "all scores first, then one softmax"),
         (_two_pass, "read twice"),
         (_collect_scores, "concatenated"),
-        (lambda *a: _collect_scores(*a, cat=False), "still hold"),
+        (lambda *a: _collect_scores(*a, cat=False), "several blocks' keys, values or scores"),
         (_wrong_gqa, "KV head h // "),
         (_states_merged_at_end, "every block's state and merge at the end"),
     ]
@@ -615,11 +615,11 @@ def test_slot_mapping_grader(capsys):
     assert _verdict(capsys, check, _slots) == "✅ [05.6] Slot mapping: correct\n"
     assert _verdict(capsys, check, _stub).startswith("⏳ [05.6]")
     for bug, words in [("hard-coded 4", "not a constant"), ("int32", "int64"),
-                       ("no padding", "must map to -1: you returned a real slot"),
+                       ("no padding", "position -1) must map to -1, not to a real slot"),
                        ("no block", "not just the offset"),
                        ("block id only", "a block id is not a slot"),
                        ("first row", "its own sequence's row"),
-                       ("unclamped", "silently indexes the last entry")]:
+                       ("unclamped", "silently indexes the table's last entry")]:
         _expect_fail(capsys, check, lambda *a, bug=bug: _slots(*a, bug=bug), "05.6", words)
 
 
@@ -650,7 +650,8 @@ def test_merge_partials_grader(capsys):
     no_norm = lambda out, lse: (torch.exp(lse - lse.max())[:, None] * out).sum(0)  # noqa: E731
     in_fp32 = lambda out, lse: _merge(out.float(), lse.float())  # noqa: E731
     via_fp32 = lambda out, lse: _merge(out.float(), lse.float()).double()  # noqa: E731
-    for bad, words in [(no_max, "max lse"), (lambda out, lse: out.mean(0), "sum of the weights"),
+    for bad, words in [(no_max, "max over all segments"),
+                       (lambda out, lse: out.mean(0), "sum of the weights"),
                        (no_norm, "sum of the weights"),
                        (in_fp32, "expected dtype torch.float64 (the partials' dtype)"),
                        (via_fp32, "rounded to float32 on the way")]:

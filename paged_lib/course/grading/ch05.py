@@ -1,52 +1,40 @@
 """Checks for chapter 05's exercises: a Triton ramp, the paged decode kernel, slots, merge.
 
-Kernels are launched on tiny grids (a few programs) so that each check takes about a
-second in Triton's interpreter. Two kinds of evidence, because each proves something
-the other cannot:
+Kernels run on tiny grids (a few programs) in Triton's interpreter. Two kinds of evidence:
 
-* **NaN poisoning**: every cache slot (or matrix element) the kernel must not use holds
-  NaN, so poison that reaches the output shows up as NaN there;
+* **NaN poisoning**: every slot (or element) the kernel must not use holds NaN, and
+  every output sits in a guard (:class:`Guarded`), so poison or a stray store shows;
 * **the load trace** (:mod:`paged_lib.instruments.load_trace`, interpreter only): every
   element each program loaded, so a read past a sequence's end fails even when
   ``tl.where`` hid its value, and the message names the program and the slot.
 
-On a GPU (kernels compiled, not interpreted) only the first kind runs. After the fixed
-cases, each check runs seeded generated cases (:mod:`~paged_lib.course.grading.generated.
-numeric_decode`, :mod:`~paged_lib.course.grading.generated.small_around`), shrunk.
-
-The kernel checks live in ``ch05_puzzles`` (05.1-05.4) and ``ch05_decode`` (05.5), on
-``ch05_common``'s launcher and guarded buffers; this module is the chapter's grader
-(``EQUIVALENT_MUTANTS``, every ``check_*``) and holds the checks around the kernel: the
-slot mapping of the write path (05.6) and the merge of split-KV partials (05.7).
+On a GPU (kernels compiled) only the first runs. Each kernel check runs a few fixed cases,
+then the seeded generated ones of :mod:`~paged_lib.course.grading.generated.numeric_decode`
+(shrunk at the first failure). 05.6 and 05.7 run only the generated cases of
+:mod:`~paged_lib.course.grading.generated.small_attention`.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable
+from typing import Any
 
+import numpy as np
 import torch
 
 from paged_lib.course import grading
-from paged_lib.course.grading.ch05_common import NAN, Guarded, launch
-from paged_lib.course.grading.ch05_decode import (
-    check_paged_decode_kernel,
-    run_decode_kernel,
+from paged_lib.course.grading.generated import numeric, numeric_decode, small_attention
+from paged_lib.course.grading.slips import (
+    contiguous_slips,
+    decode_slips,
+    expect_attention,
+    name_slip,
 )
-from paged_lib.course.grading.ch05_puzzles import (
-    check_gather_rows,
-    check_online_attention,
-    check_row_softmax,
-    check_scale_tile,
-)
-from paged_lib.course.grading.generated import small_around
-from paged_lib.kernels.reference import gather_kv
-
-__all__ = ["EQUIVALENT_MUTANTS", "Guarded", "check_gather_rows",
-           "check_merge_partials", "check_online_attention", "check_paged_decode_kernel",
-           "check_row_softmax", "check_scale_tile", "check_slot_mapping", "launch",
-           "run_decode_kernel"]
-
+from paged_lib.instruments.load_trace import LoadTrace, trace_loads
+from paged_lib.kernels.reference import ref_paged_attention
+from paged_lib.util import cdiv
 
 #: Mutants (tools/mutants.py) of the solutions that compute the same thing.
 EQUIVALENT_MUTANTS: dict[str, dict[str, str]] = {
@@ -60,153 +48,560 @@ EQUIVALENT_MUTANTS: dict[str, dict[str, str]] = {
                                           "afterwards; index -1 is a valid column meanwhile"},
 }
 
-
-# ---------------------------------------------------------------------- 05.6 slot mapping
-
-# Padding tokens (position -1) belong to sequences whose table is full to its last entry:
-# -1 // block_size indexes that entry, so code that ignores padding gets a real slot there,
-# not -1 by accident (a last entry of -1 would give -1 * bs + (bs - 1) = -1).
-SLOT_CASES = [
-    (4, [[7, 2, 5], [3, -1, -1], [6, 1, 4]], [0, 0, 0, 1, 2, 2, 2, 0], [3, 4, 9, 0, 5, 6, 7, -1]),
-    (16, [[2, 0], [1, -1]], [0, 0, 1, 0], [15, 16, 3, -1]),
-    (3, [[4, 1, 0], [2, -1, -1]], [0, 0, 1], [2, 7, 1]),
-]
+NAN = float("nan")
+#: What surrounds an output: a kernel that stores there (even NaN) changes it.
+OUT_GUARD = -7777.0
 
 
-def _slot_slips(bt: torch.Tensor, seq_ids: torch.Tensor, positions: torch.Tensor,
-                block_size: int, expected: torch.Tensor) -> list[tuple[list[int] | None, str]]:
-    """What typical wrong slot mappings return on this case, and what each one forgot."""
-    seq, pos = seq_ids.long(), positions.long()
-    pad = pos < 0
-    kept = pos.clamp(min=0)
-    table = bt.long()
+# ------------------------------------------------------------------ launching and tracing
 
-    def mapped(slots: Callable[[], torch.Tensor]) -> list[int] | None:
+def stub_not_done(kernel: Any) -> None:
+    """A stub still holding ``raise NotImplementedError()`` is 'not attempted'.
+
+    In the interpreter the raise would surface when the kernel runs; a compiling GPU
+    backend would reject it as a compile error instead, so look at the source first.
+    """
+    fn = getattr(kernel, "fn", kernel)
+    try:
+        src = inspect.getsource(fn)
+    except (OSError, TypeError):
+        return
+    if "raise NotImplementedError" in src:
+        raise NotImplementedError
+
+
+def interpreted() -> bool:
+    from paged_lib.device import interpreter_on
+
+    return interpreter_on()
+
+
+def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **constants: Any) -> LoadTrace:
+    """Run the learner's kernel; return its load trace (empty when compiled on a GPU).
+
+    The interpreter wraps what a kernel raised in its own error; the learner sees theirs.
+    """
+    stub_not_done(kernel)
+    with trace_loads() as trace, np.errstate(all="ignore"):  # overflow: reported as such
         try:
-            return torch.where(pad, torch.full_like(slots(), -1), slots()).tolist()
-        except IndexError:  # this slip would have raised on this case
-            return None
-
-    def unpadded() -> torch.Tensor:
-        return table[seq, torch.div(pos, block_size, rounding_mode="floor")] * block_size \
-            + pos % block_size
-
-    slips = [
-        (unpadded().tolist(), "a padding token (position -1) must map to -1: -1 // "
-                              "block_size is -1, which silently indexes the last entry of "
-                              "the table"),
-        ((table[seq, kept // block_size] * block_size + kept % block_size).tolist(),
-         "a padding token (position -1) must map to -1: you returned a real slot for it "
-         "(the slot of position 0), so the cache write would overwrite a token"),
-        (mapped(lambda: kept % block_size), "the slot is in the token's block: "
-                                            "block_tables[seq, pos // block_size] * "
-                                            "block_size + pos % block_size, not just the "
-                                            "offset pos % block_size"),
-        (mapped(lambda: table[seq, kept // block_size] * block_size),
-         "add the offset inside the block, pos % block_size"),
-        (mapped(lambda: table[seq, kept // block_size]),
-         "a block id is not a slot: multiply by block_size and add pos % block_size"),
-        (mapped(lambda: table[0, kept // block_size] * block_size + kept % block_size),
-         "each token uses its own sequence's row: block_tables[seq_ids[i], ...]"),
-        (mapped(lambda: table[seq, kept % block_size] * block_size + kept // block_size),
-         "// and % swapped: the block is pos // block_size, the offset pos % block_size"),
-    ]
-    for bs in (4, 16):  # a hard-coded block size
-        if bs != block_size:
-            slips.append((mapped(lambda bs=bs: table[seq, kept // bs] * bs + kept % bs),
-                          f"use the block_size you are given ({block_size} here), not a "
-                          f"constant {bs}"))
-    right = expected.tolist()
-    return [(slots, hint) for slots, hint in slips if slots != right]
+            kernel[grid](*args, **constants)
+        except Exception as err:
+            cause = err.__cause__
+            if isinstance(cause, NotImplementedError):
+                raise NotImplementedError from err
+            if cause is not None and type(err).__name__ == "InterpreterError":
+                raise cause from None
+            raise
+    check_gpu_limits(trace)
+    return trace
 
 
-SLOT_HINT = ("slot = block_tables[seq, pos // block_size] * block_size + pos % block_size, "
-             "with the block_size you are given (not a constant); position -1 (padding) maps "
-             "to -1 and must not index the table")
+#: The smallest tile dimension ``tl.dot`` accepts on NVIDIA GPUs (tensor cores).
+MIN_DOT = 16
 
+
+def check_gpu_limits(trace: LoadTrace) -> None:
+    """What a GPU would refuse and the interpreter runs anyway: ``tl.dot`` on a tile with a
+    dimension under 16 (it compiles on no NVIDIA GPU)."""
+    for dot in trace.dots:
+        if min(dot.a_shape[-2:] + dot.b_shape[-2:]) < MIN_DOT:
+            grading.fail(f"program {dot.program[:2]} called tl.dot on a "
+                         f"{list(dot.a_shape)} x {list(dot.b_shape)} tile: the interpreter "
+                         f"runs it, but a GPU needs every dimension of a tl.dot to be at "
+                         f"least {MIN_DOT}",
+                         hint="for tiles this small use tl.sum(a[:, :, None] * b[None, :, :], "
+                              "axis=1); or pad the tile to 16 rows (masked) before tl.dot")
+
+
+class Guarded:
+    """A tensor in the middle of a flat buffer with ``pad`` poisoned elements on each side.
+
+    A learner's kernel that loads or stores a little outside the tensor (a tile hanging
+    over the edge, a negative offset) touches the guard, not memory nobody owns (which
+    could crash the notebook's kernel); the trace and the guard's values show it.
+    """
+
+    def __init__(self, values: torch.Tensor, pad: int, fill: float | int = NAN):
+        from paged_lib import default_device
+
+        pad = max(pad, values.numel())  # a sign error in an offset stays in the guard
+        self.pad, self.shape, self.fill = pad, tuple(values.shape), fill
+        buffer = torch.full((values.numel() + 2 * pad,), fill, dtype=values.dtype)
+        buffer[pad:pad + values.numel()] = values.reshape(-1)
+        self.buffer = buffer.to(default_device())
+        self.view = self.buffer[pad:pad + values.numel()].view(self.shape)
+
+    def reads(self, trace: LoadTrace) -> list[tuple[tuple, np.ndarray, np.ndarray]]:
+        """Per load touching the buffer: (program, flat index relative to the view, mask)."""
+        return [(r.program, r.index[:, 0] - self.pad, r.mask)
+                for r in trace.reads_of(self.buffer)]
+
+    def guard_intact(self) -> bool:
+        buf = self.buffer.cpu()
+        guard = torch.cat([buf[:self.pad], buf[self.pad + self.view.numel():]])
+        return bool(guard.isnan().all()) if isinstance(self.fill, float) and \
+            math.isnan(self.fill) else bool((guard == self.fill).all())
+
+
+def first_outside(guarded: Guarded, trace: LoadTrace, inside: Callable[[np.ndarray], np.ndarray]
+                  ) -> tuple[tuple, int, int] | None:
+    """(program, flat index, count) of the first load with unmasked lanes outside."""
+    for program, flat, mask in guarded.reads(trace):
+        bad = mask & ~inside(flat)
+        if bad.any():
+            return program, int(flat[np.flatnonzero(bad)[0]]), int(bad.sum())
+    return None
+
+
+def expect_no_nan(got: torch.Tensor, expected: torch.Tensor, what: str, hint: str) -> None:
+    nan = got.isnan() & ~expected.isnan()
+    if nan.any():
+        where = tuple(int(i) for i in nan.nonzero()[0])
+        grading.fail(f"{what}: NaN at {list(where)}: poison (memory the kernel must not use) "
+                     "reached the output", hint)
+
+
+# ------------------------------------------------------------------- 05.1 a 2-D masked tile
+
+def check_scale_tile(kernel: Any) -> None:
+    """05.1: ``out = 2 * x`` for an ``[M, N]`` view with row stride ``stride_x``."""
+    with grading.exercise("05.1"):
+        g = torch.Generator().manual_seed(51)
+        for m, n, stride, bm, bn in [(5, 7, 9, 4, 4), (3, 16, 16, 4, 8)]:
+            _tile_case(kernel, torch.randn(m, n, generator=g), stride, bm, bn)
+        _ramp_stage("05.1", lambda p: _tile_case(kernel, *p.build()))
+
+
+def _ramp_stage(ex: str, run: Any) -> None:
+    """05.1-05.4's generated cases, shrunk at the first failure (05.1, 05.3 and 05.4 run a few
+    fixed cases first: their trace and slip hints are more precise than a contrast)."""
+    numeric.check(ex, numeric_decode.ramp_cases(ex), run, numeric_decode.RAMP_CONTRASTS[ex])
+
+
+def _tile_case(kernel: Any, x: torch.Tensor, stride: int, bm: int, bn: int) -> None:
+    m, n = x.shape
+    rows = torch.full((m, stride), NAN)
+    rows[:, :n] = x
+    x_g = Guarded(rows, pad=bm * stride + bn)
+    out_g = Guarded(torch.full((m, n), NAN), pad=bm * n + bn, fill=OUT_GUARD)
+    what = f"M={m}, N={n}, stride_x={stride}, BLOCK_M={bm}, BLOCK_N={bn}"
+    trace = launch(kernel, (cdiv(m, bm), cdiv(n, bn)), x_g.view, out_g.view, m, n,
+                   stride, BLOCK_M=bm, BLOCK_N=bn)
+    if interpreted():
+        bad = first_outside(x_g, trace, lambda f: (f >= 0) & (f < m * stride) & (f % stride < n))
+        if bad:
+            (pm, pn, _), flat, count = bad
+            i, j = divmod(flat, stride)
+            grading.fail(f"{what}: program ({pm}, {pn}) read x[{i}, {j}], outside the "
+                         f"{m} x {n} matrix ({count} such element(s) in that load)",
+                         hint=_tile_hint(x_g, trace, m, n, bm, bn))
+    if not out_g.guard_intact():
+        _fail_store_outside(out_g, 2 * x, stride, what)
+    got = out_g.view.cpu()
+    unwritten = got.isnan()
+    if interpreted() and unwritten.any():  # every load was inside: never stored
+        i, j = (int(v) for v in unwritten.nonzero()[0])
+        grading.fail(f"{what}: {int(unwritten.sum())} element(s) of out were never "
+                     f"written, the first out[{i}, {j}]",
+                     hint="every element must fall in one program's tile: program "
+                          "(pid_m, pid_n) = (program_id(0), program_id(1)) covers "
+                          "rows pid_m * BLOCK_M + arange(BLOCK_M) and columns "
+                          "pid_n * BLOCK_N + arange(BLOCK_N)")
+    expect_no_nan(got, 2 * x, f"{what}, out", hint="mask loads and stores with "
+                  "rows < M and cols < N; and every element must fall in one "
+                  "program's tile (rows from program_id(0), columns from "
+                  "program_id(1))")
+    grading.expect_tensor_close(got, 2 * x, f"{what}, out",
+                                hint=_rounded_hint(got, 2 * x, "out = 2 * x") or
+                                "element (i, j) of x is at i * stride_x + j "
+                                "(stride_x, not N); of out at i * N + j")
+
+
+def _fail_store_outside(out_g: Guarded, want: torch.Tensor, stride: int, what: str) -> None:
+    """The store reached out's guard: rows stride_x apart, or lanes left unmasked."""
+    m, n = want.shape
+    flat = out_g.buffer.cpu()[out_g.pad:]
+    at_stride = (torch.arange(m)[:, None] * stride + torch.arange(n)[None, :]).reshape(-1)
+    if stride != n and at_stride.max() < flat.numel() and \
+            torch.allclose(flat[at_stride], want.reshape(-1)):
+        grading.fail(f"{what}: the kernel wrote row i of the result at out + i * stride_x, "
+                     "past the end of out",
+                     hint="out is a new contiguous [M, N] tensor: element (i, j) of out is at "
+                          "i * N + j; stride_x is x's row stride only")
+    grading.fail(f"{what}: the kernel wrote outside out (past its last row or column)",
+                 hint="mask the store too, with the same (row, column) mask")
+
+
+def _rounded_hint(got: torch.Tensor, want: torch.Tensor, what: str) -> str | None:
+    """A hint when ``got`` is ``want`` rounded to a 16-bit float (a cast on the way)."""
+    if got.shape != want.shape or not got.isfinite().all():
+        return None
+    right = (got.double() - want.double()).abs().max().item()
+    for dtype in (torch.float16, torch.bfloat16):
+        if (got.double() - want.to(dtype).double()).abs().max().item() < right / 8:
+            return (f"{what} came out rounded to {str(dtype).split('.')[1]}: a value was "
+                    "cast to a 16-bit float on the way; keep float32 from load to store")
+    return None
+
+
+def _tile_hint(x_g: Guarded, trace: LoadTrace, m: int, n: int, bm: int, bn: int) -> str:
+    """Wrong mask, or right mask and wrong addresses? Count the lanes each load enabled."""
+    for (pm, pn, _), _, mask in x_g.reads(trace):
+        inside = (min(m, (pm + 1) * bm) - pm * bm) * (min(n, (pn + 1) * bn) - pn * bn)
+        if int(mask.sum()) != inside:
+            return ("mask the load with (rows < M)[:, None] & (cols < N)[None, :]: a tile at "
+                    "the edge hangs over both the last row and the last column")
+    return ("the mask is right but the addresses are not: element (i, j) of x is at "
+            "i * stride_x + j (stride_x, not N: x is a view into wider rows)")
+
+
+# --------------------------------------------------------------- 05.2 gather through a table
+
+def check_gather_rows(kernel: Any) -> None:
+    """05.2: ``out[i] = x[idx[i]]`` for ``i < n``; row ids int32, offsets int64."""
+    with grading.exercise("05.2"):
+        _ramp_stage("05.2", lambda p: _gather_case(kernel, *p.build()))
+
+
+def _gather_case(kernel: Any, x: torch.Tensor, ids: torch.Tensor, block: int) -> None:
+    (num_rows, d), n = x.shape, len(ids)
+    x_g = Guarded(x, pad=d * (block + 1))
+    idx = torch.full((n + block,), num_rows, dtype=torch.int32)  # past n: garbage, row
+    idx[:n] = ids                                                # "num_rows"
+    idx_g = Guarded(idx, pad=block, fill=num_rows)
+    out_g = Guarded(torch.full((n, d), NAN), pad=d * (block + 1), fill=OUT_GUARD)
+    what = f"{num_rows} rows of {d}, n={n}, BLOCK_I={block}"
+    trace = launch(kernel, (cdiv(n, block),), x_g.view, idx_g.view[:n], out_g.view, n,
+                   D=d, BLOCK_I=block)
+    if interpreted():
+        bad = first_outside(idx_g, trace, lambda f: (f >= 0) & (f < n))
+        if bad:
+            grading.fail(f"{what}: program {bad[0][0]} read idx[{bad[1]}], outside its "
+                         f"n={n} entries", hint="mask the load of idx with i < n (other=0)")
+        if trace.narrow_products(idx_g.buffer):
+            grading.fail(f"{what}: a row id loaded from idx was multiplied in 32 bits "
+                         "(a cast to int64 after the multiply is too late: the "
+                         "product has already wrapped)",
+                         hint="cast the row ids to tl.int64 right after loading them, "
+                              "before multiplying by D: beyond 2**31 elements an "
+                              "int32 product wraps and reads the wrong row")
+    grading.expect_true(out_g.guard_intact(),
+                        f"{what}: the kernel wrote rows of out at i >= n (or < 0)",
+                        hint="mask the store with i < n")
+    got = out_g.view.cpu()
+    unwritten = got.isnan().any(1).nonzero()[:, 0].tolist()
+    grading.expect_true(not unwritten, f"{what}: row(s) {unwritten} of out were never written",
+                        hint="every row i < n belongs to one program: program pid covers "
+                             "rows pid * BLOCK_I + arange(BLOCK_I)")
+    grading.expect_tensor_close(got, x[ids.long()], f"{what}, out", atol=0, rtol=0,
+                                hint="row i of out is row idx[i] of x (load idx[i] "
+                                     "first), at offset idx[i] * D + d")
+
+
+# ---------------------------------------------------------------------- 05.3 row softmax
+
+def check_row_softmax(kernel: Any) -> None:
+    """05.3: ``out = softmax(x, dim=1)``, one program per row, large and negative values."""
+    with grading.exercise("05.3"):
+        g = torch.Generator().manual_seed(53)
+        for rows, n, block in [(3, 5, 8), (2, 16, 16), (2, 3, 4)]:
+            x = torch.randn(rows, n, generator=g) * 3
+            x[0] += 500.0  # exp(500) overflows float32: subtract the row max first
+            x[-1] -= 50.0  # all negative: padding lanes must weigh 0, not exp(0 - max)
+            _softmax_case(kernel, x, block)
+        _ramp_stage("05.3", lambda p: _softmax_case(kernel, *p.build()))
+
+
+def _softmax_case(kernel: Any, x: torch.Tensor, block: int) -> None:
+    rows, n = x.shape
+    x_g = Guarded(x, pad=block)
+    out_g = Guarded(torch.full((rows, n), NAN), pad=block, fill=OUT_GUARD)
+    what = f"{rows} rows of N={n}, BLOCK_N={block}"
+    trace = launch(kernel, (rows,), x_g.view, out_g.view, n, BLOCK_N=block)
+    if interpreted():
+        for (row, _, _), flat, mask in x_g.reads(trace):
+            bad = mask & ((flat < row * n) | (flat >= (row + 1) * n))
+            if bad.any():
+                f = int(flat[np.flatnonzero(bad)[0]])
+                grading.fail(f"{what}: program {row} read element {f - row * n} of "
+                             f"its row {row}, which has {n}",
+                             hint="the mask is right (N lanes) but the row starts "
+                                  "at x_ptr + row * N: rows are N apart, not "
+                                  "BLOCK_N" if int(mask.sum()) == n else
+                                  "mask the load with cols < N (other=-inf)")
+    got = out_g.view.cpu()
+    expected = torch.softmax(x.double(), 1).float()
+    for r in range(rows):
+        if not got[r].isfinite().all():
+            grading.fail(f"{what}: row {r} (values around {x[r].mean().item():.3g}) came "
+                         "out NaN or inf",
+                         hint="subtract the row's max before tl.exp: exp(500) overflows")
+    grading.expect_tensor_close(
+        got, expected, f"{what}, out", atol=1e-5, rtol=1e-4,
+        hint=_softmax_slip(got, x, block) or "compare with torch.softmax(x, dim=1): "
+             "exp(x - the row's max) over the row's N values, divided by their sum")
+    grading.expect_true(out_g.guard_intact(), f"{what}: the kernel wrote outside out",
+                        hint="mask the store with cols < N")
+
+
+_SOFTMAX_SLIPS = {
+    "other=0": "padding lanes (cols >= N) must get weight 0: load them with other=-inf "
+               "(exp(-inf) = 0), not 0",
+    "no sum": "each row must sum to 1: divide exp(x - max) by the row's sum of it",
+    "float16": "x was rounded to float16 on the way (its spacing near 500 is 0.25): keep "
+               "float32 from load to store",
+    "bfloat16": "x was rounded to bfloat16 on the way: keep float32 from load to store",
+}
+
+
+def _softmax_slip(got: torch.Tensor, x: torch.Tensor, block: int) -> str | None:
+    """The hint of the typical wrong softmax that explains ``got`` (see slips.name_slip)."""
+    x64 = x.double()
+    padded = torch.cat([x64, torch.zeros(x.shape[0], block - x.shape[1],
+                                         dtype=torch.float64)], 1)
+    slips = {"other=0": torch.softmax(padded, 1)[:, :x.shape[1]],
+             "no sum": torch.exp(x64 - x64.amax(1, keepdim=True)),
+             "float16": torch.softmax(x.half().double(), 1),
+             "bfloat16": torch.softmax(x.bfloat16().double(), 1)}
+    rounded = _rounded_hint(got, torch.softmax(x64, 1), "out")
+    if rounded:
+        return rounded
+    return name_slip(got, torch.softmax(x64, 1), slips, _SOFTMAX_SLIPS)
+
+
+# ----------------------------------------------- 05.4 online softmax over contiguous K/V
+
+def check_online_attention(kernel: Any) -> None:
+    """05.4: ``out[b] = softmax(k[b] @ q[b] * scale) @ v[b]``, TILE keys per iteration."""
+    with grading.exercise("05.4"):
+        g = torch.Generator().manual_seed(54)
+        for batch, n, d, tile in [(2, 13, 8, 4), (2, 8, 16, 8), (1, 3, 8, 4)]:
+            q = torch.randn(batch, d, generator=g)
+            q[0] *= 40.0  # scores in the hundreds: exp without the max overflows
+            k = torch.randn(batch, n, d, generator=g)
+            _attention_case(kernel, q, k, torch.randn(batch, n, d, generator=g), d ** -0.5,
+                            tile)
+        _ramp_stage("05.4", lambda p: _attention_case(kernel, *p.build()))
+
+
+def _attention_case(kernel: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    scale: float, tile: int) -> None:
+    batch, n, d = k.shape
+    q_g, k_g, v_g = (Guarded(t, pad=tile * d) for t in (q, k, v))
+    out_g = Guarded(torch.full((batch, d), NAN), pad=tile * d, fill=OUT_GUARD)
+    what = f"batch {batch}, N={n}, D={d}, TILE={tile}"
+    trace = launch(kernel, (batch,), q_g.view, k_g.view, v_g.view, out_g.view, n, scale,
+                   D=d, TILE=tile)
+    if interpreted():
+        _check_tiles(trace, k_g, "K", n, d, tile, what)
+        _check_tiles(trace, v_g, "V", n, d, tile, what)
+    grading.expect_true(out_g.guard_intact(), f"{what}: the kernel wrote outside out",
+                        hint="program b writes out[b, :D] only")
+    got = out_g.view.cpu()
+    expected = (torch.softmax(torch.einsum("bnd,bd->bn", k.double(), q.double())
+                              * scale, 1)[..., None] * v.double()).sum(1).float()
+    expect_attention(
+        got, expected, f"{what}, out", 1e-4, lambda: contiguous_slips(q, k, v, scale, tile),
+        "compare with the spec: one softmax over all N scores; the last tile is partial "
+        "(N % TILE), its missing keys weigh 0",
+        loud="exponentiate s - m_new, never s itself: exp(200) overflows")
+
+
+def _check_tiles(trace: LoadTrace, kv: Guarded, name: str, n: int, d: int, tile: int,
+                 what: str) -> None:
+    """Each program reads its own ``n`` rows of K (or V), each element once, ``tile`` at a time."""
+    seen: dict[int, np.ndarray] = {}
+    for (b, _, _), flat, mask in kv.reads(trace):
+        bad = mask & ((flat < b * n * d) | (flat >= (b + 1) * n * d))
+        if bad.any():
+            token = int(flat[np.flatnonzero(bad)[0]]) // d - b * n
+            grading.fail(f"{what}: program {b} loaded {name} at token {token} (it has N={n}) "
+                         "without a mask", hint=f"load {name} with mask=(tokens < N)[:, None]: "
+                         "tl.where on the scores hides the NaN but not the read past the end")
+        counts = seen.setdefault(b, np.zeros(n * d, dtype=np.int64))
+        np.add.at(counts, flat[mask] - b * n * d, 1)
+        if mask.sum() > tile * d:
+            grading.fail(f"{what}: program {b} loaded {int(mask.sum()) // d} tokens of "
+                         f"{name} at once, more than TILE={tile}",
+                         hint="loop over the keys TILE at a time")
+    for b, counts in seen.items():
+        if counts.max() > 1:
+            grading.fail(f"{what}: program {b} read {name} {int(counts.max())} times over",
+                         hint="one pass is enough: keep a running max m, sum l and acc, "
+                              "rescaled by exp(m_old - m_new) when m grows")
+
+
+# -------------------------------------------------------------- 05.5 the paged decode kernel
+
+def run_decode_kernel(kernel: Any, case) -> tuple[torch.Tensor, LoadTrace, tuple]:
+    """Launch the exercise kernel, one program per (sequence, KV head); output on the CPU.
+
+    Every tensor sits inside a poisoned guard as large as itself (:class:`Guarded`), so a
+    wrong offset reads or writes the guard instead of crashing the notebook's kernel.
+    Returns the output, the load trace and the two cache views (for the trace).
+    """
+    q, k_cache, v_cache, block_tables, seq_lens, scale = case
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    q_g, k_g, v_g = Guarded(q, q.numel()), Guarded(k_cache, k_cache.numel()), \
+        Guarded(v_cache, v_cache.numel())
+    out_g = Guarded(torch.full_like(q, NAN), q.numel(), fill=OUT_GUARD)
+    bt_g = Guarded(block_tables, block_tables.numel(), fill=0)  # block 0: all NaN
+    lens_g = Guarded(seq_lens, seq_lens.numel(), fill=0)
+    trace = launch(kernel, (num_seqs, num_kv_heads), out_g.view, q_g.view, k_g.view, v_g.view,
+                   bt_g.view, lens_g.view, scale, block_tables.shape[1],
+                   NUM_KV_HEADS=num_kv_heads, GROUP=group,
+                   GROUP_PAD=max(1, 1 << (group - 1).bit_length()), HEAD_DIM=head_dim,
+                   BLOCK_SIZE=k_cache.shape[1])
+    if not out_g.guard_intact():
+        grading.fail("the kernel wrote outside out (padded query heads stored?)",
+                     hint="store only the GROUP real rows of the tile: mask=(g < GROUP)[:, None]"
+                          "; out[seq, head] is at (seq * num_heads + head) * HEAD_DIM")
+    for name, g in (("K", k_g), ("V", v_g)):
+        if not interpreted():
+            break
+        size = g.view.numel()
+        bad = first_outside(g, trace, lambda f, n=size: (f >= 0) & (f < n))
+        if bad:
+            grading.fail(f"program {bad[0][:2]} read {name} outside the cache ({bad[2]} "
+                         "element(s) in one load)",
+                         hint="element (block, slot, head, dim) is at ((block * BLOCK_SIZE + "
+                              "slot) * NUM_KV_HEADS + head) * HEAD_DIM + dim")
+    if interpreted():
+        _check_iterations(trace, bt_g, k_g, seq_lens, k_cache.shape[1])
+    if interpreted() and trace.narrow_products(bt_g.buffer):
+        grading.fail("a block id loaded from the block table was multiplied in 32 bits "
+                     "(casting the sum to int64 afterwards is too late: the product has "
+                     "already wrapped)", hint=NARROW_HINT)
+    return out_g.view.cpu(), trace, (k_g.view, v_g.view)
+
+
+NARROW_HINT = ("cast the block id to tl.int64 right after loading it, before any multiply: "
+               "in int32, block * (BLOCK_SIZE * NUM_KV_HEADS * HEAD_DIM) wraps once the "
+               "cache passes 2**31 elements (a few GB), and .to(tl.int64) on the result "
+               "cannot undo that")
+
+
+def _check_iterations(trace: LoadTrace, bt_g: Guarded, k_g: Guarded, seq_lens: torch.Tensor,
+                      block_size: int) -> None:
+    """Each program visits its own sequence's blocks only: no block-table entry past them
+    is read, and no K tile is loaded with every lane masked off (an iteration past the
+    end: looping over the widest table instead of cdiv(seq_len, BLOCK_SIZE))."""
+    lens = seq_lens.tolist()
+    width = bt_g.view.shape[1]
+    hint = ("loop over range(cdiv(seq_len, BLOCK_SIZE)) with this program's own seq_len, not "
+            "over the table's width: on a GPU every program then waits as long as the "
+            "batch's longest sequence, and the extra iterations load memory for nothing")
+    for program, flat, mask in bt_g.reads(trace):
+        seq, head = program[:2]
+        own = cdiv(int(lens[seq]), block_size)
+        cols = flat - seq * width
+        bad = mask & (cols >= own) & (cols < width)
+        if bad.any():
+            grading.fail(f"program (seq {seq}, kv_head {head}) read block-table entry "
+                         f"{int(cols[np.flatnonzero(bad)[0]])} of its row, but its "
+                         f"{lens[seq]} tokens occupy {own} block(s)", hint=hint)
+    idle: dict[tuple, int] = {}
+    for program, _, mask in k_g.reads(trace):
+        if not mask.any():
+            idle[program[:2]] = idle.get(program[:2], 0) + 1
+    if idle:
+        (seq, head), count = next(iter(idle.items()))
+        grading.fail(f"program (seq {seq}, kv_head {head}) loaded K {count} time(s) with every "
+                     f"lane masked off: it iterates past its own "
+                     f"{cdiv(int(lens[seq]), block_size)} block(s) (over the widest block "
+                     "table?)", hint=hint)
+
+
+def _allowed_slots(case, seq: int) -> dict[tuple[int, int], int]:
+    """(physical block, slot) -> token position, for sequence ``seq``'s tokens."""
+    bs = case.k_cache.shape[1]
+    table = case.block_tables[seq].tolist()
+    return {(table[p // bs], p % bs): p for p in range(int(case.seq_lens[seq]))}
+
+
+def _check_decode_reads(trace: LoadTrace, caches: tuple, case, what: str) -> None:
+    bs, num_kv_heads, head_dim = case.k_cache.shape[1:]
+    for name, cache in zip("KV", caches, strict=True):
+        seen: dict[tuple, np.ndarray] = {}
+        for read in trace.reads_of(cache):
+            seq, kv_head = read.program[:2]
+            allowed = _allowed_slots(case, seq)
+            n = int(case.seq_lens[seq])
+            for blk, slot, head, dim in read.index[read.mask]:
+                if head != kv_head:
+                    grading.fail(f"{what}: program (seq {seq}, kv_head {kv_head}) read {name} "
+                                 f"of KV head {head}",
+                                 hint="the KV head is program_id(1): element (block, slot, "
+                                      "head, dim) is at ((block * BLOCK_SIZE + slot) * "
+                                      "NUM_KV_HEADS + head) * HEAD_DIM + dim")
+                if (int(blk), int(slot)) not in allowed:
+                    grading.fail(f"{what}: program (seq {seq}, kv_head {kv_head}) read {name} "
+                                 f"at block {blk}, slot {slot}: "
+                                 + _why_not(case, seq, int(blk), int(slot), n),
+                                 hint=f"load {name} with mask=valid[:, None], valid = "
+                                      "position < seq_len; tl.where on the scores hides the "
+                                      "NaN but the read still happens (on a GPU: a fault or "
+                                      "another sequence's data)")
+                count = seen.setdefault((seq, kv_head), np.zeros(
+                    (case.k_cache.shape[0], bs, head_dim), dtype=np.int64))
+                count[blk, slot, dim] += 1
+        for (seq, kv_head), count in seen.items():
+            if count.max() > 1:
+                grading.fail(f"{what}: program (seq {seq}, kv_head {kv_head}) read the same "
+                             f"{name} element {int(count.max())} times",
+                             hint="load each K/V tile once and score it for all GROUP query "
+                                  "heads at once: a [GROUP_PAD, HEAD_DIM] query tile")
+
+
+def _why_not(case, seq: int, blk: int, slot: int, n: int) -> str:
+    bs = case.k_cache.shape[1]
+    table = case.block_tables[seq].tolist()
+    used = table[:cdiv(n, bs)]
+    if blk in used:
+        pos = used.index(blk) * bs + slot
+        return f"position {pos} >= seq_len {n}, past the sequence's end"
+    return (f"block {blk} is not one of sequence {seq}'s blocks {used} (a padding entry of "
+            "its block table?)")
+
+
+def check_decode_case(kernel: Any, case, what: str, loud: bool = False) -> None:
+    """One decode batch: the learner's kernel under the trace, next to the reference."""
+    got, trace, caches = run_decode_kernel(kernel, case)
+    if interpreted():
+        _check_decode_reads(trace, caches, case, what)
+    gpu = "" if interpreted() else " (on a GPU, a read past seq_len gives NaN too)"
+    expect_attention(
+        got, ref_paged_attention(*case), f"{what}, out [seq, head, dim]", 1e-4,
+        lambda: decode_slips(case.q, case.k_cache, case.v_cache, case.block_tables.tolist(),
+                             case.seq_lens.tolist(), case.scale),
+        "compare with the spec: query head h = kv_head * GROUP + g attends with its own "
+        "softmax over the sequence's seq_len keys",
+        loud="exp of a raw score overflows float32 beyond 88: keep a running max m and "
+             "exponentiate s - m_new, rescaling l and acc by exp(m_old - m_new) when m "
+             "grows" + gpu if loud else None,
+        poison="visit only cdiv(seq_len, BLOCK_SIZE) blocks, and mask K and V loads "
+               "(other=0.0) and scores (-inf) past seq_len")
+
+
+def check_paged_decode_kernel(kernel: Any) -> None:
+    """05.5: the paged decode kernel, one program per (sequence, KV head)."""
+    with grading.exercise("05.5"):
+        numeric.check("05.5", numeric_decode.decode_cases(), lambda p: check_decode_case(
+            kernel, p.build(), "this batch", loud=p.loud > 1), numeric_decode.DECODE_CONTRASTS)
+
+
+# ------------------------------------------------------------------ 05.6 and 05.7
 
 def check_slot_mapping(slot_mapping: Callable[..., torch.Tensor]) -> None:
     """05.6: slot of each new token from its sequence's block table (int64, -1 padding)."""
-    from paged_lib.kernels import reshape_and_cache, slot_mapping_from_positions
-
     with grading.exercise("05.6"):
-        for block_size, tables, seqs, poss in SLOT_CASES:
-            bt = torch.tensor(tables, dtype=torch.int32)
-            seq_ids, positions = torch.tensor(seqs), torch.tensor(poss)
-            what = f"block_size {block_size}, block_tables {tables}, positions {poss}"
-            try:
-                got = slot_mapping(bt, seq_ids, positions, block_size)
-            except IndexError as err:
-                grading.fail(f"{what}: your code raised IndexError: {err}", hint=SLOT_HINT)
-            grading.expect_true(isinstance(got, torch.Tensor),
-                                f"{what}: expected a torch.Tensor, got {type(got).__name__}")
-            grading.expect_true(got.dtype == torch.int64,
-                                f"{what}: expected dtype torch.int64, got {got.dtype}",
-                                hint="slots index a cache of num_blocks x block_size entries, "
-                                     "which can exceed 2**31: compute in int64 (.long())")
-            expected = slot_mapping_from_positions(bt, seq_ids, positions, block_size)
-            named = [hint for slots, hint in _slot_slips(bt, seq_ids, positions, block_size,
-                                                         expected) if slots == got.tolist()]
-            grading.expect_equal(got.tolist(), expected.tolist(), f"{what}: slot_mapping",
-                                 hint=named[0] if named else SLOT_HINT)
-        # Round trip: write with the learner's slots, read back through the block table.
-        g = torch.Generator().manual_seed(0)
-        k_cache = torch.full((8, 4, 1, 2), NAN)
-        v_cache = k_cache.clone()
-        bt, seqs, poss = (torch.tensor(SLOT_CASES[0][1], dtype=torch.int32),
-                          torch.tensor(SLOT_CASES[0][2]), torch.tensor(SLOT_CASES[0][3]))
-        key = torch.randn(len(poss), 1, 2, generator=g)
-        reshape_and_cache(key, key, k_cache, v_cache, slot_mapping(bt, seqs, poss, 4).long(),
-                          backend="torch")
-        read = gather_kv(k_cache, bt[2], 8)[5:8]
-        grading.expect_tensor_close(read, key[4:7], "sequence 2's positions 5-7 read back "
-                                    "through its block table")
-        small_around.slot_stage(slot_mapping)  # generated: pools past 2**31 slots
-
-
-# ------------------------------------------------------------ 05.7 merge split-KV partials
-
-def _partials(scores: torch.Tensor, v: torch.Tensor, cuts: list[tuple[int, int]]
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-    outs, lses = [], []
-    for a, b in cuts:
-        if a == b:  # an empty segment
-            outs.append(torch.zeros(v.shape[1], dtype=torch.float64))
-            lses.append(-math.inf)
-            continue
-        s = scores[a:b]
-        outs.append(torch.softmax(s, 0) @ v[a:b])
-        lses.append(torch.logsumexp(s, 0).item())
-    return torch.stack(outs), torch.tensor(lses, dtype=torch.float64)
+        small_attention.slot_stage(slot_mapping)
 
 
 def check_merge_partials(merge_partials: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
                          ) -> None:
     """05.7: merge split-KV partial outputs with their log-sum-exps."""
     with grading.exercise("05.7"):
-        g = torch.Generator().manual_seed(0)
-        for shift, cuts in [(0.0, [(0, 5), (5, 9), (9, 12), (12, 12)]),
-                            (1000.0, [(0, 2), (2, 12)]), (-1000.0, [(0, 7), (7, 12)])]:
-            scores = (torch.randn(12, generator=g) * 3).double() + shift
-            v = torch.randn(12, 4, generator=g).double()
-            full = torch.softmax(scores, 0) @ v
-            out, lse = _partials(scores, v, cuts)
-            got = merge_partials(out, lse)
-            what = f"segments {cuts}, log-sum-exps around {shift:g}"
-            if isinstance(got, torch.Tensor) and got.dtype != out.dtype:
-                grading.fail(f"{what}: expected dtype {out.dtype} (the partials' dtype), got "
-                             f"{got.dtype}", hint="compute in the dtype of out and lse: "
-                             "float32 rounds at about 1e-7, far above this check's 1e-9")
-            if isinstance(got, torch.Tensor) and got.isnan().any():
-                grading.fail(f"{what}: the merged output is NaN",
-                             hint="exp(lse) overflows (or underflows to 0/0) for log-sum-exps "
-                                  "far from 0: weight by exp(lse_j - max lse)")
-            rounded = isinstance(got, torch.Tensor) and got.shape == full.shape and \
-                torch.allclose(got.double(), full, rtol=1e-5, atol=1e-6)
-            grading.expect_tensor_close(
-                got, full, f"{what}: merged output", atol=1e-9, rtol=1e-9,
-                hint="right to about 1e-7 but not beyond: something was rounded to float32 "
-                     "on the way (a .float(), a float32 tensor); stay in float64" if rounded
-                else "weight each partial by exp(lse_j - max lse) (an empty segment, lse = "
-                     "-inf, weighs 0) and divide by the sum of the weights")
-        small_around.partials_stage(merge_partials)  # generated: empties anywhere
+        small_attention.partials_stage(merge_partials)

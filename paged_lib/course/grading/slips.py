@@ -27,8 +27,8 @@ def _attend(q, k, v, scale, block_size, *, slip: str | None):
     for start in range(0, k.shape[0], block_size):
         s = k[start:start + block_size] @ q * (1.0 if slip == "no scale" else scale)
         m_new = torch.maximum(m, s.max())
-        alpha = torch.ones(()) if slip == "no rescale" else torch.exp(m - m_new)
-        p = torch.exp(s - m_new)
+        alpha = torch.ones(()) if slip in RESCALE else torch.exp(m - m_new)
+        p = torch.exp(s - (s.max() if slip == "block max" else m_new))
         p_v = p.half().double() if slip == "fp16 p" else p
         l = l * alpha + p.sum()  # noqa: E741
         acc = acc * alpha + p_v @ v[start:start + block_size]
@@ -41,10 +41,14 @@ SLIPS = {
            "consecutive query heads share a KV head), not h % num_kv_heads",
     "no rescale": "when the running max grows, rescale l and acc by alpha = exp(m_old - "
                   "m_new) before adding the new block",
+    "block max": "each block's (m, l, acc) was added as it is: when the running max grows, "
+                 "rescale l and acc by alpha = exp(m_old - m_new) before adding the new block",
     "fp16 p": "the probabilities were rounded to float16 before multiplying V: keep p in "
               "float32 (the rounding costs about 1e-3)",
     "no scale": "the scores are q . k times scale (1 / sqrt(head_dim)); it was left out",
 }
+
+RESCALE = ("no rescale", "block max")  # p counted from the running max, or the block's own
 
 
 def decode_slips(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -96,6 +100,29 @@ def name_slip(got: torch.Tensor, expected: torch.Tensor, slips: dict[str, torch.
         if err < right / 8 and (best is None or err < best[0]):
             best = (err, name)
     return (hints or SLIPS)[best[1]] if best else None
+
+
+def expect_attention(got: torch.Tensor, want: torch.Tensor, what: str, tol: float,
+                     slips: Callable[[], dict[str, torch.Tensor]], hint: str, *,
+                     loud: str | None = None, poison: str | None = None) -> None:
+    """``got`` next to the right attention ``want``: with ``loud`` (its hint), scores in the
+    hundreds that gave NaN or inf fail first; with ``poison``, NaN (a slot past seq_len)
+    that reached the output; then a wrong output is named by the slip that explains it
+    (``slips()``: :func:`decode_slips` or :func:`contiguous_slips`), else ``hint``."""
+    from paged_lib.course import grading
+
+    same = got.shape == want.shape
+    if loud and same and not got.isfinite().all():
+        grading.fail(f"{what}: scores in the hundreds gave NaN or inf", loud)
+    nan = got.isnan() & ~want.isnan() if same else torch.zeros(())
+    if poison and nan.any():
+        where = [int(i) for i in nan.nonzero()[0]]
+        grading.fail(f"{what}: NaN at {where}: poison (a slot past seq_len, memory the code "
+                     "must not use) reached the output", poison)
+    named = None
+    if same and not torch.allclose(got.double(), want.double(), atol=tol, rtol=tol):
+        named = name_slip(got, want, slips())
+    grading.expect_tensor_close(got, want, what, atol=tol, rtol=tol, hint=named or hint)
 
 
 def name_mistake(case: Any, got: Any, want: Any, cases: Iterable, wrong: Callable[[Any], dict],

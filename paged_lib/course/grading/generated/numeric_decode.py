@@ -1,16 +1,11 @@
-"""Generated inputs for chapter 05's kernels, 05.1-05.5 (the stage's harness:
-:mod:`~paged_lib.course.grading.generated.numeric`), small enough for Triton's
-interpreter (a few dozen program-iterations a case).
+"""Generated inputs for chapter 05's kernels, 05.1-05.5, on the harness of
+:mod:`~paged_lib.course.grading.generated.numeric`, small enough for Triton's interpreter.
 
-The fixed cases launch at most two programs along an axis, with BLOCK_M == BLOCK_N or one
-row of programs, softmax rows no lower than -50, scale 1 / sqrt(D), GQA groups of 2 or 3.
-Here: up to five programs along an axis, tiles of 1 to 16 (tall, wide, square) over sizes
-that are not powers of two, row ids repeated (shared blocks), softmax rows from -1000 to
-+500 or tied, scores all far below (or above) 0, rising or falling from tile to tile, one
-spike, tied or tiny; decode batches of one to three sequences with GQA groups of 1 to 7
-(``GROUP_PAD`` above ``GROUP``), head and block sizes from 1 to 32, lengths of 1 and at
-block boundaries; and scales that are not ``1 / sqrt(HEAD_DIM)`` (Gemma 2's
-``query_pre_attn_scalar``, MLA's q . k over more numbers than V holds).
+They reach up to five programs along an axis, tiles of 1 to 16 over sizes that are not
+powers of two, repeated row ids, softmax rows from -1000 to +500 or tied, scores far below
+or above 0, rising, falling, one spike, tied or tiny; decode batches of one to three
+sequences with GQA groups of 1 to 7, head and block sizes from 1 to 32, lengths at block
+boundaries, and scales that are not ``1 / sqrt(HEAD_DIM)`` (Gemma 2, MLA).
 """
 
 from __future__ import annotations
@@ -33,7 +28,6 @@ _SCALES = {"head": (1.0, "1 / sqrt(HEAD_DIM)"),
                      "query_pre_attn_scalar 144 at heads of 128"),
            "mla": (1.5, "1 / sqrt(1.5 x HEAD_DIM), as MLA's q . k over 192 numbers with "
                    "V of 128 (DeepSeek-V2)")}
-
 
 
 # ------------------------------------------------------------------ the cases
@@ -96,11 +90,6 @@ class Ramp:
         return case._replace(q=case.q * self.loud, k_cache=k, scale=(
             _SCALES[self.scale][0] * self.head_dim) ** -0.5)
 
-    def what(self) -> str:
-        """05.5's case in the words of its fixed cases."""
-        return (f"seq_lens {list(self.lens)}, heads {self.heads}/{self.kv_heads}, head_dim "
-                f"{self.head_dim}, block_size {self.block_size}")
-
     def _attention(self, g: torch.Generator) -> tuple:
         """05.4's q, k, v (float32), scale and TILE: scores = the profile's level at each
         key plus a few units of noise (k leans along q by level / scale)."""
@@ -157,7 +146,7 @@ class Ramp:
                     yield small
 
 
-#: per exercise, the states no fixed case reaches
+#: per exercise, the edge states its cases reach
 _STATES: dict[str, dict[str, Callable[[Ramp], bool]]] = {
     "05.1": {"more than two programs along an axis":
              lambda p: max(cdiv(p.m, p.bm), cdiv(p.n, p.bn)) > 2,

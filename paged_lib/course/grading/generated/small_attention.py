@@ -1,12 +1,13 @@
-"""Generated inputs for 04.1 (merge two softmax states) and 04.2 (attention through a
-block table); 05.6 and 05.7 are in :mod:`~paged_lib.course.grading.generated.small_around`.
+"""Generated inputs for the attention pieces in plain PyTorch: 04.1 (merge two softmax
+states), 04.2 (attention through a block table), 05.6 (slot mapping) and 05.7 (merge
+split-KV partials); each grader's only stage (:func:`numeric.check`: seeded cases,
+compared with the library's answer, the first failure shrunk and told in one line).
 
-The fixed cases are float64 states whose fully masked rows are all on one side, a scale
-of ``1 / sqrt(head_dim)`` and one ``-1`` after a table's last block. Here: masked rows in
-any position beside real ones, float32, ties, scores from tiny to extreme (around +1000
-and -800), scales of Gemma 2 and MLA, GQA groups of 1 to 7, block sizes that are not
-powers of two, tables padded with several ``-1``; each compared with the library's answer
-through :mod:`~paged_lib.course.grading.generated.numeric` (shrunk, told in one line).
+The cases reach: fully masked rows anywhere beside real ones, float32, ties, scores from
+tiny to extreme (+1000, -800, q x 300); scales of Gemma 2 and MLA, GQA groups of 1 to 7,
+block sizes that are not powers of two, tables padded with several ``-1``; block ids from
+a pool of ``2**31 - 1`` (slots past 32 bits) and padding tokens anywhere; empty segments
+first or several in a row, one segment's scores 800 above the others.
 """
 
 from __future__ import annotations
@@ -23,10 +24,13 @@ from paged_lib import attention as A
 from paged_lib.course import grading
 from paged_lib.course.grading.generated import numeric
 from paged_lib.course.grading.generated.numeric import Contrast, fewer, shorter
+from paged_lib.kernels import slot_mapping_from_positions
 from paged_lib.kernels.reference import ref_paged_attention
 from paged_lib.util import cdiv
 
-__all__ = ["Merge", "Paged", "merge_cases", "merge_stage", "paged_cases", "paged_stage", "rng"]
+__all__ = ["Merge", "Paged", "Partials", "Slots", "merge_cases", "merge_stage",
+           "paged_cases", "paged_stage", "partials_cases", "partials_stage",
+           "poisoned_cache", "rng", "slot_cases", "slot_stage"]
 
 _DT = {"fp32": torch.float32, "fp64": torch.float64}
 
@@ -34,6 +38,20 @@ _DT = {"fp32": torch.float32, "fp64": torch.float64}
 def rng(seed: int) -> Callable[[list | tuple], Any]:
     g = torch.Generator().manual_seed(seed)
     return lambda xs: xs[int(torch.randint(len(xs), (1,), generator=g))]
+
+
+def poisoned_cache(g: torch.Generator, num_blocks: int, block_size: int, num_kv_heads: int,
+                   head_dim: int, tables: list[list[int]], lens: list[int],
+                   dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random K/V caches whose slots not holding any sequence's token are NaN."""
+    k = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g, dtype=dtype)
+    v = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g, dtype=dtype)
+    written = torch.zeros(num_blocks, block_size, dtype=torch.bool)
+    for table, n in zip(tables, lens, strict=True):
+        for t in range(n):
+            written[table[t // block_size], t % block_size] = True
+    k[~written], v[~written] = math.nan, math.nan
+    return k, v
 
 
 # ------------------------------------------------------------------ 04.1 merge_states
@@ -124,6 +142,41 @@ _MERGE_HINT = ("m = max(m_a, m_b) element by element; each side's weight is exp(
                "normally")
 
 
+def _merge_slip(got: Any, a: tuple, b: tuple, tol: float) -> str | None:
+    """The hint of the typical wrong merge that returns ``got`` for ``a`` and ``b``."""
+    (ma, la, acca), (mb, lb, accb) = a, b
+    m, lo = torch.maximum(ma, mb), torch.minimum(ma, mb)
+
+    def w(x: torch.Tensor, top: torch.Tensor) -> torch.Tensor:  # 0 in place of an inf top
+        return torch.exp(x - torch.where(torch.isinf(top), torch.zeros_like(top), top))
+
+    wa, wb, one = w(ma, m), w(mb, m), torch.ones_like(ma)
+    # (merged m, weights of l_a and l_b, weights of acc_a and acc_b, what it got wrong)
+    slips = [(m, (one, one), (one, one), "no rescale: l and acc of each side count "
+              "exp(score - m_side); before adding, multiply each by exp(m_side - m)"),
+             (m, (wa, wb), (one, one), "l was rescaled but acc was not: acc needs the same "
+              "factor exp(m_side - m) as l"),
+             (m, (one, one), (wa, wb), "acc was rescaled but l was not: l needs the same "
+              "factor exp(m_side - m) as acc"),
+             (lo, (w(ma, lo), w(mb, lo)), (w(ma, lo), w(mb, lo)), "the common m is the larger "
+              "max, max(m_a, m_b), not the smaller one"),
+             (m, (1 / wa, 1 / wb), (1 / wa, 1 / wb), "the factor is exp(m_side - m) (at most "
+              "1), not exp(m - m_side)"),
+             (m, (wb, wa), (wb, wa), "each side's factor goes with its own l and acc: a's "
+              "weight exp(m_a - m) multiplies l_a and acc_a"),
+             (ma, (wa, wb), (wa, wb), "the merged m is max(m_a, m_b), not m_a")]
+    if not (isinstance(got, tuple | list) and len(got) == 3
+            and all(isinstance(t, torch.Tensor) for t in got)):
+        return None
+    for top, (xa, xb), (ya, yb), hint in slips:
+        wrong = (top, xa * la + xb * lb, ya[..., None] * acca + yb[..., None] * accb)
+        if all(g.shape == x.shape and torch.allclose(g.double(), x.double(), rtol=tol,
+                                                     atol=tol, equal_nan=True)
+               for g, x in zip(got, wrong, strict=True)):
+            return hint
+    return None
+
+
 def run_merge(merge_states: Callable, p: Merge) -> None:
     a, b = p.build()
     want = tuple(A.merge(A.SoftmaxState(*a), A.SoftmaxState(*b)))
@@ -132,13 +185,14 @@ def run_merge(merge_states: Callable, p: Merge) -> None:
                         f"expected a tuple (m, l, acc), got {type(got).__name__}",
                         hint="return m, l, acc")
     tol = 1e-9 if p.dtype == "fp64" else 1e-5
+    hint = _merge_slip(got, a, b, tol) or _MERGE_HINT
     for name, g, e in zip(("m", "l", "acc"), got, want, strict=True):
         if isinstance(g, torch.Tensor) and g.shape == e.shape and (g.isnan() & ~e.isnan()).any():
             bad = g.isnan() & ~e.isnan()
             row = int((bad.any(-1) if name == "acc" else bad).reshape(-1).nonzero()[0, 0])
             grading.fail(f"{name} contains NaN (row {row} of the flattened batch: "
-                         f"{_ROW[p.rows[row]]})", _MERGE_HINT)
-        grading.expect_tensor_close(g, e, name, atol=tol, rtol=tol, hint=_MERGE_HINT)
+                         f"{_ROW[p.rows[row]]})", hint)
+        grading.expect_tensor_close(g, e, name, atol=tol, rtol=tol, hint=hint)
 
 
 MERGE_CONTRASTS = (
@@ -159,7 +213,7 @@ MERGE_CONTRASTS = (
 
 
 def merge_stage(merge_states: Callable) -> None:
-    """04.1's generated stage."""
+    """04.1's stage."""
     numeric.check("04.1", merge_cases(), lambda p: run_merge(merge_states, p), MERGE_CONTRASTS)
 
 
@@ -178,7 +232,8 @@ _MODELS = [(8, 2, 12), (7, 1, 8), (4, 1, 20), (3, 3, 24), (6, 3, 5), (14, 2, 6)]
 
 @dataclass(frozen=True)
 class Paged:
-    """One generated case of 04.2."""
+    """One generated case of 04.2: one sequence in a cache of ``cdiv(seq_len, block_size)
+    + 3`` blocks, every slot it does not use NaN."""
 
     seed: int
     heads: int
@@ -193,16 +248,8 @@ class Paged:
     def build(self) -> tuple:
         g = torch.Generator().manual_seed(4200 + self.seed)
         bs, n, used = self.block_size, self.seq_len, cdiv(self.seq_len, self.block_size)
-        blocks = used + 3
-        table = torch.randperm(blocks, generator=g)[:used].tolist()
-        k = torch.randn(blocks, bs, self.kv_heads, self.head_dim, generator=g,
-                        dtype=torch.float64)
-        v = torch.randn(blocks, bs, self.kv_heads, self.head_dim, generator=g,
-                        dtype=torch.float64)
-        written = torch.zeros(blocks, bs, dtype=torch.bool)
-        for t in range(n):
-            written[table[t // bs], t % bs] = True
-        k[~written], v[~written] = math.nan, math.nan
+        table = torch.randperm(used + 3, generator=g)[:used].tolist()
+        k, v = poisoned_cache(g, used + 3, bs, self.kv_heads, self.head_dim, [table], [n])
         q = torch.randn(self.heads, self.head_dim, generator=g, dtype=torch.float64) * self.loud
         scale = (_SCALES[self.scale][0] * self.head_dim) ** -0.5
         ref = ref_paged_attention(q[None], k, v, torch.tensor([table], dtype=torch.int32),
@@ -220,6 +267,7 @@ class Paged:
         out += [f"GQA groups of {self.heads // self.kv_heads}"] \
             if self.heads // self.kv_heads in (3, 7) else []
         out += [f"block size {self.block_size}"] if self.block_size in (3, 5, 6) else []
+        out += ["scores in the hundreds"] if self.loud > 100 else []
         return out
 
     def smaller(self) -> Iterator[Paged]:
@@ -237,17 +285,11 @@ def _draw_paged(seed: int) -> Paged:
     bs = pick([1, 3, 5, 6, 8])
     n = pick([1, bs, bs + 1, 2 * bs - 1, 3 * bs + 2, 13])
     return Paged(seed, heads, kv, d, bs, n, pick([1, 2, 3]),
-                 ("head", "gemma", "mla")[seed % 3], pick([1e-3, 1.0, 1.0, 40.0]))
+                 ("head", "gemma", "mla")[seed % 3], pick([1e-3, 1.0, 300.0, 40.0]))
 
 
 def paged_cases(count: int = 12) -> list[Paged]:
     return [_draw_paged(seed) for seed in range(count)]
-
-
-def run_paged(paged_decode: Callable, run_case: Callable, p: Paged) -> None:
-    """``run_case``: 04.2's per-case check (its grader's, which watches every block read)."""
-    q, k, v, table, n, scale, ref = p.build()
-    run_case(paged_decode, q.clone(), k, v, table, n, scale, ref, p.loud > 1)
 
 
 PAGED_CONTRASTS = (
@@ -261,6 +303,243 @@ PAGED_CONTRASTS = (
 
 
 def paged_stage(paged_decode: Callable, run_case: Callable) -> None:
-    """04.2's generated stage."""
-    numeric.check("04.2", paged_cases(), lambda p: run_paged(paged_decode, run_case, p),
-          PAGED_CONTRASTS)
+    """04.2's stage; ``run_case``: its grader's per-case check, which watches every read."""
+    def run(p: Paged) -> None:
+        q, k, v, table, n, scale, ref = p.build()
+        run_case(paged_decode, q.clone(), k, v, table, n, scale, ref, p.loud > 1)
+
+    numeric.check("04.2", paged_cases(), run, PAGED_CONTRASTS)
+
+
+# ------------------------------------------------------------------ 05.6 slot_mapping
+
+
+@dataclass(frozen=True)
+class Slots:
+    """One generated case of 05.6: ``tokens`` new tokens of ``seqs`` sequences whose tables
+    have ``width`` entries, ids drawn below ``pool`` (a pool past ``2**31 / block_size``
+    blocks: their slots do not fit in 32 bits)."""
+
+    seed: int
+    block_size: int
+    seqs: int
+    width: int
+    tokens: int
+    pool: int
+    pads: int
+
+    def build(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(5600 + self.seed)
+        ids = torch.randint(self.pool // 2, self.pool, (self.seqs, self.width), generator=g)
+        used = torch.randint(1, self.width + 1, (self.seqs,), generator=g)
+        for s in range(self.seqs):
+            ids[s, int(used[s]):] = -1
+        seq_ids = torch.randint(0, self.seqs, (self.tokens,), generator=g)
+        pos = (torch.rand(self.tokens, generator=g) * used[seq_ids] * self.block_size).long()
+        pad = torch.randperm(self.tokens, generator=g)[:self.pads]
+        pos[pad] = -1
+        return ids.to(torch.int32), seq_ids, pos
+
+    def describe(self) -> str:
+        bt, seq_ids, pos = self.build()
+        return (f"block_size {self.block_size}, block_tables {bt.tolist()}, seq_ids "
+                f"{seq_ids.tolist()}, positions {pos.tolist()}"
+                + (f" (block ids up to {int(bt.max()):,}: slots past 2**31)"
+                   if int(bt.max()) * self.block_size >= 2 ** 31 else ""))
+
+    def states(self) -> list[str]:
+        out = ["slots past 2**31"] if self.pool * self.block_size > 2 ** 32 else []
+        out += ["padding tokens among the others"] if self.pads and self.tokens > 1 else []
+        out += [f"block size {self.block_size}"] if self.block_size not in (3, 4, 16) else []
+        return out
+
+    def smaller(self) -> Iterator[Slots]:
+        yield from fewer(self, tokens=shorter(self.tokens), seqs=shorter(self.seqs),
+                         width=shorter(self.width), pads=shorter(self.pads, 0),
+                         pool=[64] if self.pool > 64 else [],
+                         block_size=shorter(self.block_size))
+
+
+def _draw_slots(seed: int) -> Slots:
+    pick = rng(5601 + seed)
+    return Slots(seed, pick([1, 3, 5, 12, 16, 32]), pick([1, 2, 3]), pick([1, 2, 4]),
+                 pick([1, 4, 7]), (64, 2 ** 31 - 1)[seed % 2], pick([0, 1, 2]))
+
+
+def slot_cases(count: int = 24) -> list[Slots]:
+    return [_draw_slots(seed) for seed in range(count)]
+
+
+SLOT_HINT = ("slot = block_tables[seq, pos // block_size] * block_size + pos % block_size, "
+             "with the block_size you are given (not a constant); position -1 (padding) maps "
+             "to -1 and must not index the table")
+
+
+def _slot_slips(bt: torch.Tensor, seq: torch.Tensor, pos: torch.Tensor, bs: int
+                ) -> Iterator[tuple[list[int], str]]:
+    """What typical wrong slot mappings return on this case, and what each one forgot."""
+    table, kept, pad = bt.long(), pos.clamp(min=0), pos < 0
+    padding = ("a padding token (position -1) must map to -1, not to a real slot (-1 // "
+               "block_size is -1, which silently indexes the table's last entry; a clamped "
+               "position gives position 0's slot): the cache write would overwrite a token")
+    slips: list[tuple[Callable[[], torch.Tensor], str]] = [
+        (lambda: table[seq, pos // bs] * bs + pos % bs, padding),
+        (lambda: table[seq, kept // bs] * bs + kept % bs, padding),
+        (lambda: torch.where(pad, -1, kept % bs), "the slot is in the token's block: "
+         "block_tables[seq, pos // block_size] * block_size + pos % block_size, not just "
+         "the offset pos % block_size"),
+        (lambda: torch.where(pad, -1, table[seq, kept // bs] * bs),
+         "add the offset inside the block, pos % block_size"),
+        (lambda: torch.where(pad, -1, table[seq, kept // bs]),
+         "a block id is not a slot: multiply by block_size and add pos % block_size"),
+        (lambda: torch.where(pad, -1, table[0, kept // bs] * bs + kept % bs),
+         "each token uses its own sequence's row: block_tables[seq_ids[i], ...]"),
+        (lambda: torch.where(pad, -1, table[seq, kept % bs] * bs + kept // bs),
+         "// and % swapped: the block is pos // block_size, the offset pos % block_size")]
+    slips += [(lambda c=c: torch.where(pad, -1, table[seq, kept // c] * c + kept % c),
+               f"use the block_size you are given ({bs} here), not a constant {c}")
+              for c in (4, 16) if c != bs]
+    for slots, hint in slips:
+        try:
+            yield slots().tolist(), hint
+        except IndexError:  # this slip would have raised on this case
+            continue
+
+
+def run_slots(slot_mapping: Callable, p: Slots) -> None:
+    bt, seq_ids, pos = p.build()
+    want = slot_mapping_from_positions(bt, seq_ids, pos, p.block_size).tolist()
+    try:
+        got = slot_mapping(bt.clone(), seq_ids.clone(), pos.clone(), p.block_size)
+    except IndexError as err:
+        grading.fail(f"your code raised IndexError: {err}", hint=SLOT_HINT)
+    grading.expect_true(isinstance(got, torch.Tensor),
+                        f"expected a torch.Tensor, got {type(got).__name__}")
+    grading.expect_true(got.dtype == torch.int64, f"expected dtype torch.int64, got {got.dtype}",
+                        hint="slots index a cache of num_blocks x block_size entries, which "
+                             "can exceed 2**31: compute in int64 (.long())")
+    named = [hint for slots, hint in _slot_slips(bt, seq_ids, pos, p.block_size)
+             if slots == got.tolist() != want]
+    grading.expect_equal(got.tolist(), want, "slot_mapping", hint=named[0] if named else SLOT_HINT)
+
+
+SLOT_CONTRASTS = (
+    Contrast(lambda p: dataclasses.replace(p, pool=64) if p.pool > 64 else None,
+             "it passes with small block ids and fails with a pool of 2**31 - 1 blocks: "
+             "block_tables is int32, so block * block_size wraps in 32 bits; widen first "
+             "(block_tables.long()), a slot indexes num_blocks * block_size rows"),
+)
+
+
+def slot_stage(slot_mapping: Callable) -> None:
+    """05.6's stage."""
+    numeric.check("05.6", slot_cases(), lambda p: run_slots(slot_mapping, p), SLOT_CONTRASTS)
+
+
+# ------------------------------------------------------------------ 05.7 merge_partials
+
+
+@dataclass(frozen=True)
+class Partials:
+    """One generated case of 05.7: segments of ``segs`` keys (0: an empty segment);
+    ``spike``: the segment whose scores are raised by 800 (log-sum-exps hundreds apart)."""
+
+    seed: int
+    segs: tuple[int, ...]
+    d: int
+    loud: float
+    shift: float
+    spike: int | None
+
+    def build(self) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(5700 + self.seed)
+        outs, lses = [], []
+        for j, n in enumerate(self.segs):
+            s = torch.randn(n, generator=g, dtype=torch.float64) * self.loud + self.shift
+            s = s + (800.0 if j == self.spike else 0.0)
+            v = torch.randn(n, self.d, generator=g, dtype=torch.float64)
+            outs.append(torch.softmax(s, 0) @ v if n else torch.zeros(self.d,
+                                                                      dtype=torch.float64))
+            lses.append(torch.logsumexp(s, 0).item() if n else -math.inf)
+        return torch.stack(outs), torch.tensor(lses, dtype=torch.float64)
+
+    def describe(self) -> str:
+        _, lse = self.build()
+        where = [j for j, n in enumerate(self.segs) if n == 0]
+        return (f"segments of {list(self.segs)} keys" + (f" (empty: {where})" if where else "")
+                + f", head_dim {self.d}, log-sum-exps {[round(x, 3) for x in lse.tolist()]}")
+
+    def states(self) -> list[str]:
+        empty = [j for j, n in enumerate(self.segs) if n == 0]
+        out = ["an empty segment first"] if self.segs[0] == 0 else []
+        out += ["several empty segments"] if len(empty) > 1 else []
+        out += ["log-sum-exps hundreds apart"] if self.spike is not None else []
+        out += ["tiny scores"] if self.loud < 0.01 else []
+        return out
+
+    def smaller(self) -> Iterator[Partials]:
+        for j in range(len(self.segs)):
+            rest = self.segs[:j] + self.segs[j + 1:]
+            if any(rest) and j != self.spike:
+                spike = None if self.spike is None else self.spike - (j < self.spike)
+                yield dataclasses.replace(self, segs=rest, spike=spike)
+        yield from fewer(self, segs=[tuple(min(n, 1) for n in self.segs)], d=shorter(self.d),
+                         loud=[1.0], shift=[0.0], spike=[None])
+
+
+def _draw_partials(seed: int) -> Partials:
+    pick = rng(5701 + seed)
+    segs = tuple(pick([0, 0, 1, 3, 6]) for _ in range(pick([2, 3, 4, 5])))
+    if not any(segs):
+        segs = segs[:-1] + (4,)
+    spike = pick([None, None] + [j for j, n in enumerate(segs) if n])
+    loud, shift = pick([(3.0, 0.0), (1e-3, 0.0), (3.0, 1000.0), (3.0, -1000.0)])
+    return Partials(seed, segs, pick([1, 3, 4, 8]), loud, shift, spike)
+
+
+def partials_cases(count: int = 30) -> list[Partials]:
+    return [_draw_partials(seed) for seed in range(count)]
+
+
+_PARTIALS_HINT = ("weight each partial by exp(lse_j - M), M the max over all segments (an "
+                  "empty segment, lse = -inf, weighs 0 wherever it is), and divide by the sum "
+                  "of the weights")
+
+
+def run_partials(merge_partials: Callable, p: Partials) -> None:
+    out, lse = p.build()
+    want = A.merge_partials(out, lse)
+    got = merge_partials(out.clone(), lse.clone())
+    grading.expect_true(isinstance(got, torch.Tensor),
+                        f"expected a torch.Tensor, got {type(got).__name__}")
+    if got.dtype != out.dtype:
+        grading.fail(f"expected dtype {out.dtype} (the partials' dtype), got {got.dtype}",
+                     hint="compute in the dtype of out and lse: float32 rounds at about "
+                          "1e-7, far above this check's 1e-9")
+    if got.shape == want.shape and got.isnan().any():
+        grading.fail("the merged output is NaN", _PARTIALS_HINT)
+    rounded = got.shape == want.shape and torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+    grading.expect_tensor_close(
+        got, want, "merged output", atol=1e-9, rtol=1e-9,
+        hint="right to about 1e-7 but not beyond: something was rounded to float32 on the "
+             "way (a .float(), a float32 tensor); stay in float64" if rounded
+        else _PARTIALS_HINT)
+
+
+PARTIALS_CONTRASTS = (
+    Contrast(lambda p: dataclasses.replace(p, segs=tuple(max(n, 1) for n in p.segs))
+             if 0 in p.segs else None,
+             "it passes when no segment is empty: an empty segment (lse = -inf) may come "
+             "first or several in a row; subtract the max over all segments, so no "
+             "difference of two -inf (NaN) is ever taken"),
+    Contrast(lambda p: dataclasses.replace(p, spike=None) if p.spike is not None else None,
+             "it passes with log-sum-exps a few units apart and fails when one segment's is "
+             "hundreds above the others: subtract the max over all segments, not another "
+             "segment's lse (exp overflows past 709)"),
+)
+
+
+def partials_stage(merge_partials: Callable) -> None:
+    """05.7's stage."""
+    numeric.check("05.7", partials_cases(), lambda p: run_partials(merge_partials, p),
+                  PARTIALS_CONTRASTS)
