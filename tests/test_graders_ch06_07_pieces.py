@@ -209,7 +209,8 @@ def test_07_3_a_correct_answer_passes(capsys):
 @pytest.mark.parametrize("wrong, state, hint", [
     (preempt_with(pick="asker"), "request 0 needs 1 free blocks and 0 are free",
      "the latest admitted goes first"),
-    (preempt_with(pick="anyone"), "'samples and beams, recompute, 16 blocks of 4'",
+    (preempt_with(pick="anyone"), "request 1 (admitted at step 4, 2 sequence(s), part way "
+     "through a prefill, 4 blocks), request 0 (admitted at step 5",
      "never preempt a group admitted before the one asking"),
     (preempt_with(skip_ran=False), "ran this step",
      "a group that already ran this step cannot be preempted"),

@@ -290,8 +290,8 @@ def _append_and_compare(mine: _World, ref: _World, where: str) -> None:
 
 
 def serve_beams(beam_step: Callable[..., Any]) -> None:
-    """Real beam groups in the engine: replay's workload with beams of 3 and 4, parallel
-    samples, swaps and chunks, served with the learner's step; the beams and each step's
+    """Real beam groups in the engine: serving.beam_workload (beams of 3 and 4, parallel
+    samples, swaps, chunks) served with the learner's step; the beams and each step's
     schedule must be the library engine's."""
     name, want, want_steps = _library_beams()
     _, got, got_steps = _served_beams(beam_step)
@@ -312,12 +312,11 @@ def _library_beams() -> tuple[str, list, list]:
 
 def _served_beams(beam_step: Callable[..., Any] | None) -> tuple[str, list, list]:
     """(the workload's name, each request's outputs, each step's (request, sequence,
-    tokens)) of replay's beam workload served with ``beam_step`` (None: the library's)."""
-    from paged_lib.course.grading import replay
+    tokens)) of serving.beam_workload served with ``beam_step`` (None: the library's)."""
     from paged_lib.engine import EngineHooks
     from paged_lib.model import load_tiny_code_llama
 
-    w = next(w for w in replay.workloads() if "beams of 3 and 4" in w.name)
+    w = serving.beam_workload()
     hooks = None if beam_step is None else EngineHooks(beam_step=on_copies(beam_step))
     steps: list = []
     with serving.one_thread():

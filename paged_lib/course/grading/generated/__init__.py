@@ -91,10 +91,11 @@ class _Differs(Exception):
 
 
 def serve(w: Workload, hooks: Any = None, reference: list[tuple] | None = None,
-          limit: int | None = None) -> tuple[list[tuple], Any]:
+          limit: int | None = None, ready: Callable | None = None) -> tuple[list[tuple], Any]:
     """(the steps' records, the outputs' tokens or the error that stopped the run, or
     ``None`` when it was cut short): with ``reference`` (the library's records) the run
-    stops at the first step that differs, with ``limit`` after that many steps."""
+    stops at the first step that differs, with ``limit`` after that many steps;
+    ``ready(engine)`` runs before the first step."""
     steps: list[tuple] = []
     engine = None
 
@@ -108,6 +109,8 @@ def serve(w: Workload, hooks: Any = None, reference: list[tuple] | None = None,
 
     try:
         engine = _engine(w, hooks, on_step)
+        if ready is not None:
+            ready(engine)
         outs = engine.generate([list(r.prompt) for r in w.requests], [
             _sampling(r) for r in w.requests], arrival_steps=[r.arrival for r in w.requests])
         end: Any = [(o.error, [c.token_ids for c in o.outputs]) for o in outs]
@@ -238,16 +241,20 @@ def find(hook: str, hooks: Any,
         torch.set_num_threads(threads)
 
 
-def check(hook: str, piece: Any, hint: str, count: int = NUM_WORKLOADS) -> None:
+def check(hook: str, piece: Any, hint: str, count: int = NUM_WORKLOADS,
+          tell: Callable[[str, Workload], None] | None = None) -> None:
     """Serve ``count`` random workloads with ``piece`` as hook ``hook`` next to the
-    library's; at the first that differs, shrink it and fail with its story and ``hint``."""
+    library's; at the first that differs, shrink it and fail with its story and ``hint``
+    (``tell(label, shrunk workload)``, when given, may fail first with a finer story)."""
     from paged_lib.engine import EngineHooks
 
     found = find(hook, EngineHooks(**{hook: piece}), count)
     if found is not None:
         drawn, small, story = found
-        grading.fail(f"random workload {drawn.seed} for your {hook}, shrunk to "
-                     f"{small.describe()}: {story}", hint)
+        label = f"random workload {drawn.seed} for your {hook}, shrunk to {small.describe()}"
+        if tell is not None:
+            tell(label, small)
+        grading.fail(f"{label}: {story}", hint)
 
 
 def states(hook: str, count: int = NUM_WORKLOADS) -> dict[str, int]:
