@@ -4,9 +4,9 @@
   full last blocks, block size 1), generated batches (pools past 2**31 slots, chunks mid
   prompt: :mod:`~paged_lib.course.grading.generated.small_engine`), then random
   workloads. A wrong slot is named by recomputing the typical mistakes.
-* 06.2 ``num_required_blocks``: fresh requests, sequences and groups preempted by
-  recompute, then generated groups (samples that agree), then random workloads; a wrong
-  count is named by the typical wrong rule that gives it.
+* 06.2 ``num_required_blocks``: generated waiting groups (fresh requests of ``n``,
+  sequences and groups preempted by recompute, finished samples, samples that agree),
+  then random workloads; a wrong count is named by the typical wrong rule that gives it.
 * 06.3 ``can_admit``: the spec's example and each limit's boundary, then random workloads.
 * 06.4 ``schedule_waiting``: served in the engine next to the library's, call by call, on
   edge scenarios then random workloads (:mod:`~paged_lib.course.grading.scheduler_loops`).
@@ -27,11 +27,10 @@ from paged_lib.course.grading import generated, serving
 from paged_lib.course.grading import scheduler_loops as loops
 from paged_lib.course.grading.generated import small_engine
 from paged_lib.course.grading.scheduler_loops import Scenario
-from paged_lib.engine.block_manager import num_required_blocks as lib_required
 from paged_lib.engine.model_runner import build_metadata as lib_build_metadata
 from paged_lib.engine.policy import Budget, seqs_to_come
 from paged_lib.engine.policy import can_admit as lib_can_admit
-from paged_lib.engine.sequence import SamplingParams, Sequence, SequenceGroup, SequenceStatus
+from paged_lib.engine.sequence import SequenceGroup
 from paged_lib.model import AttentionMetadata
 from paged_lib.util import cdiv
 
@@ -163,32 +162,6 @@ def _check_slots(got, want, tables, seq_lens, query_lens, block_size, where) -> 
 # ------------------------------------------------------------------ 06.2 num_required_blocks
 
 
-def _group(prompt_len: int, outputs: list[int], n: int = 1,
-           finished: tuple[int, ...] = ()) -> SequenceGroup:
-    """A waiting group: one sequence per entry of ``outputs`` (its generated length), those
-    in ``finished`` done; ``outputs == [0]``: a fresh request."""
-    prompt = [(7 * t + 3) % 251 for t in range(prompt_len)]
-    seqs = [Sequence(i, prompt, [(11 * i + t) % 251 for t in range(k)])
-            for i, k in enumerate(outputs)]
-    for i in finished:
-        seqs[i].status = SequenceStatus.FINISHED
-    return SequenceGroup(0, seqs, SamplingParams(max_tokens=64, n=n,
-                                                 temperature=1.0 if n > 1 else 0.0))
-
-
-#: (what, prompt length, generated per sequence, n, finished sequences, block size)
-_GROUPS: list[tuple[str, int, list[int], int, tuple[int, ...], int]] = [
-    ("a fresh request, prompt of 6", 6, [0], 1, (), 4),
-    ("a fresh request of n=4 samples, prompt of 6", 6, [0], 4, (), 4),
-    ("one sequence preempted by recompute: prompt 6, 5 generated", 6, [5], 1, (), 4),
-    ("3 samples preempted by recompute: prompt 5, 3 generated each", 5, [3, 3, 3], 3, (), 4),
-    ("3 samples preempted by recompute, prompt of 8 fills its blocks: tails 2, 5, 1", 8,
-     [2, 5, 1], 3, (), 4),
-    ("3 samples preempted by recompute, one of them finished: prompt 5, tails 4, 9, 2", 5,
-     [4, 9, 2], 3, (1,), 4),
-]
-
-
 def _shared(prompt: int, tails: list[int], bs: int, copies: int) -> int:
     base = cdiv(prompt, bs)
     return base + sum(cdiv(prompt + t, bs) - base for t in tails) + copies
@@ -204,8 +177,12 @@ def _tails(group: SequenceGroup, live: bool = True) -> list[int]:
 
 
 #: The typical wrong rules: (name, rule, hint). The first whose answer equals the
-#: learner's on a failing case names the mistake.
+#: learner's on a failing case names the mistake ("finished too" is right until a
+#: sequence finished, so it goes first).
 _WRONG_RULES: list[tuple[str, Callable[[SequenceGroup, int], int], str]] = [
+    ("finished too", lambda g, bs: _shared(_prompt_len(g), _tails(g, live=False), bs,
+                                           (len(g.seqs) - 1) * bool(_prompt_len(g) % bs)),
+     "finished sequences take no blocks: count only group.live_seqs()"),
     ("per sample", lambda g, bs: g.params.num_seqs * cdiv(_prompt_len(g), bs)
      if len(g.seqs) == 1 and g.params.num_seqs > 1 else -1,
      "a fresh group prefills its prompt once, in one sequence: its n samples fork it "
@@ -227,28 +204,12 @@ _WRONG_RULES: list[tuple[str, Callable[[SequenceGroup, int], int], str]] = [
                                            len(g.live_seqs()) * bool(_prompt_len(g) % bs)),
      "one copy too many: the last sequence to write into the shared part-filled prompt "
      "block finds it no longer shared and writes in place (copies = sequences - 1)"),
-    ("finished too", lambda g, bs: _shared(_prompt_len(g), _tails(g, live=False), bs,
-                                           (len(g.seqs) - 1) * bool(_prompt_len(g) % bs)),
-     "finished sequences take no blocks: count only group.live_seqs()"),
 ]
 
 
 def check_num_required_blocks(num_required_blocks: Callable[..., Any]) -> None:
     """``num_required_blocks(group, block_size) -> int``."""
     with grading.exercise("06.2"):
-        for what, prompt, outputs, n, finished, bs in _GROUPS:
-            group = _group(prompt, outputs, n, finished)
-            want = lib_required(group, bs)
-            got = num_required_blocks(group, bs)
-            where = f"group '{what}' (block size {bs})"
-            grading.expect_int(got, where)
-            grading.expect_true([s.num_tokens for s in group.seqs] == [prompt + k for k in
-                                                                      outputs],
-                                f"{where}: your function changed the group",
-                                "only count: the scheduler allocates after admission")
-            if got != want:
-                grading.fail(f"{where}: expected {want} blocks, got {got}", _name_rule(
-                    group, bs, got))
         small_engine.required_stage(num_required_blocks, _name_rule)  # samples agree
         generated.check("num_required_blocks", num_required_blocks, "a fresh request: its "
                         "prompt's blocks; a group of several: the prompt once, each tail's "
@@ -501,9 +462,6 @@ SCENARIOS: list[Scenario] = [
     Scenario("the token budget met exactly (16 tokens: prompts of 10 and 6, then 5)",
              dict(num_blocks=40, block_size=4, max_num_batched_tokens=16, max_num_seqs=4),
              ((10, 5, 0, 1), (6, 5, 0, 1), (5, 5, 0, 1), (11, 3, 1, 1))),
-    Scenario("the watermark met exactly (10 blocks, watermark 2)",
-             dict(num_blocks=10, block_size=4, watermark_blocks=2),
-             ((12, 2, 0, 1), (20, 2, 0, 1), (4, 2, 0, 1), (3, 2, 1, 1))),
     Scenario("a long request alone in an empty step, into the watermark, one taking all",
              dict(num_blocks=8, block_size=4, watermark_blocks=2),
              ((27, 2, 0, 1), (4, 3, 1, 1), (9, 2, 1, 1), (32, 1, 12, 1))),
@@ -513,14 +471,6 @@ SCENARIOS: list[Scenario] = [
     Scenario("swap: nobody is admitted while a group is swapped out",
              dict(num_blocks=7, block_size=4, preemption="swap", num_cpu_blocks=16),
              ((8, 12, 0, 1), (6, 10, 1, 1), (2, 3, 4, 1), (3, 3, 6, 1))),
-    Scenario("chunked prefill, 8 tokens a step: first chunks of what the budget leaves",
-             dict(num_blocks=30, block_size=4, enable_chunked_prefill=True,
-                  max_num_batched_tokens=8, max_num_seqs=4),
-             ((20, 4, 0, 1), (5, 4, 0, 1), (3, 3, 1, 1), (9, 2, 2, 2))),
-    Scenario("chunks of 4: three decodes leave one token, a first chunk of 1",
-             dict(num_blocks=30, block_size=4, enable_chunked_prefill=True,
-                  max_num_batched_tokens=4, max_num_seqs=4),
-             ((1, 5, 0, 1), (1, 5, 0, 1), (1, 5, 0, 1), (5, 3, 1, 1))),
     Scenario("chunks of 8 on 7 blocks: a step that preempts admits nobody, not its victim",
              dict(num_blocks=7, block_size=4, enable_chunked_prefill=True,
                   max_num_batched_tokens=8, max_num_seqs=4),
@@ -530,9 +480,6 @@ SCENARIOS: list[Scenario] = [
              dict(num_blocks=8, block_size=4, enable_chunked_prefill=True,
                   max_num_batched_tokens=6, max_num_seqs=4),
              ((3, 10, 2, 1), (9, 14, 0, 1), (7, 5, 0, 3, 4))),
-    Scenario("prefill_first: alone means nobody running either (watermark 2)",
-             dict(num_blocks=9, block_size=4, watermark_blocks=2, scheduling="prefill_first"),
-             ((12, 4, 0, 1), (14, 3, 1, 1), (20, 2, 2, 1))),
 ]
 
 

@@ -450,20 +450,6 @@ def oldest_first(running: list) -> Any:
 
 #: scenarios served by the scheduler alone: requests (prompt, max_tokens, arrival, n)
 SCENARIOS: list[Scenario] = [
-    Scenario("four requests admitted in one step on a pool for two (recompute)",
-             dict(num_blocks=12, block_size=4), ((8, 16, 0, 1),) * 4),
-    Scenario("the same, by swap",
-             dict(num_blocks=12, block_size=4, preemption="swap", num_cpu_blocks=64),
-             ((8, 16, 0, 1),) * 4),
-    Scenario("groups of 3 and 2 samples: one victim frees too few (recompute)",
-             dict(num_blocks=14, block_size=2),
-             ((3, 9, 0, 3), (5, 8, 1, 1), (2, 8, 1, 2), (4, 6, 2, 1))),
-    Scenario("samples by swap, a CPU pool of 5 blocks: a victim that does not fit",
-             dict(num_blocks=12, block_size=2, preemption="swap", num_cpu_blocks=5),
-             ((4, 10, 0, 2), (3, 9, 0, 1), (6, 7, 1, 1), (2, 9, 2, 2))),
-    Scenario("samples recomputed in two phases: groups that already ran are not offered",
-             dict(num_blocks=9, block_size=2),
-             ((2, 9, 3, 2), (5, 12, 0, 1), (6, 3, 2, 2), (3, 6, 3, 1))),
     Scenario("samples recomputed by chunks of 6, admitted before a decoding group that "
              "needs a block; the engine's choose_victim the oldest first",
              dict(num_blocks=6, block_size=2, preemption="swap", num_cpu_blocks=4,
