@@ -236,22 +236,6 @@ def _hint_for(picks: list[tuple[list[SequenceGroup], Any]]) -> str | None:
     return next((hint for rule, hint in WRONG_RULES if rule(list(r)) is got), None)
 
 
-_GENERIC = ("a group is never preempted to make room for one admitted after it; among "
-            "those offered, preempting costs the least where the least was done")
-
-
-def _fail_pick(running: list[SequenceGroup], got: Any, where: str, hint: str | None,
-               consequence: str = "") -> None:
-    if not any(got is g for g in running):
-        grading.fail(f"{where}: returned {got!r}, which is not one of the groups offered",
-                     "return one of the SequenceGroup objects in running itself (not an "
-                     "index, a request id or a copy)")
-    want = lib_victim(list(running))
-    grading.fail(f"{where}: running {_running(running)}: you preempted request "
-                 f"{got.request_id}, expected request {want.request_id}{consequence}",
-                 hint or _GENERIC)
-
-
 def check_lists(choose_victim: Callable[..., Any]) -> None:
     picks, pool = [], BlockAllocator(200)
     for what, spec in _LISTS:
@@ -264,15 +248,24 @@ def check_lists(choose_victim: Callable[..., Any]) -> None:
             "only choose: the scheduler preempts and removes the group itself")
         picks.append((running, got))
     for (what, _), (running, got) in zip(_LISTS, picks, strict=True):
-        if not any(got is g for g in running) or got is not lib_victim(list(running)):
-            _fail_pick(running, got, f"list '{what}'", _hint_for(picks),
-                       _consequence(choose_victim) if any(got is g for g in running) else "")
+        if not any(got is g for g in running):
+            grading.fail(f"list '{what}': returned {got!r}, which is not one of the groups "
+                         "offered", "return one of the SequenceGroup objects in running "
+                         "itself (not an index, a request id or a copy)")
+        want = lib_victim(list(running))
+        if got is not want:
+            grading.fail(f"list '{what}': running {_running(running)}: you preempted "
+                         f"request {got.request_id}, expected request {want.request_id}"
+                         f"{_consequence(choose_victim)}", _hint_for(picks) or (
+                             "a group is never preempted to make room for one admitted "
+                             "after it; among those offered, preempting costs the least "
+                             "where the least was done"))
 
 
 #: the scheduler scenario a wrong rule is run on to the end, to tell what it does
-PRESSURE = Scenario("a long request among short ones arriving every 3 steps "
-                          "(recompute)", dict(num_blocks=10, block_size=4),
-                          ((6, 26, 0, 1),) + tuple((3, 6, 1 + 3 * k, 1) for k in range(10)))
+PRESSURE = Scenario("a long request among short ones arriving every 3 steps (recompute)",
+                    dict(num_blocks=10, block_size=4),
+                    ((6, 26, 0, 1),) + tuple((3, 6, 1 + 3 * k, 1) for k in range(10)))
 
 
 def _consequence(choose_victim: Callable) -> str:
