@@ -49,7 +49,7 @@ def recorder(name: str, fn: Callable, log: list[Record], where: list,
     def call(*args: Any) -> Any:
         step = where[0].step
         state = snapshot(*args)
-        before = _marks(args)
+        before = len(args[-1].admitted), len(args[-1].preempted)  # the step's so far
         k = len(log)
         lib = reference[k] if reference is not None and k < len(reference) else None
         story = f"{label}, at engine step {step}"
@@ -79,11 +79,6 @@ def recorder(name: str, fn: Callable, log: list[Record], where: list,
         return result
 
     return call
-
-
-def _marks(args: tuple) -> tuple[int, int]:
-    step = args[-1]
-    return len(step.admitted), len(step.preempted)
 
 
 # ------------------------------------------------------------------ serving
