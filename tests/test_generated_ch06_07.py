@@ -1,10 +1,9 @@
 """Chapter 07's swap_mapping (07.1) against a wrong answer only the random workloads catch.
 
-The fixed scenarios give each call a fresh destination pool and the replay a fresh
-``allocate`` per recorded call; only a served engine calls the learner's function again
-and again with the same pool's ``allocate``, while the block ids it freed come back. A
-mapping that remembers copies across calls is right on every call taken alone and wrong
-there.
+The fixed scenarios give each call a fresh destination pool; only a served engine calls
+the learner's function again and again with the same pool's ``allocate``, while the block
+ids it freed come back. A mapping that remembers copies across calls is right on every
+call taken alone and wrong there.
 """
 
 import functools
@@ -50,7 +49,7 @@ def verdict(fn, monkeypatch=None):
 
 def test_07_1_a_mapping_that_remembers_copies_passes_the_fixed_stages(monkeypatch):
     mark, _, told = verdict(swap_mapping_memoized(), monkeypatch)
-    assert mark == "✅", f"the fixed scenarios or the replay already catch it: {told}"
+    assert mark == "✅", f"the fixed scenarios already catch it: {told}"
 
 
 def test_07_1_the_random_workloads_catch_it_with_a_shrunk_story(capsys):
@@ -65,8 +64,8 @@ def test_07_1_the_random_workloads_catch_it_with_a_shrunk_story(capsys):
 
 def test_the_swap_workloads_swap_a_block_id_out_twice():
     """The state that exposes it: the same GPU block id copied out in two steps of one
-    served workload (to the same CPU pool), which no fixed scenario and no replayed call
-    gives the learner's function."""
+    served workload (to the same CPU pool), which no fixed scenario gives the learner's
+    function."""
     twice = 0
     for w in generated.workloads("swap_mapping"):
         steps, _ = generated.serve(w)

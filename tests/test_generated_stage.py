@@ -1,8 +1,8 @@
 """The random stage of the engine pieces' graders (paged_lib.course.grading.generated).
 
 Seeded workloads served side by side with the library's pieces and the learner's: the
-library's pieces and other correct answers pass, a wrong piece that every fixed case and
-the replay let through gets ❌ with the shrunk story of the state that exposed it, and
+library's pieces and other correct answers pass, a wrong piece that every fixed case
+lets through gets ❌ with the shrunk story of the state that exposed it, and
 the workloads reach the states the stage is there for.
 """
 
@@ -33,10 +33,10 @@ def verdict(check, fn, monkeypatch=None):
 
 
 def story_of_a_random_only_catch(check, fn, exercise, monkeypatch):
-    """``fn`` passes every fixed case and the replay, then the random stage gives it ❌:
+    """``fn`` passes every fixed case, then the random stage gives it ❌:
     its shrunk story, printed for the record."""
     mark, _, told = verdict(check, fn, monkeypatch)
-    assert mark == "✅", f"the fixed cases and the replay already catch it: {told}"
+    assert mark == "✅", f"the fixed cases already catch it: {told}"
     mark, ex, story = verdict(check, fn)
     assert (mark, ex) == ("❌", exercise)
     print(story)
@@ -102,6 +102,20 @@ def test_06_3_a_wrong_piece_only_random_workloads_catch(monkeypatch):
     story = story_of_a_random_only_catch(ch06.check_can_admit, can_admit_decode_tokens_free,
                                          "06.3", monkeypatch)
     assert "admitted: the library's" in story and "max_num_batched_tokens=" in story
+
+
+def can_admit_at_most_six_running(need, seqs, tokens, b):
+    """A limit of six sequences of its own: right on every fixed case."""
+    return (b.free_blocks - need >= b.watermark_blocks and b.num_seqs + seqs <= 6
+            and b.num_seqs + seqs <= b.max_num_seqs
+            and b.num_batched_tokens + tokens <= b.max_num_batched_tokens)
+
+
+def test_06_3_a_limit_of_its_own_only_random_workloads_catch(monkeypatch, capsys):
+    story = story_of_a_random_only_catch(ch06.check_can_admit, can_admit_at_most_six_running,
+                                         "06.3", monkeypatch)
+    assert "admitted: the library's" in story
+    assert "sequences and tokens" in capsys.readouterr().out
 
 
 def test_06_3_a_correct_piece_of_another_shape_passes():
@@ -208,10 +222,14 @@ def schedule_waiting_first_admitted_alone(waiting, step):
         admitted += 1
 
 
-def test_06_4_a_wrong_piece_only_random_workloads_catch(monkeypatch):
+def test_06_4_a_wrong_piece_only_random_workloads_catch(monkeypatch, capsys):
+    """The shrunk workload is served again call by call: the story is the first call
+    that differs, with its state, and the hint names the rule that state exposes."""
     story = story_of_a_random_only_catch(ch06.check_schedule_waiting,
                                          schedule_waiting_chunks_skip_ahead, "06.4", monkeypatch)
-    assert "enable_chunked_prefill=True" in story and "admitted: the library's" in story
+    assert "enable_chunked_prefill=True" in story and "chunked prefill on" in story
+    assert "the library admits nobody; yours admits request" in story
+    assert "head-of-line blocking" in capsys.readouterr().out
 
 
 def test_06_4_a_correct_piece_of_another_shape_passes():

@@ -85,6 +85,27 @@ def test_06_1_wrong_answers_get_a_named_hint(capsys, wrong, hint):
     assert out.startswith("❌ [06.1]") and hint in out, out
 
 
+def meta_chunk_from_zero(tables, seq_lens, query_lens, block_size):
+    """Right for decodes and for prompts computed whole, wrong for any prefill that starts
+    later (a prefix hit, a chunk, a recompute's tail): no fixed batch has one."""
+    meta = meta_with()(tables, seq_lens, query_lens, block_size)
+    positions = [p for n, q in zip(seq_lens, query_lens, strict=True)
+                 for p in (range(n - 1, n) if q == 1 else range(q))]
+    meta.slot_mapping = torch.tensor([t[p // block_size] * block_size + p % block_size
+                                      for t, n, q in zip(tables, seq_lens, query_lens,
+                                                         strict=True)
+                                      for p in (range(n - 1, n) if q == 1 else range(q))],
+                                     dtype=torch.int64)
+    meta.positions = torch.tensor(positions, dtype=torch.int64)
+    return meta
+
+
+def test_06_1_a_prefill_mid_sequence_is_caught_by_the_generated_batches(capsys):
+    out = verdict(capsys, ch06.check_build_metadata, meta_chunk_from_zero)
+    assert out.startswith("❌ [06.1]") and "generated case" in out, out
+    assert "the tokens a step computes are each sequence's newest" in out, out
+
+
 def test_06_1_wrong_positions_are_named(capsys):
     def zero_based(block_tables, seq_lens, query_lens, block_size):
         meta = meta_with()(block_tables, seq_lens, query_lens, block_size)
@@ -368,6 +389,20 @@ def swap_common_prefix_once(tables, allocate):  # only the prefix all tables sha
     return out + [(b, allocate()) for t in tables for b in t[k:]]
 
 
+def swap_sharing_with_the_previous_table(tables, allocate):
+    """Copies a block once if the previous table holds it too: right for every group
+    whose tables share only a common prefix."""
+    out, seen, previous = [], set(), []
+    for table in tables:
+        for block in table:
+            if block in seen and block in previous:
+                continue
+            seen.add(block)
+            out.append((block, allocate()))
+        previous = table
+    return out
+
+
 def swap_in_place(tables, allocate):
     return [(b, b) for b in dict.fromkeys(b for t in tables for b in t)]
 
@@ -390,6 +425,8 @@ def test_07_1_a_correct_answer_passes_and_the_library_is_refused(capsys):
     (swap_column_by_column, "in the order the blocks are first met"),
     (swap_common_prefix_once, "scenario 'three beams share 2 prompt blocks"),
     (swap_common_prefix_once, "block(s) [6] are copied more than once"),
+    (swap_sharing_with_the_previous_table, "the last shares block 4 with the second only"),
+    (swap_sharing_with_the_previous_table, "copied a shared block twice"),
 ])
 def test_07_1_wrong_answers_get_a_named_hint(capsys, wrong, hint):
     out = verdict(capsys, ch07.check_swap_mapping, wrong)

@@ -80,16 +80,16 @@ def test_06_4_a_correct_answer_passes(capsys):
      "a step that preempts admits nobody"),
     (waiting_with(hol=False), "yours admits request 0 (5 tokens), request 2",
      "head-of-line blocking"),
-    (waiting_with(watermark=False), "10 free blocks (watermark 2)",
+    (waiting_with(watermark=False), "1 free blocks (watermark 2)",
      "at least watermark_blocks must stay free"),
-    (waiting_with(strict_watermark=True), "10 free blocks (watermark 2)",
+    (waiting_with(strict_watermark=True), "1 free blocks (watermark 0)",
      "leaving exactly watermark_blocks free is allowed"),
     (waiting_with(alone_rule=False), "a long request alone in an empty step",
      "a group alone in an empty step joins"),
     (waiting_with(n_as_live=True), "request 0 (3 sequence(s)", "a fresh n > 1 group"),
     (waiting_with(n_always=True), "request 2 (2 of its 3 sequences live, 1 finished",
      "a group that has sampled brings only its live sequences"),
-    (waiting_with(chunk=False), "20 tokens to prefill, 8 of them now",
+    (waiting_with(chunk=False), "9 tokens to prefill, 8 of them now",
      "a first chunk of min(tokens, step.tokens_left)"),
     (waiting_with(alone_ignores_running=True), "prefill_first, 1 group(s) running",
      "alone only if nobody is running either"),
@@ -207,22 +207,24 @@ def test_07_3_a_correct_answer_passes(capsys):
 
 
 @pytest.mark.parametrize("wrong, state, hint", [
-    (preempt_with(pick="asker"), "request 0 needs 1 free blocks and 0 are free",
+    (preempt_with(pick="asker"), "request 2 needs 1 free blocks and 0 are free",
      "the latest admitted goes first"),
-    (preempt_with(pick="anyone"), "'samples and beams, recompute, 16 blocks of 4'",
+    (preempt_with(pick="anyone"), "request 1 (admitted at step 4, 2 sequence(s), part way "
+     "through a prefill, 4 blocks), request 0 (admitted at step 5",
      "never preempt a group admitted before the one asking"),
     (preempt_with(skip_ran=False), "ran this step",
      "a group that already ran this step cannot be preempted"),
-    (preempt_with(cpu_fallback=False), "the CPU pool has 0 free blocks",
+    (preempt_with(cpu_fallback=False), "the CPU pool has 4 free blocks",
      "swap falls back to recompute"),
     (preempt_with(prefill_fallback=False), "part way through a prefill",
      "a group part way through a prefill cannot be swapped"),
     (preempt_with(front=False), "to position 0 of waiting", "FRONT of its queue"),
-    (preempt_with(loop=False), "a CPU pool of 5 blocks", "keep preempting"),
+    (preempt_with(loop=False), "the library preempts request 3 (freed, to position 1 of "
+     "waiting), request 2", "keep preempting"),
     (preempt_with(swap=False), "preemption 'swap'", "copies a decoding victim"),
     (preempt_with(false_when_self=False), "the library preempts request 1",
      "False when it was preempted itself"),
-    (preempt_with(eager=True), "needs 1 free blocks and 4 are free",
+    (preempt_with(eager=True), "needs 1 free blocks and 1 are free",
      "nobody at all when they already fit"),
     (preempt_with(swapped_front=False), "to position 0 of swapped",
      "a victim swapped out goes to the FRONT of step.swapped"),
@@ -237,8 +239,8 @@ def test_07_3_a_correct_answer_passes(capsys):
      "request 0 (freed, to position 0 of waiting)", "it is still the victim, recomputed"),
     (preempt_with(queue_by_mode=True), "yours preempts request 1 (freed, to position 0 of "
      "swapped)", "it is prefilled again from its text, from step.waiting"),
-    (preempt_with(count_tables=True), "request 3 (admitted at step 2, 2 sequence(s), "
-     "decoding, 1 blocks)", "one victim may free too few (a group shares blocks"),
+    (preempt_with(count_tables=True), "random workload 14 for your preempt_until_fits",
+     "one victim may free too few (a group shares blocks"),
 ])
 def test_07_3_wrong_answers_are_told_with_their_state(capsys, wrong, state, hint):
     out = verdict(capsys, ch07.check_preempt_until_fits, wrong)

@@ -11,8 +11,7 @@ Each :class:`Exercise` says
 * for an engine piece, the ``name`` its stub defines (what :mod:`paged_lib.course.mine`
   saves and exports, and chapter 13 loads), the ``role`` it plays in the engine, the
   :class:`paged_lib.engine.EngineHooks` field it fills (``hook``, when the engine takes it
-  as a hook), and whether the library engine's own calls to that hook are recorded and
-  replayed on it (``replayed``: :mod:`paged_lib.course.grading.replay`).
+  as a hook).
 """
 
 from __future__ import annotations
@@ -28,7 +27,6 @@ class Exercise:
     name: str | None = None      # the piece saved to mine/chNN.py (None: not saved)
     role: str = ""               # what the saved piece does in the engine
     hook: str | None = None      # the EngineHooks field it fills
-    replayed: bool = False       # the library engine's calls to the hook are replayed
 
     @property
     def chapter(self) -> str:
@@ -90,24 +88,22 @@ _ALL = [
     _ex("06.1", "`slot_mapping` and padded block tables", f"{_ENG}model_runner.build_metadata",
         "paged_lib.kernels.slot_mapping_from_positions",
         name="build_metadata", role="attention metadata: slots, padded tables",
-        hook="build_metadata", replayed=True),
+        hook="build_metadata"),
     _ex("06.2", "Blocks a waiting group needs", f"{_ENG}block_manager.num_required_blocks",
         f"{_ENG}block_manager.shared_prompt_blocks",
         name="num_required_blocks", role="admission: blocks a waiting group needs",
-        hook="num_required_blocks", replayed=True),
+        hook="num_required_blocks"),
     _ex("06.3", "The admission check", f"{_ENG}policy.can_admit",
         name="can_admit", role="admission: may a group join this step",
-        hook="can_admit", replayed=True),
+        hook="can_admit"),
     _ex("06.4", "Admitting the waiting queue", f"{_ENG}policy.schedule_waiting",
         f"{_ENG}policy.can_admit", f"{_ENG}policy.seqs_to_come",
         name="schedule_waiting", role="admission: the waiting queue, in order",
         hook="schedule_waiting"),
     _ex("07.1", "The swap mapping", f"{_ENG}block_manager.swap_mapping",
-        name="swap_mapping", role="preemption: swap mapping", hook="swap_mapping",
-        replayed=True),
+        name="swap_mapping", role="preemption: swap mapping", hook="swap_mapping"),
     _ex("07.2", "Which group to preempt", f"{_ENG}policy.choose_victim",
-        name="choose_victim", role="preemption: which group to preempt", hook="choose_victim",
-        replayed=True),
+        name="choose_victim", role="preemption: which group to preempt", hook="choose_victim"),
     # (07.3 asks step.hooks.choose_victim: the library's rule, or another the engine was given)
     _ex("07.3", "Preempting until the blocks fit", f"{_ENG}policy.preempt_until_fits",
         f"{_ENG}policy.preempt",
@@ -131,11 +127,10 @@ _ALL = [
         "paged_lib.attention.merge_partials", "paged_lib.attention.merge_states",
         "paged_lib.attention.merge"),
     _ex("10.1", "A prompt's block hashes", f"{_PC}block_hashes",
-        name="block_hashes", role="prefix cache: chained block hashes", hook="block_hashes",
-        replayed=True),
+        name="block_hashes", role="prefix cache: chained block hashes", hook="block_hashes"),
     _ex("10.2", "The cache hit", f"{_PC}longest_cache_hit",
         name="longest_cache_hit", role="prefix cache: the cached blocks a prompt reuses",
-        hook="longest_cache_hit", replayed=True),
+        hook="longest_cache_hit"),
     # (10.3's class has two methods: its check refuses FreeBlockQueue.popleft itself)
     _ex("10.3", "The LRU free queue's popleft and remove", f"{_PC}FreeBlockQueue.remove",
         name="LRUFreeQueue", role="prefix cache: the LRU free queue", hook="FreeBlockQueue"),
@@ -174,8 +169,6 @@ EXERCISES: dict[str, Exercise] = {e.id: e for e in _ALL}
 SAVED: dict[str, Exercise] = {k: e for k, e in EXERCISES.items() if e.saved}
 #: the engine pieces the engine takes as hooks: exercise id -> ``EngineHooks`` field
 HOOKS: dict[str, str] = {k: e.hook for k, e in EXERCISES.items() if e.hook}
-#: the hooks whose recorded library calls are replayed on the learner's piece
-REPLAYED: tuple[str, ...] = tuple(e.hook for e in _ALL if e.replayed)
 
 
 def get(ex_id: str) -> Exercise:

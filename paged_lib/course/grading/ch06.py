@@ -1,41 +1,38 @@
-"""Checks for chapter 06 (the serving engine).
+"""Checks for chapter 06 (the serving engine), each against the library's function.
 
-* 06.1 ``build_metadata``: one step's tensors from the batch's block tables. Compared
-  field by field with :func:`paged_lib.engine.model_runner.build_metadata` on hand-made
-  batches (prefill and decode mixed, tables in scrambled block order, full last blocks,
-  block size 1), every batch the engine builds (replayed) and random workloads; dtypes
-  are part of the answer. A wrong slot is named by recomputing the typical mistakes
-  (logical block, position as offset, new tokens counted from 0).
-* 06.2 ``num_required_blocks`` and 06.3 ``can_admit``: how many blocks a waiting group
-  takes, and whether it may join the step (:mod:`paged_lib.course.grading.ch06_admission`).
-* 06.4 ``schedule_waiting``: the whole admission loop, plugged into the engine and
-  compared call by call with the library's (:mod:`paged_lib.course.grading.ch06_waiting`).
+* 06.1 ``build_metadata``: hand-made batches (decode next to prefill, scrambled tables,
+  full last blocks, block size 1), generated batches (pools past 2**31 slots, chunks mid
+  prompt: :mod:`~paged_lib.course.grading.generated.small_engine`), then random
+  workloads. A wrong slot is named by recomputing the typical mistakes.
+* 06.2 ``num_required_blocks``: generated waiting groups (fresh requests of ``n``,
+  sequences and groups preempted by recompute, finished samples, samples that agree),
+  then random workloads; a wrong count is named by the typical wrong rule that gives it.
+* 06.3 ``can_admit``: the spec's example and each limit's boundary, then random workloads.
+* 06.4 ``schedule_waiting``: served in the engine next to the library's, call by call, on
+  edge scenarios then random workloads (:mod:`~paged_lib.course.grading.scheduler_loops`).
 
-:func:`run_demo` then serves the chapter's trace with the learner's three functions plugged
-into :class:`~paged_lib.engine.LLMEngine` (``hooks=EngineHooks(build_metadata=...,
-num_required_blocks=..., can_admit=...)``), then chapter 07's pressure trace, whose
-preempted groups of two samples come back through ``num_required_blocks``, and compares
-everything with the library's runs.
+:func:`run_demo` serves the chapter's trace, then chapter 07's pressure trace, with the
+learner's functions in the engine and compares them with the library's runs.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from paged_lib.course import grading
-from paged_lib.course.grading import generated, replay, serving
-from paged_lib.course.grading.ch06_admission import check_can_admit, check_num_required_blocks
-from paged_lib.course.grading.ch06_waiting import check_schedule_waiting
+from paged_lib.course.grading import generated, serving
+from paged_lib.course.grading import scheduler_loops as loops
 from paged_lib.course.grading.generated import small_engine
+from paged_lib.course.grading.scheduler_loops import Scenario
 from paged_lib.engine.model_runner import build_metadata as lib_build_metadata
+from paged_lib.engine.policy import Budget, seqs_to_come
+from paged_lib.engine.policy import can_admit as lib_can_admit
+from paged_lib.engine.sequence import SequenceGroup
 from paged_lib.model import AttentionMetadata
-
-__all__ = ["check_build_metadata", "check_can_admit",
-           "check_num_required_blocks", "check_schedule_waiting", "run_demo"]
-
+from paged_lib.util import cdiv
 
 # ------------------------------------------------------------------ 06.1 build_metadata
 
@@ -67,12 +64,9 @@ def check_build_metadata(build_metadata: Callable[..., Any]) -> None:
     with grading.exercise("06.1"):
         for batch in _BATCHES:
             _check_batch(build_metadata, *batch)
-        for call in replay.recorded()["build_metadata"]:  # every state the engine reaches
-            _check_batch(build_metadata, f"the engine's call in '{call.workload}', at engine "
-                         f"step {call.step}", *call.args)
+        small_engine.metadata_stage(build_metadata, _check_batch)  # pools past 2**31 slots
         generated.check("build_metadata", build_metadata, "every new token's slot is its "
                         "position's block in the table, at position % block_size")
-        small_engine.metadata_stage(build_metadata, _check_batch)  # pools past 2**31 slots
 
 
 def _check_batch(fn, name, tables, seq_lens, query_lens, block_size) -> None:
@@ -143,12 +137,12 @@ def _check_slots(got, want, tables, seq_lens, query_lens, block_size, where) -> 
                      hint)
     if slots != wslots:
         k = next(i for i, (a, b) in enumerate(zip(slots, wslots, strict=True)) if a != b)
-        physical = _physical_blocks(tables, seq_lens, query_lens, block_size)
         if slots == wpos:
             hint = ("slot = block * block_size + offset with the *physical* block: look it "
                     "up in the sequence's table (position // block_size is only the logical "
                     "block)")
-        elif slots == [b * block_size + p for b, p in zip(physical, wpos, strict=True)]:
+        elif slots == [t[p // block_size] * block_size + p for t, n, q in
+                       zip(tables, seq_lens, query_lens, strict=True) for p in range(n - q, n)]:
             hint = "the offset inside the block is position % block_size, not the position"
         elif slots == [t[p // block_size] * block_size + p % block_size
                        for t, q in zip(tables, query_lens, strict=True) for p in range(q)]:
@@ -165,10 +159,337 @@ def _check_slots(got, want, tables, seq_lens, query_lens, block_size, where) -> 
                          "seq_lens[s] - query_lens[s] ... seq_lens[s] - 1")
 
 
-def _physical_blocks(tables, seq_lens, query_lens, block_size) -> list[int]:
-    """The physical block of every new token, in slot_mapping order."""
-    return [t[p // block_size] for t, n, q in zip(tables, seq_lens, query_lens, strict=True)
-            for p in range(n - q, n)]
+# ------------------------------------------------------------------ 06.2 num_required_blocks
+
+
+def _shared(prompt: int, tails: list[int], bs: int, copies: int) -> int:
+    base = cdiv(prompt, bs)
+    return base + sum(cdiv(prompt + t, bs) - base for t in tails) + copies
+
+
+def _prompt_len(group: SequenceGroup) -> int:
+    return len(group.prompt_token_ids)
+
+
+def _tails(group: SequenceGroup, live: bool = True) -> list[int]:
+    seqs = group.live_seqs() if live else group.seqs
+    return [s.num_tokens - _prompt_len(group) for s in seqs]
+
+
+#: The typical wrong rules: (name, rule, hint). The first whose answer equals the
+#: learner's on a failing case names the mistake ("finished too" is right until a
+#: sequence finished, so it goes first).
+_WRONG_RULES: list[tuple[str, Callable[[SequenceGroup, int], int], str]] = [
+    ("finished too", lambda g, bs: _shared(_prompt_len(g), _tails(g, live=False), bs,
+                                           (len(g.seqs) - 1) * bool(_prompt_len(g) % bs)),
+     "finished sequences take no blocks: count only group.live_seqs()"),
+    ("per sample", lambda g, bs: g.params.num_seqs * cdiv(_prompt_len(g), bs)
+     if len(g.seqs) == 1 and g.params.num_seqs > 1 else -1,
+     "a fresh group prefills its prompt once, in one sequence: its n samples fork it "
+     "afterwards and share those blocks, so the prompt's blocks count once, not once per "
+     "sample"),
+    ("prompt only", lambda g, bs: cdiv(_prompt_len(g), bs) if len(g.live_seqs()) == 1 else -1,
+     "a sequence preempted by recompute prefills its whole text again: the prompt *and* "
+     "the tokens it generated need blocks"),
+    ("rounds down", lambda g, bs: g.live_seqs()[0].num_tokens // bs
+     if len(g.live_seqs()) == 1 else -1,
+     "the partly filled last block counts too: ceil(tokens / block_size), in integers"),
+    ("no sharing", lambda g, bs: sum(cdiv(s.num_tokens, bs) for s in g.live_seqs()),
+     "a group preempted by recompute gets its prompt back once, shared by all its "
+     "sequences: count the prompt's blocks once, then each sequence's own tail"),
+    ("no copy-on-write", lambda g, bs: _shared(_prompt_len(g), _tails(g), bs, 0),
+     "forgot the copy-on-write of the part-filled last prompt block: every sequence that "
+     "writes its tail into it copies it first (all but the last one holding it)"),
+    ("copy for all", lambda g, bs: _shared(_prompt_len(g), _tails(g), bs,
+                                           len(g.live_seqs()) * bool(_prompt_len(g) % bs)),
+     "one copy too many: the last sequence to write into the shared part-filled prompt "
+     "block finds it no longer shared and writes in place (copies = sequences - 1)"),
+]
+
+
+def check_num_required_blocks(num_required_blocks: Callable[..., Any]) -> None:
+    """``num_required_blocks(group, block_size) -> int``."""
+    with grading.exercise("06.2"):
+        small_engine.required_stage(num_required_blocks, _name_rule)  # samples agree
+        generated.check("num_required_blocks", num_required_blocks, "a fresh request: its "
+                        "prompt's blocks; a group of several: the prompt once, each tail's "
+                        "blocks past it, and the part-filled prompt block's copies")
+
+
+def _name_rule(group: SequenceGroup, block_size: int, got: int) -> str:
+    for _, rule, hint in _WRONG_RULES:
+        if rule(group, block_size) == got:
+            return hint
+    return ("a fresh request: its prompt's blocks; a single sequence: its whole text's; a "
+            "group of several: the prompt once, each tail's blocks past it, and the "
+            "part-filled prompt block's copies")
+
+
+# ------------------------------------------------------------------ 06.3 can_admit
+
+
+def _budget(free, watermark=0, num_seqs=0, max_num_seqs=256, tokens=0, max_tokens=4096):
+    return Budget(free, watermark, num_seqs, max_num_seqs, tokens, max_tokens)
+
+
+#: The spec's example step: 20 free, watermark 2, 5 decodes (5 tokens) of 8 / 512.
+_SPEC = dict(free=20, watermark=2, num_seqs=5, max_num_seqs=8, tokens=5, max_tokens=512)
+
+#: (what, blocks_needed, num_seqs, num_tokens, budget, hint if the answer is wrong)
+_ADMISSION_CASES = [
+    ("the spec's example: a request of 100 tokens needing 13 blocks", 13, 1, 100,
+     _budget(**_SPEC),
+     "a group whose blocks leave the watermark free and that keeps the step within both "
+     "limits joins"),
+    ("the spec's example: the same request with n=4 samples", 13, 4, 100, _budget(**_SPEC),
+     "the step already holds 5 sequences and the group brings 4 (its samples run "
+     "together): 9, past max_num_seqs of 8"),
+    ("the spec's example: a request needing 19 blocks", 19, 1, 100, _budget(**_SPEC),
+     "after taking 19 of the 20 free blocks only 1 stays free, less than the watermark "
+     "of 2: admission never takes the watermark's blocks"),
+    ("10 free, watermark 1, the step holds 3 decodes, a group needing 9 (exactly the "
+     "watermark stays free)", 9, 1, 70, _budget(10, 1, num_seqs=3, tokens=3),
+     "off by one at the watermark: leaving exactly watermark_blocks free is allowed"),
+    ("an empty step (nothing running), 10 free, watermark 1, a group needing 10", 10, 1,
+     70, _budget(10, 1),
+     "the watermark holds in an empty step too: can_admit never lets a group into it "
+     "(letting a lone request that needs the whole pool in is the admission loop's "
+     "decision, exercise 06.4)"),
+    ("10 free, watermark 1, a group of 4 samples needing 7 blocks", 7, 4, 30,
+     _budget(10, 1),
+     "blocks_needed already counts the whole group (exercise 06.2), and the watermark is "
+     "kept once for the pool: neither grows with the group's sequences"),
+    ("max_num_seqs 4, the step holds 3, a group of 1", 2, 1, 10,
+     _budget(50, 1, num_seqs=3, max_num_seqs=4),
+     "reaching max_num_seqs exactly is allowed: that step is the one vLLM profiled"),
+    ("max_num_seqs 4, the step holds 2, a group of 3 samples", 2, 3, 10,
+     _budget(50, 1, num_seqs=2, max_num_seqs=4),
+     "a group brings num_seqs sequences (all its samples run together), not 1"),
+    ("max_num_batched_tokens 100, the step holds 60, 40 more", 5, 1, 40,
+     _budget(50, 1, tokens=60, max_tokens=100),
+     "reaching max_num_batched_tokens exactly is allowed: that step is the one vLLM "
+     "profiled"),
+    ("max_num_batched_tokens 100, the step holds 60, 41 more", 5, 1, 41,
+     _budget(50, 1, tokens=60, max_tokens=100),
+     "the step already holds 60 tokens: 41 more make 101, past max_num_batched_tokens "
+     "of 100"),
+    ("max_num_batched_tokens 100, the step holds 60, a group of 4 samples with a "
+     "30-token prompt", 3, 4, 30, _budget(50, 1, tokens=60, max_tokens=100),
+     "num_tokens is what the group computes this step: its samples fork the prompt after "
+     "one prefill, they do not each compute it"),
+]
+
+
+def check_can_admit(can_admit: Callable[..., Any]) -> None:
+    """``can_admit(blocks_needed, num_seqs, num_tokens, budget) -> bool``."""
+    with grading.exercise("06.3"):
+        for what, need, seqs, tokens, budget, hint in _ADMISSION_CASES:
+            want = lib_can_admit(need, seqs, tokens, budget)
+            got = can_admit(need, seqs, tokens, budget)
+            grading.expect_true(type(got) is bool,
+                                f"case '{what}': returned {got!r} ({type(got).__name__}), "
+                                "expected a bool",
+                                "return True or False (a comparison's result), not a "
+                                "number or None")
+            grading.expect_equal(got, want, f"case '{what}' with {budget}", hint)
+        generated.check("can_admit", can_admit, "after its blocks at least watermark_blocks "
+                        "stay free, and the step's sequences and tokens (those already in "
+                        "it, decodes included, plus the group's) stay within their maximums")
+
+
+# ------------------------------------------------------------------ 06.4 schedule_waiting
+
+
+class Head(NamedTuple):
+    rid: int
+    seqs: int     # sequences it brings
+    n: int        # its params.num_seqs (samples or beams)
+    tokens: int   # its first prefill's tokens, cache hits left out
+    chunk: int    # what it would bring now (tokens, or what the budget leaves)
+    need: int     # free blocks that takes
+
+
+class WaitState(NamedTuple):
+    heads: tuple
+    num_waiting: int
+    free: int
+    watermark: int
+    tokens_left: int
+    max_tokens: int
+    num_seqs: int
+    max_num_seqs: int
+    swapped: int
+    preempted: int
+    empty: bool
+    running: int
+    chunked: bool
+    prefill_first: bool
+
+
+def _snapshot(waiting, step) -> WaitState:
+    heads = []
+    for g in list(waiting)[:4]:
+        tokens = step.prefill_tokens(g)
+        chunk = min(tokens, step.tokens_left) if step.chunked_prefill else tokens
+        heads.append(Head(g.request_id, seqs_to_come(g), g.params.num_seqs, tokens, chunk,
+                          step.blocks_needed(g, chunk) if chunk > 0 else 0))
+    return WaitState(tuple(heads), len(waiting), step.free_blocks, step.watermark_blocks,
+                     step.tokens_left, step.max_num_batched_tokens, step.num_seqs,
+                     step.max_num_seqs, len(step.swapped), step.num_preempted,
+                     step.is_empty(), len(step.running), step.chunked_prefill,
+                     step.prefill_first)
+
+
+def _decide(args, before, result) -> tuple:
+    step = args[1]
+    return tuple((g.request_id, step.tokens_scheduled(g)) for g in step.admitted[before[0]:])
+
+
+def _describe(st: WaitState) -> str:
+    if not st.heads:
+        queue = "nobody waiting"
+    else:
+        queue = "waiting " + ", ".join(
+            f"request {h.rid} ("
+            + (f"{h.seqs} of its {h.n} sequences live, {h.n - h.seqs} finished"
+               if h.seqs < h.n else f"{h.seqs} sequence(s)")
+            + f", {h.tokens} tokens to prefill"
+            + (f", {h.chunk} of them now" if h.chunk != h.tokens else "")
+            + f", {h.need} blocks)" for h in st.heads) + (
+            f" and {st.num_waiting - len(st.heads)} more" if st.num_waiting > len(st.heads)
+            else "")
+    parts = [queue, f"{st.free} free blocks (watermark {st.watermark})",
+             f"{st.tokens_left} of {st.max_tokens} tokens left",
+             f"{st.num_seqs} of {st.max_num_seqs} sequences running",
+             f"{st.swapped} group(s) swapped out" if st.swapped else "nothing swapped out",
+             f"{st.preempted} group(s) preempted this step" if st.preempted else
+             "nobody preempted this step",
+             "nothing scheduled yet" if st.empty else "others already scheduled"]
+    if st.chunked:
+        parts.append("chunked prefill on")
+    if st.prefill_first:
+        parts.append(f"prefill_first, {st.running} group(s) running")
+    return "; ".join(parts)
+
+
+def _show(decision) -> str:
+    if not decision:
+        return "admits nobody"
+    return "admits " + ", ".join(f"request {r} ({t} tokens)" for r, t in decision)
+
+
+def _why(st: WaitState, lib, got) -> str:
+    if isinstance(got, Exception):
+        if "admit(" in str(got):
+            return ("step.admit(group, num_tokens) takes the group out of waiting itself: "
+                    "call it for the head of waiting, with 1 to step.prefill_tokens(group) "
+                    "tokens")
+        return "the state above is the one your code met: follow it by hand"
+    i = next((k for k, (a, b) in enumerate(zip(lib, got, strict=False)) if a != b),
+             min(len(lib), len(got)))
+    free, left, seqs = st.free, st.tokens_left, st.num_seqs
+    for h in st.heads[:i]:
+        free, left, seqs = free - h.need, left - h.chunk, seqs + h.seqs
+    head = st.heads[i] if i < len(st.heads) else None
+    if len(got) > len(lib) and i == len(lib):
+        if st.swapped:
+            return ("groups are swapped out: they come back first, and nobody new is "
+                    "admitted while any is swapped (their blocks would be taken)")
+        if st.preempted:
+            return ("this step preempted a group: as in vLLM v1, a step that preempts "
+                    "admits nobody (the victim would be readmitted at once)")
+        if head is not None and got[i][0] != head.rid:
+            return ("head-of-line blocking: the first waiting group that does not fit stops "
+                    "admission; nobody behind it may overtake it (first come, first served)")
+        if head is not None:
+            alone = st.empty and i == 0
+            if st.chunked and left < 1:
+                return "no token of the budget is left: nobody more joins this step"
+            if head.need > free:
+                return "its blocks are not free: a group never joins without its blocks"
+            if alone and st.prefill_first and st.running:
+                return ("prefill_first: a group is alone only if nobody is running either "
+                        "(the running groups decode next step and need the watermark)")
+            if free - head.need < st.watermark and not alone:
+                return ("the watermark: after its blocks at least watermark_blocks must stay "
+                        "free, unless it would be alone in an empty step")
+            if seqs + head.seqs > st.max_num_seqs:
+                return ("max_num_seqs: a group brings all its sequences, a fresh n > 1 "
+                        "group (samples or beams) its n, and the running ones count too")
+            if head.chunk > left:
+                return ("the token budget: the running groups' tokens come first; a group "
+                        "joins only if its tokens fit what is left")
+    if len(lib) > len(got) and i == len(got) and head is not None:
+        if head.seqs < head.n and seqs + head.seqs <= st.max_num_seqs < seqs + head.n:
+            return ("a group that has sampled brings only its live sequences "
+                    "(group.live_seqs()), not params.num_seqs: a sample that finished is gone, "
+                    "and a group preempted by recompute comes back without it")
+        if st.chunked and lib[i][1] < head.tokens:
+            return ("with chunked prefill the head joins with what the budget leaves of its "
+                    "prefill (a first chunk of min(tokens, step.tokens_left))")
+        if st.chunked and head.chunk == 1 and left >= 1:
+            return ("one token left, or one to prefill, is still a chunk: with chunked "
+                    "prefill admission stops only when no token is left")
+        if st.empty and i == 0 and head.need <= free and head.chunk <= left \
+                and (not st.prefill_first or not st.running):
+            return ("a group alone in an empty step joins when its blocks are free, even "
+                    "into the watermark: otherwise a long request could wait forever")
+        if free - head.need == st.watermark:
+            return "leaving exactly watermark_blocks free is allowed (>=)"
+        if head.chunk == left:
+            return "reaching max_num_batched_tokens exactly is allowed (<=)"
+        if seqs + head.seqs == st.max_num_seqs:
+            return "reaching max_num_seqs exactly is allowed (<=)"
+        return ("keep admitting while the head fits: each admitted group is followed by the "
+                "next one, first come first served")
+    if i < len(lib) and i < len(got) and lib[i][0] == got[i][0]:
+        return ("the tokens it brings: its whole first prefill (step.prefill_tokens), or with "
+                "chunked prefill what the budget leaves of it")
+    if i < len(lib) and i < len(got):
+        return "first come, first served: the head of waiting is considered first"
+    return ("admission: the head first, while its blocks leave the watermark free and its "
+            "sequences and tokens fit the step")
+
+
+loops.LOOPS["schedule_waiting"] = (_snapshot, _decide, _describe, _show, _why)
+
+
+#: scenarios served by the scheduler alone: requests (prompt, max_tokens, arrival, n)
+SCENARIOS: list[Scenario] = [
+    Scenario("nobody waiting, then four requests arriving together (ties)",
+             dict(num_blocks=40, block_size=4, max_num_batched_tokens=64, max_num_seqs=8),
+             ((9, 4, 2, 1), (7, 4, 2, 1), (12, 4, 2, 1), (5, 4, 2, 1))),
+    Scenario("the token budget met exactly (16 tokens: prompts of 10 and 6, then 5)",
+             dict(num_blocks=40, block_size=4, max_num_batched_tokens=16, max_num_seqs=4),
+             ((10, 5, 0, 1), (6, 5, 0, 1), (5, 5, 0, 1), (11, 3, 1, 1))),
+    Scenario("a long request alone in an empty step, into the watermark, one taking all",
+             dict(num_blocks=8, block_size=4, watermark_blocks=2),
+             ((27, 2, 0, 1), (4, 3, 1, 1), (9, 2, 1, 1), (32, 1, 12, 1))),
+    Scenario("samples against max_num_seqs 4 (n=3, n=2, then one behind)",
+             dict(num_blocks=40, block_size=4, max_num_seqs=4, max_num_batched_tokens=64),
+             ((5, 3, 0, 3), (5, 3, 0, 2), (4, 3, 0, 1), (6, 2, 1, 1))),
+    Scenario("swap: nobody is admitted while a group is swapped out",
+             dict(num_blocks=7, block_size=4, preemption="swap", num_cpu_blocks=16),
+             ((8, 12, 0, 1), (6, 10, 1, 1), (2, 3, 4, 1), (3, 3, 6, 1))),
+    Scenario("chunks of 8 on 7 blocks: a step that preempts admits nobody, not its victim",
+             dict(num_blocks=7, block_size=4, enable_chunked_prefill=True,
+                  max_num_batched_tokens=8, max_num_seqs=4),
+             ((9, 5, 0, 1), (10, 8, 0, 1), (10, 13, 1, 1))),
+    Scenario("chunks of 6, recompute: 3 samples, one finished at once, back against "
+             "max_num_seqs 4",
+             dict(num_blocks=8, block_size=4, enable_chunked_prefill=True,
+                  max_num_batched_tokens=6, max_num_seqs=4),
+             ((3, 10, 2, 1), (9, 14, 0, 1), (7, 5, 0, 3, 4))),
+]
+
+
+def check_schedule_waiting(schedule_waiting: Callable[..., Any]) -> None:
+    """``schedule_waiting(waiting, step) -> None`` (admits with ``step.admit``)."""
+    with grading.exercise("06.4"):
+        loops.run_scheduler("schedule_waiting", schedule_waiting, SCENARIOS, "admission: "
+                            "the head first, while can_admit lets it in (or it is alone in "
+                            "an empty step), nobody while groups are swapped out or after a "
+                            "preemption")
 
 
 # ------------------------------------------------------------------ the demo

@@ -1,43 +1,44 @@
-"""Checks for chapter 07 (preemption).
+"""Checks for chapter 07 (preemption), each against the library's function.
 
-* 07.1 ``swap_mapping``: the block copies that move one sequence group's block tables to
-  the other pool. Checked on tables with and without shared blocks (a forked prompt, beams
-  with a common history) against :func:`paged_lib.engine.block_manager.swap_mapping`,
-  with an allocator that counts every block handed out (a block allocated and never used
-  is a leak); then every call the engine makes (replayed) and random workloads, where the
-  engine calls it again and again with the same pool's ``allocate``.
+* 07.1 ``swap_mapping``: tables with and without shared blocks (a forked prompt, beams
+  with a common history), with an allocator that counts every block handed out; then
+  random workloads, where the engine calls it again and again with one pool's
+  ``allocate``.
+* 07.2 ``choose_victim``: hand-made running lists (groups admitted in one step, one
+  admitted again after a recompute, samples sharing blocks); a wrong pick is named by the
+  typical wrong rule that gives it, and told with what the rule does to a pressure
+  scenario run to the end. Then random workloads.
+* 07.3 ``preempt_until_fits``: served in the engine next to the library's, call by call,
+  on edge scenarios then random workloads (:mod:`~paged_lib.course.grading.scheduler_loops`).
 
-* 07.2 ``choose_victim``: which running group to preempt
-  (:mod:`paged_lib.course.grading.ch07_victim`).
-* 07.3 ``preempt_until_fits``: the whole preemption loop, plugged into the engine and
-  compared call by call with the library's (:mod:`paged_lib.course.grading.ch07_preempt`).
-
-:func:`run_demo` serves the chapter's too-small pool with the learner's ``choose_victim``,
-by recompute, then by swap with the learner's mapping too, and compares the tokens, the
-preemptions and the copies with the library's runs.
+:func:`run_demo` serves the chapter's too-small pool with the learner's functions, by
+recompute and by swap, next to the library's runs.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
+from paged_lib.blocks import BlockAllocator, BlockTable
 from paged_lib.course import grading
 from paged_lib.course.demos.engine_compare import (  # the chapter's trace (notebook 07)
     PRESSURE_BLOCK_SIZE,
     PRESSURE_BLOCKS,
     pressure_requests,
 )
-from paged_lib.course.grading import generated, replay, serving
-from paged_lib.course.grading.ch07_preempt import check_preempt_until_fits
-from paged_lib.course.grading.ch07_victim import check_choose_victim
+from paged_lib.course.grading import generated, serving
+from paged_lib.course.grading import scheduler_loops as loops
+from paged_lib.course.grading.scheduler_loops import Scenario
+from paged_lib.engine import policy
 from paged_lib.engine.block_manager import swap_mapping as lib_swap_mapping
 from paged_lib.engine.hooks import EngineHooks
+from paged_lib.engine.policy import choose_victim as lib_victim
+from paged_lib.engine.sequence import SamplingParams, Sequence, SequenceGroup, SequenceStatus
 
 __all__ = ["EQUIVALENT_MUTANTS", "PRESSURE_BLOCKS", "PRESSURE_BLOCK_SIZE",
            "check_choose_victim", "check_preempt_until_fits", "check_swap_mapping",
            "pressure_requests", "run_demo"]
-
 
 #: Mutants of the solutions that cannot change any answer (tools/mutants.py skips them).
 EQUIVALENT_MUTANTS: dict[str, dict[str, str]] = {"07.3": {
@@ -49,7 +50,7 @@ EQUIVALENT_MUTANTS: dict[str, dict[str, str]] = {"07.3": {
 }}
 
 #: name, tables, free blocks of the destination pool in allocation order
-_SCENARIOS: list[tuple[str, list[list[int]], list[int]]] = [
+_SWAPS: list[tuple[str, list[list[int]], list[int]]] = [
     ("the spec's example: one sequence, nothing shared", [[4, 9, 2]], [5, 0, 3, 1]),
     ("two samples share their prompt's block 7", [[7, 3], [7, 5]], [0, 1, 2]),
     ("three beams share 2 prompt blocks; two also share block 6",
@@ -75,12 +76,8 @@ def _pool(order: list[int]) -> tuple[Callable[[], int], list[int]]:
 def check_swap_mapping(swap_mapping: Callable[..., Any]) -> None:
     """``swap_mapping(tables, allocate) -> list[tuple[int, int]]``."""
     with grading.exercise("07.1"):
-        for name, tables, order in _SCENARIOS:
+        for name, tables, order in _SWAPS:
             _check_scenario(swap_mapping, name, tables, order)
-        replay.check_replay("swap_mapping", swap_mapping,
-                            "a forked group's tables share blocks in any pattern (beams that "
-                            "forked at different steps): copy each distinct block once, in "
-                            "the order first met reading every table left to right")
         generated.check("swap_mapping", swap_mapping, "copy each distinct block once, in "
                         "the order first met reading every table left to right, to a block "
                         "this call's allocate() returns: nothing carries over from an "
@@ -123,6 +120,352 @@ def _check_scenario(fn, name: str, tables: list[list[int]], order: list[int]) ->
              "blocks are first met, reading the tables left to right, top to bottom")):
         if wrong:
             grading.fail(f"{where}: {what}", hint)
+
+
+
+# ------------------------------------------------------------------ 07.2 choose_victim
+
+
+def _generated(g: SequenceGroup) -> int:
+    return max(len(s.output_token_ids) for s in g.seqs)
+
+
+def _blocks(g: SequenceGroup) -> int:
+    return len({b for s in g.live_seqs() if s.block_table for b in s.block_table.blocks})
+
+
+def _tokens(g: SequenceGroup) -> int:
+    return sum(s.num_tokens for s in g.live_seqs())
+
+
+def _admitted(g: SequenceGroup) -> int:
+    return g.timeline.admitted_steps[-1] if g.timeline.admitted_steps else -1
+
+
+#: The typical wrong rules: (rule, hint). The first that picks what the learner picked
+#: on a list names the mistake.
+WRONG_RULES: list[tuple[Callable[[list[SequenceGroup]], SequenceGroup], str]] = [
+    (lambda r: r[0],
+     "you preempted the oldest group (the one asking for the block): it has done the "
+     "most work (all of it recomputed or moved), and requests admitted after it finish "
+     "first"),
+    (lambda r: max(r, key=_generated),
+     "you preempted the group with the most generated tokens: all of them are lost "
+     "(recomputed) or moved, the most work there is to lose"),
+    (lambda r: max(r, key=_blocks),
+     "you preempted the group holding the most blocks: it frees the most, but it is the one "
+     "that has done the most work, and it loses its place to groups admitted after it"),
+    (lambda r: min(r, key=_generated),
+     "you chose by generated tokens (fewest): a group admitted again after a recompute "
+     "may have many, yet it is the last admitted; a group admitted earlier must not lose "
+     "its place to it"),
+    (lambda r: max(r, key=lambda g: g.timeline.arrival_step),
+     "you chose by arrival: a group preempted by recompute and admitted again arrived "
+     "early but was admitted last; the list is in admission order"),
+    (lambda r: max(r, key=_admitted),
+     "groups admitted in the same step: max() of the admission step returns the first of "
+     "them, but the list's order is their admission order (the later one came later)"),
+    (lambda r: min(r, key=_blocks),
+     "you preempted the group holding the fewest blocks: the least memory to recompute or "
+     "move, but a group admitted after it keeps running and takes its place (first come, "
+     "first served is never broken: the least work lost only explains why that is cheap)"),
+    (lambda r: min(r, key=_tokens),
+     "you preempted the group with the fewest tokens (prompt and output, all its "
+     "sequences): the least work, but a group admitted after it keeps running and takes "
+     "its place (first come, first served is never broken)"),
+]
+
+
+def _group(pool: BlockAllocator, rid: int, prompt_len: int, generated: int, arrival: int,
+           admitted: list[int], n: int = 1) -> SequenceGroup:
+    """A running group of ``n`` sequences (samples forked after the prompt, each with
+    ``generated`` tokens) with real block tables (block size 4)."""
+    table = BlockTable(pool, 4)
+    for _ in range(prompt_len if n > 1 else prompt_len + generated - 1):
+        table.append_token()
+    tables = [table] + [table.fork() for _ in range(n - 1)]
+    seqs = []
+    for i, t in enumerate(tables):
+        if n > 1:
+            for _ in range(generated - 1):  # the newest token is not cached yet
+                t.append_token()
+        seqs.append(Sequence(100 * rid + i, [1] * prompt_len, [2 + i] * generated,
+                             block_table=t, num_cached=prompt_len + generated - 1,
+                             status=SequenceStatus.RUNNING))
+    group = SequenceGroup(rid, seqs, SamplingParams(
+        max_tokens=128, ignore_eos=True, n=n, temperature=1.0 if n > 1 else 0.0))
+    group.timeline.arrival_step = arrival
+    group.timeline.admitted_steps = list(admitted)
+    return group
+
+
+#: (what, groups as (request, prompt, generated, arrival, admitted steps)), oldest first
+_LISTS: list[tuple[str, list[tuple]]] = [
+    ("the example: A, B, C admitted at steps 0, 3, 3 (C after B)",
+     [(0, 12, 30, 0, [0]), (1, 8, 10, 1, [3]), (2, 5, 10, 2, [3])]),
+    ("a long request first, two short ones admitted after it",
+     [(0, 40, 60, 0, [0]), (1, 6, 2, 0, [0]), (2, 9, 1, 3, [5])]),
+    ("request 0 was preempted by recompute and admitted again, last",
+     [(1, 10, 4, 1, [2]), (2, 6, 3, 2, [4]), (0, 30, 25, 0, [0, 6])]),
+    ("the spec's second example: D, then E of four samples",
+     [(0, 12, 3, 0, [1]), (1, 20, 2, 1, [5], 4)]),
+    ("a request of 3 samples and a short one admitted in the same step, after a long one",
+     [(0, 30, 5, 0, [0]), (1, 12, 5, 1, [2], 3), (2, 4, 1, 2, [2])]),
+    ("a long single request, then 4 samples of a short prompt",
+     [(0, 30, 5, 0, [0]), (1, 8, 2, 1, [3], 4)]),
+]
+
+
+def _running(groups: list[SequenceGroup]) -> str:
+    def one(g: SequenceGroup) -> str:
+        n = len(g.live_seqs())
+        what = f"{n} samples, {_generated(g)} generated each" if n > 1 else \
+            f"{_generated(g)} generated"
+        return (f"request {g.request_id} (admitted at step {_admitted(g)}, {what}, "
+                f"{_blocks(g)} blocks)")
+    return "[" + ", ".join(one(g) for g in groups) + "]"
+
+
+def _hint_for(picks: list[tuple[list[SequenceGroup], Any]]) -> str | None:
+    """The wrong rule that picks what the learner picked on every list (else on the
+    first list where the learner was wrong)."""
+    for rule, hint in WRONG_RULES:
+        if all(rule(list(r)) is got for r, got in picks):
+            return hint
+    r, got = next((r, g) for r, g in picks if g is not lib_victim(list(r)))
+    return next((hint for rule, hint in WRONG_RULES if rule(list(r)) is got), None)
+
+
+def check_lists(choose_victim: Callable[..., Any]) -> None:
+    picks, pool = [], BlockAllocator(200)
+    for what, spec in _LISTS:
+        running = [_group(pool, *g) for g in spec]
+        given = list(running)
+        got = choose_victim(given)
+        grading.expect_true(len(given) == len(running) and all(
+            a is b for a, b in zip(given, running, strict=True)),
+            f"list '{what}': your function changed the list it was given",
+            "only choose: the scheduler preempts and removes the group itself")
+        picks.append((running, got))
+    for (what, _), (running, got) in zip(_LISTS, picks, strict=True):
+        if not any(got is g for g in running):
+            grading.fail(f"list '{what}': returned {got!r}, which is not one of the groups "
+                         "offered", "return one of the SequenceGroup objects in running "
+                         "itself (not an index, a request id or a copy)")
+        want = lib_victim(list(running))
+        if got is not want:
+            grading.fail(f"list '{what}': running {_running(running)}: you preempted "
+                         f"request {got.request_id}, expected request {want.request_id}"
+                         f"{_consequence(choose_victim)}", _hint_for(picks) or (
+                             "a group is never preempted to make room for one admitted "
+                             "after it; among those offered, preempting costs the least "
+                             "where the least was done"))
+
+
+#: the scheduler scenario a wrong rule is run on to the end, to tell what it does
+PRESSURE = Scenario("a long request among short ones arriving every 3 steps (recompute)",
+                    dict(num_blocks=10, block_size=4),
+                    ((6, 26, 0, 1),) + tuple((3, 6, 1 + 3 * k, 1) for k in range(10)))
+
+
+def _consequence(choose_victim: Callable) -> str:
+    """What the learner's rule does to :data:`PRESSURE`, next to the library's."""
+    def run(rule: Callable) -> tuple:
+        return loops.serve_scenario(PRESSURE, EngineHooks(choose_victim=rule), [None])[3]
+    try:
+        mine, lost = run(lambda running: choose_victim(list(running)))
+    except Exception:  # noqa: BLE001 - only what the rule would do, not the verdict
+        return ""
+    ref, ref_lost = run(lib_victim)
+    told = f" (run to the end on '{PRESSURE.name}', your rule"
+    never = [r for r, s in mine.items() if s is None]
+    if never:
+        return f"{told} never finishes request(s) {never})"
+    late = max(mine, key=lambda r: mine[r] - ref[r])
+    said = ([f"finishes request {late} at step {mine[late]} instead of {ref[late]}"]
+            if mine[late] != ref[late] else []) + (
+        [f"recomputes {lost} tokens instead of {ref_lost}"] if lost != ref_lost else [])
+    return f"{told} {', '.join(said)})" if said else ""
+
+
+def check_choose_victim(choose_victim: Callable[..., Any]) -> None:
+    """``choose_victim(running: list[SequenceGroup]) -> SequenceGroup``."""
+    with grading.exercise("07.2"):
+        check_lists(choose_victim)
+        generated.check("choose_victim", choose_victim, "the list is in admission order, "
+                        "whatever the groups' ids, arrivals or sizes: the last is the latest "
+                        "admitted")
+
+
+# ------------------------------------------------------------------ 07.3 preempt_until_fits
+
+
+class Running(NamedTuple):
+    rid: int
+    admitted: int
+    seqs: int
+    decoding: bool
+    ran: bool
+    blocks: int
+
+
+class PreState(NamedTuple):
+    rid: int
+    need: int
+    free: int
+    running: tuple
+    mode: str
+    cpu_free: int | None
+    rule: str | None  # the engine's choose_victim, when it is not the library's
+
+
+def _snapshot(group, step) -> PreState:
+    running = tuple(Running(g.request_id, g.timeline.admitted_steps[-1], len(g.live_seqs()),
+                            step.is_decoding(g), step.ran(g), _blocks(g))
+                    for g in step.running)
+    rule = step.hooks.choose_victim
+    told = None if rule is policy.choose_victim else \
+        (rule.__doc__ or rule.__name__).strip().splitlines()[0]
+    return PreState(group.request_id, step.blocks_needed, step.free_blocks, running,
+                    step.preemption, step.cpu_free_blocks, told)
+
+
+def _decide(args, before, result) -> tuple:
+    step = args[1]
+    victims = []
+    for g in step.preempted[before[1]:]:
+        for name, queue in (("swapped", step.swapped), ("waiting", step.waiting)):
+            at = next((k for k, q in enumerate(queue) if q is g), None)
+            if at is not None:
+                how = "swapped out" if name == "swapped" and g.seqs[0].status.name == \
+                    "SWAPPED" else "freed"
+                victims.append((g.request_id, how, name, at))
+                break
+        else:
+            victims.append((g.request_id, "lost", "no queue", -1))
+    return result, tuple(victims)
+
+
+def _describe(st: PreState) -> str:
+    groups = ", ".join(
+        f"request {r.rid} (admitted at step {r.admitted}, {r.seqs} sequence(s), "
+        f"{'decoding' if r.decoding else 'part way through a prefill'}, {r.blocks} blocks"
+        + (", ran this step" if r.ran else "") + ")" for r in st.running)
+    cpu = f", the CPU pool has {st.cpu_free} free blocks" if st.cpu_free is not None else ""
+    rule = f"; the engine's choose_victim takes {st.rule}" if st.rule else ""
+    return (f"request {st.rid} needs {st.need} free blocks and {st.free} are free; running "
+            f"[{groups}] (admission order); preemption '{st.mode}'{cpu}{rule}")
+
+
+def _show(decision) -> str:
+    runs, victims = decision
+    if not victims:
+        done = "preempts nobody"
+    else:
+        done = "preempts " + ", ".join(
+            f"request {r} ({how}, to position {at} of {queue})" for r, how, queue, at in victims)
+    return f"{done} and answers {runs!r}"
+
+
+def _why(st: PreState, lib, got) -> str:
+    if isinstance(got, Exception):
+        biggest = max((r.blocks for r in st.running), default=0)
+        if st.mode == "swap" and st.cpu_free is not None and biggest > st.cpu_free:
+            return ("the CPU pool cannot take every victim: when step.can_swap_out(victim) "
+                    "says no, swap falls back to recompute (step.free)")
+        return ("for each victim: remove it from step.running, then step.swap_out(victim) or "
+                "step.free(victim), then put it at the front of step.swapped or step.waiting")
+    (_, lib_v), (_, mine) = lib, got
+    by_id = {r.rid: r for r in st.running}
+    for a, b in zip([v[:3] for v in lib_v], [v[:3] for v in mine], strict=False):
+        if a == b:
+            continue
+        if a[0] != b[0]:
+            me, asker = by_id.get(b[0]), by_id[st.rid]
+            if me is not None and me.ran:
+                return ("a group that already ran this step cannot be preempted (its tokens "
+                        "are scheduled): only the group asking and those after it that have "
+                        "not run yet")
+            order = [r.rid for r in st.running]
+            if b[0] in order and order.index(b[0]) < order.index(asker.rid):
+                return ("never preempt a group admitted before the one asking, even one "
+                        "that has not run yet this step: first come, first served")
+            if a[1] == "freed" and b[1] == "swapped out":
+                return (f"the engine's rule chose request {a[0]}, which cannot be swapped "
+                        "(its K/V is not all there, or the CPU pool cannot take it all): it "
+                        "is still the victim, recomputed; the loop does not pass it over "
+                        "for a group that could be swapped")
+            if st.rule is not None:
+                return ("ask step.hooks.choose_victim for the victim: the engine's rule may be "
+                        "another one (here it takes " + st.rule + "); offer it group and the "
+                        "groups after it that have not run, oldest first")
+            return ("the latest admitted goes first (vLLM pops its running queue from the "
+                    "end): it has done the least, and the group asking may be the victim "
+                    "itself")
+        if a[1] == b[1] == "freed" and a[2] != b[2]:
+            return (f"request {a[0]}'s blocks were freed, not copied: nothing of it waits on "
+                    "the CPU to be swapped back in; it is prefilled again from its text, from "
+                    "step.waiting, whatever the preemption mode")
+        if a[1] == "freed" and not by_id[a[0]].decoding:
+            return ("a group part way through a prefill cannot be swapped (its K/V is not "
+                    "all written): it is recomputed instead")
+        if a[1] == "freed" and st.mode == "swap":
+            return ("the CPU pool cannot take every block of the victim: swap falls back "
+                    "to recompute (step.can_swap_out)")
+        if a[1] == "freed":
+            return "preemption 'recompute' frees the victim's blocks (step.free)"
+        return "preemption 'swap' copies a decoding victim to the CPU pool (step.swap_out)"
+    if len(mine) < len(lib_v):
+        return ("keep preempting until the group's blocks fit: one victim may free too few "
+                "(a group shares blocks, or holds few)")
+    if len(mine) > len(lib_v):
+        return ("stop as soon as the blocks fit (step.blocks_needed <= step.free_blocks): "
+                "preempt nobody more, and nobody at all when they already fit")
+    if mine != lib_v:
+        queue = next(a for a, b in zip(lib_v, mine, strict=False) if a != b)[2]
+        if queue == "swapped":
+            return ("a victim swapped out goes to the FRONT of step.swapped (appendleft): "
+                    "swapped groups come back from the front, and victims leave latest "
+                    "first, so each one put in front keeps the earliest admitted first")
+        return ("a victim goes back to the FRONT of its queue (appendleft): it was admitted "
+                "before every group waiting, and comes back first")
+    return ("answer True when the group's blocks fit and it runs now, False when it was "
+            "preempted itself")
+
+
+loops.LOOPS["preempt_until_fits"] = (_snapshot, _decide, _describe, _show, _why)
+
+
+def oldest_first(running: list) -> Any:
+    """the oldest admitted first (the group asking)"""
+    return running[0]
+
+
+#: scenarios served by the scheduler alone: requests (prompt, max_tokens, arrival, n)
+SCENARIOS: list[Scenario] = [
+    Scenario("samples recomputed by chunks of 6, admitted before a decoding group that "
+             "needs a block; the engine's choose_victim the oldest first",
+             dict(num_blocks=6, block_size=2, preemption="swap", num_cpu_blocks=4,
+                  enable_chunked_prefill=True, max_num_batched_tokens=6, max_num_seqs=4),
+             ((2, 6, 3, 1), (8, 10, 1, 2), (9, 10, 4, 1)),
+             hooks=(("choose_victim", oldest_first),)),
+    Scenario("by swap, a CPU pool of 4 blocks: the latest admitted holds 5, the one before "
+             "it 2", dict(num_blocks=12, block_size=4, preemption="swap", num_cpu_blocks=4),
+             ((18, 10, 3, 1), (17, 8, 4, 1), (18, 5, 2, 1), (5, 12, 2, 1))),
+    Scenario("2 samples recomputed by chunks of 6, admitted before a decoding group that "
+             "needs a block", dict(num_blocks=5, block_size=2, enable_chunked_prefill=True,
+                                   max_num_batched_tokens=6, max_num_seqs=4),
+             ((2, 6, 3, 1), (8, 10, 1, 2))),
+]
+
+
+def check_preempt_until_fits(preempt_until_fits: Callable[..., Any]) -> None:
+    """``preempt_until_fits(group, step) -> bool``."""
+    with grading.exercise("07.3"):
+        loops.run_scheduler("preempt_until_fits", preempt_until_fits, SCENARIOS, "ask "
+                            "choose_victim among the group and those admitted after it that "
+                            "have not run, one victim at a time, until the blocks fit or the "
+                            "group itself is preempted")
 
 
 # ------------------------------------------------------------------ the demo

@@ -1,17 +1,14 @@
-"""Grading a scheduler loop by serving: the learner's hook in the engine, call by call.
+"""Grading a scheduler loop (06.4 ``schedule_waiting``, 07.3 ``preempt_until_fits``) by
+serving it in the engine next to the library's, call by call.
 
-The scheduler's two loops (``schedule_waiting``, exercise 06.4; ``preempt_until_fits``,
-exercise 07.3) act on a live step, so their calls cannot be replayed out of the engine.
-Instead the engine serves each workload twice, once with the library's hook and once with
-the learner's, everything else the library's. Every call is recorded as the state the
-hook saw (a plain snapshot) and what it did; the learner's run stops at the first call
-whose state or decision differs from the library's, and that call is told as a story:
-the workload, the engine step, the state, the library's decision, the learner's.
-
-Two sources of states: :func:`paged_lib.course.grading.replay.workloads` on the shipped
-tiny model (sampling, beams, prefix hits, chunked prefill, both preemptions,
-``prefill_first``, a window), and small edge scenarios served by the scheduler alone (no
-model: every sampled token is 3) that reach the boundaries the workloads rarely meet.
+A workload is served twice, with the library's hook and with the learner's (all else the
+library's); every call is recorded as the state the hook saw (a plain snapshot) and what
+it did, and the learner's run stops at the first call that differs: the state, both
+decisions, and the hint the chapter's ``why`` derives from that state.
+:func:`run_scheduler` serves the chapter's edge scenarios (the scheduler alone, no model:
+every sampled token is 3), then the random workloads of
+:mod:`~paged_lib.course.grading.generated`, whose first difference is shrunk and told the
+same way.
 """
 
 from __future__ import annotations
@@ -22,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from paged_lib.course import grading
-from paged_lib.course.grading import serving
+from paged_lib.course.grading import generated, serving
 from paged_lib.engine.block_manager import BlockManager
 from paged_lib.engine.hooks import EngineHooks
 from paged_lib.engine.sampler import num_samples
@@ -37,14 +34,6 @@ class Record:
     decision: Any    # what it did (plain data)
 
 
-class _Stop(Exception):
-    """The learner's run stops here: the story is in ``message``."""
-
-    def __init__(self, message: str, hint: str | None):
-        super().__init__(message)
-        self.message, self.hint = message, hint
-
-
 #: hook name -> (snapshot(args) -> state, decision(args, before, result) -> decision,
 #: describe(state) -> str, show(decision) -> str, hint(state, lib, yours) -> str)
 LOOPS: dict[str, tuple[Callable, ...]] = {}
@@ -53,24 +42,26 @@ LOOPS: dict[str, tuple[Callable, ...]] = {}
 def recorder(name: str, fn: Callable, log: list[Record], where: list,
              reference: list[Record] | None = None, label: str = "") -> Callable:
     """``fn`` wrapped: every call is appended to ``log``; with ``reference`` (the
-    library's records of the same run), the first call that differs raises :class:`_Stop`."""
+    library's records of the same run), the first call that differs fails the check,
+    told as ``label``, the engine step, the state and the two decisions."""
     snapshot, decide, describe, show, why = LOOPS[name]
 
     def call(*args: Any) -> Any:
         step = where[0].step
         state = snapshot(*args)
-        before = _marks(args)
+        before = len(args[-1].admitted), len(args[-1].preempted)  # the step's so far
         k = len(log)
         lib = reference[k] if reference is not None and k < len(reference) else None
-        story = f"in '{label}', at engine step {step}"
+        story = f"{label}, at engine step {step}"
         if reference is not None and lib is None:
-            raise _Stop(f"{story}: the engine asked {name} more often than with the "
-                        "library's (the schedules drifted apart before)", None)
+            grading.fail(f"{story}: the engine asked {name} more often than with the "
+                         "library's (the schedules drifted apart before)")
         if lib is not None and (lib.step, lib.state) != (step, state):
-            raise _Stop(f"{story}: the engine reached a state the library's run never "
-                        f"did ({describe(state)}; the library's run had {describe(lib.state)} "
-                        f"at step {lib.step})", "an earlier decision of yours changed "
-                        "something the comparison does not see: compare the steps before")
+            grading.fail(f"{story}: the engine reached a state the library's run never "
+                         f"did ({describe(state)}; the library's run had "
+                         f"{describe(lib.state)} at step {lib.step})", "an earlier decision "
+                         "of yours changed something the comparison does not see: compare "
+                         "the steps before")
         try:
             result = fn(*args)
         except (NotImplementedError, grading.TwinCalled):
@@ -78,22 +69,16 @@ def recorder(name: str, fn: Callable, log: list[Record], where: list,
         except Exception as err:  # noqa: BLE001 - the learner's bug, told as a story
             if reference is None:
                 raise
-            hint = why(state, lib.decision, err)
-            raise _Stop(f"{story}, with {describe(state)}: your {name} raised "
-                        f"{type(err).__name__}: {err}", hint) from None
+            grading.fail(f"{story}, with {describe(state)}: your {name} raised "
+                         f"{type(err).__name__}: {err}", why(state, lib.decision, err))
         got = decide(args, before, result)
         log.append(Record(step, state, got))
         if lib is not None and got != lib.decision:
-            raise _Stop(f"{story}, with {describe(state)}: the library {show(lib.decision)}; "
-                        f"yours {show(got)}", why(state, lib.decision, got))
+            grading.fail(f"{story}, with {describe(state)}: the library "
+                         f"{show(lib.decision)}; yours {show(got)}", why(state, lib.decision, got))
         return result
 
     return call
-
-
-def _marks(args: tuple) -> tuple[int, int]:
-    step = args[-1]
-    return len(step.admitted), len(step.preempted)
 
 
 # ------------------------------------------------------------------ serving
@@ -154,48 +139,49 @@ def _draws(s) -> list[tuple[int, float]]:
     return [(3 + next(j for j, q in enumerate(group.seqs) if q is s.seq), 0.0)]
 
 
-def _serve_workload(w: Any, hooks: EngineHooks, where: list) -> tuple:
-    """A replay workload on the shipped tiny model, as :func:`serve_scenario` tells it."""
-    from paged_lib.model import load_tiny_code_llama
-
-    tokens, engine = serving.serve(load_tiny_code_llama(), w, hooks,
-                                   ready=lambda e: where.__setitem__(0, e.scheduler))
-    return tokens, engine.block_manager.num_free_blocks, engine.stats.steps, None
-
-
 _LIBRARY: dict[tuple[str, str], tuple[list[Record], tuple]] = {}
 
 
-def run_scheduler(name: str, fn: Callable, scenarios: list[Scenario]) -> None:
-    """Serve each scenario, then each replay workload, with the library's hook ``name``
-    and with ``fn`` (the library's runs once per process); fail at the first call that
-    differs from the library's, then on the tokens, blocks or steps at the end."""
-    from paged_lib.course.grading import replay
+def _compare(name: str, fn: Callable, label: str, serve: Callable, others: dict) -> Any:
+    """Serve with the library's hook ``name`` (recorded once per process, by ``label``),
+    then with ``fn`` compared call by call; what ``serve`` returned for each."""
+    if (name, label) not in _LIBRARY:
+        ref, where = [], [None]
+        lib = recorder(name, getattr(EngineHooks(), name), ref, where)
+        _LIBRARY[name, label] = ref, serve(EngineHooks(**others, **{name: lib}), where)
+    ref, want = _LIBRARY[name, label]
+    log, where = [], [None]
+    try:
+        got = serve(EngineHooks(**others, **{name: recorder(name, fn, log, where, ref, label)}),
+                    where)
+    except ValueError as err:  # the scheduler's checks of the hook's answer
+        grading.fail(f"{label}, at engine step {where[0].step}: {err}")
+    grading.expect_equal(len(log), len(ref), f"{label}: calls to {name}",
+                         "the engine asked fewer times: the run ended differently")
+    return got, want
 
-    runs = [(sc.name, functools.partial(serve_scenario, sc), dict(sc.hooks))
-            for sc in scenarios] + [(w.name, functools.partial(_serve_workload, w), {})
-                                    for w in replay.workloads()]
+
+def run_scheduler(name: str, fn: Callable, scenarios: list[Scenario], hint: str) -> None:
+    """Serve each scenario with the library's hook ``name`` and with ``fn``: fail at the
+    first call that differs, then on the tokens, blocks or steps at the end. Then the
+    random workloads: the first that differs is shrunk, served again call by call, and
+    told with its first differing call (or, if every call agrees, what differs, and
+    ``hint``)."""
     with serving.one_thread():
-        for label, serve, others in runs:
-            if (name, label) not in _LIBRARY:
-                ref, where = [], [None]
-                lib = recorder(name, getattr(EngineHooks(), name), ref, where)
-                _LIBRARY[name, label] = ref, serve(EngineHooks(**others, **{name: lib}), where)
-            ref, want = _LIBRARY[name, label]
-            log, where = [], [None]
-            hooks = EngineHooks(**others, **{name: recorder(name, fn, log, where, ref, label)})
-            try:
-                got = serve(hooks, where)
-            except _Stop as stop:
-                grading.fail(f"serving with your {name}: {stop.message}", stop.hint)
-            except ValueError as err:  # the scheduler's checks of the hook's answer
-                grading.fail(f"serving '{label}' with your {name}, at engine step "
-                             f"{where[0].step}: {err}", None)
-            at = f"serving '{label}' with your {name}"
-            grading.expect_equal(len(log), len(ref), f"{at}: calls to {name}",
-                                 "the engine asked fewer times: the run ended differently")
-            for what, k, hint in (("the tokens", 0, "same decisions, different tokens: a "
-                                   "group must sample exactly when the library's does"),
-                                  ("free blocks at the end", 1, "every block comes back when "
-                                   "every request is done"), ("steps", 2, None)):
-                grading.expect_equal(got[k], want[k], f"{at}: {what}", hint)
+        for sc in scenarios:
+            at = f"serving with your {name}: in '{sc.name}'"
+            got, want = _compare(name, fn, at, functools.partial(serve_scenario, sc),
+                                 dict(sc.hooks))
+            for what, k, why in (("the tokens", 0, "same decisions, different tokens: a "
+                                  "group must sample exactly when the library's does"),
+                                 ("free blocks at the end", 1, "every block comes back when "
+                                  "every request is done"), ("steps", 2, None)):
+                grading.expect_equal(got[k], want[k], f"{at}: {what}", why)
+
+    def tell(label: str, small: Any) -> None:  # the shrunk workload, call by call
+        def serve(hooks: EngineHooks, where: list) -> Any:
+            return generated.serve(small, hooks, ready=lambda e: where.__setitem__(
+                0, e.scheduler))
+        with serving.one_thread():
+            _compare(name, fn, label, serve, {})
+    generated.check(name, fn, hint, tell=tell)

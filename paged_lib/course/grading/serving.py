@@ -1,10 +1,6 @@
-"""Serving on the engine with some of the learner's hooks: the one way graders and demos do it.
-
-Graders serve a workload (an options dict that holds ``num_blocks`` and ``block_size``,
-prompts, sampling parameters, arrival steps) with the learner's hook among the library's,
-record what the engine asked and compare with the library's run; demos serve a chapter's
-trace twice, the learner's hooks and then the library's, and say whether the tokens agree.
-"""
+"""Serving on the engine with some of the learner's hooks: a grader serves a
+:class:`Workload` (:func:`serve`); a demo serves a chapter's trace with the learner's hooks
+and with the library's and says whether they agree (:func:`side_by_side`)."""
 
 from __future__ import annotations
 
@@ -37,6 +33,29 @@ def one_thread() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(threads)
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    options: dict  # the engine's keywords, num_blocks and block_size among them
+    prompts: list
+    params: list
+    arrivals: list
+
+
+def beam_workload() -> Workload:
+    """Beams of 3 and 4 next to parallel samples, with swaps and chunks."""
+    from paged_lib.engine import SamplingParams as P
+
+    return Workload("beams of 3 and 4 and samples, swap, chunks of 8, 14 blocks of 2", dict(
+        num_blocks=14, block_size=2, watermark=0, preemption="swap", num_cpu_blocks=64,
+        enable_chunked_prefill=True, max_num_batched_tokens=8, max_num_seqs=8),
+        [[66, 76, 113, 114, 49], [95, 106, 91], [44, 107, 40, 61, 122, 114, 102, 63, 48],
+         [92, 85, 44, 47]],
+        [P(max_tokens=7, beam_width=4), P(max_tokens=6, beam_width=3),
+         P(max_tokens=5, temperature=1.0, n=3, seed=3), P(max_tokens=8, beam_width=3)],
+        [0, 0, 1, 3])
 
 
 def serve(model: Any, workload: Any, hooks: EngineHooks | None = None,

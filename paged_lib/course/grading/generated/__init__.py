@@ -1,18 +1,12 @@
 """Random workloads served side by side: the last stage of the engine pieces' graders.
 
-Seeded workloads are drawn from the engine's options and their combinations (samples and
-beams of 2-4, chunked prefill, prefix caching with repeated and duplicated prefixes, both
-preemptions, watermarks, GPU and CPU pools small enough to preempt and to refuse a swap,
-arrivals spread over steps and out of request order, stop tokens, windows with sinks,
-int8 blocks, fp16 and fp32), each served with the library's pieces and with the learner's
-piece in its hook (:class:`~paged_lib.engine.hooks.EngineHooks`), and compared step by
-step through the engine's public ``on_step``: who ran with how many tokens, who was
-admitted and preempted, swaps, copy-on-write copies, prefix hits, blocks in use, tokens
-drawn. The first workload that differs is *shrunk* as hypothesis shrinks an example
-(requests dropped, options switched off one at a time, prompts and outputs shortened,
-samples and beams made single, arrivals moved earlier) and told as one story: the
-workload, the engine step, what the library's engine did and what yours did. Everything
-is seeded (no clock): a piece gets the same verdict on any machine.
+Seeded workloads (:mod:`.workload`: samples, beams, chunks, prefix caching, both
+preemptions, watermarks, tight pools, arrivals out of order, stop tokens, windows, int8,
+fp16) are served with the library's pieces and with the learner's piece in its hook,
+and compared step by step through the engine's ``on_step``: who ran, was admitted,
+preempted, swapped, copied, hit the prefix cache, the blocks in use, the tokens drawn.
+The first workload that differs is shrunk (as hypothesis shrinks an example) and told as
+one story: the workload, the engine step, what each engine did.
 """
 
 from __future__ import annotations
@@ -26,6 +20,7 @@ from typing import Any
 import torch
 
 from paged_lib.course import grading
+from paged_lib.course.grading import serving
 from paged_lib.course.grading.generated.workload import (
     Request,
     Workload,
@@ -91,10 +86,11 @@ class _Differs(Exception):
 
 
 def serve(w: Workload, hooks: Any = None, reference: list[tuple] | None = None,
-          limit: int | None = None) -> tuple[list[tuple], Any]:
+          limit: int | None = None, ready: Callable | None = None) -> tuple[list[tuple], Any]:
     """(the steps' records, the outputs' tokens or the error that stopped the run, or
     ``None`` when it was cut short): with ``reference`` (the library's records) the run
-    stops at the first step that differs, with ``limit`` after that many steps."""
+    stops at the first step that differs, with ``limit`` after that many steps;
+    ``ready(engine)`` runs before the first step."""
     steps: list[tuple] = []
     engine = None
 
@@ -108,6 +104,8 @@ def serve(w: Workload, hooks: Any = None, reference: list[tuple] | None = None,
 
     try:
         engine = _engine(w, hooks, on_step)
+        if ready is not None:
+            ready(engine)
         outs = engine.generate([list(r.prompt) for r in w.requests], [
             _sampling(r) for r in w.requests], arrival_steps=[r.arrival for r in w.requests])
         end: Any = [(o.error, [c.token_ids for c in o.outputs]) for o in outs]
@@ -224,30 +222,30 @@ def find(hook: str, hooks: Any,
     """Serve ``count`` random workloads drawn for ``hook`` with ``hooks`` (see
     :func:`_engine`) next to the library's; the first that differs as (the workload
     drawn, the workload it shrank to, what differs there), or ``None``."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matrices: a second thread only adds overhead
-    try:
+    with serving.one_thread():
         for w in workloads(hook, count):
             found = difference(w, hooks)
             if found is not None:
                 small, story = shrink(w, hooks, found)
                 _library.cache_clear()  # the shrink's runs are not asked again
                 return w, small, story
-        return None
-    finally:
-        torch.set_num_threads(threads)
+    return None
 
 
-def check(hook: str, piece: Any, hint: str, count: int = NUM_WORKLOADS) -> None:
+def check(hook: str, piece: Any, hint: str, count: int = NUM_WORKLOADS,
+          tell: Callable[[str, Workload], None] | None = None) -> None:
     """Serve ``count`` random workloads with ``piece`` as hook ``hook`` next to the
-    library's; at the first that differs, shrink it and fail with its story and ``hint``."""
+    library's; at the first that differs, shrink it and fail with its story and ``hint``
+    (``tell(label, shrunk workload)``, when given, may fail first with a finer story)."""
     from paged_lib.engine import EngineHooks
 
     found = find(hook, EngineHooks(**{hook: piece}), count)
     if found is not None:
         drawn, small, story = found
-        grading.fail(f"random workload {drawn.seed} for your {hook}, shrunk to "
-                     f"{small.describe()}: {story}", hint)
+        label = f"random workload {drawn.seed} for your {hook}, shrunk to {small.describe()}"
+        if tell is not None:
+            tell(label, small)
+        grading.fail(f"{label}: {story}", hint)
 
 
 def states(hook: str, count: int = NUM_WORKLOADS) -> dict[str, int]:

@@ -1,21 +1,13 @@
-"""Generated direct inputs for the engine's small pieces: the last stage of 06.1
-(``build_metadata``) and 06.2 (``num_required_blocks``), on the harness of
-:mod:`~paged_lib.course.grading.generated.numeric`.
+"""Generated direct inputs for 06.1 (``build_metadata``) and 06.2 (``num_required_blocks``),
+on the harness of :mod:`~paged_lib.course.grading.generated.numeric`.
 
-06.1's fixed batches, the engine's replayed calls and the random workloads of
-:mod:`~paged_lib.course.grading.generated` all come from pools of a few dozen blocks, so
-every slot fits in 32 bits. Here seeded batches draw block ids from a pool of
-``2**31 - 1`` blocks (as int32 block tables allow: a slot then needs int64), with block
-sizes that are not powers of two, chunks in the middle of a prompt (a query shorter than
-the sequence, longer than one token), and decodes, full prefills and chunks in one batch.
-Each batch goes through the grader's own per-batch check, which compares it with the
-library's answer field by field.
-
-06.2's fixed groups, and the groups the workloads preempt, have samples whose outputs
-differ from their first token, at most four of them, blocks of 1, 4 or 8. Here the
-waiting groups have up to six live samples whose first generated tokens agree (greedy
-samples, beams that share a prefix), finished ones anywhere, one-token prompts, and block
-sizes 3, 5 and 7.
+06.1: seeded batches whose block ids come from a pool of ``2**31 - 1`` blocks (int32
+tables, int64 slots), block sizes that are not powers of two, chunks in the middle of a
+prompt, and decodes, prefills and chunks in one batch, each through the grader's own
+per-batch check. 06.2: waiting groups, fresh (``n`` samples to come) or preempted by
+recompute, with up to six live samples whose first generated tokens may agree, finished
+ones anywhere, one-token prompts, block sizes 1 to 16; a wrong count is named by the
+grader's rule namer.
 """
 
 from __future__ import annotations
