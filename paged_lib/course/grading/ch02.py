@@ -116,7 +116,7 @@ def _slots_hint(got: tuple[int, ...], want: tuple[int, ...], max_len: int) -> st
 def _check_slots(fn: Callable[[int, int, int], object], n: int, length: int,
                  max_len: int) -> None:
     want = request_slots("orca-max", n, length, max_len=max_len)
-    what = f"{n} tokens stored, final length {length}, max_len={max_len}"
+    what = f"{n} token{'s' * (n != 1)} stored, final length {length}, max_len={max_len}"
     got = _as_triple(fn(n, length, max_len), what)
     grading.expect_equal(got, want, what=what, hint=_slots_hint(got, want, max_len))
 
