@@ -82,7 +82,7 @@ def test_cases_are_seeded_and_reach_states_the_fixed_cases_do_not():
     assert small_sim.trace_cases() == small_sim.trace_cases()
     traces = numeric.states(small_sim.trace_cases())
     assert small_ints.count_cases() == small_ints.count_cases()
-    assert numeric.states(small_ints.count_cases())["n past 2**53, rounded the other way"]
+    assert numeric.states(small_ints.count_cases())["n past 2**53"]
     assert traces["two or more preemptions"] and traces["capacity not a multiple of block_size"]
     assert prompts["2 extra keys"] and prompts["a text hashed again at another block size"]
 
@@ -513,9 +513,9 @@ def test_02_5_a_right_answer_of_another_shape_passes():
 # ------------------------------------------------------------------ 00.1, 01.2, 01.3 counts
 
 def blocks_float_then_remainder(n, b):
-    """Wrong: the float quotient's integer part, plus one for a remainder: right at the
-    fixed 10**18 + 1 (its quotient rounds down to a whole number), wrong where it rounds
-    the other way."""
+    """Wrong: the float quotient's integer part, plus one for a remainder: right wherever
+    n / b is exact as a float (every named case), wrong past 2**53 where the float quotient
+    rounds across a whole number."""
     return int(n / b) + (n % b > 0)
 
 

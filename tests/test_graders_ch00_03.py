@@ -772,11 +772,10 @@ def test_one_rule_for_integer_types_numpy_ints_pass_floats_do_not(capsys):
 
 
 def test_03_1_never_prints_03_4s_answers(capsys):
-    """A ❌ of 03.1 shows an expected Slot: no 03.1 scenario may be 03.4's prediction."""
+    """A ❌ of 03.1 shows an expected Slot: it must not be one of 03.4's predictions."""
     answers = ch03.prediction_scenario()
     shown = {str(answers[k]) for k in ("child 1's slot", "child 2's slot", "parent's slot")}
-    for _, _, free_list, block_size, _steps in ch03._APPEND_SCENARIOS:
-        assert (free_list, block_size) != ((5, 2, 9, 10, 11), 16)
+
     def no_copy(table):  # writes into the shared block: fails at the first fork
         offset = table._num_tokens % table.block_size
         if offset == 0:

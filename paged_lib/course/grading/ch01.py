@@ -1,4 +1,5 @@
-"""Checks for chapter 01 (KV bytes). Each prints one verdict line; see paged_lib.course.grading."""
+"""Checks for chapter 01 (KV bytes): named cases, then the generated ones of
+:mod:`.generated.small_ints`; each hint names the slip from the wrong number."""
 
 from __future__ import annotations
 
@@ -36,11 +37,10 @@ def _kv_hint(spec: ModelSpec, got: object) -> str:
 
 def _check_kv(fn: Callable[[ModelSpec], int], spec: ModelSpec) -> None:
     got = fn(spec)
-    if got == kv_bytes_per_token(spec):
-        grading.expect_int(got, f"bytes per token of {spec.name}")
     grading.expect_equal(got, kv_bytes_per_token(spec),
                          what=f"bytes per token of {spec.name} ({spec.attention}, "
                               f"{spec.dtype_bytes} B per value)", hint=_kv_hint(spec, got))
+    grading.expect_int(got, f"bytes per token of {spec.name}")
 
 
 def check_kv_bytes_per_token(fn: Callable[[ModelSpec], int]) -> None:
@@ -51,6 +51,10 @@ def check_kv_bytes_per_token(fn: Callable[[ModelSpec], int]) -> None:
                      SPECS["llama-2-13b"].with_dtype("fp32"), TOY]:
             _check_kv(fn, spec)
         small_ints.kv_stage(lambda spec: _check_kv(fn, spec))  # generated: real configs
+
+
+def _tokens(n: int) -> str:
+    return f"{n} token" + "s" * (n != 1)
 
 
 def check_logical_blocks(fn: Callable[[int, int], int]) -> None:
@@ -79,7 +83,7 @@ def _fill_hint(n: int, bs: int, got: object, want: float) -> str:
     if got == int(want) != want:
         return "`//` floors the fraction to 0 or 1: divide with `/`."
     if got in ((in_last - 1) / bs, (in_last + 1) / bs):
-        return (f"one token off: the last block holds {in_last} tokens (the {n} tokens less "
+        return (f"one token off: the last block holds {_tokens(in_last)} (the {n} tokens less "
                 f"the {num_blocks(n, bs) - 1} full blocks before it), so the fill is "
                 f"{in_last}/{bs}.")
     return ("tokens in the last block / block_size; the last block holds what is "
@@ -96,15 +100,10 @@ def check_last_block_fill(fn: Callable[[int, int], float]) -> None:
         for n, bs in cases:
             got = fn(n, bs)
             want = small_ints.fill(n, bs)
-            grading.expect_close(got, want, what=f"fill of the last block for {n} tokens "
+            grading.expect_close(got, want, what=f"fill of the last block for {_tokens(n)} "
                                                  f"at block size {bs}", rel=1e-9,
                                  hint=_fill_hint(n, bs, got, want))
         small_ints.count_stage("01.3", fn)  # generated: counts past 2**53
-
-
-def _max_requests(spec: ModelSpec, budget: int, context_len: int, block_size: int) -> int:
-    block_bytes = block_size * kv_bytes_per_token(spec)
-    return (budget // block_bytes) // num_blocks(context_len, block_size)
 
 
 def _max_requests_hint(spec: ModelSpec, budget: int, ctx: int, bs: int, got: object,
@@ -113,12 +112,12 @@ def _max_requests_hint(spec: ModelSpec, budget: int, ctx: int, bs: int, got: obj
     per_token = kv_bytes_per_token(spec)
     blocks = num_blocks(ctx, bs)
     if got == budget // (ctx * per_token) != want:
-        return (f"each request takes whole blocks: {ctx} tokens at block size {bs} "
+        return (f"each request takes whole blocks: {_tokens(ctx)} at block size {bs} "
                 f"occupy {blocks} blocks, i.e. {blocks * bs} token slots.")
     if isinstance(got, float) and got != int(got):
         return "only whole requests run: round down."
     if got == budget // per_token // blocks:
-        return (f"a block holds block_size = {bs} tokens, so it takes {bs} x "
+        return (f"a block holds block_size = {_tokens(bs)}, so it takes {bs} x "
                 f"{per_token:,} bytes: the budget holds {budget // (bs * per_token):,} "
                 f"blocks, not {budget // per_token:,}.")
     if got == -(-budget // (bs * per_token)) // blocks:
@@ -138,12 +137,10 @@ def _max_requests_hint(spec: ModelSpec, budget: int, ctx: int, bs: int, got: obj
 def _check_max(fn: Callable[..., int], spec: ModelSpec, budget: int, ctx: int,
                bs: int) -> None:
     got = fn(spec, budget, ctx, bs)
-    want = _max_requests(spec, budget, ctx, bs)
-    if got == want:
-        grading.expect_int(got, f"{spec.name}, budget {budget:,} B, {ctx} tokens")
-    grading.expect_equal(got, want, what=f"{spec.name}, budget {budget:,} B, {ctx} tokens, "
-                                         f"block size {bs}",
-                         hint=_max_requests_hint(spec, budget, ctx, bs, got, want))
+    want = (budget // (bs * kv_bytes_per_token(spec))) // num_blocks(ctx, bs)
+    what = f"{spec.name}, budget {budget:,} B, {_tokens(ctx)}, block size {bs}"
+    grading.expect_equal(got, want, what, _max_requests_hint(spec, budget, ctx, bs, got, want))
+    grading.expect_int(got, what)
 
 
 def check_max_requests(fn: Callable[[ModelSpec, int, int, int], int]) -> None:

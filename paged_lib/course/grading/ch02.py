@@ -1,8 +1,8 @@
-"""Checks for chapter 02 (where KV memory goes). Each prints one verdict line.
+"""Checks for chapter 02 (where KV memory goes), with the right answers and their hints.
 
-The right answers, the traces and the hints they are checked against are
-:mod:`paged_lib.course.grading.ch02_answers`; this module holds the checks (which name
-the mistake from how an answer differs) and the chapter's demo.
+02.1 and 02.3 compare a dict with the answers below, naming each wrong key's mistake.
+02.2 and 02.4 run fixed cases, then the generated ones of :mod:`.generated.small_sim`;
+02.5 replays six traces, each built around one rule of the spec, then the generated ones.
 """
 
 from __future__ import annotations
@@ -16,21 +16,10 @@ from typing import Any
 import numpy as np
 
 from paged_lib.course import grading
-from paged_lib.course.grading.ch02_answers import (
-    DERIVATION_HINTS,
-    DERIVATION_KEYS,
-    MECHANISM_HINTS,
-    MECHANISMS,
-    SIM_KEYS,
-    SIM_TRACES,
-    WASTE_KINDS,
-    batch_snapshot,
-    derivation_answers,
-    reference_paged,
-)
 from paged_lib.course.grading.generated import small_sim
+from paged_lib.course.grading.generated.small_sim import SIM_KEYS, reference_paged
 from paged_lib.fragmentation import request_slots
-from paged_lib.workloads import sharegpt_like
+from paged_lib.workloads import Request, sharegpt_like
 
 #: Mutants of the solution that compute the same thing (see ``tools/mutants.py``).
 EQUIVALENT_MUTANTS: dict[str, dict[str, str]] = {
@@ -42,15 +31,54 @@ EQUIVALENT_MUTANTS: dict[str, dict[str, str]] = {
     },
 }
 
+WASTE_KINDS = ("reserved", "internal", "external")
+
+#: Exercise 02.1: which kinds of waste each mechanism removes (reduces to nothing, or to
+#: less than one block per request).
+MECHANISMS: dict[str, set[str]] = {
+    "allocate on demand": {"reserved", "internal"},
+    "equal-size blocks through a block table": {"external"},
+    "reserve exactly the final length, first-fit (Orca Oracle)": {"internal"},
+    "round the output up to a power of two (Orca Pow2)": set(),
+}
+
+MECHANISM_HINTS = {
+    "allocate on demand": (
+        "a block is taken only when the previous one is full: nothing is held for tokens "
+        "not yet produced, and what is never used is at most the rest of the last block. "
+        "It does not say *where* memory comes from, so alone it does not fix external "
+        "fragmentation."),
+    "equal-size blocks through a block table": (
+        "any free block can hold any request's next block, so a free block is never too "
+        "small or in the wrong place: that is external fragmentation gone. Block size "
+        "alone says nothing about reserving ahead."),
+    "reserve exactly the final length, first-fit (Orca Oracle)": (
+        "an oracle reserves L slots and first-fit hands out exactly L, so no slot is past "
+        "the end (no internal fragmentation); but the slots for future tokens are still "
+        "held from the start (reserved), and chunks of different sizes still leave holes "
+        "(external). On a buddy allocator, as the paper assumes, L is rounded up to a "
+        "power of two and internal fragmentation is back: the allocator decides."),
+    "round the output up to a power of two (Orca Pow2)": (
+        "reserving the prompt plus the output rounded up to a power of two shrinks the "
+        "over-reservation (at most 2x the output instead of max_len) but removes none of "
+        "the three: slots past the end remain, future tokens are still reserved, and "
+        "chunk sizes still differ."),
+}
+
+
+def _expect_dict(got: Any, keys: list[str], hint: str) -> None:
+    grading.expect_true(isinstance(got, dict), f"expected a dict, got {type(got).__name__}",
+                        hint)
+    missing = [k for k in keys if k not in got]
+    grading.expect_true(not missing, f"no answer for {missing}", hint)
+
+
 def check_waste_removed(fn: Callable[[], dict[str, set[str]]]) -> None:
     """02.1: mechanism -> set of waste kinds it removes."""
     with grading.exercise("02.1"):
         got = fn()
-        grading.expect_true(isinstance(got, dict), f"expected a dict, got "
-                            f"{type(got).__name__}", hint="return {mechanism: {kinds}}")
-        missing = [m for m in MECHANISMS if m not in got]
-        grading.expect_true(not missing, f"no answer for {missing}",
-                            hint="use the mechanism names exactly as given in the dict stub")
+        _expect_dict(got, list(MECHANISMS), "return {mechanism: {kinds}}, with the mechanism "
+                     "names exactly as given in the dict stub")
         for mech, want in MECHANISMS.items():
             grading.expect_true(got[mech] is not None, f"{mech!r}: None",
                                 hint="a mechanism that removes no kind of waste gets an empty "
@@ -88,7 +116,7 @@ def _slots_hint(got: tuple[int, ...], want: tuple[int, ...], max_len: int) -> st
 def _check_slots(fn: Callable[[int, int, int], object], n: int, length: int,
                  max_len: int) -> None:
     want = request_slots("orca-max", n, length, max_len=max_len)
-    what = f"{n} tokens stored, final length {length}, max_len={max_len}"
+    what = f"{n} token{'s' * (n != 1)} stored, final length {length}, max_len={max_len}"
     got = _as_triple(fn(n, length, max_len), what)
     grading.expect_equal(got, want, what=what, hint=_slots_hint(got, want, max_len))
 
@@ -99,6 +127,18 @@ def check_orca_max_slots(fn: Callable[[int, int, int], object]) -> None:
         for n, length, max_len in [(261, 499, 2048), (1, 500, 512), (16, 40, 40)]:
             _check_slots(fn, n, length, max_len)
         small_sim.slot_stage(lambda *args: _check_slots(fn, *args))  # generated: last steps
+
+
+def batch_snapshot(prompt_lens, output_lens, step, slots) -> tuple[int, int, int]:
+    """02.4: (token_states, reserved, internal) summed over the requests running at
+    ``step`` (from 0): each stores its prompt plus ``step + 1`` tokens, out of its final
+    length; ``slots(num_tokens, final_len)`` is one request's triple."""
+    total = [0, 0, 0]
+    for p, o in zip(prompt_lens, output_lens, strict=True):
+        if step < o:
+            for k, v in enumerate(slots(p + step + 1, p + o)):
+                total[k] += v
+    return tuple(total)
 
 
 def _snapshot_hint(p, o, step, slots, got) -> str:
@@ -148,14 +188,10 @@ def _check_snapshot(fn: Callable[..., object], what: str, slots, p, o, step) -> 
     grading.expect_equal(got, want, what=what, hint=hint)
 
 
-def check_batch_snapshot(fn: Callable[..., object], block_size: int = 16) -> None:
-    """02.4: totals over a batch at one step, then the claim "paging wastes less than one
-    block per running request" checked at every step with the learner's function."""
-    rng = np.random.default_rng(2)
-    prompts = [int(v) for v in rng.integers(1, 300, size=12)]
-    outputs = [int(v) for v in rng.integers(1, 400, size=12)]
+def check_batch_snapshot(fn: Callable[..., object]) -> None:
+    """02.4: totals over a batch at one step, with paged and Orca (Max) accounting."""
     policies = {
-        "paged": lambda n, length: request_slots("paged", n, length, block_size=block_size),
+        "paged": lambda n, length: request_slots("paged", n, length, block_size=16),
         "orca-max": lambda n, length: request_slots("orca-max", n, length, max_len=2048),
     }
     with grading.exercise("02.4"):
@@ -166,31 +202,56 @@ def check_batch_snapshot(fn: Callable[..., object], block_size: int = 16) -> Non
                                     f"{step}", slots, p, o, step)
         small_sim.batch_stage(lambda p, o, step, slots: _check_snapshot(
             fn, "the snapshot", slots, p, o, step))  # generated: tied prompt lengths, edges
-        slots = policies["paged"]
-        for step in range(max(outputs)):
-            running = sum(step < o for o in outputs)
-            _, reserved, internal = _as_triple(
-                fn(prompts, outputs, step, _checked_slots(slots, prompts, outputs, step)),
-                "snapshot")
-            grading.expect_true(reserved + internal < block_size * running,
-                                f"at step {step}, {running} running requests waste "
-                                f"{reserved + internal} slots, not less than one "
-                                f"{block_size}-slot block each")
 
 
 # ------------------------------------------------------------------ 02.3 the derivation
 
+def derivation_answers() -> dict[str, int | bool]:
+    """The true answers of 02.3. Pool of 1024 slots, max_len 512, blocks of 16; A (100 +
+    200), B (50 + 150) and C (200 + 200) arrive at step 0; first-fit puts A at 0, B at 300,
+    C at 500. At step 150 (from 0) B has just left; A and C store prompt + 151 tokens;
+    D (100 + 150) arrives."""
+    return {
+        "max: slots A never uses": 512 - 300,
+        "oracle: free slots": 1024 - 300 - 400,
+        "oracle: largest hole": 200,  # B's old chunk; the tail after C is 124
+        "oracle: external fragmentation": 324,  # D needs one hole of 250: all free is waste
+        "paged: blocks A holds": 16,  # cdiv(251, 16)
+        "paged: free blocks": 64 - 16 - 22,  # C: cdiv(351, 16)
+        "paged: D admitted": True,  # cdiv(101, 16) = 7 blocks, any 7
+        "paged: empty slots held": 5 + 1,  # 16 x 16 - 251 and 22 x 16 - 351
+    }
+
+
+DERIVATION_HINTS = {
+    "max: slots A never uses": "Orca (Max) holds max_len slots for A from admission to the "
+                               "end; A ends at prompt + output: the rest is internal "
+                               "fragmentation, caused by reserving the maximum",
+    "oracle: free slots": "when B leaves, its chunk is free again: add it to the slots no "
+                          "one ever took",
+    "oracle: largest hole": "free slots are not one piece: B's old chunk and the tail after "
+                            "C are two holes. A chunk must fit in one hole",
+    "oracle: external fragmentation": "D needs one contiguous chunk of its final length; "
+                                      "if no single hole is that big, D waits and every "
+                                      "free slot counts as external fragmentation",
+    "paged: blocks A holds": "during step s (from 0) A stores prompt + s + 1 tokens; blocks "
+                             "are whole: round up (cdiv)",
+    "paged: free blocks": "the pool has 1024 // 16 blocks; B has left; A and C hold the "
+                          "blocks for the tokens they store now, nothing more",
+    "paged: D admitted": "D needs the blocks for its prompt plus the token it produces in "
+                         "its first step; any free blocks will do, wherever they are",
+    "paged: empty slots held": "each running request leaves only the rest of its last "
+                               "block empty: blocks x 16 - tokens, for A and C",
+}
+
+
 def check_derivation(derive: Callable[[], dict[str, Any]]) -> None:
-    """02.3: ``derive() -> dict`` with the keys of :data:`DERIVATION_KEYS`."""
+    """02.3: ``derive() -> dict`` with the keys of :func:`derivation_answers`."""
     with grading.exercise("02.3"):
         got = derive()
-        grading.expect_true(isinstance(got, dict), f"derive() returned "
-                            f"{type(got).__name__}, expected a dict",
-                            f"use the keys {list(DERIVATION_KEYS)}")
-        missing = [k for k in DERIVATION_KEYS if k not in got]
-        grading.expect_true(not missing, f"missing keys: {missing}",
-                            f"use exactly the keys {list(DERIVATION_KEYS)}")
-        for key, want in derivation_answers().items():
+        answers = derivation_answers()
+        _expect_dict(got, list(answers), f"use exactly the keys {list(answers)}")
+        for key, want in answers.items():
             mine = got[key]
             if isinstance(want, bool):
                 grading.expect_true(isinstance(mine, bool), f"{key}: expected True or "
@@ -205,8 +266,9 @@ def check_derivation(derive: Callable[[], dict[str, Any]]) -> None:
 #: Seconds a learner's simulator may take on one trace (the solution needs well under 1).
 SIM_TIME_LIMIT_S = 10.0
 
+
 @contextlib.contextmanager
-def _time_limit(seconds: float, what: str) -> Iterator[None]:
+def _time_limit(what: str) -> Iterator[None]:
     """Stop a learner's loop that never ends (a request that never finishes, a queue that
     never moves) with a verdict instead of a hung notebook. Main thread, Unix only."""
     if not hasattr(signal, "setitimer") or threading.current_thread() is not \
@@ -215,13 +277,13 @@ def _time_limit(seconds: float, what: str) -> Iterator[None]:
         return
 
     def stop(*_: Any) -> None:
-        grading.fail(f"{what}: still running after {seconds:.0f} s",
+        grading.fail(f"{what}: still running after {SIM_TIME_LIMIT_S:.0f} s",
                      "a loop that never ends: does every running request finish after "
                      "output_len steps and give its blocks back, and does time move on "
                      "when nothing can be admitted?")
 
     previous = signal.signal(signal.SIGALRM, stop)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
+    signal.setitimer(signal.ITIMER_REAL, SIM_TIME_LIMIT_S)
     try:
         yield
     finally:
@@ -229,43 +291,54 @@ def _time_limit(seconds: float, what: str) -> Iterator[None]:
         signal.signal(signal.SIGALRM, previous)
 
 
+# name, requests, capacity, block size, hint when this trace (the first to fail) differs
+SIM_TRACES: list[tuple[str, list[Request], int, int, str]] = [
+    ("one request alone: prompt 5, output 6, pool of 64, blocks of 4",
+     [Request(5, 6, 0.0)], 64, 4,
+     "during its k-th step (k = 1 .. output_len) a running request stores prompt_len + k "
+     "token states and holds ceil(tokens / block_size) blocks, taken one at a time as the "
+     "last fills; nobody waits, so nothing is external"),
+    ("a late arrival: the second request arrives at 5.5 (pool of 64, blocks of 4)",
+     [Request(3, 2, 0.0), Request(2, 2, 5.5)], 64, 4,
+     "a request arriving at time a joins the queue at step ceil(a); when nothing runs and "
+     "nothing waits, time jumps to the next arrival (those steps add no slots)"),
+    ("a queue: the pool of 14 fits one request at a time (blocks of 4)",
+     [Request(6, 4, 0.0), Request(6, 4, 0.0)], 14, 4,
+     "at a step when a request is still waiting after admission, every free slot counts "
+     "as external (free blocks x block_size, plus capacity % block_size); a finished "
+     "request frees its blocks at the end of its last step"),
+    ("first come, first served: a long prompt at the head blocks a short one (pool of 24)",
+     [Request(10, 4, 0.0), Request(16, 2, 0.0), Request(2, 2, 0.0)], 24, 4,
+     "admission is first come, first served: stop at the first queued request whose "
+     "blocks (for prompt + tokens already produced + 1) are not free; never skip it"),
+    ("preemption: four requests outgrow a pool of 20 slots (blocks of 4)",
+     [Request(2, 8, 0.0), Request(5, 8, 1.0), Request(5, 7, 2.0), Request(2, 4, 0.0)], 20, 4,
+     "before admitting anyone, give every running request the blocks its next token "
+     "needs; if they are short, preempt the most recently admitted running request (free "
+     "all its blocks, put it at the head of the queue, keep the tokens it produced) and "
+     "retry; count each preemption"),
+]
+
+
 def check_paged_simulator(simulate_paged: Callable[..., Any]) -> None:
     """02.5: ``simulate_paged(requests, capacity_tokens, block_size) -> dict``."""
     with grading.exercise("02.5"):
         for name, requests, capacity, block_size, hint in SIM_TRACES:
-            want = reference_paged(requests, capacity, block_size)
-            with _time_limit(SIM_TIME_LIMIT_S, name):
-                got = simulate_paged(list(requests), capacity, block_size)
-            grading.expect_true(isinstance(got, dict), f"{name}: expected a dict, got "
-                                f"{type(got).__name__}", f"return a dict with keys {SIM_KEYS}")
-            missing = [k for k in SIM_KEYS if k not in got]
-            grading.expect_true(not missing, f"{name}: missing keys {missing}",
-                                f"return a dict with keys {SIM_KEYS}")
-            for key in SIM_KEYS:
-                grading.expect_int(got[key], f"{name}: {key}")
-            wrong = [k for k in SIM_KEYS if got[k] != want[k]]
-            if wrong:
-                shown = ", ".join(f"{k} {want[k]} (yours {got[k]})" for k in wrong)
-                grading.fail(f"{name}: expected {shown}", hint)
-        small_sim.trace_stage(simulate_paged, lambda what: _time_limit(SIM_TIME_LIMIT_S, what))
-
-
-def a100_slots() -> int:
-    """The paper's Fig. 2 pool: OPT-13B's KV slots on a 40 GB A100 (chapter 02's cell)."""
-    from paged_lib import accounting
-
-    opt = accounting.SPECS["opt-13b"]
-    return (40 * accounting.GiB - accounting.weight_bytes(opt)) // \
-        accounting.kv_bytes_per_token(opt)
+            small_sim.run_paged(simulate_paged, requests, capacity, block_size, hint, name,
+                                _time_limit)
+        small_sim.trace_stage(simulate_paged, _time_limit)
 
 
 def run_demo(simulate_paged: Callable[..., Any]) -> Any:
     """The chapter's Fig. 2 experiment with the learner's simulator as the paged policy."""
+    from paged_lib import accounting
     from paged_lib.course.viz import fragmentation as viz
     from paged_lib.fragmentation import Breakdown, simulate
 
     requests = sharegpt_like(600, seed=0)
-    slots = a100_slots()
+    opt = accounting.SPECS["opt-13b"]  # the paper's Fig. 2 pool: OPT-13B on a 40 GB A100
+    slots = (40 * accounting.GiB - accounting.weight_bytes(opt)) // \
+        accounting.kv_bytes_per_token(opt)
     got = grading.on_learner_code(lambda: simulate_paged(requests, slots, 16),
                                   "exercise 02.5", "the chapter's vLLM bar from your simulator")
     if got is None:

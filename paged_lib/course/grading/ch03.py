@@ -1,10 +1,8 @@
 """Checks for chapter 03 (block tables).
 
-Each check runs the learner's code next to the library's :mod:`paged_lib.blocks` on
-scripted scenarios, step by step. This module holds the scenarios, the checks and the
-chapter's demo; the step-by-step comparison of ``append_token`` and ``fork`` (a toy KV
-store that applies every ``Slot``, and the hints that name each mistake) is
-:mod:`paged_lib.course.grading.ch03_replay`.
+03.1 and 03.2: the block-table scenarios of :mod:`.generated.small_blocks`, replayed next to
+the library. 03.3: the learner's ``free_block`` as an allocator's ``free``, step by step,
+then the frees it must refuse. 03.4: the predictions against the library's run.
 """
 
 from __future__ import annotations
@@ -14,66 +12,19 @@ from typing import Any
 
 from paged_lib.blocks import BlockAllocator, BlockTable, Slot
 from paged_lib.course import grading
-from paged_lib.course.grading.ch03_replay import replay
 from paged_lib.course.grading.generated.small_blocks import block_stage
 from paged_lib.course.grading.toy_pool import busy_pool, pool_state
-
-# ------------------------------------------------------------------ 03.1 append_token
-
-# (name, pool size, free list or None for a fresh pool, block size, steps); steps:
-# ("append", name, count) / ("fork", parent, child) / ("free", name)
-_APPEND_SCENARIOS: list[tuple[str, int, tuple[int, ...] | None, int, list[tuple]]] = [
-    ("the 40-token example (block size 16, free list 5, 2, 9)", 12, (5, 2, 9), 16,
-     [("append", "A", 40)]),
-    ("fork a 6-token sequence (block size 4), then both write", 6, None, 4,
-     [("append", "parent", 6), ("fork", "parent", "child"), ("append", "child", 1),
-      ("append", "parent", 1), ("append", "child", 3), ("append", "parent", 3)]),
-    ("fork when the last block is exactly full (block size 4, 8 tokens)", 6, None, 4,
-     [("append", "parent", 8), ("fork", "parent", "child"), ("append", "child", 2),
-      ("append", "parent", 2), ("free", "parent"), ("append", "child", 3)]),
-    # Not 03.4's scenario (40 tokens, free list 5, 2, 9, 10, 11): a ❌ here prints the
-    # expected slots, which must not be that exercise's answers.
-    ("two forks of a 21-token prompt (block size 8, free list 7, 3, 11, 1, 4)", 12,
-     (7, 3, 11, 1, 4), 8,
-     [("append", "parent", 21), ("fork", "parent", "s1"), ("fork", "parent", "s2"),
-      ("append", "s1", 1), ("append", "s2", 1), ("append", "parent", 1)]),
-    ("copy-on-write with no free block (pool of 2, block size 2)", 2, None, 2,
-     [("append", "parent", 3), ("fork", "parent", "child"), ("append", "child", 1),
-      ("append", "parent", 1), ("free", "child"), ("append", "parent", 1),
-      ("append", "parent", 1)]),
-    ("block size 1, with a fork", 5, None, 1,
-     [("append", "A", 2), ("fork", "A", "B"), ("append", "B", 2), ("append", "A", 1)]),
-]
 
 
 def check_append_token(append_token: Callable[[BlockTable], Any]) -> None:
     """03.1: ``append_token(table) -> Slot`` with on-demand allocation and copy-on-write."""
     with grading.exercise("03.1"):
-        for scenario in _APPEND_SCENARIOS:
-            replay(*scenario, append=append_token, fork=BlockTable.fork)
         block_stage("03.1", append_token, BlockTable.fork)
-
-
-# ------------------------------------------------------------------ 03.2 fork
-
-_FORK_SCENARIOS: list[tuple[str, int, None, int, list[tuple]]] = [
-    ("fork a 6-token sequence (block size 4)", 8, None, 4,
-     [("append", "parent", 6), ("fork", "parent", "child"), ("append", "child", 1),
-      ("append", "parent", 3), ("free", "parent"), ("append", "child", 2)]),
-    ("fork twice, then fork the fork (block size 2)", 12, None, 2,
-     [("append", "p", 5), ("fork", "p", "a"), ("fork", "p", "b"), ("fork", "a", "c"),
-      ("append", "c", 1), ("append", "a", 2), ("free", "p"), ("free", "a"),
-      ("append", "b", 1), ("free", "b"), ("append", "c", 1)]),
-    ("fork an empty table", 4, None, 4,
-     [("fork", "e", "f"), ("append", "f", 1), ("append", "e", 1)]),
-]
 
 
 def check_fork(fork: Callable[[BlockTable], Any]) -> None:
     """03.2: ``fork(table) -> BlockTable`` sharing every block and allocating nothing."""
     with grading.exercise("03.2"):
-        for scenario in _FORK_SCENARIOS:
-            replay(*scenario, append=BlockTable.append_token, fork=fork)
         block_stage("03.2", BlockTable.append_token, fork)
 
 
@@ -91,21 +42,20 @@ class _LearnerAllocator(BlockAllocator):
         self._free_block(block, self.ref_counts, self.free_block_ids)
 
 
-def check_free_block(free_block: Callable[..., Any]) -> None:
-    """03.3: ``free_block(block, ref_counts, free_block_ids) -> None``."""
-    with grading.exercise("03.3"):
-        _check_free_steps(free_block)
-        _check_free_lifecycle(free_block)
-
-
 def _expect_state(alloc, refs, free, what, hint_refs, hint_free):
     got_refs, got_free = pool_state(alloc)
     grading.expect_equal(got_refs, refs, f"{what}: ref_counts", hint_refs)
     grading.expect_equal(got_free, free, f"{what}: free_block_ids", hint_free)
 
 
-def _check_free_steps(free_block):
-    alloc = _LearnerAllocator(4, free_block)
+def check_free_block(free_block: Callable[..., Any]) -> None:
+    """03.3: ``free_block(block, ref_counts, free_block_ids) -> None``."""
+    with grading.exercise("03.3"):
+        _check_free_steps(_LearnerAllocator(4, free_block))
+
+
+def _check_free_steps(alloc: _LearnerAllocator) -> None:
+    """Frees one and two holders, then the three frees to refuse."""
     for _ in range(4):
         alloc.allocate()  # every block in use, free list empty
     alloc.free(1)
@@ -143,36 +93,10 @@ def _check_free_steps(free_block):
                              "raise before changing ref_counts or free_block_ids")
 
 
-def _check_free_lifecycle(free_block):
-    """Fork, copy-on-write and frees through BlockTable, against the library."""
-    ref_alloc, alloc = BlockAllocator(6), _LearnerAllocator(6, free_block)
-    script: list[tuple[str, Callable[[dict[str, BlockTable]], None]]] = [
-        ("parent takes 6 tokens (block size 4)",
-         lambda t: [t["parent"].append_token() for _ in range(6)]),
-        ("child = parent.fork()", lambda t: t.__setitem__("child", t["parent"].fork())),
-        ("child appends a token (copy-on-write frees its share of block 1)",
-         lambda t: t["child"].append_token()),
-        ("parent.free()", lambda t: t["parent"].free()),
-        ("child.free()", lambda t: t["child"].free()),
-    ]
-    ref = {"parent": BlockTable(ref_alloc, 4)}
-    mine = {"parent": BlockTable(alloc, 4)}
-    for what, action in script:
-        action(ref)
-        action(mine)
-        _expect_state(alloc, *pool_state(ref_alloc), f"after '{what}'",
-                      "each free drops exactly one reference",
-                      "only a block whose count reaches 0 goes back, on the right end")
-    grading.expect_equal(alloc.num_free, 6, "free blocks after every table is freed",
-                         "every block must come back once its last holder frees it")
-
-
 # ------------------------------------------------------------------ 03.4 predictions
 
-PREDICTION_KEYS = ("refs after the forks", "child 1's slot", "child 2's slot",
-                   "parent's slot", "refs at the end")
-
-_PREDICTION_HINTS = {
+#: 03.4's keys, each with the hint for a wrong answer
+PREDICTION_HINTS = {
     "refs after the forks": "a fork adds one holder to every block of the table it forks",
     "child 1's slot": "block 9 is shared and only half full: writing in place would change "
                       "the other sequences' tokens, so the child first copies it into the "
@@ -192,14 +116,11 @@ def prediction_scenario() -> dict[str, Any]:
     for _ in range(40):
         parent.append_token()  # blocks [5, 2, 9], the last filled 8/16
     child1, child2 = parent.fork(), parent.fork()
-    watched = (5, 2, 9, 10, 11)
-    answers: dict[str, Any] = {
-        "refs after the forks": {b: allocator.refcount(b) for b in (5, 2, 9)}}
-    answers["child 1's slot"] = child1.append_token()
-    answers["child 2's slot"] = child2.append_token()
-    answers["parent's slot"] = parent.append_token()
-    answers["refs at the end"] = {b: allocator.refcount(b) for b in watched}
-    return answers
+    return {"refs after the forks": {b: allocator.refcount(b) for b in (5, 2, 9)},
+            "child 1's slot": child1.append_token(),
+            "child 2's slot": child2.append_token(),
+            "parent's slot": parent.append_token(),
+            "refs at the end": {b: allocator.refcount(b) for b in (5, 2, 9, 10, 11)}}
 
 
 def _as_tuple(slot: Any) -> Any:
@@ -209,16 +130,17 @@ def _as_tuple(slot: Any) -> Any:
 
 
 def check_predictions(predict: Callable[[], dict[str, Any]]) -> None:
-    """03.4: ``predict() -> dict`` with the keys of :data:`PREDICTION_KEYS`."""
+    """03.4: ``predict() -> dict`` with the keys of :data:`PREDICTION_HINTS`."""
     with grading.exercise("03.4"):
         got = predict()
+        keys = list(PREDICTION_HINTS)
         grading.expect_true(isinstance(got, dict), f"predict() returned {type(got).__name__}, "
-                            "expected a dict", f"use the keys {list(PREDICTION_KEYS)}")
-        missing = [k for k in PREDICTION_KEYS if k not in got]
+                            "expected a dict", f"use the keys {keys}")
+        missing = [k for k in keys if k not in got]
         grading.expect_true(not missing, f"missing keys: {missing}",
-                            f"use exactly the keys {list(PREDICTION_KEYS)}")
+                            f"use exactly the keys {keys}")
         answers = prediction_scenario()
-        for key in PREDICTION_KEYS:
+        for key in keys:
             expected, mine = answers[key], got[key]
             if isinstance(expected, Slot):
                 ok = _as_tuple(mine) == _as_tuple(expected)
@@ -237,7 +159,7 @@ def _prediction_hint(key: str, expected: Any, mine: Any) -> str:
                     f"asked: {sorted(expected)}")
         if set(mine) != set(expected):
             return f"give one count for each of the blocks {sorted(expected)}, no others"
-        return _PREDICTION_HINTS[key]
+        return PREDICTION_HINTS[key]
     shape = _as_tuple(mine)
     if not (isinstance(shape, tuple) and len(shape) == 3):
         return "give a slot as Slot(block, offset, copy), copy=(src, dst) or None"
@@ -252,7 +174,7 @@ def _prediction_hint(key: str, expected: Any, mine: Any) -> str:
             block != expected.block:
         return ("a copy-on-write takes the next block on the free list (5, 2, 9 went to the "
                 "prompt, so 10, then 11), and the token is written into the copy")
-    return _PREDICTION_HINTS[key]
+    return PREDICTION_HINTS[key]
 
 
 # ------------------------------------------------------------------ the chapter's demo

@@ -1,11 +1,9 @@
 """Block pools in a known state and a toy KV store, for the chapter 03 and 08 graders.
 
-Chapter 03's running example starts from a pool whose free list is not ``0, 1, 2, ...``:
-other requests took blocks and gave some back, so a 40-token request lands in blocks 5,
-2 and 9. :func:`busy_pool` builds that state with the
-library's own :class:`~paged_lib.blocks.BlockAllocator`, through its public methods.
-A :class:`ToyStore` holds one label per slot where a cache holds K/V, so a grader can
-tell which tokens each sequence reads back through its table.
+:func:`busy_pool` builds, through the library's allocator's public methods, a pool whose
+free list is not ``0, 1, 2, ...`` (chapter 03's 40-token request lands in blocks 5, 2, 9);
+a :class:`ToyStore` holds one label per slot, so a grader can tell which tokens each
+sequence reads back through its table.
 """
 
 from __future__ import annotations

@@ -1,14 +1,13 @@
-"""Generated scenarios for 03.1 (``append_token``) and 03.2 (``fork``), on the harness of
-:mod:`~paged_lib.course.grading.generated.numeric`.
+"""The check of 03.1 (``append_token``) and 03.2 (``fork``): seeded block-table scenarios,
+each replayed side by side with the library, on the harness of :mod:`.numeric`.
 
-The named scenarios use block sizes of 1, 2, 4, 8 and 16 only, so arithmetic that holds
-for powers of two alone (``num_tokens & (block_size - 1)`` for the offset) passes them.
-Here seeded scenarios take block sizes that are not powers of two (3, 5, 6, 7, 12) as
-well, pools whose free lists come back shuffled, up to six sequences that append, fork
-(forks of forks) and free in any order, and pools so tight that a new block or a
-copy-on-write sometimes finds none. Each is replayed side by side with the library by
-:func:`~paged_lib.course.grading.ch03_replay.replay`, as the named ones are; the first
-that fails is shrunk (fewer steps, shorter appends, fewer free blocks).
+A scenario's steps are ``("append", name, count)``, ``("fork", parent, child)`` and
+``("free", name)`` on a pool whose free list comes back in a given order (block sizes 1
+to 16, 3, 5, 6, 7 and 12 among them; forks of forks; pools that run out). :func:`replay`
+runs it on two pools, one with the library's tables and one with the learner's function,
+and after every step compares the slot, the tables, the ref counts and the free list (the
+tokens each sequence reads back follow from those); the first difference fails with a
+hint that names the mistake.
 """
 
 from __future__ import annotations
@@ -18,20 +17,20 @@ import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from paged_lib.blocks import BlockAllocator, BlockTable
-from paged_lib.course.grading.ch03_replay import replay
+from paged_lib.blocks import BlockAllocator, BlockTable, OutOfBlocks, Slot
+from paged_lib.course import grading
 from paged_lib.course.grading.generated import numeric
+from paged_lib.course.grading.toy_pool import busy_pool, pool_state
 
-__all__ = ["CONTRASTS", "Scenario", "block_scenarios", "block_stage"]
+__all__ = ["CONTRASTS", "Scenario", "block_scenarios", "block_stage", "replay"]
 
 BLOCK_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16)
 
 
 @dataclass(frozen=True)
 class Scenario:
-    """Steps as the named scenarios have them (``("append", name, count)``, ``("fork",
-    parent, child)``, ``("free", name)``) on a pool of ``held + len(free)`` blocks whose
-    free list is ``free``, in that order."""
+    """``steps`` from one table ``s0`` on a pool of ``held + len(free)`` blocks whose free
+    list is ``free``, in that order."""
 
     seed: int
     block_size: int
@@ -73,14 +72,12 @@ def _renumbered(free: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def _valid(steps: tuple[tuple, ...]) -> bool:
-    """Every step names a live sequence (the named scenarios' rules)."""
+    """Every step names a live sequence, and a fork a new one."""
     live = {"s0"}
     for kind, who, *rest in steps:
-        if who not in live:
+        if who not in live or kind == "fork" and rest[0] in live:
             return False
         if kind == "fork":
-            if rest[0] in live:
-                return False
             live.add(rest[0])
         elif kind == "free":
             live.discard(who)
@@ -125,39 +122,216 @@ def _draw(seed: int) -> Scenario:
 
 
 def block_scenarios(count: int = 40) -> list[Scenario]:
-    """03.1's and 03.2's generated scenarios (seeds 0, 1, ...)."""
+    """03.1's and 03.2's scenarios (seeds 0, 1, ...)."""
     return [_draw(seed) for seed in range(count)]
-
-
-def _power_of_two(s: Scenario) -> Scenario | None:
-    if s.block_size & (s.block_size - 1) == 0:
-        return None
-    return dataclasses.replace(s, block_size=1 << s.block_size.bit_length())
-
-
-def _in_order(s: Scenario) -> Scenario | None:
-    if list(s.free) == sorted(s.free):
-        return None
-    return dataclasses.replace(s, free=tuple(sorted(s.free)))
 
 
 #: a failing scenario that passes once its block size is a power of two, or once the pool
 #: hands its blocks out in increasing order
-CONTRASTS = (numeric.Contrast(_power_of_two, (
-    "it passes once the block size is a power of two: a token's offset is num_tokens % "
-    "block_size and its block num_tokens // block_size; a bit mask (& (block_size - 1)) "
-    "or a shift (>> log2) is that only for powers of two")),
-    numeric.Contrast(_in_order, (
+CONTRASTS = (numeric.Contrast(
+    lambda s: dataclasses.replace(s, block_size=1 << s.block_size.bit_length())
+    if s.block_size & (s.block_size - 1) else None, (
+        "it passes once the block size is a power of two: a token's offset is num_tokens % "
+        "block_size and its block num_tokens // block_size; a bit mask (& (block_size - 1)) "
+        "or a shift (>> log2) is that only for powers of two")),
+    numeric.Contrast(lambda s: dataclasses.replace(s, free=tuple(sorted(s.free))), (
         "it passes once the pool hands out blocks in increasing order: a table's i-th "
         "block holds its tokens i * block_size onwards, so keep the blocks in the table's "
         "order (a set, or sorting, puts them in the order of their ids)")))
 
 
-def run_scenario(s: Scenario, append: Callable, fork: Callable) -> None:
-    replay("generated", s.held + len(s.free), s.free, s.block_size, list(s.steps),
-           append=append, fork=fork)
-
-
 def block_stage(ex: str, append: Callable, fork: Callable) -> None:
-    """The generated stage of 03.1 or 03.2 (the other function is the library's)."""
-    numeric.check(ex, block_scenarios(), lambda s: run_scenario(s, append, fork), CONTRASTS)
+    """The check of 03.1 or 03.2 (``ex``); the other function is the library's."""
+    numeric.check(ex, block_scenarios(), lambda s: replay(s, append, fork), CONTRASTS)
+
+
+# ------------------------------------------------------------------ the replay
+
+
+class _Table(BlockTable):
+    """The grader's tables: a subclass, so a fork that builds a plain BlockTable shows."""
+
+
+class _World:
+    """One pool in the scenario's starting state and its named tables."""
+
+    def __init__(self, s: Scenario):
+        self.allocator = busy_pool(s.held + len(s.free), s.free)
+        self.block_size = s.block_size
+        self.tables: dict[str, BlockTable] = {"s0": _Table(self.allocator, s.block_size)}
+
+
+def replay(s: Scenario, append: Callable, fork: Callable) -> None:
+    """Run ``s`` with the library in one world and ``append``/``fork`` in the other,
+    comparing after every step."""
+    ref, mine = _World(s), _World(s)
+    n = 0
+    for kind, who, *rest in s.steps:
+        for _ in range(rest[0] if kind == "append" else 1):
+            n += 1
+            if kind == "append":
+                where = f"step {n} ({who} appends token {ref.tables[who].num_tokens})"
+                _append_step(ref, mine, who, where, append)
+            elif kind == "fork":
+                _fork_step(ref, mine, who, rest[0], f"step {n} ({rest[0]} = fork of {who})",
+                           fork)
+            else:
+                for world in (ref, mine):
+                    world.tables.pop(who).free()
+            _compare(ref, mine, f"step {n} ({kind} {who})")
+
+
+def _append_step(ref: _World, mine: _World, who: str, where: str, append: Callable) -> None:
+    try:
+        expected = ref.tables[who].append_token()
+    except OutOfBlocks:
+        expected = None
+    table = mine.tables[who]
+    before = (pool_state(mine.allocator), table.blocks, table.num_tokens)
+    try:
+        got = append(table)
+    except OutOfBlocks as err:
+        if expected is not None:
+            grading.fail(f"{where}: your code ran out of blocks ({err}); expected "
+                         f"{expected!r}",
+                         "take a block only when the token starts a new block or the last "
+                         "block is shared and part-filled; anything more leaks blocks")
+        after = (pool_state(mine.allocator), table.blocks, table.num_tokens)
+        grading.expect_true(after == before, f"{where}: OutOfBlocks was raised but the "
+                            f"table or allocator changed: before {before}, after {after}",
+                            "not atomic: call allocator.allocate() before changing anything "
+                            "(the table, num_tokens, or the shared block's ref count), so a "
+                            "failed append leaves everything as it was")
+        return
+    if expected is None:
+        grading.fail(f"{where}: no block is free, so this append must raise OutOfBlocks; "
+                     f"your code returned {got!r}",
+                     "this token needs a new block (or a copy of a shared block): call "
+                     "allocator.allocate() and let OutOfBlocks propagate")
+    if not isinstance(got, Slot):
+        grading.fail(f"{where}: expected {expected!r}, got {got!r}",
+                     "return a Slot(block, offset, copy)")
+    _diagnose_append(ref, mine, expected, got, where)
+
+
+def _diagnose_append(ref: _World, mine: _World, expected: Slot, got: Slot,
+                     where: str) -> None:
+    """Name the mistake from how the learner's state differs from the reference."""
+    if got.copy != expected.copy:
+        grading.fail(f"{where}: expected {expected!r}, got {got!r}", _copy_hint(expected, got))
+    ref_counts, _ = pool_state(ref.allocator)
+    got_counts, _ = pool_state(mine.allocator)
+    for b, (want, have) in enumerate(zip(ref_counts, got_counts, strict=True)):
+        if have == want:
+            continue
+        if have == 2 and want == 1 and b == got.block:
+            grading.fail(f"{where}: block {b} has ref count {have} after your append, "
+                         f"expected {want}",
+                         "a stray incref: allocate() already sets the new block's count to 1 "
+                         "(this table is its only holder); an extra incref means the block "
+                         "is never returned to the free list")
+        if expected.copy is not None and b == expected.copy[0]:
+            grading.fail(f"{where}: shared block {b} has ref count {have}, expected {want}",
+                         "after copy-on-write this table no longer holds the shared block: "
+                         "drop its reference (allocator.free(src)); the other holders keep it")
+        taken = ref.allocator.num_free - mine.allocator.num_free
+        if taken < 0 and expected.offset == 0:
+            hint = ("this token starts a new block (its offset, num_tokens % block_size, is "
+                    "0): allocate one; count the tokens before it, not after")
+        elif taken > 0:
+            hint = ("you took a block this token does not need: allocate only when the token "
+                    "starts a new block, or to copy a shared, part-filled last block")
+        else:
+            hint = ("take exactly one block per new block or copy, and change no other "
+                    "block's count")
+        grading.fail(f"{where}: ref counts {got_counts}, expected {ref_counts}", hint)
+    if got.offset != expected.offset:
+        grading.fail(f"{where}: expected {expected!r}, got {got!r}",
+                     f"token number num_tokens goes to offset num_tokens % block_size (0 .. "
+                     f"{ref.block_size - 1}); count the tokens before it, not after")
+    if got.block != expected.block:
+        grading.fail(f"{where}: expected {expected!r}, got {got!r}",
+                     "this token starts a new block: allocate one and write at offset 0"
+                     if expected.offset == 0 else
+                     "the token goes into the table's last block (after any copy, the new one)")
+
+
+def _copy_hint(expected: Slot, got: Slot) -> str:
+    if expected.copy is None and expected.offset == 0:
+        return ("the token starts a new block: nothing is written into the old, full "
+                "block, so nothing is copied (copy=None), even if that block is shared")
+    if expected.copy is None:
+        return ("the last block has one holder (ref count 1): write in place, copy=None; "
+                "copy only when someone else holds the block too (ref count > 1)")
+    if got.copy is None:
+        return (f"the last block {expected.copy[0]} is shared (ref count > 1) and part-filled: "
+                "writing in place would change the other sequences' tokens. Copy-on-write: "
+                "allocate a new block, make it this table's last block, and return "
+                "copy=(shared block, new block)")
+    return (f"copy=(src, dst): src is the shared block being left ({expected.copy[0]}), dst "
+            f"the newly allocated one that the token goes to ({expected.copy[1]})")
+
+
+def _compare(ref: _World, mine: _World, where: str) -> None:
+    ref_counts, ref_free = pool_state(ref.allocator)
+    got_counts, got_free = pool_state(mine.allocator)
+    for name, table in ref.tables.items():
+        other = mine.tables[name]
+        grading.expect_equal(other.blocks, table.blocks, f"{where}: {name}'s blocks",
+                             "the table's last block must be where the token went: a new "
+                             "block is appended, a copied block replaces the shared one")
+        grading.expect_equal(other.num_tokens, table.num_tokens,
+                             f"{where}: {name}'s num_tokens",
+                             "a successful append adds exactly one token (num_tokens += 1)")
+    grading.expect_equal(got_counts, ref_counts, f"{where}: ref counts",
+                         "every block a table holds counts that table once")
+    grading.expect_equal(got_free, ref_free, f"{where}: free list",
+                         "blocks come only from allocator.allocate() and go back only "
+                         "through allocator.free()")
+
+
+def _fork_step(ref: _World, mine: _World, parent: str, child: str, where: str,
+               fork: Callable) -> None:
+    ref.tables[child] = ref.tables[parent].fork()
+    table = mine.tables[parent]
+    free_before, blocks_before = mine.allocator.num_free, table.blocks
+    nothing = ("fork allocates nothing: the child shares the parent's physical blocks (that "
+               "is the memory saving); copies happen later, on write")
+    try:
+        got = fork(table)
+    except OutOfBlocks as err:
+        grading.fail(f"{where}: your fork ran out of blocks ({err})", nothing)
+    if not isinstance(got, BlockTable):
+        grading.fail(f"{where}: fork returned {type(got).__name__}, expected a BlockTable",
+                     "return a new table over the same blocks")
+    grading.expect_true(got is not table, f"{where}: fork returned the parent itself",
+                        "the child is a second table: two sequences that will diverge")
+    grading.expect_true(type(got) is type(table),
+                        f"{where}: fork of a {type(table).__name__} returned a "
+                        f"{type(got).__name__}",
+                        "build the child with the parent's own class, type(table)(...), so a "
+                        "subclass's fork returns the subclass")
+    grading.expect_true(got.allocator is table.allocator and
+                        got.block_size == table.block_size,
+                        f"{where}: the child has another allocator or block size",
+                        "the child lives in the same pool, with the same block size")
+    grading.expect_equal(mine.allocator.num_free, free_before,
+                         f"{where}: free blocks after the fork", nothing)
+    grading.expect_equal(table.blocks, blocks_before, f"{where}: the parent's blocks",
+                         "fork must not change the parent")
+    grading.expect_equal(got.blocks, table.blocks, f"{where}: the child's blocks",
+                         "the child maps its logical blocks to the same physical blocks")
+    grading.expect_equal(got.num_tokens, table.num_tokens, f"{where}: the child's num_tokens",
+                         "the child starts with all of the parent's tokens")
+    want = [ref.allocator.refcount(b) for b in ref.tables[child].blocks]
+    have = [mine.allocator.refcount(b) for b in got.blocks]
+    grading.expect_equal(have, want, f"{where}: ref counts of the child's blocks",
+                         "each shared block has one more holder: incref every block of the "
+                         "table, once; otherwise the first table to free it hands a block "
+                         "still in use back to the pool")
+    if any(v is w for v in getattr(got, "__dict__", {}).values()
+           if isinstance(v, list | dict | set) for w in vars(table).values()):
+        grading.fail(f"{where}: the child and the parent share one list object",
+                     "give the child its own copy of the block list: when one of them "
+                     "appends a block or copies on write, the other's table would change too")
+    mine.tables[child] = got

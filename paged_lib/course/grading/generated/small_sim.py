@@ -1,44 +1,62 @@
-"""Generated inputs for chapter 02, on the harness of
-:mod:`~paged_lib.course.grading.generated.numeric`.
+"""Generated inputs for chapter 02, on the harness of :mod:`.numeric`, and the library's
+answer to 02.5.
 
-02.2 (one Orca (Max) request's slots): the fixed cases are requests in the middle of
-their life. Here seeded cases include a request in its last step (it stores its final
-length), one whose final length is max_len, both at once, and max_len of 1 to 10**6 + 3.
-
-02.4 (a batch snapshot): the fixed batches have requests of distinct prompt lengths. Here
-seeded batches of zero to six requests, with prompt lengths that repeat (as the samples
-of one prompt have), outputs of 1 token, steps at a request's last step and just past it,
-paged with block sizes that are not powers of two and Orca (Max) with a max_len just
-above the longest request, are compared with the chapter's snapshot.
-
-02.5's six named traces are each built around one rule; in the one that preempts, the
-victim is also the first running request of the latest arrival time, so a victim chosen
-by arrival time alone (ties broken towards the earliest admitted) passes. Here seeded
-traces of two to seven requests, listed out of arrival order, several arriving at the
-same step, come into pools just large enough for the largest request, with block sizes
-of 1 to 7 and capacities that no block size divides: several preemptions, readmissions,
-and queues behind them. Each is compared with the chapter's simulator.
+02.2: requests in their last step, with final_len = max_len, max_len of 1 to 10**6 + 3.
+02.4: batches of zero to six requests, prompt lengths that repeat (as the samples of one
+prompt have), steps at a request's last step and just past it, block sizes that are not
+powers of two. 02.5: traces of two to seven requests listed out of arrival order, several
+arriving at once, in pools just large enough for the largest request (block sizes 1 to
+7, capacities no block size divides): preemptions (where a victim chosen by arrival time
+alone differs), readmissions, queues behind them.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from paged_lib.course import grading
-from paged_lib.course.grading.ch02_answers import reference_paged
 from paged_lib.course.grading.generated import numeric
-from paged_lib.fragmentation import request_slots
+from paged_lib.fragmentation import request_slots, simulate_timeline
 from paged_lib.util import cdiv
 from paged_lib.workloads import Request
 
-__all__ = ["Batch", "Slots", "Trace", "batch_cases", "batch_stage", "slot_cases",
-           "slot_stage", "trace_cases", "trace_stage"]
+__all__ = ["SIM_KEYS", "Batch", "Slots", "Trace", "batch_cases", "batch_stage",
+           "reference_paged", "run_paged", "slot_cases", "slot_stage", "trace_cases",
+           "trace_stage"]
 
-_KEYS = ("token_states", "reserved", "internal", "external", "num_steps", "preemptions")
+SIM_KEYS = ("token_states", "reserved", "internal", "external", "num_steps", "preemptions")
+
+
+def reference_paged(requests: Sequence[Request], capacity_tokens: int,
+                    block_size: int) -> dict[str, int]:
+    """What 02.5 must return, from the library's simulator."""
+    timeline = simulate_timeline(requests, "paged", capacity_tokens, block_size,
+                                 max_len=max(r.final_len for r in requests))
+    return {**timeline.slot_steps, "num_steps": timeline.num_steps,
+            "preemptions": timeline.preemptions}
+
+
+def run_paged(simulate_paged: Callable, requests: list[Request], capacity: int,
+              block_size: int, hint: str, what: str, time_limit: Callable) -> None:
+    """02.5 on one trace: the learner's dict of ints against the library's;
+    ``time_limit(what)``: the grader's guard against a loop that never ends."""
+    want = reference_paged(requests, capacity, block_size)
+    with time_limit(what):
+        got = simulate_paged(list(requests), capacity, block_size)
+    grading.expect_true(isinstance(got, dict), f"{what}: expected a dict, got "
+                        f"{type(got).__name__}", f"return a dict with keys {SIM_KEYS}")
+    missing = [k for k in SIM_KEYS if k not in got]
+    grading.expect_true(not missing, f"{what}: missing keys {missing}",
+                        f"return a dict with keys {SIM_KEYS}")
+    for key in SIM_KEYS:
+        grading.expect_int(got[key], f"{what}: {key}")
+    wrong = [k for k in SIM_KEYS if got[k] != want[k]]
+    if wrong:
+        shown = ", ".join(f"{k} {want[k]} (yours {got[k]})" for k in wrong)
+        grading.fail(f"{what}: expected {shown}", hint)
 
 
 @dataclass(frozen=True)
@@ -110,22 +128,14 @@ _VICTIM = ("the victim is the most recently *admitted* running request (of two t
            "frees all its blocks and goes back to the head of the queue")
 
 
-def run_trace(simulate_paged: Callable, time_limit: Callable, p: Trace) -> None:
-    requests, capacity, bs = p.build()
-    want = reference_paged(requests, capacity, bs)
-    with time_limit("generated trace") if time_limit else contextlib.nullcontext():
-        got = simulate_paged(list(requests), capacity, bs)
-    grading.expect_true(isinstance(got, dict), f"expected a dict, got {type(got).__name__}")
-    wrong = [k for k in _KEYS if got.get(k) != want[k]]
-    if wrong:
-        shown = ", ".join(f"{k} {want[k]} (yours {got.get(k)})" for k in wrong)
-        grading.fail(f"expected {shown}", _VICTIM if want["preemptions"] else _ORDER)
+def trace_stage(simulate_paged: Callable, time_limit: Callable) -> None:
+    """02.5's generated stage."""
+    def run(p: Trace) -> None:
+        want = reference_paged(*p.build())
+        run_paged(simulate_paged, *p.build(), _VICTIM if want["preemptions"] else _ORDER,
+                  "the trace", time_limit)
 
-
-def trace_stage(simulate_paged: Callable, time_limit: Callable | None = None) -> None:
-    """02.5's generated stage; ``time_limit(what)``: the grader's guard against a loop that
-    never ends."""
-    numeric.check("02.5", trace_cases(), lambda p: run_trace(simulate_paged, time_limit, p))
+    numeric.check("02.5", trace_cases(), run)
 
 
 # ------------------------------------------------------------------ 02.2 and 02.4
