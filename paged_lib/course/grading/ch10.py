@@ -1,26 +1,15 @@
-"""Checks for chapter 10 (prefix caching).
+"""Checks for chapter 10 (prefix caching), each next to the library's
+:mod:`paged_lib.engine.prefix_cache`.
 
-* 10.1 ``block_hashes``: the hash chain over a prompt's full blocks, next to
-  :func:`paged_lib.engine.prefix_cache.block_hashes` on prompts chosen so that each typical
-  slip shows (a part-filled last block, a prompt that fills its blocks exactly, equal
-  blocks at different positions, extra keys); a wrong hash is recomputed the ways a slip
-  would compute it, to name it, after asking the text again under token ids never seen,
-  to tell a hash remembered from before (a memo keyed by the tokens alone) from a slip
-  that gives the same hash.
-* 10.2 ``longest_cache_hit``: the cached blocks a new request reuses, on caches with
-  holes, whole-prompt hits and block id 0, against
-  :func:`paged_lib.engine.prefix_cache.longest_cache_hit`.
+* 10.1 ``block_hashes`` and 10.2 ``longest_cache_hit``: named prompts and caches, a wrong
+  answer matched to the slip that gives it; then generated inputs
+  (:mod:`~paged_lib.course.grading.generated.small_prefix`) and random workloads
+  (:mod:`paged_lib.course.grading.generated`).
+* 10.3 the free queue's ``popleft`` and ``remove``: :mod:`~.ch10_queue`.
+* 10.4 ``allocate_slots``: :mod:`~.ch10_alloc`.
 
-Both then run generated inputs (:mod:`~paged_lib.course.grading.generated.small_prefix`)
-and random prefix-caching workloads served next to the library's
-(:mod:`paged_lib.course.grading.generated`).
-* 10.3 the LRU free queue's ``popleft`` and ``remove``
-  (:mod:`paged_lib.course.grading.ch10_queue`).
-* 10.4 ``allocate_slots``: a new request's table in the caching pool, with its hit, its
-  chunk's fresh blocks and its registered hashes (:mod:`paged_lib.course.grading.ch10_alloc`).
-
-:func:`run_demo` serves chapter 10's shared-prefix requests in the engine with the
-learner's three pieces and compares them with the library's.
+:func:`run_demo` runs vLLM's worked example and the shared-prefix requests on the
+learner's pieces next to the library's.
 """
 
 from __future__ import annotations
