@@ -1,17 +1,9 @@
-"""Generated prompts for 10.1 (a prompt's block hashes) and 10.2 (the cache hit), on the
-harness of :mod:`~paged_lib.course.grading.generated.numeric`.
-
-10.1's named prompts, the engine's replayed calls and the random workloads hash each text
-at one block size and with at most one extra key. Here seeded prompts (token ids up to
-Qwen2's vocabulary of 152,000) are hashed one after another at block sizes 2, 3, 5 and
-16, with the extra keys real requests carry together (a LoRA adapter, a multimodal
-input's hash, a cache salt: two or three keys, in the request's order). Each case runs
-through the grader's own per-prompt check against the library's hashes.
-
-10.2's named scenarios have prompts of at most 29 tokens (7 blocks). Here prompts run up
-to Llama 3's context of 131,072 tokens (8,192 blocks of 16), every block cached, a
-prefix of them, or all but one; block ids come from a pool of 2**31 - 1 blocks, block 0
-among them.
+"""Generated inputs for 10.1 and 10.2, on the harness of
+:mod:`~paged_lib.course.grading.generated.numeric`, each run through the grader's own
+per-case check. 10.1: seeded prompts (token ids up to 152,000) hashed one after another
+at block sizes 16, 5, 3 and 2, with the two or three extra keys real requests carry, in
+their order. 10.2: prompts up to 131,072 tokens (8,192 blocks of 16), every block
+cached, a prefix or all but one, block ids up to 2**31 - 2, block 0 among them.
 """
 
 from __future__ import annotations

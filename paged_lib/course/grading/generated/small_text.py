@@ -1,13 +1,8 @@
 """Generated inputs for 14.1 (streaming text with stop strings), on the harness of
-:mod:`~paged_lib.course.grading.generated.numeric`.
-
-14.1's named and random cases draw stops of one to three characters independently of the
-text, so two stops rarely begin at the same index of it, and the one tie named lists the
-longer stop first. Here the stops are cut from the text itself: up to four, of one to six
-characters (é, 日 and 🎉 among them), one often a prefix of another so that both start at
-the same index, listed in either order, with one to eight tokens per ``add``. Each case
-runs through the grader's own per-case check (every ``add``'s piece, ``finish``,
-``text`` and ``stopped``), the first failure shrunk.
+:mod:`~paged_lib.course.grading.generated.numeric`: stops cut from the text itself (up to
+four, of one to six characters, often one a prefix of another, so both start at one
+index, listed in either order), one to eight tokens per ``add``, each run through the
+grader's own per-case check, the first failure shrunk.
 """
 
 from __future__ import annotations
