@@ -73,6 +73,10 @@ def _draw(seed: int) -> Stream:
     for _ in range(rng.randint(1, 4)):
         i = rng.randrange(len(text))
         stops.append(text[i:i + rng.randint(1, 6)])
+    if seed % 6 == 1:  # no stop, or one that never comes (no x in the text)
+        stops = [] if seed % 12 == 1 else [stops[0] + "x"]
+    if seed % 6 == 5:  # an empty stop is ignored
+        stops.insert(0, "")
     if seed % 2 == 0:  # a stop and a longer one that it begins: both start at one index
         base = min(stops, key=text.find)
         i = text.find(base)
@@ -106,7 +110,7 @@ STREAM_CONTRASTS = (
 
 
 def stream_stage(cls: type, run_case: Callable) -> None:
-    """14.1's generated stage; ``run_case(cls, text, stops, per_add, what)``: the
-    grader's own per-case check."""
+    """14.1's generated stage; ``run_case(cls, text, stops, per_add)``: the grader's own
+    per-case check."""
     numeric.check("14.1", stream_cases(), lambda p: run_case(
-        cls, p.text, list(p.stops), p.per_add, "generated"), STREAM_CONTRASTS)
+        cls, p.text, list(p.stops), p.per_add), STREAM_CONTRASTS)
