@@ -102,6 +102,7 @@ class Hit:
     num_tokens: int
     block_size: int
     pattern: tuple[str, int]
+    zero: bool = True  # one of the cached blocks is physical block 0
 
     def cached(self) -> dict[int, int]:
         full = self.num_tokens // self.block_size
@@ -109,7 +110,8 @@ class Hit:
         keep = [i for i in range(full) if how == "all" or (how == "prefix" and i < k)
                 or (how == "hole" and i != k)]
         ids = random.Random(1002 + self.seed).sample(range(2 ** 31 - 1), len(keep))
-        ids[len(ids) // 3:len(ids) // 3 + 1] = [0] * bool(ids)  # block 0 is a block
+        if ids and self.zero:
+            ids[len(ids) // 3] = 0  # block 0 is a block
         return dict(zip(keep, ids, strict=True))
 
     def describe(self) -> str:
@@ -134,9 +136,9 @@ class Hit:
 
 
 def hit_cases() -> list[Hit]:
-    """Short prompts at block sizes 5, 7, 16 in every pattern, then long ones (seeds 0 ...)."""
+    """Short prompts at block sizes 5, 7, 16, 1 in every pattern, then long ones (seeds 0 ...)."""
     out: list[Hit] = []
-    for bs in (5, 7, 16):
+    for bs in (5, 7, 16, 1):
         for n in (bs, bs + 1, 3 * bs, 3 * bs + 1, 50):
             for pattern in (("all", 0), ("prefix", 1), ("hole", 0), ("hole", 2)):
                 out.append(Hit(len(out), n, bs, pattern))
@@ -147,6 +149,9 @@ def hit_cases() -> list[Hit]:
 
 
 HIT_CONTRASTS = (
+    Contrast(lambda p: dataclasses.replace(p, zero=False), "it passes when no cached block "
+             "is physical block 0: block 0 is a block like any other (a miss is lookup(...) "
+             "is None, not a falsy answer)"),
     Contrast(lambda p: dataclasses.replace(p, num_tokens=29 * p.block_size // 4, pattern=(
         p.pattern[0], min(p.pattern[1], 5))) if p.num_tokens > 1000 else None,
              "it passes on short prompts and fails on a long one (a context of 131,072 "
@@ -156,7 +161,7 @@ HIT_CONTRASTS = (
 
 
 def hit_stage(fn: Callable, check_hit: Callable) -> None:
-    """10.2's generated stage; ``check_hit(fn, name, num_tokens, block_size, cached)``: the
-    grader's own per-scenario check."""
+    """10.2's generated stage; ``check_hit(fn, num_tokens, block_size, cached)``: the
+    grader's own per-case check."""
     numeric.check("10.2", hit_cases(), lambda p: check_hit(
-        fn, "generated", p.num_tokens, p.block_size, p.cached()), HIT_CONTRASTS)
+        fn, p.num_tokens, p.block_size, p.cached()), HIT_CONTRASTS)
