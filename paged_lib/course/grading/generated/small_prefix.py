@@ -1,17 +1,9 @@
-"""Generated prompts for 10.1 (a prompt's block hashes) and 10.2 (the cache hit), on the
-harness of :mod:`~paged_lib.course.grading.generated.numeric`.
-
-10.1's named prompts, the engine's replayed calls and the random workloads hash each text
-at one block size and with at most one extra key. Here seeded prompts (token ids up to
-Qwen2's vocabulary of 152,000) are hashed one after another at block sizes 2, 3, 5 and
-16, with the extra keys real requests carry together (a LoRA adapter, a multimodal
-input's hash, a cache salt: two or three keys, in the request's order). Each case runs
-through the grader's own per-prompt check against the library's hashes.
-
-10.2's named scenarios have prompts of at most 29 tokens (7 blocks). Here prompts run up
-to Llama 3's context of 131,072 tokens (8,192 blocks of 16), every block cached, a
-prefix of them, or all but one; block ids come from a pool of 2**31 - 1 blocks, block 0
-among them.
+"""Generated inputs for 10.1 and 10.2, on the harness of
+:mod:`~paged_lib.course.grading.generated.numeric`, each run through the grader's own
+per-case check. 10.1: seeded prompts (token ids up to 152,000) hashed one after another
+at block sizes 16, 5, 3 and 2, with the two or three extra keys real requests carry, in
+their order. 10.2: prompts up to 131,072 tokens (8,192 blocks of 16), every block
+cached, a prefix or all but one, block ids up to 2**31 - 2, block 0 among them.
 """
 
 from __future__ import annotations
@@ -110,6 +102,7 @@ class Hit:
     num_tokens: int
     block_size: int
     pattern: tuple[str, int]
+    zero: bool = True  # one of the cached blocks is physical block 0
 
     def cached(self) -> dict[int, int]:
         full = self.num_tokens // self.block_size
@@ -117,7 +110,8 @@ class Hit:
         keep = [i for i in range(full) if how == "all" or (how == "prefix" and i < k)
                 or (how == "hole" and i != k)]
         ids = random.Random(1002 + self.seed).sample(range(2 ** 31 - 1), len(keep))
-        ids[len(ids) // 3:len(ids) // 3 + 1] = [0] * bool(ids)  # block 0 is a block
+        if ids and self.zero:
+            ids[len(ids) // 3] = 0  # block 0 is a block
         return dict(zip(keep, ids, strict=True))
 
     def describe(self) -> str:
@@ -142,9 +136,9 @@ class Hit:
 
 
 def hit_cases() -> list[Hit]:
-    """Short prompts at block sizes 5, 7, 16 in every pattern, then long ones (seeds 0 ...)."""
+    """Short prompts at block sizes 5, 7, 16, 1 in every pattern, then long ones (seeds 0 ...)."""
     out: list[Hit] = []
-    for bs in (5, 7, 16):
+    for bs in (5, 7, 16, 1):
         for n in (bs, bs + 1, 3 * bs, 3 * bs + 1, 50):
             for pattern in (("all", 0), ("prefix", 1), ("hole", 0), ("hole", 2)):
                 out.append(Hit(len(out), n, bs, pattern))
@@ -155,6 +149,9 @@ def hit_cases() -> list[Hit]:
 
 
 HIT_CONTRASTS = (
+    Contrast(lambda p: dataclasses.replace(p, zero=False), "it passes when no cached block "
+             "is physical block 0: block 0 is a block like any other (a miss is lookup(...) "
+             "is None, not a falsy answer)"),
     Contrast(lambda p: dataclasses.replace(p, num_tokens=29 * p.block_size // 4, pattern=(
         p.pattern[0], min(p.pattern[1], 5))) if p.num_tokens > 1000 else None,
              "it passes on short prompts and fails on a long one (a context of 131,072 "
@@ -164,7 +161,7 @@ HIT_CONTRASTS = (
 
 
 def hit_stage(fn: Callable, check_hit: Callable) -> None:
-    """10.2's generated stage; ``check_hit(fn, name, num_tokens, block_size, cached)``: the
-    grader's own per-scenario check."""
+    """10.2's generated stage; ``check_hit(fn, num_tokens, block_size, cached)``: the
+    grader's own per-case check."""
     numeric.check("10.2", hit_cases(), lambda p: check_hit(
-        fn, "generated", p.num_tokens, p.block_size, p.cached()), HIT_CONTRASTS)
+        fn, p.num_tokens, p.block_size, p.cached()), HIT_CONTRASTS)

@@ -1,13 +1,8 @@
 """Generated inputs for 14.1 (streaming text with stop strings), on the harness of
-:mod:`~paged_lib.course.grading.generated.numeric`.
-
-14.1's named and random cases draw stops of one to three characters independently of the
-text, so two stops rarely begin at the same index of it, and the one tie named lists the
-longer stop first. Here the stops are cut from the text itself: up to four, of one to six
-characters (é, 日 and 🎉 among them), one often a prefix of another so that both start at
-the same index, listed in either order, with one to eight tokens per ``add``. Each case
-runs through the grader's own per-case check (every ``add``'s piece, ``finish``,
-``text`` and ``stopped``), the first failure shrunk.
+:mod:`~paged_lib.course.grading.generated.numeric`: stops cut from the text itself (up to
+four, of one to six characters, often one a prefix of another, so both start at one
+index, listed in either order), one to eight tokens per ``add``, each run through the
+grader's own per-case check, the first failure shrunk.
 """
 
 from __future__ import annotations
@@ -78,6 +73,10 @@ def _draw(seed: int) -> Stream:
     for _ in range(rng.randint(1, 4)):
         i = rng.randrange(len(text))
         stops.append(text[i:i + rng.randint(1, 6)])
+    if seed % 6 == 1:  # no stop, or one that never comes (no x in the text)
+        stops = [] if seed % 12 == 1 else [stops[0] + "x"]
+    if seed % 6 == 5:  # an empty stop is ignored
+        stops.insert(0, "")
     if seed % 2 == 0:  # a stop and a longer one that it begins: both start at one index
         base = min(stops, key=text.find)
         i = text.find(base)
@@ -111,7 +110,7 @@ STREAM_CONTRASTS = (
 
 
 def stream_stage(cls: type, run_case: Callable) -> None:
-    """14.1's generated stage; ``run_case(cls, text, stops, per_add, what)``: the
-    grader's own per-case check."""
+    """14.1's generated stage; ``run_case(cls, text, stops, per_add)``: the grader's own
+    per-case check."""
     numeric.check("14.1", stream_cases(), lambda p: run_case(
-        cls, p.text, list(p.stops), p.per_add, "generated"), STREAM_CONTRASTS)
+        cls, p.text, list(p.stops), p.per_add), STREAM_CONTRASTS)
