@@ -6,14 +6,11 @@
   a better layout (paged blocks instead of a ``max_len`` reservation).
 * 11.2 ``kv_bytes_per_token(spec)`` for MHA, GQA, MQA and MLA, next to
   :func:`paged_lib.accounting.kv_bytes_per_token`.
-* 11.3 ``write_int8_blocks(x, data, scale, slots)``: the int8 block write with its growing
-  scale (:mod:`paged_lib.course.grading.ch11_quant`).
-* 11.4 ``drop_oldest(table, num_sink_tokens)``: the sliding window's block release with
-  sinks (:mod:`paged_lib.course.grading.ch11_window`).
+* 11.3 ``write_int8_blocks``: :mod:`~paged_lib.course.grading.ch11_quant`.
+* 11.4 ``drop_oldest``: :mod:`~paged_lib.course.grading.ch11_window`.
 
-A wrong value is matched against the typical mistakes, computed on the same case, so the
-hint names the one made. :func:`run_demo` runs the learner's two functions on the
-chapter's deployment and models.
+A wrong value is matched against the typical mistakes computed on the same case, so the
+hint names the one made.
 """
 
 from __future__ import annotations
@@ -117,8 +114,6 @@ _LEVEL_SLIPS: list[tuple[int, dict, str]] = [
      "model spec's own dtype_bytes (this one is fp32): with_dtype(2)"),
     (1, dict(own="mha"), "fewer bytes per token uses the model's own attention (its KV "
      "heads or its latent) as well as the KV dtype"),
-    (1, dict(base_dtype="kv", own="mha"), "fewer bytes per token uses the model's own "
-     "attention (its KV heads or its latent) as well as the KV dtype"),
     (1, dict(per_dtype="model"), "fewer bytes per token stores each value in the "
      "deployment's KV dtype (kv_dtype_bytes), not in the model spec's own dtype_bytes"),
     (2, dict(reserve="kept"), "fewer tokens is still a reservation made before a request's "

@@ -1,14 +1,8 @@
-"""Generated inputs for 11.3, the int8 block write with a growing scale (the stage's
-harness: :mod:`~paged_lib.course.grading.generated.numeric`).
-
-A case is one or two sequences written call after call into int8 blocks of any size (3, 5,
-6, 7 as well as powers of two), with 1 to 4 KV heads of 1 to 6 numbers, starting mid-block
-or in blocks an earlier owner left (codes and a scale of 9) or never written (scale NaN);
-each call's values are drawn in a regime relative to the scale already there: the same
-size, growing by half, jumping a hundredfold, zeros, values far below float32's tiny
-(1e-40), a value exactly at the limit 127 x scale, shrinking. Every call is compared with
-the library's write (:func:`paged_lib.kernels.kv_quant.write_int8_blocks`) from the same
-state, as chapter 11's grader compares a replayed call.
+"""11.3's generated cases: one or two sequences written call after call into int8 blocks
+of any size, 1 to 4 KV heads of 1 to 6 numbers, in blocks an earlier owner left (scale 9)
+or never written (scale NaN), each call's values in a regime relative to the scale there
+(the same, growing, jumping, zeros, below float32's tiny, exactly 127 x scale, shrinking).
+Each call is compared with the library's write from the same state (``ch11_quant``).
 """
 
 from __future__ import annotations
@@ -20,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from paged_lib.course.grading.ch11_quant_rule import WriteCall, snap
+from paged_lib.course.grading.ch11_quant import WriteCall, snap
 from paged_lib.course.grading.generated.numeric import Contrast, fewer, shorter
 from paged_lib.util import cdiv
 
@@ -66,7 +60,7 @@ class Int8:
                 + f"; {len(self.calls)} call(s): {steps}")
 
     def states(self) -> list[str]:
-        """The states of this case that no fixed case of 11.3 has."""
+        """The states of this case that the stage is drawn to reach."""
         out = [f"block size {self.block_size}"] if self.block_size in (3, 5, 6, 7) else []
         out += ["more than 2 KV heads"] if self.heads > 2 else []
         out += ["head size not 2"] if self.dim != 2 else []
@@ -101,7 +95,9 @@ class Int8:
 def _build(p: Int8) -> tuple[WriteCall, ...]:
     from paged_lib.kernels.kv_quant import write_int8_blocks
 
-    g = torch.Generator().manual_seed(1100 + p.seed)
+    # the values from their own generator: the same whatever the block size (a contrast
+    # changes only the layout)
+    g, gx = torch.Generator().manual_seed(1100 + p.seed), torch.Generator().manual_seed(p.seed)
     bs = p.block_size
     lens = [p.start + sum(p.calls)] + ([len(p.calls)] if p.two else [])
     need = [cdiv(n, bs) for n in lens]
@@ -124,13 +120,13 @@ def _build(p: Int8) -> tuple[WriteCall, ...]:
         return out
 
     if p.start:  # what sequence 0 already holds: one earlier call
-        x = torch.randn(p.start, p.heads, p.dim, generator=g)
+        x = torch.randn(p.start, p.heads, p.dim, generator=gx)
         write_int8_blocks(x, data, scale, torch.tensor(slots_of(0, p.start)))
     calls = []
     for k, (n, regime) in enumerate(zip(p.calls, p.regimes, strict=True)):
         mag = {"grow": mag * 1.5, "jump": mag * 100, "shrink": mag / 100}.get(regime, mag)
         slots = slots_of(0, n) + (slots_of(1, 1) if p.two else [])
-        x = torch.randn(len(slots), p.heads, p.dim, generator=g) * mag
+        x = torch.randn(len(slots), p.heads, p.dim, generator=gx) * mag
         if regime == "zeros":
             x[:n] = 0.0
         elif regime == "subnormal":
@@ -141,12 +137,8 @@ def _build(p: Int8) -> tuple[WriteCall, ...]:
             x[0, :, 0] = 127 * held * torch.where(x[0, :, 0] < 0, -1.0, 1.0)
             x[:, :, 1:] = x[:, :, 1:].clamp(-0.5, 0.5) * held[None, :, None]
         s = torch.tensor(slots)
-        call = snap(f"call {k} of generated case {p.seed}", x, data, scale, s)
+        calls.append(snap(f"call {k} of generated case {p.seed}", x, data, scale, s))
         write_int8_blocks(x.clone(), data, scale, s.clone())
-        call.lib_data, call.lib_scale = call.state()
-        idx = torch.tensor(call.blocks, dtype=torch.long)
-        call.lib_data[idx], call.lib_scale[idx] = data[idx], scale[idx]
-        calls.append(call)
     return tuple(calls)
 
 
