@@ -20,7 +20,7 @@ from typing import Any
 
 from paged_lib.accounting import SPECS, ModelSpec, kv_bytes
 from paged_lib.course import grading
-from paged_lib.course.grading.ch12_gloo import check_rank_attention
+from paged_lib.course.grading.ch12_rank import check_rank_attention
 from paged_lib.course.grading.generated import numeric, numeric_rank, small_counts
 from paged_lib.course.grading.slips import name_mistake
 from paged_lib.parallel import kv_bytes_per_rank, rank_heads
