@@ -177,7 +177,7 @@ def attention_shifted(x, w, cos, sin, kv_cache, meta, rank, tp, all_reduce):
 
 def test_12_3_a_shift_passes_the_named_steps_and_the_generated_ones_catch_it():
     for step in ch12_rank.steps():
-        ch12_rank.compare(step, ch12_rank.replayed(attention_shifted, step), "")
+        ch12_rank.compare(step, ch12_rank.replayed(attention_shifted, step))
     with pytest.raises(CheckFailed) as caught:
         ch12_rank.check_generated(attention_shifted)
     message, hint = caught.value.message, caught.value.hint

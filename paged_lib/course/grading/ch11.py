@@ -177,15 +177,12 @@ def check_kv_levels(fn: Callable[..., Any]) -> None:
 
 # ------------------------------------------------------------ 11.2 kv_bytes_per_token
 
-def _toy_mla(dtype_bytes: int = 4) -> ModelSpec:
-    return ModelSpec("toy-mla", 3, 32, 4, 4, 8, dtype_bytes=dtype_bytes, kv_lora_rank=16,
-                     qk_rope_head_dim=4)
-
-
 def _bytes_cases() -> list[ModelSpec]:
     # fp32 toys first: at 2 bytes per value, a forgotten dtype_bytes and a forgotten K/V
     # pair give the same wrong number, at 4 they do not, so the hint can name the slip
-    toys = [ModelSpec("toy-gqa", 5, 48, 6, 2, 8, dtype_bytes=4), _toy_mla(),
+    toys = [ModelSpec("toy-gqa", 5, 48, 6, 2, 8, dtype_bytes=4),
+            ModelSpec("toy-mla", 3, 32, 4, 4, 8, dtype_bytes=4, kv_lora_rank=16,
+                      qk_rope_head_dim=4),
             ModelSpec("toy-mla-no-rope", 2, 32, 4, 4, 8, kv_lora_rank=24)]
     return toys + list(SPECS.values()) + list(DEEPSEEK_SPECS.values()) + [
         SPECS["llama-2-70b"].with_dtype("fp8"), DEEPSEEK_SPECS["deepseek-v2"].with_dtype("fp8")]

@@ -4,13 +4,10 @@
   rank caches, KV heads replicated when there are fewer of them than ranks;
 * 12.2 ``rank_heads(num_heads, num_kv_heads, tp_size, rank)``: the query heads and the KV
   heads one rank owns;
-* 12.3 ``rank_attention(x, w, cos, sin, kv_cache, meta, rank, tp_size, all_reduce)``: one
-  rank's attention layer with its all-reduce (:mod:`~paged_lib.course.grading.ch12_rank`,
-  :mod:`~paged_lib.course.grading.ch12_gloo`: generated steps, then two gloo ranks).
+* 12.3 ``rank_attention``: :mod:`~paged_lib.course.grading.ch12_rank`.
 
-12.1 and 12.2 are compared with :mod:`paged_lib.parallel`; a wrong answer is matched against the
-typical mistakes (computed on the same case) so the hint names the one made.
-:func:`run_demo` runs the learner's functions on the shipped model's shape.
+12.1 and 12.2: named cases, then generated ones, compared with :mod:`paged_lib.parallel`; a
+wrong answer is matched against the typical mistakes computed on the same case.
 """
 
 from __future__ import annotations

@@ -97,7 +97,7 @@ _NAN = ("NaN: your attention read cache slots that were never written (they hold
 
 
 def steps() -> list[Step]:
-    """The generated steps (2 and 4 ranks), the same on every call."""
+    """The named steps (2 and 4 ranks), the same on every call."""
     return [
         _step("a prefill of 2 sequences (5 and 3 tokens) from an empty cache; 4 query "
               "heads, 2 KV heads, 2 ranks", 2, 4, 2, [(0, 5), (0, 3)], _SPLIT, 1),
@@ -266,12 +266,12 @@ def _mistake(step: Step, rank: int, got: torch.Tensor, want: torch.Tensor) -> st
     return next((hint for out, hint in _slipped(step, rank) if close(out)), None)
 
 
-def compare(step: Step, results: list, where: str) -> None:
+def compare(step: Step, results: list) -> None:
     """Every rank's output against the single-device layer, its cache against the library
     rank's: the first difference as a story."""
     want, _ = single_device(step)
     for rank, (out, cache) in enumerate(results):
-        what = f"{where}step '{step.name}', rank {rank} of {step.tp}"
+        what = f"step '{step.name}', rank {rank} of {step.tp}"
         grading.expect_true(isinstance(out, torch.Tensor), f"{what}: returned "
                             f"{type(out).__name__}", "return the layer's output, a tensor "
                             "[tokens, hidden]")
@@ -300,19 +300,29 @@ def compare(step: Step, results: list, where: str) -> None:
                              "meta.slot_mapping, into the cache it is given")
 
 
+def _ask(fn: Callable, step: Step) -> None:
+    """Every rank's answer to ``step`` (the all-reduce replayed), compared."""
+    try:
+        results = replayed(fn, step)
+    except (grading.CheckFailed, NotImplementedError):
+        raise
+    except Exception as err:  # noqa: BLE001 - told with the step that raised it
+        grading.fail(f"step '{step.name}': your function raised {type(err).__name__}: {err}",
+                     step.hint)
+    compare(step, results)
+
+
 def check_generated(fn: Callable) -> None:
     """The generated steps (:mod:`~paged_lib.course.grading.generated.numeric_rank`), each
-    replayed on every rank and compared as the fixed ones; a failing one is shrunk."""
+    asked as the named ones; a failing one is shrunk."""
     from paged_lib.course.grading.generated import numeric
     from paged_lib.course.grading.generated.numeric_rank import RANK_CONTRASTS, rank_cases
 
-    def run(p) -> None:
-        step = _step("generated", p.tp, p.heads, p.kv_heads, list(p.lens),
-                     _REPLICA if p.kv_heads < p.tp else _SPLIT, p.seed, p.bias, p.head_dim,
-                     p.block_size, p.hidden, p.loud)
-        compare(step, replayed(fn, step), "")
+    numeric.check("12.3", rank_cases(), lambda p: _ask(fn, _step(
+        "generated", p.tp, p.heads, p.kv_heads, list(p.lens),
+        _REPLICA if p.kv_heads < p.tp else _SPLIT, p.seed, p.bias, p.head_dim, p.block_size,
+        p.hidden, p.loud)), RANK_CONTRASTS)
 
-    numeric.check("12.3", rank_cases(), run, RANK_CONTRASTS)
 
 # ------------------------------------------------------------------ on two gloo ranks
 
@@ -472,13 +482,6 @@ def check_rank_attention(fn: Callable[..., torch.Tensor]) -> None:
         return  # a script re-imported by a spawned rank: the parent prints the verdict
     with grading.exercise("12.3"):
         for step in steps():
-            try:
-                results = replayed(fn, step)
-            except (grading.CheckFailed, NotImplementedError):
-                raise
-            except Exception as err:  # noqa: BLE001 - told with the step that raised it
-                grading.fail(f"step '{step.name}': your function raised "
-                             f"{type(err).__name__}: {err}", step.hint)
-            compare(step, results, "")
+            _ask(fn, step)
         check_generated(fn)
         _on_gloo_ranks(fn)

@@ -1,16 +1,8 @@
-"""Generated steps for 12.3, one rank's attention (the stage's harness:
-:mod:`~paged_lib.course.grading.generated.numeric`).
-
-12.3's fixed steps stay inside one family: 2 or 4 ranks, a hidden size of 32 that is
-``num_heads x head_dim`` in most of them, heads of 8, blocks of 4, at most 10 tokens a
-sequence, inputs a few units large. Here seeded steps are drawn from the ways real models
-are sharded: 2, 3 and 4 ranks; GQA groups of 1 to 7, KV heads split or replicated
-(Llama 3 8B's 8 KV heads on 16 ranks, Falcon's one on every rank); heads wider or narrower
-than ``hidden / num_heads`` (Gemma); biases on q, k, v and o (Qwen2); blocks of 1 to 8
-tokens, not only powers of two; decodes after up to 30 cached tokens, prefills from an
-empty cache and chunks after a prefix hit in one step; inputs up to 4x louder. Each step
-is checked as the fixed ones are (every rank's output against the single-device layer,
-its cache against the library rank's), and a failing one is shrunk.
+"""Generated cases for 12.2 (published models on every ``tp_size`` that divides their query
+heads) and 12.3 (seeded steps sharded as real models are: 2 to 4 ranks, GQA groups of 1
+to 7, KV heads split or replicated, heads wider or narrower than ``hidden / num_heads``,
+biases, blocks of 1 to 8 tokens, decodes, prefills and chunks after a prefix hit, louder
+inputs); the stage's harness is :mod:`~paged_lib.course.grading.generated.numeric`.
 """
 
 from __future__ import annotations
@@ -135,7 +127,7 @@ class Rank:
                 + (f", inputs x {self.loud:g}" if self.loud != 1 else ""))
 
     def states(self) -> list[str]:
-        """The states of this step that no fixed step of 12.3 has."""
+        """The states of this step that the named steps of 12.3 do not have."""
         out = [f"{self.tp} ranks"] if self.tp == 3 else []
         group = self.heads // self.kv_heads
         out += [f"GQA groups of {group}"] if group not in (1, 2, 4, 8) else []
