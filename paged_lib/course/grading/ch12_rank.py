@@ -3,7 +3,9 @@ by ``ch12``), in order:
 
 1. named steps (a prefill from an empty cache, a batch of decodes, a mixed step with a
    prefix hit, a GQA group split across ranks, biases as Qwen2's, 4 ranks for 2 KV heads
-   and for 1), then generated ones (:mod:`~paged_lib.course.grading.generated.numeric_rank`),
+   and for 1), then generated ones (:class:`Rank`: sharded as real models are, 3 ranks
+   too, GQA groups of 1 to 7, heads wider or narrower than ``hidden / num_heads``, blocks
+   of 1 to 8 tokens, louder inputs; a failing one shrunk),
    in this process, every rank in turn with the all-reduce replayed (each rank's partial
    sums recorded, then every rank run again with their sum): each rank's output against
    the single-device layer, its cache against the library rank's (unused slots are NaN);
@@ -17,12 +19,13 @@ by ``ch12``), in order:
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import importlib.machinery
 import multiprocessing as mp
 import pickle
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,12 +33,15 @@ from typing import Any
 import torch
 
 from paged_lib.course import grading
+from paged_lib.course.grading.generated import numeric
+from paged_lib.course.grading.generated.numeric import Contrast, fewer, shorter
 from paged_lib.engine.model_runner import build_metadata, check_metadata
 from paged_lib.model import rope_cos_sin
-from paged_lib.parallel import AttentionWeights, rank_attention, rank_heads
+from paged_lib.parallel import AttentionWeights, rank_attention, rank_heads, tp_size_problem
 
-__all__ = ["ENGINE", "Step", "check_generated", "check_rank_attention", "compare",
-           "engine_calls", "replayed", "share", "shipped", "single_device", "steps"]
+__all__ = ["ENGINE", "RANK_CONTRASTS", "Rank", "Step", "check_generated",
+           "check_rank_attention", "compare", "engine_calls", "rank_cases", "replayed",
+           "share", "shipped", "single_device", "steps"]
 
 BLOCK_SIZE, NUM_BLOCKS, HIDDEN = 4, 16, 32
 
@@ -300,6 +306,117 @@ def compare(step: Step, results: list) -> None:
                              "meta.slot_mapping, into the cache it is given")
 
 
+# ------------------------------------------------------------------ generated steps
+
+#: (ranks, query heads, KV heads), as models shard: split KV heads, replicated ones (more
+#: ranks than KV heads), MHA, MQA, groups of 3 and 7
+_SHARDS = [(2, 4, 2), (2, 6, 2), (2, 14, 2), (2, 4, 4), (2, 2, 1), (3, 6, 3), (3, 3, 1),
+           (3, 12, 3), (3, 6, 1), (4, 8, 2), (4, 4, 1), (4, 8, 4), (4, 16, 8), (4, 12, 4)]
+
+
+@dataclass(frozen=True)
+class Rank:
+    """One generated step of 12.3."""
+
+    seed: int
+    tp: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    hidden: int
+    block_size: int
+    lens: tuple[tuple[int, int], ...]  # (cached, new) per sequence
+    bias: bool
+    loud: float
+
+    def describe(self) -> str:
+        kv = (f"{self.kv_heads} KV heads, {self.kv_heads // self.tp} per rank"
+              if self.kv_heads >= self.tp else
+              f"{self.kv_heads} KV head(s), each on {self.tp // self.kv_heads} ranks")
+        return (f"{self.tp} ranks, {self.heads} query heads on {kv}, head_dim "
+                f"{self.head_dim} with hidden {self.hidden} ("
+                + ("=" if self.heads * self.head_dim == self.hidden else "!=")
+                + f" heads x head_dim), blocks of {self.block_size}, sequences (cached, new) "
+                f"{list(self.lens)}" + (", biases on q, k, v and o" if self.bias else "")
+                + (f", inputs x {self.loud:g}" if self.loud != 1 else ""))
+
+    def states(self) -> list[str]:
+        """The states of this step that the named steps of 12.3 do not have."""
+        out = [f"{self.tp} ranks"] if self.tp == 3 else []
+        group = self.heads // self.kv_heads
+        out += [f"GQA groups of {group}"] if group not in (1, 2, 4, 8) else []
+        out += [f"hidden {self.hidden}"] if self.hidden != 32 else []
+        out += [f"head_dim {self.head_dim}"] if self.head_dim != 8 else []
+        out += [f"blocks of {self.block_size}"] if self.block_size != 4 else []
+        out += ["a sequence over 10 tokens"] if max(c + n for c, n in self.lens) > 10 else []
+        out += ["louder inputs"] if self.loud > 1 else []
+        return out
+
+    def smaller(self) -> Iterator[Rank]:
+        lens = self.lens
+        for i, (cached, new) in enumerate(lens):
+            if len(lens) > 1:
+                yield dataclasses.replace(self, lens=lens[:i] + lens[i + 1:])
+            for c in shorter(cached, 0):
+                yield dataclasses.replace(self, lens=lens[:i] + ((c, new),) + lens[i + 1:])
+            for n in shorter(new):
+                yield dataclasses.replace(self, lens=lens[:i] + ((cached, n),) + lens[i + 1:])
+        for tp, heads, kv in _SHARDS:
+            if (heads, kv) < (self.heads, self.kv_heads) and tp <= self.tp:
+                yield dataclasses.replace(self, tp=tp, heads=heads, kv_heads=kv)
+        yield from fewer(self, bias=[False], loud=[1.0], block_size=[4],
+                         head_dim=[d for d in (4, 8) if d < self.head_dim])
+
+
+def _draw(seed: int) -> Rank:
+    g = torch.Generator().manual_seed(1230 + seed)
+
+    def pick(xs: list | tuple):
+        return xs[int(torch.randint(len(xs), (1,), generator=g))]
+
+    tp, heads, kv = pick(_SHARDS)
+    d = pick([4, 6, 8, 10, 12, 16])
+    hidden = pick([heads * d, 24, 40, 48])
+    lens = []
+    for _ in range(pick([1, 2, 3])):
+        kind = pick(["decode", "decode", "prefill", "chunk"])
+        cached = 0 if kind == "prefill" else pick([1, 3, 4, 8, 15, 16, 30])
+        lens.append((cached, 1 if kind == "decode" else pick([1, 2, 5, 8])))
+    return Rank(seed, tp, heads, kv, d, hidden, (1, 2, 3, 4, 5, 8)[seed % 6], tuple(lens),
+                seed % 4 == 1, (1.0, 1.0, 4.0)[seed % 3])
+
+
+def rank_cases(count: int = 24) -> list[Rank]:
+    """12.3's generated steps (seeds 0, 1, ...), every one a sharding that exists."""
+    out = [_draw(seed) for seed in range(count)]
+    assert not any(tp_size_problem(p.heads, p.kv_heads, p.tp) for p in out)
+    return out
+
+
+RANK_CONTRASTS = (
+    Contrast(lambda p: dataclasses.replace(p, tp=4, heads=p.heads // p.tp * 4)
+             if p.kv_heads == 1 and p.tp == 3 else None,
+             "it passes on 4 ranks for one KV head and fails on 3: rank r keeps KV head "
+             "r // (tp_size // num_kv_heads), a division; a shift (r >> log2(...)) or a "
+             "mask is that only when each KV head sits on 2 or 4 ranks"),
+    Contrast(lambda p: dataclasses.replace(p, hidden=p.heads * p.head_dim)
+             if p.hidden != p.heads * p.head_dim else None,
+             "it passes when hidden == num_heads x head_dim and fails otherwise: a rank's "
+             "rows of q, k and v and its columns of o are its heads x head_dim, counted in "
+             "head_dim (w.head_dim), not hidden / num_heads or hidden / tp (Gemma's heads "
+             "are wider than hidden / num_heads)"),
+    Contrast(lambda p: dataclasses.replace(p, block_size=4) if p.block_size != 4 else None,
+             "it passes with blocks of 4 and fails with other block sizes: read the block "
+             "size from the cache (its dimension 1) and the slots from meta.slot_mapping"),
+    Contrast(lambda p: dataclasses.replace(p, tp=2, heads=4, kv_heads=2)
+             if (p.tp, p.heads, p.kv_heads) != (2, 4, 2) else None,
+             "it passes on 2 ranks with 4 query heads and 2 KV heads and fails on this "
+             "sharding: a rank owns num_heads / tp contiguous query heads, and the KV heads "
+             "they read: num_kv_heads / tp of them, or with fewer KV heads than ranks the "
+             "one KV head r // (tp / num_kv_heads)"),
+)
+
+
 def _ask(fn: Callable, step: Step) -> None:
     """Every rank's answer to ``step`` (the all-reduce replayed), compared."""
     try:
@@ -313,11 +430,8 @@ def _ask(fn: Callable, step: Step) -> None:
 
 
 def check_generated(fn: Callable) -> None:
-    """The generated steps (:mod:`~paged_lib.course.grading.generated.numeric_rank`), each
-    asked as the named ones; a failing one is shrunk."""
-    from paged_lib.course.grading.generated import numeric
-    from paged_lib.course.grading.generated.numeric_rank import RANK_CONTRASTS, rank_cases
-
+    """The generated steps (:func:`rank_cases`), each asked as the named ones; a failing
+    one is shrunk."""
     numeric.check("12.3", rank_cases(), lambda p: _ask(fn, _step(
         "generated", p.tp, p.heads, p.kv_heads, list(p.lens),
         _REPLICA if p.kv_heads < p.tp else _SPLIT, p.seed, p.bias, p.head_dim, p.block_size,
