@@ -361,10 +361,11 @@ def test_11_3_a_rule_right_on_one_token_but_not_on_a_prefill_is_named(capsys):
 
 def test_11_3_requantising_in_the_other_order_is_told_why_only_serving_shows_it(capsys):
     """q * old / new misses true ties by a rounding error: the comparison lets a code one
-    off at a tie through, serving does not, and the hint names the order of step 4."""
+    off at a tie through, serving (random int8 workloads) does not, and the hint names the
+    order of step 4."""
     out = verdict(capsys, ch11.check_write_int8_blocks, write_with(ratio_first=False))
-    assert out.startswith("❌ [11.3]") and "serving" in out \
-        and "round(q * (old / new))" in out, out
+    assert out.startswith("❌ [11.3]") and "random workload" in out \
+        and "kv_cache_dtype='int8'" in out and "round(q * (old / new))" in out, out
 
 
 # ------------------------------------------------------------------ 11.4 the window

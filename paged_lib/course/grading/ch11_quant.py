@@ -7,8 +7,9 @@
   scale, shrinking); each call compared with the library's write from the same state
   (:func:`compare`), a failing case shrunk (harness:
   :mod:`~paged_lib.course.grading.generated.numeric`);
-* the learner's write plugged into the engine serving :data:`QUANT_WORKLOADS` with the
-  shipped model: every output's tokens must be the library's.
+* a block never written (scale NaN) first written past offset 0 (the spec's, no engine's);
+* the generated stage (:mod:`~paged_lib.course.grading.generated`): random int8 workloads
+  served with the learner's write in the engine, each step the library's.
 
 Codes are compared exactly, except that one off is accepted where the exact quotient is
 within 1e-3 of a half (``q * old / new`` may round a tie the other way: serving shows
@@ -29,13 +30,13 @@ from typing import Any
 import torch
 
 from paged_lib.course import grading
-from paged_lib.course.grading import serving
+from paged_lib.course.grading import generated
 from paged_lib.course.grading.generated import numeric
 from paged_lib.course.grading.generated.numeric import Contrast, fewer, shorter
 from paged_lib.util import cdiv
 
-__all__ = ["INT8_CONTRASTS", "Int8", "QUANT_WORKLOADS", "WriteCall",
-           "check_write_int8_blocks", "compare", "int8_cases", "reference_write", "snap"]
+__all__ = ["INT8_CONTRASTS", "Int8", "WriteCall", "check_write_int8_blocks", "compare",
+           "int8_cases", "reference_write", "snap"]
 
 _TINY = torch.finfo(torch.float32).tiny
 
@@ -406,58 +407,6 @@ INT8_CONTRASTS = (
 )
 
 
-# ------------------------------------------------------------------ serving
-
-
-#: name, engine options, prompts (lengths), params, arrival steps
-QUANT_WORKLOADS = [
-    ("samples n=3 and beams of 3 sharing blocks (copy-on-write carries the scale), "
-     "preempted by recompute, 14 blocks of 4", dict(num_blocks=14, block_size=4, watermark=0),
-     [7, 13, 5], [dict(max_tokens=7, temperature=1.0, n=3, seed=1),
-                  dict(max_tokens=6, beam_width=3), dict(max_tokens=9, temperature=0.0)],
-     [0, 0, 2]),
-    ("prefix hits in the same step and later, chunks of 6 tokens, 16 blocks of 4",
-     dict(num_blocks=16, block_size=4, watermark=0, enable_prefix_caching=True,
-          enable_chunked_prefill=True, max_num_batched_tokens=6, max_num_seqs=4),
-     [11, 14, 9, 10],
-     [dict(max_tokens=5, temperature=0.0, ignore_eos=True)] * 4, [0, 0, 0, 3]),
-    ("samples n=2, preempted by swap, 10 blocks of 2 (CPU pool 40)",
-     dict(num_blocks=10, block_size=2, watermark=0, preemption="swap", num_cpu_blocks=40),
-     [5, 6, 3], [dict(max_tokens=6, temperature=0.8, n=2, seed=4),
-                 dict(max_tokens=5, temperature=0.0), dict(max_tokens=6, beam_width=2)],
-     [0, 0, 1]),
-]
-
-
-def _serve(model: Any, workload: tuple, write: Callable) -> list:
-    """The tokens of every output of ``workload`` served with ``write`` as the hook."""
-    from paged_lib.engine import EngineHooks, LLMEngine, SamplingParams
-
-    name, options, prompts, params, arrivals = workload
-    opts = dict(options)
-    engine = LLMEngine(model, opts.pop("num_blocks"), opts.pop("block_size"),
-                       attention_backend="torch", kv_cache_dtype="int8",
-                       hooks=EngineHooks(write_int8_blocks=lambda x, data, scale, slots: write(
-                           x.clone(), data, scale, slots.clone())), **opts)
-    g = torch.Generator().manual_seed(113)
-    shared = torch.randint(32, 127, (8,), generator=g).tolist()  # prompts past 8 share it
-    texts = [(shared + torch.randint(32, 127, (n,), generator=g).tolist())[:n] if n > 8
-             else torch.randint(32, 127, (n,), generator=g).tolist() for n in prompts]
-    outs = engine.generate(texts, [SamplingParams(**p) for p in params],
-                           arrival_steps=arrivals)
-    return [[c.token_ids for c in o.outputs] for o in outs]
-
-
-@functools.cache
-def _library_tokens() -> list:
-    from paged_lib.kernels.kv_quant import write_int8_blocks
-    from paged_lib.model import load_tiny_code_llama
-
-    model = load_tiny_code_llama()
-    with serving.one_thread():
-        return [_serve(model, w, write_int8_blocks) for w in QUANT_WORKLOADS]
-
-
 _SERVE_HINT = ("every generated call agreed up to a code one off at an exact tie, which the "
                "engine's next layer sees: requantise with the ratio first, round(q * (old / "
                "new)), not round(q * old / new), as the spec's exact codes ask; else look "
@@ -466,8 +415,6 @@ _SERVE_HINT = ("every generated call agreed up to a code one off at an exact tie
 
 def check_write_int8_blocks(fn: Callable[..., Any]) -> None:
     """11.3: ``write_int8_blocks(x, data, scale, slots)`` writes in place."""
-    from paged_lib.model import load_tiny_code_llama
-
     with grading.exercise("11.3"):
         numeric.check("11.3", int8_cases(), lambda p: [
             compare(fn, call) for call in p.build()], INT8_CONTRASTS)
@@ -477,12 +424,5 @@ def check_write_int8_blocks(fn: Callable[..., Any]) -> None:
                          torch.tensor([[[1.0, -2.0], [0.5, 0.25]]]),
                          torch.zeros(3, 4, 2, 2, dtype=torch.int8),
                          torch.full((3, 2), float("nan")), torch.tensor([6])))
-        model = load_tiny_code_llama()
-        for w, tokens in zip(QUANT_WORKLOADS, _library_tokens(), strict=True):
-            with serving.one_thread():
-                mine = _serve(model, w, fn)
-            if mine != tokens:
-                r = next(i for i, (a, b) in enumerate(zip(mine, tokens, strict=True)) if a != b)
-                grading.fail(f"serving '{w[0]}' with your write plugged into the engine: "
-                             f"request {r} generated {mine[r]}, the library's engine "
-                             f"{tokens[r]}", _SERVE_HINT)
+        generated.check("write_int8_blocks", lambda x, data, scale, slots: fn(
+            x.clone(), data, scale, slots.clone()), _SERVE_HINT)
