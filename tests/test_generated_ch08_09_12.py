@@ -13,7 +13,7 @@ import torch
 from stage_verdicts import caught_only_by_the_stage, verdict
 
 from paged_lib.course.grading import ch08, ch09, ch12, ch12_rank
-from paged_lib.course.grading.generated import numeric, numeric_rank
+from paged_lib.course.grading.generated import numeric
 from paged_lib.kernels import paged_prefill, reshape_and_cache
 from paged_lib.model import apply_rope
 from paged_lib.util import CheckFailed
@@ -139,8 +139,8 @@ def test_12_2_a_shift_is_caught_on_kv_heads_shared_by_3_5_or_7_ranks(monkeypatch
 
 
 def test_12_2_cases_reach_states_the_fixed_cases_do_not():
-    cases = numeric_rank.head_cases()
-    assert cases == numeric_rank.head_cases()
+    cases = ch12.head_cases()
+    assert cases == ch12.head_cases()
     seen = numeric.states(cases)
     assert seen["each KV head on 3 ranks"] and seen["each KV head on 7 ranks"]
     assert seen["3 ranks"] and seen["5 ranks"] and seen["groups of 7"]
@@ -177,7 +177,7 @@ def attention_shifted(x, w, cos, sin, kv_cache, meta, rank, tp, all_reduce):
 
 def test_12_3_a_shift_passes_the_named_steps_and_the_generated_ones_catch_it():
     for step in ch12_rank.steps():
-        ch12_rank.compare(step, ch12_rank.replayed(attention_shifted, step), "")
+        ch12_rank.compare(step, ch12_rank.replayed(attention_shifted, step))
     with pytest.raises(CheckFailed) as caught:
         ch12_rank.check_generated(attention_shifted)
     message, hint = caught.value.message, caught.value.hint

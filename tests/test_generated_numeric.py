@@ -16,8 +16,8 @@ import triton.language as tl
 from stage_verdicts import verdict
 
 import paged_lib  # noqa: F401  # isort: split
-from paged_lib.course.grading import ch05, ch09, ch11
-from paged_lib.course.grading.generated import numeric, numeric_decode, numeric_int8
+from paged_lib.course.grading import ch05, ch09, ch11, ch11_quant
+from paged_lib.course.grading.generated import numeric, numeric_decode
 from paged_lib.device import interpreter_on
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -25,12 +25,12 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 def test_cases_are_seeded_and_reach_states_the_fixed_cases_do_not():
     assert numeric.tile_cases() == numeric.tile_cases()
-    assert numeric_int8.int8_cases() == numeric_int8.int8_cases()
+    assert ch11_quant.int8_cases() == ch11_quant.int8_cases()
     assert numeric_decode.decode_cases() == numeric_decode.decode_cases()
     tiles = numeric.states(numeric.tile_cases())
     assert tiles["float16 with scores past 88"] and tiles["tied scores"]
     assert tiles["tiny scores"] and tiles["groups of 7"] and tiles["block size 12"]
-    int8 = numeric.states(numeric_int8.int8_cases())
+    int8 = numeric.states(ch11_quant.int8_cases())
     assert int8["values below float32's tiny"] and int8["a call into 3 or more blocks"]
     assert int8["block size 7"] and int8["more than 2 KV heads"]
     decode = numeric.states(numeric_decode.decode_cases())

@@ -151,7 +151,7 @@ _ALL = [
         name="write_int8_blocks", role="int8 KV cache: the block write, its scale grows",
         hook="write_int8_blocks"),
     _ex("11.4", "The sliding window's block release, with sinks", f"{_ENG}window.drop_oldest",
-        f"{_ENG}window.SlidingWindow.slide", "paged_lib.course.grading.ch11_window.reference_drop",
+        f"{_ENG}window.SlidingWindow.slide", "paged_lib.course.grading.ch11.reference_drop",
         name="drop_oldest", role="sliding window: release a block after the sinks",
         hook="drop_oldest"),
     _ex("12.1", "KV bytes per rank", f"{_PAR}kv_bytes_per_rank", *_HEADS),

@@ -137,7 +137,7 @@ class _Shipped:
     of the saved piece (its module, loaded from ``mine/``, is not importable there)."""
 
     def __init__(self, fn: Any):
-        from paged_lib.course.grading.ch12_gloo import shipped
+        from paged_lib.course.grading.ch12_rank import shipped
 
         self.kind, self.body = shipped(fn)
         self._fn = None
@@ -150,7 +150,7 @@ class _Shipped:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._fn is None:
-            from paged_lib.course.grading.ch12_gloo import _rebuilt
+            from paged_lib.course.grading.ch12_rank import _rebuilt
 
             self._fn = _rebuilt(self.kind, self.body)
         return self._fn(*args, **kwargs)

@@ -4,29 +4,31 @@
   rank caches, KV heads replicated when there are fewer of them than ranks;
 * 12.2 ``rank_heads(num_heads, num_kv_heads, tp_size, rank)``: the query heads and the KV
   heads one rank owns;
-* 12.3 ``rank_attention(x, w, cos, sin, kv_cache, meta, rank, tp_size, all_reduce)``: one
-  rank's attention layer with its all-reduce (:mod:`~paged_lib.course.grading.ch12_rank`,
-  :mod:`~paged_lib.course.grading.ch12_gloo`: generated steps, then two gloo ranks).
+* 12.3 ``rank_attention``: :mod:`~paged_lib.course.grading.ch12_rank`.
 
-12.1 and 12.2 are compared with :mod:`paged_lib.parallel`; a wrong answer is matched against the
-typical mistakes (computed on the same case) so the hint names the one made.
-:func:`run_demo` runs the learner's functions on the shipped model's shape.
+12.1 and 12.2: named cases, then generated ones, compared with :mod:`paged_lib.parallel`; a
+wrong answer is matched against the typical mistakes computed on the same case.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from paged_lib.accounting import SPECS, ModelSpec, kv_bytes
 from paged_lib.course import grading
-from paged_lib.course.grading.ch12_gloo import check_rank_attention
-from paged_lib.course.grading.generated import numeric, numeric_rank, small_counts
+from paged_lib.course.grading.ch12_rank import check_rank_attention
+from paged_lib.course.grading.generated import numeric, small_counts
+from paged_lib.course.grading.generated.numeric import Contrast, fewer, shorter
 from paged_lib.course.grading.slips import name_mistake
-from paged_lib.parallel import kv_bytes_per_rank, rank_heads
+from paged_lib.parallel import kv_bytes_per_rank, rank_heads, tp_size_problem
 
-__all__ = ["check_kv_bytes_per_rank", "check_rank_attention", "check_rank_heads",
-           "run_demo"]
+__all__ = ["HEAD_CONTRASTS", "Heads", "check_kv_bytes_per_rank", "check_rank_attention",
+           "check_rank_heads", "head_cases", "run_demo"]
 
 
 _MQA = ModelSpec("a 32-head MQA model", num_layers=24, hidden_size=4096, num_heads=32,
@@ -177,6 +179,79 @@ _REFUSED = ("tp_size must divide the query heads and divide the KV heads or be a
             "them; rank is in 0..tp_size-1; anything else raises ValueError")
 
 
+#: (query heads, KV heads) of published configurations: Llama 3 8B and 70B, Qwen2 0.5B,
+#: 1.5B and 7B (groups of 7 and 6), Qwen2.5 14B (40 on 8), Phi-3 medium (40 on 10),
+#: Falcon 7B (MQA, 71 heads), Gemma 7B (MHA), Mistral NeMo
+_HEAD_MODELS = [(32, 8), (64, 8), (14, 2), (12, 2), (28, 4), (40, 8), (40, 10), (71, 1),
+                (16, 16), (32, 8), (24, 8), (6, 1)]
+
+
+@dataclass(frozen=True)
+class Heads:
+    """One generated case of 12.2: ``rank`` of ``tp`` ranks (vLLM may refuse the size)."""
+
+    seed: int
+    heads: int
+    kv_heads: int
+    tp: int
+    rank: int
+
+    def describe(self) -> str:
+        ratio = (f", each KV head on {self.tp // self.kv_heads} ranks"
+                 if self.tp > self.kv_heads and not self.tp % self.kv_heads else "")
+        return (f"rank_heads({self.heads}, {self.kv_heads}, tp_size={self.tp}, "
+                f"rank={self.rank}){ratio}")
+
+    def states(self) -> list[str]:
+        out = [f"{self.tp} ranks"] if self.tp not in (1, 2, 4, 8, 16) else []
+        ratio = self.tp // self.kv_heads if self.tp > self.kv_heads else 1
+        out += [f"each KV head on {ratio} ranks"] if ratio not in (1, 2, 4) else []
+        return out + [f"groups of {self.heads // self.kv_heads}"] if \
+            self.heads // self.kv_heads in (3, 5, 6, 7, 71) else out
+
+    def smaller(self) -> Iterator[Heads]:
+        yield from fewer(self, rank=shorter(self.rank, 0))
+        for k in (2, 3, 5, 7):  # the same sharing on fewer heads (and ranks)
+            for heads, kv, tp in ((self.heads // k, self.kv_heads // k, self.tp // k),
+                                  (self.heads // k, self.kv_heads, self.tp),
+                                  (self.heads // k, self.kv_heads // k, self.tp)):
+                if heads * k == self.heads and kv and tp and self.rank < tp and (
+                        (heads, kv, tp) != (self.heads, self.kv_heads, self.tp)) and (
+                        not tp_size_problem(heads, kv, tp)) == (
+                        not tp_size_problem(self.heads, self.kv_heads, self.tp)):
+                    yield dataclasses.replace(self, heads=heads, kv_heads=kv, tp=tp)
+
+
+def head_cases(count: int = 48) -> list[Heads]:
+    """12.2's generated cases: published models on every size that divides their query
+    heads (some refused for their KV heads), one rank each (seeds 0, 1, ...)."""
+    out = []
+    for seed in range(count):
+        g = torch.Generator().manual_seed(1220 + seed)
+        heads, kv = _HEAD_MODELS[seed % len(_HEAD_MODELS)]
+        sizes = [t for t in range(1, heads + 1) if heads % t == 0]
+        tp = sizes[int(torch.randint(len(sizes), (1,), generator=g))]
+        out.append(Heads(seed, heads, kv, tp, int(torch.randint(tp, (1,), generator=g))))
+    return out
+
+
+def _power_of_two_ratio(p: Heads) -> Heads | None:
+    """The same rank's place on a sharding whose replicas come in twos or fours."""
+    ratio = p.tp // p.kv_heads if p.tp > p.kv_heads and not p.tp % p.kv_heads else 0
+    if ratio < 3 or ratio & (ratio - 1) == 0:
+        return None
+    two = 1 << (ratio.bit_length() - 1)
+    return dataclasses.replace(p, heads=p.heads // p.tp * p.kv_heads * two,
+                               tp=p.kv_heads * two, rank=min(p.rank, p.kv_heads * two - 1))
+
+
+#: a failing case that passes when each KV head sits on 2 or 4 ranks
+HEAD_CONTRASTS = (Contrast(_power_of_two_ratio, (
+    "it passes when each KV head sits on a power of two of ranks (2, 4) and fails when it "
+    "sits on 3, 5 or 7: rank r keeps KV head r // (tp_size // num_kv_heads), a division; "
+    "a shift (r >> log2(...)) or a mask is that only for powers of two")),)
+
+
 def check_rank_heads(fn: Callable[[int, int, int, int], tuple[list[int], list[int]]]) -> None:
     """12.2: the query heads and KV heads rank ``rank`` of ``tp_size`` owns."""
     with grading.exercise("12.2"):
@@ -203,11 +278,11 @@ def check_rank_heads(fn: Callable[[int, int, int, int], tuple[list[int], list[in
                             ((8, 2, 2, -1), "rank -1")):
             grading.expect_value_error(fn, args, f"rank_heads{args} ({about})",
                                        hint=_REFUSED)
-        numeric.check("12.2", numeric_rank.head_cases(), lambda p: _run_heads(fn, p),
-                      numeric_rank.HEAD_CONTRASTS)  # generated: published models, 1-71 ranks
+        numeric.check("12.2", head_cases(), lambda p: _run_heads(fn, p),
+                      HEAD_CONTRASTS)  # generated: published models, 1-71 ranks
 
 
-def _run_heads(fn: Callable, p: numeric_rank.Heads) -> None:
+def _run_heads(fn: Callable, p: Heads) -> None:
     args = (p.heads, p.kv_heads, p.tp, p.rank)
     try:
         want = rank_heads(*args)

@@ -160,7 +160,8 @@ def _spec(model: int, layers: int | None, dtype_bytes: int, hidden: int | None) 
 def _about(s: ModelSpec) -> str:
     odd = s.head_dim != s.hidden_size // s.num_heads and not s.kv_lora_rank
     return (f"{s.name} ({s.attention}, {s.num_layers} layer{'s' * (s.num_layers > 1)}, "
-            f"hidden {s.hidden_size}, {s.num_heads} query heads, {s.num_kv_heads} KV heads of "
+            f"hidden {s.hidden_size}, {s.num_heads} query heads, {s.num_kv_heads} KV "
+            f"head{'s' * (s.num_kv_heads > 1)} of "
             f"{s.head_dim}"
             + (f" (not {s.hidden_size} / {s.num_heads} = {s.hidden_size // s.num_heads})"
                if odd else "")

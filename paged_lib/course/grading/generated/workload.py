@@ -16,7 +16,8 @@ DEFAULTS: dict[str, Any] = dict(
     kv_cache_dtype="auto", sliding_window=None, num_sink_tokens=0, dtype="fp32")
 
 #: hook name -> what its workloads always turn on (the rest is drawn)
-FOCUS: dict[str, dict[str, Any]] = {"swap_mapping": dict(preemption="swap"), **{
+FOCUS: dict[str, dict[str, Any]] = {"swap_mapping": dict(preemption="swap"),
+                                    "write_int8_blocks": dict(kv_cache_dtype="int8"), **{
     h: dict(enable_prefix_caching=True) for h in ("block_hashes", "longest_cache_hit",
                                                   "allocate_slots", "FreeBlockQueue")}}
 
