@@ -21,6 +21,9 @@ from paged_lib.course.grading.generated.small_sim import SIM_KEYS, reference_pag
 from paged_lib.fragmentation import request_slots
 from paged_lib.workloads import Request, sharegpt_like
 
+_FINISHED = "a finished request never runs again, so what its entry says is never read"
+_READMITTED = ("a preempted request's blocks are set again when it is admitted again, before "
+               "anything reads them")
 #: Mutants of the solution that compute the same thing (see ``tools/mutants.py``).
 EQUIVALENT_MUTANTS: dict[str, dict[str, str]] = {
     "02.5": {
@@ -28,6 +31,25 @@ EQUIVALENT_MUTANTS: dict[str, dict[str, str]] = {
         "i) for i in order)`":
             "time starts at step 0, so a request whose arrival step is -1 joins the queue at "
             "step 0 exactly as one at step 0 does",
+        "constant: `0` -> `-1` in `t = 0`":
+            "with nothing queued or running at step -1, time jumps to the first arrival, "
+            "as it does from step 0",
+        "drop: `if not queue and (not running):` -> `pass` in `if not queue and not "
+        "running:`":
+            "without the jump, the steps before the next arrival run empty: nothing is "
+            "counted, and the step count comes out the same",
+        "constant: `0` -> `-1` in `blocks = [0] * len(requests)`":
+            "a request's blocks are set when it is admitted, before anything reads them",
+        "drop: `blocks[i] = 0` -> `pass`":
+            _FINISHED,
+        "constant: `0` -> `1` in `blocks[i] = 0`":
+            _FINISHED,
+        "drop: `blocks[victim] = 0` -> `pass`":
+            _READMITTED,
+        "constant: `0` -> `-1` in `blocks[victim] = 0`":
+            _READMITTED,
+        "constant: `0` -> `1` in `blocks[victim] = 0`":
+            _READMITTED,
     },
 }
 
