@@ -1,10 +1,10 @@
 """The generated stage of the numeric pieces' graders (09.3, 11.3, 05.5):
-paged_lib.course.grading.generated.numeric and its two companions.
+paged_lib.course.grading.generated.numeric with 11.3's cases (ch11_quant) and 05.5's
+(numeric_decode).
 
 For each piece: the cases are seeded and reach states no fixed case does; a wrong answer
-that every fixed case (and 11.3's replay and engine) lets through gets ❌ from the
-generated stage with a shrunk story that names the state; and the three likeliest
-mistakes get ❌ with a hint that names them.
+that every fixed case lets through gets ❌ from the generated stage with a shrunk story
+that names the state; and the three likeliest mistakes get ❌ with a hint that names them.
 """
 
 import math

@@ -1,16 +1,19 @@
-"""Generated inputs for the numeric pieces: the last stage of 09.3, 11.3 and 05.5.
+"""The generated stage of every exercise that takes inputs, and 09.3's tile cases.
 
-Each piece's fixed cases stay inside one family (block sizes that are powers of two, head
-sizes of 8 or 16, scales of ``1 / sqrt(head_dim)``, scores a few units apart, float32).
-Here seeded cases are drawn from shapes of real configurations (GQA groups of 1 to 7 as
-Llama 3, Qwen2 and Falcon have them, head sizes that are not ``hidden / heads`` as in
-Gemma and Phi, block and tile sizes that are not powers of two, lengths of 1 and at block
-boundaries), float16, float32 and float64, and scores from tiny to extreme (exp overflows
-and underflows), rising, falling, one spike, or tied. Every case is checked by the piece's
-own per-case check against the library's answer. The first case that fails is *shrunk*
-(shorter, fewer heads, smaller head size, simpler scores and dtype, while it still fails)
-and told in one line that names its state; when undoing one feature of the state (the
-dtype, the block size, the scale) makes it pass, the hint names that feature.
+:func:`check` runs a piece's own per-case check on seeded cases (each chapter draws its own:
+``small_ints``, ``small_blocks``, ``small_attention``, ``numeric_decode`` ... and
+:class:`Tiles` here), each compared with the library's answer. The first case that fails is
+*shrunk* (``p.smaller()``, while it still fails) and told in one line that names its state;
+when undoing one feature of that state (a :class:`Contrast`: the dtype, the block size, the
+scale ...) makes it pass, the hint names that feature. ``p.states()`` names what a case
+reaches that the named cases do not; :func:`states` counts them.
+
+09.3's cases leave the named cases' family (block sizes that are powers of two, head sizes of
+8 or 16, scales of ``1 / sqrt(head_dim)``, scores a few units apart, float32): shapes of real
+configurations (GQA groups of 1 to 7 as Llama 3, Qwen2 and Falcon have them, head sizes that
+are not ``hidden / heads`` as in Gemma and Phi, block and tile sizes that are not powers of
+two, lengths of 1 and at block boundaries), float16, float32 and float64, and scores from
+tiny to extreme (exp overflows and underflows), rising, falling, one spike, or tied.
 
 Everything is seeded: a piece gets the same verdict on any machine.
 """
