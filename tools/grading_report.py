@@ -56,6 +56,11 @@ class Watch:
         self.hooks.append((hook, count))  # states counted after the timed cell
         return self._find(hook, hooks, count)
 
+    def count_workload_states(self) -> None:
+        """Add the states of the random workloads the check ran (outside the timed cell)."""
+        for hook, count in self.hooks:
+            self._add({k: v for k, v in generated.states(hook, count).items() if v})
+
     def _add(self, seen: dict[str, int]) -> None:
         for name, n in seen.items():
             self.states[name] = self.states.get(name, 0) + n
@@ -86,8 +91,7 @@ def report(path: Path) -> list[str]:
             if i not in checks:
                 continue
             ex = checks[i]
-            for hook, count in watch.hooks:
-                watch._add({k: v for k, v in generated.states(hook, count).items() if v})
+            watch.count_workload_states()
             marks = "".join(m for m, e, _ in seen if e == ex) or "no verdict"
             reached = "; ".join(f"{k} {v}" for k, v in sorted(watch.states.items()))
             lines.append(f"[{ex}] {marks} {took:5.1f} s  generated inputs {watch.inputs:3}  "
