@@ -677,13 +677,12 @@ def test_09_3_holding_the_last_tile_is_fine_when_the_tile_is_wider_than_the_head
     """A tile of 20 on heads of 8: the previous tile's exp(s - m_new) is still alive when
     the next tile is read, and it depends on the running max of every tile so far; that
     is one tile's data, not scores concatenated (it was refused before)."""
-    from paged_lib.course.grading import ch09_tiles
     from paged_lib.course.grading.generated import numeric
 
     for c in (numeric.Tiles(21, 4, 20, 70, 4, 2, 8, "fp32", "random", 1.0),
               numeric.Tiles(22, 5, 12, 50, 4, 2, 4, "fp32", "random", 1.0)):
-        ch09_tiles.check_case(tiles_with(), c)
-        ch09_tiles.check_case(tiles_written(), c)
+        ch09.check_case(tiles_with(), c)
+        ch09.check_case(tiles_written(), c)
 
 
 def tiles_query_head_loop(q, k_cache, v_cache, block_table, seq_len, tile):

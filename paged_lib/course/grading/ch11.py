@@ -1,17 +1,8 @@
-"""Checks for chapter 11 (the KV landscape). Each prints one verdict line.
-
-* 11.1 ``kv_levels(spec, lengths, *, max_len, kv_dtype_bytes, block_size, window, sinks)``:
-  a deployment's KV memory after each of the three levels of saving, stacked: fewer bytes
-  per token (the model's own attention, the KV dtype), fewer tokens (a window with sinks),
-  a better layout (paged blocks instead of a ``max_len`` reservation).
-* 11.2 ``kv_bytes_per_token(spec)`` for MHA, GQA, MQA and MLA, next to
-  :func:`paged_lib.accounting.kv_bytes_per_token`.
-* 11.3 ``write_int8_blocks``: :mod:`~paged_lib.course.grading.ch11_quant`.
-* 11.4 ``drop_oldest(table, num_sink_tokens)``: named edge states, then the generated
-  stage (random windowed workloads served with the learner's function in the engine).
-
-A wrong answer is matched against the typical mistakes computed on the same case (for
-11.4, :func:`reference_drop`'s keywords), so the hint names the one made.
+"""Chapter 11 (the KV landscape): 11.1 ``kv_levels`` and 11.2 ``kv_bytes_per_token`` on
+fixed cases (11.2 then its generated stage); 11.3 in
+:mod:`~paged_lib.course.grading.ch11_quant`; 11.4 ``drop_oldest`` on named edge states,
+then random windowed workloads served with it. A wrong answer is named by the typical
+mistake (a keyword of ``_levels``, :func:`reference_drop` ...) that gives it.
 """
 
 from __future__ import annotations
