@@ -197,56 +197,15 @@ _CHOICE_CASES: list[tuple[list[int], list[int], float, str]] = [
 
 
 def _wrong_choices(lengths: list[int], allowed: list[int], budget: float) -> dict[str, Any]:
+    """What the typical mistakes return on one case (hint -> size): first the rules that
+    decide "within the budget" otherwise than as 09.1's float against the float given."""
     waste = {b: internal_waste(lengths, b) for b in allowed}
-    waste32 = {b: float(np.float32(w)) for b, w in waste.items()}
-    per_seq = {b: sum((cdiv(x, b) * b - x) / (cdiv(x, b) * b) for x in lengths) / len(lengths)
-               for b in allowed}
-    fits = [b for b in allowed if waste[b] <= budget]
-    least = min(waste, key=lambda b: (waste[b], b))
-    pfits = [b for b in allowed if per_seq[b] <= budget]
-    each = [b for b in allowed if all(internal_waste([x], b) <= budget for x in lengths)]
-    fits32 = [b for b in allowed if waste32[b] <= budget]
-    out: dict[str, Any] = {
-        "the waste computed in float32: a waste exactly at the budget rounds above it "
-        "(Python's floats are float64)":
-            max(fits32) if fits32 else min(waste32, key=lambda b: (waste32[b], b)),
-        **_at_budget(lengths, allowed, budget, least),
-        "waste averaged over sequences instead of over slots": max(pfits)
-            if pfits else min(per_seq, key=lambda b: (per_seq[b], b)),
-        "the budget held by every sequence on its own: it is on the memory all the "
-        "sequences hold together": max(each) if each else least}
-    if fits:
-        strict = [b for b in allowed if waste[b] < budget]
-        out["a waste exactly at max_waste fits (at most, not below)"] = \
-            max(strict) if strict else least
-        out["the smallest block that fits the budget: the largest one is asked (fewer, "
-            "bigger blocks for the kernel and the block manager)"] = min(fits)
-        out["the least wasteful size although several keep the budget: within the budget "
-            "the kernel's side decides (fewer, bigger blocks)"] = least
-        out["the first size that fits in the list's order: allowed is not sorted"] = fits[0]
-        out["the last size that fits in the list's order: allowed is not sorted"] = fits[-1]
-        out["the last size that fits in a set's order: allowed is not sorted, and a set "
-            "is not either (small ones only happen to come out so)"] = \
-            [b for b in set(allowed) if waste[b] <= budget][-1]
-    else:
-        out["two sizes waste the same: return the smaller"] = \
-            max(b for b in allowed if waste[b] == waste[least])
-        out["when no size fits, return the one that wastes least"] = max(allowed)
-        out["when no size fits, return the one that wastes least: the smallest size does "
-            "only when the sizes divide each other"] = min(allowed)
-        out["when no size fits, return the one that wastes least (not the first "
-            "listed)"] = allowed[0]
-    return out
-
-
-def _at_budget(lengths: list[int], allowed: list[int], budget: float, least: int
-               ) -> dict[str, int]:
-    """What answers return that compare the waste with the budget otherwise than as the
-    float 09.1 returns (Python's float division) and the float max_waste as given."""
     held = {b: sum(cdiv(x, b) * b for x in lengths) for b in allowed}
-    tokens = sum(lengths)
-    f32 = np.float32
+    tokens, f32 = sum(lengths), np.float32
+    least = min(waste, key=lambda b: (waste[b], b))
     rules: dict[str, Callable[[int], bool]] = {
+        "the waste computed in float32: a waste exactly at the budget rounds above it "
+        "(Python's floats are float64)": lambda b: float(f32(waste[b])) <= budget,
         "the waste equals the budget as the float you are given (Python's float division of "
         "the empty slots by the slots held gives exactly max_waste), so the size is "
         "acceptable: compared as exact fractions with Fraction(max_waste) it lands above, "
@@ -268,11 +227,37 @@ def _at_budget(lengths: list[int], allowed: list[int], budget: float, least: int
         "(0.35 * 180 is 62.99999999999999, below 63 empty slots); divide, as 09.1 does, "
         "and compare the two floats":
             lambda b: held[b] - tokens <= budget * held[b],
+        "the budget held by every sequence on its own: it is on the memory all the "
+        "sequences hold together":
+            lambda b: all(internal_waste([x], b) <= budget for x in lengths),
+        "a waste exactly at max_waste fits (at most, not below)": lambda b: waste[b] < budget,
     }
-    out = {}
-    for hint, fits in rules.items():
-        sizes = [b for b in allowed if fits(b)]
-        out[hint] = max(sizes) if sizes else least
+    out = {hint: max((b for b in allowed if fits(b)), default=least)
+           for hint, fits in rules.items()}
+    per_seq = {b: sum((cdiv(x, b) * b - x) / (cdiv(x, b) * b) for x in lengths) / len(lengths)
+               for b in allowed}
+    pfits = [b for b in allowed if per_seq[b] <= budget]
+    out["waste averaged over sequences instead of over slots"] = max(pfits) if pfits \
+        else min(per_seq, key=lambda b: (per_seq[b], b))
+    fits = [b for b in allowed if waste[b] <= budget]
+    if fits:
+        out["the smallest block that fits the budget: the largest one is asked (fewer, "
+            "bigger blocks for the kernel and the block manager)"] = min(fits)
+        out["the least wasteful size although several keep the budget: within the budget "
+            "the kernel's side decides (fewer, bigger blocks)"] = least
+        out["the first size that fits in the list's order: allowed is not sorted"] = fits[0]
+        out["the last size that fits in the list's order: allowed is not sorted"] = fits[-1]
+        out["the last size that fits in a set's order: allowed is not sorted, and a set "
+            "is not either (small ones only happen to come out so)"] = \
+            [b for b in set(allowed) if waste[b] <= budget][-1]
+    else:
+        out["two sizes waste the same: return the smaller"] = \
+            max(b for b in allowed if waste[b] == waste[least])
+        out["when no size fits, return the one that wastes least"] = max(allowed)
+        out["when no size fits, return the one that wastes least: the smallest size does "
+            "only when the sizes divide each other"] = min(allowed)
+        out["when no size fits, return the one that wastes least (not the first "
+            "listed)"] = allowed[0]
     return out
 
 
