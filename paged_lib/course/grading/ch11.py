@@ -52,6 +52,7 @@ _LEVEL_CASES: list[tuple[str, list[int], int, int, int, int | None, int, str]] =
     ("llama-2-7b-fp32", [300, 5, 1000], 1024, 2, 16, 0, 4, "a window of 0: only the sinks"),
     ("toy-gqa-fp32", [1001, 777, 123457, 64, 99999, 200003, 3], 200003, 1, 7, 65536, 3,
      "7 requests, odd sizes, a model in fp32"),
+    ("llama-3-8b", [3, 6, 12], 64, 1, 2, 4, 3, "a request a little longer than the window"),
 ]
 
 #: the models of the cases that are not in accounting's tables (fp32: not 2 bytes wide)
@@ -85,6 +86,7 @@ def _levels(spec: ModelSpec, lengths: Sequence[int], max_len: int, kv_dtype_byte
             "max_len": [max_len] * len(lengths), "reserved": [keep] * len(lengths),
             "sinks_on_top": [min(n, max_len if window is None else window)
                              + (0 if window is None else sinks) for n in lengths],
+            "past_window": [n if window is None or n <= window else keep for n in lengths],
             }[paged_tokens]
     slots = {"ceil": lambda n: cdiv(n, block_size) * block_size,
              "floor": lambda n: n // block_size * block_size,
@@ -135,6 +137,9 @@ _LEVEL_SLIPS: list[tuple[int, dict, str]] = [
     (3, dict(paged_tokens="sinks_on_top"), "the sinks are the request's own first tokens: "
      "a request keeps min(length, window + sinks) tokens, not its last window plus sinks "
      "on top"),
+    (3, dict(paged_tokens="past_window"), "a request keeps min(length, window + sinks) "
+     "tokens: one longer than the window by fewer than sinks tokens keeps its own length, "
+     "not window + sinks (more tokens than it has)"),
 ]
 
 
