@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.utils._pytree import tree_leaves
 
 from paged_lib.course import grading
 from paged_lib.course.grading.generated import numeric, small_counts
@@ -457,22 +458,15 @@ class TileTensor(torch.Tensor):
         return out
 
 
-def _tensors(x) -> Iterator[torch.Tensor]:
-    if isinstance(x, torch.Tensor):
-        yield x
-    elif isinstance(x, list | tuple):
-        for y in x:
-            yield from _tensors(y)
-    elif isinstance(x, dict):
-        for y in x.values():
-            yield from _tensors(y)
+def _tensors(x) -> list[torch.Tensor]:
+    return [t for t in tree_leaves(x) if isinstance(t, torch.Tensor)]
 
 
 def _after(log: TileLog, func, args, kwargs, out) -> None:
     outs = [t for t in _tensors(out) if isinstance(t, TileTensor)]
     if not outs:
         return
-    ins = list(_tensors((args, kwargs)))
+    ins = _tensors((args, kwargs))
     views = [(t, p) for t in ins if (p := log.positions(t)) is not None]
     spans = [s for s in (getattr(t, "_span", None) for t in ins) if s is not None]
     # the data carried element by element: not a state of one number per head
