@@ -84,9 +84,10 @@ def check_internal_waste(fn: Callable[[Sequence[int], int], float]) -> None:
     with grading.exercise("09.1"):
         # valid input first, where a shrink neither reaches bad input nor stops at a crash
         # (x // B blocks divides by 0 on [1] at 3), then all of it
-        numeric.check("09.1", [c for c in waste_cases(100) if _valid(c)],
+        cases = waste_cases(100)
+        numeric.check("09.1", [c for c in cases if _valid(c)],
                       lambda p: _valid(p) and _run_waste(fn, p, crash_ok=True))
-        numeric.check("09.1", waste_cases(), lambda p: _run_waste(fn, p), (_NEGATIVE,))
+        numeric.check("09.1", cases, lambda p: _run_waste(fn, p), (_NEGATIVE,))
 
 
 def _valid(p: Waste) -> bool:
