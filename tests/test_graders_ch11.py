@@ -126,7 +126,19 @@ def _batch_rounded(spec, lengths, **kw):
     return (*right[:3], cdiv(kept, kw["block_size"]) * kw["block_size"] * per)
 
 
+def _sinks_once_past_window(spec, lengths, **kw):
+    """The paged layout keeps a request whole while it fits in the window, window + sinks
+    once it is longer: more tokens than it has when it is longer by fewer than sinks."""
+    right = levels_with()(spec, lengths, **kw)
+    window, per = kw["window"], kv_bytes_per_token(spec.with_dtype(kw["kv_dtype_bytes"]))
+    keep = [n if window is None or n <= window else min(window + kw["sinks"], kw["max_len"])
+            for n in lengths]
+    return (*right[:3], sum(cdiv(k, kw["block_size"]) * kw["block_size"] for k in keep) * per)
+
+
 @pytest.mark.parametrize("wrong, hint, state", [
+    (_sinks_once_past_window, "one longer than the window by fewer than sinks tokens",
+     "lengths [3, 6, 12]"),
     (_reserved_as_kept, "still a reservation made before a request's length is known",
      "lengths [100, 2048, 700, 1]"),
     (_own_dtype, "not in the model spec's own dtype_bytes", "fewer bytes per token"),

@@ -435,12 +435,11 @@ def test_09_3_right_answers_pass(capsys, answer):
 
 @pytest.mark.parametrize("answer", TILES)
 def test_09_3_right_answers_pass_with_tiles_wider_than_the_head(answer):
-    from paged_lib.course.grading import ch09_tiles
     from paged_lib.course.grading.generated import numeric
 
     for c in (numeric.Tiles(21, 4, 20, 70, 4, 2, 8, "fp32", "random", 1.0),
               numeric.Tiles(22, 5, 12, 50, 4, 2, 4, "fp32", "random", 1.0)):
-        ch09_tiles.check_case(answer, c)
+        ch09.check_case(answer, c)
 
 
 # ------------------------------------------------------------------ 10.4 allocate_slots

@@ -1,44 +1,47 @@
-"""Checks for chapter 09 (block size); 09.3 is in :mod:`~paged_lib.course.grading.ch09_tiles`.
+"""Chapter 09 (block size).
 
-09.1 ``internal_waste`` and 09.2 ``choose_block_size`` run fixed cases against
-:mod:`paged_lib.studies.block_size`, a wrong answer matched against the typical mistakes on
-the same case so the hint names it; then the generated cases (09.1's hold the bad input),
-09.2's bad input before them.
+09.1 ``internal_waste``: generated cases only (valid input, then bad input too), a wrong
+answer named by the typical mistake that gives it. 09.2 ``choose_block_size``: fixed cases
+(wastes exactly at a budget), the mistake named likewise; bad input; generated cases.
+09.3 ``attend_tiles``: the fixed :data:`CASES`, then
+:func:`~paged_lib.course.grading.generated.numeric.tile_cases`, each compared with
+``paged_attention`` (unused slots NaN, the table padded with -1). :class:`TileTensor` maps
+every read of the caches to the positions it returns, and :class:`TileLog` flags state
+kept from earlier tiles, a tensor grown tile after tile, or a second pass over a KV head.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import math
 import numbers
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
+from types import SimpleNamespace as Case
 from typing import Any
 
 import numpy as np
+import torch
+from torch.utils._pytree import tree_leaves
 
 from paged_lib.course import grading
-from paged_lib.course.grading.ch09_tiles import check_attend_tiles
 from paged_lib.course.grading.generated import numeric, small_counts
 from paged_lib.course.grading.generated.small_attention import rng
-from paged_lib.course.grading.slips import name_mistake
+from paged_lib.course.grading.slips import name_mistake, name_slip
+from paged_lib.kernels import paged_attention
+from paged_lib.kernels.torch_backend import paged_attention_torch
 from paged_lib.studies.block_size import KERNEL_BLOCK_SIZES, choose_block_size, internal_waste
-from paged_lib.util import cdiv
+from paged_lib.util import CheckFailed, cdiv
 
-__all__ = ["check_attend_tiles", "check_choose_block_size", "check_internal_waste",
-           "run_demo"]
+__all__ = ["CASES", "check_attend_tiles", "check_case", "check_choose_block_size",
+           "check_internal_waste", "run_demo"]
 
 
 # ------------------------------------------------------------------ 09.1 internal_waste
-
-
-_WASTE_CASES: list[tuple[Sequence[int], int]] = [
-    ([5, 16], 8), ([16, 32], 16), ([1], 16), ([17], 16), ([3, 100, 1000], 64),
-    ((100, 100, 100, 7), 1), ([2047, 1], 4096), ([31, 33, 64, 65, 500], 32),
-    ([1, 1, 1, 400], 128), ([250, 6], 256), ([47, 95], 20), ((9, 3, 12), 10),
-]
 
 
 def _wrong_waste(lengths: Sequence[int], b: int) -> dict[str, float]:
@@ -73,29 +76,22 @@ def _wrong_waste(lengths: Sequence[int], b: int) -> dict[str, float]:
 
 
 def _close(a: float, b: float) -> bool:
-    return abs(a - b) <= 1e-9 * max(1.0, abs(b))
+    return abs(a - b) <= 1e-12 + 1e-9 * abs(b)  # as the check's own comparison
 
 
 def check_internal_waste(fn: Callable[[Sequence[int], int], float]) -> None:
     """09.1: the empty share of whole blocks, over all slots."""
     with grading.exercise("09.1"):
-        for lengths, b in _WASTE_CASES:
-            what = f"internal_waste({list(lengths)}, {b})"
-            want = internal_waste(list(lengths), b)
-            got = fn(list(lengths) if isinstance(lengths, list) else lengths, b)
-            grading.expect_true(
-                isinstance(got, numbers.Real) and not isinstance(got, bool),
-                f"{what}: expected a float, got {got!r}", hint="return the share as a float")
-            if isinstance(got, numbers.Integral) and not _close(float(got), want):
-                grading.fail(f"{what}: expected {want!r}, got {got!r} (an int)",
-                             hint="integer division (//) rounded the share down: divide "
-                             "with /")
-            hint = name_mistake((lengths, b), got, want, _WASTE_CASES,
-                                lambda c: _wrong_waste(*c), lambda c: fn(list(c[0]), c[1]),
-                                "each sequence holds ceil(length / B) whole blocks; the "
-                                "waste is their empty slots over all their slots", _close)
-            grading.expect_close(got, want, what=what, rel=1e-9, abs_=1e-12, hint=hint)
-        numeric.check("09.1", waste_cases(), lambda p: _run_waste(fn, p), (_NEGATIVE,))
+        # valid input first, where a shrink neither reaches bad input nor stops at a crash
+        # (x // B blocks divides by 0 on [1] at 3), then all of it
+        cases = waste_cases(100)
+        numeric.check("09.1", [c for c in cases if _valid(c)],
+                      lambda p: _valid(p) and _run_waste(fn, p, crash_ok=True))
+        numeric.check("09.1", cases, lambda p: _run_waste(fn, p), (_NEGATIVE,))
+
+
+def _valid(p: Waste) -> bool:
+    return bool(p.lengths) and min((p.block_size, *p.lengths)) > 0
 
 
 _BAD = "bad input (no lengths, a length or block size below 1) raises ValueError"
@@ -143,15 +139,30 @@ def waste_cases(count: int = 40) -> list[Waste]:
     return out
 
 
-def _run_waste(fn: Callable, p: Waste) -> None:
+def _run_waste(fn: Callable, p: Waste, crash_ok: bool = False) -> None:
+    args = (list(p.lengths), p.block_size)
     try:
-        want = internal_waste(list(p.lengths), p.block_size)
+        want = internal_waste(*args)
     except ValueError:
-        grading.expect_value_error(fn, (list(p.lengths), p.block_size), "bad input", hint=_BAD)
+        grading.expect_value_error(fn, args, "bad input", hint=_BAD)
         return
-    grading.expect_close(fn(list(p.lengths), p.block_size), want, "the waste", rel=1e-9,
-                         abs_=1e-12, hint="each sequence holds ceil(length / B) whole blocks; "
-                         "the waste is their empty slots over all their slots")
+    try:
+        got = fn(*args)
+    except Exception:
+        if crash_ok:
+            return
+        raise
+    grading.expect_true(isinstance(got, numbers.Real) and not isinstance(got, bool),
+                        f"expected a float, got {got!r}", hint="return the share as a float")
+    if isinstance(got, numbers.Integral) and not _close(float(got), want):
+        grading.fail(f"expected {want!r}, got {got!r} (an int)",
+                     hint="integer division (//) rounded the share down: divide with /")
+    hint = name_mistake(p, got, want, filter(_valid, waste_cases()),
+                        lambda c: _wrong_waste(c.lengths, c.block_size),
+                        lambda c: fn(list(c.lengths), c.block_size),
+                        "each sequence holds ceil(length / B) whole blocks; the waste is "
+                        "their empty slots over all their slots", _close)
+    grading.expect_close(got, want, "the waste", rel=1e-9, abs_=1e-12, hint=hint)
 
 
 #: a failing bad input that raises once its negative numbers are 0
@@ -188,56 +199,15 @@ _CHOICE_CASES: list[tuple[list[int], list[int], float, str]] = [
 
 
 def _wrong_choices(lengths: list[int], allowed: list[int], budget: float) -> dict[str, Any]:
+    """What the typical mistakes return on one case (hint -> size): first the rules that
+    decide "within the budget" otherwise than as 09.1's float against the float given."""
     waste = {b: internal_waste(lengths, b) for b in allowed}
-    waste32 = {b: float(np.float32(w)) for b, w in waste.items()}
-    per_seq = {b: sum((cdiv(x, b) * b - x) / (cdiv(x, b) * b) for x in lengths) / len(lengths)
-               for b in allowed}
-    fits = [b for b in allowed if waste[b] <= budget]
-    least = min(waste, key=lambda b: (waste[b], b))
-    pfits = [b for b in allowed if per_seq[b] <= budget]
-    each = [b for b in allowed if all(internal_waste([x], b) <= budget for x in lengths)]
-    fits32 = [b for b in allowed if waste32[b] <= budget]
-    out: dict[str, Any] = {
-        "the waste computed in float32: a waste exactly at the budget rounds above it "
-        "(Python's floats are float64)":
-            max(fits32) if fits32 else min(waste32, key=lambda b: (waste32[b], b)),
-        **_at_budget(lengths, allowed, budget, least),
-        "waste averaged over sequences instead of over slots": max(pfits)
-            if pfits else min(per_seq, key=lambda b: (per_seq[b], b)),
-        "the budget held by every sequence on its own: it is on the memory all the "
-        "sequences hold together": max(each) if each else least}
-    if fits:
-        strict = [b for b in allowed if waste[b] < budget]
-        out["a waste exactly at max_waste fits (at most, not below)"] = \
-            max(strict) if strict else least
-        out["the smallest block that fits the budget: the largest one is asked (fewer, "
-            "bigger blocks for the kernel and the block manager)"] = min(fits)
-        out["the least wasteful size although several keep the budget: within the budget "
-            "the kernel's side decides (fewer, bigger blocks)"] = least
-        out["the first size that fits in the list's order: allowed is not sorted"] = fits[0]
-        out["the last size that fits in the list's order: allowed is not sorted"] = fits[-1]
-        out["the last size that fits in a set's order: allowed is not sorted, and a set "
-            "is not either (small ones only happen to come out so)"] = \
-            [b for b in set(allowed) if waste[b] <= budget][-1]
-    else:
-        out["two sizes waste the same: return the smaller"] = \
-            max(b for b in allowed if waste[b] == waste[least])
-        out["when no size fits, return the one that wastes least"] = max(allowed)
-        out["when no size fits, return the one that wastes least: the smallest size does "
-            "only when the sizes divide each other"] = min(allowed)
-        out["when no size fits, return the one that wastes least (not the first "
-            "listed)"] = allowed[0]
-    return out
-
-
-def _at_budget(lengths: list[int], allowed: list[int], budget: float, least: int
-               ) -> dict[str, int]:
-    """What answers return that compare the waste with the budget otherwise than as the
-    float 09.1 returns (Python's float division) and the float max_waste as given."""
     held = {b: sum(cdiv(x, b) * b for x in lengths) for b in allowed}
-    tokens = sum(lengths)
-    f32 = np.float32
+    tokens, f32 = sum(lengths), np.float32
+    least = min(waste, key=lambda b: (waste[b], b))
     rules: dict[str, Callable[[int], bool]] = {
+        "the waste computed in float32: a waste exactly at the budget rounds above it "
+        "(Python's floats are float64)": lambda b: float(f32(waste[b])) <= budget,
         "the waste equals the budget as the float you are given (Python's float division of "
         "the empty slots by the slots held gives exactly max_waste), so the size is "
         "acceptable: compared as exact fractions with Fraction(max_waste) it lands above, "
@@ -259,11 +229,37 @@ def _at_budget(lengths: list[int], allowed: list[int], budget: float, least: int
         "(0.35 * 180 is 62.99999999999999, below 63 empty slots); divide, as 09.1 does, "
         "and compare the two floats":
             lambda b: held[b] - tokens <= budget * held[b],
+        "the budget held by every sequence on its own: it is on the memory all the "
+        "sequences hold together":
+            lambda b: all(internal_waste([x], b) <= budget for x in lengths),
+        "a waste exactly at max_waste fits (at most, not below)": lambda b: waste[b] < budget,
     }
-    out = {}
-    for hint, fits in rules.items():
-        sizes = [b for b in allowed if fits(b)]
-        out[hint] = max(sizes) if sizes else least
+    out = {hint: max((b for b in allowed if fits(b)), default=least)
+           for hint, fits in rules.items()}
+    per_seq = {b: sum((cdiv(x, b) * b - x) / (cdiv(x, b) * b) for x in lengths) / len(lengths)
+               for b in allowed}
+    pfits = [b for b in allowed if per_seq[b] <= budget]
+    out["waste averaged over sequences instead of over slots"] = max(pfits) if pfits \
+        else min(per_seq, key=lambda b: (per_seq[b], b))
+    fits = [b for b in allowed if waste[b] <= budget]
+    if fits:
+        out["the smallest block that fits the budget: the largest one is asked (fewer, "
+            "bigger blocks for the kernel and the block manager)"] = min(fits)
+        out["the least wasteful size although several keep the budget: within the budget "
+            "the kernel's side decides (fewer, bigger blocks)"] = least
+        out["the first size that fits in the list's order: allowed is not sorted"] = fits[0]
+        out["the last size that fits in the list's order: allowed is not sorted"] = fits[-1]
+        out["the last size that fits in a set's order: allowed is not sorted, and a set "
+            "is not either (small ones only happen to come out so)"] = \
+            [b for b in set(allowed) if waste[b] <= budget][-1]
+    else:
+        out["two sizes waste the same: return the smaller"] = \
+            max(b for b in allowed if waste[b] == waste[least])
+        out["when no size fits, return the one that wastes least"] = max(allowed)
+        out["when no size fits, return the one that wastes least: the smallest size does "
+            "only when the sizes divide each other"] = min(allowed)
+        out["when no size fits, return the one that wastes least (not the first "
+            "listed)"] = allowed[0]
     return out
 
 
@@ -305,6 +301,421 @@ def check_choose_block_size(fn: Callable[[Sequence[int], Sequence[int], float], 
                                 hint="bad input (no allowed size, max_waste outside "
                                 "[0, 1)) raises ValueError")
         small_counts.choice_stage(fn)  # generated: budgets one ulp from a waste
+
+
+# ------------------------------------------------------------------ 09.3 attend_tiles
+
+_ONE_STATE = ("between tiles hold one running (m, l, acc) and nothing else: fold each tile "
+              "into it as soon as it is read")
+_READS = (torch.Tensor.__getitem__, torch.index_select, torch.Tensor.index_select,
+          torch.gather, torch.Tensor.gather, torch.take, torch.Tensor.take)
+
+
+class TileLog:
+    """One call of the learner's function: its reads, what it holds, the first problem."""
+
+    def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
+                 seq_len: int, tile: int, num_heads: int):
+        nb, bs, _, d = k_cache.shape
+        posmap = torch.full((nb, bs), -1, dtype=torch.int64)
+        for j, b in enumerate(table.tolist()[:-(-seq_len // bs)] if seq_len else []):
+            n = min(bs, seq_len - j * bs)
+            posmap[b, :n] = torch.arange(j * bs, j * bs + n)
+        nkv = k_cache.shape[2]
+        # each element's position and KV head in one map: position * nkv + head
+        posmap = torch.where(posmap >= 0, posmap * nkv, posmap)
+        self.caches = {}  # storage pointer -> (kind, element-wise position map, its offset)
+        for kind, cache in (("K", k_cache), ("V", v_cache)):
+            full = (posmap[:, :, None, None] + torch.arange(nkv)[None, None, :, None]
+                    * (posmap[:, :, None, None] >= 0)).expand(cache.shape).contiguous()
+            self.caches[cache.untyped_storage().data_ptr()] = (kind, full,
+                                                               cache.storage_offset())
+        self.tile, self.small, self.block_size = tile, num_heads * d, bs
+        self.num_heads, self.num_kv_heads = num_heads, nkv
+        self.state = num_heads * (v_cache.shape[-1] + 2)
+        self.reads: list[int] = []  # elements each read returned
+        self.far: dict[tuple[str, int], int] = {}  # (kind, KV head) -> highest first position
+        self.back: dict[tuple[str, int], int] = {}  # (kind, KV head) -> lowest last position
+        self.ways: dict[tuple[str, int], set[str]] = {}  # the walks its reads still fit
+        self.live: dict[int, weakref.ref] = {}
+        self.problem: str | None = None
+        self.hint: str | None = None
+        self.past_end = False  # a read returned a slot past seq_len (or of the padding)
+        #: the first op whose inputs were finite and whose output was not: (its name,
+        #: "inf" or "nan", whether an input held a zero)
+        self.made_nonfinite: tuple[str, str, bool] | None = None
+
+    def flag(self, problem: str, hint: str) -> None:
+        if self.problem is None:
+            self.problem, self.hint = problem, hint
+
+    def positions(self, t: torch.Tensor) -> tuple[str, torch.Tensor] | None:
+        """(kind, the position of every element of ``t``) if ``t`` is a cache or a view."""
+        found = self.caches.get(t.untyped_storage().data_ptr())
+        if found is None:
+            return None
+        kind, full, base = found
+        return kind, full.as_strided(t.shape, t.stride(), t.storage_offset() - base)
+
+    def read(self, kind: str | None, pos: torch.Tensor) -> tuple[int, int] | None:
+        """Log one read returning the elements at positions ``pos``; its in-sequence span.
+        ``kind`` None: an op on views of the cache (not an indexing read: no order check)."""
+        self.reads.append(pos.numel())
+        inside = pos[pos >= 0]
+        self.past_end |= inside.numel() < pos.numel()
+        if inside.numel() == 0:
+            return None
+        nkv = self.num_kv_heads
+        lo, hi = int(inside.min()) // nkv, int(inside.max()) // nkv
+        if kind is not None:
+            for head in (inside % nkv).unique().tolist():
+                mine = inside[inside % nkv == head] // nkv
+                self._check_pass(kind, head, int(mine.min()), int(mine.max()))
+        self._check_held(lo // self.tile)
+        self._check_grown(lo)
+        return lo, hi
+
+    def _check_pass(self, kind: str, head: int, lo: int, hi: int) -> None:
+        """One read of ``kind`` for KV ``head``, positions ``lo``-``hi``: a second pass
+        goes back over positions already passed, whichever way the tiles are walked."""
+        key = (kind, head)
+        far, back = self.far.get(key, -1), self.back.get(key, 1 << 62)
+        ways = self.ways.setdefault(key, {"forward", "backward"})
+        if hi < far:
+            ways.discard("forward")
+        if lo > back:
+            ways.discard("backward")
+        if not ways:  # neither a forward nor a backward walk: a second pass
+            self.flag(f"read {kind} (KV head {head}) of positions {lo}-{hi} again after your "
+                      "reads of it had gone past them: a second pass over the sequence (the "
+                      "max first, then the sum)",
+                      "one pass over the tiles is enough: when a tile raises the running "
+                      "max m, rescale what was summed so far by exp(m_old - m_new); and "
+                      "the query heads that share a KV head are served by one read of it "
+                      "(a loop over KV heads, not over query heads)")
+        self.far[key], self.back[key] = max(far, lo), min(back, hi)
+
+    def _check_held(self, now: int) -> None:
+        """At a read of tile ``now``: what is still alive from tile ``now - 2`` or older?"""
+        held: dict[int, int] = {}  # tile -> numbers still held that depend on it at most
+        for key, ref in list(self.live.items()):
+            t = ref()
+            if t is None:
+                del self.live[key]
+                continue
+            last = t._span[1] // self.tile
+            if last > now - 2:
+                continue
+            held[last] = held.get(last, 0) + t.numel()
+            if t.numel() > self.small:
+                self.flag(f"while reading tile {now} you still hold a tensor of shape "
+                          f"{tuple(t.shape)} computed from tile {last}: you keep earlier "
+                          "tiles' scores or values",
+                          "fold each tile into the running (m, l, acc) and let its scores "
+                          "and values go: a kernel holds one tile at a time")
+        if len(held) > 1 and sum(held.values()) > 1.5 * self.state:
+            self.flag(f"while reading tile {now} you still hold {sum(held.values())} numbers "
+                      f"computed from {len(held)} earlier tiles ({sorted(held)}): you keep "
+                      "every tile's scores or state and combine them at the end, so what "
+                      "you hold grows with the sequence", _ONE_STATE)
+
+    def _check_grown(self, lo: int) -> None:
+        """At a read from position ``lo`` on: a big tensor still alive that depends on
+        positions from before the previous tile grew tile after tile (a concatenation).
+        (A tile read as whole blocks depends on up to a block more on each side.)"""
+        for ref in list(self.live.values()):
+            t = ref()
+            if t is not None and t.numel() > self.small \
+                    and t._from[0] < lo - 2 * self.tile - self.block_size:
+                self.flag(f"while reading from position {lo} on you still hold a tensor of "
+                          f"shape {tuple(t.shape)} computed from positions {t._from[0]}-"
+                          f"{t._from[1]}: scores or values concatenated tile after tile, so "
+                          "what you hold grows with the sequence", _ONE_STATE)
+
+    def track(self, t: torch.Tensor, span: tuple[int, int], data: tuple[int, int]) -> None:
+        t._span, t._from = span, data
+        self.live[id(t)] = weakref.ref(t)
+
+
+_ACTIVE: list[TileLog] = []
+
+
+class TileTensor(torch.Tensor):
+    """A cache, or a tensor computed from it, that reports to the active :class:`TileLog`.
+
+    ``_span``: the first and last sequence position its value depends on (None: none).
+    """
+
+    _span: tuple[int, int] | None = None
+    _from: tuple[int, int] | None = None
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = super().__torch_function__(func, types, args, kwargs)
+        if _ACTIVE:
+            with torch._C.DisableTorchFunctionSubclass():
+                _after(_ACTIVE[-1], func, args, kwargs, out)
+        return out
+
+
+def _tensors(x) -> list[torch.Tensor]:
+    return [t for t in tree_leaves(x) if isinstance(t, torch.Tensor)]
+
+
+def _after(log: TileLog, func, args, kwargs, out) -> None:
+    outs = [t for t in _tensors(out) if isinstance(t, TileTensor)]
+    if not outs:
+        return
+    ins = _tensors((args, kwargs))
+    views = [(t, p) for t in ins if (p := log.positions(t)) is not None]
+    spans = [s for s in (getattr(t, "_span", None) for t in ins) if s is not None]
+    # the data carried element by element: not a state of one number per head
+    datas = [t._from for t in ins if getattr(t, "_from", None) is not None
+             and t.numel() > log.num_heads]
+    if views and any(log.positions(o) is not None for o in outs) and func not in _READS:
+        return  # a view of the cache: nothing read yet
+    if views and func in _READS and args and args[0] is views[0][0]:
+        (t, (kind, pos)) = views[0]
+        try:  # the same read on the position map: the positions it returned
+            pos = func(pos, *args[1:], **{k: x for k, x in kwargs.items() if k != "out"})
+        except (RuntimeError, IndexError, TypeError):
+            pass  # (then every position of what it read from)
+        reads = [log.read(kind, pos)]
+    else:  # an op on views of the cache (a copy, a cat, an einsum) reads them whole
+        reads = [log.read(None, pos) for _, (_, pos) in views]
+    if log.made_nonfinite is None:
+        _watch_finite(log, func, ins, outs)
+    spans = [s for s in spans + reads if s is not None]
+    datas = [s for s in datas + reads if s is not None] or spans
+    span = (min(s[0] for s in spans), max(s[1] for s in spans)) if spans else None
+    if span is not None:
+        data = (min(s[0] for s in datas), max(s[1] for s in datas))
+        for o in outs:
+            log.track(o, span, data)
+
+
+def _watch_finite(log: TileLog, func, ins: list[torch.Tensor], outs: list) -> None:
+    """Note the first op that made inf or NaN out of finite numbers (an overflowing
+    exp, a 0 / 0): what the learner's arithmetic did, as opposed to NaN read from a slot
+    past the sequence's end."""
+    floats = [t for t in ins if t.is_floating_point()]
+    made = [o for o in outs if o.is_floating_point() and not bool(o.isfinite().all())]
+    name = getattr(func, "__name__", str(func))
+    if made and any(w in name for w in ("exp", "div", "softmax")) \
+            and all(bool(t.isfinite().all()) for t in floats):
+        what = "inf" if any(bool(o.isinf().any()) for o in made) else "nan"
+        zero = any(bool((t == 0).any()) for t in floats)
+        log.made_nonfinite = (name, what, zero)
+
+
+@contextlib.contextmanager
+def watching(log: TileLog, k_cache: torch.Tensor, v_cache: torch.Tensor
+             ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """``with watching(log, k, v) as (k, v):`` the learner reads ``k`` and ``v``, watched."""
+    _ACTIVE.append(log)
+    try:
+        yield k_cache.as_subclass(TileTensor), v_cache.as_subclass(TileTensor)
+    finally:
+        _ACTIVE.remove(log)
+        log.live.clear()
+
+
+#: the fixed cases (each named by a hint's test): (name, its params)
+CASES = [(name, numeric.Tiles(seed, bs, tile, n, 4, 2, 8, dtype, profile, loud, sign))
+         for name, seed, bs, tile, n, dtype, profile, loud, sign in [
+    ("blocks of 4, tiles of 4 (a tile is a block), 13 tokens", 1, 4, 4, 13, "fp32", "random",
+     1.0, 1.0),
+    ("blocks of 4, tiles of 2 (two tiles per block), 11 tokens", 2, 4, 2, 11, "fp32", "random",
+     1.0, 1.0),
+    ("an empty sequence (length 0): zeros", 10, 4, 3, 0, "fp32", "random", 1.0, 1.0),
+    ("scores in the hundreds, as a sharp softmax has them: exp of a raw score overflows "
+     "float32 (blocks of 4, tiles of 5, 18 tokens)", 17, 4, 5, 18, "fp32", "rising", 4.0, 1.0),
+    ("scores in the hundreds below zero: exp of a raw score is 0 in float32 (blocks of 4, "
+     "tiles of 5, 18 tokens)", 18, 4, 5, 18, "fp32", "offset", 30.0, -1.0),
+    ("float16 (blocks of 8, tiles of 4, 27 tokens)", 16, 8, 4, 27, "fp16", "random", 1.0, 1.0),
+]]
+
+
+def reference(c: Case) -> torch.Tensor:
+    """The library's answer: paged_attention with the torch backend (its PyTorch code
+    directly for float64, which the entry point does not take and the code computes in)."""
+    args = (c.q[None], c.k_cache, c.v_cache, c.table[None].clamp(min=0),
+            torch.tensor([c.seq_len], dtype=torch.int32))
+    if c.q.dtype == torch.float64:
+        return paged_attention_torch(*args, c.q.shape[-1] ** -0.5)[0]
+    return paged_attention(*args, backend="torch")[0]
+
+
+def _variant(c: Case, *, block_of: str = "block", rescale: bool | str = True,
+             kv: str = "group", scale: bool = True, wide: torch.dtype | None = None,
+             whole_tiles: bool = False, running_max: bool = True) -> torch.Tensor:
+    """Online softmax over tiles with one typical mistake (defaults: none). ``rescale``:
+    True, False, the one running sum rescaled ("l" or "acc"), or "inverted" (by
+    exp(m_new - m_old)); ``running_max`` False:
+    exp of the raw scores."""
+    h, d = c.q.shape
+    bs, nkv = c.k_cache.shape[1], c.k_cache.shape[2]
+    dt = wide or (torch.float64 if c.q.dtype == torch.float64 else torch.float32)
+    heads = torch.arange(h) // (h // nkv) if kv == "group" else torch.arange(h) % nkv
+    qf = c.q.to(dt) * (d ** -0.5 if scale else 1.0)
+    m = torch.full((h,), -math.inf, dtype=dt)
+    den, acc = torch.zeros(h, dtype=dt), torch.zeros(h, d, dtype=dt)
+    table = c.table.long()
+    end = c.seq_len // c.tile * c.tile if whole_tiles else c.seq_len
+    for start in range(0, end, c.tile):
+        pos = torch.arange(start, min(start + c.tile, c.seq_len))
+        blocks = table[pos // bs] if block_of == "block" else table[pos // c.tile]
+        k = c.k_cache[blocks, pos % bs].to(dt)[:, heads]  # [t, h, d]
+        v = c.v_cache[blocks, pos % bs].to(dt)[:, heads]
+        s = torch.einsum("hd,thd->ht", qf, k)
+        m_new = torch.maximum(m, s.amax(-1)) if running_max else torch.zeros_like(m)
+        alpha = torch.exp(m - m_new) if rescale and running_max else torch.ones_like(m)
+        if rescale == "inverted":  # (the first tile has nothing summed to rescale)
+            alpha = torch.where(m.isinf(), torch.ones_like(m), torch.exp(m_new - m))
+        p = torch.exp(s - m_new[:, None])
+        one = torch.ones_like(alpha)
+        den = den * (alpha if rescale in (True, "l", "inverted") else one) + p.sum(-1)
+        acc = acc * (alpha if rescale in (True, "acc", "inverted") else one)[:, None] \
+            + torch.einsum("ht,thd->hd", p, v)
+        m = m_new
+    if end == 0:
+        return torch.zeros_like(c.q)
+    return (acc / den[:, None]).to(c.q.dtype)
+
+
+#: (how the mistake is made, the hint naming it)
+_MISTAKES: list[tuple[dict, str]] = [
+    (dict(rescale=False), "when a tile raises the running max m, what was summed so far "
+     "(the denominator and the accumulator) is rescaled by exp(m_old - m_new); yours "
+     "rescales neither"),
+    (dict(rescale="inverted"), "the factor that rescales the denominator and the "
+     "accumulator when the running max grows is exp(m_old - m_new), at most 1, not "
+     "exp(m_new - m_old)"),
+    (dict(rescale="l"), "when a tile raises the running max m, the accumulator is rescaled "
+     "by exp(m_old - m_new) as the denominator is: yours adds the new tile's p . v to "
+     "values still weighted by the old max"),
+    (dict(rescale="acc"), "when a tile raises the running max m, the denominator l is "
+     "rescaled by exp(m_old - m_new) as the accumulator is: yours adds the new tile's "
+     "exp(s - m_new) to a sum still taken with the old max"),
+    (dict(block_of="tile"), "a token's block is block_table[pos // block_size] and its slot "
+     "pos % block_size, whatever the tile: a tile may span several blocks"),
+    (dict(kv="mod"), "query head h reads KV head h // (num_heads // num_kv_heads): the "
+     "heads that share a KV head are neighbours; yours read KV head h % num_kv_heads, "
+     "as .repeat(...) lays the KV heads out (repeat_interleave keeps each one's group "
+     "together)"),
+    (dict(scale=False), "scores are q . k / sqrt(head_dim)"),
+    (dict(whole_tiles=True), "the last tile holds what is left (seq_len % tile tokens), "
+     "and it counts too"),
+    (dict(wide=torch.float32), "computed in float32, then cast to float64: compute in "
+     "float64 when q is float64 (float32 for 16-bit inputs)"),
+]
+
+
+#: the hint of a block found by the tile's index (an IndexError with it, too)
+_BLOCK_OF = next(hint for how, hint in _MISTAKES if how == dict(block_of="tile"))
+_OVERFLOW = ("exp of a raw score overflows (scores here reach {top:.0f}; in float32 exp "
+             "is inf from 89 on, and inf / inf is NaN): subtract the running max m before "
+             "exp, exp(s - m_new), and rescale what was summed (chapter 04's online softmax)")
+_UNDERFLOW = ("exp underflowed to 0 for every score of a head (scores here go down to "
+              "{low:.0f}; in float32 exp is 0 below about -104), so the denominator is 0 and "
+              "0 / 0 is NaN: subtract the running max, the largest score seen so far, starting "
+              "from -inf (not 0), so that the largest term is exp(0) = 1")
+_PAST_END = ("NaN: a slot past the sequence's end was read (every unused slot is NaN, and "
+             "the table's padding -1 indexes the cache's last block): read only positions "
+             "below seq_len")
+
+
+def _hint(c: Case, p: numeric.Tiles, got: torch.Tensor, want: torch.Tensor,
+          log: TileLog | None = None) -> str:
+    lo, hi = p.scores()
+    if c.seq_len == 0:
+        return ("a sequence of length 0 has nothing to attend to: return zeros (as "
+                "paged_attention does for a padding row), not 0 / 0")
+    if not got.isfinite().all() and want.isfinite().all():
+        made = log.made_nonfinite if log is not None else None
+        if made is not None and "exp" in made[0] and made[1] == "inf":
+            return _OVERFLOW.format(top=hi)
+        if made is not None and made[1] == "nan" and made[2]:  # 0 / 0
+            return _UNDERFLOW.format(low=lo)
+        if made is None and (log is None or log.past_end):
+            return _PAST_END
+        if made is not None:
+            return (f"{made[0]} turned finite numbers into {made[1]} (scores here run from "
+                    f"{lo:.0f} to {hi:.0f}): keep "
+                    "every exp's argument at most 0 by subtracting the running max")
+    slips, hints = {}, {}
+    for i, (how, hint) in enumerate(_MISTAKES):
+        try:
+            slips[i], hints[i] = _variant(c, **how).double(), hint
+        except (IndexError, RuntimeError):
+            continue
+    named = name_slip(got, want, slips, hints)  # the slip far closer to got than want is
+    return named or ("each tile's tokens are gathered from the blocks they sit in and folded "
+                     "into the running max, denominator and accumulator (chapter 04's "
+                     "online softmax)")
+
+
+def _tolerance(c: Case) -> tuple[float, float]:
+    # (float32: an absolute 1e-5, as an output near 0 sums terms of about 1)
+    return {torch.float64: (1e-10, 1e-12), torch.float16: (2e-3, 2e-3)}.get(
+        c.q.dtype, (1e-5, 1e-5))
+
+
+def check_case(fn: Callable, p: numeric.Tiles, name: str | None = None) -> None:
+    """``fn`` on ``p``'s case (named ``name``, by default its seed's) against the library."""
+    c = Case(**{**p.build(), **({"name": name} if name else {})})
+    what = (f"case '{c.name}': attend_tiles(q [{c.q.shape[0]}, {c.q.shape[1]}], table "
+            f"{c.table.tolist()}, seq_len={c.seq_len}, tile={c.tile})")
+    want = reference(c)
+    k_cache, v_cache = c.k_cache.clone(), c.v_cache.clone()  # the learner's to change
+    log = TileLog(k_cache, v_cache, c.table, c.seq_len, c.tile, c.q.shape[0])
+    try:
+        with watching(log, k_cache, v_cache) as (k, v):
+            got = fn(c.q.clone(), k, v, c.table.clone(), c.seq_len, c.tile)
+    except (CheckFailed, NotImplementedError):
+        raise
+    except Exception as err:  # noqa: BLE001 - told with the case that raised it
+        grading.fail(f"{what}: your function raised {type(err).__name__}: {err}",
+                     _BLOCK_OF + "; positions run from 0 to seq_len - 1 only"
+                     if isinstance(err, IndexError) else None)
+    reads = list(log.reads)
+    grading.expect_true(isinstance(got, torch.Tensor), f"{what}: returned "
+                        f"{type(got).__name__}", "return a tensor [num_heads, head_dim]")
+    got = got.as_subclass(torch.Tensor) if isinstance(got, TileTensor) else got
+    grading.expect_true(got.dtype == c.q.dtype and tuple(got.shape) == tuple(c.q.shape),
+                        f"{what}: returned {got.dtype} {tuple(got.shape)}, expected "
+                        f"{c.q.dtype} {tuple(c.q.shape)}", "the output has q's shape and dtype"
+                        + ("" if tuple(got.shape) != tuple(c.q.shape) else ": compute in "
+                           "float32 (float64 when q is float64), then cast the result with "
+                           ".to(q.dtype) at the end"))
+    rtol, atol = _tolerance(c)
+    bad = ~torch.isclose(got.double(), want.double(), rtol, atol)
+    if bad.any():
+        h, i = (int(x) for x in bad.nonzero()[0])
+        grading.fail(f"{what}: head {h}, element {i}: expected {float(want[h, i]):.6g}, got "
+                     f"{float(got[h, i]):.6g}", _hint(c, p, got, want, log))
+    bs, row = c.k_cache.shape[1], c.k_cache[0, 0].numel()
+    spans = max((cdiv(min(s + c.tile, c.seq_len), bs) - s // bs
+                 for s in range(0, c.seq_len, c.tile)), default=0)
+    most = max(reads, default=0)
+    if c.seq_len > c.tile and most > spans * bs * row:
+        grading.fail(f"{what}: one read of the cache returned {most // row} token rows; a "
+                     f"tile of {c.tile} spans at most {spans} blocks of {bs}",
+                     "gather each tile's tokens when you reach it, not the whole sequence "
+                     "at once (nor convert the whole cache first): the tile is what a "
+                     "kernel holds on chip")
+    if log.problem is not None:
+        grading.fail(f"{what}: {log.problem}", log.hint)
+
+
+def check_attend_tiles(fn: Callable[..., torch.Tensor]) -> None:
+    """09.3: decode attention over tiles of ``tile`` tokens through a block table."""
+    with grading.exercise("09.3"):
+        for name, p in CASES:
+            check_case(fn, p, name)
+        numeric.check("09.3", numeric.tile_cases(), lambda p: check_case(fn, p),
+                      numeric.TILE_CONTRASTS)
 
 
 # ------------------------------------------------------------------------------ demo

@@ -1,17 +1,8 @@
-"""Checks for chapter 11 (the KV landscape). Each prints one verdict line.
-
-* 11.1 ``kv_levels(spec, lengths, *, max_len, kv_dtype_bytes, block_size, window, sinks)``:
-  a deployment's KV memory after each of the three levels of saving, stacked: fewer bytes
-  per token (the model's own attention, the KV dtype), fewer tokens (a window with sinks),
-  a better layout (paged blocks instead of a ``max_len`` reservation).
-* 11.2 ``kv_bytes_per_token(spec)`` for MHA, GQA, MQA and MLA, next to
-  :func:`paged_lib.accounting.kv_bytes_per_token`.
-* 11.3 ``write_int8_blocks``: :mod:`~paged_lib.course.grading.ch11_quant`.
-* 11.4 ``drop_oldest(table, num_sink_tokens)``: named edge states, then the generated
-  stage (random windowed workloads served with the learner's function in the engine).
-
-A wrong answer is matched against the typical mistakes computed on the same case (for
-11.4, :func:`reference_drop`'s keywords), so the hint names the one made.
+"""Chapter 11 (the KV landscape): 11.1 ``kv_levels`` and 11.2 ``kv_bytes_per_token`` on
+fixed cases (11.2 then its generated stage); 11.3 in
+:mod:`~paged_lib.course.grading.ch11_quant`; 11.4 ``drop_oldest`` on named edge states,
+then random windowed workloads served with it. A wrong answer is named by the typical
+mistake (a keyword of ``_levels``, :func:`reference_drop` ...) that gives it.
 """
 
 from __future__ import annotations
@@ -61,6 +52,7 @@ _LEVEL_CASES: list[tuple[str, list[int], int, int, int, int | None, int, str]] =
     ("llama-2-7b-fp32", [300, 5, 1000], 1024, 2, 16, 0, 4, "a window of 0: only the sinks"),
     ("toy-gqa-fp32", [1001, 777, 123457, 64, 99999, 200003, 3], 200003, 1, 7, 65536, 3,
      "7 requests, odd sizes, a model in fp32"),
+    ("llama-3-8b", [3, 6, 12], 64, 1, 2, 4, 3, "a request a little longer than the window"),
 ]
 
 #: the models of the cases that are not in accounting's tables (fp32: not 2 bytes wide)
@@ -94,6 +86,7 @@ def _levels(spec: ModelSpec, lengths: Sequence[int], max_len: int, kv_dtype_byte
             "max_len": [max_len] * len(lengths), "reserved": [keep] * len(lengths),
             "sinks_on_top": [min(n, max_len if window is None else window)
                              + (0 if window is None else sinks) for n in lengths],
+            "past_window": [n if window is None or n <= window else keep for n in lengths],
             }[paged_tokens]
     slots = {"ceil": lambda n: cdiv(n, block_size) * block_size,
              "floor": lambda n: n // block_size * block_size,
@@ -144,6 +137,9 @@ _LEVEL_SLIPS: list[tuple[int, dict, str]] = [
     (3, dict(paged_tokens="sinks_on_top"), "the sinks are the request's own first tokens: "
      "a request keeps min(length, window + sinks) tokens, not its last window plus sinks "
      "on top"),
+    (3, dict(paged_tokens="past_window"), "a request keeps min(length, window + sinks) "
+     "tokens: one longer than the window by fewer than sinks tokens keeps its own length, "
+     "not window + sinks (more tokens than it has)"),
 ]
 
 

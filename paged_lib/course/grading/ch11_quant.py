@@ -1,22 +1,8 @@
-"""11.3 ``write_int8_blocks(x, data, scale, slots)`` (re-exported by ``ch11``), in order:
-
-* generated cases (:class:`Int8`): one or two sequences written call after call into int8
-  blocks of any size, 1 to 4 KV heads of 1 to 6 numbers, in blocks an earlier owner left
-  (scale 9) or never written (scale NaN), each call's values in a regime relative to the
-  scale there (the same, growing, jumping, zeros, below float32's tiny, exactly 127 x
-  scale, shrinking); each call compared with the library's write from the same state
-  (:func:`compare`), a failing case shrunk (harness:
-  :mod:`~paged_lib.course.grading.generated.numeric`);
-* a block never written (scale NaN) first written past offset 0 (the spec's, no engine's);
-* the generated stage (:mod:`~paged_lib.course.grading.generated`): random int8 workloads
-  served with the learner's write in the engine, each step the library's.
-
-Codes are compared exactly, except that one off is accepted where the exact quotient is
-within 1e-3 of a half (``q * old / new`` may round a tie the other way: serving shows
-it); scales within 1e-6 relative; slots past the last token written in a block are not
-read, nor, in a block never written (scale NaN), those below the first one written. A
-difference is named by recomputing the typical mistakes (:func:`reference_write`'s
-keywords) on the same call.
+"""11.3 ``write_int8_blocks`` (re-exported by ``ch11``), in order: the generated
+:class:`Int8` cases, each call compared with the library's write from the same state
+(:func:`difference`: codes exact but one off at a tie, scales within 1e-6, unread slots
+skipped), a difference named by :func:`reference_write`'s keywords; a block never written
+first written past offset 0; random int8 workloads served with the learner's write.
 """
 
 from __future__ import annotations

@@ -154,7 +154,7 @@ class Tiles:
     sign: float = 1.0
 
     def build(self) -> dict[str, Any]:
-        """The case's tensors, as ``ch09_tiles.Case`` takes them (unused slots NaN, the
+        """The case's tensors, as ``ch09.Case`` takes them (unused slots NaN, the
         table padded with -1, the sequence's blocks shuffled)."""
         g = torch.Generator().manual_seed(self.seed)
         dt, bs, n = _DTYPES[self.dtype], self.block_size, self.seq_len
