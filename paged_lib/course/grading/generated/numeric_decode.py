@@ -281,7 +281,7 @@ RAMP_CONTRASTS = {
              Contrast(_undo("shifts", lambda p: tuple(0.0 for _ in p.shifts),
                             lambda p: any(p.shifts)),
                       "it passes with values near 0 and fails with rows far from 0: "
-                      "subtract the row's own max (over its N values) before tl.exp")),
+                      "subtract the row's max (over its N values) before tl.exp")),
     "05.4": (Contrast(_undo("profile", "above", lambda p: p.profile == "below"),
                       "it passes when every score is far above 0 and fails when every score "
                       "is far below 0: start the running max at -inf, not 0 (with m = 0, "
