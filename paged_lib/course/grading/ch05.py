@@ -28,6 +28,7 @@ from paged_lib.course.grading.slips import (
     expect_attention,
     name_slip,
 )
+from paged_lib.device import interpreter_on as interpreted
 from paged_lib.instruments.load_trace import LoadTrace, trace_loads
 from paged_lib.kernels.reference import ref_paged_attention
 from paged_lib.util import cdiv
@@ -52,11 +53,8 @@ OUT_GUARD = -7777.0
 # ------------------------------------------------------------------ launching and tracing
 
 def stub_not_done(kernel: Any) -> None:
-    """A stub still holding ``raise NotImplementedError()`` is 'not attempted'.
-
-    In the interpreter the raise would surface when the kernel runs; a compiling GPU
-    backend would reject it as a compile error instead, so look at the source first.
-    """
+    """A stub still holding ``raise NotImplementedError()`` is 'not attempted' (read in its
+    source: a compiling GPU backend would reject the raise as a compile error)."""
     fn = getattr(kernel, "fn", kernel)
     try:
         src = inspect.getsource(fn)
@@ -66,17 +64,9 @@ def stub_not_done(kernel: Any) -> None:
         raise NotImplementedError
 
 
-def interpreted() -> bool:
-    from paged_lib.device import interpreter_on
-
-    return interpreter_on()
-
-
 def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **constants: Any) -> LoadTrace:
-    """Run the learner's kernel; return its load trace (empty when compiled on a GPU).
-
-    The interpreter wraps what a kernel raised in its own error; the learner sees theirs.
-    """
+    """Run the learner's kernel; return its load trace (empty when compiled on a GPU). The
+    interpreter wraps what a kernel raised in its own error; the learner sees theirs."""
     stub_not_done(kernel)
     with trace_loads() as trace, np.errstate(all="ignore"):  # overflow: reported as such
         try:
@@ -367,12 +357,8 @@ def _check_tiles(trace: LoadTrace, kv: Guarded, name: str, n: int, d: int, tile:
 # -------------------------------------------------------------- 05.5 the paged decode kernel
 
 def run_decode_kernel(kernel: Any, case) -> tuple[torch.Tensor, LoadTrace, tuple]:
-    """Launch the exercise kernel, one program per (sequence, KV head); output on the CPU.
-
-    Every tensor sits inside a poisoned guard as large as itself (:class:`Guarded`), so a
-    wrong offset reads or writes the guard instead of crashing the notebook's kernel.
-    Returns the output, the load trace and the two cache views (for the trace).
-    """
+    """Launch the exercise kernel, one program per (sequence, KV head), every tensor in a
+    :class:`Guarded` buffer; return the output (on the CPU), the trace and the cache views."""
     q, k_cache, v_cache, block_tables, seq_lens, scale = case
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
