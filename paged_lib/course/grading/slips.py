@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from paged_lib.course.grading.generated.numeric import Named
 from paged_lib.util import cdiv
 
 
@@ -43,8 +44,8 @@ SLIPS = {
                   "m_new) before adding the new block",
     "block max": "each block's (m, l, acc) was added as it is: when the running max grows, "
                  "rescale l and acc by alpha = exp(m_old - m_new) before adding the new block",
-    "fp16 p": "the probabilities were rounded to float16 before multiplying V: keep p in "
-              "float32 (the rounding costs about 1e-3)",
+    "fp16 p": Named("the probabilities were rounded to float16 before multiplying V: keep "
+                    "p in float32 (the rounding costs about 1e-3)"),  # no contrast explains it
     "no scale": "the scores are q . k times scale (1 / sqrt(head_dim)); it was left out",
 }
 

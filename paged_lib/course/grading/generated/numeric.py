@@ -30,7 +30,7 @@ import torch
 from paged_lib.course import grading
 from paged_lib.util import CheckFailed, cdiv
 
-__all__ = ["Contrast", "Tiles", "check", "fewer", "shorter", "states", "tile_cases"]
+__all__ = ["Contrast", "Named", "Tiles", "check", "fewer", "shorter", "states", "tile_cases"]
 
 #: the most cases a shrink may try
 MAX_SHRINK_RUNS = 40
@@ -43,6 +43,10 @@ class Contrast:
 
     change: Callable[[Any], Any]
     hint: str
+
+
+class Named(str):
+    """A per-case hint that already names the mistake: no :class:`Contrast` replaces it."""
 
 
 def _attempt(run: Callable[[Any], None], p: Any) -> tuple[str, str | None] | None:
@@ -87,7 +91,7 @@ def check(ex: str, cases: Iterable[Any], run: Callable[[Any], None],
             if found is None:
                 continue
             small, (message, hint) = shrink(p, found, run)
-            for c in contrasts:
+            for c in () if isinstance(hint, Named) else contrasts:
                 other = c.change(small)
                 if other is not None and other != small and _attempt(run, other) is None:
                     hint = c.hint

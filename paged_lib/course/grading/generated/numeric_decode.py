@@ -1,11 +1,8 @@
-"""Generated inputs for chapter 05's kernels, 05.1-05.5, on the harness of
-:mod:`~paged_lib.course.grading.generated.numeric`, small enough for Triton's interpreter.
-
-They reach up to five programs along an axis, tiles of 1 to 16 over sizes that are not
-powers of two, repeated row ids, softmax rows from -1000 to +500 or tied, scores far below
-or above 0, rising, falling, one spike, tied or tiny; decode batches of one to three
-sequences with GQA groups of 1 to 7, head and block sizes from 1 to 32, lengths at block
-boundaries, and scales that are not ``1 / sqrt(HEAD_DIM)`` (Gemma 2, MLA).
+"""Generated cases of chapter 05's kernels (05.1-05.5) for :func:`numeric.check`, small
+enough for Triton's interpreter: up to five programs along an axis, tiles of 1 to 16 over sizes
+that are not powers of two, softmax rows from -1000 to +500, scores far below or above 0,
+rising, falling, one spike, tied or tiny; decode batches with GQA groups of 1 to 7, lengths at
+block boundaries, scales that are not ``1 / sqrt(HEAD_DIM)``.
 """
 
 from __future__ import annotations
@@ -17,18 +14,9 @@ from typing import Any
 import torch
 
 from paged_lib.course.grading.generated.numeric import Contrast, shorter
+from paged_lib.course.grading.generated.small_attention import SCALES, rng
 from paged_lib.kernels.cases import NAN_BLOCK, make_decode_case
 from paged_lib.util import cdiv
-
-__all__ = ["DECODE_CONTRASTS", "RAMP_CONTRASTS", "Ramp", "decode_cases", "ramp_cases"]
-
-#: scale -> (head size it is taken over, as a multiple of HEAD_DIM; what has it)
-_SCALES = {"head": (1.0, "1 / sqrt(HEAD_DIM)"),
-           "gemma": (1.125, "1 / sqrt(1.125 x HEAD_DIM), as Gemma 2 27B's "
-                     "query_pre_attn_scalar 144 at heads of 128"),
-           "mla": (1.5, "1 / sqrt(1.5 x HEAD_DIM), as MLA's q . k over 192 numbers with "
-                   "V of 128 (DeepSeek-V2)")}
-
 
 # ------------------------------------------------------------------ the cases
 
@@ -88,12 +76,12 @@ class Ramp:
             row = k[live].reshape(-1, self.kv_heads, self.head_dim)[0]
             k = torch.where(live, row.expand_as(k), k)
         return case._replace(q=case.q * self.loud, k_cache=k, scale=(
-            _SCALES[self.scale][0] * self.head_dim) ** -0.5)
+            SCALES[self.scale][0] * self.head_dim) ** -0.5)
 
     def _attention(self, g: torch.Generator) -> tuple:
         """05.4's q, k, v (float32), scale and TILE: scores = the profile's level at each
         key plus a few units of noise (k leans along q by level / scale)."""
-        scale = (_SCALES[self.scale][0] * self.d) ** -0.5
+        scale = (SCALES[self.scale][0] * self.d) ** -0.5
         q, k, v = (torch.randn(*shape, self.d, generator=g, dtype=torch.float64)
                    for shape in ((self.batch,), (self.batch, self.n), (self.batch, self.n)))
         level, pos = _LEVELS[self.profile], torch.arange(self.n, dtype=torch.float64)
@@ -121,7 +109,7 @@ class Ramp:
             return (f"seq_lens {list(self.lens)}" + (f" ({ends} on a block boundary)" * bool(
                 ends)) + f", blocks of {bs}, {self.heads} query heads on {self.kv_heads} KV "
                 f"head(s) (GROUP {group}, GROUP_PAD {1 << (group - 1).bit_length()}), HEAD_DIM "
-                f"{self.head_dim}, scale {_SCALES[self.scale][1]}, q x {self.loud:g}"
+                f"{self.head_dim}, scale {SCALES[self.scale][1]}, q x {self.loud:g}"
                 + (" (scores in the hundreds)" if self.loud > 1 else " (tiny scores)"
                    if self.loud < 1 else "") + (", every score of a head tied" * self.ties))
         what = {"random": f"random scores (q x {self.loud:g})", "below": "every score around "
@@ -129,7 +117,7 @@ class Ramp:
                 "falling": "scores falling 3 a key (the max in the first tile)",
                 "spike": "one key's score 30 above the rest", "ties": "every score tied"}
         return (f"{what[self.profile]}, scale "
-                f"{_SCALES[self.scale][1].replace('HEAD_DIM', 'D')}")
+                f"{SCALES[self.scale][1].replace('HEAD_DIM', 'D')}")
 
     def states(self) -> list[str]:
         return [name for name, reached in _STATES[self.ex].items() if reached(self)]
@@ -176,12 +164,7 @@ def _span(pick: Callable, programs: int, block: int) -> int:
 
 
 def _draw_ramp(ex: str, seed: int) -> Ramp:
-    g = torch.Generator().manual_seed(5000 + 100 * int(ex[-1]) + seed)
-
-    def pick(xs: Any) -> Any:
-        xs = list(xs)
-        return xs[int(torch.randint(len(xs), (1,), generator=g))]
-
+    pick = rng(5000 + 100 * int(ex[-1]) + seed)
     if ex == "05.1":
         bm, bn, pm = pick([1, 2, 4, 8, 16]), pick([1, 2, 4, 8, 16]), pick(range(1, 6))
         return Ramp(ex, seed, (("m", _span(pick, pm, bm)), ("n", _span(
@@ -217,11 +200,7 @@ _MODELS = [(4, 1), (6, 1), (5, 1), (7, 1), (8, 2), (2, 2), (6, 2), (3, 1)]
 
 
 def _draw_decode(seed: int) -> Ramp:
-    g = torch.Generator().manual_seed(550 + seed)
-
-    def pick(xs: list | tuple):
-        return xs[int(torch.randint(len(xs), (1,), generator=g))]
-
+    pick = rng(550 + seed)
     bs, (heads, kv) = pick([1, 2, 4, 8, 16]), pick(_MODELS)
     lens: list[int] = []
     for _ in range(pick([1, 2, 3])):
@@ -281,7 +260,7 @@ RAMP_CONTRASTS = {
              Contrast(_undo("shifts", lambda p: tuple(0.0 for _ in p.shifts),
                             lambda p: any(p.shifts)),
                       "it passes with values near 0 and fails with rows far from 0: "
-                      "subtract the row's own max (over its N values) before tl.exp")),
+                      "subtract the row's max (over its N values) before tl.exp")),
     "05.4": (Contrast(_undo("profile", "above", lambda p: p.profile == "below"),
                       "it passes when every score is far above 0 and fails when every score "
                       "is far below 0: start the running max at -inf, not 0 (with m = 0, "

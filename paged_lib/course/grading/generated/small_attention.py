@@ -1,13 +1,6 @@
-"""Generated inputs for the attention pieces in plain PyTorch: 04.1 (merge two softmax
-states), 04.2 (attention through a block table), 05.6 (slot mapping) and 05.7 (merge
-split-KV partials); each grader's only stage (:func:`numeric.check`: seeded cases,
-compared with the library's answer, the first failure shrunk and told in one line).
-
-The cases reach: fully masked rows anywhere beside real ones, float32, ties, scores from
-tiny to extreme (+1000, -800, q x 300); scales of Gemma 2 and MLA, GQA groups of 1 to 7,
-block sizes that are not powers of two, tables padded with several ``-1``; block ids from
-a pool of ``2**31 - 1`` (slots past 32 bits) and padding tokens anywhere; empty segments
-first or several in a row, one segment's scores 800 above the others.
+"""Generated cases of the attention pieces in plain PyTorch, each grader's only stage
+(:func:`numeric.check`): 04.1 (merge two softmax states), 04.2 (attention through a block
+table), 05.6 (slot mapping), 05.7 (merge split-KV partials).
 """
 
 from __future__ import annotations
@@ -28,11 +21,13 @@ from paged_lib.kernels import slot_mapping_from_positions
 from paged_lib.kernels.reference import ref_paged_attention
 from paged_lib.util import cdiv
 
-__all__ = ["Merge", "Paged", "Partials", "Slots", "merge_cases", "merge_stage",
-           "paged_cases", "paged_stage", "partials_cases", "partials_stage",
-           "poisoned_cache", "rng", "slot_cases", "slot_stage"]
-
 _DT = {"fp32": torch.float32, "fp64": torch.float64}
+#: scale -> (the head size it is taken over, as a multiple of HEAD_DIM; what has it)
+SCALES = {"head": (1.0, "1 / sqrt(HEAD_DIM)"),
+          "gemma": (1.125, "1 / sqrt(1.125 x HEAD_DIM), as Gemma 2 27B's "
+                    "query_pre_attn_scalar 144 at heads of 128"),
+          "mla": (1.5, "1 / sqrt(1.5 x HEAD_DIM), as MLA's q . k over 192 numbers with "
+                  "V of 128 (DeepSeek-V2)")}
 
 
 def rng(seed: int) -> Callable[[list | tuple], Any]:
@@ -219,12 +214,6 @@ def merge_stage(merge_states: Callable) -> None:
 
 # ------------------------------------------------------------------ 04.2 paged_decode
 
-#: scale -> (the head size it is taken over, as a multiple of head_dim; who has it)
-_SCALES = {"head": (1.0, "1 / sqrt(head_dim)"),
-           "gemma": (1.125, "1 / sqrt(1.125 x head_dim), as Gemma 2 27B's "
-                     "query_pre_attn_scalar"),
-           "mla": (1.5, "1 / sqrt(1.5 x head_dim), as MLA's q . k over 192 numbers "
-                   "with V of 128 (DeepSeek-V2)")}
 #: (query heads, KV heads, head size) scaled down from real models: Llama 3 (groups of
 #: 4), Qwen2 7B (7), Falcon (MQA), Phi-3 (head 96), Gemma (head 256)
 _MODELS = [(8, 2, 12), (7, 1, 8), (4, 1, 20), (3, 3, 24), (6, 3, 5), (14, 2, 6)]
@@ -251,15 +240,16 @@ class Paged:
         table = torch.randperm(used + 3, generator=g)[:used].tolist()
         k, v = poisoned_cache(g, used + 3, bs, self.kv_heads, self.head_dim, [table], [n])
         q = torch.randn(self.heads, self.head_dim, generator=g, dtype=torch.float64) * self.loud
-        scale = (_SCALES[self.scale][0] * self.head_dim) ** -0.5
+        scale = (SCALES[self.scale][0] * self.head_dim) ** -0.5
         ref = ref_paged_attention(q[None], k, v, torch.tensor([table], dtype=torch.int32),
                                   torch.tensor([n], dtype=torch.int32), scale)[0]
         return q, k, v, table + [-1] * self.pad, n, scale, ref
 
     def describe(self) -> str:
+        scale = SCALES[self.scale][1].replace("HEAD_DIM", "head_dim")
         return (f"seq_len {self.seq_len}, blocks of {self.block_size}, block_table ending in "
                 f"{self.pad} x -1, {self.heads} query heads on {self.kv_heads} KV heads, "
-                f"head_dim {self.head_dim}, scale {_SCALES[self.scale][1]}, q x {self.loud:g}")
+                f"head_dim {self.head_dim}, scale {scale}, q x {self.loud:g}")
 
     def states(self) -> list[str]:
         out = ["a scale that is not 1 / sqrt(head_dim)"] if self.scale != "head" else []
@@ -375,37 +365,6 @@ SLOT_HINT = ("slot = block_tables[seq, pos // block_size] * block_size + pos % b
              "to -1 and must not index the table")
 
 
-def _slot_slips(bt: torch.Tensor, seq: torch.Tensor, pos: torch.Tensor, bs: int
-                ) -> Iterator[tuple[list[int], str]]:
-    """What typical wrong slot mappings return on this case, and what each one forgot."""
-    table, kept, pad = bt.long(), pos.clamp(min=0), pos < 0
-    padding = ("a padding token (position -1) must map to -1, not to a real slot (-1 // "
-               "block_size is -1, which silently indexes the table's last entry; a clamped "
-               "position gives position 0's slot): the cache write would overwrite a token")
-    slips: list[tuple[Callable[[], torch.Tensor], str]] = [
-        (lambda: table[seq, pos // bs] * bs + pos % bs, padding),
-        (lambda: table[seq, kept // bs] * bs + kept % bs, padding),
-        (lambda: torch.where(pad, -1, kept % bs), "the slot is in the token's block: "
-         "block_tables[seq, pos // block_size] * block_size + pos % block_size, not just "
-         "the offset pos % block_size"),
-        (lambda: torch.where(pad, -1, table[seq, kept // bs] * bs),
-         "add the offset inside the block, pos % block_size"),
-        (lambda: torch.where(pad, -1, table[seq, kept // bs]),
-         "a block id is not a slot: multiply by block_size and add pos % block_size"),
-        (lambda: torch.where(pad, -1, table[0, kept // bs] * bs + kept % bs),
-         "each token uses its own sequence's row: block_tables[seq_ids[i], ...]"),
-        (lambda: torch.where(pad, -1, table[seq, kept % bs] * bs + kept // bs),
-         "// and % swapped: the block is pos // block_size, the offset pos % block_size")]
-    slips += [(lambda c=c: torch.where(pad, -1, table[seq, kept // c] * c + kept % c),
-               f"use the block_size you are given ({bs} here), not a constant {c}")
-              for c in (4, 16) if c != bs]
-    for slots, hint in slips:
-        try:
-            yield slots().tolist(), hint
-        except IndexError:  # this slip would have raised on this case
-            continue
-
-
 def run_slots(slot_mapping: Callable, p: Slots) -> None:
     bt, seq_ids, pos = p.build()
     want = slot_mapping_from_positions(bt, seq_ids, pos, p.block_size).tolist()
@@ -418,9 +377,16 @@ def run_slots(slot_mapping: Callable, p: Slots) -> None:
     grading.expect_true(got.dtype == torch.int64, f"expected dtype torch.int64, got {got.dtype}",
                         hint="slots index a cache of num_blocks x block_size entries, which "
                              "can exceed 2**31: compute in int64 (.long())")
-    named = [hint for slots, hint in _slot_slips(bt, seq_ids, pos, p.block_size)
-             if slots == got.tolist() != want]
-    grading.expect_equal(got.tolist(), want, "slot_mapping", hint=named[0] if named else SLOT_HINT)
+    offsets = torch.where(pos < 0, -1, pos % p.block_size).tolist()
+    grading.expect_equal(got.tolist(), want, "slot_mapping", hint=numeric.Named(
+        "the slot is in the token's block: block_tables[seq, pos // block_size] * block_size "
+        "+ pos % block_size, not just the offset pos % block_size")
+        if got.tolist() == offsets != want else SLOT_HINT)
+
+
+def _block_size(c: int, hint: str) -> Contrast:
+    return Contrast(lambda p: dataclasses.replace(p, block_size=c) if p.block_size != c
+                    else None, f"it passes with block_size {c} and fails with others: {hint}")
 
 
 SLOT_CONTRASTS = (
@@ -428,6 +394,17 @@ SLOT_CONTRASTS = (
              "it passes with small block ids and fails with a pool of 2**31 - 1 blocks: "
              "block_tables is int32, so block * block_size wraps in 32 bits; widen first "
              "(block_tables.long()), a slot indexes num_blocks * block_size rows"),
+    Contrast(lambda p: dataclasses.replace(p, pads=0) if p.pads else None,
+             "it passes without padding tokens: a padding token (position -1) must map to -1, "
+             "not to a real slot (-1 // block_size is -1, which silently indexes the table's "
+             "last entry; a clamped position gives position 0's slot): the cache write would "
+             "overwrite a token"),
+    Contrast(lambda p: dataclasses.replace(p, seqs=1) if p.seqs > 1 else None,
+             "it passes with one sequence and fails with several: each token uses its own "
+             "sequence's row, block_tables[seq_ids[i], ...]"),
+    _block_size(1, "a block id is not a slot: multiply by block_size and add "
+                   "pos % block_size"),
+    *(_block_size(c, f"use the block_size you are given, not a constant {c}") for c in (4, 16)),
 )
 
 
