@@ -1,13 +1,8 @@
-"""Block pools in a known state and a toy KV store, for the chapter 03 and 08 graders.
-
-:func:`busy_pool` builds, through the library's allocator's public methods, a pool whose
-free list is not ``0, 1, 2, ...`` (chapter 03's 40-token request lands in blocks 5, 2, 9);
-a :class:`ToyStore` holds one label per slot, so a grader can tell which tokens each
-sequence reads back through its table.
-"""
+"""Block pools in a known state, and a KV store with a label per slot (chapters 03 and 08)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from paged_lib.blocks import BlockAllocator, BlockTable, Slot
@@ -24,6 +19,13 @@ def busy_pool(num_blocks: int, free_in_order: tuple[int, ...] | None = None
             allocator.allocate()
         for b in free_in_order:
             allocator.free(b)
+    return allocator
+
+
+def with_free(allocator: BlockAllocator, free_block: Callable[..., Any]) -> BlockAllocator:
+    """``allocator`` freeing through a learner's ``free_block(block, ref_counts,
+    free_block_ids)`` (03.3), for its tables and for anyone who calls its ``free``."""
+    allocator.free = lambda b: free_block(b, allocator.ref_counts, allocator.free_block_ids)
     return allocator
 
 
