@@ -636,7 +636,7 @@ def fill_ok(n, b):
     # the empty share (right at 1000 and 40 tokens, where half the block is empty)
     (lambda n, b: 1 - fill_ok(n, b), "the empty share of the last block"),
     # the fill of all blocks together
-    (lambda n, b: n / (-(-n // b) * b) if n else 0.0, "the fill of all 63 blocks together"),
+    (lambda n, b: n / (-(-n // b) * b) if n else 0.0, "the fill of all the blocks together"),
     (lambda n, b: (n % b or b) // b if n else 0.0, "`//` floors the fraction"),
     (lambda n, b: (n % b or b) / b, "there is no last block"),  # 0 tokens: 1.0
 ])
