@@ -11,6 +11,7 @@ import pytest
 from paged_lib.accounting import SPECS
 from paged_lib.blocks import BlockTable, Slot
 from paged_lib.course.grading import ch00, ch01, ch02, ch03
+from paged_lib.course.grading.generated import small_sim
 
 
 def verdict(capsys, check, answer) -> str:
@@ -554,7 +555,7 @@ def _compile(source):
 
 @pytest.mark.parametrize("old, new, hint", SIM_BUGS, ids=[b[1][:40] for b in SIM_BUGS])
 def test_02_5_planted_bugs_get_a_named_hint(capsys, monkeypatch, old, new, hint):
-    monkeypatch.setattr(ch02, "SIM_TIME_LIMIT_S", 1.0)  # a hung bug fails fast
+    monkeypatch.setattr(small_sim, "SIM_TIME_LIMIT_S", 1.0)  # a hung bug fails fast
     assert SIMULATOR.count(old) == 1, old
     out = _run(capsys, ch02.check_paged_simulator, _compile(SIMULATOR.replace(old, new)))
     assert out.startswith("❌ [02.5]") and hint in out, out
