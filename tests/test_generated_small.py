@@ -1,4 +1,4 @@
-"""The generated stage of the small exercises' graders (03.1, 03.2, 04.1, 04.2, 05.6,
+"""The generated stage of the small exercises' graders (03.1, 03.2, 03.3, 04.1, 04.2, 05.6,
 05.7, 09.2, 11.2, 12.1): paged_lib.course.grading.generated.small_*.
 
 For each exercise: a plausible wrong answer passes every fixed case (✅ with the generated
@@ -647,3 +647,21 @@ def test_03_2_a_fork_through_a_set_is_caught_only_by_the_generated_scenarios(mon
 def test_03_1_and_03_2_right_answers_of_another_shape_pass():
     assert verdict(ch03.check_append_token, append_token)[0] == "✅"
     assert verdict(ch03.check_fork, fork)[0] == "✅"
+
+
+def free_two_holders(block, ref_counts, free_block_ids):
+    """Wrong: the count read as shared or not, a shared block left with one holder whatever
+    its count; right while no block has more than two holders (a fork of a fork has three)."""
+    if not 0 <= block < len(ref_counts) or ref_counts[block] == 0:
+        raise ValueError(f"block {block} cannot be freed")
+    if ref_counts[block] > 1:
+        ref_counts[block] = 1
+    else:
+        ref_counts[block] = 0
+        free_block_ids.append(block)
+
+
+def test_03_3_a_shared_block_left_with_one_holder_is_caught_only_by_the_scenarios(monkeypatch):
+    hint = caught_only_by_the_stage(ch03.check_free_block, free_two_holders, monkeypatch,
+                                    "('fork', 's1', 's2')", "ref_counts: expected [1, 2]")
+    assert "whatever the count: a block with k holders keeps k - 1" in hint

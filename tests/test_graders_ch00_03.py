@@ -11,6 +11,7 @@ import pytest
 from paged_lib.accounting import SPECS
 from paged_lib.blocks import BlockTable, Slot
 from paged_lib.course.grading import ch00, ch01, ch02, ch03
+from paged_lib.course.grading.generated import small_sim
 
 
 def verdict(capsys, check, answer) -> str:
@@ -554,7 +555,7 @@ def _compile(source):
 
 @pytest.mark.parametrize("old, new, hint", SIM_BUGS, ids=[b[1][:40] for b in SIM_BUGS])
 def test_02_5_planted_bugs_get_a_named_hint(capsys, monkeypatch, old, new, hint):
-    monkeypatch.setattr(ch02, "SIM_TIME_LIMIT_S", 1.0)  # a hung bug fails fast
+    monkeypatch.setattr(small_sim, "SIM_TIME_LIMIT_S", 1.0)  # a hung bug fails fast
     assert SIMULATOR.count(old) == 1, old
     out = _run(capsys, ch02.check_paged_simulator, _compile(SIMULATOR.replace(old, new)))
     assert out.startswith("❌ [02.5]") and hint in out, out
@@ -636,7 +637,7 @@ def fill_ok(n, b):
     # the empty share (right at 1000 and 40 tokens, where half the block is empty)
     (lambda n, b: 1 - fill_ok(n, b), "the empty share of the last block"),
     # the fill of all blocks together
-    (lambda n, b: n / (-(-n // b) * b) if n else 0.0, "the fill of all 63 blocks together"),
+    (lambda n, b: n / (-(-n // b) * b) if n else 0.0, "the fill of all the blocks together"),
     (lambda n, b: (n % b or b) // b if n else 0.0, "`//` floors the fraction"),
     (lambda n, b: (n % b or b) / b, "there is no last block"),  # 0 tokens: 1.0
 ])

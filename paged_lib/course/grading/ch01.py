@@ -1,5 +1,5 @@
-"""Checks for chapter 01 (KV bytes): named cases, then the generated ones of
-:mod:`.generated.small_ints`; each hint names the slip from the wrong number."""
+"""Checks for chapter 01 (KV bytes): 01.1 and 01.4 run named cases, then all four the
+generated ones of :mod:`.generated.small_ints`; each hint names the slip from the number."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Any
 
 from paged_lib.accounting import SPECS, ModelSpec, kv_bytes_per_token, num_blocks
 from paged_lib.course import grading
+from paged_lib.course.grading import slips
 from paged_lib.course.grading.generated import small_ints
 
 # A tiny model whose numbers are all different, so a swapped field shows up.
@@ -62,48 +63,41 @@ def check_logical_blocks(fn: Callable[[int, int], int]) -> None:
     small_ints.check_division("01.2", "logical_blocks", fn)
 
 
-def _fill_hint(n: int, bs: int, got: object, want: float) -> str:
-    """Name the slip from the wrong fill it produced."""
-    in_last = round(want * bs)
-    if not isinstance(got, numbers.Real) or isinstance(got, bool):
-        return "return one number between 0 and 1 (a float)."
-    if n == 0:
-        return "0 tokens: 0.0 (there is no last block to fill)."
-    if got == 0.0 and n % bs == 0:
-        return ("when num_tokens is a multiple of block_size the last block is full "
-                "(1.0), not empty: `n % bs` is 0 there.")
-    if got == 100 * want:
-        return "return a fraction (0.5), not a percentage (50)."
-    if got == 1 - want and want != 0.5:
-        return (f"that is the empty share of the last block (its waste): the fill is the "
-                f"share that holds tokens, {in_last} of {bs} slots here.")
-    if got == n / (num_blocks(n, bs) * bs) and bs > 1:
-        return (f"that is the fill of all {num_blocks(n, bs)} blocks together; asked is the "
-                f"last block alone ({in_last} of its {bs} slots hold tokens).")
-    if got == int(want) != want:
-        return "`//` floors the fraction to 0 or 1: divide with `/`."
-    if got in ((in_last - 1) / bs, (in_last + 1) / bs):
-        return (f"one token off: the last block holds {_tokens(in_last)} (the {n} tokens less "
-                f"the {num_blocks(n, bs) - 1} full blocks before it), so the fill is "
-                f"{in_last}/{bs}.")
-    return ("tokens in the last block / block_size; the last block holds what is "
-            "left after the full ones. 0 tokens: 0.0.")
+def _fill_slips(case: tuple[int, int]) -> dict[str, float]:
+    """What each typical wrong fill returns for ``case`` (n, bs), by the hint naming it."""
+    n, bs = case
+    want = small_ints.fill(n, bs)
+    return {
+        "when num_tokens is a multiple of block_size the last block is full (1.0), not empty: "
+        "`n % bs` is 0 there.": (n % bs) / bs,
+        "0 tokens: 0.0 (there is no last block to fill).": (n % bs or bs) / bs,
+        "return a fraction (0.5), not a percentage (50).": 100 * want,
+        "that is the empty share of the last block (its waste): the fill is the share of "
+        "its slots that hold tokens.": 1 - want,
+        "that is the fill of all the blocks together; asked is the last block alone.":
+            n / (num_blocks(n, bs) * bs) if n else 0.0,
+        "`//` floors the fraction to 0 or 1: divide with `/`.": (n % bs or bs) // bs if n else 0,
+        "one token off: the last block holds the tokens left after the full blocks before it "
+        "(num_tokens - (blocks - 1) x block_size).": ((n - 1) % bs) / bs if n else 0.0,
+    }
 
 
 def check_last_block_fill(fn: Callable[[int, int], float]) -> None:
     """01.3: share of the last block that holds tokens (1.0 when it is full)."""
-    # 1000 and 40 fill half a block: an answer of "1 - fill" is right there by coincidence,
-    # 1003 (11 of 16) tells it apart; 992 fills the last block exactly.
-    cases = [(1000, 16), (40, 16), (1003, 16), (992, 16), (1, 16), (17, 16), (0, 16), (5, 1),
-             (100, 128)]
+    def run(n: int, bs: int) -> None:
+        got, want = fn(n, bs), small_ints.fill(n, bs)
+        grading.expect_true(isinstance(got, numbers.Real) and not isinstance(got, bool),
+                            f"fill for {_tokens(n)}: got {got!r}", "return one number "
+                            "between 0 and 1 (a float)")
+        hint = slips.name_mistake((n, bs), got, want, [(c.n, c.b) for c in small_ints.
+                                  count_cases()], _fill_slips, lambda c: fn(*c), (
+            small_ints.FLOAT_HINT if n > 2 ** 40 else "tokens in the last block / block_size; "
+            "the last block holds what is left after the full ones. 0 tokens: 0.0."))
+        grading.expect_close(got, want, f"fill of the last block for {_tokens(n)} at block "
+                             f"size {bs}", rel=1e-9, hint=hint)
+
     with grading.exercise("01.3"):
-        for n, bs in cases:
-            got = fn(n, bs)
-            want = small_ints.fill(n, bs)
-            grading.expect_close(got, want, what=f"fill of the last block for {_tokens(n)} "
-                                                 f"at block size {bs}", rel=1e-9,
-                                 hint=_fill_hint(n, bs, got, want))
-        small_ints.count_stage("01.3", fn)  # generated: counts past 2**53
+        small_ints.count_stage("01.3", run)
 
 
 def _max_requests_hint(spec: ModelSpec, budget: int, ctx: int, bs: int, got: object,

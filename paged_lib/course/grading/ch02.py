@@ -1,21 +1,17 @@
-"""Checks for chapter 02 (where KV memory goes), with the right answers and their hints.
-
-02.1 and 02.3 compare a dict with the answers below, naming each wrong key's mistake.
-02.2 and 02.4 run fixed cases, then the generated ones of :mod:`.generated.small_sim`;
-02.5 replays six traces, each built around one rule of the spec, then the generated ones.
+"""Checks for chapter 02 (where KV memory goes). 02.1 and 02.3 compare a dict with the
+answers below; 02.2 and 02.4 run the generated cases of :mod:`.generated.small_sim`; 02.5
+replays five traces, each built around one rule, then the generated ones.
 """
 
 from __future__ import annotations
 
-import contextlib
-import signal
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from paged_lib.course import grading
+from paged_lib.course.grading import slips
 from paged_lib.course.grading.generated import small_sim
 from paged_lib.course.grading.generated.small_sim import SIM_KEYS, reference_paged
 from paged_lib.fragmentation import request_slots
@@ -146,9 +142,7 @@ def _check_slots(fn: Callable[[int, int, int], object], n: int, length: int,
 def check_orca_max_slots(fn: Callable[[int, int, int], object]) -> None:
     """02.2: (token_states, reserved, internal) of one Orca (Max) request."""
     with grading.exercise("02.2"):
-        for n, length, max_len in [(261, 499, 2048), (1, 500, 512), (16, 40, 40)]:
-            _check_slots(fn, n, length, max_len)
-        small_sim.slot_stage(lambda *args: _check_slots(fn, *args))  # generated: last steps
+        small_sim.slot_stage(lambda *args: _check_slots(fn, *args))
 
 
 def batch_snapshot(prompt_lens, output_lens, step, slots) -> tuple[int, int, int]:
@@ -163,24 +157,28 @@ def batch_snapshot(prompt_lens, output_lens, step, slots) -> tuple[int, int, int
     return tuple(total)
 
 
-def _snapshot_hint(p, o, step, slots, got) -> str:
-    """Name the slip from the wrong totals it produced."""
+def _snapshot_slips(case: tuple) -> dict[str, Any]:
+    """What each typical wrong snapshot returns for ``case`` (prompts, outputs, step, slots),
+    by the hint naming it."""
+    p, o, step, slots = case
+
     def total(d: int = 0, kept: bool = False) -> tuple[int, ...]:
         """Running requests (and, ``kept``, finished ones at their end) with d more tokens."""
         n = [(x + min(step, y - 1 if kept else step) + 1 + d, x + y) for x, y in zip(
             p, o, strict=True) if step < y or kept]
         return tuple(map(sum, zip((0, 0, 0), *(slots(*a) for a in n if 1 <= a[0] <= a[1]),
                                   strict=True)))
-    if got == total(kept=True):
-        return ("a request takes part while step < output_len; finished ones have left and "
-                "hold nothing.")
-    if got in (total(-1), total(1)) or step and got == batch_snapshot(p, o, step - 1, slots):
-        return ("during step s (counting from 0) a request stores prompt + s + 1 tokens: its "
-                "prompt plus the token being produced.")
-    if step and got == tuple(map(sum, zip(*(batch_snapshot(p, o, s, slots) for s in range(
-            step + 1)), strict=True))):
-        return "a snapshot is the totals during this one step, not summed over steps 0 .. step."
-    return "a request takes part while step < output_len; sum the slots over those only."
+    return {
+        "a request takes part while step < output_len; finished ones have left and hold "
+        "nothing.": total(kept=True),
+        "during step s (counting from 0) a request stores prompt + s + 1 tokens: its prompt "
+        "plus the token being produced.": total(-1),
+        "during step s (counting from 0) a request stores prompt + s + 1 tokens, those of "
+        "step s, not of step s - 1.": batch_snapshot(p, o, step - 1, slots) if step else None,
+        "a snapshot is the totals during this one step, not summed over steps 0 .. step.":
+            tuple(map(sum, zip(*(batch_snapshot(p, o, s, slots) for s in range(step + 1)),
+                               strict=True))),
+    }
 
 
 def _checked_slots(slots, prompt_lens, output_lens, step):
@@ -203,27 +201,22 @@ def _checked_slots(slots, prompt_lens, output_lens, step):
     return checked
 
 
-def _check_snapshot(fn: Callable[..., object], what: str, slots, p, o, step) -> None:
-    got = _as_triple(fn(p, o, step, _checked_slots(slots, p, o, step)), what)
-    want = batch_snapshot(p, o, step, slots)
-    hint = _snapshot_hint(p, o, step, slots, got) if got != want else None
-    grading.expect_equal(got, want, what=what, hint=hint)
-
-
 def check_batch_snapshot(fn: Callable[..., object]) -> None:
-    """02.4: totals over a batch at one step, with paged and Orca (Max) accounting."""
-    policies = {
-        "paged": lambda n, length: request_slots("paged", n, length, block_size=16),
-        "orca-max": lambda n, length: request_slots("orca-max", n, length, max_len=2048),
-    }
+    """02.4: totals over a batch at one step, with paged and Orca (Max) accounting, on the
+    generated batches of :mod:`.generated.small_sim`."""
+    def mine(p, o, step, slots) -> tuple[int, ...]:
+        return _as_triple(fn(p, o, step, _checked_slots(slots, p, o, step)), "the snapshot")
+
+    def run(*case: Any) -> None:
+        got, want = mine(*case), batch_snapshot(*case)
+        if got != want:
+            grading.fail(f"the snapshot: expected {want}, got {got}", slips.name_mistake(
+                case, got, want, [b.args() for b in small_sim.batch_cases()], _snapshot_slips,
+                lambda c: mine(*c), "a request takes part while step < output_len; sum the "
+                "slots over those only."))
+
     with grading.exercise("02.4"):
-        for name, slots in policies.items():
-            for p, o, step in [([10], [5], 0), ([10], [5], 4), ([10], [5], 5),
-                               ([16, 1, 30], [1, 16, 3], 0), ([16, 1, 30], [1, 16, 3], 2)]:
-                _check_snapshot(fn, f"{name} snapshot of prompts {p}, outputs {o} at step "
-                                    f"{step}", slots, p, o, step)
-        small_sim.batch_stage(lambda p, o, step, slots: _check_snapshot(
-            fn, "the snapshot", slots, p, o, step))  # generated: tied prompt lengths, edges
+        small_sim.batch_stage(run)
 
 
 # ------------------------------------------------------------------ 02.3 the derivation
@@ -285,34 +278,6 @@ def check_derivation(derive: Callable[[], dict[str, Any]]) -> None:
 
 # ------------------------------------------------------------------ 02.5 the simulator
 
-#: Seconds a learner's simulator may take on one trace (the solution needs well under 1).
-SIM_TIME_LIMIT_S = 10.0
-
-
-@contextlib.contextmanager
-def _time_limit(what: str) -> Iterator[None]:
-    """Stop a learner's loop that never ends (a request that never finishes, a queue that
-    never moves) with a verdict instead of a hung notebook. Main thread, Unix only."""
-    if not hasattr(signal, "setitimer") or threading.current_thread() is not \
-            threading.main_thread():
-        yield
-        return
-
-    def stop(*_: Any) -> None:
-        grading.fail(f"{what}: still running after {SIM_TIME_LIMIT_S:.0f} s",
-                     "a loop that never ends: does every running request finish after "
-                     "output_len steps and give its blocks back, and does time move on "
-                     "when nothing can be admitted?")
-
-    previous = signal.signal(signal.SIGALRM, stop)
-    signal.setitimer(signal.ITIMER_REAL, SIM_TIME_LIMIT_S)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-
-
 # name, requests, capacity, block size, hint when this trace (the first to fail) differs
 SIM_TRACES: list[tuple[str, list[Request], int, int, str]] = [
     ("one request alone: prompt 5, output 6, pool of 64, blocks of 4",
@@ -346,9 +311,8 @@ def check_paged_simulator(simulate_paged: Callable[..., Any]) -> None:
     """02.5: ``simulate_paged(requests, capacity_tokens, block_size) -> dict``."""
     with grading.exercise("02.5"):
         for name, requests, capacity, block_size, hint in SIM_TRACES:
-            small_sim.run_paged(simulate_paged, requests, capacity, block_size, hint, name,
-                                _time_limit)
-        small_sim.trace_stage(simulate_paged, _time_limit)
+            small_sim.run_paged(simulate_paged, requests, capacity, block_size, hint, name)
+        small_sim.trace_stage(simulate_paged)
 
 
 def run_demo(simulate_paged: Callable[..., Any]) -> Any:

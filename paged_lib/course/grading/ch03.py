@@ -1,8 +1,8 @@
 """Checks for chapter 03 (block tables).
 
 03.1 and 03.2: the block-table scenarios of :mod:`.generated.small_blocks`, replayed next to
-the library. 03.3: the learner's ``free_block`` as an allocator's ``free``, step by step,
-then the frees it must refuse. 03.4: the predictions against the library's run.
+the library; 03.3: the frees to refuse, then those scenarios with the learner's ``free``.
+03.4: the predictions against the library's run.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from typing import Any
 
 from paged_lib.blocks import BlockAllocator, BlockTable, Slot
 from paged_lib.course import grading
-from paged_lib.course.grading.generated.small_blocks import block_stage
-from paged_lib.course.grading.toy_pool import busy_pool, pool_state
+from paged_lib.course.grading.generated.small_blocks import block_stage, free_stage
+from paged_lib.course.grading.toy_pool import busy_pool, pool_state, with_free
 
 
 def check_append_token(append_token: Callable[[BlockTable], Any]) -> None:
@@ -31,66 +31,34 @@ def check_fork(fork: Callable[[BlockTable], Any]) -> None:
 # ------------------------------------------------------------------ 03.3 free_block
 
 
-class _LearnerAllocator(BlockAllocator):
-    """The library's allocator with the learner's ``free_block`` as its ``free``."""
-
-    def __init__(self, num_blocks: int, free_block: Callable[..., Any]):
-        super().__init__(num_blocks)
-        self._free_block = free_block
-
-    def free(self, block: int) -> None:
-        self._free_block(block, self.ref_counts, self.free_block_ids)
-
-
-def _expect_state(alloc, refs, free, what, hint_refs, hint_free):
-    got_refs, got_free = pool_state(alloc)
-    grading.expect_equal(got_refs, refs, f"{what}: ref_counts", hint_refs)
-    grading.expect_equal(got_free, free, f"{what}: free_block_ids", hint_free)
+def _LearnerAllocator(num_blocks: int, free_block: Callable[..., Any],  # noqa: N802
+                      free_in_order: tuple[int, ...] | None = None) -> BlockAllocator:
+    """A pool (as :func:`busy_pool` builds it) whose ``free`` is the learner's."""
+    return with_free(busy_pool(num_blocks, free_in_order), free_block)
 
 
 def check_free_block(free_block: Callable[..., Any]) -> None:
-    """03.3: ``free_block(block, ref_counts, free_block_ids) -> None``."""
+    """03.3: ``free_block(block, ref_counts, free_block_ids) -> None``: the frees to refuse,
+    then the scenarios of 03.1 and 03.2 with ``free_block`` as the pool's ``free``."""
     with grading.exercise("03.3"):
-        _check_free_steps(_LearnerAllocator(4, free_block))
-
-
-def _check_free_steps(alloc: _LearnerAllocator) -> None:
-    """Frees one and two holders, then the three frees to refuse."""
-    for _ in range(4):
-        alloc.allocate()  # every block in use, free list empty
-    alloc.free(1)
-    _expect_state(alloc, [1, 0, 1, 1], [1], "blocks 0-3 in use, then free(1)",
-                  "free drops one reference: ref_counts[block] -= 1",
-                  "a block whose count reaches 0 goes back on the free list")
-    alloc.incref(0)
-    alloc.free(0)
-    _expect_state(alloc, [1, 0, 1, 1], [1], "block 0 held twice (incref), then free(0)",
-                  "free drops one reference (ref_counts[block] -= 1): block 0 had two "
-                  "holders, so one remains",
-                  "block 0 still has a holder (count 1): it must not go back on the free "
-                  "list yet, or a new request would overwrite live tokens")
-    alloc.free(0)
-    _expect_state(alloc, [0, 0, 1, 1], [1, 0], "then free(0) again (its last holder)",
-                  "free drops one reference",
-                  "the last holder returns the block to the *right* end of the free list "
-                  "(allocate() takes from the left, so the block freed longest ago is "
-                  "reused first)")
-    for bad, why, hint in [
-        (0, "block 0 is already free: a double free",
-         "refuse a block whose count is already 0 (ValueError), before changing anything; "
-         "otherwise it would sit on the free list twice and two requests would write "
-         "into it"),
-        (4, "block 4 does not exist in a pool of 4",
-         "refuse blocks outside 0 .. len(ref_counts) - 1 with a ValueError"),
-        (-1, "block -1 does not exist",
-         "Python reads ref_counts[-1] as the last block: refuse negative blocks yourself "
-         "with a ValueError"),
-    ]:
-        before = pool_state(alloc)
-        grading.expect_value_error(alloc.free, (bad,), f"free({bad}) ({why})", hint)
-        grading.expect_equal(pool_state(alloc), before,
-                             f"state after the refused free({bad})",
-                             "raise before changing ref_counts or free_block_ids")
+        alloc = _LearnerAllocator(4, free_block, (1, 0))  # blocks 0 and 1 free, 2 and 3 held
+        for bad, why, hint in [
+            (0, "block 0 is already free: a double free",
+             "refuse a block whose count is already 0 (ValueError), before changing "
+             "anything; otherwise it would sit on the free list twice and two requests "
+             "would write into it"),
+            (4, "block 4 does not exist in a pool of 4",
+             "refuse blocks outside 0 .. len(ref_counts) - 1 with a ValueError"),
+            (-1, "block -1 does not exist",
+             "Python reads ref_counts[-1] as the last block: refuse negative blocks yourself "
+             "with a ValueError"),
+        ]:
+            before = pool_state(alloc)
+            grading.expect_value_error(alloc.free, (bad,), f"free({bad}) ({why})", hint)
+            grading.expect_equal(pool_state(alloc), before,
+                                 f"state after the refused free({bad})",
+                                 "raise before changing ref_counts or free_block_ids")
+        free_stage(free_block)
 
 
 # ------------------------------------------------------------------ 03.4 predictions

@@ -1,17 +1,11 @@
-"""The check of 03.1 (``append_token``) and 03.2 (``fork``): seeded block-table scenarios,
-each replayed side by side with the library, on the harness of :mod:`.numeric`.
-
-A scenario's steps are ``("append", name, count)``, ``("fork", parent, child)`` and
-``("free", name)`` on a pool whose free list comes back in a given order (block sizes 1
-to 16, 3, 5, 6, 7 and 12 among them; forks of forks; pools that run out). :func:`replay`
-runs it on two pools, one with the library's tables and one with the learner's function,
-and after every step compares the slot, the tables, the ref counts and the free list (the
-tokens each sequence reads back follow from those); the first difference fails with a
-hint that names the mistake.
+"""03.1-03.3's generated stage: seeded block-table scenarios (appends, forks of forks, frees;
+block sizes 1 to 16; pools that run out and hand blocks out of order), replayed on two pools,
+one with the library alone and one with the learner's piece, compared after every step.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import random
 from collections.abc import Callable, Iterator
@@ -20,9 +14,7 @@ from dataclasses import dataclass
 from paged_lib.blocks import BlockAllocator, BlockTable, OutOfBlocks, Slot
 from paged_lib.course import grading
 from paged_lib.course.grading.generated import numeric
-from paged_lib.course.grading.toy_pool import busy_pool, pool_state
-
-__all__ = ["CONTRASTS", "Scenario", "block_scenarios", "block_stage", "replay"]
+from paged_lib.course.grading.toy_pool import busy_pool, pool_state, with_free
 
 BLOCK_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16)
 
@@ -84,19 +76,28 @@ def _valid(steps: tuple[tuple, ...]) -> bool:
     return True
 
 
+def _unrolled(steps: tuple[tuple, ...]) -> Iterator[tuple]:
+    """The steps one token at a time: (kind, who, the child's name or None)."""
+    for kind, who, *rest in steps:
+        for _ in range(rest[0] if kind == "append" else 1):
+            yield kind, who, rest[0] if kind == "fork" else None
+
+
+def _do(tables: dict[str, BlockTable], kind: str, who: str, child: str | None) -> None:
+    if kind == "append":
+        tables[who].append_token()
+    elif kind == "fork":
+        tables[child] = tables[who].fork()
+    else:
+        tables.pop(who).free()
+
+
 def _peak(s: Scenario) -> int:
     """The most blocks the library's tables hold at once on an unbounded pool."""
     alloc = BlockAllocator(10_000)
-    tables = {"s0": BlockTable(alloc, s.block_size)}
-    peak = 0
-    for kind, who, *rest in s.steps:
-        if kind == "append":
-            for _ in range(rest[0]):
-                tables[who].append_token()
-        elif kind == "fork":
-            tables[rest[0]] = tables[who].fork()
-        else:
-            tables.pop(who).free()
+    tables, peak = {"s0": BlockTable(alloc, s.block_size)}, 0
+    for step in _unrolled(s.steps):
+        _do(tables, *step)
         peak = max(peak, 10_000 - alloc.num_free)
     return peak
 
@@ -122,7 +123,7 @@ def _draw(seed: int) -> Scenario:
 
 
 def block_scenarios(count: int = 40) -> list[Scenario]:
-    """03.1's and 03.2's scenarios (seeds 0, 1, ...)."""
+    """03.1's, 03.2's and 03.3's scenarios (seeds 0, 1, ...)."""
     return [_draw(seed) for seed in range(count)]
 
 
@@ -145,7 +146,9 @@ def block_stage(ex: str, append: Callable, fork: Callable) -> None:
     numeric.check(ex, block_scenarios(), lambda s: replay(s, append, fork), CONTRASTS)
 
 
-# ------------------------------------------------------------------ the replay
+def free_stage(free_block: Callable) -> None:
+    """03.3's stage: the library's tables on a pool whose ``free`` is ``free_block``."""
+    numeric.check("03.3", block_scenarios(), lambda s: replay_free(s, free_block))
 
 
 class _Table(BlockTable):
@@ -155,8 +158,10 @@ class _Table(BlockTable):
 class _World:
     """One pool in the scenario's starting state and its named tables."""
 
-    def __init__(self, s: Scenario):
+    def __init__(self, s: Scenario, free_block: Callable | None = None):
         self.allocator = busy_pool(s.held + len(s.free), s.free)
+        if free_block is not None:
+            with_free(self.allocator, free_block)
         self.block_size = s.block_size
         self.tables: dict[str, BlockTable] = {"s0": _Table(self.allocator, s.block_size)}
 
@@ -165,20 +170,41 @@ def replay(s: Scenario, append: Callable, fork: Callable) -> None:
     """Run ``s`` with the library in one world and ``append``/``fork`` in the other,
     comparing after every step."""
     ref, mine = _World(s), _World(s)
-    n = 0
-    for kind, who, *rest in s.steps:
-        for _ in range(rest[0] if kind == "append" else 1):
-            n += 1
-            if kind == "append":
-                where = f"step {n} ({who} appends token {ref.tables[who].num_tokens})"
-                _append_step(ref, mine, who, where, append)
-            elif kind == "fork":
-                _fork_step(ref, mine, who, rest[0], f"step {n} ({rest[0]} = fork of {who})",
-                           fork)
-            else:
-                for world in (ref, mine):
-                    world.tables.pop(who).free()
-            _compare(ref, mine, f"step {n} ({kind} {who})")
+    for n, (kind, who, child) in enumerate(_unrolled(s.steps), 1):
+        if kind == "append":
+            where = f"step {n} ({who} appends token {ref.tables[who].num_tokens})"
+            _append_step(ref, mine, who, where, append)
+        elif kind == "fork":
+            _fork_step(ref, mine, who, child, f"step {n} ({child} = fork of {who})", fork)
+        else:
+            for world in (ref, mine):
+                _do(world.tables, kind, who, child)
+        _compare(ref, mine, f"step {n} ({kind} {who})")
+
+
+def replay_free(s: Scenario, free_block: Callable) -> None:
+    """Run ``s`` with the library's tables on two pools, the second freeing through
+    ``free_block`` (a table's free, and copy-on-write leaving a shared block)."""
+    ref, mine = _World(s), _World(s, free_block)
+    for n, step in enumerate(_unrolled(s.steps), 1):
+        for world in (ref, mine):
+            with contextlib.suppress(OutOfBlocks):
+                _do(world.tables, *step)
+        where = f"step {n} ({step[0]} {step[1]}, the library's table freeing with yours)"
+        refs, free = pool_state(ref.allocator)
+        got_refs, got_free = pool_state(mine.allocator)
+        grading.expect_equal(got_refs, refs, f"{where}: ref_counts", (
+            "free drops one reference (ref_counts[block] -= 1), whatever the count: a block "
+            "with k holders keeps k - 1 (of two holders, one is freed, so one remains)"))
+        held = [b for b in got_free if refs[b]]
+        grading.expect_true(not held, f"{where}: block(s) {held} on the free list, still held",
+                            "a block that still has a holder (count > 0) must not go back on "
+                            "the free list yet, or a new request would overwrite live tokens")
+        grading.expect_equal(got_free, free, f"{where}: free_block_ids", (
+            "the last holder returns the block to the *right* end of the free list "
+            "(allocate() takes from the left, so the block freed longest ago is reused first)"
+            if sorted(got_free) == sorted(free) else
+            "a block whose count reaches 0 goes back on the free list, once"))
 
 
 def _append_step(ref: _World, mine: _World, who: str, where: str, append: Callable) -> None:
