@@ -1,13 +1,14 @@
 """Checks for chapter 12 (beyond one device). Each prints one verdict line.
 
 * 12.1 ``kv_bytes_per_rank(spec, tp_size, num_tokens)``: the K/V bytes one tensor-parallel
-  rank caches, KV heads replicated when there are fewer of them than ranks;
+  rank caches, KV heads replicated when there are fewer of them than ranks: shardings vLLM
+  refuses, then :func:`small_counts.rank_cases` (real models);
 * 12.2 ``rank_heads(num_heads, num_kv_heads, tp_size, rank)``: the query heads and the KV
-  heads one rank owns;
+  heads one rank owns, on :func:`head_cases` (named shardings, then published models);
 * 12.3 ``rank_attention``: :mod:`~paged_lib.course.grading.ch12_rank`.
 
-12.1 and 12.2: named cases, then generated ones, compared with :mod:`paged_lib.parallel`; a
-wrong answer is matched against the typical mistakes computed on the same case.
+12.1 and 12.2 compare with :mod:`paged_lib.parallel`; a wrong answer is matched against the
+typical mistakes computed on the same case, a failing case shrunk.
 """
 
 from __future__ import annotations
@@ -31,28 +32,14 @@ __all__ = ["HEAD_CONTRASTS", "Heads", "check_kv_bytes_per_rank", "check_rank_att
            "check_rank_heads", "head_cases", "run_demo"]
 
 
-_MQA = ModelSpec("a 32-head MQA model", num_layers=24, hidden_size=4096, num_heads=32,
-                 num_kv_heads=1, head_dim=128, dtype_bytes=2)
 _TINY = ModelSpec("tiny-code-llama (fp32)", num_layers=4, hidden_size=256, num_heads=8,
                   num_kv_heads=2, head_dim=32, dtype_bytes=4)
-_FP8 = ModelSpec("LLaMA-2-70B with an fp8 KV cache", num_layers=80, hidden_size=8192,
-                 num_heads=64, num_kv_heads=8, head_dim=128, dtype_bytes=1)
 _SIX = ModelSpec("a 12-head model with 6 KV heads", num_layers=4, hidden_size=768,
                  num_heads=12, num_kv_heads=6, head_dim=64, dtype_bytes=2)
 _FOUR = ModelSpec("a 12-head model with 4 KV heads", num_layers=4, hidden_size=768,
                   num_heads=12, num_kv_heads=4, head_dim=64, dtype_bytes=2)
 
 # ------------------------------------------------------------------ 12.1 kv_bytes_per_rank
-
-#: (spec, tp_size, num_tokens)
-_BYTES_CASES: list[tuple[ModelSpec, int, int]] = [
-    (SPECS["llama-2-70b"], 8, 2048), (SPECS["llama-2-70b"], 2, 1000),
-    (SPECS["llama-2-70b"], 16, 2048), (SPECS["llama-2-70b"], 1, 7),
-    (SPECS["llama-2-7b"], 4, 4096), (SPECS["opt-13b"], 8, 1), (_MQA, 4, 300),
-    (_TINY, 2, 512), (_TINY, 4, 512), (_TINY, 8, 33), (SPECS["llama-2-7b"], 32, 0),
-    (_FP8, 4, 100), (_FP8, 16, 3),
-]
-
 
 def _wrong_bytes(spec: ModelSpec, tp: int, n: int) -> dict[str, Any]:
     """What the typical mistakes return on one case, with the hint that names each."""
@@ -94,17 +81,12 @@ def _normal(value: Any) -> Any:
 def check_kv_bytes_per_rank(fn: Callable[[ModelSpec, int, int], int]) -> None:
     """12.1: the bytes of K and V one rank caches for ``num_tokens`` tokens."""
     with grading.exercise("12.1"):
-        for spec, tp, n in _BYTES_CASES:
-            what = f"kv_bytes_per_rank({spec.name}, tp_size={tp}, num_tokens={n})"
-            want = kv_bytes_per_rank(spec, tp, n)
-            got = fn(spec, tp, n)
-            grading.expect_int(got, what, hint="bytes are a whole number: divide heads "
-                               "with //, never with /")
-            hint = name_mistake((spec, tp, n), got, want, _BYTES_CASES,
-                                lambda c: _wrong_bytes(*c), lambda c: _normal(fn(*c)),
-                                "2 (K and V) x layers x the KV heads this rank keeps x "
-                                "head_dim x dtype bytes x tokens")
-            grading.expect_equal(int(got), want, what=what, hint=hint)
+        cases = [(p.spec(), p.tp, p.tokens) for p in small_counts.rank_cases()
+                 if not tp_size_problem(p.spec().num_heads, p.spec().num_kv_heads, p.tp)]
+        small_counts.rank_stage(fn, lambda case, got, want: name_mistake(  # real models
+            case, got, want, cases, lambda c: _wrong_bytes(*c), lambda c: fn(*c),
+            "2 (K and V) x layers x the KV heads this rank keeps x head_dim x dtype bytes x "
+            "tokens"))
         for spec, tp, n, about in ((SPECS["llama-2-70b"], 3, 10, "3 ranks for 64 heads"),
                                    (SPECS["llama-2-70b"], 0, 10, "tp_size 0"),
                                    (_TINY, 16, 10, "16 ranks for 8 heads"),
@@ -116,25 +98,9 @@ def check_kv_bytes_per_rank(fn: Callable[[ModelSpec, int, int], int]) -> None:
                                 hint="a tp_size below 1, one that does not divide the "
                                 "query heads, or one that neither divides the KV heads nor "
                                 "is a multiple of them raises ValueError")
-        small_counts.rank_stage(fn)  # generated: real models, head_dim not hidden / heads
 
 
 # ------------------------------------------------------------------ 12.2 rank_heads
-
-#: (num_heads, num_kv_heads, tp_size, what it tests)
-_HEAD_CASES: list[tuple[int, int, int, str]] = [
-    (8, 2, 2, "the shipped model on 2 ranks"), (8, 2, 4, "more ranks than KV heads"),
-    (8, 8, 4, "MHA: two KV heads per rank"), (4, 1, 2, "MQA on 2 ranks"),
-    (64, 8, 16, "LLaMA-2-70B on 16 ranks"), (6, 6, 3, "MHA, 3 ranks"),
-    (8, 2, 1, "one rank"), (32, 8, 8, "one KV head per rank"), (8, 2, 8, "one query head "
-                                                                       "per rank"),
-    (12, 4, 2, "two KV heads per rank"),
-    (24, 12, 4, "three KV heads per rank: rank 2's are 6, 7, 8, which a set holds as 8, 6, 7"),
-]
-
-
-_RANK_CASES = [(h, kv, tp, r) for h, kv, tp, _ in _HEAD_CASES for r in range(tp)]
-
 
 def _wrong_heads(h: int, kv: int, tp: int, r: int) -> dict[str, Any]:
     per, group = h // tp, h // kv
@@ -184,6 +150,15 @@ _REFUSED = ("tp_size must divide the query heads and divide the KV heads or be a
 #: Falcon 7B (MQA, 71 heads), Gemma 7B (MHA), Mistral NeMo
 _HEAD_MODELS = [(32, 8), (64, 8), (14, 2), (12, 2), (28, 4), (40, 8), (40, 10), (71, 1),
                 (16, 16), (32, 8), (24, 8), (6, 1)]
+#: named shardings, every rank: the shipped model on 1, 2, 4 and 8 ranks, MHA, MQA on 2,
+#: LLaMA-2-70B on 16, one or two KV heads per rank, three (rank 2's are 6, 7, 8, which a
+#: set holds as 8, 6, 7)
+_NAMED = [(8, 2, 2), (8, 2, 4), (8, 8, 4), (4, 1, 2), (64, 8, 16), (6, 6, 3), (8, 2, 1),
+          (32, 8, 8), (8, 2, 8), (12, 4, 2), (24, 12, 4)]
+#: (heads, KV heads, tp_size, rank) vLLM refuses: 3 ranks for 8 heads, 4 for 6 KV heads,
+#: 3 for 2, tp_size 0, rank 2 of 2, rank -1
+_REFUSED_CASES = [(8, 2, 3, 0), (12, 6, 4, 0), (6, 2, 3, 0), (8, 2, 0, 0), (8, 2, 2, 2),
+                  (8, 2, 2, -1)]
 
 
 @dataclass(frozen=True)
@@ -215,7 +190,7 @@ class Heads:
             for heads, kv, tp in ((self.heads // k, self.kv_heads // k, self.tp // k),
                                   (self.heads // k, self.kv_heads, self.tp),
                                   (self.heads // k, self.kv_heads // k, self.tp)):
-                if heads * k == self.heads and kv and tp and self.rank < tp and (
+                if heads * k == self.heads and kv and tp and self.rank < tp and not heads % kv and (
                         (heads, kv, tp) != (self.heads, self.kv_heads, self.tp)) and (
                         not tp_size_problem(heads, kv, tp)) == (
                         not tp_size_problem(self.heads, self.kv_heads, self.tp)):
@@ -223,9 +198,11 @@ class Heads:
 
 
 def head_cases(count: int = 48) -> list[Heads]:
-    """12.2's generated cases: published models on every size that divides their query
-    heads (some refused for their KV heads), one rank each (seeds 0, 1, ...)."""
-    out = []
+    """12.2's cases: every rank of the named shardings, the refused ones, then published
+    models on every size that divides their query heads (some refused for their KV heads),
+    one rank each (seeds 0, 1, ...)."""
+    out = [Heads(0, h, kv, tp, r) for h, kv, tp in _NAMED for r in range(tp)]
+    out += [Heads(0, *args) for args in _REFUSED_CASES]
     for seed in range(count):
         g = torch.Generator().manual_seed(1220 + seed)
         heads, kv = _HEAD_MODELS[seed % len(_HEAD_MODELS)]
@@ -255,43 +232,30 @@ HEAD_CONTRASTS = (Contrast(_power_of_two_ratio, (
 def check_rank_heads(fn: Callable[[int, int, int, int], tuple[list[int], list[int]]]) -> None:
     """12.2: the query heads and KV heads rank ``rank`` of ``tp_size`` owns."""
     with grading.exercise("12.2"):
-        for h, kv, tp, about in _HEAD_CASES:
-            for r in range(tp):
-                what = f"rank_heads({h}, {kv}, tp_size={tp}, rank={r}) ({about})"
-                want = rank_heads(h, kv, tp, r)
-                got = fn(h, kv, tp, r)
-                grading.expect_true(
-                    isinstance(got, tuple | list) and len(got) == 2
-                    and all(isinstance(x, list) for x in got),
-                    f"{what}: expected a pair of lists (query heads, KV heads), got {got!r}",
-                    hint="return (list_of_query_heads, list_of_kv_heads): lists, e.g. "
-                    "list(range(...))")
-                got = (list(got[0]), list(got[1]))
-                hint = name_mistake((h, kv, tp, r), got, want, _RANK_CASES,
-                                    lambda c: _wrong_heads(*c), lambda c: _normal(fn(*c)),
-                                    _OWNS)
-                grading.expect_equal(got, want, what=what, hint=hint)
-        for args, about in (((8, 2, 3, 0), "3 ranks for 8 heads"),
-                            ((12, 6, 4, 0), "4 ranks for 6 KV heads"),
-                            ((6, 2, 3, 0), "3 ranks for 2 KV heads"),
-                            ((8, 2, 0, 0), "tp_size 0"), ((8, 2, 2, 2), "rank 2 of 2"),
-                            ((8, 2, 2, -1), "rank -1")):
-            grading.expect_value_error(fn, args, f"rank_heads{args} ({about})",
-                                       hint=_REFUSED)
-        numeric.check("12.2", head_cases(), lambda p: _run_heads(fn, p),
-                      HEAD_CONTRASTS)  # generated: published models, 1-71 ranks
+        cases = head_cases()
+        ok = [(p.heads, p.kv_heads, p.tp, p.rank) for p in cases
+              if not tp_size_problem(p.heads, p.kv_heads, p.tp) and 0 <= p.rank < p.tp]
+        numeric.check("12.2", cases, lambda p: _run_heads(fn, p, ok), HEAD_CONTRASTS)
 
 
-def _run_heads(fn: Callable, p: Heads) -> None:
+def _run_heads(fn: Callable, p: Heads, others: list[tuple]) -> None:
     args = (p.heads, p.kv_heads, p.tp, p.rank)
     try:
         want = rank_heads(*args)
     except ValueError:
-        grading.expect_value_error(fn, args, "vLLM refuses this tp_size", hint=_REFUSED)
+        grading.expect_value_error(fn, args, "vLLM refuses this tp_size or rank",
+                                   hint=_REFUSED)
         return
     got = fn(*args)
-    grading.expect_equal(_normal(tuple(got) if isinstance(got, list) else got), want,
-                         "(query heads, KV heads)", hint=_OWNS)
+    grading.expect_true(isinstance(got, tuple | list) and len(got) == 2
+                        and all(isinstance(x, list) for x in got),
+                        f"expected a pair of lists (query heads, KV heads), got {got!r}",
+                        hint="return (list_of_query_heads, list_of_kv_heads): lists, e.g. "
+                        "list(range(...))")
+    got = (list(got[0]), list(got[1]))
+    hint = name_mistake(args, got, want, others, lambda c: _wrong_heads(*c),
+                        lambda c: _normal(fn(*c)), _OWNS)
+    grading.expect_equal(got, want, "(query heads, KV heads)", hint=hint)
 
 
 # ------------------------------------------------------------------------------ demo

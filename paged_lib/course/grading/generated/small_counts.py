@@ -268,7 +268,8 @@ def rank_cases() -> list[PerRank]:
     return out
 
 
-def run_rank(fn: Callable, p: PerRank) -> None:
+def run_rank(fn: Callable, p: PerRank, name: Callable[[tuple, int, int], str]) -> None:
+    """12.1's check of one case; ``name(case, got, want)``: the hint for a wrong number."""
     s = p.spec()
     try:
         want = parallel.kv_bytes_per_rank(s, p.tp, p.tokens)
@@ -279,12 +280,12 @@ def run_rank(fn: Callable, p: PerRank) -> None:
                                         "of them, raises ValueError")
         return
     got = fn(s, p.tp, p.tokens)
-    grading.expect_int(got, "bytes per rank")
+    grading.expect_int(got, "bytes per rank", hint="bytes are a whole number: divide heads "
+                       "with //, never with /")
     grading.expect_equal(int(got), want, "bytes per rank",
-                         hint="2 (K and V) x layers x the KV heads this rank keeps x head_dim "
-                              "x dtype bytes x tokens")
+                         hint=name((s, p.tp, p.tokens), int(got), want))
 
 
-def rank_stage(fn: Callable) -> None:
-    """12.1's generated stage."""
-    numeric.check("12.1", rank_cases(), lambda p: run_rank(fn, p), (_HEAD_DIM,))
+def rank_stage(fn: Callable, name: Callable[[tuple, int, int], str]) -> None:
+    """12.1's stage."""
+    numeric.check("12.1", rank_cases(), lambda p: run_rank(fn, p, name), (_HEAD_DIM,))
