@@ -493,10 +493,10 @@ def test_12_3_a_rank_process_importing_a_script_runs_no_check(capsys, monkeypatc
     """A script without a __main__ guard is imported again by each spawned rank: there the
     check prints nothing (it used to print '❌ your code raised RuntimeError: ...
     bootstrapping phase', blaming the learner for multiprocessing's rule)."""
-    from paged_lib.course.grading import ch12_rank
+    from paged_lib.course.grading import ch12
 
-    assert not ch12_rank._in_a_rank_bootstrapping()
-    monkeypatch.setattr(ch12_rank, "_in_a_rank_bootstrapping", lambda: True)
+    assert not ch12._in_a_rank_bootstrapping()
+    monkeypatch.setattr(ch12, "_in_a_rank_bootstrapping", lambda: True)
     ch12.check_rank_attention(rank_attention_ok)
     assert capsys.readouterr().out == ""
 
