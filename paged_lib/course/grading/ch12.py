@@ -25,6 +25,7 @@ import importlib.machinery
 import multiprocessing as mp
 import pickle
 import sys
+from collections import namedtuple
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,14 +88,6 @@ def _wrong_bytes(spec: ModelSpec, tp: int, n: int) -> dict[str, Any]:
         "read, not every KV head: the others are on other ranks":
             2 * per_head * (spec.num_kv_heads if tp > spec.num_kv_heads else mine),
     }
-
-
-def _normal(value: Any) -> Any:
-    """Answers as the mistakes' tables hold them (pairs of lists as tuples of lists)."""
-    if isinstance(value, tuple | list) and len(value) == 2 and all(
-            isinstance(x, list) for x in value):
-        return (list(value[0]), list(value[1]))
-    return value
 
 
 def check_kv_bytes_per_rank(fn: Callable[[ModelSpec, int, int], int]) -> None:
@@ -268,7 +261,7 @@ def _run_heads(fn: Callable, p: Heads, others: list[tuple]) -> None:
                         "list(range(...))")
     got = (list(got[0]), list(got[1]))
     hint = name_mistake(args, got, want, others, lambda c: _wrong_heads(*c),
-                        lambda c: _normal(fn(*c)), _OWNS)
+                        lambda c: tuple(map(list, fn(*c))), _OWNS)
     grading.expect_equal(got, want, "(query heads, KV heads)", hint=hint)
 
 
@@ -290,19 +283,9 @@ _ROWS = ("o_proj is row-parallel: a rank multiplies by the columns of o_proj tha
          "feed, o[:, its heads].T (nn.Linear stores W as [out, in]), not by rows of it")
 
 
-@dataclass
-class Step:
-    """One step's inputs: ``cache`` holds every KV head, before the step."""
-
-    name: str
-    tp: int
-    w: AttentionWeights
-    x: torch.Tensor
-    cos: torch.Tensor
-    sin: torch.Tensor
-    cache: tuple[torch.Tensor, torch.Tensor]
-    meta: Any
-    lens: list[tuple[int, int]]  # (cached, new) per sequence
+#: one step's inputs: ``cache`` holds every KV head before the step, ``lens`` (cached, new)
+#: per sequence
+Step = namedtuple("Step", "name tp w x cos sin cache meta lens")
 
 
 @dataclass(frozen=True)
@@ -594,13 +577,12 @@ class Shipped:
         self.kind, self.body, self.fn = *_ship(fn), None
 
     def __call__(self, x, w, cos, sin, kv_cache, meta, rank, tp, all_reduce):
-        if self.fn is None:
-            if self.kind == "pickle":
-                self.fn = pickle.loads(self.body)
-            else:
-                space: dict[str, Any] = {"__name__": "your_rank_attention"}
-                exec(compile(self.body, "<your rank_attention>", "exec"), space)  # noqa: S102
-                self.fn = space["rank_attention"]
+        if self.fn is None and self.kind == "pickle":
+            self.fn = pickle.loads(self.body)
+        elif self.fn is None:
+            space: dict[str, Any] = {"__name__": "your_rank_attention"}
+            exec(compile(self.body, "<your rank_attention>", "exec"), space)  # noqa: S102
+            self.fn = space["rank_attention"]
         x, w, cos, sin, meta = _copies(x, w, cos, sin, meta)
         return self.fn(x, w, cos, sin, kv_cache, meta, rank, tp, all_reduce)
 
@@ -683,15 +665,11 @@ def _on_gloo_ranks(fn: Callable) -> None:
                      "rank that waits for a sum the other never sends hangs)")
     finally:
         runner.close()
-    want = _served()
-    s = next((s for s, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), None)
-    if s is not None:
-        grading.fail(f"serving a workload on two gloo ranks with your attention in every "
-                     f"layer of the shipped model (prefix caching, chunked prefill, samples, "
-                     f"swaps): sample {s} got tokens {got[s]}, the single-device engine "
-                     f"{want[s]}", "the steps above pass, the engine's do not: compare the "
-                     "engine's states (a block table, a prefill that starts mid-sequence) "
-                     "with theirs")
+    grading.expect_equal(got, _served(), "serving a workload on two gloo ranks with your "
+                         "attention in every layer of the shipped model (prefix caching, "
+                         "chunked prefill, samples, swaps): every sample's tokens",
+                         "the steps above pass, the engine's do not: compare the engine's "
+                         "states (a block table, a prefill that starts mid-sequence) with theirs")
 
 
 def _in_a_rank_bootstrapping() -> bool:
