@@ -434,9 +434,7 @@ RANK_CONTRASTS = (
     Contrast(lambda p: dataclasses.replace(p, tp=2, heads=4, kv_heads=2)
              if (p.tp, p.heads, p.kv_heads) != (2, 4, 2) else None,
              "it passes on 2 ranks with 4 query heads and 2 KV heads and fails on this "
-             "sharding: a rank owns num_heads / tp contiguous query heads, and the KV heads "
-             "they read: num_kv_heads / tp of them, or with fewer KV heads than ranks the "
-             "one KV head r // (tp / num_kv_heads), replicated on its neighbours"),
+             "sharding: " + _HEADS),
 )
 
 
