@@ -12,7 +12,7 @@ import pytest
 import torch
 from stage_verdicts import caught_only_by_the_stage, verdict
 
-from paged_lib.course.grading import ch08, ch09, ch12, ch12_rank
+from paged_lib.course.grading import ch08, ch09, ch12
 from paged_lib.course.grading.generated import numeric
 from paged_lib.kernels import paged_prefill, reshape_and_cache
 from paged_lib.model import apply_rope
@@ -176,10 +176,10 @@ def attention_shifted(x, w, cos, sin, kv_cache, meta, rank, tp, all_reduce):
 
 
 def test_12_3_a_shift_passes_the_named_steps_and_the_generated_ones_catch_it():
-    for step in ch12_rank.steps():
-        ch12_rank.compare(step, ch12_rank.replayed(attention_shifted, step))
+    for step in ch12.steps():
+        ch12.compare(step, ch12.replayed(attention_shifted, step))
     with pytest.raises(CheckFailed) as caught:
-        ch12_rank.check_generated(attention_shifted)
+        ch12.check_generated(attention_shifted)
     message, hint = caught.value.message, caught.value.hint
     assert message.startswith("generated case ") and "3 ranks" in message, message
     assert "fails on 3" in hint and "r // (tp_size // num_kv_heads)" in hint, hint

@@ -1,4 +1,4 @@
-"""12.3's generated steps (paged_lib.course.grading.ch12_rank.rank_cases).
+"""12.3's generated steps (paged_lib.course.grading.ch12.rank_cases).
 
 The steps are seeded and reach shardings the fixed steps do not (3 ranks, groups of
 3 to 7, hidden sizes other than 32, blocks of 1, 3 and 5, sequences past 10 tokens, louder
@@ -11,7 +11,7 @@ too: the stage widens what is asked, it found no mistake they miss.
 
 import pytest
 
-from paged_lib.course.grading import ch12_rank
+from paged_lib.course.grading import ch12
 from paged_lib.course.grading.generated import numeric
 from paged_lib.kernels import paged_prefill, reshape_and_cache
 from paged_lib.model import apply_rope
@@ -57,27 +57,27 @@ def rank_attention_head_dim_from_hidden(x, w, cos, sin, kv_cache, meta, rank, tp
 
 
 def test_steps_are_seeded_and_reach_shardings_the_fixed_steps_do_not():
-    cases = ch12_rank.rank_cases()
-    assert cases == ch12_rank.rank_cases()
+    cases = ch12.rank_cases()
+    assert cases == ch12.rank_cases()
     seen = numeric.states(cases)
     assert seen["3 ranks"] and seen["GQA groups of 3"] and seen["GQA groups of 7"]
     assert seen["blocks of 1"] and seen["blocks of 3"] and seen["blocks of 5"]
     assert seen["a sequence over 10 tokens"] and seen["louder inputs"]
     assert seen["hidden 24"] and seen["head_dim 10"]
-    fixed = ch12_rank.steps()
+    fixed = ch12.steps()
     assert {s.tp for s in fixed} == {2, 4} and {s.x.shape[1] for s in fixed} == {32}
 
 
 @pytest.mark.parametrize("fn", [rank_attention, rank_attention_bias_on_rank_0])
 def test_the_library_and_a_right_answer_of_another_shape_pass(fn):
-    for step in ch12_rank.steps():
-        ch12_rank.compare(step, ch12_rank.replayed(fn, step))
-    ch12_rank.check_generated(fn)
+    for step in ch12.steps():
+        ch12.compare(step, ch12.replayed(fn, step))
+    ch12.check_generated(fn)
 
 
 def test_a_wrong_piece_is_shrunk_and_its_hint_names_the_width_of_a_head():
     with pytest.raises(CheckFailed) as caught:
-        ch12_rank.check_generated(rank_attention_head_dim_from_hidden)
+        ch12.check_generated(rank_attention_head_dim_from_hidden)
     message, hint = caught.value.message, caught.value.hint
     assert message.startswith("generated case ") and "sequences (cached, new) [(0, 1)]" in \
         message, message

@@ -39,7 +39,6 @@ from paged_lib.course.grading.generated import (
     small_ints,
     small_prefix,
     small_sim,
-    small_text,
 )
 from paged_lib.engine.prefix_cache import hash_block_tokens
 from paged_lib.model import AttentionMetadata
@@ -74,8 +73,8 @@ def test_cases_are_seeded_and_reach_states_the_fixed_cases_do_not():
     assert small_engine.required_cases() == small_engine.required_cases()
     waiting = numeric.states(small_engine.required_cases())
     assert waiting["samples that agree"] and waiting["block size 7"]
-    assert small_text.stream_cases() == small_text.stream_cases()
-    assert numeric.states(small_text.stream_cases())["a tie, the shorter stop listed first"]
+    assert ch14.stream_cases() == ch14.stream_cases()
+    assert numeric.states(ch14.stream_cases())["a tie, the shorter stop listed first"]
     assert small_prefix.prompt_cases() == small_prefix.prompt_cases()
     prompts = numeric.states(small_prefix.prompt_cases())
     assert numeric.states(small_prefix.hit_cases())["more than 1,000 cached blocks"]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from paged_lib.course.grading.ch12_rank import replayed, single_device, steps
+from paged_lib.course.grading.ch12 import replayed, single_device, steps
 from paged_lib.engine import LLMEngine, SamplingParams
 from paged_lib.engine.tensor_parallel import TensorParallelRunner
 from paged_lib.model import TinyLlama, TinyLlamaConfig, load_tiny_code_llama

@@ -116,11 +116,12 @@ def build(model: TinyLlama, num_blocks: int, block_size: int = 16,
         options = {**options, "tensor_parallel_size": 1}
     engine = LLMEngine(model, num_blocks, block_size, hooks=EngineHooks(**hooks), **options)
     if "12.3" in pieces and tp > 1:
+        from paged_lib.course.grading.ch12 import Shipped
         from paged_lib.engine.tensor_parallel import TensorParallelRunner
 
-        engine.runner = TensorParallelRunner(
+        engine.runner = TensorParallelRunner(  # the saved piece's code travels to the ranks
             model, num_blocks, block_size, options.get("num_cpu_blocks", 0),
-            tensor_parallel_size=tp, rank_attention=_Shipped(pieces["12.3"]))
+            tensor_parallel_size=tp, rank_attention=Shipped(pieces["12.3"]))
     bm = engine.block_manager
     if "03.3" in pieces:
         free_block = pieces["03.3"]
@@ -130,30 +131,6 @@ def build(model: TinyLlama, num_blocks: int, block_size: int = 16,
                     "free": lambda self, b: free_block(b, self.ref_counts,
                                                        self.free_block_ids)})
     return engine
-
-
-class _Shipped:
-    """The learner's ``rank_attention`` in a form the spawned ranks can unpickle: the code
-    of the saved piece (its module, loaded from ``mine/``, is not importable there)."""
-
-    def __init__(self, fn: Any):
-        from paged_lib.course.grading.ch12_rank import shipped
-
-        self.kind, self.body = shipped(fn)
-        self._fn = None
-
-    def __getstate__(self) -> dict:
-        return {"kind": self.kind, "body": self.body}
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state, _fn=None)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self._fn is None:
-            from paged_lib.course.grading.ch12_rank import _rebuilt
-
-            self._fn = _rebuilt(self.kind, self.body)
-        return self._fn(*args, **kwargs)
 
 
 class AttentionDiffers(ValueError):

@@ -1,57 +1,64 @@
-"""Checks for chapter 12 (beyond one device). Each prints one verdict line.
+"""Checks for chapter 12 (beyond one device). Each prints one verdict line and runs one
+generated stage (:func:`numeric.check`: named cases first, a failing case shrunk):
 
-* 12.1 ``kv_bytes_per_rank(spec, tp_size, num_tokens)``: the K/V bytes one tensor-parallel
-  rank caches, KV heads replicated when there are fewer of them than ranks;
-* 12.2 ``rank_heads(num_heads, num_kv_heads, tp_size, rank)``: the query heads and the KV
-  heads one rank owns;
-* 12.3 ``rank_attention``: :mod:`~paged_lib.course.grading.ch12_rank`.
+* 12.1 ``kv_bytes_per_rank(spec, tp_size, num_tokens)``: real models
+  (:func:`small_counts.rank_cases`), then tp_sizes vLLM refuses;
+* 12.2 ``rank_heads(num_heads, num_kv_heads, tp_size, rank)``: :func:`head_cases`;
+* 12.3 ``rank_attention(x, w, cos, sin, kv_cache, meta, rank, tp_size, all_reduce)``:
+  :func:`rank_cases`, every rank run here with the all-reduce replayed (partial sums
+  recorded, then every rank run again with their sum): its output against the
+  single-device layer, its cache against the library rank's (unused slots NaN); then two
+  real ``gloo`` ranks (:class:`~paged_lib.engine.tensor_parallel.TensorParallelRunner`)
+  with the function (:class:`Shipped`) in every layer of the shipped model serve a
+  workload (prefix caching, chunked prefill, samples, swaps): every token must be the
+  single-device engine's.
 
-12.1 and 12.2: named cases, then generated ones, compared with :mod:`paged_lib.parallel`; a
-wrong answer is matched against the typical mistakes computed on the same case.
+12.1 and 12.2 name a wrong answer by the typical mistakes computed on the same case, 12.3 by
+its contrasts and the all-reduce's rules.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import importlib.machinery
+import multiprocessing as mp
+import pickle
+import sys
+from collections import namedtuple
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from paged_lib.accounting import SPECS, ModelSpec, kv_bytes
+from paged_lib.accounting import ModelSpec, kv_bytes
 from paged_lib.course import grading
-from paged_lib.course.grading.ch12_rank import check_rank_attention
 from paged_lib.course.grading.generated import numeric, small_counts
 from paged_lib.course.grading.generated.numeric import Contrast, fewer, shorter
+from paged_lib.course.grading.generated.small_attention import poisoned_cache, rng
 from paged_lib.course.grading.slips import name_mistake
-from paged_lib.parallel import kv_bytes_per_rank, rank_heads, tp_size_problem
+from paged_lib.engine.model_runner import build_metadata, check_metadata
+from paged_lib.model import rope_cos_sin
+from paged_lib.parallel import (
+    AttentionWeights,
+    kv_bytes_per_rank,
+    rank_attention,
+    rank_heads,
+    tp_size_problem,
+)
+from paged_lib.util import cdiv
 
-__all__ = ["HEAD_CONTRASTS", "Heads", "check_kv_bytes_per_rank", "check_rank_attention",
-           "check_rank_heads", "head_cases", "run_demo"]
-
-
-_MQA = ModelSpec("a 32-head MQA model", num_layers=24, hidden_size=4096, num_heads=32,
-                 num_kv_heads=1, head_dim=128, dtype_bytes=2)
-_TINY = ModelSpec("tiny-code-llama (fp32)", num_layers=4, hidden_size=256, num_heads=8,
-                  num_kv_heads=2, head_dim=32, dtype_bytes=4)
-_FP8 = ModelSpec("LLaMA-2-70B with an fp8 KV cache", num_layers=80, hidden_size=8192,
-                 num_heads=64, num_kv_heads=8, head_dim=128, dtype_bytes=1)
-_SIX = ModelSpec("a 12-head model with 6 KV heads", num_layers=4, hidden_size=768,
-                 num_heads=12, num_kv_heads=6, head_dim=64, dtype_bytes=2)
-_FOUR = ModelSpec("a 12-head model with 4 KV heads", num_layers=4, hidden_size=768,
-                  num_heads=12, num_kv_heads=4, head_dim=64, dtype_bytes=2)
+__all__ = ["ENGINE", "HEAD_CONTRASTS", "RANK_CONTRASTS", "Heads", "Rank", "Shipped", "Step",
+           "check_generated", "check_kv_bytes_per_rank", "check_rank_attention",
+           "check_rank_heads", "compare", "head_cases", "rank_cases", "replayed", "run_demo",
+           "share", "single_device", "steps"]
 
 # ------------------------------------------------------------------ 12.1 kv_bytes_per_rank
 
-#: (spec, tp_size, num_tokens)
-_BYTES_CASES: list[tuple[ModelSpec, int, int]] = [
-    (SPECS["llama-2-70b"], 8, 2048), (SPECS["llama-2-70b"], 2, 1000),
-    (SPECS["llama-2-70b"], 16, 2048), (SPECS["llama-2-70b"], 1, 7),
-    (SPECS["llama-2-7b"], 4, 4096), (SPECS["opt-13b"], 8, 1), (_MQA, 4, 300),
-    (_TINY, 2, 512), (_TINY, 4, 512), (_TINY, 8, 33), (SPECS["llama-2-7b"], 32, 0),
-    (_FP8, 4, 100), (_FP8, 16, 3),
-]
+_TINY = ModelSpec("tiny-code-llama (fp32)", num_layers=4, hidden_size=256, num_heads=8,
+                  num_kv_heads=2, head_dim=32, dtype_bytes=4)
 
 
 def _wrong_bytes(spec: ModelSpec, tp: int, n: int) -> dict[str, Any]:
@@ -83,58 +90,26 @@ def _wrong_bytes(spec: ModelSpec, tp: int, n: int) -> dict[str, Any]:
     }
 
 
-def _normal(value: Any) -> Any:
-    """Answers as the mistakes' tables hold them (pairs of lists as tuples of lists)."""
-    if isinstance(value, tuple | list) and len(value) == 2 and all(
-            isinstance(x, list) for x in value):
-        return (list(value[0]), list(value[1]))
-    return value
-
-
 def check_kv_bytes_per_rank(fn: Callable[[ModelSpec, int, int], int]) -> None:
     """12.1: the bytes of K and V one rank caches for ``num_tokens`` tokens."""
     with grading.exercise("12.1"):
-        for spec, tp, n in _BYTES_CASES:
-            what = f"kv_bytes_per_rank({spec.name}, tp_size={tp}, num_tokens={n})"
-            want = kv_bytes_per_rank(spec, tp, n)
-            got = fn(spec, tp, n)
-            grading.expect_int(got, what, hint="bytes are a whole number: divide heads "
-                               "with //, never with /")
-            hint = name_mistake((spec, tp, n), got, want, _BYTES_CASES,
-                                lambda c: _wrong_bytes(*c), lambda c: _normal(fn(*c)),
-                                "2 (K and V) x layers x the KV heads this rank keeps x "
-                                "head_dim x dtype bytes x tokens")
-            grading.expect_equal(int(got), want, what=what, hint=hint)
-        for spec, tp, n, about in ((SPECS["llama-2-70b"], 3, 10, "3 ranks for 64 heads"),
-                                   (SPECS["llama-2-70b"], 0, 10, "tp_size 0"),
-                                   (_TINY, 16, 10, "16 ranks for 8 heads"),
-                                   (_SIX, 4, 10, "4 ranks for 12 query heads and 6 KV "
-                                    "heads: ranks 0 and 1 would both need KV head 1"),
-                                   (_FOUR, 6, 10, "6 ranks for 12 query heads and 4 KV "
-                                    "heads: rank 1 would need KV heads 0 and 1")):
-            grading.expect_value_error(fn, (spec, tp, n), f"kv_bytes_per_rank with {about}",
-                                hint="a tp_size below 1, one that does not divide the "
-                                "query heads, or one that neither divides the KV heads nor "
-                                "is a multiple of them raises ValueError")
-        small_counts.rank_stage(fn)  # generated: real models, head_dim not hidden / heads
+        cases = [(p.spec(), p.tp, p.tokens) for p in small_counts.rank_cases()
+                 if not tp_size_problem(p.spec().num_heads, p.spec().num_kv_heads, p.tp)]
+        small_counts.rank_stage(fn, lambda case, got, want: name_mistake(  # real models
+            case, got, want, cases, lambda c: _wrong_bytes(*c), lambda c: fn(*c),
+            "2 (K and V) x layers x the KV heads this rank keeps x head_dim x dtype bytes x "
+            "tokens"))
+        for h, kv, tp, _ in _REFUSED_CASES[:6]:  # tp_sizes vLLM refuses
+            spec = ModelSpec(f"a model with {h} query heads and {kv} KV heads", 4, 64 * h, h,
+                             kv, 64, dtype_bytes=2)
+            grading.expect_value_error(fn, (spec, tp, 10), f"kv_bytes_per_rank({spec.name}, "
+                                       f"tp_size={tp}, num_tokens=10)", hint="a tp_size "
+                                       "below 1, one that does not divide the query heads, "
+                                       "or one that neither divides the KV heads nor is a "
+                                       "multiple of them raises ValueError")
 
 
 # ------------------------------------------------------------------ 12.2 rank_heads
-
-#: (num_heads, num_kv_heads, tp_size, what it tests)
-_HEAD_CASES: list[tuple[int, int, int, str]] = [
-    (8, 2, 2, "the shipped model on 2 ranks"), (8, 2, 4, "more ranks than KV heads"),
-    (8, 8, 4, "MHA: two KV heads per rank"), (4, 1, 2, "MQA on 2 ranks"),
-    (64, 8, 16, "LLaMA-2-70B on 16 ranks"), (6, 6, 3, "MHA, 3 ranks"),
-    (8, 2, 1, "one rank"), (32, 8, 8, "one KV head per rank"), (8, 2, 8, "one query head "
-                                                                       "per rank"),
-    (12, 4, 2, "two KV heads per rank"),
-    (24, 12, 4, "three KV heads per rank: rank 2's are 6, 7, 8, which a set holds as 8, 6, 7"),
-]
-
-
-_RANK_CASES = [(h, kv, tp, r) for h, kv, tp, _ in _HEAD_CASES for r in range(tp)]
-
 
 def _wrong_heads(h: int, kv: int, tp: int, r: int) -> dict[str, Any]:
     per, group = h // tp, h // kv
@@ -184,6 +159,15 @@ _REFUSED = ("tp_size must divide the query heads and divide the KV heads or be a
 #: Falcon 7B (MQA, 71 heads), Gemma 7B (MHA), Mistral NeMo
 _HEAD_MODELS = [(32, 8), (64, 8), (14, 2), (12, 2), (28, 4), (40, 8), (40, 10), (71, 1),
                 (16, 16), (32, 8), (24, 8), (6, 1)]
+#: named shardings, every rank: the shipped model on 1, 2, 4 and 8 ranks, MHA, MQA on 2,
+#: LLaMA-2-70B on 16, one or two KV heads per rank, three (rank 2's are 6, 7, 8, which a
+#: set holds as 8, 6, 7)
+_NAMED_SHARDINGS = [(8, 2, 2), (8, 2, 4), (8, 8, 4), (4, 1, 2), (64, 8, 16), (6, 6, 3), (8, 2, 1),
+                     (32, 8, 8), (8, 2, 8), (12, 4, 2), (24, 12, 4)]
+#: (heads, KV heads, tp_size, rank) vLLM refuses: 3 ranks for 8 heads, 4 for 6 KV heads,
+#: 3 for 2, tp_size 0, 16 ranks for 8 heads, 6 for 4 KV heads; rank 2 of 2, rank -1
+_REFUSED_CASES = [(8, 2, 3, 0), (12, 6, 4, 0), (6, 2, 3, 0), (8, 2, 0, 0), (8, 2, 16, 0),
+                  (12, 4, 6, 0), (8, 2, 2, 2), (8, 2, 2, -1)]
 
 
 @dataclass(frozen=True)
@@ -215,7 +199,7 @@ class Heads:
             for heads, kv, tp in ((self.heads // k, self.kv_heads // k, self.tp // k),
                                   (self.heads // k, self.kv_heads, self.tp),
                                   (self.heads // k, self.kv_heads // k, self.tp)):
-                if heads * k == self.heads and kv and tp and self.rank < tp and (
+                if heads * k == self.heads and kv and tp and self.rank < tp and not heads % kv and (
                         (heads, kv, tp) != (self.heads, self.kv_heads, self.tp)) and (
                         not tp_size_problem(heads, kv, tp)) == (
                         not tp_size_problem(self.heads, self.kv_heads, self.tp)):
@@ -223,15 +207,15 @@ class Heads:
 
 
 def head_cases(count: int = 48) -> list[Heads]:
-    """12.2's generated cases: published models on every size that divides their query
-    heads (some refused for their KV heads), one rank each (seeds 0, 1, ...)."""
-    out = []
+    """12.2's cases: every rank of the named shardings, the refused ones, then published
+    models on every size that divides their query heads (some refused for their KV heads),
+    one rank each (seeds 0, 1, ...)."""
+    out = [Heads(0, h, kv, tp, r) for h, kv, tp in _NAMED_SHARDINGS for r in range(tp)]
+    out += [Heads(0, *args) for args in _REFUSED_CASES]
     for seed in range(count):
-        g = torch.Generator().manual_seed(1220 + seed)
-        heads, kv = _HEAD_MODELS[seed % len(_HEAD_MODELS)]
-        sizes = [t for t in range(1, heads + 1) if heads % t == 0]
-        tp = sizes[int(torch.randint(len(sizes), (1,), generator=g))]
-        out.append(Heads(seed, heads, kv, tp, int(torch.randint(tp, (1,), generator=g))))
+        pick, (heads, kv) = rng(1220 + seed), _HEAD_MODELS[seed % len(_HEAD_MODELS)]
+        tp = pick([t for t in range(1, heads + 1) if heads % t == 0])
+        out.append(Heads(seed, heads, kv, tp, pick(range(tp))))
     return out
 
 
@@ -255,43 +239,453 @@ HEAD_CONTRASTS = (Contrast(_power_of_two_ratio, (
 def check_rank_heads(fn: Callable[[int, int, int, int], tuple[list[int], list[int]]]) -> None:
     """12.2: the query heads and KV heads rank ``rank`` of ``tp_size`` owns."""
     with grading.exercise("12.2"):
-        for h, kv, tp, about in _HEAD_CASES:
-            for r in range(tp):
-                what = f"rank_heads({h}, {kv}, tp_size={tp}, rank={r}) ({about})"
-                want = rank_heads(h, kv, tp, r)
-                got = fn(h, kv, tp, r)
-                grading.expect_true(
-                    isinstance(got, tuple | list) and len(got) == 2
-                    and all(isinstance(x, list) for x in got),
-                    f"{what}: expected a pair of lists (query heads, KV heads), got {got!r}",
-                    hint="return (list_of_query_heads, list_of_kv_heads): lists, e.g. "
-                    "list(range(...))")
-                got = (list(got[0]), list(got[1]))
-                hint = name_mistake((h, kv, tp, r), got, want, _RANK_CASES,
-                                    lambda c: _wrong_heads(*c), lambda c: _normal(fn(*c)),
-                                    _OWNS)
-                grading.expect_equal(got, want, what=what, hint=hint)
-        for args, about in (((8, 2, 3, 0), "3 ranks for 8 heads"),
-                            ((12, 6, 4, 0), "4 ranks for 6 KV heads"),
-                            ((6, 2, 3, 0), "3 ranks for 2 KV heads"),
-                            ((8, 2, 0, 0), "tp_size 0"), ((8, 2, 2, 2), "rank 2 of 2"),
-                            ((8, 2, 2, -1), "rank -1")):
-            grading.expect_value_error(fn, args, f"rank_heads{args} ({about})",
-                                       hint=_REFUSED)
-        numeric.check("12.2", head_cases(), lambda p: _run_heads(fn, p),
-                      HEAD_CONTRASTS)  # generated: published models, 1-71 ranks
+        cases = head_cases()
+        ok = [(p.heads, p.kv_heads, p.tp, p.rank) for p in cases
+              if not tp_size_problem(p.heads, p.kv_heads, p.tp) and 0 <= p.rank < p.tp]
+        numeric.check("12.2", cases, lambda p: _run_heads(fn, p, ok), HEAD_CONTRASTS)
 
 
-def _run_heads(fn: Callable, p: Heads) -> None:
+def _run_heads(fn: Callable, p: Heads, others: list[tuple]) -> None:
     args = (p.heads, p.kv_heads, p.tp, p.rank)
     try:
         want = rank_heads(*args)
     except ValueError:
-        grading.expect_value_error(fn, args, "vLLM refuses this tp_size", hint=_REFUSED)
+        grading.expect_value_error(fn, args, "vLLM refuses this tp_size or rank",
+                                   hint=_REFUSED)
         return
     got = fn(*args)
-    grading.expect_equal(_normal(tuple(got) if isinstance(got, list) else got), want,
-                         "(query heads, KV heads)", hint=_OWNS)
+    grading.expect_true(isinstance(got, tuple | list) and len(got) == 2
+                        and all(isinstance(x, list) for x in got),
+                        f"expected a pair of lists (query heads, KV heads), got {got!r}",
+                        hint="return (list_of_query_heads, list_of_kv_heads): lists, e.g. "
+                        "list(range(...))")
+    got = (list(got[0]), list(got[1]))
+    hint = name_mistake(args, got, want, others, lambda c: _wrong_heads(*c),
+                        lambda c: tuple(map(list, fn(*c))), _OWNS)
+    grading.expect_equal(got, want, "(query heads, KV heads)", hint=hint)
+
+
+# ------------------------------------------------------------------ 12.3 rank_attention
+
+_HEADS = ("a rank computes num_heads / tp contiguous query heads and keeps the KV heads they "
+          "read: the rows of q, k, v (and of their biases) for those heads; with fewer KV "
+          "heads than ranks each KV head is replicated: rank r keeps KV head "
+          "r // (tp / num_kv_heads), and writes it too")
+_NAN = ("NaN: your attention read cache slots that were never written (they hold NaN): "
+        "write the new tokens' K and V into the rank's cache at meta.slot_mapping first")
+_ROTATED = ("keys go into the cache rotated: apply RoPE to k first, then write it at "
+            "meta.slot_mapping (a cached key is read at every later step with its position "
+            "already in it)")
+_BEFORE_O = ("all_reduce comes after o_proj: each rank multiplies its heads' output by its "
+             "columns of o_proj, and the ranks' [tokens, hidden] partial outputs are summed "
+             "(a sum of different heads' outputs mixes heads that o_proj keeps apart)")
+_ROWS = ("o_proj is row-parallel: a rank multiplies by the columns of o_proj that its heads "
+         "feed, o[:, its heads].T (nn.Linear stores W as [out, in]), not by rows of it")
+
+
+#: one step's inputs: ``cache`` holds every KV head before the step, ``lens`` (cached, new)
+#: per sequence
+Step = namedtuple("Step", "name tp w x cos sin cache meta lens")
+
+
+@dataclass(frozen=True)
+class Rank:
+    """One step of 12.3: ``lens`` (cached, new) per sequence; ``loud`` scales the input."""
+
+    seed: int
+    tp: int
+    heads: int
+    kv_heads: int
+    lens: tuple[tuple[int, int], ...]
+    head_dim: int = 8
+    hidden: int = 32
+    block_size: int = 4
+    bias: bool = False
+    loud: float = 1.0
+
+    def step(self) -> Step:
+        """The step's tensors: its history in a cache whose other slots are NaN."""
+        g = torch.Generator().manual_seed(self.seed)
+
+        def rand(*shape: int) -> torch.Tensor:
+            return torch.randn(*shape, generator=g) * 0.3
+
+        h, kv, d, bs, hid = self.heads, self.kv_heads, self.head_dim, self.block_size, self.hidden
+        w = AttentionWeights(rand(h * d, hid), rand(kv * d, hid), rand(kv * d, hid),
+                             rand(hid, h * d), h, kv, d, *((rand(h * d), rand(kv * d),
+                             rand(kv * d), rand(hid)) if self.bias else ()))
+        need = [cdiv(c + n, bs) for c, n in self.lens]
+        num_blocks = max(16, sum(need) + 2)
+        order = torch.randperm(num_blocks, generator=g).tolist()
+        tables = [[order.pop() for _ in range(n)] for n in need]
+        cache = poisoned_cache(g, num_blocks, bs, kv, d, tables, [c for c, _ in self.lens],
+                               torch.float32)  # the history, written by earlier steps
+        meta = build_metadata(tables, [c + n for c, n in self.lens], [n for _, n in self.lens],
+                              bs)
+        check_metadata(meta, num_blocks, bs)
+        cos, sin = rope_cos_sin(meta.positions, d, 10000.0, torch.float32)
+        x = rand(int(meta.query_lens.sum()), hid) * 3 * self.loud
+        return Step(self.describe(), self.tp, w, x, cos, sin, cache, meta, list(self.lens))
+
+    def describe(self) -> str:
+        kv = (f"{self.kv_heads} KV heads, {self.kv_heads // self.tp} per rank"
+              if self.kv_heads >= self.tp else
+              f"{self.kv_heads} KV head(s), each on {self.tp // self.kv_heads} ranks")
+        return (f"{self.tp} ranks, {self.heads} query heads on {kv}, head_dim "
+                f"{self.head_dim} with hidden {self.hidden} ("
+                + ("=" if self.heads * self.head_dim == self.hidden else "!=")
+                + f" heads x head_dim), blocks of {self.block_size}, sequences (cached, new) "
+                f"{list(self.lens)}" + (", biases on q, k, v and o" if self.bias else "")
+                + (f", inputs x {self.loud:g}" if self.loud != 1 else ""))
+
+    def states(self) -> list[str]:
+        """The states of this step that the named steps do not have."""
+        out = [f"{self.tp} ranks"] if self.tp == 3 else []
+        group = self.heads // self.kv_heads
+        out += [f"GQA groups of {group}"] if group not in (1, 2, 4, 8) else []
+        out += [f"hidden {self.hidden}"] if self.hidden != 32 else []
+        out += [f"head_dim {self.head_dim}"] if self.head_dim != 8 else []
+        out += [f"blocks of {self.block_size}"] if self.block_size != 4 else []
+        out += ["a sequence over 10 tokens"] if max(c + n for c, n in self.lens) > 10 else []
+        out += ["louder inputs"] if self.loud > 1 else []
+        return out
+
+    def smaller(self) -> Iterator[Rank]:
+        lens = self.lens
+        for i, (cached, new) in enumerate(lens):
+            if len(lens) > 1:
+                yield dataclasses.replace(self, lens=lens[:i] + lens[i + 1:])
+            for c in shorter(cached, 0):
+                yield dataclasses.replace(self, lens=lens[:i] + ((c, new),) + lens[i + 1:])
+            for n in shorter(new):
+                yield dataclasses.replace(self, lens=lens[:i] + ((cached, n),) + lens[i + 1:])
+        for tp, heads, kv in _SHARDS:
+            if (heads, kv) < (self.heads, self.kv_heads) and tp <= self.tp:
+                yield dataclasses.replace(self, tp=tp, heads=heads, kv_heads=kv)
+        yield from fewer(self, bias=[False], loud=[1.0], block_size=[4],
+                         head_dim=[d for d in (4, 8) if d < self.head_dim])
+
+
+#: (ranks, query heads, KV heads), as models shard: split KV heads, replicated ones (more
+#: ranks than KV heads), MHA, MQA, groups of 3 and 7
+_SHARDS = [(2, 4, 2), (2, 6, 2), (2, 14, 2), (2, 4, 4), (2, 2, 1), (3, 6, 3), (3, 3, 1),
+           (3, 12, 3), (3, 6, 1), (4, 8, 2), (4, 4, 1), (4, 8, 4), (4, 16, 8), (4, 12, 4)]
+
+#: the named steps: a prefill of 2 sequences from an empty cache, 3 decodes, a mixed step
+#: (a prefill that starts after 6 cached: a prefix hit), a GQA group split across 2 ranks,
+#: biases on q, k, v and o (Qwen2's), 4 ranks for 2 KV heads, 4 ranks for 1 (MQA)
+_NAMED = [Rank(1, 2, 4, 2, ((0, 5), (0, 3))), Rank(2, 2, 4, 2, ((6, 1), (9, 1), (1, 1))),
+          Rank(3, 2, 4, 2, ((7, 1), (4, 1), (6, 4))), Rank(5, 2, 2, 1, ((5, 3), (2, 1))),
+          Rank(7, 2, 4, 2, ((2, 4), (5, 1)), bias=True), Rank(8, 4, 8, 2, ((9, 1), (4, 3))),
+          Rank(9, 4, 4, 1, ((0, 5),), bias=True)]
+
+
+def _draw(seed: int) -> Rank:
+    pick = rng(1230 + seed)
+    tp, heads, kv = pick(_SHARDS)
+    d = pick([4, 6, 8, 10, 12, 16])
+    hidden = pick([heads * d, 24, 40, 48])
+    lens = []
+    for _ in range(pick([1, 2, 3])):
+        kind = pick(["decode", "decode", "prefill", "chunk"])
+        cached = 0 if kind == "prefill" else pick([1, 3, 4, 8, 15, 16, 30])
+        lens.append((cached, 1 if kind == "decode" else pick([1, 2, 5, 8])))
+    return Rank(seed, tp, heads, kv, tuple(lens), d, hidden, (1, 2, 3, 4, 5, 8)[seed % 6],
+                seed % 4 == 1, (1.0, 1.0, 4.0)[seed % 3])
+
+
+def rank_cases(count: int = 24) -> list[Rank]:
+    """12.3's steps: the named ones, then ``count`` drawn (seeds 0, 1, ...), every one a
+    sharding that exists."""
+    out = _NAMED + [_draw(seed) for seed in range(count)]
+    assert not any(tp_size_problem(p.heads, p.kv_heads, p.tp) for p in out)
+    return out
+
+
+def steps() -> list[Step]:
+    """The named steps (2 and 4 ranks), the same on every call."""
+    return [p.step() for p in _NAMED]
+
+
+RANK_CONTRASTS = (
+    Contrast(lambda p: dataclasses.replace(p, lens=tuple((0, c + n) for c, n in p.lens))
+             if any(c for c, _ in p.lens) else None,
+             "it passes when every sequence is a prefill and fails when tokens are cached: "
+             "the new tokens attend to the cached ones and to each other, causally (a decode "
+             "row is a query of one token over every cached one), read through the cache"),
+    Contrast(lambda p: dataclasses.replace(p, bias=False) if p.bias else None,
+             "it passes without biases and fails with them: q, k, v's biases are sliced with "
+             "their rows; o_proj's bias: add it once, after all_reduce (vLLM's "
+             "RowParallelLinear adds it on one rank only)"),
+    Contrast(lambda p: dataclasses.replace(p, tp=4, heads=p.heads // p.tp * 4)
+             if p.kv_heads == 1 and p.tp == 3 else None,
+             "it passes on 4 ranks for one KV head and fails on 3: rank r keeps KV head "
+             "r // (tp_size // num_kv_heads), a division; a shift (r >> log2(...)) or a "
+             "mask is that only when each KV head sits on 2 or 4 ranks"),
+    Contrast(lambda p: dataclasses.replace(p, hidden=p.heads * p.head_dim)
+             if p.hidden != p.heads * p.head_dim else None,
+             "it passes when hidden == num_heads x head_dim and fails otherwise: a rank's "
+             "rows of q, k and v and its columns of o are its heads x head_dim, counted in "
+             "head_dim (w.head_dim), not hidden / num_heads or hidden / tp (Gemma's heads "
+             "are wider than hidden / num_heads)"),
+    Contrast(lambda p: dataclasses.replace(p, block_size=4) if p.block_size != 4 else None,
+             "it passes with blocks of 4 and fails with other block sizes: read the block "
+             "size from the cache (its dimension 1) and the slots from meta.slot_mapping"),
+    Contrast(lambda p: dataclasses.replace(p, tp=2, heads=4, kv_heads=2)
+             if (p.tp, p.heads, p.kv_heads) != (2, 4, 2) else None,
+             "it passes on 2 ranks with 4 query heads and 2 KV heads and fails on this "
+             "sharding: " + _HEADS),
+)
+
+
+def share(step: Step, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s cache before the step: its KV heads of every block (a copy)."""
+    _, kv = rank_heads(step.w.num_heads, step.w.num_kv_heads, step.tp, rank)
+    return tuple(c[:, :, kv[0]:kv[-1] + 1].clone() for c in step.cache)
+
+
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def single_device(step: Step) -> tuple[torch.Tensor, tuple]:
+    """The whole layer on one device (every head: ``tp_size=1``) and its cache after."""
+    cache = tuple(c.clone() for c in step.cache)
+    return rank_attention(step.x, step.w, step.cos, step.sin, cache, step.meta, 0, 1,
+                          _identity), cache
+
+
+def _copies(x, w, cos, sin, meta) -> tuple:
+    """What the learner's function gets: copies, so that nothing it changes in place
+    reaches the next rank, the next step or the library's answer."""
+    return x.clone(), copy.deepcopy(w), cos.clone(), sin.clone(), copy.deepcopy(meta)
+
+
+def replayed(fn: Callable, step: Step) -> list[tuple[torch.Tensor, tuple]]:
+    """Every rank's (output, cache after) from ``fn`` with the all-reduce replayed: each
+    rank runs once with its partial sums recorded, then again with their sums."""
+    def run(rank: int, cache: tuple, all_reduce: Callable) -> Any:
+        x, w, cos, sin, meta = _copies(step.x, step.w, step.cos, step.sin, step.meta)
+        return fn(x, w, cos, sin, cache, meta, rank, step.tp, all_reduce)
+
+    partials: list[list[torch.Tensor]] = [[] for _ in range(step.tp)]
+    for rank, calls in enumerate(partials):  # all_reduce works in place, returns nothing
+        run(rank, share(step, rank), lambda t, calls=calls: calls.append(t.detach().clone()))
+    counts = [len(c) for c in partials]
+    if 0 in counts or len(set(counts)) > 1:
+        grading.fail(f"your ranks called all_reduce {counts} times (rank 0 first)",
+                     "every rank calls all_reduce exactly as often (once, on its partial "
+                     "output); a rank that calls it alone waits forever")
+    want = (step.x.shape[0], step.x.shape[1])
+    shapes = {tuple(t.shape) for calls in partials for t in calls} - {want}
+    if shapes:
+        w = step.w
+        grading.fail(f"all_reduce got shape {sorted(shapes)[0]}, expected [tokens, hidden] "
+                     f"= {list(want)}", _BEFORE_O if sorted(shapes)[0][-1] * step.tp ==
+                     w.num_heads * w.head_dim else _ROWS)
+    results = []
+    for rank in range(step.tp):
+        sums = iter([sum(c[i] for c in partials) for i in range(counts[0])])
+        cache = share(step, rank)
+        results.append((run(rank, cache, lambda t, sums=sums: t.copy_(next(sums))), cache))
+    return results
+
+
+def _mistake(step: Step, got: torch.Tensor, want: torch.Tensor, partial: torch.Tensor
+             ) -> str | None:
+    """The typical mistake whose output after the sum is ``got``; ``partial``: this rank's
+    own (the library's)."""
+    w = step.w
+    b = w.o_bias if w.o_bias is not None else torch.zeros(step.x.shape[1])
+    heads = rank_attention(step.x, dataclasses.replace(  # every head's output, before o
+        w, o=torch.eye(w.num_heads * w.head_dim), o_bias=None), step.cos, step.sin,
+        tuple(c.clone() for c in step.cache), step.meta, 0, 1, _identity)
+    wrong = {"that is this rank's own partial output: all_reduce (sum) the ranks' partial "
+             "outputs, each its heads times its columns of o_proj": partial,
+             "the partial outputs were averaged: all_reduce sums them (the output is the sum "
+             "over every head)": (want - b) / step.tp + b}
+    if w.o.shape[0] == w.o.shape[1]:  # o[its heads' rows, :] multiplies only when square
+        wrong[_ROWS] = heads @ w.o + b
+    return next((hint for hint, out in wrong.items()
+                 if torch.allclose(got, out, 1e-4, 1e-5)), None)
+
+
+def compare(step: Step, results: list) -> None:
+    """Every rank's output against the single-device layer, its cache against the library
+    rank's: the first difference as a story."""
+    want, _ = single_device(step)
+    for rank, (out, cache) in enumerate(results):
+        what = f"rank {rank} of {step.tp}"
+        grading.expect_true(isinstance(out, torch.Tensor), f"{what}: returned "
+                            f"{type(out).__name__}", "return the layer's output, a tensor "
+                            "[tokens, hidden]")
+        grading.expect_true(tuple(out.shape) == tuple(want.shape), f"{what}: output of shape "
+                            f"{tuple(out.shape)}, expected {tuple(want.shape)}",
+                            "return [tokens, hidden]: after o_proj, not the heads")
+        lib = share(step, rank)
+        partial = rank_attention(step.x, step.w, step.cos, step.sin, lib, step.meta, rank,
+                                 step.tp, _identity)
+        same = [torch.isclose(mine, ref, 1e-5, 1e-6, equal_nan=True)
+                for mine, ref in zip(cache, lib, strict=True)]
+        bad = ~torch.isclose(out.detach().float(), want, 1e-4, 1e-5)
+        if bad.any():
+            row, col = (int(i) for i in bad.nonzero()[0])
+            grading.fail(f"{what}: token {row} (position {int(step.meta.positions[row])}), "
+                         f"output {col}: the single-device layer gives {want[row, col]:.5f}, "
+                         f"yours {float(out[row, col]):.5f}",
+                         _NAN if out[row, col].isnan() else _ROTATED if same[1].all() and
+                         not same[0].all() else
+                         _mistake(step, out.detach().float(), want, partial) or _HEADS)
+        for name, ok, mine, ref in zip("KV", same, cache, lib, strict=True):
+            if not bool(ok.all()):
+                blk, off, head = (int(i) for i in (~ok).nonzero()[0][:3])
+                grading.fail(f"{what}: your cache's {name} of block {blk}, slot {off}, the "
+                             f"rank's KV head {head}: expected {float(ref[blk, off, head, 0]):.4f}"
+                             f", got {float(mine[blk, off, head, 0]):.4f} (nan: never written)",
+                             _ROTATED if name == "K" and bool(same[1].all()) else _HEADS)
+
+
+def _ask(fn: Callable, p: Rank) -> None:
+    """Every rank's answer to ``p``'s step (the all-reduce replayed), compared."""
+    step = p.step()
+    try:
+        results = replayed(fn, step)
+    except (grading.CheckFailed, NotImplementedError):
+        raise
+    except Exception as err:  # noqa: BLE001 - told with the hint on heads
+        grading.fail(f"your function raised {type(err).__name__}: {err}", _HEADS)
+    compare(step, results)
+
+
+def check_generated(fn: Callable) -> None:
+    """Every step of :func:`rank_cases`; a failing one is shrunk."""
+    numeric.check("12.3", rank_cases(), lambda p: _ask(fn, p), RANK_CONTRASTS)
+
+
+# ------------------------------------------------------------------ on two gloo ranks
+
+
+class Shipped:
+    """``fn`` in a form a spawned rank rebuilds: by reference when its module can be
+    imported there, else its source with the imports and helpers it uses
+    (:func:`paged_lib.course.mine.section_text`: a notebook's ``__main__`` is not). Called
+    on copies of its inputs: what it changes in place must not reach the model."""
+
+    def __init__(self, fn: Callable):
+        self.kind, self.body, self.fn = *_ship(fn), None
+
+    def __call__(self, x, w, cos, sin, kv_cache, meta, rank, tp, all_reduce):
+        if self.fn is None and self.kind == "pickle":
+            self.fn = pickle.loads(self.body)
+        elif self.fn is None:
+            space: dict[str, Any] = {"__name__": "your_rank_attention"}
+            exec(compile(self.body, "<your rank_attention>", "exec"), space)  # noqa: S102
+            self.fn = space["rank_attention"]
+        x, w, cos, sin, meta = _copies(x, w, cos, sin, meta)
+        return self.fn(x, w, cos, sin, kv_cache, meta, rank, tp, all_reduce)
+
+
+def _ship(fn: Callable) -> tuple[str, Any]:
+    module = getattr(fn, "__module__", "__main__")
+    if module != "__main__" and "<locals>" not in getattr(fn, "__qualname__", "<locals>"):
+        try:  # looked up on sys.path, not in sys.modules (mine/ch12.py is loaded by file)
+            importable = importlib.machinery.PathFinder.find_spec(module.split(".")[0])
+        except (ImportError, ValueError):
+            importable = None
+        if importable is not None:
+            try:
+                return "pickle", pickle.dumps(fn)
+            except Exception:  # noqa: BLE001 - not picklable: try the source
+                pass
+        path = getattr(sys.modules.get(module), "__file__", None)
+        if path:  # a module loaded from its file (mine/ch12.py): the file travels
+            text = Path(path).read_text()
+            if fn.__name__ != "rank_attention":
+                text += f"\nrank_attention = {fn.__name__}\n"
+            return "source", text
+    from paged_lib.course import mine
+
+    return "source", mine.section_text(fn, "rank_attention")
+
+
+#: the engine that serves the workload: the shipped model, prefix caching, chunks of 12
+#: tokens, samples, swaps on a pool of 14 blocks of 4
+ENGINE = dict(num_blocks=14, block_size=4, num_cpu_blocks=32, preemption="swap",
+              enable_prefix_caching=True, enable_chunked_prefill=True,
+              max_num_batched_tokens=12, max_num_seqs=4, watermark=0)
+
+
+def _served(runner: Any = None) -> list[list[int]]:
+    """Every sample's tokens of a small workload, served by ``ENGINE`` (on ``runner``)."""
+    from paged_lib.engine import LLMEngine, SamplingParams
+    from paged_lib.model import load_tiny_code_llama
+    from paged_lib.tokenizer import ByteTokenizer
+
+    engine = LLMEngine(load_tiny_code_llama(), **ENGINE)
+    engine.runner = runner or engine.runner
+    prompts = [ByteTokenizer().encode("def area(w, h):\n    " + t)
+               for t in ("return w * h", "# the area", "pass")]
+    outs = engine.generate(prompts, [
+        SamplingParams(max_tokens=6, temperature=0.0),
+        SamplingParams(max_tokens=5, temperature=0.8, n=2, seed=3),
+        SamplingParams(max_tokens=7, temperature=0.0)])
+    return [list(s.token_ids) for o in outs for s in o.outputs]
+
+
+def _on_gloo_ranks(fn: Callable) -> None:
+    """The workload of :func:`_served` on two gloo ranks with ``fn`` as every layer's
+    attention: its tokens against the single-device engine's."""
+    from paged_lib.engine.tensor_parallel import TensorParallelRunner
+    from paged_lib.model import load_tiny_code_llama
+
+    try:
+        sent = Shipped(fn)
+    except Exception as err:  # noqa: BLE001 - mine.CannotSave and the like
+        grading.fail(f"your function cannot be sent to the rank processes: {err}",
+                     "define rank_attention with def at the top of its cell; it may use "
+                     "imports, constants and functions of the notebook")
+    try:
+        runner = TensorParallelRunner(load_tiny_code_llama(), ENGINE["num_blocks"],
+                                      ENGINE["block_size"], ENGINE["num_cpu_blocks"],
+                                      timeout=60, rank_attention=sent)
+    except Exception as err:  # noqa: BLE001 - the check's machinery, not the learner's code
+        grading.fail(f"the check could not start its two rank processes ({type(err).__name__}"
+                     f": {err}); this is not your function", "run the check from a notebook, "
+                     "or from a script whose checks sit under `if __name__ == \"__main__\":` "
+                     "(each rank process is started with multiprocessing's spawn)")
+    try:
+        got = _served(runner)
+    except RuntimeError as err:  # a rank raised, or did not answer
+        grading.fail(f"on two gloo ranks: {str(err).strip().splitlines()[-1]}",
+                     "the function runs in a fresh process on each rank: it may use only its "
+                     "arguments (the all_reduce it is given), imports and the notebook's "
+                     "functions and constants; each rank calls all_reduce once per layer (a "
+                     "rank that waits for a sum the other never sends hangs)")
+    finally:
+        runner.close()
+    grading.expect_equal(got, _served(), "serving a workload on two gloo ranks with your "
+                         "attention in every layer of the shipped model (prefix caching, "
+                         "chunked prefill, samples, swaps): every sample's tokens",
+                         "the steps above pass, the engine's do not: compare the engine's "
+                         "states (a block table, a prefill that starts mid-sequence) with theirs")
+
+
+def _in_a_rank_bootstrapping() -> bool:
+    """True in a process that spawn started and that is still importing the parent's
+    main module (a learner's script with no ``__main__`` guard runs its checks again
+    there; starting ranks from it is what multiprocessing calls "before the current
+    process has finished its bootstrapping phase")."""
+    return mp.parent_process() is not None and bool(
+        getattr(mp.current_process(), "_inheriting", False))
+
+
+def check_rank_attention(fn: Callable[..., torch.Tensor]) -> None:
+    """12.3: one rank's attention layer, its all-reduce included."""
+    if _in_a_rank_bootstrapping():
+        return  # a script re-imported by a spawned rank: the parent prints the verdict
+    with grading.exercise("12.3"):
+        check_generated(fn)
+        _on_gloo_ranks(fn)
 
 
 # ------------------------------------------------------------------------------ demo

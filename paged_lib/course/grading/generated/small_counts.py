@@ -1,17 +1,9 @@
-"""Generated inputs for the counting exercises: the last stage of 09.2 (choosing a block
-size), 11.2 (KV bytes per token, MLA included) and 12.1 (KV bytes per rank), on the
-harness of :mod:`~paged_lib.course.grading.generated.numeric`.
-
-Their fixed cases stay in one family: every model's ``head_dim`` is ``hidden_size //
-num_heads`` (so code that derives it from the hidden size passes), and 09.2's budgets sit
-exactly at a waste or well away from it. Here the models are real configurations whose
-head size is not ``hidden / heads`` (Gemma, Gemma 2, Mistral NeMo, Qwen3 32B), beside
-GQA, MQA, MHA and MLA ones (DeepSeek-V2-Lite, DeepSeek-V3, MiniCPM3) in fp8, fp16 and
-fp32, on 1 to 32 ranks (some that vLLM refuses) and for up to 2**33 tokens; 09.2's
-budgets are a size's waste with one slot less or more, on workloads from one token to
-pools of 10**10 slots (where one slot is a share of 1e-10, far below a relative tolerance
-of 1e-9, far above an absolute one of 1e-12), with block sizes that are not powers
-of two, in any order.
+"""Generated inputs for the counting exercises, on the harness of
+:mod:`~paged_lib.course.grading.generated.numeric`: 09.2 (choosing a block size: budgets a
+slot below or above a size's waste, pools up to 10**10 slots, sizes not powers of two, in
+any order), 11.2 (KV bytes per token) and 12.1 (KV bytes per rank): real configurations
+(:data:`MODELS`), GQA, MQA, MHA and MLA, heads not ``hidden / heads`` wide, in fp8, fp16
+and fp32, on 1 to 32 ranks (some that vLLM refuses), up to 2**33 tokens.
 """
 
 from __future__ import annotations
@@ -227,19 +219,11 @@ def token_stage(fn: Callable) -> None:
 
 
 @dataclass(frozen=True)
-class PerRank:
+class PerRank(PerToken):
     """One generated case of 12.1 (models without a latent: 12.1 counts KV heads)."""
 
-    seed: int
-    model: int
-    layers: int | None
-    dtype_bytes: int
-    tp: int
-    tokens: int
-    hidden: int | None = None
-
-    def spec(self) -> ModelSpec:
-        return _spec(self.model, self.layers, self.dtype_bytes, self.hidden)
+    tp: int = 1
+    tokens: int = 1
 
     def describe(self) -> str:
         return (f"kv_bytes_per_rank of {_about(self.spec())}, tp_size {self.tp}, "
@@ -264,11 +248,13 @@ def rank_cases() -> list[PerRank]:
     for seed in range(3 * len(plain)):
         pick = rng(1201 + seed)
         out.append(PerRank(seed, plain[seed % len(plain)], None, pick([1, 2, 4]),
-                           pick([1, 2, 3, 4, 8, 16, 32]), pick([0, 1, 7, 4096, 2 ** 33])))
+                           tp=pick([1, 2, 3, 4, 8, 16, 32]),
+                           tokens=pick([0, 1, 7, 4096, 2 ** 33])))
     return out
 
 
-def run_rank(fn: Callable, p: PerRank) -> None:
+def run_rank(fn: Callable, p: PerRank, name: Callable[[tuple, int, int], str]) -> None:
+    """12.1's check of one case; ``name(case, got, want)``: the hint for a wrong number."""
     s = p.spec()
     try:
         want = parallel.kv_bytes_per_rank(s, p.tp, p.tokens)
@@ -279,12 +265,12 @@ def run_rank(fn: Callable, p: PerRank) -> None:
                                         "of them, raises ValueError")
         return
     got = fn(s, p.tp, p.tokens)
-    grading.expect_int(got, "bytes per rank")
+    grading.expect_int(got, "bytes per rank", hint="bytes are a whole number: divide heads "
+                       "with //, never with /")
     grading.expect_equal(int(got), want, "bytes per rank",
-                         hint="2 (K and V) x layers x the KV heads this rank keeps x head_dim "
-                              "x dtype bytes x tokens")
+                         hint=name((s, p.tp, p.tokens), int(got), want))
 
 
-def rank_stage(fn: Callable) -> None:
-    """12.1's generated stage."""
-    numeric.check("12.1", rank_cases(), lambda p: run_rank(fn, p), (_HEAD_DIM,))
+def rank_stage(fn: Callable, name: Callable[[tuple, int, int], str]) -> None:
+    """12.1's stage."""
+    numeric.check("12.1", rank_cases(), lambda p: run_rank(fn, p, name), (_HEAD_DIM,))
