@@ -28,7 +28,7 @@ from typing import Any
 from paged_lib.course import grading
 from paged_lib.course.grading import generated
 from paged_lib.course.grading.ch10_alloc import check_allocate_slots
-from paged_lib.course.grading.generated import small_prefix
+from paged_lib.course.grading.generated import numeric, small_prefix
 from paged_lib.engine.prefix_cache import (
     BlockHash,
     FreeBlockQueue,
@@ -69,7 +69,8 @@ def check_block_hashes(fn: Callable[..., Any]) -> None:
             _check_hashes(fn, name, tokens, block_size, extra)
         generated.check("block_hashes", fn, "one hash per full block, each chained on the "
                         "one before, with the extra keys")
-        small_prefix.prompt_stage(fn, _check_hashes)  # generated: block sizes, extra keys
+        numeric.check("10.1", small_prefix.prompt_cases(), lambda p: _check_hashes(
+            fn, "generated", p.tokens(), p.block_size, p.extras), small_prefix.PROMPT_CONTRASTS)
 
 
 def _check_hashes(fn, name: str, tokens: list[int], block_size: int, extra: tuple) -> None:
@@ -243,7 +244,8 @@ class _Lookup:
 def check_longest_cache_hit(fn: Callable[..., Any]) -> None:
     """``longest_cache_hit(hashes, lookup, num_tokens, block_size) -> list[int]``."""
     with grading.exercise("10.2"):
-        small_prefix.hit_stage(fn, _check_hit)
+        numeric.check("10.2", small_prefix.hit_cases(), lambda p: _check_hit(
+            fn, p.num_tokens, p.block_size, p.cached()), small_prefix.HIT_CONTRASTS)
         generated.check("longest_cache_hit", fn, "the leading hits only, stopping at the "
                         "first miss, and never the block that holds the text's last token")
 
