@@ -410,8 +410,9 @@ def alloc_block_by_block(pool, token_ids, hashes, block_size, max_new_tokens):
 def test_10_4_a_wrong_piece_only_random_workloads_catch(monkeypatch, capsys):
     story = story_of_a_random_only_catch(ch10_alloc.check_allocate_slots, alloc_by_a_hash_map,
                                          "10.4", monkeypatch)
-    assert "enable_prefix_caching=True" in story and "starting with the hits" in story
-    assert "where two blocks are cached under one hash, the oldest" in capsys.readouterr().out
+    assert "enable_prefix_caching=True" in story and "the library answers ([0, 1, 2, " in story
+    assert "where two blocks are cached under one hash, the hit is the oldest" in \
+        capsys.readouterr().out
     prompts = re.findall(r"a prompt of \d+ tokens (\[[^]]*\])", story)
     assert len(prompts) > len(set(prompts)), "the story shows a prompt asked twice"
 

@@ -512,13 +512,13 @@ def test_07_2_wrong_answers_get_a_named_hint(capsys, wrong, hint):
     assert out.startswith("❌ [07.2]") and hint in out, out
 
 
-def test_07_2_a_wrong_pick_says_what_the_rule_does_run_to_the_end(capsys):
-    """A wrong pick is told with what the learner's rule does to a pressure scenario
-    the scheduler runs to the end with it."""
+def test_07_2_a_wrong_pick_is_told_with_the_list_and_both_picks(capsys):
+    """A wrong pick is told with the list it was made on (each group's admission step,
+    tokens and blocks) and both picks."""
     out = verdict(capsys, ch07.check_choose_victim, victim_oldest)
-    assert out.startswith("❌ [07.2]") and "run to the end on 'a long request among" in out
-    assert "your rule finishes request 0 at step 28 instead of 25" in out, out
-    assert "recomputes 34 tokens instead of 9" in out and "the oldest group" in out, out
+    assert out.startswith("❌ [07.2]") and "list 'the example: A, B, C admitted" in out, out
+    assert "request 2 (admitted at step 3, 10 generated" in out, out
+    assert "you preempted request 0, expected request 2" in out and "the oldest group" in out
 
 
 # ---------------------------------------------------------------- the demos

@@ -6,8 +6,7 @@
   ``allocate``.
 * 07.2 ``choose_victim``: hand-made running lists (groups admitted in one step, one
   admitted again after a recompute, samples sharing blocks); a wrong pick is named by the
-  typical wrong rule that gives it, and told with what the rule does to a pressure
-  scenario run to the end. Then random workloads.
+  typical wrong rule that gives it. Then random workloads.
 * 07.3 ``preempt_until_fits``: served in the engine next to the library's, call by call,
   on edge scenarios then random workloads (:mod:`~paged_lib.course.grading.scheduler_loops`).
 
@@ -226,72 +225,36 @@ def _running(groups: list[SequenceGroup]) -> str:
     return "[" + ", ".join(one(g) for g in groups) + "]"
 
 
-def _hint_for(picks: list[tuple[list[SequenceGroup], Any]]) -> str | None:
-    """The wrong rule that picks what the learner picked on every list (else on the
-    first list where the learner was wrong)."""
-    for rule, hint in WRONG_RULES:
-        if all(rule(list(r)) is got for r, got in picks):
-            return hint
-    r, got = next((r, g) for r, g in picks if g is not lib_victim(list(r)))
-    return next((hint for rule, hint in WRONG_RULES if rule(list(r)) is got), None)
-
-
-def check_lists(choose_victim: Callable[..., Any]) -> None:
-    picks, pool = [], BlockAllocator(200)
-    for what, spec in _LISTS:
-        running = [_group(pool, *g) for g in spec]
-        given = list(running)
-        got = choose_victim(given)
-        grading.expect_true(len(given) == len(running) and all(
-            a is b for a, b in zip(given, running, strict=True)),
-            f"list '{what}': your function changed the list it was given",
-            "only choose: the scheduler preempts and removes the group itself")
-        picks.append((running, got))
-    for (what, _), (running, got) in zip(_LISTS, picks, strict=True):
-        if not any(got is g for g in running):
-            grading.fail(f"list '{what}': returned {got!r}, which is not one of the groups "
-                         "offered", "return one of the SequenceGroup objects in running "
-                         "itself (not an index, a request id or a copy)")
-        want = lib_victim(list(running))
-        if got is not want:
-            grading.fail(f"list '{what}': running {_running(running)}: you preempted "
-                         f"request {got.request_id}, expected request {want.request_id}"
-                         f"{_consequence(choose_victim)}", _hint_for(picks) or (
-                             "a group is never preempted to make room for one admitted "
-                             "after it; among those offered, preempting costs the least "
-                             "where the least was done"))
-
-
-#: the scheduler scenario a wrong rule is run on to the end, to tell what it does
-PRESSURE = Scenario("a long request among short ones arriving every 3 steps (recompute)",
-                    dict(num_blocks=10, block_size=4),
-                    ((6, 26, 0, 1),) + tuple((3, 6, 1 + 3 * k, 1) for k in range(10)))
-
-
-def _consequence(choose_victim: Callable) -> str:
-    """What the learner's rule does to :data:`PRESSURE`, next to the library's."""
-    def run(rule: Callable) -> tuple:
-        return loops.serve_scenario(PRESSURE, EngineHooks(choose_victim=rule), [None])[3]
-    try:
-        mine, lost = run(lambda running: choose_victim(list(running)))
-    except Exception:  # noqa: BLE001 - only what the rule would do, not the verdict
-        return ""
-    ref, ref_lost = run(lib_victim)
-    told = f" (run to the end on '{PRESSURE.name}', your rule"
-    never = [r for r, s in mine.items() if s is None]
-    if never:
-        return f"{told} never finishes request(s) {never})"
-    late = max(mine, key=lambda r: mine[r] - ref[r])
-    said = ([f"finishes request {late} at step {mine[late]} instead of {ref[late]}"]
-            if mine[late] != ref[late] else []) + (
-        [f"recomputes {lost} tokens instead of {ref_lost}"] if lost != ref_lost else [])
-    return f"{told} {', '.join(said)})" if said else ""
-
-
 def check_choose_victim(choose_victim: Callable[..., Any]) -> None:
-    """``choose_victim(running: list[SequenceGroup]) -> SequenceGroup``."""
+    """``choose_victim(running: list[SequenceGroup]) -> SequenceGroup``: the lists, a
+    wrong pick named by the wrong rule that picks what the learner picked on every list
+    (else on the first list it got wrong); then random workloads."""
     with grading.exercise("07.2"):
-        check_lists(choose_victim)
+        picks, pool = [], BlockAllocator(200)
+        for what, spec in _LISTS:
+            running = [_group(pool, *g) for g in spec]
+            given = list(running)
+            got = choose_victim(given)
+            grading.expect_true(len(given) == len(running) and all(
+                a is b for a, b in zip(given, running, strict=True)),
+                f"list '{what}': your function changed the list it was given",
+                "only choose: the scheduler preempts and removes the group itself")
+            grading.expect_true(any(got is g for g in running), f"list '{what}': returned "
+                                f"{got!r}, which is not one of the groups offered",
+                                "return one of the SequenceGroup objects in running itself "
+                                "(not an index, a request id or a copy)")
+            picks.append((what, running, got))
+        wrong = [(what, r, got) for what, r, got in picks if got is not lib_victim(list(r))]
+        if wrong:
+            what, running, got = wrong[0]
+            hints = [hint for rule, hint in WRONG_RULES
+                     if all(rule(list(r)) is g for _, r, g in picks)] or [
+                hint for rule, hint in WRONG_RULES if rule(list(running)) is got] or [
+                "a group is never preempted to make room for one admitted after it; among "
+                "those offered, preempting costs the least where the least was done"]
+            grading.fail(f"list '{what}': running {_running(running)}: you preempted "
+                         f"request {got.request_id}, expected request "
+                         f"{lib_victim(list(running)).request_id}", hints[0])
         generated.check("choose_victim", choose_victim, "the list is in admission order, "
                         "whatever the groups' ids, arrivals or sizes: the last is the latest "
                         "admitted")

@@ -1,17 +1,12 @@
-"""Checks for chapter 10 (prefix caching), each next to the library's
-:mod:`paged_lib.engine.prefix_cache`.
+"""Checks for chapter 10 (prefix caching), each next to :mod:`paged_lib.engine.prefix_cache`.
 
-* 10.1 ``block_hashes`` and 10.2 ``longest_cache_hit``: named prompts and caches, a wrong
-  answer matched to the slip that gives it; then generated inputs
-  (:mod:`~paged_lib.course.grading.generated.small_prefix`) and random workloads
-  (:mod:`paged_lib.course.grading.generated`).
-* 10.3 the LRU free queue's ``popleft`` and ``remove``, in a subclass of the library's
-  :class:`~paged_lib.engine.prefix_cache.FreeBlockQueue` (its ``next``/``prev`` dicts and
-  ``_len``): scripted operations on the learner's queue and the library's, after each the
-  answer (or the error), ``next``, ``prev`` and ``len`` compared; then the time per call in
-  queues of 1,000 and 100,000 blocks (O(1) stays flat); then random workloads with the class
-  as the caching pool's free queue (small pools: blocks evicted, hit while free, reused in
-  any order).
+* 10.1 ``block_hashes``, 10.2 ``longest_cache_hit``: named prompts and caches, a wrong
+  answer matched to the slip that gives it; the same per-case check on the generated cases
+  of :mod:`~.generated.small_prefix`; then random workloads (:mod:`~.generated`).
+* 10.3 ``popleft`` and ``remove`` of a :class:`FreeBlockQueue` subclass: scripted
+  operations, after each the answer (or error), ``next``, ``prev`` and ``len`` compared
+  with the library's queue; the time per call at 1,000 and 100,000 blocks (O(1) stays
+  flat); random workloads on small caching pools.
 * 10.4 ``allocate_slots``: :mod:`~.ch10_alloc`.
 
 :func:`run_demo` runs vLLM's worked example and the shared-prefix requests on the
@@ -28,7 +23,7 @@ from typing import Any
 from paged_lib.course import grading
 from paged_lib.course.grading import generated
 from paged_lib.course.grading.ch10_alloc import check_allocate_slots
-from paged_lib.course.grading.generated import small_prefix
+from paged_lib.course.grading.generated import numeric, small_prefix
 from paged_lib.engine.prefix_cache import (
     BlockHash,
     FreeBlockQueue,
@@ -69,7 +64,8 @@ def check_block_hashes(fn: Callable[..., Any]) -> None:
             _check_hashes(fn, name, tokens, block_size, extra)
         generated.check("block_hashes", fn, "one hash per full block, each chained on the "
                         "one before, with the extra keys")
-        small_prefix.prompt_stage(fn, _check_hashes)  # generated: block sizes, extra keys
+        numeric.check("10.1", small_prefix.prompt_cases(), lambda p: _check_hashes(
+            fn, "generated", p.tokens(), p.block_size, p.extras), small_prefix.PROMPT_CONTRASTS)
 
 
 def _check_hashes(fn, name: str, tokens: list[int], block_size: int, extra: tuple) -> None:
@@ -243,7 +239,8 @@ class _Lookup:
 def check_longest_cache_hit(fn: Callable[..., Any]) -> None:
     """``longest_cache_hit(hashes, lookup, num_tokens, block_size) -> list[int]``."""
     with grading.exercise("10.2"):
-        small_prefix.hit_stage(fn, _check_hit)
+        numeric.check("10.2", small_prefix.hit_cases(), lambda p: _check_hit(
+            fn, p.num_tokens, p.block_size, p.cached()), small_prefix.HIT_CONTRASTS)
         generated.check("longest_cache_hit", fn, "the leading hits only, stopping at the "
                         "first miss, and never the block that holds the text's last token")
 

@@ -1,6 +1,5 @@
-"""Generated inputs for 10.1 and 10.2, on the harness of
-:mod:`~paged_lib.course.grading.generated.numeric`, each run through the grader's own
-per-case check. 10.1: seeded prompts (token ids up to 152,000) hashed one after another
+"""Generated inputs for 10.1 and 10.2, run by :func:`.numeric.check` through the grader's
+own per-case check. 10.1: seeded prompts (token ids up to 152,000) hashed one after another
 at block sizes 16, 5, 3 and 2, with the two or three extra keys real requests carry, in
 their order. 10.2: prompts up to 131,072 tokens (8,192 blocks of 16), every block
 cached, a prefix or all but one, block ids up to 2**31 - 2, block 0 among them.
@@ -10,14 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from paged_lib.course.grading.generated import numeric
 from paged_lib.course.grading.generated.numeric import Contrast
 
-__all__ = ["HIT_CONTRASTS", "PROMPT_CONTRASTS", "Hit", "Prompt", "hit_cases", "hit_stage",
-           "prompt_cases", "prompt_stage"]
+__all__ = ["HIT_CONTRASTS", "PROMPT_CONTRASTS", "Hit", "Prompt", "hit_cases", "prompt_cases"]
 
 #: extra keys as requests carry them, in their order
 _EXTRAS = [(), ("lora-7",), ("salt-9", "lora-7"), ("lora-2", "mm:3f2a", "salt-1"),
@@ -81,13 +79,6 @@ PROMPT_CONTRASTS = (
              "not: every hash takes the request's extra keys as given, in their order (each "
              "BlockHash records them, and the pool compares them on lookup)"),
 )
-
-
-def prompt_stage(fn: Callable, check_hashes: Callable) -> None:
-    """10.1's generated stage; ``check_hashes(fn, name, tokens, block_size, extra)``: the
-    grader's own per-prompt check."""
-    numeric.check("10.1", prompt_cases(), lambda p: check_hashes(
-        fn, "generated", p.tokens(), p.block_size, p.extras), PROMPT_CONTRASTS)
 
 
 # ------------------------------------------------------------------ 10.2 longest_cache_hit
@@ -159,9 +150,3 @@ HIT_CONTRASTS = (
              "per block (Python stops recursion at about 1,000 calls)"),
 )
 
-
-def hit_stage(fn: Callable, check_hit: Callable) -> None:
-    """10.2's generated stage; ``check_hit(fn, num_tokens, block_size, cached)``: the
-    grader's own per-case check."""
-    numeric.check("10.2", hit_cases(), lambda p: check_hit(
-        fn, p.num_tokens, p.block_size, p.cached()), HIT_CONTRASTS)
