@@ -10,6 +10,7 @@ import pytest
 
 from paged_lib.accounting import SPECS
 from paged_lib.blocks import BlockTable, Slot
+from paged_lib.course.demos import your_counts
 from paged_lib.course.grading import ch00, ch01, ch02, ch03
 from paged_lib.course.grading.generated import small_sim
 
@@ -585,9 +586,9 @@ def test_00_1_wrong_answers_get_a_named_hint(capsys, answer, hint):
 
 def test_00_1_solution_passes_and_the_demo_launches_its_grid(capsys):
     assert verdict(capsys, ch00.check_ceil_div, lambda n, b: (n + b - 1) // b).startswith("✅")
-    ch00.run_demo(lambda n, b: n // b)  # 7 programs: the last 104 elements never written
+    your_counts.chapter_00(lambda n, b: n // b)  # 7 programs: the last 104 elements never written
     assert "launched 7 programs; 896 of 1000 outputs" in capsys.readouterr().out
-    ch00.run_demo(todo)
+    your_counts.chapter_00(todo)
     assert capsys.readouterr().out.startswith("⏳")
 
 
@@ -681,7 +682,7 @@ def test_01_solutions_pass_and_the_demo_draws_the_learners_numbers(capsys):
                    lambda n, b: (n + b - 1) // b).startswith("✅ [01.2]")
     assert verdict(capsys, ch01.check_last_block_fill, fill_ok).startswith("✅ [01.3]")
     assert verdict(capsys, ch01.check_max_requests, max_ok).startswith("✅ [01.4]")
-    fig = ch01.run_demo(lambda s: kv_ok(s) // 2)
+    fig = your_counts.chapter_01(lambda s: kv_ok(s) // 2)
     assert "some differ" in capsys.readouterr().out
     heights = [p.get_height() for p in fig.axes[0].patches if p.get_height() > 0]
     assert heights[0] == kv_ok(next(iter(SPECS.values()))) / 2 / 1024

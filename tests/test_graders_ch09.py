@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from paged_lib.course.demos import your_counts
 from paged_lib.course.grading import ch09
 from paged_lib.studies.block_size import choose_block_size, internal_waste
 from paged_lib.util import cdiv
@@ -112,7 +113,7 @@ def test_09_2_wrong_answers_get_a_named_hint(capsys, wrong, hint):
 
 
 def test_09_demo_runs_on_the_library_answers(capsys):
-    ch09.run_demo(waste_with(), choice_with())
+    your_counts.chapter_09(waste_with(), choice_with())
     out = capsys.readouterr().out
     assert "sharegpt: waste" in out and "alpaca: waste" in out and "FlashMLA" in out
 

@@ -14,6 +14,7 @@ import torch  # noqa: E402
 
 from paged_lib import accounting as acc  # noqa: E402
 from paged_lib.accounting import kv_bytes_per_token, mha_equivalent  # noqa: E402
+from paged_lib.course.demos import your_counts
 from paged_lib.course.exercises import EXERCISES  # noqa: E402
 from paged_lib.course.grading import ch11  # noqa: E402
 from paged_lib.util import cdiv  # noqa: E402
@@ -154,7 +155,7 @@ def test_11_1_rules_read_from_the_levels_definitions_get_a_named_hint(capsys, wr
 def test_11_1_the_specs_example_is_the_librarys():
     spec = acc.get_spec("llama-3-8b")
     want = (1073741824, 134217728, 33030144, 33554432)  # as the spec's example says
-    assert ch11._levels(spec, [1000], 2048, 1, 16, 500, 4) == want
+    assert ch11.reference_levels(spec, [1000], 2048, 1, 16, 500, 4) == want
     assert [v / 2**20 for v in want] == [1024, 128, 31.5, 32]
 
 
@@ -240,16 +241,16 @@ def test_11_2_the_specs_examples_are_the_librarys():
 def test_twins_and_demo(capsys):
     assert all(EXERCISES[k].twins for k in ("11.1", "11.2", "11.3", "11.4"))
     assert EXERCISES["11.2"].twins[0] == "paged_lib.accounting.kv_bytes_per_token"
-    ch11.run_demo(levels_with(), bytes_with())
+    your_counts.chapter_11(levels_with(), bytes_with())
     out = capsys.readouterr().out
     assert "baseline" in out and "paged layout" in out and "deepseek-v2" in out
     assert len(plt.get_fignums()) == 2
 
 
 @pytest.mark.parametrize("check, delegate, name", [
-    (ch11.check_kv_levels, lambda spec, lengths, **kw: ch11._levels(
+    (ch11.check_kv_levels, lambda spec, lengths, **kw: ch11.reference_levels(
         spec, lengths, kw["max_len"], kw["kv_dtype_bytes"], kw["block_size"], kw["window"],
-        kw["sinks"]), "_levels"),
+        kw["sinks"]), "reference_levels"),
     (ch11.check_kv_bytes_per_token, lambda s: acc.kv_bytes(s, 1), "kv_bytes"),
     (ch11.check_kv_bytes_per_token, lambda s: __import__(
         "paged_lib.parallel", fromlist=["x"]).kv_bytes_per_rank(s, 1, 1), "kv_bytes_per_rank"),
@@ -262,7 +263,7 @@ def test_the_library_helpers_that_do_the_exercise_are_refused(capsys, check, del
 def test_demo_on_unfinished_code_says_so(capsys):
     def todo(*args, **kwargs):
         raise NotImplementedError()
-    ch11.run_demo(todo, todo)
+    your_counts.chapter_11(todo, todo)
     out = capsys.readouterr().out
     assert out.count("⏳") == 2 and "Traceback" not in out
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from paged_lib.accounting import kv_bytes
+from paged_lib.course.demos import your_counts
 from paged_lib.course.exercises import EXERCISES
 from paged_lib.course.grading import ch12
 from paged_lib.course.viz import parallel as viz
@@ -218,7 +219,7 @@ def test_twins_are_the_library_functions_and_the_helpers_that_do_the_exercise():
 
 
 def test_demo_runs_the_learners_functions(capsys):
-    fig = ch12.run_demo(bytes_ok, heads_with())
+    fig = your_counts.chapter_12(bytes_ok, heads_with())
     out = capsys.readouterr().out
     assert "8 rank(s)" in out and "KV heads [1]" in out
     plt.close(fig)

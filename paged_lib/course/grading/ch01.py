@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Callable
-from typing import Any
 
 from paged_lib.accounting import SPECS, ModelSpec, kv_bytes_per_token, num_blocks
 from paged_lib.course import grading
@@ -150,19 +149,3 @@ def check_max_requests(fn: Callable[[ModelSpec, int, int, int], int]) -> None:
             _check_max(fn, l7, budget, ctx, 16)
         small_ints.budget_stage(lambda *args: _check_max(fn, *args))  # generated: real
         # configurations, block sizes that are not powers of two, budgets past 2**32
-
-
-def run_demo(kv_bytes_per_token: Callable[[ModelSpec], int]) -> Any:
-    """The chapter's bar chart of KV bytes per token, drawn with the learner's function."""
-    from paged_lib.accounting import kv_bytes_per_token as library
-    from paged_lib.course.viz import accounting as viz
-
-    same = grading.on_learner_code(
-        lambda: all(kv_bytes_per_token(s) == library(s) for s in SPECS.values()),
-        "exercise 01.1", "the chapter's chart drawn by your kv_bytes_per_token")
-    if same is None:
-        return None
-    print(f"your kv_bytes_per_token on all {len(SPECS)} models of the chapter: "
-          f"{'every one equals' if same else 'some differ from'} the library's")
-    return viz.kv_per_token_bars(per_token=kv_bytes_per_token,
-                                 title="KV bytes per token, computed by your function")

@@ -13,9 +13,8 @@ import numpy as np
 from paged_lib.course import grading
 from paged_lib.course.grading import slips
 from paged_lib.course.grading.generated import small_sim
-from paged_lib.course.grading.generated.small_sim import SIM_KEYS, reference_paged
 from paged_lib.fragmentation import request_slots
-from paged_lib.workloads import Request, sharegpt_like
+from paged_lib.workloads import Request
 
 _FINISHED = "a finished request never runs again, so what its entry says is never read"
 _READMITTED = ("a preempted request's blocks are set again when it is admitted again, before "
@@ -313,30 +312,3 @@ def check_paged_simulator(simulate_paged: Callable[..., Any]) -> None:
         for name, requests, capacity, block_size, hint in SIM_TRACES:
             small_sim.run_paged(simulate_paged, requests, capacity, block_size, hint, name)
         small_sim.trace_stage(simulate_paged)
-
-
-def run_demo(simulate_paged: Callable[..., Any]) -> Any:
-    """The chapter's Fig. 2 experiment with the learner's simulator as the paged policy."""
-    from paged_lib import accounting
-    from paged_lib.course.viz import fragmentation as viz
-    from paged_lib.fragmentation import Breakdown, simulate
-
-    requests = sharegpt_like(600, seed=0)
-    opt = accounting.SPECS["opt-13b"]  # the paper's Fig. 2 pool: OPT-13B on a 40 GB A100
-    slots = (40 * accounting.GiB - accounting.weight_bytes(opt)) // \
-        accounting.kv_bytes_per_token(opt)
-    got = grading.on_learner_code(lambda: simulate_paged(requests, slots, 16),
-                                  "exercise 02.5", "the chapter's vLLM bar from your simulator")
-    if got is None:
-        return None
-    total = sum(got[c] for c in ("token_states", "reserved", "internal", "external"))
-    yours = Breakdown(*(got[c] / total for c in ("token_states", "reserved", "internal",
-                                                  "external")))
-    same = {k: got[k] for k in SIM_KEYS} == reference_paged(requests, slots, 16)
-    print(f"your simulator: {yours.token_states:.1%} token states, {got['preemptions']} "
-          f"preemptions, {got['num_steps']} steps "
-          f"({'the same as' if same else 'different from'} the library's)")
-    results = {p: simulate(requests, p, slots) for p in ("orca-max", "orca-pow2",
-                                                        "orca-oracle")}
-    results["paged"] = yours
-    return viz.plot_breakdown(results, title="Fig. 2 with your paged simulator")

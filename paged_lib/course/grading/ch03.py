@@ -143,34 +143,3 @@ def _prediction_hint(key: str, expected: Any, mine: Any) -> str:
         return ("a copy-on-write takes the next block on the free list (5, 2, 9 went to the "
                 "prompt, so 10, then 11), and the token is written into the copy")
     return PREDICTION_HINTS[key]
-
-
-# ------------------------------------------------------------------ the chapter's demo
-
-
-def run_demo(append_token: Callable[..., Any], fork: Callable[..., Any],
-             free_block: Callable[..., Any]) -> list[Any]:
-    """The chapter's two scenarios, driven by the learner's table and allocator.
-
-    Prints whether every frame matches the library's, and returns the figures (the
-    decode loop with three requests, then parallel sampling with copy-on-write).
-    """
-    from paged_lib.course.viz import blocks as viz
-
-    learner_table = type("YourBlockTable", (BlockTable,),
-                         {"append_token": append_token, "fork": fork})
-    frames = grading.on_learner_code(
-        lambda: (list(viz.grow_requests(table_cls=learner_table,
-                                        allocator=_LearnerAllocator(5, free_block))),
-                 viz.fork_and_write(table_cls=learner_table,
-                                    allocator=_LearnerAllocator(8, free_block))),
-        "exercises 03.1-03.3", "the chapter's drawings driven by your table and allocator")
-    if frames is None:
-        return []
-    grown, forked = frames
-    same = grown == list(viz.grow_requests()) and forked == viz.fork_and_write()
-    print(f"your code drove {len(grown) + len(forked)} frames; "
-          f"{'every frame equals' if same else 'some frames differ from'} the library's")
-    finished = next(i for i, s in enumerate(grown) if "finished" in s.caption)
-    return [viz.draw_frames([grown[finished], grown[finished + 1]]),
-            viz.draw_frames([forked[1], forked[2], forked[4]])]

@@ -34,11 +34,11 @@ from paged_lib.course.grading.generated.small_attention import rng
 from paged_lib.course.grading.slips import name_mistake, name_slip
 from paged_lib.kernels import paged_attention
 from paged_lib.kernels.torch_backend import paged_attention_torch
-from paged_lib.studies.block_size import KERNEL_BLOCK_SIZES, choose_block_size, internal_waste
+from paged_lib.studies.block_size import choose_block_size, internal_waste
 from paged_lib.util import CheckFailed, cdiv
 
 __all__ = ["CASES", "check_attend_tiles", "check_case", "check_choose_block_size",
-           "check_internal_waste", "run_demo"]
+           "check_internal_waste"]
 
 
 # ------------------------------------------------------------------ 09.1 internal_waste
@@ -716,34 +716,3 @@ def check_attend_tiles(fn: Callable[..., torch.Tensor]) -> None:
             check_case(fn, p, name)
         numeric.check("09.3", numeric.tile_cases(), lambda p: check_case(fn, p),
                       numeric.TILE_CONTRASTS)
-
-
-# ------------------------------------------------------------------------------ demo
-
-
-def run_demo(internal_waste_fn: Callable[..., float],
-             choose_block_size_fn: Callable[..., int]) -> None:
-    """The learner's functions on the chapter's two traces, next to the library's."""
-    from paged_lib.workloads import alpaca_like, sharegpt_like
-
-    traces = {"sharegpt": sharegpt_like(120, seed=0),
-              "alpaca": alpaca_like(400, seed=0, rate=16)}
-    lengths = {name: [r.final_len for r in trace] for name, trace in traces.items()}
-
-    def waste() -> None:
-        for name, lens in lengths.items():
-            mine = [internal_waste_fn(lens, b) for b in (16, 64, 256)]
-            ref = [internal_waste(lens, b) for b in (16, 64, 256)]
-            print(f"{name}: waste at blocks of 16 / 64 / 256 tokens, yours "
-                  + " / ".join(f"{w:.1%}" for w in mine) + ", library "
-                  + " / ".join(f"{w:.1%}" for w in ref))
-
-    def choice() -> None:
-        for name, lens in lengths.items():
-            for kernel, sizes in KERNEL_BLOCK_SIZES.items():
-                b = choose_block_size_fn(lens, list(sizes), 0.05)
-                lib = choose_block_size(lens, list(sizes), 0.05)
-                print(f"{name}, {kernel} {sizes}, budget 5%: you choose {b} (library: {lib})")
-
-    grading.on_learner_code(waste, "exercise 09.1", "the traces' waste with your function")
-    grading.on_learner_code(choice, "exercises 09.1 and 09.2", "your block-size choices")

@@ -2,13 +2,12 @@
 fixed cases (11.2 then its generated stage); 11.3 in
 :mod:`~paged_lib.course.grading.ch11_quant`; 11.4 ``drop_oldest`` on named edge states,
 then random windowed workloads served with it. A wrong answer is named by the typical
-mistake (a keyword of ``_levels``, :func:`reference_drop` ...) that gives it.
+mistake (a keyword of ``reference_levels``, :func:`reference_drop` ...) that gives it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import numbers
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -31,7 +30,7 @@ from paged_lib.engine.window import WindowOp
 from paged_lib.util import cdiv
 
 __all__ = ["DEPLOYMENT", "LEVELS", "check_drop_oldest", "check_kv_bytes_per_token",
-           "check_kv_levels", "check_write_int8_blocks", "reference_drop", "run_demo"]
+           "check_kv_levels", "check_write_int8_blocks", "reference_drop", "reference_levels"]
 
 
 #: The names of 11.1's four numbers, in order.
@@ -64,11 +63,12 @@ DEPLOYMENT = dict(spec="llama-3-8b", max_len=8192, kv_dtype_bytes=1, block_size=
                   window=1020, sinks=4)
 
 
-def _levels(spec: ModelSpec, lengths: Sequence[int], max_len: int, kv_dtype_bytes: int,
-            block_size: int, window: int | None, sinks: int, *, base_heads: str = "mha",
-            base_dtype: str = "fp16", own: str = "own", with_sinks: bool = True,
-            cap: bool = True, blocks: str = "ceil", paged_tokens: str = "kept",
-            zero_window: bool = True, per_dtype: str = "kv", reserve: str = "keep") -> tuple:
+def reference_levels(spec: ModelSpec, lengths: Sequence[int], max_len: int,
+                     kv_dtype_bytes: int, block_size: int, window: int | None, sinks: int,
+                     *, base_heads: str = "mha", base_dtype: str = "fp16", own: str = "own",
+                     with_sinks: bool = True, cap: bool = True, blocks: str = "ceil",
+                     paged_tokens: str = "kept", zero_window: bool = True,
+                     per_dtype: str = "kv", reserve: str = "keep") -> tuple:
     """The four levels, or (with a keyword changed) what one typical mistake gives."""
     base = {"mha": mha_equivalent(spec), "own": spec,
             "hidden": dataclasses.replace(mha_equivalent(spec),
@@ -99,7 +99,7 @@ def _levels(spec: ModelSpec, lengths: Sequence[int], max_len: int, kv_dtype_byte
             reserved * b_per, held * b_per)
 
 
-#: level index (23: levels 2 and 3) -> (the mistake's keywords for _levels, its hint)
+#: level index (23: levels 2 and 3) -> (the mistake's keywords for reference_levels, its hint)
 _LEVEL_SLIPS: list[tuple[int, dict, str]] = [
     (0, dict(base_heads="own"), "the baseline is plain MHA: one KV head per query head "
      "(accounting.mha_equivalent), not the model's own GQA/MQA/MLA"),
@@ -160,13 +160,14 @@ def check_kv_levels(fn: Callable[..., Any]) -> None:
                                 f"{what}: expected a tuple of 4 byte counts, got {got!r}",
                                 "return (baseline, fewer bytes per token, fewer tokens, "
                                 "paged layout)")
-            want = _levels(*args)
+            want = reference_levels(*args)
             for i, (g, w) in enumerate(zip(got, want, strict=True)):
                 level = f"{what}: {LEVELS[i]}"
                 grading.expect_int(g, level)
                 if g != w:
                     hint = next((h for j, kw, h in _LEVEL_SLIPS
-                                 if str(i) in str(j) and _levels(*args, **kw)[i] == g), None)
+                                 if str(i) in str(j)
+                                 and reference_levels(*args, **kw)[i] == g), None)
                     if hint is None and abs(g - w) <= w * 2.0**-20:
                         hint = ("off in the low digits only: a float32 (numpy or torch) "
                                 "keeps 24 bits, so a count computed in it and cast back "
@@ -476,42 +477,3 @@ def check_drop_oldest(fn: Callable[..., Any]) -> None:
                         "block_size goes, its num_sink_tokens % block_size sinks copied to "
                         "the next block, and every recent token's key rotated by -block_size, "
                         "whatever the block size and however many sinks")
-
-
-# ------------------------------------------------------------------------------ demo
-
-def run_demo(kv_levels_fn: Callable[..., Any],
-             kv_bytes_per_token_fn: Callable[[ModelSpec], Any]) -> None:
-    """The learner's functions on the chapter's deployment and models, beside the library's
-    (pictures: the levels and the bytes-per-token bars)."""
-    from paged_lib.course.viz import kv_landscape as viz
-    from paged_lib.workloads import sharegpt_like
-
-    lengths = [r.final_len for r in sharegpt_like(64, seed=0)]
-    kw = {k: v for k, v in DEPLOYMENT.items() if k != "spec"}
-    spec = get_spec(DEPLOYMENT["spec"])
-
-    def levels() -> None:
-        mine = kv_levels_fn(spec, list(lengths), **kw)
-        ref = _levels(spec, lengths, kw["max_len"], kw["kv_dtype_bytes"], kw["block_size"],
-                      kw["window"], kw["sinks"])
-        print(f"{spec.name}, 64 requests (synthetic ShareGPT-like lengths), "
-              f"max_len {kw['max_len']}, {kw['kv_dtype_bytes']} B per value, window "
-              f"{kw['window']} + {kw['sinks']} sinks, blocks of {kw['block_size']}:")
-        for name, m, r in zip(LEVELS, mine, ref, strict=True):
-            print(f"  {name:<22} yours {m / 2**30:8.3f} GiB   library pieces "
-                  f"{r / 2**30:8.3f} GiB")
-        if all(isinstance(m, numbers.Integral) and not isinstance(m, bool) for m in mine):
-            viz.levels_bars(dict(zip(LEVELS, mine, strict=True)),
-                            f"{spec.name}: your levels for the chapter's deployment")
-
-    def per_token() -> None:
-        models = ["llama-2-7b", "llama-3-8b", "falcon-7b", "deepseek-llm-67b", "deepseek-v2"]
-        for name in models:
-            s = get_spec(name)
-            print(f"  {name:<17} {s.attention}: yours {kv_bytes_per_token_fn(s):>9,} B, "
-                  f"library {kv_bytes_per_token(s):>9,} B")
-        viz.bytes_per_token_bars(models, per_token=kv_bytes_per_token_fn)
-
-    grading.on_learner_code(levels, "exercise 11.1", "the deployment's levels")
-    grading.on_learner_code(per_token, "exercise 11.2", "bytes per token with your function")

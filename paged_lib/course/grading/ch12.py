@@ -43,7 +43,6 @@ from paged_lib.engine.model_runner import build_metadata, check_metadata
 from paged_lib.model import rope_cos_sin
 from paged_lib.parallel import (
     AttentionWeights,
-    kv_bytes_per_rank,
     rank_attention,
     rank_heads,
     tp_size_problem,
@@ -52,7 +51,7 @@ from paged_lib.util import cdiv
 
 __all__ = ["ENGINE", "HEAD_CONTRASTS", "RANK_CONTRASTS", "Heads", "Rank", "Shipped", "Step",
            "check_generated", "check_kv_bytes_per_rank", "check_rank_attention",
-           "check_rank_heads", "compare", "head_cases", "rank_cases", "replayed", "run_demo",
+           "check_rank_heads", "compare", "head_cases", "rank_cases", "replayed",
            "share", "single_device", "steps"]
 
 # ------------------------------------------------------------------ 12.1 kv_bytes_per_rank
@@ -686,26 +685,3 @@ def check_rank_attention(fn: Callable[..., torch.Tensor]) -> None:
     with grading.exercise("12.3"):
         check_generated(fn)
         _on_gloo_ranks(fn)
-
-
-# ------------------------------------------------------------------------------ demo
-
-
-def run_demo(kv_bytes_per_rank_fn: Callable[..., int],
-             rank_heads_fn: Callable[..., tuple[list[int], list[int]]]):
-    """The learner's two functions on the shipped model's shape (8 query heads, 2 KV
-    heads) at 1, 2, 4 and 8 ranks, next to the library's; returns the heads picture."""
-    from paged_lib.course.viz import parallel as viz
-
-    def table() -> None:
-        for tp in (1, 2, 4, 8):
-            mine = kv_bytes_per_rank_fn(_TINY, tp, 2048)
-            lib = kv_bytes_per_rank(_TINY, tp, 2048)
-            q, k = rank_heads_fn(8, 2, tp, tp - 1)
-            print(f"{tp} rank(s): {mine / 2**20:.2f} MiB per rank for 2048 tokens "
-                  f"(library {lib / 2**20:.2f}); the last rank owns query heads {q}, "
-                  f"KV heads {k}")
-
-    grading.on_learner_code(table, "exercises 12.1 and 12.2", "the shipped model's shards")
-    return grading.on_learner_code(lambda: viz.heads_by_rank(8, 2, 4, owners=rank_heads_fn),
-                                   "exercise 12.2", "the heads picture from your function")
