@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from paged_lib.course.demos import your_serving
 from paged_lib.course.exercises import EXERCISES
 from paged_lib.course.grading import ch06, ch07
 from paged_lib.engine.block_manager import num_required_blocks, swap_mapping
@@ -555,11 +556,11 @@ def test_06_demo_waits_for_unfinished_exercises(capsys, tiny_model):
 
 
 def test_07_demo_preempts_with_the_learners_functions(capsys, tiny_model):
-    ch07.run_demo(swap_correct, victim_newest, model=tiny_model)
+    your_serving.chapter_07(swap_correct, victim_newest, model=tiny_model)
     out = capsys.readouterr().out
     assert out.count("every token equals") == 2 and "recompute, your choose_victim" in out, out
-    ch07.run_demo(swap_copy_twice, victim_newest, model=tiny_model)
+    your_serving.chapter_07(swap_copy_twice, victim_newest, model=tiny_model)
     out = capsys.readouterr().out
     assert out.splitlines()[-1].startswith("❌"), "a double copy must not pass silently"
-    ch07.run_demo(swap_correct, victim_oldest, model=tiny_model)
+    your_serving.chapter_07(swap_correct, victim_oldest, model=tiny_model)
     assert "(library: 7" not in capsys.readouterr().out

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from paged_lib.course.demos import your_serving
 from paged_lib.course.grading import ch14
 from paged_lib.serve.detokenize import IncrementalDetokenizer
 
@@ -118,7 +119,7 @@ def test_the_stub_is_not_attempted(capsys):
 
 
 def test_the_demo_streams_through_the_learners_class(capsys):
-    ch14.run_demo(Det)
+    your_serving.chapter_14(Det)
     out = capsys.readouterr().out
     assert "stopped at 'string'" in out and "[R][e][t][u][r][n]" in out
     assert "pieces from" in out

@@ -9,9 +9,6 @@
   typical wrong rule that gives it. Then random workloads.
 * 07.3 ``preempt_until_fits``: served in the engine next to the library's, call by call,
   on edge scenarios then random workloads (:mod:`~paged_lib.course.grading.scheduler_loops`).
-
-:func:`run_demo` serves the chapter's too-small pool with the learner's functions, by
-recompute and by swap, next to the library's runs.
 """
 
 from __future__ import annotations
@@ -26,18 +23,17 @@ from paged_lib.course.demos.engine_compare import (  # the chapter's trace (note
     PRESSURE_BLOCKS,
     pressure_requests,
 )
-from paged_lib.course.grading import generated, serving
+from paged_lib.course.grading import generated
 from paged_lib.course.grading import scheduler_loops as loops
 from paged_lib.course.grading.scheduler_loops import Scenario
 from paged_lib.engine import policy
 from paged_lib.engine.block_manager import swap_mapping as lib_swap_mapping
-from paged_lib.engine.hooks import EngineHooks
 from paged_lib.engine.policy import choose_victim as lib_victim
 from paged_lib.engine.sequence import SamplingParams, Sequence, SequenceGroup, SequenceStatus
 
 __all__ = ["EQUIVALENT_MUTANTS", "PRESSURE_BLOCKS", "PRESSURE_BLOCK_SIZE",
            "check_choose_victim", "check_preempt_until_fits", "check_swap_mapping",
-           "pressure_requests", "run_demo"]
+           "pressure_requests"]
 
 #: Mutants of the solutions that cannot change any answer (tools/mutants.py skips them).
 EQUIVALENT_MUTANTS: dict[str, dict[str, str]] = {"07.3": {
@@ -429,50 +425,3 @@ def check_preempt_until_fits(preempt_until_fits: Callable[..., Any]) -> None:
                             "choose_victim among the group and those admitted after it that "
                             "have not run, one victim at a time, until the blocks fit or the "
                             "group itself is preempted")
-
-
-# ------------------------------------------------------------------ the demo
-
-
-def run_demo(swap_mapping: Callable[..., Any], choose_victim: Callable[..., Any],
-             model: Any = None, preempt_until_fits: Callable[..., Any] | None = None) -> None:
-    """The chapter's too-small pool served with the learner's ``choose_victim`` (and
-    ``preempt_until_fits`` when given), by recompute and by swap (with the learner's
-    mapping), next to the library's runs."""
-    from paged_lib.model import load_tiny_code_llama
-
-    model = model if model is not None else load_tiny_code_llama()
-    prompts, params = pressure_requests()
-
-    also = "" if preempt_until_fits is None else " (and preempt_until_fits)"
-    asked = [0]
-
-    def victim(running: list) -> Any:
-        asked[0] += 1
-        return choose_victim(running)
-
-    def serve(mode: str, **hooks: Any) -> None:
-        asked[0] = 0
-        if preempt_until_fits is not None:
-            hooks["preempt_until_fits"] = preempt_until_fits
-        run = serving.side_by_side(model, PRESSURE_BLOCKS, PRESSURE_BLOCK_SIZE, prompts,
-                                   params, EngineHooks(choose_victim=victim, **hooks),
-                                   num_cpu_blocks=64, preemption=mode)
-        s, r = run.yours.stats, run.library.stats
-        print(f"recompute, your choose_victim{also}: {len(prompts)} requests on {PRESSURE_BLOCKS} "
-              f"blocks in {s.steps} steps (library: {r.steps}), {s.preemptions} preemptions "
-              f"(library: {r.preemptions}), {s.recomputed_tokens} tokens recomputed "
-              f"(library: {r.recomputed_tokens})" if mode == "recompute" else
-              f"swap, your choose_victim and swap_mapping{also}: {s.preemptions} preemptions, "
-              f"{s.swapped_blocks} block copies (library: {r.preemptions}, "
-              f"{r.swapped_blocks})")
-        print(f"every token {'equals' if run.same_tokens else 'DIFFERS from'} the library "
-              "engine's")
-        if s.preemptions and not asked[0]:
-            print("your preempt_until_fits never asked step.hooks.choose_victim: these "
-                  "victims are its own choice, not your choose_victim's")
-
-    grading.on_learner_code(lambda: serve("recompute"), "exercises 07.2 and 07.3",
-                            "recompute with your choose_victim")
-    grading.on_learner_code(lambda: serve("swap", swap_mapping=swap_mapping),
-                            "exercises 07.1-07.3", "swap with your functions")

@@ -8,9 +8,6 @@
   with the library's queue; the time per call at 1,000 and 100,000 blocks (O(1) stays
   flat); random workloads on small caching pools.
 * 10.4 ``allocate_slots``: :mod:`~.ch10_alloc`.
-
-:func:`run_demo` runs vLLM's worked example and the shared-prefix requests on the
-learner's pieces next to the library's.
 """
 
 from __future__ import annotations
@@ -33,7 +30,7 @@ from paged_lib.engine.prefix_cache import (
 )
 
 __all__ = ["check_allocate_slots", "check_block_hashes", "check_free_queue",
-           "check_longest_cache_hit", "run_demo"]
+           "check_longest_cache_hit"]
 
 
 # ------------------------------------------------------------------ 10.1 block_hashes
@@ -297,52 +294,6 @@ def _check_hit(fn, num_tokens: int, block_size: int, cached: dict[int, int]) -> 
                  f"up to the first miss, and stops before the block that holds the last "
                  f"prompt token: {where_last}")
 
-
-# ------------------------------------------------------------------ the demo
-
-
-def run_demo(block_hashes_fn: Callable[..., Any], longest_cache_hit_fn: Callable[..., Any],
-             free_queue_cls: type, allocate_slots_fn: Callable[..., Any] | None = None,
-             model: Any = None) -> None:
-    """Chapter 10's demos on the learner's pieces: vLLM's worked example (the first three),
-    then the six shared-prefix requests served one after another on a 12-block pool
-    through the engine's hooks (``allocate_slots_fn`` too, if given), next to the
-    library's runs."""
-    from paged_lib.course.demos import prefix_cache as demo
-
-    def example() -> None:
-        mine = demo.worked_example(free_queue_cls, block_hashes_fn, longest_cache_hit_fn)
-        same = mine == demo.worked_example()
-        last = mine[-1]
-        print(f"vLLM's worked example with your pieces: {'equals' if same else 'DIFFERS from'}"
-              f" the library's at every step; request 2 hits {last.hits.get('request 2')}, "
-              f"evicts {last.evicted}")
-
-    def engine() -> None:
-        from paged_lib.engine import EngineHooks, LLMEngine, SamplingParams
-        from paged_lib.model import load_tiny_code_llama
-
-        m = model if model is not None else load_tiny_code_llama()
-        prompts = demo.shared_prefix_prompts()
-        params = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0)
-        mine = dict(block_hashes=block_hashes_fn, longest_cache_hit=longest_cache_hit_fn,
-                    FreeBlockQueue=free_queue_cls)
-        if allocate_slots_fn is not None:
-            mine["allocate_slots"] = allocate_slots_fn
-        hooks = EngineHooks(**mine)
-        yours = LLMEngine(m, 12, 8, enable_prefix_caching=True, hooks=hooks)
-        outs, hits = demo.serve_one_by_one(yours, prompts, params)
-        lib = LLMEngine(m, 12, 8, enable_prefix_caching=True)
-        ref_outs, ref_hits = demo.serve_one_by_one(lib, prompts, params)
-        pool = yours.block_manager.gpu
-        print(f"engine, 12 blocks of 8, {len(prompts)} prompts one after another with your "
-              f"hooks: prompt tokens from the cache {hits} (library: {ref_hits})")
-        print(f"tokens {'equal' if outs == ref_outs else 'DIFFER from'} the library engine's;"
-              f" afterwards {pool.num_free} of {pool.num_blocks} blocks free"
-              f"{'' if pool.num_free == pool.num_blocks else ' (a LEAK)'}")
-
-    grading.on_learner_code(example, "exercises 10.1-10.3", "vLLM's worked example")
-    grading.on_learner_code(engine, "exercises 10.1-10.4", "the engine with your pieces")
 
 
 # ------------------------------------------------------------------ 10.3 the free queue

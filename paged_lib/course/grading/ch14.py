@@ -25,7 +25,7 @@ from paged_lib.course.grading.generated.numeric import Contrast, fewer
 from paged_lib.serve.detokenize import IncrementalDetokenizer
 from paged_lib.tokenizer import ByteTokenizer
 
-__all__ = ["STREAM_CONTRASTS", "Stream", "check_detokenizer", "run_demo", "stream_cases"]
+__all__ = ["STREAM_CONTRASTS", "Stream", "check_detokenizer", "stream_cases"]
 
 
 _TOK = ByteTokenizer()
@@ -238,26 +238,3 @@ def check_detokenizer(cls: Any) -> None:
                 f"define {name} in your own class: that is the exercise")
         numeric.check("14.1", stream_cases(), lambda p: _run_case(
             cls, p.text, list(p.stops), p.per_add), STREAM_CONTRASTS)
-
-
-def run_demo(cls: Any, prompt: str = "def add(a, b):", max_tokens: int = 60,
-             stop: Sequence[str] = ("string",)) -> None:
-    """Stream the tiny model's greedy answer through the learner's class, a token at a
-    time, and print each piece the client would get (in brackets) and why it ended."""
-
-    def run() -> None:
-        from paged_lib.engine import LLMEngine, SamplingParams
-        from paged_lib.model import load_tiny_code_llama
-
-        engine = LLMEngine(load_tiny_code_llama(), 64, 16)
-        out = engine.generate([_TOK.encode(prompt)],
-                              SamplingParams(max_tokens=max_tokens, temperature=0.0))
-        det = cls(_TOK.decode, list(stop))
-        pieces = [det.add([t]) for t in out[0].outputs[0].token_ids]
-        pieces.append(det.finish())
-        print(f"{sum(1 for p in pieces if p)} pieces from "
-              f"{len(out[0].outputs[0].token_ids)} tokens:")
-        print("".join(f"[{p}]" for p in pieces if p))
-        print(f"stopped at {det.stopped!r}")
-
-    grading.on_learner_code(run, "exercise 14.1", "the streaming demo")
