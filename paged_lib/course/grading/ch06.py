@@ -43,6 +43,11 @@ _SPEC_BATCH = ([[7, 2], [5]], [6, 3], [1, 3], 4)
 
 _DTYPES = {"slot_mapping": torch.int64, "block_tables": torch.int32, "seq_lens": torch.int32,
            "query_lens": torch.int32, "positions": torch.int64}
+_DTYPE_HINTS = {
+    "slot_mapping": "slot_mapping is int64: block * block_size + offset outgrows int32 in a "
+                    "large pool (vLLM uses int64 too)",
+    "positions": "positions are int64 (they index the rotary embedding table)",
+}
 _FIELD_HINTS = {
     "seq_lens": "seq_lens[s] is the tokens in the cache after this step: the value you "
                 "were given, as an int32 tensor",
@@ -82,21 +87,13 @@ def _check_batch(fn, name, tables, seq_lens, query_lens, block_size) -> None:
                             f"make {field} a torch tensor of dtype {dtype}")
         grading.expect_true(value.dtype == dtype,
                             f"{where}: {field} has dtype {value.dtype}, expected {dtype}",
-                            _dtype_hint(field, dtype))
+                            _DTYPE_HINTS.get(field, f"{field} is {dtype}, the dtype the "
+                                             "kernels take"))
     _check_block_tables(got.block_tables, want.block_tables, tables, where)
     _check_slots(got, want, tables, seq_lens, query_lens, block_size, where)
     for field in ("seq_lens", "query_lens"):
         grading.expect_equal(getattr(got, field).tolist(), getattr(want, field).tolist(),
                              f"{where}: {field}", _FIELD_HINTS[field])
-
-
-def _dtype_hint(field: str, dtype: torch.dtype) -> str:
-    if field == "slot_mapping":
-        return ("slot_mapping is int64: block * block_size + offset outgrows int32 in a "
-                "large pool (vLLM uses int64 too)")
-    if field == "positions":
-        return "positions are int64 (they index the rotary embedding table)"
-    return f"{field} is {dtype}, the dtype the kernels take"
 
 
 def _check_block_tables(got: torch.Tensor, want: torch.Tensor, tables, where: str) -> None:
