@@ -218,56 +218,11 @@ _SMALL_IDS = Contrast(
 # ------------------------------------------------------------------ 06.2 num_required_blocks
 
 
-def _shared(prompt: int, tails: list[int], bs: int, copies: int) -> int:
-    base = cdiv(prompt, bs)
-    return base + sum(cdiv(prompt + t, bs) - base for t in tails) + copies
-
-
-def _prompt_len(group: SequenceGroup) -> int:
-    return len(group.prompt_token_ids)
-
-
-def _tails(group: SequenceGroup, live: bool = True) -> list[int]:
-    seqs = group.live_seqs() if live else group.seqs
-    return [s.num_tokens - _prompt_len(group) for s in seqs]
-
-
-#: The typical wrong rules: (name, rule, hint). The first whose answer equals the
-#: learner's on a failing case names the mistake ("finished too" is right until a
-#: sequence finished, so it goes first).
-_WRONG_RULES: list[tuple[str, Callable[[SequenceGroup, int], int], str]] = [
-    ("finished too", lambda g, bs: _shared(_prompt_len(g), _tails(g, live=False), bs,
-                                           (len(g.seqs) - 1) * bool(_prompt_len(g) % bs)),
-     "finished sequences take no blocks: count only group.live_seqs()"),
-    ("per sample", lambda g, bs: g.params.num_seqs * cdiv(_prompt_len(g), bs)
-     if len(g.seqs) == 1 and g.params.num_seqs > 1 else -1,
-     "a fresh group prefills its prompt once, in one sequence: its n samples fork it "
-     "afterwards and share those blocks, so the prompt's blocks count once, not once per "
-     "sample"),
-    ("prompt only", lambda g, bs: cdiv(_prompt_len(g), bs) if len(g.live_seqs()) == 1 else -1,
-     "a sequence preempted by recompute prefills its whole text again: the prompt *and* "
-     "the tokens it generated need blocks"),
-    ("rounds down", lambda g, bs: g.live_seqs()[0].num_tokens // bs
-     if len(g.live_seqs()) == 1 else -1,
-     "the partly filled last block counts too: ceil(tokens / block_size), in integers"),
-    ("no sharing", lambda g, bs: sum(cdiv(s.num_tokens, bs) for s in g.live_seqs()),
-     "a group preempted by recompute gets its prompt back once, shared by all its "
-     "sequences: count the prompt's blocks once, then each sequence's own tail"),
-    ("no copy-on-write", lambda g, bs: _shared(_prompt_len(g), _tails(g), bs, 0),
-     "forgot the copy-on-write of the part-filled last prompt block: every sequence that "
-     "writes its tail into it copies it first (all but the last one holding it)"),
-    ("copy for all", lambda g, bs: _shared(_prompt_len(g), _tails(g), bs,
-                                           len(g.live_seqs()) * bool(_prompt_len(g) % bs)),
-     "one copy too many: the last sequence to write into the shared part-filled prompt "
-     "block finds it no longer shared and writes in place (copies = sequences - 1)"),
-]
-
-
 def check_num_required_blocks(num_required_blocks: Callable[..., Any]) -> None:
     """``num_required_blocks(group, block_size) -> int``."""
     with grading.exercise("06.2"):
         numeric.check("06.2", required_cases(), lambda p: _check_waiting(
-            num_required_blocks, p), (_AGREE,))
+            num_required_blocks, p), _REQUIRED_CONTRASTS)
         generated.check("num_required_blocks", num_required_blocks, "a fresh request: its "
                         "prompt's blocks; a group of several: the prompt once, each tail's "
                         "blocks past it, and the part-filled prompt block's copies")
@@ -280,12 +235,17 @@ def _check_waiting(fn: Callable[..., Any], p: Waiting) -> None:
     grading.expect_true([s.num_tokens for s in group.seqs] == [p.prompt + k for k in p.tails],
                         "your function changed the group",
                         "only count: the scheduler allocates after admission")
-    if got != want:
-        hint = next((hint for _, rule, hint in _WRONG_RULES if rule(group, p.block_size) == got),
-                    "a fresh request: its prompt's blocks; a single sequence: its whole "
-                    "text's; a group of several: the prompt once, each tail's blocks past "
-                    "it, and the part-filled prompt block's copies")
-        grading.fail(f"expected {want} blocks, got {got}", hint)
+    if got != want:  # a part-filled prompt block's copies counted wrong, or the rule
+        copies = {want - _live(p) + 1: "forgot the copy-on-write of the part-filled last "
+                  "prompt block: every sequence that writes its tail into it copies it first "
+                  "(all but the last one holding it)", want + 1: "one copy too many: the "
+                  "last sequence to write into the shared part-filled prompt block finds it "
+                  "no longer shared and writes in place (copies = sequences - 1)"}
+        named = copies.get(got) if _live(p) > 1 and p.prompt % p.block_size else None
+        grading.fail(f"expected {want} blocks, got {got}", named or "a fresh request: its "
+                     "prompt's blocks; a single sequence: its whole text's; a group of "
+                     "several: the prompt once, each tail's blocks past it, and the "
+                     "part-filled prompt block's copies")
 
 
 @dataclass(frozen=True)
@@ -364,11 +324,36 @@ def required_cases(count: int = 30) -> list[Waiting]:
     return [_draw_waiting(seed) for seed in range(count)]
 
 
-_AGREE = Contrast(
-    lambda p: dataclasses.replace(p, agree=0) if p.agree else None,
-    "it passes when the samples' outputs differ from their first token and fails when they "
-    "agree: only the prompt is prefilled once and shared; every sequence appends its own "
-    "generated tokens into its own blocks, even the ones it has in common with the others")
+def _live(p: Waiting) -> int:
+    return len(p.tails) - len(p.finished)
+
+
+#: Each undoes one feature of a failing group; the first that makes the answer pass names
+#: the rule (a part-filled prompt block's copies, counted wrong, are named by the check).
+_REQUIRED_CONTRASTS = (
+    Contrast(lambda p: dataclasses.replace(p, agree=0) if p.agree else None,
+             "it passes when the samples' outputs differ from their first token and fails "
+             "when they agree: only the prompt is prefilled once and shared; every sequence "
+             "appends its own generated tokens into its own blocks, even the ones it has in "
+             "common with the others"),
+    Contrast(lambda p: dataclasses.replace(p, finished=()) if p.finished else None,
+             "finished sequences take no blocks: count only group.live_seqs()"),
+    Contrast(lambda p: dataclasses.replace(p, n=1) if p.tails == (0,) else None,
+             "a fresh group prefills its prompt once, in one sequence: its n samples fork it "
+             "afterwards and share those blocks, so the prompt's blocks count once, not once "
+             "per sample"),
+    Contrast(lambda p: dataclasses.replace(p, block_size=1) if _live(p) == 1 else None,
+             "the partly filled last block counts too: ceil(tokens / block_size), in "
+             "integers"),
+    Contrast(lambda p: dataclasses.replace(p, tails=(0,), finished=(), agree=0, n=1)
+             if _live(p) == 1 and p.tails != (0,) else None,
+             "a sequence preempted by recompute prefills its whole text again: the prompt "
+             "*and* the tokens it generated need blocks"),
+    Contrast(lambda p: dataclasses.replace(p, prompt=p.block_size - 1)
+             if _live(p) > 1 and p.prompt >= p.block_size > 1 else None,
+             "a group preempted by recompute gets its prompt back once, shared by all its "
+             "sequences: count the prompt's blocks once, then each sequence's own tail"),
+)
 
 
 # ------------------------------------------------------------------ 06.3 can_admit
