@@ -35,7 +35,6 @@ from paged_lib.course.grading.generated import (
     small_attention,
     small_blocks,
     small_counts,
-    small_engine,
     small_ints,
     small_prefix,
     small_sim,
@@ -67,11 +66,11 @@ def test_cases_are_seeded_and_reach_states_the_fixed_cases_do_not():
     assert numeric.states(small_counts.token_cases())["head_dim not hidden / heads"]
     rank = numeric.states(small_counts.rank_cases())
     assert rank["head_dim not hidden / heads"] and rank["more ranks than KV heads"]
-    assert small_engine.metadata_cases() == small_engine.metadata_cases()
-    batch = numeric.states(small_engine.metadata_cases())
+    assert ch06.metadata_cases() == ch06.metadata_cases()
+    batch = numeric.states(ch06.metadata_cases())
     assert batch["slots past 2**31"] and batch["a chunk in the middle of a prompt"]
-    assert small_engine.required_cases() == small_engine.required_cases()
-    waiting = numeric.states(small_engine.required_cases())
+    assert ch06.required_cases() == ch06.required_cases()
+    waiting = numeric.states(ch06.required_cases())
     assert waiting["samples that agree"] and waiting["block size 7"]
     assert ch14.stream_cases() == ch14.stream_cases()
     assert numeric.states(ch14.stream_cases())["a tie, the shorter stop listed first"]

@@ -314,6 +314,33 @@ def beam_step_by_heap(tables, cum_logprobs, candidates, beam_width):
     return out
 
 
+def beam_step_frees_the_losers_by_score(tables, cum_logprobs, candidates, beam_width):
+    """Frees the beams nobody continues in the order their best candidates lost (then
+    those that offered none): the library's order (ascending beam index) wherever at most
+    one beam that offered candidates dies, as in every scripted step; with wider beams
+    the free list, so the blocks a later copy-on-write takes, differ."""
+    scored = sorted(((cum_logprobs[i] + lp, i, tok) for i, c in enumerate(candidates)
+                     for tok, lp in c), key=lambda c: -c[0])
+    used: set[int] = set()
+    out = []
+    for cum, parent, tok in scored[:beam_width]:
+        out.append((parent, tables[parent] if parent not in used else tables[parent].fork(),
+                    tok, cum))
+        used.add(parent)
+    dead = list(dict.fromkeys(p for _, p, _ in scored[beam_width:] if p not in used))
+    for i in dead + [i for i in range(len(tables)) if i not in used and i not in dead]:
+        tables[i].free()
+    return out
+
+
+def test_08_2_a_free_order_by_score_only_random_workloads_catch(monkeypatch, capsys):
+    story = story_of_a_random_only_catch(ch08.check_beam_step,
+                                         beam_step_frees_the_losers_by_score, "08.2",
+                                         monkeypatch)
+    assert "beams" in story and "copy-on-write copies (src, dst): the library's" in story
+    assert "the tables nobody continues are freed, in beam order" in capsys.readouterr().out
+
+
 def test_08_2_a_correct_piece_of_another_shape_passes():
     assert verdict(ch08.check_beam_step, beam_step_by_heap)[0] == "✅"
 

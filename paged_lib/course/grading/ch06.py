@@ -1,57 +1,53 @@
 """Checks for chapter 06 (the serving engine), each against the library's function.
 
-* 06.1 ``build_metadata``: hand-made batches (decode next to prefill, scrambled tables,
-  full last blocks, block size 1), generated batches (pools past 2**31 slots, chunks mid
-  prompt: :mod:`~paged_lib.course.grading.generated.small_engine`), then random
-  workloads. A wrong slot is named by recomputing the typical mistakes.
-* 06.2 ``num_required_blocks``: generated waiting groups (fresh requests of ``n``,
-  sequences and groups preempted by recompute, finished samples, samples that agree),
-  then random workloads; a wrong count is named by the typical wrong rule that gives it.
+* 06.1 ``build_metadata``: the spec's batch, then :class:`Batch` (pools past 2**31 slots,
+  chunks mid prompt, odd block sizes), then random workloads.
+* 06.2 ``num_required_blocks``: :class:`Waiting` groups (fresh, preempted by recompute,
+  finished or agreeing samples), a wrong count named by the wrong rule that gives it;
+  then random workloads.
 * 06.3 ``can_admit``: the spec's example and each limit's boundary, then random workloads.
-* 06.4 ``schedule_waiting``: served in the engine next to the library's, call by call, on
-  edge scenarios then random workloads (:mod:`~paged_lib.course.grading.scheduler_loops`).
-
-:func:`run_demo` serves the chapter's trace, then chapter 07's pressure trace, with the
-learner's functions in the engine and compares them with the library's runs.
+* 06.4 ``schedule_waiting``: served next to the library's, call by call, on edge scenarios
+  then random workloads (:mod:`~paged_lib.course.grading.scheduler_loops`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, NamedTuple
+import dataclasses
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
 
 import torch
 
 from paged_lib.course import grading
 from paged_lib.course.grading import generated, serving
 from paged_lib.course.grading import scheduler_loops as loops
-from paged_lib.course.grading.generated import small_engine
+from paged_lib.course.grading.generated import numeric
+from paged_lib.course.grading.generated.numeric import Contrast, fewer, shorter
+from paged_lib.course.grading.generated.small_attention import rng
 from paged_lib.course.grading.scheduler_loops import Scenario
+from paged_lib.engine.block_manager import num_required_blocks as lib_required
 from paged_lib.engine.model_runner import build_metadata as lib_build_metadata
 from paged_lib.engine.policy import Budget, seqs_to_come
 from paged_lib.engine.policy import can_admit as lib_can_admit
-from paged_lib.engine.sequence import SequenceGroup
+from paged_lib.engine.sequence import SamplingParams, Sequence, SequenceGroup, SequenceStatus
 from paged_lib.model import AttentionMetadata
 from paged_lib.util import cdiv
 
 # ------------------------------------------------------------------ 06.1 build_metadata
 
-#: name, block tables, seq_lens, query_lens, block size
-_BATCHES: list[tuple[str, list[list[int]], list[int], list[int], int]] = [
-    ("the spec's example: a decode of 6 tokens over blocks [7, 2] next to a 3-token "
-     "prefill in block 5 (block size 4)", [[7, 2], [5]], [6, 3], [1, 3], 4),
-    ("three decodes, tables of different widths, blocks out of order (block size 4)",
-     [[3], [5, 0, 9], [8, 1]], [3, 10, 5], [1, 1, 1], 4),
-    ("a prefill of 7 next to two decodes (block size 4)",
-     [[2, 6], [4, 11, 1], [0]], [7, 9, 2], [7, 1, 1], 4),
-    ("a re-prefill of 9 tokens whose last block is full (block size 3)",
-     [[5, 1, 8], [2, 0]], [9, 5], [9, 1], 3),
-    ("block size 1: one token per block", [[4, 2, 7], [1]], [3, 1], [1, 1], 1),
-]
+#: the spec's example: a decode of 6 tokens over blocks [7, 2] next to a 3-token prefill
+_SPEC_BATCH = ([[7, 2], [5]], [6, 3], [1, 3], 4)
 
 
 _DTYPES = {"slot_mapping": torch.int64, "block_tables": torch.int32, "seq_lens": torch.int32,
            "query_lens": torch.int32, "positions": torch.int64}
+_DTYPE_HINTS = {
+    "slot_mapping": "slot_mapping is int64: block * block_size + offset outgrows int32 in a "
+                    "large pool (vLLM uses int64 too)",
+    "positions": "positions are int64 (they index the rotary embedding table)",
+}
 _FIELD_HINTS = {
     "seq_lens": "seq_lens[s] is the tokens in the cache after this step: the value you "
                 "were given, as an int32 tensor",
@@ -62,9 +58,10 @@ _FIELD_HINTS = {
 def check_build_metadata(build_metadata: Callable[..., Any]) -> None:
     """``build_metadata(block_tables, seq_lens, query_lens, block_size) -> AttentionMetadata``."""
     with grading.exercise("06.1"):
-        for batch in _BATCHES:
-            _check_batch(build_metadata, *batch)
-        small_engine.metadata_stage(build_metadata, _check_batch)  # pools past 2**31 slots
+        _check_batch(build_metadata, "the spec's example", *_SPEC_BATCH)
+        numeric.check("06.1", metadata_cases(),
+                      lambda p: _check_batch(build_metadata, "generated", *p.build()),
+                      (_SMALL_IDS,))
         generated.check("build_metadata", build_metadata, "every new token's slot is its "
                         "position's block in the table, at position % block_size")
 
@@ -90,21 +87,13 @@ def _check_batch(fn, name, tables, seq_lens, query_lens, block_size) -> None:
                             f"make {field} a torch tensor of dtype {dtype}")
         grading.expect_true(value.dtype == dtype,
                             f"{where}: {field} has dtype {value.dtype}, expected {dtype}",
-                            _dtype_hint(field, dtype))
+                            _DTYPE_HINTS.get(field, f"{field} is {dtype}, the dtype the "
+                                             "kernels take"))
     _check_block_tables(got.block_tables, want.block_tables, tables, where)
     _check_slots(got, want, tables, seq_lens, query_lens, block_size, where)
     for field in ("seq_lens", "query_lens"):
         grading.expect_equal(getattr(got, field).tolist(), getattr(want, field).tolist(),
                              f"{where}: {field}", _FIELD_HINTS[field])
-
-
-def _dtype_hint(field: str, dtype: torch.dtype) -> str:
-    if field == "slot_mapping":
-        return ("slot_mapping is int64: block * block_size + offset outgrows int32 in a "
-                "large pool (vLLM uses int64 too)")
-    if field == "positions":
-        return "positions are int64 (they index the rotary embedding table)"
-    return f"{field} is {dtype}, the dtype the kernels take"
 
 
 def _check_block_tables(got: torch.Tensor, want: torch.Tensor, tables, where: str) -> None:
@@ -159,70 +148,212 @@ def _check_slots(got, want, tables, seq_lens, query_lens, block_size, where) -> 
                          "seq_lens[s] - query_lens[s] ... seq_lens[s] - 1")
 
 
+@dataclass(frozen=True)
+class Batch:
+    """A generated batch of 06.1: ``seqs`` as (tokens after the step, "decode", "prefill"
+    or "chunk"), block ids drawn from the top half of a pool of ``pool`` blocks."""
+
+    seed: int
+    block_size: int
+    seqs: tuple[tuple[int, str], ...]
+    pool: int
+
+    def build(self) -> tuple[list[list[int]], list[int], list[int], int]:
+        g = torch.Generator().manual_seed(6100 + self.seed)
+        tables, seq_lens, query_lens = [], [], []
+        for n, kind in self.seqs:
+            used = cdiv(n, self.block_size)
+            ids = torch.randint(self.pool // 2, self.pool, (used,), generator=g).tolist()
+            tables.append(list(dict.fromkeys(ids)) + list(range(used - len(set(ids)))))
+            seq_lens.append(n)
+            query_lens.append({"decode": 1, "prefill": n, "chunk": max(1, n // 2)}[kind])
+        return tables, seq_lens, query_lens, self.block_size
+
+    def describe(self) -> str:
+        tables, seq_lens, query_lens, bs = self.build()
+        big = max((b for t in tables for b in t), default=0)
+        return (f"block size {bs}, tables {tables}, seq_lens {seq_lens}, query_lens "
+                f"{query_lens}" + (f" (block ids up to {big:,}: slots past 2**31)"
+                                   if big * bs >= 2 ** 31 else ""))
+
+    def states(self) -> list[str]:
+        out = ["slots past 2**31"] if self.pool * self.block_size > 2 ** 32 else []
+        out += ["a chunk in the middle of a prompt"] if any(
+            k == "chunk" and n > 2 for n, k in self.seqs) else []
+        out += [f"block size {self.block_size}"] if self.block_size in (5, 6, 7, 12) else []
+        return out
+
+    def smaller(self) -> Iterator[Batch]:
+        for i in range(len(self.seqs)):
+            if len(self.seqs) > 1:
+                yield dataclasses.replace(self, seqs=self.seqs[:i] + self.seqs[i + 1:])
+        for i, (n, kind) in enumerate(self.seqs):
+            for m in shorter(n):
+                yield dataclasses.replace(self, seqs=self.seqs[:i] + ((m, kind),)
+                                          + self.seqs[i + 1:])
+        yield from fewer(self, pool=[64] if self.pool > 64 else [],
+                         block_size=shorter(self.block_size))
+
+
+def _draw_batch(seed: int) -> Batch:
+    pick = rng(6101 + seed)
+    bs = pick([1, 2, 5, 6, 7, 12, 16])
+    seqs = tuple((pick([1, 2, bs, bs + 1, 3 * bs - 1, 9, 17]), pick(("decode", "prefill",
+                                                                      "chunk")))
+                 for _ in range(pick([1, 2, 3, 4])))
+    return Batch(seed, bs, seqs, (2 ** 31 - 1, 64)[seed % 2])
+
+
+def metadata_cases(count: int = 24) -> list[Batch]:
+    return [_draw_batch(seed) for seed in range(count)]
+
+
+_SMALL_IDS = Contrast(
+    lambda p: dataclasses.replace(p, pool=64) if p.pool > 64 else None,
+    "it passes with small block ids and fails with a pool of 2**31 - 1 blocks: an int32 "
+    "block id times block_size wraps in 32 bits; compute slots in Python ints or int64 "
+    "(block_tables.long()) before multiplying")
+
+
 # ------------------------------------------------------------------ 06.2 num_required_blocks
-
-
-def _shared(prompt: int, tails: list[int], bs: int, copies: int) -> int:
-    base = cdiv(prompt, bs)
-    return base + sum(cdiv(prompt + t, bs) - base for t in tails) + copies
-
-
-def _prompt_len(group: SequenceGroup) -> int:
-    return len(group.prompt_token_ids)
-
-
-def _tails(group: SequenceGroup, live: bool = True) -> list[int]:
-    seqs = group.live_seqs() if live else group.seqs
-    return [s.num_tokens - _prompt_len(group) for s in seqs]
-
-
-#: The typical wrong rules: (name, rule, hint). The first whose answer equals the
-#: learner's on a failing case names the mistake ("finished too" is right until a
-#: sequence finished, so it goes first).
-_WRONG_RULES: list[tuple[str, Callable[[SequenceGroup, int], int], str]] = [
-    ("finished too", lambda g, bs: _shared(_prompt_len(g), _tails(g, live=False), bs,
-                                           (len(g.seqs) - 1) * bool(_prompt_len(g) % bs)),
-     "finished sequences take no blocks: count only group.live_seqs()"),
-    ("per sample", lambda g, bs: g.params.num_seqs * cdiv(_prompt_len(g), bs)
-     if len(g.seqs) == 1 and g.params.num_seqs > 1 else -1,
-     "a fresh group prefills its prompt once, in one sequence: its n samples fork it "
-     "afterwards and share those blocks, so the prompt's blocks count once, not once per "
-     "sample"),
-    ("prompt only", lambda g, bs: cdiv(_prompt_len(g), bs) if len(g.live_seqs()) == 1 else -1,
-     "a sequence preempted by recompute prefills its whole text again: the prompt *and* "
-     "the tokens it generated need blocks"),
-    ("rounds down", lambda g, bs: g.live_seqs()[0].num_tokens // bs
-     if len(g.live_seqs()) == 1 else -1,
-     "the partly filled last block counts too: ceil(tokens / block_size), in integers"),
-    ("no sharing", lambda g, bs: sum(cdiv(s.num_tokens, bs) for s in g.live_seqs()),
-     "a group preempted by recompute gets its prompt back once, shared by all its "
-     "sequences: count the prompt's blocks once, then each sequence's own tail"),
-    ("no copy-on-write", lambda g, bs: _shared(_prompt_len(g), _tails(g), bs, 0),
-     "forgot the copy-on-write of the part-filled last prompt block: every sequence that "
-     "writes its tail into it copies it first (all but the last one holding it)"),
-    ("copy for all", lambda g, bs: _shared(_prompt_len(g), _tails(g), bs,
-                                           len(g.live_seqs()) * bool(_prompt_len(g) % bs)),
-     "one copy too many: the last sequence to write into the shared part-filled prompt "
-     "block finds it no longer shared and writes in place (copies = sequences - 1)"),
-]
 
 
 def check_num_required_blocks(num_required_blocks: Callable[..., Any]) -> None:
     """``num_required_blocks(group, block_size) -> int``."""
     with grading.exercise("06.2"):
-        small_engine.required_stage(num_required_blocks, _name_rule)  # samples agree
+        numeric.check("06.2", required_cases(), lambda p: _check_waiting(
+            num_required_blocks, p), _REQUIRED_CONTRASTS)
         generated.check("num_required_blocks", num_required_blocks, "a fresh request: its "
                         "prompt's blocks; a group of several: the prompt once, each tail's "
                         "blocks past it, and the part-filled prompt block's copies")
 
 
-def _name_rule(group: SequenceGroup, block_size: int, got: int) -> str:
-    for _, rule, hint in _WRONG_RULES:
-        if rule(group, block_size) == got:
-            return hint
-    return ("a fresh request: its prompt's blocks; a single sequence: its whole text's; a "
-            "group of several: the prompt once, each tail's blocks past it, and the "
-            "part-filled prompt block's copies")
+def _check_waiting(fn: Callable[..., Any], p: Waiting) -> None:
+    group = p.build()
+    want, got = lib_required(group, p.block_size), fn(group, p.block_size)
+    grading.expect_int(got, "blocks")
+    grading.expect_true([s.num_tokens for s in group.seqs] == [p.prompt + k for k in p.tails],
+                        "your function changed the group",
+                        "only count: the scheduler allocates after admission")
+    if got != want:  # a part-filled prompt block's copies counted wrong, or the rule
+        copies = {want - _live(p) + 1: "forgot the copy-on-write of the part-filled last "
+                  "prompt block: every sequence that writes its tail into it copies it first "
+                  "(all but the last one holding it)", want + 1: "one copy too many: the "
+                  "last sequence to write into the shared part-filled prompt block finds it "
+                  "no longer shared and writes in place (copies = sequences - 1)"}
+        named = copies.get(got) if _live(p) > 1 and p.prompt % p.block_size else None
+        grading.fail(f"expected {want} blocks, got {got}", named or "a fresh request: its "
+                     "prompt's blocks; a single sequence: its whole text's; a group of "
+                     "several: the prompt once, each tail's blocks past it, and the "
+                     "part-filled prompt block's copies")
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """A generated waiting group of 06.2: a prompt of ``prompt`` tokens and one sequence per
+    entry of ``tails`` (tokens it generated; ``(0,)``: a fresh request of ``n`` samples);
+    ``finished``: which are done; ``agree``: how many leading generated tokens every
+    sequence shares."""
+
+    seed: int
+    block_size: int
+    prompt: int
+    tails: tuple[int, ...]
+    finished: tuple[int, ...]
+    agree: int
+    n: int
+
+    def build(self) -> SequenceGroup:
+        prompt = [(7 * t + 3) % 251 for t in range(self.prompt)]
+        seqs = [Sequence(i, list(prompt), [(5 + t) % 251 if t < self.agree else
+                                           (11 * i + 13 * t + 1) % 251 for t in range(k)])
+                for i, k in enumerate(self.tails)]
+        for i in self.finished:
+            seqs[i].status = SequenceStatus.FINISHED
+        return SequenceGroup(0, seqs, SamplingParams(max_tokens=64, n=self.n, temperature=(
+            1.0 if self.n > 1 else 0.0)))
+
+    def describe(self) -> str:
+        live = [k for i, k in enumerate(self.tails) if i not in self.finished]
+        if self.tails == (0,):
+            return (f"a fresh request of n={self.n}, prompt of {self.prompt} (block size "
+                    f"{self.block_size})")
+        return (f"{len(live)} live sequence(s) preempted by recompute, prompt of "
+                f"{self.prompt}, tails {live}" + (f", {len(self.finished)} finished"
+                                                  if self.finished else "")
+                + (f", the first {self.agree} generated tokens the same in every sequence"
+                   if self.agree else "") + f" (block size {self.block_size})")
+
+    def states(self) -> list[str]:
+        live = len(self.tails) - len(self.finished)
+        out = ["samples that agree"] if self.agree and live > 1 else []
+        out += [f"{live} live sequences"] if live > 4 else []
+        out += [f"block size {self.block_size}"] if self.block_size in (3, 5, 7) else []
+        out += ["a one-token prompt"] if self.prompt == 1 else []
+        return out
+
+    def smaller(self) -> Iterator[Waiting]:
+        yield from fewer(self, finished=[()] if self.finished else [])
+        for i in range(len(self.tails)):
+            if len(self.tails) > 2 and i not in self.finished:
+                fin = tuple(j - (j > i) for j in self.finished)
+                yield dataclasses.replace(self, tails=self.tails[:i] + self.tails[i + 1:],
+                                          finished=fin, n=max(1, self.n - 1))
+        for i, k in enumerate(self.tails):
+            for m in shorter(k) if self.tails != (0,) else []:
+                yield dataclasses.replace(self, tails=self.tails[:i] + (m,) + self.tails[i + 1:],
+                                          agree=min(self.agree, m))
+        yield from fewer(self, prompt=shorter(self.prompt), agree=shorter(self.agree, 0))
+
+
+def _draw_waiting(seed: int) -> Waiting:
+    pick = rng(6201 + seed)
+    bs = pick([1, 3, 4, 5, 7, 16])
+    prompt = pick([1, bs - 1 or 1, bs, bs + 1, 2 * bs + 3, 13])
+    if seed % 5 == 4:
+        return Waiting(seed, bs, prompt, (0,), (), 0, pick([1, 2, 4, 8]))
+    tails = tuple(pick([1, 2, bs, 2 * bs + 1, 9]) for _ in range(pick([1, 2, 3, 4, 6])))
+    finished = tuple(sorted({pick(range(len(tails))) for _ in range(pick([0, 0, 1, 2]))}))
+    if len(finished) == len(tails):
+        finished = finished[1:]
+    agree = min(pick([0, 1, bs, 9]), min(tails))
+    return Waiting(seed, bs, prompt, tails, finished, agree, len(tails))
+
+
+def required_cases(count: int = 30) -> list[Waiting]:
+    return [_draw_waiting(seed) for seed in range(count)]
+
+
+def _live(p: Waiting) -> int:
+    return len(p.tails) - len(p.finished)
+
+
+#: Each undoes one feature of a failing group; the first that makes the answer pass names
+#: the rule (a part-filled prompt block's copies, counted wrong, are named by the check).
+_REQUIRED_CONTRASTS = (
+    Contrast(lambda p: dataclasses.replace(p, agree=0) if p.agree else None,
+             "it passes when the samples' outputs differ from their first token and fails "
+             "when they agree: only the prompt is prefilled once and shared; every sequence "
+             "appends its own generated tokens into its own blocks, even the ones it has in "
+             "common with the others"),
+    Contrast(lambda p: dataclasses.replace(p, finished=()) if p.finished else None,
+             "finished sequences take no blocks: count only group.live_seqs()"),
+    Contrast(lambda p: dataclasses.replace(p, n=1) if p.tails == (0,) else None,
+             "a fresh group prefills its prompt once, in one sequence: its n samples fork it "
+             "afterwards and share those blocks, so the prompt's blocks count once, not once "
+             "per sample"),
+    Contrast(lambda p: dataclasses.replace(p, block_size=1) if _live(p) == 1 else None,
+             "the partly filled last block counts too: ceil(tokens / block_size), in "
+             "integers"),
+    Contrast(lambda p: dataclasses.replace(p, tails=(0,), finished=(), agree=0, n=1)
+             if _live(p) == 1 and p.tails != (0,) else None,
+             "a sequence preempted by recompute prefills its whole text again: the prompt "
+             "*and* the tokens it generated need blocks"),
+    Contrast(lambda p: dataclasses.replace(p, prompt=p.block_size - 1)
+             if _live(p) > 1 and p.prompt >= p.block_size > 1 else None,
+             "a group preempted by recompute gets its prompt back once, shared by all its "
+             "sequences: count the prompt's blocks once, then each sequence's own tail"),
+)
 
 
 # ------------------------------------------------------------------ 06.3 can_admit
@@ -300,44 +431,24 @@ def check_can_admit(can_admit: Callable[..., Any]) -> None:
 # ------------------------------------------------------------------ 06.4 schedule_waiting
 
 
-class Head(NamedTuple):
-    rid: int
-    seqs: int     # sequences it brings
-    n: int        # its params.num_seqs (samples or beams)
-    tokens: int   # its first prefill's tokens, cache hits left out
-    chunk: int    # what it would bring now (tokens, or what the budget leaves)
-    need: int     # free blocks that takes
-
-
-class WaitState(NamedTuple):
-    heads: tuple
-    num_waiting: int
-    free: int
-    watermark: int
-    tokens_left: int
-    max_tokens: int
-    num_seqs: int
-    max_num_seqs: int
-    swapped: int
-    preempted: int
-    empty: bool
-    running: int
-    chunked: bool
-    prefill_first: bool
-
-
-def _snapshot(waiting, step) -> WaitState:
+def _snapshot(waiting, step) -> SimpleNamespace:
+    """What ``schedule_waiting`` saw: the first four waiting groups (``heads``, each as
+    request id, sequences it brings, its ``n``, its prefill's tokens, what it would bring
+    now, the blocks that takes) and the step's budget."""
     heads = []
     for g in list(waiting)[:4]:
         tokens = step.prefill_tokens(g)
         chunk = min(tokens, step.tokens_left) if step.chunked_prefill else tokens
-        heads.append(Head(g.request_id, seqs_to_come(g), g.params.num_seqs, tokens, chunk,
-                          step.blocks_needed(g, chunk) if chunk > 0 else 0))
-    return WaitState(tuple(heads), len(waiting), step.free_blocks, step.watermark_blocks,
-                     step.tokens_left, step.max_num_batched_tokens, step.num_seqs,
-                     step.max_num_seqs, len(step.swapped), step.num_preempted,
-                     step.is_empty(), len(step.running), step.chunked_prefill,
-                     step.prefill_first)
+        heads.append(SimpleNamespace(rid=g.request_id, seqs=seqs_to_come(g), n=g.params.num_seqs,
+                                     tokens=tokens, chunk=chunk,
+                                     need=step.blocks_needed(g, chunk) if chunk > 0 else 0))
+    return SimpleNamespace(
+        heads=heads, num_waiting=len(waiting), free=step.free_blocks,
+        watermark=step.watermark_blocks, tokens_left=step.tokens_left,
+        max_tokens=step.max_num_batched_tokens, num_seqs=step.num_seqs,
+        max_num_seqs=step.max_num_seqs, swapped=len(step.swapped),
+        preempted=step.num_preempted, empty=step.is_empty(), running=len(step.running),
+        chunked=step.chunked_prefill, prefill_first=step.prefill_first)
 
 
 def _decide(args, before, result) -> tuple:
@@ -345,7 +456,7 @@ def _decide(args, before, result) -> tuple:
     return tuple((g.request_id, step.tokens_scheduled(g)) for g in step.admitted[before[0]:])
 
 
-def _describe(st: WaitState) -> str:
+def _describe(st: SimpleNamespace) -> str:
     if not st.heads:
         queue = "nobody waiting"
     else:
@@ -378,7 +489,7 @@ def _show(decision) -> str:
     return "admits " + ", ".join(f"request {r} ({t} tokens)" for r, t in decision)
 
 
-def _why(st: WaitState, lib, got) -> str:
+def _why(st: SimpleNamespace, lib, got) -> str:
     if isinstance(got, Exception):
         if "admit(" in str(got):
             return ("step.admit(group, num_tokens) takes the group out of waiting itself: "

@@ -1,17 +1,12 @@
 """Checks for chapter 08 (sharing: copy-on-write, parallel sampling, beam search).
 
-* 08.1 ``apply_slot``: chapter 08's example (four samples share block 7, sample 3 writes
-  first) in a NaN cache next to the library's, every write compared (the block others
-  still read, the copy, the token, the whole cache); then the generated runs
-  (:class:`Cow`): forks, frees, blocks taken again, stale caches, three layouts, every
+* 08.1 ``apply_slot``: chapter 08's example in a NaN cache, every write compared with the
+  library's; then :class:`Cow` runs (forks, frees, stale caches, three layouts), every
   live sequence reading its K/V back after each write.
-* 08.2 ``beam_step``: the scripted scenarios below (exact ties; a near tie that float32
-  calls one, which the engine's real scores never come near; beams that offer fewer
-  candidates than the width, or none), stepped by :func:`run_beam_scenario` on two pools,
-  the library's step in one and the learner's in the other; after every step it compares
-  the picks and scores, which table each new beam got, every block's holders, the ref
-  counts and the free list, and names the mistake. Then random beam workloads served in
-  the engine (:mod:`paged_lib.course.grading.generated`).
+* 08.2 ``beam_step``: :data:`_SCRIPTED` (exact and near ties, beams offering fewer
+  candidates than the width, or none) stepped on two pools, the library's and the
+  learner's, compared after each step (picks, scores, tables, holders, ref counts, free
+  list); then random beam workloads served in the engine.
 """
 
 from __future__ import annotations
@@ -44,9 +39,6 @@ class _World:
         for _ in range(prompt_len):
             table.append_token()
         self.tables, self.cum = [table], [0.0]
-
-    def state(self) -> tuple[list[int], list[int]]:
-        return pool_state(self.alloc)
 
 
 def on_copies(beam_step: Callable[..., Any]) -> Callable[..., Any]:
@@ -223,7 +215,20 @@ def _check_tables(got, old, mine: _World, ref: _World, where: str, cands) -> Non
                          f"beam {p} goes on: its table carries its first child, and the "
                          "engine writes the next token through it; free only the tables "
                          "of the beams nobody continues")
-    _check_holders(got, mine, where)
+    holders: dict[int, int] = {}  # a block the pool counts fewer holders for than tables
+    for _, table, _, _ in got:
+        for block in table.blocks:
+            holders[block] = holders.get(block, 0) + 1
+    for block, n in sorted(holders.items()):
+        refs = mine.alloc.refcount(block)
+        if refs < n:
+            grading.fail(f"{where}: block {block} is in {n} new beams' tables but its ref "
+                         f"count is {refs}",
+                         "a table that holds a block must be counted as its holder, or the "
+                         "first free or copy-on-write write takes the block from the others: "
+                         "a second table on the same blocks comes from table.fork() (a copy "
+                         "of the object adds no holder, nor does a BlockTable built on its blocks "
+                         "without an incref)")
     kept = [i for i, t in enumerate(old) if not getattr(t, "_freed", False)
             and not cands[i] and not any(t is b[1] for b in got)]
     if mine.alloc.num_free < ref.alloc.num_free and kept:
@@ -238,15 +243,7 @@ def _check_tables(got, old, mine: _World, ref: _World, where: str, cands) -> Non
         grading.fail(f"{where}: {mine.alloc.num_free} free blocks afterwards, expected "
                      f"{ref.alloc.num_free}: a block a new beam holds went back to the pool",
                      "free only the beams nobody continues; a fork holds its own references")
-    _free_order(mine, ref, where)
-    grading.expect_equal(mine.state(), ref.state(), f"{where}: (ref counts, free list)",
-                         "fork with table.fork() (no incref by hand) and free each dead "
-                         "beam's table exactly once")
-
-
-def _free_order(mine: _World, ref: _World, where: str) -> None:
-    """Right ref counts and the right free blocks, in another order: name the order."""
-    (my_refs, my_free), (ref_refs, ref_free) = mine.state(), ref.state()
+    (my_refs, my_free), (ref_refs, ref_free) = pool_state(mine.alloc), pool_state(ref.alloc)
     if my_refs == ref_refs and my_free != ref_free and sorted(my_free) == sorted(ref_free):
         grading.fail(f"{where}: your ref counts are right and the same blocks are free, "
                      f"but the free list ends {list(my_free[-4:])}, the library's "
@@ -254,24 +251,10 @@ def _free_order(mine: _World, ref: _World, where: str) -> None:
                      "free the dead beams' tables in ascending beam index: the free list's "
                      "order decides which blocks the next allocations take, and the "
                      "engine's schedule is compared block by block")
-
-
-def _check_holders(got, mine: _World, where: str) -> None:
-    """A block the pool counts fewer holders for than the new beams' tables holding it."""
-    holders: dict[int, int] = {}
-    for _, table, _, _ in got:
-        for block in table.blocks:
-            holders[block] = holders.get(block, 0) + 1
-    for block, n in sorted(holders.items()):
-        refs = mine.alloc.refcount(block)
-        if refs < n:
-            grading.fail(f"{where}: block {block} is in {n} new beams' tables but its ref "
-                         f"count is {refs}",
-                         "a table that holds a block must be counted as its holder, or the "
-                         "first free or copy-on-write write takes the block from the others: "
-                         "a second table on the same blocks comes from table.fork() (a copy "
-                         "of the object adds no holder, nor does a BlockTable built on its blocks "
-                         "without an incref)")
+    grading.expect_equal((my_refs, my_free), (ref_refs, ref_free),
+                         f"{where}: (ref counts, free list)",
+                         "fork with table.fork() (no incref by hand) and free each dead "
+                         "beam's table exactly once")
 
 
 #: Mutants of the solution that compute the same thing (see ``tools/mutants.py``).

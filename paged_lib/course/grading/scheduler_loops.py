@@ -1,14 +1,9 @@
 """Grading a scheduler loop (06.4 ``schedule_waiting``, 07.3 ``preempt_until_fits``) by
-serving it in the engine next to the library's, call by call.
-
-A workload is served twice, with the library's hook and with the learner's (all else the
-library's); every call is recorded as the state the hook saw (a plain snapshot) and what
-it did, and the learner's run stops at the first call that differs: the state, both
-decisions, and the hint the chapter's ``why`` derives from that state.
-:func:`run_scheduler` serves the chapter's edge scenarios (the scheduler alone, no model:
-every sampled token is 3), then the random workloads of
-:mod:`~paged_lib.course.grading.generated`, whose first difference is shrunk and told the
-same way.
+serving it next to the library's, call by call: each call is recorded as the state the hook
+saw and what it did, and the first call that differs fails with the state, both decisions
+and the chapter's hint. :func:`run_scheduler` serves the chapter's scenarios (the scheduler
+alone, every token 3), then random workloads, whose first difference is shrunk and told
+the same way.
 """
 
 from __future__ import annotations
