@@ -541,7 +541,7 @@ def tiny_model():
 
 
 def test_06_demo_runs_the_trace_with_the_learners_functions(capsys, tiny_model):
-    figs = ch06.run_demo(meta_with(), required_correct, admit_correct, model=tiny_model)
+    figs = your_serving.chapter_06(meta_with(), required_correct, admit_correct, model=tiny_model)
     out = capsys.readouterr().out
     assert "served 48 requests" in out and "tokens equal" in out and "equal it" in out, out
     assert "pressure trace" in out and "DIFFER" not in out, out
@@ -551,7 +551,7 @@ def test_06_demo_runs_the_trace_with_the_learners_functions(capsys, tiny_model):
 def test_06_demo_waits_for_unfinished_exercises(capsys, tiny_model):
     def stub(*args):
         raise NotImplementedError()
-    assert ch06.run_demo(build_metadata, stub, can_admit, model=tiny_model) == []
+    assert your_serving.chapter_06(build_metadata, stub, can_admit, model=tiny_model) == []
     assert capsys.readouterr().out.startswith("⏳")
 
 

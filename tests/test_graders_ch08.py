@@ -7,6 +7,7 @@ import copy
 import pytest
 import torch
 
+from paged_lib.course.demos import your_serving
 from paged_lib.course.grading import ch08
 from paged_lib.engine.beam_search import beam_step
 from paged_lib.studies import sharing
@@ -510,8 +511,8 @@ def test_a_learner_step_runs_a_whole_beam_search():
     assert mine == sharing.record_beam_search(seed=3)[0]
 
 
-def test_run_demo_on_right_answers(capsys):
-    figs = ch08.run_demo(apply_ok, step_ok)
+def test_demo_on_right_answers(capsys):
+    figs = your_serving.chapter_08(apply_ok, step_ok)
     out = capsys.readouterr().out
     assert "paged attention equals SDPA" in out
     assert "tree equals the library's" in out
@@ -519,20 +520,20 @@ def test_run_demo_on_right_answers(capsys):
     assert len(figs) == 1
 
 
-def test_run_demo_before_the_exercises_says_what_to_finish(capsys):
+def test_demo_before_the_exercises_says_what_to_finish(capsys):
     def todo(*args):
         raise NotImplementedError
 
-    assert ch08.run_demo(todo, todo) == []
+    assert your_serving.chapter_08(todo, todo) == []
     out = capsys.readouterr().out
     assert out.count("⏳") == 3 and "exercise 08.1" in out and "exercise 08.2" in out
 
 
-def test_run_demo_reports_a_missing_copy(capsys):
+def test_demo_reports_a_missing_copy(capsys):
     def todo(*args):
         raise NotImplementedError
 
-    ch08.run_demo(apply_no_copy, todo)
+    your_serving.chapter_08(apply_no_copy, todo)
     out = capsys.readouterr().out
     assert "DIFFERS from SDPA" in out and out.count("⏳") == 2
 

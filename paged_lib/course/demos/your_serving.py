@@ -10,6 +10,7 @@ never a traceback.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from paged_lib.course import grading
@@ -18,12 +19,93 @@ from paged_lib.course.demos.engine_compare import (
     PRESSURE_BLOCKS,
     pressure_requests,
 )
-from paged_lib.course.grading import serving
-from paged_lib.engine import EngineHooks
+from paged_lib.course.grading.ch08 import on_copies, run_beam_search
+from paged_lib.engine import EngineHooks, LLMEngine
+from paged_lib.studies import sharing
 from paged_lib.tokenizer import ByteTokenizer
+
+
+def tokens_of(outs: list) -> list[list[list[int]]]:
+    """Each request's completions' token ids."""
+    return [[c.token_ids for c in o.outputs] for o in outs]
+
+
+@dataclass
+class SideBySide:
+    yours: LLMEngine      # served with the learner's hooks
+    library: LLMEngine    # the same requests, every piece the library's
+    outs: list            # the learner's engine's outputs
+    same_tokens: bool
+
+    @property
+    def same_steps(self) -> bool:
+        """Batch sizes, blocks in use and preemptions equal at every step."""
+        s, r = self.yours.stats, self.library.stats
+        return (s.batch_sizes, s.blocks_used, s.preemptions) == \
+            (r.batch_sizes, r.blocks_used, r.preemptions)
+
+
+def side_by_side(model: Any, num_blocks: int, block_size: int, prompts: list, params: Any,
+                 hooks: EngineHooks, **kw: Any) -> SideBySide:
+    """``prompts`` served by an engine with ``hooks`` and by the library's (the engine's
+    default backend, ``kw`` for both)."""
+    yours = LLMEngine(model, num_blocks, block_size, hooks=hooks, **kw)
+    outs = yours.generate(prompts, params)
+    library = LLMEngine(model, num_blocks, block_size, **kw)
+    ref = library.generate(prompts, params)
+    return SideBySide(yours, library, outs, tokens_of(outs) == tokens_of(ref))
+
 
 #: the tiny code model's tokenizer (chapter 14's demo decodes with it)
 TOKENIZER = ByteTokenizer()
+
+
+def chapter_06(build_metadata: Callable[..., Any], num_required_blocks: Callable[..., Any],
+               can_admit: Callable[..., Any], model: Any = None,
+               schedule_waiting: Callable[..., Any] | None = None) -> list[Any]:
+    """Serve the chapter's trace with the learner's functions inside the engine (the
+    three, and ``schedule_waiting`` when given).
+
+    Prints what the run did and whether every token and every step's numbers equal the
+    library engine's; then serves chapter 07's pressure trace (recompute: preempted
+    groups of two samples come back with their shared prompt) with the learner's
+    admission the same way. Returns the chapter's two figures drawn from the learner's run.
+    """
+    from paged_lib.course.demos import engine_compare as ec
+    from paged_lib.course.viz import engine as viz
+    from paged_lib.engine import EngineHooks
+    from paged_lib.model import load_tiny_code_llama
+
+    model = model if model is not None else load_tiny_code_llama()
+    hooks = EngineHooks(can_admit=can_admit, build_metadata=build_metadata,
+                        num_required_blocks=num_required_blocks,
+                        **({} if schedule_waiting is None else
+                           {"schedule_waiting": schedule_waiting}))
+
+    def run():
+        def said(same: bool) -> str:
+            return "equal" if same else "DIFFER from"
+        trace = ec.chapter_trace()
+        r = side_by_side(model, ec.NUM_BLOCKS, ec.BLOCK_SIZE,
+                         *ec.chapter_requests(trace), hooks)
+        s = r.yours.stats
+        print(f"your engine served {len(r.outs)} requests in {s.steps} steps "
+              f"({s.generated_tokens} tokens, {s.preemptions} preemptions, "
+              f"peak {s.peak_blocks_used} of {s.num_blocks} blocks)")
+        print(f"tokens {said(r.same_tokens)} the library engine's; batch sizes and blocks "
+              f"per step {said(r.same_steps)} it")
+        r7 = side_by_side(model, ec.PRESSURE_BLOCKS, ec.PRESSURE_BLOCK_SIZE,
+                          *ec.pressure_requests(), hooks)
+        print(f"chapter 07's pressure trace ({len(r7.outs)} requests on "
+              f"{r7.yours.stats.num_blocks} blocks, {r7.yours.stats.preemptions} "
+              f"preemptions): tokens {said(r7.same_tokens)} the library's; steps "
+              f"{said(r7.same_steps)} it")
+        return [viz.plot_batching({"paged (your engine)": s,
+                                   "static, max-length": ec.static_stats(trace)}),
+                viz.plot_timeline(s, "your engine: requests over time")]
+
+    return grading.on_learner_code(run, "exercises 06.1-06.4",
+                                   "the engine with your functions") or []
 
 
 def chapter_07(swap_mapping: Callable[..., Any], choose_victim: Callable[..., Any],
@@ -47,9 +129,9 @@ def chapter_07(swap_mapping: Callable[..., Any], choose_victim: Callable[..., An
         asked[0] = 0
         if preempt_until_fits is not None:
             hooks["preempt_until_fits"] = preempt_until_fits
-        run = serving.side_by_side(model, PRESSURE_BLOCKS, PRESSURE_BLOCK_SIZE, prompts,
-                                   params, EngineHooks(choose_victim=victim, **hooks),
-                                   num_cpu_blocks=64, preemption=mode)
+        run = side_by_side(model, PRESSURE_BLOCKS, PRESSURE_BLOCK_SIZE, prompts, params,
+                           EngineHooks(choose_victim=victim, **hooks), num_cpu_blocks=64,
+                           preemption=mode)
         s, r = run.yours.stats, run.library.stats
         print(f"recompute, your choose_victim{also}: {len(prompts)} requests on {PRESSURE_BLOCKS} "
               f"blocks in {s.steps} steps (library: {r.steps}), {s.preemptions} preemptions "
@@ -68,6 +150,56 @@ def chapter_07(swap_mapping: Callable[..., Any], choose_victim: Callable[..., An
                             "recompute with your choose_victim")
     grading.on_learner_code(lambda: serve("swap", swap_mapping=swap_mapping),
                             "exercises 07.1-07.3", "swap with your functions")
+
+
+def chapter_08(apply_slot: Callable[..., Any], beam_step: Callable[..., Any]) -> list[Any]:
+    """The chapter's demos on the learner's two functions; returns the beam-tree figure.
+
+    Parallel sampling on a NaN-filled cache written by ``apply_slot``; a synthetic beam
+    search and its saving on 20 Alpaca-like requests, then a real one in the engine
+    (width 4 on the chapter's tiny random Llama), both driven by ``beam_step`` and
+    compared with the library's.
+    """
+    from paged_lib.course.viz import sharing as viz
+    from paged_lib.engine import EngineHooks, SamplingParams
+    from paged_lib.workloads import alpaca_like
+
+    def sampling() -> None:
+        demo = sharing.parallel_sampling_demo(apply_slot)
+        ok = demo.max_error < 1e-5
+        print(f"parallel sampling, your apply_slot: copies {demo.copies}; paged attention "
+              f"{'equals' if ok else 'DIFFERS from'} SDPA on each sample's own tokens")
+
+    def synthetic() -> list[Any]:
+        frames = run_beam_search(beam_step, prompt_len=6, output_len=10, beam_width=3,
+                                 block_size=4, seed=0)
+        same = frames == sharing.record_beam_search(seed=0)[0]
+        shared = unshared = 0
+        for i, r in enumerate(alpaca_like(20, seed=0)):
+            u = sharing.beam_search_usage(r.prompt_len, r.output_len, 4, block_size=16,
+                                          seed=i, step_fn=beam_step)
+            shared, unshared = shared + sum(u.shared), unshared + sum(u.unshared)
+        print(f"synthetic beam search, your beam_step: tree {'equals' if same else 'DIFFERS from'}"
+              f" the library's; width 4 on 20 Alpaca-like requests saves "
+              f"{1 - shared / unshared:.1%} of the block-steps")
+        return [viz.draw_beam_tree(frames, upto=6)]
+
+    def engine() -> None:
+        import torch
+
+        _, model = sharing.tiny_random_llama()
+        prompt = torch.randint(0, 97, (13,), generator=torch.Generator().manual_seed(1)).tolist()
+        params = SamplingParams(max_tokens=12, beam_width=4)
+        run = side_by_side(model, 64, 4, [prompt], params,
+                           EngineHooks(beam_step=on_copies(beam_step)))
+        print(f"engine beam search (width 4), your beam_step: beams "
+              f"{'equal' if run.same_tokens else 'DIFFER from'} the engine's own; peak blocks "
+              f"{run.yours.stats.peak_blocks_used} vs {run.library.stats.peak_blocks_used}")
+
+    grading.on_learner_code(sampling, "exercise 08.1", "parallel sampling")
+    figs = grading.on_learner_code(synthetic, "exercise 08.2", "synthetic beam search") or []
+    grading.on_learner_code(engine, "exercise 08.2", "engine beam search")
+    return figs
 
 
 def chapter_10(block_hashes_fn: Callable[..., Any], longest_cache_hit_fn: Callable[..., Any],

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from paged_lib.course import grading
-from paged_lib.course.grading import generated, serving
+from paged_lib.course.grading import generated
 from paged_lib.course.grading import scheduler_loops as loops
 from paged_lib.course.grading.generated import numeric
 from paged_lib.course.grading.generated.numeric import Contrast, fewer, shorter
@@ -601,54 +601,3 @@ def check_schedule_waiting(schedule_waiting: Callable[..., Any]) -> None:
                             "the head first, while can_admit lets it in (or it is alone in "
                             "an empty step), nobody while groups are swapped out or after a "
                             "preemption")
-
-
-# ------------------------------------------------------------------ the demo
-
-
-def run_demo(build_metadata: Callable[..., Any], num_required_blocks: Callable[..., Any],
-             can_admit: Callable[..., Any], model: Any = None,
-             schedule_waiting: Callable[..., Any] | None = None) -> list[Any]:
-    """Serve the chapter's trace with the learner's functions inside the engine (the
-    three, and ``schedule_waiting`` when given).
-
-    Prints what the run did and whether every token and every step's numbers equal the
-    library engine's; then serves chapter 07's pressure trace (recompute: preempted
-    groups of two samples come back with their shared prompt) with the learner's
-    admission the same way. Returns the chapter's two figures drawn from the learner's run.
-    """
-    from paged_lib.course.demos import engine_compare as ec
-    from paged_lib.course.viz import engine as viz
-    from paged_lib.engine import EngineHooks
-    from paged_lib.model import load_tiny_code_llama
-
-    model = model if model is not None else load_tiny_code_llama()
-    hooks = EngineHooks(can_admit=can_admit, build_metadata=build_metadata,
-                        num_required_blocks=num_required_blocks,
-                        **({} if schedule_waiting is None else
-                           {"schedule_waiting": schedule_waiting}))
-
-    def run():
-        def said(same: bool) -> str:
-            return "equal" if same else "DIFFER from"
-        trace = ec.chapter_trace()
-        r = serving.side_by_side(model, ec.NUM_BLOCKS, ec.BLOCK_SIZE,
-                                 *ec.chapter_requests(trace), hooks)
-        s = r.yours.stats
-        print(f"your engine served {len(r.outs)} requests in {s.steps} steps "
-              f"({s.generated_tokens} tokens, {s.preemptions} preemptions, "
-              f"peak {s.peak_blocks_used} of {s.num_blocks} blocks)")
-        print(f"tokens {said(r.same_tokens)} the library engine's; batch sizes and blocks "
-              f"per step {said(r.same_steps)} it")
-        r7 = serving.side_by_side(model, ec.PRESSURE_BLOCKS, ec.PRESSURE_BLOCK_SIZE,
-                                  *ec.pressure_requests(), hooks)
-        print(f"chapter 07's pressure trace ({len(r7.outs)} requests on "
-              f"{r7.yours.stats.num_blocks} blocks, {r7.yours.stats.preemptions} "
-              f"preemptions): tokens {said(r7.same_tokens)} the library's; steps "
-              f"{said(r7.same_steps)} it")
-        return [viz.plot_batching({"paged (your engine)": s,
-                                   "static, max-length": ec.static_stats(trace)}),
-                viz.plot_timeline(s, "your engine: requests over time")]
-
-    return grading.on_learner_code(run, "exercises 06.1-06.4",
-                                   "the engine with your functions") or []

@@ -23,7 +23,7 @@ import torch
 
 from paged_lib.blocks import BlockAllocator, BlockTable, OutOfBlocks, Slot
 from paged_lib.course import grading
-from paged_lib.course.grading import generated, serving
+from paged_lib.course.grading import generated
 from paged_lib.course.grading.generated import numeric
 from paged_lib.course.grading.generated.small_attention import rng
 from paged_lib.course.grading.toy_pool import busy_pool, pool_state
@@ -547,56 +547,3 @@ def run_beam_search(beam_step: Callable[..., Any], **kw) -> list[sharing.BeamFra
     """A whole (synthetic) beam search driven by the learner's step, recorded."""
     frames, _ = sharing.record_beam_search(step_fn=on_copies(beam_step), **kw)
     return frames
-
-
-# ------------------------------------------------------------------ the chapter's demos
-
-
-def run_demo(apply_slot: Callable[..., Any], beam_step: Callable[..., Any]) -> list[Any]:
-    """The chapter's demos on the learner's two functions; returns the beam-tree figure.
-
-    Parallel sampling on a NaN-filled cache written by ``apply_slot``; a synthetic beam
-    search and its saving on 20 Alpaca-like requests, then a real one in the engine
-    (width 4 on the chapter's tiny random Llama), both driven by ``beam_step`` and
-    compared with the library's.
-    """
-    from paged_lib.course.viz import sharing as viz
-    from paged_lib.engine import EngineHooks, SamplingParams
-    from paged_lib.workloads import alpaca_like
-
-    def sampling() -> None:
-        demo = sharing.parallel_sampling_demo(apply_slot)
-        ok = demo.max_error < 1e-5
-        print(f"parallel sampling, your apply_slot: copies {demo.copies}; paged attention "
-              f"{'equals' if ok else 'DIFFERS from'} SDPA on each sample's own tokens")
-
-    def synthetic() -> list[Any]:
-        frames = run_beam_search(beam_step, prompt_len=6, output_len=10, beam_width=3,
-                                 block_size=4, seed=0)
-        same = frames == sharing.record_beam_search(seed=0)[0]
-        shared = unshared = 0
-        for i, r in enumerate(alpaca_like(20, seed=0)):
-            u = sharing.beam_search_usage(r.prompt_len, r.output_len, 4, block_size=16,
-                                          seed=i, step_fn=beam_step)
-            shared, unshared = shared + sum(u.shared), unshared + sum(u.unshared)
-        print(f"synthetic beam search, your beam_step: tree {'equals' if same else 'DIFFERS from'}"
-              f" the library's; width 4 on 20 Alpaca-like requests saves "
-              f"{1 - shared / unshared:.1%} of the block-steps")
-        return [viz.draw_beam_tree(frames, upto=6)]
-
-    def engine() -> None:
-        import torch
-
-        _, model = sharing.tiny_random_llama()
-        prompt = torch.randint(0, 97, (13,), generator=torch.Generator().manual_seed(1)).tolist()
-        params = SamplingParams(max_tokens=12, beam_width=4)
-        run = serving.side_by_side(model, 64, 4, [prompt], params,
-                                   EngineHooks(beam_step=on_copies(beam_step)))
-        print(f"engine beam search (width 4), your beam_step: beams "
-              f"{'equal' if run.same_tokens else 'DIFFER from'} the engine's own; peak blocks "
-              f"{run.yours.stats.peak_blocks_used} vs {run.library.stats.peak_blocks_used}")
-
-    grading.on_learner_code(sampling, "exercise 08.1", "parallel sampling")
-    figs = grading.on_learner_code(synthetic, "exercise 08.2", "synthetic beam search") or []
-    grading.on_learner_code(engine, "exercise 08.2", "engine beam search")
-    return figs
