@@ -139,6 +139,11 @@ class BlockTable:
         return list(self._blocks)
 
     @property
+    def freed(self) -> bool:
+        """Whether :meth:`free` has run: the table holds nothing and refuses every call."""
+        return self._freed
+
+    @property
     def num_tokens(self) -> int:
         return self._num_tokens
 

@@ -192,7 +192,7 @@ def _check_tables(got, old, mine: _World, ref: _World, where: str, cands) -> Non
     for i, (p, table, _, _) in enumerate(got):
         first = p not in seen
         seen.add(p)
-        if first and table is not old[p] and getattr(old[p], "_freed", False):
+        if first and table is not old[p] and getattr(old[p], "freed", False):
             grading.fail(f"{where}: beam {p} goes on, but you freed its table and gave its "
                          f"first child (new beam {i}) a fork of it",
                          "a fork for every child, then a free of every old table: a "
@@ -210,7 +210,7 @@ def _check_tables(got, old, mine: _World, ref: _World, where: str, cands) -> Non
             grading.fail(f"{where}: new beam {i}'s table is a {type(table).__name__}",
                          "return the BlockTable itself")
     for i, (p, table, _, _) in enumerate(got):
-        if getattr(table, "_freed", False):
+        if getattr(table, "freed", False):
             grading.fail(f"{where}: new beam {i} (a child of beam {p}) got a freed table",
                          f"beam {p} goes on: its table carries its first child, and the "
                          "engine writes the next token through it; free only the tables "
@@ -229,7 +229,7 @@ def _check_tables(got, old, mine: _World, ref: _World, where: str, cands) -> Non
                          "a second table on the same blocks comes from table.fork() (a copy "
                          "of the object adds no holder, nor does a BlockTable built on its blocks "
                          "without an incref)")
-    kept = [i for i, t in enumerate(old) if not getattr(t, "_freed", False)
+    kept = [i for i, t in enumerate(old) if not getattr(t, "freed", False)
             and not cands[i] and not any(t is b[1] for b in got)]
     if mine.alloc.num_free < ref.alloc.num_free and kept:
         grading.fail(f"{where}: beam(s) {kept} offered no candidates and still hold their "
