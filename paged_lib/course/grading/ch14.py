@@ -25,7 +25,22 @@ from paged_lib.course.grading.generated.numeric import Contrast, fewer
 from paged_lib.serve.detokenize import IncrementalDetokenizer
 from paged_lib.tokenizer import ByteTokenizer
 
-__all__ = ["STREAM_CONTRASTS", "Stream", "check_detokenizer", "stream_cases"]
+__all__ = ["EQUIVALENT_MUTANTS", "STREAM_CONTRASTS", "Stream", "check_detokenizer",
+           "stream_cases"]
+
+#: Mutants of the solution that cannot change any graded answer (tools/mutants.py skips
+#: them). The check streams the bytes of whole UTF-8 texts and reads ``text`` and
+#: ``stopped`` after ``finish()`` only, as the spec says.
+EQUIVALENT_MUTANTS: dict[str, dict[str, str]] = {"14.1": {
+    "drop: `if self.stopped is not None:` -> `pass`":
+    "after a stop, the text decoded again still holds the same first stop at the same "
+    "place, so the text is cut at the same end and the piece from `sent` to it is empty",
+    "drop: `self.text = ''` -> `pass` in `self.text = \"\"`":
+    "add() and finish() set text before anything reads it",
+    "drop: `self.text = self.decode(self.ids)` -> `pass`":
+    "the last add() decoded the same ids; only a character still arriving at the end "
+    "(trailing U+FFFD) would differ, and the checked streams end on whole characters",
+}}
 
 
 _TOK = ByteTokenizer()
