@@ -79,6 +79,8 @@ def expect_value_error(fn: Callable[..., Any], args: tuple, what: str, hint: str
         fn(*args)
     except ValueError:
         return
+    except NotImplementedError:  # a stub not written yet: ⏳, not ❌
+        raise
     except Exception as err:  # noqa: BLE001 - name what came instead
         fail(f"{what}: expected a ValueError, got {type(err).__name__}", hint)
     fail(f"{what}: expected a ValueError, nothing was raised", hint)
