@@ -11,6 +11,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from stage_verdicts import caught_only_by_the_stage  # noqa: E402
 
 from paged_lib import accounting as acc  # noqa: E402
 from paged_lib.accounting import kv_bytes_per_token, mha_equivalent  # noqa: E402
@@ -138,18 +139,22 @@ def _sinks_once_past_window(spec, lengths, **kw):
 
 
 @pytest.mark.parametrize("wrong, hint, state", [
-    (_sinks_once_past_window, "one longer than the window by fewer than sinks tokens",
-     "lengths [3, 6, 12]"),
     (_reserved_as_kept, "still a reservation made before a request's length is known",
-     "lengths [100, 2048, 700, 1]"),
+     "fewer tokens"),
     (_own_dtype, "not in the model spec's own dtype_bytes", "fewer bytes per token"),
-    (_batch_rounded, "each request rounds up to whole blocks on its own",
-     "lengths [100, 2048, 700, 1]"),
+    (_batch_rounded, "each request rounds up to whole blocks on its own", "paged layout"),
 ])
 def test_11_1_rules_read_from_the_levels_definitions_get_a_named_hint(capsys, wrong, hint,
                                                                        state):
     out = verdict(capsys, ch11.check_kv_levels, wrong)
     assert out.startswith("❌ [11.1]") and hint in out and state in out, out
+
+
+def test_11_1_window_plus_sinks_once_past_the_window_is_caught_by_the_generated_stage(
+        monkeypatch):
+    hint = caught_only_by_the_stage(ch11.check_kv_levels, _sinks_once_past_window,
+                                    monkeypatch, "paged layout")
+    assert "one longer than the window by fewer than sinks tokens" in hint, hint
 
 
 def test_11_1_the_specs_example_is_the_librarys():

@@ -1,5 +1,5 @@
-"""Chapter 11 (the KV landscape): 11.1 ``kv_levels`` and 11.2 ``kv_bytes_per_token`` on
-fixed cases (11.2 then its generated stage); 11.3 in
+"""Chapter 11 (the KV landscape): 11.1 ``kv_levels`` on the spec's example, 11.2
+``kv_bytes_per_token`` on fixed cases, then each its generated stage; 11.3 in
 :mod:`~paged_lib.course.grading.ch11_quant`; 11.4 ``drop_oldest`` on named edge states,
 then random windowed workloads served with it. A wrong answer is named by the typical
 mistake (a keyword of ``reference_levels``, :func:`reference_drop` ...) that gives it.
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +25,8 @@ from paged_lib.blocks import BlockAllocator, BlockTable
 from paged_lib.course import grading
 from paged_lib.course.grading import generated
 from paged_lib.course.grading.ch11_quant import check_write_int8_blocks
-from paged_lib.course.grading.generated import small_counts
+from paged_lib.course.grading.generated import numeric, small_counts
+from paged_lib.course.grading.generated.small_attention import rng
 from paged_lib.engine.window import WindowOp
 from paged_lib.util import cdiv
 
@@ -38,25 +39,6 @@ LEVELS = ("baseline", "fewer bytes per token", "fewer tokens", "paged layout")
 
 # ------------------------------------------------------------------ 11.1 kv_levels
 
-#: spec name, lengths, max_len, kv_dtype_bytes, block_size, window, sinks, what it tests
-_LEVEL_CASES: list[tuple[str, list[int], int, int, int, int | None, int, str]] = [
-    ("llama-3-8b", [1000], 2048, 1, 16, 500, 4, "the spec's example"),
-    ("llama-3-8b", [100, 2048, 700, 1], 2048, 1, 16, 1020, 4, "GQA in fp8, 1020 + 4 sinks"),
-    ("deepseek-v2", [5000, 30000, 128000], 131072, 2, 64, None, 0, "MLA, no window"),
-    ("llama-2-7b", [10, 17, 33], 64, 2, 16, 100, 4, "a window longer than max_len"),
-    ("falcon-7b", [4000, 4096, 300], 4096, 1, 256, 1020, 4, "MQA, blocks of 256"),
-    ("mistral-7b", [8000, 3000, 4096], 32768, 2, 16, 4096, 0, "a window without sinks"),
-    ("llama-2-70b", [1, 16, 32, 48], 4096, 1, 16, 8, 8, "a window of 8 and 8 sinks"),
-    ("llama-3-8b", [14, 30, 200], 512, 1, 16, 100, 4, "requests shorter than the window"),
-    ("llama-2-7b-fp32", [300, 5, 1000], 1024, 2, 16, 0, 4, "a window of 0: only the sinks"),
-    ("toy-gqa-fp32", [1001, 777, 123457, 64, 99999, 200003, 3], 200003, 1, 7, 65536, 3,
-     "7 requests, odd sizes, a model in fp32"),
-    ("llama-3-8b", [3, 6, 12], 64, 1, 2, 4, 3, "a request a little longer than the window"),
-]
-
-#: the models of the cases that are not in accounting's tables (fp32: not 2 bytes wide)
-_OWN_SPECS = {"llama-2-7b-fp32": SPECS["llama-2-7b"].with_dtype(4),
-              "toy-gqa-fp32": ModelSpec("toy-gqa-fp32", 5, 48, 6, 2, 8, dtype_bytes=4)}
 
 #: The chapter's deployment (the exercise notebook's demo serves it).
 DEPLOYMENT = dict(spec="llama-3-8b", max_len=8192, kv_dtype_bytes=1, block_size=16,
@@ -143,38 +125,124 @@ _LEVEL_SLIPS: list[tuple[int, dict, str]] = [
 ]
 
 
+def _run_levels(fn: Callable, args: tuple, what: str, named: list | None = None) -> None:
+    """11.1 on one case ``args`` (reference_levels' arguments), told as ``what``. With
+    ``named`` (the generated stage's first pass) a wrong level counts only where exactly one
+    mistake explains it, and (once ``named`` holds a hint) only that one: the shrink keeps
+    it. The second pass (``named`` None) fails on any wrong level."""
+    spec, lengths, max_len, dtype_b, b, window, sinks = args
+    what, given = what and f"{what}: ", list(lengths)
+    got = fn(spec, given, max_len=max_len, kv_dtype_bytes=dtype_b, block_size=b,
+             window=window, sinks=sinks)
+    grading.expect_true(given == list(lengths), f"{what}your function changed lengths",
+                        "read the lengths, do not change them")
+    grading.expect_true(isinstance(got, tuple | list) and len(got) == 4,
+                        f"{what}expected a tuple of 4 byte counts, got {got!r}",
+                        "return (baseline, fewer bytes per token, fewer tokens, "
+                        "paged layout)")
+    want = reference_levels(*args)
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        level = f"{what}{LEVELS[i]}"
+        grading.expect_int(g, level)
+        if g != w:
+            hits = dict.fromkeys(h for j, kw, h in _LEVEL_SLIPS
+                                 if str(i) in str(j) and reference_levels(*args, **kw)[i] == g)
+            if not hits and abs(g - w) <= w * 2.0**-20:
+                hits = {"off in the low digits only: a float32 (numpy or torch) keeps 24 "
+                        "bits, so a count computed in it and cast back loses the rest; stay "
+                        "in Python ints": None}
+            hint = next(iter(hits), "each level keeps the savings of the ones before it; "
+                        "see the spec for what each counts")
+            if named is not None:
+                if len(hits) != 1 or named[:1] not in ([], [hint]):
+                    return
+                named[:] = [hint]
+            grading.fail(f"{level}: expected {w:,} bytes, got {g:,}", hint)
+
+
+#: 11.1's generated models: accounting's (GQA, MQA, MHA, MLA), two in fp32, and the
+#: published configurations of 11.2's stage (head sizes not hidden / heads, MLA)
+_MODELS = [*SPECS.values(), *DEEPSEEK_SPECS.values(), SPECS["llama-2-7b"].with_dtype(4),
+           ModelSpec("toy-gqa-fp32", 5, 48, 6, 2, 8, dtype_bytes=4), *(
+    ModelSpec(name, n, size, heads, kv, d, dtype_bytes=4 if i % 3 == 0 else 2,
+              kv_lora_rank=latent, qk_rope_head_dim=rope)
+    for i, (name, n, size, heads, kv, d, latent, rope) in enumerate(small_counts.MODELS))]
+
+
+@dataclass(frozen=True)
+class Levels:
+    """One generated case of 11.1."""
+
+    seed: int
+    model: int
+    lengths: tuple[int, ...]
+    max_len: int
+    dtype_b: int
+    block_size: int
+    window: int | None
+    sinks: int
+
+    def args(self) -> tuple:
+        return (_MODELS[self.model], list(self.lengths), self.max_len, self.dtype_b,
+                self.block_size, self.window, self.sinks)
+
+    def describe(self) -> str:
+        s = _MODELS[self.model]
+        return (f"{s.name} ({s.attention}, {s.dtype_bytes} B), lengths {list(self.lengths)}, "
+                f"max_len {self.max_len}, {self.dtype_b} B per value, blocks of "
+                f"{self.block_size}, window {self.window}, sinks {self.sinks}")
+
+    def states(self) -> list[str]:
+        s, w, n = _MODELS[self.model], self.window, self.lengths
+        out = [f"{s.attention} in {({1: 'fp8', 2: 'fp16', 4: 'fp32'})[self.dtype_b]}"]
+        out += ["model in fp32"] if s.dtype_bytes == 4 else []
+        out += ["no window"] if w is None else ["window of 0"] if w == 0 else [
+            "window past max_len"] if w >= self.max_len else []
+        out += ["length at the window"] if w and w in n else []
+        out += ["past the window by at most sinks"] if w is not None and any(
+            w < x <= w + self.sinks for x in n) else []
+        return out
+
+    def smaller(self) -> Iterator[Levels]:
+        n = self.lengths
+        for i in range(len(n) if len(n) > 1 else 0):
+            yield dataclasses.replace(self, lengths=n[:i] + n[i + 1:])
+        for i, x in enumerate(n):
+            for v in numeric.shorter(x):
+                yield dataclasses.replace(self, lengths=(*n[:i], v, *n[i + 1:]))
+        yield from numeric.fewer(self, model=[0] if self.model else [],
+                                 dtype_b=[2] if self.dtype_b != 2 else [])
+
+
+def _draw_levels(seed: int) -> Levels:
+    pick = rng(1101 + seed)
+    max_len = pick([1, 7, 64, 100, 300, 2048, 4096, 8192, 65537, 131072, 200003])
+    window = pick([None, 0, 1, 4, 12, max_len // 3, max_len - 1, max_len, 2 * max_len + 1])
+    sinks = pick([0, 0, 1, 3, 4, 8])
+    w = max_len if window is None else window
+    near = [1, w - 1, w, w + 1, w + max(sinks // 2, 1), w + sinks, max_len, max_len - 1]
+    lengths = tuple(min(max(1, pick(near)), max_len) for _ in range(pick([1, 2, 3, 4, 5])))
+    return Levels(seed, pick(range(len(_MODELS))), lengths, max_len, pick([1, 2, 4]),
+                  pick([1, 3, 7, 12, 16, 100, 256]), window, sinks)
+
+
+def level_cases(count: int = 120) -> list[Levels]:
+    """11.1's generated cases (seeds 0, 1, ...), those with a window of 0 last: there a
+    `not window` mistake keeps every token, which hides what else is wrong."""
+    return sorted((_draw_levels(seed) for seed in range(count)), key=lambda p: p.window == 0)
+
+
 def check_kv_levels(fn: Callable[..., Any]) -> None:
-    """11.1: the deployment's KV bytes after each level of saving."""
+    """11.1: the deployment's KV bytes after each level of saving: the spec's example,
+    then the generated cases."""
     with grading.exercise("11.1"):
-        for name, lengths, max_len, dtype_b, b, window, sinks, about in _LEVEL_CASES:
-            spec = _OWN_SPECS[name] if name in _OWN_SPECS else get_spec(name)
-            args = (spec, lengths, max_len, dtype_b, b, window, sinks)
-            what = (f"{name}, lengths {lengths}, max_len {max_len}, {dtype_b} B per value, "
-                    f"blocks of {b}, window {window}, sinks {sinks} ({about})")
-            given = list(lengths)
-            got = fn(spec, given, max_len=max_len, kv_dtype_bytes=dtype_b, block_size=b,
-                     window=window, sinks=sinks)
-            grading.expect_true(given == lengths, f"{what}: your function changed lengths",
-                                "read the lengths, do not change them")
-            grading.expect_true(isinstance(got, tuple | list) and len(got) == 4,
-                                f"{what}: expected a tuple of 4 byte counts, got {got!r}",
-                                "return (baseline, fewer bytes per token, fewer tokens, "
-                                "paged layout)")
-            want = reference_levels(*args)
-            for i, (g, w) in enumerate(zip(got, want, strict=True)):
-                level = f"{what}: {LEVELS[i]}"
-                grading.expect_int(g, level)
-                if g != w:
-                    hint = next((h for j, kw, h in _LEVEL_SLIPS
-                                 if str(i) in str(j)
-                                 and reference_levels(*args, **kw)[i] == g), None)
-                    if hint is None and abs(g - w) <= w * 2.0**-20:
-                        hint = ("off in the low digits only: a float32 (numpy or torch) "
-                                "keeps 24 bits, so a count computed in it and cast back "
-                                "loses the rest; stay in Python ints")
-                    grading.fail(f"{level}: expected {w:,} bytes, got {g:,}", hint or (
-                        "each level keeps the savings of the ones before it; see the spec "
-                        "for what each counts"))
+        _run_levels(fn, (get_spec("llama-3-8b"), [1000], 2048, 1, 16, 500, 4),
+                    "llama-3-8b, lengths [1000], max_len 2048, 1 B per value, blocks of 16, "
+                    "window 500, sinks 4 (the spec's example)")
+        named: list[str] = []  # first the cases one mistake explains, then any
+        for keep in (named, None):
+            numeric.check("11.1", level_cases(),
+                          lambda p, keep=keep: _run_levels(fn, p.args(), "", keep))
 
 
 # ------------------------------------------------------------ 11.2 kv_bytes_per_token
