@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from paged_lib.blocks import BlockAllocator, BlockTable, Slot
+from paged_lib.blocks import BlockTable, Slot
 from paged_lib.course import grading
 from paged_lib.course.grading.generated.small_blocks import block_stage, free_stage
 from paged_lib.course.grading.toy_pool import busy_pool, pool_state, with_free
@@ -31,17 +31,11 @@ def check_fork(fork: Callable[[BlockTable], Any]) -> None:
 # ------------------------------------------------------------------ 03.3 free_block
 
 
-def _LearnerAllocator(num_blocks: int, free_block: Callable[..., Any],  # noqa: N802
-                      free_in_order: tuple[int, ...] | None = None) -> BlockAllocator:
-    """A pool (as :func:`busy_pool` builds it) whose ``free`` is the learner's."""
-    return with_free(busy_pool(num_blocks, free_in_order), free_block)
-
-
 def check_free_block(free_block: Callable[..., Any]) -> None:
     """03.3: ``free_block(block, ref_counts, free_block_ids) -> None``: the frees to refuse,
     then the scenarios of 03.1 and 03.2 with ``free_block`` as the pool's ``free``."""
     with grading.exercise("03.3"):
-        alloc = _LearnerAllocator(4, free_block, (1, 0))  # blocks 0 and 1 free, 2 and 3 held
+        alloc = with_free(busy_pool(4, (1, 0)), free_block)  # 0 and 1 free, 2 and 3 held
         for bad, why, hint in [
             (0, "block 0 is already free: a double free",
              "refuse a block whose count is already 0 (ValueError), before changing "
