@@ -20,7 +20,7 @@ from paged_lib.course.grading.generated.small_sim import SIM_KEYS, reference_pag
 from paged_lib.course.grading.toy_pool import busy_pool, with_free
 from paged_lib.parallel import kv_bytes_per_rank
 from paged_lib.studies.block_size import KERNEL_BLOCK_SIZES, choose_block_size, internal_waste
-from paged_lib.workloads import sharegpt_like
+from paged_lib.workloads import alpaca_like, sharegpt_like
 
 #: chapter 12's shipped model (the tiny code Llama, fp32) as a spec
 TINY = ModelSpec("tiny-code-llama (fp32)", num_layers=4, hidden_size=256, num_heads=8,
@@ -122,7 +122,6 @@ def chapter_03(append_token: Callable[..., Any], fork: Callable[..., Any],
 def chapter_09(internal_waste_fn: Callable[..., float],
                choose_block_size_fn: Callable[..., int]) -> None:
     """The learner's functions on the chapter's two traces, next to the library's."""
-    from paged_lib.workloads import alpaca_like, sharegpt_like
 
     traces = {"sharegpt": sharegpt_like(120, seed=0),
               "alpaca": alpaca_like(400, seed=0, rate=16)}
@@ -152,7 +151,6 @@ def chapter_11(kv_levels_fn: Callable[..., Any],
     """The learner's functions on the chapter's deployment and models, beside the library's
     (pictures: the levels and the bytes-per-token bars)."""
     from paged_lib.course.viz import kv_landscape as viz
-    from paged_lib.workloads import sharegpt_like
 
     lengths = [r.final_len for r in sharegpt_like(64, seed=0)]
     kw = {k: v for k, v in DEPLOYMENT.items() if k != "spec"}

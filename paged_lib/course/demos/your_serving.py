@@ -14,15 +14,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from paged_lib.course import grading
-from paged_lib.course.demos.engine_compare import (
-    PRESSURE_BLOCK_SIZE,
-    PRESSURE_BLOCKS,
-    pressure_requests,
-)
+from paged_lib.course.demos import engine_compare as ec
 from paged_lib.course.grading.ch08 import on_copies, run_beam_search
-from paged_lib.engine import EngineHooks, LLMEngine
+from paged_lib.engine import EngineHooks, LLMEngine, SamplingParams
+from paged_lib.model import load_tiny_code_llama
 from paged_lib.studies import sharing
 from paged_lib.tokenizer import ByteTokenizer
+from paged_lib.workloads import alpaca_like
 
 
 def tokens_of(outs: list) -> list[list[list[int]]]:
@@ -71,10 +69,7 @@ def chapter_06(build_metadata: Callable[..., Any], num_required_blocks: Callable
     groups of two samples come back with their shared prompt) with the learner's
     admission the same way. Returns the chapter's two figures drawn from the learner's run.
     """
-    from paged_lib.course.demos import engine_compare as ec
     from paged_lib.course.viz import engine as viz
-    from paged_lib.engine import EngineHooks
-    from paged_lib.model import load_tiny_code_llama
 
     model = model if model is not None else load_tiny_code_llama()
     hooks = EngineHooks(can_admit=can_admit, build_metadata=build_metadata,
@@ -113,10 +108,9 @@ def chapter_07(swap_mapping: Callable[..., Any], choose_victim: Callable[..., An
     """The chapter's too-small pool served with the learner's ``choose_victim`` (and
     ``preempt_until_fits`` when given), by recompute and by swap (with the learner's
     mapping), next to the library's runs."""
-    from paged_lib.model import load_tiny_code_llama
 
     model = model if model is not None else load_tiny_code_llama()
-    prompts, params = pressure_requests()
+    prompts, params = ec.pressure_requests()
 
     also = "" if preempt_until_fits is None else " (and preempt_until_fits)"
     asked = [0]
@@ -129,12 +123,13 @@ def chapter_07(swap_mapping: Callable[..., Any], choose_victim: Callable[..., An
         asked[0] = 0
         if preempt_until_fits is not None:
             hooks["preempt_until_fits"] = preempt_until_fits
-        run = side_by_side(model, PRESSURE_BLOCKS, PRESSURE_BLOCK_SIZE, prompts, params,
-                           EngineHooks(choose_victim=victim, **hooks), num_cpu_blocks=64,
-                           preemption=mode)
+        run = side_by_side(model, ec.PRESSURE_BLOCKS, ec.PRESSURE_BLOCK_SIZE, prompts,
+                           params, EngineHooks(choose_victim=victim, **hooks),
+                           num_cpu_blocks=64, preemption=mode)
         s, r = run.yours.stats, run.library.stats
-        print(f"recompute, your choose_victim{also}: {len(prompts)} requests on {PRESSURE_BLOCKS} "
-              f"blocks in {s.steps} steps (library: {r.steps}), {s.preemptions} preemptions "
+        print(f"recompute, your choose_victim{also}: {len(prompts)} requests on "
+              f"{ec.PRESSURE_BLOCKS} blocks in {s.steps} steps (library: {r.steps}), "
+              f"{s.preemptions} preemptions "
               f"(library: {r.preemptions}), {s.recomputed_tokens} tokens recomputed "
               f"(library: {r.recomputed_tokens})" if mode == "recompute" else
               f"swap, your choose_victim and swap_mapping{also}: {s.preemptions} preemptions, "
@@ -161,8 +156,6 @@ def chapter_08(apply_slot: Callable[..., Any], beam_step: Callable[..., Any]) ->
     compared with the library's.
     """
     from paged_lib.course.viz import sharing as viz
-    from paged_lib.engine import EngineHooks, SamplingParams
-    from paged_lib.workloads import alpaca_like
 
     def sampling() -> None:
         demo = sharing.parallel_sampling_demo(apply_slot)
@@ -220,8 +213,6 @@ def chapter_10(block_hashes_fn: Callable[..., Any], longest_cache_hit_fn: Callab
               f"evicts {last.evicted}")
 
     def engine() -> None:
-        from paged_lib.engine import EngineHooks, LLMEngine, SamplingParams
-        from paged_lib.model import load_tiny_code_llama
 
         m = model if model is not None else load_tiny_code_llama()
         prompts = demo.shared_prefix_prompts()
@@ -252,8 +243,6 @@ def chapter_14(cls: Any, prompt: str = "def add(a, b):", max_tokens: int = 60,
     time, and print each piece the client would get (in brackets) and why it ended."""
 
     def run() -> None:
-        from paged_lib.engine import LLMEngine, SamplingParams
-        from paged_lib.model import load_tiny_code_llama
 
         engine = LLMEngine(load_tiny_code_llama(), 64, 16)
         out = engine.generate([TOKENIZER.encode(prompt)],
