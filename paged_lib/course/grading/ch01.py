@@ -1,5 +1,5 @@
-"""Checks for chapter 01 (KV bytes): 01.1 and 01.4 run named cases, then all four the
-generated ones of :mod:`.generated.small_ints`; each hint names the slip from the number."""
+"""Checks for chapter 01 (KV bytes): named cases (01.1, 01.4), then the generated ones of
+:mod:`.generated.small_ints`; each hint names the slip from the number it produced."""
 
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ TOY = ModelSpec("toy-gqa", num_layers=3, hidden_size=96, num_heads=6, num_kv_hea
 
 
 def _kv_hint(spec: ModelSpec, got: object) -> str:
-    """Name the likely slip from the wrong number a learner's formula produced."""
     right = kv_bytes_per_token(spec)
     slips = [
         (right // 2, "K and V are both cached: multiply by 2."),
@@ -63,7 +62,7 @@ def check_logical_blocks(fn: Callable[[int, int], int]) -> None:
 
 
 def _fill_slips(case: tuple[int, int]) -> dict[str, float]:
-    """What each typical wrong fill returns for ``case`` (n, bs), by the hint naming it."""
+    """hint -> what that typical wrong fill returns for ``case`` (n, bs)."""
     n, bs = case
     want = small_ints.fill(n, bs)
     return {
@@ -101,30 +100,27 @@ def check_last_block_fill(fn: Callable[[int, int], float]) -> None:
 
 def _max_requests_hint(spec: ModelSpec, budget: int, ctx: int, bs: int, got: object,
                        want: int) -> str:
-    """Name the slip from the wrong count it produced."""
-    per_token = kv_bytes_per_token(spec)
-    blocks = num_blocks(ctx, bs)
-    if got == budget // (ctx * per_token) != want:
-        return (f"each request takes whole blocks: {_tokens(ctx)} at block size {bs} "
-                f"occupy {blocks} blocks, i.e. {blocks * bs} token slots.")
+    per_token, blocks = kv_bytes_per_token(spec), num_blocks(ctx, bs)
+    block, whole = bs * per_token, ("only whole requests run: the blocks left after the last "
+                                    "whole request hold no one, so round the number of "
+                                    "requests down.")
     if isinstance(got, float) and got != int(got):
         return "only whole requests run: round down."
-    if got == budget // per_token // blocks:
-        return (f"a block holds block_size = {_tokens(bs)}, so it takes {bs} x "
-                f"{per_token:,} bytes: the budget holds {budget // (bs * per_token):,} "
-                f"blocks, not {budget // per_token:,}.")
-    if got == -(-budget // (bs * per_token)) // blocks:
-        return ("a remainder of the budget smaller than a block is unusable: round the "
-                "number of blocks in the budget down (//), not up.")
-    if got == round(budget // (bs * per_token) / blocks) or \
-            got == -(-(budget // (bs * per_token)) // blocks):
-        return ("only whole requests run: the blocks left after the last whole request "
-                "hold no one, so round the number of requests down.")
-    if got == (budget // (bs * per_token // 2)) // blocks and bs * per_token > 1:
-        return (f"{spec.name} caches K and V: {per_token:,} bytes per token (check your "
-                "kv_bytes_per_token from 01.1: did it multiply by 2?).")
-    return ("blocks in the budget = budget // (block_size x bytes per token); "
-            "each request needs ceil(context_len / block_size) of them.")
+    slips = [
+        (budget // (ctx * per_token), f"each request takes whole blocks: {_tokens(ctx)} at "
+         f"block size {bs} occupy {blocks} blocks, i.e. {blocks * bs} token slots."),
+        (budget // per_token // blocks, f"a block holds block_size = {_tokens(bs)}, so it "
+         f"takes {bs} x {per_token:,} bytes: the budget holds {budget // block:,} blocks, "
+         f"not {budget // per_token:,}."),
+        (-(-budget // block) // blocks, "a remainder of the budget smaller than a block is "
+         "unusable: round the number of blocks in the budget down (//), not up."),
+        (round(budget // block / blocks), whole), (-(-(budget // block) // blocks), whole),
+        (budget // (block // 2) // blocks, f"{spec.name} caches K and V: {per_token:,} bytes "
+         "per token (check your kv_bytes_per_token from 01.1: did it multiply by 2?)."),
+    ]
+    return next((hint for wrong, hint in slips if got == wrong != want),
+                "blocks in the budget = budget // (block_size x bytes per token); each request "
+                "needs ceil(context_len / block_size) of them.")
 
 
 def _check_max(fn: Callable[..., int], spec: ModelSpec, budget: int, ctx: int,

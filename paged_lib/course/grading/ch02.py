@@ -1,7 +1,6 @@
-"""Checks for chapter 02 (where KV memory goes). 02.1 and 02.3 compare a dict with the
-answers below; 02.2 and 02.4 run the generated cases of :mod:`.generated.small_sim`; 02.5
-replays five traces, each built around one rule, then the generated ones.
-"""
+"""Checks for chapter 02 (where KV memory goes): 02.1 and 02.3 compare a dict with the
+answers below; 02.2, 02.4 and 02.5 run the generated cases of :mod:`.generated.small_sim`,
+02.5 after five traces built around one rule each."""
 
 from __future__ import annotations
 
@@ -16,42 +15,30 @@ from paged_lib.course.grading.generated import small_sim
 from paged_lib.fragmentation import request_slots
 from paged_lib.workloads import Request
 
-_FINISHED = "a finished request never runs again, so what its entry says is never read"
-_READMITTED = ("a preempted request's blocks are set again when it is admitted again, before "
-               "anything reads them")
+_SET_AGAIN = ("a request's blocks are set when it is admitted (again, after a preemption), "
+              "before anything reads them")
 #: Mutants of the solution that compute the same thing (see ``tools/mutants.py``).
-EQUIVALENT_MUTANTS: dict[str, dict[str, str]] = {
-    "02.5": {
-        "constant: `0` -> `-1` in `arrivals = deque((max(0, math.ceil(requests[i].arrival)), "
-        "i) for i in order)`":
-            "time starts at step 0, so a request whose arrival step is -1 joins the queue at "
-            "step 0 exactly as one at step 0 does",
-        "constant: `0` -> `-1` in `t = 0`":
-            "with nothing queued or running at step -1, time jumps to the first arrival, "
-            "as it does from step 0",
-        "drop: `if not queue and (not running):` -> `pass` in `if not queue and not "
-        "running:`":
-            "without the jump, the steps before the next arrival run empty: nothing is "
-            "counted, and the step count comes out the same",
-        "constant: `0` -> `-1` in `blocks = [0] * len(requests)`":
-            "a request's blocks are set when it is admitted, before anything reads them",
-        "drop: `blocks[i] = 0` -> `pass`":
-            _FINISHED,
-        "constant: `0` -> `1` in `blocks[i] = 0`":
-            _FINISHED,
-        "drop: `blocks[victim] = 0` -> `pass`":
-            _READMITTED,
-        "constant: `0` -> `-1` in `blocks[victim] = 0`":
-            _READMITTED,
-        "constant: `0` -> `1` in `blocks[victim] = 0`":
-            _READMITTED,
-    },
-}
+EQUIVALENT_MUTANTS: dict[str, dict[str, str]] = {"02.5": {
+    "constant: `0` -> `-1` in `arrivals = deque((max(0, math.ceil(requests[i].arrival)), "
+    "i) for i in order)`": "time starts at step 0, so a request whose arrival step is -1 "
+    "joins the queue at step 0 exactly as one at step 0 does",
+    "constant: `0` -> `-1` in `t = 0`": "with nothing queued or running at step -1, time "
+    "jumps to the first arrival, as it does from step 0",
+    "drop: `if not queue and (not running):` -> `pass` in `if not queue and not running:`":
+        "without the jump, the steps before the next arrival run empty: nothing is counted, "
+        "and the step count comes out the same",
+    **dict.fromkeys(["drop: `blocks[i] = 0` -> `pass`", "constant: `0` -> `1` in `blocks[i] = "
+                     "0`"], "a finished request never runs again, so what its entry says is "
+                    "never read"),
+    **dict.fromkeys(["constant: `0` -> `-1` in `blocks = [0] * len(requests)`", "drop: "
+                     "`blocks[victim] = 0` -> `pass`"] + [f"constant: `0` -> `{x}` in `blocks["
+                                                         "victim] = 0`" for x in ("-1", "1")],
+                    _SET_AGAIN),
+}}
 
 WASTE_KINDS = ("reserved", "internal", "external")
 
-#: Exercise 02.1: which kinds of waste each mechanism removes (reduces to nothing, or to
-#: less than one block per request).
+#: 02.1: the kinds of waste each mechanism removes (to nothing, or under a block per request)
 MECHANISMS: dict[str, set[str]] = {
     "allocate on demand": {"reserved", "internal"},
     "equal-size blocks through a block table": {"external"},
@@ -60,26 +47,19 @@ MECHANISMS: dict[str, set[str]] = {
 }
 
 MECHANISM_HINTS = {
-    "allocate on demand": (
-        "a block is taken only when the previous one is full: nothing is held for tokens "
-        "not yet produced, and what is never used is at most the rest of the last block. "
-        "It does not say *where* memory comes from, so alone it does not fix external "
-        "fragmentation."),
-    "equal-size blocks through a block table": (
-        "any free block can hold any request's next block, so a free block is never too "
-        "small or in the wrong place: that is external fragmentation gone. Block size "
-        "alone says nothing about reserving ahead."),
-    "reserve exactly the final length, first-fit (Orca Oracle)": (
-        "an oracle reserves L slots and first-fit hands out exactly L, so no slot is past "
-        "the end (no internal fragmentation); but the slots for future tokens are still "
-        "held from the start (reserved), and chunks of different sizes still leave holes "
-        "(external). On a buddy allocator, as the paper assumes, L is rounded up to a "
-        "power of two and internal fragmentation is back: the allocator decides."),
-    "round the output up to a power of two (Orca Pow2)": (
-        "reserving the prompt plus the output rounded up to a power of two shrinks the "
-        "over-reservation (at most 2x the output instead of max_len) but removes none of "
-        "the three: slots past the end remain, future tokens are still reserved, and "
-        "chunk sizes still differ."),
+    "allocate on demand": "a block is taken only when the previous one is full: nothing is "
+    "held for future tokens, and what is never used is at most the rest of the last block. It "
+    "does not say *where* memory comes from, so alone it does not fix external fragmentation.",
+    "equal-size blocks through a block table": "any free block can hold any request's next "
+    "block: external fragmentation is gone. Block size alone says nothing about reserving "
+    "ahead.",
+    "reserve exactly the final length, first-fit (Orca Oracle)": "first-fit hands out exactly "
+    "the final length L: no internal fragmentation; but the slots for future tokens are still "
+    "held from the start (reserved), and chunks of different sizes leave holes (external). "
+    "(A buddy allocator would round L up to a power of two: internal fragmentation again.)",
+    "round the output up to a power of two (Orca Pow2)": "it shrinks the over-reservation "
+    "(at most 2x the output, not max_len) but removes none of the three: slots past the end, "
+    "reserved future tokens and chunks of different sizes all remain.",
 }
 
 
@@ -91,7 +71,6 @@ def _expect_dict(got: Any, keys: list[str], hint: str) -> None:
 
 
 def check_waste_removed(fn: Callable[[], dict[str, set[str]]]) -> None:
-    """02.1: mechanism -> set of waste kinds it removes."""
     with grading.exercise("02.1"):
         got = fn()
         _expect_dict(got, list(MECHANISMS), "return {mechanism: {kinds}}, with the mechanism "
@@ -139,7 +118,6 @@ def _check_slots(fn: Callable[[int, int, int], object], n: int, length: int,
 
 
 def check_orca_max_slots(fn: Callable[[int, int, int], object]) -> None:
-    """02.2: (token_states, reserved, internal) of one Orca (Max) request."""
     with grading.exercise("02.2"):
         small_sim.slot_stage(lambda *args: _check_slots(fn, *args))
 
@@ -157,8 +135,7 @@ def batch_snapshot(prompt_lens, output_lens, step, slots) -> tuple[int, int, int
 
 
 def _snapshot_slips(case: tuple) -> dict[str, Any]:
-    """What each typical wrong snapshot returns for ``case`` (prompts, outputs, step, slots),
-    by the hint naming it."""
+    """hint -> what that typical wrong snapshot returns for ``case``."""
     p, o, step, slots = case
 
     def total(d: int = 0, kept: bool = False) -> tuple[int, ...]:
@@ -201,8 +178,6 @@ def _checked_slots(slots, prompt_lens, output_lens, step):
 
 
 def check_batch_snapshot(fn: Callable[..., object]) -> None:
-    """02.4: totals over a batch at one step, with paged and Orca (Max) accounting, on the
-    generated batches of :mod:`.generated.small_sim`."""
     def mine(p, o, step, slots) -> tuple[int, ...]:
         return _as_triple(fn(p, o, step, _checked_slots(slots, p, o, step)), "the snapshot")
 
@@ -217,8 +192,6 @@ def check_batch_snapshot(fn: Callable[..., object]) -> None:
     with grading.exercise("02.4"):
         small_sim.batch_stage(run)
 
-
-# ------------------------------------------------------------------ 02.3 the derivation
 
 def derivation_answers() -> dict[str, int | bool]:
     """The true answers of 02.3. Pool of 1024 slots, max_len 512, blocks of 16; A (100 +
@@ -238,29 +211,26 @@ def derivation_answers() -> dict[str, int | bool]:
 
 
 DERIVATION_HINTS = {
-    "max: slots A never uses": "Orca (Max) holds max_len slots for A from admission to the "
-                               "end; A ends at prompt + output: the rest is internal "
-                               "fragmentation, caused by reserving the maximum",
-    "oracle: free slots": "when B leaves, its chunk is free again: add it to the slots no "
-                          "one ever took",
-    "oracle: largest hole": "free slots are not one piece: B's old chunk and the tail after "
-                            "C are two holes. A chunk must fit in one hole",
-    "oracle: external fragmentation": "D needs one contiguous chunk of its final length; "
-                                      "if no single hole is that big, D waits and every "
-                                      "free slot counts as external fragmentation",
-    "paged: blocks A holds": "during step s (from 0) A stores prompt + s + 1 tokens; blocks "
-                             "are whole: round up (cdiv)",
-    "paged: free blocks": "the pool has 1024 // 16 blocks; B has left; A and C hold the "
-                          "blocks for the tokens they store now, nothing more",
-    "paged: D admitted": "D needs the blocks for its prompt plus the token it produces in "
-                         "its first step; any free blocks will do, wherever they are",
-    "paged: empty slots held": "each running request leaves only the rest of its last "
-                               "block empty: blocks x 16 - tokens, for A and C",
+    "max: slots A never uses": "Orca (Max) holds max_len slots for A from admission to the end; "
+    "A ends at prompt + output: the rest is internal fragmentation, from reserving the maximum",
+    "oracle: free slots": "when B leaves, its chunk is free again: add it to the slots no one "
+    "ever took",
+    "oracle: largest hole": "free slots are not one piece: B's old chunk and the tail after C "
+    "are two holes. A chunk must fit in one hole",
+    "oracle: external fragmentation": "D needs one contiguous chunk of its final length; if no "
+    "single hole is that big, D waits and every free slot counts as external fragmentation",
+    "paged: blocks A holds": "during step s (from 0) A stores prompt + s + 1 tokens; blocks are "
+    "whole: round up (cdiv)",
+    "paged: free blocks": "the pool has 1024 // 16 blocks; B has left; A and C hold the blocks "
+    "for the tokens they store now, nothing more",
+    "paged: D admitted": "D needs the blocks for its prompt plus the token it produces in its "
+    "first step; any free blocks will do, wherever they are",
+    "paged: empty slots held": "each running request leaves only the rest of its last block "
+    "empty: blocks x 16 - tokens, for A and C",
 }
 
 
 def check_derivation(derive: Callable[[], dict[str, Any]]) -> None:
-    """02.3: ``derive() -> dict`` with the keys of :func:`derivation_answers`."""
     with grading.exercise("02.3"):
         got = derive()
         answers = derivation_answers()
@@ -274,8 +244,6 @@ def check_derivation(derive: Callable[[], dict[str, Any]]) -> None:
                 grading.expect_int(mine, key)
             grading.expect_equal(mine, want, key, DERIVATION_HINTS[key])
 
-
-# ------------------------------------------------------------------ 02.5 the simulator
 
 # name, requests, capacity, block size, hint when this trace (the first to fail) differs
 SIM_TRACES: list[tuple[str, list[Request], int, int, str]] = [
@@ -307,7 +275,6 @@ SIM_TRACES: list[tuple[str, list[Request], int, int, str]] = [
 
 
 def check_paged_simulator(simulate_paged: Callable[..., Any]) -> None:
-    """02.5: ``simulate_paged(requests, capacity_tokens, block_size) -> dict``."""
     with grading.exercise("02.5"):
         for name, requests, capacity, block_size, hint in SIM_TRACES:
             small_sim.run_paged(simulate_paged, requests, capacity, block_size, hint, name)

@@ -1,10 +1,6 @@
-"""Checks for chapter 4's exercises: attention over blocks.
-
-04.1 and 04.2 run the seeded generated cases of
-:mod:`~paged_lib.course.grading.generated.small_attention` (shrunk at the first failure);
-04.2 reads its caches through :mod:`paged_lib.instruments.block_reads`, which sees every
-block read and what the learner's code still holds. 04.3 is a quiz.
-"""
+"""Checks for chapter 4 (attention over blocks): 04.1 and 04.2 run the generated cases of
+:mod:`.generated.small_attention`, 04.2 on caches that watch every block read
+(:mod:`paged_lib.instruments.block_reads`); 04.3 is a quiz."""
 
 from __future__ import annotations
 
@@ -26,19 +22,14 @@ def check_merge_states(merge_states: Callable) -> None:
 
 
 def check_paged_online(paged_decode: Callable) -> None:
-    """04.2: one sequence's decode attention, one block at a time, through its block table.
-
-    The caches are :class:`~paged_lib.instruments.block_reads.BlockCache` proxies: gathering
-    all tokens first, or a softmax that needs the whole score row, fails even though its
-    numbers are right.
-    """
+    """04.2: one sequence's decode attention, one block at a time, through its block table
+    (gathering all tokens first, or a softmax over the whole score row, fails)."""
     with grading.exercise("04.2"):
         small_attention.paged_stage(paged_decode, _paged_case)
 
 
 def _paged_case(paged_decode: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 table: list[int], n: int, scale: float, ref: torch.Tensor, loud: bool) -> None:
-    """One sequence: the learner's function on watched caches, next to ``ref``."""
     what = f"seq_len={n}, heads {q.shape[0]}/{k.shape[2]} (query/KV), block_size={k.shape[1]}"
     got = _run_watched(paged_decode, q, k, v, table, n, scale, what)
     grading.expect_true(isinstance(got, torch.Tensor),
@@ -61,7 +52,6 @@ def _paged_case(paged_decode: Callable, q: torch.Tensor, k: torch.Tensor, v: tor
 
 def _run_watched(paged_decode: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  table: list[int], n: int, scale: float, what: str) -> torch.Tensor:
-    """Call the learner's function on watched caches; fail on the first broken read rule."""
     k_watch, v_watch, log = block_reads.watch(k, v, q.shape[0])
     bt = torch.tensor(table, dtype=torch.int32)
     error = None
@@ -123,13 +113,11 @@ def statements() -> str:
 def check_flash_vs_paged(classify: Callable[[], dict[int, str]]) -> None:
     """04.3: classify each statement as "flash", "paged" or "both"."""
     with grading.exercise("04.3"):
-        answers = classify()
-        count = len(STATEMENTS)
-        grading.expect_true(isinstance(answers, dict),
-                            f"expected a dict {{statement number: answer}}, got "
-                            f"{type(answers).__name__}",
-                            hint=f"return {{1: 'flash', 2: ..., {count}: ...}}: the keys are "
-                                 "the statement numbers, so a list's order is not relied on")
+        answers, count = classify(), len(STATEMENTS)
+        grading.expect_true(isinstance(answers, dict), f"expected a dict {{statement number: "
+                            f"answer}}, got {type(answers).__name__}", hint=f"return {{1: "
+                            f"'flash', 2: ..., {count}: ...}}: the keys are the statement "
+                            "numbers, so a list's order is not relied on")
         text_keys = [k for k in answers if isinstance(k, str)]
         if text_keys:
             grading.fail(f"the keys are strings, like {text_keys[0]!r}",
@@ -141,17 +129,16 @@ def check_flash_vs_paged(classify: Callable[[], dict[int, str]]) -> None:
                               f"0: keys 1 .. {count}")
         grading.expect_true(not missing, f"no answer for statement(s) {missing}",
                             hint=f"keys are 1 .. {count}")
-        got = {i: str(answers[i]).strip().lower() for i in range(1, count + 1)}
-        for i in range(1, count + 1):
-            grading.expect_true(got[i] in ("flash", "paged", "both"),
-                                f"statement {i}: answer {answers[i]!r} is not one of "
-                                "'flash', 'paged', 'both'",
+        wrong = []
+        for i, (_, answer, hint) in enumerate(STATEMENTS, 1):
+            got = str(answers[i]).strip().lower()
+            grading.expect_true(got in ("flash", "paged", "both"), f"statement {i}: answer "
+                                f"{answers[i]!r} is not one of 'flash', 'paged', 'both'",
                                 hint="answer with one of the three words exactly: 'flash' "
                                      "(FlashAttention only), 'paged' (PagedAttention only) "
                                      "or 'both'")
-        wrong = [(i, hint) for i, (_, answer, hint) in enumerate(STATEMENTS, 1)
-                 if got[i] != answer]
+            wrong += [(i, got, hint)] * (got != answer)
         if wrong:
-            i, hint = wrong[0]
+            i, got, hint = wrong[0]
             grading.fail(f"{count - len(wrong)} of {count} right; statement {i} is not "
-                         f"{got[i]!r}", hint)
+                         f"{got!r}", hint)

@@ -1,18 +1,12 @@
 """Checks for chapter 05: the Triton ramp (05.1-05.4), the paged decode kernel (05.5), slot
-mapping (05.6) and merging split-KV partials (05.7).
-
-Each check runs only seeded generated cases, shrunk at the first failure: 05.1-05.5 those of
-:mod:`~paged_lib.course.grading.generated.numeric_decode` on tiny grids, 05.6 and 05.7 those
-of :mod:`~paged_lib.course.grading.generated.small_attention`. A kernel's evidence: NaN
-poisoning (what it must not use is NaN, every output sits in a :class:`Guarded` buffer) and,
-in Triton's interpreter only, the load trace (:mod:`paged_lib.instruments.load_trace`: every
-element each program loaded, so a read past the end fails even when ``tl.where`` hid it).
+mapping (05.6) and merging split-KV partials (05.7), on seeded generated cases shrunk at the
+first failure. A kernel's evidence: NaN poisoning (every tensor sits in a :class:`Guarded`
+buffer) and, in Triton's interpreter, the load trace (:mod:`paged_lib.instruments.load_trace`).
 """
 
 from __future__ import annotations
 
 import inspect
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -46,28 +40,19 @@ EQUIVALENT_MUTANTS: dict[str, dict[str, str]] = {
 }
 
 NAN = float("nan")
-#: What surrounds an output: a kernel that stores there (even NaN) changes it.
-OUT_GUARD = -7777.0
-
-
-# ------------------------------------------------------------------ launching and tracing
-
-def stub_not_done(kernel: Any) -> None:
-    """A stub still holding ``raise NotImplementedError()`` is 'not attempted' (read in its
-    source: a compiling GPU backend would reject the raise as a compile error)."""
-    fn = getattr(kernel, "fn", kernel)
-    try:
-        src = inspect.getsource(fn)
-    except (OSError, TypeError):
-        return
-    if "raise NotImplementedError" in src:
-        raise NotImplementedError
+OUT_GUARD = -7777.0  #: what surrounds an output: a kernel that stores there changes it
+MIN_DOT = 16  #: the smallest tile dimension ``tl.dot`` accepts on NVIDIA GPUs
 
 
 def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **constants: Any) -> LoadTrace:
-    """Run the learner's kernel; return its load trace (empty when compiled on a GPU). The
-    interpreter wraps what a kernel raised in its own error; the learner sees theirs."""
-    stub_not_done(kernel)
+    """Run the learner's kernel; return its load trace (empty when compiled on a GPU). A stub
+    still holding ``raise NotImplementedError`` (read in its source: a GPU backend would not
+    compile it) is 'not attempted'; what the kernel raised is shown unwrapped."""
+    try:
+        if "raise NotImplementedError" in inspect.getsource(getattr(kernel, "fn", kernel)):
+            raise NotImplementedError
+    except (OSError, TypeError):
+        pass
     with trace_loads() as trace, np.errstate(all="ignore"):  # overflow: reported as such
         try:
             kernel[grid](*args, **constants)
@@ -78,18 +63,7 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **constants: Any) -> 
             if cause is not None and type(err).__name__ == "InterpreterError":
                 raise cause from None
             raise
-    check_gpu_limits(trace)
-    return trace
-
-
-#: The smallest tile dimension ``tl.dot`` accepts on NVIDIA GPUs (tensor cores).
-MIN_DOT = 16
-
-
-def check_gpu_limits(trace: LoadTrace) -> None:
-    """What a GPU would refuse and the interpreter runs anyway: ``tl.dot`` on a tile with a
-    dimension under 16 (it compiles on no NVIDIA GPU)."""
-    for dot in trace.dots:
+    for dot in trace.dots:  # the interpreter runs it, no NVIDIA GPU compiles it
         if min(dot.a_shape[-2:] + dot.b_shape[-2:]) < MIN_DOT:
             grading.fail(f"program {dot.program[:2]} called tl.dot on a "
                          f"{list(dot.a_shape)} x {list(dot.b_shape)} tile: the interpreter "
@@ -97,25 +71,22 @@ def check_gpu_limits(trace: LoadTrace) -> None:
                          f"least {MIN_DOT}",
                          hint="for tiles this small use tl.sum(a[:, :, None] * b[None, :, :], "
                               "axis=1); or pad the tile to 16 rows (masked) before tl.dot")
+    return trace
 
 
 class Guarded:
-    """A tensor in the middle of a flat buffer with ``pad`` poisoned elements on each side.
-
-    A learner's kernel that loads or stores a little outside the tensor (a tile hanging
-    over the edge, a negative offset) touches the guard, not memory nobody owns (which
-    could crash the notebook's kernel); the trace and the guard's values show it.
-    """
+    """A tensor in the middle of a flat buffer with ``pad`` (at least its size) poisoned
+    elements on each side: a load or store a little outside touches the guard, not memory
+    nobody owns; the trace and the guard's values show it."""
 
     def __init__(self, values: torch.Tensor, pad: int, fill: float | int = NAN):
         from paged_lib import default_device
 
-        pad = max(pad, values.numel())  # a sign error in an offset stays in the guard
-        self.pad, self.shape, self.fill = pad, tuple(values.shape), fill
+        self.pad = pad = max(pad, values.numel())
         buffer = torch.full((values.numel() + 2 * pad,), fill, dtype=values.dtype)
         buffer[pad:pad + values.numel()] = values.reshape(-1)
-        self.buffer = buffer.to(default_device())
-        self.view = self.buffer[pad:pad + values.numel()].view(self.shape)
+        self.buffer, self.fill = buffer.to(default_device()), fill
+        self.view = self.buffer[pad:pad + values.numel()].view(values.shape)
 
     def reads(self, trace: LoadTrace) -> list[tuple[tuple, np.ndarray, np.ndarray]]:
         """Per load touching the buffer: (program, flat index relative to the view, mask)."""
@@ -125,8 +96,7 @@ class Guarded:
     def guard_intact(self) -> bool:
         buf = self.buffer.cpu()
         guard = torch.cat([buf[:self.pad], buf[self.pad + self.view.numel():]])
-        return bool(guard.isnan().all()) if isinstance(self.fill, float) and \
-            math.isnan(self.fill) else bool((guard == self.fill).all())
+        return bool(((guard == self.fill) | (guard.isnan() & (self.fill != self.fill))).all())
 
 
 def first_outside(guarded: Guarded, trace: LoadTrace, inside: Callable[[np.ndarray], np.ndarray]
@@ -139,11 +109,11 @@ def first_outside(guarded: Guarded, trace: LoadTrace, inside: Callable[[np.ndarr
     return None
 
 
-# ------------------------------------------------------------------- 05.1 a 2-D masked tile
-
-def _ramp_stage(ex: str, run: Any) -> None:
-    """05.1-05.4's only stage: their generated cases, shrunk at the first failure."""
-    numeric.check(ex, numeric_decode.ramp_cases(ex), run, numeric_decode.RAMP_CONTRASTS[ex])
+def _ramp(ex: str, case: Callable, kernel: Any) -> None:
+    """05.1-05.4: their generated cases, ``case(kernel, *built)`` each."""
+    with grading.exercise(ex):
+        numeric.check(ex, numeric_decode.ramp_cases(ex), lambda p: case(kernel, *p.build()),
+                      numeric_decode.RAMP_CONTRASTS[ex])
 
 
 def _rounded(want: torch.Tensor, what: str = "out") -> dict[str, torch.Tensor]:
@@ -170,33 +140,37 @@ def _expect_wide(trace: LoadTrace, ids: Guarded, what: str, name: str) -> None:
                           "elements (a few GB), and .to(tl.int64) on the result cannot undo it")
 
 
+def _outputs(shape: tuple[int, ...], pad: int) -> Guarded:
+    return Guarded(torch.full(shape, NAN), pad=pad, fill=OUT_GUARD)
+
+
+# ------------------------------------------------------------------- 05.1 a 2-D masked tile
+
 def check_scale_tile(kernel: Any) -> None:
     """05.1: ``out = 2 * x`` for an ``[M, N]`` view with row stride ``stride_x``."""
-    with grading.exercise("05.1"):
-        _ramp_stage("05.1", lambda p: _tile_case(kernel, *p.build()))
+    _ramp("05.1", _tile_case, kernel)
 
 
 def _tile_case(kernel: Any, x: torch.Tensor, stride: int, bm: int, bn: int) -> None:
     m, n = x.shape
     rows = torch.full((m, stride), NAN)
     rows[:, :n] = x
-    x_g = Guarded(rows, pad=bm * stride + bn)
-    out_g = Guarded(torch.full((m, n), NAN), pad=bm * n + bn, fill=OUT_GUARD)
+    x_g, out_g = Guarded(rows, pad=bm * stride + bn), _outputs((m, n), bm * n + bn)
     what = f"M={m}, N={n}, stride_x={stride}, BLOCK_M={bm}, BLOCK_N={bn}"
     trace = launch(kernel, (cdiv(m, bm), cdiv(n, bn)), x_g.view, out_g.view, m, n,
                    stride, BLOCK_M=bm, BLOCK_N=bn)
     addresses = ("element (i, j) of x is at i * stride_x + j (stride_x, not N: x is a view "
                  "into wider rows); of out at i * N + j")
-    if interpreted():
-        bad = first_outside(x_g, trace, lambda f: (f >= 0) & (f < m * stride) & (f % stride < n))
-        if bad:
-            (pm, pn, _), flat, count = bad
-            i, j = divmod(flat, stride)
-            grading.fail(f"{what}: program ({pm}, {pn}) read x[{i}, {j}], outside the "
-                         f"{m} x {n} matrix ({count} such element(s) in that load)",
-                         hint=Named("mask the load with (rows < M)[:, None] & (cols < N)"
-                                    "[None, :] (a tile at the edge hangs over the last row "
-                                    "and column); " + addresses))
+    bad = interpreted() and first_outside(
+        x_g, trace, lambda f: (f >= 0) & (f < m * stride) & (f % stride < n))
+    if bad:
+        (pm, pn, _), flat, count = bad
+        i, j = divmod(flat, stride)
+        grading.fail(f"{what}: program ({pm}, {pn}) read x[{i}, {j}], outside the "
+                     f"{m} x {n} matrix ({count} such element(s) in that load)",
+                     hint=Named("mask the load with (rows < M)[:, None] & (cols < N)[None, :] "
+                                "(a tile at the edge hangs over the last row and column); "
+                                + addresses))
     grading.expect_true(out_g.guard_intact(), f"{what}: the kernel wrote outside out",
                         hint=Named("mask the store with the same (row, column) mask; "
                                    "element (i, j) of out is at i * N + j (stride_x is x's "
@@ -220,17 +194,15 @@ def _tile_case(kernel: Any, x: torch.Tensor, stride: int, bm: int, bn: int) -> N
 
 def check_gather_rows(kernel: Any) -> None:
     """05.2: ``out[i] = x[idx[i]]`` for ``i < n``; row ids int32, offsets int64."""
-    with grading.exercise("05.2"):
-        _ramp_stage("05.2", lambda p: _gather_case(kernel, *p.build()))
+    _ramp("05.2", _gather_case, kernel)
 
 
 def _gather_case(kernel: Any, x: torch.Tensor, ids: torch.Tensor, block: int) -> None:
     (num_rows, d), n = x.shape, len(ids)
-    x_g = Guarded(x, pad=d * (block + 1))
     idx = torch.full((n + block,), num_rows, dtype=torch.int32)  # past n: garbage, row
     idx[:n] = ids                                                # "num_rows"
-    idx_g = Guarded(idx, pad=block, fill=num_rows)
-    out_g = Guarded(torch.full((n, d), NAN), pad=d * (block + 1), fill=OUT_GUARD)
+    x_g, idx_g = Guarded(x, pad=d * (block + 1)), Guarded(idx, pad=block, fill=num_rows)
+    out_g = _outputs((n, d), d * (block + 1))
     what = f"{num_rows} rows of {d}, n={n}, BLOCK_I={block}"
     trace = launch(kernel, (cdiv(n, block),), x_g.view, idx_g.view[:n], out_g.view, n,
                    D=d, BLOCK_I=block)
@@ -256,14 +228,12 @@ def _gather_case(kernel: Any, x: torch.Tensor, ids: torch.Tensor, block: int) ->
 
 def check_row_softmax(kernel: Any) -> None:
     """05.3: ``out = softmax(x, dim=1)``, one program per row, large and negative values."""
-    with grading.exercise("05.3"):
-        _ramp_stage("05.3", lambda p: _softmax_case(kernel, *p.build()))
+    _ramp("05.3", _softmax_case, kernel)
 
 
 def _softmax_case(kernel: Any, x: torch.Tensor, block: int) -> None:
     rows, n = x.shape
-    x_g = Guarded(x, pad=block)
-    out_g = Guarded(torch.full((rows, n), NAN), pad=block, fill=OUT_GUARD)
+    x_g, out_g = Guarded(x, pad=block), _outputs((rows, n), block)
     what = f"{rows} rows of N={n}, BLOCK_N={block}"
     trace = launch(kernel, (rows,), x_g.view, out_g.view, n, BLOCK_N=block)
     for (row, _, _), flat, mask in x_g.reads(trace) if interpreted() else []:
@@ -303,21 +273,19 @@ def _softmax_case(kernel: Any, x: torch.Tensor, block: int) -> None:
 
 def check_online_attention(kernel: Any) -> None:
     """05.4: ``out[b] = softmax(k[b] @ q[b] * scale) @ v[b]``, TILE keys per iteration."""
-    with grading.exercise("05.4"):
-        _ramp_stage("05.4", lambda p: _attention_case(kernel, *p.build()))
+    _ramp("05.4", _attention_case, kernel)
 
 
 def _attention_case(kernel: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     scale: float, tile: int) -> None:
     batch, n, d = k.shape
     q_g, k_g, v_g = (Guarded(t, pad=tile * d) for t in (q, k, v))
-    out_g = Guarded(torch.full((batch, d), NAN), pad=tile * d, fill=OUT_GUARD)
+    out_g = _outputs((batch, d), tile * d)
     what = f"batch {batch}, N={n}, D={d}, TILE={tile}"
     trace = launch(kernel, (batch,), q_g.view, k_g.view, v_g.view, out_g.view, n, scale,
                    D=d, TILE=tile)
-    if interpreted():
-        _check_tiles(trace, k_g, "K", n, d, tile, what)
-        _check_tiles(trace, v_g, "V", n, d, tile, what)
+    for name, kv in (("K", k_g), ("V", v_g)) if interpreted() else ():
+        _check_tiles(trace, kv, name, n, d, tile, what)
     grading.expect_true(out_g.guard_intact(), f"{what}: the kernel wrote outside out",
                         hint="program b writes out[b, :D] only")
     got = out_g.view.cpu()
@@ -356,6 +324,10 @@ def _check_tiles(trace: LoadTrace, kv: Guarded, name: str, n: int, d: int, tile:
 
 # -------------------------------------------------------------- 05.5 the paged decode kernel
 
+_ADDRESS = ("element (block, slot, head, dim) is at ((block * BLOCK_SIZE + slot) * "
+            "NUM_KV_HEADS + head) * HEAD_DIM + dim")
+
+
 def run_decode_kernel(kernel: Any, case) -> tuple[torch.Tensor, LoadTrace, tuple]:
     """Launch the exercise kernel, one program per (sequence, KV head), every tensor in a
     :class:`Guarded` buffer; return the output (on the CPU), the trace and the cache views."""
@@ -363,11 +335,10 @@ def run_decode_kernel(kernel: Any, case) -> tuple[torch.Tensor, LoadTrace, tuple
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
-    q_g, k_g, v_g = Guarded(q, q.numel()), Guarded(k_cache, k_cache.numel()), \
-        Guarded(v_cache, v_cache.numel())
-    out_g = Guarded(torch.full_like(q, NAN), q.numel(), fill=OUT_GUARD)
-    bt_g = Guarded(block_tables, block_tables.numel(), fill=0)  # block 0: all NaN
-    lens_g = Guarded(seq_lens, seq_lens.numel(), fill=0)
+    q_g, k_g, v_g = Guarded(q, 0), Guarded(k_cache, 0), Guarded(v_cache, 0)
+    out_g = Guarded(torch.full_like(q, NAN), 0, fill=OUT_GUARD)
+    bt_g = Guarded(block_tables, 0, fill=0)  # block 0: all NaN
+    lens_g = Guarded(seq_lens, 0, fill=0)
     trace = launch(kernel, (num_seqs, num_kv_heads), out_g.view, q_g.view, k_g.view, v_g.view,
                    bt_g.view, lens_g.view, scale, block_tables.shape[1],
                    NUM_KV_HEADS=num_kv_heads, GROUP=group,
@@ -381,9 +352,7 @@ def run_decode_kernel(kernel: Any, case) -> tuple[torch.Tensor, LoadTrace, tuple
         bad = first_outside(g, trace, lambda f, g=g: (f >= 0) & (f < g.view.numel()))
         if bad:
             grading.fail(f"program {bad[0][:2]} read {name} outside the cache ({bad[2]} "
-                         "element(s) in one load)",
-                         hint="element (block, slot, head, dim) is at ((block * BLOCK_SIZE + "
-                              "slot) * NUM_KV_HEADS + head) * HEAD_DIM + dim")
+                         "element(s) in one load)", hint=_ADDRESS)
     if interpreted():
         _check_iterations(trace, bt_g, k_g, seq_lens, k_cache.shape[1])
     _expect_wide(trace, bt_g, "this batch", "block id")
@@ -392,9 +361,8 @@ def run_decode_kernel(kernel: Any, case) -> tuple[torch.Tensor, LoadTrace, tuple
 
 def _check_iterations(trace: LoadTrace, bt_g: Guarded, k_g: Guarded, seq_lens: torch.Tensor,
                       block_size: int) -> None:
-    """Each program visits its own sequence's blocks only: no block-table entry past them
-    is read, and no K tile is loaded with every lane masked off (an iteration past the
-    end: looping over the widest table instead of cdiv(seq_len, BLOCK_SIZE))."""
+    """Each program reads no block-table entry past its own sequence's blocks and loads no K
+    tile with every lane masked off (looping over the widest table, not cdiv(seq_len, bs))."""
     lens, width = seq_lens.tolist(), bt_g.view.shape[1]
     hint = ("loop over range(cdiv(seq_len, BLOCK_SIZE)) with this program's own seq_len, not "
             "over the table's width: on a GPU every program then waits as long as the "
@@ -427,12 +395,12 @@ def _check_decode_reads(trace: LoadTrace, caches: tuple, case, what: str) -> Non
             n = int(case.seq_lens[seq])
             used = case.block_tables[seq].tolist()[:cdiv(n, bs)]
             who = f"{what}: program (seq {seq}, kv_head {kv_head}) read {name}"
+            count = seen.setdefault((seq, kv_head), np.zeros(
+                (case.k_cache.shape[0], bs, head_dim), dtype=np.int64))
             for blk, slot, head, dim in read.index[read.mask].tolist():
                 if head != kv_head:
                     grading.fail(f"{who} of KV head {head}",
-                                 hint="the KV head is program_id(1): element (block, slot, "
-                                      "head, dim) is at ((block * BLOCK_SIZE + slot) * "
-                                      "NUM_KV_HEADS + head) * HEAD_DIM + dim")
+                                 hint="the KV head is program_id(1): " + _ADDRESS)
                 pos = used.index(blk) * bs + slot if blk in used else None
                 if pos is None or pos >= n:
                     grading.fail(f"{who} at block {blk}, slot {slot}: " + (
@@ -443,8 +411,6 @@ def _check_decode_reads(trace: LoadTrace, caches: tuple, case, what: str) -> Non
                                       "position < seq_len; tl.where on the scores hides the "
                                       "NaN but the read still happens (on a GPU: a fault or "
                                       "another sequence's data)")
-                count = seen.setdefault((seq, kv_head), np.zeros(
-                    (case.k_cache.shape[0], bs, head_dim), dtype=np.int64))
                 count[blk, slot, dim] += 1
         for (seq, kv_head), count in seen.items():
             if count.max() > 1:

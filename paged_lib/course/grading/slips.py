@@ -1,12 +1,6 @@
-"""What the typical wrong decode attentions compute, so a hint can name the one a learner
-wrote (04.2's blockwise attention in Python, 05.5's Triton kernel, 09.3's tiles).
-
-Each slip is recomputed in float64 on the grader's own case; :func:`name_slip` returns
-the hint of the slip whose output is much closer to the learner's than the right answer
-is (a float16 rounding is small, so "closer" is relative to the right answer's error).
-:func:`name_mistake` does the same for exact answers (09.1, 09.2, 12.1, 12.2), the other
-cases deciding between mistakes that agree on one.
-"""
+"""Naming a learner's mistake by the typical wrong answer it reproduces: the wrong decode
+attentions recomputed in float64 (:func:`name_slip`: the one far closer to the learner's
+output than the right answer is), and exact answers (:func:`name_mistake`)."""
 
 from __future__ import annotations
 
@@ -21,7 +15,6 @@ from paged_lib.util import cdiv
 
 
 def _attend(q, k, v, scale, block_size, *, slip: str | None):
-    """One head's attention over ``k``/``v`` [n, d] read block by block, with ``slip``."""
     m = torch.tensor(float("-inf"), dtype=torch.float64)
     l = torch.tensor(0.0, dtype=torch.float64)  # noqa: E741
     acc = torch.zeros(v.shape[1], dtype=torch.float64)
@@ -78,13 +71,11 @@ def decode_slips(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 def contiguous_slips(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                      tile: int) -> dict[str, torch.Tensor]:
-    """Like :func:`decode_slips` for one head per batch row over contiguous K/V
-    (``q [batch, d]``, ``k``/``v [batch, n, d]``, read ``tile`` keys at a time: 05.4)."""
-    out = {}
-    for name in ("no rescale", "fp16 p", "no scale"):
-        out[name] = torch.stack([_attend(q[b].double(), k[b].double(), v[b].double(), scale,
-                                         tile, slip=name) for b in range(q.shape[0])])
-    return out
+    """Like :func:`decode_slips` over contiguous K/V (``q [batch, d]``, ``k``/``v [batch, n,
+    d]``, read ``tile`` keys at a time: 05.4)."""
+    return {name: torch.stack([_attend(q[b].double(), k[b].double(), v[b].double(), scale,
+                                       tile, slip=name) for b in range(q.shape[0])])
+            for name in ("no rescale", "fp16 p", "no scale")}
 
 
 def name_slip(got: torch.Tensor, expected: torch.Tensor, slips: dict[str, torch.Tensor],

@@ -1,8 +1,6 @@
-"""The generated stages of chapters 00 and 01, on the harness of :mod:`.numeric`: counts
-past 2**53 (where n / b as a float rounds) at block sizes 1 to 2**20 + 1 (00.1, 01.2,
-01.3); real model configurations in fp8, fp16 and fp32 (01.1), with budgets of exactly k
-requests, one byte less, or a block less one byte more, past 2**32 (01.4).
-"""
+"""The generated stages of chapters 00 and 01 (:mod:`.numeric`): counts past 2**53 at block
+sizes 1 to 2**20 + 1 (00.1, 01.2, 01.3); real models in fp8, fp16 and fp32 (01.1), with
+budgets of exactly k requests, one byte less, or a block less one byte more (01.4)."""
 
 from __future__ import annotations
 
@@ -24,8 +22,6 @@ _BS = [16, 3, 7, 100, 2 ** 20 + 1, 1]
 
 @dataclass(frozen=True)
 class Count:
-    """One generated case: ``n`` items in blocks of ``b``."""
-
     seed: int
     n: int
     b: int
@@ -46,13 +42,11 @@ class Count:
 
 
 def count_cases(count: int = 30) -> list[Count]:
-    """(n, b) pairs drawn in turn from the counts and sizes (seeds 0, 1 ...)."""
     return [Count(k, _NS[k % len(_NS)], _BS[(k // len(_NS) + k) % len(_BS)])
             for k in range(count)]
 
 
 def fill(n: int, b: int) -> float:
-    """01.3's answer: the share of the last block that holds tokens (0.0 for no tokens)."""
     return ((n % b) or b) / b if n else 0.0
 
 
@@ -61,13 +55,10 @@ FLOAT_HINT = ("stay in integers: n // b and n % b are exact at any size, n / b i
 
 
 def count_stage(ex: str, run: Callable[[int, int], None]) -> None:
-    """The generated stage of 00.1, 01.2 or 01.3 (``ex``); ``run(n, b)``: the check of one
-    case."""
     numeric.check(ex, count_cases(), lambda p: run(p.n, p.b))
 
 
 def _division_hint(n: int, b: int, got: Any) -> str:
-    """Name the slip from the wrong number it produced."""
     if n > 2 ** 53:
         return FLOAT_HINT
     if got == n // b:
@@ -81,7 +72,7 @@ def _division_hint(n: int, b: int, got: Any) -> str:
 
 
 def check_division(ex: str, name: str, fn: Callable[[int, int], int]) -> None:
-    """The check of 00.1 (``ceil_div``) and 01.2 (``logical_blocks``), the same division."""
+    """00.1 (``ceil_div``) and 01.2 (``logical_blocks``): the same division."""
     def run(n: int, b: int) -> None:
         got = fn(n, b)
         grading.expect_equal(got, cdiv(n, b), f"{name}({n}, {b})", _division_hint(n, b, got))
@@ -92,8 +83,6 @@ def check_division(ex: str, name: str, fn: Callable[[int, int], int]) -> None:
         count_stage(ex, run)
 
 
-# ------------------------------------------------------------------ 01.1 and 01.4 models
-
 def _counts() -> Any:
     """:mod:`small_counts` (its real models), imported when first asked: it imports Triton."""
     from paged_lib.course.grading.generated import small_counts
@@ -102,21 +91,19 @@ def _counts() -> Any:
 
 
 def kv_cases() -> list[Any]:
-    """01.1's cases (``small_counts.PerToken``): every model that caches K and V (not MLA),
-    all its layers, in fp8, fp16 or fp32."""
+    """01.1's cases: every model that caches K and V (not MLA), in fp8, fp16 or fp32."""
     plain = [i for i, m in enumerate(_counts().MODELS) if not m[6]]
     return [_counts().PerToken(k, m, None, (1, 2, 4)[k % 3]) for k, m in enumerate(plain)]
 
 
 def kv_stage(run: Callable[[ModelSpec], None]) -> None:
-    """01.1's generated stage; ``run(spec)``: the chapter's check of one model."""
     numeric.check("01.1", kv_cases(), lambda p: run(p.spec()), (_counts()._HEAD_DIM,))
 
 
 @dataclass(frozen=True)
 class Budget:
-    """One generated case of 01.4: a budget of ``requests`` requests of ``context_len``
-    tokens, less one byte (``extra`` -1), exactly (0), or a block less one byte more (1)."""
+    """01.4: a budget of ``requests`` requests of ``context_len`` tokens, less one byte
+    (``extra`` -1), exactly (0), or a block less one byte more (1)."""
 
     seed: int
     token: Any  # small_counts.PerToken: the model, its layers, its dtype
@@ -152,7 +139,6 @@ class Budget:
 
 
 def budget_cases(count: int = 30) -> list[Budget]:
-    """01.4's cases: real models, blocks of 1 to 100, contexts of 1 token and whole blocks."""
     out = []
     for seed in range(count):
         pick = random.Random(104 + seed).choice
@@ -164,8 +150,6 @@ def budget_cases(count: int = 30) -> list[Budget]:
 
 
 def budget_stage(run: Callable[[ModelSpec, int, int, int], None]) -> None:
-    """01.4's generated stage; ``run(spec, budget, context_len, block_size)``: the chapter's
-    check of one case."""
     numeric.check("01.4", budget_cases(), lambda p: run(*p.args()), (numeric.Contrast(
         lambda p: dataclasses.replace(p, block_size=1 << p.block_size.bit_length())
         if p.block_size & (p.block_size - 1) else None,

@@ -1,8 +1,6 @@
-"""02.2's, 02.4's and 02.5's generated cases, on the harness of :mod:`.numeric`, and the
-library's answer to 02.5: last steps with max_len up to 10**6 + 3 (02.2); batches of up to
-six requests with tied prompt lengths, at a request's last step or just past it (02.4);
-traces listed out of arrival order in pools just large enough, with preemptions (02.5).
-"""
+"""02.2's, 02.4's and 02.5's generated cases (:mod:`.numeric`) and the library's answer to
+02.5: last steps with max_len up to 10**6 + 3; batches of up to six requests with tied prompt
+lengths; traces out of arrival order in pools just large enough, with preemptions."""
 
 from __future__ import annotations
 
@@ -25,21 +23,18 @@ SIM_KEYS = ("token_states", "reserved", "internal", "external", "num_steps", "pr
 
 def reference_paged(requests: Sequence[Request], capacity_tokens: int,
                     block_size: int) -> dict[str, int]:
-    """What 02.5 must return, from the library's simulator."""
     timeline = simulate_timeline(requests, "paged", capacity_tokens, block_size,
                                  max_len=max(r.final_len for r in requests))
     return {**timeline.slot_steps, "num_steps": timeline.num_steps,
             "preemptions": timeline.preemptions}
 
 
-#: Seconds a learner's simulator may take on one trace (the solution needs well under 1).
-SIM_TIME_LIMIT_S = 10.0
+SIM_TIME_LIMIT_S = 10.0  #: per trace (the solution needs well under 1)
 
 
 @contextlib.contextmanager
 def _time_limit(what: str) -> Iterator[None]:
-    """Stop a learner's loop that never ends (a request that never finishes, a queue that
-    never moves) with a verdict instead of a hung notebook. Main thread, Unix only."""
+    """Stop a learner's loop that never ends with a verdict (main thread, Unix only)."""
     if not hasattr(signal, "setitimer") or threading.current_thread() is not \
             threading.main_thread():
         yield
@@ -62,15 +57,14 @@ def _time_limit(what: str) -> Iterator[None]:
 
 def run_paged(simulate_paged: Callable, requests: list[Request], capacity: int,
               block_size: int, hint: str, what: str) -> None:
-    """02.5 on one trace: the learner's dict of ints against the library's."""
     want = reference_paged(requests, capacity, block_size)
     with _time_limit(what):
         got = simulate_paged(list(requests), capacity, block_size)
+    keys = f"return a dict with keys {SIM_KEYS}"
     grading.expect_true(isinstance(got, dict), f"{what}: expected a dict, got "
-                        f"{type(got).__name__}", f"return a dict with keys {SIM_KEYS}")
+                        f"{type(got).__name__}", keys)
     missing = [k for k in SIM_KEYS if k not in got]
-    grading.expect_true(not missing, f"{what}: missing keys {missing}",
-                        f"return a dict with keys {SIM_KEYS}")
+    grading.expect_true(not missing, f"{what}: missing keys {missing}", keys)
     for key in SIM_KEYS:
         grading.expect_int(got[key], f"{what}: {key}")
     wrong = [k for k in SIM_KEYS if got[k] != want[k]]
@@ -81,9 +75,8 @@ def run_paged(simulate_paged: Callable, requests: list[Request], capacity: int,
 
 @dataclass(frozen=True)
 class Trace:
-    """One generated trace of 02.5: ``requests`` as (prompt, output, arrival); the pool
-    holds the largest request's blocks plus ``spare`` blocks, plus ``odd`` slots no block
-    can use."""
+    """02.5: ``requests`` as (prompt, output, arrival); the pool holds the largest request's
+    blocks plus ``spare`` blocks, plus ``odd`` slots no block can use."""
 
     seed: int
     requests: tuple[tuple[int, int, float], ...]
@@ -127,17 +120,16 @@ class Trace:
                                  odd=[0] if self.odd else [])
 
 
-def _draw(seed: int) -> Trace:
-    rng = random.Random(205 + seed)
-    requests = tuple((rng.randint(1, 12), rng.randint(1, 10),
-                      rng.choice([0.0, 0.0, 1.0, 1.5, 2.0, 3.7, 5.0]))
-                     for _ in range(rng.randint(2, 7)))
-    return Trace(seed, requests, rng.choice([1, 2, 3, 4, 5, 7]), rng.choice([0, 1, 2, 4]),
-                 rng.choice([0, 1, 3]))
-
-
 def trace_cases(count: int = 30) -> list[Trace]:
-    return [_draw(seed) for seed in range(count)]
+    out = []
+    for seed in range(count):
+        rng = random.Random(205 + seed)
+        requests = tuple((rng.randint(1, 12), rng.randint(1, 10),
+                          rng.choice([0.0, 0.0, 1.0, 1.5, 2.0, 3.7, 5.0]))
+                         for _ in range(rng.randint(2, 7)))
+        out.append(Trace(seed, requests, rng.choice([1, 2, 3, 4, 5, 7]),
+                         rng.choice([0, 1, 2, 4]), rng.choice([0, 1, 3])))
+    return out
 
 
 _ORDER = ("the spec's order each step: arrivals, grow the running requests (preempting "
@@ -149,21 +141,13 @@ _VICTIM = ("the victim is the most recently *admitted* running request (of two t
 
 
 def trace_stage(simulate_paged: Callable) -> None:
-    """02.5's generated stage."""
-    def run(p: Trace) -> None:
-        want = reference_paged(*p.build())
-        run_paged(simulate_paged, *p.build(), _VICTIM if want["preemptions"] else _ORDER,
-                  "the trace")
-
-    numeric.check("02.5", trace_cases(), run)
-
-
-# ------------------------------------------------------------------ 02.2 and 02.4
+    numeric.check("02.5", trace_cases(), lambda p: run_paged(simulate_paged, *p.build(), (
+        _VICTIM if reference_paged(*p.build())["preemptions"] else _ORDER), "the trace"))
 
 
 @dataclass(frozen=True)
 class Slots:
-    """One generated case of 02.2: ``orca_max_slots(*args)``, args (tokens, final, max)."""
+    """02.2: ``orca_max_slots(*args)``, args (tokens, final, max)."""
 
     seed: int
     args: tuple[int, int, int]
@@ -186,7 +170,6 @@ class Slots:
 
 
 def slot_cases(count: int = 30) -> list[Slots]:
-    """02.2's cases: max_len from 1 to 10**6 + 3, final lengths and tokens at its edges."""
     out = []
     for seed in range(count):
         r = random.Random(202 + seed)
@@ -198,8 +181,8 @@ def slot_cases(count: int = 30) -> list[Slots]:
 
 @dataclass(frozen=True)
 class Batch:
-    """One generated case of 02.4: ``requests`` (prompt, output) at ``step``, paged with
-    blocks of ``size`` or (``orca``) Orca (Max) with max_len the longest plus ``size``."""
+    """02.4: ``requests`` (prompt, output) at ``step``, paged with blocks of ``size`` or
+    (``orca``) Orca (Max) with max_len the longest plus ``size``."""
 
     seed: int
     requests: tuple[tuple[int, int], ...]
@@ -235,7 +218,6 @@ class Batch:
 
 
 def batch_cases(count: int = 40) -> list[Batch]:
-    """02.4's cases: zero to six requests, prompt lengths that repeat, steps at an end."""
     out = []
     for seed in range(count):
         r = random.Random(204 + seed)
@@ -247,13 +229,10 @@ def batch_cases(count: int = 40) -> list[Batch]:
 
 
 def slot_stage(run: Callable[[int, int, int], None]) -> None:
-    """02.2's generated stage; ``run(*args)``: the chapter's check of one case."""
     numeric.check("02.2", slot_cases(), lambda p: run(*p.args))
 
 
 def batch_stage(run: Callable[..., None]) -> None:
-    """02.4's generated stage; ``run(prompts, outputs, step, slots)``: the chapter's check
-    of one batch."""
     numeric.check("02.4", batch_cases(), lambda p: run(*p.args()), (numeric.Contrast(
         lambda p: dataclasses.replace(p, requests=tuple((x + 100 * i, o) for i, (x, o) in
                                                         enumerate(p.requests))), (
