@@ -420,30 +420,28 @@ def _check_decode_reads(trace: LoadTrace, caches: tuple, case, what: str) -> Non
                                   "heads at once: a [GROUP_PAD, HEAD_DIM] query tile")
 
 
-def check_decode_case(kernel: Any, case, what: str, loud: bool = False) -> None:
-    """One decode batch: the learner's kernel under the trace, next to the reference."""
-    got, trace, caches = run_decode_kernel(kernel, case)
-    if interpreted():
-        _check_decode_reads(trace, caches, case, what)
-    gpu = "" if interpreted() else " (on a GPU, a read past seq_len gives NaN too)"
-    expect_attention(
-        got, ref_paged_attention(*case), f"{what}, out [seq, head, dim]", 1e-4,
-        lambda: decode_slips(case.q, case.k_cache, case.v_cache, case.block_tables.tolist(),
-                             case.seq_lens.tolist(), case.scale),
-        "compare with the spec: query head h = kv_head * GROUP + g attends with its own "
-        "softmax over the sequence's seq_len keys",
-        loud="exp of a raw score overflows float32 beyond 88: keep a running max m and "
-             "exponentiate s - m_new, rescaling l and acc by exp(m_old - m_new) when m "
-             "grows" + gpu if loud else None,
-        poison="visit only cdiv(seq_len, BLOCK_SIZE) blocks, and mask K and V loads "
-               "(other=0.0) and scores (-inf) past seq_len")
-
-
 def check_paged_decode_kernel(kernel: Any) -> None:
     """05.5: the paged decode kernel, one program per (sequence, KV head)."""
+    def run(p: Any) -> None:
+        case, what = p.build(), "this batch"
+        got, trace, caches = run_decode_kernel(kernel, case)
+        if interpreted():
+            _check_decode_reads(trace, caches, case, what)
+        gpu = "" if interpreted() else " (on a GPU, a read past seq_len gives NaN too)"
+        expect_attention(
+            got, ref_paged_attention(*case), f"{what}, out [seq, head, dim]", 1e-4,
+            lambda: decode_slips(case.q, case.k_cache, case.v_cache,
+                                 case.block_tables.tolist(), case.seq_lens.tolist(), case.scale),
+            "compare with the spec: query head h = kv_head * GROUP + g attends with its own "
+            "softmax over the sequence's seq_len keys",
+            loud="exp of a raw score overflows float32 beyond 88: keep a running max m and "
+                 "exponentiate s - m_new, rescaling l and acc by exp(m_old - m_new) when m "
+                 "grows" + gpu if p.loud > 1 else None,
+            poison="visit only cdiv(seq_len, BLOCK_SIZE) blocks, and mask K and V loads "
+                   "(other=0.0) and scores (-inf) past seq_len")
+
     with grading.exercise("05.5"):
-        numeric.check("05.5", numeric_decode.decode_cases(), lambda p: check_decode_case(
-            kernel, p.build(), "this batch", loud=p.loud > 1), numeric_decode.DECODE_CONTRASTS)
+        numeric.check("05.5", numeric_decode.decode_cases(), run, numeric_decode.DECODE_CONTRASTS)
 
 
 # ------------------------------------------------------------------ 05.6 and 05.7

@@ -48,7 +48,7 @@ RESCALE = ("no rescale", "block max")  # p counted from the running max, or the 
 def decode_slips(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  tables: list[list[int]], lens: list[int], scale: float
                  ) -> dict[str, torch.Tensor]:
-    """slip name -> output [num_seqs, num_heads, head_dim] (float64) of that wrong attention."""
+    """slip -> output [num_seqs, num_heads, head_dim] (float64) of that wrong attention."""
     num_seqs, num_heads, _ = q.shape
     _, block_size, kv_heads, head_dim = k_cache.shape
     group = num_heads // kv_heads
@@ -121,12 +121,8 @@ def name_mistake(case: Any, got: Any, want: Any, cases: Iterable, wrong: Callabl
                  call: Callable[[Any], Any], default: str,
                  same: Callable[[Any, Any], bool] = operator.eq) -> str:
     """The hint of the typical mistake (``wrong(case)``: hint -> what that mistake returns)
-    that gives ``got`` on ``case``, where the right answer is ``want``; else ``default``.
-
-    Two mistakes may give the same wrong answer on one case (on ``[5, 16]`` at 8, the last
-    blocks' share equals the per-sequence average): then the other ``cases`` decide,
-    keeping the mistakes whose answer the learner's function (``call(c)``) gives there too.
-    """
+    that gives ``got`` on ``case`` (right: ``want``), else ``default``. Where several agree on
+    ``case``, the other ``cases`` decide: the learner's answers there (``call(c)``)."""
     def agrees(a: Any, b: Any) -> bool:
         try:
             return bool(same(a, b))
