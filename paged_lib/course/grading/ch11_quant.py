@@ -33,23 +33,19 @@ def reference_write(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor,
     bs = data.shape[1]
     blocks, offsets = slots // bs, slots % bs
     rnd = {"round": torch.round, "trunc": torch.trunc, "floor": torch.floor}[rounding]
-    order = list(dict.fromkeys(blocks.tolist()))
-    for b in order:
+    for b in dict.fromkeys(blocks.tolist()):
         here = (blocks == b).nonzero().flatten().tolist()
-        groups = [here] if joint else [[i] for i in here]
-        for part in groups:
+        for part in [here] if joint else [[i] for i in here]:
             vals = x[part].float()
             need = (vals if need_of == "block" else x.float()).abs().amax(dim=(0, 2)) / 127
-            if not per_head:
-                need = need.amax().expand_as(need)
+            need = need if per_head else need.amax().expand_as(need)
             old = scale[b].clone()
             if fresh_at_zero and bool((offsets[part] == 0).any()):
                 old.zero_()
             old = torch.nan_to_num(old, nan=0.0)
             grows = need >= old if grow_at_equal else need > old
             new = torch.where(grows, _grown(need, old, growth) if doubling else need, old)
-            if floor_tiny:
-                new = new.clamp(min=_TINY)
+            new = new.clamp(min=_TINY) if floor_tiny else new
             if requantise:
                 ratio = torch.where(old > 0, old / new, torch.zeros_like(old))
                 data[b] = rnd(data[b].float() * ratio[None, :, None]).clamp(
@@ -207,7 +203,10 @@ def compare(fn: Callable, call: WriteCall) -> None:
 
 # ------------------------------------------------------------------ generated cases
 
-_REGIMES = ("same", "grow", "jump", "zeros", "subnormal", "limit", "shrink")
+_REGIMES = {"same": "values as large as before", "grow": "values half as large again",
+            "jump": "values a hundred times larger", "zeros": "a token of zeros",
+            "subnormal": "values of 1e-40 (below float32's tiny)",
+            "limit": "a value exactly 127 x the scale", "shrink": "values 100 times smaller"}
 
 
 @dataclass(frozen=True)
@@ -229,12 +228,7 @@ class Int8:
 
     def describe(self) -> str:
         bs = self.block_size
-        what = {"same": "values as large as before", "grow": "values half as large again",
-                "jump": "values a hundred times larger", "zeros": "a token of zeros",
-                "subnormal": "values of 1e-40 (below float32's tiny)",
-                "limit": "a value exactly 127 x the scale", "shrink": "values 100 times "
-                "smaller"}
-        steps = "; ".join(f"{n} token(s) with {what[r]}"
+        steps = "; ".join(f"{n} token(s) with {_REGIMES[r]}"
                           for n, r in zip(self.calls, self.regimes, strict=True))
         return (f"blocks of {bs}" + (" (not a power of two)" if bs & (bs - 1) else "")
                 + f", {self.heads} KV head(s) of {self.dim} number(s), sequence 0 "
@@ -288,14 +282,10 @@ def _build(p: Int8) -> tuple[WriteCall, ...]:
     order = torch.randperm(num_blocks, generator=g).tolist()
     tables = [order[:need[0]], order[need[0]:sum(need)]]
     shape = (num_blocks, bs, p.heads, p.dim)
-    if p.stale:
-        data = torch.randint(-127, 128, shape, generator=g, dtype=torch.int8)
-        scale = torch.full((num_blocks, p.heads), 9.0)
-    else:
-        data, scale = torch.zeros(shape, dtype=torch.int8), torch.full(
-            (num_blocks, p.heads), float("nan"))
-    pos = [0, 0]
-    mag = 1.0
+    data = torch.randint(-127, 128, shape, generator=g, dtype=torch.int8) if p.stale else \
+        torch.zeros(shape, dtype=torch.int8)
+    scale = torch.full((num_blocks, p.heads), 9.0 if p.stale else float("nan"))
+    pos, mag = [0, 0], 1.0
 
     def slots_of(s: int, n: int) -> list[int]:
         out = [tables[s][x // bs] * bs + x % bs for x in range(pos[s], pos[s] + n)]
@@ -328,9 +318,9 @@ def _build(p: Int8) -> tuple[WriteCall, ...]:
 def _draw(seed: int) -> Int8:
     pick = rng(1130 + seed)
     bs = pick([3, 5, 6, 7, 1, 2, 4, 8, 12])
-    calls = tuple(pick([1, 1, 2, bs, bs + 1, 2 * bs + 1, 3 * bs]) for _ in range(pick([1, 2,
-                                                                                     3, 4])))
-    regimes = tuple(_REGIMES[(seed + i) % len(_REGIMES)] for i in range(len(calls)))
+    n = pick([1, 2, 3, 4])
+    calls = tuple(pick([1, 1, 2, bs, bs + 1, 2 * bs + 1, 3 * bs]) for _ in range(n))
+    regimes = tuple(list(_REGIMES)[(seed + i) % len(_REGIMES)] for i in range(len(calls)))
     return Int8(seed, bs, pick([1, 2, 3, 4]), pick([1, 3, 4, 6]), pick([0, 0, 1, bs - 1, bs]),
                 calls, regimes, bool(pick([0, 1])), bool(pick([0, 0, 1])))
 
@@ -339,19 +329,11 @@ def int8_cases(count: int = 48) -> list[Int8]:
     return [_draw(seed) for seed in range(count)]
 
 
-INT8_CONTRASTS = (
-    Contrast(lambda p: dataclasses.replace(p, block_size=4) if p.block_size & (
-        p.block_size - 1) else None,
-        "it passes with blocks of 4 and fails with blocks of a size that is not a power of "
-        "two: a slot's block is slot // block_size and its offset slot % block_size (a shift "
-        "and a mask, >> and &, give them only for powers of two)"),
-)
-
-
-_SERVE_HINT = ("every generated call agreed up to a code one off at an exact tie, which the "
-               "engine's next layer sees: requantise with the ratio first, round(q * (old / "
-               "new)), not round(q * old / new), as the spec's exact codes ask; else look "
-               "for state kept outside data and scale")
+INT8_CONTRASTS = (Contrast(
+    lambda p: dataclasses.replace(p, block_size=4) if p.block_size & (p.block_size - 1) else None,
+    "it passes with blocks of 4 and fails with blocks of a size that is not a power of two: a "
+    "slot's block is slot // block_size and its offset slot % block_size (a shift and a mask, "
+    ">> and &, give them only for powers of two)"),)
 
 
 def check_write_int8_blocks(fn: Callable[..., Any]) -> None:
@@ -365,4 +347,7 @@ def check_write_int8_blocks(fn: Callable[..., Any]) -> None:
                          torch.zeros(3, 4, 2, 2, dtype=torch.int8),
                          torch.full((3, 2), float("nan")), torch.tensor([6])))
         generated.check("write_int8_blocks", lambda x, data, scale, slots: fn(
-            x.clone(), data, scale, slots.clone()), _SERVE_HINT)
+            x.clone(), data, scale, slots.clone()), "every generated call agreed up to a "
+            "code one off at an exact tie, which the engine's next layer sees: requantise with "
+            "the ratio first, round(q * (old / new)), not round(q * old / new), as the spec's "
+            "exact codes ask; else look for state kept outside data and scale")

@@ -170,11 +170,11 @@ class Heads:
                 f"rank={self.rank}){ratio}")
 
     def states(self) -> list[str]:
-        out = [f"{self.tp} ranks"] if self.tp not in (1, 2, 4, 8, 16) else []
-        ratio = self.tp // self.kv_heads if self.tp > self.kv_heads else 1
-        out += [f"each KV head on {ratio} ranks"] if ratio not in (1, 2, 4) else []
-        return out + [f"groups of {self.heads // self.kv_heads}"] if \
-            self.heads // self.kv_heads in (3, 5, 6, 7, 71) else out
+        ratio, group = max(1, self.tp // self.kv_heads), self.heads // self.kv_heads
+        return [name for name, on in (
+            (f"{self.tp} ranks", self.tp not in (1, 2, 4, 8, 16)),
+            (f"each KV head on {ratio} ranks", ratio not in (1, 2, 4)),
+            (f"groups of {group}", group in (3, 5, 6, 7, 71))) if on]
 
     def smaller(self) -> Iterator[Heads]:
         yield from fewer(self, rank=shorter(self.rank, 0))
@@ -211,10 +211,11 @@ def _power_of_two_ratio(p: Heads) -> Heads | None:
     return dataclasses.replace(p, heads=p.heads // p.tp * tp, tp=tp, rank=min(p.rank, tp - 1))
 
 
-HEAD_CONTRASTS = (Contrast(_power_of_two_ratio, (
-    "it passes when each KV head sits on a power of two of ranks (2, 4) and fails when it "
-    "sits on 3, 5 or 7: rank r keeps KV head r // (tp_size // num_kv_heads), a division; "
-    "a shift (r >> log2(...)) or a mask is that only for powers of two")),)
+_DIVISION = ("rank r keeps KV head r // (tp_size // num_kv_heads), a division; a shift "
+             "(r >> log2(...)) or a mask is that only when each KV head sits on 2 or 4 ranks")
+HEAD_CONTRASTS = (Contrast(_power_of_two_ratio, "it passes when each KV head sits on a power "
+                           "of two of ranks (2, 4) and fails when it sits on 3, 5 or 7: "
+                           + _DIVISION),)
 
 
 def check_rank_heads(fn: Callable[[int, int, int, int], tuple[list[int], list[int]]]) -> None:
@@ -317,15 +318,14 @@ class Rank:
                 + (f", inputs x {self.loud:g}" if self.loud != 1 else ""))
 
     def states(self) -> list[str]:
-        out = [f"{self.tp} ranks"] if self.tp == 3 else []
         group = self.heads // self.kv_heads
-        out += [f"GQA groups of {group}"] if group not in (1, 2, 4, 8) else []
-        out += [f"hidden {self.hidden}"] if self.hidden != 32 else []
-        out += [f"head_dim {self.head_dim}"] if self.head_dim != 8 else []
-        out += [f"blocks of {self.block_size}"] if self.block_size != 4 else []
-        out += ["a sequence over 10 tokens"] if max(c + n for c, n in self.lens) > 10 else []
-        out += ["louder inputs"] if self.loud > 1 else []
-        return out
+        return [name for name, on in (
+            (f"{self.tp} ranks", self.tp == 3), ("louder inputs", self.loud > 1),
+            (f"GQA groups of {group}", group not in (1, 2, 4, 8)),
+            (f"hidden {self.hidden}", self.hidden != 32),
+            (f"head_dim {self.head_dim}", self.head_dim != 8),
+            (f"blocks of {self.block_size}", self.block_size != 4),
+            ("a sequence over 10 tokens", max(c + n for c, n in self.lens) > 10)) if on]
 
     def smaller(self) -> Iterator[Rank]:
         lens = self.lens
@@ -343,14 +343,12 @@ class Rank:
                          head_dim=[d for d in (4, 8) if d < self.head_dim])
 
 
-#: (ranks, query heads, KV heads), as models shard: split KV heads, replicated ones (more
-#: ranks than KV heads), MHA, MQA, groups of 3 and 7
+#: (ranks, query heads, KV heads): split KV heads, replicated ones, MHA, MQA, groups of 3, 7
 _SHARDS = [(2, 4, 2), (2, 6, 2), (2, 14, 2), (2, 4, 4), (2, 2, 1), (3, 6, 3), (3, 3, 1),
            (3, 12, 3), (3, 6, 1), (4, 8, 2), (4, 4, 1), (4, 8, 4), (4, 16, 8), (4, 12, 4)]
 
-#: the named steps: a prefill of 2 sequences from an empty cache, 3 decodes, a mixed step
-#: (a prefill that starts after 6 cached: a prefix hit), a GQA group split across 2 ranks,
-#: biases on q, k, v and o (Qwen2's), 4 ranks for 2 KV heads, 4 ranks for 1 (MQA)
+#: the named steps: a prefill, 3 decodes, a prefix hit, a GQA group split across 2 ranks,
+#: biases (Qwen2's), 4 ranks for 2 KV heads, 4 ranks for 1 (MQA)
 _NAMED = [Rank(1, 2, 4, 2, ((0, 5), (0, 3))), Rank(2, 2, 4, 2, ((6, 1), (9, 1), (1, 1))),
           Rank(3, 2, 4, 2, ((7, 1), (4, 1), (6, 4))), Rank(5, 2, 2, 1, ((5, 3), (2, 1))),
           Rank(7, 2, 4, 2, ((2, 4), (5, 1)), bias=True), Rank(8, 4, 8, 2, ((9, 1), (4, 3))),
@@ -363,8 +361,7 @@ def _draw(seed: int) -> Rank:
     d = pick([4, 6, 8, 10, 12, 16])
     hidden = pick([heads * d, 24, 40, 48])
     lens = []
-    for _ in range(pick([1, 2, 3])):
-        kind = pick(["decode", "decode", "prefill", "chunk"])
+    for kind in (pick(["decode", "decode", "prefill", "chunk"]) for _ in range(pick([1, 2, 3]))):
         cached = 0 if kind == "prefill" else pick([1, 3, 4, 8, 15, 16, 30])
         lens.append((cached, 1 if kind == "decode" else pick([1, 2, 5, 8])))
     return Rank(seed, tp, heads, kv, tuple(lens), d, hidden, (1, 2, 3, 4, 5, 8)[seed % 6],
@@ -394,9 +391,7 @@ RANK_CONTRASTS = (
              "RowParallelLinear adds it on one rank only)"),
     Contrast(lambda p: dataclasses.replace(p, tp=4, heads=p.heads // p.tp * 4)
              if p.kv_heads == 1 and p.tp == 3 else None,
-             "it passes on 4 ranks for one KV head and fails on 3: rank r keeps KV head "
-             "r // (tp_size // num_kv_heads), a division; a shift (r >> log2(...)) or a "
-             "mask is that only when each KV head sits on 2 or 4 ranks"),
+             "it passes on 4 ranks for one KV head and fails on 3: " + _DIVISION),
     Contrast(lambda p: dataclasses.replace(p, hidden=p.heads * p.head_dim)
              if p.hidden != p.heads * p.head_dim else None,
              "it passes when hidden == num_heads x head_dim and fails otherwise: a rank's "
@@ -419,15 +414,11 @@ def share(step: Step, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return tuple(c[:, :, kv[0]:kv[-1] + 1].clone() for c in step.cache)
 
 
-def _identity(t: torch.Tensor) -> torch.Tensor:
-    return t
-
-
 def single_device(step: Step, w: AttentionWeights | None = None) -> tuple[torch.Tensor, tuple]:
     """The whole layer (with weights ``w``) on one device and its cache after."""
     cache = tuple(c.clone() for c in step.cache)
     return rank_attention(step.x, w or step.w, step.cos, step.sin, cache, step.meta, 0, 1,
-                          _identity), cache
+                          lambda t: t), cache
 
 
 def _copies(x, w, cos, sin, meta) -> tuple:
@@ -497,7 +488,7 @@ def compare(step: Step, results: list) -> None:
                             "return [tokens, hidden]: after o_proj, not the heads")
         lib = share(step, rank)
         partial = rank_attention(step.x, step.w, step.cos, step.sin, lib, step.meta, rank,
-                                 step.tp, _identity)
+                                 step.tp, lambda t: t)
         same = [torch.isclose(mine, ref, 1e-5, 1e-6, equal_nan=True)
                 for mine, ref in zip(cache, lib, strict=True)]
         bad = ~torch.isclose(out.detach().float(), want, 1e-4, 1e-5)
