@@ -239,33 +239,27 @@ class Int8:
                 + f"; {len(self.calls)} call(s): {steps}")
 
     def states(self) -> list[str]:
-        out = [f"block size {self.block_size}"] if self.block_size in (3, 5, 6, 7) else []
-        out += ["more than 2 KV heads"] if self.heads > 2 else []
-        out += ["head size not 2"] if self.dim != 2 else []
-        out += ["values below float32's tiny"] if "subnormal" in self.regimes else []
-        out += ["a call into 3 or more blocks"] if any(
-            n > 2 * self.block_size for n in self.calls) else []
-        out += ["growth after a value at the limit"] if any(
-            a == "limit" and b in ("grow", "jump") for a, b in zip(
-                self.regimes, self.regimes[1:], strict=False)) else []
-        return out
+        r = self.regimes
+        return [name for name, on in (
+            (f"block size {self.block_size}", self.block_size in (3, 5, 6, 7)),
+            ("more than 2 KV heads", self.heads > 2), ("head size not 2", self.dim != 2),
+            ("values below float32's tiny", "subnormal" in r),
+            ("a call into 3 or more blocks", any(n > 2 * self.block_size for n in self.calls)),
+            ("growth after a value at the limit", any(
+                a == "limit" and b in ("grow", "jump") for a, b in zip(r, r[1:], strict=False)))
+        ) if on]
 
     def smaller(self) -> Iterator[Int8]:
-        n = len(self.calls)
-        for i in range(n):  # one call fewer
-            if n > 1:
-                yield dataclasses.replace(self, calls=self.calls[:i] + self.calls[i + 1:],
-                                          regimes=self.regimes[:i] + self.regimes[i + 1:])
-        for i, c in enumerate(self.calls):
-            for less in shorter(c):
-                yield dataclasses.replace(self, calls=self.calls[:i] + (less,)
-                                          + self.calls[i + 1:])
+        c, r, n = self.calls, self.regimes, len(self.calls)
+        for i in range(n if n > 1 else 0):  # one call fewer
+            yield dataclasses.replace(self, calls=c[:i] + c[i + 1:], regimes=r[:i] + r[i + 1:])
+        for i in range(n):
+            for less in shorter(c[i]):
+                yield dataclasses.replace(self, calls=c[:i] + (less,) + c[i + 1:])
         yield from fewer(self, two=[False], start=shorter(self.start, 0),
                           heads=shorter(self.heads), dim=shorter(self.dim), stale=[False])
-        for i, r in enumerate(self.regimes):
-            if r != "same":
-                yield dataclasses.replace(self, regimes=self.regimes[:i] + ("same",)
-                                          + self.regimes[i + 1:])
+        for i in (i for i in range(n) if r[i] != "same"):
+            yield dataclasses.replace(self, regimes=r[:i] + ("same",) + r[i + 1:])
         yield from fewer(self, block_size=[b for b in (4, 2) if b < self.block_size])
 
 

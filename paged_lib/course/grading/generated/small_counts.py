@@ -49,18 +49,18 @@ class Choice:
                 f"{self.max_waste()!r}) (" + _BUDGET[how].format(b=x) + ")")
 
     def states(self) -> list[str]:
-        out = [f"a budget {self.budget[0]} a waste"] if self.budget[0] in ("below",
-                                                                           "above") else []
-        out += ["a pool past 2**32 slots"] if sum(self.lengths) > 2 ** 32 else []
-        out += ["a size listed twice"] if len(set(self.allowed)) < len(self.allowed) else []
-        return out
+        return [name for name, on in (
+            (f"a budget {self.budget[0]} a waste", self.budget[0] in ("below", "above")),
+            ("a pool past 2**32 slots", sum(self.lengths) > 2 ** 32),
+            ("a size listed twice", len(set(self.allowed)) < len(self.allowed))) if on]
 
     def smaller(self) -> Iterator[Choice]:
-        yield from dropped(self, "lengths")
-        for i, b in enumerate(self.allowed):
-            if len(self.allowed) > 1 and (self.budget[0] == "value" or b != self.budget[1]
-                                          or self.allowed.count(b) > 1):
-                yield dataclasses.replace(self, allowed=self.allowed[:i] + self.allowed[i + 1:])
+        n, a, (how, x) = self.lengths, self.allowed, self.budget
+        for i in range(len(n) if len(n) > 1 else 0):
+            yield dataclasses.replace(self, lengths=n[:i] + n[i + 1:])
+        for i, b in enumerate(a):
+            if len(a) > 1 and (how == "value" or b != x or a.count(b) > 1):
+                yield dataclasses.replace(self, allowed=a[:i] + a[i + 1:])
 
 
 #: lengths and sizes up to pools of 10**10 slots, where one slot is a share of 1e-10
@@ -72,9 +72,7 @@ def _draw_choice(seed: int) -> Choice:
     pick = rng(9201 + seed)
     lengths = tuple(pick(_LENGTHS) for _ in range(pick([1, 1, 2, 3, 5])))
     allowed = tuple(pick(_SIZES) for _ in range(pick([1, 2, 3, 4])))
-    # not exactly at a waste: the fixed cases have those, as typed decimals (a reading of the
-    # budget as the decimal typed, Fraction(str(max_waste)), is right there and would not be
-    # on a computed float)
+    # not exactly at a waste: the fixed cases have those, as typed decimals
     how = ("below", "value", "above", "below", "value")[seed % 5]
     x = pick([0.0, 0.05, 0.1, 0.3, 0.35, 0.5]) if how == "value" else pick(allowed)
     if seed % 10 == 0:  # a pool of 10**10 slots and more: one slot is a share of 1e-10
@@ -82,13 +80,6 @@ def _draw_choice(seed: int) -> Choice:
         x = pick(_SIZES[-2:])
         allowed = allowed[:2] + (x,)
     return Choice(seed, lengths, allowed, (how, x))
-
-
-def dropped(p: Any, field: str) -> Iterator[Any]:
-    """``p`` with one item of its tuple ``field`` left out, each in turn (none if one)."""
-    items = getattr(p, field)
-    for i in range(len(items) if len(items) > 1 else 0):
-        yield dataclasses.replace(p, **{field: items[:i] + items[i + 1:]})
 
 
 def choice_cases(count: int = 40) -> list[Choice]:
@@ -220,10 +211,6 @@ class PerRank(PerToken):
 def rank_cases() -> list[PerRank]:
     """12.1's cases: each model without a latent on 1 to 32 ranks (some refused)."""
     plain = [i for i, m in enumerate(MODELS) if not m[6]]
-    out = []
-    for seed in range(3 * len(plain)):
-        pick = rng(1201 + seed)
-        out.append(PerRank(seed, plain[seed % len(plain)], None, pick([1, 2, 4]),
-                           tp=pick([1, 2, 3, 4, 8, 16, 32]),
-                           tokens=pick([0, 1, 7, 4096, 2 ** 33])))
-    return out
+    return [PerRank(seed, plain[seed % len(plain)], None, pick([1, 2, 4]),
+                    tp=pick([1, 2, 3, 4, 8, 16, 32]), tokens=pick([0, 1, 7, 4096, 2 ** 33]))
+            for seed, pick in ((s, rng(1201 + s)) for s in range(3 * len(plain)))]
