@@ -178,15 +178,12 @@ class Heads:
 
     def smaller(self) -> Iterator[Heads]:
         yield from fewer(self, rank=shorter(self.rank, 0))
-        for k in (2, 3, 5, 7):  # the same sharing on fewer heads (and ranks)
-            for heads, kv, tp in ((self.heads // k, self.kv_heads // k, self.tp // k),
-                                  (self.heads // k, self.kv_heads, self.tp),
-                                  (self.heads // k, self.kv_heads // k, self.tp)):
-                if heads * k == self.heads and kv and tp and self.rank < tp and not heads % kv and (
-                        (heads, kv, tp) != (self.heads, self.kv_heads, self.tp)) and (
-                        not tp_size_problem(heads, kv, tp)) == (
-                        not tp_size_problem(self.heads, self.kv_heads, self.tp)):
-                    yield dataclasses.replace(self, heads=heads, kv_heads=kv, tp=tp)
+        h, kv, tp = now = self.heads, self.kv_heads, self.tp
+        for k in (2, 3, 5, 7):  # the same sharing on fewer heads (and ranks), refused or not
+            for c in ((h // k, kv // k, tp // k), (h // k, kv, tp), (h // k, kv // k, tp)):
+                if not h % k and c[1] and c[2] and self.rank < c[2] and not c[0] % c[1] and \
+                        c != now and bool(tp_size_problem(*c)) == bool(tp_size_problem(*now)):
+                    yield dataclasses.replace(self, heads=c[0], kv_heads=c[1], tp=c[2])
 
 
 def head_cases(count: int = 48) -> list[Heads]:
