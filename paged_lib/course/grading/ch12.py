@@ -1,20 +1,8 @@
-"""Checks for chapter 12 (beyond one device). Each prints one verdict line and runs one
-generated stage (:func:`numeric.check`: named cases first, a failing case shrunk):
-
-* 12.1 ``kv_bytes_per_rank(spec, tp_size, num_tokens)``: real models
-  (:func:`small_counts.rank_cases`), then tp_sizes vLLM refuses;
-* 12.2 ``rank_heads(num_heads, num_kv_heads, tp_size, rank)``: :func:`head_cases`;
-* 12.3 ``rank_attention(x, w, cos, sin, kv_cache, meta, rank, tp_size, all_reduce)``:
-  :func:`rank_cases`, every rank run here with the all-reduce replayed (partial sums
-  recorded, then every rank run again with their sum): its output against the
-  single-device layer, its cache against the library rank's (unused slots NaN); then two
-  real ``gloo`` ranks (:class:`~paged_lib.engine.tensor_parallel.TensorParallelRunner`)
-  with the function (:class:`Shipped`) in every layer of the shipped model serve a
-  workload (prefix caching, chunked prefill, samples, swaps): every token must be the
-  single-device engine's.
-
-12.1 and 12.2 name a wrong answer by the typical mistakes computed on the same case, 12.3 by
-its contrasts and the all-reduce's rules.
+"""Chapter 12's checks, each one verdict line and one generated stage (:func:`numeric.check`):
+12.1 ``kv_bytes_per_rank`` on real models, then refused tp_sizes; 12.2 ``rank_heads`` on
+:func:`head_cases` (both name a wrong number by the typical mistakes on the same case); 12.3
+``rank_attention`` on :func:`rank_cases`, every rank run with the all-reduce replayed, then on
+two ``gloo`` ranks serving a workload whose tokens must be the single-device engine's.
 """
 
 from __future__ import annotations
@@ -43,22 +31,14 @@ from paged_lib.engine.model_runner import build_metadata, check_metadata
 from paged_lib.model import rope_cos_sin
 from paged_lib.parallel import (
     AttentionWeights,
+    kv_bytes_per_rank,
     rank_attention,
     rank_heads,
     tp_size_problem,
 )
 from paged_lib.util import cdiv
 
-__all__ = ["ENGINE", "HEAD_CONTRASTS", "RANK_CONTRASTS", "Heads", "Rank", "Shipped", "Step",
-           "check_generated", "check_kv_bytes_per_rank", "check_rank_attention",
-           "check_rank_heads", "compare", "head_cases", "rank_cases", "replayed",
-           "share", "single_device", "steps"]
-
 # ------------------------------------------------------------------ 12.1 kv_bytes_per_rank
-
-_TINY = ModelSpec("tiny-code-llama (fp32)", num_layers=4, hidden_size=256, num_heads=8,
-                  num_kv_heads=2, head_dim=32, dtype_bytes=4)
-
 
 def _wrong_bytes(spec: ModelSpec, tp: int, n: int) -> dict[str, Any]:
     """What the typical mistakes return on one case, with the hint that names each."""
@@ -68,14 +48,12 @@ def _wrong_bytes(spec: ModelSpec, tp: int, n: int) -> dict[str, Any]:
         "the KV heads are split as if a fraction of a head could live on a rank: with "
         "more ranks than KV heads, each rank keeps one whole KV head (it is replicated)":
             kv_bytes(spec, n) // tp,
-        "only K or only V counted: a rank caches both, for each of its KV heads":
-            per_head * mine,
+        "only K or only V counted: a rank caches both, for each of its KV heads": per_head * mine,
         "split by query heads: queries are never cached, a rank keeps its KV heads":
             2 * per_head * (spec.num_heads // tp),
         "not split at all: a rank caches only its own KV heads' share of every token":
             kv_bytes(spec, n),
-        "the sum over all ranks: the question is one rank's bytes":
-            2 * per_head * mine * tp,
+        "the sum over all ranks: the question is one rank's bytes": 2 * per_head * mine * tp,
         "one layer only: every layer caches its own K and V":
             2 * spec.head_dim * spec.dtype_bytes * n * mine,
         "every number counted as 2 bytes (fp16): use the spec's dtype_bytes (4 in fp32, 1 "
@@ -89,23 +67,36 @@ def _wrong_bytes(spec: ModelSpec, tp: int, n: int) -> dict[str, Any]:
     }
 
 
+_REFUSED_TP = ("a tp_size below 1, one that does not divide the query heads, or one that "
+               "neither divides the KV heads nor is a multiple of them raises ValueError")
+
+
 def check_kv_bytes_per_rank(fn: Callable[[ModelSpec, int, int], int]) -> None:
     """12.1: the bytes of K and V one rank caches for ``num_tokens`` tokens."""
+    cases = small_counts.rank_cases()
+    ok = [(p.spec(), p.tp, p.tokens) for p in cases
+          if not tp_size_problem(p.spec().num_heads, p.spec().num_kv_heads, p.tp)]
+
+    def run(p: small_counts.PerRank) -> None:
+        case = (p.spec(), p.tp, p.tokens)
+        try:
+            want = kv_bytes_per_rank(*case)
+        except ValueError:
+            return grading.expect_value_error(fn, case, "vLLM refuses this tp_size", _REFUSED_TP)
+        got = fn(*case)
+        grading.expect_int(got, "bytes per rank", "bytes are a whole number: divide heads with "
+                           "//, never with /")
+        grading.expect_equal(int(got), want, "bytes per rank", name_mistake(
+            case, int(got), want, ok, lambda c: _wrong_bytes(*c), lambda c: fn(*c), "2 (K "
+            "and V) x layers x the KV heads this rank keeps x head_dim x dtype bytes x tokens"))
+
     with grading.exercise("12.1"):
-        cases = [(p.spec(), p.tp, p.tokens) for p in small_counts.rank_cases()
-                 if not tp_size_problem(p.spec().num_heads, p.spec().num_kv_heads, p.tp)]
-        small_counts.rank_stage(fn, lambda case, got, want: name_mistake(  # real models
-            case, got, want, cases, lambda c: _wrong_bytes(*c), lambda c: fn(*c),
-            "2 (K and V) x layers x the KV heads this rank keeps x head_dim x dtype bytes x "
-            "tokens"))
-        for h, kv, tp, _ in _REFUSED_CASES[:6]:  # tp_sizes vLLM refuses
+        numeric.check("12.1", cases, run, (small_counts._HEAD_DIM,))
+        for h, kv, tp, _ in _REFUSED_CASES[:6]:  # tp_sizes vLLM refuses, on made-up models
             spec = ModelSpec(f"a model with {h} query heads and {kv} KV heads", 4, 64 * h, h,
                              kv, 64, dtype_bytes=2)
             grading.expect_value_error(fn, (spec, tp, 10), f"kv_bytes_per_rank({spec.name}, "
-                                       f"tp_size={tp}, num_tokens=10)", hint="a tp_size "
-                                       "below 1, one that does not divide the query heads, "
-                                       "or one that neither divides the KV heads nor is a "
-                                       "multiple of them raises ValueError")
+                                       f"tp_size={tp}, num_tokens=10)", _REFUSED_TP)
 
 
 # ------------------------------------------------------------------ 12.2 rank_heads
@@ -122,28 +113,21 @@ def _wrong_heads(h: int, kv: int, tp: int, r: int) -> dict[str, Any]:
         "read it (rank r keeps KV head r // (T / KV)), not rank r % KV":
             (q, [r % kv] if tp > kv else list(range(r * kv_per, (r + 1) * kv_per))),
         "with fewer KV heads than ranks a rank still keeps one whole KV head (replicated), "
-        "never none":
-            (q, list(range(r * kv // tp, (r + 1) * kv // tp))),
+        "never none": (q, list(range(r * kv // tp, (r + 1) * kv // tp))),
         "the KV head of query head j is j // (num_heads // num_kv_heads), the size of a "
-        "group, not j // num_kv_heads":
-            (q, sorted({x // kv for x in q})),
+        "group, not j // num_kv_heads": (q, sorted({x // kv for x in q})),
         "a rank keeps the KV heads of all its query heads (num_kv_heads / T of them when "
-        "there are at least as many as ranks), not just the first":
-            (q, [q[0] // group]),
-        "KV head ids are not query head ids: query heads share KV heads in groups":
-            (q, q),
+        "there are at least as many as ranks), not just the first": (q, [q[0] // group]),
+        "KV head ids are not query head ids: query heads share KV heads in groups": (q, q),
         "a set is not sorted (small ones only happen to come out so): return the KV heads "
-        "ascending, sorted(...)":
-            (q, list({x // group for x in q})),
+        "ascending, sorted(...)": (q, list({x // group for x in q})),
         "a group is consecutive query heads (0 .. g-1 read KV head 0, g = num_heads / "
-        "num_kv_heads), not every num_kv_heads-th head":
-            (q, sorted({x % kv for x in q})),
+        "num_kv_heads), not every num_kv_heads-th head": (q, sorted({x % kv for x in q})),
         "with more ranks than KV heads, a rank keeps the KV head its own query heads read, "
         "which its neighbours share: not KV head number r":
             (q, list(range(r * kv_per, (r + 1) * kv_per))),
         "the KV head of the rank's last query head is kept too (a range's end is "
-        "exclusive)":
-            (q, list(range(q[0] // group, q[-1] // group))),
+        "exclusive)": (q, list(range(q[0] // group, q[-1] // group))),
     }
 
 
@@ -186,23 +170,20 @@ class Heads:
                 f"rank={self.rank}){ratio}")
 
     def states(self) -> list[str]:
-        out = [f"{self.tp} ranks"] if self.tp not in (1, 2, 4, 8, 16) else []
-        ratio = self.tp // self.kv_heads if self.tp > self.kv_heads else 1
-        out += [f"each KV head on {ratio} ranks"] if ratio not in (1, 2, 4) else []
-        return out + [f"groups of {self.heads // self.kv_heads}"] if \
-            self.heads // self.kv_heads in (3, 5, 6, 7, 71) else out
+        ratio, group = max(1, self.tp // self.kv_heads), self.heads // self.kv_heads
+        return [name for name, on in (
+            (f"{self.tp} ranks", self.tp not in (1, 2, 4, 8, 16)),
+            (f"each KV head on {ratio} ranks", ratio not in (1, 2, 4)),
+            (f"groups of {group}", group in (3, 5, 6, 7, 71))) if on]
 
     def smaller(self) -> Iterator[Heads]:
         yield from fewer(self, rank=shorter(self.rank, 0))
-        for k in (2, 3, 5, 7):  # the same sharing on fewer heads (and ranks)
-            for heads, kv, tp in ((self.heads // k, self.kv_heads // k, self.tp // k),
-                                  (self.heads // k, self.kv_heads, self.tp),
-                                  (self.heads // k, self.kv_heads // k, self.tp)):
-                if heads * k == self.heads and kv and tp and self.rank < tp and not heads % kv and (
-                        (heads, kv, tp) != (self.heads, self.kv_heads, self.tp)) and (
-                        not tp_size_problem(heads, kv, tp)) == (
-                        not tp_size_problem(self.heads, self.kv_heads, self.tp)):
-                    yield dataclasses.replace(self, heads=heads, kv_heads=kv, tp=tp)
+        h, kv, tp = now = self.heads, self.kv_heads, self.tp
+        for k in (2, 3, 5, 7):  # the same sharing on fewer heads (and ranks), refused or not
+            for c in ((h // k, kv // k, tp // k), (h // k, kv, tp), (h // k, kv // k, tp)):
+                if not h % k and c[1] and c[2] and self.rank < c[2] and not c[0] % c[1] and \
+                        c != now and bool(tp_size_problem(*c)) == bool(tp_size_problem(*now)):
+                    yield dataclasses.replace(self, heads=c[0], kv_heads=c[1], tp=c[2])
 
 
 def head_cases(count: int = 48) -> list[Heads]:
@@ -223,45 +204,42 @@ def _power_of_two_ratio(p: Heads) -> Heads | None:
     ratio = p.tp // p.kv_heads if p.tp > p.kv_heads and not p.tp % p.kv_heads else 0
     if ratio < 3 or ratio & (ratio - 1) == 0:
         return None
-    two = 1 << (ratio.bit_length() - 1)
-    return dataclasses.replace(p, heads=p.heads // p.tp * p.kv_heads * two,
-                               tp=p.kv_heads * two, rank=min(p.rank, p.kv_heads * two - 1))
+    tp = p.kv_heads << (ratio.bit_length() - 1)
+    return dataclasses.replace(p, heads=p.heads // p.tp * tp, tp=tp, rank=min(p.rank, tp - 1))
 
 
-#: a failing case that passes when each KV head sits on 2 or 4 ranks
-HEAD_CONTRASTS = (Contrast(_power_of_two_ratio, (
-    "it passes when each KV head sits on a power of two of ranks (2, 4) and fails when it "
-    "sits on 3, 5 or 7: rank r keeps KV head r // (tp_size // num_kv_heads), a division; "
-    "a shift (r >> log2(...)) or a mask is that only for powers of two")),)
+_DIVISION = ("rank r keeps KV head r // (tp_size // num_kv_heads), a division; a shift "
+             "(r >> log2(...)) or a mask is that only when each KV head sits on 2 or 4 ranks")
+HEAD_CONTRASTS = (Contrast(_power_of_two_ratio, "it passes when each KV head sits on a power "
+                           "of two of ranks (2, 4) and fails when it sits on 3, 5 or 7: "
+                           + _DIVISION),)
 
 
 def check_rank_heads(fn: Callable[[int, int, int, int], tuple[list[int], list[int]]]) -> None:
     """12.2: the query heads and KV heads rank ``rank`` of ``tp_size`` owns."""
+    cases = head_cases()
+    ok = [(p.heads, p.kv_heads, p.tp, p.rank) for p in cases
+          if not tp_size_problem(p.heads, p.kv_heads, p.tp) and 0 <= p.rank < p.tp]
+
+    def run(p: Heads) -> None:
+        args = (p.heads, p.kv_heads, p.tp, p.rank)
+        try:
+            want = rank_heads(*args)
+        except ValueError:
+            return grading.expect_value_error(fn, args, "vLLM refuses this tp_size or rank",
+                                              _REFUSED)
+        got = fn(*args)
+        grading.expect_true(isinstance(got, tuple | list) and len(got) == 2 and all(
+            isinstance(x, list) for x in got), f"expected a pair of lists (query heads, KV "
+            f"heads), got {got!r}", "return (list_of_query_heads, list_of_kv_heads): lists, "
+            "e.g. list(range(...))")
+        got = (list(got[0]), list(got[1]))
+        grading.expect_equal(got, want, "(query heads, KV heads)", name_mistake(
+            args, got, want, ok, lambda c: _wrong_heads(*c), lambda c: tuple(map(list, fn(*c))),
+            _OWNS))
+
     with grading.exercise("12.2"):
-        cases = head_cases()
-        ok = [(p.heads, p.kv_heads, p.tp, p.rank) for p in cases
-              if not tp_size_problem(p.heads, p.kv_heads, p.tp) and 0 <= p.rank < p.tp]
-        numeric.check("12.2", cases, lambda p: _run_heads(fn, p, ok), HEAD_CONTRASTS)
-
-
-def _run_heads(fn: Callable, p: Heads, others: list[tuple]) -> None:
-    args = (p.heads, p.kv_heads, p.tp, p.rank)
-    try:
-        want = rank_heads(*args)
-    except ValueError:
-        grading.expect_value_error(fn, args, "vLLM refuses this tp_size or rank",
-                                   hint=_REFUSED)
-        return
-    got = fn(*args)
-    grading.expect_true(isinstance(got, tuple | list) and len(got) == 2
-                        and all(isinstance(x, list) for x in got),
-                        f"expected a pair of lists (query heads, KV heads), got {got!r}",
-                        hint="return (list_of_query_heads, list_of_kv_heads): lists, e.g. "
-                        "list(range(...))")
-    got = (list(got[0]), list(got[1]))
-    hint = name_mistake(args, got, want, others, lambda c: _wrong_heads(*c),
-                        lambda c: tuple(map(list, fn(*c))), _OWNS)
-    grading.expect_equal(got, want, "(query heads, KV heads)", hint=hint)
+        numeric.check("12.2", cases, run, HEAD_CONTRASTS)
 
 
 # ------------------------------------------------------------------ 12.3 rank_attention
@@ -282,9 +260,8 @@ _ROWS = ("o_proj is row-parallel: a rank multiplies by the columns of o_proj tha
          "feed, o[:, its heads].T (nn.Linear stores W as [out, in]), not by rows of it")
 
 
-#: one step's inputs: ``cache`` holds every KV head before the step, ``lens`` (cached, new)
-#: per sequence
-Step = namedtuple("Step", "name tp w x cos sin cache meta lens")
+#: one step's inputs: ``cache`` holds every KV head before the step
+Step = namedtuple("Step", "name tp w x cos sin cache meta")
 
 
 @dataclass(frozen=True)
@@ -324,7 +301,7 @@ class Rank:
         check_metadata(meta, num_blocks, bs)
         cos, sin = rope_cos_sin(meta.positions, d, 10000.0, torch.float32)
         x = rand(int(meta.query_lens.sum()), hid) * 3 * self.loud
-        return Step(self.describe(), self.tp, w, x, cos, sin, cache, meta, list(self.lens))
+        return Step(self.describe(), self.tp, w, x, cos, sin, cache, meta)
 
     def describe(self) -> str:
         kv = (f"{self.kv_heads} KV heads, {self.kv_heads // self.tp} per rank"
@@ -338,16 +315,14 @@ class Rank:
                 + (f", inputs x {self.loud:g}" if self.loud != 1 else ""))
 
     def states(self) -> list[str]:
-        """The states of this step that the named steps do not have."""
-        out = [f"{self.tp} ranks"] if self.tp == 3 else []
         group = self.heads // self.kv_heads
-        out += [f"GQA groups of {group}"] if group not in (1, 2, 4, 8) else []
-        out += [f"hidden {self.hidden}"] if self.hidden != 32 else []
-        out += [f"head_dim {self.head_dim}"] if self.head_dim != 8 else []
-        out += [f"blocks of {self.block_size}"] if self.block_size != 4 else []
-        out += ["a sequence over 10 tokens"] if max(c + n for c, n in self.lens) > 10 else []
-        out += ["louder inputs"] if self.loud > 1 else []
-        return out
+        return [name for name, on in (
+            (f"{self.tp} ranks", self.tp == 3), ("louder inputs", self.loud > 1),
+            (f"GQA groups of {group}", group not in (1, 2, 4, 8)),
+            (f"hidden {self.hidden}", self.hidden != 32),
+            (f"head_dim {self.head_dim}", self.head_dim != 8),
+            (f"blocks of {self.block_size}", self.block_size != 4),
+            ("a sequence over 10 tokens", max(c + n for c, n in self.lens) > 10)) if on]
 
     def smaller(self) -> Iterator[Rank]:
         lens = self.lens
@@ -365,14 +340,12 @@ class Rank:
                          head_dim=[d for d in (4, 8) if d < self.head_dim])
 
 
-#: (ranks, query heads, KV heads), as models shard: split KV heads, replicated ones (more
-#: ranks than KV heads), MHA, MQA, groups of 3 and 7
+#: (ranks, query heads, KV heads): split KV heads, replicated ones, MHA, MQA, groups of 3, 7
 _SHARDS = [(2, 4, 2), (2, 6, 2), (2, 14, 2), (2, 4, 4), (2, 2, 1), (3, 6, 3), (3, 3, 1),
            (3, 12, 3), (3, 6, 1), (4, 8, 2), (4, 4, 1), (4, 8, 4), (4, 16, 8), (4, 12, 4)]
 
-#: the named steps: a prefill of 2 sequences from an empty cache, 3 decodes, a mixed step
-#: (a prefill that starts after 6 cached: a prefix hit), a GQA group split across 2 ranks,
-#: biases on q, k, v and o (Qwen2's), 4 ranks for 2 KV heads, 4 ranks for 1 (MQA)
+#: the named steps: a prefill, 3 decodes, a prefix hit, a GQA group split across 2 ranks,
+#: biases (Qwen2's), 4 ranks for 2 KV heads, 4 ranks for 1 (MQA)
 _NAMED = [Rank(1, 2, 4, 2, ((0, 5), (0, 3))), Rank(2, 2, 4, 2, ((6, 1), (9, 1), (1, 1))),
           Rank(3, 2, 4, 2, ((7, 1), (4, 1), (6, 4))), Rank(5, 2, 2, 1, ((5, 3), (2, 1))),
           Rank(7, 2, 4, 2, ((2, 4), (5, 1)), bias=True), Rank(8, 4, 8, 2, ((9, 1), (4, 3))),
@@ -385,8 +358,7 @@ def _draw(seed: int) -> Rank:
     d = pick([4, 6, 8, 10, 12, 16])
     hidden = pick([heads * d, 24, 40, 48])
     lens = []
-    for _ in range(pick([1, 2, 3])):
-        kind = pick(["decode", "decode", "prefill", "chunk"])
+    for kind in (pick(["decode", "decode", "prefill", "chunk"]) for _ in range(pick([1, 2, 3]))):
         cached = 0 if kind == "prefill" else pick([1, 3, 4, 8, 15, 16, 30])
         lens.append((cached, 1 if kind == "decode" else pick([1, 2, 5, 8])))
     return Rank(seed, tp, heads, kv, tuple(lens), d, hidden, (1, 2, 3, 4, 5, 8)[seed % 6],
@@ -394,15 +366,13 @@ def _draw(seed: int) -> Rank:
 
 
 def rank_cases(count: int = 24) -> list[Rank]:
-    """12.3's steps: the named ones, then ``count`` drawn (seeds 0, 1, ...), every one a
-    sharding that exists."""
+    """12.3's steps: the named ones, then ``count`` drawn (seeds 0, 1, ...)."""
     out = _NAMED + [_draw(seed) for seed in range(count)]
     assert not any(tp_size_problem(p.heads, p.kv_heads, p.tp) for p in out)
     return out
 
 
 def steps() -> list[Step]:
-    """The named steps (2 and 4 ranks), the same on every call."""
     return [p.step() for p in _NAMED]
 
 
@@ -418,9 +388,7 @@ RANK_CONTRASTS = (
              "RowParallelLinear adds it on one rank only)"),
     Contrast(lambda p: dataclasses.replace(p, tp=4, heads=p.heads // p.tp * 4)
              if p.kv_heads == 1 and p.tp == 3 else None,
-             "it passes on 4 ranks for one KV head and fails on 3: rank r keeps KV head "
-             "r // (tp_size // num_kv_heads), a division; a shift (r >> log2(...)) or a "
-             "mask is that only when each KV head sits on 2 or 4 ranks"),
+             "it passes on 4 ranks for one KV head and fails on 3: " + _DIVISION),
     Contrast(lambda p: dataclasses.replace(p, hidden=p.heads * p.head_dim)
              if p.hidden != p.heads * p.head_dim else None,
              "it passes when hidden == num_heads x head_dim and fails otherwise: a rank's "
@@ -438,25 +406,20 @@ RANK_CONTRASTS = (
 
 
 def share(step: Step, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rank ``rank``'s cache before the step: its KV heads of every block (a copy)."""
+    """A copy of rank ``rank``'s cache before the step: its KV heads of every block."""
     _, kv = rank_heads(step.w.num_heads, step.w.num_kv_heads, step.tp, rank)
     return tuple(c[:, :, kv[0]:kv[-1] + 1].clone() for c in step.cache)
 
 
-def _identity(t: torch.Tensor) -> torch.Tensor:
-    return t
-
-
-def single_device(step: Step) -> tuple[torch.Tensor, tuple]:
-    """The whole layer on one device (every head: ``tp_size=1``) and its cache after."""
+def single_device(step: Step, w: AttentionWeights | None = None) -> tuple[torch.Tensor, tuple]:
+    """The whole layer (with weights ``w``) on one device and its cache after."""
     cache = tuple(c.clone() for c in step.cache)
-    return rank_attention(step.x, step.w, step.cos, step.sin, cache, step.meta, 0, 1,
-                          _identity), cache
+    return rank_attention(step.x, w or step.w, step.cos, step.sin, cache, step.meta, 0, 1,
+                          lambda t: t), cache
 
 
 def _copies(x, w, cos, sin, meta) -> tuple:
-    """What the learner's function gets: copies, so that nothing it changes in place
-    reaches the next rank, the next step or the library's answer."""
+    """Copies for the learner's function: what it changes in place must not reach on."""
     return x.clone(), copy.deepcopy(w), cos.clone(), sin.clone(), copy.deepcopy(meta)
 
 
@@ -496,9 +459,8 @@ def _mistake(step: Step, got: torch.Tensor, want: torch.Tensor, partial: torch.T
     own (the library's)."""
     w = step.w
     b = w.o_bias if w.o_bias is not None else torch.zeros(step.x.shape[1])
-    heads = rank_attention(step.x, dataclasses.replace(  # every head's output, before o
-        w, o=torch.eye(w.num_heads * w.head_dim), o_bias=None), step.cos, step.sin,
-        tuple(c.clone() for c in step.cache), step.meta, 0, 1, _identity)
+    heads, _ = single_device(step, dataclasses.replace(  # every head's output, before o
+        w, o=torch.eye(w.num_heads * w.head_dim), o_bias=None))
     wrong = {"that is this rank's own partial output: all_reduce (sum) the ranks' partial "
              "outputs, each its heads times its columns of o_proj": partial,
              "the partial outputs were averaged: all_reduce sums them (the output is the sum "
@@ -511,7 +473,7 @@ def _mistake(step: Step, got: torch.Tensor, want: torch.Tensor, partial: torch.T
 
 def compare(step: Step, results: list) -> None:
     """Every rank's output against the single-device layer, its cache against the library
-    rank's: the first difference as a story."""
+    rank's: fail at the first difference."""
     want, _ = single_device(step)
     for rank, (out, cache) in enumerate(results):
         what = f"rank {rank} of {step.tp}"
@@ -523,7 +485,7 @@ def compare(step: Step, results: list) -> None:
                             "return [tokens, hidden]: after o_proj, not the heads")
         lib = share(step, rank)
         partial = rank_attention(step.x, step.w, step.cos, step.sin, lib, step.meta, rank,
-                                 step.tp, _identity)
+                                 step.tp, lambda t: t)
         same = [torch.isclose(mine, ref, 1e-5, 1e-6, equal_nan=True)
                 for mine, ref in zip(cache, lib, strict=True)]
         bad = ~torch.isclose(out.detach().float(), want, 1e-4, 1e-5)
@@ -545,7 +507,6 @@ def compare(step: Step, results: list) -> None:
 
 
 def _ask(fn: Callable, p: Rank) -> None:
-    """Every rank's answer to ``p``'s step (the all-reduce replayed), compared."""
     step = p.step()
     try:
         results = replayed(fn, step)
@@ -557,7 +518,6 @@ def _ask(fn: Callable, p: Rank) -> None:
 
 
 def check_generated(fn: Callable) -> None:
-    """Every step of :func:`rank_cases`; a failing one is shrunk."""
     numeric.check("12.3", rank_cases(), lambda p: _ask(fn, p), RANK_CONTRASTS)
 
 
@@ -565,10 +525,8 @@ def check_generated(fn: Callable) -> None:
 
 
 class Shipped:
-    """``fn`` in a form a spawned rank rebuilds: by reference when its module can be
-    imported there, else its source with the imports and helpers it uses
-    (:func:`paged_lib.course.mine.section_text`: a notebook's ``__main__`` is not). Called
-    on copies of its inputs: what it changes in place must not reach the model."""
+    """``fn`` in a form a spawned rank rebuilds: pickled when its module can be imported
+    there, else its source (:func:`paged_lib.course.mine.section_text`); called on copies."""
 
     def __init__(self, fn: Callable):
         self.kind, self.body, self.fn = *_ship(fn), None
@@ -607,15 +565,13 @@ def _ship(fn: Callable) -> tuple[str, Any]:
     return "source", mine.section_text(fn, "rank_attention")
 
 
-#: the engine that serves the workload: the shipped model, prefix caching, chunks of 12
-#: tokens, samples, swaps on a pool of 14 blocks of 4
 ENGINE = dict(num_blocks=14, block_size=4, num_cpu_blocks=32, preemption="swap",
               enable_prefix_caching=True, enable_chunked_prefill=True,
               max_num_batched_tokens=12, max_num_seqs=4, watermark=0)
 
 
 def _served(runner: Any = None) -> list[list[int]]:
-    """Every sample's tokens of a small workload, served by ``ENGINE`` (on ``runner``)."""
+    """Every sample's tokens of a small workload (prefix hits, chunks, samples, swaps)."""
     from paged_lib.engine import LLMEngine, SamplingParams
     from paged_lib.model import load_tiny_code_llama
     from paged_lib.tokenizer import ByteTokenizer
@@ -632,8 +588,7 @@ def _served(runner: Any = None) -> list[list[int]]:
 
 
 def _on_gloo_ranks(fn: Callable) -> None:
-    """The workload of :func:`_served` on two gloo ranks with ``fn`` as every layer's
-    attention: its tokens against the single-device engine's."""
+    """:func:`_served` on two gloo ranks with ``fn`` as every layer's attention."""
     from paged_lib.engine.tensor_parallel import TensorParallelRunner
     from paged_lib.model import load_tiny_code_llama
 
@@ -670,10 +625,8 @@ def _on_gloo_ranks(fn: Callable) -> None:
 
 
 def _in_a_rank_bootstrapping() -> bool:
-    """True in a process that spawn started and that is still importing the parent's
-    main module (a learner's script with no ``__main__`` guard runs its checks again
-    there; starting ranks from it is what multiprocessing calls "before the current
-    process has finished its bootstrapping phase")."""
+    """True in a spawned rank still importing the parent's main module (a script with no
+    ``__main__`` guard runs its checks again there)."""
     return mp.parent_process() is not None and bool(
         getattr(mp.current_process(), "_inheriting", False))
 
@@ -681,7 +634,7 @@ def _in_a_rank_bootstrapping() -> bool:
 def check_rank_attention(fn: Callable[..., torch.Tensor]) -> None:
     """12.3: one rank's attention layer, its all-reduce included."""
     if _in_a_rank_bootstrapping():
-        return  # a script re-imported by a spawned rank: the parent prints the verdict
+        return  # the parent prints the verdict
     with grading.exercise("12.3"):
         check_generated(fn)
         _on_gloo_ranks(fn)

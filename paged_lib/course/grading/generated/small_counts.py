@@ -1,9 +1,6 @@
-"""Generated inputs for the counting exercises, on the harness of
-:mod:`~paged_lib.course.grading.generated.numeric`: 09.2 (choosing a block size: budgets a
-slot below or above a size's waste, pools up to 10**10 slots, sizes not powers of two, in
-any order), 11.2 (KV bytes per token) and 12.1 (KV bytes per rank): real configurations
-(:data:`MODELS`), GQA, MQA, MHA and MLA, heads not ``hidden / heads`` wide, in fp8, fp16
-and fp32, on 1 to 32 ranks (some that vLLM refuses), up to 2**33 tokens.
+"""Generated inputs for 09.2 (choosing a block size: budgets a slot off a size's waste, pools
+up to 10**10 slots), 11.2 (KV bytes per token) and 12.1 (KV bytes per rank): real configurations
+(:data:`MODELS`) in fp8, fp16 and fp32, on 1 to 32 ranks (some that vLLM refuses).
 """
 
 from __future__ import annotations
@@ -14,16 +11,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from paged_lib import parallel
 from paged_lib.accounting import ModelSpec, kv_bytes_per_token
 from paged_lib.course import grading
 from paged_lib.course.grading.generated import numeric
 from paged_lib.course.grading.generated.numeric import Contrast
 from paged_lib.course.grading.generated.small_attention import rng
 from paged_lib.studies.block_size import choose_block_size, internal_waste
-
-__all__ = ["Choice", "PerRank", "PerToken", "choice_cases", "choice_stage", "rank_cases",
-           "rank_stage", "token_cases", "token_stage"]
 
 # ------------------------------------------------------------------ 09.2 choose_block_size
 
@@ -34,7 +27,7 @@ _BUDGET = {"at": "exactly the waste of size {b}",
 
 @dataclass(frozen=True)
 class Choice:
-    """One generated case of 09.2; ``budget``: (how, size or value), as in ``_BUDGET``."""
+    """09.2: ``budget`` is (how, size or value), as in ``_BUDGET``."""
 
     seed: int
     lengths: tuple[int, ...]
@@ -56,20 +49,18 @@ class Choice:
                 f"{self.max_waste()!r}) (" + _BUDGET[how].format(b=x) + ")")
 
     def states(self) -> list[str]:
-        out = [f"a budget {self.budget[0]} a waste"] if self.budget[0] in ("below",
-                                                                           "above") else []
-        out += ["a pool past 2**32 slots"] if sum(self.lengths) > 2 ** 32 else []
-        out += ["a size listed twice"] if len(set(self.allowed)) < len(self.allowed) else []
-        return out
+        return [name for name, on in (
+            (f"a budget {self.budget[0]} a waste", self.budget[0] in ("below", "above")),
+            ("a pool past 2**32 slots", sum(self.lengths) > 2 ** 32),
+            ("a size listed twice", len(set(self.allowed)) < len(self.allowed))) if on]
 
     def smaller(self) -> Iterator[Choice]:
-        for i in range(len(self.lengths)):
-            if len(self.lengths) > 1:
-                yield dataclasses.replace(self, lengths=self.lengths[:i] + self.lengths[i + 1:])
-        for i, b in enumerate(self.allowed):
-            if len(self.allowed) > 1 and (self.budget[0] == "value" or b != self.budget[1]
-                                          or self.allowed.count(b) > 1):
-                yield dataclasses.replace(self, allowed=self.allowed[:i] + self.allowed[i + 1:])
+        n, a, (how, x) = self.lengths, self.allowed, self.budget
+        for i in range(len(n) if len(n) > 1 else 0):
+            yield dataclasses.replace(self, lengths=n[:i] + n[i + 1:])
+        for i, b in enumerate(a):
+            if len(a) > 1 and (how == "value" or b != x or a.count(b) > 1):
+                yield dataclasses.replace(self, allowed=a[:i] + a[i + 1:])
 
 
 #: lengths and sizes up to pools of 10**10 slots, where one slot is a share of 1e-10
@@ -81,9 +72,7 @@ def _draw_choice(seed: int) -> Choice:
     pick = rng(9201 + seed)
     lengths = tuple(pick(_LENGTHS) for _ in range(pick([1, 1, 2, 3, 5])))
     allowed = tuple(pick(_SIZES) for _ in range(pick([1, 2, 3, 4])))
-    # not exactly at a waste: the fixed cases have those, as typed decimals (a reading of the
-    # budget as the decimal typed, Fraction(str(max_waste)), is right there and would not be
-    # on a computed float)
+    # not exactly at a waste: the fixed cases have those, as typed decimals
     how = ("below", "value", "above", "below", "value")[seed % 5]
     x = pick([0.0, 0.05, 0.1, 0.3, 0.35, 0.5]) if how == "value" else pick(allowed)
     if seed % 10 == 0:  # a pool of 10**10 slots and more: one slot is a share of 1e-10
@@ -97,37 +86,29 @@ def choice_cases(count: int = 40) -> list[Choice]:
     return [_draw_choice(seed) for seed in range(count)]
 
 
-def run_choice(fn: Callable, p: Choice) -> None:
-    budget = p.max_waste()
-    want = choose_block_size(list(p.lengths), list(p.allowed), budget)
-    got = fn(list(p.lengths), list(p.allowed), budget)
-    grading.expect_int(got, "the size returned")
-    grading.expect_equal(int(got), want, "the size returned",
-                         hint="the largest allowed size whose waste (held - tokens) / held is "
-                              "<= max_waste as floats; if none, the least wasteful, the "
-                              "smaller on a tie")
-
-
-CHOICE_CONTRASTS = (
-    Contrast(lambda p: dataclasses.replace(p, budget=("at", p.budget[1]))
-             if p.budget[0] == "below" else None,
-             "it passes when the budget is exactly a size's waste and fails when that size "
-             "wastes one slot more than the budget: it does not fit, however many slots the "
-             "pool holds; compare waste <= max_waste as floats (no relative tolerance such "
-             "as math.isclose's)"),
-)
-
-
 def choice_stage(fn: Callable) -> None:
     """09.2's generated stage."""
-    numeric.check("09.2", choice_cases(), lambda p: run_choice(fn, p), CHOICE_CONTRASTS)
+    def run(p: Choice) -> None:
+        budget = p.max_waste()
+        got = fn(list(p.lengths), list(p.allowed), budget)
+        grading.expect_int(got, "the size returned")
+        grading.expect_equal(int(got), choose_block_size(list(p.lengths), list(p.allowed),
+                                                         budget), "the size returned", hint=(
+            "the largest allowed size whose waste (held - tokens) / held is <= max_waste as "
+            "floats; if none, the least wasteful, the smaller on a tie"))
+
+    numeric.check("09.2", choice_cases(), run, (Contrast(
+        lambda p: dataclasses.replace(p, budget=("at", p.budget[1]))
+        if p.budget[0] == "below" else None,
+        "it passes when the budget is exactly a size's waste and fails when that size wastes "
+        "one slot more than the budget: it does not fit, however many slots the pool holds; "
+        "compare waste <= max_waste as floats (no relative tolerance such as math.isclose's)"),))
 
 
 # ------------------------------------------------------------------ 11.2 and 12.1 models
 
-#: Published configurations (their config.json): name, layers, hidden size, query heads,
-#: KV heads, head size, MLA latent, MLA RoPE key. The first four have a head size that is
-#: not hidden / heads.
+#: Published configurations (config.json): name, layers, hidden size, query heads, KV heads,
+#: head size, MLA latent, MLA RoPE key. The first four's head size is not hidden / heads.
 MODELS = [
     ("Gemma 7B", 28, 3072, 16, 16, 256, 0, 0), ("Gemma 2 9B", 42, 3584, 16, 8, 256, 0, 0),
     ("Gemma 2 27B", 46, 4608, 32, 16, 128, 0, 0),
@@ -137,39 +118,26 @@ MODELS = [
     ("Falcon 7B", 32, 4544, 71, 1, 64, 0, 0),
     ("DeepSeek-V2-Lite", 27, 2048, 16, 16, 128, 512, 64),
     ("DeepSeek-V3", 61, 7168, 128, 128, 128, 512, 64),
-    ("MiniCPM3 4B", 62, 2560, 40, 40, 64, 256, 32),
-]
+    ("MiniCPM3 4B", 62, 2560, 40, 40, 64, 256, 32)]
 _BYTES = {1: "fp8", 2: "fp16", 4: "fp32"}
 
 
-def _spec(model: int, layers: int | None, dtype_bytes: int, hidden: int | None) -> ModelSpec:
-    """``hidden``: another hidden size (the contrast: one that is heads x head_dim)."""
-    name, n, size, heads, kv, d, latent, rope = MODELS[model]
-    return ModelSpec(name, n if layers is None else layers, hidden or size, heads, kv, d,
-                     dtype_bytes=dtype_bytes, kv_lora_rank=latent, qk_rope_head_dim=rope)
+def _odd(s: ModelSpec) -> bool:
+    return s.head_dim != s.hidden_size // s.num_heads and not s.kv_lora_rank
 
 
 def _about(s: ModelSpec) -> str:
-    odd = s.head_dim != s.hidden_size // s.num_heads and not s.kv_lora_rank
     return (f"{s.name} ({s.attention}, {s.num_layers} layer{'s' * (s.num_layers > 1)}, "
             f"hidden {s.hidden_size}, {s.num_heads} query heads, {s.num_kv_heads} KV "
-            f"head{'s' * (s.num_kv_heads > 1)} of "
-            f"{s.head_dim}"
+            f"head{'s' * (s.num_kv_heads > 1)} of {s.head_dim}"
             + (f" (not {s.hidden_size} / {s.num_heads} = {s.hidden_size // s.num_heads})"
-               if odd else "")
+               if _odd(s) else "")
             + (f", latent {s.kv_lora_rank}, RoPE key {s.qk_rope_head_dim}"
                if s.kv_lora_rank else "") + f", {_BYTES[s.dtype_bytes]})")
 
 
-def _states(s: ModelSpec) -> list[str]:
-    out = ["head_dim not hidden / heads"] if s.head_dim != s.hidden_size // s.num_heads \
-        and not s.kv_lora_rank else []
-    return out + [f"{s.attention} in {_BYTES[s.dtype_bytes]}"]
-
-
-_HEAD_DIM = Contrast(lambda p: None if p.spec().kv_lora_rank or p.spec().head_dim ==
-                     p.spec().hidden_size // p.spec().num_heads else
-                     dataclasses.replace(p, hidden=p.spec().num_heads * p.spec().head_dim),
+_HEAD_DIM = Contrast(lambda p: dataclasses.replace(p, hidden=p.spec().num_heads
+                                                 * p.spec().head_dim) if _odd(p.spec()) else None,
                      "it passes on models whose head_dim is hidden_size // num_heads and "
                      "fails on this one, whose is not (as Gemma's, Mistral NeMo's, Qwen3 "
                      "32B's): use spec.head_dim, never derive it from hidden_size")
@@ -177,7 +145,7 @@ _HEAD_DIM = Contrast(lambda p: None if p.spec().kv_lora_rank or p.spec().head_di
 
 @dataclass(frozen=True)
 class PerToken:
-    """One generated case of 11.2."""
+    """11.2: a model of :data:`MODELS`, ``layers`` of it (None: all), ``hidden`` another."""
 
     seed: int
     model: int
@@ -186,17 +154,21 @@ class PerToken:
     hidden: int | None = None
 
     def spec(self) -> ModelSpec:
-        return _spec(self.model, self.layers, self.dtype_bytes, self.hidden)
+        name, n, size, heads, kv, d, latent, rope = MODELS[self.model]
+        return ModelSpec(name, n if self.layers is None else self.layers, self.hidden or size,
+                         heads, kv, d, dtype_bytes=self.dtype_bytes, kv_lora_rank=latent,
+                         qk_rope_head_dim=rope)
 
     def describe(self) -> str:
         return f"kv_bytes_per_token of {_about(self.spec())}"
 
     def states(self) -> list[str]:
-        return _states(self.spec())
+        s = self.spec()
+        return ["head_dim not hidden / heads"] * _odd(s) + [f"{s.attention} in "
+                                                            f"{_BYTES[s.dtype_bytes]}"]
 
     def smaller(self) -> Iterator[PerToken]:
-        yield from numeric.fewer(self, layers=[1] if self.layers != 1 else [],
-                                 dtype_bytes=[2] if self.dtype_bytes != 2 else [])
+        yield from numeric.fewer(self, layers=[1], dtype_bytes=[2])
 
 
 def token_cases() -> list[PerToken]:
@@ -204,23 +176,21 @@ def token_cases() -> list[PerToken]:
     return [PerToken(i, i, None, (2, 4, 1)[i % 3]) for i in range(len(MODELS))]
 
 
-def run_token(fn: Callable, p: PerToken) -> None:
-    s = p.spec()
-    got = fn(s)
-    grading.expect_int(got, "bytes per token")
-    grading.expect_equal(int(got), kv_bytes_per_token(s), "bytes per token",
-                         hint="MHA/GQA/MQA: 2 x layers x KV heads x head_dim x bytes; MLA: "
-                              "layers x (latent + RoPE key) x bytes")
-
-
 def token_stage(fn: Callable) -> None:
     """11.2's generated stage."""
-    numeric.check("11.2", token_cases(), lambda p: run_token(fn, p), (_HEAD_DIM,))
+    def run(p: PerToken) -> None:
+        got = fn(p.spec())
+        grading.expect_int(got, "bytes per token")
+        grading.expect_equal(int(got), kv_bytes_per_token(p.spec()), "bytes per token", hint=(
+            "MHA/GQA/MQA: 2 x layers x KV heads x head_dim x bytes; MLA: layers x (latent + "
+            "RoPE key) x bytes"))
+
+    numeric.check("11.2", token_cases(), run, (_HEAD_DIM,))
 
 
 @dataclass(frozen=True)
 class PerRank(PerToken):
-    """One generated case of 12.1 (models without a latent: 12.1 counts KV heads)."""
+    """12.1 (models without a latent: 12.1 counts KV heads)."""
 
     tp: int = 1
     tokens: int = 1
@@ -230,47 +200,17 @@ class PerRank(PerToken):
                 f"{self.tokens:,} tokens")
 
     def states(self) -> list[str]:
-        s = self.spec()
-        out = _states(s) + (["more ranks than KV heads"] if self.tp > s.num_kv_heads else [])
-        return out + (["2**33 tokens"] if self.tokens > 2 ** 32 else [])
+        return super().states() + ["more ranks than KV heads"] * (
+            self.tp > self.spec().num_kv_heads) + ["2**33 tokens"] * (self.tokens > 2 ** 32)
 
     def smaller(self) -> Iterator[PerRank]:
-        yield from numeric.fewer(self, tokens=[1] if self.tokens > 1 else [],
-                                 layers=[1] if self.layers != 1 else [],
-                                 dtype_bytes=[2] if self.dtype_bytes != 2 else [],
-                                 tp=[1] if self.tp > 1 else [])
+        yield from numeric.fewer(self, tokens=[1] if self.tokens > 1 else [], layers=[1],
+                                 dtype_bytes=[2], tp=[1])
 
 
 def rank_cases() -> list[PerRank]:
     """12.1's cases: each model without a latent on 1 to 32 ranks (some refused)."""
     plain = [i for i, m in enumerate(MODELS) if not m[6]]
-    out = []
-    for seed in range(3 * len(plain)):
-        pick = rng(1201 + seed)
-        out.append(PerRank(seed, plain[seed % len(plain)], None, pick([1, 2, 4]),
-                           tp=pick([1, 2, 3, 4, 8, 16, 32]),
-                           tokens=pick([0, 1, 7, 4096, 2 ** 33])))
-    return out
-
-
-def run_rank(fn: Callable, p: PerRank, name: Callable[[tuple, int, int], str]) -> None:
-    """12.1's check of one case; ``name(case, got, want)``: the hint for a wrong number."""
-    s = p.spec()
-    try:
-        want = parallel.kv_bytes_per_rank(s, p.tp, p.tokens)
-    except ValueError:
-        grading.expect_value_error(fn, (s, p.tp, p.tokens), "vLLM refuses this tp_size",
-                                   hint="a tp_size that does not divide the query heads, or "
-                                        "that neither divides the KV heads nor is a multiple "
-                                        "of them, raises ValueError")
-        return
-    got = fn(s, p.tp, p.tokens)
-    grading.expect_int(got, "bytes per rank", hint="bytes are a whole number: divide heads "
-                       "with //, never with /")
-    grading.expect_equal(int(got), want, "bytes per rank",
-                         hint=name((s, p.tp, p.tokens), int(got), want))
-
-
-def rank_stage(fn: Callable, name: Callable[[tuple, int, int], str]) -> None:
-    """12.1's stage."""
-    numeric.check("12.1", rank_cases(), lambda p: run_rank(fn, p, name), (_HEAD_DIM,))
+    return [PerRank(seed, plain[seed % len(plain)], None, pick([1, 2, 4]),
+                    tp=pick([1, 2, 3, 4, 8, 16, 32]), tokens=pick([0, 1, 7, 4096, 2 ** 33]))
+            for seed, pick in ((s, rng(1201 + s)) for s in range(3 * len(plain)))]
