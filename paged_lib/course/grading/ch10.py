@@ -169,9 +169,7 @@ _unseen = itertools.count(1)
 
 
 def _right_on_new_tokens(fn, tokens: list[int], block_size: int, extra: tuple) -> bool:
-    """Does ``fn`` hash ``tokens`` right once they are renamed to token ids no call has
-    asked about (equal ids stay equal)? A hash remembered from an earlier call cannot
-    answer for them."""
+    """Is ``fn`` right on ``tokens`` renamed to ids no call has asked about?"""
     base = 10**9 + 10**6 * next(_unseen)
     names = {t: base + k for k, t in enumerate(dict.fromkeys(tokens))}
     fresh = [names[t] for t in tokens]
@@ -406,6 +404,13 @@ def check_free_queue(cls: Any) -> None:
                         "next, whatever next[block] holds), and relinks its neighbours")
 
 
+def _try(q: Any, op: tuple) -> tuple[Any, Exception | None]:
+    try:
+        return getattr(q, op[0])(*op[1:]), None
+    except Exception as err:  # noqa: BLE001 - compared with the library's
+        return None, err
+
+
 def _check_queue(cls: Any) -> None:
     grading.expect_true(isinstance(cls, type) and issubclass(cls, FreeBlockQueue),
                         f"expected a subclass of FreeBlockQueue, got {cls!r}",
@@ -421,7 +426,7 @@ def _check_queue(cls: Any) -> None:
             before = list(lib)
             where = (f"scenario '{name}', step {k + 1} {op[0]}({', '.join(map(str, op[1:]))})"
                      f" on {before}")
-            (want, refused), (got, err) = _try(lib, op), _try(q, op)
+            (want, refused), (got, err) = (_try(x, op) for x in (lib, q))
             if refused is not None and not isinstance(err, type(refused)):
                 said = f"raised {type(err).__name__}: {err}" if err else (
                     f"returned {got!r}" if op[0] == "popleft" else "raised nothing")
@@ -437,15 +442,7 @@ def _check_queue(cls: Any) -> None:
     _check_scaling(cls)
 
 
-def _try(q: Any, op: tuple) -> tuple[Any, Exception | None]:
-    try:
-        return getattr(q, op[0])(*op[1:]), None
-    except Exception as err:  # noqa: BLE001 - compared with the library's
-        return None, err
-
-
 def _same_links(q: Any, lib: FreeBlockQueue, call: str, where: str) -> None:
-    """``next``, ``prev`` and ``len`` as the library's after the same call."""
     for name in ("next", "prev"):
         mine, want = dict(getattr(q, name)), dict(getattr(lib, name))
         grading.expect_true(not set(mine) - set(want), f"{where}: block(s) "
@@ -559,7 +556,6 @@ class Ask:
 
 
 def _parts(s: State) -> dict[str, str]:
-    """The pool's state in words: its free queue, the blocks held, the blocks cached."""
     def cached(h: BlockHash) -> str:
         return f"tokens {h.token_ids[0]}..{h.token_ids[-1]}" + (
             f" {h.extra_keys}" if h.extra_keys else "")
@@ -574,7 +570,6 @@ def _parts(s: State) -> dict[str, str]:
 
 
 def diagnose(ask: Ask, want: Any, want_state: State, got: Any, got_state: State) -> str:
-    """The rule the learner's answer breaks, named from what differs."""
     if not (isinstance(got, tuple) and len(got) == 2):
         return "return a pair: (the table's blocks, the number of tokens the cache supplied)"
     (blocks, computed), (wb, wc), bs = got, want, ask.block_size
@@ -679,7 +674,6 @@ def diagnose(ask: Ask, want: Any, want_state: State, got: Any, got_state: State)
 
 
 def compare(fn: Callable, ask: Ask) -> None:
-    """Ask ``fn`` and the library; fail with the story at the first difference."""
     (want, want_state), (got, got_state) = ask.answer(allocate_slots), ask.answer(fn)
     if got == want and got_state == want_state:
         return

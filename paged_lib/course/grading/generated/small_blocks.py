@@ -48,15 +48,14 @@ class Scenario:
             for n in numeric.shorter(step[2]) if step[0] == "append" else ():
                 yield dataclasses.replace(self, steps=self.steps[:k] + (
                     ("append", step[1], n),) + self.steps[k + 1:])
-        renumbered = lambda free: tuple(sorted(free).index(b) for b in free)  # noqa: E731
+        renumbered = lambda free: tuple(sorted(free).index(b) for b in free)
         if self.held:
             yield dataclasses.replace(self, held=0, free=renumbered(self.free))
         if len(self.free) > 1:
             yield dataclasses.replace(self, free=renumbered(self.free[:-1]))
 
 
-def _valid(steps: tuple[tuple, ...]) -> bool:
-    """Every step names a live sequence, and a fork a new one."""
+def _valid(steps: tuple[tuple, ...]) -> bool:  # each step names a live sequence, a fork a new one
     live = {"s0"}
     for kind, who, *rest in steps:
         if who not in live or kind == "fork" and rest[0] in live:
@@ -143,7 +142,6 @@ class _Table(BlockTable):
 
 
 def _world(s: Scenario, free_block: Callable | None = None) -> dict[str, BlockTable]:
-    """A pool in the scenario's starting state and its named tables."""
     allocator = busy_pool(s.held + len(s.free), s.free)
     return {"s0": _Table(with_free(allocator, free_block) if free_block else allocator,
                          s.block_size)}
