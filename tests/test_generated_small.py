@@ -36,7 +36,6 @@ from paged_lib.course.grading.generated import (
     small_blocks,
     small_counts,
     small_ints,
-    small_prefix,
     small_sim,
 )
 from paged_lib.engine.prefix_cache import hash_block_tokens
@@ -74,9 +73,9 @@ def test_cases_are_seeded_and_reach_states_the_fixed_cases_do_not():
     assert waiting["samples that agree"] and waiting["block size 7"]
     assert ch14.stream_cases() == ch14.stream_cases()
     assert numeric.states(ch14.stream_cases())["a tie, the shorter stop listed first"]
-    assert small_prefix.prompt_cases() == small_prefix.prompt_cases()
-    prompts = numeric.states(small_prefix.prompt_cases())
-    assert numeric.states(small_prefix.hit_cases())["more than 1,000 cached blocks"]
+    assert ch10.prompt_cases() == ch10.prompt_cases()
+    prompts = numeric.states(ch10.prompt_cases())
+    assert numeric.states(ch10.hit_cases())["more than 1,000 cached blocks"]
     assert small_sim.trace_cases() == small_sim.trace_cases()
     traces = numeric.states(small_sim.trace_cases())
     assert small_ints.count_cases() == small_ints.count_cases()

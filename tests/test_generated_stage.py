@@ -13,7 +13,7 @@ import pytest
 import paged_lib  # noqa: F401  # isort: split
 from paged_lib.blocks import BlockTable
 from paged_lib.course import grading
-from paged_lib.course.grading import ch06, ch07, ch08, ch10_alloc, ch11, generated
+from paged_lib.course.grading import ch06, ch07, ch08, ch10, ch11, generated
 from paged_lib.course.grading.generated import workload
 from paged_lib.engine import EngineHooks
 from paged_lib.engine.window import WindowOp
@@ -435,7 +435,7 @@ def alloc_block_by_block(pool, token_ids, hashes, block_size, max_new_tokens):
 
 
 def test_10_4_a_wrong_piece_only_random_workloads_catch(monkeypatch, capsys):
-    story = story_of_a_random_only_catch(ch10_alloc.check_allocate_slots, alloc_by_a_hash_map,
+    story = story_of_a_random_only_catch(ch10.check_allocate_slots, alloc_by_a_hash_map,
                                          "10.4", monkeypatch)
     assert "enable_prefix_caching=True" in story and "the library answers ([0, 1, 2, " in story
     assert "where two blocks are cached under one hash, the hit is the oldest" in \
@@ -445,7 +445,7 @@ def test_10_4_a_wrong_piece_only_random_workloads_catch(monkeypatch, capsys):
 
 
 def test_10_4_a_correct_piece_of_another_shape_passes():
-    assert verdict(ch10_alloc.check_allocate_slots, alloc_block_by_block)[0] == "✅"
+    assert verdict(ch10.check_allocate_slots, alloc_block_by_block)[0] == "✅"
 
 
 # ------------------------------------------------------------------ 11.4 drop_oldest

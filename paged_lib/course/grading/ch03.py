@@ -1,8 +1,6 @@
-"""Checks for chapter 03 (block tables).
-
-03.1 and 03.2: the block-table scenarios of :mod:`.generated.small_blocks`, replayed next to
-the library; 03.3: the frees to refuse, then those scenarios with the learner's ``free``.
-03.4: the predictions against the library's run.
+"""Checks for chapter 03 (block tables): 03.1-03.3 replay the scenarios of
+:mod:`.generated.small_blocks` next to the library (03.3 first refuses bad frees); 03.4
+compares the predictions with the library's run.
 """
 
 from __future__ import annotations
@@ -28,44 +26,32 @@ def check_fork(fork: Callable[[BlockTable], Any]) -> None:
         block_stage("03.2", BlockTable.append_token, fork)
 
 
-# ------------------------------------------------------------------ 03.3 free_block
-
-
 def check_free_block(free_block: Callable[..., Any]) -> None:
-    """03.3: ``free_block(block, ref_counts, free_block_ids) -> None``: the frees to refuse,
-    then the scenarios of 03.1 and 03.2 with ``free_block`` as the pool's ``free``."""
+    """03.3: ``free_block(block, ref_counts, free_block_ids) -> None``."""
     with grading.exercise("03.3"):
         alloc = with_free(busy_pool(4, (1, 0)), free_block)  # 0 and 1 free, 2 and 3 held
         for bad, why, hint in [
-            (0, "block 0 is already free: a double free",
-             "refuse a block whose count is already 0 (ValueError), before changing "
-             "anything; otherwise it would sit on the free list twice and two requests "
-             "would write into it"),
+            (0, "block 0 is already free: a double free", "refuse a block whose count is "
+             "already 0 (ValueError), or it sits on the free list twice"),
             (4, "block 4 does not exist in a pool of 4",
              "refuse blocks outside 0 .. len(ref_counts) - 1 with a ValueError"),
-            (-1, "block -1 does not exist",
-             "Python reads ref_counts[-1] as the last block: refuse negative blocks yourself "
-             "with a ValueError"),
-        ]:
+            (-1, "block -1 does not exist", "Python reads ref_counts[-1] as the last block: "
+             "refuse negative blocks yourself with a ValueError")]:
             before = pool_state(alloc)
             grading.expect_value_error(alloc.free, (bad,), f"free({bad}) ({why})", hint)
-            grading.expect_equal(pool_state(alloc), before,
-                                 f"state after the refused free({bad})",
-                                 "raise before changing ref_counts or free_block_ids")
+            grading.expect_equal(pool_state(alloc), before, f"state after the refused "
+                                 f"free({bad})", "raise before changing anything")
         free_stage(free_block)
 
-
-# ------------------------------------------------------------------ 03.4 predictions
 
 #: 03.4's keys, each with the hint for a wrong answer
 PREDICTION_HINTS = {
     "refs after the forks": "a fork adds one holder to every block of the table it forks",
-    "child 1's slot": "block 9 is shared and only half full: writing in place would change "
-                      "the other sequences' tokens, so the child first copies it into the "
-                      "next free block",
+    "child 1's slot": "block 9 is shared and only half full, so the child first copies it "
+                      "into the next free block",
     "child 2's slot": "block 9 is still shared after child 1 copied it away",
-    "parent's slot": "after both children copied block 9 away, how many holders does it "
-                     "have? A block with one holder is written in place",
+    "parent's slot": "after both children copied block 9 away, it has one holder: a block "
+                     "with one holder is written in place",
     "refs at the end": "each copy-on-write took one reference off block 9 and gave the "
                        "new block one; blocks 5 and 2 were never written",
 }
@@ -85,44 +71,35 @@ def prediction_scenario() -> dict[str, Any]:
             "refs at the end": {b: allocator.refcount(b) for b in (5, 2, 9, 10, 11)}}
 
 
-def _as_tuple(slot: Any) -> Any:
-    if isinstance(slot, Slot):
-        return (slot.block, slot.offset, slot.copy)
-    return slot
-
-
 def check_predictions(predict: Callable[[], dict[str, Any]]) -> None:
     """03.4: ``predict() -> dict`` with the keys of :data:`PREDICTION_HINTS`."""
     with grading.exercise("03.4"):
-        got = predict()
-        keys = list(PREDICTION_HINTS)
+        got, keys = predict(), list(PREDICTION_HINTS)
         grading.expect_true(isinstance(got, dict), f"predict() returned {type(got).__name__}, "
                             "expected a dict", f"use the keys {keys}")
         missing = [k for k in keys if k not in got]
         grading.expect_true(not missing, f"missing keys: {missing}",
                             f"use exactly the keys {keys}")
-        answers = prediction_scenario()
-        for key in keys:
-            expected, mine = answers[key], got[key]
-            if isinstance(expected, Slot):
-                ok = _as_tuple(mine) == _as_tuple(expected)
-            else:
-                ok = isinstance(mine, dict) and dict(mine) == expected
-            if not ok:
+        for key, expected in prediction_scenario().items():
+            mine = got[key]
+            if _shape(mine) != _shape(expected):
                 grading.fail(f"{key}: expected {expected!r}, got {mine!r}",
                              _prediction_hint(key, expected, mine))
 
 
+def _shape(x: Any) -> Any:
+    return (x.block, x.offset, x.copy) if isinstance(x, Slot) else dict(x) \
+        if isinstance(x, dict) else x
+
+
 def _prediction_hint(key: str, expected: Any, mine: Any) -> str:
     """The key's hint, or the one field of a slot (or the form of an answer) that is off."""
-    if not isinstance(expected, Slot):
-        if not isinstance(mine, dict):
-            return (f"give the counts as a dict {{block: count}}, one entry per block "
-                    f"asked: {sorted(expected)}")
-        if set(mine) != set(expected):
-            return f"give one count for each of the blocks {sorted(expected)}, no others"
-        return PREDICTION_HINTS[key]
-    shape = _as_tuple(mine)
+    if isinstance(expected, dict):
+        return (f"give the counts as a dict {{block: count}}, one entry per block asked: "
+                f"{sorted(expected)}" if not isinstance(mine, dict) else
+                f"give one count for each of the blocks {sorted(expected)}, no others"
+                if set(mine) != set(expected) else PREDICTION_HINTS[key])
+    shape = _shape(mine)
     if not (isinstance(shape, tuple) and len(shape) == 3):
         return "give a slot as Slot(block, offset, copy), copy=(src, dst) or None"
     block, offset, copy = shape
@@ -130,8 +107,7 @@ def _prediction_hint(key: str, expected: Any, mine: Any) -> str:
         return (f"the new token is token 40 of the sequence (counting from 0): it goes at "
                 f"offset 40 % 16 = {expected.offset} of the last block")
     if expected.copy and copy == expected.copy[::-1]:
-        return ("copy=(src, dst): src is the shared block the token's predecessors are "
-                "copied from, dst the new block")
+        return "copy=(src, dst): src is the shared block, dst the new block"
     if expected.copy and isinstance(copy, tuple) and copy[:1] == expected.copy[:1] and \
             block != expected.block:
         return ("a copy-on-write takes the next block on the free list (5, 2, 9 went to the "

@@ -1,14 +1,9 @@
 """Exercise 14.1: an incremental detokenizer with stop strings, ``cls(decode, stop=())``
-with ``add(token_ids) -> str``, ``finish() -> str``, ``text`` and ``stopped`` (the
-behaviour of :class:`paged_lib.serve.detokenize.IncrementalDetokenizer`).
-
-Tokens are the tiny model's bytes, so é is two tokens, 日 three, 🎉 four. Generated cases
-(:class:`Stream`: stops cut from the text itself, up to four, often one a prefix of
-another, listed in either order; one to eight tokens per ``add``) run through
-:func:`_run_case`: after every ``add`` the text sent must be what is decided (the text cut
-before the stop that completes first, ties to the first listed, as vLLM's
-``check_stop_strings``; else all but the last ``len(longest stop) - 1`` characters), and a
-wrong piece is named by its mistake; the first failing case is shrunk.
+with ``add(token_ids) -> str``, ``finish() -> str``, ``text`` and ``stopped`` (as
+:class:`paged_lib.serve.detokenize.IncrementalDetokenizer`), on generated streams of the tiny
+model's byte tokens (:class:`Stream`). After every ``add`` the text sent must be what is
+decided: cut before the stop that completes first (ties: the first listed, as vLLM's
+``check_stop_strings``), else all but the last ``len(longest stop) - 1`` characters.
 """
 
 from __future__ import annotations
@@ -25,8 +20,7 @@ from paged_lib.course.grading.generated.numeric import Contrast, fewer
 from paged_lib.serve.detokenize import IncrementalDetokenizer
 from paged_lib.tokenizer import ByteTokenizer
 
-__all__ = ["EQUIVALENT_MUTANTS", "STREAM_CONTRASTS", "Stream", "check_detokenizer",
-           "stream_cases"]
+__all__ = ["EQUIVALENT_MUTANTS", "check_detokenizer", "stream_cases"]
 
 #: Mutants of the solution that cannot change any graded answer (tools/mutants.py skips
 #: them). The check streams the bytes of whole UTF-8 texts and reads ``text`` and
@@ -43,9 +37,8 @@ EQUIVALENT_MUTANTS: dict[str, dict[str, str]] = {"14.1": {
 }}
 
 
-_TOK = ByteTokenizer()
 
-_ALPHABET = "ab é日🎉\n"
+_TOK = ByteTokenizer()
 
 
 @dataclass(frozen=True)
@@ -59,12 +52,8 @@ class Stream:
 
     def tie(self) -> tuple[str, str] | None:
         """Two stops that begin at the earliest stop's index (the first listed first)."""
-        found = [(self.text.find(s), k) for k, s in enumerate(self.stops)
-                 if s and s in self.text]
-        if not found:
-            return None
-        first = min(i for i, _ in found)
-        at = [self.stops[k] for i, k in found if i == first]
+        found = [(self.text.find(s), s) for s in self.stops if s and s in self.text]
+        at = [s for i, s in found if i == min(found)[0]] if found else []
         return (at[0], at[1]) if len(at) > 1 else None
 
     def describe(self) -> str:
@@ -75,14 +64,11 @@ class Stream:
 
     def states(self) -> list[str]:
         tie = self.tie()
-        out = ["a tie, the shorter stop listed first"] if tie and len(tie[0]) < len(
-            tie[1]) else []
-        out += ["a tie"] if tie else []
-        out += [f"{len(self.stops)} stops"] if len(self.stops) > 2 else []
-        out += ["a stop of 4 or more characters"] if any(len(s) > 3 for s in self.stops) \
-            else []
-        out += [f"{self.per_add} tokens per add"] if self.per_add > 3 else []
-        return out
+        return (["a tie, the shorter stop listed first"] * bool(tie and len(tie[0]) <
+                                                                 len(tie[1]))
+                + ["a tie"] * bool(tie) + [f"{len(self.stops)} stops"] * (len(self.stops) > 2)
+                + ["a stop of 4 or more characters"] * any(len(s) > 3 for s in self.stops)
+                + [f"{self.per_add} tokens per add"] * (self.per_add > 3))
 
     def smaller(self) -> Iterator[Stream]:
         for k in range(len(self.stops)):
@@ -96,7 +82,7 @@ class Stream:
 
 def _draw(seed: int) -> Stream:
     rng = random.Random(1401 + seed)
-    text = "".join(rng.choice(_ALPHABET) for _ in range(rng.randint(3, 16)))
+    text = "".join(rng.choice("ab é日🎉\n") for _ in range(rng.randint(3, 16)))
     stops: list[str] = []
     for _ in range(rng.randint(1, 4)):
         i = rng.randrange(len(text))
@@ -123,71 +109,51 @@ def _longer_first(p: Stream) -> Stream | None:
     tie = p.tie()
     if tie is None or len(tie[0]) >= len(tie[1]):
         return None
-    stops = list(p.stops)
-    i, j = stops.index(tie[0]), stops.index(tie[1])
-    stops[i], stops[j] = stops[j], stops[i]
-    return dataclasses.replace(p, stops=tuple(stops))
+    return dataclasses.replace(p, stops=tuple({tie[0]: tie[1], tie[1]: tie[0]}.get(s, s)
+                                              for s in p.stops))
 
 
-STREAM_CONTRASTS = (
-    Contrast(_longer_first,
-             "it passes when the longer of two stops at the same index is listed first and "
-             "fails when the shorter is: the one listed first in stop wins, whatever its "
-             "length (vLLM takes the first of its list)"),
-)
+STREAM_CONTRASTS = (Contrast(_longer_first, "it passes when the longer of two stops at the "
+                             "same index is listed first and fails when the shorter is: the "
+                             "one listed first in stop wins, whatever its length"),)
 
 
 def _cut(text: str, stops: Sequence[str]) -> tuple[str, str | None]:
     """The text up to the stop that completes first, and which stop (ties: the first
-    listed). On the whole text this is what an incremental search finds: a stop that
-    completed in an earlier add would have ended the text there."""
+    listed)."""
     found = [(i + len(s), k, i, s) for k, s in enumerate(stops) if s and (i := text.find(s)) >= 0]
-    if not found:
-        return text, None
-    _, _, i, s = min(found)
-    return text[:i], s
+    return (text[:min(found)[2]], min(found)[3]) if found else (text, None)
 
 
-def _decided(data: bytes, stops: Sequence[str]) -> tuple[str, str | None]:
-    """What may be released once ``data`` arrived, and the stop if one has appeared."""
-    text = data.decode("utf-8", "ignore")
-    cut, stop = _cut(text, stops)
-    if stop is not None:
-        return cut, stop
-    hold = max((len(s) for s in stops if s), default=1) - 1
-    return text[:max(0, len(text) - hold)], None
+def _hold(stops: Sequence[str]) -> int:
+    return max((len(s) for s in stops if s), default=1) - 1
 
 
 def _describe(got: str, want: str, text: str, stops: Sequence[str], sofar: bytes,
               final: bool) -> str:
     """A hint naming the mistake that turns ``want`` into ``got``."""
-    hold = max((len(s) for s in stops if s), default=1) - 1
     whole = sofar.decode("utf-8", "ignore")
     cut, stop = _cut(whole if not final else text, stops)
-    if "\ufffd" in got:
-        return ("half a character went out as U+FFFD: a byte token can end half way "
-                "through a character; keep the incomplete tail (decoded as U+FFFD) until "
-                "its other bytes arrive")
     other = next((s for s in stops if s and s != stop and s in whole
                   and got == whole[:whole.find(s)]), None) if stop is not None else None
-    if other is not None:
-        return _stopped_hint(other, stop, whole, stops)
-    if stop is not None and got.startswith(cut + stop):
-        return "the stop string itself was sent: cut the text just before the stop"
-    if stop is not None and got.startswith(cut) and len(got) > len(cut):
-        return ("text after a stop string was sent: once a stop appears, the text ends "
-                "before it and later tokens are ignored")
-    if stop is None and not final and got.startswith(want) and len(got) > len(want):
-        return (f"no hold-back: text that may begin a stop string was sent before it was "
-                f"decided; hold back the last len(longest stop) - 1 = {hold} characters")
-    if final and want.startswith(got):
-        return "finish must return everything still held back (no stop came)"
-    if want.startswith(got) and not final and stop is None:
-        if not stops:
-            return ("text held back with no stop strings: each character goes out as "
-                    "soon as its bytes are all there")
-        return (f"too much held back: only the last len(longest stop) - 1 = {hold} "
-                "characters may still become a stop")
+    for wrong, hint in [
+        ("\ufffd" in got, "half a character went out as U+FFFD: keep the incomplete tail "
+         "until its other bytes arrive"),
+        (other is not None, _stopped_hint(other, stop, whole, stops)),
+        (stop is not None and got.startswith(cut + stop),
+         "the stop string itself was sent: cut the text just before the stop"),
+        (stop is not None and got.startswith(cut) and len(got) > len(cut), "text after a stop "
+         "string was sent: once a stop appears, later tokens are ignored"),
+        (stop is None and not final and got.startswith(want) and len(got) > len(want),
+         f"no hold-back: text that may begin a stop string was sent before it was decided; "
+         f"hold back the last len(longest stop) - 1 = {_hold(stops)} characters"),
+        (final and want.startswith(got), "finish must return everything still held back"),
+        (want.startswith(got) and stop is None and not stops, "text held back with no stop "
+         "strings: each character goes out as soon as its bytes are all there"),
+        (want.startswith(got) and stop is None, f"too much held back: only the last "
+         f"len(longest stop) - 1 = {_hold(stops)} characters may still become a stop")]:
+        if wrong:
+            return hint
     return "compare the released text with the spec: whole characters, cut at the stop"
 
 
@@ -196,18 +162,19 @@ def _run_case(cls: Any, text: str, stops: list[str], per_add: int) -> None:
     det = cls(_TOK.decode, stops)
     out, ended, stop = "", None, None
     for k in range(0, len(data), per_add):
-        chunk = list(data[k:k + per_add])
-        piece = det.add(chunk)
+        piece = det.add(list(data[k:k + per_add]))
         grading.expect_true(isinstance(piece, str), f"add returned {piece!r}, not a str",
                             "add returns the newly decided text, '' when none")
         out += piece
         if ended is None:
-            want, stop = _decided(data[:k + per_add], stops)
-            ended = want if stop is not None else None
+            sofar = data[:k + per_add].decode("utf-8", "ignore")
+            want, stop = _cut(sofar, stops)
+            want, ended = (want, want) if stop else (sofar[:max(0, len(sofar) -
+                                                                 _hold(stops))], None)
         if out != want:
-            grading.fail(f"after {k + len(chunk)} tokens the text sent is {out!r}, expected "
-                         f"{want!r}", _describe(out, want, text, stops, data[:k + per_add],
-                                                False))
+            grading.fail(f"after {min(k + per_add, len(data))} tokens the text sent is "
+                         f"{out!r}, expected {want!r}",
+                         _describe(out, want, text, stops, data[:k + per_add], False))
     last = det.finish()
     grading.expect_true(isinstance(last, str), f"finish returned {last!r}, not a str",
                         "finish returns the text still held ('' when none)")
@@ -229,22 +196,19 @@ def _stopped_hint(got: Any, want: str | None, text: str, stops: Sequence[str]) -
     """Why ``stopped`` is ``got`` and not ``want``, when both are stops found in ``text``."""
     if want is None or got not in stops or got == want or text.find(got) < 0:
         return "stopped names the stop string that ended the text (None if none)"
-    got_end, want_end = text.find(got) + len(got), text.find(want) + len(want)
-    if got_end == want_end:
+    if text.find(got) + len(got) == text.find(want) + len(want):
         return ("two stops complete at the same character: the one listed first in stop "
-                "wins, not the longer, nor the one that starts first (vLLM's "
-                "check_stop_strings)")
-    return (f"{want!r} completes before {got!r} (it ends earlier in the text): the text "
-            "ends before the stop that *completes* first, not the first of the list found, "
-            "nor the one that starts first (vLLM's check_stop_strings)")
+                "wins, not the longer, nor the one that starts first")
+    return (f"{want!r} completes before {got!r}: the text ends before the stop that "
+            "*completes* first, not the first of the list found, nor the one that starts "
+            "first (vLLM's check_stop_strings)")
 
 
 def check_detokenizer(cls: Any) -> None:
     """``cls``: the learner's class, ``cls(decode, stop)`` with ``add`` and ``finish``."""
     with grading.exercise("14.1"):
         grading.expect_true(isinstance(cls, type), f"expected a class, got {cls!r}",
-                            "pass the class itself (check_detokenizer(MyDetokenizer)), not "
-                            "an instance")
+                            "pass the class itself, not an instance")
         for name in ("add", "finish"):
             grading.expect_true(
                 not (issubclass(cls, IncrementalDetokenizer)
