@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 import functools
@@ -57,7 +58,6 @@ def run_beam_scenario(beam_step, name, block_size, prompt_len, width, steps):
     from paged_lib.engine.beam_search import beam_step as ref_step
 
     beam_step = on_copies(beam_step)
-
     ref, mine = (_World(block_size, prompt_len, width, len(steps)) for _ in "ab")
     for k, cands in enumerate(steps, 1):
         where = f"scenario '{name}', step {k}"
@@ -78,8 +78,8 @@ def run_beam_scenario(beam_step, name, block_size, prompt_len, width, steps):
             grading.fail(f"{where}: your code used a freed table ({err})",
                          "free only the beams nobody continues, after the forks: a table "
                          "that is freed cannot be forked or continued")
-        got = _check_picks(got, expected, list(mine.cum), cands, width, where)
-        _check_tables(got, old, mine, ref, where, cands)
+        _check_picks(got, expected, list(mine.cum), cands, width, where)
+        _check_tables(list(got), old, mine, ref, where, cands)
         for world, result in ((ref, expected), (mine, got)):
             world.tables = [t for _, t, _, _ in result]
             world.cum = [float(c) for _, _, _, c in result]
@@ -87,170 +87,128 @@ def run_beam_scenario(beam_step, name, block_size, prompt_len, width, steps):
                 t.append_token()
 
 
-def _picks(result) -> list[tuple[int, int]]:
-    return [(int(p), int(tok)) for p, _, tok, _ in result]
-
-
-def _check_picks(got, expected, cum, cands, width, where: str):
-    if not isinstance(got, list | tuple) or not all(
-            isinstance(b, tuple) and len(b) == 4 for b in got):
-        grading.fail(f"{where}: expected a list of (parent, table, token, cum_logprob) "
-                     f"tuples, got {type(got).__name__}",
-                     "return one 4-tuple per new beam, best first")
-    if len(got) > width:
-        offered = sum(len(c) for c in cands)
-        grading.fail(f"{where}: {len(got)} new beams from {len(cands)} beam(s) offering "
-                     f"{offered} candidates, at width {width}",
-                     f"the width bounds the whole search: {width} beams in all, the best "
-                     "continuations of every beam together, not each beam's own best")
-    grading.expect_equal(len(got), len(expected), f"{where}: number of new beams",
-                         "keep beam_width continuations (fewer only if there are fewer "
-                         "candidates in all)")
-    mine, want = _picks(got), _picks(expected)
-    if mine != want:
-        grading.fail(f"{where}: new beams as (parent, token) {mine}, expected {want}",
-                     _pick_hint(mine, want, cum, cands, width))
-    for i, ((_, _, _, c), (_, _, _, e)) in enumerate(zip(got, expected, strict=True)):
-        grading.expect_close(c, e, f"{where}: new beam {i}'s cum_logprob", rel=1e-9,
-                             abs_=1e-9, hint="cum_logprob = cum_logprobs[parent] + the "
-                             "candidate's logprob (the whole sequence's log-probability)")
-    return list(got)
-
-
-def _score(pick: tuple[int, int], cum, cands) -> float | None:
-    """cum_logprob of beam ``pick[0]`` continued by token ``pick[1]`` (None: not offered)."""
-    parent, token = pick
-    if not 0 <= parent < len(cands):
-        return None
-    return next((cum[parent] + lp for tok, lp in cands[parent] if tok == token), None)
-
-
-def _tie_hint(mine, want, cum, cands) -> str | None:
-    """The hint when the picks score exactly as the library's and only tied ones differ."""
-    scores = [_score(p, cum, cands) for p in mine]
-    if None in scores or scores != [_score(p, cum, cands) for p in want]:
-        return None
-    j = next(j for j, (a, b) in enumerate(zip(mine, want, strict=True)) if a != b)
-    (p, tok), (q, first) = mine[j], want[j]
-    same = (f"beam {q}'s tokens {first} and {tok} both score {scores[j]!r}, and beam {q} "
-            f"lists token {first} first" if p == q else
-            f"beam {q}'s token {first} and beam {p}'s token {tok} both score {scores[j]!r}")
-    put = f"token {tok}" if p == q else f"beam {p}'s"
-    return (f"your new beams are in score order, but an exact tie goes the other way: {same}; "
-            f"you put {put} first. On an exact tie the lower beam index goes first, then "
-            "the earlier candidate in that beam's list (sort(reverse=True) on (score, beam, "
-            "candidate) tuples reverses that tie order too; the token id does not decide)")
-
-
 def _float32(x: float) -> float:
     return struct.unpack("f", struct.pack("f", x))[0]
 
 
-def _pick_hint(mine, want, cum, cands, width) -> str:
-    flat = [(i, r, tok, lp) for i, opts in enumerate(cands) for r, (tok, lp) in enumerate(opts)]
+_TIE = ("your new beams are in score order, but an exact tie goes the other way: the lower "
+        "beam index goes first, then the earlier candidate in that beam's list "
+        "(sort(reverse=True) on (score, beam, candidate) tuples reverses that tie order "
+        "too; the token id does not decide)")
+#: wrong rankings: (sort key on (score, beam, rank in the beam's list, token, this step's
+#: logprob), the hint naming it), tried in order on the (parent, token) picks
+_RANKINGS: list[tuple[Callable[..., tuple], str]] = [
+    (lambda s, i, r, t, lp: (-_float32(s), i, r), "two scores here differ by less than "
+     "float32 can tell: rank the Python floats cum_logprobs[beam] + logprob themselves "
+     "(float64), not a float32 tensor of them (torch.tensor of Python floats is float32) "
+     "nor rounded scores; only an exact tie goes to the lower beam"),
+    (lambda s, i, r, t, lp: (-lp, i, r), "rank candidates by cum_logprobs[beam] + logprob "
+     "(the whole sequence), not by this step's logprob alone"),
+    (lambda s, i, r, t, lp: (s, i, r), "best first: the highest cumulative log-probability "
+     "wins"),
+    (lambda s, i, r, t, lp: (-s, r, i), "an exact tie goes to the lower beam index first, "
+     "then to the earlier candidate in that beam's list (not to the better-ranked "
+     "candidate)"),
+    (lambda s, i, r, t, lp: (-s, i, t), "an exact tie goes to the earlier candidate in the "
+     "beam's list (its rank), not to the lower token id: here the tied candidates come in "
+     "descending token order"),
+]
 
-    def top(key: Callable) -> list[tuple[int, int]]:
-        """The (beam, token) picks of ``flat`` sorted by ``key(score, beam, rank, token,
-        logprob)``, the first ``width``."""
-        return [(i, tok) for i, r, tok, lp in sorted(flat, key=lambda c: key(
-            cum[c[0]] + c[3], *c))][:width]
 
-    if mine == top(lambda s, i, r, t, lp: (-_float32(s), i, r)):
-        return ("two scores here differ by less than float32 can tell: rank the Python "
-                "floats cum_logprobs[beam] + logprob themselves (float64), not a float32 "
-                "tensor of them (torch.tensor of Python floats is float32) nor rounded "
-                "scores; only an exact tie goes to the lower beam")
-    rank_first = top(lambda s, i, r, t, lp: (-s, r, i))
-    if mine == top(lambda s, i, r, t, lp: (-s, i, t)) and mine != rank_first:
-        return ("an exact tie goes to the earlier candidate in the beam's list (its rank), "
-                "not to the lower token id: here the tied candidates come in descending "
-                "token order")
-    if mine == top(lambda s, i, r, t, lp: (-lp, i, r)):
-        return ("rank candidates by cum_logprobs[beam] + logprob (the whole sequence), not "
-                "by this step's logprob alone")
-    if mine == top(lambda s, i, r, t, lp: (s, i, r)):
-        return "best first: the highest cumulative log-probability wins"
-    if mine == rank_first:
-        return ("an exact tie goes to the lower beam index first, then to the earlier "
-                "candidate in that beam's list (not to the better-ranked candidate)")
-    tie = _tie_hint(mine, want, cum, cands)
-    if tie:
-        return tie
-    if sorted(mine) == sorted(top(lambda s, i, r, t, lp: (-s, i, r))) and \
-            mine == sorted(mine, key=lambda p: p[0]):
-        return "list the new beams best first (by cum_logprob), not by parent"
-    per_beam = [(i, opts[0][0]) for i, opts in enumerate(cands) if opts]
-    if mine[:len(per_beam)] == per_beam[:width]:
-        return ("compete across all beams: one beam may keep several children and another "
-                "none")
-    return ("rank every (beam, candidate) by cum_logprobs[beam] + logprob across all beams, "
-            "best first; ties: lower beam index, then the candidate's order")
+def _check_picks(got, expected, cum, cands, width, where: str) -> None:
+    grading.expect_true(isinstance(got, list | tuple) and all(
+        isinstance(b, tuple) and len(b) == 4 for b in got),
+        f"{where}: expected a list of (parent, table, token, cum_logprob) tuples, got "
+        f"{type(got).__name__}", "return one 4-tuple per new beam, best first")
+    grading.expect_true(len(got) <= width, f"{where}: {len(got)} new beams from {len(cands)} "
+                        f"beam(s) offering {sum(map(len, cands))} candidates, at width {width}",
+                        f"the width bounds the whole search: {width} beams in all, the best "
+                        "continuations of every beam together, not each beam's own best")
+    grading.expect_equal(len(got), len(expected), f"{where}: number of new beams",
+                         "keep beam_width continuations (fewer only if there are fewer "
+                         "candidates in all)")
+    mine, want = ([(int(p), int(tok)) for p, _, tok, _ in r] for r in (got, expected))
+    if mine != want:
+        flat = [(i, r, tok, lp) for i, opts in enumerate(cands)
+                for r, (tok, lp) in enumerate(opts)]
+        score = {(i, tok): cum[i] + lp for i, _, tok, lp in flat}
+        per_beam = [(i, opts[0][0]) for i, opts in enumerate(cands) if opts]
+        named = [(mine == [(i, tok) for i, r, tok, lp in sorted(flat, key=lambda c: key(
+            cum[c[0]] + c[3], *c))][:width], hint) for key, hint in _RANKINGS] + [
+            (None not in map(score.get, mine) and [score.get(p) for p in mine] == [
+                score.get(p) for p in want], _TIE),
+            (sorted(mine) == sorted(want) and mine == sorted(mine, key=lambda p: p[0]),
+             "list the new beams best first (by cum_logprob), not by parent"),
+            (mine[:len(per_beam)] == per_beam[:width], "compete across all beams: one beam "
+             "may keep several children and another none"),
+            (True, "rank every (beam, candidate) by cum_logprobs[beam] + logprob across all "
+             "beams, best first; ties: lower beam index, then the candidate's order")]
+        grading.fail(f"{where}: new beams as (parent, token) {mine}, expected {want}",
+                     next(hint for hit, hint in named if hit))
+    for i, ((_, _, _, c), (_, _, _, e)) in enumerate(zip(got, expected, strict=True)):
+        grading.expect_close(c, e, f"{where}: new beam {i}'s cum_logprob", rel=1e-9,
+                             abs_=1e-9, hint="cum_logprob = cum_logprobs[parent] + the "
+                             "candidate's logprob (the whole sequence's log-probability)")
+
+
+_OWN = ("the first child continues its parent's own table (the same object), only the "
+        "further children fork it")
 
 
 def _check_tables(got, old, mine: _World, ref: _World, where: str, cands) -> None:
     seen: set[int] = set()
     for i, (p, table, _, _) in enumerate(got):
-        first = p not in seen
+        first, forked = p not in seen, table is not old[p]
         seen.add(p)
-        if first and table is not old[p] and getattr(old[p], "freed", False):
-            grading.fail(f"{where}: beam {p} goes on, but you freed its table and gave its "
-                         f"first child (new beam {i}) a fork of it",
-                         "a fork for every child, then a free of every old table: a "
-                         "reference taken and given back on each of the parent's blocks, "
-                         "for nothing; the first child continues its parent's own table "
-                         "(the same object), only the further children fork it")
-        if first and table is not old[p]:
-            grading.fail(f"{where}: new beam {i} is the first child of beam {p} but got a new "
-                         "table", "the first child continues its parent's own table (the "
-                         "same object); only the further children fork it")
-        if not first and any(table is t for t in old):
-            grading.fail(f"{where}: new beam {i} is a further child of beam {p} but reuses "
-                         "an old table", "each child after the first gets parent.fork()")
-        if not isinstance(table, BlockTable):
-            grading.fail(f"{where}: new beam {i}'s table is a {type(table).__name__}",
-                         "return the BlockTable itself")
+        for bad, what, hint in (
+                (first and forked and getattr(old[p], "freed", False), f"beam {p} goes on, "
+                 f"but you freed its table and gave its first child (new beam {i}) a fork of "
+                 "it", "a fork for every child, then a free of every old table: a reference "
+                 f"taken and given back on each of the parent's blocks, for nothing; {_OWN}"),
+                (first and forked, f"new beam {i} is the first child of beam {p} but got a "
+                 "new table", _OWN),
+                (not first and any(table is t for t in old), f"new beam {i} is a further "
+                 f"child of beam {p} but reuses an old table",
+                 "each child after the first gets parent.fork()"),
+                (not isinstance(table, BlockTable), f"new beam {i}'s table is a "
+                 f"{type(table).__name__}", "return the BlockTable itself")):
+            grading.expect_true(not bad, f"{where}: {what}", hint)
     for i, (p, table, _, _) in enumerate(got):
-        if getattr(table, "freed", False):
-            grading.fail(f"{where}: new beam {i} (a child of beam {p}) got a freed table",
-                         f"beam {p} goes on: its table carries its first child, and the "
-                         "engine writes the next token through it; free only the tables "
-                         "of the beams nobody continues")
-    holders: dict[int, int] = {}  # a block the pool counts fewer holders for than tables
-    for _, table, _, _ in got:
-        for block in table.blocks:
-            holders[block] = holders.get(block, 0) + 1
+        grading.expect_true(not table.freed, f"{where}: new beam {i} (a child of beam {p}) "
+                            "got a freed table", f"beam {p} goes on: its table carries its "
+                            "first child, and the engine writes the next token through it; "
+                            "free only the tables of the beams nobody continues")
+    holders = collections.Counter(b for _, table, _, _ in got for b in table.blocks)
     for block, n in sorted(holders.items()):
-        refs = mine.alloc.refcount(block)
-        if refs < n:
-            grading.fail(f"{where}: block {block} is in {n} new beams' tables but its ref "
-                         f"count is {refs}",
-                         "a table that holds a block must be counted as its holder, or the "
-                         "first free or copy-on-write write takes the block from the others: "
-                         "a second table on the same blocks comes from table.fork() (a copy "
-                         "of the object adds no holder, nor does a BlockTable built on its blocks "
-                         "without an incref)")
-    kept = [i for i, t in enumerate(old) if not getattr(t, "freed", False)
-            and not cands[i] and not any(t is b[1] for b in got)]
-    if mine.alloc.num_free < ref.alloc.num_free and kept:
-        grading.fail(f"{where}: beam(s) {kept} offered no candidates and still hold their "
-                     "blocks", "a beam with no candidates has no continuation either: it "
-                     "dies like any beam nobody continues, free() its table")
-    if mine.alloc.num_free < ref.alloc.num_free:
-        grading.fail(f"{where}: {mine.alloc.num_free} free blocks afterwards, expected "
-                     f"{ref.alloc.num_free}: blocks leaked",
-                     "free() the table of every old beam that nobody continues")
-    if mine.alloc.num_free > ref.alloc.num_free:
-        grading.fail(f"{where}: {mine.alloc.num_free} free blocks afterwards, expected "
-                     f"{ref.alloc.num_free}: a block a new beam holds went back to the pool",
-                     "free only the beams nobody continues; a fork holds its own references")
+        grading.expect_true(mine.alloc.refcount(block) >= n, f"{where}: block {block} is in "
+                            f"{n} new beams' tables but its ref count is "
+                            f"{mine.alloc.refcount(block)}", "a table that holds a block "
+                            "must be counted as its holder, or the first free or "
+                            "copy-on-write write takes the block from the others: a second "
+                            "table on the same blocks comes from table.fork() (a copy of the "
+                            "object adds no holder, nor does a BlockTable built on its blocks "
+                            "without an incref)")
+    kept = [i for i, t in enumerate(old) if not t.freed and not cands[i]
+            and not any(t is b[1] for b in got)]
+    left, want = mine.alloc.num_free, ref.alloc.num_free
+    grading.expect_true(left >= want or not kept, f"{where}: beam(s) {kept} offered no "
+                        "candidates and still hold their blocks", "a beam with no candidates "
+                        "has no continuation either: it dies like any beam nobody continues, "
+                        "free() its table")
+    grading.expect_true(left >= want, f"{where}: {left} free blocks afterwards, expected "
+                        f"{want}: blocks leaked", "free() the table of every old beam that "
+                        "nobody continues")
+    grading.expect_true(left <= want, f"{where}: {left} free blocks afterwards, expected "
+                        f"{want}: a block a new beam holds went back to the pool",
+                        "free only the beams nobody continues; a fork holds its own references")
     (my_refs, my_free), (ref_refs, ref_free) = pool_state(mine.alloc), pool_state(ref.alloc)
-    if my_refs == ref_refs and my_free != ref_free and sorted(my_free) == sorted(ref_free):
-        grading.fail(f"{where}: your ref counts are right and the same blocks are free, "
-                     f"but the free list ends {list(my_free[-4:])}, the library's "
-                     f"{list(ref_free[-4:])}",
-                     "free the dead beams' tables in ascending beam index: the free list's "
-                     "order decides which blocks the next allocations take, and the "
-                     "engine's schedule is compared block by block")
+    grading.expect_true(my_refs != ref_refs or sorted(my_free) != sorted(ref_free) or
+                        my_free == ref_free, f"{where}: your ref counts are right and the "
+                        "same blocks are free, but the free list ends "
+                        f"{list(my_free[-4:])}, the library's {list(ref_free[-4:])}",
+                        "free the dead beams' tables in ascending beam index: the free "
+                        "list's order decides which blocks the next allocations take, and "
+                        "the engine's schedule is compared block by block")
     grading.expect_equal((my_refs, my_free), (ref_refs, ref_free),
                          f"{where}: (ref counts, free list)",
                          "fork with table.fork() (no incref by hand) and free each dead "
