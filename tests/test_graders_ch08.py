@@ -461,7 +461,7 @@ def test_beam_step_stable_sort_on_the_score_alone_is_right(capsys, key, reverse)
 
 @pytest.mark.parametrize("answer,hint", [
     (step_fixed_width, "a beam may offer fewer than beam_width candidates, or none"),
-    (step_rank_first_ties, "an exact tie goes to the lower beam index first"),
+    (step_rank_first_ties, "the lower beam index goes first"),
     (step_keeps_empty_beams, "a beam with no candidates has no continuation either"),
     (step_pads_to_width, "fewer only if there are fewer candidates in all"),
     (step_by_parent, "list the new beams best first"),

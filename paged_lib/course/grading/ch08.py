@@ -92,9 +92,10 @@ def _float32(x: float) -> float:
 
 
 _TIE = ("your new beams are in score order, but an exact tie goes the other way: the lower "
-        "beam index goes first, then the earlier candidate in that beam's list "
-        "(sort(reverse=True) on (score, beam, candidate) tuples reverses that tie order "
-        "too; the token id does not decide)")
+        "beam index goes first, then the earlier candidate in that beam's list (its rank), "
+        "not to the lower token id, nor to another beam's better-ranked candidate (the token "
+        "id does not decide; sort(reverse=True) on (score, beam, candidate) tuples reverses "
+        "that order)")
 #: wrong rankings: (sort key on (score, beam, rank in the beam's list, token, this step's
 #: logprob), the hint naming it), tried in order on the (parent, token) picks
 _RANKINGS: list[tuple[Callable[..., tuple], str]] = [
@@ -106,12 +107,6 @@ _RANKINGS: list[tuple[Callable[..., tuple], str]] = [
      "(the whole sequence), not by this step's logprob alone"),
     (lambda s, i, r, t, lp: (s, i, r), "best first: the highest cumulative log-probability "
      "wins"),
-    (lambda s, i, r, t, lp: (-s, r, i), "an exact tie goes to the lower beam index first, "
-     "then to the earlier candidate in that beam's list (not to the better-ranked "
-     "candidate)"),
-    (lambda s, i, r, t, lp: (-s, i, t), "an exact tie goes to the earlier candidate in the "
-     "beam's list (its rank), not to the lower token id: here the tied candidates come in "
-     "descending token order"),
 ]
 
 
@@ -241,30 +236,25 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _compare(caches, slot: Slot, where: str) -> None:
     (mk, mv), (rk, rv) = caches["mine"], caches["ref"]
-    if slot.copy is not None:
-        src, dst = slot.copy
+    src, dst = slot.copy or (None, None)
+    rows = [] if slot.copy is None else [
+        ((src,), f"block {src}'s {{}} changed, but the other samples still read it",
+         f"other samples still read block {src}, so it stays as it is: the copy goes from "
+         f"src to dst (cache[{dst}] = cache[{src}]), and the new token goes into slot.block, "
+         "never into the shared src"),
+        ((dst, slice(slot.offset)), f"the first {slot.offset} slot(s) of block {dst} ({{}}) "
+         f"do not hold the tokens copied from block {src}", "copy the whole block src into "
+         "dst first, in K *and* V, in place: the sample's earlier tokens must be in its new "
+         f"block {dst} (an out-of-place op, index_copy or torch.where, returns a new tensor "
+         "the engine never reads)")]
+    rows.append(((slot.block, slot.offset), f"the new token's {{}} is not at block "
+                 f"{slot.block}, offset {slot.offset}", "write key into k_cache[slot.block, "
+                 "slot.offset] and value into v_cache[...] after copying (a copy made "
+                 "afterwards overwrites it)"))
+    for at, what, hint in rows:
         for which, mine, ref in (("K", mk, rk), ("V", mv, rv)):
-            if not _same(mine[src], ref[src]):
-                grading.fail(f"{where}: block {src}'s {which} changed, but the other "
-                             "samples still read it",
-                             f"other samples still read block {src}, so it stays as it is: "
-                             f"the copy goes from src to dst (cache[{dst}] = cache[{src}]), "
-                             "and the new token goes into slot.block, never into the shared "
-                             "src")
-        for which, mine, ref in (("K", mk, rk), ("V", mv, rv)):
-            if not _same(mine[dst, :slot.offset], ref[dst, :slot.offset]):
-                grading.fail(f"{where}: the first {slot.offset} slot(s) of block {dst} ({which}) "
-                             f"do not hold the tokens copied from block {src}",
-                             f"copy the whole block src into dst first, in K *and* V, in "
-                             f"place: the sample's earlier tokens must be in its new block "
-                             f"{dst} (an out-of-place op, index_copy or torch.where, returns "
-                             "a new tensor the engine never reads)")
-    for which, mine, ref in (("key", mk, rk), ("value", mv, rv)):
-        if not _same(mine[slot.block, slot.offset], ref[slot.block, slot.offset]):
-            grading.fail(f"{where}: the new token's {which} is not at block {slot.block}, "
-                         f"offset {slot.offset}",
-                         "write key into k_cache[slot.block, slot.offset] and value into "
-                         "v_cache[...] after copying (a copy made afterwards overwrites it)")
+            grading.expect_true(_same(mine[at], ref[at]), f"{where}: {what.format(which)}",
+                                hint)
     for which, mine, ref in (("k_cache", mk, rk), ("v_cache", mv, rv)):
         if mine.dtype != ref.dtype or not _same(mine, ref):
             bad = [b for b in range(len(ref)) if not _same(mine[b].to(ref.dtype), ref[b])]
