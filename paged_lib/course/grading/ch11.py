@@ -336,41 +336,34 @@ def reference_drop(table: BlockTable, num_sink_tokens: int, *, gone: str = "floo
     return new, WindowOp(slots, shift * bs)
 
 
-_DROP_SLIPS: list[tuple[dict, str]] = [
-    (dict(check_shared="all"), "only the blocks from the released one on are rewritten: a "
+#: one hint per rule, with the typical mistakes (reference_drop's keywords) that break it
+_DROP_RULES: list[tuple[list[dict], str]] = [
+    ([dict(check_shared="all"), dict(check_shared="rewritten"), dict(check_shared="none")],
+     "a block from the released one on that another sequence holds (reference count > 1) "
+     "is a ValueError: dropping rewrites it for every holder, and the released block counts "
+     "too (its holder shares this table's tokens); only those blocks are rewritten: a "
      "shared sink block before it is fine"),
-    (dict(gone="first"), "the sinks are never released: the block that goes is the one "
-     "at logical index num_sink_tokens // block_size, the first after the whole sink blocks"),
-    (dict(gone="ceil"), "the block at logical index num_sink_tokens // block_size goes (its "
-     "first num_sink_tokens % block_size slots are sinks, copied on before it goes), not "
-     "the first block after every sink"),
-    (dict(gone="last_sink"), "whole sink blocks stay where they are: the block that goes "
-     "is the one holding the oldest recent token (logical position num_sink_tokens), so "
-     "only the sinks that share a block with leaving tokens are copied, none when the "
-     "sinks fill whole blocks"),
-    (dict(copy="never"), "when num_sink_tokens % block_size = r > 0, the released block "
-     "holds r sinks: copy them to the first r slots of the next block (copy_src, copy_dst, "
-     "copy_len)"),
-    (dict(copy="always"), "with whole sink blocks (num_sink_tokens % block_size == 0) "
-     "nothing is copied: copy_src = copy_dst = -1, copy_len = 0"),
-    (dict(rotate="old"), "rotate_slots are the slots of the kept tokens in the NEW table: "
-     "each recent token moved one logical block back"),
-    (dict(rotate="copied"), "the sinks copied on into the next block keep their positions "
-     "too (they are sinks, only moved): rotate from position num_sink_tokens on"),
-    (dict(rotate="all"), "the sinks keep their positions: rotate only the tokens after them"),
-    (dict(shift=-1), "shift is block_size: the model runner rotates the keys by -shift "
+    ([dict(gone="first"), dict(gone="ceil"), dict(gone="last_sink")], "the block at logical "
+     "index num_sink_tokens // block_size goes, the one holding the oldest recent token "
+     "(position num_sink_tokens): the sinks are never released, whole sink blocks stay where "
+     "they are, and its first num_sink_tokens % block_size slots are sinks, copied on "
+     "before it goes (not the first block after every sink)"),
+    ([dict(copy="never"), dict(copy="always")], "when num_sink_tokens % block_size = r > 0, "
+     "the released block holds r sinks: copy them to the first r slots of the next block "
+     "(copy_src, copy_dst, copy_len); with whole sink blocks (r = 0) nothing is copied: "
+     "copy_src = copy_dst = -1, copy_len = 0"),
+    ([dict(rotate="old"), dict(rotate="copied"), dict(rotate="all")], "rotate_slots are "
+     "the slots of the kept tokens in the NEW table (each recent token moved one logical "
+     "block back), from position num_sink_tokens on: the sinks keep their positions, and "
+     "the sinks copied on into the next block keep their positions too (only moved)"),
+    ([dict(shift=-1)], "shift is block_size: the model runner rotates the keys by -shift "
      "positions"),
-    (dict(free=False), "the released block goes back to the allocator (allocator.free: "
+    ([dict(free=False)], "the released block goes back to the allocator (allocator.free: "
      "one reference dropped): without it every window step leaks a block"),
-    (dict(check_shared="rewritten"), "the released block counts too: another sequence that "
-     "holds it shares this table's tokens (a forked table, which no window serves): "
-     "ValueError, as for the blocks after it"),
-    (dict(free_first=True), "a ValueError changes nothing: look at every block the drop "
+    ([dict(free_first=True)], "a ValueError changes nothing: look at every block the drop "
      "would touch before freeing one (the pool after your ValueError is not the pool "
      "before it)"),
-    (dict(check_shared="none"), "a block after the sinks that another sequence holds "
-     "(reference count > 1) is a ValueError: dropping rewrites it for every holder"),
-    (dict(check_short=False), "a table of fewer than num_sink_tokens + block_size tokens "
+    ([dict(check_short=False)], "a table of fewer than num_sink_tokens + block_size tokens "
      "has no block of recent tokens to drop: ValueError"),
 ]
 
@@ -458,7 +451,8 @@ def _compare(fn: Callable, edge: tuple) -> None:
     where, blocks, num_tokens, block_size, sinks, shared = edge
     parts = [p for p, g, w in zip(_PARTS, got, want, strict=True) if g != w] \
         if len(got) == len(want) == len(_PARTS) else []
-    hint = next((h for slip, h in _DROP_SLIPS if _slip_answer(edge, slip) == got), None) or (
+    hint = next((h for slips, h in _DROP_RULES for slip in slips
+                 if _slip_answer(edge, slip) == got), None) or (
         ", ".join(parts) + " differ(s) from the library's: compare them above with what the "
         "model runner does with each field" if parts else "return (the new BlockTable, a "
         "WindowOp)" if "ValueError" not in (got[0], want[0]) else "a ValueError is due where "
