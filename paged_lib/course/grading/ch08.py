@@ -75,9 +75,7 @@ def run_beam_scenario(beam_step, name, block_size, prompt_len, width, steps):
         except ValueError as err:
             if "freed" not in str(err):
                 raise
-            grading.fail(f"{where}: your code used a freed table ({err})",
-                         "free only the beams nobody continues, after the forks: a table "
-                         "that is freed cannot be forked or continued")
+            grading.fail(f"{where}: your code used a freed table ({err})", _FREE)
         _check_picks(got, expected, list(mine.cum), cands, width, where)
         _check_tables(list(got), old, mine, ref, where, cands)
         for world, result in ((ref, expected), (mine, got)):
@@ -146,68 +144,57 @@ def _check_picks(got, expected, cum, cands, width, where: str) -> None:
                              "candidate's logprob (the whole sequence's log-probability)")
 
 
-_OWN = ("the first child continues its parent's own table (the same object), only the "
-        "further children fork it")
+#: one hint per rule of the tables: who forks, who frees
+_FORK = ("the first child continues its parent's own table (the same object); each child "
+         "after the first gets parent.fork(), which counts the new table as a holder of every "
+         "block (a copy of the object adds no holder, nor does a BlockTable built on its "
+         "blocks without an incref); a fork for every child, then a free of every old table, "
+         "is a reference taken and given back on each of the parent's blocks, for nothing")
+_FREE = ("free only the beams nobody continues, after the forks: free() the table of every "
+         "old beam that nobody continues (a beam with no candidates has no continuation "
+         "either), exactly once; free the dead beams' tables in ascending beam index (the "
+         "free list's order decides which blocks the next allocations take, and the engine's "
+         "schedule is compared block by block); a beam that goes on keeps its table, which "
+         "carries its first child")
 
 
 def _check_tables(got, old, mine: _World, ref: _World, where: str, cands) -> None:
     seen: set[int] = set()
     for i, (p, table, _, _) in enumerate(got):
+        grading.expect_true(isinstance(table, BlockTable), f"{where}: new beam {i}'s table "
+                            f"is a {type(table).__name__}", "return the BlockTable itself")
         first, forked = p not in seen, table is not old[p]
         seen.add(p)
         for bad, what, hint in (
-                (first and forked and getattr(old[p], "freed", False), f"beam {p} goes on, "
-                 f"but you freed its table and gave its first child (new beam {i}) a fork of "
-                 "it", "a fork for every child, then a free of every old table: a reference "
-                 f"taken and given back on each of the parent's blocks, for nothing; {_OWN}"),
+                (first and forked and old[p].freed, f"beam {p} goes on, but you freed its "
+                 f"table and gave its first child (new beam {i}) a fork of it", _FORK),
                 (first and forked, f"new beam {i} is the first child of beam {p} but got a "
-                 "new table", _OWN),
+                 "new table", _FORK),
                 (not first and any(table is t for t in old), f"new beam {i} is a further "
-                 f"child of beam {p} but reuses an old table",
-                 "each child after the first gets parent.fork()"),
-                (not isinstance(table, BlockTable), f"new beam {i}'s table is a "
-                 f"{type(table).__name__}", "return the BlockTable itself")):
+                 f"child of beam {p} but reuses an old table", _FORK),
+                (table.freed, f"new beam {i} (a child of beam {p}) got a freed table", _FREE)):
             grading.expect_true(not bad, f"{where}: {what}", hint)
-    for i, (p, table, _, _) in enumerate(got):
-        grading.expect_true(not table.freed, f"{where}: new beam {i} (a child of beam {p}) "
-                            "got a freed table", f"beam {p} goes on: its table carries its "
-                            "first child, and the engine writes the next token through it; "
-                            "free only the tables of the beams nobody continues")
     holders = collections.Counter(b for _, table, _, _ in got for b in table.blocks)
     for block, n in sorted(holders.items()):
         grading.expect_true(mine.alloc.refcount(block) >= n, f"{where}: block {block} is in "
                             f"{n} new beams' tables but its ref count is "
-                            f"{mine.alloc.refcount(block)}", "a table that holds a block "
-                            "must be counted as its holder, or the first free or "
-                            "copy-on-write write takes the block from the others: a second "
-                            "table on the same blocks comes from table.fork() (a copy of the "
-                            "object adds no holder, nor does a BlockTable built on its blocks "
-                            "without an incref)")
+                            f"{mine.alloc.refcount(block)}", _FORK)
     kept = [i for i, t in enumerate(old) if not t.freed and not cands[i]
             and not any(t is b[1] for b in got)]
     left, want = mine.alloc.num_free, ref.alloc.num_free
-    grading.expect_true(left >= want or not kept, f"{where}: beam(s) {kept} offered no "
-                        "candidates and still hold their blocks", "a beam with no candidates "
-                        "has no continuation either: it dies like any beam nobody continues, "
-                        "free() its table")
-    grading.expect_true(left >= want, f"{where}: {left} free blocks afterwards, expected "
-                        f"{want}: blocks leaked", "free() the table of every old beam that "
-                        "nobody continues")
-    grading.expect_true(left <= want, f"{where}: {left} free blocks afterwards, expected "
-                        f"{want}: a block a new beam holds went back to the pool",
-                        "free only the beams nobody continues; a fork holds its own references")
     (my_refs, my_free), (ref_refs, ref_free) = pool_state(mine.alloc), pool_state(ref.alloc)
-    grading.expect_true(my_refs != ref_refs or sorted(my_free) != sorted(ref_free) or
-                        my_free == ref_free, f"{where}: your ref counts are right and the "
-                        "same blocks are free, but the free list ends "
-                        f"{list(my_free[-4:])}, the library's {list(ref_free[-4:])}",
-                        "free the dead beams' tables in ascending beam index: the free "
-                        "list's order decides which blocks the next allocations take, and "
-                        "the engine's schedule is compared block by block")
-    grading.expect_equal((my_refs, my_free), (ref_refs, ref_free),
-                         f"{where}: (ref counts, free list)",
-                         "fork with table.fork() (no incref by hand) and free each dead "
-                         "beam's table exactly once")
+    for bad, what in (
+            (left < want and kept, f"beam(s) {kept} offered no candidates and still hold "
+             "their blocks"),
+            (left < want, f"{left} free blocks afterwards, expected {want}: blocks leaked"),
+            (left > want, f"{left} free blocks afterwards, expected {want}: a block a new "
+             "beam holds went back to the pool"),
+            (my_refs == ref_refs and my_free != ref_free and sorted(my_free) == sorted(
+                ref_free), "your ref counts are right and the same blocks are free, but the "
+             f"free list ends {list(my_free[-4:])}, the library's {list(ref_free[-4:])}"),
+            ((my_refs, my_free) != (ref_refs, ref_free), f"(ref counts, free list) "
+             f"{(my_refs, my_free)}, expected {(ref_refs, ref_free)}")):
+        grading.expect_true(not bad, f"{where}: {what}", _FREE)
 
 
 #: Mutants of the solution that compute the same thing (see ``tools/mutants.py``).
