@@ -1,12 +1,6 @@
-"""Checks for chapter 08 (sharing: copy-on-write, parallel sampling, beam search).
-
-* 08.1 ``apply_slot``: chapter 08's example in a NaN cache, every write compared with the
-  library's; then :class:`Cow` runs (forks, frees, stale caches, three layouts), every
-  live sequence reading its K/V back after each write.
-* 08.2 ``beam_step``: :data:`_SCRIPTED` (exact and near ties, beams offering fewer
-  candidates than the width, or none) stepped on two pools, the library's and the
-  learner's, compared after each step (picks, scores, tables, holders, ref counts, free
-  list); then random beam workloads served in the engine.
+"""Chapter 08 (sharing): 08.1 ``apply_slot`` on chapter 08's example (whole caches compared
+after each write), then :class:`Cow` runs; 08.2 ``beam_step`` on :data:`_SCRIPTED` (ties, near
+ties, beams short of candidates) next to the library's, then beam workloads in the engine.
 """
 
 from __future__ import annotations
@@ -43,10 +37,8 @@ class _World:
 
 
 def on_copies(beam_step: Callable[..., Any]) -> Callable[..., Any]:
-    """``beam_step`` handed copies of what it may not keep or change: the tables list, the
-    cumulative log-probabilities and every beam's candidate list (an answer that pops from
-    them must not change what the grader, the library or the engine reads next). The
-    tables themselves are the learner's to fork and free."""
+    """``beam_step`` handed copies of the lists it may not keep or change (tables, scores,
+    candidates); the tables themselves are the learner's to fork and free."""
     @functools.wraps(beam_step)
     def step(tables, cum_logprobs, candidates, beam_width):
         return beam_step(list(tables), list(cum_logprobs), copy.deepcopy(candidates),

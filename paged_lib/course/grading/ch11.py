@@ -1,8 +1,6 @@
-"""Chapter 11 (the KV landscape): 11.1 ``kv_levels`` on the spec's example, 11.2
-``kv_bytes_per_token`` on fixed cases, then each its generated stage; 11.3 in
-:mod:`~paged_lib.course.grading.ch11_quant`; 11.4 ``drop_oldest`` on named edge states,
-then random windowed workloads served with it. A wrong answer is named by the typical
-mistake (a keyword of ``reference_levels``, :func:`reference_drop` ...) that gives it.
+"""Chapter 11 (the KV landscape): 11.1, 11.2 and 11.4 on fixed cases, then generated ones
+(11.4: windowed workloads served); 11.3 in :mod:`~paged_lib.course.grading.ch11_quant`. A
+wrong answer is named by the mistake (``reference_levels``' or ``reference_drop``'s keyword).
 """
 
 from __future__ import annotations
