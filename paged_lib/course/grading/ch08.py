@@ -9,7 +9,6 @@ import collections
 import copy
 import dataclasses
 import functools
-import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -77,10 +76,6 @@ def run_beam_scenario(beam_step, name, block_size, prompt_len, width, steps):
                 t.append_token()
 
 
-def _float32(x: float) -> float:
-    return struct.unpack("f", struct.pack("f", x))[0]
-
-
 _TIE = ("your new beams are in score order, but an exact tie goes the other way: the lower "
         "beam index goes first, then the earlier candidate in that beam's list (its rank), "
         "not to the lower token id, nor to another beam's better-ranked candidate (the token "
@@ -89,8 +84,9 @@ _TIE = ("your new beams are in score order, but an exact tie goes the other way:
 #: wrong rankings: (sort key on (score, beam, rank in the beam's list, token, this step's
 #: logprob), the hint naming it), tried in order on the (parent, token) picks
 _RANKINGS: list[tuple[Callable[..., tuple], str]] = [
-    (lambda s, i, r, t, lp: (-_float32(s), i, r), "two scores here differ by less than "
-     "float32 can tell: rank the Python floats cum_logprobs[beam] + logprob themselves "
+    (lambda s, i, r, t, lp: (-float(torch.tensor(s, dtype=torch.float32)), i, r), "two "
+     "scores here differ by less than float32 can tell: rank the Python floats "
+     "cum_logprobs[beam] + logprob themselves "
      "(float64), not a float32 tensor of them (torch.tensor of Python floats is float32) "
      "nor rounded scores; only an exact tie goes to the lower beam"),
     (lambda s, i, r, t, lp: (-lp, i, r), "rank candidates by cum_logprobs[beam] + logprob "
@@ -427,9 +423,8 @@ _STALE = numeric.Contrast(
 # ------------------------------------------------------------------ 08.2 beam_step
 
 
-Candidates = list[list[tuple[int, float]]]
 #: name, block size, prompt length, width, candidates per step
-_SCRIPTED: list[tuple[str, int, int, int, list[Candidates]]] = [
+_SCRIPTED: list[tuple[str, int, int, int, list]] = [
     ("cumulative scores decide (a beam far behind loses even its best token)", 4, 5, 3,
      [[[(1, -0.1), (2, -1.5), (3, -3.0)]],
       [[(4, -0.7)], [(5, -0.1)], [(6, -0.05)]],

@@ -434,11 +434,9 @@ def _show(ans: tuple, blocks: list[int]) -> str:
 
 
 def _slip_answer(edge: tuple, slip: dict) -> tuple | None:
-    """What one typical mistake answers; None where it would crash (a slip that skips a
-    check may index past the table: not the learner's error)."""
-    try:
+    try:  # a slip that skips a check may index past the table: None, not the learner's error
         return _answer(reference_drop, edge, **slip)
-    except Exception:  # noqa: BLE001 - any crash of a planted slip means "not this one"
+    except Exception:  # noqa: BLE001
         return None
 
 
