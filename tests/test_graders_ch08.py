@@ -438,7 +438,8 @@ _TIE_ORDER = "your new beams are in score order, but an exact tie goes the other
     # a tie broken by the higher token id, then by the later beam
     (step_sorting(key=lambda c: (c[0], c[3]), reverse=True), [_TIE_ORDER, "token id does not"]),
     (step_sorting(key=lambda c: (c[0], c[1]), reverse=True),
-     [_TIE_ORDER, "the lower beam index goes first"]),
+     [_TIE_ORDER, "[(2, 7), (1, 6), (0, 4)], expected [(0, 4), (0, 5), (1, 6)]",
+      "the lower beam index goes first"]),
     (step_sorting(key=lambda c: (-c[0], c[1], -c[2])), [_TIE_ORDER, "then the earlier "
                                                          "candidate in that beam's list"]),
     # a tie broken by the lower token id, across beams or within one
