@@ -1,20 +1,14 @@
-"""Checks for chapter 08 (sharing: copy-on-write, parallel sampling, beam search).
-
-* 08.1 ``apply_slot``: chapter 08's example in a NaN cache, every write compared with the
-  library's; then :class:`Cow` runs (forks, frees, stale caches, three layouts), every
-  live sequence reading its K/V back after each write.
-* 08.2 ``beam_step``: :data:`_SCRIPTED` (exact and near ties, beams offering fewer
-  candidates than the width, or none) stepped on two pools, the library's and the
-  learner's, compared after each step (picks, scores, tables, holders, ref counts, free
-  list); then random beam workloads served in the engine.
+"""Chapter 08 (sharing): 08.1 ``apply_slot`` on chapter 08's example (whole caches compared
+after each write), then :class:`Cow` runs; 08.2 ``beam_step`` on :data:`_SCRIPTED` (ties, near
+ties, beams short of candidates) next to the library's, then beam workloads in the engine.
 """
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 import functools
-import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -42,10 +36,8 @@ class _World:
 
 
 def on_copies(beam_step: Callable[..., Any]) -> Callable[..., Any]:
-    """``beam_step`` handed copies of what it may not keep or change: the tables list, the
-    cumulative log-probabilities and every beam's candidate list (an answer that pops from
-    them must not change what the grader, the library or the engine reads next). The
-    tables themselves are the learner's to fork and free."""
+    """``beam_step`` handed copies of the lists it may not keep or change (tables, scores,
+    candidates); the tables themselves are the learner's to fork and free."""
     @functools.wraps(beam_step)
     def step(tables, cum_logprobs, candidates, beam_width):
         return beam_step(list(tables), list(cum_logprobs), copy.deepcopy(candidates),
@@ -57,7 +49,6 @@ def run_beam_scenario(beam_step, name, block_size, prompt_len, width, steps):
     from paged_lib.engine.beam_search import beam_step as ref_step
 
     beam_step = on_copies(beam_step)
-
     ref, mine = (_World(block_size, prompt_len, width, len(steps)) for _ in "ab")
     for k, cands in enumerate(steps, 1):
         where = f"scenario '{name}', step {k}"
@@ -75,11 +66,9 @@ def run_beam_scenario(beam_step, name, block_size, prompt_len, width, steps):
         except ValueError as err:
             if "freed" not in str(err):
                 raise
-            grading.fail(f"{where}: your code used a freed table ({err})",
-                         "free only the beams nobody continues, after the forks: a table "
-                         "that is freed cannot be forked or continued")
-        got = _check_picks(got, expected, list(mine.cum), cands, width, where)
-        _check_tables(got, old, mine, ref, where, cands)
+            grading.fail(f"{where}: your code used a freed table ({err})", _FREE)
+        _check_picks(got, expected, list(mine.cum), cands, width, where)
+        _check_tables(list(got), old, mine, ref, where, cands)
         for world, result in ((ref, expected), (mine, got)):
             world.tables = [t for _, t, _, _ in result]
             world.cum = [float(c) for _, _, _, c in result]
@@ -87,174 +76,113 @@ def run_beam_scenario(beam_step, name, block_size, prompt_len, width, steps):
                 t.append_token()
 
 
-def _picks(result) -> list[tuple[int, int]]:
-    return [(int(p), int(tok)) for p, _, tok, _ in result]
+_TIE = ("your new beams are in score order, but an exact tie goes the other way: the lower "
+        "beam index goes first, then the earlier candidate in that beam's list (its rank), "
+        "not to the lower token id, nor to another beam's better-ranked candidate (the token "
+        "id does not decide; sort(reverse=True) on (score, beam, candidate) tuples reverses "
+        "that order)")
+#: wrong rankings: (sort key on (score, beam, rank in the beam's list, token, this step's
+#: logprob), the hint naming it), tried in order on the (parent, token) picks
+_RANKINGS: list[tuple[Callable[..., tuple], str]] = [
+    (lambda s, i, r, t, lp: (-float(torch.tensor(s, dtype=torch.float32)), i, r), "two "
+     "scores here differ by less than float32 can tell: rank the Python floats "
+     "cum_logprobs[beam] + logprob themselves "
+     "(float64), not a float32 tensor of them (torch.tensor of Python floats is float32) "
+     "nor rounded scores; only an exact tie goes to the lower beam"),
+    (lambda s, i, r, t, lp: (-lp, i, r), "rank candidates by cum_logprobs[beam] + logprob "
+     "(the whole sequence), not by this step's logprob alone"),
+    (lambda s, i, r, t, lp: (s, i, r), "best first: the highest cumulative log-probability "
+     "wins"),
+]
 
 
-def _check_picks(got, expected, cum, cands, width, where: str):
-    if not isinstance(got, list | tuple) or not all(
-            isinstance(b, tuple) and len(b) == 4 for b in got):
-        grading.fail(f"{where}: expected a list of (parent, table, token, cum_logprob) "
-                     f"tuples, got {type(got).__name__}",
-                     "return one 4-tuple per new beam, best first")
-    if len(got) > width:
-        offered = sum(len(c) for c in cands)
-        grading.fail(f"{where}: {len(got)} new beams from {len(cands)} beam(s) offering "
-                     f"{offered} candidates, at width {width}",
-                     f"the width bounds the whole search: {width} beams in all, the best "
-                     "continuations of every beam together, not each beam's own best")
+def _check_picks(got, expected, cum, cands, width, where: str) -> None:
+    grading.expect_true(isinstance(got, list | tuple) and all(
+        isinstance(b, tuple) and len(b) == 4 for b in got),
+        f"{where}: expected a list of (parent, table, token, cum_logprob) tuples, got "
+        f"{type(got).__name__}", "return one 4-tuple per new beam, best first")
+    grading.expect_true(len(got) <= width, f"{where}: {len(got)} new beams from {len(cands)} "
+                        f"beam(s) offering {sum(map(len, cands))} candidates, at width {width}",
+                        f"the width bounds the whole search: {width} beams in all, the best "
+                        "continuations of every beam together, not each beam's own best")
     grading.expect_equal(len(got), len(expected), f"{where}: number of new beams",
                          "keep beam_width continuations (fewer only if there are fewer "
                          "candidates in all)")
-    mine, want = _picks(got), _picks(expected)
+    mine, want = ([(int(p), int(tok)) for p, _, tok, _ in r] for r in (got, expected))
     if mine != want:
+        flat = [(i, r, tok, lp) for i, opts in enumerate(cands)
+                for r, (tok, lp) in enumerate(opts)]
+        score = {(i, tok): cum[i] + lp for i, _, tok, lp in flat}
+        per_beam = [(i, opts[0][0]) for i, opts in enumerate(cands) if opts]
+        named = [(mine == [(i, tok) for i, r, tok, lp in sorted(flat, key=lambda c: key(
+            cum[c[0]] + c[3], *c))][:width], hint) for key, hint in _RANKINGS] + [
+            (None not in map(score.get, mine) and [score.get(p) for p in mine] == [
+                score.get(p) for p in want], _TIE),
+            (sorted(mine) == sorted(want) and mine == sorted(mine, key=lambda p: p[0]),
+             "list the new beams best first (by cum_logprob), not by parent"),
+            (mine[:len(per_beam)] == per_beam[:width], "compete across all beams: one beam "
+             "may keep several children and another none"),
+            (True, "rank every (beam, candidate) by cum_logprobs[beam] + logprob across all "
+             "beams, best first; ties: lower beam index, then the candidate's order")]
         grading.fail(f"{where}: new beams as (parent, token) {mine}, expected {want}",
-                     _pick_hint(mine, want, cum, cands, width))
+                     next(hint for hit, hint in named if hit))
     for i, ((_, _, _, c), (_, _, _, e)) in enumerate(zip(got, expected, strict=True)):
         grading.expect_close(c, e, f"{where}: new beam {i}'s cum_logprob", rel=1e-9,
                              abs_=1e-9, hint="cum_logprob = cum_logprobs[parent] + the "
                              "candidate's logprob (the whole sequence's log-probability)")
-    return list(got)
 
 
-def _score(pick: tuple[int, int], cum, cands) -> float | None:
-    """cum_logprob of beam ``pick[0]`` continued by token ``pick[1]`` (None: not offered)."""
-    parent, token = pick
-    if not 0 <= parent < len(cands):
-        return None
-    return next((cum[parent] + lp for tok, lp in cands[parent] if tok == token), None)
-
-
-def _tie_hint(mine, want, cum, cands) -> str | None:
-    """The hint when the picks score exactly as the library's and only tied ones differ."""
-    scores = [_score(p, cum, cands) for p in mine]
-    if None in scores or scores != [_score(p, cum, cands) for p in want]:
-        return None
-    j = next(j for j, (a, b) in enumerate(zip(mine, want, strict=True)) if a != b)
-    (p, tok), (q, first) = mine[j], want[j]
-    same = (f"beam {q}'s tokens {first} and {tok} both score {scores[j]!r}, and beam {q} "
-            f"lists token {first} first" if p == q else
-            f"beam {q}'s token {first} and beam {p}'s token {tok} both score {scores[j]!r}")
-    put = f"token {tok}" if p == q else f"beam {p}'s"
-    return (f"your new beams are in score order, but an exact tie goes the other way: {same}; "
-            f"you put {put} first. On an exact tie the lower beam index goes first, then "
-            "the earlier candidate in that beam's list (sort(reverse=True) on (score, beam, "
-            "candidate) tuples reverses that tie order too; the token id does not decide)")
-
-
-def _float32(x: float) -> float:
-    return struct.unpack("f", struct.pack("f", x))[0]
-
-
-def _pick_hint(mine, want, cum, cands, width) -> str:
-    flat = [(i, r, tok, lp) for i, opts in enumerate(cands) for r, (tok, lp) in enumerate(opts)]
-
-    def top(key: Callable) -> list[tuple[int, int]]:
-        """The (beam, token) picks of ``flat`` sorted by ``key(score, beam, rank, token,
-        logprob)``, the first ``width``."""
-        return [(i, tok) for i, r, tok, lp in sorted(flat, key=lambda c: key(
-            cum[c[0]] + c[3], *c))][:width]
-
-    if mine == top(lambda s, i, r, t, lp: (-_float32(s), i, r)):
-        return ("two scores here differ by less than float32 can tell: rank the Python "
-                "floats cum_logprobs[beam] + logprob themselves (float64), not a float32 "
-                "tensor of them (torch.tensor of Python floats is float32) nor rounded "
-                "scores; only an exact tie goes to the lower beam")
-    rank_first = top(lambda s, i, r, t, lp: (-s, r, i))
-    if mine == top(lambda s, i, r, t, lp: (-s, i, t)) and mine != rank_first:
-        return ("an exact tie goes to the earlier candidate in the beam's list (its rank), "
-                "not to the lower token id: here the tied candidates come in descending "
-                "token order")
-    if mine == top(lambda s, i, r, t, lp: (-lp, i, r)):
-        return ("rank candidates by cum_logprobs[beam] + logprob (the whole sequence), not "
-                "by this step's logprob alone")
-    if mine == top(lambda s, i, r, t, lp: (s, i, r)):
-        return "best first: the highest cumulative log-probability wins"
-    if mine == rank_first:
-        return ("an exact tie goes to the lower beam index first, then to the earlier "
-                "candidate in that beam's list (not to the better-ranked candidate)")
-    tie = _tie_hint(mine, want, cum, cands)
-    if tie:
-        return tie
-    if sorted(mine) == sorted(top(lambda s, i, r, t, lp: (-s, i, r))) and \
-            mine == sorted(mine, key=lambda p: p[0]):
-        return "list the new beams best first (by cum_logprob), not by parent"
-    per_beam = [(i, opts[0][0]) for i, opts in enumerate(cands) if opts]
-    if mine[:len(per_beam)] == per_beam[:width]:
-        return ("compete across all beams: one beam may keep several children and another "
-                "none")
-    return ("rank every (beam, candidate) by cum_logprobs[beam] + logprob across all beams, "
-            "best first; ties: lower beam index, then the candidate's order")
+#: one hint per rule of the tables: who forks, who frees
+_FORK = ("the first child continues its parent's own table (the same object); each child "
+         "after the first gets parent.fork(), which counts the new table as a holder of every "
+         "block (a copy of the object adds no holder, nor does a BlockTable built on its "
+         "blocks without an incref); a fork for every child, then a free of every old table, "
+         "is a reference taken and given back on each of the parent's blocks, for nothing")
+_FREE = ("free only the beams nobody continues, after the forks: free() the table of every "
+         "old beam that nobody continues (a beam with no candidates has no continuation "
+         "either), exactly once; free the dead beams' tables in ascending beam index (the "
+         "free list's order decides which blocks the next allocations take, and the engine's "
+         "schedule is compared block by block); a beam that goes on keeps its table, which "
+         "carries its first child")
 
 
 def _check_tables(got, old, mine: _World, ref: _World, where: str, cands) -> None:
     seen: set[int] = set()
     for i, (p, table, _, _) in enumerate(got):
-        first = p not in seen
+        grading.expect_true(isinstance(table, BlockTable), f"{where}: new beam {i}'s table "
+                            f"is a {type(table).__name__}", "return the BlockTable itself")
+        first, forked = p not in seen, table is not old[p]
         seen.add(p)
-        if first and table is not old[p] and getattr(old[p], "freed", False):
-            grading.fail(f"{where}: beam {p} goes on, but you freed its table and gave its "
-                         f"first child (new beam {i}) a fork of it",
-                         "a fork for every child, then a free of every old table: a "
-                         "reference taken and given back on each of the parent's blocks, "
-                         "for nothing; the first child continues its parent's own table "
-                         "(the same object), only the further children fork it")
-        if first and table is not old[p]:
-            grading.fail(f"{where}: new beam {i} is the first child of beam {p} but got a new "
-                         "table", "the first child continues its parent's own table (the "
-                         "same object); only the further children fork it")
-        if not first and any(table is t for t in old):
-            grading.fail(f"{where}: new beam {i} is a further child of beam {p} but reuses "
-                         "an old table", "each child after the first gets parent.fork()")
-        if not isinstance(table, BlockTable):
-            grading.fail(f"{where}: new beam {i}'s table is a {type(table).__name__}",
-                         "return the BlockTable itself")
-    for i, (p, table, _, _) in enumerate(got):
-        if getattr(table, "freed", False):
-            grading.fail(f"{where}: new beam {i} (a child of beam {p}) got a freed table",
-                         f"beam {p} goes on: its table carries its first child, and the "
-                         "engine writes the next token through it; free only the tables "
-                         "of the beams nobody continues")
-    holders: dict[int, int] = {}  # a block the pool counts fewer holders for than tables
-    for _, table, _, _ in got:
-        for block in table.blocks:
-            holders[block] = holders.get(block, 0) + 1
+        for bad, what, hint in (
+                (first and forked and old[p].freed, f"beam {p} goes on, but you freed its "
+                 f"table and gave its first child (new beam {i}) a fork of it", _FORK),
+                (first and forked, f"new beam {i} is the first child of beam {p} but got a "
+                 "new table", _FORK),
+                (not first and any(table is t for t in old), f"new beam {i} is a further "
+                 f"child of beam {p} but reuses an old table", _FORK),
+                (table.freed, f"new beam {i} (a child of beam {p}) got a freed table", _FREE)):
+            grading.expect_true(not bad, f"{where}: {what}", hint)
+    holders = collections.Counter(b for _, table, _, _ in got for b in table.blocks)
     for block, n in sorted(holders.items()):
-        refs = mine.alloc.refcount(block)
-        if refs < n:
-            grading.fail(f"{where}: block {block} is in {n} new beams' tables but its ref "
-                         f"count is {refs}",
-                         "a table that holds a block must be counted as its holder, or the "
-                         "first free or copy-on-write write takes the block from the others: "
-                         "a second table on the same blocks comes from table.fork() (a copy "
-                         "of the object adds no holder, nor does a BlockTable built on its blocks "
-                         "without an incref)")
-    kept = [i for i, t in enumerate(old) if not getattr(t, "freed", False)
-            and not cands[i] and not any(t is b[1] for b in got)]
-    if mine.alloc.num_free < ref.alloc.num_free and kept:
-        grading.fail(f"{where}: beam(s) {kept} offered no candidates and still hold their "
-                     "blocks", "a beam with no candidates has no continuation either: it "
-                     "dies like any beam nobody continues, free() its table")
-    if mine.alloc.num_free < ref.alloc.num_free:
-        grading.fail(f"{where}: {mine.alloc.num_free} free blocks afterwards, expected "
-                     f"{ref.alloc.num_free}: blocks leaked",
-                     "free() the table of every old beam that nobody continues")
-    if mine.alloc.num_free > ref.alloc.num_free:
-        grading.fail(f"{where}: {mine.alloc.num_free} free blocks afterwards, expected "
-                     f"{ref.alloc.num_free}: a block a new beam holds went back to the pool",
-                     "free only the beams nobody continues; a fork holds its own references")
+        grading.expect_true(mine.alloc.refcount(block) >= n, f"{where}: block {block} is in "
+                            f"{n} new beams' tables but its ref count is "
+                            f"{mine.alloc.refcount(block)}", _FORK)
+    kept = [i for i, t in enumerate(old) if not t.freed and not cands[i]
+            and not any(t is b[1] for b in got)]
+    left, want = mine.alloc.num_free, ref.alloc.num_free
     (my_refs, my_free), (ref_refs, ref_free) = pool_state(mine.alloc), pool_state(ref.alloc)
-    if my_refs == ref_refs and my_free != ref_free and sorted(my_free) == sorted(ref_free):
-        grading.fail(f"{where}: your ref counts are right and the same blocks are free, "
-                     f"but the free list ends {list(my_free[-4:])}, the library's "
-                     f"{list(ref_free[-4:])}",
-                     "free the dead beams' tables in ascending beam index: the free list's "
-                     "order decides which blocks the next allocations take, and the "
-                     "engine's schedule is compared block by block")
-    grading.expect_equal((my_refs, my_free), (ref_refs, ref_free),
-                         f"{where}: (ref counts, free list)",
-                         "fork with table.fork() (no incref by hand) and free each dead "
-                         "beam's table exactly once")
+    for bad, what in (
+            (left < want and kept, f"beam(s) {kept} offered no candidates and still hold "
+             "their blocks"),
+            (left < want, f"{left} free blocks afterwards, expected {want}: blocks leaked"),
+            (left > want, f"{left} free blocks afterwards, expected {want}: a block a new "
+             "beam holds went back to the pool"),
+            (my_refs == ref_refs and my_free != ref_free and sorted(my_free) == sorted(
+                ref_free), "your ref counts are right and the same blocks are free, but the "
+             f"free list ends {list(my_free[-4:])}, the library's {list(ref_free[-4:])}"),
+            ((my_refs, my_free) != (ref_refs, ref_free), f"(ref counts, free list) "
+             f"{(my_refs, my_free)}, expected {(ref_refs, ref_free)}")):
+        grading.expect_true(not bad, f"{where}: {what}", _FREE)
 
 
 #: Mutants of the solution that compute the same thing (see ``tools/mutants.py``).
@@ -283,30 +211,25 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _compare(caches, slot: Slot, where: str) -> None:
     (mk, mv), (rk, rv) = caches["mine"], caches["ref"]
-    if slot.copy is not None:
-        src, dst = slot.copy
+    src, dst = slot.copy or (None, None)
+    rows = [] if slot.copy is None else [
+        ((src,), f"block {src}'s {{}} changed, but the other samples still read it",
+         f"other samples still read block {src}, so it stays as it is: the copy goes from "
+         f"src to dst (cache[{dst}] = cache[{src}]), and the new token goes into slot.block, "
+         "never into the shared src"),
+        ((dst, slice(slot.offset)), f"the first {slot.offset} slot(s) of block {dst} ({{}}) "
+         f"do not hold the tokens copied from block {src}", "copy the whole block src into "
+         "dst first, in K *and* V, in place: the sample's earlier tokens must be in its new "
+         f"block {dst} (an out-of-place op, index_copy or torch.where, returns a new tensor "
+         "the engine never reads)")]
+    rows.append(((slot.block, slot.offset), f"the new token's {{}} is not at block "
+                 f"{slot.block}, offset {slot.offset}", "write key into k_cache[slot.block, "
+                 "slot.offset] and value into v_cache[...] after copying (a copy made "
+                 "afterwards overwrites it)"))
+    for at, what, hint in rows:
         for which, mine, ref in (("K", mk, rk), ("V", mv, rv)):
-            if not _same(mine[src], ref[src]):
-                grading.fail(f"{where}: block {src}'s {which} changed, but the other "
-                             "samples still read it",
-                             f"other samples still read block {src}, so it stays as it is: "
-                             f"the copy goes from src to dst (cache[{dst}] = cache[{src}]), "
-                             "and the new token goes into slot.block, never into the shared "
-                             "src")
-        for which, mine, ref in (("K", mk, rk), ("V", mv, rv)):
-            if not _same(mine[dst, :slot.offset], ref[dst, :slot.offset]):
-                grading.fail(f"{where}: the first {slot.offset} slot(s) of block {dst} ({which}) "
-                             f"do not hold the tokens copied from block {src}",
-                             f"copy the whole block src into dst first, in K *and* V, in "
-                             f"place: the sample's earlier tokens must be in its new block "
-                             f"{dst} (an out-of-place op, index_copy or torch.where, returns "
-                             "a new tensor the engine never reads)")
-    for which, mine, ref in (("key", mk, rk), ("value", mv, rv)):
-        if not _same(mine[slot.block, slot.offset], ref[slot.block, slot.offset]):
-            grading.fail(f"{where}: the new token's {which} is not at block {slot.block}, "
-                         f"offset {slot.offset}",
-                         "write key into k_cache[slot.block, slot.offset] and value into "
-                         "v_cache[...] after copying (a copy made afterwards overwrites it)")
+            grading.expect_true(_same(mine[at], ref[at]), f"{where}: {what.format(which)}",
+                                hint)
     for which, mine, ref in (("k_cache", mk, rk), ("v_cache", mv, rv)):
         if mine.dtype != ref.dtype or not _same(mine, ref):
             bad = [b for b in range(len(ref)) if not _same(mine[b].to(ref.dtype), ref[b])]
@@ -500,9 +423,8 @@ _STALE = numeric.Contrast(
 # ------------------------------------------------------------------ 08.2 beam_step
 
 
-Candidates = list[list[tuple[int, float]]]
 #: name, block size, prompt length, width, candidates per step
-_SCRIPTED: list[tuple[str, int, int, int, list[Candidates]]] = [
+_SCRIPTED: list[tuple[str, int, int, int, list]] = [
     ("cumulative scores decide (a beam far behind loses even its best token)", 4, 5, 3,
      [[[(1, -0.1), (2, -1.5), (3, -3.0)]],
       [[(4, -0.7)], [(5, -0.1)], [(6, -0.05)]],

@@ -1,8 +1,6 @@
-"""Chapter 11 (the KV landscape): 11.1 ``kv_levels`` on the spec's example, 11.2
-``kv_bytes_per_token`` on fixed cases, then each its generated stage; 11.3 in
-:mod:`~paged_lib.course.grading.ch11_quant`; 11.4 ``drop_oldest`` on named edge states,
-then random windowed workloads served with it. A wrong answer is named by the typical
-mistake (a keyword of ``reference_levels``, :func:`reference_drop` ...) that gives it.
+"""Chapter 11 (the KV landscape): 11.1, 11.2 and 11.4 on fixed cases, then generated ones
+(11.4: windowed workloads served); 11.3 in :mod:`~paged_lib.course.grading.ch11_quant`. A
+wrong answer is named by the mistake (``reference_levels``' or ``reference_drop``'s keyword).
 """
 
 from __future__ import annotations
@@ -81,47 +79,42 @@ def reference_levels(spec: ModelSpec, lengths: Sequence[int], max_len: int,
             reserved * b_per, held * b_per)
 
 
-#: level index (23: levels 2 and 3) -> (the mistake's keywords for reference_levels, its hint)
-_LEVEL_SLIPS: list[tuple[int, dict, str]] = [
-    (0, dict(base_heads="own"), "the baseline is plain MHA: one KV head per query head "
+#: level index (23: levels 2 and 3) -> (the mistakes, as keywords of reference_levels, that
+#: break one rule; its hint)
+_LEVEL_SLIPS: list[tuple[int, list[dict], str]] = [
+    (0, [dict(base_heads="own")], "the baseline is plain MHA: one KV head per query head "
      "(accounting.mha_equivalent), not the model's own GQA/MQA/MLA"),
-    (0, dict(base_heads="hidden"), "the baseline's MHA has num_heads heads of head_dim "
+    (0, [dict(base_heads="hidden")], "the baseline's MHA has num_heads heads of head_dim "
      "(accounting.mha_equivalent): 2 x layers x hidden_size is that only where head_dim is "
      "hidden_size / num_heads, and this model's is not"),
-    (0, dict(base_dtype="kv"), "the baseline is fp16 (2 bytes per value): the KV dtype is "
+    (0, [dict(base_dtype="kv"), dict(base_dtype="model")], "the baseline is fp16 (2 bytes "
+     "per value, with_dtype(2)) whatever the model spec's own dtype_bytes: the KV dtype is "
      "a saving, counted in the next level"),
-    (0, dict(base_dtype="model"), "the baseline is fp16 (2 bytes per value) whatever the "
-     "model spec's own dtype_bytes (this one is fp32): with_dtype(2)"),
-    (1, dict(own="mha"), "fewer bytes per token uses the model's own attention (its KV "
+    (1, [dict(own="mha")], "fewer bytes per token uses the model's own attention (its KV "
      "heads or its latent) as well as the KV dtype"),
-    (1, dict(per_dtype="model"), "fewer bytes per token stores each value in the "
+    (1, [dict(per_dtype="model")], "fewer bytes per token stores each value in the "
      "deployment's KV dtype (kv_dtype_bytes), not in the model spec's own dtype_bytes"),
-    (2, dict(reserve="kept"), "fewer tokens is still a reservation made before a request's "
-     "length is known: every request reserves the most the window lets it keep; what each "
-     "request really holds is the paged layout's level"),
-    (23, dict(with_sinks=False), "the sinks are kept too: a request keeps window + sinks "
+    (2, [dict(reserve="kept")], "fewer tokens is still a reservation made before a "
+     "request's length is known: every request reserves the most the window lets it keep; "
+     "what each request really holds is the paged layout's level"),
+    (23, [dict(with_sinks=False)], "the sinks are kept too: a request keeps window + sinks "
      "tokens"),
-    (2, dict(cap=False), "a request never needs more than max_len tokens, however long "
+    (2, [dict(cap=False)], "a request never needs more than max_len tokens, however long "
      "the window is"),
-    (2, dict(zero_window=False), "a window of 0 keeps only the sinks: test `window is None`, "
-     "not `not window` (0 is falsy)"),
-    (3, dict(blocks="floor"), "the partly filled last block is a whole block: round up"),
-    (3, dict(blocks="exact"), "paging holds whole blocks: ceil(kept / block_size) blocks "
-     "of block_size slots each"),
-    (3, dict(blocks="batch"), "a block holds one request's tokens: each request rounds up "
+    (2, [dict(zero_window=False)], "a window of 0 keeps only the sinks: test `window is "
+     "None`, not `not window` (0 is falsy)"),
+    (3, [dict(blocks="floor"), dict(blocks="exact")], "paging holds whole blocks: "
+     "ceil(kept / block_size) blocks of block_size slots each, the partly filled last block "
+     "a whole block too: round up"),
+    (3, [dict(blocks="batch")], "a block holds one request's tokens: each request rounds up "
      "to whole blocks on its own, not the batch's total once"),
-    (3, dict(paged_tokens="all"), "the levels stack: the paged layout holds only the "
-     "tokens the window keeps"),
-    (3, dict(paged_tokens="max_len"), "paging holds what each request really has (its "
-     "length, cut by the window), not a max_len reservation"),
-    (3, dict(paged_tokens="reserved"), "paging holds what each request really has (its "
-     "length, cut by the window), not a reservation of window + sinks"),
-    (3, dict(paged_tokens="sinks_on_top"), "the sinks are the request's own first tokens: "
-     "a request keeps min(length, window + sinks) tokens, not its last window plus sinks "
-     "on top"),
-    (3, dict(paged_tokens="past_window"), "a request keeps min(length, window + sinks) "
-     "tokens: one longer than the window by fewer than sinks tokens keeps its own length, "
-     "not window + sinks (more tokens than it has)"),
+    (3, [dict(paged_tokens=t) for t in ("all", "max_len", "reserved")], "the levels stack: "
+     "paging holds what each request really has (its length, cut by the window), not a "
+     "max_len reservation, not a reservation of window + sinks"),
+    (3, [dict(paged_tokens="sinks_on_top"), dict(paged_tokens="past_window")], "a request "
+     "keeps min(length, window + sinks) tokens: the sinks are its own first tokens, not its "
+     "last window plus sinks on top, and one longer than the window by fewer than sinks "
+     "tokens keeps its own length, not window + sinks (more tokens than it has)"),
 ]
 
 
@@ -145,7 +138,7 @@ def _run_levels(fn: Callable, args: tuple, what: str, named: list | None = None)
         level = f"{what}{LEVELS[i]}"
         grading.expect_int(g, level)
         if g != w:
-            hits = dict.fromkeys(h for j, kw, h in _LEVEL_SLIPS
+            hits = dict.fromkeys(h for j, kws, h in _LEVEL_SLIPS for kw in kws
                                  if str(i) in str(j) and reference_levels(*args, **kw)[i] == g)
             if not hits and abs(g - w) <= w * 2.0**-20:
                 hits = {"off in the low digits only: a float32 (numpy or torch) keeps 24 "
@@ -191,17 +184,6 @@ class Levels:
         return (f"{s.name} ({s.attention}, {s.dtype_bytes} B), lengths {list(self.lengths)}, "
                 f"max_len {self.max_len}, {self.dtype_b} B per value, blocks of "
                 f"{self.block_size}, window {self.window}, sinks {self.sinks}")
-
-    def states(self) -> list[str]:
-        s, w, n = _MODELS[self.model], self.window, self.lengths
-        out = [f"{s.attention} in {({1: 'fp8', 2: 'fp16', 4: 'fp32'})[self.dtype_b]}"]
-        out += ["model in fp32"] if s.dtype_bytes == 4 else []
-        out += ["no window"] if w is None else ["window of 0"] if w == 0 else [
-            "window past max_len"] if w >= self.max_len else []
-        out += ["length at the window"] if w and w in n else []
-        out += ["past the window by at most sinks"] if w is not None and any(
-            w < x <= w + self.sinks for x in n) else []
-        return out
 
     def smaller(self) -> Iterator[Levels]:
         n = self.lengths
@@ -347,200 +329,139 @@ def reference_drop(table: BlockTable, num_sink_tokens: int, *, gone: str = "floo
     return new, WindowOp(slots, shift * bs)
 
 
-_DROP_SLIPS: list[tuple[dict, str]] = [
-    (dict(check_shared="all"), "only the blocks from the released one on are rewritten: a "
+#: one hint per rule, with the typical mistakes (reference_drop's keywords) that break it
+_DROP_RULES: list[tuple[list[dict], str]] = [
+    ([dict(check_shared="all"), dict(check_shared="rewritten"), dict(check_shared="none")],
+     "a block from the released one on that another sequence holds (reference count > 1) "
+     "is a ValueError: dropping rewrites it for every holder, and the released block counts "
+     "too (its holder shares this table's tokens); only those blocks are rewritten: a "
      "shared sink block before it is fine"),
-    (dict(gone="first"), "the sinks are never released: the block that goes is the one "
-     "at logical index num_sink_tokens // block_size, the first after the whole sink blocks"),
-    (dict(gone="ceil"), "the block at logical index num_sink_tokens // block_size goes (its "
-     "first num_sink_tokens % block_size slots are sinks, copied on before it goes), not "
-     "the first block after every sink"),
-    (dict(gone="last_sink"), "whole sink blocks stay where they are: the block that goes "
-     "is the one holding the oldest recent token (logical position num_sink_tokens), so "
-     "only the sinks that share a block with leaving tokens are copied, none when the "
-     "sinks fill whole blocks"),
-    (dict(copy="never"), "when num_sink_tokens % block_size = r > 0, the released block "
-     "holds r sinks: copy them to the first r slots of the next block (copy_src, copy_dst, "
-     "copy_len)"),
-    (dict(copy="always"), "with whole sink blocks (num_sink_tokens % block_size == 0) "
-     "nothing is copied: copy_src = copy_dst = -1, copy_len = 0"),
-    (dict(rotate="old"), "rotate_slots are the slots of the kept tokens in the NEW table: "
-     "each recent token moved one logical block back"),
-    (dict(rotate="copied"), "the sinks copied on into the next block keep their positions "
-     "too (they are sinks, only moved): rotate from position num_sink_tokens on"),
-    (dict(rotate="all"), "the sinks keep their positions: rotate only the tokens after them"),
-    (dict(shift=-1), "shift is block_size: the model runner rotates the keys by -shift "
+    ([dict(gone="first"), dict(gone="ceil"), dict(gone="last_sink")], "the block at logical "
+     "index num_sink_tokens // block_size goes, the one holding the oldest recent token "
+     "(position num_sink_tokens): the sinks are never released, whole sink blocks stay where "
+     "they are, and its first num_sink_tokens % block_size slots are sinks, copied on "
+     "before it goes (not the first block after every sink)"),
+    ([dict(copy="never"), dict(copy="always")], "when num_sink_tokens % block_size = r > 0, "
+     "the released block holds r sinks: copy them to the first r slots of the next block "
+     "(copy_src, copy_dst, copy_len); with whole sink blocks (r = 0) nothing is copied: "
+     "copy_src = copy_dst = -1, copy_len = 0"),
+    ([dict(rotate="old"), dict(rotate="copied"), dict(rotate="all")], "rotate_slots are "
+     "the slots of the kept tokens in the NEW table (each recent token moved one logical "
+     "block back), from position num_sink_tokens on: the sinks keep their positions, and "
+     "the sinks copied on into the next block keep their positions too (only moved)"),
+    ([dict(shift=-1)], "shift is block_size: the model runner rotates the keys by -shift "
      "positions"),
-    (dict(free=False), "the released block goes back to the allocator (allocator.free: "
+    ([dict(free=False)], "the released block goes back to the allocator (allocator.free: "
      "one reference dropped): without it every window step leaks a block"),
-    (dict(check_shared="rewritten"), "the released block counts too: another sequence that "
-     "holds it shares this table's tokens (a forked table, which no window serves): "
-     "ValueError, as for the blocks after it"),
-    (dict(free_first=True), "a ValueError changes nothing: look at every block the drop "
+    ([dict(free_first=True)], "a ValueError changes nothing: look at every block the drop "
      "would touch before freeing one (the pool after your ValueError is not the pool "
      "before it)"),
-    (dict(check_shared="none"), "a block after the sinks that another sequence holds "
-     "(reference count > 1) is a ValueError: dropping rewrites it for every holder"),
-    (dict(check_short=False), "a table of fewer than num_sink_tokens + block_size tokens "
+    ([dict(check_short=False)], "a table of fewer than num_sink_tokens + block_size tokens "
      "has no block of recent tokens to drop: ValueError"),
 ]
 
 
 # ------------------------------------------------------------------ states and answers
 
+#: 11.4's named states: (what, the table's blocks, its tokens, block size, sinks, the blocks
+#: another sequence holds too), on a pool of 12 blocks freed in the order of _FREED
+_EDGES: list[tuple[str, list[int], int, int, int, tuple[int, ...]]] = [
+    ("the spec's example", [7, 3, 5], 11, 4, 2, ()),
+    ("no sinks", [4, 1, 6], 12, 4, 0, ()),
+    ("sinks filling one block", [2, 5, 8], 10, 4, 4, ()),
+    ("sinks filling two blocks", [0, 1, 2, 3], 14, 4, 8, ()),
+    ("more sinks than a block (6 sinks, blocks of 4)", [9, 4, 7, 1], 15, 4, 6, ()),
+    ("exactly sinks + one block of tokens", [3, 8], 6, 4, 2, ()),
+    ("exactly sinks + one block, whole sink block", [1, 2], 8, 4, 4, ()),
+    ("a block size of 1 and 3 sinks", [5, 6, 7, 8, 9], 5, 1, 3, ()),
+    ("blocks of 2 and 3 sinks", [4, 9, 2, 6], 8, 2, 3, ()),
+    ("a sink block shared with another sequence (never rewritten)", [6, 2, 9], 10, 4, 4,
+     (6,)),
+    ("a block after the sinks shared with another sequence", [6, 2, 9], 10, 4, 2, (2,)),
+    ("the block to release shared with another sequence (4 sinks, blocks of 4)", [6, 2, 9],
+     10, 4, 4, (2,)),
+    ("a table too short to drop a block (5 tokens, 2 sinks, blocks of 4)", [4, 7], 5, 4, 2,
+     ()),
+]
+_FREED = (5, 0, 11, 2, 9, 4, 10, 1, 8, 3, 6, 7)
+_PARTS = ("the new table's blocks", "its number of tokens", *(
+    f"the WindowOp's {f}" for f in ("rotate_slots", "shift", "copy_src", "copy_dst",
+                                    "copy_len")), "the reference counts", "the free list")
 
-@dataclass
-class DropCall:
-    where: str
-    blocks: list[int]
-    num_tokens: int
-    block_size: int
-    sinks: int
-    refs: list[int]          # the pool's reference counts before
-    free: list[int]          # its free list before, in order
 
-    def table(self) -> BlockTable:
-        pool = BlockAllocator(len(self.refs))
-        pool.ref_counts = list(self.refs)
-        pool.free_block_ids = deque(self.free)
-        return BlockTable(pool, self.block_size, self.blocks, self.num_tokens)
-
-    def story(self) -> str:
-        shared = {b: self.refs[b] for b in self.blocks if self.refs[b] > 1}
-        return (f"{self.where}: a table of {self.num_tokens} tokens on blocks {self.blocks} "
-                f"(block size {self.block_size}), {self.sinks} sink token(s)"
-                + (f", blocks shared (reference counts): {shared}" if shared else "")
-                + f", free list {self.free}")
+def _table(edge: tuple) -> BlockTable:
+    _, blocks, num_tokens, block_size, _, shared = edge
+    pool = BlockAllocator(12)
+    pool.ref_counts = [(b in blocks) + (b in shared) for b in range(12)]
+    pool.free_block_ids = deque(b for b in _FREED if not pool.ref_counts[b])
+    return BlockTable(pool, block_size, blocks, num_tokens)
 
 
-def _answer(fn: Callable, call: DropCall, **slip: Any) -> tuple:
-    """What a function does on the call's state, comparably: ('ValueError', pool) or
-    (new blocks, new num_tokens, op fields, pool: reference counts, free list)."""
-    table = call.table()
+def _answer(fn: Callable, edge: tuple, **slip: Any) -> tuple:
+    """What ``fn`` does on the edge's state (slips: reference_drop's keywords), comparably:
+    ("ValueError", ref counts, free list), or one value per part of :data:`_PARTS`, where
+    a shift with no key to rotate, and the blocks of a copy of no slot, are told as the
+    defaults (the model runner reads neither)."""
+    table = _table(edge)
     pool = table.allocator
     try:
-        out = fn(table, call.sinks, **slip)  # slips are reference_drop's keywords
+        out = fn(table, edge[4], **slip)
     except ValueError:
         return ("ValueError", list(pool.ref_counts), list(pool.free_block_ids))
     if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], WindowOp)
             and hasattr(out[0], "blocks") and hasattr(out[0], "num_tokens")):
-        return ("not (table, WindowOp)", repr(out)[:120])
-    new, op = out
-    return (list(new.blocks), new.num_tokens, _canonical(op), list(pool.ref_counts),
-            list(pool.free_block_ids))
-
-
-def _canonical(op: WindowOp) -> tuple:
-    """The op's fields as the model runner reads them: a shift with no key to rotate
-    does nothing (``WindowOp((), 0)`` is ``WindowOp((), 4)``), nor does a copy of no slot
-    say anything with its source and destination; both are told as the defaults."""
+        return (f"{repr(out)[:120]} (not a (table, WindowOp) pair)",)
+    (new, op), copied = out, out[1].copy_len != 0
     rot = tuple(op.rotate_slots)
-    copied = op.copy_len != 0
-    return (rot, op.shift if rot else 0, op.copy_src if copied else -1,
-            op.copy_dst if copied else -1, op.copy_len)
+    return (list(new.blocks), new.num_tokens, rot, op.shift if rot else 0,
+            op.copy_src if copied else -1, op.copy_dst if copied else -1, op.copy_len,
+            list(pool.ref_counts), list(pool.free_block_ids))
 
 
-def _show(ans: tuple) -> str:
-    if ans[0] == "ValueError":
-        return "a ValueError"
-    if ans[0] == "not (table, WindowOp)":
-        return f"{ans[1]} (not a (table, WindowOp) pair)"
-    blocks, n, (rot, shift, src, dst, length), refs, free = ans
+def _show(ans: tuple, blocks: list[int]) -> str:
+    if len(ans) < len(_PARTS):
+        return "a ValueError" if ans[0] == "ValueError" else ans[0]
+    new, n, rot, shift, src, dst, length, refs, free = ans
     copy = f"copy {length} slot(s) of block {src} into block {dst}" if length else "no copy"
-    return (f"table {blocks} of {n} tokens; rotate the keys at slots {list(rot)}, shift "
-            f"{shift}; {copy}; free list after {free}")
+    return (f"table {new} of {n} tokens; rotate the keys at slots {list(rot)}, shift "
+            f"{shift}; {copy}; reference counts {[refs[b] for b in blocks]} on {blocks} "
+            f"and free list {free} after")
 
 
-def _compare(fn: Callable, call: DropCall) -> None:
-    want = _answer(reference_drop, call)
-    got = _answer(fn, call)
-    if got == want:
-        return
-    if got[0] != "ValueError" and want[0] != "ValueError" and len(got) == 5 and \
-            got[:3] == want[:3]:  # only the pool differs: say how
-        detail = (f"; the pool after: the library's reference counts "
-                  f"{[want[3][b] for b in call.blocks]} on {call.blocks}, free list "
-                  f"{want[4]}; yours {[got[3][b] for b in call.blocks]}, {got[4]}")
-    else:
-        detail = ""
-    hint = next((h for slip, h in _DROP_SLIPS if _slip_answer(call, slip) == got),
-                None) or _which_part(got, want, call)
-    grading.fail(f"{call.story()}; the library answers {_show(want)}, yours {_show(got)}{detail}",
-                 hint)
-
-
-def _slip_answer(call: DropCall, slip: dict) -> tuple | None:
-    """What one typical mistake answers on this state; None where that mistake would
-    crash (a slip that skips a check may index past the table: not the learner's error)."""
-    try:
-        return _answer(reference_drop, call, **slip)
-    except Exception:  # noqa: BLE001 - any crash of a planted slip means "not this one"
+def _slip_answer(edge: tuple, slip: dict) -> tuple | None:
+    try:  # a slip that skips a check may index past the table: None, not the learner's error
+        return _answer(reference_drop, edge, **slip)
+    except Exception:  # noqa: BLE001
         return None
 
 
-def _which_part(got: tuple, want: tuple, call: DropCall) -> str:
-    """When no known slip explains the answer: name the first part that differs."""
-    if got[0] == "ValueError" and want[0] != "ValueError":
-        if call.num_tokens == call.sinks + call.block_size:
-            return ("a table of exactly num_sink_tokens + block_size tokens is long enough: "
-                    "its one block of recent tokens goes, and no key is left to rotate")
-        return ("the library drops a block here: the table holds at least num_sink_tokens "
-                "+ block_size tokens, and no block from the released one on is shared")
-    if got[0] == "ValueError" and want[0] == "ValueError":
-        return ("a ValueError changes nothing: the pool after it must be the pool before it")
-    if got[0] == "ValueError" or want[0] == "ValueError" or len(got) != 5:
-        return ("compare this table with the spec's situations: which block goes, which "
-                "sinks must move and where, which keys change position, the pool after")
-    names = ["the new table's blocks", "its number of tokens", "the WindowOp"]
-    for name, g, w in zip(names, got[:3], want[:3], strict=True):
-        if g != w:
-            if name == "the WindowOp":
-                fields = ["rotate_slots", "shift", "copy_src", "copy_dst", "copy_len"]
-                name = "the WindowOp's " + ", ".join(
-                    f for f, a, b in zip(fields, g, w, strict=True) if a != b)
-            return (f"{name} differ(s) from the library's: compare them above with what "
-                    "the model runner does with each field")
-    return "the pool after the call differs: compare the reference counts and the free list"
-
-
-def _edge(where: str, blocks: list[int], num_tokens: int, bs: int, sinks: int,
-          num_blocks: int = 12, shared: dict[int, int] | None = None) -> DropCall:
-    refs = [0] * num_blocks
-    for b in blocks:
-        refs[b] = 1
-    for b, n in (shared or {}).items():
-        refs[b] = n
-    free = [b for b in (5, 0, 11, 2, 9, 4, 10, 1, 8, 3, 6, 7) if b < num_blocks and refs[b] == 0]
-    return DropCall(where, blocks, num_tokens, bs, sinks, refs, free)
-
-
-def _edges() -> list[DropCall]:
-    return [
-        _edge("the spec's example", [7, 3, 5], 11, 4, 2),
-        _edge("no sinks", [4, 1, 6], 12, 4, 0),
-        _edge("sinks filling one block", [2, 5, 8], 10, 4, 4),
-        _edge("sinks filling two blocks", [0, 1, 2, 3], 14, 4, 8),
-        _edge("more sinks than a block (6 sinks, blocks of 4)", [9, 4, 7, 1], 15, 4, 6),
-        _edge("exactly sinks + one block of tokens", [3, 8], 6, 4, 2),
-        _edge("exactly sinks + one block, whole sink block", [1, 2], 8, 4, 4),
-        _edge("a block size of 1 and 3 sinks", [5, 6, 7, 8, 9], 5, 1, 3),
-        _edge("blocks of 2 and 3 sinks", [4, 9, 2, 6], 8, 2, 3),
-        _edge("a sink block shared with another sequence (never rewritten)", [6, 2, 9], 10,
-              4, 4, shared={6: 2}),
-        _edge("a block after the sinks shared with another sequence", [6, 2, 9], 10, 4, 2,
-              shared={2: 2}),
-        _edge("the block to release shared with another sequence (4 sinks, blocks of 4)",
-              [6, 2, 9], 10, 4, 4, shared={2: 2}),
-        _edge("a table too short to drop a block (5 tokens, 2 sinks, blocks of 4)", [4, 7],
-              5, 4, 2),
-    ]
+def _compare(fn: Callable, edge: tuple) -> None:
+    want, got = _answer(reference_drop, edge), _answer(fn, edge)
+    if got == want:
+        return
+    where, blocks, num_tokens, block_size, sinks, shared = edge
+    parts = [p for p, g, w in zip(_PARTS, got, want, strict=True) if g != w] \
+        if len(got) == len(want) == len(_PARTS) else []
+    hint = next((h for slips, h in _DROP_RULES for slip in slips
+                 if _slip_answer(edge, slip) == got), None) or (
+        ", ".join(parts) + " differ(s) from the library's: compare them above with what the "
+        "model runner does with each field" if parts else "return (the new BlockTable, a "
+        "WindowOp)" if "ValueError" not in (got[0], want[0]) else "a ValueError is due where "
+        "the table holds fewer than num_sink_tokens + block_size tokens or a block from the "
+        "released one on is shared, and it changes nothing (the pool after it is the pool "
+        "before it)")
+    grading.fail(f"{where}: a table of {num_tokens} tokens on blocks {blocks} (block size "
+                 f"{block_size}), {sinks} sink token(s)" + (
+                     f", blocks {list(shared)} held by another sequence too" if shared else "")
+                 + f", free list {list(_table(edge).allocator.free_block_ids)}; the library "
+                 f"answers {_show(want, blocks)}, yours {_show(got, blocks)}", hint)
 
 
 def check_drop_oldest(fn: Callable[..., Any]) -> None:
     """11.4: ``drop_oldest(table, num_sink_tokens) -> (BlockTable, WindowOp)``."""
     with grading.exercise("11.4"):
-        for call in _edges():
-            _compare(fn, call)
+        for edge in _EDGES:
+            _compare(fn, edge)
         generated.check("drop_oldest", fn, "the block at logical index num_sink_tokens // "
                         "block_size goes, its num_sink_tokens % block_size sinks copied to "
                         "the next block, and every recent token's key rotated by -block_size, "
