@@ -491,75 +491,63 @@ def _show(decision) -> str:
 
 def _why(st: SimpleNamespace, lib, got) -> str:
     if isinstance(got, Exception):
-        if "admit(" in str(got):
-            return ("step.admit(group, num_tokens) takes the group out of waiting itself: "
-                    "call it for the head of waiting, with 1 to step.prefill_tokens(group) "
-                    "tokens")
-        return "the state above is the one your code met: follow it by hand"
+        return _WHY["raise"] if "admit(" in str(got) else \
+            "the state above is the one your code met: follow it by hand"
     i = next((k for k, (a, b) in enumerate(zip(lib, got, strict=False)) if a != b),
              min(len(lib), len(got)))
     free, left, seqs = st.free, st.tokens_left, st.num_seqs
     for h in st.heads[:i]:
         free, left, seqs = free - h.need, left - h.chunk, seqs + h.seqs
-    head = st.heads[i] if i < len(st.heads) else None
-    if len(got) > len(lib) and i == len(lib):
-        if st.swapped:
-            return ("groups are swapped out: they come back first, and nobody new is "
-                    "admitted while any is swapped (their blocks would be taken)")
-        if st.preempted:
-            return ("this step preempted a group: as in vLLM v1, a step that preempts "
-                    "admits nobody (the victim would be readmitted at once)")
-        if head is not None and got[i][0] != head.rid:
-            return ("head-of-line blocking: the first waiting group that does not fit stops "
-                    "admission; nobody behind it may overtake it (first come, first served)")
-        if head is not None:
-            alone = st.empty and i == 0
-            if st.chunked and left < 1:
-                return "no token of the budget is left: nobody more joins this step"
-            if head.need > free:
-                return "its blocks are not free: a group never joins without its blocks"
-            if alone and st.prefill_first and st.running:
-                return ("prefill_first: a group is alone only if nobody is running either "
-                        "(the running groups decode next step and need the watermark)")
-            if free - head.need < st.watermark and not alone:
-                return ("the watermark: after its blocks at least watermark_blocks must stay "
-                        "free, unless it would be alone in an empty step")
-            if seqs + head.seqs > st.max_num_seqs:
-                return ("max_num_seqs: a group brings all its sequences, a fresh n > 1 "
-                        "group (samples or beams) its n, and the running ones count too")
-            if head.chunk > left:
-                return ("the token budget: the running groups' tokens come first; a group "
-                        "joins only if its tokens fit what is left")
-    if len(lib) > len(got) and i == len(got) and head is not None:
-        if head.seqs < head.n and seqs + head.seqs <= st.max_num_seqs < seqs + head.n:
-            return ("a group that has sampled brings only its live sequences "
-                    "(group.live_seqs()), not params.num_seqs: a sample that finished is gone, "
-                    "and a group preempted by recompute comes back without it")
-        if st.chunked and lib[i][1] < head.tokens:
-            return ("with chunked prefill the head joins with what the budget leaves of its "
-                    "prefill (a first chunk of min(tokens, step.tokens_left))")
-        if st.chunked and head.chunk == 1 and left >= 1:
-            return ("one token left, or one to prefill, is still a chunk: with chunked "
-                    "prefill admission stops only when no token is left")
-        if st.empty and i == 0 and head.need <= free and head.chunk <= left \
-                and (not st.prefill_first or not st.running):
-            return ("a group alone in an empty step joins when its blocks are free, even "
-                    "into the watermark: otherwise a long request could wait forever")
-        if free - head.need == st.watermark:
-            return "leaving exactly watermark_blocks free is allowed (>=)"
-        if head.chunk == left:
-            return "reaching max_num_batched_tokens exactly is allowed (<=)"
-        if seqs + head.seqs == st.max_num_seqs:
-            return "reaching max_num_seqs exactly is allowed (<=)"
-        return ("keep admitting while the head fits: each admitted group is followed by the "
-                "next one, first come first served")
-    if i < len(lib) and i < len(got) and lib[i][0] == got[i][0]:
-        return ("the tokens it brings: its whole first prefill (step.prefill_tokens), or with "
-                "chunked prefill what the budget leaves of it")
-    if i < len(lib) and i < len(got):
-        return "first come, first served: the head of waiting is considered first"
-    return ("admission: the head first, while its blocks leave the watermark free and its "
-            "sequences and tokens fit the step")
+    more, h = len(got) > len(lib) == i, st.heads[i] if i < len(st.heads) else None
+    alone, busy = st.empty and i == 0, st.prefill_first and st.running
+    rules = ((more and st.swapped, "swapped"), (more and st.preempted, "preempted"),
+             (h is None, "admission"), (i < len(got) and h and got[i][0] != h.rid, "hol"),
+             (i < len(got) and i < len(lib), "chunk"))
+    if h is not None and more:
+        rules += ((st.chunked and left < 1, "chunk"), (h.need > free, "blocks"),
+                  (alone and busy, "alone"), (free - h.need < st.watermark and not alone,
+                                              "watermark"),
+                  (seqs + h.seqs > st.max_num_seqs, "seqs"), (h.chunk > left, "tokens"))
+    elif h is not None:
+        rules += ((h.seqs < h.n and seqs + h.seqs <= st.max_num_seqs < seqs + h.n, "seqs"),
+                  (st.chunked and (lib[i][1] < h.tokens or h.chunk == 1 <= left), "chunk"),
+                  (alone and not busy and h.need <= free and h.chunk <= left, "alone"),
+                  (free - h.need == st.watermark, "watermark"), (h.chunk == left, "tokens"),
+                  (seqs + h.seqs == st.max_num_seqs, "seqs"))
+    return _WHY[next((rule for cond, rule in rules if cond), "admission")]
+
+
+#: one hint per rule of admission, whichever way the answer broke it
+_WHY = {
+    "raise": "step.admit(group, num_tokens) takes the group out of waiting itself: call it "
+             "for the head of waiting, with 1 to step.prefill_tokens(group) tokens",
+    "swapped": "groups are swapped out: they come back first, and nobody new is admitted "
+               "while any is swapped (their blocks would be taken)",
+    "preempted": "this step preempted a group: as in vLLM v1, a step that preempts admits "
+                 "nobody (the victim would be readmitted at once)",
+    "hol": "head-of-line blocking: the head of waiting is considered first, and the first "
+           "group that does not fit stops admission; nobody behind it may overtake it "
+           "(first come, first served)",
+    "chunk": "the tokens it brings: its whole prefill (step.prefill_tokens), or with chunked "
+             "prefill a first chunk of min(tokens, step.tokens_left); one token is still a "
+             "chunk: admission stops only when no token is left",
+    "blocks": "its blocks are not free: a group never joins without its blocks",
+    "alone": "a group alone in an empty step joins when its blocks are free, even into the "
+             "watermark (otherwise a long request could wait forever); with prefill_first "
+             "it is alone only if nobody is running either (they decode next step)",
+    "watermark": "the watermark: after its blocks at least watermark_blocks must stay free "
+                 "(leaving exactly watermark_blocks free is allowed), unless it would be "
+                 "alone in an empty step",
+    "seqs": "max_num_seqs: the running sequences count, and a group brings what it runs: a "
+            "fresh n > 1 group (samples or beams) its n, while a group that has sampled "
+            "brings only its live sequences (group.live_seqs()); reaching max_num_seqs "
+            "exactly is allowed (<=)",
+    "tokens": "the token budget: the running groups' tokens come first, and a group joins "
+              "only if its tokens fit what is left (reaching max_num_batched_tokens exactly "
+              "is allowed)",
+    "admission": "admission: the head first, while its blocks leave the watermark free and "
+                 "its sequences and tokens fit the step; keep admitting while the head fits",
+}
 
 
 loops.LOOPS["schedule_waiting"] = (_snapshot, _decide, _describe, _show, _why)
