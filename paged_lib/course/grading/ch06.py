@@ -432,9 +432,7 @@ def check_can_admit(can_admit: Callable[..., Any]) -> None:
 
 
 def _snapshot(waiting, step) -> SimpleNamespace:
-    """What ``schedule_waiting`` saw: the first four waiting groups (``heads``, each as
-    request id, sequences it brings, its ``n``, its prefill's tokens, what it would bring
-    now, the blocks that takes) and the step's budget."""
+    """What ``schedule_waiting`` saw: the first four waiting groups and the step's budget."""
     heads = []
     for g in list(waiting)[:4]:
         tokens = step.prefill_tokens(g)
@@ -452,41 +450,33 @@ def _snapshot(waiting, step) -> SimpleNamespace:
 
 
 def _decide(args, before, result) -> tuple:
-    step = args[1]
-    return tuple((g.request_id, step.tokens_scheduled(g)) for g in step.admitted[before[0]:])
+    return tuple((g.request_id, args[1].tokens_scheduled(g))
+                 for g in args[1].admitted[before[0]:])
 
 
 def _describe(st: SimpleNamespace) -> str:
-    if not st.heads:
-        queue = "nobody waiting"
-    else:
-        queue = "waiting " + ", ".join(
-            f"request {h.rid} ("
-            + (f"{h.seqs} of its {h.n} sequences live, {h.n - h.seqs} finished"
-               if h.seqs < h.n else f"{h.seqs} sequence(s)")
-            + f", {h.tokens} tokens to prefill"
-            + (f", {h.chunk} of them now" if h.chunk != h.tokens else "")
-            + f", {h.need} blocks)" for h in st.heads) + (
-            f" and {st.num_waiting - len(st.heads)} more" if st.num_waiting > len(st.heads)
-            else "")
-    parts = [queue, f"{st.free} free blocks (watermark {st.watermark})",
-             f"{st.tokens_left} of {st.max_tokens} tokens left",
-             f"{st.num_seqs} of {st.max_num_seqs} sequences running",
-             f"{st.swapped} group(s) swapped out" if st.swapped else "nothing swapped out",
-             f"{st.preempted} group(s) preempted this step" if st.preempted else
-             "nobody preempted this step",
-             "nothing scheduled yet" if st.empty else "others already scheduled"]
-    if st.chunked:
-        parts.append("chunked prefill on")
-    if st.prefill_first:
-        parts.append(f"prefill_first, {st.running} group(s) running")
-    return "; ".join(parts)
+    queue = "waiting " + ", ".join(
+        f"request {h.rid} (" + (f"{h.seqs} of its {h.n} sequences live, {h.n - h.seqs} "
+                                "finished" if h.seqs < h.n else f"{h.seqs} sequence(s)")
+        + f", {h.tokens} tokens to prefill" + (f", {h.chunk} of them now" if h.chunk !=
+                                               h.tokens else "")
+        + f", {h.need} blocks)" for h in st.heads) + (
+        f" and {st.num_waiting - len(st.heads)} more" if st.num_waiting > 4 else "")
+    return "; ".join([
+        queue if st.heads else "nobody waiting", f"{st.free} free blocks (watermark "
+        f"{st.watermark})", f"{st.tokens_left} of {st.max_tokens} tokens left",
+        f"{st.num_seqs} of {st.max_num_seqs} sequences running",
+        f"{st.swapped} group(s) swapped out" if st.swapped else "nothing swapped out",
+        f"{st.preempted} group(s) preempted this step" if st.preempted else
+        "nobody preempted this step",
+        "nothing scheduled yet" if st.empty else "others already scheduled"]
+        + ["chunked prefill on"] * st.chunked
+        + [f"prefill_first, {st.running} group(s) running"] * st.prefill_first)
 
 
 def _show(decision) -> str:
-    if not decision:
-        return "admits nobody"
-    return "admits " + ", ".join(f"request {r} ({t} tokens)" for r, t in decision)
+    return "admits " + (", ".join(f"request {r} ({t} tokens)" for r, t in decision)
+                        or "nobody")
 
 
 def _why(st: SimpleNamespace, lib, got) -> str:

@@ -327,69 +327,60 @@ def _show(decision) -> str:
 
 
 def _why(st: PreState, lib, got) -> str:
+    by_id, order = {r.rid: r for r in st.running}, [r.rid for r in st.running]
     if isinstance(got, Exception):
-        biggest = max((r.blocks for r in st.running), default=0)
-        if st.mode == "swap" and st.cpu_free is not None and biggest > st.cpu_free:
-            return ("the CPU pool cannot take every victim: when step.can_swap_out(victim) "
-                    "says no, swap falls back to recompute (step.free)")
-        return ("for each victim: remove it from step.running, then step.swap_out(victim) or "
-                "step.free(victim), then put it at the front of step.swapped or step.waiting")
+        return _WHY["mode"] if st.mode == "swap" and st.cpu_free is not None and max(
+            (r.blocks for r in st.running), default=0) > st.cpu_free else _WHY["steps"]
     (_, lib_v), (_, mine) = lib, got
-    by_id = {r.rid: r for r in st.running}
-    for a, b in zip([v[:3] for v in lib_v], [v[:3] for v in mine], strict=False):
-        if a == b:
-            continue
-        if a[0] != b[0]:
-            me, asker = by_id.get(b[0]), by_id[st.rid]
-            if me is not None and me.ran:
-                return ("a group that already ran this step cannot be preempted (its tokens "
-                        "are scheduled): only the group asking and those after it that have "
-                        "not run yet")
-            order = [r.rid for r in st.running]
-            if b[0] in order and order.index(b[0]) < order.index(asker.rid):
-                return ("never preempt a group admitted before the one asking, even one "
-                        "that has not run yet this step: first come, first served")
-            if a[1] == "freed" and b[1] == "swapped out":
-                return (f"the engine's rule chose request {a[0]}, which cannot be swapped "
-                        "(its K/V is not all there, or the CPU pool cannot take it all): it "
-                        "is still the victim, recomputed; the loop does not pass it over "
-                        "for a group that could be swapped")
-            if st.rule is not None:
-                return ("ask step.hooks.choose_victim for the victim: the engine's rule may be "
-                        "another one (here it takes " + st.rule + "); offer it group and the "
-                        "groups after it that have not run, oldest first")
-            return ("the latest admitted goes first (vLLM pops its running queue from the "
-                    "end): it has done the least, and the group asking may be the victim "
-                    "itself")
-        if a[1] == b[1] == "freed" and a[2] != b[2]:
-            return (f"request {a[0]}'s blocks were freed, not copied: nothing of it waits on "
-                    "the CPU to be swapped back in; it is prefilled again from its text, from "
-                    "step.waiting, whatever the preemption mode")
-        if a[1] == "freed" and not by_id[a[0]].decoding:
-            return ("a group part way through a prefill cannot be swapped (its K/V is not "
-                    "all written): it is recomputed instead")
-        if a[1] == "freed" and st.mode == "swap":
-            return ("the CPU pool cannot take every block of the victim: swap falls back "
-                    "to recompute (step.can_swap_out)")
-        if a[1] == "freed":
-            return "preemption 'recompute' frees the victim's blocks (step.free)"
-        return "preemption 'swap' copies a decoding victim to the CPU pool (step.swap_out)"
-    if len(mine) < len(lib_v):
-        return ("keep preempting until the group's blocks fit: one victim may free too few "
-                "(a group shares blocks, or holds few)")
-    if len(mine) > len(lib_v):
-        return ("stop as soon as the blocks fit (step.blocks_needed <= step.free_blocks): "
-                "preempt nobody more, and nobody at all when they already fit")
-    if mine != lib_v:
-        queue = next(a for a, b in zip(lib_v, mine, strict=False) if a != b)[2]
-        if queue == "swapped":
-            return ("a victim swapped out goes to the FRONT of step.swapped (appendleft): "
-                    "swapped groups come back from the front, and victims leave latest "
-                    "first, so each one put in front keeps the earliest admitted first")
-        return ("a victim goes back to the FRONT of its queue (appendleft): it was admitted "
-                "before every group waiting, and comes back first")
-    return ("answer True when the group's blocks fit and it runs now, False when it was "
-            "preempted itself")
+    a, b = next(((a, b) for a, b in zip(lib_v, mine, strict=False) if a[:3] != b[:3]),
+                (None, None))
+    if a is None:
+        return _WHY["loop" if len(mine) != len(lib_v) else "front" if mine != lib_v else
+                    "answer"]
+    if a[0] == b[0]:
+        return _WHY["waiting" if a[1] == b[1] == "freed" else "mode"]
+    me = by_id.get(b[0])
+    return _WHY[next((rule for cond, rule in (
+        (me is not None and me.ran, "ran"),
+        (b[0] in order and order.index(b[0]) < order.index(st.rid), "before"),
+        (a[1] == "freed" and b[1] == "swapped out", "unswappable"),
+        (st.rule is not None, "hook")) if cond), "latest")]
+
+
+#: one hint per rule of preemption, whichever way the answer broke it
+_WHY = {
+    "steps": "for each victim: remove it from step.running, then step.swap_out(victim) or "
+             "step.free(victim), then put it at the front of step.swapped or step.waiting",
+    "ran": "a group that already ran this step cannot be preempted (its tokens are "
+           "scheduled): only the group asking and those after it that have not run yet",
+    "before": "never preempt a group admitted before the one asking, even one that has not "
+              "run yet this step: first come, first served",
+    "unswappable": "the engine's rule chose a victim that cannot be swapped (its K/V is not "
+                   "all there, or the CPU pool cannot take it all): it is still the victim, "
+                   "recomputed; the loop does not pass it over for a group that could be "
+                   "swapped",
+    "hook": "ask step.hooks.choose_victim for the victim: the engine's rule may be another "
+            "one; offer it group and the groups after it that have not run, oldest first",
+    "latest": "the latest admitted goes first (vLLM pops its running queue from the end): it "
+              "has done the least, and the group asking may be the victim itself",
+    "waiting": "a victim whose blocks were freed, not copied, has nothing waiting on the CPU "
+               "to be swapped back in: it is prefilled again from its text, from "
+               "step.waiting, whatever the preemption mode",
+    "mode": "preemption 'swap' copies a decoding victim to the CPU pool (step.swap_out), "
+            "'recompute' frees its blocks (step.free); a group part way through a prefill "
+            "cannot be swapped (its K/V is not all written), nor one the CPU pool cannot "
+            "take (step.can_swap_out): swap falls back to recompute",
+    "loop": "keep preempting until the group's blocks fit: one victim may free too few (a "
+            "group shares blocks, or holds few); stop as soon as they fit "
+            "(step.blocks_needed <= step.free_blocks), and preempt nobody at all when they "
+            "already fit",
+    "front": "a victim goes back to the FRONT of its queue (appendleft): it was admitted "
+             "before every group waiting, and comes back first; a victim swapped out goes "
+             "to the FRONT of step.swapped too (victims leave latest first, so each one put "
+             "in front keeps the earliest admitted first)",
+    "answer": "answer True when the group's blocks fit and it runs now, False when it was "
+              "preempted itself",
+}
 
 
 loops.LOOPS["preempt_until_fits"] = (_snapshot, _decide, _describe, _show, _why)
