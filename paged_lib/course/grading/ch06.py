@@ -1,14 +1,8 @@
-"""Checks for chapter 06 (the serving engine), each against the library's function.
-
-* 06.1 ``build_metadata``: the spec's batch, then :class:`Batch` (pools past 2**31 slots,
-  chunks mid prompt, odd block sizes), then random workloads.
-* 06.2 ``num_required_blocks``: :class:`Waiting` groups (fresh, preempted by recompute,
-  finished or agreeing samples), a wrong count named by the wrong rule that gives it;
-  then random workloads.
-* 06.3 ``can_admit``: the spec's example and each limit's boundary, then random workloads.
-* 06.4 ``schedule_waiting``: served next to the library's, call by call, on edge scenarios
-  then random workloads (:mod:`~paged_lib.course.grading.scheduler_loops`).
-"""
+"""Checks for chapter 06 (the serving engine), each against the library's function: 06.1
+``build_metadata``, 06.2 ``num_required_blocks`` (a wrong count named by the wrong rule that
+gives it), 06.3 ``can_admit`` (each limit's boundary) on fixed then generated cases, and
+06.4 ``schedule_waiting`` served next to the library's (:mod:`.scheduler_loops`); each then
+on random workloads."""
 
 from __future__ import annotations
 
@@ -47,11 +41,6 @@ _DTYPE_HINTS = {
     "slot_mapping": "slot_mapping is int64: block * block_size + offset outgrows int32 in a "
                     "large pool (vLLM uses int64 too)",
     "positions": "positions are int64 (they index the rotary embedding table)",
-}
-_FIELD_HINTS = {
-    "seq_lens": "seq_lens[s] is the tokens in the cache after this step: the value you "
-                "were given, as an int32 tensor",
-    "query_lens": "query_lens[s] is the new tokens of sequence s: the value you were given",
 }
 
 
@@ -93,7 +82,8 @@ def _check_batch(fn, name, tables, seq_lens, query_lens, block_size) -> None:
     _check_slots(got, want, tables, seq_lens, query_lens, block_size, where)
     for field in ("seq_lens", "query_lens"):
         grading.expect_equal(getattr(got, field).tolist(), getattr(want, field).tolist(),
-                             f"{where}: {field}", _FIELD_HINTS[field])
+                             f"{where}: {field}", "seq_lens[s] (the tokens in the cache after "
+                             "this step) and query_lens[s] (its new tokens): the values given")
 
 
 def _check_block_tables(got: torch.Tensor, want: torch.Tensor, tables, where: str) -> None:

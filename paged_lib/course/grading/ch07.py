@@ -1,28 +1,17 @@
-"""Checks for chapter 07 (preemption), each against the library's function.
-
-* 07.1 ``swap_mapping``: tables with and without shared blocks (a forked prompt, beams
-  with a common history), with an allocator that counts every block handed out; then
-  random workloads, where the engine calls it again and again with one pool's
-  ``allocate``.
-* 07.2 ``choose_victim``: hand-made running lists (groups admitted in one step, one
-  admitted again after a recompute, samples sharing blocks); a wrong pick is named by the
-  typical wrong rule that gives it. Then random workloads.
-* 07.3 ``preempt_until_fits``: served in the engine next to the library's, call by call,
-  on edge scenarios then random workloads (:mod:`~paged_lib.course.grading.scheduler_loops`).
-"""
+"""Checks for chapter 07 (preemption), each against the library's function: 07.1
+``swap_mapping`` on tables with shared blocks, 07.2 ``choose_victim`` on hand-made running
+lists (a wrong pick named by the wrong rule that gives it), 07.3 ``preempt_until_fits``
+served next to the library's (:mod:`~paged_lib.course.grading.scheduler_loops`); each then
+on random workloads."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from types import SimpleNamespace
+from typing import Any
 
 from paged_lib.blocks import BlockAllocator, BlockTable
 from paged_lib.course import grading
-from paged_lib.course.demos.engine_compare import (  # the chapter's trace (notebook 07)
-    PRESSURE_BLOCK_SIZE,
-    PRESSURE_BLOCKS,
-    pressure_requests,
-)
 from paged_lib.course.grading import generated
 from paged_lib.course.grading import scheduler_loops as loops
 from paged_lib.course.grading.scheduler_loops import Scenario
@@ -30,10 +19,6 @@ from paged_lib.engine import policy
 from paged_lib.engine.block_manager import swap_mapping as lib_swap_mapping
 from paged_lib.engine.policy import choose_victim as lib_victim
 from paged_lib.engine.sequence import SamplingParams, Sequence, SequenceGroup, SequenceStatus
-
-__all__ = ["EQUIVALENT_MUTANTS", "PRESSURE_BLOCKS", "PRESSURE_BLOCK_SIZE",
-           "check_choose_victim", "check_preempt_until_fits", "check_swap_mapping",
-           "pressure_requests"]
 
 #: Mutants of the solutions that cannot change any answer (tools/mutants.py skips them).
 EQUIVALENT_MUTANTS: dict[str, dict[str, str]] = {"07.3": {
@@ -259,53 +244,30 @@ def check_choose_victim(choose_victim: Callable[..., Any]) -> None:
 # ------------------------------------------------------------------ 07.3 preempt_until_fits
 
 
-class Running(NamedTuple):
-    rid: int
-    admitted: int
-    seqs: int
-    decoding: bool
-    ran: bool
-    blocks: int
-
-
-class PreState(NamedTuple):
-    rid: int
-    need: int
-    free: int
-    running: tuple
-    mode: str
-    cpu_free: int | None
-    rule: str | None  # the engine's choose_victim, when it is not the library's
-
-
-def _snapshot(group, step) -> PreState:
-    running = tuple(Running(g.request_id, g.timeline.admitted_steps[-1], len(g.live_seqs()),
-                            step.is_decoding(g), step.ran(g), _blocks(g))
-                    for g in step.running)
+def _snapshot(group, step) -> SimpleNamespace:
     rule = step.hooks.choose_victim
-    told = None if rule is policy.choose_victim else \
-        (rule.__doc__ or rule.__name__).strip().splitlines()[0]
-    return PreState(group.request_id, step.blocks_needed, step.free_blocks, running,
-                    step.preemption, step.cpu_free_blocks, told)
+    return SimpleNamespace(
+        rid=group.request_id, need=step.blocks_needed, free=step.free_blocks,
+        mode=step.preemption, cpu_free=step.cpu_free_blocks,
+        running=[SimpleNamespace(rid=g.request_id, admitted=g.timeline.admitted_steps[-1],
+                                 seqs=len(g.live_seqs()), decoding=step.is_decoding(g),
+                                 ran=step.ran(g), blocks=_blocks(g)) for g in step.running],
+        rule=None if rule is policy.choose_victim else  # the engine's, when not the library's
+        (rule.__doc__ or rule.__name__).strip().splitlines()[0])
 
 
 def _decide(args, before, result) -> tuple:
-    step = args[1]
-    victims = []
+    step, victims = args[1], []
     for g in step.preempted[before[1]:]:
-        for name, queue in (("swapped", step.swapped), ("waiting", step.waiting)):
-            at = next((k for k, q in enumerate(queue) if q is g), None)
-            if at is not None:
-                how = "swapped out" if name == "swapped" and g.seqs[0].status.name == \
-                    "SWAPPED" else "freed"
-                victims.append((g.request_id, how, name, at))
-                break
-        else:
-            victims.append((g.request_id, "lost", "no queue", -1))
+        name, at = next(((name, k) for name, q in (("swapped", step.swapped), ("waiting",
+                         step.waiting)) for k, x in enumerate(q) if x is g), ("no queue", -1))
+        victims.append((g.request_id, "lost" if at < 0 else "swapped out" if name ==
+                        "swapped" and g.seqs[0].status.name == "SWAPPED" else "freed",
+                        name, at))
     return result, tuple(victims)
 
 
-def _describe(st: PreState) -> str:
+def _describe(st: SimpleNamespace) -> str:
     groups = ", ".join(
         f"request {r.rid} (admitted at step {r.admitted}, {r.seqs} sequence(s), "
         f"{'decoding' if r.decoding else 'part way through a prefill'}, {r.blocks} blocks"
@@ -317,16 +279,12 @@ def _describe(st: PreState) -> str:
 
 
 def _show(decision) -> str:
-    runs, victims = decision
-    if not victims:
-        done = "preempts nobody"
-    else:
-        done = "preempts " + ", ".join(
-            f"request {r} ({how}, to position {at} of {queue})" for r, how, queue, at in victims)
-    return f"{done} and answers {runs!r}"
+    return "preempts " + (", ".join(f"request {r} ({how}, to position {at} of {queue})"
+                                    for r, how, queue, at in decision[1]) or "nobody") + \
+        f" and answers {decision[0]!r}"
 
 
-def _why(st: PreState, lib, got) -> str:
+def _why(st: SimpleNamespace, lib, got) -> str:
     by_id, order = {r.rid: r for r in st.running}, [r.rid for r in st.running]
     if isinstance(got, Exception):
         return _WHY["mode"] if st.mode == "swap" and st.cpu_free is not None and max(
