@@ -103,37 +103,33 @@ def _check_block_tables(got: torch.Tensor, want: torch.Tensor, tables, where: st
                  "row s is the sequence's own table, in logical order, then -1 padding")
 
 
-def _check_slots(got, want, tables, seq_lens, query_lens, block_size, where) -> None:
-    slots, wslots = got.slot_mapping.tolist(), want.slot_mapping.tolist()
-    positions, wpos = got.positions.tolist(), want.positions.tolist()
+def _check_slots(got, want, tables, seq_lens, query_lens, bs, where) -> None:
+    slots, wslots, wpos = (t.tolist() for t in (got.slot_mapping, want.slot_mapping,
+                                                 want.positions))
     if len(slots) != len(wslots):
-        if len(slots) == sum(seq_lens):
-            hint = ("only the new tokens get a slot: the last query_lens[s] positions of "
-                    "sequence s (earlier tokens are in the cache already)")
-        else:
-            hint = "one slot per new token, sequences packed back to back: sum(query_lens)"
         grading.fail(f"{where}: slot_mapping has {len(slots)} entries, expected {len(wslots)}",
-                     hint)
+                     "only the new tokens get a slot: the last query_lens[s] positions of "
+                     "sequence s (earlier tokens are in the cache already)"
+                     if len(slots) == sum(seq_lens) else "one slot per new token, sequences "
+                     "packed back to back: sum(query_lens)")
     if slots != wslots:
         k = next(i for i, (a, b) in enumerate(zip(slots, wslots, strict=True)) if a != b)
-        if slots == wpos:
-            hint = ("slot = block * block_size + offset with the *physical* block: look it "
-                    "up in the sequence's table (position // block_size is only the logical "
-                    "block)")
-        elif slots == [t[p // block_size] * block_size + p for t, n, q in
-                       zip(tables, seq_lens, query_lens, strict=True) for p in range(n - q, n)]:
-            hint = "the offset inside the block is position % block_size, not the position"
-        elif slots == [t[p // block_size] * block_size + p % block_size
-                       for t, q in zip(tables, query_lens, strict=True) for p in range(q)]:
-            hint = ("the tokens a step computes are each sequence's newest: the ones before "
-                    "them are in the cache already (a decode's one token is its last, at "
-                    "position seq_lens[s] - 1, not 0)")
-        else:
-            hint = ("token at position p of sequence s: physical block "
-                    "block_tables[s][p // block_size], offset p % block_size")
+        seqs = list(zip(tables, seq_lens, query_lens, strict=True))
+        mistakes = (  # (the slots a typical mistake gives, its hint)
+            (wpos, "slot = block * block_size + offset with the *physical* block: look it up "
+             "in the sequence's table (position // block_size is only the logical block)"),
+            ([t[p // bs] * bs + p for t, n, q in seqs for p in range(n - q, n)],
+             "the offset inside the block is position % block_size, not the position"),
+            ([t[p // bs] * bs + p % bs for t, _, q in seqs for p in range(q)],
+             "the tokens a step computes are each sequence's newest: the ones before them "
+             "are in the cache already (a decode's one token is its last, at position "
+             "seq_lens[s] - 1, not 0)"))
         grading.fail(f"{where}: slot_mapping[{k}] is {slots[k]}, expected {wslots[k]} "
-                     f"(token at position {wpos[k]})", hint)
-    grading.expect_equal(positions, wpos, f"{where}: positions",
+                     f"(token at position {wpos[k]})", next((
+                         hint for wrong, hint in mistakes if slots == wrong), "token at "
+                         "position p of sequence s: physical block "
+                         "block_tables[s][p // block_size], offset p % block_size"))
+    grading.expect_equal(got.positions.tolist(), wpos, f"{where}: positions",
                          "the new tokens of sequence s sit at positions "
                          "seq_lens[s] - query_lens[s] ... seq_lens[s] - 1")
 
@@ -213,9 +209,12 @@ def check_num_required_blocks(num_required_blocks: Callable[..., Any]) -> None:
     with grading.exercise("06.2"):
         numeric.check("06.2", required_cases(), lambda p: _check_waiting(
             num_required_blocks, p), _REQUIRED_CONTRASTS)
-        generated.check("num_required_blocks", num_required_blocks, "a fresh request: its "
-                        "prompt's blocks; a group of several: the prompt once, each tail's "
-                        "blocks past it, and the part-filled prompt block's copies")
+        generated.check("num_required_blocks", num_required_blocks, _REQUIRED_RULE)
+
+
+_REQUIRED_RULE = ("a fresh request: its prompt's blocks; a single sequence: its whole text's; "
+                  "a group of several: the prompt once, each tail's blocks past it, and the "
+                  "part-filled prompt block's copies")
 
 
 def _check_waiting(fn: Callable[..., Any], p: Waiting) -> None:
@@ -232,10 +231,7 @@ def _check_waiting(fn: Callable[..., Any], p: Waiting) -> None:
                   "last sequence to write into the shared part-filled prompt block finds it "
                   "no longer shared and writes in place (copies = sequences - 1)"}
         named = copies.get(got) if _live(p) > 1 and p.prompt % p.block_size else None
-        grading.fail(f"expected {want} blocks, got {got}", named or "a fresh request: its "
-                     "prompt's blocks; a single sequence: its whole text's; a group of "
-                     "several: the prompt once, each tail's blocks past it, and the "
-                     "part-filled prompt block's copies")
+        grading.fail(f"expected {want} blocks, got {got}", named or _REQUIRED_RULE)
 
 
 @dataclass(frozen=True)

@@ -43,8 +43,7 @@ _SWAPS: list[tuple[str, list[list[int]], list[int]]] = [
 
 
 def _pool(order: list[int]) -> tuple[Callable[[], int], list[int]]:
-    """A destination pool's ``allocate``, handing out blocks in a fixed order (then 100,
-    101, ...: a real pool has more free blocks than one group needs), and what it handed."""
+    """A pool's ``allocate`` handing out ``order``, then 100, 101, ...; and what it handed."""
     handed: list[int] = []
 
     def allocate() -> int:
@@ -100,7 +99,6 @@ def _check_scenario(fn, name: str, tables: list[list[int]], order: list[int]) ->
              "blocks are first met, reading the tables left to right, top to bottom")):
         if wrong:
             grading.fail(f"{where}: {what}", hint)
-
 
 
 # ------------------------------------------------------------------ 07.2 choose_victim
@@ -207,9 +205,8 @@ def _running(groups: list[SequenceGroup]) -> str:
 
 
 def check_choose_victim(choose_victim: Callable[..., Any]) -> None:
-    """``choose_victim(running: list[SequenceGroup]) -> SequenceGroup``: the lists, a
-    wrong pick named by the wrong rule that picks what the learner picked on every list
-    (else on the first list it got wrong); then random workloads."""
+    """``choose_victim(running: list[SequenceGroup]) -> SequenceGroup``: a wrong pick is
+    named by the wrong rule that picks as the learner did on every list (else on the first)."""
     with grading.exercise("07.2"):
         picks, pool = [], BlockAllocator(200)
         for what, spec in _LISTS:
