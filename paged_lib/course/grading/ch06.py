@@ -1,14 +1,8 @@
-"""Checks for chapter 06 (the serving engine), each against the library's function.
-
-* 06.1 ``build_metadata``: the spec's batch, then :class:`Batch` (pools past 2**31 slots,
-  chunks mid prompt, odd block sizes), then random workloads.
-* 06.2 ``num_required_blocks``: :class:`Waiting` groups (fresh, preempted by recompute,
-  finished or agreeing samples), a wrong count named by the wrong rule that gives it;
-  then random workloads.
-* 06.3 ``can_admit``: the spec's example and each limit's boundary, then random workloads.
-* 06.4 ``schedule_waiting``: served next to the library's, call by call, on edge scenarios
-  then random workloads (:mod:`~paged_lib.course.grading.scheduler_loops`).
-"""
+"""Checks for chapter 06 (the serving engine), each against the library's function: 06.1
+``build_metadata``, 06.2 ``num_required_blocks`` (a wrong count named by the wrong rule that
+gives it), 06.3 ``can_admit`` (each limit's boundary) on fixed then generated cases, and
+06.4 ``schedule_waiting`` served next to the library's (:mod:`.scheduler_loops`); each then
+on random workloads."""
 
 from __future__ import annotations
 
@@ -47,11 +41,6 @@ _DTYPE_HINTS = {
     "slot_mapping": "slot_mapping is int64: block * block_size + offset outgrows int32 in a "
                     "large pool (vLLM uses int64 too)",
     "positions": "positions are int64 (they index the rotary embedding table)",
-}
-_FIELD_HINTS = {
-    "seq_lens": "seq_lens[s] is the tokens in the cache after this step: the value you "
-                "were given, as an int32 tensor",
-    "query_lens": "query_lens[s] is the new tokens of sequence s: the value you were given",
 }
 
 
@@ -93,7 +82,8 @@ def _check_batch(fn, name, tables, seq_lens, query_lens, block_size) -> None:
     _check_slots(got, want, tables, seq_lens, query_lens, block_size, where)
     for field in ("seq_lens", "query_lens"):
         grading.expect_equal(getattr(got, field).tolist(), getattr(want, field).tolist(),
-                             f"{where}: {field}", _FIELD_HINTS[field])
+                             f"{where}: {field}", "seq_lens[s] (the tokens in the cache after "
+                             "this step) and query_lens[s] (its new tokens): the values given")
 
 
 def _check_block_tables(got: torch.Tensor, want: torch.Tensor, tables, where: str) -> None:
@@ -113,37 +103,33 @@ def _check_block_tables(got: torch.Tensor, want: torch.Tensor, tables, where: st
                  "row s is the sequence's own table, in logical order, then -1 padding")
 
 
-def _check_slots(got, want, tables, seq_lens, query_lens, block_size, where) -> None:
-    slots, wslots = got.slot_mapping.tolist(), want.slot_mapping.tolist()
-    positions, wpos = got.positions.tolist(), want.positions.tolist()
+def _check_slots(got, want, tables, seq_lens, query_lens, bs, where) -> None:
+    slots, wslots, wpos = (t.tolist() for t in (got.slot_mapping, want.slot_mapping,
+                                                 want.positions))
     if len(slots) != len(wslots):
-        if len(slots) == sum(seq_lens):
-            hint = ("only the new tokens get a slot: the last query_lens[s] positions of "
-                    "sequence s (earlier tokens are in the cache already)")
-        else:
-            hint = "one slot per new token, sequences packed back to back: sum(query_lens)"
         grading.fail(f"{where}: slot_mapping has {len(slots)} entries, expected {len(wslots)}",
-                     hint)
+                     "only the new tokens get a slot: the last query_lens[s] positions of "
+                     "sequence s (earlier tokens are in the cache already)"
+                     if len(slots) == sum(seq_lens) else "one slot per new token, sequences "
+                     "packed back to back: sum(query_lens)")
     if slots != wslots:
         k = next(i for i, (a, b) in enumerate(zip(slots, wslots, strict=True)) if a != b)
-        if slots == wpos:
-            hint = ("slot = block * block_size + offset with the *physical* block: look it "
-                    "up in the sequence's table (position // block_size is only the logical "
-                    "block)")
-        elif slots == [t[p // block_size] * block_size + p for t, n, q in
-                       zip(tables, seq_lens, query_lens, strict=True) for p in range(n - q, n)]:
-            hint = "the offset inside the block is position % block_size, not the position"
-        elif slots == [t[p // block_size] * block_size + p % block_size
-                       for t, q in zip(tables, query_lens, strict=True) for p in range(q)]:
-            hint = ("the tokens a step computes are each sequence's newest: the ones before "
-                    "them are in the cache already (a decode's one token is its last, at "
-                    "position seq_lens[s] - 1, not 0)")
-        else:
-            hint = ("token at position p of sequence s: physical block "
-                    "block_tables[s][p // block_size], offset p % block_size")
+        seqs = list(zip(tables, seq_lens, query_lens, strict=True))
+        mistakes = (  # (the slots a typical mistake gives, its hint)
+            (wpos, "slot = block * block_size + offset with the *physical* block: look it up "
+             "in the sequence's table (position // block_size is only the logical block)"),
+            ([t[p // bs] * bs + p for t, n, q in seqs for p in range(n - q, n)],
+             "the offset inside the block is position % block_size, not the position"),
+            ([t[p // bs] * bs + p % bs for t, _, q in seqs for p in range(q)],
+             "the tokens a step computes are each sequence's newest: the ones before them "
+             "are in the cache already (a decode's one token is its last, at position "
+             "seq_lens[s] - 1, not 0)"))
         grading.fail(f"{where}: slot_mapping[{k}] is {slots[k]}, expected {wslots[k]} "
-                     f"(token at position {wpos[k]})", hint)
-    grading.expect_equal(positions, wpos, f"{where}: positions",
+                     f"(token at position {wpos[k]})", next((
+                         hint for wrong, hint in mistakes if slots == wrong), "token at "
+                         "position p of sequence s: physical block "
+                         "block_tables[s][p // block_size], offset p % block_size"))
+    grading.expect_equal(got.positions.tolist(), wpos, f"{where}: positions",
                          "the new tokens of sequence s sit at positions "
                          "seq_lens[s] - query_lens[s] ... seq_lens[s] - 1")
 
@@ -223,9 +209,12 @@ def check_num_required_blocks(num_required_blocks: Callable[..., Any]) -> None:
     with grading.exercise("06.2"):
         numeric.check("06.2", required_cases(), lambda p: _check_waiting(
             num_required_blocks, p), _REQUIRED_CONTRASTS)
-        generated.check("num_required_blocks", num_required_blocks, "a fresh request: its "
-                        "prompt's blocks; a group of several: the prompt once, each tail's "
-                        "blocks past it, and the part-filled prompt block's copies")
+        generated.check("num_required_blocks", num_required_blocks, _REQUIRED_RULE)
+
+
+_REQUIRED_RULE = ("a fresh request: its prompt's blocks; a single sequence: its whole text's; "
+                  "a group of several: the prompt once, each tail's blocks past it, and the "
+                  "part-filled prompt block's copies")
 
 
 def _check_waiting(fn: Callable[..., Any], p: Waiting) -> None:
@@ -242,10 +231,7 @@ def _check_waiting(fn: Callable[..., Any], p: Waiting) -> None:
                   "last sequence to write into the shared part-filled prompt block finds it "
                   "no longer shared and writes in place (copies = sequences - 1)"}
         named = copies.get(got) if _live(p) > 1 and p.prompt % p.block_size else None
-        grading.fail(f"expected {want} blocks, got {got}", named or "a fresh request: its "
-                     "prompt's blocks; a single sequence: its whole text's; a group of "
-                     "several: the prompt once, each tail's blocks past it, and the "
-                     "part-filled prompt block's copies")
+        grading.fail(f"expected {want} blocks, got {got}", named or _REQUIRED_RULE)
 
 
 @dataclass(frozen=True)
@@ -432,9 +418,7 @@ def check_can_admit(can_admit: Callable[..., Any]) -> None:
 
 
 def _snapshot(waiting, step) -> SimpleNamespace:
-    """What ``schedule_waiting`` saw: the first four waiting groups (``heads``, each as
-    request id, sequences it brings, its ``n``, its prefill's tokens, what it would bring
-    now, the blocks that takes) and the step's budget."""
+    """What ``schedule_waiting`` saw: the first four waiting groups and the step's budget."""
     heads = []
     for g in list(waiting)[:4]:
         tokens = step.prefill_tokens(g)
@@ -452,114 +436,94 @@ def _snapshot(waiting, step) -> SimpleNamespace:
 
 
 def _decide(args, before, result) -> tuple:
-    step = args[1]
-    return tuple((g.request_id, step.tokens_scheduled(g)) for g in step.admitted[before[0]:])
+    return tuple((g.request_id, args[1].tokens_scheduled(g))
+                 for g in args[1].admitted[before[0]:])
 
 
 def _describe(st: SimpleNamespace) -> str:
-    if not st.heads:
-        queue = "nobody waiting"
-    else:
-        queue = "waiting " + ", ".join(
-            f"request {h.rid} ("
-            + (f"{h.seqs} of its {h.n} sequences live, {h.n - h.seqs} finished"
-               if h.seqs < h.n else f"{h.seqs} sequence(s)")
-            + f", {h.tokens} tokens to prefill"
-            + (f", {h.chunk} of them now" if h.chunk != h.tokens else "")
-            + f", {h.need} blocks)" for h in st.heads) + (
-            f" and {st.num_waiting - len(st.heads)} more" if st.num_waiting > len(st.heads)
-            else "")
-    parts = [queue, f"{st.free} free blocks (watermark {st.watermark})",
-             f"{st.tokens_left} of {st.max_tokens} tokens left",
-             f"{st.num_seqs} of {st.max_num_seqs} sequences running",
-             f"{st.swapped} group(s) swapped out" if st.swapped else "nothing swapped out",
-             f"{st.preempted} group(s) preempted this step" if st.preempted else
-             "nobody preempted this step",
-             "nothing scheduled yet" if st.empty else "others already scheduled"]
-    if st.chunked:
-        parts.append("chunked prefill on")
-    if st.prefill_first:
-        parts.append(f"prefill_first, {st.running} group(s) running")
-    return "; ".join(parts)
+    queue = "waiting " + ", ".join(
+        f"request {h.rid} (" + (f"{h.seqs} of its {h.n} sequences live, {h.n - h.seqs} "
+                                "finished" if h.seqs < h.n else f"{h.seqs} sequence(s)")
+        + f", {h.tokens} tokens to prefill" + (f", {h.chunk} of them now" if h.chunk !=
+                                               h.tokens else "")
+        + f", {h.need} blocks)" for h in st.heads) + (
+        f" and {st.num_waiting - len(st.heads)} more" if st.num_waiting > 4 else "")
+    return "; ".join([
+        queue if st.heads else "nobody waiting", f"{st.free} free blocks (watermark "
+        f"{st.watermark})", f"{st.tokens_left} of {st.max_tokens} tokens left",
+        f"{st.num_seqs} of {st.max_num_seqs} sequences running",
+        f"{st.swapped} group(s) swapped out" if st.swapped else "nothing swapped out",
+        f"{st.preempted} group(s) preempted this step" if st.preempted else
+        "nobody preempted this step",
+        "nothing scheduled yet" if st.empty else "others already scheduled"]
+        + ["chunked prefill on"] * st.chunked
+        + [f"prefill_first, {st.running} group(s) running"] * st.prefill_first)
 
 
 def _show(decision) -> str:
-    if not decision:
-        return "admits nobody"
-    return "admits " + ", ".join(f"request {r} ({t} tokens)" for r, t in decision)
+    return "admits " + (", ".join(f"request {r} ({t} tokens)" for r, t in decision)
+                        or "nobody")
 
 
 def _why(st: SimpleNamespace, lib, got) -> str:
     if isinstance(got, Exception):
-        if "admit(" in str(got):
-            return ("step.admit(group, num_tokens) takes the group out of waiting itself: "
-                    "call it for the head of waiting, with 1 to step.prefill_tokens(group) "
-                    "tokens")
-        return "the state above is the one your code met: follow it by hand"
+        return _WHY["raise"] if "admit(" in str(got) else \
+            "the state above is the one your code met: follow it by hand"
     i = next((k for k, (a, b) in enumerate(zip(lib, got, strict=False)) if a != b),
              min(len(lib), len(got)))
     free, left, seqs = st.free, st.tokens_left, st.num_seqs
     for h in st.heads[:i]:
         free, left, seqs = free - h.need, left - h.chunk, seqs + h.seqs
-    head = st.heads[i] if i < len(st.heads) else None
-    if len(got) > len(lib) and i == len(lib):
-        if st.swapped:
-            return ("groups are swapped out: they come back first, and nobody new is "
-                    "admitted while any is swapped (their blocks would be taken)")
-        if st.preempted:
-            return ("this step preempted a group: as in vLLM v1, a step that preempts "
-                    "admits nobody (the victim would be readmitted at once)")
-        if head is not None and got[i][0] != head.rid:
-            return ("head-of-line blocking: the first waiting group that does not fit stops "
-                    "admission; nobody behind it may overtake it (first come, first served)")
-        if head is not None:
-            alone = st.empty and i == 0
-            if st.chunked and left < 1:
-                return "no token of the budget is left: nobody more joins this step"
-            if head.need > free:
-                return "its blocks are not free: a group never joins without its blocks"
-            if alone and st.prefill_first and st.running:
-                return ("prefill_first: a group is alone only if nobody is running either "
-                        "(the running groups decode next step and need the watermark)")
-            if free - head.need < st.watermark and not alone:
-                return ("the watermark: after its blocks at least watermark_blocks must stay "
-                        "free, unless it would be alone in an empty step")
-            if seqs + head.seqs > st.max_num_seqs:
-                return ("max_num_seqs: a group brings all its sequences, a fresh n > 1 "
-                        "group (samples or beams) its n, and the running ones count too")
-            if head.chunk > left:
-                return ("the token budget: the running groups' tokens come first; a group "
-                        "joins only if its tokens fit what is left")
-    if len(lib) > len(got) and i == len(got) and head is not None:
-        if head.seqs < head.n and seqs + head.seqs <= st.max_num_seqs < seqs + head.n:
-            return ("a group that has sampled brings only its live sequences "
-                    "(group.live_seqs()), not params.num_seqs: a sample that finished is gone, "
-                    "and a group preempted by recompute comes back without it")
-        if st.chunked and lib[i][1] < head.tokens:
-            return ("with chunked prefill the head joins with what the budget leaves of its "
-                    "prefill (a first chunk of min(tokens, step.tokens_left))")
-        if st.chunked and head.chunk == 1 and left >= 1:
-            return ("one token left, or one to prefill, is still a chunk: with chunked "
-                    "prefill admission stops only when no token is left")
-        if st.empty and i == 0 and head.need <= free and head.chunk <= left \
-                and (not st.prefill_first or not st.running):
-            return ("a group alone in an empty step joins when its blocks are free, even "
-                    "into the watermark: otherwise a long request could wait forever")
-        if free - head.need == st.watermark:
-            return "leaving exactly watermark_blocks free is allowed (>=)"
-        if head.chunk == left:
-            return "reaching max_num_batched_tokens exactly is allowed (<=)"
-        if seqs + head.seqs == st.max_num_seqs:
-            return "reaching max_num_seqs exactly is allowed (<=)"
-        return ("keep admitting while the head fits: each admitted group is followed by the "
-                "next one, first come first served")
-    if i < len(lib) and i < len(got) and lib[i][0] == got[i][0]:
-        return ("the tokens it brings: its whole first prefill (step.prefill_tokens), or with "
-                "chunked prefill what the budget leaves of it")
-    if i < len(lib) and i < len(got):
-        return "first come, first served: the head of waiting is considered first"
-    return ("admission: the head first, while its blocks leave the watermark free and its "
-            "sequences and tokens fit the step")
+    more, h = len(got) > len(lib) == i, st.heads[i] if i < len(st.heads) else None
+    alone, busy = st.empty and i == 0, st.prefill_first and st.running
+    rules = ((more and st.swapped, "swapped"), (more and st.preempted, "preempted"),
+             (h is None, "admission"), (i < len(got) and h and got[i][0] != h.rid, "hol"),
+             (i < len(got) and i < len(lib), "chunk"))
+    if h is not None and more:
+        rules += ((st.chunked and left < 1, "chunk"), (h.need > free, "blocks"),
+                  (alone and busy, "alone"), (free - h.need < st.watermark and not alone,
+                                              "watermark"),
+                  (seqs + h.seqs > st.max_num_seqs, "seqs"), (h.chunk > left, "tokens"))
+    elif h is not None:
+        rules += ((h.seqs < h.n and seqs + h.seqs <= st.max_num_seqs < seqs + h.n, "seqs"),
+                  (st.chunked and (lib[i][1] < h.tokens or h.chunk == 1 <= left), "chunk"),
+                  (alone and not busy and h.need <= free and h.chunk <= left, "alone"),
+                  (free - h.need == st.watermark, "watermark"), (h.chunk == left, "tokens"),
+                  (seqs + h.seqs == st.max_num_seqs, "seqs"))
+    return _WHY[next((rule for cond, rule in rules if cond), "admission")]
+
+
+#: one hint per rule of admission, whichever way the answer broke it
+_WHY = {
+    "raise": "step.admit(group, num_tokens) takes the group out of waiting itself: call it "
+             "for the head of waiting, with 1 to step.prefill_tokens(group) tokens",
+    "swapped": "groups are swapped out: they come back first, and nobody new is admitted "
+               "while any is swapped (their blocks would be taken)",
+    "preempted": "this step preempted a group: as in vLLM v1, a step that preempts admits "
+                 "nobody (the victim would be readmitted at once)",
+    "hol": "head-of-line blocking: the head of waiting is considered first, and the first "
+           "group that does not fit stops admission; nobody behind it may overtake it "
+           "(first come, first served)",
+    "chunk": "the tokens it brings: its whole prefill (step.prefill_tokens), or with chunked "
+             "prefill a first chunk of min(tokens, step.tokens_left); one token is still a "
+             "chunk: admission stops only when no token is left",
+    "blocks": "its blocks are not free: a group never joins without its blocks",
+    "alone": "a group alone in an empty step joins when its blocks are free, even into the "
+             "watermark (otherwise a long request could wait forever); with prefill_first "
+             "it is alone only if nobody is running either (they decode next step)",
+    "watermark": "the watermark: after its blocks at least watermark_blocks must stay free "
+                 "(leaving exactly watermark_blocks free is allowed), unless it would be "
+                 "alone in an empty step",
+    "seqs": "max_num_seqs: the running sequences count, and a group brings what it runs: a "
+            "fresh n > 1 group (samples or beams) its n, while a group that has sampled "
+            "brings only its live sequences (group.live_seqs()); reaching max_num_seqs "
+            "exactly is allowed (<=)",
+    "tokens": "the token budget: the running groups' tokens come first, and a group joins "
+              "only if its tokens fit what is left (reaching max_num_batched_tokens exactly "
+              "is allowed)",
+    "admission": "admission: the head first, while its blocks leave the watermark free and "
+                 "its sequences and tokens fit the step; keep admitting while the head fits",
+}
 
 
 loops.LOOPS["schedule_waiting"] = (_snapshot, _decide, _describe, _show, _why)

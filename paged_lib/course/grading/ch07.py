@@ -1,28 +1,17 @@
-"""Checks for chapter 07 (preemption), each against the library's function.
-
-* 07.1 ``swap_mapping``: tables with and without shared blocks (a forked prompt, beams
-  with a common history), with an allocator that counts every block handed out; then
-  random workloads, where the engine calls it again and again with one pool's
-  ``allocate``.
-* 07.2 ``choose_victim``: hand-made running lists (groups admitted in one step, one
-  admitted again after a recompute, samples sharing blocks); a wrong pick is named by the
-  typical wrong rule that gives it. Then random workloads.
-* 07.3 ``preempt_until_fits``: served in the engine next to the library's, call by call,
-  on edge scenarios then random workloads (:mod:`~paged_lib.course.grading.scheduler_loops`).
-"""
+"""Checks for chapter 07 (preemption), each against the library's function: 07.1
+``swap_mapping`` on tables with shared blocks, 07.2 ``choose_victim`` on hand-made running
+lists (a wrong pick named by the wrong rule that gives it), 07.3 ``preempt_until_fits``
+served next to the library's (:mod:`~paged_lib.course.grading.scheduler_loops`); each then
+on random workloads."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from types import SimpleNamespace
+from typing import Any
 
 from paged_lib.blocks import BlockAllocator, BlockTable
 from paged_lib.course import grading
-from paged_lib.course.demos.engine_compare import (  # the chapter's trace (notebook 07)
-    PRESSURE_BLOCK_SIZE,
-    PRESSURE_BLOCKS,
-    pressure_requests,
-)
 from paged_lib.course.grading import generated
 from paged_lib.course.grading import scheduler_loops as loops
 from paged_lib.course.grading.scheduler_loops import Scenario
@@ -30,10 +19,6 @@ from paged_lib.engine import policy
 from paged_lib.engine.block_manager import swap_mapping as lib_swap_mapping
 from paged_lib.engine.policy import choose_victim as lib_victim
 from paged_lib.engine.sequence import SamplingParams, Sequence, SequenceGroup, SequenceStatus
-
-__all__ = ["EQUIVALENT_MUTANTS", "PRESSURE_BLOCKS", "PRESSURE_BLOCK_SIZE",
-           "check_choose_victim", "check_preempt_until_fits", "check_swap_mapping",
-           "pressure_requests"]
 
 #: Mutants of the solutions that cannot change any answer (tools/mutants.py skips them).
 EQUIVALENT_MUTANTS: dict[str, dict[str, str]] = {"07.3": {
@@ -58,8 +43,7 @@ _SWAPS: list[tuple[str, list[list[int]], list[int]]] = [
 
 
 def _pool(order: list[int]) -> tuple[Callable[[], int], list[int]]:
-    """A destination pool's ``allocate``, handing out blocks in a fixed order (then 100,
-    101, ...: a real pool has more free blocks than one group needs), and what it handed."""
+    """A pool's ``allocate`` handing out ``order``, then 100, 101, ...; and what it handed."""
     handed: list[int] = []
 
     def allocate() -> int:
@@ -115,7 +99,6 @@ def _check_scenario(fn, name: str, tables: list[list[int]], order: list[int]) ->
              "blocks are first met, reading the tables left to right, top to bottom")):
         if wrong:
             grading.fail(f"{where}: {what}", hint)
-
 
 
 # ------------------------------------------------------------------ 07.2 choose_victim
@@ -222,9 +205,8 @@ def _running(groups: list[SequenceGroup]) -> str:
 
 
 def check_choose_victim(choose_victim: Callable[..., Any]) -> None:
-    """``choose_victim(running: list[SequenceGroup]) -> SequenceGroup``: the lists, a
-    wrong pick named by the wrong rule that picks what the learner picked on every list
-    (else on the first list it got wrong); then random workloads."""
+    """``choose_victim(running: list[SequenceGroup]) -> SequenceGroup``: a wrong pick is
+    named by the wrong rule that picks as the learner did on every list (else on the first)."""
     with grading.exercise("07.2"):
         picks, pool = [], BlockAllocator(200)
         for what, spec in _LISTS:
@@ -259,53 +241,30 @@ def check_choose_victim(choose_victim: Callable[..., Any]) -> None:
 # ------------------------------------------------------------------ 07.3 preempt_until_fits
 
 
-class Running(NamedTuple):
-    rid: int
-    admitted: int
-    seqs: int
-    decoding: bool
-    ran: bool
-    blocks: int
-
-
-class PreState(NamedTuple):
-    rid: int
-    need: int
-    free: int
-    running: tuple
-    mode: str
-    cpu_free: int | None
-    rule: str | None  # the engine's choose_victim, when it is not the library's
-
-
-def _snapshot(group, step) -> PreState:
-    running = tuple(Running(g.request_id, g.timeline.admitted_steps[-1], len(g.live_seqs()),
-                            step.is_decoding(g), step.ran(g), _blocks(g))
-                    for g in step.running)
+def _snapshot(group, step) -> SimpleNamespace:
     rule = step.hooks.choose_victim
-    told = None if rule is policy.choose_victim else \
-        (rule.__doc__ or rule.__name__).strip().splitlines()[0]
-    return PreState(group.request_id, step.blocks_needed, step.free_blocks, running,
-                    step.preemption, step.cpu_free_blocks, told)
+    return SimpleNamespace(
+        rid=group.request_id, need=step.blocks_needed, free=step.free_blocks,
+        mode=step.preemption, cpu_free=step.cpu_free_blocks,
+        running=[SimpleNamespace(rid=g.request_id, admitted=g.timeline.admitted_steps[-1],
+                                 seqs=len(g.live_seqs()), decoding=step.is_decoding(g),
+                                 ran=step.ran(g), blocks=_blocks(g)) for g in step.running],
+        rule=None if rule is policy.choose_victim else  # the engine's, when not the library's
+        (rule.__doc__ or rule.__name__).strip().splitlines()[0])
 
 
 def _decide(args, before, result) -> tuple:
-    step = args[1]
-    victims = []
+    step, victims = args[1], []
     for g in step.preempted[before[1]:]:
-        for name, queue in (("swapped", step.swapped), ("waiting", step.waiting)):
-            at = next((k for k, q in enumerate(queue) if q is g), None)
-            if at is not None:
-                how = "swapped out" if name == "swapped" and g.seqs[0].status.name == \
-                    "SWAPPED" else "freed"
-                victims.append((g.request_id, how, name, at))
-                break
-        else:
-            victims.append((g.request_id, "lost", "no queue", -1))
+        name, at = next(((name, k) for name, q in (("swapped", step.swapped), ("waiting",
+                         step.waiting)) for k, x in enumerate(q) if x is g), ("no queue", -1))
+        victims.append((g.request_id, "lost" if at < 0 else "swapped out" if name ==
+                        "swapped" and g.seqs[0].status.name == "SWAPPED" else "freed",
+                        name, at))
     return result, tuple(victims)
 
 
-def _describe(st: PreState) -> str:
+def _describe(st: SimpleNamespace) -> str:
     groups = ", ".join(
         f"request {r.rid} (admitted at step {r.admitted}, {r.seqs} sequence(s), "
         f"{'decoding' if r.decoding else 'part way through a prefill'}, {r.blocks} blocks"
@@ -317,79 +276,66 @@ def _describe(st: PreState) -> str:
 
 
 def _show(decision) -> str:
-    runs, victims = decision
-    if not victims:
-        done = "preempts nobody"
-    else:
-        done = "preempts " + ", ".join(
-            f"request {r} ({how}, to position {at} of {queue})" for r, how, queue, at in victims)
-    return f"{done} and answers {runs!r}"
+    return "preempts " + (", ".join(f"request {r} ({how}, to position {at} of {queue})"
+                                    for r, how, queue, at in decision[1]) or "nobody") + \
+        f" and answers {decision[0]!r}"
 
 
-def _why(st: PreState, lib, got) -> str:
+def _why(st: SimpleNamespace, lib, got) -> str:
+    by_id, order = {r.rid: r for r in st.running}, [r.rid for r in st.running]
     if isinstance(got, Exception):
-        biggest = max((r.blocks for r in st.running), default=0)
-        if st.mode == "swap" and st.cpu_free is not None and biggest > st.cpu_free:
-            return ("the CPU pool cannot take every victim: when step.can_swap_out(victim) "
-                    "says no, swap falls back to recompute (step.free)")
-        return ("for each victim: remove it from step.running, then step.swap_out(victim) or "
-                "step.free(victim), then put it at the front of step.swapped or step.waiting")
+        return _WHY["mode"] if st.mode == "swap" and st.cpu_free is not None and max(
+            (r.blocks for r in st.running), default=0) > st.cpu_free else _WHY["steps"]
     (_, lib_v), (_, mine) = lib, got
-    by_id = {r.rid: r for r in st.running}
-    for a, b in zip([v[:3] for v in lib_v], [v[:3] for v in mine], strict=False):
-        if a == b:
-            continue
-        if a[0] != b[0]:
-            me, asker = by_id.get(b[0]), by_id[st.rid]
-            if me is not None and me.ran:
-                return ("a group that already ran this step cannot be preempted (its tokens "
-                        "are scheduled): only the group asking and those after it that have "
-                        "not run yet")
-            order = [r.rid for r in st.running]
-            if b[0] in order and order.index(b[0]) < order.index(asker.rid):
-                return ("never preempt a group admitted before the one asking, even one "
-                        "that has not run yet this step: first come, first served")
-            if a[1] == "freed" and b[1] == "swapped out":
-                return (f"the engine's rule chose request {a[0]}, which cannot be swapped "
-                        "(its K/V is not all there, or the CPU pool cannot take it all): it "
-                        "is still the victim, recomputed; the loop does not pass it over "
-                        "for a group that could be swapped")
-            if st.rule is not None:
-                return ("ask step.hooks.choose_victim for the victim: the engine's rule may be "
-                        "another one (here it takes " + st.rule + "); offer it group and the "
-                        "groups after it that have not run, oldest first")
-            return ("the latest admitted goes first (vLLM pops its running queue from the "
-                    "end): it has done the least, and the group asking may be the victim "
-                    "itself")
-        if a[1] == b[1] == "freed" and a[2] != b[2]:
-            return (f"request {a[0]}'s blocks were freed, not copied: nothing of it waits on "
-                    "the CPU to be swapped back in; it is prefilled again from its text, from "
-                    "step.waiting, whatever the preemption mode")
-        if a[1] == "freed" and not by_id[a[0]].decoding:
-            return ("a group part way through a prefill cannot be swapped (its K/V is not "
-                    "all written): it is recomputed instead")
-        if a[1] == "freed" and st.mode == "swap":
-            return ("the CPU pool cannot take every block of the victim: swap falls back "
-                    "to recompute (step.can_swap_out)")
-        if a[1] == "freed":
-            return "preemption 'recompute' frees the victim's blocks (step.free)"
-        return "preemption 'swap' copies a decoding victim to the CPU pool (step.swap_out)"
-    if len(mine) < len(lib_v):
-        return ("keep preempting until the group's blocks fit: one victim may free too few "
-                "(a group shares blocks, or holds few)")
-    if len(mine) > len(lib_v):
-        return ("stop as soon as the blocks fit (step.blocks_needed <= step.free_blocks): "
-                "preempt nobody more, and nobody at all when they already fit")
-    if mine != lib_v:
-        queue = next(a for a, b in zip(lib_v, mine, strict=False) if a != b)[2]
-        if queue == "swapped":
-            return ("a victim swapped out goes to the FRONT of step.swapped (appendleft): "
-                    "swapped groups come back from the front, and victims leave latest "
-                    "first, so each one put in front keeps the earliest admitted first")
-        return ("a victim goes back to the FRONT of its queue (appendleft): it was admitted "
-                "before every group waiting, and comes back first")
-    return ("answer True when the group's blocks fit and it runs now, False when it was "
-            "preempted itself")
+    a, b = next(((a, b) for a, b in zip(lib_v, mine, strict=False) if a[:3] != b[:3]),
+                (None, None))
+    if a is None:
+        return _WHY["loop" if len(mine) != len(lib_v) else "front" if mine != lib_v else
+                    "answer"]
+    if a[0] == b[0]:
+        return _WHY["waiting" if a[1] == b[1] == "freed" else "mode"]
+    me = by_id.get(b[0])
+    return _WHY[next((rule for cond, rule in (
+        (me is not None and me.ran, "ran"),
+        (b[0] in order and order.index(b[0]) < order.index(st.rid), "before"),
+        (a[1] == "freed" and b[1] == "swapped out", "unswappable"),
+        (st.rule is not None, "hook")) if cond), "latest")]
+
+
+#: one hint per rule of preemption, whichever way the answer broke it
+_WHY = {
+    "steps": "for each victim: remove it from step.running, then step.swap_out(victim) or "
+             "step.free(victim), then put it at the front of step.swapped or step.waiting",
+    "ran": "a group that already ran this step cannot be preempted (its tokens are "
+           "scheduled): only the group asking and those after it that have not run yet",
+    "before": "never preempt a group admitted before the one asking, even one that has not "
+              "run yet this step: first come, first served",
+    "unswappable": "the engine's rule chose a victim that cannot be swapped (its K/V is not "
+                   "all there, or the CPU pool cannot take it all): it is still the victim, "
+                   "recomputed; the loop does not pass it over for a group that could be "
+                   "swapped",
+    "hook": "ask step.hooks.choose_victim for the victim: the engine's rule may be another "
+            "one; offer it group and the groups after it that have not run, oldest first",
+    "latest": "the latest admitted goes first (vLLM pops its running queue from the end): it "
+              "has done the least, and the group asking may be the victim itself",
+    "waiting": "a victim whose blocks were freed, not copied, has nothing waiting on the CPU "
+               "to be swapped back in: it is prefilled again from its text, from "
+               "step.waiting, whatever the preemption mode",
+    "mode": "preemption 'swap' copies a decoding victim to the CPU pool (step.swap_out), "
+            "'recompute' frees its blocks (step.free); a group part way through a prefill "
+            "cannot be swapped (its K/V is not all written), nor one the CPU pool cannot "
+            "take (step.can_swap_out): swap falls back to recompute",
+    "loop": "keep preempting until the group's blocks fit: one victim may free too few (a "
+            "group shares blocks, or holds few); stop as soon as they fit "
+            "(step.blocks_needed <= step.free_blocks), and preempt nobody at all when they "
+            "already fit",
+    "front": "a victim goes back to the FRONT of its queue (appendleft): it was admitted "
+             "before every group waiting, and comes back first; a victim swapped out goes "
+             "to the FRONT of step.swapped too (victims leave latest first, so each one put "
+             "in front keeps the earliest admitted first)",
+    "answer": "answer True when the group's blocks fit and it runs now, False when it was "
+              "preempted itself",
+}
 
 
 loops.LOOPS["preempt_until_fits"] = (_snapshot, _decide, _describe, _show, _why)

@@ -1,17 +1,14 @@
 """Grading a scheduler loop (06.4 ``schedule_waiting``, 07.3 ``preempt_until_fits``) by
-serving it next to the library's, call by call: each call is recorded as the state the hook
-saw and what it did, and the first call that differs fails with the state, both decisions
-and the chapter's hint. :func:`run_scheduler` serves the chapter's scenarios (the scheduler
-alone, every token 3), then random workloads, whose first difference is shrunk and told
-the same way.
-"""
+serving it next to the library's, call by call: the first call that differs fails with the
+state the hook saw, both decisions and the chapter's hint (scenarios, then random
+workloads, shrunk)."""
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from paged_lib.course import grading
 from paged_lib.course.grading import generated, serving
@@ -22,11 +19,10 @@ from paged_lib.engine.scheduler import Scheduler
 from paged_lib.engine.sequence import SamplingParams, Sequence, SequenceGroup
 
 
-@dataclass
-class Record:
+class Record(NamedTuple):
     step: int
-    state: Any       # what the hook saw (plain data)
-    decision: Any    # what it did (plain data)
+    state: Any  # what the hook saw
+    decision: Any  # what it did
 
 
 #: hook name -> (snapshot(args) -> state, decision(args, before, result) -> decision,
@@ -37,8 +33,7 @@ LOOPS: dict[str, tuple[Callable, ...]] = {}
 def recorder(name: str, fn: Callable, log: list[Record], where: list,
              reference: list[Record] | None = None, label: str = "") -> Callable:
     """``fn`` wrapped: every call is appended to ``log``; with ``reference`` (the
-    library's records of the same run), the first call that differs fails the check,
-    told as ``label``, the engine step, the state and the two decisions."""
+    library's records of the same run), the first call that differs fails the check."""
     snapshot, decide, describe, show, why = LOOPS[name]
 
     def call(*args: Any) -> Any:
@@ -81,12 +76,10 @@ def recorder(name: str, fn: Callable, log: list[Record], where: list,
 
 @dataclass(frozen=True)
 class Scenario:
-    """Requests served by the scheduler alone. ``requests``: (prompt length or token ids,
-    max_tokens, arrival step, n[, stop]); ``options``: the Scheduler's keywords (and
-    ``num_blocks``, ``block_size``, ``num_cpu_blocks``, ``enable_prefix_caching``);
-    ``hooks``: other engine hooks than the library's for both runs (a rule the loop must
-    ask, not assume). A request with a ``stop`` token id draws ``3 + j`` for its j-th
-    sample, and a sample that draws ``stop`` finishes (its group goes on with fewer)."""
+    """Requests served by the scheduler alone: ``requests`` (prompt length or token ids,
+    max_tokens, arrival step, n[, stop token: the j-th sample draws ``3 + j``]);
+    ``options``: the Scheduler's and BlockManager's keywords; ``hooks``: other engine
+    hooks for both runs."""
 
     name: str
     options: dict
@@ -95,8 +88,8 @@ class Scenario:
 
 
 def serve_scenario(sc: Scenario, hooks: EngineHooks, where: list, max_steps: int = 300) -> tuple:
-    """(tokens per request, free blocks at the end, steps, (finish step per request,
-    tokens recomputed)) of ``sc``, every token 3 (a group of ``n`` draws 3 per sample)."""
+    """(tokens per request, free blocks at the end, steps, (finish steps, tokens
+    recomputed)) of ``sc``, every token 3."""
     opts = dict(sc.options)
     bm = BlockManager(opts.pop("num_blocks"), opts.pop("block_size"),
                       num_cpu_blocks=opts.pop("num_cpu_blocks", 0),
@@ -125,21 +118,19 @@ def serve_scenario(sc: Scenario, hooks: EngineHooks, where: list, max_steps: int
 
 
 def _draws(s) -> list[tuple[int, float]]:
-    """Token 3 for every sample; ``3 + j`` for the j-th sample of a group with stop ids."""
     k, group = num_samples(s), s.group
     if not group.params.stop_token_ids:
         return [(3, 0.0)] * k
-    if k > 1:
-        return [(3 + j, 0.0) for j in range(k)]
-    return [(3 + next(j for j, q in enumerate(group.seqs) if q is s.seq), 0.0)]
+    return [(3 + j, 0.0) for j in range(k)] if k > 1 else \
+        [(3 + next(j for j, q in enumerate(group.seqs) if q is s.seq), 0.0)]
 
 
 _LIBRARY: dict[tuple[str, str], tuple[list[Record], tuple]] = {}
 
 
 def _compare(name: str, fn: Callable, label: str, serve: Callable, others: dict) -> Any:
-    """Serve with the library's hook ``name`` (recorded once per process, by ``label``),
-    then with ``fn`` compared call by call; what ``serve`` returned for each."""
+    """Serve with the library's hook ``name`` (once per process and ``label``), then with
+    ``fn`` compared call by call; what ``serve`` returned for each."""
     if (name, label) not in _LIBRARY:
         ref, where = [], [None]
         lib = recorder(name, getattr(EngineHooks(), name), ref, where)
@@ -157,11 +148,8 @@ def _compare(name: str, fn: Callable, label: str, serve: Callable, others: dict)
 
 
 def run_scheduler(name: str, fn: Callable, scenarios: list[Scenario], hint: str) -> None:
-    """Serve each scenario with the library's hook ``name`` and with ``fn``: fail at the
-    first call that differs, then on the tokens, blocks or steps at the end. Then the
-    random workloads: the first that differs is shrunk, served again call by call, and
-    told with its first differing call (or, if every call agrees, what differs, and
-    ``hint``)."""
+    """Each scenario, then the random workloads (the first that differs shrunk and served
+    again call by call), with the library's hook ``name`` and with ``fn``."""
     with serving.one_thread():
         for sc in scenarios:
             at = f"serving with your {name}: in '{sc.name}'"
