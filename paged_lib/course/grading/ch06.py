@@ -78,7 +78,7 @@ def _check_batch(fn, name, tables, seq_lens, query_lens, block_size) -> None:
                             f"{where}: {field} has dtype {value.dtype}, expected {dtype}",
                             _DTYPE_HINTS.get(field, f"{field} is {dtype}, the dtype the "
                                              "kernels take"))
-    _check_block_tables(got.block_tables, want.block_tables, tables, where)
+    _check_block_tables(got.block_tables, want.block_tables, where)
     _check_slots(got, want, tables, seq_lens, query_lens, block_size, where)
     for field in ("seq_lens", "query_lens"):
         grading.expect_equal(getattr(got, field).tolist(), getattr(want, field).tolist(),
@@ -86,7 +86,7 @@ def _check_batch(fn, name, tables, seq_lens, query_lens, block_size) -> None:
                              "this step) and query_lens[s] (its new tokens): the values given")
 
 
-def _check_block_tables(got: torch.Tensor, want: torch.Tensor, tables, where: str) -> None:
+def _check_block_tables(got: torch.Tensor, want: torch.Tensor, where: str) -> None:
     if tuple(got.shape) != tuple(want.shape):
         grading.fail(f"{where}: block_tables has shape {tuple(got.shape)}, expected "
                      f"{tuple(want.shape)}",
