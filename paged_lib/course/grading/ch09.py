@@ -310,10 +310,8 @@ class TileLog:
         self.num_heads, self.num_kv_heads = num_heads, nkv
         self.state = num_heads * (v_cache.shape[-1] + 2)
         self.reads: list[int] = []  # elements each read returned
-        # (kind, KV head) -> highest first position, lowest last one, walks its reads fit
-        self.far: dict[tuple[str, int], int] = {}
-        self.back: dict[tuple[str, int], int] = {}
-        self.ways: dict[tuple[str, int], set[str]] = {}
+        # (kind, KV head) -> [highest first position, lowest last one, walks its reads fit]
+        self.walks: dict[tuple[str, int], list] = {}
         self.live: dict[int, weakref.ref] = {}
         self.problem: str | None = None
         self.hint: str | None = None
@@ -347,15 +345,13 @@ class TileLog:
             for head in (inside % nkv).unique().tolist():
                 mine = inside[inside % nkv == head] // nkv
                 self._check_pass(kind, head, int(mine.min()), int(mine.max()))
-        self._check_held(lo // self.tile)
-        self._check_grown(lo)
+        self._check_live(lo)
         return lo, hi
 
     def _check_pass(self, kind: str, head: int, lo: int, hi: int) -> None:
         """A second pass goes back over positions passed, whichever way tiles are walked."""
-        key = (kind, head)
-        far, back = self.far.get(key, -1), self.back.get(key, 1 << 62)
-        ways = self.ways.setdefault(key, {"forward", "backward"})
+        walk = self.walks.setdefault((kind, head), [-1, 1 << 62, {"forward", "backward"}])
+        far, back, ways = walk
         if hi < far:
             ways.discard("forward")
         if lo > back:
@@ -368,16 +364,20 @@ class TileLog:
                       "max m, rescale what was summed so far by exp(m_old - m_new); and "
                       "the query heads that share a KV head are served by one read of it "
                       "(a loop over KV heads, not over query heads)")
-        self.far[key], self.back[key] = max(far, lo), min(back, hi)
+        walk[:2] = max(far, lo), min(back, hi)
 
-    def _check_held(self, now: int) -> None:
-        """At a read of tile ``now``: what is still alive from tile ``now - 2`` or older?"""
-        held: dict[int, int] = {}  # tile -> numbers still held that depend on it at most
+    def _check_live(self, lo: int) -> None:
+        """At a read from ``lo`` on (of tile ``now``): what is still alive from tile ``now - 2``
+        or older, and a big tensor from before the previous tile (and a block on each side,
+        for whole-block reads) that grew tile after tile."""
+        now, held, grown = lo // self.tile, {}, []  # held: tile -> numbers depending on it
         for key, ref in list(self.live.items()):
             t = ref()
             if t is None:
                 del self.live[key]
                 continue
+            if t.numel() > self.small and t._from[0] < lo - 2 * self.tile - self.block_size:
+                grown.append(t)
             last = t._span[1] // self.tile
             if last > now - 2:
                 continue
@@ -393,18 +393,11 @@ class TileLog:
                       f"computed from {len(held)} earlier tiles ({sorted(held)}): you keep "
                       "every tile's scores or state and combine them at the end, so what "
                       "you hold grows with the sequence", _ONE_STATE)
-
-    def _check_grown(self, lo: int) -> None:
-        """At a read from ``lo`` on: a big live tensor from before the previous tile (and a
-        block on each side, for whole-block reads) grew tile after tile."""
-        for ref in list(self.live.values()):
-            t = ref()
-            if t is not None and t.numel() > self.small \
-                    and t._from[0] < lo - 2 * self.tile - self.block_size:
-                self.flag(f"while reading from position {lo} on you still hold a tensor of "
-                          f"shape {tuple(t.shape)} computed from positions {t._from[0]}-"
-                          f"{t._from[1]}: scores or values concatenated tile after tile, so "
-                          "what you hold grows with the sequence", _ONE_STATE)
+        for t in grown:
+            self.flag(f"while reading from position {lo} on you still hold a tensor of shape "
+                      f"{tuple(t.shape)} computed from positions {t._from[0]}-{t._from[1]}: "
+                      "scores or values concatenated tile after tile, so what you hold grows "
+                      "with the sequence", _ONE_STATE)
 
     def track(self, t: torch.Tensor, span: tuple[int, int], data: tuple[int, int]) -> None:
         t._span, t._from = span, data
