@@ -25,7 +25,6 @@ from paged_lib.course import grading
 from paged_lib.course.grading.generated import numeric, small_counts
 from paged_lib.course.grading.generated.small_attention import rng
 from paged_lib.course.grading.slips import name_mistake, name_slip
-from paged_lib.kernels import paged_attention
 from paged_lib.kernels.torch_backend import paged_attention_torch
 from paged_lib.studies.block_size import choose_block_size, internal_waste
 from paged_lib.util import CheckFailed, cdiv
@@ -189,25 +188,21 @@ def _wrong_choices(lengths: list[int], allowed: list[int], budget: float) -> dic
                for b in allowed}
     tokens, f32 = sum(lengths), np.float32
     rules: dict[str, Callable[[int], bool]] = {
-        "the waste computed in float32: a waste exactly at the budget rounds above it "
-        "(Python's floats are float64)": lambda b: float(f32(waste[b])) <= budget,
-        "the waste equals the budget as the float you are given (float division gives "
-        "exactly max_waste), so the size fits: compared as exact fractions with "
-        "Fraction(max_waste) it lands above (the float 0.3 is a hair below 3/10)":
+        "the waste computed in float32: a waste exactly at the budget rounds above it":
+            lambda b: float(f32(waste[b])) <= budget,
+        "the waste equals the budget as the float you are given, so the size fits: "
+        "compared as exact fractions with Fraction(max_waste) it lands above":
             lambda b: Fraction(held[b] - tokens, held[b]) <= Fraction(budget),
-        "the waste equals the budget as the floats you are given (float64), so the size "
-        "fits: max_waste rounded to float32 (np.float32, a float32 tensor) is a hair below":
+        "the waste equals the budget as the floats you are given, so the size fits: "
+        "max_waste rounded to float32 is a hair below it":
             lambda b: (held[b] - tokens) / held[b] <= float(f32(budget)),
-        "the waste is a hair above the budget (one slot in 256 million) as Python's floats "
-        "compute it, so the size does not fit: in float32 (torch's default dtype, or "
-        "np.float32) both round to the same number":
+        "the waste is a hair above the budget as Python's floats compute it, so the size "
+        "does not fit: in float32 (torch's default dtype, or np.float32) both round alike":
             lambda b: bool(f32(held[b] - tokens) / f32(held[b]) <= f32(budget)),
-        "the waste computed as 1 - tokens / held: the subtraction rounds (1 - 7/10 is above "
-        "0.3); divide the empty slots by the slots held, as 09.1 does":
-            lambda b: 1 - tokens / held[b] <= budget,
-        "the budget multiplied out (held - tokens <= max_waste * held): the product rounds "
-        "(0.35 * 180 is below 63); divide, as 09.1 does": lambda b: held[b] - tokens
-        <= budget * held[b],
+        "the waste computed as 1 - tokens / held: the subtraction rounds; divide the empty "
+        "slots by the slots held": lambda b: 1 - tokens / held[b] <= budget,
+        "the budget multiplied out (held - tokens <= max_waste * held): the product rounds":
+            lambda b: held[b] - tokens <= budget * held[b],
         "the budget held by every sequence on its own: it is on the memory all the "
         "sequences hold together":
             lambda b: all(internal_waste([x], b) <= budget for x in lengths),
@@ -222,15 +217,13 @@ def _wrong_choices(lengths: list[int], allowed: list[int], budget: float) -> dic
             min(per_seq, key=lambda b: (per_seq[b], b))
     fits = [b for b in allowed if waste[b] <= budget]
     return out | ({
-        "the smallest block that fits the budget: the largest one is asked (fewer, bigger "
-        "blocks for the kernel and the block manager)": min(fits),
-        "the least wasteful size although several keep the budget: within the budget the "
-        "kernel's side decides (fewer, bigger blocks)": least,
+        "the smallest block that fits the budget: the largest one is asked": min(fits),
+        "the least wasteful size although several keep the budget: the largest one that "
+        "keeps it is asked": least,
         "the first size that fits in the list's order: allowed is not sorted": fits[0],
         "the last size that fits in the list's order: allowed is not sorted": fits[-1],
         "the last size that fits in a set's order: allowed is not sorted, and a set is not "
-        "either (small ones only happen to come out so)":
-            [b for b in set(allowed) if waste[b] <= budget][-1]} if fits else {
+        "either": [b for b in set(allowed) if waste[b] <= budget][-1]} if fits else {
         "two sizes waste the same: return the smaller":
             max(b for b in allowed if waste[b] == waste[least]),
         "when no size fits, return the one that wastes least": max(allowed),
@@ -282,8 +275,7 @@ def check_choose_block_size(fn: Callable[[Sequence[int], Sequence[int], float], 
 
 # ------------------------------------------------------------------ 09.3 attend_tiles
 
-_ONE_STATE = ("between tiles hold one running (m, l, acc) and nothing else: fold each tile "
-              "into it as soon as it is read")
+_ONE_STATE = "between tiles hold one running (m, l, acc) and nothing else"
 _READS = (torch.Tensor.__getitem__, torch.index_select, torch.Tensor.index_select,
           torch.gather, torch.Tensor.gather, torch.take, torch.Tensor.take)
 
@@ -357,13 +349,11 @@ class TileLog:
         if lo > back:
             ways.discard("backward")
         if not ways:  # neither a forward nor a backward walk: a second pass
-            self.flag(f"read {kind} (KV head {head}) of positions {lo}-{hi} again after your "
-                      "reads of it had gone past them: a second pass over the sequence (the "
-                      "max first, then the sum)",
-                      "one pass over the tiles is enough: when a tile raises the running "
-                      "max m, rescale what was summed so far by exp(m_old - m_new); and "
-                      "the query heads that share a KV head are served by one read of it "
-                      "(a loop over KV heads, not over query heads)")
+            self.flag(f"read {kind} (KV head {head}) of positions {lo}-{hi} again: a second "
+                      "pass over the sequence (the max first, then the sum)", "one pass over "
+                      "the tiles is enough (rescale by exp(m_old - m_new)), and one read per "
+                      "KV head serves its query heads (a loop over KV heads, not over query "
+                      "heads)")
         walk[:2] = max(far, lo), min(back, hi)
 
     def _check_live(self, lo: int) -> None:
@@ -383,21 +373,17 @@ class TileLog:
                 continue
             held[last] = held.get(last, 0) + t.numel()
             if t.numel() > self.small:
-                self.flag(f"while reading tile {now} you still hold a tensor of shape "
-                          f"{tuple(t.shape)} computed from tile {last}: you keep earlier "
-                          "tiles' scores or values",
-                          "fold each tile into the running (m, l, acc) and let its scores "
-                          "and values go: a kernel holds one tile at a time")
+                self.flag(f"at tile {now} you still hold a {tuple(t.shape)} tensor from tile "
+                          f"{last}: you keep earlier tiles' scores or values", "fold each "
+                          "tile into the running (m, l, acc) and let its scores and values go")
         if len(held) > 1 and sum(held.values()) > 1.5 * self.state:
-            self.flag(f"while reading tile {now} you still hold {sum(held.values())} numbers "
-                      f"computed from {len(held)} earlier tiles ({sorted(held)}): you keep "
-                      "every tile's scores or state and combine them at the end, so what "
-                      "you hold grows with the sequence", _ONE_STATE)
+            self.flag(f"at tile {now} you still hold {sum(held.values())} numbers from tiles "
+                      f"{sorted(held)}: you keep every tile's scores or state and combine them "
+                      "at the end", _ONE_STATE)
         for t in grown:
-            self.flag(f"while reading from position {lo} on you still hold a tensor of shape "
-                      f"{tuple(t.shape)} computed from positions {t._from[0]}-{t._from[1]}: "
-                      "scores or values concatenated tile after tile, so what you hold grows "
-                      "with the sequence", _ONE_STATE)
+            self.flag(f"at position {lo} you still hold a {tuple(t.shape)} tensor from positions "
+                      f"{t._from[0]}-{t._from[1]}: scores or values concatenated tile after "
+                      "tile", _ONE_STATE)
 
     def track(self, t: torch.Tensor, span: tuple[int, int], data: tuple[int, int]) -> None:
         t._span, t._from = span, data
@@ -424,15 +410,11 @@ class TileTensor(torch.Tensor):
         return out
 
 
-def _tensors(x) -> list[torch.Tensor]:
-    return [t for t in tree_leaves(x) if isinstance(t, torch.Tensor)]
-
-
 def _after(log: TileLog, func, args, kwargs, out) -> None:
-    outs = [t for t in _tensors(out) if isinstance(t, TileTensor)]
+    outs = [t for t in tree_leaves(out) if isinstance(t, TileTensor)]
     if not outs:
         return
-    ins = _tensors((args, kwargs))
+    ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     views = [(t, p) for t in ins if (p := log.positions(t)) is not None]
     spans = [s for s in (getattr(t, "_span", None) for t in ins) if s is not None]
     # the data carried element by element: not a state of one number per head
@@ -453,11 +435,9 @@ def _after(log: TileLog, func, args, kwargs, out) -> None:
         _watch_finite(log, func, ins, outs)
     spans = [s for s in spans + reads if s is not None]
     datas = [s for s in datas + reads if s is not None] or spans
-    span = (min(s[0] for s in spans), max(s[1] for s in spans)) if spans else None
-    if span is not None:
-        data = (min(s[0] for s in datas), max(s[1] for s in datas))
-        for o in outs:
-            log.track(o, span, data)
+    for o in outs if spans else ():
+        log.track(o, (min(s[0] for s in spans), max(s[1] for s in spans)),
+                  (min(s[0] for s in datas), max(s[1] for s in datas)))
 
 
 def _watch_finite(log: TileLog, func, ins: list[torch.Tensor], outs: list) -> None:
@@ -500,12 +480,10 @@ CASES = [(name, numeric.Tiles(seed, bs, tile, n, 4, 2, 8, dtype, profile, loud, 
 
 
 def reference(c: Case) -> torch.Tensor:
-    """paged_attention's torch backend (its code directly for float64, which it computes in)."""
-    args = (c.q[None], c.k_cache, c.v_cache, c.table[None].clamp(min=0),
-            torch.tensor([c.seq_len], dtype=torch.int32))
-    if c.q.dtype == torch.float64:
-        return paged_attention_torch(*args, c.q.shape[-1] ** -0.5)[0]
-    return paged_attention(*args, backend="torch")[0]
+    """The library's answer: paged_attention's torch backend."""
+    return paged_attention_torch(c.q[None], c.k_cache, c.v_cache, c.table[None].clamp(min=0),
+                                 torch.tensor([c.seq_len], dtype=torch.int32),
+                                 c.q.shape[-1] ** -0.5)[0]
 
 
 def _variant(c: Case, *, block_of: str = "block", rescale: bool | str = True,
@@ -542,28 +520,22 @@ def _variant(c: Case, *, block_of: str = "block", rescale: bool | str = True,
 
 #: (how the mistake is made, the hint naming it)
 _MISTAKES: list[tuple[dict, str]] = [
-    (dict(rescale=False), "when a tile raises the running max m, what was summed so far "
-     "(the denominator and the accumulator) is rescaled by exp(m_old - m_new); yours "
-     "rescales neither"),
-    (dict(rescale="inverted"), "the factor that rescales the denominator and the "
-     "accumulator when the running max grows is exp(m_old - m_new), at most 1, not "
+    (dict(rescale=False), "when a tile raises the running max, the denominator and the "
+     "accumulator are rescaled by exp(m_old - m_new); yours rescales neither"),
+    (dict(rescale="inverted"), "the rescaling factor is exp(m_old - m_new), at most 1, not "
      "exp(m_new - m_old)"),
-    (dict(rescale="l"), "when a tile raises the running max m, the accumulator is rescaled "
-     "by exp(m_old - m_new) as the denominator is: yours adds p . v to values still "
-     "weighted by the old max"),
-    (dict(rescale="acc"), "when a tile raises the running max m, the denominator l is "
-     "rescaled by exp(m_old - m_new) as the accumulator is: yours adds exp(s - m_new) to a "
-     "sum still taken with the old max"),
-    (dict(block_of="tile"), "a token's block is block_table[pos // block_size] and its slot "
-     "pos % block_size, whatever the tile: a tile may span several blocks"),
-    (dict(kv="mod"), "query head h reads KV head h // (num_heads // num_kv_heads): the "
-     "heads that share a KV head are neighbours; yours read KV head h % num_kv_heads, "
-     "as .repeat(...) lays the KV heads out (repeat_interleave keeps groups together)"),
+    (dict(rescale="l"), "the accumulator is rescaled by exp(m_old - m_new) as the "
+     "denominator is"),
+    (dict(rescale="acc"), "the denominator l is rescaled by exp(m_old - m_new) as the "
+     "accumulator is"),
+    (dict(block_of="tile"), "a token's block is block_table[pos // block_size], whatever the "
+     "tile: a tile may span several blocks"),
+    (dict(kv="mod"), "query head h reads KV head h // (num_heads // num_kv_heads); yours read "
+     "KV head h % num_kv_heads, as .repeat(...) lays them out (not repeat_interleave)"),
     (dict(scale=False), "scores are q . k / sqrt(head_dim)"),
-    (dict(whole_tiles=True), "the last tile holds what is left (seq_len % tile tokens), "
-     "and it counts too"),
+    (dict(whole_tiles=True), "the last tile holds what is left (seq_len % tile tokens)"),
     (dict(wide=torch.float32), "computed in float32, then cast to float64: compute in "
-     "float64 when q is float64 (float32 for 16-bit inputs)"),
+     "float64 when q is float64"),
 ]
 
 
@@ -571,34 +543,27 @@ def _hint(c: Case, p: numeric.Tiles, got: torch.Tensor, want: torch.Tensor,
           log: TileLog) -> str:
     lo, hi = p.scores()
     if c.seq_len == 0:
-        return ("a sequence of length 0 has nothing to attend to: return zeros (as "
-                "paged_attention does for a padding row), not 0 / 0")
+        return "a sequence of length 0 has nothing to attend to: return zeros, not 0 / 0"
     made = log.made_nonfinite
     if not got.isfinite().all() and want.isfinite().all() and (made or log.past_end):
         if made is None:
-            return ("NaN: a slot past the sequence's end was read (every unused slot is NaN, "
-                    "and the table's padding -1 indexes the cache's last block): read only "
-                    "positions below seq_len")
+            return ("NaN: a slot past the sequence's end was read (unused slots are NaN): "
+                    "read only positions below seq_len")
         if "exp" in made[0] and made[1] == "inf":
-            return (f"exp of a raw score overflows (scores here reach {hi:.0f}; in float32 "
-                    "exp is inf from 89 on, and inf / inf is NaN): subtract the running max "
-                    "m before exp, exp(s - m_new), and rescale what was summed (chapter 04's "
-                    "online softmax)")
+            return (f"exp of a raw score overflows (scores here reach {hi:.0f}; float32's exp "
+                    "is inf from 89 on): subtract the running max m before exp")
         if made[1] == "nan" and made[2]:  # 0 / 0
-            return (f"exp underflowed to 0 for every score of a head (scores here go down to "
-                    f"{lo:.0f}; in float32 exp is 0 below about -104), so the denominator is "
-                    "0 and 0 / 0 is NaN: subtract the running max, the largest score seen so "
-                    "far, starting from -inf (not 0), so that the largest term is exp(0) = 1")
-        return (f"{made[0]} turned finite numbers into {made[1]} (scores here run from "
-                f"{lo:.0f} to {hi:.0f}): keep every exp's argument at most 0 by subtracting "
-                "the running max")
+            return (f"exp underflowed to 0 for every score of a head (scores down to {lo:.0f}"
+                    "), and 0 / 0 is NaN: subtract the running max, starting from -inf (not 0)")
+        return (f"{made[0]} turned finite numbers into {made[1]} (scores {lo:.0f} to {hi:.0f}"
+                "): keep every exp's argument at most 0 by subtracting the running max")
     slips, hints = {}, {}
     for i, (how, hint) in enumerate(_MISTAKES):
         with contextlib.suppress(IndexError, RuntimeError):
             slips[i], hints[i] = _variant(c, **how).double(), hint
-    return name_slip(got, want, slips, hints) or (  # the slip far closer to got than want
-        "each tile's tokens are gathered from the blocks they sit in and folded into the "
-        "running max, denominator and accumulator (chapter 04's online softmax)")
+    return name_slip(got, want, slips, hints) or ("each tile's tokens are gathered from their "
+                                                  "blocks and folded into the running max, "
+                                                  "denominator and accumulator")
 
 
 def check_case(fn: Callable, p: numeric.Tiles, name: str | None = None) -> None:
@@ -641,10 +606,8 @@ def check_case(fn: Callable, p: numeric.Tiles, name: str | None = None) -> None:
     most = max(log.reads, default=0)
     if c.seq_len > c.tile and most > spans * bs * row:
         grading.fail(f"{what}: one read of the cache returned {most // row} token rows; a "
-                     f"tile of {c.tile} spans at most {spans} blocks of {bs}",
-                     "gather each tile's tokens when you reach it, not the whole sequence "
-                     "at once (nor convert the whole cache first): the tile is what a "
-                     "kernel holds on chip")
+                     f"tile of {c.tile} spans at most {spans} blocks of {bs}", "gather each "
+                     "tile's tokens when you reach it, not the whole sequence at once")
     if log.problem is not None:
         grading.fail(f"{what}: {log.problem}", log.hint)
 
