@@ -285,19 +285,17 @@ class TileLog:
 
     def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
                  seq_len: int, tile: int, num_heads: int):
-        nb, bs, _, d = k_cache.shape
+        nb, bs, nkv, d = k_cache.shape
         posmap = torch.full((nb, bs), -1, dtype=torch.int64)
         for j, b in enumerate(table.tolist()[:-(-seq_len // bs)] if seq_len else []):
             n = min(bs, seq_len - j * bs)
             posmap[b, :n] = torch.arange(j * bs, j * bs + n)
-        nkv = k_cache.shape[2]
         posmap = torch.where(posmap >= 0, posmap * nkv, posmap)  # position * nkv + KV head
         self.caches = {}  # storage pointer -> (kind, element-wise position map, its offset)
         for kind, cache in (("K", k_cache), ("V", v_cache)):
             full = (posmap[:, :, None, None] + torch.arange(nkv)[None, None, :, None]
                     * (posmap[:, :, None, None] >= 0)).expand(cache.shape).contiguous()
-            self.caches[cache.untyped_storage().data_ptr()] = (kind, full,
-                                                               cache.storage_offset())
+            self.caches[cache.untyped_storage().data_ptr()] = kind, full, cache.storage_offset()
         self.tile, self.small, self.block_size = tile, num_heads * d, bs
         self.num_heads, self.num_kv_heads = num_heads, nkv
         self.state = num_heads * (v_cache.shape[-1] + 2)
@@ -305,7 +303,7 @@ class TileLog:
         # (kind, KV head) -> [highest first position, lowest last one, walks its reads fit]
         self.walks: dict[tuple[str, int], list] = {}
         self.live: dict[int, weakref.ref] = {}
-        self.problem: str | None = None
+        self.problem: str | None = None  # the first problem flagged, and its hint
         self.hint: str | None = None
         self.past_end = False  # a read returned a slot past seq_len (or of the padding)
         #: the first op to make inf or nan of finite inputs: (name, what, an input held 0)
@@ -589,9 +587,8 @@ def check_case(fn: Callable, p: numeric.Tiles, name: str | None = None) -> None:
     grading.expect_true(got.dtype == c.q.dtype and tuple(got.shape) == tuple(c.q.shape),
                         f"{what}: returned {got.dtype} {tuple(got.shape)}, expected "
                         f"{c.q.dtype} {tuple(c.q.shape)}", "the output has q's shape and dtype"
-                        + ("" if tuple(got.shape) != tuple(c.q.shape) else ": compute in "
-                           "float32 (float64 when q is float64), then cast the result with "
-                           ".to(q.dtype) at the end"))
+                        + ("" if tuple(got.shape) != tuple(c.q.shape) else ": compute wide, "
+                           "then cast the result with .to(q.dtype)"))
     # (float32: an absolute 1e-5, as an output near 0 sums terms of about 1)
     tol = {torch.float64: (1e-10, 1e-12), torch.float16: (2e-3, 2e-3)}.get(c.q.dtype,
                                                                            (1e-5, 1e-5))
