@@ -300,7 +300,7 @@ class TileLog:
         self.num_heads, self.num_kv_heads = num_heads, nkv
         self.state = num_heads * (v_cache.shape[-1] + 2)
         self.reads: list[int] = []  # elements each read returned
-        # (kind, KV head) -> [highest first position, lowest last one, walks its reads fit]
+        # (kind, KV head) -> [highest first position, lowest last one, forward?, backward?]
         self.walks: dict[tuple[str, int], list] = {}
         self.live: dict[int, weakref.ref] = {}
         self.problem: str | None = None  # the first problem flagged, and its hint
@@ -340,13 +340,10 @@ class TileLog:
 
     def _check_pass(self, kind: str, head: int, lo: int, hi: int) -> None:
         """A second pass goes back over positions passed, whichever way tiles are walked."""
-        walk = self.walks.setdefault((kind, head), [-1, 1 << 62, {"forward", "backward"}])
-        far, back, ways = walk
-        if hi < far:
-            ways.discard("forward")
-        if lo > back:
-            ways.discard("backward")
-        if not ways:  # neither a forward nor a backward walk: a second pass
+        walk = self.walks.setdefault((kind, head), [-1, 1 << 62, True, True])
+        far, back = walk[:2]
+        walk[2:] = walk[2] and hi >= far, walk[3] and lo <= back  # a forward, backward walk
+        if not any(walk[2:]):  # neither: a second pass
             self.flag(f"read {kind} (KV head {head}) of positions {lo}-{hi} again: a second "
                       "pass over the sequence (the max first, then the sum)", "one pass over "
                       "the tiles is enough (rescale by exp(m_old - m_new)), and one read per "

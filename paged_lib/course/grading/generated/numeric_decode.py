@@ -170,16 +170,16 @@ def _draw_ramp(ex: str, seed: int) -> Ramp:
             [1, 2, 4, 8, 32])), ("block", block), ("shared", pick([False, True]))))
     if ex == "05.3":
         n = pick([1, 2, 3, 5, 7, 8, 13, 16, 17, 31])
-        return Ramp(ex, seed, (("shifts", tuple(pick([0.0, 500.0, -50.0, -200.0, -1000.0,
-                                                      90.0, -90.0]) for _ in range(pick(
-                                                          [1, 2, 3])))),
-                               ("n", n), ("block", 1 << (n - 1).bit_length() << pick([0, 0, 1])),
+        shifts = tuple(pick([0.0, 500.0, -50.0, -200.0, -1000.0, 90.0, -90.0])
+                       for _ in range(pick([1, 2, 3])))
+        return Ramp(ex, seed, (("shifts", shifts), ("n", n),
+                               ("block", 1 << (n - 1).bit_length() << pick([0, 0, 1])),
                                ("spread", pick([3.0, 1e-3, 30.0])),
                                ("ties", pick([False] * 4 + [True]))))
     tile, profile, batch = pick([1, 2, 4, 8]), list(_LEVELS)[seed % len(_LEVELS)], pick([1, 2, 3])
-    return Ramp(ex, seed, (("batch", batch), ("n", _span(pick, pick(range(1, 12 // batch + 1)),
-                                                          tile)),
-                           ("d", pick([2, 4, 8, 16])), ("tile", tile), ("profile", profile),
+    n = _span(pick, pick(range(1, 12 // batch + 1)), tile)
+    return Ramp(ex, seed, (("batch", batch), ("n", n), ("d", pick([2, 4, 8, 16])),
+                           ("tile", tile), ("profile", profile),
                            ("loud", pick([1e-3, 1.0, 40.0]) if profile == "random" else 1.0),
                            ("scale", ("head", "gemma", "mla")[seed % 3])))
 
