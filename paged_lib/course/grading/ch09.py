@@ -1,13 +1,6 @@
-"""Chapter 09 (block size).
-
-09.1 ``internal_waste``: generated cases only (valid input, then bad input too), a wrong
-answer named by the typical mistake that gives it. 09.2 ``choose_block_size``: fixed cases
-(wastes exactly at a budget), the mistake named likewise; bad input; generated cases.
-09.3 ``attend_tiles``: the fixed :data:`CASES`, then
-:func:`~paged_lib.course.grading.generated.numeric.tile_cases`, each compared with
-``paged_attention`` (unused slots NaN, the table padded with -1). :class:`TileTensor` maps
-every read of the caches to the positions it returns, and :class:`TileLog` flags state
-kept from earlier tiles, a tensor grown tile after tile, or a second pass over a KV head.
+"""Chapter 09 (block size): 09.1 ``internal_waste`` and 09.2 ``choose_block_size`` (fixed and
+generated cases, a wrong answer named by the mistake that gives it), 09.3 ``attend_tiles``
+(fixed and generated cases against ``paged_attention``; :class:`TileLog` watches the reads).
 """
 
 from __future__ import annotations
@@ -32,7 +25,6 @@ from paged_lib.course import grading
 from paged_lib.course.grading.generated import numeric, small_counts
 from paged_lib.course.grading.generated.small_attention import rng
 from paged_lib.course.grading.slips import name_mistake, name_slip
-from paged_lib.kernels import paged_attention
 from paged_lib.kernels.torch_backend import paged_attention_torch
 from paged_lib.studies.block_size import choose_block_size, internal_waste
 from paged_lib.util import CheckFailed, cdiv
@@ -47,31 +39,31 @@ __all__ = ["CASES", "check_attend_tiles", "check_case", "check_choose_block_size
 def _wrong_waste(lengths: Sequence[int], b: int) -> dict[str, float]:
     """What the typical mistakes return on one case, with the hint that names each."""
     n = [int(x) for x in lengths]
-    held = sum(cdiv(x, b) * b for x in n)
-    out: dict[str, float] = {}
+    tok, held = sum(n), sum(cdiv(x, b) * b for x in n)
+    mean = tok / len(n)
+    at_mean = math.ceil(mean / b) * b
 
-    def share(blocks: Callable[[int], int], over: str = "held") -> float | None:
+    def share(blocks: Callable[[int], int], den: int | None = None) -> float | None:
         h = sum(blocks(x) * b for x in n)
-        den = h if over == "held" else sum(n)
-        return None if den == 0 else (h - sum(n)) / den
+        return None if (den or h) == 0 else (h - tok) / (den or h)
 
-    out["a full last block counted as one block more (x // B + 1 blocks: off by one "
-        "block)"] = share(lambda x: x // b + 1)
-    out["the partly filled last block is not counted (x // B blocks): it is the one that "
-        "holds the waste"] = share(lambda x: x // b)
-    out["averaged over sequences instead of over slots: a long sequence holds more slots "
-        "and weighs more"] = sum((cdiv(x, b) * b - x) / (cdiv(x, b) * b) for x in n) / len(n)
-    out["divided by the tokens, not by the slots held"] = share(lambda x: cdiv(x, b), "tokens")
-    out["returned the filled share: the waste is the empty one"] = 1 - (held - sum(n)) / held
-    out["a sequence whose length is a multiple of the block size has no empty slot (B - "
-        "length % B counts a whole empty block there)"] = sum(b - x % b for x in n) / held
-    out["divided by the last blocks' slots only: the share is over every slot the "
-        "sequences hold"] = (held - sum(n)) / (len(n) * b)
-    mean = sum(n) / len(n)
-    out["computed on the mean length: each sequence rounds up its own last block"] = \
-        (math.ceil(mean / b) * b - mean) / (math.ceil(mean / b) * b)
-    out["computed in float32, then cast to a float: the share is off in its 8th digit "
-        "(Python's floats are float64)"] = float(np.float32(held - sum(n)) / np.float32(held))
+    out = {
+        "a full last block counted as one block more (x // B + 1 blocks: off by one block)":
+            share(lambda x: x // b + 1),
+        "the partly filled last block is not counted (x // B blocks): it holds the waste":
+            share(lambda x: x // b),
+        "averaged over sequences instead of over slots: a long sequence holds more slots":
+            sum((cdiv(x, b) * b - x) / (cdiv(x, b) * b) for x in n) / len(n),
+        "divided by the tokens, not by the slots held": share(lambda x: cdiv(x, b), tok),
+        "returned the filled share: the waste is the empty one": 1 - (held - tok) / held,
+        "a sequence whose length is a multiple of the block size has no empty slot (B - "
+        "length % B counts a whole empty block there)": sum(b - x % b for x in n) / held,
+        "divided by the last blocks' slots only: the share is over every slot held":
+            (held - tok) / (len(n) * b),
+        "computed on the mean length: each sequence rounds up its own last block":
+            (at_mean - mean) / at_mean,
+        "computed in float32, then cast to a float: the share is off in its 8th digit "
+        "(Python's floats are float64)": float(np.float32(held - tok) / np.float32(held))}
     return {hint: v for hint, v in out.items() if v is not None}
 
 
@@ -83,7 +75,6 @@ def check_internal_waste(fn: Callable[[Sequence[int], int], float]) -> None:
     """09.1: the empty share of whole blocks, over all slots."""
     with grading.exercise("09.1"):
         # valid input first, where a shrink neither reaches bad input nor stops at a crash
-        # (x // B blocks divides by 0 on [1] at 3), then all of it
         cases = waste_cases(100)
         numeric.check("09.1", [c for c in cases if _valid(c)],
                       lambda p: _valid(p) and _run_waste(fn, p, crash_ok=True))
@@ -92,9 +83,6 @@ def check_internal_waste(fn: Callable[[Sequence[int], int], float]) -> None:
 
 def _valid(p: Waste) -> bool:
     return bool(p.lengths) and min((p.block_size, *p.lengths)) > 0
-
-
-_BAD = "bad input (no lengths, a length or block size below 1) raises ValueError"
 
 
 @dataclass(frozen=True)
@@ -109,34 +97,28 @@ class Waste:
         return f"internal_waste({list(self.lengths)}, {self.block_size})"
 
     def states(self) -> list[str]:
-        out = ["a negative length"] if any(n < 0 for n in self.lengths) else []
-        out += ["a negative block size"] if self.block_size < 0 else []
-        out += ["a pool past 2**32 slots"] if sum(map(abs, self.lengths)) > 2 ** 32 else []
-        return out + ["a length listed twice"] if len(set(self.lengths)) < len(
-            self.lengths) else out
+        n = self.lengths
+        return [s for s, on in (("a negative length", any(x < 0 for x in n)),
+                                ("a negative block size", self.block_size < 0),
+                                ("a pool past 2**32 slots", sum(map(abs, n)) > 2 ** 32),
+                                ("a length listed twice", len(set(n)) < len(n))) if on]
 
     def smaller(self) -> Iterator[Waste]:
         n = self.lengths
         for i in range(len(n)):
-            yield dataclasses.replace(self, lengths=n[:i] + n[i + 1:])
-            for x in sorted({1, -1, max(n[i] // 2, 1)} - {n[i]}):
-                yield dataclasses.replace(self, lengths=n[:i] + (x,) + n[i + 1:])
+            for x in [(), *((v,) for v in sorted({1, -1, max(n[i] // 2, 1)} - {n[i]}))]:
+                yield dataclasses.replace(self, lengths=n[:i] + x + n[i + 1:])
         yield from numeric.fewer(self, block_size=sorted({1, -1, self.block_size // 2} - {0}))
 
 
-_LENGTHS = [1, 1, 3, 7, 16, 33, 100, 4097, 0, -1, -5, 10 ** 10 + 1]
-_SIZES = [1, 3, 5, 6, 12, 16, 100, 3 * 10 ** 9, 0, -1, -16]
-
-
 def waste_cases(count: int = 40) -> list[Waste]:
-    """09.1's generated cases (seeds 0, 1, ...): block sizes not powers of two, repeated
-    lengths, pools past 2**32 slots, and bad input beyond 0: negative lengths and sizes."""
-    out = []
-    for seed in range(count):
-        pick = rng(901 + seed)
-        out.append(Waste(seed, tuple(pick(_LENGTHS) for _ in range(pick([0, 1, 2, 3, 5]))),
-                         pick(_SIZES)))
-    return out
+    """09.1's generated cases: block sizes not powers of two, repeated lengths, pools past
+    2**32 slots, and bad input beyond 0: negative lengths and sizes."""
+    picks = [rng(901 + seed) for seed in range(count)]
+    return [Waste(seed, tuple(pick([1, 1, 3, 7, 16, 33, 100, 4097, 0, -1, -5, 10 ** 10 + 1])
+                              for _ in range(pick([0, 1, 2, 3, 5]))),
+                  pick([1, 3, 5, 6, 12, 16, 100, 3 * 10 ** 9, 0, -1, -16]))
+            for seed, pick in enumerate(picks)]
 
 
 def _run_waste(fn: Callable, p: Waste, crash_ok: bool = False) -> None:
@@ -144,7 +126,8 @@ def _run_waste(fn: Callable, p: Waste, crash_ok: bool = False) -> None:
     try:
         want = internal_waste(*args)
     except ValueError:
-        grading.expect_value_error(fn, args, "bad input", hint=_BAD)
+        grading.expect_value_error(fn, args, "bad input", hint="bad input (no lengths, a "
+                                   "length or block size below 1) raises ValueError")
         return
     try:
         got = fn(*args)
@@ -187,12 +170,10 @@ _CHOICE_CASES: list[tuple[list[int], list[int], float, str]] = [
     ([47, 95], [20, 24, 40], 0.01, "no size fits; the least wasteful is not the smallest "
      "(sizes that are not powers of two)"),
     ([9], [10, 5], 0.1, "both waste exactly the budget of 0.1 (in float32 a bit more)"),
-    ([7], [10, 1], 0.3, "size 10 wastes 3/10, which Python's float division makes exactly the "
-     "float 0.3 (a hair below 3/10)"),
-    ([13], [20, 4], 0.35, "size 20 wastes 7/20, which Python's float division makes exactly "
-     "the float 0.35 (a hair below 7/20; in float32 a bit less)"),
-    ([5, 25, 45, 42], [20, 5], 0.35, "size 20 wastes 63 of its 180 slots, which Python's "
-     "float division makes exactly the float 0.35"),
+    ([7], [10, 1], 0.3, "size 10 wastes 3/10, which float division makes exactly 0.3"),
+    ([13], [20, 4], 0.35, "size 20 wastes 7/20, which float division makes exactly 0.35 "
+     "(in float32 a bit less)"),
+    ([5, 25, 45, 42], [20, 5], 0.35, "size 20 wastes 63 of its 180 slots: exactly 0.35"),
     ([23040] * 10_000 + [23039], [25600, 256], 0.1, "size 25600 wastes one slot more than "
      "0.1 of 256,025,600: a hair above the budget as floats, equal to it in float32"),
 ]
@@ -203,64 +184,53 @@ def _wrong_choices(lengths: list[int], allowed: list[int], budget: float) -> dic
     decide "within the budget" otherwise than as 09.1's float against the float given."""
     waste = {b: internal_waste(lengths, b) for b in allowed}
     held = {b: sum(cdiv(x, b) * b for x in lengths) for b in allowed}
+    per_seq = {b: sum((cdiv(x, b) * b - x) / (cdiv(x, b) * b) for x in lengths) / len(lengths)
+               for b in allowed}
     tokens, f32 = sum(lengths), np.float32
-    least = min(waste, key=lambda b: (waste[b], b))
     rules: dict[str, Callable[[int], bool]] = {
-        "the waste computed in float32: a waste exactly at the budget rounds above it "
-        "(Python's floats are float64)": lambda b: float(f32(waste[b])) <= budget,
-        "the waste equals the budget as the float you are given (Python's float division of "
-        "the empty slots by the slots held gives exactly max_waste), so the size is "
-        "acceptable: compared as exact fractions with Fraction(max_waste) it lands above, "
-        "as the float 0.3 (or 0.35) is a hair below 3/10 (7/20)":
+        "the waste computed in float32: a waste exactly at the budget rounds above it":
+            lambda b: float(f32(waste[b])) <= budget,
+        "the waste equals the budget as the float you are given, so the size fits: "
+        "compared as exact fractions with Fraction(max_waste) it lands above":
             lambda b: Fraction(held[b] - tokens, held[b]) <= Fraction(budget),
-        "the waste equals the budget as the floats you are given (Python's, float64), so "
-        "the size is acceptable: max_waste rounded to float32 (np.float32, a float32 "
-        "tensor) is a hair below 0.35 and the waste lands above it":
+        "the waste equals the budget as the floats you are given, so the size fits: "
+        "max_waste rounded to float32 is a hair below it":
             lambda b: (held[b] - tokens) / held[b] <= float(f32(budget)),
-        "the waste is a hair above the budget (one slot in 256 million) as Python's floats "
-        "(float64) compute it, so the size is not acceptable: in float32 (torch's default "
-        "dtype, or np.float32) both round to the same number":
+        "the waste is a hair above the budget as Python's floats compute it, so the size "
+        "does not fit: in float32 (torch's default dtype, or np.float32) both round alike":
             lambda b: bool(f32(held[b] - tokens) / f32(held[b]) <= f32(budget)),
-        "the waste computed as 1 - tokens / held: the subtraction rounds (1 - 7/10 is "
-        "0.30000000000000004, above 0.3); the waste is the empty slots over the slots "
-        "held, (held - tokens) / held, as 09.1 returns it":
-            lambda b: 1 - tokens / held[b] <= budget,
-        "the budget multiplied out (held - tokens <= max_waste * held): the product rounds "
-        "(0.35 * 180 is 62.99999999999999, below 63 empty slots); divide, as 09.1 does, "
-        "and compare the two floats":
+        "the waste computed as 1 - tokens / held: the subtraction rounds; divide the empty "
+        "slots by the slots held": lambda b: 1 - tokens / held[b] <= budget,
+        "the budget multiplied out (held - tokens <= max_waste * held): the product rounds":
             lambda b: held[b] - tokens <= budget * held[b],
         "the budget held by every sequence on its own: it is on the memory all the "
         "sequences hold together":
             lambda b: all(internal_waste([x], b) <= budget for x in lengths),
         "a waste exactly at max_waste fits (at most, not below)": lambda b: waste[b] < budget,
+        "waste averaged over sequences instead of over slots": lambda b: per_seq[b] <= budget,
     }
+    least = min(waste, key=lambda b: (waste[b], b))
     out = {hint: max((b for b in allowed if fits(b)), default=least)
            for hint, fits in rules.items()}
-    per_seq = {b: sum((cdiv(x, b) * b - x) / (cdiv(x, b) * b) for x in lengths) / len(lengths)
-               for b in allowed}
-    pfits = [b for b in allowed if per_seq[b] <= budget]
-    out["waste averaged over sequences instead of over slots"] = max(pfits) if pfits \
-        else min(per_seq, key=lambda b: (per_seq[b], b))
+    if not any(per_seq[b] <= budget for b in allowed):
+        out["waste averaged over sequences instead of over slots"] = \
+            min(per_seq, key=lambda b: (per_seq[b], b))
     fits = [b for b in allowed if waste[b] <= budget]
-    if fits:
-        out["the smallest block that fits the budget: the largest one is asked (fewer, "
-            "bigger blocks for the kernel and the block manager)"] = min(fits)
-        out["the least wasteful size although several keep the budget: within the budget "
-            "the kernel's side decides (fewer, bigger blocks)"] = least
-        out["the first size that fits in the list's order: allowed is not sorted"] = fits[0]
-        out["the last size that fits in the list's order: allowed is not sorted"] = fits[-1]
-        out["the last size that fits in a set's order: allowed is not sorted, and a set "
-            "is not either (small ones only happen to come out so)"] = \
-            [b for b in set(allowed) if waste[b] <= budget][-1]
-    else:
-        out["two sizes waste the same: return the smaller"] = \
-            max(b for b in allowed if waste[b] == waste[least])
-        out["when no size fits, return the one that wastes least"] = max(allowed)
-        out["when no size fits, return the one that wastes least: the smallest size does "
-            "only when the sizes divide each other"] = min(allowed)
-        out["when no size fits, return the one that wastes least (not the first "
-            "listed)"] = allowed[0]
-    return out
+    return out | ({
+        "the smallest block that fits the budget: the largest one is asked": min(fits),
+        "the least wasteful size although several keep the budget: the largest one that "
+        "keeps it is asked": least,
+        "the first size that fits in the list's order: allowed is not sorted": fits[0],
+        "the last size that fits in the list's order: allowed is not sorted": fits[-1],
+        "the last size that fits in a set's order: allowed is not sorted, and a set is not "
+        "either": [b for b in set(allowed) if waste[b] <= budget][-1]} if fits else {
+        "two sizes waste the same: return the smaller":
+            max(b for b in allowed if waste[b] == waste[least]),
+        "when no size fits, return the one that wastes least": max(allowed),
+        "when no size fits, return the one that wastes least: the smallest size does only "
+        "when the sizes divide each other": min(allowed),
+        "when no size fits, return the one that wastes least (not the first listed)":
+            allowed[0]})
 
 
 def _show(lengths: Sequence[int]) -> str:
@@ -273,13 +243,12 @@ def _show(lengths: Sequence[int]) -> str:
 
 def check_choose_block_size(fn: Callable[[Sequence[int], Sequence[int], float], int]) -> None:
     """09.2: the largest allowed block size within the waste budget."""
+    lost = ("no allowed size keeps the budget here, but the engine still needs a block "
+            "size: the one that loses least memory on this workload")
     with grading.exercise("09.2"):
         for lengths, allowed, budget, about in _CHOICE_CASES:
             what = f"choose_block_size({_show(lengths)}, {allowed}, {budget}) ({about})"
-            want = choose_block_size(lengths, allowed, budget)
             none_fits = all(internal_waste(lengths, b) > budget for b in allowed)
-            lost = ("no allowed size keeps the budget here, but the engine still needs a "
-                    "block size: the one that loses least memory on this workload")
             try:
                 got = fn(list(lengths), list(allowed), budget)
             except ValueError as err:
@@ -287,8 +256,9 @@ def check_choose_block_size(fn: Callable[[Sequence[int], Sequence[int], float], 
                              lost if none_fits else "raise ValueError only for bad input")
             grading.expect_int(got, what, hint=lost if none_fits and got is None
                                else "return one of the allowed sizes, an int")
-            hint = name_mistake((lengths, allowed, budget), got, want, _CHOICE_CASES,
-                                lambda c: _wrong_choices(*c[:3]),
+            hint = name_mistake((lengths, allowed, budget), got,
+                                want := choose_block_size(lengths, allowed, budget),
+                                _CHOICE_CASES, lambda c: _wrong_choices(*c[:3]),
                                 lambda c: fn(list(c[0]), list(c[1]), c[2]),
                                 "the largest allowed size whose waste (over all slots) is at "
                                 "most max_waste; if none, the least wasteful, the smaller on "
@@ -298,15 +268,14 @@ def check_choose_block_size(fn: Callable[[Sequence[int], Sequence[int], float], 
                            (([5], [8], 1.0), "max_waste = 1"),
                            (([5], [8], -0.1), "a negative max_waste")):
             grading.expect_value_error(fn, args, f"choose_block_size with {what}",
-                                hint="bad input (no allowed size, max_waste outside "
-                                "[0, 1)) raises ValueError")
+                                       hint="bad input (no allowed size, max_waste outside "
+                                       "[0, 1)) raises ValueError")
         small_counts.choice_stage(fn)  # generated: budgets one ulp from a waste
 
 
 # ------------------------------------------------------------------ 09.3 attend_tiles
 
-_ONE_STATE = ("between tiles hold one running (m, l, acc) and nothing else: fold each tile "
-              "into it as soon as it is read")
+_ONE_STATE = "between tiles hold one running (m, l, acc) and nothing else"
 _READS = (torch.Tensor.__getitem__, torch.index_select, torch.Tensor.index_select,
           torch.gather, torch.Tensor.gather, torch.take, torch.Tensor.take)
 
@@ -316,33 +285,28 @@ class TileLog:
 
     def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
                  seq_len: int, tile: int, num_heads: int):
-        nb, bs, _, d = k_cache.shape
+        nb, bs, nkv, d = k_cache.shape
         posmap = torch.full((nb, bs), -1, dtype=torch.int64)
         for j, b in enumerate(table.tolist()[:-(-seq_len // bs)] if seq_len else []):
             n = min(bs, seq_len - j * bs)
             posmap[b, :n] = torch.arange(j * bs, j * bs + n)
-        nkv = k_cache.shape[2]
-        # each element's position and KV head in one map: position * nkv + head
-        posmap = torch.where(posmap >= 0, posmap * nkv, posmap)
+        posmap = torch.where(posmap >= 0, posmap * nkv, posmap)  # position * nkv + KV head
         self.caches = {}  # storage pointer -> (kind, element-wise position map, its offset)
         for kind, cache in (("K", k_cache), ("V", v_cache)):
             full = (posmap[:, :, None, None] + torch.arange(nkv)[None, None, :, None]
                     * (posmap[:, :, None, None] >= 0)).expand(cache.shape).contiguous()
-            self.caches[cache.untyped_storage().data_ptr()] = (kind, full,
-                                                               cache.storage_offset())
+            self.caches[cache.untyped_storage().data_ptr()] = kind, full, cache.storage_offset()
         self.tile, self.small, self.block_size = tile, num_heads * d, bs
         self.num_heads, self.num_kv_heads = num_heads, nkv
         self.state = num_heads * (v_cache.shape[-1] + 2)
         self.reads: list[int] = []  # elements each read returned
-        self.far: dict[tuple[str, int], int] = {}  # (kind, KV head) -> highest first position
-        self.back: dict[tuple[str, int], int] = {}  # (kind, KV head) -> lowest last position
-        self.ways: dict[tuple[str, int], set[str]] = {}  # the walks its reads still fit
+        # (kind, KV head) -> [highest first position, lowest last one, forward?, backward?]
+        self.walks: dict[tuple[str, int], list] = {}
         self.live: dict[int, weakref.ref] = {}
-        self.problem: str | None = None
+        self.problem: str | None = None  # the first problem flagged, and its hint
         self.hint: str | None = None
         self.past_end = False  # a read returned a slot past seq_len (or of the padding)
-        #: the first op whose inputs were finite and whose output was not: (its name,
-        #: "inf" or "nan", whether an input held a zero)
+        #: the first op to make inf or nan of finite inputs: (name, what, an input held 0)
         self.made_nonfinite: tuple[str, str, bool] | None = None
 
     def flag(self, problem: str, hint: str) -> None:
@@ -358,8 +322,8 @@ class TileLog:
         return kind, full.as_strided(t.shape, t.stride(), t.storage_offset() - base)
 
     def read(self, kind: str | None, pos: torch.Tensor) -> tuple[int, int] | None:
-        """Log one read returning the elements at positions ``pos``; its in-sequence span.
-        ``kind`` None: an op on views of the cache (not an indexing read: no order check)."""
+        """Log one read of positions ``pos`` (``kind`` None: an op on views, no order
+        check); its in-sequence span."""
         self.reads.append(pos.numel())
         inside = pos[pos >= 0]
         self.past_end |= inside.numel() < pos.numel()
@@ -371,66 +335,50 @@ class TileLog:
             for head in (inside % nkv).unique().tolist():
                 mine = inside[inside % nkv == head] // nkv
                 self._check_pass(kind, head, int(mine.min()), int(mine.max()))
-        self._check_held(lo // self.tile)
-        self._check_grown(lo)
+        self._check_live(lo)
         return lo, hi
 
     def _check_pass(self, kind: str, head: int, lo: int, hi: int) -> None:
-        """One read of ``kind`` for KV ``head``, positions ``lo``-``hi``: a second pass
-        goes back over positions already passed, whichever way the tiles are walked."""
-        key = (kind, head)
-        far, back = self.far.get(key, -1), self.back.get(key, 1 << 62)
-        ways = self.ways.setdefault(key, {"forward", "backward"})
-        if hi < far:
-            ways.discard("forward")
-        if lo > back:
-            ways.discard("backward")
-        if not ways:  # neither a forward nor a backward walk: a second pass
-            self.flag(f"read {kind} (KV head {head}) of positions {lo}-{hi} again after your "
-                      "reads of it had gone past them: a second pass over the sequence (the "
-                      "max first, then the sum)",
-                      "one pass over the tiles is enough: when a tile raises the running "
-                      "max m, rescale what was summed so far by exp(m_old - m_new); and "
-                      "the query heads that share a KV head are served by one read of it "
-                      "(a loop over KV heads, not over query heads)")
-        self.far[key], self.back[key] = max(far, lo), min(back, hi)
+        """A second pass goes back over positions passed, whichever way tiles are walked."""
+        walk = self.walks.setdefault((kind, head), [-1, 1 << 62, True, True])
+        far, back = walk[:2]
+        walk[2:] = walk[2] and hi >= far, walk[3] and lo <= back  # a forward, backward walk
+        if not any(walk[2:]):  # neither: a second pass
+            self.flag(f"read {kind} (KV head {head}) of positions {lo}-{hi} again: a second "
+                      "pass over the sequence (the max first, then the sum)", "one pass over "
+                      "the tiles is enough (rescale by exp(m_old - m_new)), and one read per "
+                      "KV head serves its query heads (a loop over KV heads, not over query "
+                      "heads)")
+        walk[:2] = max(far, lo), min(back, hi)
 
-    def _check_held(self, now: int) -> None:
-        """At a read of tile ``now``: what is still alive from tile ``now - 2`` or older?"""
-        held: dict[int, int] = {}  # tile -> numbers still held that depend on it at most
+    def _check_live(self, lo: int) -> None:
+        """At a read from ``lo`` on (of tile ``now``): what is still alive from tile ``now - 2``
+        or older, and a big tensor from before the previous tile (and a block on each side,
+        for whole-block reads) that grew tile after tile."""
+        now, held, grown = lo // self.tile, {}, []  # held: tile -> numbers depending on it
         for key, ref in list(self.live.items()):
             t = ref()
             if t is None:
                 del self.live[key]
                 continue
+            if t.numel() > self.small and t._from[0] < lo - 2 * self.tile - self.block_size:
+                grown.append(t)
             last = t._span[1] // self.tile
             if last > now - 2:
                 continue
             held[last] = held.get(last, 0) + t.numel()
             if t.numel() > self.small:
-                self.flag(f"while reading tile {now} you still hold a tensor of shape "
-                          f"{tuple(t.shape)} computed from tile {last}: you keep earlier "
-                          "tiles' scores or values",
-                          "fold each tile into the running (m, l, acc) and let its scores "
-                          "and values go: a kernel holds one tile at a time")
+                self.flag(f"at tile {now} you still hold a {tuple(t.shape)} tensor from tile "
+                          f"{last}: you keep earlier tiles' scores or values", "fold each "
+                          "tile into the running (m, l, acc) and let its scores and values go")
         if len(held) > 1 and sum(held.values()) > 1.5 * self.state:
-            self.flag(f"while reading tile {now} you still hold {sum(held.values())} numbers "
-                      f"computed from {len(held)} earlier tiles ({sorted(held)}): you keep "
-                      "every tile's scores or state and combine them at the end, so what "
-                      "you hold grows with the sequence", _ONE_STATE)
-
-    def _check_grown(self, lo: int) -> None:
-        """At a read from position ``lo`` on: a big tensor still alive that depends on
-        positions from before the previous tile grew tile after tile (a concatenation).
-        (A tile read as whole blocks depends on up to a block more on each side.)"""
-        for ref in list(self.live.values()):
-            t = ref()
-            if t is not None and t.numel() > self.small \
-                    and t._from[0] < lo - 2 * self.tile - self.block_size:
-                self.flag(f"while reading from position {lo} on you still hold a tensor of "
-                          f"shape {tuple(t.shape)} computed from positions {t._from[0]}-"
-                          f"{t._from[1]}: scores or values concatenated tile after tile, so "
-                          "what you hold grows with the sequence", _ONE_STATE)
+            self.flag(f"at tile {now} you still hold {sum(held.values())} numbers from tiles "
+                      f"{sorted(held)}: you keep every tile's scores or state and combine them "
+                      "at the end", _ONE_STATE)
+        for t in grown:
+            self.flag(f"at position {lo} you still hold a {tuple(t.shape)} tensor from positions "
+                      f"{t._from[0]}-{t._from[1]}: scores or values concatenated tile after "
+                      "tile", _ONE_STATE)
 
     def track(self, t: torch.Tensor, span: tuple[int, int], data: tuple[int, int]) -> None:
         t._span, t._from = span, data
@@ -441,10 +389,8 @@ _ACTIVE: list[TileLog] = []
 
 
 class TileTensor(torch.Tensor):
-    """A cache, or a tensor computed from it, that reports to the active :class:`TileLog`.
-
-    ``_span``: the first and last sequence position its value depends on (None: none).
-    """
+    """A cache, or a tensor computed from it, that reports to the active :class:`TileLog`;
+    ``_span``: the first and last position its value depends on."""
 
     _span: tuple[int, int] | None = None
     _from: tuple[int, int] | None = None
@@ -459,15 +405,11 @@ class TileTensor(torch.Tensor):
         return out
 
 
-def _tensors(x) -> list[torch.Tensor]:
-    return [t for t in tree_leaves(x) if isinstance(t, torch.Tensor)]
-
-
 def _after(log: TileLog, func, args, kwargs, out) -> None:
-    outs = [t for t in _tensors(out) if isinstance(t, TileTensor)]
+    outs = [t for t in tree_leaves(out) if isinstance(t, TileTensor)]
     if not outs:
         return
-    ins = _tensors((args, kwargs))
+    ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     views = [(t, p) for t in ins if (p := log.positions(t)) is not None]
     spans = [s for s in (getattr(t, "_span", None) for t in ins) if s is not None]
     # the data carried element by element: not a state of one number per head
@@ -488,17 +430,13 @@ def _after(log: TileLog, func, args, kwargs, out) -> None:
         _watch_finite(log, func, ins, outs)
     spans = [s for s in spans + reads if s is not None]
     datas = [s for s in datas + reads if s is not None] or spans
-    span = (min(s[0] for s in spans), max(s[1] for s in spans)) if spans else None
-    if span is not None:
-        data = (min(s[0] for s in datas), max(s[1] for s in datas))
-        for o in outs:
-            log.track(o, span, data)
+    for o in outs if spans else ():
+        log.track(o, (min(s[0] for s in spans), max(s[1] for s in spans)),
+                  (min(s[0] for s in datas), max(s[1] for s in datas)))
 
 
 def _watch_finite(log: TileLog, func, ins: list[torch.Tensor], outs: list) -> None:
-    """Note the first op that made inf or NaN out of finite numbers (an overflowing
-    exp, a 0 / 0): what the learner's arithmetic did, as opposed to NaN read from a slot
-    past the sequence's end."""
+    """Note the first op that made inf or NaN of finite numbers (not NaN read past the end)."""
     floats = [t for t in ins if t.is_floating_point()]
     made = [o for o in outs if o.is_floating_point() and not bool(o.isfinite().all())]
     name = getattr(func, "__name__", str(func))
@@ -521,7 +459,6 @@ def watching(log: TileLog, k_cache: torch.Tensor, v_cache: torch.Tensor
         log.live.clear()
 
 
-#: the fixed cases (each named by a hint's test): (name, its params)
 CASES = [(name, numeric.Tiles(seed, bs, tile, n, 4, 2, 8, dtype, profile, loud, sign))
          for name, seed, bs, tile, n, dtype, profile, loud, sign in [
     ("blocks of 4, tiles of 4 (a tile is a block), 13 tokens", 1, 4, 4, 13, "fp32", "random",
@@ -538,22 +475,17 @@ CASES = [(name, numeric.Tiles(seed, bs, tile, n, 4, 2, 8, dtype, profile, loud, 
 
 
 def reference(c: Case) -> torch.Tensor:
-    """The library's answer: paged_attention with the torch backend (its PyTorch code
-    directly for float64, which the entry point does not take and the code computes in)."""
-    args = (c.q[None], c.k_cache, c.v_cache, c.table[None].clamp(min=0),
-            torch.tensor([c.seq_len], dtype=torch.int32))
-    if c.q.dtype == torch.float64:
-        return paged_attention_torch(*args, c.q.shape[-1] ** -0.5)[0]
-    return paged_attention(*args, backend="torch")[0]
+    """The library's answer: paged_attention's torch backend."""
+    return paged_attention_torch(c.q[None], c.k_cache, c.v_cache, c.table[None].clamp(min=0),
+                                 torch.tensor([c.seq_len], dtype=torch.int32),
+                                 c.q.shape[-1] ** -0.5)[0]
 
 
 def _variant(c: Case, *, block_of: str = "block", rescale: bool | str = True,
              kv: str = "group", scale: bool = True, wide: torch.dtype | None = None,
-             whole_tiles: bool = False, running_max: bool = True) -> torch.Tensor:
-    """Online softmax over tiles with one typical mistake (defaults: none). ``rescale``:
-    True, False, the one running sum rescaled ("l" or "acc"), or "inverted" (by
-    exp(m_new - m_old)); ``running_max`` False:
-    exp of the raw scores."""
+             whole_tiles: bool = False) -> torch.Tensor:
+    """Online softmax over tiles with one typical mistake (defaults: none); ``rescale``:
+    True, False, only "l" or "acc", or "inverted" (by exp(m_new - m_old))."""
     h, d = c.q.shape
     bs, nkv = c.k_cache.shape[1], c.k_cache.shape[2]
     dt = wide or (torch.float64 if c.q.dtype == torch.float64 else torch.float32)
@@ -561,105 +493,72 @@ def _variant(c: Case, *, block_of: str = "block", rescale: bool | str = True,
     qf = c.q.to(dt) * (d ** -0.5 if scale else 1.0)
     m = torch.full((h,), -math.inf, dtype=dt)
     den, acc = torch.zeros(h, dtype=dt), torch.zeros(h, d, dtype=dt)
-    table = c.table.long()
     end = c.seq_len // c.tile * c.tile if whole_tiles else c.seq_len
     for start in range(0, end, c.tile):
         pos = torch.arange(start, min(start + c.tile, c.seq_len))
-        blocks = table[pos // bs] if block_of == "block" else table[pos // c.tile]
+        blocks = c.table.long()[pos // (bs if block_of == "block" else c.tile)]
         k = c.k_cache[blocks, pos % bs].to(dt)[:, heads]  # [t, h, d]
         v = c.v_cache[blocks, pos % bs].to(dt)[:, heads]
         s = torch.einsum("hd,thd->ht", qf, k)
-        m_new = torch.maximum(m, s.amax(-1)) if running_max else torch.zeros_like(m)
-        alpha = torch.exp(m - m_new) if rescale and running_max else torch.ones_like(m)
+        m_new = torch.maximum(m, s.amax(-1))
+        one = torch.ones_like(m)
+        alpha = torch.exp(m - m_new) if rescale else one
         if rescale == "inverted":  # (the first tile has nothing summed to rescale)
-            alpha = torch.where(m.isinf(), torch.ones_like(m), torch.exp(m_new - m))
+            alpha = torch.where(m.isinf(), one, torch.exp(m_new - m))
         p = torch.exp(s - m_new[:, None])
-        one = torch.ones_like(alpha)
         den = den * (alpha if rescale in (True, "l", "inverted") else one) + p.sum(-1)
         acc = acc * (alpha if rescale in (True, "acc", "inverted") else one)[:, None] \
             + torch.einsum("ht,thd->hd", p, v)
         m = m_new
-    if end == 0:
-        return torch.zeros_like(c.q)
-    return (acc / den[:, None]).to(c.q.dtype)
+    return (acc / den[:, None]).to(c.q.dtype) if end else torch.zeros_like(c.q)
 
 
 #: (how the mistake is made, the hint naming it)
 _MISTAKES: list[tuple[dict, str]] = [
-    (dict(rescale=False), "when a tile raises the running max m, what was summed so far "
-     "(the denominator and the accumulator) is rescaled by exp(m_old - m_new); yours "
-     "rescales neither"),
-    (dict(rescale="inverted"), "the factor that rescales the denominator and the "
-     "accumulator when the running max grows is exp(m_old - m_new), at most 1, not "
+    (dict(rescale=False), "when a tile raises the running max, the denominator and the "
+     "accumulator are rescaled by exp(m_old - m_new); yours rescales neither"),
+    (dict(rescale="inverted"), "the rescaling factor is exp(m_old - m_new), at most 1, not "
      "exp(m_new - m_old)"),
-    (dict(rescale="l"), "when a tile raises the running max m, the accumulator is rescaled "
-     "by exp(m_old - m_new) as the denominator is: yours adds the new tile's p . v to "
-     "values still weighted by the old max"),
-    (dict(rescale="acc"), "when a tile raises the running max m, the denominator l is "
-     "rescaled by exp(m_old - m_new) as the accumulator is: yours adds the new tile's "
-     "exp(s - m_new) to a sum still taken with the old max"),
-    (dict(block_of="tile"), "a token's block is block_table[pos // block_size] and its slot "
-     "pos % block_size, whatever the tile: a tile may span several blocks"),
-    (dict(kv="mod"), "query head h reads KV head h // (num_heads // num_kv_heads): the "
-     "heads that share a KV head are neighbours; yours read KV head h % num_kv_heads, "
-     "as .repeat(...) lays the KV heads out (repeat_interleave keeps each one's group "
-     "together)"),
+    (dict(rescale="l"), "the accumulator is rescaled by exp(m_old - m_new) as the "
+     "denominator is"),
+    (dict(rescale="acc"), "the denominator l is rescaled by exp(m_old - m_new) as the "
+     "accumulator is"),
+    (dict(block_of="tile"), "a token's block is block_table[pos // block_size], whatever the "
+     "tile: a tile may span several blocks"),
+    (dict(kv="mod"), "query head h reads KV head h // (num_heads // num_kv_heads); yours read "
+     "KV head h % num_kv_heads, as .repeat(...) lays them out (not repeat_interleave)"),
     (dict(scale=False), "scores are q . k / sqrt(head_dim)"),
-    (dict(whole_tiles=True), "the last tile holds what is left (seq_len % tile tokens), "
-     "and it counts too"),
+    (dict(whole_tiles=True), "the last tile holds what is left (seq_len % tile tokens)"),
     (dict(wide=torch.float32), "computed in float32, then cast to float64: compute in "
-     "float64 when q is float64 (float32 for 16-bit inputs)"),
+     "float64 when q is float64"),
 ]
 
 
-#: the hint of a block found by the tile's index (an IndexError with it, too)
-_BLOCK_OF = next(hint for how, hint in _MISTAKES if how == dict(block_of="tile"))
-_OVERFLOW = ("exp of a raw score overflows (scores here reach {top:.0f}; in float32 exp "
-             "is inf from 89 on, and inf / inf is NaN): subtract the running max m before "
-             "exp, exp(s - m_new), and rescale what was summed (chapter 04's online softmax)")
-_UNDERFLOW = ("exp underflowed to 0 for every score of a head (scores here go down to "
-              "{low:.0f}; in float32 exp is 0 below about -104), so the denominator is 0 and "
-              "0 / 0 is NaN: subtract the running max, the largest score seen so far, starting "
-              "from -inf (not 0), so that the largest term is exp(0) = 1")
-_PAST_END = ("NaN: a slot past the sequence's end was read (every unused slot is NaN, and "
-             "the table's padding -1 indexes the cache's last block): read only positions "
-             "below seq_len")
-
-
 def _hint(c: Case, p: numeric.Tiles, got: torch.Tensor, want: torch.Tensor,
-          log: TileLog | None = None) -> str:
+          log: TileLog) -> str:
     lo, hi = p.scores()
     if c.seq_len == 0:
-        return ("a sequence of length 0 has nothing to attend to: return zeros (as "
-                "paged_attention does for a padding row), not 0 / 0")
-    if not got.isfinite().all() and want.isfinite().all():
-        made = log.made_nonfinite if log is not None else None
-        if made is not None and "exp" in made[0] and made[1] == "inf":
-            return _OVERFLOW.format(top=hi)
-        if made is not None and made[1] == "nan" and made[2]:  # 0 / 0
-            return _UNDERFLOW.format(low=lo)
-        if made is None and (log is None or log.past_end):
-            return _PAST_END
-        if made is not None:
-            return (f"{made[0]} turned finite numbers into {made[1]} (scores here run from "
-                    f"{lo:.0f} to {hi:.0f}): keep "
-                    "every exp's argument at most 0 by subtracting the running max")
+        return "a sequence of length 0 has nothing to attend to: return zeros, not 0 / 0"
+    made = log.made_nonfinite
+    if not got.isfinite().all() and want.isfinite().all() and (made or log.past_end):
+        if made is None:
+            return ("NaN: a slot past the sequence's end was read (unused slots are NaN): "
+                    "read only positions below seq_len")
+        if "exp" in made[0] and made[1] == "inf":
+            return (f"exp of a raw score overflows (scores here reach {hi:.0f}; float32's exp "
+                    "is inf from 89 on): subtract the running max m before exp")
+        if made[1] == "nan" and made[2]:  # 0 / 0
+            return (f"exp underflowed to 0 for every score of a head (scores down to {lo:.0f}"
+                    "), and 0 / 0 is NaN: subtract the running max, starting from -inf (not 0)")
+        return (f"{made[0]} turned finite numbers into {made[1]} (scores {lo:.0f} to {hi:.0f}"
+                "): keep every exp's argument at most 0 by subtracting the running max")
     slips, hints = {}, {}
     for i, (how, hint) in enumerate(_MISTAKES):
-        try:
+        with contextlib.suppress(IndexError, RuntimeError):
             slips[i], hints[i] = _variant(c, **how).double(), hint
-        except (IndexError, RuntimeError):
-            continue
-    named = name_slip(got, want, slips, hints)  # the slip far closer to got than want is
-    return named or ("each tile's tokens are gathered from the blocks they sit in and folded "
-                     "into the running max, denominator and accumulator (chapter 04's "
-                     "online softmax)")
-
-
-def _tolerance(c: Case) -> tuple[float, float]:
-    # (float32: an absolute 1e-5, as an output near 0 sums terms of about 1)
-    return {torch.float64: (1e-10, 1e-12), torch.float16: (2e-3, 2e-3)}.get(
-        c.q.dtype, (1e-5, 1e-5))
+    return name_slip(got, want, slips, hints) or ("each tile's tokens are gathered from their "
+                                                  "blocks and folded into the running max, "
+                                                  "denominator and accumulator")
 
 
 def check_case(fn: Callable, p: numeric.Tiles, name: str | None = None) -> None:
@@ -677,20 +576,20 @@ def check_case(fn: Callable, p: numeric.Tiles, name: str | None = None) -> None:
         raise
     except Exception as err:  # noqa: BLE001 - told with the case that raised it
         grading.fail(f"{what}: your function raised {type(err).__name__}: {err}",
-                     _BLOCK_OF + "; positions run from 0 to seq_len - 1 only"
+                     _MISTAKES[4][1] + "; positions run from 0 to seq_len - 1 only"
                      if isinstance(err, IndexError) else None)
-    reads = list(log.reads)
     grading.expect_true(isinstance(got, torch.Tensor), f"{what}: returned "
                         f"{type(got).__name__}", "return a tensor [num_heads, head_dim]")
     got = got.as_subclass(torch.Tensor) if isinstance(got, TileTensor) else got
     grading.expect_true(got.dtype == c.q.dtype and tuple(got.shape) == tuple(c.q.shape),
                         f"{what}: returned {got.dtype} {tuple(got.shape)}, expected "
                         f"{c.q.dtype} {tuple(c.q.shape)}", "the output has q's shape and dtype"
-                        + ("" if tuple(got.shape) != tuple(c.q.shape) else ": compute in "
-                           "float32 (float64 when q is float64), then cast the result with "
-                           ".to(q.dtype) at the end"))
-    rtol, atol = _tolerance(c)
-    bad = ~torch.isclose(got.double(), want.double(), rtol, atol)
+                        + ("" if tuple(got.shape) != tuple(c.q.shape) else ": compute wide, "
+                           "then cast the result with .to(q.dtype)"))
+    # (float32: an absolute 1e-5, as an output near 0 sums terms of about 1)
+    tol = {torch.float64: (1e-10, 1e-12), torch.float16: (2e-3, 2e-3)}.get(c.q.dtype,
+                                                                           (1e-5, 1e-5))
+    bad = ~torch.isclose(got.double(), want.double(), *tol)
     if bad.any():
         h, i = (int(x) for x in bad.nonzero()[0])
         grading.fail(f"{what}: head {h}, element {i}: expected {float(want[h, i]):.6g}, got "
@@ -698,13 +597,11 @@ def check_case(fn: Callable, p: numeric.Tiles, name: str | None = None) -> None:
     bs, row = c.k_cache.shape[1], c.k_cache[0, 0].numel()
     spans = max((cdiv(min(s + c.tile, c.seq_len), bs) - s // bs
                  for s in range(0, c.seq_len, c.tile)), default=0)
-    most = max(reads, default=0)
+    most = max(log.reads, default=0)
     if c.seq_len > c.tile and most > spans * bs * row:
         grading.fail(f"{what}: one read of the cache returned {most // row} token rows; a "
-                     f"tile of {c.tile} spans at most {spans} blocks of {bs}",
-                     "gather each tile's tokens when you reach it, not the whole sequence "
-                     "at once (nor convert the whole cache first): the tile is what a "
-                     "kernel holds on chip")
+                     f"tile of {c.tile} spans at most {spans} blocks of {bs}", "gather each "
+                     "tile's tokens when you reach it, not the whole sequence at once")
     if log.problem is not None:
         grading.fail(f"{what}: {log.problem}", log.hint)
 

@@ -1,9 +1,5 @@
 """Generated cases of chapter 05's kernels (05.1-05.5) for :func:`numeric.check`, small
-enough for Triton's interpreter: up to five programs along an axis, tiles of 1 to 16 over sizes
-that are not powers of two, softmax rows from -1000 to +500, scores far below or above 0,
-rising, falling, one spike, tied or tiny; decode batches with GQA groups of 1 to 7, lengths at
-block boundaries, scales that are not ``1 / sqrt(HEAD_DIM)``.
-"""
+enough for Triton's interpreter (up to five programs along an axis)."""
 
 from __future__ import annotations
 
@@ -17,8 +13,6 @@ from paged_lib.course.grading.generated.numeric import Contrast, shorter
 from paged_lib.course.grading.generated.small_attention import SCALES, rng
 from paged_lib.kernels.cases import NAN_BLOCK, make_decode_case
 from paged_lib.util import cdiv
-
-# ------------------------------------------------------------------ the cases
 
 #: a field's simpler values, tried in turn by ``Ramp.smaller``
 _SIMPLER: dict[str, Callable[[Any, Any], list]] = {
@@ -116,8 +110,7 @@ class Ramp:
                 "-200", "above": "every score around +200", "rising": "scores rising 3 a key",
                 "falling": "scores falling 3 a key (the max in the first tile)",
                 "spike": "one key's score 30 above the rest", "ties": "every score tied"}
-        return (f"{what[self.profile]}, scale "
-                f"{SCALES[self.scale][1].replace('HEAD_DIM', 'D')}")
+        return f"{what[self.profile]}, scale {SCALES[self.scale][1].replace('HEAD_DIM', 'D')}"
 
     def states(self) -> list[str]:
         return [name for name, reached in _STATES[self.ex].items() if reached(self)]
@@ -177,22 +170,21 @@ def _draw_ramp(ex: str, seed: int) -> Ramp:
             [1, 2, 4, 8, 32])), ("block", block), ("shared", pick([False, True]))))
     if ex == "05.3":
         n = pick([1, 2, 3, 5, 7, 8, 13, 16, 17, 31])
-        return Ramp(ex, seed, (("shifts", tuple(pick([0.0, 500.0, -50.0, -200.0, -1000.0,
-                                                      90.0, -90.0]) for _ in range(pick(
-                                                          [1, 2, 3])))),
-                               ("n", n), ("block", 1 << (n - 1).bit_length() << pick([0, 0, 1])),
+        shifts = tuple(pick([0.0, 500.0, -50.0, -200.0, -1000.0, 90.0, -90.0])
+                       for _ in range(pick([1, 2, 3])))
+        return Ramp(ex, seed, (("shifts", shifts), ("n", n),
+                               ("block", 1 << (n - 1).bit_length() << pick([0, 0, 1])),
                                ("spread", pick([3.0, 1e-3, 30.0])),
                                ("ties", pick([False] * 4 + [True]))))
     tile, profile, batch = pick([1, 2, 4, 8]), list(_LEVELS)[seed % len(_LEVELS)], pick([1, 2, 3])
-    return Ramp(ex, seed, (("batch", batch), ("n", _span(pick, pick(range(1, 12 // batch + 1)),
-                                                          tile)),
-                           ("d", pick([2, 4, 8, 16])), ("tile", tile), ("profile", profile),
+    n = _span(pick, pick(range(1, 12 // batch + 1)), tile)
+    return Ramp(ex, seed, (("batch", batch), ("n", n), ("d", pick([2, 4, 8, 16])),
+                           ("tile", tile), ("profile", profile),
                            ("loud", pick([1e-3, 1.0, 40.0]) if profile == "random" else 1.0),
                            ("scale", ("head", "gemma", "mla")[seed % 3])))
 
 
 def ramp_cases(ex: str, count: int = 16) -> list[Ramp]:
-    """05.1-05.4's generated cases (seeds 0, 1, ...)."""
     return [_draw_ramp(ex, seed) for seed in range(count)]
 
 
@@ -215,7 +207,6 @@ def _draw_decode(seed: int) -> Ramp:
 
 
 def decode_cases(count: int = 24) -> list[Ramp]:
-    """05.5's generated cases (seeds 0, 1, ...)."""
     return [_draw_decode(seed) for seed in range(count)]
 
 
@@ -224,29 +215,25 @@ def _undo(field: str, value: Any, when: Callable[[Ramp], bool]) -> Callable:
         if when(p) else None
 
 
-#: 05.5's (and 05.4's): undo one feature of the shrunk case; if it then passes, the hint
-#: names it
+#: 05.5's and 05.4's: a hint names the feature whose undoing makes the shrunk case pass
 DECODE_CONTRASTS = (
     Contrast(_undo("scale", "head", lambda p: p.scale != "head"),
              "it passes with scale = 1 / sqrt(HEAD_DIM) and fails with another: multiply the "
-             "scores by the kernel's scale argument; models choose their own (Gemma 2's "
-             "query_pre_attn_scalar, MLA's q . k over more numbers than V holds)"),
+             "scores by the kernel's scale argument"),
     Contrast(_undo("loud", 1.0, lambda p: p.loud > 1),
              "it passes with scores a few units apart and fails with scores in the "
-             "hundreds: keep a running max m, exponentiate s - m_new, and rescale l and acc "
-             "by exp(m_old - m_new) when m grows"),
+             "hundreds: keep a running max m and rescale l and acc by exp(m_old - m_new)"),
 )
 RAMP_CONTRASTS = {
     "05.1": (Contrast(_undo("bn", lambda p: p.bm, lambda p: p.bn != p.bm),
                       "it passes with square tiles and fails when BLOCK_M != BLOCK_N: rows "
-                      "step by BLOCK_M (pid_m * BLOCK_M + arange(BLOCK_M)), columns by "
-                      "BLOCK_N"),
+                      "step by BLOCK_M, columns by BLOCK_N"),
              Contrast(_undo("bm", 1, lambda p: p.bm > 1),
                       "it passes with BLOCK_M = 1 and fails with taller tiles: program "
                       "pid_m's first row is pid_m * BLOCK_M, not pid_m"),
              Contrast(_undo("bn", 1, lambda p: p.bn > 1),
                       "it passes with BLOCK_N = 1 and fails with wider tiles: program "
-                      "pid_n's first column is pid_n * BLOCK_N, not pid_n")),
+                      "pid_n's first column is pid_n * BLOCK_N")),
     "05.2": (Contrast(_undo("block", 1, lambda p: p.block > 1),
                       "it passes with BLOCK_I = 1 and fails with larger blocks: program pid "
                       "covers rows pid * BLOCK_I + arange(BLOCK_I) of out, not pid + "
@@ -254,16 +241,13 @@ RAMP_CONTRASTS = {
     "05.3": (Contrast(_undo("block", lambda p: p.n, lambda p: p.n < p.block
                             and p.n & (p.n - 1) == 0),
                       "it passes when N == BLOCK_N and fails with lanes past N: a padding "
-                      "lane must not raise the row's max (load it with other=-inf, not 0); "
-                      "in a row far below 0, exp(x - 0) underflows to 0 in every lane and "
-                      "the sum is 0"),
+                      "lane must not raise the row's max (load it with other=-inf, not 0)"),
              Contrast(_undo("shifts", lambda p: tuple(0.0 for _ in p.shifts),
                             lambda p: any(p.shifts)),
                       "it passes with values near 0 and fails with rows far from 0: "
                       "subtract the row's max (over its N values) before tl.exp")),
     "05.4": (Contrast(_undo("profile", "above", lambda p: p.profile == "below"),
                       "it passes when every score is far above 0 and fails when every score "
-                      "is far below 0: start the running max at -inf, not 0 (with m = 0, "
-                      "exp(s - m) underflows to 0 for every key, and l = 0)"),
+                      "is far below 0: start the running max at -inf, not 0"),
              *DECODE_CONTRASTS),
 }
