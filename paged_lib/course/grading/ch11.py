@@ -185,6 +185,18 @@ class Levels:
                 f"max_len {self.max_len}, {self.dtype_b} B per value, blocks of "
                 f"{self.block_size}, window {self.window}, sinks {self.sinks}")
 
+    def states(self) -> list[str]:
+        """What this case reaches that the named cases do not (``tools/grading_report.py``)."""
+        s, w, n = _MODELS[self.model], self.window, self.lengths
+        out = [f"{s.attention} in {({1: 'fp8', 2: 'fp16', 4: 'fp32'})[self.dtype_b]}"]
+        out += ["model in fp32"] if s.dtype_bytes == 4 else []
+        out += ["no window"] if w is None else ["window of 0"] if w == 0 else [
+            "window past max_len"] if w >= self.max_len else []
+        out += ["length at the window"] if w and w in n else []
+        out += ["past the window by at most sinks"] if w is not None and any(
+            w < x <= w + self.sinks for x in n) else []
+        return out
+
     def smaller(self) -> Iterator[Levels]:
         n = self.lengths
         for i in range(len(n) if len(n) > 1 else 0):
