@@ -24,6 +24,24 @@ def test_stacked_maps_equal_f_linear_to_1e6_relative(rows):
         assert ((got - want).abs().max() / want.abs().max()).item() < 1e-6
 
 
+def test_one_row_on_two_threads_takes_the_prepacked_map_and_agrees(monkeypatch):
+    """One row: the plain product on one thread (BLAS's), oneDNN's on more (BLAS's
+    matrix-vector product stays on one thread); the same numbers to 1e-6 either way."""
+    g = torch.Generator().manual_seed(5)
+    ws = [torch.randn(64, 96, generator=g) * 0.05]
+    w, x = LinearWeights(ws, min_prepack_bytes=0), torch.randn(1, 96, generator=g)
+    calls = []
+    real = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise",
+                        lambda *a: calls.append(1) or real(*a), raising=False)
+    one = linear(x, w)
+    assert calls == []
+    torch.set_num_threads(2)  # the one_torch_thread fixture puts 1 back
+    two = linear(x, w)
+    assert calls == ([1] if w.packed is not None else [])
+    assert ((one - two).abs().max() / one.abs().max()).item() < 1e-6
+
+
 def test_prepacked_where_onednn_works_and_plain_elsewhere(monkeypatch):
     w = torch.randn(16, 8)
     assert (LinearWeights([w], 0).packed is not None) == cpu_linear.prepack_available(w)
