@@ -453,14 +453,19 @@ def replayed(fn: Callable, step: Step) -> list[tuple[torch.Tensor, tuple]]:
     return results
 
 
-def _mistake(step: Step, got: torch.Tensor, want: torch.Tensor, partial: torch.Tensor
-             ) -> str | None:
-    """The typical mistake whose output after the sum is ``got``; ``partial``: this rank's
-    own (the library's)."""
+def _heads(step: Step) -> torch.Tensor:
+    """Every head's output on one device, before o_proj."""
+    w = step.w
+    return single_device(step, dataclasses.replace(w, o=torch.eye(w.num_heads * w.head_dim),
+                                                   o_bias=None))[0]
+
+
+def _mistake(step: Step, heads: torch.Tensor, got: torch.Tensor, want: torch.Tensor,
+             partial: torch.Tensor) -> str | None:
+    """The typical mistake whose output after the sum is ``got``; ``heads``: every head's
+    output before o_proj (:func:`_heads`); ``partial``: this rank's own (the library's)."""
     w = step.w
     b = w.o_bias if w.o_bias is not None else torch.zeros(step.x.shape[1])
-    heads, _ = single_device(step, dataclasses.replace(  # every head's output, before o
-        w, o=torch.eye(w.num_heads * w.head_dim), o_bias=None))
     wrong = {"that is this rank's own partial output: all_reduce (sum) the ranks' partial "
              "outputs, each its heads times its columns of o_proj": partial,
              "the partial outputs were averaged: all_reduce sums them (the output is the sum "
@@ -478,9 +483,7 @@ def compare(step: Step, results: list) -> None:
     # An output is a sum over every head of o_proj's terms, which cancel: float32 rounds
     # each term, so the tolerance grows with sum |term| (1.9e-6 of it measured on an AMD
     # EPYC where a tolerance on the output alone failed a correct answer), not |output|.
-    w = step.w
-    heads, _ = single_device(step, dataclasses.replace(w, o=torch.eye(w.num_heads * w.head_dim),
-                                                       o_bias=None))
+    w, heads = step.w, _heads(step)
     scale = heads.abs() @ w.o.abs().T + (0 if w.o_bias is None else w.o_bias.abs())
     for rank, (out, cache) in enumerate(results):
         what = f"rank {rank} of {step.tp}"
@@ -504,7 +507,7 @@ def compare(step: Step, results: list) -> None:
                          f"yours {float(out[row, col]):.5f}",
                          _NAN if out[row, col].isnan() else _ROTATED if same[1].all() and
                          not same[0].all() else
-                         _mistake(step, out.detach().float(), want, partial) or _HEADS)
+                         _mistake(step, heads, got, want, partial) or _HEADS)
         for name, ok, mine, ref in zip("KV", same, cache, lib, strict=True):
             if not bool(ok.all()):
                 blk, off, head = (int(i) for i in (~ok).nonzero()[0][:3])
