@@ -266,11 +266,12 @@ class Cow:
                 f"{list(self.steps)}")
 
     def states(self) -> list[str]:
-        return [x for x, on in ((f"block size {self.block_size}", self.block_size in (
-            3, 5, 6, 7, 12)), ("a cache of earlier requests' K/V", self.stale), (
-            "a sequence freed mid-run", any(s[0] == "free" for s in self.steps)), (
-            _LAYOUTS["vllm"], self.layout == "vllm"), (f"{self.kv_heads} KV head(s)",
-                                                        self.kv_heads != 2)) if on]
+        return numeric.reached(
+            (f"block size {self.block_size}", self.block_size in (3, 5, 6, 7, 12)),
+            ("a cache of earlier requests' K/V", self.stale),
+            ("a sequence freed mid-run", any(s[0] == "free" for s in self.steps)),
+            (_LAYOUTS["vllm"], self.layout == "vllm"),
+            (f"{self.kv_heads} KV head(s)", self.kv_heads != 2))
 
     def smaller(self) -> Iterator[Cow]:
         def steps() -> Iterator[Cow]:

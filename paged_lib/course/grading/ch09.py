@@ -98,10 +98,10 @@ class Waste:
 
     def states(self) -> list[str]:
         n = self.lengths
-        return [s for s, on in (("a negative length", any(x < 0 for x in n)),
-                                ("a negative block size", self.block_size < 0),
-                                ("a pool past 2**32 slots", sum(map(abs, n)) > 2 ** 32),
-                                ("a length listed twice", len(set(n)) < len(n))) if on]
+        return numeric.reached(("a negative length", any(x < 0 for x in n)),
+                               ("a negative block size", self.block_size < 0),
+                               ("a pool past 2**32 slots", sum(map(abs, n)) > 2 ** 32),
+                               ("a length listed twice", len(set(n)) < len(n)))
 
     def smaller(self) -> Iterator[Waste]:
         n = self.lengths

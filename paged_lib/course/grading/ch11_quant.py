@@ -240,14 +240,13 @@ class Int8:
 
     def states(self) -> list[str]:
         r = self.regimes
-        return [name for name, on in (
+        return numeric.reached(
             (f"block size {self.block_size}", self.block_size in (3, 5, 6, 7)),
             ("more than 2 KV heads", self.heads > 2), ("head size not 2", self.dim != 2),
             ("values below float32's tiny", "subnormal" in r),
             ("a call into 3 or more blocks", any(n > 2 * self.block_size for n in self.calls)),
             ("growth after a value at the limit", any(
-                a == "limit" and b in ("grow", "jump") for a, b in zip(r, r[1:], strict=False)))
-        ) if on]
+                a == "limit" and b in ("grow", "jump") for a, b in zip(r, r[1:], strict=False))))
 
     def smaller(self) -> Iterator[Int8]:
         c, r, n = self.calls, self.regimes, len(self.calls)

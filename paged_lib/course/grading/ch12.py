@@ -171,10 +171,10 @@ class Heads:
 
     def states(self) -> list[str]:
         ratio, group = max(1, self.tp // self.kv_heads), self.heads // self.kv_heads
-        return [name for name, on in (
+        return numeric.reached(
             (f"{self.tp} ranks", self.tp not in (1, 2, 4, 8, 16)),
             (f"each KV head on {ratio} ranks", ratio not in (1, 2, 4)),
-            (f"groups of {group}", group in (3, 5, 6, 7, 71))) if on]
+            (f"groups of {group}", group in (3, 5, 6, 7, 71)))
 
     def smaller(self) -> Iterator[Heads]:
         yield from fewer(self, rank=shorter(self.rank, 0))
@@ -316,13 +316,13 @@ class Rank:
 
     def states(self) -> list[str]:
         group = self.heads // self.kv_heads
-        return [name for name, on in (
+        return numeric.reached(
             (f"{self.tp} ranks", self.tp == 3), ("louder inputs", self.loud > 1),
             (f"GQA groups of {group}", group not in (1, 2, 4, 8)),
             (f"hidden {self.hidden}", self.hidden != 32),
             (f"head_dim {self.head_dim}", self.head_dim != 8),
             (f"blocks of {self.block_size}", self.block_size != 4),
-            ("a sequence over 10 tokens", max(c + n for c, n in self.lens) > 10)) if on]
+            ("a sequence over 10 tokens", max(c + n for c, n in self.lens) > 10))
 
     def smaller(self) -> Iterator[Rank]:
         lens = self.lens

@@ -30,7 +30,8 @@ import torch
 from paged_lib.course import grading
 from paged_lib.util import CheckFailed, cdiv
 
-__all__ = ["Contrast", "Named", "Tiles", "check", "fewer", "shorter", "states", "tile_cases"]
+__all__ = ["Contrast", "Named", "Tiles", "check", "fewer", "reached", "shorter", "states",
+           "tile_cases"]
 
 #: the most cases a shrink may try
 MAX_SHRINK_RUNS = 40
@@ -108,6 +109,12 @@ def fewer(p: Any, **options: Iterable) -> Iterator[Any]:
         for v in values:
             if v != getattr(p, name):
                 yield dataclasses.replace(p, **{name: v})
+
+
+def reached(*states: tuple[str, bool]) -> list[str]:
+    """The names of the ``(name, reached)`` rows that hold: what a case's ``states()``
+    returns."""
+    return [name for name, on in states if on]
 
 
 def shorter(n: int, floor: int = 1) -> list[int]:

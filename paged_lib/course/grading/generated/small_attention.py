@@ -94,7 +94,7 @@ class Merge:
 
     def states(self) -> list[str]:
         kinds = set(self.rows)
-        return _on(("b masked, a real", "b" in kinds), ("masked and real rows together",
+        return numeric.reached(("b masked, a real", "b" in kinds), ("masked and real rows together",
                    "none" in kinds and len(kinds) > 1), ("float32", self.dtype == "fp32"),
                    ("tied maxima", self.ties), ("tiny scores", self.loud < 0.01))
 
@@ -107,10 +107,6 @@ class Merge:
         yield from fewer(self, n_a=shorter(self.n_a), n_b=shorter(self.n_b), d=shorter(self.d),
                          loud=[1.0] if self.loud != 1.0 else [], offset=[0.0], ties=[False],
                          dtype=["fp64"])
-
-
-def _on(*states: tuple[str, bool]) -> list[str]:
-    return [name for name, reached in states if reached]
 
 
 def merge_cases(count: int = 40) -> list[Merge]:
@@ -241,7 +237,7 @@ class Paged:
 
     def states(self) -> list[str]:
         group = self.heads // self.kv_heads
-        return _on(("a scale that is not 1 / sqrt(head_dim)", self.scale != "head"),
+        return numeric.reached(("a scale that is not 1 / sqrt(head_dim)", self.scale != "head"),
                    (f"{self.pad} padding entries", self.pad > 1),
                    (f"GQA groups of {group}", group in (3, 7)),
                    (f"block size {self.block_size}", self.block_size in (3, 5, 6)),
@@ -323,7 +319,7 @@ class Slots:
                    if int(bt.max()) * self.block_size >= 2 ** 31 else ""))
 
     def states(self) -> list[str]:
-        return _on(("slots past 2**31", self.pool * self.block_size > 2 ** 32),
+        return numeric.reached(("slots past 2**31", self.pool * self.block_size > 2 ** 32),
                    ("padding tokens among the others", self.pads and self.tokens > 1),
                    (f"block size {self.block_size}", self.block_size not in (3, 4, 16)))
 
@@ -421,7 +417,7 @@ class Partials:
                 + f", head_dim {self.d}, log-sum-exps {[round(x, 3) for x in lse.tolist()]}")
 
     def states(self) -> list[str]:
-        return _on(("an empty segment first", self.segs[0] == 0),
+        return numeric.reached(("an empty segment first", self.segs[0] == 0),
                    ("several empty segments", self.segs.count(0) > 1),
                    ("log-sum-exps hundreds apart", self.spike is not None),
                    ("tiny scores", self.loud < 0.01))

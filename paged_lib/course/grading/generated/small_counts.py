@@ -49,10 +49,10 @@ class Choice:
                 f"{self.max_waste()!r}) (" + _BUDGET[how].format(b=x) + ")")
 
     def states(self) -> list[str]:
-        return [name for name, on in (
+        return numeric.reached(
             (f"a budget {self.budget[0]} a waste", self.budget[0] in ("below", "above")),
             ("a pool past 2**32 slots", sum(self.lengths) > 2 ** 32),
-            ("a size listed twice", len(set(self.allowed)) < len(self.allowed))) if on]
+            ("a size listed twice", len(set(self.allowed)) < len(self.allowed)))
 
     def smaller(self) -> Iterator[Choice]:
         n, a, (how, x) = self.lengths, self.allowed, self.budget
