@@ -298,7 +298,7 @@ def test_09_3_what_chapter_04_shows_reads_too_much_at_once(capsys, shown):
             .to(q.dtype)
 
     out = verdict(capsys, ch09.check_attend_tiles, delegating)
-    assert out.startswith("❌ [09.3]") and "one read of the cache returned" in out, out
+    assert out.startswith("❌ [09.3]") and "not the whole sequence at once" in out, out
 
 
 @pytest.mark.parametrize("wrong, state, hint", [
@@ -543,8 +543,8 @@ def test_09_3_an_in_place_state_and_block_slices_pass(capsys, right):
      "hold one running (m, l, acc) and nothing else"),
     (tiles_two_passes, "a second pass over the sequence (the max first, then the sum)",
      "one pass over the tiles is enough"),
-    (tiles_concatenated_as_it_goes, "scores or values concatenated tile after tile",
-     "hold one running (m, l, acc) and nothing else"),
+    (tiles_concatenated_as_it_goes, "an exp over the keys of 13 positions, 0-12",
+     "fold each tile into the running (m, l, acc) when you reach it"),
 ])
 def test_09_3_state_that_grows_where_it_must_not(capsys, wrong, problem, hint):
     out = verdict(capsys, ch09.check_attend_tiles, wrong)
@@ -714,3 +714,57 @@ def test_09_3_a_query_head_loop_is_told_to_loop_over_kv_heads(capsys):
     out = verdict(capsys, ch09.check_attend_tiles, tiles_query_head_loop)
     assert out.startswith("❌ [09.3]") and "a second pass" in out, out
     assert "a loop over KV heads, not over query heads" in out, out
+
+
+# ------------------------------------------------- 09.3: a trip is one tile, no more, no less
+
+
+def tiles_stepping(step, backwards=False):
+    """The right online softmax whose trips hold ``step(tile, block_size)`` keys each
+    (``backwards``: the tiles walked last to first)."""
+    def fn(q, k_cache, v_cache, block_table, seq_len, tile):
+        h, d = q.shape
+        bs, nkv = k_cache.shape[1], k_cache.shape[2]
+        if seq_len == 0:
+            return torch.zeros_like(q)
+        heads = torch.arange(h) // (h // nkv)
+        dt = torch.float64 if q.dtype == torch.float64 else torch.float32
+        m = torch.full((h,), -math.inf, dtype=dt)
+        den, acc = torch.zeros(h, dtype=dt), torch.zeros(h, d, dtype=dt)
+        n = step(tile, bs)
+        starts = list(range(0, seq_len, n))
+        for start in reversed(starts) if backwards else starts:
+            pos = torch.arange(start, min(start + n, seq_len))
+            blocks = block_table.long()[pos // bs]
+            k = k_cache[blocks, pos % bs].to(dt)[:, heads]
+            v = v_cache[blocks, pos % bs].to(dt)[:, heads]
+            s = torch.einsum("hd,thd->ht", q.to(dt) * d ** -0.5, k)
+            m_new = torch.maximum(m, s.amax(-1))
+            p, alpha = torch.exp(s - m_new[:, None]), torch.exp(m - m_new)
+            den = den * alpha + p.sum(-1)
+            acc = acc * alpha[:, None] + torch.einsum("ht,thd->hd", p, v)
+            m = m_new
+        return (acc / den[:, None]).to(q.dtype)
+    return fn
+
+
+@pytest.mark.parametrize("step, state, keys", [
+    (lambda t, b: 2 * t, "tiles of 4", "an exp over the keys of 8 positions, 0-7"),
+    (lambda t, b: t + 1, "tiles of 4", "5 positions, 0-4"),
+    (lambda t, b: t - 1, "tiles of 4", "3 positions, 0-2"),
+    (lambda t, b: max(t // 2, 1), "tiles of 4", "2 positions, 0-1"),
+    (lambda t, b: 1, "tiles of 4", "1 positions, 0-0"),
+    (lambda t, b: b, "tiles of 2 (two tiles per block)", "4 positions, 4-7; tile 1 is "
+     "positions 2-3"),  # a trip per block: the tile's own size ignored
+])
+def test_09_3_a_trip_of_more_or_fewer_keys_than_a_tile_is_named(capsys, step, state, keys):
+    """Online softmax is exact for any split of the keys, so the values cannot tell a trip
+    of the wrong size: the keys each exp folds in can."""
+    out = verdict(capsys, ch09.check_attend_tiles, tiles_stepping(step))
+    assert out.startswith("❌ [09.3]") and state in out and keys in out, out
+    assert "one loop trip covers one tile of `tile`" in out, out
+
+
+def test_09_3_tiles_walked_last_to_first_pass(capsys):
+    out = verdict(capsys, ch09.check_attend_tiles, tiles_stepping(lambda t, b: t, True))
+    assert out.startswith("✅ [09.3]"), out

@@ -300,6 +300,7 @@ class TileLog:
         self.num_heads, self.num_kv_heads = num_heads, nkv
         self.state = num_heads * (v_cache.shape[-1] + 2)
         self.reads: list[int] = []  # elements each read returned
+        self.seq_len, self.pending, self.trips = seq_len, set(), {}  # K read; per KV head
         # (kind, KV head) -> [highest first position, lowest last one, forward?, backward?]
         self.walks: dict[tuple[str, int], list] = {}
         self.live: dict[int, weakref.ref] = {}
@@ -321,8 +322,8 @@ class TileLog:
         kind, full, base = found
         return kind, full.as_strided(t.shape, t.stride(), t.storage_offset() - base)
 
-    def read(self, kind: str | None, pos: torch.Tensor) -> tuple[int, int] | None:
-        """Log one read of positions ``pos`` (``kind`` None: an op on views, no order
+    def read(self, kind: str, pos: torch.Tensor, walk: bool) -> tuple[int, int] | None:
+        """Log one read of positions ``pos`` (``walk`` False: an op on views, no order
         check); its in-sequence span."""
         self.reads.append(pos.numel())
         inside = pos[pos >= 0]
@@ -331,7 +332,8 @@ class TileLog:
             return None
         nkv = self.num_kv_heads
         lo, hi = int(inside.min()) // nkv, int(inside.max()) // nkv
-        if kind is not None:
+        self.pending |= set(inside.unique().tolist()) if kind == "K" else set()
+        if walk:
             for head in (inside % nkv).unique().tolist():
                 mine = inside[inside % nkv == head] // nkv
                 self._check_pass(kind, head, int(mine.min()), int(mine.max()))
@@ -350,6 +352,28 @@ class TileLog:
                       "KV head serves its query heads (a loop over KV heads, not over query "
                       "heads)")
         walk[:2] = max(far, lo), min(back, hi)
+
+    def fold(self) -> None:
+        """An exp: the keys read since the last one are one trip of each KV head read; trip
+        ``k`` covers tile ``k`` (or, walked backwards, the ``k``-th from the end), and no more
+        than the blocks it spans."""
+        nkv, t, bs, n = self.num_kv_heads, self.tile, self.block_size, self.seq_len
+        for head in sorted({p % nkv for p in self.pending}):
+            keys = sorted(p // nkv for p in self.pending if p % nkv == head)
+            trips = self.trips.setdefault(head, [])
+            i = len(trips) if (trips or [keys])[0][0] == 0 else cdiv(n, t) - 1 - len(trips)
+            a, b = i * t, min(i * t + t, n) - 1
+            trips.append(keys)
+            if not (keys[0] <= a and b <= keys[-1] and a - a % bs <= keys[0]
+                    and keys[-1] < cdiv(b + 1, bs) * bs and len(keys) >= b - a + 1):
+                self.flag(f"trip {len(trips) - 1} (KV head {head}): an exp over the keys "
+                          f"of {len(keys)} positions, {keys[0]}-{keys[-1]}; tile {i} is "
+                          f"positions {a}-{b}", "fold each tile into the running (m, l, acc) "
+                          "when you reach it (gather it, exp its scores, rescale), not the "
+                          "whole sequence at once" if len(keys) == n else
+                          f"one loop trip covers one tile of `tile` = {t} positions (trip i: "
+                          "i * tile to (i + 1) * tile - 1), not a block, nor part of a tile")
+        self.pending = set()
 
     def _check_live(self, lo: int) -> None:
         """At a read from ``lo`` on (of tile ``now``): what is still alive from tile ``now - 2``
@@ -423,9 +447,11 @@ def _after(log: TileLog, func, args, kwargs, out) -> None:
             pos = func(pos, *args[1:], **{k: x for k, x in kwargs.items() if k != "out"})
         except (RuntimeError, IndexError, TypeError):
             pass  # (then every position of what it read from)
-        reads = [log.read(kind, pos)]
+        reads = [log.read(kind, pos, True)]
     else:  # an op on views of the cache (a copy, a cat, an einsum) reads them whole
-        reads = [log.read(None, pos) for _, (_, pos) in views]
+        reads = [log.read(kind, pos, False) for _, (kind, pos) in views]
+    if any(w in getattr(func, "__name__", "") for w in ("exp", "softmax")):
+        log.fold()
     if log.made_nonfinite is None:
         _watch_finite(log, func, ins, outs)
     spans = [s for s in spans + reads if s is not None]
@@ -594,6 +620,8 @@ def check_case(fn: Callable, p: numeric.Tiles, name: str | None = None) -> None:
         h, i = (int(x) for x in bad.nonzero()[0])
         grading.fail(f"{what}: head {h}, element {i}: expected {float(want[h, i]):.6g}, got "
                      f"{float(got[h, i]):.6g}", _hint(c, p, got, want, log))
+    if log.problem is not None:
+        grading.fail(f"{what}: {log.problem}", log.hint)
     bs, row = c.k_cache.shape[1], c.k_cache[0, 0].numel()
     spans = max((cdiv(min(s + c.tile, c.seq_len), bs) - s // bs
                  for s in range(0, c.seq_len, c.tile)), default=0)
@@ -602,8 +630,6 @@ def check_case(fn: Callable, p: numeric.Tiles, name: str | None = None) -> None:
         grading.fail(f"{what}: one read of the cache returned {most // row} token rows; a "
                      f"tile of {c.tile} spans at most {spans} blocks of {bs}", "gather each "
                      "tile's tokens when you reach it, not the whole sequence at once")
-    if log.problem is not None:
-        grading.fail(f"{what}: {log.problem}", log.hint)
 
 
 def check_attend_tiles(fn: Callable[..., torch.Tensor]) -> None:
