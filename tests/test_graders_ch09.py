@@ -768,3 +768,57 @@ def test_09_3_a_trip_of_more_or_fewer_keys_than_a_tile_is_named(capsys, step, st
 def test_09_3_tiles_walked_last_to_first_pass(capsys):
     out = verdict(capsys, ch09.check_attend_tiles, tiles_stepping(lambda t, b: t, True))
     assert out.startswith("✅ [09.3]"), out
+
+
+# ------------------------- 09.1 and 09.2: rules that hold only for sizes that divide or are 2**k
+
+
+def waste_bit_mask(lengths, b):
+    """Rounds each length up to whole blocks with a mask: right only for powers of two."""
+    _bad_input(lengths, b)
+    held = sum((n + b - 1) & ~(b - 1) for n in lengths)
+    return (held - sum(lengths)) / held
+
+
+def test_09_1_a_power_of_two_mask_is_caught_by_generated_sizes(capsys):
+    out = verdict(capsys, ch09.check_internal_waste, waste_bit_mask)
+    assert out.startswith("❌ [09.1]") and "generated case" in out, out
+    assert "it passes when the block size is a power of two" in out, out
+
+
+def choice_by(waste):
+    def fn(lengths, allowed, budget):
+        if not allowed or not 0 <= budget < 1:
+            raise ValueError("bad input")
+        w = {b: waste(lengths, b) for b in allowed}
+        fits = [b for b in allowed if w[b] <= budget]
+        return max(fits) if fits else min(w, key=lambda b: (w[b], b))
+    return fn
+
+
+def choice_stops_at_the_first_misfit(lengths, allowed, budget):
+    if not allowed or not 0 <= budget < 1:
+        raise ValueError("bad input")
+    best = None
+    for b in sorted(allowed):
+        if _own_waste(lengths, b) > budget:
+            break  # as if a larger size always wasted more
+        best = b
+    return best if best is not None else _least(lengths, allowed)
+
+
+def _bit_mask_for_any(lengths, b):
+    held = sum((n + b - 1) & ~(b - 1) for n in lengths)
+    return (held - sum(lengths)) / held
+
+
+@pytest.mark.parametrize("wrong, state, hint", [
+    (choice_by(_bit_mask_for_any), "an unsorted list of sizes", "right only when B is a power"),
+    (choice_stops_at_the_first_misfit, "size 20 wastes more than 24 and 48",
+     "as if the waste grew with the size"),
+    (choice_by(lambda n, b: (sum(cdiv(x, b) * b for x in n) - sum(n)) / sum(n)),
+     "(a waste exactly at the budget)", "the waste divided by the tokens"),
+])
+def test_09_2_rules_for_sizes_that_divide_the_lengths_get_named(capsys, wrong, state, hint):
+    out = verdict(capsys, ch09.check_choose_block_size, wrong)
+    assert out.startswith("❌ [09.2]") and state in out and hint in out, out

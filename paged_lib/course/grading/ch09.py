@@ -64,7 +64,7 @@ def _wrong_waste(lengths: Sequence[int], b: int) -> dict[str, float]:
             (at_mean - mean) / at_mean,
         "computed in float32, then cast to a float: the share is off in its 8th digit "
         "(Python's floats are float64)": float(np.float32(held - tok) / np.float32(held))}
-    return {hint: v for hint, v in out.items() if v is not None}
+    return {numeric.Named(hint): v for hint, v in out.items() if v is not None}
 
 
 def _close(a: float, b: float) -> bool:
@@ -77,8 +77,8 @@ def check_internal_waste(fn: Callable[[Sequence[int], int], float]) -> None:
         # valid input first, where a shrink neither reaches bad input nor stops at a crash
         cases = waste_cases(100)
         numeric.check("09.1", [c for c in cases if _valid(c)],
-                      lambda p: _valid(p) and _run_waste(fn, p, crash_ok=True))
-        numeric.check("09.1", cases, lambda p: _run_waste(fn, p), (_NEGATIVE,))
+                      lambda p: _valid(p) and _run_waste(fn, p, crash_ok=True), (_POW2,))
+        numeric.check("09.1", cases, lambda p: _run_waste(fn, p), (_NEGATIVE, _POW2))
 
 
 def _valid(p: Waste) -> bool:
@@ -156,6 +156,11 @@ _NEGATIVE = numeric.Contrast(
     "it raises ValueError for a length or block size of 0 and not for a negative one: "
     "test below 1 (n < 1), not equal to 0")
 
+_POW2 = numeric.Contrast(
+    lambda p: dataclasses.replace(p, block_size=1 << (p.block_size - 1).bit_length())
+    if p.block_size > 0 else None, "it passes when the block size is a power of two: a bit "
+    "mask ((x + B - 1) & ~(B - 1), x & (B - 1)) holds only there; ceil(x / B) is -(-x // B)")
+
 
 # --------------------------------------------------------------- 09.2 choose_block_size
 
@@ -169,6 +174,9 @@ _CHOICE_CASES: list[tuple[list[int], list[int], float, str]] = [
     ([500, 900, 1500], [32, 8, 16, 256, 64], 0.12, "a long trace"),
     ([47, 95], [20, 24, 40], 0.01, "no size fits; the least wasteful is not the smallest "
      "(sizes that are not powers of two)"),
+    ([48, 96], [20, 24, 48], 0.05, "size 20 wastes more than 24 and 48, which divide the "
+     "lengths"),
+    ([26], [13, 32], 0.2, "size 32 wastes 6 of its 32 slots (but 6 / 26 tokens > 0.2)"),
     ([9], [10, 5], 0.1, "both waste exactly the budget of 0.1 (in float32 a bit more)"),
     ([7], [10, 1], 0.3, "size 10 wastes 3/10, which float division makes exactly 0.3"),
     ([13], [20, 4], 0.35, "size 20 wastes 7/20, which float division makes exactly 0.35 "
@@ -207,6 +215,11 @@ def _wrong_choices(lengths: list[int], allowed: list[int], budget: float) -> dic
         "sequences hold together":
             lambda b: all(internal_waste([x], b) <= budget for x in lengths),
         "a waste exactly at max_waste fits (at most, not below)": lambda b: waste[b] < budget,
+        "the waste divided by the tokens (09.1 divides by the slots held)":
+            lambda b: held[b] - tokens <= budget * tokens,
+        "the slots held rounded up with a bit mask (& ~(B - 1)): right only when B is a power "
+        "of two": lambda b: (m := sum((x + b - 1) & ~(b - 1) for x in lengths)) - tokens
+        <= budget * m,
         "waste averaged over sequences instead of over slots": lambda b: per_seq[b] <= budget,
     }
     least = min(waste, key=lambda b: (waste[b], b))
@@ -221,6 +234,9 @@ def _wrong_choices(lengths: list[int], allowed: list[int], budget: float) -> dic
         "the least wasteful size although several keep the budget: the largest one that "
         "keeps it is asked": least,
         "the first size that fits in the list's order: allowed is not sorted": fits[0],
+        "stopped at the first size that does not fit, as if the waste grew with the size: "
+        "a size that divides the lengths can waste less than a smaller one that does not":
+            max(itertools.takewhile(fits.__contains__, sorted(allowed)), default=least),
         "the last size that fits in the list's order: allowed is not sorted": fits[-1],
         "the last size that fits in a set's order: allowed is not sorted, and a set is not "
         "either": [b for b in set(allowed) if waste[b] <= budget][-1]} if fits else {
