@@ -543,7 +543,7 @@ def test_09_3_an_in_place_state_and_block_slices_pass(capsys, right):
      "hold one running (m, l, acc) and nothing else"),
     (tiles_two_passes, "a second pass over the sequence (the max first, then the sum)",
      "one pass over the tiles is enough"),
-    (tiles_concatenated_as_it_goes, "an exp over the keys of 13 positions, 0-12",
+    (tiles_concatenated_as_it_goes, "read K (KV head 0) of 13 positions, 0-12",
      "fold each tile into the running (m, l, acc) when you reach it"),
 ])
 def test_09_3_state_that_grows_where_it_must_not(capsys, wrong, problem, hint):
@@ -749,12 +749,12 @@ def tiles_stepping(step, backwards=False):
 
 
 @pytest.mark.parametrize("step, state, keys", [
-    (lambda t, b: 2 * t, "tiles of 4", "an exp over the keys of 8 positions, 0-7"),
+    (lambda t, b: 2 * t, "tiles of 4", "read K (KV head 0) of 8 positions, 0-7"),
     (lambda t, b: t + 1, "tiles of 4", "5 positions, 0-4"),
     (lambda t, b: t - 1, "tiles of 4", "3 positions, 0-2"),
     (lambda t, b: max(t // 2, 1), "tiles of 4", "2 positions, 0-1"),
     (lambda t, b: 1, "tiles of 4", "1 positions, 0-0"),
-    (lambda t, b: b, "tiles of 2 (two tiles per block)", "4 positions, 4-7; tile 1 is "
+    (lambda t, b: b, "tiles of 2 (two tiles per block)", "4 positions, 4-7, for one exp; tile 1 is "
      "positions 2-3"),  # a trip per block: the tile's own size ignored
 ])
 def test_09_3_a_trip_of_more_or_fewer_keys_than_a_tile_is_named(capsys, step, state, keys):
