@@ -391,16 +391,13 @@ class TileLog:
 
     def _check_live(self, lo: int) -> None:
         """At a read from ``lo`` on (of tile ``now``): what is still alive from tile ``now - 2``
-        or older, and a big tensor from before the previous tile (and a block on each side,
-        for whole-block reads) that grew tile after tile."""
-        now, held, grown = lo // self.tile, {}, []  # held: tile -> numbers depending on it
+        or older (scores that grow tile after tile are trips of more than a tile)."""
+        now, held = lo // self.tile, {}  # held: tile -> numbers depending on it
         for key, ref in list(self.live.items()):
             t = ref()
             if t is None:
                 del self.live[key]
                 continue
-            if t.numel() > self.small and t._from[0] < lo - 2 * self.tile - self.block_size:
-                grown.append(t)
             last = t._span[1] // self.tile
             if last > now - 2:
                 continue
@@ -413,13 +410,9 @@ class TileLog:
             self.flag(f"at tile {now} you still hold {sum(held.values())} numbers from tiles "
                       f"{sorted(held)}: you keep every tile's scores or state and combine them "
                       "at the end", _ONE_STATE)
-        for t in grown:
-            self.flag(f"at position {lo} you still hold a {tuple(t.shape)} tensor from positions "
-                      f"{t._from[0]}-{t._from[1]}: scores or values concatenated tile after "
-                      "tile", _ONE_STATE)
 
-    def track(self, t: torch.Tensor, span: tuple[int, int], data: tuple[int, int]) -> None:
-        t._span, t._from = span, data
+    def track(self, t: torch.Tensor, span: tuple[int, int]) -> None:
+        t._span = span
         self.live[id(t)] = weakref.ref(t)
 
 
@@ -431,7 +424,6 @@ class TileTensor(torch.Tensor):
     ``_span``: the first and last position its value depends on."""
 
     _span: tuple[int, int] | None = None
-    _from: tuple[int, int] | None = None
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -450,9 +442,6 @@ def _after(log: TileLog, func, args, kwargs, out) -> None:
     ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     views = [(t, p) for t in ins if (p := log.positions(t)) is not None]
     spans = [s for s in (getattr(t, "_span", None) for t in ins) if s is not None]
-    # the data carried element by element: not a state of one number per head
-    datas = [t._from for t in ins if getattr(t, "_from", None) is not None
-             and t.numel() > log.num_heads]
     if views and any(log.positions(o) is not None for o in outs) and func not in _READS:
         return  # a view of the cache: nothing read yet
     if views and func in _READS and args and args[0] is views[0][0]:
@@ -469,10 +458,8 @@ def _after(log: TileLog, func, args, kwargs, out) -> None:
     if log.made_nonfinite is None:
         _watch_finite(log, func, ins, outs)
     spans = [s for s in spans + reads if s is not None]
-    datas = [s for s in datas + reads if s is not None] or spans
     for o in outs if spans else ():
-        log.track(o, (min(s[0] for s in spans), max(s[1] for s in spans)),
-                  (min(s[0] for s in datas), max(s[1] for s in datas)))
+        log.track(o, (min(s[0] for s in spans), max(s[1] for s in spans)))
 
 
 def _watch_finite(log: TileLog, func, ins: list[torch.Tensor], outs: list) -> None:
