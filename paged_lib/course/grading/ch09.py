@@ -315,9 +315,7 @@ class TileLog:
         self.tile, self.small, self.block_size = tile, num_heads * d, bs
         self.num_heads, self.num_kv_heads = num_heads, nkv
         self.state = num_heads * (v_cache.shape[-1] + 2)
-        self.seq_len, self.pending, self.trips = seq_len, set(), {}  # (kind, head) read
-        # (kind, KV head) -> [highest first position, lowest last one, forward?, backward?]
-        self.walks: dict[tuple[str, int], list] = {}
+        self.seq_len, self.pending, self.trips = seq_len, [], {}  # (kind, head) read
         self.live: dict[int, weakref.ref] = {}
         self.problem: str | None = None  # the first problem flagged, and its hint
         self.hint: str | None = None
@@ -337,44 +335,32 @@ class TileLog:
         kind, full, base = found
         return kind, full.as_strided(t.shape, t.stride(), t.storage_offset() - base)
 
-    def read(self, kind: str, pos: torch.Tensor, walk: bool) -> tuple[int, int] | None:
-        """Log one read of positions ``pos`` (``walk`` False: an op on views, no order
-        check); its in-sequence span."""
+    def read(self, kind: str, pos: torch.Tensor) -> tuple[int, int] | None:
+        """Log one read of positions ``pos``; its in-sequence span."""
         inside = pos[pos >= 0]
         self.past_end |= inside.numel() < pos.numel()
         if inside.numel() == 0:
             return None
         nkv = self.num_kv_heads
         lo, hi = int(inside.min()) // nkv, int(inside.max()) // nkv
-        self.pending |= {(kind, p) for p in inside.unique().tolist()}
-        if walk:
-            for head in (inside % nkv).unique().tolist():
-                mine = inside[inside % nkv == head] // nkv
-                self._check_pass(kind, head, int(mine.min()), int(mine.max()))
+        self.pending += [(kind, p) for p in inside.unique().tolist()]
         self._check_live(lo)
         return lo, hi
-
-    def _check_pass(self, kind: str, head: int, lo: int, hi: int) -> None:
-        """A second pass goes back over positions passed, whichever way tiles are walked."""
-        walk = self.walks.setdefault((kind, head), [-1, 1 << 62, True, True])
-        far, back = walk[:2]
-        walk[2:] = walk[2] and hi >= far, walk[3] and lo <= back  # a forward, backward walk
-        if not any(walk[2:]):  # neither: a second pass
-            self.flag(f"read {kind} (KV head {head}) of positions {lo}-{hi} again: a second "
-                      "pass over the sequence (the max first, then the sum)", "one pass over "
-                      "the tiles is enough (rescale by exp(m_old - m_new)), and one read per "
-                      "KV head serves its query heads (a loop over KV heads, not over query "
-                      "heads)")
-        walk[:2] = max(far, lo), min(back, hi)
 
     def fold(self) -> None:
         """An exp: the K (V) rows read since the last one are one trip of each KV head read;
         trip ``k`` covers tile ``k`` (walked backwards, the ``k``-th from the end), and no
-        more than the blocks it spans."""
+        more than the blocks it spans; a row read twice is a second pass."""
         nkv, t, bs, n = self.num_kv_heads, self.tile, self.block_size, self.seq_len
         for kind, head in sorted({(k, p % nkv) for k, p in self.pending}):
-            keys = sorted(p // nkv for k, p in self.pending if (k, p % nkv) == (kind, head))
-            trips = self.trips.setdefault((kind, head), [])
+            rows = [p // nkv for k, p in self.pending if (k, p % nkv) == (kind, head)]
+            keys, trips = sorted(set(rows)), self.trips.setdefault((kind, head), [])
+            if len(rows) > len(keys) or len(trips) >= cdiv(n, t):
+                self.flag(f"read {kind} (KV head {head}) of positions passed again: a second "
+                          "pass over the sequence (the max first, then the sum)", "one pass over "
+                          "the tiles is enough (rescale by exp(m_old - m_new)), and one read per "
+                          "KV head serves its query heads (a loop over KV heads, not over query "
+                          "heads)")
             i = len(trips) if (trips or [keys])[0][0] == 0 else cdiv(n, t) - 1 - len(trips)
             a, b = i * t, min(i * t + t, n) - 1
             trips.append(keys)
@@ -387,7 +373,7 @@ class TileLog:
                           "whole sequence at once" if len(keys) == n else
                           f"one loop trip covers one tile of `tile` = {t} positions (trip i: "
                           "i * tile to (i + 1) * tile - 1), not a block, nor part of a tile")
-        self.pending = set()
+        self.pending = []
 
     def _check_live(self, lo: int) -> None:
         """At a read from ``lo`` on (of tile ``now``): what is still alive from tile ``now - 2``
@@ -442,7 +428,7 @@ def _after(log: TileLog, func, args, kwargs, out) -> None:
     ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     views = [(t, p) for t in ins if (p := log.positions(t)) is not None]
     spans = [s for s in (getattr(t, "_span", None) for t in ins) if s is not None]
-    if views and any(log.positions(o) is not None for o in outs) and func not in _READS:
+    if views and any(log.positions(o) is not None for o in outs):
         return  # a view of the cache: nothing read yet
     if views and func in _READS and args and args[0] is views[0][0]:
         (t, (kind, pos)) = views[0]
@@ -450,9 +436,9 @@ def _after(log: TileLog, func, args, kwargs, out) -> None:
             pos = func(pos, *args[1:], **{k: x for k, x in kwargs.items() if k != "out"})
         except (RuntimeError, IndexError, TypeError):
             pass  # (then every position of what it read from)
-        reads = [log.read(kind, pos, True)]
+        reads = [log.read(kind, pos)]
     else:  # an op on views of the cache (a copy, a cat, an einsum) reads them whole
-        reads = [log.read(kind, pos, False) for _, (kind, pos) in views]
+        reads = [log.read(kind, pos) for _, (kind, pos) in views]
     if any(w in getattr(func, "__name__", "") for w in ("exp", "softmax")):
         log.fold()
     if log.made_nonfinite is None:
