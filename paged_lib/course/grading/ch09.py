@@ -312,13 +312,10 @@ class TileLog:
             full = (posmap[:, :, None, None] + torch.arange(nkv)[None, None, :, None]
                     * (posmap[:, :, None, None] >= 0)).expand(cache.shape).contiguous()
             self.caches[cache.untyped_storage().data_ptr()] = kind, full, cache.storage_offset()
-        self.tile, self.small, self.block_size = tile, num_heads * d, bs
-        self.num_heads, self.num_kv_heads = num_heads, nkv
-        self.state = num_heads * (v_cache.shape[-1] + 2)
-        self.seq_len, self.pending, self.trips = seq_len, [], {}  # (kind, head) read
+        self.tile, self.small, self.block_size, self.num_kv_heads = tile, num_heads * d, bs, nkv
+        self.seq_len, self.state, self.pending, self.trips = seq_len, num_heads * (d + 2), [], {}
         self.live: dict[int, weakref.ref] = {}
-        self.problem: str | None = None  # the first problem flagged, and its hint
-        self.hint: str | None = None
+        self.problem = self.hint = None  # the first problem flagged, and its hint
         self.past_end = False  # a read returned a slot past seq_len (or of the padding)
         #: the first op to make inf or nan of finite inputs: (name, what, an input held 0)
         self.made_nonfinite: tuple[str, str, bool] | None = None
@@ -341,8 +338,7 @@ class TileLog:
         self.past_end |= inside.numel() < pos.numel()
         if inside.numel() == 0:
             return None
-        nkv = self.num_kv_heads
-        lo, hi = int(inside.min()) // nkv, int(inside.max()) // nkv
+        lo, hi = (int(x) // self.num_kv_heads for x in (inside.min(), inside.max()))
         self.pending += [(kind, p) for p in inside.unique().tolist()]
         self._check_live(lo)
         return lo, hi
@@ -427,7 +423,6 @@ def _after(log: TileLog, func, args, kwargs, out) -> None:
         return
     ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     views = [(t, p) for t in ins if (p := log.positions(t)) is not None]
-    spans = [s for s in (getattr(t, "_span", None) for t in ins) if s is not None]
     if views and any(log.positions(o) is not None for o in outs):
         return  # a view of the cache: nothing read yet
     if views and func in _READS and args and args[0] is views[0][0]:
@@ -443,7 +438,7 @@ def _after(log: TileLog, func, args, kwargs, out) -> None:
         log.fold()
     if log.made_nonfinite is None:
         _watch_finite(log, func, ins, outs)
-    spans = [s for s in spans + reads if s is not None]
+    spans = [s for s in [getattr(t, "_span", None) for t in ins] + reads if s is not None]
     for o in outs if spans else ():
         log.track(o, (min(s[0] for s in spans), max(s[1] for s in spans)))
 
@@ -608,8 +603,7 @@ def check_case(fn: Callable, p: numeric.Tiles, name: str | None = None) -> None:
         h, i = (int(x) for x in bad.nonzero()[0])
         grading.fail(f"{what}: head {h}, element {i}: expected {float(want[h, i]):.6g}, got "
                      f"{float(got[h, i]):.6g}", _hint(c, p, got, want, log))
-    if log.problem is not None:
-        grading.fail(f"{what}: {log.problem}", log.hint)
+    grading.expect_true(log.problem is None, f"{what}: {log.problem}", log.hint)
 
 
 def check_attend_tiles(fn: Callable[..., torch.Tensor]) -> None:
