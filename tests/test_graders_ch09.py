@@ -822,3 +822,47 @@ def _bit_mask_for_any(lengths, b):
 def test_09_2_rules_for_sizes_that_divide_the_lengths_get_named(capsys, wrong, state, hint):
     out = verdict(capsys, ch09.check_choose_block_size, wrong)
     assert out.startswith("❌ [09.2]") and state in out and hint in out, out
+
+
+def tiles_kv_heads_apart(tiles_inside=False, whole_v=False):
+    """Right (unless ``whole_v``: V of the whole sequence read before the loop): a running
+    state per KV head, its query heads as one group, the KV heads walked outside the tiles
+    (``tiles_inside``: inside them), V read after the tile's exp."""
+    def fn(q, k_cache, v_cache, block_table, seq_len, tile):
+        h, d = q.shape
+        bs, nkv = k_cache.shape[1], k_cache.shape[2]
+        g, dt = h // nkv, torch.float64 if q.dtype == torch.float64 else torch.float32
+        if seq_len == 0:
+            return torch.zeros_like(q)
+        every = torch.arange(seq_len)
+        v_all = v_cache[block_table.long()[every // bs], every % bs] if whole_v else None
+        st = {kh: (torch.full((g,), -math.inf, dtype=dt), torch.zeros(g, dtype=dt),
+                   torch.zeros(g, d, dtype=dt)) for kh in range(nkv)}
+
+        def trip(kh, start):
+            m, den, acc = st[kh]
+            pos = torch.arange(start, min(start + tile, seq_len))
+            blocks = block_table.long()[pos // bs]
+            s = (q[kh * g:(kh + 1) * g].to(dt) * d ** -0.5) @ k_cache[blocks, pos % bs, kh].to(dt).T
+            m_new = torch.maximum(m, s.amax(-1))
+            p, alpha = torch.exp(s - m_new[:, None]), torch.exp(m - m_new)
+            v = v_all[start:start + tile, kh] if whole_v else v_cache[blocks, pos % bs, kh]
+            st[kh] = m_new, den * alpha + p.sum(-1), acc * alpha[:, None] + p @ v.to(dt)
+
+        pairs = [(kh, s) for kh in range(nkv) for s in range(0, seq_len, tile)]
+        for kh, start in sorted(pairs, key=lambda x: x[::-1]) if tiles_inside else pairs:
+            trip(kh, start)
+        return torch.cat([st[kh][2] / st[kh][1][:, None] for kh in range(nkv)]).to(q.dtype)
+    return fn
+
+
+@pytest.mark.parametrize("tiles_inside", [False, True])
+def test_09_3_kv_heads_walked_apart_pass(capsys, tiles_inside):
+    out = verdict(capsys, ch09.check_attend_tiles, tiles_kv_heads_apart(tiles_inside))
+    assert out.startswith("✅ [09.3]"), out
+
+
+def test_09_3_values_read_whole_before_the_loop_are_named(capsys):
+    out = verdict(capsys, ch09.check_attend_tiles, tiles_kv_heads_apart(whole_v=True))
+    assert out.startswith("❌ [09.3]") and "read V (KV head 0) of 13 positions, 0-12" in out, out
+    assert "not the whole sequence at once" in out, out
