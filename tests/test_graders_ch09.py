@@ -866,3 +866,32 @@ def test_09_3_values_read_whole_before_the_loop_are_named(capsys):
     out = verdict(capsys, ch09.check_attend_tiles, tiles_kv_heads_apart(whole_v=True))
     assert out.startswith("❌ [09.3]") and "read V (KV head 0) of 13 positions, 0-12" in out, out
     assert "not the whole sequence at once" in out, out
+
+
+
+def tiles_by_shift(q, k_cache, v_cache, block_table, seq_len, tile):
+    """pos >> log2(block_size) and pos & (block_size - 1): // and % for powers of two only."""
+    h, d = q.shape
+    bs, nkv = k_cache.shape[1], k_cache.shape[2]
+    if seq_len == 0:
+        return torch.zeros_like(q)
+    heads, shift = torch.arange(h) // (h // nkv), int(math.log2(bs))
+    m = torch.full((h,), -math.inf)
+    den, acc = torch.zeros(h), torch.zeros(h, d)
+    for start in range(0, seq_len, tile):
+        pos = torch.arange(start, min(start + tile, seq_len))
+        blocks, slots = block_table.long()[pos >> shift], pos & (bs - 1)
+        k, v = k_cache[blocks, slots].float()[:, heads], v_cache[blocks, slots].float()[:, heads]
+        s = torch.einsum("hd,thd->ht", q.float() * d ** -0.5, k)
+        m_new = torch.maximum(m, s.amax(-1))
+        p, alpha = torch.exp(s - m_new[:, None]), torch.exp(m - m_new)
+        den, acc = den * alpha + p.sum(-1), acc * alpha[:, None] + torch.einsum("ht,thd->hd", p, v)
+        m = m_new
+    return (acc / den[:, None]).to(q.dtype)
+
+
+def test_09_3_a_shift_for_the_block_is_caught_by_generated_block_sizes(capsys):
+    """Chapter 09's fixed cases use blocks of 4 and 8; the generated ones 3, 5, 6, 7, 12."""
+    out = verdict(capsys, ch09.check_attend_tiles, tiles_by_shift)
+    assert out.startswith("❌ [09.3]") and "generated case" in out and "blocks of 3" in out, out
+    assert "it passes when the block size is a power of two" in out, out

@@ -158,8 +158,8 @@ _NEGATIVE = numeric.Contrast(
 
 _POW2 = numeric.Contrast(
     lambda p: dataclasses.replace(p, block_size=1 << (p.block_size - 1).bit_length())
-    if p.block_size > 0 else None, "it passes when the block size is a power of two: a bit "
-    "mask ((x + B - 1) & ~(B - 1), x & (B - 1)) holds only there; ceil(x / B) is -(-x // B)")
+    if p.block_size > 0 else None, "it passes when the block size is a power of two: a shift "
+    "or a bit mask (x >> log2(B), x & (B - 1), (x + B - 1) & ~(B - 1)) is // or % only there")
 
 
 # --------------------------------------------------------------- 09.2 choose_block_size
@@ -565,9 +565,9 @@ def _hint(c: Case, p: numeric.Tiles, got: torch.Tensor, want: torch.Tensor,
     for i, (how, hint) in enumerate(_MISTAKES):
         with contextlib.suppress(IndexError, RuntimeError):
             slips[i], hints[i] = _variant(c, **how).double(), hint
-    return name_slip(got, want, slips, hints) or ("each tile's tokens are gathered from their "
-                                                  "blocks and folded into the running max, "
-                                                  "denominator and accumulator")
+    return numeric.Named(n) if (n := name_slip(got, want, slips, hints)) else (
+        "each tile's tokens are gathered from their blocks and folded into the running max, "
+        "denominator and accumulator")  # (a Named hint is not replaced by a contrast)
 
 
 def check_case(fn: Callable, p: numeric.Tiles, name: str | None = None) -> None:
@@ -612,4 +612,4 @@ def check_attend_tiles(fn: Callable[..., torch.Tensor]) -> None:
         for name, p in CASES:
             check_case(fn, p, name)
         numeric.check("09.3", numeric.tile_cases(), lambda p: check_case(fn, p),
-                      numeric.TILE_CONTRASTS)
+                      (*numeric.TILE_CONTRASTS, _POW2))
