@@ -298,7 +298,7 @@ def test_09_3_what_chapter_04_shows_reads_too_much_at_once(capsys, shown):
             .to(q.dtype)
 
     out = verdict(capsys, ch09.check_attend_tiles, delegating)
-    assert out.startswith("❌ [09.3]") and "one read of the cache returned" in out, out
+    assert out.startswith("❌ [09.3]") and "not the whole sequence at once" in out, out
 
 
 @pytest.mark.parametrize("wrong, state, hint", [
@@ -543,8 +543,8 @@ def test_09_3_an_in_place_state_and_block_slices_pass(capsys, right):
      "hold one running (m, l, acc) and nothing else"),
     (tiles_two_passes, "a second pass over the sequence (the max first, then the sum)",
      "one pass over the tiles is enough"),
-    (tiles_concatenated_as_it_goes, "scores or values concatenated tile after tile",
-     "hold one running (m, l, acc) and nothing else"),
+    (tiles_concatenated_as_it_goes, "read K (KV head 0) of 13 positions, 0-12",
+     "fold each tile into the running (m, l, acc) when you reach it"),
 ])
 def test_09_3_state_that_grows_where_it_must_not(capsys, wrong, problem, hint):
     out = verdict(capsys, ch09.check_attend_tiles, wrong)
@@ -714,3 +714,184 @@ def test_09_3_a_query_head_loop_is_told_to_loop_over_kv_heads(capsys):
     out = verdict(capsys, ch09.check_attend_tiles, tiles_query_head_loop)
     assert out.startswith("❌ [09.3]") and "a second pass" in out, out
     assert "a loop over KV heads, not over query heads" in out, out
+
+
+# ------------------------------------------------- 09.3: a trip is one tile, no more, no less
+
+
+def tiles_stepping(step, backwards=False):
+    """The right online softmax whose trips hold ``step(tile, block_size)`` keys each
+    (``backwards``: the tiles walked last to first)."""
+    def fn(q, k_cache, v_cache, block_table, seq_len, tile):
+        h, d = q.shape
+        bs, nkv = k_cache.shape[1], k_cache.shape[2]
+        if seq_len == 0:
+            return torch.zeros_like(q)
+        heads = torch.arange(h) // (h // nkv)
+        dt = torch.float64 if q.dtype == torch.float64 else torch.float32
+        m = torch.full((h,), -math.inf, dtype=dt)
+        den, acc = torch.zeros(h, dtype=dt), torch.zeros(h, d, dtype=dt)
+        n = step(tile, bs)
+        starts = list(range(0, seq_len, n))
+        for start in reversed(starts) if backwards else starts:
+            pos = torch.arange(start, min(start + n, seq_len))
+            blocks = block_table.long()[pos // bs]
+            k = k_cache[blocks, pos % bs].to(dt)[:, heads]
+            v = v_cache[blocks, pos % bs].to(dt)[:, heads]
+            s = torch.einsum("hd,thd->ht", q.to(dt) * d ** -0.5, k)
+            m_new = torch.maximum(m, s.amax(-1))
+            p, alpha = torch.exp(s - m_new[:, None]), torch.exp(m - m_new)
+            den = den * alpha + p.sum(-1)
+            acc = acc * alpha[:, None] + torch.einsum("ht,thd->hd", p, v)
+            m = m_new
+        return (acc / den[:, None]).to(q.dtype)
+    return fn
+
+
+@pytest.mark.parametrize("step, state, keys", [
+    (lambda t, b: 2 * t, "tiles of 4", "read K (KV head 0) of 8 positions, 0-7"),
+    (lambda t, b: t + 1, "tiles of 4", "5 positions, 0-4"),
+    (lambda t, b: t - 1, "tiles of 4", "3 positions, 0-2"),
+    (lambda t, b: max(t // 2, 1), "tiles of 4", "2 positions, 0-1"),
+    (lambda t, b: 1, "tiles of 4", "1 positions, 0-0"),
+    (lambda t, b: b, "tiles of 2 (two tiles per block)", "4 positions, 4-7, for one exp; tile 1 is "
+     "positions 2-3"),  # a trip per block: the tile's own size ignored
+])
+def test_09_3_a_trip_of_more_or_fewer_keys_than_a_tile_is_named(capsys, step, state, keys):
+    """Online softmax is exact for any split of the keys, so the values cannot tell a trip
+    of the wrong size: the keys each exp folds in can."""
+    out = verdict(capsys, ch09.check_attend_tiles, tiles_stepping(step))
+    assert out.startswith("❌ [09.3]") and state in out and keys in out, out
+    assert "one loop trip covers one tile of `tile`" in out, out
+
+
+def test_09_3_tiles_walked_last_to_first_pass(capsys):
+    out = verdict(capsys, ch09.check_attend_tiles, tiles_stepping(lambda t, b: t, True))
+    assert out.startswith("✅ [09.3]"), out
+
+
+# ------------------------- 09.1 and 09.2: rules that hold only for sizes that divide or are 2**k
+
+
+def waste_bit_mask(lengths, b):
+    """Rounds each length up to whole blocks with a mask: right only for powers of two."""
+    _bad_input(lengths, b)
+    held = sum((n + b - 1) & ~(b - 1) for n in lengths)
+    return (held - sum(lengths)) / held
+
+
+def test_09_1_a_power_of_two_mask_is_caught_by_generated_sizes(capsys):
+    out = verdict(capsys, ch09.check_internal_waste, waste_bit_mask)
+    assert out.startswith("❌ [09.1]") and "generated case" in out, out
+    assert "it passes when the block size is a power of two" in out, out
+
+
+def choice_by(waste):
+    def fn(lengths, allowed, budget):
+        if not allowed or not 0 <= budget < 1:
+            raise ValueError("bad input")
+        w = {b: waste(lengths, b) for b in allowed}
+        fits = [b for b in allowed if w[b] <= budget]
+        return max(fits) if fits else min(w, key=lambda b: (w[b], b))
+    return fn
+
+
+def choice_stops_at_the_first_misfit(lengths, allowed, budget):
+    if not allowed or not 0 <= budget < 1:
+        raise ValueError("bad input")
+    best = None
+    for b in sorted(allowed):
+        if _own_waste(lengths, b) > budget:
+            break  # as if a larger size always wasted more
+        best = b
+    return best if best is not None else _least(lengths, allowed)
+
+
+def _bit_mask_for_any(lengths, b):
+    held = sum((n + b - 1) & ~(b - 1) for n in lengths)
+    return (held - sum(lengths)) / held
+
+
+@pytest.mark.parametrize("wrong, state, hint", [
+    (choice_by(_bit_mask_for_any), "an unsorted list of sizes", "right only when B is a power"),
+    (choice_stops_at_the_first_misfit, "size 20 wastes more than 24 and 48",
+     "as if the waste grew with the size"),
+    (choice_by(lambda n, b: (sum(cdiv(x, b) * b for x in n) - sum(n)) / sum(n)),
+     "(a waste exactly at the budget)", "the waste divided by the tokens"),
+])
+def test_09_2_rules_for_sizes_that_divide_the_lengths_get_named(capsys, wrong, state, hint):
+    out = verdict(capsys, ch09.check_choose_block_size, wrong)
+    assert out.startswith("❌ [09.2]") and state in out and hint in out, out
+
+
+def tiles_kv_heads_apart(tiles_inside=False, whole_v=False):
+    """Right (unless ``whole_v``: V of the whole sequence read before the loop): a running
+    state per KV head, its query heads as one group, the KV heads walked outside the tiles
+    (``tiles_inside``: inside them), V read after the tile's exp."""
+    def fn(q, k_cache, v_cache, block_table, seq_len, tile):
+        h, d = q.shape
+        bs, nkv = k_cache.shape[1], k_cache.shape[2]
+        g, dt = h // nkv, torch.float64 if q.dtype == torch.float64 else torch.float32
+        if seq_len == 0:
+            return torch.zeros_like(q)
+        every = torch.arange(seq_len)
+        v_all = v_cache[block_table.long()[every // bs], every % bs] if whole_v else None
+        st = {kh: (torch.full((g,), -math.inf, dtype=dt), torch.zeros(g, dtype=dt),
+                   torch.zeros(g, d, dtype=dt)) for kh in range(nkv)}
+
+        def trip(kh, start):
+            m, den, acc = st[kh]
+            pos = torch.arange(start, min(start + tile, seq_len))
+            blocks = block_table.long()[pos // bs]
+            s = (q[kh * g:(kh + 1) * g].to(dt) * d ** -0.5) @ k_cache[blocks, pos % bs, kh].to(dt).T
+            m_new = torch.maximum(m, s.amax(-1))
+            p, alpha = torch.exp(s - m_new[:, None]), torch.exp(m - m_new)
+            v = v_all[start:start + tile, kh] if whole_v else v_cache[blocks, pos % bs, kh]
+            st[kh] = m_new, den * alpha + p.sum(-1), acc * alpha[:, None] + p @ v.to(dt)
+
+        pairs = [(kh, s) for kh in range(nkv) for s in range(0, seq_len, tile)]
+        for kh, start in sorted(pairs, key=lambda x: x[::-1]) if tiles_inside else pairs:
+            trip(kh, start)
+        return torch.cat([st[kh][2] / st[kh][1][:, None] for kh in range(nkv)]).to(q.dtype)
+    return fn
+
+
+@pytest.mark.parametrize("tiles_inside", [False, True])
+def test_09_3_kv_heads_walked_apart_pass(capsys, tiles_inside):
+    out = verdict(capsys, ch09.check_attend_tiles, tiles_kv_heads_apart(tiles_inside))
+    assert out.startswith("✅ [09.3]"), out
+
+
+def test_09_3_values_read_whole_before_the_loop_are_named(capsys):
+    out = verdict(capsys, ch09.check_attend_tiles, tiles_kv_heads_apart(whole_v=True))
+    assert out.startswith("❌ [09.3]") and "read V (KV head 0) of 13 positions, 0-12" in out, out
+    assert "not the whole sequence at once" in out, out
+
+
+
+def tiles_by_shift(q, k_cache, v_cache, block_table, seq_len, tile):
+    """pos >> log2(block_size) and pos & (block_size - 1): // and % for powers of two only."""
+    h, d = q.shape
+    bs, nkv = k_cache.shape[1], k_cache.shape[2]
+    if seq_len == 0:
+        return torch.zeros_like(q)
+    heads, shift = torch.arange(h) // (h // nkv), int(math.log2(bs))
+    m = torch.full((h,), -math.inf)
+    den, acc = torch.zeros(h), torch.zeros(h, d)
+    for start in range(0, seq_len, tile):
+        pos = torch.arange(start, min(start + tile, seq_len))
+        blocks, slots = block_table.long()[pos >> shift], pos & (bs - 1)
+        k, v = k_cache[blocks, slots].float()[:, heads], v_cache[blocks, slots].float()[:, heads]
+        s = torch.einsum("hd,thd->ht", q.float() * d ** -0.5, k)
+        m_new = torch.maximum(m, s.amax(-1))
+        p, alpha = torch.exp(s - m_new[:, None]), torch.exp(m - m_new)
+        den, acc = den * alpha + p.sum(-1), acc * alpha[:, None] + torch.einsum("ht,thd->hd", p, v)
+        m = m_new
+    return (acc / den[:, None]).to(q.dtype)
+
+
+def test_09_3_a_shift_for_the_block_is_caught_by_generated_block_sizes(capsys):
+    """Chapter 09's fixed cases use blocks of 4 and 8; the generated ones 3, 5, 6, 7, 12."""
+    out = verdict(capsys, ch09.check_attend_tiles, tiles_by_shift)
+    assert out.startswith("❌ [09.3]") and "generated case" in out and "blocks of 3" in out, out
+    assert "it passes when the block size is a power of two" in out, out
