@@ -30,7 +30,7 @@ def verdict(capsys, check, answer) -> str:
 def waiting_with(gate_swapped=True, gate_preempted=True, hol=True, watermark=True,
                  alone_rule=True, strict_watermark=False, n_as_live=False, chunk=True,
                  alone_ignores_running=False, token_budget=True, strict_tokens=False,
-                 strict_seqs=False, n_always=False):
+                 strict_seqs=False, n_always=False, chunk_watermark=True, beams_as_n=False):
     """A schedule_waiting with one planted mistake (defaults: correct)."""
     def schedule(waiting, step):
         if (gate_swapped and step.swapped) or (gate_preempted and step.num_preempted):
@@ -42,6 +42,8 @@ def waiting_with(gate_swapped=True, gate_preempted=True, hol=True, watermark=Tru
                 num_seqs = group.params.num_seqs
             elif n_as_live or any(s.output_token_ids for s in group.seqs):
                 num_seqs = len(group.live_seqs())
+            elif beams_as_n:  # params.n: 1 for a beam group
+                num_seqs = max(len(group.live_seqs()), group.params.n)
             else:
                 num_seqs = max(len(group.live_seqs()), group.params.num_seqs)
             tokens = step.prefill_tokens(group)
@@ -50,7 +52,9 @@ def waiting_with(gate_swapped=True, gate_preempted=True, hol=True, watermark=Tru
                 if tokens < 1:
                     return
             need = step.blocks_needed(group, tokens)
-            mark = step.watermark_blocks if watermark else 0
+            first_chunk = tokens < step.prefill_tokens(group)  # no watermark for it
+            mark = step.watermark_blocks if watermark and (chunk_watermark or not
+                                                           first_chunk) else 0
             left = step.free_blocks - need
             blocks_ok = left > mark if strict_watermark else left >= mark
             seqs = step.num_seqs + num_seqs
@@ -98,6 +102,10 @@ def test_06_4_a_correct_answer_passes(capsys):
      "reaching max_num_batched_tokens exactly is allowed"),
     (waiting_with(strict_seqs=True), "3 of 4 sequences running",
      "reaching max_num_seqs exactly is allowed"),
+    (waiting_with(chunk_watermark=False), "12 tokens to prefill, 7 of them now, 2 blocks); "
+     "2 free blocks (watermark 1)", "at least watermark_blocks must stay free"),
+    (waiting_with(beams_as_n=True), "request 2 (3 sequence(s), 4 tokens to prefill",
+     "a fresh n > 1 group (samples or beams) its n"),
 ])
 def test_06_4_wrong_answers_are_told_with_their_state(capsys, wrong, state, hint):
     out = verdict(capsys, ch06.check_schedule_waiting, wrong)
