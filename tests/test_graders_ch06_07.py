@@ -485,6 +485,10 @@ def victim_fewest_tokens(running):  # "the least work lost" read as the fewest t
     return min(running, key=lambda g: sum(s.num_tokens for s in g.seqs))
 
 
+def victim_fewest_generated_last(running):  # ties: the last of them; not by arrival
+    return min(reversed(running), key=lambda g: len(g.seqs[0].output_token_ids))
+
+
 def victim_index(running):
     return len(running) - 1
 
@@ -504,6 +508,9 @@ def test_07_2_a_correct_answer_passes(capsys):
     (victim_fewest_blocks, "list 'a long request first, two short ones admitted after it'"),
     (victim_fewest_blocks, "holding the fewest blocks"),
     (victim_fewest_tokens, "the fewest tokens (prompt and output, all its sequences)"),
+    # wrong on one list only, where the oldest is picked too: named by the rule that
+    # picks as it does on the most lists
+    (victim_fewest_generated_last, "you chose by generated tokens (fewest)"),
     (lambda running: running.pop(), "your function changed the list it was given"),
     (choose_victim, "you passed the library's choose_victim"),
     (lambda r: choose_victim(r), "your function called the library's choose_victim"),
