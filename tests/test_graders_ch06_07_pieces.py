@@ -156,11 +156,13 @@ def test_06_4_the_engines_can_admit_is_refused(capsys):
 def preempt_with(pick="hook", skip_ran=True, cpu_fallback=True, prefill_fallback=True,
                  front=True, loop=True, swap=True, false_when_self=True, eager=False,
                  swapped_front=True, offer_all_not_ran=False, swappable_only=False,
-                 queue_by_mode=False, count_tables=False):
+                 queue_by_mode=False, count_tables=False, swap_by_outputs=False,
+                 offered_once=False):
     """A preempt_until_fits with one planted mistake (defaults: correct)."""
     def preempt_fn(group, step):
         first = True
         short = step.blocks_needed - step.free_blocks  # count_tables: counted once
+        offered = None
         while (short > 0 if count_tables else step.blocks_needed > step.free_blocks) or (
                 eager and first and step.running[-1] is not group
                 and not step.ran(step.running[-1])):
@@ -169,7 +171,8 @@ def preempt_with(pick="hook", skip_ran=True, cpu_fallback=True, prefill_fallback
                 others = [g for g in step.running if g is not group]
             else:
                 others = step.running[step.running.index(group) + 1:]
-            offered = [group] + [g for g in others if not (skip_ran and step.ran(g))]
+            if not (offered_once and offered):  # offered_once: the first list kept
+                offered = [group] + [g for g in others if not (skip_ran and step.ran(g))]
             if offer_all_not_ran:  # every group that has not run, older ones too
                 offered = [g for g in step.running if not step.ran(g)]
             if swappable_only and step.preemption == "swap":  # pass over the unswappable
@@ -188,7 +191,9 @@ def preempt_with(pick="hook", skip_ran=True, cpu_fallback=True, prefill_fallback
                              if s.block_table)
             step.running.remove(victim)
             swapping = step.preemption == "swap" and swap
-            if prefill_fallback:
+            if swap_by_outputs:  # a group prefilled again after a recompute has outputs
+                swapping = swapping and any(s.output_token_ids for s in victim.seqs)
+            elif prefill_fallback:
                 swapping = swapping and step.is_decoding(victim)
             if cpu_fallback:
                 swapping = swapping and step.can_swap_out(victim)
@@ -249,6 +254,10 @@ def test_07_3_a_correct_answer_passes(capsys):
      "swapped)", "it is prefilled again from its text, from step.waiting"),
     (preempt_with(count_tables=True), "random workload 14 for your preempt_until_fits",
      "one victim may free too few (a group shares blocks"),
+    (preempt_with(swap_by_outputs=True), "request 0 (admitted at step 6, 1 sequence(s), part "
+     "way through a prefill, 2 blocks)", "outputs or not: a recomputed group prefills them again"),
+    (preempt_with(offered_once=True), "raised ValueError: list.remove(x): x not in list",
+     "a victim is offered once: build the list again"),
 ])
 def test_07_3_wrong_answers_are_told_with_their_state(capsys, wrong, state, hint):
     out = verdict(capsys, ch07.check_preempt_until_fits, wrong)

@@ -284,7 +284,7 @@ def _show(decision) -> str:
 def _why(st: SimpleNamespace, lib, got) -> str:
     by_id, order = {r.rid: r for r in st.running}, [r.rid for r in st.running]
     if isinstance(got, Exception):
-        return _WHY["mode"] if st.mode == "swap" and st.cpu_free is not None and max(
+        return _WHY["mode"] if "not in list" not in str(got) and st.mode == "swap" and max(
             (r.blocks for r in st.running), default=0) > st.cpu_free else _WHY["steps"]
     (_, lib_v), (_, mine) = lib, got
     a, b = next(((a, b) for a, b in zip(lib_v, mine, strict=False) if a[:3] != b[:3]),
@@ -305,7 +305,8 @@ def _why(st: SimpleNamespace, lib, got) -> str:
 #: one hint per rule of preemption, whichever way the answer broke it
 _WHY = {
     "steps": "for each victim: remove it from step.running, then step.swap_out(victim) or "
-             "step.free(victim), then put it at the front of step.swapped or step.waiting",
+             "step.free(victim), then put it at the front of step.swapped or step.waiting; "
+             "a victim is offered once: build the list again from step.running each time",
     "ran": "a group that already ran this step cannot be preempted (its tokens are "
            "scheduled): only the group asking and those after it that have not run yet",
     "before": "never preempt a group admitted before the one asking, even one that has not "
@@ -323,7 +324,8 @@ _WHY = {
                "step.waiting, whatever the preemption mode",
     "mode": "preemption 'swap' copies a decoding victim to the CPU pool (step.swap_out), "
             "'recompute' frees its blocks (step.free); a group part way through a prefill "
-            "cannot be swapped (its K/V is not all written), nor one the CPU pool cannot "
+            "cannot be swapped (its K/V is not all written; step.is_decoding says, outputs or "
+            "not: a recomputed group prefills them again), nor one the CPU pool cannot "
             "take (step.can_swap_out): swap falls back to recompute",
     "loop": "keep preempting until the group's blocks fit: one victim may free too few (a "
             "group shares blocks, or holds few); stop as soon as they fit "
@@ -361,6 +363,10 @@ SCENARIOS: list[Scenario] = [
              "needs a block", dict(num_blocks=5, block_size=2, enable_chunked_prefill=True,
                                    max_num_batched_tokens=6, max_num_seqs=4),
              ((2, 6, 3, 1), (8, 10, 1, 2))),
+    Scenario("by swap, chunks of 8, a CPU pool of 2: a group recomputed, then prefilled "
+             "again with its outputs", dict(num_blocks=5, block_size=4, preemption="swap",
+             num_cpu_blocks=2, enable_chunked_prefill=True, max_num_batched_tokens=8,
+             max_num_seqs=4), ((12, 6, 3, 1), (4, 8, 1, 1))),
 ]
 
 
