@@ -69,6 +69,8 @@ def test_06_1_a_correct_answer_passes_and_the_library_is_refused(capsys):
 @pytest.mark.parametrize("wrong, hint", [
     (meta_with(slot_fn=lambda t, p, b: (p // b) * b + p % b), "look it up in the sequence's table"),
     (meta_with(slot_fn=lambda t, p, b: t[p // b] * b + p), "not the position"),
+    # the table's last block for every new token: right for a decode, not a prefill
+    (meta_with(slot_fn=lambda t, p, b: t[-1] * b + p % b), "block_tables[s][p // block_size]"),
     (meta_with(pad=0), "pad with -1, never with a block id such as 0"),
     (meta_with(slot_dtype=torch.int32), "slot_mapping is int64"),
     (meta_with(table_dtype=torch.int64), "block_tables is torch.int32"),

@@ -555,10 +555,9 @@ SCENARIOS: list[Scenario] = [
              dict(num_blocks=8, block_size=4, enable_chunked_prefill=True,
                   max_num_batched_tokens=6, max_num_seqs=4),
              ((3, 10, 2, 1), (9, 14, 0, 1), (7, 5, 0, 3, 4))),
-    Scenario("chunks of 8 on 8 blocks, watermark 1: a first chunk into the watermark; 3 "
-             "beams against max_num_seqs 3", dict(num_blocks=8, block_size=4, watermark_blocks=1,
-             enable_chunked_prefill=True, max_num_batched_tokens=8, max_num_seqs=3),
-             ((23, 3, 0, 1), (12, 2, 3, 1), (4, 3, 4, -3))),
+    Scenario("chunks of 8, 8 blocks, watermark 1: a first chunk into it; 3 beams, 3 seqs", dict(
+        num_blocks=8, block_size=4, watermark_blocks=1, enable_chunked_prefill=True,
+        max_num_batched_tokens=8, max_num_seqs=3), ((23, 3, 0, 1), (12, 2, 3, 1), (4, 3, 4, -3))),
 ]
 
 

@@ -119,11 +119,9 @@ def serve_scenario(sc: Scenario, hooks: EngineHooks, where: list, max_steps: int
 
 
 def _draws(s) -> list[tuple[int, float]]:
-    k, group = num_samples(s), s.group
-    if group.params.beam_width:  # each beam's width + 1 best, best first
-        return [(3 + j, -j / 8) for j in range(group.params.beam_width + 1)]
-    if not group.params.stop_token_ids:
-        return [(3, 0.0)] * k
+    k, group, w = num_samples(s), s.group, s.group.params.beam_width  # beams: w + 1 best
+    if w or not group.params.stop_token_ids:
+        return [(3 + j, -j / 8) for j in range(w + 1)] if w else [(3, 0.0)] * k
     return [(3 + j, 0.0) for j in range(k)] if k > 1 else \
         [(3 + next(j for j, q in enumerate(group.seqs) if q is s.seq), 0.0)]
 
