@@ -30,7 +30,8 @@ def verdict(capsys, check, answer) -> str:
 def waiting_with(gate_swapped=True, gate_preempted=True, hol=True, watermark=True,
                  alone_rule=True, strict_watermark=False, n_as_live=False, chunk=True,
                  alone_ignores_running=False, token_budget=True, strict_tokens=False,
-                 strict_seqs=False, n_always=False, chunk_watermark=True, beams_as_n=False):
+                 strict_seqs=False, n_always=False, chunk_watermark=True, beams_as_n=False,
+                 whole_blocks=False):
     """A schedule_waiting with one planted mistake (defaults: correct)."""
     def schedule(waiting, step):
         if (gate_swapped and step.swapped) or (gate_preempted and step.num_preempted):
@@ -51,7 +52,8 @@ def waiting_with(gate_swapped=True, gate_preempted=True, hol=True, watermark=Tru
                 tokens = min(tokens, step.tokens_left)
                 if tokens < 1:
                     return
-            need = step.blocks_needed(group, tokens)
+            need = step.blocks_needed(group, step.prefill_tokens(group) if whole_blocks
+                                      else tokens)  # whole_blocks: the whole prefill's
             first_chunk = tokens < step.prefill_tokens(group)  # no watermark for it
             mark = step.watermark_blocks if watermark and (chunk_watermark or not
                                                            first_chunk) else 0
@@ -104,6 +106,8 @@ def test_06_4_a_correct_answer_passes(capsys):
      "reaching max_num_seqs exactly is allowed"),
     (waiting_with(chunk_watermark=False), "12 tokens to prefill, 7 of them now, 2 blocks); "
      "2 free blocks (watermark 1)", "at least watermark_blocks must stay free"),
+    (waiting_with(whole_blocks=True), "10 tokens to prefill, 4 of them now, 1 blocks); 1 free",
+     "the blocks are the chunk's (step.blocks_needed(group, chunk))"),
     (waiting_with(beams_as_n=True), "request 2 (3 sequence(s), 4 tokens to prefill",
      "a fresh n > 1 group (samples or beams) its n"),
 ])

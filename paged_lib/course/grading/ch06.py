@@ -505,8 +505,9 @@ _WHY = {
            "group that does not fit stops admission; nobody behind it may overtake it "
            "(first come, first served)",
     "chunk": "the tokens it brings: its whole prefill (step.prefill_tokens), or with chunked "
-             "prefill a first chunk of min(tokens, step.tokens_left); one token is still a "
-             "chunk: admission stops only when no token is left",
+             "prefill a first chunk of min(tokens, step.tokens_left), and the blocks are the "
+             "chunk's (step.blocks_needed(group, chunk)); one token is still a chunk: "
+             "admission stops only when no token is left",
     "blocks": "its blocks are not free: a group never joins without its blocks",
     "alone": "a group alone in an empty step joins when its blocks are free, even into the "
              "watermark (otherwise a long request could wait forever); with prefill_first "

@@ -45,7 +45,6 @@ _SWAPS: list[tuple[str, list[list[int]], list[int]]] = [
 def _pool(order: list[int]) -> tuple[Callable[[], int], list[int]]:
     """A pool's ``allocate`` handing out ``order``, then 100, 101, ...; and what it handed."""
     handed: list[int] = []
-
     def allocate() -> int:
         handed.append(order[len(handed)] if len(handed) < len(order) else 100 + len(handed))
         return handed[-1]
