@@ -105,7 +105,7 @@ def test_06_4_a_correct_answer_passes(capsys):
     (waiting_with(strict_seqs=True), "3 of 4 sequences running",
      "reaching max_num_seqs exactly is allowed"),
     (waiting_with(chunk_watermark=False), "12 tokens to prefill, 7 of them now, 2 blocks); "
-     "2 free blocks (watermark 1)", "at least watermark_blocks must stay free"),
+     "2 free blocks (watermark 1)", "a first chunk keeps it too"),
     (waiting_with(whole_blocks=True), "10 tokens to prefill, 4 of them now, 1 blocks); 1 free",
      "the blocks are the chunk's (step.blocks_needed(group, chunk))"),
     (waiting_with(beams_as_n=True), "request 2 (3 sequence(s), 4 tokens to prefill",
