@@ -69,6 +69,8 @@ def test_06_1_a_correct_answer_passes_and_the_library_is_refused(capsys):
 @pytest.mark.parametrize("wrong, hint", [
     (meta_with(slot_fn=lambda t, p, b: (p // b) * b + p % b), "look it up in the sequence's table"),
     (meta_with(slot_fn=lambda t, p, b: t[p // b] * b + p), "not the position"),
+    # the table's last block for every new token: right for a decode, not a prefill
+    (meta_with(slot_fn=lambda t, p, b: t[-1] * b + p % b), "block_tables[s][p // block_size]"),
     (meta_with(pad=0), "pad with -1, never with a block id such as 0"),
     (meta_with(slot_dtype=torch.int32), "slot_mapping is int64"),
     (meta_with(table_dtype=torch.int64), "block_tables is torch.int32"),
@@ -485,6 +487,10 @@ def victim_fewest_tokens(running):  # "the least work lost" read as the fewest t
     return min(running, key=lambda g: sum(s.num_tokens for s in g.seqs))
 
 
+def victim_fewest_generated_last(running):  # ties: the last of them; not by arrival
+    return min(reversed(running), key=lambda g: len(g.seqs[0].output_token_ids))
+
+
 def victim_index(running):
     return len(running) - 1
 
@@ -504,6 +510,9 @@ def test_07_2_a_correct_answer_passes(capsys):
     (victim_fewest_blocks, "list 'a long request first, two short ones admitted after it'"),
     (victim_fewest_blocks, "holding the fewest blocks"),
     (victim_fewest_tokens, "the fewest tokens (prompt and output, all its sequences)"),
+    # wrong on one list only, where the oldest is picked too: named by the rule that
+    # picks as it does on the most lists
+    (victim_fewest_generated_last, "you chose by generated tokens (fewest)"),
     (lambda running: running.pop(), "your function changed the list it was given"),
     (choose_victim, "you passed the library's choose_victim"),
     (lambda r: choose_victim(r), "your function called the library's choose_victim"),

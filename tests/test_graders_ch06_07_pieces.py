@@ -30,7 +30,8 @@ def verdict(capsys, check, answer) -> str:
 def waiting_with(gate_swapped=True, gate_preempted=True, hol=True, watermark=True,
                  alone_rule=True, strict_watermark=False, n_as_live=False, chunk=True,
                  alone_ignores_running=False, token_budget=True, strict_tokens=False,
-                 strict_seqs=False, n_always=False):
+                 strict_seqs=False, n_always=False, chunk_watermark=True, beams_as_n=False,
+                 whole_blocks=False):
     """A schedule_waiting with one planted mistake (defaults: correct)."""
     def schedule(waiting, step):
         if (gate_swapped and step.swapped) or (gate_preempted and step.num_preempted):
@@ -42,6 +43,8 @@ def waiting_with(gate_swapped=True, gate_preempted=True, hol=True, watermark=Tru
                 num_seqs = group.params.num_seqs
             elif n_as_live or any(s.output_token_ids for s in group.seqs):
                 num_seqs = len(group.live_seqs())
+            elif beams_as_n:  # params.n: 1 for a beam group
+                num_seqs = max(len(group.live_seqs()), group.params.n)
             else:
                 num_seqs = max(len(group.live_seqs()), group.params.num_seqs)
             tokens = step.prefill_tokens(group)
@@ -49,8 +52,11 @@ def waiting_with(gate_swapped=True, gate_preempted=True, hol=True, watermark=Tru
                 tokens = min(tokens, step.tokens_left)
                 if tokens < 1:
                     return
-            need = step.blocks_needed(group, tokens)
-            mark = step.watermark_blocks if watermark else 0
+            need = step.blocks_needed(group, step.prefill_tokens(group) if whole_blocks
+                                      else tokens)  # whole_blocks: the whole prefill's
+            first_chunk = tokens < step.prefill_tokens(group)  # no watermark for it
+            mark = step.watermark_blocks if watermark and (chunk_watermark or not
+                                                           first_chunk) else 0
             left = step.free_blocks - need
             blocks_ok = left > mark if strict_watermark else left >= mark
             seqs = step.num_seqs + num_seqs
@@ -98,6 +104,12 @@ def test_06_4_a_correct_answer_passes(capsys):
      "reaching max_num_batched_tokens exactly is allowed"),
     (waiting_with(strict_seqs=True), "3 of 4 sequences running",
      "reaching max_num_seqs exactly is allowed"),
+    (waiting_with(chunk_watermark=False), "12 tokens to prefill, 7 of them now, 2 blocks); "
+     "2 free blocks (watermark 1)", "a first chunk keeps it too"),
+    (waiting_with(whole_blocks=True), "10 tokens to prefill, 4 of them now, 1 blocks); 1 free",
+     "the blocks are the chunk's (step.blocks_needed(group, chunk))"),
+    (waiting_with(beams_as_n=True), "request 2 (3 sequence(s), 4 tokens to prefill",
+     "a fresh n > 1 group (samples or beams) its n"),
 ])
 def test_06_4_wrong_answers_are_told_with_their_state(capsys, wrong, state, hint):
     out = verdict(capsys, ch06.check_schedule_waiting, wrong)
@@ -148,11 +160,13 @@ def test_06_4_the_engines_can_admit_is_refused(capsys):
 def preempt_with(pick="hook", skip_ran=True, cpu_fallback=True, prefill_fallback=True,
                  front=True, loop=True, swap=True, false_when_self=True, eager=False,
                  swapped_front=True, offer_all_not_ran=False, swappable_only=False,
-                 queue_by_mode=False, count_tables=False):
+                 queue_by_mode=False, count_tables=False, swap_by_outputs=False,
+                 offered_once=False):
     """A preempt_until_fits with one planted mistake (defaults: correct)."""
     def preempt_fn(group, step):
         first = True
         short = step.blocks_needed - step.free_blocks  # count_tables: counted once
+        offered = None
         while (short > 0 if count_tables else step.blocks_needed > step.free_blocks) or (
                 eager and first and step.running[-1] is not group
                 and not step.ran(step.running[-1])):
@@ -161,7 +175,8 @@ def preempt_with(pick="hook", skip_ran=True, cpu_fallback=True, prefill_fallback
                 others = [g for g in step.running if g is not group]
             else:
                 others = step.running[step.running.index(group) + 1:]
-            offered = [group] + [g for g in others if not (skip_ran and step.ran(g))]
+            if not (offered_once and offered):  # offered_once: the first list kept
+                offered = [group] + [g for g in others if not (skip_ran and step.ran(g))]
             if offer_all_not_ran:  # every group that has not run, older ones too
                 offered = [g for g in step.running if not step.ran(g)]
             if swappable_only and step.preemption == "swap":  # pass over the unswappable
@@ -180,7 +195,9 @@ def preempt_with(pick="hook", skip_ran=True, cpu_fallback=True, prefill_fallback
                              if s.block_table)
             step.running.remove(victim)
             swapping = step.preemption == "swap" and swap
-            if prefill_fallback:
+            if swap_by_outputs:  # a group prefilled again after a recompute has outputs
+                swapping = swapping and any(s.output_token_ids for s in victim.seqs)
+            elif prefill_fallback:
                 swapping = swapping and step.is_decoding(victim)
             if cpu_fallback:
                 swapping = swapping and step.can_swap_out(victim)
@@ -241,6 +258,10 @@ def test_07_3_a_correct_answer_passes(capsys):
      "swapped)", "it is prefilled again from its text, from step.waiting"),
     (preempt_with(count_tables=True), "random workload 14 for your preempt_until_fits",
      "one victim may free too few (a group shares blocks"),
+    (preempt_with(swap_by_outputs=True), "request 0 (admitted at step 6, 1 sequence(s), part "
+     "way through a prefill, 2 blocks)", "outputs or not: a recomputed group prefills them again"),
+    (preempt_with(offered_once=True), "raised ValueError: list.remove(x): x not in list",
+     "a victim is offered once: build the list again"),
 ])
 def test_07_3_wrong_answers_are_told_with_their_state(capsys, wrong, state, hint):
     out = verdict(capsys, ch07.check_preempt_until_fits, wrong)

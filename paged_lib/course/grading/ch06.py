@@ -505,15 +505,16 @@ _WHY = {
            "group that does not fit stops admission; nobody behind it may overtake it "
            "(first come, first served)",
     "chunk": "the tokens it brings: its whole prefill (step.prefill_tokens), or with chunked "
-             "prefill a first chunk of min(tokens, step.tokens_left); one token is still a "
-             "chunk: admission stops only when no token is left",
+             "prefill a first chunk of min(tokens, step.tokens_left), and the blocks are the "
+             "chunk's (step.blocks_needed(group, chunk)); one token is still a chunk: "
+             "admission stops only when no token is left",
     "blocks": "its blocks are not free: a group never joins without its blocks",
     "alone": "a group alone in an empty step joins when its blocks are free, even into the "
              "watermark (otherwise a long request could wait forever); with prefill_first "
              "it is alone only if nobody is running either (they decode next step)",
     "watermark": "the watermark: after its blocks at least watermark_blocks must stay free "
                  "(leaving exactly watermark_blocks free is allowed), unless it would be "
-                 "alone in an empty step",
+                 "alone in an empty step; a first chunk keeps it too, as a whole prefill does",
     "seqs": "max_num_seqs: the running sequences count, and a group brings what it runs: a "
             "fresh n > 1 group (samples or beams) its n, while a group that has sampled "
             "brings only its live sequences (group.live_seqs()); reaching max_num_seqs "
@@ -555,6 +556,9 @@ SCENARIOS: list[Scenario] = [
              dict(num_blocks=8, block_size=4, enable_chunked_prefill=True,
                   max_num_batched_tokens=6, max_num_seqs=4),
              ((3, 10, 2, 1), (9, 14, 0, 1), (7, 5, 0, 3, 4))),
+    Scenario("chunks of 8, 8 blocks, watermark 1: a first chunk into it; 3 beams, 3 seqs", dict(
+        num_blocks=8, block_size=4, watermark_blocks=1, enable_chunked_prefill=True,
+        max_num_batched_tokens=8, max_num_seqs=3), ((23, 3, 0, 1), (12, 2, 3, 1), (4, 3, 4, -3))),
 ]
 
 

@@ -77,7 +77,7 @@ def recorder(name: str, fn: Callable, log: list[Record], where: list,
 @dataclass(frozen=True)
 class Scenario:
     """Requests served by the scheduler alone: ``requests`` (prompt length or token ids,
-    max_tokens, arrival step, n[, stop token: the j-th sample draws ``3 + j``]);
+    max_tokens, arrival step, n (-n: n beams)[, stop token: the j-th sample draws ``3 + j``]);
     ``options``: the Scheduler's and BlockManager's keywords; ``hooks``: other engine
     hooks for both runs."""
 
@@ -104,8 +104,9 @@ def serve_scenario(sc: Scenario, hooks: EngineHooks, where: list, max_steps: int
                 text = list(prompt) if not isinstance(prompt, int) else \
                     [10 + (7 * rid + t) % 50 for t in range(prompt)]
                 groups[rid] = SequenceGroup(rid, [Sequence(rid * 10, text)], SamplingParams(
-                    max_tokens=max_tokens, ignore_eos=True, n=n, stop_token_ids=stop or None,
-                    temperature=1.0 if n > 1 else 0.0, seed=rid if n > 1 else None))
+                    max_tokens=max_tokens, ignore_eos=True, n=max(n, 1), stop_token_ids=stop
+                    or None, temperature=1.0 if n > 1 else 0.0, seed=rid if n > 1 else None,
+                    beam_width=-n if n < 0 else None))
                 sched.add(groups[rid])
         if len(groups) == len(sc.requests) and not sched.has_unfinished():
             break
@@ -118,9 +119,9 @@ def serve_scenario(sc: Scenario, hooks: EngineHooks, where: list, max_steps: int
 
 
 def _draws(s) -> list[tuple[int, float]]:
-    k, group = num_samples(s), s.group
-    if not group.params.stop_token_ids:
-        return [(3, 0.0)] * k
+    k, group, w = num_samples(s), s.group, s.group.params.beam_width  # beams: w + 1 best
+    if w or not group.params.stop_token_ids:
+        return [(3 + j, -j / 8) for j in range(w + 1)] if w else [(3, 0.0)] * k
     return [(3 + j, 0.0) for j in range(k)] if k > 1 else \
         [(3 + next(j for j, q in enumerate(group.seqs) if q is s.seq), 0.0)]
 
