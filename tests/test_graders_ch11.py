@@ -57,7 +57,8 @@ def levels_with(base="mha", base_fp16=True, own=True, sinks_kept=True, cap=True,
                                  for n in lengths],
                 "max_len": [max_len] * len(lengths), "reserved": [keep] * len(lengths)}[paged]
         held = sum({"ceil": cdiv(n, block_size) * block_size,
-                    "floor": n // block_size * block_size, "exact": n}[rounding] for n in kept)
+                    "floor": n // block_size * block_size, "exact": n,
+                    "count": cdiv(n, block_size)}[rounding] for n in kept)
         n = len(lengths)
         bb, bp = kv_bytes_per_token(b), kv_bytes_per_token(per)
         return (cast(n * max_len * bb), cast(n * max_len * bp), cast(n * keep * bp),
@@ -84,6 +85,7 @@ def test_11_1_not_attempted(capsys):
     (levels_with(cap=False), "never needs more than max_len"),
     (levels_with(rounding="floor"), "partly filled last block"),
     (levels_with(rounding="exact"), "paging holds whole blocks"),
+    (levels_with(rounding="count"), "blocks of block_size slots each"),  # blocks, not slots
     (levels_with(paged="all"), "the levels stack"),
     (levels_with(paged="max_len"), "not a max_len reservation"),
     (levels_with(paged="reserved"), "not a reservation of window + sinks"),

@@ -68,9 +68,9 @@ def reference_levels(spec: ModelSpec, lengths: Sequence[int], max_len: int,
                              + (0 if window is None else sinks) for n in lengths],
             "past_window": [n if window is None or n <= window else keep for n in lengths],
             }[paged_tokens]
-    slots = {"ceil": lambda n: cdiv(n, block_size) * block_size,
-             "floor": lambda n: n // block_size * block_size,
-             "exact": lambda n: n, "batch": lambda n: n}[blocks]
+    slots = {"ceil": lambda n: cdiv(n, block_size) * block_size, "exact": lambda n: n,
+             "floor": lambda n: n // block_size * block_size, "batch": lambda n: n,
+             "count": lambda n: cdiv(n, block_size)}[blocks]
     held = sum(slots(n) for n in kept)
     if blocks == "batch":  # the batch's tokens rounded up once, as if blocks were shared
         held = cdiv(held, block_size) * block_size
@@ -103,7 +103,7 @@ _LEVEL_SLIPS: list[tuple[int, list[dict], str]] = [
      "the window is"),
     (2, [dict(zero_window=False)], "a window of 0 keeps only the sinks: test `window is "
      "None`, not `not window` (0 is falsy)"),
-    (3, [dict(blocks="floor"), dict(blocks="exact")], "paging holds whole blocks: "
+    (3, [dict(blocks=b) for b in ("floor", "exact", "count")], "paging holds whole blocks: "
      "ceil(kept / block_size) blocks of block_size slots each, the partly filled last block "
      "a whole block too: round up"),
     (3, [dict(blocks="batch")], "a block holds one request's tokens: each request rounds up "
