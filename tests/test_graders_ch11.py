@@ -388,6 +388,15 @@ def test_11_3_requantising_in_the_other_order_is_told_why_only_serving_shows_it(
         and "kv_cache_dtype='int8'" in out and "round(q * (old / new))" in out, out
 
 
+def test_11_3_ties_rounded_up_are_told_to_round_half_to_even(capsys):
+    """floor(v + 0.5) differs from torch.round only at exact ties (a code of 61 carried to a
+    doubled scale): only serving shows it, and the hint names the rounding too."""
+    out = verdict(capsys, ch11.check_write_int8_blocks,
+                  write_with(rnd=lambda t: torch.floor(t + 0.5)))
+    assert out.startswith("❌ [11.3]") and "random workload" in out \
+        and "ties round half to even (torch.round, not floor(v + 0.5))" in out, out
+
+
 # ------------------------------------------------------------------ 11.4 the window
 
 
