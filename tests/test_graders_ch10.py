@@ -126,6 +126,7 @@ def extra_on_first_only(token_ids, block_size, extra_keys=()):
     (lambda t, b, e=(): chain(t, b, tuple(dict.fromkeys(e))), "block 0 was hashed with "
      "('mm:9c01', 4), the request's are ('mm:9c01', 4, 'mm:9c01')"),
     (lambda t, b, e=(): chain(t, b, tuple(set(e))), "as given (order, repeats)"),
+    (lambda t, b, e=(): chain(t, b, tuple(sorted(e, key=str))), "as given (order, repeats)"),
 ])
 def test_block_hashes_wrong_answers(capsys, answer, hint):
     out = verdict(capsys, ch10.check_block_hashes, answer)

@@ -17,7 +17,7 @@ class Det:
 
     SPLIT = NO_HOLD = KEEP_STOP = LIST_ORDER = NO_FLUSH = HOLD_ONE_MORE = False
     HOLD_WITHOUT_STOPS = START_ORDER = LAST_AT_TIE = RFIND = PER_ADD = NEW_ONLY = False
-    HOLD_SHORTEST = False
+    HOLD_SHORTEST = HOLD_TOKENS = False
 
     def __init__(self, decode, stop=()):
         self.decode, self.stop = decode, [s for s in stop if s]
@@ -63,6 +63,9 @@ class Det:
                            key=lambda f: f[0] + len(f[1]))
             end = i + len(s) if self.KEEP_STOP else i
             self.stopped, self.text = s, self.text[:end]
+        elif self.HOLD_TOKENS and not final:  # the last hold tokens held, not characters
+            kept = self.ids[:len(self.ids) - self.hold] if self.hold else self.ids
+            end = max(self.sent, len(self.decode(kept).rstrip("\ufffd")))
         else:
             end = len(self.text) if final or self.NO_HOLD \
                 else max(self.sent, len(self.text) - self.hold)
@@ -102,14 +105,15 @@ def test_a_right_answer_written_differently_passes(capsys):
 
 @pytest.mark.parametrize("wrong, hint", [
     (_bug(SPLIT=True), "went out as U+FFFD or was lost"),
-    (_bug(NO_HOLD=True), "held back too little (none, or the shortest stop's)"),
+    (_bug(NO_HOLD=True), "held back too little"),
     (_bug(KEEP_STOP=True), "the stop string itself was sent"),
     (_bug(LIST_ORDER=True), "*completes* first"),
     (_bug(START_ORDER=True), "nor the one that starts first"),
     (_bug(NO_FLUSH=True), "finish must return everything still held back"),
     (_bug(HOLD_ONE_MORE=True), "too much held back"),
     (_bug(HOLD_WITHOUT_STOPS=True), "text held back with no stop strings"),
-    (_bug(HOLD_SHORTEST=True), "held back too little (none, or the shortest stop's)"),
+    (_bug(HOLD_SHORTEST=True), "the longest stop, not the shortest"),
+    (_bug(HOLD_TOKENS=True), "characters (characters, not tokens"),
     (_bug(RFIND=True), "cut at the stop's last occurrence (rfind)"),
     (_bug(PER_ADD=True), "went out as U+FFFD or was lost: decode all the ids since"),
     (_bug(NEW_ONLY=True), "was sent: it was missed when it completed; search the held-back"),
@@ -118,7 +122,8 @@ def test_a_right_answer_written_differently_passes(capsys):
     (Det(lambda ids: "", ()), "expected a class"),
 ], ids=["split-character", "no-hold-back", "stop-kept", "first-stop-in-list",
      "first-to-start", "no-flush",
-        "holds-len-stop", "holds-without-stops", "holds-for-the-shortest-stop", "rfind",
+        "holds-len-stop", "holds-without-stops", "holds-for-the-shortest-stop", "holds-tokens",
+        "rfind",
         "decodes-each-add-alone", "searches-only-the-new-text", "inherits", "delegates",
         "an-instance"])
 def test_14_1_wrong_answers_get_a_named_hint(capsys, wrong, hint):

@@ -145,8 +145,9 @@ def _describe(got: str, want: str, text: str, stops: Sequence[str], sofar: bytes
          f"{stop!r} was sent: it was missed when it completed; search the held-back text too "
          "(a stop can straddle adds)"),
         (stop is None and not final and got.startswith(want) and len(got) > len(want),
-         f"held back too little (none, or the shortest stop's): text that may begin a stop "
-         f"string went out undecided; hold back len(longest stop) - 1 = {_hold(stops)}"),
+         f"held back too little: text that may begin a stop went out undecided; hold back the "
+         f"last len(longest stop) - 1 = {_hold(stops)} characters (characters, not tokens; the "
+         "longest stop, not the shortest)"),
         (final and want.startswith(got), "finish must return everything still held back"),
         (want.startswith(got) and stop is None and not stops, "text held back with no stop "
          "strings: each character goes out as soon as its bytes are all there"),
