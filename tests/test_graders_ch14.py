@@ -17,10 +17,10 @@ class Det:
 
     SPLIT = NO_HOLD = KEEP_STOP = LIST_ORDER = NO_FLUSH = HOLD_ONE_MORE = False
     HOLD_WITHOUT_STOPS = START_ORDER = LAST_AT_TIE = RFIND = PER_ADD = NEW_ONLY = False
-    HOLD_SHORTEST = HOLD_TOKENS = False
+    HOLD_SHORTEST = HOLD_TOKENS = KEEP_EMPTY = False
 
     def __init__(self, decode, stop=()):
-        self.decode, self.stop = decode, [s for s in stop if s]
+        self.decode, self.stop = decode, [s for s in stop if s or self.KEEP_EMPTY]
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         if self.HOLD_ONE_MORE and self.stop:
             self.hold += 1
@@ -115,6 +115,7 @@ def test_a_right_answer_written_differently_passes(capsys):
     (_bug(HOLD_SHORTEST=True), "the longest stop, not the shortest"),
     (_bug(HOLD_TOKENS=True), "characters (characters, not tokens"),
     (_bug(RFIND=True), "cut at the stop's last occurrence (rfind)"),
+    (_bug(KEEP_EMPTY=True), "an empty stop string is ignored"),
     (_bug(PER_ADD=True), "went out as U+FFFD or was lost: decode all the ids since"),
     (_bug(NEW_ONLY=True), "was sent: it was missed when it completed; search the held-back"),
     (Inherits, "inherits the library's IncrementalDetokenizer.add"),
@@ -123,7 +124,7 @@ def test_a_right_answer_written_differently_passes(capsys):
 ], ids=["split-character", "no-hold-back", "stop-kept", "first-stop-in-list",
      "first-to-start", "no-flush",
         "holds-len-stop", "holds-without-stops", "holds-for-the-shortest-stop", "holds-tokens",
-        "rfind",
+        "rfind", "an-empty-stop",
         "decodes-each-add-alone", "searches-only-the-new-text", "inherits", "delegates",
         "an-instance"])
 def test_14_1_wrong_answers_get_a_named_hint(capsys, wrong, hint):

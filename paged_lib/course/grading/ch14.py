@@ -126,14 +126,16 @@ def _loses(cls: Any) -> bool:
 
 
 def _describe(got: str, want: str, text: str, stops: Sequence[str], sofar: bytes,
-              final: bool, cls: Any) -> str:
+              final: bool, det: Any) -> str:
     """A hint naming the mistake that turns ``want`` into ``got``."""
     whole = sofar.decode("utf-8", "ignore")
     cut, stop = _cut(whole if not final else text, stops)
     other = next((s for s in stops if s and s != stop and s in whole
                   and got == whole[:whole.find(s)]), None) if stop is not None else None
     for wrong, hint in [
-        ("\ufffd" in got or _loses(cls), "a character whose bytes came in different adds "
+        (getattr(det, "stopped", None) == "", "an empty stop string is ignored (\"\" is in "
+         "every text, it would stop at once): stop only on the non-empty ones"),
+        ("\ufffd" in got or _loses(type(det)), "a character whose bytes came in different adds "
          "went out as U+FFFD or was lost: decode all the ids since the last whole character "
          "together, and keep an incomplete tail (U+FFFD) until its other bytes arrive"),
         (other is not None, _stopped_hint(other, stop, whole, stops)),
@@ -175,7 +177,7 @@ def _run_case(cls: Any, text: str, stops: list[str], per_add: int) -> None:
         if out != want:
             grading.fail(f"after {min(k + per_add, len(data))} tokens the text sent is "
                          f"{out!r}, expected {want!r}",
-                         _describe(out, want, text, stops, data[:k + per_add], False, cls))
+                         _describe(out, want, text, stops, data[:k + per_add], False, det))
     last = det.finish()
     grading.expect_true(isinstance(last, str), f"finish returned {last!r}, not a str",
                         "finish returns the text still held ('' when none)")
@@ -183,7 +185,7 @@ def _run_case(cls: Any, text: str, stops: list[str], per_add: int) -> None:
     want = ended if ended is not None else text
     if out != want:
         grading.fail(f"after finish the text sent is {out!r}, expected {want!r}",
-                     _describe(out, want, text, stops, data, True, cls))
+                     _describe(out, want, text, stops, data, True, det))
     grading.expect_equal(det.stopped, stop, "stopped",
                          _stopped_hint(det.stopped, stop, text, stops))
     grading.expect_equal(det.text, want, "the text attribute",
