@@ -66,6 +66,13 @@ def levels_with(base="mha", base_fp16=True, own=True, sinks_kept=True, cap=True,
     return fn
 
 
+def _base_of_lengths(spec, lengths, **kw):
+    """The first two levels counted over the requests' own lengths, not max_len each."""
+    a, b, c, d = levels_with()(spec, lengths, **kw)
+    reserved = len(lengths) * kw["max_len"]
+    return a // reserved * sum(lengths), b // reserved * sum(lengths), c, d
+
+
 def test_11_1_a_correct_answer_passes(capsys):
     assert verdict(capsys, ch11.check_kv_levels, levels_with()).startswith("✅ [11.1]")
 
@@ -94,6 +101,7 @@ def test_11_1_not_attempted(capsys):
     (levels_with(zero_window=False), "a window of 0 keeps only the sinks"),
     (levels_with(base_fp16="model"), "whatever the model spec's own dtype_bytes"),
     (levels_with(float32=True), "a float32 (numpy or torch) keeps 24 bits"),
+    (_base_of_lengths, "the first two levels reserve max_len tokens per request"),
     (lambda spec, lengths, **kw: levels_with()(spec, lengths, **kw)[:3], "a tuple of 4"),
     (lambda spec, lengths, **kw: sum(levels_with()(spec, lengths, **kw)), "a tuple of 4"),
 ])
