@@ -17,7 +17,7 @@ class Det:
 
     SPLIT = NO_HOLD = KEEP_STOP = LIST_ORDER = NO_FLUSH = HOLD_ONE_MORE = False
     HOLD_WITHOUT_STOPS = START_ORDER = LAST_AT_TIE = RFIND = PER_ADD = NEW_ONLY = False
-    HOLD_SHORTEST = HOLD_TOKENS = KEEP_EMPTY = False
+    HOLD_SHORTEST = HOLD_TOKENS = KEEP_EMPTY = FINISH_ALL = False
 
     def __init__(self, decode, stop=()):
         self.decode, self.stop = decode, [s for s in stop if s or self.KEEP_EMPTY]
@@ -47,6 +47,8 @@ class Det:
             return ""
         self.new = len(self.text)
         self.text = self.text if self.PER_ADD else self.decode(self.ids)
+        if self.FINISH_ALL:  # the whole text, what was sent included
+            return self._release(final=True) and self.text
         return "" if self.NO_FLUSH else self._release(final=True)
 
     def _release(self, final):
@@ -116,6 +118,7 @@ def test_a_right_answer_written_differently_passes(capsys):
     (_bug(HOLD_TOKENS=True), "characters (characters, not tokens"),
     (_bug(RFIND=True), "cut at the stop's last occurrence (rfind)"),
     (_bug(KEEP_EMPTY=True), "an empty stop string is ignored"),
+    (_bug(FINISH_ALL=True), "and nothing already sent"),
     (_bug(PER_ADD=True), "went out as U+FFFD or was lost: decode all the ids since"),
     (_bug(NEW_ONLY=True), "was sent: it was missed when it completed; search the held-back"),
     (Inherits, "inherits the library's IncrementalDetokenizer.add"),
@@ -124,7 +127,7 @@ def test_a_right_answer_written_differently_passes(capsys):
 ], ids=["split-character", "no-hold-back", "stop-kept", "first-stop-in-list",
      "first-to-start", "no-flush",
         "holds-len-stop", "holds-without-stops", "holds-for-the-shortest-stop", "holds-tokens",
-        "rfind", "an-empty-stop",
+        "rfind", "an-empty-stop", "finish-sends-all",
         "decodes-each-add-alone", "searches-only-the-new-text", "inherits", "delegates",
         "an-instance"])
 def test_14_1_wrong_answers_get_a_named_hint(capsys, wrong, hint):
