@@ -122,6 +122,11 @@ def extra_on_first_only(token_ids, block_size, extra_keys=()):
     (lambda t, b, e=(): len(chain(t, b, e)), "not how many"),
     (lambda t, b, e=(): chain(t, b, e)[::-1], "wrong order"),
     (memo_by_tokens, "'the same 20 tokens, extra keys ('lora-2',)': block 0's hash differs"),
+    # a key given twice (one image twice in a prompt) taken once, or in a set's order
+    (lambda t, b, e=(): chain(t, b, tuple(dict.fromkeys(e))), "block 0 was hashed with "
+     "('mm:9c01', 4), the request's are ('mm:9c01', 4, 'mm:9c01')"),
+    (lambda t, b, e=(): chain(t, b, tuple(set(e))), "as given (order, repeats)"),
+    (lambda t, b, e=(): chain(t, b, tuple(sorted(e, key=str))), "as given (order, repeats)"),
 ])
 def test_block_hashes_wrong_answers(capsys, answer, hint):
     out = verdict(capsys, ch10.check_block_hashes, answer)
@@ -544,6 +549,25 @@ def alloc(pool, token_ids, hashes, block_size, max_new_tokens, *, cap=True, touc
     return blocks, computed
 
 
+def alloc_by_shifts(pool, token_ids, hashes, block_size, max_new_tokens):
+    """Right at block sizes that are powers of two: blocks counted with shifts."""
+    shift = block_size.bit_length() - 1
+    return alloc(pool, token_ids, hashes, 1 << shift, max_new_tokens)
+
+
+def alloc_evicting_with_the_pool(pool, token_ids, hashes, block_size, max_new_tokens):
+    """Evicts each fresh block through the pool's own _evict."""
+    popleft = pool.free_block_queue.popleft
+
+    def popleft_evicting():
+        block = popleft()
+        pool._evict(block)
+        return block
+
+    pool.free_block_queue.popleft = popleft_evicting
+    return alloc(pool, token_ids, hashes, block_size, max_new_tokens, evict=False)
+
+
 def alloc_with_pool_methods(pool, token_ids, hashes, block_size, max_new_tokens):
     blocks = []
     for h in hashes[:(len(token_ids) - 1) // block_size]:
@@ -578,11 +602,12 @@ def alloc_with_pool_methods(pool, token_ids, hashes, block_size, max_new_tokens)
     (lambda *a: alloc(*a, cap_minus_one=True),
      "your hit stops after 0 block(s), the library's after 1"),
     (lambda *a: alloc(*a, budget_counts_hit=True),
-     "after its hit of 2 tokens this request computes 3 now"),
-    (lambda *a: alloc(*a, uncached_first=True), "fresh block 1 is 4 in yours, 3 in the "
+     "after its hit of 6 tokens this request computes 2 now (its budget counts only"),
+    (lambda *a: alloc(*a, uncached_first=True), "fresh block 1 is 24 in yours, 22 in the "
      "library's, which comes first in the free queue"),
     (lambda *a: alloc(*a, evict_value=True),
      "block 2 is still cached (block_hash), but cached_blocks no longer lists it"),
+    (alloc_by_shifts, "block size 3 (not a power of two)', call 2"),
     (lambda *a: alloc(*a, no_duplicates=True),
      "even though it holds the same K/V as block 23, cached before"),
 ])
@@ -598,6 +623,8 @@ def test_allocate_slots_right_answer_and_twins(capsys):
     assert out.startswith("❌ [10.4]") and "PrefixCachingAllocator.touch" in out, out
     out = verdict(capsys, ch10.check_allocate_slots, pc.allocate_slots)
     assert out.startswith("❌ [10.4]") and "you passed the library's allocate_slots" in out
+    out = verdict(capsys, ch10.check_allocate_slots, alloc_evicting_with_the_pool)
+    assert out.startswith("❌ [10.4]") and "PrefixCachingAllocator._evict" in out, out
     pool = pc.PrefixCachingAllocator(4)  # the pool's methods work again after the check
     b = pool.allocate()
     pool.cache_block(b, pc.block_hashes([1, 2], 2)[0])

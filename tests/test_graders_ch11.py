@@ -57,12 +57,20 @@ def levels_with(base="mha", base_fp16=True, own=True, sinks_kept=True, cap=True,
                                  for n in lengths],
                 "max_len": [max_len] * len(lengths), "reserved": [keep] * len(lengths)}[paged]
         held = sum({"ceil": cdiv(n, block_size) * block_size,
-                    "floor": n // block_size * block_size, "exact": n}[rounding] for n in kept)
+                    "floor": n // block_size * block_size, "exact": n,
+                    "count": cdiv(n, block_size)}[rounding] for n in kept)
         n = len(lengths)
         bb, bp = kv_bytes_per_token(b), kv_bytes_per_token(per)
         return (cast(n * max_len * bb), cast(n * max_len * bp), cast(n * keep * bp),
                 cast(held * bp))
     return fn
+
+
+def _base_of_lengths(spec, lengths, **kw):
+    """The first two levels counted over the requests' own lengths, not max_len each."""
+    a, b, c, d = levels_with()(spec, lengths, **kw)
+    reserved = len(lengths) * kw["max_len"]
+    return a // reserved * sum(lengths), b // reserved * sum(lengths), c, d
 
 
 def test_11_1_a_correct_answer_passes(capsys):
@@ -84,6 +92,7 @@ def test_11_1_not_attempted(capsys):
     (levels_with(cap=False), "never needs more than max_len"),
     (levels_with(rounding="floor"), "partly filled last block"),
     (levels_with(rounding="exact"), "paging holds whole blocks"),
+    (levels_with(rounding="count"), "blocks of block_size slots each"),  # blocks, not slots
     (levels_with(paged="all"), "the levels stack"),
     (levels_with(paged="max_len"), "not a max_len reservation"),
     (levels_with(paged="reserved"), "not a reservation of window + sinks"),
@@ -92,6 +101,7 @@ def test_11_1_not_attempted(capsys):
     (levels_with(zero_window=False), "a window of 0 keeps only the sinks"),
     (levels_with(base_fp16="model"), "whatever the model spec's own dtype_bytes"),
     (levels_with(float32=True), "a float32 (numpy or torch) keeps 24 bits"),
+    (_base_of_lengths, "the first two levels reserve max_len tokens per request"),
     (lambda spec, lengths, **kw: levels_with()(spec, lengths, **kw)[:3], "a tuple of 4"),
     (lambda spec, lengths, **kw: sum(levels_with()(spec, lengths, **kw)), "a tuple of 4"),
 ])
@@ -384,6 +394,15 @@ def test_11_3_requantising_in_the_other_order_is_told_why_only_serving_shows_it(
     out = verdict(capsys, ch11.check_write_int8_blocks, write_with(ratio_first=False))
     assert out.startswith("❌ [11.3]") and "random workload" in out \
         and "kv_cache_dtype='int8'" in out and "round(q * (old / new))" in out, out
+
+
+def test_11_3_ties_rounded_up_are_told_to_round_half_to_even(capsys):
+    """floor(v + 0.5) differs from torch.round only at exact ties (a code of 61 carried to a
+    doubled scale): only serving shows it, and the hint names the rounding too."""
+    out = verdict(capsys, ch11.check_write_int8_blocks,
+                  write_with(rnd=lambda t: torch.floor(t + 0.5)))
+    assert out.startswith("❌ [11.3]") and "random workload" in out \
+        and "ties round half to even (torch.round, not floor(v + 0.5))" in out, out
 
 
 # ------------------------------------------------------------------ 11.4 the window

@@ -16,21 +16,28 @@ class Det:
     flag plants one typical mistake."""
 
     SPLIT = NO_HOLD = KEEP_STOP = LIST_ORDER = NO_FLUSH = HOLD_ONE_MORE = False
-    HOLD_WITHOUT_STOPS = START_ORDER = LAST_AT_TIE = False
+    HOLD_WITHOUT_STOPS = START_ORDER = LAST_AT_TIE = RFIND = PER_ADD = NEW_ONLY = False
+    HOLD_SHORTEST = HOLD_TOKENS = KEEP_EMPTY = FINISH_ALL = False
 
     def __init__(self, decode, stop=()):
-        self.decode, self.stop = decode, [s for s in stop if s]
+        self.decode, self.stop = decode, [s for s in stop if s or self.KEEP_EMPTY]
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         if self.HOLD_ONE_MORE and self.stop:
             self.hold += 1
         if self.HOLD_WITHOUT_STOPS and not self.stop:
             self.hold = 1
+        if self.HOLD_SHORTEST and self.stop:
+            self.hold = min(len(s) for s in self.stop) - 1
         self.ids, self.sent, self.text, self.stopped = [], 0, "", None
 
     def add(self, token_ids):
         if self.stopped is not None:
             return ""
         self.ids += list(token_ids)
+        self.new = len(self.text)
+        if self.PER_ADD:  # each add's tokens decoded alone, U+FFFD dropped
+            self.text += self.decode(list(token_ids)).replace("\ufffd", "")
+            return self._release(final=False)
         full = self.decode(self.ids)
         self.text = full if self.SPLIT else full.rstrip("\ufffd")
         return self._release(final=False)
@@ -38,11 +45,16 @@ class Det:
     def finish(self):
         if self.stopped is not None:
             return ""
-        self.text = self.decode(self.ids)
+        self.new = len(self.text)
+        self.text = self.text if self.PER_ADD else self.decode(self.ids)
+        if self.FINISH_ALL:  # the whole text, what was sent included
+            return self._release(final=True) and self.text
         return "" if self.NO_FLUSH else self._release(final=True)
 
     def _release(self, final):
-        found = [(i, s) for s in self.stop if (i := self.text.find(s)) >= 0]
+        look = self.text.rfind if self.RFIND else self.text.find
+        start = self.new if self.NEW_ONLY else 0  # (only what this add brought)
+        found = [(i, s) for s in self.stop if (i := look(s, start)) >= 0]
         if found:  # right: the first to complete, ties the first listed (vLLM)
             if self.LIST_ORDER:  # (vLLM before its check_stop_strings took completion)
                 i, s = found[0]
@@ -53,6 +65,9 @@ class Det:
                            key=lambda f: f[0] + len(f[1]))
             end = i + len(s) if self.KEEP_STOP else i
             self.stopped, self.text = s, self.text[:end]
+        elif self.HOLD_TOKENS and not final:  # the last hold tokens held, not characters
+            kept = self.ids[:len(self.ids) - self.hold] if self.hold else self.ids
+            end = max(self.sent, len(self.decode(kept).rstrip("\ufffd")))
         else:
             end = len(self.text) if final or self.NO_HOLD \
                 else max(self.sent, len(self.text) - self.hold)
@@ -91,20 +106,30 @@ def test_a_right_answer_written_differently_passes(capsys):
 
 
 @pytest.mark.parametrize("wrong, hint", [
-    (_bug(SPLIT=True), "half a character went out as U+FFFD"),
-    (_bug(NO_HOLD=True), "no hold-back"),
+    (_bug(SPLIT=True), "went out as U+FFFD or was lost"),
+    (_bug(NO_HOLD=True), "held back too little"),
     (_bug(KEEP_STOP=True), "the stop string itself was sent"),
     (_bug(LIST_ORDER=True), "*completes* first"),
     (_bug(START_ORDER=True), "nor the one that starts first"),
     (_bug(NO_FLUSH=True), "finish must return everything still held back"),
     (_bug(HOLD_ONE_MORE=True), "too much held back"),
     (_bug(HOLD_WITHOUT_STOPS=True), "text held back with no stop strings"),
+    (_bug(HOLD_SHORTEST=True), "the longest stop, not the shortest"),
+    (_bug(HOLD_TOKENS=True), "characters (characters, not tokens"),
+    (_bug(RFIND=True), "cut at the stop's last occurrence (rfind)"),
+    (_bug(KEEP_EMPTY=True), "an empty stop string is ignored"),
+    (_bug(FINISH_ALL=True), "and nothing already sent"),
+    (_bug(PER_ADD=True), "went out as U+FFFD or was lost: decode all the ids since"),
+    (_bug(NEW_ONLY=True), "was sent: it was missed when it completed; search the held-back"),
     (Inherits, "inherits the library's IncrementalDetokenizer.add"),
     (Twin, "write it yourself from the spec"),
     (Det(lambda ids: "", ()), "expected a class"),
 ], ids=["split-character", "no-hold-back", "stop-kept", "first-stop-in-list",
      "first-to-start", "no-flush",
-        "holds-len-stop", "holds-without-stops", "inherits", "delegates", "an-instance"])
+        "holds-len-stop", "holds-without-stops", "holds-for-the-shortest-stop", "holds-tokens",
+        "rfind", "an-empty-stop", "finish-sends-all",
+        "decodes-each-add-alone", "searches-only-the-new-text", "inherits", "delegates",
+        "an-instance"])
 def test_14_1_wrong_answers_get_a_named_hint(capsys, wrong, hint):
     out = verdict(capsys, wrong)
     assert out.startswith("❌ [14.1]") and hint in out, out

@@ -138,6 +138,7 @@ _ALL = [
     _ex("10.4", "A new request's table in the caching pool", f"{_PC}allocate_slots",
         f"{_PC}longest_cache_hit", f"{_PC}PrefixCachingAllocator.touch",
         f"{_PC}PrefixCachingAllocator.allocate", f"{_PC}PrefixCachingAllocator.cache_block",
+        f"{_PC}PrefixCachingAllocator._evict",
         name="allocate_slots", role="prefix cache: a new request's table, hit and chunk",
         hook="allocate_slots"),
     _ex("11.1", "Three levels of saving, combined",

@@ -48,7 +48,8 @@ def reference_levels(spec: ModelSpec, lengths: Sequence[int], max_len: int,
                      *, base_heads: str = "mha", base_dtype: str = "fp16", own: str = "own",
                      with_sinks: bool = True, cap: bool = True, blocks: str = "ceil",
                      paged_tokens: str = "kept", zero_window: bool = True,
-                     per_dtype: str = "kv", reserve: str = "keep") -> tuple:
+                     per_dtype: str = "kv", reserve: str = "keep", base_len: str = "max_len"
+                     ) -> tuple:
     """The four levels, or (with a keyword changed) what one typical mistake gives."""
     base = {"mha": mha_equivalent(spec), "own": spec,
             "hidden": dataclasses.replace(mha_equivalent(spec),
@@ -68,15 +69,15 @@ def reference_levels(spec: ModelSpec, lengths: Sequence[int], max_len: int,
                              + (0 if window is None else sinks) for n in lengths],
             "past_window": [n if window is None or n <= window else keep for n in lengths],
             }[paged_tokens]
-    slots = {"ceil": lambda n: cdiv(n, block_size) * block_size,
-             "floor": lambda n: n // block_size * block_size,
-             "exact": lambda n: n, "batch": lambda n: n}[blocks]
+    slots = {"ceil": lambda n: cdiv(n, block_size) * block_size, "exact": lambda n: n,
+             "floor": lambda n: n // block_size * block_size, "batch": lambda n: n,
+             "count": lambda n: cdiv(n, block_size)}[blocks]
     held = sum(slots(n) for n in kept)
     if blocks == "batch":  # the batch's tokens rounded up once, as if blocks were shared
         held = cdiv(held, block_size) * block_size
     reserved = len(lengths) * keep if reserve == "keep" else sum(min(n, keep) for n in lengths)
-    return (len(lengths) * max_len * b_base, len(lengths) * max_len * b_per,
-            reserved * b_per, held * b_per)
+    tokens = len(lengths) * max_len if base_len == "max_len" else sum(lengths)
+    return tokens * b_base, tokens * b_per, reserved * b_per, held * b_per
 
 
 #: level index (23: levels 2 and 3) -> (the mistakes, as keywords of reference_levels, that
@@ -90,6 +91,8 @@ _LEVEL_SLIPS: list[tuple[int, list[dict], str]] = [
     (0, [dict(base_dtype="kv"), dict(base_dtype="model")], "the baseline is fp16 (2 bytes "
      "per value, with_dtype(2)) whatever the model spec's own dtype_bytes: the KV dtype is "
      "a saving, counted in the next level"),
+    (10, [dict(base_len="sum")], "the first two levels reserve max_len tokens per request "
+     "(before its length is known, as without paging), not the tokens it really has"),
     (1, [dict(own="mha")], "fewer bytes per token uses the model's own attention (its KV "
      "heads or its latent) as well as the KV dtype"),
     (1, [dict(per_dtype="model")], "fewer bytes per token stores each value in the "
@@ -103,7 +106,7 @@ _LEVEL_SLIPS: list[tuple[int, list[dict], str]] = [
      "the window is"),
     (2, [dict(zero_window=False)], "a window of 0 keeps only the sinks: test `window is "
      "None`, not `not window` (0 is falsy)"),
-    (3, [dict(blocks="floor"), dict(blocks="exact")], "paging holds whole blocks: "
+    (3, [dict(blocks=b) for b in ("floor", "exact", "count")], "paging holds whole blocks: "
      "ceil(kept / block_size) blocks of block_size slots each, the partly filled last block "
      "a whole block too: round up"),
     (3, [dict(blocks="batch")], "a block holds one request's tokens: each request rounds up "

@@ -341,6 +341,6 @@ def check_write_int8_blocks(fn: Callable[..., Any]) -> None:
                          torch.full((3, 2), float("nan")), torch.tensor([6])))
         generated.check("write_int8_blocks", lambda x, data, scale, slots: fn(
             x.clone(), data, scale, slots.clone()), "every generated call agreed up to a "
-            "code one off at an exact tie, which the engine's next layer sees: requantise with "
-            "the ratio first, round(q * (old / new)), not round(q * old / new), as the spec's "
-            "exact codes ask; else look for state kept outside data and scale")
+            "code one off at an exact tie, which the engine's next layer sees: ties round half "
+            "to even (torch.round, not floor(v + 0.5)); requantise by the ratio first, round(q "
+            "* (old / new)), not round(q * old / new); else look for state kept outside data")

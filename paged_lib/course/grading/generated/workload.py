@@ -105,8 +105,8 @@ def draw(seed: int, hook: str) -> Workload:
     rng = random.Random(f"{hook}:{seed}")
     o: dict[str, Any] = {}
     window = hook == "drop_oldest"
-    # windows: block sizes that are not powers of two too (the engine takes any)
-    block_size = rng.choice([2, 3, 4, 5, 6, 8] if window else [2, 4, 4, 8])
+    sizes = [2, 4, 4, 8] + [3, 6] * (hook == "allocate_slots")  # not powers of two too,
+    block_size = rng.choice([2, 3, 4, 5, 6, 8] if window else sizes)  # as windows (any size)
     pressure = hook in _PRESSURE or rng.random() < 0.5
     tight = hook in _TIGHT and rng.random() < 0.5  # long prompts against the token budget
     if rng.random() < 0.4:
