@@ -162,7 +162,8 @@ _ALL = [
         f"{_PAR}heads_attention", f"{_PAR}rank_heads", f"{_PAR}shard_state_dict",
         f"{_ENG}tensor_parallel.use_rank_attention", *_HEADS,
         name="rank_attention", role="tensor parallel: one rank's attention, all-reduced"),
-    _ex("14.1", "Streaming text with stop strings", f"{_DEC}IncrementalDetokenizer.add"),
+    _ex("14.1", "Streaming text with stop strings", f"{_DEC}IncrementalDetokenizer.add",
+        f"{_DEC}IncrementalDetokenizer._release"),
 ]
 
 #: exercise id -> :class:`Exercise`, in the course's order
