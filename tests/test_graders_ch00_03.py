@@ -711,6 +711,25 @@ def _calls(dotted_attr):
     (ch01.check_kv_bytes_per_token, _calls("paged_lib.accounting:kv_bytes_per_token"), "01.1",
      "kv_bytes_per_token"),
     (ch01.check_logical_blocks, _calls("paged_lib.accounting:num_blocks"), "01.2", "num_blocks"),
+    # every library function doing the job refuses, not only the exercise's own twin
+    (ch00.check_ceil_div, _calls("paged_lib.accounting:num_blocks"), "00.1", "num_blocks"),
+    (ch00.check_ceil_div, _calls("triton:cdiv"), "00.1", "cdiv (triton.cdiv)"),
+    (ch01.check_logical_blocks, _calls("paged_lib.util:cdiv"), "01.2", "cdiv"),
+    (ch01.check_logical_blocks, _calls("triton:cdiv"), "01.2", "cdiv (triton.cdiv)"),
+    (ch01.check_kv_bytes_per_token, lambda s: _calls("paged_lib.accounting:kv_bytes")(s, 1),
+     "01.1", "kv_bytes"),
+    (ch01.check_kv_bytes_per_token, lambda s: _calls("paged_lib.parallel:kv_bytes_per_rank")(
+        s, 1, 1), "01.1", "kv_bytes_per_rank"),
+    (ch01.check_kv_bytes_per_token, lambda s: _calls(
+        "paged_lib.studies.tp_layout:kv_bytes_per_rank")(s, 1, 1), "01.1", "kv_bytes_per_rank"),
+    (ch01.check_kv_bytes_per_token, lambda s: _calls(
+        "paged_lib.studies.kv_quant_eval:kv_bytes_per_token_quant")(s, "auto").auto_bytes,
+     "01.1", "kv_bytes_per_token_quant"),
+    (ch01.check_kv_bytes_per_token, lambda s: _calls(
+        "paged_lib.course.demos.engine_compare:kv_bytes_per_block")(s, 1), "01.1",
+     "kv_bytes_per_block"),
+    (ch01.check_kv_bytes_per_token, _calls("paged_lib.bench.floor:kv_bytes_per_token"), "01.1",
+     "kv_bytes_per_token"),
     (ch02.check_orca_max_slots, lambda n, length, m: _calls(
         "paged_lib.fragmentation:request_slots")("orca-max", n, length, max_len=m), "02.2",
      "request_slots"),
@@ -752,6 +771,9 @@ def test_the_twin_passed_itself_fails_and_every_patch_is_undone(capsys):
     assert BlockTable.append_token.__qualname__ == "BlockTable.append_token"
     assert verdict(capsys, ch03.check_append_token, append_ok).startswith("✅ [03.1]")
     assert cdiv(17, 16) == 2  # a guard would refuse a call from tests/
+    import triton
+
+    assert triton.cdiv(17, 16) == 2  # (its guard refuses every caller: Triton calls it)
 
 
 def test_one_rule_for_integer_types_numpy_ints_pass_floats_do_not(capsys):

@@ -55,9 +55,19 @@ def _ex(ex_id: str, title: str, *twins: str, **piece) -> Exercise:
 
 
 _ALL = [
-    _ex("00.1", "Ceil division", "paged_lib.util.cdiv"),
-    _ex("01.1", "KV bytes per token", "paged_lib.accounting.kv_bytes_per_token"),
-    _ex("01.2", "Logical blocks", "paged_lib.accounting.num_blocks"),
+    # 00.1, 01.2: every ceil division a learner can call (Triton's host-side one too)
+    _ex("00.1", "Ceil division", "paged_lib.util.cdiv", "paged_lib.accounting.num_blocks",
+        "triton.cdiv"),
+    # 01.1: every library function whose number for one token (one rank, one block of
+    # one token) is the bytes per token
+    _ex("01.1", "KV bytes per token", "paged_lib.accounting.kv_bytes_per_token",
+        "paged_lib.accounting.kv_bytes", f"{_PAR}kv_bytes_per_rank",
+        "paged_lib.studies.tp_layout.kv_bytes_per_rank",
+        "paged_lib.studies.kv_quant_eval.kv_bytes_per_token_quant",
+        "paged_lib.course.demos.engine_compare.kv_bytes_per_block",
+        "paged_lib.bench.floor.kv_bytes_per_token"),
+    _ex("01.2", "Logical blocks", "paged_lib.accounting.num_blocks", "paged_lib.util.cdiv",
+        "triton.cdiv"),
     _ex("01.3", "Last-block fill"),
     _ex("01.4", "Requests that fit in a KV budget"),
     _ex("02.1", "Which waste does each mechanism remove?"),
