@@ -531,6 +531,9 @@ SIM_BUGS = [
     ("        if queue:\n            out[\"external\"]",
      "        if True:\n            out[\"external\"]", "nothing is external"),
     ("math.ceil(requests[i].arrival)", "math.floor(requests[i].arrival)", "ceil(a)"),
+    ("math.ceil(requests[i].arrival)", "round(requests[i].arrival)", "round(a) and int(a) say 2"),
+    ("math.ceil(requests[i].arrival)", "int(requests[i].arrival + 0.5)", "ceil(a)"),
+    ("key=lambda i: requests[i].arrival", "key=lambda i: i", "in order of arrival"),
     ("victim = running.pop()", "victim = running.pop(0)", "most recently admitted"),
     ("while sum(blocks_needed(i) - blocks[i] for i in running) > num_free:",
      "while sum(blocks_needed(i) - blocks[i] for i in running) > num_free + 99:",
@@ -560,6 +563,18 @@ def test_02_5_planted_bugs_get_a_named_hint(capsys, monkeypatch, old, new, hint)
     assert SIMULATOR.count(old) == 1, old
     out = _run(capsys, ch02.check_paged_simulator, _compile(SIMULATOR.replace(old, new)))
     assert out.startswith("❌ [02.5]") and hint in out, out
+
+
+@pytest.mark.parametrize("old, new, hint", [
+    ("math.ceil(requests[i].arrival)", "round(requests[i].arrival)", "ceil(a) (3.2: step 4)"),
+    ("key=lambda i: requests[i].arrival", "key=lambda i: i", "in arrival order"),
+])
+def test_02_5_generated_traces_tell_the_arrival_rules_apart(capsys, monkeypatch, old, new,
+                                                            hint):
+    """Without the named traces, the generated ones still catch them, named by a contrast."""
+    monkeypatch.setattr(ch02, "SIM_TRACES", [])
+    out = _run(capsys, ch02.check_paged_simulator, _compile(SIMULATOR.replace(old, new)))
+    assert out.startswith("❌ [02.5] A time-stepped paged simulator: generated") and hint in out
 
 
 def test_02_5_solution_passes_and_matches_on_the_full_trace(capsys):

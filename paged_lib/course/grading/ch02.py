@@ -252,9 +252,10 @@ SIM_TRACES: list[tuple[str, list[Request], int, int, str]] = [
      "during its k-th step (k = 1 .. output_len) a running request stores prompt_len + k "
      "token states and holds ceil(tokens / block_size) blocks, taken one at a time as the "
      "last fills; nobody waits, so nothing is external"),
-    ("a late arrival: the second request arrives at 5.5 (pool of 64, blocks of 4)",
-     [Request(3, 2, 0.0), Request(2, 2, 5.5)], 64, 4,
-     "a request arriving at time a joins the queue at step ceil(a); when nothing runs and "
+    ("a late arrival listed first: it arrives at 2.3, the other at 0 (pool of 64, blocks of 4)",
+     [Request(2, 1, 2.3), Request(3, 2, 0.0)], 64, 4,
+     "requests join the queue in order of arrival, not of the list; one arriving at time a "
+     "joins at step ceil(a) (2.3: step 3; round(a) and int(a) say 2); when nothing runs and "
      "nothing waits, time jumps to the next arrival (those steps add no slots)"),
     ("a queue: the pool of 14 fits one request at a time (blocks of 4)",
      [Request(6, 4, 0.0), Request(6, 4, 0.0)], 14, 4,

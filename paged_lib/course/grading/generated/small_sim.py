@@ -125,7 +125,7 @@ def trace_cases(count: int = 30) -> list[Trace]:
     for seed in range(count):
         rng = random.Random(205 + seed)
         requests = tuple((rng.randint(1, 12), rng.randint(1, 10),
-                          rng.choice([0.0, 0.0, 1.0, 1.5, 2.0, 3.7, 5.0]))
+                          rng.choice([0.0, 0.0, 1.0, 1.5, 2.0, 3.2, 5.0]))
                          for _ in range(rng.randint(2, 7)))
         out.append(Trace(seed, requests, rng.choice([1, 2, 3, 4, 5, 7]),
                          rng.choice([0, 1, 2, 4]), rng.choice([0, 1, 3])))
@@ -142,7 +142,14 @@ _VICTIM = ("the victim is the most recently *admitted* running request (of two t
 
 def trace_stage(simulate_paged: Callable) -> None:
     numeric.check("02.5", trace_cases(), lambda p: run_paged(simulate_paged, *p.build(), (
-        _VICTIM if reference_paged(*p.build())["preemptions"] else _ORDER), "the trace"))
+        _VICTIM if reference_paged(*p.build())["preemptions"] else _ORDER), "the trace"), (
+        numeric.Contrast(lambda p: dataclasses.replace(p, requests=tuple(sorted(
+            p.requests, key=lambda r: r[2]))), "it passes once the list is in arrival order: "
+            "requests join the queue in order of arrival (ties: list order), not of the list"),
+        numeric.Contrast(lambda p: dataclasses.replace(p, requests=tuple((x, o, -(-a // 1))
+            for x, o, a in p.requests)), "it passes once every arrival is a whole number: a "
+            "request arriving at time a joins at step ceil(a) (3.2: step 4), not round(a) or "
+            "int(a)")))
 
 
 @dataclass(frozen=True)
