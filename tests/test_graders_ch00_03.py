@@ -321,6 +321,15 @@ def test_03_4_solution_passes(capsys):
     assert verdict(capsys, ch03.check_predictions, predictions()).startswith("✅ [03.4]")
 
 
+def test_03_4_a_slot_with_its_copy_as_a_list_passes(capsys):
+    """Slot(10, 8, [9, 10]) and a plain (10, 8, (9, 10)) say what Slot(10, 8, (9, 10)) does."""
+    listed = {k: Slot(s.block, s.offset, s.copy and list(s.copy)) for k, s in
+              ch03.prediction_scenario().items() if isinstance(s, Slot)}
+    assert verdict(capsys, ch03.check_predictions, predictions(**listed)).startswith("✅")
+    plain = {k: [s.block, s.offset, s.copy and list(s.copy)] for k, s in listed.items()}
+    assert verdict(capsys, ch03.check_predictions, predictions(**plain)).startswith("✅")
+
+
 # ---------------------------------------------------------------- chapter 02
 
 def _run(capsys, check, fn) -> str:

@@ -63,17 +63,10 @@ MECHANISM_HINTS = {
 }
 
 
-def _expect_dict(got: Any, keys: list[str], hint: str) -> None:
-    grading.expect_true(isinstance(got, dict), f"expected a dict, got {type(got).__name__}",
-                        hint)
-    missing = [k for k in keys if k not in got]
-    grading.expect_true(not missing, f"no answer for {missing}", hint)
-
-
 def check_waste_removed(fn: Callable[[], dict[str, set[str]]]) -> None:
     with grading.exercise("02.1"):
         got = fn()
-        _expect_dict(got, list(MECHANISMS), "return {mechanism: {kinds}}, with the mechanism "
+        grading.expect_dict(got, MECHANISMS, "return {mechanism: {kinds}}, with the mechanism "
                      "names exactly as given in the dict stub")
         for mech, want in MECHANISMS.items():
             grading.expect_true(got[mech] is not None, f"{mech!r}: None",
@@ -179,7 +172,8 @@ def _checked_slots(slots, prompt_lens, output_lens, step):
 
 def check_batch_snapshot(fn: Callable[..., object]) -> None:
     def mine(p, o, step, slots) -> tuple[int, ...]:
-        return _as_triple(fn(p, o, step, _checked_slots(slots, p, o, step)), "the snapshot")
+        return _as_triple(fn(list(p), list(o), step, _checked_slots(slots, p, o, step)),
+                          "the snapshot")  # copies: a right answer may use up its lists
 
     def run(*case: Any) -> None:
         got, want = mine(*case), batch_snapshot(*case)
@@ -234,7 +228,7 @@ def check_derivation(derive: Callable[[], dict[str, Any]]) -> None:
     with grading.exercise("02.3"):
         got = derive()
         answers = derivation_answers()
-        _expect_dict(got, list(answers), f"use exactly the keys {list(answers)}")
+        grading.expect_dict(got, answers, f"use exactly the keys {list(answers)}")
         for key, want in answers.items():
             mine = got[key]
             if isinstance(want, bool):

@@ -60,11 +60,7 @@ def run_paged(simulate_paged: Callable, requests: list[Request], capacity: int,
     want = reference_paged(requests, capacity, block_size)
     with _time_limit(what):
         got = simulate_paged(list(requests), capacity, block_size)
-    keys = f"return a dict with keys {SIM_KEYS}"
-    grading.expect_true(isinstance(got, dict), f"{what}: expected a dict, got "
-                        f"{type(got).__name__}", keys)
-    missing = [k for k in SIM_KEYS if k not in got]
-    grading.expect_true(not missing, f"{what}: missing keys {missing}", keys)
+    grading.expect_dict(got, SIM_KEYS, f"return a dict with keys {SIM_KEYS}", f"{what}: ")
     for key in SIM_KEYS:
         grading.expect_int(got[key], f"{what}: {key}")
     wrong = [k for k in SIM_KEYS if got[k] != want[k]]
