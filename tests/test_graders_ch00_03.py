@@ -132,6 +132,16 @@ def append_no_count(table):
     return slot
 
 
+def append_float(table):
+    """Right but for floats: the last block is full when num_tokens / block_size == blocks."""
+    offset = table._num_tokens % table.block_size
+    if table._num_tokens / table.block_size == len(table._blocks):
+        table._blocks.append(table.allocator.allocate())
+        table._num_tokens += 1
+        return Slot(table._blocks[-1], offset)
+    return append_ok(table)
+
+
 def todo(*args):
     raise NotImplementedError()
 
@@ -147,6 +157,8 @@ def todo(*args):
     (append_flipped_compare, "write in place, copy=None"),
     (append_off_by_one, "count the tokens before it"),
     (append_no_count, "num_tokens += 1"),
+    # floats: right until num_tokens / block_size rounds (a block size past 2**53)
+    (append_float, "53 bits"),
 ])
 def test_03_1_wrong_answers_get_a_named_hint(capsys, answer, hint):
     out = verdict(capsys, ch03.check_append_token, answer)
