@@ -4,6 +4,7 @@ answers below; 02.2, 02.4 and 02.5 run the generated cases of :mod:`.generated.s
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -11,7 +12,7 @@ import numpy as np
 
 from paged_lib.course import grading
 from paged_lib.course.grading import slips
-from paged_lib.course.grading.generated import small_sim
+from paged_lib.course.grading.generated import numeric, small_sim
 from paged_lib.fragmentation import request_slots
 from paged_lib.workloads import Request
 
@@ -112,7 +113,7 @@ def _check_slots(fn: Callable[[int, int, int], object], n: int, length: int,
 
 def check_orca_max_slots(fn: Callable[[int, int, int], object]) -> None:
     with grading.exercise("02.2"):
-        small_sim.slot_stage(lambda *args: _check_slots(fn, *args))
+        numeric.check("02.2", small_sim.slot_cases(), lambda p: _check_slots(fn, *p.args))
 
 
 def batch_snapshot(prompt_lens, output_lens, step, slots) -> tuple[int, int, int]:
@@ -172,8 +173,7 @@ def _checked_slots(slots, prompt_lens, output_lens, step):
 
 def check_batch_snapshot(fn: Callable[..., object]) -> None:
     def mine(p, o, step, slots) -> tuple[int, ...]:
-        return _as_triple(fn(list(p), list(o), step, _checked_slots(slots, p, o, step)),
-                          "the snapshot")  # copies: a right answer may use up its lists
+        return _as_triple(fn(p[:], o[:], step, _checked_slots(slots, p, o, step)), "the snapshot")
 
     def run(*case: Any) -> None:
         got, want = mine(*case), batch_snapshot(*case)
@@ -184,7 +184,12 @@ def check_batch_snapshot(fn: Callable[..., object]) -> None:
                 "slots over those only."))
 
     with grading.exercise("02.4"):
-        small_sim.batch_stage(run)
+        numeric.check("02.4", small_sim.batch_cases(), lambda p: run(*p.args()), (numeric.Contrast(
+            lambda p: dataclasses.replace(p, requests=tuple((x + 100 * i, o) for i, (x, o) in
+                                                            enumerate(p.requests))), (
+            "it passes once every request has a prompt length of its own: two requests of the "
+            "same length (samples of one prompt) are still two requests, each counted; a dict "
+            "or a set keyed by length keeps one")),))
 
 
 def derivation_answers() -> dict[str, int | bool]:
@@ -226,8 +231,7 @@ DERIVATION_HINTS = {
 
 def check_derivation(derive: Callable[[], dict[str, Any]]) -> None:
     with grading.exercise("02.3"):
-        got = derive()
-        answers = derivation_answers()
+        got, answers = derive(), derivation_answers()
         grading.expect_dict(got, answers, f"use exactly the keys {list(answers)}")
         for key, want in answers.items():
             mine = got[key]

@@ -10,20 +10,20 @@ from typing import Any
 
 from paged_lib.blocks import BlockTable, Slot
 from paged_lib.course import grading
-from paged_lib.course.grading.generated.small_blocks import block_stage, free_stage
+from paged_lib.course.grading.generated import numeric, small_blocks
 from paged_lib.course.grading.toy_pool import busy_pool, pool_state, with_free
 
 
 def check_append_token(append_token: Callable[[BlockTable], Any]) -> None:
     """03.1: ``append_token(table) -> Slot`` with on-demand allocation and copy-on-write."""
     with grading.exercise("03.1"):
-        block_stage("03.1", append_token, BlockTable.fork)
+        small_blocks.block_stage("03.1", append_token, BlockTable.fork)
 
 
 def check_fork(fork: Callable[[BlockTable], Any]) -> None:
     """03.2: ``fork(table) -> BlockTable`` sharing every block and allocating nothing."""
     with grading.exercise("03.2"):
-        block_stage("03.2", BlockTable.append_token, fork)
+        small_blocks.block_stage("03.2", BlockTable.append_token, fork)
 
 
 def check_free_block(free_block: Callable[..., Any]) -> None:
@@ -41,7 +41,8 @@ def check_free_block(free_block: Callable[..., Any]) -> None:
             grading.expect_value_error(alloc.free, (bad,), f"free({bad}) ({why})", hint)
             grading.expect_equal(pool_state(alloc), before, f"state after the refused "
                                  f"free({bad})", "raise before changing anything")
-        free_stage(free_block)
+        numeric.check("03.3", small_blocks.block_scenarios(),
+                      lambda s: small_blocks.replay_free(s, free_block))
 
 
 #: 03.4's keys, each with the hint for a wrong answer
@@ -86,9 +87,8 @@ def check_predictions(predict: Callable[[], dict[str, Any]]) -> None:
 def _shape(x: Any) -> Any:
     """A slot as (block, offset, copy), its copy a tuple: a list or a tuple is as good."""
     x = (x.block, x.offset, x.copy) if isinstance(x, Slot) else x
-    if isinstance(x, tuple | list) and len(x) == 3:
-        return (*x[:2], tuple(x[2]) if isinstance(x[2], tuple | list) else x[2])
-    return dict(x) if isinstance(x, dict) else x
+    return (*x[:2], tuple(x[2]) if isinstance(x[2], tuple | list) else x[2]) \
+        if isinstance(x, tuple | list) and len(x) == 3 else x
 
 
 def _prediction_hint(key: str, expected: Any, mine: Any) -> str:
