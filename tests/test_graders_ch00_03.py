@@ -216,6 +216,10 @@ def fork_plain_class(table):
     (lambda t: t, "returned the parent itself"),
     (lambda t: [], "expected a BlockTable"),
     (fork_plain_class, "type(table)"),
+    # the child's blocks reversed, or its num_tokens left at 0: named as a fork's, not an append's
+    (lambda t: fork_ok(t).__class__(t.allocator, t.block_size, t.blocks[::-1], t.num_tokens),
+     "the child gets the parent's blocks, in order"),
+    (lambda t: setattr(child := fork_ok(t), "_num_tokens", 0) or child, "and num_tokens"),
 ])
 def test_03_2_wrong_answers_get_a_named_hint(capsys, answer, hint):
     out = verdict(capsys, ch03.check_fork, answer)
@@ -653,7 +657,7 @@ def test_01_1_wrong_answers_get_a_named_hint(capsys, answer, hint):
 @pytest.mark.parametrize("answer, hint", [
     (lambda n, b: n // b, "round up, not down"),
     (lambda n, b: __import__("math").ceil(n / b), "53 bits"),
-    (lambda n, b: n / b, "`/` gives a fraction"),
+    (lambda n, b: n / b, "not / or math.ceil"),  # 0 / 16 = 0.0: a float
     (lambda n, b: float(-(-n // b)), "expected an int"),
     (lambda n, b: n // b + 1, "exactly full"),
 ])
