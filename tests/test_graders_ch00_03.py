@@ -436,8 +436,17 @@ def test_02_3_derivation_solution_and_numbers(capsys):
         "paged: D admitted": True, "paged: empty slots held": 5 + 1}
 
 
+def snapshot_ok(prompt_lens, output_lens, step, slots):
+    """02.4's solution (the grader's own batch_snapshot refuses a call from a learner)."""
+    total = [0, 0, 0]
+    for p, o in zip(prompt_lens, output_lens, strict=True):
+        for k, v in enumerate(slots(p + step + 1, p + o) if step < o else ()):
+            total[k] += v
+    return tuple(total)
+
+
 def _snapshot_off_by_one(prompt_lens, output_lens, step, slots):
-    return ch02.batch_snapshot(prompt_lens, output_lens, max(step - 1, 0), slots)
+    return snapshot_ok(prompt_lens, output_lens, max(step - 1, 0), slots)
 
 
 def _snapshot_keeps_finished(prompt_lens, output_lens, step, slots):
@@ -449,7 +458,7 @@ def _snapshot_keeps_finished(prompt_lens, output_lens, step, slots):
 
 
 def _snapshot_float(prompt_lens, output_lens, step, slots):
-    return tuple(float(v) for v in ch02.batch_snapshot(prompt_lens, output_lens, step, slots))
+    return tuple(float(v) for v in snapshot_ok(prompt_lens, output_lens, step, slots))
 
 
 def _snapshot_with(prompt_lens, output_lens, step, slots, *, bug):
@@ -468,7 +477,7 @@ def _snapshot_cumulative(prompt_lens, output_lens, step, slots):
     """Summed over steps 0 .. step, as if the question were the slot-steps so far."""
     total = [0, 0, 0]
     for s in range(step + 1):
-        for k, v in enumerate(ch02.batch_snapshot(prompt_lens, output_lens, s, slots)):
+        for k, v in enumerate(snapshot_ok(prompt_lens, output_lens, s, slots)):
             total[k] += v
     return tuple(total)
 
@@ -481,7 +490,7 @@ def _snapshot_cumulative(prompt_lens, output_lens, step, slots):
     (lambda *a: _snapshot_with(*a, bug="no +1"), "prompt + s + 1"),
     (lambda *a: _snapshot_with(*a, bug="final = output"), "prompt + output (not the output"),
     (_snapshot_cumulative, "not summed over steps 0 .. step"),
-    (lambda *a: ch02.batch_snapshot(*a)[0], "return three numbers"),
+    (lambda *a: snapshot_ok(*a)[0], "return three numbers"),
 ])
 def test_02_4_batch_snapshot_wrong_answers(capsys, answer, hint):
     out = _run(capsys, ch02.check_batch_snapshot, answer)
@@ -489,7 +498,7 @@ def test_02_4_batch_snapshot_wrong_answers(capsys, answer, hint):
 
 
 def test_02_4_solution_passes(capsys):
-    assert _run(capsys, ch02.check_batch_snapshot, ch02.batch_snapshot).startswith("✅ [02.4]")
+    assert _run(capsys, ch02.check_batch_snapshot, snapshot_ok).startswith("✅ [02.4]")
 
 
 SIMULATOR = """def simulate_paged(requests, capacity_tokens, block_size):
@@ -781,6 +790,17 @@ def _calls(dotted_attr):
     (ch03.check_append_token, lambda table: table.append_token(), "03.1",
      "BlockTable.append_token"),
     (ch03.check_fork, lambda table: table.fork(), "03.2", "BlockTable.fork"),
+    # a grader's own reference, imported by the learner
+    (ch01.check_last_block_fill, _calls("paged_lib.course.grading.generated.small_ints:fill"),
+     "01.3", "fill"),
+    (ch02.check_derivation, _calls("paged_lib.course.grading.ch02:derivation_answers"), "02.3",
+     "derivation_answers"),
+    (ch02.check_batch_snapshot, _calls("paged_lib.course.grading.ch02:batch_snapshot"), "02.4",
+     "batch_snapshot"),
+    (ch02.check_paged_simulator, _calls(
+        "paged_lib.course.grading.generated.small_sim:reference_paged"), "02.5", "reference_paged"),
+    (ch03.check_predictions, _calls("paged_lib.course.grading.ch03:prediction_scenario"), "03.4",
+     "prediction_scenario"),
 ])
 def test_an_answer_that_calls_the_library_twin_fails(capsys, check, answer, ex_id, name):
     out = verdict(capsys, check, answer)
