@@ -436,6 +436,14 @@ def test_02_3_derivation_solution_and_numbers(capsys):
         "paged: D admitted": True, "paged: empty slots held": 5 + 1}
 
 
+def test_02_3_a_numpy_bool_is_a_bool(capsys):
+    """D admitted computed from numpy counts is np.True_: a right answer."""
+    import numpy as np
+
+    out = _run(capsys, ch02.check_derivation, derivation(**{"paged: D admitted": np.True_}))
+    assert out.startswith("✅ [02.3]"), out
+
+
 def snapshot_ok(prompt_lens, output_lens, step, slots):
     """02.4's solution (the grader's own batch_snapshot refuses a call from a learner)."""
     total = [0, 0, 0]
@@ -790,6 +798,9 @@ def _calls(dotted_attr):
     (ch03.check_append_token, lambda table: table.append_token(), "03.1",
      "BlockTable.append_token"),
     (ch03.check_fork, lambda table: table.fork(), "03.2", "BlockTable.fork"),
+    (ch03.check_append_token, lambda t: __import__("paged_lib.engine.block_manager").engine.
+     block_manager.BlockManager.append_slot(None, __import__("types").SimpleNamespace(
+         block_table=t)), "03.1", "BlockManager.append_slot"),
     # a grader's own reference, imported by the learner
     (ch01.check_last_block_fill, _calls("paged_lib.course.grading.generated.small_ints:fill"),
      "01.3", "fill"),

@@ -236,7 +236,7 @@ def check_derivation(derive: Callable[[], dict[str, Any]]) -> None:
         for key, want in answers.items():
             mine = got[key]
             if isinstance(want, bool):
-                grading.expect_true(isinstance(mine, bool), f"{key}: expected True or "
+                grading.expect_true(isinstance(mine, bool | np.bool_), f"{key}: expected True or "
                                     f"False, got {mine!r}", DERIVATION_HINTS[key])
             else:
                 grading.expect_int(mine, key)
