@@ -239,7 +239,7 @@ def _append_step(ref: BlockTable, table: BlockTable, where: str, append: Callabl
     want_refs, refs = pool_state(ref.allocator)[0], pool_state(pool)[0]
     b = next((b for b, (w, h) in enumerate(zip(want_refs, refs, strict=True)) if w != h), None)
     taken = ref.allocator.num_free - pool.num_free
-    new, copy, want_copy = expected.offset == 0, got.copy, expected.copy
+    new, copy, want_copy = expected.offset == 0, got.copy and tuple(got.copy), expected.copy
     for wrong, hint in [
         (copy != want_copy and want_copy is None and new, "the token starts a new block: "
          "nothing is written into the old, full block, so nothing is copied (copy=None)"),
