@@ -66,9 +66,8 @@ MECHANISM_HINTS = {
 
 def check_waste_removed(fn: Callable[[], dict[str, set[str]]]) -> None:
     with grading.exercise("02.1"):
-        got = fn()
-        grading.expect_dict(got, MECHANISMS, "return {mechanism: {kinds}}, with the mechanism "
-                     "names exactly as given in the dict stub")
+        grading.expect_dict(got := fn(), MECHANISMS, "return {mechanism: {kinds}}, with the "
+                            "mechanism names exactly as given in the dict stub")
         for mech, want in MECHANISMS.items():
             grading.expect_true(got[mech] is not None, f"{mech!r}: None",
                                 hint="a mechanism that removes no kind of waste gets an empty "

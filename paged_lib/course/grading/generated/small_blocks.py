@@ -239,7 +239,7 @@ def _append_step(ref: BlockTable, table: BlockTable, where: str, append: Callabl
     want_refs, refs = pool_state(ref.allocator)[0], pool_state(pool)[0]
     b = next((b for b, (w, h) in enumerate(zip(want_refs, refs, strict=True)) if w != h), None)
     taken = ref.allocator.num_free - pool.num_free
-    new, copy, want_copy = expected.offset == 0, got.copy and tuple(got.copy), expected.copy
+    new, copy, want_copy = expected.offset == 0, got.copy, expected.copy
     for wrong, hint in [
         (copy != want_copy and want_copy is None and new, "the token starts a new block: "
          "nothing is written into the old, full block, so nothing is copied (copy=None)"),
@@ -248,8 +248,9 @@ def _append_step(ref: BlockTable, table: BlockTable, where: str, append: Callabl
         (copy != want_copy and copy is None, f"the last block {(want_copy or '?')[0]} is shared "
          "(ref count > 1) and part-filled: copy-on-write, allocate a new block, make it the "
          "table's last block, return copy=(shared block, new block)"),
-        (copy != want_copy, "copy=(src, dst): src is the shared block being left, dst the "
-         "newly allocated one that the token goes to"),
+        (copy != want_copy, "copy is a tuple (src, dst), as Slot declares it: the engine compares "
+         "the copies it collects" if isinstance(copy, list) and tuple(copy) == want_copy else
+         "copy=(src, dst): src is the shared block being left, dst the newly allocated one"),
         (b is not None and b == got.block and (refs[b], want_refs[b]) == (2, 1),
          "a stray incref: allocate() already sets the new block's count to 1"),
         (b is not None and want_copy is not None and b == want_copy[0],
