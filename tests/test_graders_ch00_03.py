@@ -132,6 +132,16 @@ def append_no_count(table):
     return slot
 
 
+def append_float(table):
+    """Right but for floats: the last block is full when num_tokens / block_size == blocks."""
+    offset = table._num_tokens % table.block_size
+    if table._num_tokens / table.block_size == len(table._blocks):
+        table._blocks.append(table.allocator.allocate())
+        table._num_tokens += 1
+        return Slot(table._blocks[-1], offset)
+    return append_ok(table)
+
+
 def todo(*args):
     raise NotImplementedError()
 
@@ -147,6 +157,8 @@ def todo(*args):
     (append_flipped_compare, "write in place, copy=None"),
     (append_off_by_one, "count the tokens before it"),
     (append_no_count, "num_tokens += 1"),
+    # floats: right until num_tokens / block_size rounds (a block size past 2**53)
+    (append_float, "53 bits"),
 ])
 def test_03_1_wrong_answers_get_a_named_hint(capsys, answer, hint):
     out = verdict(capsys, ch03.check_append_token, answer)
@@ -155,6 +167,10 @@ def test_03_1_wrong_answers_get_a_named_hint(capsys, answer, hint):
 
 def test_03_1_solution_passes_and_stub_is_not_attempted(capsys):
     assert verdict(capsys, ch03.check_append_token, append_ok).startswith("✅ [03.1]")
+    # a copy as a list [src, dst]: the engine's list of copies would not match the library's
+    listed = lambda t: (s := append_ok(t)).copy and Slot(s.block, s.offset, list(s.copy)) or s
+    out = verdict(capsys, ch03.check_append_token, listed)
+    assert out.startswith("❌ [03.1]") and "copy is a tuple (src, dst)" in out, out
     assert verdict(capsys, ch03.check_append_token, todo).startswith("⏳ [03.1]")
     out = verdict(capsys, ch03.check_append_token, BlockTable.append_token)
     assert out.startswith("❌ [03.1]") and "you passed the library's append_token" in out
@@ -204,6 +220,10 @@ def fork_plain_class(table):
     (lambda t: t, "returned the parent itself"),
     (lambda t: [], "expected a BlockTable"),
     (fork_plain_class, "type(table)"),
+    # the child's blocks reversed, or its num_tokens left at 0: named as a fork's, not an append's
+    (lambda t: fork_ok(t).__class__(t.allocator, t.block_size, t.blocks[::-1], t.num_tokens),
+     "the child gets the parent's blocks, in order"),
+    (lambda t: setattr(child := fork_ok(t), "_num_tokens", 0) or child, "and num_tokens"),
 ])
 def test_03_2_wrong_answers_get_a_named_hint(capsys, answer, hint):
     out = verdict(capsys, ch03.check_fork, answer)
@@ -321,6 +341,15 @@ def test_03_4_solution_passes(capsys):
     assert verdict(capsys, ch03.check_predictions, predictions()).startswith("✅ [03.4]")
 
 
+def test_03_4_a_slot_with_its_copy_as_a_list_passes(capsys):
+    """Slot(10, 8, [9, 10]) and a plain (10, 8, (9, 10)) say what Slot(10, 8, (9, 10)) does."""
+    listed = {k: Slot(s.block, s.offset, s.copy and list(s.copy)) for k, s in
+              ch03.prediction_scenario().items() if isinstance(s, Slot)}
+    assert verdict(capsys, ch03.check_predictions, predictions(**listed)).startswith("✅")
+    plain = {k: [s.block, s.offset, s.copy and list(s.copy)] for k, s in listed.items()}
+    assert verdict(capsys, ch03.check_predictions, predictions(**plain)).startswith("✅")
+
+
 # ---------------------------------------------------------------- chapter 02
 
 def _run(capsys, check, fn) -> str:
@@ -411,8 +440,25 @@ def test_02_3_derivation_solution_and_numbers(capsys):
         "paged: D admitted": True, "paged: empty slots held": 5 + 1}
 
 
+def test_02_3_a_numpy_bool_is_a_bool(capsys):
+    """D admitted computed from numpy counts is np.True_: a right answer."""
+    import numpy as np
+
+    out = _run(capsys, ch02.check_derivation, derivation(**{"paged: D admitted": np.True_}))
+    assert out.startswith("✅ [02.3]"), out
+
+
+def snapshot_ok(prompt_lens, output_lens, step, slots):
+    """02.4's solution (the grader's own batch_snapshot refuses a call from a learner)."""
+    total = [0, 0, 0]
+    for p, o in zip(prompt_lens, output_lens, strict=True):
+        for k, v in enumerate(slots(p + step + 1, p + o) if step < o else ()):
+            total[k] += v
+    return tuple(total)
+
+
 def _snapshot_off_by_one(prompt_lens, output_lens, step, slots):
-    return ch02.batch_snapshot(prompt_lens, output_lens, max(step - 1, 0), slots)
+    return snapshot_ok(prompt_lens, output_lens, max(step - 1, 0), slots)
 
 
 def _snapshot_keeps_finished(prompt_lens, output_lens, step, slots):
@@ -424,7 +470,7 @@ def _snapshot_keeps_finished(prompt_lens, output_lens, step, slots):
 
 
 def _snapshot_float(prompt_lens, output_lens, step, slots):
-    return tuple(float(v) for v in ch02.batch_snapshot(prompt_lens, output_lens, step, slots))
+    return tuple(float(v) for v in snapshot_ok(prompt_lens, output_lens, step, slots))
 
 
 def _snapshot_with(prompt_lens, output_lens, step, slots, *, bug):
@@ -443,7 +489,7 @@ def _snapshot_cumulative(prompt_lens, output_lens, step, slots):
     """Summed over steps 0 .. step, as if the question were the slot-steps so far."""
     total = [0, 0, 0]
     for s in range(step + 1):
-        for k, v in enumerate(ch02.batch_snapshot(prompt_lens, output_lens, s, slots)):
+        for k, v in enumerate(snapshot_ok(prompt_lens, output_lens, s, slots)):
             total[k] += v
     return tuple(total)
 
@@ -456,7 +502,7 @@ def _snapshot_cumulative(prompt_lens, output_lens, step, slots):
     (lambda *a: _snapshot_with(*a, bug="no +1"), "prompt + s + 1"),
     (lambda *a: _snapshot_with(*a, bug="final = output"), "prompt + output (not the output"),
     (_snapshot_cumulative, "not summed over steps 0 .. step"),
-    (lambda *a: ch02.batch_snapshot(*a)[0], "return three numbers"),
+    (lambda *a: snapshot_ok(*a)[0], "return three numbers"),
 ])
 def test_02_4_batch_snapshot_wrong_answers(capsys, answer, hint):
     out = _run(capsys, ch02.check_batch_snapshot, answer)
@@ -464,7 +510,7 @@ def test_02_4_batch_snapshot_wrong_answers(capsys, answer, hint):
 
 
 def test_02_4_solution_passes(capsys):
-    assert _run(capsys, ch02.check_batch_snapshot, ch02.batch_snapshot).startswith("✅ [02.4]")
+    assert _run(capsys, ch02.check_batch_snapshot, snapshot_ok).startswith("✅ [02.4]")
 
 
 SIMULATOR = """def simulate_paged(requests, capacity_tokens, block_size):
@@ -531,6 +577,9 @@ SIM_BUGS = [
     ("        if queue:\n            out[\"external\"]",
      "        if True:\n            out[\"external\"]", "nothing is external"),
     ("math.ceil(requests[i].arrival)", "math.floor(requests[i].arrival)", "ceil(a)"),
+    ("math.ceil(requests[i].arrival)", "round(requests[i].arrival)", "round(a) and int(a) say 2"),
+    ("math.ceil(requests[i].arrival)", "int(requests[i].arrival + 0.5)", "ceil(a)"),
+    ("key=lambda i: requests[i].arrival", "key=lambda i: i", "in order of arrival"),
     ("victim = running.pop()", "victim = running.pop(0)", "most recently admitted"),
     ("while sum(blocks_needed(i) - blocks[i] for i in running) > num_free:",
      "while sum(blocks_needed(i) - blocks[i] for i in running) > num_free + 99:",
@@ -560,6 +609,18 @@ def test_02_5_planted_bugs_get_a_named_hint(capsys, monkeypatch, old, new, hint)
     assert SIMULATOR.count(old) == 1, old
     out = _run(capsys, ch02.check_paged_simulator, _compile(SIMULATOR.replace(old, new)))
     assert out.startswith("❌ [02.5]") and hint in out, out
+
+
+@pytest.mark.parametrize("old, new, hint", [
+    ("math.ceil(requests[i].arrival)", "round(requests[i].arrival)", "ceil(a) (3.2: 4)"),
+    ("key=lambda i: requests[i].arrival", "key=lambda i: i", "in arrival order"),
+])
+def test_02_5_generated_traces_tell_the_arrival_rules_apart(capsys, monkeypatch, old, new,
+                                                            hint):
+    """Without the named traces, the generated ones still catch them, named by a contrast."""
+    monkeypatch.setattr(ch02, "SIM_TRACES", [])
+    out = _run(capsys, ch02.check_paged_simulator, _compile(SIMULATOR.replace(old, new)))
+    assert out.startswith("❌ [02.5] A time-stepped paged simulator: generated") and hint in out
 
 
 def test_02_5_solution_passes_and_matches_on_the_full_trace(capsys):
@@ -617,7 +678,7 @@ def test_01_1_wrong_answers_get_a_named_hint(capsys, answer, hint):
 @pytest.mark.parametrize("answer, hint", [
     (lambda n, b: n // b, "round up, not down"),
     (lambda n, b: __import__("math").ceil(n / b), "53 bits"),
-    (lambda n, b: n / b, "`/` gives a fraction"),
+    (lambda n, b: n / b, "not / or math.ceil"),  # 0 / 16 = 0.0: a float
     (lambda n, b: float(-(-n // b)), "expected an int"),
     (lambda n, b: n // b + 1, "exactly full"),
 ])
@@ -711,6 +772,25 @@ def _calls(dotted_attr):
     (ch01.check_kv_bytes_per_token, _calls("paged_lib.accounting:kv_bytes_per_token"), "01.1",
      "kv_bytes_per_token"),
     (ch01.check_logical_blocks, _calls("paged_lib.accounting:num_blocks"), "01.2", "num_blocks"),
+    # every library function doing the job refuses, not only the exercise's own twin
+    (ch00.check_ceil_div, _calls("paged_lib.accounting:num_blocks"), "00.1", "num_blocks"),
+    (ch00.check_ceil_div, _calls("triton:cdiv"), "00.1", "cdiv (triton.cdiv)"),
+    (ch01.check_logical_blocks, _calls("paged_lib.util:cdiv"), "01.2", "cdiv"),
+    (ch01.check_logical_blocks, _calls("triton:cdiv"), "01.2", "cdiv (triton.cdiv)"),
+    (ch01.check_kv_bytes_per_token, lambda s: _calls("paged_lib.accounting:kv_bytes")(s, 1),
+     "01.1", "kv_bytes"),
+    (ch01.check_kv_bytes_per_token, lambda s: _calls("paged_lib.parallel:kv_bytes_per_rank")(
+        s, 1, 1), "01.1", "kv_bytes_per_rank"),
+    (ch01.check_kv_bytes_per_token, lambda s: _calls(
+        "paged_lib.studies.tp_layout:kv_bytes_per_rank")(s, 1, 1), "01.1", "kv_bytes_per_rank"),
+    (ch01.check_kv_bytes_per_token, lambda s: _calls(
+        "paged_lib.studies.kv_quant_eval:kv_bytes_per_token_quant")(s, "auto").auto_bytes,
+     "01.1", "kv_bytes_per_token_quant"),
+    (ch01.check_kv_bytes_per_token, lambda s: _calls(
+        "paged_lib.course.demos.engine_compare:kv_bytes_per_block")(s, 1), "01.1",
+     "kv_bytes_per_block"),
+    (ch01.check_kv_bytes_per_token, _calls("paged_lib.bench.floor:kv_bytes_per_token"), "01.1",
+     "kv_bytes_per_token"),
     (ch02.check_orca_max_slots, lambda n, length, m: _calls(
         "paged_lib.fragmentation:request_slots")("orca-max", n, length, max_len=m), "02.2",
      "request_slots"),
@@ -722,6 +802,20 @@ def _calls(dotted_attr):
     (ch03.check_append_token, lambda table: table.append_token(), "03.1",
      "BlockTable.append_token"),
     (ch03.check_fork, lambda table: table.fork(), "03.2", "BlockTable.fork"),
+    (ch03.check_append_token, lambda t: __import__("paged_lib.engine.block_manager").engine.
+     block_manager.BlockManager.append_slot(None, __import__("types").SimpleNamespace(
+         block_table=t)), "03.1", "BlockManager.append_slot"),
+    # a grader's own reference, imported by the learner
+    (ch01.check_last_block_fill, _calls("paged_lib.course.grading.generated.small_ints:fill"),
+     "01.3", "fill"),
+    (ch02.check_derivation, _calls("paged_lib.course.grading.ch02:derivation_answers"), "02.3",
+     "derivation_answers"),
+    (ch02.check_batch_snapshot, _calls("paged_lib.course.grading.ch02:batch_snapshot"), "02.4",
+     "batch_snapshot"),
+    (ch02.check_paged_simulator, _calls(
+        "paged_lib.course.grading.generated.small_sim:reference_paged"), "02.5", "reference_paged"),
+    (ch03.check_predictions, _calls("paged_lib.course.grading.ch03:prediction_scenario"), "03.4",
+     "prediction_scenario"),
 ])
 def test_an_answer_that_calls_the_library_twin_fails(capsys, check, answer, ex_id, name):
     out = verdict(capsys, check, answer)
@@ -752,6 +846,9 @@ def test_the_twin_passed_itself_fails_and_every_patch_is_undone(capsys):
     assert BlockTable.append_token.__qualname__ == "BlockTable.append_token"
     assert verdict(capsys, ch03.check_append_token, append_ok).startswith("✅ [03.1]")
     assert cdiv(17, 16) == 2  # a guard would refuse a call from tests/
+    import triton
+
+    assert triton.cdiv(17, 16) == 2  # (its guard refuses every caller: Triton calls it)
 
 
 def test_one_rule_for_integer_types_numpy_ints_pass_floats_do_not(capsys):

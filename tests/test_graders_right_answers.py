@@ -1,7 +1,7 @@
 """A right answer never gets ❌: each whole-piece grader (06.4, 07.3, 08.2, 09.3, 10.4,
 11.3, 11.4, 12.3) is fed five correct answers of different shapes (the solution's loop,
 a vectorised one, another iteration order, recursion, other equivalent encodings of the
-same answer, an answer that changes the lists it is given) and all must pass.
+same answer, an answer that changes the lists it is given: 02.4 too) and all must pass.
 """
 
 import heapq
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from paged_lib.blocks import BlockTable
-from paged_lib.course.grading import ch06, ch07, ch08, ch09, ch10, ch11, ch12
+from paged_lib.course.grading import ch02, ch06, ch07, ch08, ch09, ch10, ch11, ch12
 from paged_lib.engine.window import WindowOp
 from paged_lib.kernels import paged_prefill, reshape_and_cache
 from paged_lib.model import apply_rope
@@ -904,11 +904,22 @@ def rank_that_changes_its_inputs(x, w, cos, sin, kv_cache, meta, rank, tp, all_r
     return out
 
 
+def snapshot_popping(prompt_lens, output_lens, step, slots):
+    """02.4, right: it pops the requests off the lists it is given."""
+    total = [0, 0, 0]
+    while prompt_lens:
+        p, o = prompt_lens.pop(), output_lens.pop()
+        for k, v in enumerate(slots(p + step + 1, p + o) if step < o else ()):
+            total[k] += v
+    return tuple(total)
+
+
 @pytest.mark.parametrize("check, answer", [
+    (ch02.check_batch_snapshot, snapshot_popping),
     (ch08.check_beam_step, beam_popping),
     (ch09.check_attend_tiles, tiles_that_zero_the_padding),
     (ch11.check_write_int8_blocks, int8_that_scales_x_in_place),
     (ch12.check_rank_attention, rank_that_changes_its_inputs),
-], ids=["08.2", "09.3", "11.3", "12.3"])
+], ids=["02.4", "08.2", "09.3", "11.3", "12.3"])
 def test_a_right_answer_that_changes_its_inputs_passes(capsys, check, answer):
     passes(capsys, check, answer)

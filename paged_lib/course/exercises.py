@@ -45,6 +45,7 @@ _ENG = "paged_lib.engine."
 _FRAG = "paged_lib.fragmentation."
 _PAR = "paged_lib.parallel."
 _PC = "paged_lib.engine.prefix_cache."
+_GR = "paged_lib.course.grading."
 _WASTE = (f"{_BS}internal_waste", f"{_FRAG}request.request_slots",
           f"{_FRAG}request.reservation")
 _HEADS = (f"{_PAR}kv_heads_per_rank", f"{_PAR}kv_head_replicas")
@@ -55,23 +56,37 @@ def _ex(ex_id: str, title: str, *twins: str, **piece) -> Exercise:
 
 
 _ALL = [
-    _ex("00.1", "Ceil division", "paged_lib.util.cdiv"),
-    _ex("01.1", "KV bytes per token", "paged_lib.accounting.kv_bytes_per_token"),
-    _ex("01.2", "Logical blocks", "paged_lib.accounting.num_blocks"),
-    _ex("01.3", "Last-block fill"),
+    # 00.1, 01.2: every ceil division a learner can call (Triton's host-side one too)
+    _ex("00.1", "Ceil division", "paged_lib.util.cdiv", "paged_lib.accounting.num_blocks",
+        "triton.cdiv"),
+    # 01.1: every library function whose number for one token (one rank, one block of
+    # one token) is the bytes per token
+    _ex("01.1", "KV bytes per token", "paged_lib.accounting.kv_bytes_per_token",
+        "paged_lib.accounting.kv_bytes", f"{_PAR}kv_bytes_per_rank",
+        "paged_lib.studies.tp_layout.kv_bytes_per_rank",
+        "paged_lib.studies.kv_quant_eval.kv_bytes_per_token_quant",
+        "paged_lib.course.demos.engine_compare.kv_bytes_per_block",
+        "paged_lib.bench.floor.kv_bytes_per_token"),
+    _ex("01.2", "Logical blocks", "paged_lib.accounting.num_blocks", "paged_lib.util.cdiv",
+        "triton.cdiv"),
+    # (a grader's own reference is a twin too: the learner can import it)
+    _ex("01.3", "Last-block fill", f"{_GR}generated.small_ints.fill"),
     _ex("01.4", "Requests that fit in a KV budget"),
     _ex("02.1", "Which waste does each mechanism remove?"),
     _ex("02.2", "Orca (Max) accounting", f"{_FRAG}request_slots"),
-    _ex("02.3", "Both fragmentations, derived with numbers"),
-    _ex("02.4", "A batch snapshot"),
-    _ex("02.5", "A time-stepped paged simulator", f"{_FRAG}simulate_timeline"),
+    _ex("02.3", "Both fragmentations, derived with numbers", f"{_GR}ch02.derivation_answers"),
+    _ex("02.4", "A batch snapshot", f"{_GR}ch02.batch_snapshot"),
+    _ex("02.5", "A time-stepped paged simulator", f"{_FRAG}simulate_timeline",
+        f"{_FRAG}simulators._run_paged", f"{_GR}generated.small_sim.reference_paged"),
     _ex("03.1", "`append_token`, with copy-on-write", "paged_lib.blocks.BlockTable.append_token",
+        f"{_ENG}block_manager.BlockManager.append_slot",
         name="append_token", role="block table: a token's slot, copy-on-write"),
     _ex("03.2", "`fork`", "paged_lib.blocks.BlockTable.fork",
         name="fork", role="block table: fork, sharing every block"),
     _ex("03.3", "Free with reference counts", "paged_lib.blocks.BlockAllocator.free",
+        "paged_lib.blocks.BlockTable.free",
         name="free_block", role="allocator: free with reference counts"),
-    _ex("03.4", "Predict the reference counts"),
+    _ex("03.4", "Predict the reference counts", f"{_GR}ch03.prediction_scenario"),
     _ex("04.1", "Merge two partial softmax states", "paged_lib.attention.merge"),
     _ex("04.2", "Attention through a block table, one block at a time",
         "paged_lib.attention.paged_blockwise_attention"),

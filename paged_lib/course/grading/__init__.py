@@ -54,6 +54,13 @@ def expect_true(condition: bool, message: str, hint: str | None = None) -> None:
         fail(message, hint)
 
 
+def expect_dict(got: Any, keys: Any, hint: str, what: str = "") -> None:
+    """``got`` is a dict with an answer for each of ``keys`` (``what`` prefixes the line)."""
+    expect_true(isinstance(got, dict), f"{what}expected a dict, got {type(got).__name__}", hint)
+    missing = [k for k in keys if k not in got]
+    expect_true(not missing, f"{what}no answer for {missing}", hint)
+
+
 def expect_equal(got: Any, expected: Any, what: str, hint: str | None = None) -> None:
     """Exact equality (ints, strings, tuples, lists ...), reporting expected vs got."""
     if type(got).__name__ == "Tensor":

@@ -28,10 +28,9 @@ def _kv_hint(spec: ModelSpec, got: object) -> str:
         (right // spec.dtype_bytes, "the answer is in bytes: multiply by spec.dtype_bytes."),
         (right // spec.num_layers, "every layer has its own K and V: multiply by num_layers."),
     ]
-    named = [hint for wrong, hint in slips if wrong != right and got == wrong]
-    if named:  # on a 2-byte model "forgot x2" and "forgot dtype_bytes" look the same
-        return " Or: ".join(named)
-    return "2 (K and V) x num_layers x num_kv_heads x head_dim x dtype_bytes."
+    # on a 2-byte model "forgot x2" and "forgot dtype_bytes" look the same: both named
+    return " Or: ".join(hint for wrong, hint in slips if wrong != right and got == wrong) \
+        or "2 (K and V) x num_layers x num_kv_heads x head_dim x dtype_bytes."
 
 
 def _check_kv(fn: Callable[[ModelSpec], int], spec: ModelSpec) -> None:

@@ -4,6 +4,7 @@ answers below; 02.2, 02.4 and 02.5 run the generated cases of :mod:`.generated.s
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -11,7 +12,7 @@ import numpy as np
 
 from paged_lib.course import grading
 from paged_lib.course.grading import slips
-from paged_lib.course.grading.generated import small_sim
+from paged_lib.course.grading.generated import numeric, small_sim
 from paged_lib.fragmentation import request_slots
 from paged_lib.workloads import Request
 
@@ -63,18 +64,10 @@ MECHANISM_HINTS = {
 }
 
 
-def _expect_dict(got: Any, keys: list[str], hint: str) -> None:
-    grading.expect_true(isinstance(got, dict), f"expected a dict, got {type(got).__name__}",
-                        hint)
-    missing = [k for k in keys if k not in got]
-    grading.expect_true(not missing, f"no answer for {missing}", hint)
-
-
 def check_waste_removed(fn: Callable[[], dict[str, set[str]]]) -> None:
     with grading.exercise("02.1"):
-        got = fn()
-        _expect_dict(got, list(MECHANISMS), "return {mechanism: {kinds}}, with the mechanism "
-                     "names exactly as given in the dict stub")
+        grading.expect_dict(got := fn(), MECHANISMS, "return {mechanism: {kinds}}, with the "
+                            "mechanism names exactly as given in the dict stub")
         for mech, want in MECHANISMS.items():
             grading.expect_true(got[mech] is not None, f"{mech!r}: None",
                                 hint="a mechanism that removes no kind of waste gets an empty "
@@ -119,7 +112,7 @@ def _check_slots(fn: Callable[[int, int, int], object], n: int, length: int,
 
 def check_orca_max_slots(fn: Callable[[int, int, int], object]) -> None:
     with grading.exercise("02.2"):
-        small_sim.slot_stage(lambda *args: _check_slots(fn, *args))
+        numeric.check("02.2", small_sim.slot_cases(), lambda p: _check_slots(fn, *p.args))
 
 
 def batch_snapshot(prompt_lens, output_lens, step, slots) -> tuple[int, int, int]:
@@ -179,7 +172,7 @@ def _checked_slots(slots, prompt_lens, output_lens, step):
 
 def check_batch_snapshot(fn: Callable[..., object]) -> None:
     def mine(p, o, step, slots) -> tuple[int, ...]:
-        return _as_triple(fn(p, o, step, _checked_slots(slots, p, o, step)), "the snapshot")
+        return _as_triple(fn(p[:], o[:], step, _checked_slots(slots, p, o, step)), "the snapshot")
 
     def run(*case: Any) -> None:
         got, want = mine(*case), batch_snapshot(*case)
@@ -190,7 +183,12 @@ def check_batch_snapshot(fn: Callable[..., object]) -> None:
                 "slots over those only."))
 
     with grading.exercise("02.4"):
-        small_sim.batch_stage(run)
+        numeric.check("02.4", small_sim.batch_cases(), lambda p: run(*p.args()), (numeric.Contrast(
+            lambda p: dataclasses.replace(p, requests=tuple((x + 100 * i, o) for i, (x, o) in
+                                                            enumerate(p.requests))), (
+            "it passes once every request has a prompt length of its own: two requests of the "
+            "same length (samples of one prompt) are still two requests, each counted; a dict "
+            "or a set keyed by length keeps one")),))
 
 
 def derivation_answers() -> dict[str, int | bool]:
@@ -232,13 +230,12 @@ DERIVATION_HINTS = {
 
 def check_derivation(derive: Callable[[], dict[str, Any]]) -> None:
     with grading.exercise("02.3"):
-        got = derive()
-        answers = derivation_answers()
-        _expect_dict(got, list(answers), f"use exactly the keys {list(answers)}")
+        got, answers = derive(), derivation_answers()
+        grading.expect_dict(got, answers, f"use exactly the keys {list(answers)}")
         for key, want in answers.items():
             mine = got[key]
             if isinstance(want, bool):
-                grading.expect_true(isinstance(mine, bool), f"{key}: expected True or "
+                grading.expect_true(isinstance(mine, bool | np.bool_), f"{key}: expected True or "
                                     f"False, got {mine!r}", DERIVATION_HINTS[key])
             else:
                 grading.expect_int(mine, key)
@@ -252,9 +249,10 @@ SIM_TRACES: list[tuple[str, list[Request], int, int, str]] = [
      "during its k-th step (k = 1 .. output_len) a running request stores prompt_len + k "
      "token states and holds ceil(tokens / block_size) blocks, taken one at a time as the "
      "last fills; nobody waits, so nothing is external"),
-    ("a late arrival: the second request arrives at 5.5 (pool of 64, blocks of 4)",
-     [Request(3, 2, 0.0), Request(2, 2, 5.5)], 64, 4,
-     "a request arriving at time a joins the queue at step ceil(a); when nothing runs and "
+    ("a late arrival listed first: it arrives at 2.3, the other at 0 (pool of 64, blocks of 4)",
+     [Request(2, 1, 2.3), Request(3, 2, 0.0)], 64, 4,
+     "requests join the queue in order of arrival, not of the list; one arriving at time a "
+     "joins at step ceil(a) (2.3: step 3; round(a) and int(a) say 2); when nothing runs and "
      "nothing waits, time jumps to the next arrival (those steps add no slots)"),
     ("a queue: the pool of 14 fits one request at a time (blocks of 4)",
      [Request(6, 4, 0.0), Request(6, 4, 0.0)], 14, 4,

@@ -10,20 +10,20 @@ from typing import Any
 
 from paged_lib.blocks import BlockTable, Slot
 from paged_lib.course import grading
-from paged_lib.course.grading.generated.small_blocks import block_stage, free_stage
+from paged_lib.course.grading.generated import numeric, small_blocks
 from paged_lib.course.grading.toy_pool import busy_pool, pool_state, with_free
 
 
 def check_append_token(append_token: Callable[[BlockTable], Any]) -> None:
     """03.1: ``append_token(table) -> Slot`` with on-demand allocation and copy-on-write."""
     with grading.exercise("03.1"):
-        block_stage("03.1", append_token, BlockTable.fork)
+        small_blocks.block_stage("03.1", append_token, BlockTable.fork)
 
 
 def check_fork(fork: Callable[[BlockTable], Any]) -> None:
     """03.2: ``fork(table) -> BlockTable`` sharing every block and allocating nothing."""
     with grading.exercise("03.2"):
-        block_stage("03.2", BlockTable.append_token, fork)
+        small_blocks.block_stage("03.2", BlockTable.append_token, fork)
 
 
 def check_free_block(free_block: Callable[..., Any]) -> None:
@@ -41,7 +41,8 @@ def check_free_block(free_block: Callable[..., Any]) -> None:
             grading.expect_value_error(alloc.free, (bad,), f"free({bad}) ({why})", hint)
             grading.expect_equal(pool_state(alloc), before, f"state after the refused "
                                  f"free({bad})", "raise before changing anything")
-        free_stage(free_block)
+        numeric.check("03.3", small_blocks.block_scenarios(),
+                      lambda s: small_blocks.replay_free(s, free_block))
 
 
 #: 03.4's keys, each with the hint for a wrong answer
@@ -75,11 +76,7 @@ def check_predictions(predict: Callable[[], dict[str, Any]]) -> None:
     """03.4: ``predict() -> dict`` with the keys of :data:`PREDICTION_HINTS`."""
     with grading.exercise("03.4"):
         got, keys = predict(), list(PREDICTION_HINTS)
-        grading.expect_true(isinstance(got, dict), f"predict() returned {type(got).__name__}, "
-                            "expected a dict", f"use the keys {keys}")
-        missing = [k for k in keys if k not in got]
-        grading.expect_true(not missing, f"missing keys: {missing}",
-                            f"use exactly the keys {keys}")
+        grading.expect_dict(got, keys, f"use exactly the keys {keys}", "predict(): ")
         for key, expected in prediction_scenario().items():
             mine = got[key]
             if _shape(mine) != _shape(expected):
@@ -88,8 +85,10 @@ def check_predictions(predict: Callable[[], dict[str, Any]]) -> None:
 
 
 def _shape(x: Any) -> Any:
-    return (x.block, x.offset, x.copy) if isinstance(x, Slot) else dict(x) \
-        if isinstance(x, dict) else x
+    """A slot as (block, offset, copy), its copy a tuple: a list or a tuple is as good."""
+    x = (x.block, x.offset, x.copy) if isinstance(x, Slot) else x
+    return (*x[:2], tuple(x[2]) if isinstance(x[2], tuple | list) else x[2]) \
+        if isinstance(x, tuple | list) and len(x) == 3 else x
 
 
 def _prediction_hint(key: str, expected: Any, mine: Any) -> str:

@@ -60,17 +60,11 @@ def run_paged(simulate_paged: Callable, requests: list[Request], capacity: int,
     want = reference_paged(requests, capacity, block_size)
     with _time_limit(what):
         got = simulate_paged(list(requests), capacity, block_size)
-    keys = f"return a dict with keys {SIM_KEYS}"
-    grading.expect_true(isinstance(got, dict), f"{what}: expected a dict, got "
-                        f"{type(got).__name__}", keys)
-    missing = [k for k in SIM_KEYS if k not in got]
-    grading.expect_true(not missing, f"{what}: missing keys {missing}", keys)
+    grading.expect_dict(got, SIM_KEYS, f"return a dict with keys {SIM_KEYS}", f"{what}: ")
     for key in SIM_KEYS:
         grading.expect_int(got[key], f"{what}: {key}")
-    wrong = [k for k in SIM_KEYS if got[k] != want[k]]
-    if wrong:
-        shown = ", ".join(f"{k} {want[k]} (yours {got[k]})" for k in wrong)
-        grading.fail(f"{what}: expected {shown}", hint)
+    shown = ", ".join(f"{k} {want[k]} (yours {got[k]})" for k in SIM_KEYS if got[k] != want[k])
+    grading.expect_true(not shown, f"{what}: expected {shown}", hint)
 
 
 @dataclass(frozen=True)
@@ -125,7 +119,7 @@ def trace_cases(count: int = 30) -> list[Trace]:
     for seed in range(count):
         rng = random.Random(205 + seed)
         requests = tuple((rng.randint(1, 12), rng.randint(1, 10),
-                          rng.choice([0.0, 0.0, 1.0, 1.5, 2.0, 3.7, 5.0]))
+                          rng.choice([0.0, 0.0, 1.0, 1.5, 2.0, 3.2, 5.0]))
                          for _ in range(rng.randint(2, 7)))
         out.append(Trace(seed, requests, rng.choice([1, 2, 3, 4, 5, 7]),
                          rng.choice([0, 1, 2, 4]), rng.choice([0, 1, 3])))
@@ -142,7 +136,13 @@ _VICTIM = ("the victim is the most recently *admitted* running request (of two t
 
 def trace_stage(simulate_paged: Callable) -> None:
     numeric.check("02.5", trace_cases(), lambda p: run_paged(simulate_paged, *p.build(), (
-        _VICTIM if reference_paged(*p.build())["preemptions"] else _ORDER), "the trace"))
+        _VICTIM if reference_paged(*p.build())["preemptions"] else _ORDER), "the trace"), (
+        numeric.Contrast(lambda p: dataclasses.replace(p, requests=tuple(sorted(
+            p.requests, key=lambda r: r[2]))), "it passes once the list is in arrival order: "
+            "requests join the queue in order of arrival (ties: list order), not of the list"),
+        numeric.Contrast(lambda p: dataclasses.replace(p, requests=tuple((x, o, -(-a // 1))
+            for x, o, a in p.requests)), "it passes once every arrival is a whole number: one "
+            "arriving at time a joins at step ceil(a) (3.2: 4), not round(a) or int(a)")))
 
 
 @dataclass(frozen=True)
@@ -227,15 +227,3 @@ def batch_cases(count: int = 40) -> list[Batch]:
                          seed % 2 == 1, r.choice([0, 7, 100] if seed % 2 else [3, 5, 12, 16])))
     return out
 
-
-def slot_stage(run: Callable[[int, int, int], None]) -> None:
-    numeric.check("02.2", slot_cases(), lambda p: run(*p.args))
-
-
-def batch_stage(run: Callable[..., None]) -> None:
-    numeric.check("02.4", batch_cases(), lambda p: run(*p.args()), (numeric.Contrast(
-        lambda p: dataclasses.replace(p, requests=tuple((x + 100 * i, o) for i, (x, o) in
-                                                        enumerate(p.requests))), (
-        "it passes once every request has a prompt length of its own: two requests of the "
-        "same length (samples of one prompt) are still two requests, each counted; a dict "
-        "or a set keyed by length keeps one")),))
