@@ -661,6 +661,10 @@ def test_merge_partials_grader(capsys):
 TWIN_MESSAGE = "which is what you are asked to write"
 
 
+def _finalized(state):
+    return state.acc / state.l[..., None]
+
+
 def _decode_calling_twin():
     from paged_lib.kernels.triton_decode import _paged_decode_kernel
 
@@ -676,6 +680,16 @@ def _decode_calling_twin():
      .slot_mapping_from_positions(*a), "05.6", "slot_mapping_from_positions"),
     (ch05.check_merge_partials, lambda out, lse: A.merge_partials(out, lse), "05.7",
      "merge_partials"),
+    # what the twins call does the job too
+    (ch04.check_merge_states, lambda a, b: tuple(A.merge_states(A.SoftmaxState(*(
+        torch.stack(torch.broadcast_tensors(x, y)) for x, y in zip(a, b, strict=True))))),
+     "04.1", "merge_states"),
+    (ch05.check_merge_partials, lambda out, lse: _finalized(A.merge_states(A.SoftmaxState(
+        lse, torch.ones_like(lse), out))), "05.7", "merge_states"),
+    (ch05.check_merge_partials, lambda out, lse: __import__(
+        "paged_lib.kernels.torch_backend").kernels.torch_backend.merge_segments(
+        out, lse, torch.zeros(len(lse), dtype=torch.long), torch.arange(len(lse)), 1)[0],
+     "05.7", "merge_segments"),
 ])
 def test_an_answer_that_calls_the_library_twin_fails(capsys, check, answer, ex_id, name):
     out = _verdict(capsys, check, answer)
