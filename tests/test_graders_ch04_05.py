@@ -103,7 +103,7 @@ def _paged_ok(q, k_cache, v_cache, block_table, seq_len, scale, *, bug=None):
     num_heads, d = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     qg = q.view(kv_heads, num_heads // kv_heads, d)
-    state = (torch.full(qg.shape[:2], NEG_INF, dtype=q.dtype),
+    state = (torch.full(qg.shape[:2], 0.0 if bug == "m from 0" else NEG_INF, dtype=q.dtype),
              torch.zeros(qg.shape[:2], dtype=q.dtype), torch.zeros(qg.shape, dtype=q.dtype))
     nb = cdiv(seq_len, block_size) + (1 if bug == "extra block" else 0)
     for j in range(nb):
@@ -246,7 +246,8 @@ def test_paged_online_grader_fails_wrong_answers(capsys):
 def test_paged_online_grader_catches_planted_bugs(capsys):
     for bug, words in [("off by one", "NaN"), ("no value mask", "NaN"),
                        ("extra block", "padding"), ("no rescale", "rescale"),
-                       ("float32", "dtype"), ("no running max", "running max")]:
+                       ("float32", "dtype"), ("no running max", "running max"),
+                       ("m from 0", "start the running max at -inf, not 0")]:
         out = _verdict(capsys, ch04.check_paged_online,
                        lambda *a, bug=bug: _paged_ok(*a, bug=bug))
         assert out.startswith("❌ [04.2]") and words in out, (bug, out)
@@ -449,6 +450,8 @@ def _online_attention(q_ptr, k_ptr, v_ptr, out_ptr, N, scale, D: tl.constexpr,
     t = tl.arange(0, TILE)
     q = tl.load(q_ptr + b * D + d)
     m_i = tl.max(tl.full([TILE], float("-inf"), tl.float32), axis=0)
+    if BUG == 7:  # the running max starts at 0
+        m_i = tl.max(tl.zeros([TILE], tl.float32), axis=0)
     l_i = tl.sum(tl.zeros([TILE], tl.float32), axis=0)
     acc = tl.zeros([D], tl.float32)
     if BUG == 4:  # two passes: the max first, then everything again
@@ -493,7 +496,8 @@ def test_online_attention_grader(capsys):
     assert _verdict(capsys, check, _online_attention).startswith("✅ [05.4]")
     assert _verdict(capsys, check, _stub_kernel).startswith("⏳ [05.4]")
     for bug, words in [(1, "rescale l and acc"), (2, "NaN or inf"), (3, "without a mask"),
-                       (4, "times over"), (5, "it was left out"), (6, "rounded to float16")]:
+                       (4, "times over"), (5, "it was left out"), (6, "rounded to float16"),
+                       (7, "start the running max at -inf")]:
         _expect_fail(capsys, check, Bugged(_online_attention, bug), "05.4", words)
 
 
@@ -517,6 +521,8 @@ def _decode(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens
     q = tl.load(q_ptr + q_offs, mask=rows, other=0.0)
     seq_len = tl.load(seq_lens_ptr + seq)
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    if BUG == 13:  # the running max starts at 0
+        m_i = tl.zeros([GROUP_PAD], tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
     num_blocks = tl.cdiv(seq_len, BLOCK_SIZE)
@@ -576,7 +582,7 @@ def test_decode_kernel_grader(capsys):
                        (7, "times"), (8, "multiplied in 32 bits"),
                        (9, "running max"), (10, "not over the table's width"),
                        (11, "a GPU needs every dimension of a tl.dot"),
-                       (12, "rounded to float16")]:
+                       (12, "rounded to float16"), (13, "start the running max at -inf")]:
         _expect_fail(capsys, check, Bugged(_decode, bug), "05.5", words)
 
 

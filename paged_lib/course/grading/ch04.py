@@ -29,7 +29,8 @@ def check_paged_online(paged_decode: Callable) -> None:
 
 
 def _paged_case(paged_decode: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                table: list[int], n: int, scale: float, ref: torch.Tensor, loud: bool) -> None:
+                table: list[int], n: int, scale: float, ref: torch.Tensor,
+                p: small_attention.Paged) -> None:
     what = f"seq_len={n}, heads {q.shape[0]}/{k.shape[2]} (query/KV), block_size={k.shape[1]}"
     got = _run_watched(paged_decode, q, k, v, table, n, scale, what)
     grading.expect_true(isinstance(got, torch.Tensor),
@@ -45,9 +46,8 @@ def _paged_case(paged_decode: Callable, q: torch.Tensor, k: torch.Tensor, v: tor
                                                             scale).items()},
         "compare with the spec element by element: each query head's softmax over this "
         "sequence's first seq_len keys (times the scale you are given), times its values",
-        loud=overflow if loud else None,
-        poison="mask the last block's slots at or past seq_len: score -inf AND value 0 "
-               "(0 * NaN is NaN)")
+        loud=overflow if p.loud > 1 else None, poison=None if p.below else
+        "mask the last block's slots at or past seq_len: score -inf AND value 0 (0 * NaN is NaN)")
 
 
 def _run_watched(paged_decode: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -31,6 +31,19 @@ def rng(seed: int) -> Callable[[list | tuple], Any]:
     return lambda xs: xs[int(torch.randint(len(xs), (1,), generator=g))]
 
 
+#: the hint of a case whose every score is far below 0 (what :func:`below` makes)
+BELOW_HINT = ("it fails when every score is far below 0: start the running max at -inf, not 0 "
+              "(exp(score - 0) underflows to 0, and l with it)")
+
+
+def below(q: torch.Tensor, k: torch.Tensor, scale: float, level: float
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q`` made positive and keys ``k`` pushed against it: every score ``q . k * scale``
+    about ``-level``, a few units apart (NaN keys stay NaN)."""
+    q = q.abs() + 1
+    return q, 0.3 * k - level / (scale * float(q.sum(-1).mean()))
+
+
 def poisoned_cache(g: torch.Generator, num_blocks: int, block_size: int, num_kv_heads: int,
                    head_dim: int, tables: list[list[int]], lens: list[int],
                    dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
@@ -217,6 +230,7 @@ class Paged:
     pad: int
     scale: str
     loud: float
+    below: bool = False  # every score about -1000 (exp underflows in float64 below -745)
 
     def build(self) -> tuple:
         g = torch.Generator().manual_seed(4200 + self.seed)
@@ -225,6 +239,7 @@ class Paged:
         k, v = poisoned_cache(g, used + 3, bs, self.kv_heads, self.head_dim, [table], [n])
         q = torch.randn(self.heads, self.head_dim, generator=g, dtype=torch.float64) * self.loud
         scale = (SCALES[self.scale][0] * self.head_dim) ** -0.5
+        q, k = below(q, k, scale, 1e3) if self.below else (q, k)
         ref = ref_paged_attention(q[None], k, v, torch.tensor([table], dtype=torch.int32),
                                   torch.tensor([n], dtype=torch.int32), scale)[0]
         return q, k, v, table + [-1] * self.pad, n, scale, ref
@@ -233,7 +248,8 @@ class Paged:
         scale = SCALES[self.scale][1].replace("HEAD_DIM", "head_dim")
         return (f"seq_len {self.seq_len}, blocks of {self.block_size}, block_table ending in "
                 f"{self.pad} x -1, {self.heads} query heads on {self.kv_heads} KV heads, "
-                f"head_dim {self.head_dim}, scale {scale}, q x {self.loud:g}")
+                f"head_dim {self.head_dim}, scale {scale}, "
+                + ("every score about -1000" if self.below else f"q x {self.loud:g}"))
 
     def states(self) -> list[str]:
         group = self.heads // self.kv_heads
@@ -241,7 +257,8 @@ class Paged:
                    (f"{self.pad} padding entries", self.pad > 1),
                    (f"GQA groups of {group}", group in (3, 7)),
                    (f"block size {self.block_size}", self.block_size in (3, 5, 6)),
-                   ("scores in the hundreds", self.loud > 100))
+                   ("scores in the hundreds", self.loud > 100),
+                   ("every score far below 0", self.below))
 
     def smaller(self) -> Iterator[Paged]:
         yield from fewer(self, seq_len=shorter(self.seq_len), pad=shorter(self.pad))
@@ -260,11 +277,13 @@ def paged_cases(count: int = 12) -> list[Paged]:
         bs = pick([1, 3, 5, 6, 8])
         n = pick([1, bs, bs + 1, 2 * bs - 1, 3 * bs + 2, 13])
         out.append(Paged(seed, heads, kv, d, bs, n, pick([1, 2, 3]),
-                         ("head", "gemma", "mla")[seed % 3], pick([1e-3, 1.0, 300.0, 40.0])))
+                         ("head", "gemma", "mla")[seed % 3],
+                         1.0 if seed % 4 == 3 else pick([1e-3, 1.0, 300.0, 40.0]), seed % 4 == 3))
     return out
 
 
 PAGED_CONTRASTS = (
+    Contrast(lambda p: dataclasses.replace(p, below=False) if p.below else None, BELOW_HINT),
     Contrast(lambda p: dataclasses.replace(p, scale="head") if p.scale != "head" else None,
              "it passes with scale = 1 / sqrt(head_dim) and fails with another: use the scale "
              "argument you are given"),
@@ -278,7 +297,7 @@ def paged_stage(paged_decode: Callable, run_case: Callable) -> None:
     """04.2's stage; ``run_case``: its grader's per-case check, which watches every read."""
     def run(p: Paged) -> None:
         q, k, v, table, n, scale, ref = p.build()
-        run_case(paged_decode, q.clone(), k, v, table, n, scale, ref, p.loud > 1)
+        run_case(paged_decode, q.clone(), k, v, table, n, scale, ref, p)
     numeric.check("04.2", paged_cases(), run, PAGED_CONTRASTS)
 
 
