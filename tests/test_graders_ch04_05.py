@@ -90,7 +90,10 @@ def test_merge_grader_names_each_slip(capsys):
 def test_merge_grader(capsys):
     assert _verdict(capsys, ch04.check_merge_states, _merge_ok).startswith("✅ [04.1]")
     assert _verdict(capsys, ch04.check_merge_states, _stub).startswith("⏳ [04.1]")
+    in_fp32 = lambda a, b: tuple(t.to(a[0].dtype) for t in _merge_ok(  # noqa: E731
+        *(tuple(t.float() for t in s) for s in (a, b))))
     for bad, words in [(_merge_nan_on_empty, "NaN"), (_merge_no_rescale, "rescale"),
+                       (in_fp32, "computed in float32 and cast back"),
                        (_merge_exp_of_max, "1000"), (_merge_min, "max")]:
         out = _verdict(capsys, ch04.check_merge_states, bad)
         assert out.startswith("❌ [04.1]") and words in out, out
@@ -125,7 +128,8 @@ def _paged_ok(q, k_cache, v_cache, block_table, seq_len, scale, *, bug=None):
         else:
             state = tuple(A.merge(A.SoftmaxState(*state), new))
     out = (state[2] / state[1][..., None]).reshape(num_heads, d)
-    return out.float() if bug == "float32" else out
+    return out.float() if bug == "float32" else out.float().double() if bug == "via float32" \
+        else out
 
 
 def _gather_fancy(q, k_cache, v_cache, block_table, seq_len, scale):
@@ -247,7 +251,8 @@ def test_paged_online_grader_catches_planted_bugs(capsys):
     for bug, words in [("off by one", "NaN"), ("no value mask", "NaN"),
                        ("extra block", "padding"), ("no rescale", "rescale"),
                        ("float32", "dtype"), ("no running max", "running max"),
-                       ("m from 0", "start the running max at -inf, not 0")]:
+                       ("m from 0", "start the running max at -inf, not 0"),
+                       ("via float32", "computed in float32 and cast back")]:
         out = _verdict(capsys, ch04.check_paged_online,
                        lambda *a, bug=bug: _paged_ok(*a, bug=bug))
         assert out.startswith("❌ [04.2]") and words in out, (bug, out)
@@ -418,6 +423,8 @@ def _row_softmax(x_ptr, out_ptr, N, BLOCK_N: tl.constexpr, BUG: tl.constexpr = 0
         x = x.to(tl.float16).to(tl.float32)
     if BUG == 2:  # no max subtracted
         e = tl.exp(x)
+    elif BUG == 8:  # exp2 without the log2(e) factor
+        e = tl.exp2(x - tl.max(x, axis=0))
     else:
         e = tl.exp(x - tl.max(x, axis=0))
     out = e / tl.sum(e, axis=0)
@@ -436,7 +443,7 @@ def test_row_softmax_grader(capsys):
     for bug, words in [(1, "other=-inf"), (2, "subtract the row's max"),
                        (3, "of its row 0, which has"), (4, "rows are N apart, not BLOCK_N"),
                        (5, "mask the store with cols < N"), (6, "divide exp(x - max)"),
-                       (7, "rounded to float16")]:
+                       (7, "rounded to float16"), (8, "exp2 without its factor")]:
         _expect_fail(capsys, ch05.check_row_softmax, Bugged(_row_softmax, bug), "05.3", words)
 
 
@@ -482,6 +489,8 @@ def _online_attention(q_ptr, k_ptr, v_ptr, out_ptr, N, scale, D: tl.constexpr,
             p = tl.exp(s - m_new)
         if BUG == 1:  # no rescale of what was summed so far
             alpha = 1.0
+        if BUG == 8:  # exp2 without the log2(e) factor
+            alpha, p = tl.exp2(m_i - m_new), tl.exp2(s - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=0)
         if BUG == 6:  # probabilities rounded to float16 before they weigh V
             p = p.to(tl.float16).to(tl.float32)
@@ -495,9 +504,9 @@ def test_online_attention_grader(capsys):
     check = ch05.check_online_attention
     assert _verdict(capsys, check, _online_attention).startswith("✅ [05.4]")
     assert _verdict(capsys, check, _stub_kernel).startswith("⏳ [05.4]")
-    for bug, words in [(1, "rescale l and acc"), (2, "NaN or inf"), (3, "without a mask"),
+    for bug, words in [(1, "not rescaled when the running max grew"), (2, "NaN or inf"), (3, "without a mask"),
                        (4, "times over"), (5, "it was left out"), (6, "rounded to float16"),
-                       (7, "start the running max at -inf")]:
+                       (7, "start the running max at -inf"), (8, "exp2 without its factor")]:
         _expect_fail(capsys, check, Bugged(_online_attention, bug), "05.4", words)
 
 
@@ -562,6 +571,8 @@ def _decode(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens
             m_new = tl.zeros([GROUP_PAD], tl.float32)
             alpha = tl.full([GROUP_PAD], 1.0, tl.float32)
         p = tl.exp(s - m_new[:, None])
+        if BUG == 14:  # exp2 without the log2(e) factor
+            alpha, p = tl.exp2(m_i - m_new), tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if BUG == 12:  # probabilities rounded to float16 before they weigh V
             p = p.to(tl.float16).to(tl.float32)
@@ -582,7 +593,8 @@ def test_decode_kernel_grader(capsys):
                        (7, "times"), (8, "multiplied in 32 bits"),
                        (9, "running max"), (10, "not over the table's width"),
                        (11, "a GPU needs every dimension of a tl.dot"),
-                       (12, "rounded to float16"), (13, "start the running max at -inf")]:
+                       (12, "rounded to float16"), (13, "start the running max at -inf"),
+                       (14, "exp2 without its factor")]:
         _expect_fail(capsys, check, Bugged(_decode, bug), "05.5", words)
 
 
@@ -613,6 +625,8 @@ def _slots(block_tables, seq_ids, positions, block_size, bug=None):
         slots = slots.to(torch.int32)
     if bug == "no padding":
         return slots
+    if bug == "> 0":
+        return torch.where(positions > 0, slots, torch.full_like(slots, -1))
     return torch.where(positions >= 0, slots, torch.full_like(slots, -1))
 
 
@@ -625,7 +639,8 @@ def test_slot_mapping_grader(capsys):
                        ("no block", "not just the offset"),
                        ("block id only", "a block id is not a slot"),
                        ("first row", "its own sequence's row"),
-                       ("unclamped", "silently indexes the table's last entry")]:
+                       ("unclamped", "silently indexes the table's last entry"),
+                       ("> 0", "test positions >= 0, not > 0")]:
         _expect_fail(capsys, check, lambda *a, bug=bug: _slots(*a, bug=bug), "05.6", words)
 
 
@@ -660,7 +675,7 @@ def test_merge_partials_grader(capsys):
                        (lambda out, lse: out.mean(0), "sum of the weights"),
                        (no_norm, "sum of the weights"),
                        (in_fp32, "expected dtype torch.float64 (the partials' dtype)"),
-                       (via_fp32, "rounded to float32 on the way")]:
+                       (via_fp32, "computed in float32 and cast back")]:
         _expect_fail(capsys, check, bad, "05.7", words)
 
 

@@ -17,6 +17,8 @@ from paged_lib.course import grading
 from paged_lib.course.grading.generated import numeric, numeric_decode, small_attention
 from paged_lib.course.grading.generated.numeric import Named
 from paged_lib.course.grading.slips import (
+    LN2,
+    SLIPS,
     contiguous_slips,
     decode_slips,
     expect_attention,
@@ -257,7 +259,7 @@ def _softmax_case(kernel: Any, x: torch.Tensor, block: int) -> None:
     slips = {**_rounded(want), "padding lanes (cols >= N) must get weight 0: load them with "
              "other=-inf (exp(-inf) = 0), not 0": torch.softmax(padded, 1)[:, :n],
              "each row must sum to 1: divide exp(x - max) by the row's sum of it":
-             torch.exp(x64 - x64.amax(1, keepdim=True)),
+             torch.exp(x64 - x64.amax(1, keepdim=True)), SLIPS["exp2"]: torch.softmax(x64 * LN2, 1),
              **{f"x was rounded to {name} on the way (float16's spacing near 500 is 0.25): "
                 "keep float32 from load to store": torch.softmax(x.to(dt).double(), 1)
                 for name, dt in (("float16", torch.float16), ("bfloat16", torch.bfloat16))}}

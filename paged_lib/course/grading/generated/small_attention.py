@@ -15,6 +15,7 @@ from paged_lib import attention as A
 from paged_lib.course import grading
 from paged_lib.course.grading.generated import numeric
 from paged_lib.course.grading.generated.numeric import Contrast, fewer, shorter
+from paged_lib.course.grading.slips import rounded
 from paged_lib.kernels import slot_mapping_from_positions
 from paged_lib.kernels.reference import ref_paged_attention
 from paged_lib.util import cdiv
@@ -187,7 +188,7 @@ def run_merge(merge_states: Callable, p: Merge) -> None:
             row = int((bad.any(-1) if name == "acc" else bad).reshape(-1).nonzero()[0, 0])
             grading.fail(f"{name} contains NaN (row {row} of the flattened batch: "
                          f"{_ROW[p.rows[row]]})", hint)
-        grading.expect_tensor_close(g, e, name, atol=tol, rtol=tol, hint=hint)
+        grading.expect_tensor_close(g, e, name, tol, tol, hint=rounded(g, e, name) or hint)
 
 
 MERGE_CONTRASTS = (
@@ -371,10 +372,12 @@ def run_slots(slot_mapping: Callable, p: Slots) -> None:
                         f"expected a torch.Tensor, got {type(got).__name__}")
     grading.expect_true(got.dtype == torch.int64, f"expected dtype torch.int64, got {got.dtype}",
                         hint="slots can exceed 2**31: compute in int64 (.long())")
-    offsets = torch.where(pos < 0, -1, pos % p.block_size).tolist()
-    grading.expect_equal(got.tolist(), want, "slot_mapping", hint=numeric.Named(
-        "the slot is in the token's block, not just the offset pos % block_size")
-        if got.tolist() == offsets != want else _SLOT_HINT)
+    wrong = {"the slot is in the token's block, not just the offset pos % block_size":
+             torch.where(pos < 0, -1, pos % p.block_size).tolist(), "position 0 is a real "
+             "token (its sequence's first): only -1 is padding; test positions >= 0, not > 0":
+             torch.where(pos == 0, -1, torch.tensor(want)).tolist()}
+    grading.expect_equal(got.tolist(), want, "slot_mapping", hint=next((numeric.Named(h) for h, w
+                         in wrong.items() if got.tolist() == w != want), _SLOT_HINT))
 
 
 def _block_size(c: int, hint: str) -> Contrast:
@@ -478,11 +481,8 @@ def run_partials(merge_partials: Callable, p: Partials) -> None:
                      hint="compute in the dtype of out and lse")
     if got.shape == want.shape and got.isnan().any():
         grading.fail("the merged output is NaN", _PARTIALS_HINT)
-    rounded = got.shape == want.shape and torch.allclose(got, want, rtol=1e-5, atol=1e-6)
-    grading.expect_tensor_close(
-        got, want, "merged output", atol=1e-9, rtol=1e-9,
-        hint="right to about 1e-7: something was rounded to float32 on the way" if rounded
-        else _PARTIALS_HINT)
+    grading.expect_tensor_close(got, want, "merged output", atol=1e-9, rtol=1e-9,
+                                hint=rounded(got, want, "the merged output") or _PARTIALS_HINT)
 
 
 PARTIALS_CONTRASTS = (
