@@ -112,6 +112,8 @@ def _paged_ok(q, k_cache, v_cache, block_table, seq_len, scale, *, bug=None):
     for j in range(nb):
         block = int(block_table[j])
         limit = seq_len - j * block_size + (1 if bug == "off by one" else 0)
+        if bug == "fill mod" and j == nb - 1:  # a full last block counted as empty
+            limit = seq_len % block_size
         valid = torch.arange(block_size) < limit
         kb = torch.where(valid[:, None, None], k_cache[block], 0.0)
         vb = v_cache[block] if bug == "no value mask" else \
@@ -252,7 +254,8 @@ def test_paged_online_grader_catches_planted_bugs(capsys):
                        ("extra block", "padding"), ("no rescale", "rescale"),
                        ("float32", "dtype"), ("no running max", "running max"),
                        ("m from 0", "start the running max at -inf, not 0"),
-                       ("via float32", "computed in float32 and cast back")]:
+                       ("via float32", "computed in float32 and cast back"),
+                       ("fill mod", "a full last block")]:
         out = _verdict(capsys, ch04.check_paged_online,
                        lambda *a, bug=bug: _paged_ok(*a, bug=bug))
         assert out.startswith("❌ [04.2]") and words in out, (bug, out)
@@ -504,7 +507,8 @@ def test_online_attention_grader(capsys):
     check = ch05.check_online_attention
     assert _verdict(capsys, check, _online_attention).startswith("✅ [05.4]")
     assert _verdict(capsys, check, _stub_kernel).startswith("⏳ [05.4]")
-    for bug, words in [(1, "not rescaled when the running max grew"), (2, "NaN or inf"), (3, "without a mask"),
+    for bug, words in [(1, "not rescaled when the running max grew"), (2, "NaN or inf"),
+                       (3, "without a mask"),
                        (4, "times over"), (5, "it was left out"), (6, "rounded to float16"),
                        (7, "start the running max at -inf"), (8, "exp2 without its factor")]:
         _expect_fail(capsys, check, Bugged(_online_attention, bug), "05.4", words)
@@ -546,6 +550,8 @@ def _decode(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens
             valid = j * BLOCK_SIZE + t <= seq_len
         if BUG == 3:  # the block's start forgotten
             valid = t < seq_len
+        if BUG == 15:  # a full last block counted as empty: its fill taken as seq_len % BS
+            valid = t < tl.where(j == num_blocks - 1, seq_len % BLOCK_SIZE, BLOCK_SIZE)
         offs = ((block * BLOCK_SIZE + t[:, None]) * NUM_KV_HEADS + kv_head) * HEAD_DIM \
             + d[None, :]
         if BUG == 8:  # the offset in int32, cast afterwards: the wrap has happened already
@@ -594,7 +600,7 @@ def test_decode_kernel_grader(capsys):
                        (9, "running max"), (10, "not over the table's width"),
                        (11, "a GPU needs every dimension of a tl.dot"),
                        (12, "rounded to float16"), (13, "start the running max at -inf"),
-                       (14, "exp2 without its factor")]:
+                       (14, "exp2 without its factor"), (15, "a full last block")]:
         _expect_fail(capsys, check, Bugged(_decode, bug), "05.5", words)
 
 

@@ -381,10 +381,13 @@ def _check_iterations(trace: LoadTrace, bt_g: Guarded, k_g: Guarded, seq_lens: t
     idle = [program[:2] for program, _, mask in k_g.reads(trace) if not mask.any()]
     if idle:
         seq, head = idle[0]
+        own = cdiv(int(lens[seq]), block_size)
+        past = sum(p[:2] == idle[0] for p, _, _ in k_g.reads(trace)) > own
         grading.fail(f"program (seq {seq}, kv_head {head}) loaded K {idle.count(idle[0])} "
-                     f"time(s) with every lane masked off: it iterates past its own "
-                     f"{cdiv(int(lens[seq]), block_size)} block(s) (over the widest block "
-                     "table?)", hint=hint)
+                     f"time(s) with every lane masked off, in {own} block(s) of its own"
+                     + ": it iterates past them (over the widest block table?)" * past,
+                     hint=hint if past else "a full last block (seq_len % BLOCK_SIZE == 0) "
+                     "has BLOCK_SIZE slots in use, not 0: valid = j * BLOCK_SIZE + t < seq_len")
 
 
 def _check_decode_reads(trace: LoadTrace, caches: tuple, case, what: str) -> None:
@@ -440,7 +443,8 @@ def check_paged_decode_kernel(kernel: Any) -> None:
                  "exponentiate s - m_new, rescaling l and acc by exp(m_old - m_new) when m "
                  "grows" + gpu if p.loud > 1 else None,
             poison=None if p.below else "visit only cdiv(seq_len, BLOCK_SIZE) blocks, and "
-            "mask K and V loads (other=0.0) and scores (-inf) past seq_len")
+            "mask K and V loads (other=0.0) and scores (-inf) past seq_len; a full last block "
+            "(seq_len % BLOCK_SIZE == 0) has BLOCK_SIZE slots in use, not 0")
 
     with grading.exercise("05.5"):
         numeric.check("05.5", numeric_decode.decode_cases(), run, numeric_decode.DECODE_CONTRASTS)
@@ -451,11 +455,13 @@ def check_paged_decode_kernel(kernel: Any) -> None:
 def check_slot_mapping(slot_mapping: Callable[..., torch.Tensor]) -> None:
     """05.6: slot of each new token from its sequence's block table (int64, -1 padding)."""
     with grading.exercise("05.6"):
-        small_attention.slot_stage(slot_mapping)
+        numeric.check("05.6", small_attention.slot_cases(), lambda p: small_attention.run_slots(
+            slot_mapping, p), small_attention.SLOT_CONTRASTS)
 
 
 def check_merge_partials(merge_partials: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
                          ) -> None:
     """05.7: merge split-KV partial outputs with their log-sum-exps."""
     with grading.exercise("05.7"):
-        small_attention.partials_stage(merge_partials)
+        numeric.check("05.7", small_attention.partials_cases(), lambda p: small_attention
+                      .run_partials(merge_partials, p), small_attention.PARTIALS_CONTRASTS)

@@ -114,7 +114,7 @@ def expect_attention(got: torch.Tensor, want: torch.Tensor, what: str, tol: floa
     if poison and nan.any():
         where = [int(i) for i in nan.nonzero()[0]]
         grading.fail(f"{what}: NaN at {where}: poison (a slot past seq_len, memory the code "
-                     "must not use) reached the output", poison)
+                     "must not use) reached the output, or a head summed no key (l = 0)", poison)
     named = None
     if same and not torch.allclose(got.double(), want.double(), atol=tol, rtol=tol):
         named = name_slip(got, want, slips()) or rounded(got, want, what)
