@@ -242,6 +242,7 @@ def test_paged_online_grader_fails_wrong_answers(capsys):
         (lambda *a: _collect_scores(*a, cat=False), "several blocks' keys, values or scores"),
         (_wrong_gqa, "KV head h // "),
         (_states_merged_at_end, "every block's state and merge at the end"),
+        (_paged_per_head, "a loop over query heads around the loop over blocks"),
     ]
     for bad, words in cases:
         out = _verdict(capsys, ch04.check_paged_online, bad)
@@ -366,7 +367,7 @@ def test_scale_tile_grader(capsys):
     for bug, words in [(1, "outside the"), (2, "outside the"), (3, "stride_x, not N"),
                        (4, "wrote outside out"),
                        (5, "mask the load with (rows < M)[:, None] & (cols < N)[None, :]"),
-                       (6, "element (i, j) of out is at i * N + j"),
+                       (6, "out[i, j] is at i * N + j"),
                        (7, "were never written"), (8, "rounded to float16")]:
         _expect_fail(capsys, ch05.check_scale_tile, Bugged(_scale_tile, bug), "05.1", words)
 
@@ -428,6 +429,8 @@ def _row_softmax(x_ptr, out_ptr, N, BLOCK_N: tl.constexpr, BUG: tl.constexpr = 0
         e = tl.exp(x)
     elif BUG == 8:  # exp2 without the log2(e) factor
         e = tl.exp2(x - tl.max(x, axis=0))
+    elif BUG == 9:  # right: exp2 with the factor
+        e = tl.exp2((x - tl.max(x, axis=0)) * 1.4426950408889634)
     else:
         e = tl.exp(x - tl.max(x, axis=0))
     out = e / tl.sum(e, axis=0)
@@ -494,6 +497,9 @@ def _online_attention(q_ptr, k_ptr, v_ptr, out_ptr, N, scale, D: tl.constexpr,
             alpha = 1.0
         if BUG == 8:  # exp2 without the log2(e) factor
             alpha, p = tl.exp2(m_i - m_new), tl.exp2(s - m_new)
+        if BUG == 9:  # right: exp2 with the factor
+            alpha, p = tl.exp2((m_i - m_new) * 1.4426950408889634), \
+                tl.exp2((s - m_new) * 1.4426950408889634)
         l_i = l_i * alpha + tl.sum(p, axis=0)
         if BUG == 6:  # probabilities rounded to float16 before they weigh V
             p = p.to(tl.float16).to(tl.float32)
@@ -579,6 +585,9 @@ def _decode(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens
         p = tl.exp(s - m_new[:, None])
         if BUG == 14:  # exp2 without the log2(e) factor
             alpha, p = tl.exp2(m_i - m_new), tl.exp2(s - m_new[:, None])
+        if BUG == 16:  # right: exp2 with the factor
+            alpha = tl.exp2((m_i - m_new) * 1.4426950408889634)
+            p = tl.exp2((s - m_new[:, None]) * 1.4426950408889634)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if BUG == 12:  # probabilities rounded to float16 before they weigh V
             p = p.to(tl.float16).to(tl.float32)
@@ -739,3 +748,76 @@ def test_the_library_twin_itself_fails_and_grading_still_works(capsys):
     assert _verdict(capsys, ch05.check_merge_partials, _merge).startswith("✅ [05.7]")
 
 
+
+
+# ------------------------------------------------- right answers of other shapes pass
+
+def _merge_stacked(a, b):
+    """Both states stacked, one max over the stack (merge_states' way, written out)."""
+    m_all = torch.stack(torch.broadcast_tensors(a[0], b[0]))
+    m = m_all.amax(0)
+    w = torch.exp(m_all - torch.where(torch.isinf(m), torch.zeros_like(m), m))
+    acc = (w[..., None] * torch.stack(torch.broadcast_tensors(a[2], b[2]))).sum(0)
+    return m, (w * torch.stack(torch.broadcast_tensors(a[1], b[1]))).sum(0), acc
+
+
+def _paged_per_head(q, k_cache, v_cache, block_table, seq_len, scale):
+    """Wrong: one query head at a time, so every block is read once per head."""
+    heads, d = q.shape
+    bs, group = k_cache.shape[1], heads // k_cache.shape[2]
+    out = torch.empty_like(q)
+    for h in range(heads):
+        m = torch.tensor(NEG_INF, dtype=q.dtype)
+        l, acc = torch.zeros((), dtype=q.dtype), torch.zeros(d, dtype=q.dtype)  # noqa: E741
+        for j in range(cdiv(seq_len, bs)):
+            fill, b = min(bs, seq_len - j * bs), int(block_table[j])
+            s = k_cache[b, :fill, h // group] @ q[h] * scale
+            m_new = torch.maximum(m, s.max())
+            alpha, p = torch.exp(m - m_new), torch.exp(s - m_new)
+            l, acc = l * alpha + p.sum(), acc * alpha + p @ v_cache[b, :fill, h // group]  # noqa: E741
+            m = m_new
+        out[h] = acc / l
+    return out
+
+
+def _paged_repeat(q, k_cache, v_cache, block_table, seq_len, scale):
+    """Each block read once, its KV heads repeated for their query heads, the fill sliced."""
+    heads, d = q.shape
+    bs, group = k_cache.shape[1], heads // k_cache.shape[2]
+    m = torch.full((heads,), NEG_INF, dtype=q.dtype)
+    l, acc = torch.zeros(heads, dtype=q.dtype), torch.zeros(heads, d, dtype=q.dtype)  # noqa: E741
+    for j in range(cdiv(seq_len, bs)):
+        fill, b = min(bs, seq_len - j * bs), int(block_table[j])
+        kb = k_cache[b][:fill].repeat_interleave(group, 1)  # [fill, heads, d]
+        s = torch.einsum("thd,hd->ht", kb, q) * scale
+        m_new = torch.maximum(m, s.amax(1))
+        alpha, p = torch.exp(m - m_new), torch.exp(s - m_new[:, None])
+        vb = v_cache[b][:fill].repeat_interleave(group, 1)
+        l = l * alpha + p.sum(1)  # noqa: E741
+        acc = acc * alpha[:, None] + torch.einsum("ht,thd->hd", p, vb)
+        m = m_new
+    return acc / l[:, None]
+
+
+def _slots_loop(block_tables, seq_ids, positions, block_size):
+    return torch.tensor([-1 if p < 0 else int(block_tables[s, p // block_size]) * block_size
+                         + p % block_size for s, p in zip(seq_ids.tolist(), positions.tolist(),
+                                                          strict=True)], dtype=torch.int64)
+
+
+def _merge_softmax(out, lse):
+    return (torch.softmax(lse, 0)[:, None] * out).sum(0)
+
+
+@pytest.mark.parametrize("check, answer", [
+    (ch04.check_merge_states, _merge_stacked), (ch04.check_paged_online, _paged_repeat),
+    (ch05.check_slot_mapping, _slots_loop), (ch05.check_merge_partials, _merge_softmax),
+    pytest.param(ch05.check_row_softmax, Bugged(_row_softmax, 9), marks=needs_interpreter),
+    pytest.param(ch05.check_online_attention, Bugged(_online_attention, 9),
+                 marks=needs_interpreter),
+    pytest.param(ch05.check_paged_decode_kernel, Bugged(_decode, 16), marks=needs_interpreter),
+], ids=["04.1 stacked", "04.2 repeat_interleave", "05.6 loop", "05.7 softmax", "05.3 exp2",
+        "05.4 exp2", "05.5 exp2"])
+def test_right_answers_of_other_shapes_pass(capsys, check, answer):
+    out = _verdict(capsys, check, answer)
+    assert out.startswith("✅"), out

@@ -4,7 +4,6 @@ output than the right answer is), and exact answers (:func:`name_mistake`)."""
 
 from __future__ import annotations
 
-import math
 import operator
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -31,7 +30,7 @@ def _attend(q, k, v, scale, block_size, *, slip: str | None):
     return acc / l
 
 
-LN2 = math.log(2)  # exp2(s) is exp(s * LN2)
+LN2 = 0.6931471805599453  # ln 2: exp2(s) is exp(s * LN2)
 SLIPS = {
     "mod": "query head h uses KV head h // GROUP (GROUP = num_heads // num_kv_heads, "
            "consecutive query heads share a KV head), not h % num_kv_heads",
@@ -121,13 +120,20 @@ def expect_attention(got: torch.Tensor, want: torch.Tensor, what: str, tol: floa
     grading.expect_tensor_close(got, want, what, atol=tol, rtol=tol, hint=named or hint)
 
 
-def rounded(got: Any, want: torch.Tensor, what: str) -> Named | None:
-    """The hint when ``got`` is ``want`` (float64) only to float32's precision."""
-    close = isinstance(got, torch.Tensor) and got.shape == want.shape and want.dtype == \
-        torch.float64 and torch.allclose(got.double(), want, rtol=1e-5, atol=1e-6)
-    return Named(f"{what} is right only to about 1e-7 (float32's precision): a value was "
-                 "computed in float32 and cast back afterwards; compute in the inputs' dtype"
-                 ) if close else None
+def rounded(got: Any, want: torch.Tensor, what: str = "out", wrong: dict | None = None
+            ) -> Named | None:
+    """The hint when ``got`` is ``want`` rounded on the way (to float32 of float64, or to 16
+    bits), or the key of ``wrong`` (hint -> wrong answer) that explains it (:func:`name_slip`)."""
+    if not isinstance(got, torch.Tensor) or got.shape != want.shape:
+        return None
+    if want.dtype == torch.float64 and torch.allclose(got.double(), want, rtol=1e-5, atol=1e-6):
+        return Named(f"{what} is right only to about 1e-7 (float32's precision): a value was "
+                     "computed in float32 and cast back afterwards; compute in the inputs' dtype")
+    wrong = {**(wrong or {}), **{f"{what} came out rounded to {name}: a value was cast to a "
+             "16-bit float on the way; keep float32 from load to store": want.to(dtype).double()
+             for name, dtype in (("float16", torch.float16), ("bfloat16", torch.bfloat16))}}
+    hint = name_slip(got, want, wrong, dict(zip(wrong, wrong, strict=True)))
+    return Named(hint) if hint else None
 
 
 def name_mistake(case: Any, got: Any, want: Any, cases: Iterable, wrong: Callable[[Any], dict],

@@ -239,9 +239,8 @@ RAMP_CONTRASTS = {
                       "it passes with BLOCK_N = 1 and fails with wider tiles: program "
                       "pid_n's first column is pid_n * BLOCK_N")),
     "05.2": (Contrast(_undo("block", 1, lambda p: p.block > 1),
-                      "it passes with BLOCK_I = 1 and fails with larger blocks: program pid "
-                      "covers rows pid * BLOCK_I + arange(BLOCK_I) of out, not pid + "
-                      "arange(BLOCK_I)"),),
+                      "it passes with BLOCK_I = 1 and fails with larger blocks: program pid covers "
+                      "rows pid * BLOCK_I + arange(BLOCK_I) of out, not pid + arange(BLOCK_I)"),),
     "05.3": (Contrast(_undo("block", lambda p: p.n, lambda p: p.n < p.block
                             and p.n & (p.n - 1) == 0),
                       "it passes when N == BLOCK_N and fails with lanes past N: a padding "

@@ -32,15 +32,12 @@ def rng(seed: int) -> Callable[[list | tuple], Any]:
     return lambda xs: xs[int(torch.randint(len(xs), (1,), generator=g))]
 
 
-#: the hint of a case whose every score is far below 0 (what :func:`below` makes)
 BELOW_HINT = ("it fails when every score is far below 0: start the running max at -inf, not 0 "
               "(exp(score - 0) underflows to 0, and l with it)")
 
 
-def below(q: torch.Tensor, k: torch.Tensor, scale: float, level: float
-          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``q`` made positive and keys ``k`` pushed against it: every score ``q . k * scale``
-    about ``-level``, a few units apart (NaN keys stay NaN)."""
+def below(q: torch.Tensor, k: torch.Tensor, scale: float, level: float) -> tuple[torch.Tensor, ...]:
+    """``q`` made positive, ``k`` pushed against it: every score about ``-level`` (BELOW_HINT)."""
     q = q.abs() + 1
     return q, 0.3 * k - level / (scale * float(q.sum(-1).mean()))
 
@@ -382,8 +379,7 @@ SLOT_CONTRASTS = (
     Contrast(lambda p: dataclasses.replace(p, seqs=1) if p.seqs > 1 else None,
              "it passes with one sequence and fails with several: each token uses its own "
              "sequence's row, block_tables[seq_ids[i], ...]"),
-    _block_size(1, "a block id is not a slot: multiply by block_size and add "
-                   "pos % block_size"),
+    _block_size(1, "a block id is not a slot: multiply by block_size and add pos % block_size"),
     *(_block_size(c, f"use the block_size you are given, not a constant {c}") for c in (4, 16)),
 )
 
