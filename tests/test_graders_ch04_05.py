@@ -686,11 +686,13 @@ def test_merge_partials_grader(capsys):
     no_norm = lambda out, lse: (torch.exp(lse - lse.max())[:, None] * out).sum(0)  # noqa: E731
     in_fp32 = lambda out, lse: _merge(out.float(), lse.float())  # noqa: E731
     via_fp32 = lambda out, lse: _merge(out.float(), lse.float()).double()  # noqa: E731
+    exp2 = lambda out, lse: _merge(out, lse * 0.6931471805599453)  # noqa: E731  (2**(lse - M))
     for bad, words in [(no_max, "max over all segments"),
                        (lambda out, lse: out.mean(0), "sum of the weights"),
                        (no_norm, "sum of the weights"),
                        (in_fp32, "expected dtype torch.float64 (the partials' dtype)"),
-                       (via_fp32, "computed in float32 and cast back")]:
+                       (via_fp32, "computed in float32 and cast back"),
+                       (exp2, "exp2 without its factor")]:
         _expect_fail(capsys, check, bad, "05.7", words)
 
 
@@ -781,13 +783,14 @@ def _paged_per_head(q, k_cache, v_cache, block_table, seq_len, scale):
 
 
 def _paged_repeat(q, k_cache, v_cache, block_table, seq_len, scale):
-    """Each block read once, its KV heads repeated for their query heads, the fill sliced."""
+    """Each block read once (by a 0-d tensor), its KV heads repeated for their query heads,
+    the fill sliced."""
     heads, d = q.shape
     bs, group = k_cache.shape[1], heads // k_cache.shape[2]
     m = torch.full((heads,), NEG_INF, dtype=q.dtype)
     l, acc = torch.zeros(heads, dtype=q.dtype), torch.zeros(heads, d, dtype=q.dtype)  # noqa: E741
     for j in range(cdiv(seq_len, bs)):
-        fill, b = min(bs, seq_len - j * bs), int(block_table[j])
+        fill, b = min(bs, seq_len - j * bs), block_table[j]
         kb = k_cache[b][:fill].repeat_interleave(group, 1)  # [fill, heads, d]
         s = torch.einsum("thd,hd->ht", kb, q) * scale
         m_new = torch.maximum(m, s.amax(1))

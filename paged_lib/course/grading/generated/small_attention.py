@@ -15,7 +15,7 @@ from paged_lib import attention as A
 from paged_lib.course import grading
 from paged_lib.course.grading.generated import numeric
 from paged_lib.course.grading.generated.numeric import Contrast, fewer, shorter
-from paged_lib.course.grading.slips import rounded
+from paged_lib.course.grading.slips import LN2, SLIPS, rounded
 from paged_lib.kernels import slot_mapping_from_positions
 from paged_lib.kernels.reference import ref_paged_attention
 from paged_lib.util import cdiv
@@ -460,8 +460,8 @@ def run_partials(merge_partials: Callable, p: Partials) -> None:
                      hint="compute in the dtype of out and lse")
     if got.shape == want.shape and got.isnan().any():
         grading.fail("the merged output is NaN", _PARTIALS_HINT)
-    grading.expect_tensor_close(got, want, "merged output", atol=1e-9, rtol=1e-9,
-                                hint=rounded(got, want, "the merged output") or _PARTIALS_HINT)
+    grading.expect_tensor_close(got, want, "merged output", 1e-9, 1e-9, hint=rounded(got, want,
+        "it", {SLIPS["exp2"]: A.merge_partials(out, lse * LN2)}) or _PARTIALS_HINT)
 
 
 PARTIALS_CONTRASTS = (
