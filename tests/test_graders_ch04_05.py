@@ -127,6 +127,9 @@ def _paged_ok(q, k_cache, v_cache, block_table, seq_len, scale, *, bug=None):
                      state[2] + torch.einsum("kgt,ktd->kgd", p, vb.transpose(0, 1)))
         elif bug == "no rescale":
             state = (torch.maximum(state[0], new.m), state[1] + new.l, state[2] + new.acc)
+        elif bug == "l kept":  # acc rescaled when the running max grows, l not
+            merged = A.merge(A.SoftmaxState(*state), new)
+            state = (merged.m, state[1] + torch.exp(new.m - merged.m) * new.l, merged.acc)
         else:
             state = tuple(A.merge(A.SoftmaxState(*state), new))
     out = (state[2] / state[1][..., None]).reshape(num_heads, d)
@@ -256,7 +259,8 @@ def test_paged_online_grader_catches_planted_bugs(capsys):
                        ("float32", "dtype"), ("no running max", "running max"),
                        ("m from 0", "start the running max at -inf, not 0"),
                        ("via float32", "computed in float32 and cast back"),
-                       ("fill mod", "a full last block")]:
+                       ("fill mod", "a full last block"),
+                       ("l kept", "acc was rescaled but l was not")]:
         out = _verdict(capsys, ch04.check_paged_online,
                        lambda *a, bug=bug: _paged_ok(*a, bug=bug))
         assert out.startswith("❌ [04.2]") and words in out, (bug, out)
@@ -500,6 +504,8 @@ def _online_attention(q_ptr, k_ptr, v_ptr, out_ptr, N, scale, D: tl.constexpr,
         if BUG == 9:  # right: exp2 with the factor
             alpha, p = tl.exp2((m_i - m_new) * 1.4426950408889634), \
                 tl.exp2((s - m_new) * 1.4426950408889634)
+        if BUG == 10:  # l not rescaled (acc is): undone by the line below
+            l_i = tl.where(alpha > 0, l_i / alpha, l_i)
         l_i = l_i * alpha + tl.sum(p, axis=0)
         if BUG == 6:  # probabilities rounded to float16 before they weigh V
             p = p.to(tl.float16).to(tl.float32)
@@ -516,7 +522,8 @@ def test_online_attention_grader(capsys):
     for bug, words in [(1, "not rescaled when the running max grew"), (2, "NaN or inf"),
                        (3, "without a mask"),
                        (4, "times over"), (5, "it was left out"), (6, "rounded to float16"),
-                       (7, "start the running max at -inf"), (8, "exp2 without its factor")]:
+                       (7, "start the running max at -inf"), (8, "exp2 without its factor"),
+                       (10, "acc was rescaled but l was not")]:
         _expect_fail(capsys, check, Bugged(_online_attention, bug), "05.4", words)
 
 

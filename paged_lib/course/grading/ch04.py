@@ -55,11 +55,10 @@ def _paged_case(paged_decode: Callable, p: small_attention.Paged) -> None:
 def _run_watched(paged_decode: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  table: list[int], n: int, scale: float, what: str) -> torch.Tensor:
     k_watch, v_watch, log = block_reads.watch(k, v, q.shape[0])
-    bt = torch.tensor(table, dtype=torch.int32)
     error = None
     with block_reads.active(log):
         try:
-            got = paged_decode(q, k_watch, v_watch, bt, n, scale)
+            got = paged_decode(q, k_watch, v_watch, torch.tensor(table).int(), n, scale)
         except NotImplementedError:
             raise
         except Exception as err:  # report a broken read rule before the crash it caused

@@ -15,8 +15,7 @@ from paged_lib.util import cdiv
 
 
 def _attend(q, k, v, scale, block_size, *, slip: str | None):
-    m = torch.tensor(float("-inf"), dtype=torch.float64)
-    l = torch.tensor(0.0, dtype=torch.float64)  # noqa: E741
+    m, l = torch.tensor([float("-inf"), 0.0], dtype=torch.float64)  # noqa: E741
     acc = torch.zeros(v.shape[1], dtype=torch.float64)
     for start in range(0, k.shape[0], block_size):
         s = k[start:start + block_size] @ q * {"no scale": 1, "exp2": scale * LN2}.get(slip, scale)
@@ -24,8 +23,8 @@ def _attend(q, k, v, scale, block_size, *, slip: str | None):
         alpha = torch.ones(()) if slip in RESCALE else torch.exp(m - m_new)
         p = torch.exp(s - (s.max() if slip == "block max" else m_new))
         p_v = p.half().double() if slip == "fp16 p" else p
-        l = l * alpha + p.sum()  # noqa: E741
-        acc = acc * alpha + p_v @ v[start:start + block_size]
+        l = l * (1 if slip == "l kept" else alpha) + p.sum()  # noqa: E741
+        acc = acc * (1 if slip == "acc kept" else alpha) + p_v @ v[start:start + block_size]
         m = m_new
     return acc / l
 
@@ -40,6 +39,8 @@ SLIPS = {
                  "rescale l and acc by alpha = exp(m_old - m_new) before adding the new block",
     "fp16 p": Named("the probabilities were rounded to float16 before multiplying V: keep "
                     "p in float32 (the rounding costs about 1e-3)"),  # no contrast explains it
+    **{f"{a} kept": f"{b} was rescaled but {a} was not, when the running max grew: multiply both "
+       "by alpha = exp(m_old - m_new)" for a, b in (("l", "acc"), ("acc", "l"))},
     "no scale": "the scores are q . k times scale (1 / sqrt(head_dim)); it was left out",
     "exp2": "exp2 without its factor: exp2(s) is 2**s, so exp(s) = exp2(s * log2(e)); multiply "
             "what goes into exp2 by log2(e) = 1.4427 first, or use exp",
@@ -78,7 +79,7 @@ def contiguous_slips(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     d]``, read ``tile`` keys at a time: 05.4)."""
     return {name: torch.stack([_attend(q[b].double(), k[b].double(), v[b].double(), scale,
                                        tile, slip=name) for b in range(q.shape[0])])
-            for name in ("no rescale", "fp16 p", "no scale", "exp2")}
+            for name in SLIPS if name != "mod"}
 
 
 def name_slip(got: torch.Tensor, expected: torch.Tensor, slips: dict[str, torch.Tensor],
