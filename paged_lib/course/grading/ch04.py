@@ -47,7 +47,7 @@ def _paged_case(paged_decode: Callable, p: small_attention.Paged) -> None:
                                                             scale).items()},
         "compare with the spec element by element: each query head's softmax over this "
         "sequence's first seq_len keys (times the scale you are given), times its values",
-        loud=overflow if p.loud > 1 else None, poison=None if p.below else
+        loud=overflow if p.loud > 1 else None, poison=small_attention.BELOW_HINT if p.below else
         "mask the last block's slots at or past seq_len: score -inf AND value 0 (0 * NaN is NaN); "
         "a full last block (seq_len % block_size == 0) has block_size slots in use, not 0")
 

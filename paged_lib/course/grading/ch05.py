@@ -419,9 +419,9 @@ def check_paged_decode_kernel(kernel: Any) -> None:
             loud="exp of a raw score overflows float32 beyond 88: keep a running max m and "
                  "exponentiate s - m_new, rescaling l and acc by exp(m_old - m_new) when m "
                  "grows" + gpu if p.loud > 1 else None,
-            poison=None if p.below else "visit only cdiv(seq_len, BLOCK_SIZE) blocks, and "
-            "mask K and V loads (other=0.0) and scores (-inf) past seq_len; a full last block "
-            "(seq_len % BLOCK_SIZE == 0) has BLOCK_SIZE slots in use, not 0")
+            poison=small_attention.BELOW_HINT if p.below else "visit only cdiv(seq_len, "
+            "BLOCK_SIZE) blocks, mask K and V loads (other=0.0) and scores (-inf) past seq_len; "
+            "a full last block (seq_len % BLOCK_SIZE == 0) has BLOCK_SIZE slots in use, not 0")
 
     with grading.exercise("05.5"):
         numeric.check("05.5", numeric_decode.decode_cases(), run, numeric_decode.DECODE_CONTRASTS)
