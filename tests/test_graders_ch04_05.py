@@ -90,7 +90,10 @@ def test_merge_grader_names_each_slip(capsys):
 def test_merge_grader(capsys):
     assert _verdict(capsys, ch04.check_merge_states, _merge_ok).startswith("✅ [04.1]")
     assert _verdict(capsys, ch04.check_merge_states, _stub).startswith("⏳ [04.1]")
+    in_fp32 = lambda a, b: tuple(t.to(a[0].dtype) for t in _merge_ok(  # noqa: E731
+        *(tuple(t.float() for t in s) for s in (a, b))))
     for bad, words in [(_merge_nan_on_empty, "NaN"), (_merge_no_rescale, "rescale"),
+                       (in_fp32, "computed in float32 and cast back"),
                        (_merge_exp_of_max, "1000"), (_merge_min, "max")]:
         out = _verdict(capsys, ch04.check_merge_states, bad)
         assert out.startswith("❌ [04.1]") and words in out, out
@@ -103,12 +106,14 @@ def _paged_ok(q, k_cache, v_cache, block_table, seq_len, scale, *, bug=None):
     num_heads, d = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     qg = q.view(kv_heads, num_heads // kv_heads, d)
-    state = (torch.full(qg.shape[:2], NEG_INF, dtype=q.dtype),
+    state = (torch.full(qg.shape[:2], 0.0 if bug == "m from 0" else NEG_INF, dtype=q.dtype),
              torch.zeros(qg.shape[:2], dtype=q.dtype), torch.zeros(qg.shape, dtype=q.dtype))
     nb = cdiv(seq_len, block_size) + (1 if bug == "extra block" else 0)
     for j in range(nb):
         block = int(block_table[j])
         limit = seq_len - j * block_size + (1 if bug == "off by one" else 0)
+        if bug == "fill mod" and j == nb - 1:  # a full last block counted as empty
+            limit = seq_len % block_size
         valid = torch.arange(block_size) < limit
         kb = torch.where(valid[:, None, None], k_cache[block], 0.0)
         vb = v_cache[block] if bug == "no value mask" else \
@@ -122,10 +127,14 @@ def _paged_ok(q, k_cache, v_cache, block_table, seq_len, scale, *, bug=None):
                      state[2] + torch.einsum("kgt,ktd->kgd", p, vb.transpose(0, 1)))
         elif bug == "no rescale":
             state = (torch.maximum(state[0], new.m), state[1] + new.l, state[2] + new.acc)
+        elif bug == "l kept":  # acc rescaled when the running max grows, l not
+            merged = A.merge(A.SoftmaxState(*state), new)
+            state = (merged.m, state[1] + torch.exp(new.m - merged.m) * new.l, merged.acc)
         else:
             state = tuple(A.merge(A.SoftmaxState(*state), new))
     out = (state[2] / state[1][..., None]).reshape(num_heads, d)
-    return out.float() if bug == "float32" else out
+    return out.float() if bug == "float32" else out.float().double() if bug == "via float32" \
+        else out
 
 
 def _gather_fancy(q, k_cache, v_cache, block_table, seq_len, scale):
@@ -236,6 +245,7 @@ def test_paged_online_grader_fails_wrong_answers(capsys):
         (lambda *a: _collect_scores(*a, cat=False), "several blocks' keys, values or scores"),
         (_wrong_gqa, "KV head h // "),
         (_states_merged_at_end, "every block's state and merge at the end"),
+        (_paged_per_head, "a loop over query heads around the loop over blocks"),
     ]
     for bad, words in cases:
         out = _verdict(capsys, ch04.check_paged_online, bad)
@@ -246,7 +256,11 @@ def test_paged_online_grader_fails_wrong_answers(capsys):
 def test_paged_online_grader_catches_planted_bugs(capsys):
     for bug, words in [("off by one", "NaN"), ("no value mask", "NaN"),
                        ("extra block", "padding"), ("no rescale", "rescale"),
-                       ("float32", "dtype"), ("no running max", "running max")]:
+                       ("float32", "dtype"), ("no running max", "running max"),
+                       ("m from 0", "start the running max at -inf, not 0"),
+                       ("via float32", "computed in float32 and cast back"),
+                       ("fill mod", "a full last block"),
+                       ("l kept", "acc was rescaled but l was not")]:
         out = _verdict(capsys, ch04.check_paged_online,
                        lambda *a, bug=bug: _paged_ok(*a, bug=bug))
         assert out.startswith("❌ [04.2]") and words in out, (bug, out)
@@ -357,7 +371,7 @@ def test_scale_tile_grader(capsys):
     for bug, words in [(1, "outside the"), (2, "outside the"), (3, "stride_x, not N"),
                        (4, "wrote outside out"),
                        (5, "mask the load with (rows < M)[:, None] & (cols < N)[None, :]"),
-                       (6, "element (i, j) of out is at i * N + j"),
+                       (6, "out[i, j] is at i * N + j"),
                        (7, "were never written"), (8, "rounded to float16")]:
         _expect_fail(capsys, ch05.check_scale_tile, Bugged(_scale_tile, bug), "05.1", words)
 
@@ -417,6 +431,10 @@ def _row_softmax(x_ptr, out_ptr, N, BLOCK_N: tl.constexpr, BUG: tl.constexpr = 0
         x = x.to(tl.float16).to(tl.float32)
     if BUG == 2:  # no max subtracted
         e = tl.exp(x)
+    elif BUG == 8:  # exp2 without the log2(e) factor
+        e = tl.exp2(x - tl.max(x, axis=0))
+    elif BUG == 9:  # right: exp2 with the factor
+        e = tl.exp2((x - tl.max(x, axis=0)) * 1.4426950408889634)
     else:
         e = tl.exp(x - tl.max(x, axis=0))
     out = e / tl.sum(e, axis=0)
@@ -435,7 +453,7 @@ def test_row_softmax_grader(capsys):
     for bug, words in [(1, "other=-inf"), (2, "subtract the row's max"),
                        (3, "of its row 0, which has"), (4, "rows are N apart, not BLOCK_N"),
                        (5, "mask the store with cols < N"), (6, "divide exp(x - max)"),
-                       (7, "rounded to float16")]:
+                       (7, "rounded to float16"), (8, "exp2 without its factor")]:
         _expect_fail(capsys, ch05.check_row_softmax, Bugged(_row_softmax, bug), "05.3", words)
 
 
@@ -449,6 +467,8 @@ def _online_attention(q_ptr, k_ptr, v_ptr, out_ptr, N, scale, D: tl.constexpr,
     t = tl.arange(0, TILE)
     q = tl.load(q_ptr + b * D + d)
     m_i = tl.max(tl.full([TILE], float("-inf"), tl.float32), axis=0)
+    if BUG == 7:  # the running max starts at 0
+        m_i = tl.max(tl.zeros([TILE], tl.float32), axis=0)
     l_i = tl.sum(tl.zeros([TILE], tl.float32), axis=0)
     acc = tl.zeros([D], tl.float32)
     if BUG == 4:  # two passes: the max first, then everything again
@@ -479,6 +499,13 @@ def _online_attention(q_ptr, k_ptr, v_ptr, out_ptr, N, scale, D: tl.constexpr,
             p = tl.exp(s - m_new)
         if BUG == 1:  # no rescale of what was summed so far
             alpha = 1.0
+        if BUG == 8:  # exp2 without the log2(e) factor
+            alpha, p = tl.exp2(m_i - m_new), tl.exp2(s - m_new)
+        if BUG == 9:  # right: exp2 with the factor
+            alpha, p = tl.exp2((m_i - m_new) * 1.4426950408889634), \
+                tl.exp2((s - m_new) * 1.4426950408889634)
+        if BUG == 10:  # l not rescaled (acc is): undone by the line below
+            l_i = tl.where(alpha > 0, l_i / alpha, l_i)
         l_i = l_i * alpha + tl.sum(p, axis=0)
         if BUG == 6:  # probabilities rounded to float16 before they weigh V
             p = p.to(tl.float16).to(tl.float32)
@@ -492,8 +519,11 @@ def test_online_attention_grader(capsys):
     check = ch05.check_online_attention
     assert _verdict(capsys, check, _online_attention).startswith("✅ [05.4]")
     assert _verdict(capsys, check, _stub_kernel).startswith("⏳ [05.4]")
-    for bug, words in [(1, "rescale l and acc"), (2, "NaN or inf"), (3, "without a mask"),
-                       (4, "times over"), (5, "it was left out"), (6, "rounded to float16")]:
+    for bug, words in [(1, "not rescaled when the running max grew"), (2, "NaN or inf"),
+                       (3, "without a mask"),
+                       (4, "times over"), (5, "it was left out"), (6, "rounded to float16"),
+                       (7, "start the running max at -inf"), (8, "exp2 without its factor"),
+                       (10, "acc was rescaled but l was not")]:
         _expect_fail(capsys, check, Bugged(_online_attention, bug), "05.4", words)
 
 
@@ -517,6 +547,8 @@ def _decode(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens
     q = tl.load(q_ptr + q_offs, mask=rows, other=0.0)
     seq_len = tl.load(seq_lens_ptr + seq)
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    if BUG == 13:  # the running max starts at 0
+        m_i = tl.zeros([GROUP_PAD], tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
     num_blocks = tl.cdiv(seq_len, BLOCK_SIZE)
@@ -531,6 +563,8 @@ def _decode(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens
             valid = j * BLOCK_SIZE + t <= seq_len
         if BUG == 3:  # the block's start forgotten
             valid = t < seq_len
+        if BUG == 15:  # a full last block counted as empty: its fill taken as seq_len % BS
+            valid = t < tl.where(j == num_blocks - 1, seq_len % BLOCK_SIZE, BLOCK_SIZE)
         offs = ((block * BLOCK_SIZE + t[:, None]) * NUM_KV_HEADS + kv_head) * HEAD_DIM \
             + d[None, :]
         if BUG == 8:  # the offset in int32, cast afterwards: the wrap has happened already
@@ -556,6 +590,11 @@ def _decode(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens
             m_new = tl.zeros([GROUP_PAD], tl.float32)
             alpha = tl.full([GROUP_PAD], 1.0, tl.float32)
         p = tl.exp(s - m_new[:, None])
+        if BUG == 14:  # exp2 without the log2(e) factor
+            alpha, p = tl.exp2(m_i - m_new), tl.exp2(s - m_new[:, None])
+        if BUG == 16:  # right: exp2 with the factor
+            alpha = tl.exp2((m_i - m_new) * 1.4426950408889634)
+            p = tl.exp2((s - m_new[:, None]) * 1.4426950408889634)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if BUG == 12:  # probabilities rounded to float16 before they weigh V
             p = p.to(tl.float16).to(tl.float32)
@@ -576,7 +615,8 @@ def test_decode_kernel_grader(capsys):
                        (7, "times"), (8, "multiplied in 32 bits"),
                        (9, "running max"), (10, "not over the table's width"),
                        (11, "a GPU needs every dimension of a tl.dot"),
-                       (12, "rounded to float16")]:
+                       (12, "rounded to float16"), (13, "start the running max at -inf"),
+                       (14, "exp2 without its factor"), (15, "a full last block")]:
         _expect_fail(capsys, check, Bugged(_decode, bug), "05.5", words)
 
 
@@ -607,6 +647,8 @@ def _slots(block_tables, seq_ids, positions, block_size, bug=None):
         slots = slots.to(torch.int32)
     if bug == "no padding":
         return slots
+    if bug == "> 0":
+        return torch.where(positions > 0, slots, torch.full_like(slots, -1))
     return torch.where(positions >= 0, slots, torch.full_like(slots, -1))
 
 
@@ -619,7 +661,8 @@ def test_slot_mapping_grader(capsys):
                        ("no block", "not just the offset"),
                        ("block id only", "a block id is not a slot"),
                        ("first row", "its own sequence's row"),
-                       ("unclamped", "silently indexes the table's last entry")]:
+                       ("unclamped", "silently indexes the table's last entry"),
+                       ("> 0", "test positions >= 0, not > 0")]:
         _expect_fail(capsys, check, lambda *a, bug=bug: _slots(*a, bug=bug), "05.6", words)
 
 
@@ -650,15 +693,21 @@ def test_merge_partials_grader(capsys):
     no_norm = lambda out, lse: (torch.exp(lse - lse.max())[:, None] * out).sum(0)  # noqa: E731
     in_fp32 = lambda out, lse: _merge(out.float(), lse.float())  # noqa: E731
     via_fp32 = lambda out, lse: _merge(out.float(), lse.float()).double()  # noqa: E731
+    exp2 = lambda out, lse: _merge(out, lse * 0.6931471805599453)  # noqa: E731  (2**(lse - M))
     for bad, words in [(no_max, "max over all segments"),
                        (lambda out, lse: out.mean(0), "sum of the weights"),
                        (no_norm, "sum of the weights"),
                        (in_fp32, "expected dtype torch.float64 (the partials' dtype)"),
-                       (via_fp32, "rounded to float32 on the way")]:
+                       (via_fp32, "computed in float32 and cast back"),
+                       (exp2, "exp2 without its factor")]:
         _expect_fail(capsys, check, bad, "05.7", words)
 
 
 TWIN_MESSAGE = "which is what you are asked to write"
+
+
+def _finalized(state):
+    return state.acc / state.l[..., None]
 
 
 def _decode_calling_twin():
@@ -676,6 +725,16 @@ def _decode_calling_twin():
      .slot_mapping_from_positions(*a), "05.6", "slot_mapping_from_positions"),
     (ch05.check_merge_partials, lambda out, lse: A.merge_partials(out, lse), "05.7",
      "merge_partials"),
+    # what the twins call does the job too
+    (ch04.check_merge_states, lambda a, b: tuple(A.merge_states(A.SoftmaxState(*(
+        torch.stack(torch.broadcast_tensors(x, y)) for x, y in zip(a, b, strict=True))))),
+     "04.1", "merge_states"),
+    (ch05.check_merge_partials, lambda out, lse: _finalized(A.merge_states(A.SoftmaxState(
+        lse, torch.ones_like(lse), out))), "05.7", "merge_states"),
+    (ch05.check_merge_partials, lambda out, lse: __import__(
+        "paged_lib.kernels.torch_backend").kernels.torch_backend.merge_segments(
+        out, lse, torch.zeros(len(lse), dtype=torch.long), torch.arange(len(lse)), 1)[0],
+     "05.7", "merge_segments"),
 ])
 def test_an_answer_that_calls_the_library_twin_fails(capsys, check, answer, ex_id, name):
     out = _verdict(capsys, check, answer)
@@ -698,3 +757,77 @@ def test_the_library_twin_itself_fails_and_grading_still_works(capsys):
     assert _verdict(capsys, ch05.check_merge_partials, _merge).startswith("✅ [05.7]")
 
 
+
+
+# ------------------------------------------------- right answers of other shapes pass
+
+def _merge_stacked(a, b):
+    """Both states stacked, one max over the stack (merge_states' way, written out)."""
+    m_all = torch.stack(torch.broadcast_tensors(a[0], b[0]))
+    m = m_all.amax(0)
+    w = torch.exp(m_all - torch.where(torch.isinf(m), torch.zeros_like(m), m))
+    acc = (w[..., None] * torch.stack(torch.broadcast_tensors(a[2], b[2]))).sum(0)
+    return m, (w * torch.stack(torch.broadcast_tensors(a[1], b[1]))).sum(0), acc
+
+
+def _paged_per_head(q, k_cache, v_cache, block_table, seq_len, scale):
+    """Wrong: one query head at a time, so every block is read once per head."""
+    heads, d = q.shape
+    bs, group = k_cache.shape[1], heads // k_cache.shape[2]
+    out = torch.empty_like(q)
+    for h in range(heads):
+        m = torch.tensor(NEG_INF, dtype=q.dtype)
+        l, acc = torch.zeros((), dtype=q.dtype), torch.zeros(d, dtype=q.dtype)  # noqa: E741
+        for j in range(cdiv(seq_len, bs)):
+            fill, b = min(bs, seq_len - j * bs), int(block_table[j])
+            s = k_cache[b, :fill, h // group] @ q[h] * scale
+            m_new = torch.maximum(m, s.max())
+            alpha, p = torch.exp(m - m_new), torch.exp(s - m_new)
+            l, acc = l * alpha + p.sum(), acc * alpha + p @ v_cache[b, :fill, h // group]  # noqa: E741
+            m = m_new
+        out[h] = acc / l
+    return out
+
+
+def _paged_repeat(q, k_cache, v_cache, block_table, seq_len, scale):
+    """Each block read once (by a 0-d tensor), its KV heads repeated for their query heads,
+    the fill sliced."""
+    heads, d = q.shape
+    bs, group = k_cache.shape[1], heads // k_cache.shape[2]
+    m = torch.full((heads,), NEG_INF, dtype=q.dtype)
+    l, acc = torch.zeros(heads, dtype=q.dtype), torch.zeros(heads, d, dtype=q.dtype)  # noqa: E741
+    for j in range(cdiv(seq_len, bs)):
+        fill, b = min(bs, seq_len - j * bs), block_table[j]
+        kb = k_cache[b][:fill].repeat_interleave(group, 1)  # [fill, heads, d]
+        s = torch.einsum("thd,hd->ht", kb, q) * scale
+        m_new = torch.maximum(m, s.amax(1))
+        alpha, p = torch.exp(m - m_new), torch.exp(s - m_new[:, None])
+        vb = v_cache[b][:fill].repeat_interleave(group, 1)
+        l = l * alpha + p.sum(1)  # noqa: E741
+        acc = acc * alpha[:, None] + torch.einsum("ht,thd->hd", p, vb)
+        m = m_new
+    return acc / l[:, None]
+
+
+def _slots_loop(block_tables, seq_ids, positions, block_size):
+    return torch.tensor([-1 if p < 0 else int(block_tables[s, p // block_size]) * block_size
+                         + p % block_size for s, p in zip(seq_ids.tolist(), positions.tolist(),
+                                                          strict=True)], dtype=torch.int64)
+
+
+def _merge_softmax(out, lse):
+    return (torch.softmax(lse, 0)[:, None] * out).sum(0)
+
+
+@pytest.mark.parametrize("check, answer", [
+    (ch04.check_merge_states, _merge_stacked), (ch04.check_paged_online, _paged_repeat),
+    (ch05.check_slot_mapping, _slots_loop), (ch05.check_merge_partials, _merge_softmax),
+    pytest.param(ch05.check_row_softmax, Bugged(_row_softmax, 9), marks=needs_interpreter),
+    pytest.param(ch05.check_online_attention, Bugged(_online_attention, 9),
+                 marks=needs_interpreter),
+    pytest.param(ch05.check_paged_decode_kernel, Bugged(_decode, 16), marks=needs_interpreter),
+], ids=["04.1 stacked", "04.2 repeat_interleave", "05.6 loop", "05.7 softmax", "05.3 exp2",
+        "05.4 exp2", "05.5 exp2"])
+def test_right_answers_of_other_shapes_pass(capsys, check, answer):
+    out = _verdict(capsys, check, answer)
+    assert out.startswith("✅"), out

@@ -253,10 +253,11 @@ def check_order(log: ReadLog, table: list[int]) -> None:
                 return
         if len(got) > len(table):
             log.flag(f"read {kind} {len(got)} times for a sequence of {len(table)} "
-                     f"block(s): some block was read twice (a two-pass softmax: one pass "
-                     "for the max, another for the sum)",
-                     "one pass is enough: the running max m is corrected as it grows, by "
-                     "rescaling l and acc with exp(m_old - m_new)")
+                     f"block(s): some block was read twice (a two-pass softmax, or a loop "
+                     "over query heads around the loop over blocks)",
+                     "read each block once, for every query head at once, and fold it into "
+                     "the running (m, l, acc): one pass is enough, the running max m is "
+                     "corrected as it grows by rescaling l and acc with exp(m_old - m_new)")
             return
         if got != table[:len(got)] or len(got) < len(table):
             log.flag(f"read {kind} of blocks {got}, expected each of {table} once, in order",

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import torch
 
 from paged_lib.course import grading
-from paged_lib.course.grading.generated import small_attention
+from paged_lib.course.grading.generated import numeric, small_attention
 from paged_lib.course.grading.slips import decode_slips, expect_attention
 from paged_lib.instruments import block_reads
 from paged_lib.util import cdiv
@@ -18,20 +18,22 @@ from paged_lib.util import cdiv
 def check_merge_states(merge_states: Callable) -> None:
     """04.1: merging two blocks' (m, l, acc) equals the state of both blocks together."""
     with grading.exercise("04.1"):
-        small_attention.merge_stage(merge_states)
+        numeric.check("04.1", small_attention.merge_cases(), lambda p: small_attention.run_merge(
+            merge_states, p), small_attention.MERGE_CONTRASTS)
 
 
 def check_paged_online(paged_decode: Callable) -> None:
     """04.2: one sequence's decode attention, one block at a time, through its block table
     (gathering all tokens first, or a softmax over the whole score row, fails)."""
     with grading.exercise("04.2"):
-        small_attention.paged_stage(paged_decode, _paged_case)
+        numeric.check("04.2", small_attention.paged_cases(), lambda p: _paged_case(
+            paged_decode, p), small_attention.PAGED_CONTRASTS)
 
 
-def _paged_case(paged_decode: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                table: list[int], n: int, scale: float, ref: torch.Tensor, loud: bool) -> None:
+def _paged_case(paged_decode: Callable, p: small_attention.Paged) -> None:
+    q, k, v, table, n, scale, ref = p.build()
     what = f"seq_len={n}, heads {q.shape[0]}/{k.shape[2]} (query/KV), block_size={k.shape[1]}"
-    got = _run_watched(paged_decode, q, k, v, table, n, scale, what)
+    got = _run_watched(paged_decode, q.clone(), k, v, table, n, scale, what)
     grading.expect_true(isinstance(got, torch.Tensor),
                         f"{what}: expected a torch.Tensor, got {type(got).__name__}")
     got = got.as_subclass(torch.Tensor)
@@ -45,19 +47,18 @@ def _paged_case(paged_decode: Callable, q: torch.Tensor, k: torch.Tensor, v: tor
                                                             scale).items()},
         "compare with the spec element by element: each query head's softmax over this "
         "sequence's first seq_len keys (times the scale you are given), times its values",
-        loud=overflow if loud else None,
-        poison="mask the last block's slots at or past seq_len: score -inf AND value 0 "
-               "(0 * NaN is NaN)")
+        loud=overflow if p.loud > 1 else None, poison=small_attention.BELOW_HINT if p.below else
+        "mask the last block's slots at or past seq_len: score -inf AND value 0 (0 * NaN is NaN); "
+        "a full last block (seq_len % block_size == 0) has block_size slots in use, not 0")
 
 
 def _run_watched(paged_decode: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  table: list[int], n: int, scale: float, what: str) -> torch.Tensor:
     k_watch, v_watch, log = block_reads.watch(k, v, q.shape[0])
-    bt = torch.tensor(table, dtype=torch.int32)
     error = None
     with block_reads.active(log):
         try:
-            got = paged_decode(q, k_watch, v_watch, bt, n, scale)
+            got = paged_decode(q, k_watch, v_watch, torch.tensor(table).int(), n, scale)
         except NotImplementedError:
             raise
         except Exception as err:  # report a broken read rule before the crash it caused

@@ -14,14 +14,9 @@ import numpy as np
 import torch
 
 from paged_lib.course import grading
+from paged_lib.course.grading import slips
 from paged_lib.course.grading.generated import numeric, numeric_decode, small_attention
 from paged_lib.course.grading.generated.numeric import Named
-from paged_lib.course.grading.slips import (
-    contiguous_slips,
-    decode_slips,
-    expect_attention,
-    name_slip,
-)
 from paged_lib.device import interpreter_on as interpreted
 from paged_lib.instruments.load_trace import LoadTrace, trace_loads
 from paged_lib.kernels.reference import ref_paged_attention
@@ -65,10 +60,9 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **constants: Any) -> 
             raise
     for dot in trace.dots:  # the interpreter runs it, no NVIDIA GPU compiles it
         if min(dot.a_shape[-2:] + dot.b_shape[-2:]) < MIN_DOT:
-            grading.fail(f"program {dot.program[:2]} called tl.dot on a "
-                         f"{list(dot.a_shape)} x {list(dot.b_shape)} tile: the interpreter "
-                         f"runs it, but a GPU needs every dimension of a tl.dot to be at "
-                         f"least {MIN_DOT}",
+            grading.fail(f"program {dot.program[:2]} called tl.dot on a {list(dot.a_shape)} x "
+                         f"{list(dot.b_shape)} tile: the interpreter runs it, but a GPU needs "
+                         f"every dimension of a tl.dot to be at least {MIN_DOT}",
                          hint="for tiles this small use tl.sum(a[:, :, None] * b[None, :, :], "
                               "axis=1); or pad the tile to 16 rows (masked) before tl.dot")
     return trace
@@ -116,19 +110,6 @@ def _ramp(ex: str, case: Callable, kernel: Any) -> None:
                       numeric_decode.RAMP_CONTRASTS[ex])
 
 
-def _rounded(want: torch.Tensor, what: str = "out") -> dict[str, torch.Tensor]:
-    """hint -> ``want`` rounded to a 16-bit float (a cast on the way), for :func:`_slip`."""
-    return {f"{what} came out rounded to {name}: a value was cast to a 16-bit float on the "
-            "way; keep float32 from load to store": want.to(dtype).double()
-            for name, dtype in (("float16", torch.float16), ("bfloat16", torch.bfloat16))}
-
-
-def _slip(got: torch.Tensor, want: torch.Tensor, slips: dict[str, torch.Tensor]) -> str | None:
-    """The hint (a key of ``slips``) whose wrong answer explains ``got`` (slips.name_slip)."""
-    named = name_slip(got, want, slips, dict(zip(slips, slips, strict=True)))
-    return Named(named) if named else None
-
-
 def _expect_wide(trace: LoadTrace, ids: Guarded, what: str, name: str) -> None:
     """An id loaded from ``ids`` (a row id, a block id) is widened before any multiply."""
     if interpreted() and trace.narrow_products(ids.buffer):
@@ -172,22 +153,20 @@ def _tile_case(kernel: Any, x: torch.Tensor, stride: int, bm: int, bn: int) -> N
                                 "(a tile at the edge hangs over the last row and column); "
                                 + addresses))
     grading.expect_true(out_g.guard_intact(), f"{what}: the kernel wrote outside out",
-                        hint=Named("mask the store with the same (row, column) mask; "
-                                   "element (i, j) of out is at i * N + j (stride_x is x's "
-                                   "row stride only)"))
+                        hint=Named("mask the store with the same (row, column) mask; out[i, j] "
+                                   "is at i * N + j (stride_x is x's row stride only)"))
     got = out_g.view.cpu()
     unwritten = got.isnan()
     if unwritten.any():  # never stored (in the interpreter every load was inside), or poison
         i, j = (int(v) for v in unwritten.nonzero()[0])
         grading.fail(f"{what}: {int(unwritten.sum())} element(s) of out were never "
                      f"written (or NaN), the first out[{i}, {j}]",
-                     hint="every element must fall in one program's tile: program "
-                          "(pid_m, pid_n) = (program_id(0), program_id(1)) covers "
-                          "rows pid_m * BLOCK_M + arange(BLOCK_M) and columns "
-                          "pid_n * BLOCK_N + arange(BLOCK_N); loads and stores masked with "
-                          "rows < M and cols < N")
+                     hint="every element must fall in one program's tile: program (pid_m, pid_n) = "
+                          "(program_id(0), program_id(1)) covers rows pid_m * BLOCK_M + "
+                          "arange(BLOCK_M) and columns pid_n * BLOCK_N + arange(BLOCK_N); loads "
+                          "and stores masked with rows < M and cols < N")
     grading.expect_tensor_close(got, 2 * x, f"{what}, out",
-                                hint=_slip(got, 2 * x, _rounded(2 * x)) or addresses)
+                                hint=slips.rounded(got, 2 * x) or addresses)
 
 
 # --------------------------------------------------------------- 05.2 gather through a table
@@ -254,17 +233,17 @@ def _softmax_case(kernel: Any, x: torch.Tensor, block: int) -> None:
                          hint="subtract the row's max before tl.exp: exp(500) overflows")
     want = torch.softmax(x64, 1)
     padded = torch.cat([x64, torch.zeros(rows, block - n, dtype=torch.float64)], 1)
-    slips = {**_rounded(want), "padding lanes (cols >= N) must get weight 0: load them with "
-             "other=-inf (exp(-inf) = 0), not 0": torch.softmax(padded, 1)[:, :n],
-             "each row must sum to 1: divide exp(x - max) by the row's sum of it":
-             torch.exp(x64 - x64.amax(1, keepdim=True)),
+    wrong = {"padding lanes (cols >= N) must get weight 0: load them with other=-inf (exp(-inf) "
+             "= 0), not 0": torch.softmax(padded, 1)[:, :n], "each row must sum to 1: divide "
+             "exp(x - max) by the row's sum of it": torch.exp(x64 - x64.amax(1, keepdim=True)),
+             slips.SLIPS["exp2"]: torch.softmax(x64 * slips.LN2, 1),
              **{f"x was rounded to {name} on the way (float16's spacing near 500 is 0.25): "
                 "keep float32 from load to store": torch.softmax(x.to(dt).double(), 1)
                 for name, dt in (("float16", torch.float16), ("bfloat16", torch.bfloat16))}}
     grading.expect_tensor_close(
         got, want.float(), f"{what}, out", atol=1e-5, rtol=1e-4,
-        hint=_slip(got, want, slips) or "compare with torch.softmax(x, dim=1): "
-             "exp(x - the row's max) over the row's N values, divided by their sum")
+        hint=slips.rounded(got, want, "out", wrong) or "compare with torch.softmax(x, dim=1): "
+        "exp(x - the row's max) over the row's N values, divided by their sum")
     grading.expect_true(out_g.guard_intact(), f"{what}: the kernel wrote outside out",
                         hint=Named("mask the store with cols < N"))
 
@@ -291,8 +270,8 @@ def _attention_case(kernel: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     got = out_g.view.cpu()
     expected = (torch.softmax(torch.einsum("bnd,bd->bn", k.double(), q.double())
                               * scale, 1)[..., None] * v.double()).sum(1).float()
-    expect_attention(
-        got, expected, f"{what}, out", 1e-4, lambda: contiguous_slips(q, k, v, scale, tile),
+    slips.expect_attention(
+        got, expected, f"{what}, out", 1e-4, lambda: slips.contiguous_slips(q, k, v, scale, tile),
         "compare with the spec: one softmax over all N scores; the last tile is partial "
         "(N % TILE), its missing keys weigh 0",
         loud="exponentiate s - m_new, never s itself: exp(200) overflows")
@@ -379,10 +358,13 @@ def _check_iterations(trace: LoadTrace, bt_g: Guarded, k_g: Guarded, seq_lens: t
     idle = [program[:2] for program, _, mask in k_g.reads(trace) if not mask.any()]
     if idle:
         seq, head = idle[0]
+        own = cdiv(int(lens[seq]), block_size)
+        past = sum(p[:2] == idle[0] for p, _, _ in k_g.reads(trace)) > own
         grading.fail(f"program (seq {seq}, kv_head {head}) loaded K {idle.count(idle[0])} "
-                     f"time(s) with every lane masked off: it iterates past its own "
-                     f"{cdiv(int(lens[seq]), block_size)} block(s) (over the widest block "
-                     "table?)", hint=hint)
+                     f"time(s) with every lane masked off, in {own} block(s) of its own"
+                     + ": it iterates past them (over the widest block table?)" * past,
+                     hint=hint if past else "a full last block (seq_len % BLOCK_SIZE == 0) "
+                     "has BLOCK_SIZE slots in use, not 0: valid = j * BLOCK_SIZE + t < seq_len")
 
 
 def _check_decode_reads(trace: LoadTrace, caches: tuple, case, what: str) -> None:
@@ -428,17 +410,18 @@ def check_paged_decode_kernel(kernel: Any) -> None:
         if interpreted():
             _check_decode_reads(trace, caches, case, what)
         gpu = "" if interpreted() else " (on a GPU, a read past seq_len gives NaN too)"
-        expect_attention(
+        slips.expect_attention(
             got, ref_paged_attention(*case), f"{what}, out [seq, head, dim]", 1e-4,
-            lambda: decode_slips(case.q, case.k_cache, case.v_cache,
+            lambda: slips.decode_slips(case.q, case.k_cache, case.v_cache,
                                  case.block_tables.tolist(), case.seq_lens.tolist(), case.scale),
             "compare with the spec: query head h = kv_head * GROUP + g attends with its own "
             "softmax over the sequence's seq_len keys",
             loud="exp of a raw score overflows float32 beyond 88: keep a running max m and "
                  "exponentiate s - m_new, rescaling l and acc by exp(m_old - m_new) when m "
                  "grows" + gpu if p.loud > 1 else None,
-            poison="visit only cdiv(seq_len, BLOCK_SIZE) blocks, and mask K and V loads "
-                   "(other=0.0) and scores (-inf) past seq_len")
+            poison=small_attention.BELOW_HINT if p.below else "visit only cdiv(seq_len, "
+            "BLOCK_SIZE) blocks, mask K and V loads (other=0.0) and scores (-inf) past seq_len; "
+            "a full last block (seq_len % BLOCK_SIZE == 0) has BLOCK_SIZE slots in use, not 0")
 
     with grading.exercise("05.5"):
         numeric.check("05.5", numeric_decode.decode_cases(), run, numeric_decode.DECODE_CONTRASTS)
@@ -449,11 +432,13 @@ def check_paged_decode_kernel(kernel: Any) -> None:
 def check_slot_mapping(slot_mapping: Callable[..., torch.Tensor]) -> None:
     """05.6: slot of each new token from its sequence's block table (int64, -1 padding)."""
     with grading.exercise("05.6"):
-        small_attention.slot_stage(slot_mapping)
+        numeric.check("05.6", small_attention.slot_cases(), lambda p: small_attention.run_slots(
+            slot_mapping, p), small_attention.SLOT_CONTRASTS)
 
 
 def check_merge_partials(merge_partials: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
                          ) -> None:
     """05.7: merge split-KV partial outputs with their log-sum-exps."""
     with grading.exercise("05.7"):
-        small_attention.partials_stage(merge_partials)
+        numeric.check("05.7", small_attention.partials_cases(), lambda p: small_attention
+                      .run_partials(merge_partials, p), small_attention.PARTIALS_CONTRASTS)

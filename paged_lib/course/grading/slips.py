@@ -15,31 +15,35 @@ from paged_lib.util import cdiv
 
 
 def _attend(q, k, v, scale, block_size, *, slip: str | None):
-    m = torch.tensor(float("-inf"), dtype=torch.float64)
-    l = torch.tensor(0.0, dtype=torch.float64)  # noqa: E741
+    m, l = torch.tensor([float("-inf"), 0.0], dtype=torch.float64)  # noqa: E741
     acc = torch.zeros(v.shape[1], dtype=torch.float64)
     for start in range(0, k.shape[0], block_size):
-        s = k[start:start + block_size] @ q * (1.0 if slip == "no scale" else scale)
+        s = k[start:start + block_size] @ q * {"no scale": 1, "exp2": scale * LN2}.get(slip, scale)
         m_new = torch.maximum(m, s.max())
         alpha = torch.ones(()) if slip in RESCALE else torch.exp(m - m_new)
         p = torch.exp(s - (s.max() if slip == "block max" else m_new))
         p_v = p.half().double() if slip == "fp16 p" else p
-        l = l * alpha + p.sum()  # noqa: E741
-        acc = acc * alpha + p_v @ v[start:start + block_size]
+        l = l * (1 if slip == "l kept" else alpha) + p.sum()  # noqa: E741
+        acc = acc * (1 if slip == "acc kept" else alpha) + p_v @ v[start:start + block_size]
         m = m_new
     return acc / l
 
 
+LN2 = 0.6931471805599453  # ln 2: exp2(s) is exp(s * LN2)
 SLIPS = {
     "mod": "query head h uses KV head h // GROUP (GROUP = num_heads // num_kv_heads, "
            "consecutive query heads share a KV head), not h % num_kv_heads",
-    "no rescale": "when the running max grows, rescale l and acc by alpha = exp(m_old - "
-                  "m_new) before adding the new block",
+    "no rescale": "l and acc were not rescaled when the running max grew: multiply them by "
+                  "alpha = exp(m_old - m_new) before adding the new block",
     "block max": "each block's (m, l, acc) was added as it is: when the running max grows, "
                  "rescale l and acc by alpha = exp(m_old - m_new) before adding the new block",
     "fp16 p": Named("the probabilities were rounded to float16 before multiplying V: keep "
                     "p in float32 (the rounding costs about 1e-3)"),  # no contrast explains it
+    **{f"{a} kept": f"{b} was rescaled but {a} was not, when the running max grew: multiply both "
+       "by alpha = exp(m_old - m_new)" for a, b in (("l", "acc"), ("acc", "l"))},
     "no scale": "the scores are q . k times scale (1 / sqrt(head_dim)); it was left out",
+    "exp2": "exp2 without its factor: exp2(s) is 2**s, so exp(s) = exp2(s * log2(e)); multiply "
+            "what goes into exp2 by log2(e) = 1.4427 first, or use exp",
 }
 
 RESCALE = ("no rescale", "block max")  # p counted from the running max, or the block's own
@@ -75,7 +79,7 @@ def contiguous_slips(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     d]``, read ``tile`` keys at a time: 05.4)."""
     return {name: torch.stack([_attend(q[b].double(), k[b].double(), v[b].double(), scale,
                                        tile, slip=name) for b in range(q.shape[0])])
-            for name in ("no rescale", "fp16 p", "no scale")}
+            for name in SLIPS if name != "mod"}
 
 
 def name_slip(got: torch.Tensor, expected: torch.Tensor, slips: dict[str, torch.Tensor],
@@ -110,11 +114,27 @@ def expect_attention(got: torch.Tensor, want: torch.Tensor, what: str, tol: floa
     if poison and nan.any():
         where = [int(i) for i in nan.nonzero()[0]]
         grading.fail(f"{what}: NaN at {where}: poison (a slot past seq_len, memory the code "
-                     "must not use) reached the output", poison)
+                     "must not use) reached the output, or a head summed no key (l = 0)", poison)
     named = None
     if same and not torch.allclose(got.double(), want.double(), atol=tol, rtol=tol):
-        named = name_slip(got, want, slips())
+        named = name_slip(got, want, slips()) or rounded(got, want, what)
     grading.expect_tensor_close(got, want, what, atol=tol, rtol=tol, hint=named or hint)
+
+
+def rounded(got: Any, want: torch.Tensor, what: str = "out", wrong: dict | None = None
+            ) -> Named | None:
+    """The hint when ``got`` is ``want`` rounded on the way (to float32 of float64, or to 16
+    bits), or the key of ``wrong`` (hint -> wrong answer) that explains it (:func:`name_slip`)."""
+    if not isinstance(got, torch.Tensor) or got.shape != want.shape:
+        return None
+    if want.dtype == torch.float64 and torch.allclose(got.double(), want, rtol=1e-5, atol=1e-6):
+        return Named(f"{what} is right only to about 1e-7 (float32's precision): a value was "
+                     "computed in float32 and cast back afterwards; compute in the inputs' dtype")
+    wrong = {**(wrong or {}), **{f"{what} came out rounded to {name}: a value was cast to a "
+             "16-bit float on the way; keep float32 from load to store": want.to(dtype).double()
+             for name, dtype in (("float16", torch.float16), ("bfloat16", torch.bfloat16))}}
+    hint = name_slip(got, want, wrong, dict(zip(wrong, wrong, strict=True)))
+    return Named(hint) if hint else None
 
 
 def name_mistake(case: Any, got: Any, want: Any, cases: Iterable, wrong: Callable[[Any], dict],

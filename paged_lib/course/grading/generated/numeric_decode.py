@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from paged_lib.course.grading.generated.numeric import Contrast, shorter
-from paged_lib.course.grading.generated.small_attention import SCALES, rng
+from paged_lib.course.grading.generated.small_attention import BELOW_HINT, SCALES, below, rng
 from paged_lib.kernels.cases import NAN_BLOCK, make_decode_case
 from paged_lib.util import cdiv
 
@@ -69,8 +69,9 @@ class Ramp:
             live = ~k.isnan()
             row = k[live].reshape(-1, self.kv_heads, self.head_dim)[0]
             k = torch.where(live, row.expand_as(k), k)
-        return case._replace(q=case.q * self.loud, k_cache=k, scale=(
-            SCALES[self.scale][0] * self.head_dim) ** -0.5)
+        scale = (SCALES[self.scale][0] * self.head_dim) ** -0.5
+        q, k = below(case.q, k, scale, 200.0) if self.below else (case.q * self.loud, k)
+        return case._replace(q=q, k_cache=k, scale=scale)
 
     def _attention(self, g: torch.Generator) -> tuple:
         """05.4's q, k, v (float32), scale and TILE: scores = the profile's level at each
@@ -105,7 +106,8 @@ class Ramp:
                 f"head(s) (GROUP {group}, GROUP_PAD {1 << (group - 1).bit_length()}), HEAD_DIM "
                 f"{self.head_dim}, scale {SCALES[self.scale][1]}, q x {self.loud:g}"
                 + (" (scores in the hundreds)" if self.loud > 1 else " (tiny scores)"
-                   if self.loud < 1 else "") + (", every score of a head tied" * self.ties))
+                   if self.loud < 1 else "") + (", every score of a head tied" * self.ties)
+                + (", every score about -200" * self.below))
         what = {"random": f"random scores (q x {self.loud:g})", "below": "every score around "
                 "-200", "above": "every score around +200", "rising": "scores rising 3 a key",
                 "falling": "scores falling 3 a key (the max in the first tile)",
@@ -147,7 +149,8 @@ _STATES: dict[str, dict[str, Callable[[Ramp], bool]]] = {
              **{f"HEAD_DIM {d}": lambda p, d=d: p.head_dim == d for d in (4, 8, 32)},
              **{f"block size {b}": lambda p, b=b: p.block_size == b for b in (1, 2, 16)},
              "a scale that is not 1 / sqrt(HEAD_DIM)": lambda p: p.scale != "head",
-             "tiny scores": lambda p: p.loud < 1, "tied scores": lambda p: p.ties},
+             "tiny scores": lambda p: p.loud < 1, "tied scores": lambda p: p.ties,
+             "every score far below 0": lambda p: p.below},
 }
 
 
@@ -203,7 +206,7 @@ def _draw_decode(seed: int) -> Ramp:
                                ("head_dim", pick([4, 8, 16, 32])), ("ties", seed % 4 == 3),
                                ("loud", (40.0, 1e-3, 1.0, 40.0, 1.0, 1e-3)[seed % 6]),
                                ("scale", ("gemma", "head", "mla")[seed % 3]),
-                               ("block_size", bs)))
+                               ("block_size", bs), ("below", seed % 6 == 4)))
 
 
 def decode_cases(count: int = 24) -> list[Ramp]:
@@ -217,6 +220,7 @@ def _undo(field: str, value: Any, when: Callable[[Ramp], bool]) -> Callable:
 
 #: 05.5's and 05.4's: a hint names the feature whose undoing makes the shrunk case pass
 DECODE_CONTRASTS = (
+    Contrast(_undo("below", False, lambda p: p.ex == "05.5" and p.below), BELOW_HINT),
     Contrast(_undo("scale", "head", lambda p: p.scale != "head"),
              "it passes with scale = 1 / sqrt(HEAD_DIM) and fails with another: multiply the "
              "scores by the kernel's scale argument"),
@@ -235,9 +239,8 @@ RAMP_CONTRASTS = {
                       "it passes with BLOCK_N = 1 and fails with wider tiles: program "
                       "pid_n's first column is pid_n * BLOCK_N")),
     "05.2": (Contrast(_undo("block", 1, lambda p: p.block > 1),
-                      "it passes with BLOCK_I = 1 and fails with larger blocks: program pid "
-                      "covers rows pid * BLOCK_I + arange(BLOCK_I) of out, not pid + "
-                      "arange(BLOCK_I)"),),
+                      "it passes with BLOCK_I = 1 and fails with larger blocks: program pid covers "
+                      "rows pid * BLOCK_I + arange(BLOCK_I) of out, not pid + arange(BLOCK_I)"),),
     "05.3": (Contrast(_undo("block", lambda p: p.n, lambda p: p.n < p.block
                             and p.n & (p.n - 1) == 0),
                       "it passes when N == BLOCK_N and fails with lanes past N: a padding "
@@ -246,8 +249,6 @@ RAMP_CONTRASTS = {
                             lambda p: any(p.shifts)),
                       "it passes with values near 0 and fails with rows far from 0: "
                       "subtract the row's max (over its N values) before tl.exp")),
-    "05.4": (Contrast(_undo("profile", "above", lambda p: p.profile == "below"),
-                      "it passes when every score is far above 0 and fails when every score "
-                      "is far below 0: start the running max at -inf, not 0"),
+    "05.4": (Contrast(_undo("profile", "above", lambda p: p.profile == "below"), BELOW_HINT),
              *DECODE_CONTRASTS),
 }
