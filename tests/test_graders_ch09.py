@@ -157,12 +157,17 @@ def _least(lengths, allowed):
     return min(w, key=lambda b: (w[b], b))
 
 
-def choice_float32(lengths, allowed, budget):
-    if not allowed or not 0 <= budget < 1:
-        raise ValueError("bad input")
-    w = {b: _float32_waste(lengths, b) for b in allowed}
-    fits = [b for b in allowed if w[b] <= budget]
-    return max(fits) if fits else min(w, key=lambda b: (w[b], b))
+def choice_by(waste):
+    def fn(lengths, allowed, budget):
+        if not allowed or not 0 <= budget < 1:
+            raise ValueError("bad input")
+        w = {b: waste(lengths, b) for b in allowed}
+        fits = [b for b in allowed if w[b] <= budget]
+        return max(fits) if fits else min(w, key=lambda b: (w[b], b))
+    return fn
+
+
+choice_float32 = choice_by(_float32_waste)
 
 
 @pytest.mark.parametrize("wrong, state, hint", [
@@ -784,16 +789,6 @@ def test_09_1_a_power_of_two_mask_is_caught_by_generated_sizes(capsys):
     out = verdict(capsys, ch09.check_internal_waste, waste_bit_mask)
     assert out.startswith("❌ [09.1]") and "generated case" in out, out
     assert "it passes when the block size is a power of two" in out, out
-
-
-def choice_by(waste):
-    def fn(lengths, allowed, budget):
-        if not allowed or not 0 <= budget < 1:
-            raise ValueError("bad input")
-        w = {b: waste(lengths, b) for b in allowed}
-        fits = [b for b in allowed if w[b] <= budget]
-        return max(fits) if fits else min(w, key=lambda b: (w[b], b))
-    return fn
 
 
 def choice_stops_at_the_first_misfit(lengths, allowed, budget):
