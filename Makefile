@@ -63,7 +63,7 @@ grading: $(STAMP)
 
 browser: $(STAMP)
 	@if [ "$$CI" = "true" ]; then bash tools/ensure_chromium.sh; fi
-	$(BIN)/pytest -q -m browser tests/test_browser.py -rs
+	$(BIN)/pytest -q -n 2 --dist load -m browser tests/test_browser.py -rs
 
 grade: $(STAMP)
 	$(BIN)/python -m paged_lib.course.grading.scoreboard exercises $(if $(CHAPTER),--chapter $(CHAPTER))

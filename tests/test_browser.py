@@ -1,12 +1,14 @@
 """Real-browser test: every chapter notebook runs in JupyterLab in headless Chromium.
 
 One JupyterLab (token auth, 127.0.0.1, a free port, serving temporary copies of the
-notebooks) and one headless Chromium serve the whole module; each ``notebooks/*.ipynb``
-(sorted) gets its own browser context and its own test. Each notebook is opened, run
-with "Run All Cells", and must finish within ``BROWSER_TIMEOUT`` seconds (default 240)
-with every code cell executed, no traceback or error output anywhere on the page, every
-ipywidgets view rendered, and the kernel on the venv's Python. A full-page screenshot per
-notebook and the JupyterLab log go to ``test-artifacts/browser/``.
+notebooks) and one headless Chromium serve the whole module, once per pytest-xdist worker
+(``make browser`` runs two, one per core: the notebooks are independent copies, as under
+nbval); each ``notebooks/*.ipynb`` (sorted) gets its own browser context and its own
+test. Each notebook is opened, run with "Run All Cells", and must finish within
+``BROWSER_TIMEOUT`` seconds (default 240) with every code cell executed, no traceback or
+error output anywhere on the page, every ipywidgets view rendered, and the kernel on the
+venv's Python. A full-page screenshot per notebook, and per worker the JupyterLab log and
+the timings, go to ``test-artifacts/browser/``.
 
 Run only this test: ``.venv/bin/pytest -m browser -v``; leave it out: ``-m "not browser"``.
 The driver also works on its own: ``.venv/bin/python tools/browser_check.py NOTEBOOK...``.
@@ -69,11 +71,13 @@ def lab_and_browser():
     except ImportError:
         _unavailable("the Python package playwright is not installed (pip install -e '.[test]')")
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    for stale in ARTIFACTS.glob("*.png"):  # screenshots of an earlier run
-        stale.unlink()
+    # each worker writes its own files (a notebook's stale screenshot goes in its own test)
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    suffix = f"-{worker}" if worker else ""
     results: dict[str, dict] = {}
     with (
-        browser_check.jupyterlab(NOTEBOOKS, log_path=ARTIFACTS / "jupyterlab.log") as lab,
+        browser_check.jupyterlab(NOTEBOOKS, log_path=ARTIFACTS / f"jupyterlab{suffix}.log")
+        as lab,
         browser_check.chromium() as browser,
     ):
         yield lab, browser, results
@@ -81,8 +85,8 @@ def lab_and_browser():
         f"{r['notebook']}: {'ok' if r['ok'] else 'FAILED'} {r['seconds']:.1f} s"
         for r in results.values()
     ]
-    (ARTIFACTS / "timings.txt").write_text("\n".join(lines) + "\n")
-    (ARTIFACTS / "results.json").write_text(json.dumps(list(results.values()), indent=2))
+    (ARTIFACTS / f"timings{suffix}.txt").write_text("\n".join(lines) + "\n")
+    (ARTIFACTS / f"results{suffix}.json").write_text(json.dumps(list(results.values()), indent=2))
 
 
 @pytest.mark.parametrize(
@@ -93,6 +97,7 @@ def lab_and_browser():
 def test_notebook_runs_in_browser(lab_and_browser, notebook, record_property):
     lab, browser, results = lab_and_browser
     before = hashlib.sha256(notebook.read_bytes()).hexdigest()
+    (ARTIFACTS / f"{notebook.stem}.png").unlink(missing_ok=True)  # an earlier run's
     res = browser_check.check_notebook(browser, lab, notebook, TIMEOUT_S, ARTIFACTS)
     record_property("seconds", round(res.seconds, 1))
     results[res.notebook] = {**dataclasses.asdict(res), "ok": res.ok,
