@@ -211,6 +211,38 @@ def replay_free(s: Scenario, free_block: Callable) -> None:
             "a block whose count reaches 0 goes back on the free list, once"))
 
 
+def _call(fn: Callable, table: BlockTable, where: str) -> object:
+    """``fn(table)``; a crash is told with the table it crashed on and the rule it broke."""
+    state, full, fork = repr(table), table.num_tokens % table.block_size == 0, "fork" in where
+    try:
+        return fn(table)
+    except (NotImplementedError, OutOfBlocks, AssertionError):  # a stub, the pool, a verdict
+        raise
+    except Exception as err:  # noqa: BLE001 - the learner's crash, told with its rule
+        text = f"{type(err).__name__}: {err}"
+        grading.fail(f"{where}: your code raised {text}, on {state}", numeric.Named(next(
+            (hint for on, hint in [
+                ("deque" in text, "the free list is empty: take a block only with "
+                 "allocator.allocate(), which counts it and raises OutOfBlocks when none is free"),
+                ("IndexError" in text and fork, "table.blocks has one entry per block, not one "
+                 "per token: incref each of its blocks once"),
+                ("IndexError" in text and not table.blocks, "the table holds no block yet: its "
+                 "first token starts one (offset 0); test the offset before table._blocks[-1]"),
+                ("IndexError" in text and full, "the last block is full (num_tokens % block_size "
+                 "== 0): this token starts a new block: allocate it and append it to "
+                 "table._blocks before you index it"),
+                ("AttributeError" in text, "a BlockAllocator has allocate(), incref(block), "
+                 "free(block) (drops one reference), refcount(block); a table's blocks and "
+                 "num_tokens are read-only: change table._blocks and table._num_tokens"),
+                ("TypeError" in text, "Slot(block, offset, copy) takes copy as one tuple (src, "
+                 "dst) or None; incref(block) and free(block) take one block id each"),
+                ("cannot incref" in text, "incref the physical block ids in table.blocks, not "
+                 "their positions 0, 1, ... in the table"),
+                ("tokens at block size" in text, "build the child with the parent's blocks and "
+                 "num_tokens: type(table)(allocator, block_size, blocks, num_tokens)")] if on),
+            "")) or None)
+
+
 def _append_step(ref: BlockTable, table: BlockTable, where: str, append: Callable) -> None:
     try:
         expected = ref.append_token()
@@ -219,7 +251,7 @@ def _append_step(ref: BlockTable, table: BlockTable, where: str, append: Callabl
     pool = table.allocator
     before = (pool_state(pool), table.blocks, table.num_tokens)
     try:
-        got = append(table)
+        got = _call(append, table, where)
     except OutOfBlocks as err:
         grading.expect_true(expected is None, f"{where}: your code ran out of blocks ({err}); "
                             f"expected {expected!r}", "take a block only when the token starts "
@@ -277,7 +309,7 @@ def _fork_step(ref: BlockTable, table: BlockTable, where: str, fork: Callable) -
     nothing = ("fork allocates nothing: the child shares the parent's physical blocks; "
                "copies happen later, on write")
     try:
-        got = fork(table)
+        got = _call(fork, table, where)
     except OutOfBlocks as err:
         grading.fail(f"{where}: your fork ran out of blocks ({err})", nothing)
     grading.expect_true(isinstance(got, BlockTable), f"{where}: fork returned "
