@@ -564,6 +564,15 @@ def _parts(s: State) -> dict[str, str]:
 
 
 def diagnose(ask: Ask, want: Any, want_state: State, got: Any, got_state: State) -> str:
+    for crash, hint in [
+        ("KeyError" in repr(got) and got.args[0] in {h.value for h in ask.hashes}, "a miss: "
+         "no block is cached under that hash value, and pool.lookup(h) answers None for it"),
+        ("KeyError" in repr(got), "a fresh block that was never cached has no hash to drop: "
+         "pool.block_hash.pop(block, None)"),
+        ("not in the free queue" in repr(got), "a hit another table holds (ref count > 0) is "
+         "not in the free queue: take a hit out of the queue only when its count is 0")]:
+        if crash:
+            return hint
     if not (isinstance(got, tuple) and len(got) == 2):
         return "return a pair: (the table's blocks, the number of tokens the cache supplied)"
     (blocks, computed), (wb, wc), bs = got, want, ask.block_size
@@ -575,6 +584,8 @@ def diagnose(ask: Ask, want: Any, want_state: State, got: Any, got_state: State)
         adopted = blocks[:computed // bs] if counted else []
         last = (len(ask.token_ids) - 1) // bs
         for wrong, hint in [
+            (wc and blocks == wb[wc // bs:], "the table is the whole text's: the hit's blocks "
+             "first, then the fresh ones"),
             (counted and computed > wc and computed == leading * bs, "a full hit: every "
              "block is cached, yet the last token must be computed (its logits give the next "
              "token): at most (len(token_ids) - 1) // block_size blocks are adopted"),
@@ -642,6 +653,8 @@ def diagnose(ask: Ask, want: Any, want_state: State, got: Any, got_state: State)
     unlisted = [b for b, h in got_state.hashes if b not in got_v.get(h.value, ())
                 and b in want_v.get(h.value, ())]
     for wrong, hint in [
+        (any(b in want_h and got_h.get(b, want_h[b]) != want_h[b] for b in wb), lambda:
+         "hashes[i] names block i of the table, the hit's blocks counted: cache table[i] under it"),
         (dup, lambda: f"block {dup[0]} is full after this step and is cached now, even though "
          "it holds the same K/V as block "
          f"{next(c for c, h in ask.before.hashes if h == want_h[dup[0]])}, cached before: "
@@ -668,7 +681,13 @@ def diagnose(ask: Ask, want: Any, want_state: State, got: Any, got_state: State)
 
 
 def compare(fn: Callable, ask: Ask) -> None:
-    (want, want_state), (got, got_state) = ask.answer(allocate_slots), ask.answer(fn)
+    want, want_state = ask.answer(allocate_slots)
+    try:
+        got, got_state = ask.answer(fn)
+    except (NotImplementedError, AssertionError):  # a stub, a verdict
+        raise
+    except Exception as err:  # noqa: BLE001 - the learner's crash, told with the pool
+        got, got_state = err, want_state
     if got == want and got_state == want_state:
         return
     mine, lib, before = _parts(got_state), _parts(want_state), _parts(ask.before)
@@ -680,7 +699,8 @@ def compare(fn: Callable, ask: Ask) -> None:
                  + f"; asked allocate_slots(pool, {len(ask.token_ids)} token ids, "
                  f"{len(ask.hashes)} hashes (cached: {found or 'none'}), block_size="
                  f"{ask.block_size}, max_new_tokens={ask.max_new_tokens}), "
-                 + (f"the library answers {want!r}, yours {got!r}" if got != want
+                 + (f"the library answers {want!r}, yours "
+                    f"{'raised ' * isinstance(got, Exception)}{got!r}" if got != want
                     else f"both answer {want!r}") + (f"; after it, {after}" if after else ""),
                  diagnose(ask, want, want_state, got, got_state))
 
