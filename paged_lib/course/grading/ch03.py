@@ -42,7 +42,7 @@ def check_free_block(free_block: Callable[..., Any]) -> None:
             grading.expect_equal(pool_state(alloc), before, f"state after the refused "
                                  f"free({bad})", "raise before changing anything")
         numeric.check("03.3", small_blocks.block_scenarios(),
-                      lambda s: small_blocks.replay_free(s, free_block))
+                      lambda s: small_blocks.replay(s, free_block=free_block))
 
 
 #: 03.4's keys, each with the hint for a wrong answer

@@ -155,22 +155,24 @@ def _world(s: Scenario, free_block: Callable | None = None) -> dict[str, BlockTa
                       _Table)}
 
 
-def replay(s: Scenario, append: Callable, fork: Callable) -> None:
-    """Run ``s`` with the library in one world and ``append``/``fork`` in the other,
-    comparing after every step."""
-    ref, mine = _world(s), _world(s)
+def replay(s: Scenario, append: Callable = BlockTable.append_token,
+           fork: Callable = BlockTable.fork, free_block: Callable | None = None) -> None:
+    """Run ``s`` with the library in one world and ``append``/``fork`` in the other (03.3:
+    the library's, on a pool freeing through ``free_block``), comparing after every step."""
+    ref, mine = _world(s), _world(s, free_block)
     pools = ref["s0"].allocator, mine["s0"].allocator
     for n, (kind, who, child) in enumerate(_unrolled(s.steps), 1):
-        if kind == "append":
+        if free_block or kind == "free":
+            for tables in (ref, mine):
+                with contextlib.suppress(OutOfBlocks):
+                    _do(tables, kind, who, child)
+        elif kind == "append":
             where = f"step {n} ({who} appends token {ref[who].num_tokens})"
             _append_step(ref[who], mine[who], where, append)
-        elif kind == "fork":
+        else:
             ref[child] = ref[who].fork()
             mine[child] = _fork_step(ref[child], mine[who], f"step {n} ({child} = fork of "
                                      f"{who})", fork)
-        else:
-            for tables in (ref, mine):
-                _do(tables, kind, who, child)
         where = f"step {n} ({kind} {who})"
         forked = kind == "fork" and "the child gets the parent's blocks, in order, and num_tokens"
         for name, table in ref.items():
@@ -181,34 +183,20 @@ def replay(s: Scenario, append: Callable, fork: Callable) -> None:
                                  "num_tokens", forked or "a successful append adds exactly one "
                                  "token (num_tokens += 1)")
         (want_refs, want_free), (refs, free) = map(pool_state, pools)
-        grading.expect_equal(refs, want_refs, f"{where}: ref counts",
-                             "every block a table holds counts that table once")
-        grading.expect_equal(free, want_free, f"{where}: free list", "blocks come only from "
-                             "allocator.allocate() and go back only through allocator.free()")
-
-
-def replay_free(s: Scenario, free_block: Callable) -> None:
-    """Run ``s`` with the library's tables on two pools, the second freeing through
-    ``free_block`` (a table's free, and copy-on-write leaving a shared block)."""
-    worlds = _world(s), _world(s, free_block)
-    pools = [w["s0"].allocator for w in worlds]
-    for n, step in enumerate(_unrolled(s.steps), 1):
-        for tables in worlds:
-            with contextlib.suppress(OutOfBlocks):
-                _do(tables, *step)
-        where = f"step {n} ({step[0]} {step[1]}, the library's table freeing with yours)"
-        (refs, free), (got_refs, got_free) = map(pool_state, pools)
-        grading.expect_equal(got_refs, refs, f"{where}: ref_counts", (
+        grading.expect_equal(refs, want_refs, f"{where}: ref counts", (
             "free drops one reference (ref_counts[block] -= 1), whatever the count: a block "
-            "with k holders keeps k - 1 (of two holders, one is freed, so one remains)"))
-        held = [b for b in got_free if refs[b]]
+            "with k holders keeps k - 1 (of two holders, one is freed, so one remains)")
+            if free_block else "every block a table holds counts that table once")
+        held = [b for b in free if want_refs[b]]
         grading.expect_true(not held, f"{where}: block(s) {held} on the free list, still held",
                             "a block that still has a holder (count > 0) must not go back on "
                             "the free list yet, or a new request would overwrite live tokens")
-        grading.expect_equal(got_free, free, f"{where}: free_block_ids", (
+        grading.expect_equal(free, want_free, f"{where}: free list", (
             "the last holder returns the block to the *right* end of the free list "
-            "(allocate() takes from the left)" if sorted(got_free) == sorted(free) else
-            "a block whose count reaches 0 goes back on the free list, once"))
+            "(allocate() takes from the left)" if sorted(free) == sorted(want_free) else
+            "a block whose count reaches 0 goes back on the free list, once") if free_block
+            else "blocks come only from allocator.allocate() and go back only through "
+            "allocator.free()")
 
 
 def _call(fn: Callable, table: BlockTable, where: str) -> object:
@@ -220,27 +208,25 @@ def _call(fn: Callable, table: BlockTable, where: str) -> object:
         raise
     except Exception as err:  # noqa: BLE001 - the learner's crash, told with its rule
         text = f"{type(err).__name__}: {err}"
-        grading.fail(f"{where}: your code raised {text}, on {state}", numeric.Named(next(
-            (hint for on, hint in [
+        grading.fail(f"{where}: your code raised {text}, on {state}", numeric.Named(next((
+            h for on, h in [
                 ("deque" in text, "the free list is empty: take a block only with "
-                 "allocator.allocate(), which counts it and raises OutOfBlocks when none is free"),
+                 "allocator.allocate(), which raises OutOfBlocks then"),
                 ("IndexError" in text and fork, "table.blocks has one entry per block, not one "
-                 "per token: incref each of its blocks once"),
-                ("IndexError" in text and not table.blocks, "the table holds no block yet: its "
-                 "first token starts one (offset 0); test the offset before table._blocks[-1]"),
-                ("IndexError" in text and full, "the last block is full (num_tokens % block_size "
-                 "== 0): this token starts a new block: allocate it and append it to "
-                 "table._blocks before you index it"),
-                ("AttributeError" in text, "a BlockAllocator has allocate(), incref(block), "
+                 "per token"),
+                ("IndexError" in text and not table.blocks, "the table holds no block yet: "
+                 "test the offset (0: a new block) before reading table._blocks[-1]"),
+                ("IndexError" in text and full, "the last block is full (num_tokens % "
+                 "block_size == 0): allocate this token's new block before you index it"),
+                ("AttributeError" in text, "the allocator has allocate(), incref(block), "
                  "free(block) (drops one reference), refcount(block); a table's blocks and "
                  "num_tokens are read-only: change table._blocks and table._num_tokens"),
                 ("TypeError" in text, "Slot(block, offset, copy) takes copy as one tuple (src, "
-                 "dst) or None; incref(block) and free(block) take one block id each"),
-                ("cannot incref" in text, "incref the physical block ids in table.blocks, not "
-                 "their positions 0, 1, ... in the table"),
-                ("tokens at block size" in text, "build the child with the parent's blocks and "
-                 "num_tokens: type(table)(allocator, block_size, blocks, num_tokens)")] if on),
-            "")) or None)
+                 "dst); incref(block) and free(block) take one block id"),
+                ("cannot incref" in text, "incref the block ids in table.blocks, not their "
+                 "positions 0, 1, ..."),
+                ("tokens at block size" in text, "type(table)(allocator, block_size, blocks, "
+                 "num_tokens): the child takes the parent's num_tokens too")] if on), "")) or None)
 
 
 def _append_step(ref: BlockTable, table: BlockTable, where: str, append: Callable) -> None:
