@@ -77,20 +77,22 @@ _REFUSED = ("a tp_size below 1, one that does not divide the query heads, or one
             "outside 0..tp_size-1)")
 
 
-def _answers(fn: Callable, library: Callable, args: tuple, what: str) -> tuple[Any, Any]:
-    """(the library's answer, ``fn``'s) on ``args``; (None, None) once ``fn`` refused what
-    vLLM refuses."""
+def _run(fn: Callable, library: Callable, args: tuple, what: str, ok: list, form: Callable,
+         wrong: Callable, label: str, rule: str) -> None:
+    """One case of 12.1 or 12.2: refused as vLLM refuses, or answered in ``form`` (it returns
+    the answer normalised) as the library answers, else named by the mistake giving it."""
     try:
         want = library(*args)
     except ValueError:
-        grading.expect_value_error(fn, args, f"vLLM refuses this {what}", _REFUSED)
-        return None, None
+        return grading.expect_value_error(fn, args, f"vLLM refuses this {what}", _REFUSED)
     try:
-        return want, fn(*args)
+        got = form(fn(*args))
     except ValueError as err:
         grading.fail(f"your function raised ValueError ({err}) on a {what} vLLM accepts",
                      numeric.Named("only " + _REFUSED + ": more ranks than KV heads, a "
                                    "multiple of them, replicate each KV head"))
+    grading.expect_equal(got, want, label, name_mistake(args, got, want, ok, lambda c: wrong(
+        *c), lambda c: form(fn(*c)), rule))
 
 
 def check_kv_bytes_per_rank(fn: Callable[[ModelSpec, int, int], int]) -> None:
@@ -99,19 +101,13 @@ def check_kv_bytes_per_rank(fn: Callable[[ModelSpec, int, int], int]) -> None:
     ok = [(p.spec(), p.tp, p.tokens) for p in cases
           if not tp_size_problem(p.spec().num_heads, p.spec().num_kv_heads, p.tp)]
 
-    def run(p: small_counts.PerRank) -> None:
-        case = (p.spec(), p.tp, p.tokens)
-        want, got = _answers(fn, kv_bytes_per_rank, case, "tp_size")
-        if want is None:
-            return
-        grading.expect_int(got, "bytes per rank", "bytes are a whole number: divide heads with "
-                           "//, never with /")
-        grading.expect_equal(int(got), want, "bytes per rank", name_mistake(
-            case, int(got), want, ok, lambda c: _wrong_bytes(*c), lambda c: fn(*c), "2 (K "
-            "and V) x layers x the KV heads this rank keeps x head_dim x dtype bytes x tokens"))
-
+    whole = lambda got: grading.expect_int(got, "bytes per rank", "bytes are a whole number: "
+                                           "divide heads with //, never with /") or int(got)
     with grading.exercise("12.1"):
-        numeric.check("12.1", cases, run, (small_counts._HEAD_DIM,))
+        numeric.check("12.1", cases, lambda p: _run(
+            fn, kv_bytes_per_rank, (p.spec(), p.tp, p.tokens), "tp_size", ok, whole, _wrong_bytes,
+            "bytes per rank", "2 (K and V) x layers x the KV heads this rank keeps x head_dim x "
+            "dtype bytes x tokens"), (small_counts._HEAD_DIM,))
         for h, kv, tp, _ in _REFUSED_CASES[:6]:  # tp_sizes vLLM refuses, on made-up models
             spec = ModelSpec(f"a model with {h} query heads and {kv} KV heads", 4, 64 * h, h,
                              kv, 64, dtype_bytes=2)
@@ -239,22 +235,14 @@ def check_rank_heads(fn: Callable[[int, int, int, int], tuple[list[int], list[in
     ok = [(p.heads, p.kv_heads, p.tp, p.rank) for p in cases
           if not tp_size_problem(p.heads, p.kv_heads, p.tp) and 0 <= p.rank < p.tp]
 
-    def run(p: Heads) -> None:
-        args = (p.heads, p.kv_heads, p.tp, p.rank)
-        want, got = _answers(fn, rank_heads, args, "tp_size or rank")
-        if want is None:
-            return
-        grading.expect_true(isinstance(got, tuple | list) and len(got) == 2 and all(
-            isinstance(x, list) for x in got), f"expected a pair of lists (query heads, KV "
-            f"heads), got {got!r}", "return (list_of_query_heads, list_of_kv_heads): lists, "
-            "e.g. list(range(...))")
-        got = (list(got[0]), list(got[1]))
-        grading.expect_equal(got, want, "(query heads, KV heads)", name_mistake(
-            args, got, want, ok, lambda c: _wrong_heads(*c), lambda c: tuple(map(list, fn(*c))),
-            _OWNS))
-
+    pair = lambda got: grading.expect_true(isinstance(got, tuple | list) and len(got) == 2 and all(
+        isinstance(x, list) for x in got), f"expected a pair of lists (query heads, KV heads), "
+        f"got {got!r}", "return (list_of_query_heads, list_of_kv_heads): lists, e.g. "
+        "list(range(...))") or (list(got[0]), list(got[1]))
     with grading.exercise("12.2"):
-        numeric.check("12.2", cases, run, HEAD_CONTRASTS)
+        numeric.check("12.2", cases, lambda p: _run(
+            fn, rank_heads, (p.heads, p.kv_heads, p.tp, p.rank), "tp_size or rank", ok, pair,
+            _wrong_heads, "(query heads, KV heads)", _OWNS), HEAD_CONTRASTS)
 
 
 # ------------------------------------------------------------------ 12.3 rank_attention
