@@ -617,8 +617,8 @@ def alloc_with_pool_methods(pool, token_ids, hashes, block_size, max_new_tokens)
     (lambda *a: alloc(*a, only_fresh=True), "the hit's blocks first, then the fresh ones"),
     # crashes, told with the pool and the call: cached_blocks[value] on a miss, a hit held
     # by another table taken out of the free queue, block_hash.pop(block) of an uncached block
-    (lambda *a: alloc(*a, index_miss=True), "yours raised KeyError("),
-    (lambda *a: alloc(*a, index_miss=True), "pool.lookup(h) answers None"),
+    (lambda *a: alloc(*a, index_miss=True), "yours KeyError("),
+    (lambda *a: alloc(*a, index_miss=True), "pool.lookup(h) is None then"),
     (lambda *a: alloc(*a, unqueue_held=True), "only when its count is 0"),
     (lambda *a: alloc(*a, pop_strict=True), "pool.block_hash.pop(block, None)"),
 ])

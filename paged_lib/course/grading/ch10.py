@@ -564,17 +564,14 @@ def _parts(s: State) -> dict[str, str]:
 
 
 def diagnose(ask: Ask, want: Any, want_state: State, got: Any, got_state: State) -> str:
-    for crash, hint in [
-        ("KeyError" in repr(got) and got.args[0] in {h.value for h in ask.hashes}, "a miss: "
-         "no block is cached under that hash value, and pool.lookup(h) answers None for it"),
-        ("KeyError" in repr(got), "a fresh block that was never cached has no hash to drop: "
-         "pool.block_hash.pop(block, None)"),
-        ("not in the free queue" in repr(got), "a hit another table holds (ref count > 0) is "
-         "not in the free queue: take a hit out of the queue only when its count is 0")]:
-        if crash:
-            return hint
-    if not (isinstance(got, tuple) and len(got) == 2):
-        return "return a pair: (the table's blocks, the number of tokens the cache supplied)"
+    if not (isinstance(got, tuple) and len(got) == 2):  # a crash, or not a pair
+        return ("a miss: nothing is cached under that hash value; pool.lookup(h) is None then"
+                if isinstance(got, KeyError) and got.args[0] in {h.value for h in ask.hashes}
+                else "a fresh block never cached has no hash: pool.block_hash.pop(block, None)"
+                if isinstance(got, KeyError) else "a hit another table holds (ref count > 0) "
+                "is not in the free queue: take it out only when its count is 0"
+                if "not in the free queue" in str(got) else "return a pair: (the table's "
+                "blocks, the number of tokens the cache supplied)")
     (blocks, computed), (wb, wc), bs = got, want, ask.block_size
     cached_at = dict(ask.before.hashes)
     leading = next((k for k, h in enumerate(ask.hashes) if h not in cached_at.values()),
@@ -699,8 +696,7 @@ def compare(fn: Callable, ask: Ask) -> None:
                  + f"; asked allocate_slots(pool, {len(ask.token_ids)} token ids, "
                  f"{len(ask.hashes)} hashes (cached: {found or 'none'}), block_size="
                  f"{ask.block_size}, max_new_tokens={ask.max_new_tokens}), "
-                 + (f"the library answers {want!r}, yours "
-                    f"{'raised ' * isinstance(got, Exception)}{got!r}" if got != want
+                 + (f"the library answers {want!r}, yours {got!r}" if got != want
                     else f"both answer {want!r}") + (f"; after it, {after}" if after else ""),
                  diagnose(ask, want, want_state, got, got_state))
 
