@@ -297,13 +297,14 @@ def fork_positions(table):
     (ch03.check_append_token, append_reads_last_first, "BlockTable(blocks=[], num_tokens=0",
      "the table holds no block yet"),
     (ch03.check_append_token, append_by_position, "IndexError",
-     "the last block is full (num_tokens % block_size == 0)"),
+     "last block is full (num_tokens % block_size == 0)"),
     (ch03.check_append_token, append_pops_the_free_list, "pop from an empty deque",
      "take a block only with allocator.allocate()"),
-    (ch03.check_append_token, append_sets_num_tokens, "no setter", "table._num_tokens"),
+    (ch03.check_append_token, append_sets_num_tokens, "no setter", "read-only (change _blocks, "
+     "_num_tokens)"),
     (ch03.check_append_token, append_decref, "decref", "free(block) (drops one reference)"),
     (ch03.check_append_token, append_copy_as_two_fields, "TypeError",
-     "copy as one tuple (src, dst)"),
+     "Slot(block, offset, copy=(src, dst))"),
     (ch03.check_fork, fork_per_token, "IndexError", "one entry per block, not one per token"),
     # Contrasts no longer override it (it passed once the free list came sorted)
     (ch03.check_fork, fork_positions, "cannot incref block", "not their positions 0, 1"),

@@ -201,7 +201,7 @@ def replay(s: Scenario, append: Callable = BlockTable.append_token,
 
 def _call(fn: Callable, table: BlockTable, where: str) -> object:
     """``fn(table)``; a crash is told with the table it crashed on and the rule it broke."""
-    state, full, fork = repr(table), table.num_tokens % table.block_size == 0, "fork" in where
+    state, fork = repr(table), "fork" in where
     try:
         return fn(table)
     except (NotImplementedError, OutOfBlocks, AssertionError):  # a stub, the pool, a verdict
@@ -214,19 +214,16 @@ def _call(fn: Callable, table: BlockTable, where: str) -> object:
                  "allocator.allocate(), which raises OutOfBlocks then"),
                 ("IndexError" in text and fork, "table.blocks has one entry per block, not one "
                  "per token"),
-                ("IndexError" in text and not table.blocks, "the table holds no block yet: "
-                 "test the offset (0: a new block) before reading table._blocks[-1]"),
-                ("IndexError" in text and full, "the last block is full (num_tokens % "
-                 "block_size == 0): allocate this token's new block before you index it"),
-                ("AttributeError" in text, "the allocator has allocate(), incref(block), "
-                 "free(block) (drops one reference), refcount(block); a table's blocks and "
-                 "num_tokens are read-only: change table._blocks and table._num_tokens"),
-                ("TypeError" in text, "Slot(block, offset, copy) takes copy as one tuple (src, "
-                 "dst); incref(block) and free(block) take one block id"),
-                ("cannot incref" in text, "incref the block ids in table.blocks, not their "
-                 "positions 0, 1, ..."),
-                ("tokens at block size" in text, "type(table)(allocator, block_size, blocks, "
-                 "num_tokens): the child takes the parent's num_tokens too")] if on), "")) or None)
+                ("IndexError" in text, "the table holds no block yet, or its last block is "
+                 "full (num_tokens % block_size == 0): allocate this token's new block before "
+                 "you read table._blocks[-1]"),
+                ("Error: " in text and fork, "incref the block ids in table.blocks (not their "
+                 "positions 0, 1, ...), then type(table)(allocator, block_size, blocks, "
+                 "num_tokens)"),
+                ("Error: " in text, "the allocator has allocate(), incref(block), free(block) "
+                 "(drops one reference), refcount(block); a table's blocks and num_tokens are "
+                 "read-only (change _blocks, _num_tokens); Slot(block, offset, copy=(src, dst))"
+                 )] if on), "")) or None)
 
 
 def _append_step(ref: BlockTable, table: BlockTable, where: str, append: Callable) -> None:
