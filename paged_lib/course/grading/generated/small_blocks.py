@@ -140,11 +140,6 @@ CONTRASTS = (numeric.Contrast(
                      "blocks in the table's order (a set, or sorting, puts them in id order)"))
 
 
-def block_stage(ex: str, append: Callable, fork: Callable) -> None:
-    """The check of 03.1 or 03.2 (``ex``); the other function is the library's."""
-    numeric.check(ex, block_scenarios(), lambda s: replay(s, append, fork), CONTRASTS)
-
-
 class _Table(BlockTable):
     """The grader's tables: a subclass, so a fork that builds a plain BlockTable shows."""
 
