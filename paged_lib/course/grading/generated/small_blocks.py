@@ -181,7 +181,9 @@ def replay(s: Scenario, append: Callable = BlockTable.append_token,
         grading.expect_equal(refs, want_refs, f"{where}: ref counts", (
             "free drops one reference (ref_counts[block] -= 1), whatever the count: a block "
             "with k holders keeps k - 1 (of two holders, one is freed, so one remains)")
-            if free_block else "every block a table holds counts that table once")
+            if free_block else "incref every block of the table, once; otherwise the first "
+            "table to free it hands a block still in use back to the pool" if kind == "fork"
+            else "every block a table holds counts that table once")
         held = [b for b in free if want_refs[b]]
         grading.expect_true(not held, f"{where}: block(s) {held} on the free list, still held",
                             "a block that still has a holder (count > 0) must not go back on "
@@ -270,8 +272,6 @@ def _append_step(ref: BlockTable, table: BlockTable, where: str, append: Callabl
          "num_tokens % block_size, is 0): allocate one; count the tokens before it"),
         (b is not None and taken > 0, "you took a block this token does not need: allocate "
          "only for a new block, or to copy a shared, part-filled last block"),
-        (b is not None, "take exactly one block per new block or copy, and change no other "
-         "block's count"),
         (got.offset != expected.offset, "token number num_tokens goes to offset num_tokens % "
          "block_size; count the tokens before it, not after"),
         (got.block != expected.block and new, "this token starts a new block: allocate one"),
@@ -302,10 +302,6 @@ def _fork_step(ref: BlockTable, table: BlockTable, where: str, fork: Callable) -
          "the child has another allocator or block size", "the same pool and block size"),
         (pool.num_free != free_before, f"{pool.num_free} blocks free after the fork, "
          f"{free_before} before", nothing),
-        ([pool.refcount(b) for b in got.blocks] != [ref.allocator.refcount(b)
-                                                     for b in ref.blocks],
-         "ref counts of the child's blocks differ", "incref every block of the table, once; "
-         "otherwise the first table to free it hands a block still in use back to the pool"),
         (any(v is w for v in getattr(got, "__dict__", {}).values()
              if isinstance(v, list | dict | set) for w in vars(table).values()),
          "the child and the parent share one list object", "give the child its own copy of "
