@@ -120,7 +120,7 @@ def no_replication(spec, tp, n):  # refuses more ranks than KV heads, which vLLM
     (lambda s, t, n: bytes_ok(s, t, n) // max(n, 1), "one token's bytes", "7 tokens"),
     # tp_size / KV heads is how many ranks share a head, not how many heads a rank keeps
     (bytes_with(lambda s, t: s.num_kv_heads // t if t <= s.num_kv_heads else t // s.num_kv_heads),
-     "tp_size // num_kv_heads ranks share each KV head", "tp_size 16"),
+     "a rank keeps one KV head, not tp_size // num_kv_heads", "tp_size 16"),
 ])
 def test_12_1_more_wrong_answers_get_a_named_hint(capsys, answer, hint, state):
     out = verdict(capsys, ch12.check_kv_bytes_per_rank, answer)

@@ -56,9 +56,8 @@ def _wrong_bytes(spec: ModelSpec, tp: int, n: int) -> dict[str, Any]:
         "the sum over all ranks: the question is one rank's bytes": 2 * per_head * mine * tp,
         "one token's bytes: a rank caches K and V for each of the num_tokens tokens":
             2 * per_head * mine // max(n, 1),
-        "with more ranks than KV heads, tp_size // num_kv_heads ranks share each KV head, and "
-        "a rank keeps one": 2 * per_head * (tp // spec.num_kv_heads if tp > spec.num_kv_heads
-                                             else mine),
+        "with more ranks than KV heads a rank keeps one KV head, not tp_size // num_kv_heads":
+            2 * per_head * (tp // spec.num_kv_heads if tp > spec.num_kv_heads else mine),
         "one layer only: every layer caches its own K and V":
             2 * spec.head_dim * spec.dtype_bytes * n * mine,
         "every number counted as 2 bytes (fp16): use the spec's dtype_bytes (4 in fp32, 1 "
