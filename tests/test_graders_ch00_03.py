@@ -104,6 +104,13 @@ def append_copies_full_block(table):
     return append_ok(table)
 
 
+def append_frees_twice(table):  # copy-on-write leaving the shared block with two frees
+    slot = append_ok(table)
+    if slot.copy:
+        table.allocator.free(slot.copy[0])
+    return slot
+
+
 def append_flipped_compare(table):
     offset = table._num_tokens % table.block_size
     copy = None
@@ -152,6 +159,7 @@ def todo(*args):
     (append_copy_in_place, "nothing is copied (copy=None)"),
     (append_no_cow, "is shared (ref count > 1) and part-filled"),
     (append_keeps_shared, "drop its reference"),
+    (append_frees_twice, "drop its reference (allocator.free(src)), once"),
     (append_not_atomic, "not atomic"),
     (append_copies_full_block, "starts a new block: nothing is written into the old"),
     (append_flipped_compare, "write in place, copy=None"),

@@ -267,7 +267,7 @@ def _append_step(ref: BlockTable, table: BlockTable, where: str, append: Callabl
          "a stray incref: allocate() already sets the new block's count to 1"),
         (b is not None and want_copy is not None and b == want_copy[0],
          "after copy-on-write this table no longer holds the shared block: drop its reference "
-         "(allocator.free(src))"),
+         "(allocator.free(src))" + ", once" * (b is not None and refs[b] < want_refs[b])),
         (b is not None and taken < 0 and new, "this token starts a new block (its offset, "
          "num_tokens % block_size, is 0): allocate one; count the tokens before it"),
         (b is not None and taken > 0, "you took a block this token does not need: allocate "
