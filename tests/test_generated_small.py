@@ -660,5 +660,5 @@ def free_two_holders(block, ref_counts, free_block_ids):
 
 def test_03_3_a_shared_block_left_with_one_holder_is_caught_only_by_the_scenarios(monkeypatch):
     hint = caught_only_by_the_stage(ch03.check_free_block, free_two_holders, monkeypatch,
-                                    "('fork', 's1', 's2')", "ref_counts: expected [1, 2]")
+                                    "('fork', 's1', 's2')", "ref counts: expected [1, 2]")
     assert "whatever the count: a block with k holders keeps k - 1" in hint

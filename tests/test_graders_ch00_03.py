@@ -104,6 +104,13 @@ def append_copies_full_block(table):
     return append_ok(table)
 
 
+def append_frees_twice(table):  # copy-on-write leaving the shared block with two frees
+    slot = append_ok(table)
+    if slot.copy:
+        table.allocator.free(slot.copy[0])
+    return slot
+
+
 def append_flipped_compare(table):
     offset = table._num_tokens % table.block_size
     copy = None
@@ -152,6 +159,7 @@ def todo(*args):
     (append_copy_in_place, "nothing is copied (copy=None)"),
     (append_no_cow, "is shared (ref count > 1) and part-filled"),
     (append_keeps_shared, "drop its reference"),
+    (append_frees_twice, "drop its reference (allocator.free(src)), once"),
     (append_not_atomic, "not atomic"),
     (append_copies_full_block, "starts a new block: nothing is written into the old"),
     (append_flipped_compare, "write in place, copy=None"),
@@ -235,6 +243,86 @@ def test_03_2_solution_passes(capsys):
     out = verdict(capsys, ch03.check_fork, BlockTable.fork)
     assert out.startswith("❌ [03.2]") and "you passed the library's fork" in out
     assert verdict(capsys, ch03.check_fork, todo).startswith("⏳ [03.2]")
+
+
+# ------------------------------------- 03.1 and 03.2: crashes told with their state and rule
+
+
+def append_reads_last_first(table):  # reads the last block before asking if there is one
+    last, offset = table._blocks[-1], table._num_tokens % table.block_size
+    return append_ok(table) if last is not None or offset else None
+
+
+def append_by_position(table):  # allocates only for the first block, then indexes by position
+    if not table._blocks:
+        table._blocks.append(table.allocator.allocate())
+    offset, block = table._num_tokens % table.block_size, table._blocks[-1]
+    if offset == 0 and table._num_tokens:  # the last block is full: index past the end
+        block = table._blocks[table._num_tokens // table.block_size]
+    table._num_tokens += 1
+    return Slot(block, offset)
+
+
+def append_pops_the_free_list(table):  # takes blocks without allocate(): no OutOfBlocks
+    def allocate():
+        block = table.allocator.free_block_ids.popleft()
+        table.allocator.ref_counts[block] = 1
+        return block
+    table.allocator.allocate = allocate
+    return append_ok(table)
+
+
+def append_sets_num_tokens(table):
+    slot = append_ok(table)
+    table._num_tokens -= 1
+    table.num_tokens += 1  # a read-only property
+    return slot
+
+
+def append_decref(table):  # an allocator method that does not exist
+    table.allocator.free = lambda block: table.allocator.decref(block)
+    return append_ok(table)
+
+
+def append_copy_as_two_fields(table):
+    slot = append_ok(table)
+    return Slot(slot.block, slot.offset, *slot.copy) if slot.copy else slot
+
+
+def fork_per_token(table):
+    for i in range(table.num_tokens):  # one incref per token, past the table's end
+        table.allocator.incref(table.blocks[i])
+    return fork_no_incref(table)
+
+
+def fork_positions(table):
+    for i in range(len(table.blocks)):  # the positions 0, 1, ..., not the block ids
+        table.allocator.incref(i)
+    return fork_no_incref(table)
+
+
+@pytest.mark.parametrize("check, answer, state, hint", [
+    (ch03.check_append_token, append_reads_last_first, "BlockTable(blocks=[], num_tokens=0",
+     "the table holds no block yet"),
+    (ch03.check_append_token, append_by_position, "IndexError",
+     "last block is full (num_tokens % block_size == 0)"),
+    (ch03.check_append_token, append_pops_the_free_list, "pop from an empty deque",
+     "take a block only with allocator.allocate()"),
+    (ch03.check_append_token, append_sets_num_tokens, "no setter", "read-only (change _blocks, "
+     "_num_tokens)"),
+    (ch03.check_append_token, append_decref, "decref", "free(block) (drops one reference)"),
+    (ch03.check_append_token, append_copy_as_two_fields, "TypeError",
+     "Slot(block, offset, copy=(src, dst))"),
+    (ch03.check_fork, fork_per_token, "IndexError", "one entry per block, not one per token"),
+    # Contrasts no longer override it (it passed once the free list came sorted)
+    (ch03.check_fork, fork_positions, "cannot incref block", "not their positions 0, 1"),
+    (ch03.check_fork, lambda t: fork_ok(t).__class__(t.allocator, t.block_size, t.blocks),
+     "tokens at block size", "type(table)(allocator, block_size, blocks, num_tokens)"),
+])
+def test_03_1_03_2_crashes_name_the_state_and_the_mistake(capsys, check, answer, state, hint):
+    out = verdict(capsys, check, answer)
+    assert out.startswith("❌ [03.") and "your code raised" in out and " on BlockTable(" in out
+    assert state in out and hint in out, out
 
 
 # ---------------------------------------------------------------- 03.3 free_block

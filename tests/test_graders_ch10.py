@@ -476,12 +476,13 @@ def alloc(pool, token_ids, hashes, block_size, max_new_tokens, *, cap=True, touc
           head=True, evict=True, register="full", by_value=False, budget=True,
           incref=True, dedupe_list=False, unqueue=True, past_miss=False, drop_empty=True,
           evict_oldest=False, cap_minus_one=False, budget_counts_hit=False,
-          uncached_first=False, evict_value=False, no_duplicates=False):
+          uncached_first=False, evict_value=False, no_duplicates=False, index_miss=False,
+          unqueue_held=False, pop_strict=False, misalign=False, only_fresh=False):
     """A new request's table, with one rule swappable, to build the wrong answers."""
     queue, refs = pool.free_block_queue, pool.ref_counts
 
     def lookup(h):
-        for b in pool.cached_blocks.get(h.value, []):
+        for b in pool.cached_blocks[h.value] if index_miss else pool.cached_blocks.get(h.value, []):
             if by_value or pool.block_hash[b] == h:
                 return b
         return None
@@ -505,7 +506,7 @@ def alloc(pool, token_ids, hashes, block_size, max_new_tokens, *, cap=True, touc
 
     def take_hits():
         for b in blocks[:computed // block_size]:
-            if refs[b] == 0 and unqueue:
+            if (refs[b] == 0 or unqueue_held) and unqueue:
                 queue.remove(b)
             refs[b] = refs[b] + 1 if incref else 1
 
@@ -521,7 +522,8 @@ def alloc(pool, token_ids, hashes, block_size, max_new_tokens, *, cap=True, touc
         b = queue.popleft() if head else list(queue)[-1]
         if not head:
             queue.remove(b)
-        old = pool.block_hash.pop(b, None) if evict else None
+        old = (pool.block_hash.pop(b) if pop_strict else pool.block_hash.pop(b, None)) \
+            if evict else None
         if old is not None:
             same = pool.cached_blocks[old.value]
             if evict_value:  # the whole value dropped, the other copies with it
@@ -537,7 +539,7 @@ def alloc(pool, token_ids, hashes, block_size, max_new_tokens, *, cap=True, touc
     if not touch_first:
         take_hits()
     n = {"full": end // block_size, "partial": -(-end // block_size), "none": 0}[register]
-    for b, h in zip(blocks[:n], hashes, strict=False):
+    for b, h in zip(blocks[computed // block_size * misalign:n], hashes, strict=False):
         if pool.block_hash.get(b) != h:
             if no_duplicates and pool.lookup(h) is not None:
                 continue  # "the hash is cached already"
@@ -546,7 +548,7 @@ def alloc(pool, token_ids, hashes, block_size, max_new_tokens, *, cap=True, touc
                 pool.cached_blocks[h.value] = [b]
             else:
                 pool.cached_blocks.setdefault(h.value, []).append(b)
-    return blocks, computed
+    return blocks[computed // block_size * only_fresh:], computed
 
 
 def alloc_by_shifts(pool, token_ids, hashes, block_size, max_new_tokens):
@@ -610,6 +612,15 @@ def alloc_with_pool_methods(pool, token_ids, hashes, block_size, max_new_tokens)
     (alloc_by_shifts, "block size 3 (not a power of two)', call 2"),
     (lambda *a: alloc(*a, no_duplicates=True),
      "even though it holds the same K/V as block 23, cached before"),
+    # the fresh blocks cached under the text's first hashes, the hit's not counted
+    (lambda *a: alloc(*a, misalign=True), "hashes[i] names block i of the table"),
+    (lambda *a: alloc(*a, only_fresh=True), "the hit's blocks first, then the fresh ones"),
+    # crashes, told with the pool and the call: cached_blocks[value] on a miss, a hit held
+    # by another table taken out of the free queue, block_hash.pop(block) of an uncached block
+    (lambda *a: alloc(*a, index_miss=True), "yours KeyError("),
+    (lambda *a: alloc(*a, index_miss=True), "pool.lookup(h) is None then"),
+    (lambda *a: alloc(*a, unqueue_held=True), "only when its count is 0"),
+    (lambda *a: alloc(*a, pop_strict=True), "pool.block_hash.pop(block, None)"),
 ])
 def test_allocate_slots_wrong_answers(capsys, answer, hint):
     out = verdict(capsys, ch10.check_allocate_slots, answer)

@@ -108,6 +108,36 @@ def test_12_1_rules_read_from_the_behaviour_get_a_named_hint(capsys, answer, hin
     assert out.startswith("❌ [12.1]") and hint in out and state in out, out
 
 
+def no_replication(spec, tp, n):  # refuses more ranks than KV heads, which vLLM replicates
+    if tp > spec.num_kv_heads:
+        raise ValueError("fewer KV heads than ranks")
+    return bytes_ok(spec, tp, n)
+
+
+@pytest.mark.parametrize("answer,hint,state", [
+    (no_replication, "only a tp_size below 1", "raised ValueError (fewer KV heads than ranks) "
+     "on a tp_size vLLM accepts"),
+    (lambda s, t, n: bytes_ok(s, t, n) // max(n, 1), "one token's bytes", "7 tokens"),
+    # tp_size / KV heads is how many ranks share a head, not how many heads a rank keeps
+    (bytes_with(lambda s, t: s.num_kv_heads // t if t <= s.num_kv_heads else t // s.num_kv_heads),
+     "a rank keeps one KV head, not tp_size // num_kv_heads", "tp_size 16"),
+])
+def test_12_1_more_wrong_answers_get_a_named_hint(capsys, answer, hint, state):
+    out = verdict(capsys, ch12.check_kv_bytes_per_rank, answer)
+    assert out.startswith("❌ [12.1]") and hint in out and state in out, out
+
+
+def test_12_2_an_accepted_tp_size_refused_is_named(capsys):
+    def no_replication(h, kv, tp, r):
+        if tp > kv:
+            raise ValueError("fewer KV heads than ranks")
+        return heads_with()(h, kv, tp, r)
+
+    out = verdict(capsys, ch12.check_rank_heads, no_replication)
+    assert out.startswith("❌ [12.2]") and "on a tp_size or rank vLLM accepts" in out, out
+    assert "replicate each KV head" in out, out
+
+
 def test_12_1_the_specs_example_is_the_librarys():
     from paged_lib.accounting import SPECS, kv_bytes_per_token
     from paged_lib.parallel import kv_bytes_per_rank
@@ -187,7 +217,7 @@ def _query_heads_only_checked(h, kv, tp, r):
     (heads_with(kv_of=lambda h, kv, tp, r, q: list(range(q[0] // (h // kv),
                                                          q[-1] // (h // kv)))),
      "of the rank's last query head is kept too", "rank_heads(1, 1, tp_size=1, rank=0)"),
-    (_query_heads_only_checked, "divide the KV heads or be a multiple",
+    (_query_heads_only_checked, "neither divides the KV heads nor is a multiple",
      "rank_heads(6, 3, tp_size=2, rank=0)"),
 ])
 def test_12_2_rules_read_from_the_behaviour_get_a_named_hint(capsys, answer, hint, state):

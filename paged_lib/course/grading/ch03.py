@@ -17,13 +17,15 @@ from paged_lib.course.grading.toy_pool import busy_pool, pool_state, with_free
 def check_append_token(append_token: Callable[[BlockTable], Any]) -> None:
     """03.1: ``append_token(table) -> Slot`` with on-demand allocation and copy-on-write."""
     with grading.exercise("03.1"):
-        small_blocks.block_stage("03.1", append_token, BlockTable.fork)
+        numeric.check("03.1", small_blocks.block_scenarios(), lambda s: small_blocks.replay(
+            s, append_token), small_blocks.CONTRASTS)
 
 
 def check_fork(fork: Callable[[BlockTable], Any]) -> None:
     """03.2: ``fork(table) -> BlockTable`` sharing every block and allocating nothing."""
     with grading.exercise("03.2"):
-        small_blocks.block_stage("03.2", BlockTable.append_token, fork)
+        numeric.check("03.2", small_blocks.block_scenarios(), lambda s: small_blocks.replay(
+            s, fork=fork), small_blocks.CONTRASTS)
 
 
 def check_free_block(free_block: Callable[..., Any]) -> None:
@@ -42,7 +44,7 @@ def check_free_block(free_block: Callable[..., Any]) -> None:
             grading.expect_equal(pool_state(alloc), before, f"state after the refused "
                                  f"free({bad})", "raise before changing anything")
         numeric.check("03.3", small_blocks.block_scenarios(),
-                      lambda s: small_blocks.replay_free(s, free_block))
+                      lambda s: small_blocks.replay(s, free_block=free_block))
 
 
 #: 03.4's keys, each with the hint for a wrong answer

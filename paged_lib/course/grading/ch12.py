@@ -54,6 +54,10 @@ def _wrong_bytes(spec: ModelSpec, tp: int, n: int) -> dict[str, Any]:
         "not split at all: a rank caches only its own KV heads' share of every token":
             kv_bytes(spec, n),
         "the sum over all ranks: the question is one rank's bytes": 2 * per_head * mine * tp,
+        "one token's bytes: a rank caches K and V for each of the num_tokens tokens":
+            2 * per_head * mine // max(n, 1),
+        "with more ranks than KV heads a rank keeps one KV head, not tp_size // num_kv_heads":
+            2 * per_head * (tp // spec.num_kv_heads if tp > spec.num_kv_heads else mine),
         "one layer only: every layer caches its own K and V":
             2 * spec.head_dim * spec.dtype_bytes * n * mine,
         "every number counted as 2 bytes (fp16): use the spec's dtype_bytes (4 in fp32, 1 "
@@ -67,8 +71,27 @@ def _wrong_bytes(spec: ModelSpec, tp: int, n: int) -> dict[str, Any]:
     }
 
 
-_REFUSED_TP = ("a tp_size below 1, one that does not divide the query heads, or one that "
-               "neither divides the KV heads nor is a multiple of them raises ValueError")
+_REFUSED = ("a tp_size below 1, one that does not divide the query heads, or one that neither "
+            "divides the KV heads nor is a multiple of them raises ValueError (so does a rank "
+            "outside 0..tp_size-1)")
+
+
+def _run(fn: Callable, library: Callable, args: tuple, what: str, ok: list, form: Callable,
+         wrong: Callable, label: str, rule: str) -> None:
+    """One case of 12.1 or 12.2: refused as vLLM refuses, or answered in ``form`` (it returns
+    the answer normalised) as the library answers, else named by the mistake giving it."""
+    try:
+        want = library(*args)
+    except ValueError:
+        return grading.expect_value_error(fn, args, f"vLLM refuses this {what}", _REFUSED)
+    try:
+        got = form(fn(*args))
+    except ValueError as err:
+        grading.fail(f"your function raised ValueError ({err}) on a {what} vLLM accepts",
+                     numeric.Named("only " + _REFUSED + ": more ranks than KV heads, a "
+                                   "multiple of them, replicate each KV head"))
+    grading.expect_equal(got, want, label, name_mistake(args, got, want, ok, lambda c: wrong(
+        *c), lambda c: form(fn(*c)), rule))
 
 
 def check_kv_bytes_per_rank(fn: Callable[[ModelSpec, int, int], int]) -> None:
@@ -77,26 +100,18 @@ def check_kv_bytes_per_rank(fn: Callable[[ModelSpec, int, int], int]) -> None:
     ok = [(p.spec(), p.tp, p.tokens) for p in cases
           if not tp_size_problem(p.spec().num_heads, p.spec().num_kv_heads, p.tp)]
 
-    def run(p: small_counts.PerRank) -> None:
-        case = (p.spec(), p.tp, p.tokens)
-        try:
-            want = kv_bytes_per_rank(*case)
-        except ValueError:
-            return grading.expect_value_error(fn, case, "vLLM refuses this tp_size", _REFUSED_TP)
-        got = fn(*case)
-        grading.expect_int(got, "bytes per rank", "bytes are a whole number: divide heads with "
-                           "//, never with /")
-        grading.expect_equal(int(got), want, "bytes per rank", name_mistake(
-            case, int(got), want, ok, lambda c: _wrong_bytes(*c), lambda c: fn(*c), "2 (K "
-            "and V) x layers x the KV heads this rank keeps x head_dim x dtype bytes x tokens"))
-
+    whole = lambda got: grading.expect_int(got, "bytes per rank", "bytes are a whole number: "
+                                           "divide heads with //, never with /") or int(got)
     with grading.exercise("12.1"):
-        numeric.check("12.1", cases, run, (small_counts._HEAD_DIM,))
+        numeric.check("12.1", cases, lambda p: _run(
+            fn, kv_bytes_per_rank, (p.spec(), p.tp, p.tokens), "tp_size", ok, whole, _wrong_bytes,
+            "bytes per rank", "2 (K and V) x layers x the KV heads this rank keeps x head_dim x "
+            "dtype bytes x tokens"), (small_counts._HEAD_DIM,))
         for h, kv, tp, _ in _REFUSED_CASES[:6]:  # tp_sizes vLLM refuses, on made-up models
             spec = ModelSpec(f"a model with {h} query heads and {kv} KV heads", 4, 64 * h, h,
                              kv, 64, dtype_bytes=2)
             grading.expect_value_error(fn, (spec, tp, 10), f"kv_bytes_per_rank({spec.name}, "
-                                       f"tp_size={tp}, num_tokens=10)", _REFUSED_TP)
+                                       f"tp_size={tp}, num_tokens=10)", _REFUSED)
 
 
 # ------------------------------------------------------------------ 12.2 rank_heads
@@ -133,8 +148,6 @@ def _wrong_heads(h: int, kv: int, tp: int, r: int) -> dict[str, Any]:
 
 _OWNS = ("rank r owns query heads r*H/T up to (r+1)*H/T and the KV heads those query heads "
          "read")
-_REFUSED = ("tp_size must divide the query heads and divide the KV heads or be a multiple of "
-            "them; rank is in 0..tp_size-1; anything else raises ValueError")
 
 
 #: (query heads, KV heads) of published configurations: Llama 3 8B and 70B, Qwen2 0.5B,
@@ -221,25 +234,14 @@ def check_rank_heads(fn: Callable[[int, int, int, int], tuple[list[int], list[in
     ok = [(p.heads, p.kv_heads, p.tp, p.rank) for p in cases
           if not tp_size_problem(p.heads, p.kv_heads, p.tp) and 0 <= p.rank < p.tp]
 
-    def run(p: Heads) -> None:
-        args = (p.heads, p.kv_heads, p.tp, p.rank)
-        try:
-            want = rank_heads(*args)
-        except ValueError:
-            return grading.expect_value_error(fn, args, "vLLM refuses this tp_size or rank",
-                                              _REFUSED)
-        got = fn(*args)
-        grading.expect_true(isinstance(got, tuple | list) and len(got) == 2 and all(
-            isinstance(x, list) for x in got), f"expected a pair of lists (query heads, KV "
-            f"heads), got {got!r}", "return (list_of_query_heads, list_of_kv_heads): lists, "
-            "e.g. list(range(...))")
-        got = (list(got[0]), list(got[1]))
-        grading.expect_equal(got, want, "(query heads, KV heads)", name_mistake(
-            args, got, want, ok, lambda c: _wrong_heads(*c), lambda c: tuple(map(list, fn(*c))),
-            _OWNS))
-
+    pair = lambda got: grading.expect_true(isinstance(got, tuple | list) and len(got) == 2 and all(
+        isinstance(x, list) for x in got), f"expected a pair of lists (query heads, KV heads), "
+        f"got {got!r}", "return (list_of_query_heads, list_of_kv_heads): lists, e.g. "
+        "list(range(...))") or (list(got[0]), list(got[1]))
     with grading.exercise("12.2"):
-        numeric.check("12.2", cases, run, HEAD_CONTRASTS)
+        numeric.check("12.2", cases, lambda p: _run(
+            fn, rank_heads, (p.heads, p.kv_heads, p.tp, p.rank), "tp_size or rank", ok, pair,
+            _wrong_heads, "(query heads, KV heads)", _OWNS), HEAD_CONTRASTS)
 
 
 # ------------------------------------------------------------------ 12.3 rank_attention
