@@ -121,9 +121,8 @@ _LARGEST = ("you preempted the largest group (the most generated tokens, tokens 
             "it frees the most, but it has done the most work (all of it recomputed or "
             "moved), and it loses its place to groups admitted after it")
 _SMALLEST = ("you preempted the smallest group (the fewest blocks, or tokens: prompt and "
-             "output, all its sequences): the least work lost, but a group admitted after "
-             "it keeps running and takes its place (first come, first served is never "
-             "broken: the least work lost only explains why that is cheap)")
+             "output, all its sequences): the least work lost, but a group admitted after it "
+             "keeps running and takes its place (first come, first served is never broken)")
 
 #: The typical wrong rules: (rule, hint). The one that picks what the learner picked on
 #: the most lists (the first of those tied) names the mistake.
@@ -345,22 +344,18 @@ def oldest_first(running: list) -> Any:
 
 #: scenarios served by the scheduler alone: requests (prompt, max_tokens, arrival, n)
 SCENARIOS: list[Scenario] = [
-    Scenario("samples recomputed by chunks of 6, admitted before a decoding group that "
-             "needs a block; the engine's choose_victim the oldest first",
-             dict(num_blocks=6, block_size=2, preemption="swap", num_cpu_blocks=4,
-                  enable_chunked_prefill=True, max_num_batched_tokens=6, max_num_seqs=4),
-             ((2, 6, 3, 1), (8, 10, 1, 2), (9, 10, 4, 1)),
-             hooks=(("choose_victim", oldest_first),)),
+    Scenario("by swap, 2 samples recomputed, prefilled again by chunks of 8, admitted before "
+             "a decoding group that needs a block; the engine's choose_victim the oldest first",
+             dict(num_blocks=11, block_size=2, preemption="swap", num_cpu_blocks=5,
+                  enable_chunked_prefill=True, max_num_batched_tokens=8, max_num_seqs=4),
+             ((5, 8, 0, 1), (8, 6, 0, 2), (2, 8, 4, 1)), hooks=(("choose_victim", oldest_first),)),
     Scenario("by swap, a CPU pool of 4 blocks: the latest admitted holds 5, the one before "
              "it 2", dict(num_blocks=12, block_size=4, preemption="swap", num_cpu_blocks=4),
              ((18, 10, 3, 1), (17, 8, 4, 1), (18, 5, 2, 1), (5, 12, 2, 1))),
-    Scenario("2 samples recomputed by chunks of 6, admitted before a decoding group that "
-             "needs a block", dict(num_blocks=5, block_size=2, enable_chunked_prefill=True,
-                                   max_num_batched_tokens=6, max_num_seqs=4),
-             ((2, 6, 3, 1), (8, 10, 1, 2))),
-    Scenario("by swap, chunks of 8, a CPU pool of 2: a group recomputed, prefilled again", dict(
-        num_blocks=5, block_size=4, preemption="swap", num_cpu_blocks=2, max_num_seqs=4,
-        enable_chunked_prefill=True, max_num_batched_tokens=8), ((12, 6, 3, 1), (4, 8, 1, 1))),
+    Scenario("2 samples recomputed, prefilled again by chunks of 8, admitted before a "
+             "decoding group that needs a block", dict(num_blocks=11, block_size=2,
+             enable_chunked_prefill=True, max_num_batched_tokens=8, max_num_seqs=4),
+             ((3, 8, 0, 1), (9, 5, 1, 2), (1, 5, 3, 1))),
 ]
 
 
