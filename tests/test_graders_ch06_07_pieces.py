@@ -7,7 +7,9 @@ from __future__ import annotations
 import pytest
 
 from paged_lib.course.grading import ch06, ch07
+from paged_lib.course.grading.scheduler_loops import serve_scenario
 from paged_lib.engine.block_manager import shared_prompt_blocks
+from paged_lib.engine.hooks import EngineHooks
 from paged_lib.engine.policy import (
     choose_victim,
     preempt,
@@ -15,6 +17,7 @@ from paged_lib.engine.policy import (
     schedule_waiting,
     seqs_to_come,
 )
+from paged_lib.engine.requests import worst_case_blocks
 
 
 def verdict(capsys, check, answer) -> str:
@@ -216,6 +219,18 @@ def preempt_with(pick="hook", skip_ran=True, cpu_fallback=True, prefill_fallback
                 return True
         return True
     return preempt_fn
+
+
+@pytest.mark.parametrize("sc", ch06.SCENARIOS + ch07.SCENARIOS, ids=lambda sc: sc.name[:40])
+def test_06_4_and_07_3_scenarios_fit_and_end(sc):
+    """Each scenario's requests fit the pool alone (the engine refuses one that never fits:
+    it would be preempted forever) and every one finishes before the step limit."""
+    bs, pool = sc.options["block_size"], sc.options["num_blocks"]
+    for prompt, max_tokens, _, n, *_ in sc.requests:
+        length = prompt if isinstance(prompt, int) else len(prompt)
+        assert worst_case_blocks(length, max_tokens, abs(n), bs) <= pool, sc.name
+    finished = serve_scenario(sc, EngineHooks(**dict(sc.hooks)), [None])[3][0]
+    assert None not in finished.values(), sc.name
 
 
 def test_07_3_a_correct_answer_passes(capsys):
