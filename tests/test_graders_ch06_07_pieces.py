@@ -7,7 +7,9 @@ from __future__ import annotations
 import pytest
 
 from paged_lib.course.grading import ch06, ch07
+from paged_lib.course.grading.scheduler_loops import serve_scenario
 from paged_lib.engine.block_manager import shared_prompt_blocks
+from paged_lib.engine.hooks import EngineHooks
 from paged_lib.engine.policy import (
     choose_victim,
     preempt,
@@ -15,6 +17,7 @@ from paged_lib.engine.policy import (
     schedule_waiting,
     seqs_to_come,
 )
+from paged_lib.engine.requests import worst_case_blocks
 
 
 def verdict(capsys, check, answer) -> str:
@@ -218,6 +221,18 @@ def preempt_with(pick="hook", skip_ran=True, cpu_fallback=True, prefill_fallback
     return preempt_fn
 
 
+@pytest.mark.parametrize("sc", ch06.SCENARIOS + ch07.SCENARIOS, ids=lambda sc: sc.name[:40])
+def test_06_4_and_07_3_scenarios_fit_and_end(sc):
+    """Each scenario's requests fit the pool alone (the engine refuses one that never fits:
+    it would be preempted forever) and every one finishes before the step limit."""
+    bs, pool = sc.options["block_size"], sc.options["num_blocks"]
+    for prompt, max_tokens, _, n, *_ in sc.requests:
+        length = prompt if isinstance(prompt, int) else len(prompt)
+        assert worst_case_blocks(length, max_tokens, abs(n), bs) <= pool, sc.name
+    finished = serve_scenario(sc, EngineHooks(**dict(sc.hooks)), [None])[3][0]
+    assert None not in finished.values(), sc.name
+
+
 def test_07_3_a_correct_answer_passes(capsys):
     assert verdict(capsys, ch07.check_preempt_until_fits,
                    preempt_with()).startswith("✅ [07.3]")
@@ -226,22 +241,24 @@ def test_07_3_a_correct_answer_passes(capsys):
 @pytest.mark.parametrize("wrong, state, hint", [
     (preempt_with(pick="asker"), "request 2 needs 1 free blocks and 0 are free",
      "the latest admitted goes first"),
-    (preempt_with(pick="anyone"), "request 1 (admitted at step 4, 2 sequence(s), part way "
-     "through a prefill, 4 blocks), request 0 (admitted at step 5",
+    (preempt_with(pick="anyone"), "request 1 (admitted at step 5, 2 sequence(s), part way "
+     "through a prefill, 5 blocks), request 2 (admitted at step 6",
      "never preempt a group admitted before the one asking"),
     (preempt_with(skip_ran=False), "ran this step",
      "a group that already ran this step cannot be preempted"),
-    (preempt_with(cpu_fallback=False), "the CPU pool has 4 free blocks",
+    (preempt_with(cpu_fallback=False), "the CPU pool has 5 free blocks; the engine's "
+     "choose_victim takes the oldest admitted first (the group asking): your "
+     "preempt_until_fits raised OutOfBlocks",
      "swap falls back to recompute"),
     (preempt_with(prefill_fallback=False), "part way through a prefill",
      "a group part way through a prefill cannot be swapped"),
     (preempt_with(front=False), "to position 0 of waiting", "FRONT of its queue"),
-    (preempt_with(loop=False), "the library preempts request 3 (freed, to position 1 of "
-     "waiting), request 2", "keep preempting"),
+    (preempt_with(loop=False), "the library preempts request 2 (freed, to position 1 of "
+     "waiting), request 1", "keep preempting"),
     (preempt_with(swap=False), "preemption 'swap'", "copies a decoding victim"),
     (preempt_with(false_when_self=False), "the library preempts request 1",
      "False when it was preempted itself"),
-    (preempt_with(eager=True), "needs 1 free blocks and 1 are free",
+    (preempt_with(eager=True), "needs 0 free blocks and 6 are free",
      "nobody at all when they already fit"),
     (preempt_with(swapped_front=False), "to position 0 of swapped",
      "a victim swapped out goes to the FRONT of step.swapped"),
@@ -250,16 +267,17 @@ def test_07_3_a_correct_answer_passes(capsys):
     (preempt_with(pick="library"), "the engine's choose_victim takes the oldest admitted first",
      "ask step.hooks.choose_victim for the victim: the engine's rule may be another one"),
     # wrong rules a learner deriving the loop from its goal may write
-    (preempt_with(offer_all_not_ran=True), "request 1 (admitted at step 6, 2 sequence(s), "
-     "part way through a prefill, 4 blocks), request 0", "even one that has not run yet"),
+    (preempt_with(offer_all_not_ran=True), "request 1 (admitted at step 5, 2 sequence(s), "
+     "part way through a prefill, 4 blocks), request 2", "even one that has not run yet"),
     (preempt_with(swappable_only=True), "the CPU pool has 4 free blocks: the library preempts "
      "request 0 (freed, to position 0 of waiting)", "it is still the victim, recomputed"),
     (preempt_with(queue_by_mode=True), "yours preempts request 1 (freed, to position 0 of "
      "swapped)", "it is prefilled again from its text, from step.waiting"),
     (preempt_with(count_tables=True), "random workload 14 for your preempt_until_fits",
      "one victim may free too few (a group shares blocks"),
-    (preempt_with(swap_by_outputs=True), "request 0 (admitted at step 6, 1 sequence(s), part "
-     "way through a prefill, 2 blocks)", "outputs or not: a recomputed group prefills them again"),
+    (preempt_with(swap_by_outputs=True), "request 1 (admitted at step 5, 2 sequence(s), part "
+     "way through a prefill, 4 blocks)] (admission order); preemption 'swap'",
+     "outputs or not: a recomputed group prefills them again"),
     (preempt_with(offered_once=True), "raised ValueError: list.remove(x): x not in list",
      "a victim is offered once: build the list again"),
 ])

@@ -111,6 +111,19 @@ _tokens = lambda g: sum(s.num_tokens for s in g.live_seqs())
 _admitted = lambda g: g.timeline.admitted_steps[-1] if g.timeline.admitted_steps else -1
 
 
+_ORDER = ("the list is in admission order: the last is the latest admitted, not the latest "
+          "arrival, request id or first admission (a group preempted by recompute and "
+          "admitted again arrived early but was admitted last); among groups admitted in "
+          "the same step, the later in the list came later, whatever max() returns for a "
+          "tie (the first), or their ids, arrivals or sizes")
+
+_LARGEST = ("you preempted the largest group (the most generated tokens, tokens or blocks): "
+            "it frees the most, but it has done the most work (all of it recomputed or "
+            "moved), and it loses its place to groups admitted after it")
+_SMALLEST = ("you preempted the smallest group (the fewest blocks, or tokens: prompt and "
+             "output, all its sequences): the least work lost, but a group admitted after it "
+             "keeps running and takes its place (first come, first served is never broken)")
+
 #: The typical wrong rules: (rule, hint). The one that picks what the learner picked on
 #: the most lists (the first of those tied) names the mistake.
 WRONG_RULES: list[tuple[Callable[[list[SequenceGroup]], SequenceGroup], str]] = [
@@ -118,30 +131,19 @@ WRONG_RULES: list[tuple[Callable[[list[SequenceGroup]], SequenceGroup], str]] = 
      "you preempted the oldest group (the one asking for the block): it has done the "
      "most work (all of it recomputed or moved), and requests admitted after it finish "
      "first"),
-    (lambda r: max(r, key=_generated),
-     "you preempted the group with the most generated tokens: all of them are lost "
-     "(recomputed) or moved, the most work there is to lose"),
-    (lambda r: max(r, key=_blocks),
-     "you preempted the group holding the most blocks: it frees the most, but it is the one "
-     "that has done the most work, and it loses its place to groups admitted after it"),
+    (lambda r: max(r, key=_generated), _LARGEST),
+    (lambda r: max(r, key=_blocks), _LARGEST),
     (lambda r: min(r, key=_generated),
      "you chose by generated tokens (fewest): a group admitted again after a recompute "
      "may have many, yet it is the last admitted; a group admitted earlier must not lose "
      "its place to it"),
-    (lambda r: max(r, key=lambda g: g.timeline.arrival_step),
-     "you chose by arrival: a group preempted by recompute and admitted again arrived "
-     "early but was admitted last; the list is in admission order"),
-    (lambda r: max(r, key=_admitted),
-     "groups admitted in the same step: max() of the admission step returns the first of "
-     "them, but the list's order is their admission order (the later one came later)"),
-    (lambda r: min(r, key=_blocks),
-     "you preempted the group holding the fewest blocks: the least memory to recompute or "
-     "move, but a group admitted after it keeps running and takes its place (first come, "
-     "first served is never broken: the least work lost only explains why that is cheap)"),
-    (lambda r: min(r, key=_tokens),
-     "you preempted the group with the fewest tokens (prompt and output, all its "
-     "sequences): the least work, but a group admitted after it keeps running and takes "
-     "its place (first come, first served is never broken)"),
+    (lambda r: max(r, key=_admitted), _ORDER),
+    (lambda r: max(r, key=lambda g: g.timeline.arrival_step), _ORDER),
+    (lambda r: min(r, key=_blocks), _SMALLEST),
+    (lambda r: min(r, key=_tokens), _SMALLEST),
+    (lambda r: r[min(1, len(r) - 1)],
+     "you preempted the group right after the one asking (running[1]): the groups after "
+     "it are in admission order too, and the last of them is the latest admitted"),
 ]
 
 
@@ -179,7 +181,9 @@ _LISTS: list[tuple[str, list[tuple]]] = [
     ("the spec's second example: D, then E of four samples",
      [(0, 12, 3, 0, [1]), (1, 20, 2, 1, [5], 4)]),
     ("a request of 3 samples and a short one admitted in the same step, after a long one",
-     [(0, 30, 5, 0, [0]), (1, 12, 5, 1, [2], 3), (2, 4, 1, 2, [2])]),
+     [(0, 30, 5, 0, [0]), (1, 12, 6, 1, [2], 3), (2, 4, 1, 2, [2])]),
+    ("request 5, then request 3, admitted in the same step: 5 arrived with 3, is smaller",
+     [(0, 16, 8, 0, [0]), (5, 4, 2, 2, [4]), (3, 14, 6, 2, [4])]),
     ("a long single request, then 4 samples of a short prompt",
      [(0, 30, 5, 0, [0]), (1, 8, 2, 1, [3], 4)]),
 ]
@@ -340,22 +344,18 @@ def oldest_first(running: list) -> Any:
 
 #: scenarios served by the scheduler alone: requests (prompt, max_tokens, arrival, n)
 SCENARIOS: list[Scenario] = [
-    Scenario("samples recomputed by chunks of 6, admitted before a decoding group that "
-             "needs a block; the engine's choose_victim the oldest first",
-             dict(num_blocks=6, block_size=2, preemption="swap", num_cpu_blocks=4,
-                  enable_chunked_prefill=True, max_num_batched_tokens=6, max_num_seqs=4),
-             ((2, 6, 3, 1), (8, 10, 1, 2), (9, 10, 4, 1)),
-             hooks=(("choose_victim", oldest_first),)),
+    Scenario("by swap, 2 samples recomputed, prefilled again by chunks of 8, admitted before "
+             "a decoding group that needs a block; the engine's choose_victim the oldest first",
+             dict(num_blocks=11, block_size=2, preemption="swap", num_cpu_blocks=5,
+                  enable_chunked_prefill=True, max_num_batched_tokens=8, max_num_seqs=4),
+             ((5, 8, 0, 1), (8, 6, 0, 2), (2, 8, 4, 1)), hooks=(("choose_victim", oldest_first),)),
     Scenario("by swap, a CPU pool of 4 blocks: the latest admitted holds 5, the one before "
              "it 2", dict(num_blocks=12, block_size=4, preemption="swap", num_cpu_blocks=4),
              ((18, 10, 3, 1), (17, 8, 4, 1), (18, 5, 2, 1), (5, 12, 2, 1))),
-    Scenario("2 samples recomputed by chunks of 6, admitted before a decoding group that "
-             "needs a block", dict(num_blocks=5, block_size=2, enable_chunked_prefill=True,
-                                   max_num_batched_tokens=6, max_num_seqs=4),
-             ((2, 6, 3, 1), (8, 10, 1, 2))),
-    Scenario("by swap, chunks of 8, a CPU pool of 2: a group recomputed, prefilled again", dict(
-        num_blocks=5, block_size=4, preemption="swap", num_cpu_blocks=2, max_num_seqs=4,
-        enable_chunked_prefill=True, max_num_batched_tokens=8), ((12, 6, 3, 1), (4, 8, 1, 1))),
+    Scenario("2 samples recomputed, prefilled again by chunks of 8, admitted before a "
+             "decoding group that needs a block", dict(num_blocks=11, block_size=2,
+             enable_chunked_prefill=True, max_num_batched_tokens=8, max_num_seqs=4),
+             ((3, 8, 0, 1), (9, 5, 1, 2), (1, 5, 3, 1))),
 ]
 
 
