@@ -136,12 +136,22 @@ def victim_by_position(running):
     return max(running, key=lambda g: next(i for i, x in enumerate(running) if x is g))
 
 
-def test_07_2_a_wrong_piece_only_random_workloads_catch(monkeypatch):
-    story = story_of_a_random_only_catch(ch07.check_choose_victim,
-                                         victim_latest_step_then_latest_id, "07.2", monkeypatch)
+def test_07_2_ties_broken_by_id_are_caught_by_a_fixed_list_and_by_random_workloads(
+        monkeypatch):
+    """Once only random workloads caught this rule; a fixed list (two groups admitted in
+    the same step, the later one with the lower id) now does too, and the random stage
+    still tells it on its own, shrunk, with requests arriving out of id order."""
+    mark, _, told = verdict(ch07.check_choose_victim, victim_latest_step_then_latest_id,
+                            monkeypatch)
+    assert mark == "❌" and "admitted in the same step" in told, told
+    hooks = EngineHooks(choose_victim=victim_latest_step_then_latest_id)
+    w = next(w for w in generated.workloads("choose_victim")
+             if generated.difference(w, hooks) is not None)
+    small, story = generated.shrink(w, hooks, generated.difference(w, hooks))
+    print(story)
     assert "preempted: the library's" in story
-    arrivals = [int(n) for n in re.findall(r"arriving at step (\d+)", story)]
-    assert arrivals != sorted(arrivals), "the story shows requests arriving out of order"
+    arrivals = [r.arrival for r in small.requests]
+    assert arrivals != sorted(arrivals), "the shrunk workload has requests arriving out of order"
 
 
 def test_07_2_a_correct_piece_of_another_shape_passes():
