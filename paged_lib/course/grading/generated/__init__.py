@@ -136,9 +136,14 @@ def _sampling(r: Request):
     return SamplingParams(**p)
 
 
-@functools.cache
+_LIBRARY: dict[tuple[Workload, int | None], tuple[list[tuple], Any]] = {}
+
+
 def _library(w: Workload, limit: int | None = None) -> tuple[list[tuple], Any]:
-    return serve(w, limit=limit)
+    """The library's run of ``w``, served once per process (every check compares with it)."""
+    if (w, limit) not in _LIBRARY:
+        _LIBRARY[w, limit] = serve(w, limit=limit)
+    return _LIBRARY[w, limit]
 
 
 def valid(w: Workload) -> bool:
@@ -226,8 +231,10 @@ def find(hook: str, hooks: Any,
         for w in workloads(hook, count):
             found = difference(w, hooks)
             if found is not None:
+                drawn = set(_LIBRARY)
                 small, story = shrink(w, hooks, found)
-                _library.cache_clear()  # the shrink's runs are not asked again
+                for key in set(_LIBRARY) - drawn:  # the shrink's runs are not asked again;
+                    del _LIBRARY[key]  # the drawn ones are, by the next check
                 return w, small, story
     return None
 
