@@ -213,7 +213,7 @@ def _call(fn: Callable, table: BlockTable, where: str) -> object:
                  "per token"),
                 ("IndexError" in text, "the table holds no block yet, or its last block is "
                  "full (num_tokens % block_size == 0): allocate this token's new block before "
-                 "you read table._blocks[-1]"),
+                 "you read its last block"),
                 ("Error: " in text and fork, "incref the block ids in table.blocks (not their "
                  "positions 0, 1, ...), then type(table)(allocator, block_size, blocks, "
                  "num_tokens)"),
