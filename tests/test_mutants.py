@@ -1,12 +1,15 @@
 """Graders catch small bugs: mutants of every solution must get ❌ (tools/mutants.py).
 
-The slow part (every solution notebook, about a minute on 2 cores) runs once per module.
+The slow part (every solution notebook, about two and a half minutes on 2 cores) runs once
+per module; the same run records what tests the notebooks for answers given away.
 The small tests first check the mutation machinery itself on a made-up notebook, so a
 kill rate of 100% cannot come from a tool that never plants a bug.
 """
 
 from __future__ import annotations
 
+import numbers
+import re
 import sys
 from pathlib import Path
 
@@ -122,7 +125,8 @@ def test_a_mutant_that_kills_the_process_is_isolated_and_not_counted(tmp_path):
 def reports() -> list[tuple[str, mutants.Report]]:
     out = []
     for path in SOLUTIONS:
-        out += [(path.name, r) for r in mutants.run_notebook(path, log=print)]
+        out += [(path.name, r) for r in mutants.run_notebook(path, log=print,
+                                                             numbers=_numbers)]
     return out
 
 
@@ -144,3 +148,107 @@ def test_graders_kill_at_least_95_percent_of_mutants(reports):
     assert killed >= MIN_KILL_RATE * counted, (
         f"graders killed {killed} of {counted} mutants ({killed / counted:.1%}), "
         f"below {MIN_KILL_RATE:.0%}:\n" + "\n".join(lines))
+
+
+# ------------------------------------------- no exercise notebook prints a checked value
+
+_NUMBER = re.compile(r"(?<![\w.])-?\d[\d,_]*(?:\.\d+)?(?:e-?\d+)?%?(?![\w])")
+
+
+def _numbers(value) -> list[float]:
+    """The numbers in an expected value (ints, floats, and those inside tuples, dicts...)."""
+    if isinstance(value, bool) or value is None:
+        return []
+    if isinstance(value, numbers.Number):
+        return [float(value)]
+    if isinstance(value, dict):
+        return [x for v in value.values() for x in _numbers(v)]
+    if isinstance(value, list | tuple | set | frozenset):
+        return [x for v in value for x in _numbers(v)]
+    return []  # tensors: too many numbers to be a giveaway one by one
+
+
+def _distinctive(x: float) -> bool:
+    """Worth keeping secret: not a small count (0-9) that any output contains anyway."""
+    if x != x or x in (float("inf"), float("-inf")):
+        return False
+    if float(x).is_integer():  # powers of two are block sizes and dimensions everywhere
+        n = abs(int(x))
+        return n >= 10 and n & (n - 1) != 0
+    return abs(x) >= 1e-3
+
+
+def _printed(text: str) -> list[tuple[str, float]]:
+    out = []
+    for token in _NUMBER.findall(text):
+        raw = token.rstrip("%").replace(",", "").replace("_", "")
+        try:
+            out.append((token, float(raw)))
+        except ValueError:
+            continue
+    return out
+
+
+def _gives_away(printed: str, secrets: list[float], least: int = 10) -> list[str]:
+    secrets = [s for s in secrets if _distinctive(s)
+               and (abs(s) >= least or not float(s).is_integer())]
+    found = []
+    for token, x in _printed(printed):
+        digits = len(token.replace("-", "").replace(".", "").replace(",", "").lstrip("0"))
+        for s in secrets:
+            if float(s).is_integer() and x == s:
+                found.append(token)
+            elif not float(s).is_integer() and digits >= 3 and \
+                    abs(x - s) <= 5e-4 * abs(s):
+                found.append(token)
+    return sorted(set(found))
+
+
+def _prose_after(nb, ex, exercises) -> str:
+    """The exercise notebook's Markdown from ``ex``'s check to the end, other exercises'
+    specs (heading to first solution cell) aside: what a learner reads ahead of time."""
+    sys_path_tools = str(ROOT / "tools")
+    import sys
+
+    if sys_path_tools not in sys.path:
+        sys.path.insert(0, sys_path_tools)
+    from make_exercises import strip_regions
+
+    specs = set()
+    for other in exercises:
+        heading = max(i for i in range(other.solution_cells[0])
+                      if nb.cells[i].cell_type == "markdown"
+                      and "### Exercise" in nb.cells[i].source)
+        specs.update(range(heading, other.solution_cells[0]))
+    return "\n".join(strip_regions(c.source, code=False, where="")
+                     for i, c in enumerate(nb.cells)
+                     if i > ex.check_cell and c.cell_type == "markdown" and i not in specs)
+
+
+@pytest.mark.slow
+def test_no_exercise_notebook_prints_a_checked_value_before_the_learners_cell(reports):
+    """What the cells above an exercise print (in the solution, a superset of what the
+    exercise notebook prints) holds none of the numbers its check compares, and neither
+    does the Markdown a learner can read ahead (after the check, solution regions
+    removed as in exercises/): a learner must not be able to copy an answer. (The run
+    that mutation-tests the solutions records both, in-process as a kernel would.)"""
+    assert sum(bool(r.compared) for _, r in reports) > len(SOLUTIONS), "checks recorded"
+    leaks = []
+    for path in SOLUTIONS:
+        nb = mutants.notebooks.read(path)
+        exercises = mutants.find_exercises(nb)
+        got = {r.ex_id: r for name, r in reports if name == path.name}
+        for ex in exercises:
+            secrets = [s for s in got[ex.ex_id].compared if _distinctive(s)]
+            if leaked := _gives_away(got[ex.ex_id].printed_before, secrets):
+                leaks.append(f"{path.name}: before exercise {ex.ex_id}, a cell prints {leaked}")
+            if told := _gives_away(_prose_after(nb, ex, exercises), secrets, least=100):
+                leaks.append(f"{path.name}: the text after exercise {ex.ex_id} tells its "
+                             f"answer {told}")  # prose: years, GB, small counts
+    assert not leaks, "\n".join(leaks)
+
+
+def test_the_leak_detector_sees_numbers_however_they_are_printed():
+    assert _gives_away("26 free blocks, 1,000 slots, 0.3668 of it", [26.0, 1000.0, 0.36683])\
+        == ["0.3668", "1,000", "26"]
+    assert _gives_away("step 5 of 7: 3.1", [5.0, 3.14159]) == []  # small counts, 2 digits

@@ -89,6 +89,8 @@ class Report:
     ex_id: str
     outcomes: list[Outcome] = field(default_factory=list)
     error: str = ""  # set when the unmutated solution does not get ✅
+    printed_before: str = ""  # what the cells above the first solution cell printed
+    compared: list = field(default_factory=list)  # numbers(expected) of the check's expect_*
 
     def count(self, *statuses: str) -> int:
         return sum(o.status in statuses for o in self.outcomes)
@@ -279,20 +281,25 @@ def _equivalent(ex_id: str) -> dict[str, str]:
     return {}
 
 
-def _try(label: str, ex: Exercise, cells: list[str], ns: dict) -> Outcome:
-    """Run one mutant in ``ns``: solution cells, the cells up to the check, the check."""
-    quiet = io.StringIO()
+def _try(label: str, ex: Exercise, cells: list[str], ns: dict,
+         record: tuple[list[str], list, Callable] | None = None) -> Outcome:
+    """Run one mutant in ``ns``: solution cells, the cells up to the check, the check.
+    ``record = (printed, compared, numbers)``: each cell but the check appends what it
+    printed to ``printed``; each ``expect_*`` of the check, ``numbers(expected)`` to
+    ``compared`` (what tests/test_mutants.py looks for in what a learner sees first)."""
+    n = len(ex.solution_cells)
     try:
-        with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
-            for src in cells[:len(ex.solution_cells)]:
-                run_cell(src, ns)
+        for src in cells[:n]:
+            _quietly(src, ns, record)
     except Exception as err:
         return Outcome(label, "invalid", f"{type(err).__name__}: {err}")
     try:
-        with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet), \
-                grading.record_verdicts() as seen:
-            for src in cells[len(ex.solution_cells):]:
-                run_cell(src, ns)
+        with grading.record_verdicts() as seen:
+            for src in cells[n:-1]:
+                _quietly(src, ns, record)
+            with _comparing(record):
+                for src in cells[n:][-1:]:  # the check
+                    _quietly(src, ns, None)
     except Exception as err:
         return Outcome(label, "killed", f"raised outside the grader: {type(err).__name__}")
     marks = [m for m, i, _ in seen if i == ex.ex_id]
@@ -302,6 +309,36 @@ def _try(label: str, ex: Exercise, cells: list[str], ns: dict) -> Outcome:
     msg = next((t for m, i, t in seen if i == ex.ex_id and m != grading.PASS),
                f"no verdict for {ex.ex_id} (the check cell said: {others or 'nothing'})")
     return Outcome(label, "killed", msg)
+
+
+def _quietly(source: str, ns: dict, record: tuple | None) -> None:
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+            run_cell(source, ns)
+    finally:
+        if record is not None:
+            record[0].append(out.getvalue())
+
+
+@contextlib.contextmanager
+def _comparing(record: tuple | None):
+    names = ("expect_equal", "expect_close", "expect_tensor_close") if record else ()
+    originals = {name: getattr(grading, name) for name in names}
+
+    def recorder(name):
+        def call(got, expected, *args, **kwargs):
+            record[1].extend(record[2](expected))
+            return originals[name](got, expected, *args, **kwargs)
+        return call
+
+    try:
+        for name in names:
+            setattr(grading, name, recorder(name))
+        yield
+    finally:
+        for name, fn in originals.items():
+            setattr(grading, name, fn)
 
 
 def _in_child(run: Callable[[], object], timeout: float, quiet: bool) -> tuple[str, object]:
@@ -354,7 +391,7 @@ def _isolated(label: str, run: Callable[[], Outcome], timeout: float) -> Outcome
 
 def run_notebook(path: Path, cap: int = 12, triton_cap: int = 8, timeout: float = 30.0,
                  log=print, equivalent: dict[str, str] | None = None,
-                 budget: float = 20.0) -> list[Report]:
+                 budget: float = 20.0, numbers: Callable | None = None) -> list[Report]:
     """Mutation-test every exercise of one solution notebook (see module docstring).
 
     An exercise whose solution is a ``@triton.jit`` kernel gets ``triton_cap`` mutants:
@@ -363,6 +400,8 @@ def run_notebook(path: Path, cap: int = 12, triton_cap: int = 8, timeout: float 
     first ones of the same fixed order). ``equivalent`` (label -> reason) replaces what
     the grader modules declare (for tests of this tool). The notebook itself runs in a
     forked child too, so its cells change nothing in the calling process (a test run).
+    With ``numbers`` (an expected value -> a list of floats), each report also holds what
+    the cells above its first solution cell printed and what its check compared.
     """
     path = Path(path).resolve()
 
@@ -371,25 +410,27 @@ def run_notebook(path: Path, cap: int = 12, triton_cap: int = 8, timeout: float 
 
         torch.set_num_threads(1)  # no OpenMP pool in this child: forking it stays safe
         with contextlib.chdir(path.parent):  # the notebook's folder, as its kernel has
-            return _run_notebook(path, cap, triton_cap, timeout, log, equivalent, budget)
+            return _run_notebook(path, cap, triton_cap, timeout, log, equivalent, budget,
+                                 numbers)
 
     if not hasattr(os, "fork"):
         return run()
     status, result = _in_child(run, 3600.0, quiet=False)
     if status != "ok":
         return [Report(path.name, error=f"the notebook run {status}: {result}")]
-    return [Report(r["ex_id"], [Outcome(**o) for o in r["outcomes"]], r["error"])
-            for r in result]
+    return [Report(**{**r, "outcomes": [Outcome(**o) for o in r["outcomes"]]}) for r in result]
 
 
 def _run_notebook(path: Path, cap: int, triton_cap: int, timeout: float, log,
-                  equivalent: dict[str, str] | None, budget: float) -> list[Report]:
+                  equivalent: dict[str, str] | None, budget: float,
+                  numbers: Callable | None = None) -> list[Report]:
     nb = notebooks.read(path)
     exercises = {ex.solution_cells[0]: ex for ex in find_exercises(nb)}
     ns: dict = {"__name__": "__main__"}
     reports: list[Report] = []
     done = set()
-    quiet = io.StringIO()
+    printed: list[str] = []
+    record = (printed, [], numbers) if numbers else None
     last = max((ex.check_cell for ex in exercises.values()), default=-1)
     for i, cell in code_cells(nb):
         if i > last:  # nothing after the last check is needed
@@ -399,8 +440,7 @@ def _run_notebook(path: Path, cap: int, triton_cap: int, timeout: float, log,
         ex = exercises.get(i)
         if ex is None:
             try:
-                with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
-                    run_cell(cell.source, ns)
+                _quietly(cell.source, ns, record)
             except Exception as err:  # e.g. a demo cell on code that changed: say, go on
                 reports.append(Report(f"cell {i}", error=f"{type(err).__name__}: {err}"))
                 log(f"{path.name} cell {i} raised {type(err).__name__}: {err}")
@@ -410,10 +450,11 @@ def _run_notebook(path: Path, cap: int, triton_cap: int, timeout: float, log,
         code = [k for k, _ in code_cells(nb) if k in idx]
         sols = [nb.cells[k].source for k in code if k in ex.solution_cells]
         rest = [nb.cells[k].source for k in code if k not in ex.solution_cells]
+        report = Report(ex.ex_id, printed_before="\n".join(printed))
         start = time.perf_counter()
-        original = _try("original", ex, sols + rest, ns)  # builds ns for what follows
+        original = _try("original", ex, sols + rest, ns,  # builds ns for what follows
+                        record and (printed, report.compared, numbers))
         took = time.perf_counter() - start
-        report = Report(ex.ex_id)
         done.update(code)
         reports.append(report)
         if original.status != "survived":
