@@ -1,7 +1,7 @@
 """Graders catch small bugs: mutants of every solution must get ❌ (tools/mutants.py).
 
 The slow part (every solution notebook, about two and a half minutes on 2 cores) runs once
-per module; the same run records what tests the notebooks for answers given away.
+per module; the same run records what the leak test at the end of this file reads.
 The small tests first check the mutation machinery itself on a made-up notebook, so a
 kill rate of 100% cannot come from a tool that never plants a bug.
 """
