@@ -524,6 +524,9 @@ def test_07_2_a_correct_answer_passes(capsys):
     (lambda r: min([g for g in r if g.timeline.admitted_steps[-1] == max(
         h.timeline.admitted_steps[-1] for h in r)], key=lambda g: g.seqs[0].num_tokens),
      "whatever max() returns for a tie (the first), or their ids, arrivals or sizes"),
+    (lambda r: max(r, key=lambda g: (g.timeline.admitted_steps[-1],
+                                     -len(g.seqs[0].output_token_ids))),
+     "whatever max() returns for a tie (the first), or their ids, arrivals or sizes"),
     (lambda r: r[1] if len(r) > 1 else r[0], "the group right after the one asking (running[1])"),
     (lambda r: max(r, key=lambda g: sum(s.num_tokens for s in g.seqs)), "the largest group"),
     (lambda running: running.pop(), "your function changed the list it was given"),

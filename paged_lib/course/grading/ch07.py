@@ -138,6 +138,7 @@ WRONG_RULES: list[tuple[Callable[[list[SequenceGroup]], SequenceGroup], str]] = 
      "may have many, yet it is the last admitted; a group admitted earlier must not lose "
      "its place to it"),
     (lambda r: max(r, key=_admitted), _ORDER),
+    (lambda r: max(r, key=lambda g: (_admitted(g), -_generated(g))), _ORDER),  # tie: fewest
     (lambda r: max(r, key=lambda g: g.timeline.arrival_step), _ORDER),
     (lambda r: min(r, key=_blocks), _SMALLEST),
     (lambda r: min(r, key=_tokens), _SMALLEST),
