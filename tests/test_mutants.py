@@ -248,6 +248,13 @@ def test_no_exercise_notebook_prints_a_checked_value_before_the_learners_cell(re
     assert not leaks, "\n".join(leaks)
 
 
+def test_a_cells_last_expression_is_printed_as_a_notebook_shows_it(capsys):
+    ns: dict = {}
+    for cell in ("x = 3\nx * 41", "x * 2;", "print('hi')", "%time y = 5\ny + 1"):
+        mutants.run_cell(cell, ns)
+    assert capsys.readouterr().out == "123\nhi\n6\n"  # `;` hides it, None is not shown
+
+
 def test_the_leak_detector_sees_numbers_however_they_are_printed():
     assert _gives_away("26 free blocks, 1,000 slots, 0.3668 of it", [26.0, 1000.0, 0.36683])\
         == ["0.3668", "1,000", "26"]

@@ -262,13 +262,20 @@ class _Shell:
 
 
 def run_cell(source: str, ns: dict) -> None:
-    """Exec a cell with its source in linecache (``@triton.jit`` reads it back)."""
+    """Exec a cell with its source in linecache (``@triton.jit`` reads it back); a last
+    expression is printed as a notebook shows it (its repr, unless the cell ends in ``;``)."""
     name = f"<mutant-cell-{next(_counter)}>"
     code = _python(source)
     ns.setdefault("get_ipython", lambda: _Shell(ns))
     linecache.cache[name] = (len(code), None, code.splitlines(True), name)
+    tree = ast.parse(code, name)
+    shown = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) \
+        and not code.rstrip().endswith(";") else None
     try:
-        exec(compile(code, name, "exec"), ns)
+        exec(compile(tree, name, "exec"), ns)
+        if shown is not None and (value := eval(compile(ast.Expression(shown.value), name,
+                                                        "eval"), ns)) is not None:
+            print(repr(value))
     finally:
         import matplotlib.pyplot as plt
         plt.close("all")
