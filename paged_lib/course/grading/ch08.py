@@ -1,7 +1,5 @@
-"""Chapter 08 (sharing): 08.1 ``apply_slot`` on chapter 08's example (whole caches compared
-after each write), then :class:`Cow` runs; 08.2 ``beam_step`` on :data:`_SCRIPTED` (ties, near
-ties, beams short of candidates) next to the library's, then beam workloads in the engine.
-"""
+"""Chapter 08 (sharing): 08.1 ``apply_slot`` on chapter 08's example, then :class:`Cow` runs;
+08.2 ``beam_step`` on :data:`_SCRIPTED` next to the library's, then beam workloads."""
 
 from __future__ import annotations
 
@@ -59,10 +57,9 @@ def run_beam_scenario(beam_step, name, block_size, prompt_len, width, steps):
         except IndexError as err:
             if all(len(c) >= width for c in cands):
                 raise
-            grading.fail(f"{where}: your code raised IndexError ({err}) on candidates "
-                         f"{cands}", "a beam may offer fewer than beam_width candidates, or "
-                         "none (the engine took out those ending in EOS): use the "
-                         "candidates there are")
+            grading.fail(f"{where}: your code raised IndexError ({err}) on candidates {cands}",
+                         "a beam may offer fewer than beam_width candidates, or none (the "
+                         "engine took out those ending in EOS): use the candidates there are")
         except ValueError as err:
             if "freed" not in str(err):
                 raise
@@ -85,10 +82,9 @@ _TIE = ("your new beams are in score order, but an exact tie goes the other way:
 #: logprob), the hint naming it), tried in order on the (parent, token) picks
 _RANKINGS: list[tuple[Callable[..., tuple], str]] = [
     (lambda s, i, r, t, lp: (-float(torch.tensor(s, dtype=torch.float32)), i, r), "two "
-     "scores here differ by less than float32 can tell: rank the Python floats "
-     "cum_logprobs[beam] + logprob themselves "
-     "(float64), not a float32 tensor of them (torch.tensor of Python floats is float32) "
-     "nor rounded scores; only an exact tie goes to the lower beam"),
+     "scores here differ by less than float32 can tell: rank the Python floats cum_logprobs"
+     "[beam] + logprob themselves (float64), not a float32 tensor of them (torch.tensor of "
+     "Python floats is float32) nor rounded scores; only an exact tie goes to the lower beam"),
     (lambda s, i, r, t, lp: (-lp, i, r), "rank candidates by cum_logprobs[beam] + logprob "
      "(the whole sequence), not by this step's logprob alone"),
     (lambda s, i, r, t, lp: (s, i, r), "best first: the highest cumulative log-probability "
@@ -241,7 +237,6 @@ def _compare(caches, slot: Slot, where: str) -> None:
 
 # ------------------------------------------------------------------ 08.1 generated
 
-
 @dataclass(frozen=True)
 class Cow:
     """One run of 08.1 on a pool whose free list is ``free``: steps ("prompt", name, tokens),
@@ -334,7 +329,6 @@ def _draw_cow(seed: int) -> Cow:
 
 
 def cow_cases(count: int = 24) -> list[Cow]:
-    """08.1's generated runs (seeds 0, 1, ...)."""
     return [_draw_cow(seed) for seed in range(count)]
 
 
@@ -423,7 +417,6 @@ _STALE = numeric.Contrast(
 
 # ------------------------------------------------------------------ 08.2 beam_step
 
-
 #: name, block size, prompt length, width, candidates per step
 _SCRIPTED: list[tuple[str, int, int, int, list]] = [
     ("cumulative scores decide (a beam far behind loses even its best token)", 4, 5, 3,
@@ -460,10 +453,10 @@ def check_beam_step(beam_step: Callable[..., Any]) -> None:
     with grading.exercise("08.2"):
         for name, block_size, prompt_len, width, steps in _SCRIPTED:
             run_beam_scenario(beam_step, name, block_size, prompt_len, width, steps)
-        generated.check("beam_step", on_copies(beam_step), "the best beam_width "
-                        "continuations of all beams by cumulative log-probability; a parent "
-                        "chosen again is forked, its own table goes to its best child; the "
-                        "tables nobody continues are freed, in beam order, tail first")
+        generated.check("beam_step", on_copies(beam_step), "the best beam_width continuations "
+                        "of all beams by cumulative log-probability; a parent chosen again is "
+                        "forked, its own table goes to its best child; the tables nobody "
+                        "continues are freed, in beam order, tail first")
 
 
 def run_beam_search(beam_step: Callable[..., Any], **kw) -> list[sharing.BeamFrame]:
