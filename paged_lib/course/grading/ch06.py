@@ -498,13 +498,11 @@ _WHY = {
     "watermark": "the watermark: after its blocks at least watermark_blocks must stay free "
                  "(leaving exactly watermark_blocks free is allowed), unless it would be "
                  "alone in an empty step; a first chunk keeps it too, as a whole prefill does",
-    "seqs": "max_num_seqs: the running sequences count, and a group brings what it runs: a "
-            "fresh n > 1 group (samples or beams) its n, while a group that has sampled "
-            "brings only its live sequences (group.live_seqs()); reaching max_num_seqs "
-            "exactly is allowed (<=)",
-    "tokens": "the token budget: the running groups' tokens come first, and a group joins "
-              "only if its tokens fit what is left (reaching max_num_batched_tokens exactly "
-              "is allowed)",
+    "seqs": "max_num_seqs: the running sequences count, and a group brings what it runs: a fresh n "
+            "> 1 group (samples or beams) its n, while a group that has sampled brings only its "
+            "live sequences (group.live_seqs()); reaching max_num_seqs exactly is allowed (<=)",
+    "tokens": "the token budget: the running groups' tokens come first, and a group joins only if "
+              "its tokens fit what is left (reaching max_num_batched_tokens exactly is allowed)",
     "admission": "admission: the head first, while its blocks leave the watermark free and "
                  "its sequences and tokens fit the step; keep admitting while the head fits",
 }
@@ -534,8 +532,7 @@ SCENARIOS: list[Scenario] = [
              dict(num_blocks=7, block_size=4, enable_chunked_prefill=True,
                   max_num_batched_tokens=8, max_num_seqs=4),
              ((9, 5, 0, 1), (10, 8, 0, 1), (10, 13, 1, 1))),
-    Scenario("chunks of 6, recompute: 3 samples, one finished at once, back against "
-             "max_num_seqs 4",
+    Scenario("chunks of 6, recompute: 3 samples, one finished at once, back against max_num_seqs 4",
              dict(num_blocks=8, block_size=4, enable_chunked_prefill=True,
                   max_num_batched_tokens=6, max_num_seqs=4),
              ((3, 10, 2, 1), (9, 14, 0, 1), (7, 5, 0, 3, 4))),
@@ -548,7 +545,6 @@ SCENARIOS: list[Scenario] = [
 def check_schedule_waiting(schedule_waiting: Callable[..., Any]) -> None:
     """``schedule_waiting(waiting, step) -> None`` (admits with ``step.admit``)."""
     with grading.exercise("06.4"):
-        loops.run_scheduler("schedule_waiting", schedule_waiting, SCENARIOS, "admission: "
-                            "the head first, while can_admit lets it in (or it is alone in "
-                            "an empty step), nobody while groups are swapped out or after a "
-                            "preemption")
+        loops.run_scheduler("schedule_waiting", schedule_waiting, SCENARIOS, "admission: the head "
+                            "first, while can_admit lets it in (or it is alone in an empty step), "
+                            "nobody while groups are swapped out or after a preemption")

@@ -73,11 +73,10 @@ def run_beam_scenario(beam_step, name, block_size, prompt_len, width, steps):
                 t.append_token()
 
 
-_TIE = ("your new beams are in score order, but an exact tie goes the other way: the lower "
-        "beam index goes first, then the earlier candidate in that beam's list (its rank), "
-        "not to the lower token id, nor to another beam's better-ranked candidate (the token "
-        "id does not decide; sort(reverse=True) on (score, beam, candidate) tuples reverses "
-        "that order)")
+_TIE = ("your new beams are in score order, but an exact tie goes the other way: the lower beam "
+        "index goes first, then the earlier candidate in that beam's list (its rank), not to the "
+        "lower token id, nor to another beam's better-ranked candidate (the token id does not "
+        "decide; sort(reverse=True) on (score, beam, candidate) tuples reverses that order)")
 #: wrong rankings: (sort key on (score, beam, rank in the beam's list, token, this step's
 #: logprob), the hint naming it), tried in order on the (parent, token) picks
 _RANKINGS: list[tuple[Callable[..., tuple], str]] = [
@@ -87,8 +86,7 @@ _RANKINGS: list[tuple[Callable[..., tuple], str]] = [
      "Python floats is float32) nor rounded scores; only an exact tie goes to the lower beam"),
     (lambda s, i, r, t, lp: (-lp, i, r), "rank candidates by cum_logprobs[beam] + logprob "
      "(the whole sequence), not by this step's logprob alone"),
-    (lambda s, i, r, t, lp: (s, i, r), "best first: the highest cumulative log-probability "
-     "wins"),
+    (lambda s, i, r, t, lp: (s, i, r), "best first: the highest cumulative log-probability wins"),
 ]
 
 
@@ -134,12 +132,11 @@ _FORK = ("the first child continues its parent's own table (the same object); ea
          "block (a copy of the object adds no holder, nor does a BlockTable built on its "
          "blocks without an incref); a fork for every child, then a free of every old table, "
          "is a reference taken and given back on each of the parent's blocks, for nothing")
-_FREE = ("free only the beams nobody continues, after the forks: free() the table of every "
-         "old beam that nobody continues (a beam with no candidates has no continuation "
-         "either), exactly once; free the dead beams' tables in ascending beam index (the "
-         "free list's order decides which blocks the next allocations take, and the engine's "
-         "schedule is compared block by block); a beam that goes on keeps its table, which "
-         "carries its first child")
+_FREE = ("free only the beams nobody continues, after the forks: free() the table of every old "
+         "beam that nobody continues (a beam with no candidates has no continuation either), "
+         "exactly once; free the dead beams' tables in ascending beam index (the free list's order "
+         "decides which blocks the next allocations take, and the engine's schedule is compared "
+         "block by block); a beam that goes on keeps its table, which carries its first child")
 
 
 def _check_tables(got, old, mine: _World, ref: _World, where: str, cands) -> None:
@@ -404,10 +401,9 @@ def _cow_reads(caches: dict, tables: dict, where: str) -> None:
 
 _VIEWS = numeric.Contrast(
     lambda p: dataclasses.replace(p, layout="separate") if p.layout != "separate" else None,
-    "it passes on separate K and V tensors and fails where k_cache and v_cache are views of "
-    "one tensor, as an engine may hold them: write through indexing (cache[block, offset] = "
-    "...); .reshape(), .contiguous() or assigning .data may write into a copy the engine "
-    "never reads")
+    "it passes on separate K and V tensors and fails where k_cache and v_cache are views of one "
+    "tensor, as an engine may hold them: write through indexing (cache[block, offset] = ...); "
+    ".reshape(), .contiguous() or assigning .data may write into a copy the engine never reads")
 _STALE = numeric.Contrast(
     lambda p: dataclasses.replace(p, stale=False) if p.stale else None,
     "it passes on a cache of NaN and fails on one whose blocks hold earlier requests' K/V "
