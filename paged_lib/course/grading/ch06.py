@@ -180,8 +180,7 @@ class Batch:
 def _draw_batch(seed: int) -> Batch:
     pick = rng(6101 + seed)
     bs = pick([1, 2, 5, 6, 7, 12, 16])
-    seqs = tuple((pick([1, 2, bs, bs + 1, 3 * bs - 1, 9, 17]), pick(("decode", "prefill",
-                                                                      "chunk")))
+    seqs = tuple((pick([1, 2, bs, bs + 1, 3 * bs - 1, 9, 17]), pick(("decode", "prefill", "chunk")))
                  for _ in range(pick([1, 2, 3, 4])))
     return Batch(seed, bs, seqs, (2 ** 31 - 1, 64)[seed % 2])
 

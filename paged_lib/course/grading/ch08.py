@@ -38,8 +38,7 @@ def on_copies(beam_step: Callable[..., Any]) -> Callable[..., Any]:
     candidates); the tables themselves are the learner's to fork and free."""
     @functools.wraps(beam_step)
     def step(tables, cum_logprobs, candidates, beam_width):
-        return beam_step(list(tables), list(cum_logprobs), copy.deepcopy(candidates),
-                         beam_width)
+        return beam_step(list(tables), list(cum_logprobs), copy.deepcopy(candidates), beam_width)
     return step
 
 
@@ -179,13 +178,10 @@ def _check_tables(got, old, mine: _World, ref: _World, where: str, cands) -> Non
 
 
 #: Mutants of the solution that compute the same thing (see ``tools/mutants.py``).
-EQUIVALENT_MUTANTS: dict[str, dict[str, str]] = {
-    "08.2": {
-        "constant: `2` -> `1` in `scored.sort(key=lambda c: (-c[0], c[1], c[2]))`":
-            "Python's sort is stable and the candidates are listed beam by beam in their "
-            "own order, so breaking ties by the beam index twice keeps the candidate order",
-    },
-}
+EQUIVALENT_MUTANTS: dict[str, dict[str, str]] = {"08.2": {
+    "constant: `2` -> `1` in `scored.sort(key=lambda c: (-c[0], c[1], c[2]))`":
+        "Python's sort is stable and the candidates are listed beam by beam in their own order, "
+        "so breaking ties by the beam index twice keeps the candidate order"}}
 
 
 # ------------------------------------------------------------------ 08.1 apply_slot
@@ -194,8 +190,7 @@ def check_apply_slot(apply_slot: Callable[..., Any]) -> None:
     """``apply_slot(k_cache, v_cache, slot, key, value) -> None`` (in place)."""
     with grading.exercise("08.1"):
         _cow_replay(_EXAMPLE, apply_slot)
-        numeric.check("08.1", cow_cases(), lambda p: _cow_replay(p, apply_slot),
-                      (_STALE, _VIEWS))
+        numeric.check("08.1", cow_cases(), lambda p: _cow_replay(p, apply_slot), (_STALE, _VIEWS))
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -221,8 +216,7 @@ def _compare(caches, slot: Slot, where: str) -> None:
                  "afterwards overwrites it)"))
     for at, what, hint in rows:
         for which, mine, ref in (("K", mk, rk), ("V", mv, rv)):
-            grading.expect_true(_same(mine[at], ref[at]), f"{where}: {what.format(which)}",
-                                hint)
+            grading.expect_true(_same(mine[at], ref[at]), f"{where}: {what.format(which)}", hint)
     for which, mine, ref in (("k_cache", mk, rk), ("v_cache", mv, rv)):
         if mine.dtype != ref.dtype or not _same(mine, ref):
             bad = [b for b in range(len(ref)) if not _same(mine[b].to(ref.dtype), ref[b])]

@@ -540,8 +540,7 @@ _MISTAKES: list[tuple[dict, str]] = [
 ]
 
 
-def _hint(c: Case, p: numeric.Tiles, got: torch.Tensor, want: torch.Tensor,
-          log: TileLog) -> str:
+def _hint(c: Case, p: numeric.Tiles, got: torch.Tensor, want: torch.Tensor, log: TileLog) -> str:
     lo, hi = p.scores()
     if c.seq_len == 0:
         return "a sequence of length 0 has nothing to attend to: return zeros, not 0 / 0"
