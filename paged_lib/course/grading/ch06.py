@@ -497,8 +497,8 @@ _WHY = {
     "watermark": "the watermark: after its blocks at least watermark_blocks must stay free "
                  "(leaving exactly watermark_blocks free is allowed), unless it would be "
                  "alone in an empty step; a first chunk keeps it too, as a whole prefill does",
-    "seqs": "max_num_seqs: the running sequences count, and a group brings what it runs: a fresh n "
-            "> 1 group (samples or beams) its n, while a group that has sampled brings only its "
+    "seqs": "max_num_seqs: the running sequences count, and a group brings what it runs: a fresh "
+            "n > 1 group (samples or beams) its n, while a group that has sampled brings only its "
             "live sequences (group.live_seqs()); reaching max_num_seqs exactly is allowed (<=)",
     "tokens": "the token budget: the running groups' tokens come first, and a group joins only if "
               "its tokens fit what is left (reaching max_num_batched_tokens exactly is allowed)",
