@@ -113,9 +113,8 @@ def _ramp(ex: str, case: Callable, kernel: Any) -> None:
 def _expect_wide(trace: LoadTrace, ids: Guarded, what: str, name: str) -> None:
     """An id loaded from ``ids`` (a row id, a block id) is widened before any multiply."""
     if interpreted() and trace.narrow_products(ids.buffer):
-        grading.fail(f"{what}: a {name} loaded from the table was multiplied in 32 bits (a "
-                     "cast to int64 after the multiply is too late: the product has "
-                     "already wrapped)",
+        grading.fail(f"{what}: a {name} loaded from the table was multiplied in 32 bits (a cast to "
+                     "int64 after the multiply is too late: the product has already wrapped)",
                      hint=f"cast the {name} to tl.int64 right after loading it, before any "
                           "multiply: in int32 the product wraps once the tensor passes 2**31 "
                           "elements (a few GB), and .to(tl.int64) on the result cannot undo it")
@@ -314,10 +313,9 @@ def run_decode_kernel(kernel: Any, case) -> tuple[torch.Tensor, LoadTrace, tuple
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
-    q_g, k_g, v_g = Guarded(q, 0), Guarded(k_cache, 0), Guarded(v_cache, 0)
+    q_g, k_g, v_g = (Guarded(t, 0) for t in (q, k_cache, v_cache))
     out_g = Guarded(torch.full_like(q, NAN), 0, fill=OUT_GUARD)
-    bt_g = Guarded(block_tables, 0, fill=0)  # block 0: all NaN
-    lens_g = Guarded(seq_lens, 0, fill=0)
+    bt_g, lens_g = (Guarded(t, 0, fill=0) for t in (block_tables, seq_lens))  # block 0: all NaN
     trace = launch(kernel, (num_seqs, num_kv_heads), out_g.view, q_g.view, k_g.view, v_g.view,
                    bt_g.view, lens_g.view, scale, block_tables.shape[1],
                    NUM_KV_HEADS=num_kv_heads, GROUP=group,

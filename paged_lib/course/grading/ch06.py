@@ -1,8 +1,6 @@
 """Checks for chapter 06 (the serving engine), each against the library's function: 06.1
-``build_metadata``, 06.2 ``num_required_blocks`` (a wrong count named by the wrong rule that
-gives it), 06.3 ``can_admit`` (each limit's boundary) on fixed then generated cases, and
-06.4 ``schedule_waiting`` served next to the library's (:mod:`.scheduler_loops`); each then
-on random workloads."""
+``build_metadata``, 06.2 ``num_required_blocks``, 06.3 ``can_admit`` (each limit's boundary)
+and 06.4 ``schedule_waiting`` next to the library's (:mod:`.scheduler_loops`)."""
 
 from __future__ import annotations
 
@@ -33,7 +31,6 @@ from paged_lib.util import cdiv
 
 #: the spec's example: a decode of 6 tokens over blocks [7, 2] next to a 3-token prefill
 _SPEC_BATCH = ([[7, 2], [5]], [6, 3], [1, 3], 4)
-
 
 _DTYPES = {"slot_mapping": torch.int64, "block_tables": torch.int32, "seq_lens": torch.int32,
            "query_lens": torch.int32, "positions": torch.int64}
@@ -163,11 +160,10 @@ class Batch:
                                    if big * bs >= 2 ** 31 else ""))
 
     def states(self) -> list[str]:
-        out = ["slots past 2**31"] if self.pool * self.block_size > 2 ** 32 else []
-        out += ["a chunk in the middle of a prompt"] if any(
-            k == "chunk" and n > 2 for n, k in self.seqs) else []
-        out += [f"block size {self.block_size}"] if self.block_size in (5, 6, 7, 12) else []
-        return out
+        return numeric.reached(("slots past 2**31", self.pool * self.block_size > 2 ** 32),
+                               ("a chunk in the middle of a prompt",
+                                any(k == "chunk" and n > 2 for n, k in self.seqs)),
+                               (f"block size {self.block_size}", self.block_size in (5, 6, 7, 12)))
 
     def smaller(self) -> Iterator[Batch]:
         for i in range(len(self.seqs)):
@@ -184,8 +180,7 @@ class Batch:
 def _draw_batch(seed: int) -> Batch:
     pick = rng(6101 + seed)
     bs = pick([1, 2, 5, 6, 7, 12, 16])
-    seqs = tuple((pick([1, 2, bs, bs + 1, 3 * bs - 1, 9, 17]), pick(("decode", "prefill",
-                                                                      "chunk")))
+    seqs = tuple((pick([1, 2, bs, bs + 1, 3 * bs - 1, 9, 17]), pick(("decode", "prefill", "chunk")))
                  for _ in range(pick([1, 2, 3, 4])))
     return Batch(seed, bs, seqs, (2 ** 31 - 1, 64)[seed % 2])
 
@@ -202,7 +197,6 @@ _SMALL_IDS = Contrast(
 
 
 # ------------------------------------------------------------------ 06.2 num_required_blocks
-
 
 def check_num_required_blocks(num_required_blocks: Callable[..., Any]) -> None:
     """``num_required_blocks(group, block_size) -> int``."""
@@ -271,12 +265,11 @@ class Waiting:
                    if self.agree else "") + f" (block size {self.block_size})")
 
     def states(self) -> list[str]:
-        live = len(self.tails) - len(self.finished)
-        out = ["samples that agree"] if self.agree and live > 1 else []
-        out += [f"{live} live sequences"] if live > 4 else []
-        out += [f"block size {self.block_size}"] if self.block_size in (3, 5, 7) else []
-        out += ["a one-token prompt"] if self.prompt == 1 else []
-        return out
+        live = _live(self)
+        return numeric.reached(("samples that agree", self.agree and live > 1),
+                               (f"{live} live sequences", live > 4),
+                               (f"block size {self.block_size}", self.block_size in (3, 5, 7)),
+                               ("a one-token prompt", self.prompt == 1))
 
     def smaller(self) -> Iterator[Waiting]:
         yield from fewer(self, finished=[()] if self.finished else [])
@@ -329,8 +322,7 @@ _REQUIRED_CONTRASTS = (
              "afterwards and share those blocks, so the prompt's blocks count once, not once "
              "per sample"),
     Contrast(lambda p: dataclasses.replace(p, block_size=1) if _live(p) == 1 else None,
-             "the partly filled last block counts too: ceil(tokens / block_size), in "
-             "integers"),
+             "the partly filled last block counts too: ceil(tokens / block_size), in integers"),
     Contrast(lambda p: dataclasses.replace(p, tails=(0,), finished=(), agree=0, n=1)
              if _live(p) == 1 and p.tails != (0,) else None,
              "a sequence preempted by recompute prefills its whole text again: the prompt "
@@ -344,7 +336,6 @@ _REQUIRED_CONTRASTS = (
 
 # ------------------------------------------------------------------ 06.3 can_admit
 
-
 def _budget(free, watermark=0, num_seqs=0, max_num_seqs=256, tokens=0, max_tokens=4096):
     return Budget(free, watermark, num_seqs, max_num_seqs, tokens, max_tokens)
 
@@ -355,25 +346,22 @@ _SPEC = dict(free=20, watermark=2, num_seqs=5, max_num_seqs=8, tokens=5, max_tok
 #: (what, blocks_needed, num_seqs, num_tokens, budget, hint if the answer is wrong)
 _ADMISSION_CASES = [
     ("the spec's example: a request of 100 tokens needing 13 blocks", 13, 1, 100,
-     _budget(**_SPEC),
-     "a group whose blocks leave the watermark free and that keeps the step within both "
-     "limits joins"),
+     _budget(**_SPEC), "a group whose blocks leave the watermark free and that keeps the step "
+     "within both limits joins"),
     ("the spec's example: the same request with n=4 samples", 13, 4, 100, _budget(**_SPEC),
-     "the step already holds 5 sequences and the group brings 4 (its samples run "
-     "together): 9, past max_num_seqs of 8"),
+     "the step already holds 5 sequences and the group brings 4 (its samples run together): 9, "
+     "past max_num_seqs of 8"),
     ("the spec's example: a request needing 19 blocks", 19, 1, 100, _budget(**_SPEC),
-     "after taking 19 of the 20 free blocks only 1 stays free, less than the watermark "
-     "of 2: admission never takes the watermark's blocks"),
+     "after taking 19 of the 20 free blocks only 1 stays free, less than the watermark of 2: "
+     "admission never takes the watermark's blocks"),
     ("10 free, watermark 1, the step holds 3 decodes, a group needing 9 (exactly the "
      "watermark stays free)", 9, 1, 70, _budget(10, 1, num_seqs=3, tokens=3),
      "off by one at the watermark: leaving exactly watermark_blocks free is allowed"),
-    ("an empty step (nothing running), 10 free, watermark 1, a group needing 10", 10, 1,
-     70, _budget(10, 1),
-     "the watermark holds in an empty step too: can_admit never lets a group into it "
-     "(letting a lone request that needs the whole pool in is the admission loop's "
+    ("an empty step (nothing running), 10 free, watermark 1, a group needing 10", 10, 1, 70,
+     _budget(10, 1), "the watermark holds in an empty step too: can_admit never lets a group "
+     "into it (letting a lone request that needs the whole pool in is the admission loop's "
      "decision, exercise 06.4)"),
-    ("10 free, watermark 1, a group of 4 samples needing 7 blocks", 7, 4, 30,
-     _budget(10, 1),
+    ("10 free, watermark 1, a group of 4 samples needing 7 blocks", 7, 4, 30, _budget(10, 1),
      "blocks_needed already counts the whole group (exercise 06.2), and the watermark is "
      "kept once for the pool: neither grows with the group's sequences"),
     ("max_num_seqs 4, the step holds 3, a group of 1", 2, 1, 10,
@@ -383,13 +371,11 @@ _ADMISSION_CASES = [
      _budget(50, 1, num_seqs=2, max_num_seqs=4),
      "a group brings num_seqs sequences (all its samples run together), not 1"),
     ("max_num_batched_tokens 100, the step holds 60, 40 more", 5, 1, 40,
-     _budget(50, 1, tokens=60, max_tokens=100),
-     "reaching max_num_batched_tokens exactly is allowed: that step is the one vLLM "
-     "profiled"),
+     _budget(50, 1, tokens=60, max_tokens=100), "reaching max_num_batched_tokens exactly is "
+     "allowed: that step is the one vLLM profiled"),
     ("max_num_batched_tokens 100, the step holds 60, 41 more", 5, 1, 41,
-     _budget(50, 1, tokens=60, max_tokens=100),
-     "the step already holds 60 tokens: 41 more make 101, past max_num_batched_tokens "
-     "of 100"),
+     _budget(50, 1, tokens=60, max_tokens=100), "the step already holds 60 tokens: 41 more "
+     "make 101, past max_num_batched_tokens of 100"),
     ("max_num_batched_tokens 100, the step holds 60, a group of 4 samples with a "
      "30-token prompt", 3, 4, 30, _budget(50, 1, tokens=60, max_tokens=100),
      "num_tokens is what the group computes this step: its samples fork the prompt after "
@@ -403,11 +389,9 @@ def check_can_admit(can_admit: Callable[..., Any]) -> None:
         for what, need, seqs, tokens, budget, hint in _ADMISSION_CASES:
             want = lib_can_admit(need, seqs, tokens, budget)
             got = can_admit(need, seqs, tokens, budget)
-            grading.expect_true(type(got) is bool,
-                                f"case '{what}': returned {got!r} ({type(got).__name__}), "
-                                "expected a bool",
-                                "return True or False (a comparison's result), not a "
-                                "number or None")
+            grading.expect_true(type(got) is bool, f"case '{what}': returned {got!r} "
+                                f"({type(got).__name__}), expected a bool", "return True or "
+                                "False (a comparison's result), not a number or None")
             grading.expect_equal(got, want, f"case '{what}' with {budget}", hint)
         generated.check("can_admit", can_admit, "after its blocks at least watermark_blocks "
                         "stay free, and the step's sequences and tokens (those already in "
@@ -415,7 +399,6 @@ def check_can_admit(can_admit: Callable[..., Any]) -> None:
 
 
 # ------------------------------------------------------------------ 06.4 schedule_waiting
-
 
 def _snapshot(waiting, step) -> SimpleNamespace:
     """What ``schedule_waiting`` saw: the first four waiting groups and the step's budget."""
@@ -461,8 +444,7 @@ def _describe(st: SimpleNamespace) -> str:
 
 
 def _show(decision) -> str:
-    return "admits " + (", ".join(f"request {r} ({t} tokens)" for r, t in decision)
-                        or "nobody")
+    return "admits " + (", ".join(f"request {r} ({t} tokens)" for r, t in decision) or "nobody")
 
 
 def _why(st: SimpleNamespace, lib, got) -> str:
@@ -515,13 +497,11 @@ _WHY = {
     "watermark": "the watermark: after its blocks at least watermark_blocks must stay free "
                  "(leaving exactly watermark_blocks free is allowed), unless it would be "
                  "alone in an empty step; a first chunk keeps it too, as a whole prefill does",
-    "seqs": "max_num_seqs: the running sequences count, and a group brings what it runs: a "
-            "fresh n > 1 group (samples or beams) its n, while a group that has sampled "
-            "brings only its live sequences (group.live_seqs()); reaching max_num_seqs "
-            "exactly is allowed (<=)",
-    "tokens": "the token budget: the running groups' tokens come first, and a group joins "
-              "only if its tokens fit what is left (reaching max_num_batched_tokens exactly "
-              "is allowed)",
+    "seqs": "max_num_seqs: the running sequences count, and a group brings what it runs: a fresh "
+            "n > 1 group (samples or beams) its n, while a group that has sampled brings only its "
+            "live sequences (group.live_seqs()); reaching max_num_seqs exactly is allowed (<=)",
+    "tokens": "the token budget: the running groups' tokens come first, and a group joins only if "
+              "its tokens fit what is left (reaching max_num_batched_tokens exactly is allowed)",
     "admission": "admission: the head first, while its blocks leave the watermark free and "
                  "its sequences and tokens fit the step; keep admitting while the head fits",
 }
@@ -551,8 +531,7 @@ SCENARIOS: list[Scenario] = [
              dict(num_blocks=7, block_size=4, enable_chunked_prefill=True,
                   max_num_batched_tokens=8, max_num_seqs=4),
              ((9, 5, 0, 1), (10, 8, 0, 1), (10, 13, 1, 1))),
-    Scenario("chunks of 6, recompute: 3 samples, one finished at once, back against "
-             "max_num_seqs 4",
+    Scenario("chunks of 6, recompute: 3 samples, one finished at once, back against max_num_seqs 4",
              dict(num_blocks=8, block_size=4, enable_chunked_prefill=True,
                   max_num_batched_tokens=6, max_num_seqs=4),
              ((3, 10, 2, 1), (9, 14, 0, 1), (7, 5, 0, 3, 4))),
@@ -565,7 +544,6 @@ SCENARIOS: list[Scenario] = [
 def check_schedule_waiting(schedule_waiting: Callable[..., Any]) -> None:
     """``schedule_waiting(waiting, step) -> None`` (admits with ``step.admit``)."""
     with grading.exercise("06.4"):
-        loops.run_scheduler("schedule_waiting", schedule_waiting, SCENARIOS, "admission: "
-                            "the head first, while can_admit lets it in (or it is alone in "
-                            "an empty step), nobody while groups are swapped out or after a "
-                            "preemption")
+        loops.run_scheduler("schedule_waiting", schedule_waiting, SCENARIOS, "admission: the head "
+                            "first, while can_admit lets it in (or it is alone in an empty step), "
+                            "nobody while groups are swapped out or after a preemption")

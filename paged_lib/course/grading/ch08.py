@@ -1,7 +1,5 @@
-"""Chapter 08 (sharing): 08.1 ``apply_slot`` on chapter 08's example (whole caches compared
-after each write), then :class:`Cow` runs; 08.2 ``beam_step`` on :data:`_SCRIPTED` (ties, near
-ties, beams short of candidates) next to the library's, then beam workloads in the engine.
-"""
+"""Chapter 08 (sharing): 08.1 ``apply_slot`` on chapter 08's example, then :class:`Cow` runs;
+08.2 ``beam_step`` on :data:`_SCRIPTED` next to the library's, then beam workloads."""
 
 from __future__ import annotations
 
@@ -40,8 +38,7 @@ def on_copies(beam_step: Callable[..., Any]) -> Callable[..., Any]:
     candidates); the tables themselves are the learner's to fork and free."""
     @functools.wraps(beam_step)
     def step(tables, cum_logprobs, candidates, beam_width):
-        return beam_step(list(tables), list(cum_logprobs), copy.deepcopy(candidates),
-                         beam_width)
+        return beam_step(list(tables), list(cum_logprobs), copy.deepcopy(candidates), beam_width)
     return step
 
 
@@ -59,10 +56,9 @@ def run_beam_scenario(beam_step, name, block_size, prompt_len, width, steps):
         except IndexError as err:
             if all(len(c) >= width for c in cands):
                 raise
-            grading.fail(f"{where}: your code raised IndexError ({err}) on candidates "
-                         f"{cands}", "a beam may offer fewer than beam_width candidates, or "
-                         "none (the engine took out those ending in EOS): use the "
-                         "candidates there are")
+            grading.fail(f"{where}: your code raised IndexError ({err}) on candidates {cands}",
+                         "a beam may offer fewer than beam_width candidates, or none (the "
+                         "engine took out those ending in EOS): use the candidates there are")
         except ValueError as err:
             if "freed" not in str(err):
                 raise
@@ -76,23 +72,20 @@ def run_beam_scenario(beam_step, name, block_size, prompt_len, width, steps):
                 t.append_token()
 
 
-_TIE = ("your new beams are in score order, but an exact tie goes the other way: the lower "
-        "beam index goes first, then the earlier candidate in that beam's list (its rank), "
-        "not to the lower token id, nor to another beam's better-ranked candidate (the token "
-        "id does not decide; sort(reverse=True) on (score, beam, candidate) tuples reverses "
-        "that order)")
+_TIE = ("your new beams are in score order, but an exact tie goes the other way: the lower beam "
+        "index goes first, then the earlier candidate in that beam's list (its rank), not to the "
+        "lower token id, nor to another beam's better-ranked candidate (the token id does not "
+        "decide; sort(reverse=True) on (score, beam, candidate) tuples reverses that order)")
 #: wrong rankings: (sort key on (score, beam, rank in the beam's list, token, this step's
 #: logprob), the hint naming it), tried in order on the (parent, token) picks
 _RANKINGS: list[tuple[Callable[..., tuple], str]] = [
     (lambda s, i, r, t, lp: (-float(torch.tensor(s, dtype=torch.float32)), i, r), "two "
-     "scores here differ by less than float32 can tell: rank the Python floats "
-     "cum_logprobs[beam] + logprob themselves "
-     "(float64), not a float32 tensor of them (torch.tensor of Python floats is float32) "
-     "nor rounded scores; only an exact tie goes to the lower beam"),
+     "scores here differ by less than float32 can tell: rank the Python floats cum_logprobs"
+     "[beam] + logprob themselves (float64), not a float32 tensor of them (torch.tensor of "
+     "Python floats is float32) nor rounded scores; only an exact tie goes to the lower beam"),
     (lambda s, i, r, t, lp: (-lp, i, r), "rank candidates by cum_logprobs[beam] + logprob "
      "(the whole sequence), not by this step's logprob alone"),
-    (lambda s, i, r, t, lp: (s, i, r), "best first: the highest cumulative log-probability "
-     "wins"),
+    (lambda s, i, r, t, lp: (s, i, r), "best first: the highest cumulative log-probability wins"),
 ]
 
 
@@ -138,12 +131,11 @@ _FORK = ("the first child continues its parent's own table (the same object); ea
          "block (a copy of the object adds no holder, nor does a BlockTable built on its "
          "blocks without an incref); a fork for every child, then a free of every old table, "
          "is a reference taken and given back on each of the parent's blocks, for nothing")
-_FREE = ("free only the beams nobody continues, after the forks: free() the table of every "
-         "old beam that nobody continues (a beam with no candidates has no continuation "
-         "either), exactly once; free the dead beams' tables in ascending beam index (the "
-         "free list's order decides which blocks the next allocations take, and the engine's "
-         "schedule is compared block by block); a beam that goes on keeps its table, which "
-         "carries its first child")
+_FREE = ("free only the beams nobody continues, after the forks: free() the table of every old "
+         "beam that nobody continues (a beam with no candidates has no continuation either), "
+         "exactly once; free the dead beams' tables in ascending beam index (the free list's order "
+         "decides which blocks the next allocations take, and the engine's schedule is compared "
+         "block by block); a beam that goes on keeps its table, which carries its first child")
 
 
 def _check_tables(got, old, mine: _World, ref: _World, where: str, cands) -> None:
@@ -186,13 +178,10 @@ def _check_tables(got, old, mine: _World, ref: _World, where: str, cands) -> Non
 
 
 #: Mutants of the solution that compute the same thing (see ``tools/mutants.py``).
-EQUIVALENT_MUTANTS: dict[str, dict[str, str]] = {
-    "08.2": {
-        "constant: `2` -> `1` in `scored.sort(key=lambda c: (-c[0], c[1], c[2]))`":
-            "Python's sort is stable and the candidates are listed beam by beam in their "
-            "own order, so breaking ties by the beam index twice keeps the candidate order",
-    },
-}
+EQUIVALENT_MUTANTS: dict[str, dict[str, str]] = {"08.2": {
+    "constant: `2` -> `1` in `scored.sort(key=lambda c: (-c[0], c[1], c[2]))`":
+        "Python's sort is stable and the candidates are listed beam by beam in their own order, "
+        "so breaking ties by the beam index twice keeps the candidate order"}}
 
 
 # ------------------------------------------------------------------ 08.1 apply_slot
@@ -201,8 +190,7 @@ def check_apply_slot(apply_slot: Callable[..., Any]) -> None:
     """``apply_slot(k_cache, v_cache, slot, key, value) -> None`` (in place)."""
     with grading.exercise("08.1"):
         _cow_replay(_EXAMPLE, apply_slot)
-        numeric.check("08.1", cow_cases(), lambda p: _cow_replay(p, apply_slot),
-                      (_STALE, _VIEWS))
+        numeric.check("08.1", cow_cases(), lambda p: _cow_replay(p, apply_slot), (_STALE, _VIEWS))
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -228,8 +216,7 @@ def _compare(caches, slot: Slot, where: str) -> None:
                  "afterwards overwrites it)"))
     for at, what, hint in rows:
         for which, mine, ref in (("K", mk, rk), ("V", mv, rv)):
-            grading.expect_true(_same(mine[at], ref[at]), f"{where}: {what.format(which)}",
-                                hint)
+            grading.expect_true(_same(mine[at], ref[at]), f"{where}: {what.format(which)}", hint)
     for which, mine, ref in (("k_cache", mk, rk), ("v_cache", mv, rv)):
         if mine.dtype != ref.dtype or not _same(mine, ref):
             bad = [b for b in range(len(ref)) if not _same(mine[b].to(ref.dtype), ref[b])]
@@ -240,7 +227,6 @@ def _compare(caches, slot: Slot, where: str) -> None:
 
 
 # ------------------------------------------------------------------ 08.1 generated
-
 
 @dataclass(frozen=True)
 class Cow:
@@ -334,7 +320,6 @@ def _draw_cow(seed: int) -> Cow:
 
 
 def cow_cases(count: int = 24) -> list[Cow]:
-    """08.1's generated runs (seeds 0, 1, ...)."""
     return [_draw_cow(seed) for seed in range(count)]
 
 
@@ -410,10 +395,9 @@ def _cow_reads(caches: dict, tables: dict, where: str) -> None:
 
 _VIEWS = numeric.Contrast(
     lambda p: dataclasses.replace(p, layout="separate") if p.layout != "separate" else None,
-    "it passes on separate K and V tensors and fails where k_cache and v_cache are views of "
-    "one tensor, as an engine may hold them: write through indexing (cache[block, offset] = "
-    "...); .reshape(), .contiguous() or assigning .data may write into a copy the engine "
-    "never reads")
+    "it passes on separate K and V tensors and fails where k_cache and v_cache are views of one "
+    "tensor, as an engine may hold them: write through indexing (cache[block, offset] = ...); "
+    ".reshape(), .contiguous() or assigning .data may write into a copy the engine never reads")
 _STALE = numeric.Contrast(
     lambda p: dataclasses.replace(p, stale=False) if p.stale else None,
     "it passes on a cache of NaN and fails on one whose blocks hold earlier requests' K/V "
@@ -422,7 +406,6 @@ _STALE = numeric.Contrast(
 
 
 # ------------------------------------------------------------------ 08.2 beam_step
-
 
 #: name, block size, prompt length, width, candidates per step
 _SCRIPTED: list[tuple[str, int, int, int, list]] = [
@@ -460,10 +443,10 @@ def check_beam_step(beam_step: Callable[..., Any]) -> None:
     with grading.exercise("08.2"):
         for name, block_size, prompt_len, width, steps in _SCRIPTED:
             run_beam_scenario(beam_step, name, block_size, prompt_len, width, steps)
-        generated.check("beam_step", on_copies(beam_step), "the best beam_width "
-                        "continuations of all beams by cumulative log-probability; a parent "
-                        "chosen again is forked, its own table goes to its best child; the "
-                        "tables nobody continues are freed, in beam order, tail first")
+        generated.check("beam_step", on_copies(beam_step), "the best beam_width continuations "
+                        "of all beams by cumulative log-probability; a parent chosen again is "
+                        "forked, its own table goes to its best child; the tables nobody "
+                        "continues are freed, in beam order, tail first")
 
 
 def run_beam_search(beam_step: Callable[..., Any], **kw) -> list[sharing.BeamFrame]:

@@ -35,7 +35,6 @@ __all__ = ["CASES", "check_attend_tiles", "check_case", "check_choose_block_size
 
 # ------------------------------------------------------------------ 09.1 internal_waste
 
-
 def _wrong_waste(lengths: Sequence[int], b: int) -> dict[str, float]:
     """What the typical mistakes return on one case, with the hint that names each."""
     n = [int(x) for x in lengths]
@@ -468,18 +467,17 @@ def watching(log: TileLog, k_cache: torch.Tensor, v_cache: torch.Tensor
         log.fold()  # what was read after the last exp (or by an attention with no exp)
 
 
-CASES = [(name, numeric.Tiles(seed, bs, tile, n, 4, 2, 8, dtype, profile, loud, sign))
-         for name, seed, bs, tile, n, dtype, profile, loud, sign in [
-    ("blocks of 4, tiles of 4 (a tile is a block), 13 tokens", 1, 4, 4, 13, "fp32", "random",
-     1.0, 1.0),
-    ("blocks of 4, tiles of 2 (two tiles per block), 11 tokens", 2, 4, 2, 11, "fp32", "random",
-     1.0, 1.0),
-    ("an empty sequence (length 0): zeros", 10, 4, 3, 0, "fp32", "random", 1.0, 1.0),
+#: (name, seed, block size, tile, seq_len[, dtype, profile, loud[, sign]]): float32 random
+CASES = [(name, numeric.Tiles(seed, bs, tile, n, 4, 2, 8, *(more or ("fp32", "random", 1.0))))
+         for name, seed, bs, tile, n, *more in [
+    ("blocks of 4, tiles of 4 (a tile is a block), 13 tokens", 1, 4, 4, 13),
+    ("blocks of 4, tiles of 2 (two tiles per block), 11 tokens", 2, 4, 2, 11),
+    ("an empty sequence (length 0): zeros", 10, 4, 3, 0),
     ("scores in the hundreds, as a sharp softmax has them: exp of a raw score overflows "
-     "float32 (blocks of 4, tiles of 5, 18 tokens)", 17, 4, 5, 18, "fp32", "rising", 4.0, 1.0),
+     "float32 (blocks of 4, tiles of 5, 18 tokens)", 17, 4, 5, 18, "fp32", "rising", 4.0),
     ("scores in the hundreds below zero: exp of a raw score is 0 in float32 (blocks of 4, "
      "tiles of 5, 18 tokens)", 18, 4, 5, 18, "fp32", "offset", 30.0, -1.0),
-    ("float16 (blocks of 8, tiles of 4, 27 tokens)", 16, 8, 4, 27, "fp16", "random", 1.0, 1.0),
+    ("float16 (blocks of 8, tiles of 4, 27 tokens)", 16, 8, 4, 27, "fp16", "random", 1.0),
 ]]
 
 
@@ -528,23 +526,21 @@ _MISTAKES: list[tuple[dict, str]] = [
      "accumulator are rescaled by exp(m_old - m_new); yours rescales neither"),
     (dict(rescale="inverted"), "the rescaling factor is exp(m_old - m_new), at most 1, not "
      "exp(m_new - m_old)"),
-    (dict(rescale="l"), "the accumulator is rescaled by exp(m_old - m_new) as the "
-     "denominator is"),
-    (dict(rescale="acc"), "the denominator l is rescaled by exp(m_old - m_new) as the "
-     "accumulator is"),
+    (dict(rescale="l"), "the accumulator is rescaled by exp(m_old - m_new) as the denominator is"),
+    (dict(rescale="acc"), "the denominator l is rescaled by exp(m_old - m_new) as the accumulator "
+     "is"),
     (dict(block_of="tile"), "a token's block is block_table[pos // block_size], whatever the "
      "tile: a tile may span several blocks"),
     (dict(kv="mod"), "query head h reads KV head h // (num_heads // num_kv_heads); yours read "
      "KV head h % num_kv_heads, as .repeat(...) lays them out (not repeat_interleave)"),
     (dict(scale=False), "scores are q . k / sqrt(head_dim)"),
     (dict(whole_tiles=True), "the last tile holds what is left (seq_len % tile tokens)"),
-    (dict(wide=torch.float32), "computed in float32, then cast to float64: compute in "
-     "float64 when q is float64"),
+    (dict(wide=torch.float32), "computed in float32, then cast to float64: compute in float64 "
+     "when q is float64"),
 ]
 
 
-def _hint(c: Case, p: numeric.Tiles, got: torch.Tensor, want: torch.Tensor,
-          log: TileLog) -> str:
+def _hint(c: Case, p: numeric.Tiles, got: torch.Tensor, want: torch.Tensor, log: TileLog) -> str:
     lo, hi = p.scores()
     if c.seq_len == 0:
         return "a sequence of length 0 has nothing to attend to: return zeros, not 0 / 0"
@@ -596,8 +592,7 @@ def check_case(fn: Callable, p: numeric.Tiles, name: str | None = None) -> None:
                         + ("" if tuple(got.shape) != tuple(c.q.shape) else ": compute wide, "
                            "then cast the result with .to(q.dtype)"))
     # (float32: an absolute 1e-5, as an output near 0 sums terms of about 1)
-    tol = {torch.float64: (1e-10, 1e-12), torch.float16: (2e-3, 2e-3)}.get(c.q.dtype,
-                                                                           (1e-5, 1e-5))
+    tol = {torch.float64: (1e-10, 1e-12), torch.float16: (2e-3, 2e-3)}.get(c.q.dtype, (1e-5, 1e-5))
     bad = ~torch.isclose(got.double(), want.double(), *tol)
     if bad.any():
         h, i = (int(x) for x in bad.nonzero()[0])
