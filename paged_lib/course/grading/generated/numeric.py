@@ -128,7 +128,6 @@ def shorter(n: int, floor: int = 1) -> list[int]:
 _MODELS = [(8, 2, 12), (7, 1, 8), (4, 1, 20), (3, 3, 24), (8, 4, 16), (4, 1, 10),
            (6, 3, 5), (14, 2, 6)]
 _DTYPES = {"fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
-_PROFILES = ("random", "rising", "falling", "spike", "ties", "offset", "offset")
 
 
 def _level(profile: str, n: int, g: torch.Generator) -> torch.Tensor:
