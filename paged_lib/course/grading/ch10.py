@@ -1,15 +1,7 @@
-"""Checks for chapter 10 (prefix caching), each next to :mod:`paged_lib.engine.prefix_cache`.
-
-10.1 ``block_hashes``, 10.2 ``longest_cache_hit``: named prompts and caches, a wrong answer
-matched to the slip that gives it, generated cases (:class:`Prompt`: token ids up to 152,000
-at block sizes 16, 5, 3, 2 in turn with up to three extra keys; :class:`Hit`: prompts up to
-131,072 tokens, block ids up to 2**31 - 2, block 0 among them), then random workloads
-(:mod:`~.generated`). 10.3 ``popleft``/``remove`` of a :class:`FreeBlockQueue` subclass:
-scripted operations compared with the library's queue, the time per call at 1,000 and
-100,000 blocks, random workloads. 10.4 ``allocate_slots``: call by call next to the
-library's, on edge states no serving run reaches, then on random workloads (the first that
-differs shrunk and served again); the first call that differs told as a story (the pool
-before, the call, both answers and pools after) with a hint naming the rule.
+"""Checks for chapter 10 (prefix caching), each against :mod:`paged_lib.engine.prefix_cache`:
+named cases, a wrong answer named by the slip that gives it, generated cases (:class:`Prompt`,
+:class:`Hit`), then random workloads (:mod:`~.generated`); 10.3 also times ``popleft``/``remove``
+at 1,000 and 100,000 blocks; 10.4 tells the first call that differs (pool before, call, answers).
 """
 
 from __future__ import annotations
@@ -131,8 +123,7 @@ def _check_hashes(fn, name: str, tokens: list[int], block_size: int, extra: tupl
         grading.fail(f"{where}: expected a list of {len(want)} BlockHash, got {got!r}",
                      "return the hashes themselves, one per full block, not how many")
     grading.expect_true(isinstance(got, list), f"{where}: expected a list, got a "
-                        f"{type(got).__name__}", "return a list with one BlockHash per full "
-                        "block")
+                        f"{type(got).__name__}", "return a list with one BlockHash per full block")
     bad = [h for h in got if not isinstance(h, BlockHash)]
     grading.expect_true(not bad, f"{where}: expected BlockHash items, got "
                         f"{(bad or [None])[0]!r}", "each item is what hash_block_tokens returns "
@@ -153,8 +144,7 @@ def _check_hashes(fn, name: str, tokens: list[int], block_size: int, extra: tupl
                             f"expected {len(want)} hashes, got {len(got)}", hint)
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
         if g != w:
-            what = (f"{where}: block {i}'s hash differs (expected {_short(w)}, got "
-                    f"{_short(g)})")
+            what = (f"{where}: block {i}'s hash differs (expected {_short(w)}, got {_short(g)})")
             grading.fail(what, _hash_hint(fn, i, g, got, want, tokens, block_size, extra))
 
 
@@ -167,8 +157,7 @@ def _right_on_new_tokens(fn, tokens: list[int], block_size: int, extra: tuple) -
     names = {t: base + k for k, t in enumerate(dict.fromkeys(tokens))}
     fresh = [names[t] for t in tokens]
     try:
-        return _call(fn, list(fresh), block_size, extra) == block_hashes(fresh, block_size,
-                                                                        extra)
+        return _call(fn, list(fresh), block_size, extra) == block_hashes(fresh, block_size, extra)
     except Exception:  # noqa: BLE001 - the learner's function: the usual hint then
         return False
 
@@ -212,9 +201,8 @@ def _hash_hint(fn, i, g, got, want, tokens, block_size, extra) -> str:
         (bool(extra) and i > 0 and got[0] == want[0], hash_block_tokens(parent, chunk, ()),
          "extra keys on block 0 only: every block's BlockHash records its extra keys and "
          "the pool compares them on lookup, so every block's hash takes them"),
-        (True, hash_block_tokens(parent, tokens[:(i + 1) * s], extra), "each "
-         "hash_block_tokens call takes only that block's own tokens (the prefix comes in "
-         "through the parent)"),
+        (True, hash_block_tokens(parent, tokens[:(i + 1) * s], extra), "each hash_block_tokens "
+         "call takes only that block's own tokens (the prefix comes in through the parent)"),
         (True, hash_block_tokens(parent, tokens[i * s:(i + 1) * s - 1], extra), "off by one "
          "in the block's slice: block i holds tokens [i * block_size, (i + 1) * block_size)")]:
         if applies and g == guess:
@@ -341,8 +329,7 @@ def _check_hit(fn, num_tokens: int, block_size: int, cached: dict[int, int]) -> 
         (len(got) < len(want) and got == want[:len(got)], f"you stopped after {len(got)} "
          f"hit(s), the library reads {len(want)}: block {len(got)} is cached and "
          f"{where_last}; every cached block before that one is a hit"),
-        (sorted(got) == sorted(want), "the blocks in the order of the hashes (the prompt's "
-         "order)"),
+        (sorted(got) == sorted(want), "the blocks in the order of the hashes (the prompt's order)"),
         (True, "the library reads the blocks lookup finds for the leading hashes, up to the "
          f"first miss, and stops before the block that holds the last token: {where_last}")]:
         grading.expect_true(not wrong, f"expected {want}, got {got}", hint)
@@ -445,9 +432,8 @@ def _same_links(q: Any, lib: FreeBlockQueue, call: str, where: str) -> None:
                             "own next and prev entries too, or it still counts as queued")
         k = min((k for k in set(mine) | set(want) if mine.get(k, ()) != want.get(k, ())),
                 key=str, default=None)
-        grading.expect_true(k is None, f"{where}: {name}[{k!r}] is "
-                            f"{mine.get(k, 'missing')!r}, the library's "
-                            f"{want.get(k, 'missing')!r}", _LINKS.get(
+        grading.expect_true(k is None, f"{where}: {name}[{k!r}] is {mine.get(k, 'missing')!r}, the "
+                            f"library's {want.get(k, 'missing')!r}", _LINKS.get(
                                 (name, call), "check first, then change: a refused call "
                                 "leaves the links as they were"))
     grading.expect_equal(len(q), len(lib), f"{where}: len(queue)",
@@ -587,9 +573,8 @@ def diagnose(ask: Ask, want: Any, want_state: State, got: Any, got_state: State)
              "block is cached, yet the last token must be computed (its logits give the next "
              "token): at most (len(token_ids) - 1) // block_size blocks are adopted"),
             (any(cached_at.get(b) not in (None, h) and cached_at[b].value == h.value
-                 for b, h in zip(adopted, ask.hashes, strict=False)), "a block whose hash "
-             "has the same value is not a hit: compare the whole BlockHash, as pool.lookup "
-             "does"),
+                 for b, h in zip(adopted, ask.hashes, strict=False)), "a block whose hash has the "
+             "same value is not a hit: compare the whole BlockHash, as pool.lookup does"),
             (counted and computed != len(adopted) * bs,
              "num_computed_tokens is the hit blocks times block_size"),
             (counted and computed < wc and adopted == wb[:computed // bs], f"your hit stops "
@@ -634,11 +619,9 @@ def diagnose(ask: Ask, want: Any, want_state: State, got: Any, got_state: State)
         left = sorted(set(got_state.free) & set(wb))
         return (f"block {left[0]} is in your table and still in the free queue: a hit on a "
                 "block with ref count 0 takes it out of the queue" if left else
-                "only the blocks of the table leave the free queue; the others keep their "
-                "order")
+                "only the blocks of the table leave the free queue; the others keep their order")
     got_h, want_h = dict(got_state.hashes), dict(want_state.hashes)
-    stale = [b for b in wfresh if b in cached_at and got_h.get(b) == cached_at[b]
-             != want_h.get(b)]
+    stale = [b for b in wfresh if b in cached_at and got_h.get(b) == cached_at[b] != want_h.get(b)]
     full = (wc + now) // bs
     dup = [b for b in wb[:full] if b not in got_h and want_h[b] in cached_at.values()]
     got_v, want_v = dict(got_state.by_value), dict(want_state.by_value)

@@ -146,8 +146,7 @@ def _wrong_heads(h: int, kv: int, tp: int, r: int) -> dict[str, Any]:
     }
 
 
-_OWNS = ("rank r owns query heads r*H/T up to (r+1)*H/T and the KV heads those query heads "
-         "read")
+_OWNS = ("rank r owns query heads r*H/T up to (r+1)*H/T and the KV heads those query heads read")
 
 
 #: (query heads, KV heads) of published configurations: Llama 3 8B and 70B, Qwen2 0.5B,
@@ -298,8 +297,7 @@ class Rank:
         tables = [[order.pop() for _ in range(n)] for n in need]
         cache = poisoned_cache(g, num_blocks, bs, kv, d, tables, [c for c, _ in self.lens],
                                torch.float32)  # the history, written by earlier steps
-        meta = build_metadata(tables, [c + n for c, n in self.lens], [n for _, n in self.lens],
-                              bs)
+        meta = build_metadata(tables, [c + n for c, n in self.lens], [n for _, n in self.lens], bs)
         check_metadata(meta, num_blocks, bs)
         cos, sin = rope_cos_sin(meta.positions, d, 10000.0, torch.float32)
         x = rand(int(meta.query_lens.sum()), hid) * 3 * self.loud
@@ -474,8 +472,7 @@ def _mistake(step: Step, heads: torch.Tensor, got: torch.Tensor, want: torch.Ten
              "over every head)": (want - b) / step.tp + b}
     if w.o.shape[0] == w.o.shape[1]:  # o[its heads' rows, :] multiplies only when square
         wrong[_ROWS] = heads @ w.o + b
-    return next((hint for hint, out in wrong.items()
-                 if torch.allclose(got, out, 1e-4, 1e-5)), None)
+    return next((hint for hint, out in wrong.items() if torch.allclose(got, out, 1e-4, 1e-5)), None)
 
 
 def compare(step: Step, results: list) -> None:
