@@ -163,9 +163,8 @@ def _right_on_new_tokens(fn, tokens: list[int], block_size: int, extra: tuple) -
 
 
 def _hash_hint(fn, i, g, got, want, tokens, block_size, extra) -> str:
-    """Block ``i``'s hash is ``g``: a hash kept from an earlier call (right on new tokens)
-    or from an earlier block with the same tokens (right where no block repeats), else the
-    slip whose hash it is."""
+    """Block ``i``'s hash ``g``: one kept from an earlier call (right on new tokens) or from an
+    earlier block of the same tokens (right where no block repeats), else the slip's."""
     if _right_on_new_tokens(fn, tokens, block_size, extra):
         return ("your hashes are right on this text once its token ids are new to your "
                 "function: it remembers hashes between calls under a key that leaves out "
@@ -490,8 +489,7 @@ def _telling(cls: type) -> type:
 
 @dataclass(frozen=True)
 class State:
-    """A caching pool, comparable: the free queue (head first), every block's reference
-    count, each cached block's hash, and the blocks under each hash value."""
+    """A caching pool, comparable: free queue (head first), ref counts, hashes, blocks per value."""
 
     free: tuple[int, ...]
     refs: tuple[int, ...]
@@ -536,13 +534,11 @@ class Ask:
 
 
 def _parts(s: State) -> dict[str, str]:
-    def cached(h: BlockHash) -> str:
-        return f"tokens {h.token_ids[0]}..{h.token_ids[-1]}" + (
-            f" {h.extra_keys}" if h.extra_keys else "")
+    cached = lambda h: f"tokens {h.token_ids[0]}..{h.token_ids[-1]}" + (
+        f" {h.extra_keys}" if h.extra_keys else "")
     empty = sum(not bs for _, bs in s.by_value)
     return {"free queue (head first)": str(list(s.free)),
-            "held (block: ref count)": str({b: r for b, r in enumerate(s.refs) if r}
-                                           or "none"),
+            "held (block: ref count)": str({b: r for b, r in enumerate(s.refs) if r} or "none"),
             "cached": "{" + ", ".join(f"{b}: {cached(h)}" for b, h in s.hashes) + "}",
             "cached_blocks (blocks per hash value)": str(
                 [list(bs) for _, bs in s.by_value if len(bs) > 1] or "one each")
@@ -566,7 +562,7 @@ def diagnose(ask: Ask, want: Any, want_state: State, got: Any, got_state: State)
     if computed != wc or blocks[:wc // bs] != wb[:wc // bs]:
         adopted = blocks[:computed // bs] if counted else []
         last = (len(ask.token_ids) - 1) // bs
-        for wrong, hint in [
+        return next((hint for wrong, hint in [
             (wc and blocks == wb[wc // bs:], "the table is the whole text's: the hit's blocks "
              "first, then the fresh ones"),
             (counted and computed > wc and computed == leading * bs, "a full hit: every "
@@ -587,11 +583,9 @@ def diagnose(ask: Ask, want: Any, want_state: State, got: Any, got_state: State)
              "where two blocks are cached under one hash, the hit is the oldest "
              "(pool.lookup's: the first in cached_blocks[value])"),
             (any(cached_at.get(b) in ask.hashes[leading + 1:] for b in adopted),
-             "a hit must be a leading run: after a miss, later hashes cannot be used")]:
-            if wrong:
-                return hint
-        return ("the hit is the cached blocks of the longest run of leading hashes, in "
-                "order, stopping at the first miss; num_computed_tokens their tokens")
+             "a hit must be a leading run: after a miss, later hashes cannot be used")] if wrong),
+            "the hit is the cached blocks of the longest run of leading hashes, in order, "
+            "stopping at the first miss; num_computed_tokens their tokens")
     now = min(len(ask.token_ids) - wc, ask.max_new_tokens)
     if len(blocks) != len(wb):
         return (f"after its hit of {wc} tokens this request computes {now} now (its budget "
@@ -610,8 +604,7 @@ def diagnose(ask: Ask, want: Any, want_state: State, got: Any, got_state: State)
                 "which comes first in the free queue: fresh blocks are reused in the queue's "
                 "order, cached or not")
     if got_state.refs != want_state.refs:
-        b = next(i for i, (g, w) in enumerate(zip(got_state.refs, want_state.refs,
-                                                  strict=True)) if g != w)
+        b = next(i for i, g in enumerate(got_state.refs) if g != want_state.refs[i])
         return (f"block {b}'s reference count is {got_state.refs[b]}, the library's "
                 f"{want_state.refs[b]}: a hit takes one more reference, a fresh block "
                 "starts at 1")
@@ -629,7 +622,7 @@ def diagnose(ask: Ask, want: Any, want_state: State, got: Any, got_state: State)
     value = cached_at[evicted[0]].value if evicted else None
     unlisted = [b for b, h in got_state.hashes if b not in got_v.get(h.value, ())
                 and b in want_v.get(h.value, ())]
-    for wrong, hint in [
+    return next((hint() for wrong, hint in [
         (stale, lambda: f"block {stale[0]} was cached and is reused: it loses its old hash "
          "(eviction), in block_hash and in cached_blocks"),
         (any(b in want_h and got_h.get(b, want_h[b]) != want_h[b] for b in wb), lambda:
@@ -653,10 +646,8 @@ def diagnose(ask: Ask, want: Any, want_state: State, got: Any, got_state: State)
          "under it, oldest first: an eviction takes out only the block reused"),
         (got_state.by_value != want_state.by_value, lambda: "cached_blocks[value] lists every "
          "block cached under that value, oldest first: a block recomputed with the same hash "
-         "is added after the others, a hit is not added again")]:
-        if wrong:
-            return hint()
-    return "the pool after the call differs from the library's"
+         "is added after the others, a hit is not added again")] if wrong),
+        "the pool after the call differs from the library's")
 
 
 def compare(fn: Callable, ask: Ask) -> State:
@@ -692,8 +683,7 @@ def _prefilled(num_blocks: int, texts: list[tuple[list[int], tuple]], bs: int = 
 
 
 def edge_states() -> list[tuple[str, PrefixCachingAllocator, list[tuple]]]:
-    """(what, the pool, the calls made one after another on it: tokens, extra keys,
-    block size, max_new_tokens)."""
+    """(what, the pool, the calls made on it in turn: tokens, extra keys, block size, budget)."""
     a = list(range(100, 112))
     # lora-1's and lora-2's block over the same tokens, both freed, then a block cached
     # under a forged hash (lora-2's value, lora-1's keys), listed first under that value

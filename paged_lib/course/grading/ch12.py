@@ -1,8 +1,6 @@
 """Chapter 12's checks, each one verdict line and one generated stage (:func:`numeric.check`):
-12.1 ``kv_bytes_per_rank`` on real models, then refused tp_sizes; 12.2 ``rank_heads`` on
-:func:`head_cases` (both name a wrong number by the typical mistakes on the same case); 12.3
-``rank_attention`` on :func:`rank_cases`, every rank run with the all-reduce replayed, then on
-two ``gloo`` ranks serving a workload whose tokens must be the single-device engine's.
+12.1 ``kv_bytes_per_rank`` and 12.2 ``rank_heads`` name a wrong number by the typical mistakes;
+12.3 ``rank_attention`` with the all-reduce replayed, then serving on two ``gloo`` ranks.
 """
 
 from __future__ import annotations
@@ -159,8 +157,7 @@ _HEAD_MODELS = [(32, 8), (64, 8), (14, 2), (12, 2), (28, 4), (40, 8), (40, 10), 
 #: set holds as 8, 6, 7)
 _NAMED_SHARDINGS = [(8, 2, 2), (8, 2, 4), (8, 8, 4), (4, 1, 2), (64, 8, 16), (6, 6, 3), (8, 2, 1),
                      (32, 8, 8), (8, 2, 8), (12, 4, 2), (24, 12, 4)]
-#: (heads, KV heads, tp_size, rank) vLLM refuses: 3 ranks for 8 heads, 4 for 6 KV heads,
-#: 3 for 2, tp_size 0, 16 ranks for 8 heads, 6 for 4 KV heads; rank 2 of 2, rank -1
+#: (heads, KV heads, tp_size, rank) vLLM refuses (a tp_size, then a rank)
 _REFUSED_CASES = [(8, 2, 3, 0), (12, 6, 4, 0), (6, 2, 3, 0), (8, 2, 0, 0), (8, 2, 16, 0),
                   (12, 4, 6, 0), (8, 2, 2, 2), (8, 2, 2, -1)]
 
@@ -283,10 +280,7 @@ class Rank:
     def step(self) -> Step:
         """The step's tensors: its history in a cache whose other slots are NaN."""
         g = torch.Generator().manual_seed(self.seed)
-
-        def rand(*shape: int) -> torch.Tensor:
-            return torch.randn(*shape, generator=g) * 0.3
-
+        rand = lambda *shape: torch.randn(*shape, generator=g) * 0.3
         h, kv, d, bs, hid = self.heads, self.kv_heads, self.head_dim, self.block_size, self.hidden
         w = AttentionWeights(rand(h * d, hid), rand(kv * d, hid), rand(kv * d, hid),
                              rand(hid, h * d), h, kv, d, *((rand(h * d), rand(kv * d),
