@@ -61,8 +61,7 @@ def reference_levels(spec: ModelSpec, lengths: Sequence[int], max_len: int,
     b_base, b_per = kv_bytes_per_token(base), kv_bytes_per_token(per)
     keep = max_len if window is None or (window == 0 and not zero_window) \
         else window + (sinks if with_sinks else 0)
-    if cap:
-        keep = min(keep, max_len)
+    keep = min(keep, max_len) if cap else keep
     kept = {"kept": [min(n, keep) for n in lengths], "all": list(lengths),
             "max_len": [max_len] * len(lengths), "reserved": [keep] * len(lengths),
             "sinks_on_top": [min(n, max_len if window is None else window)

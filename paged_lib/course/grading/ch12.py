@@ -498,9 +498,8 @@ def compare(step: Step, results: list) -> None:
             grading.fail(f"{what}: token {row} (position {int(step.meta.positions[row])}), "
                          f"output {col}: the single-device layer gives {want[row, col]:.5f}, "
                          f"yours {float(out[row, col]):.5f}",
-                         _NAN if out[row, col].isnan() else _ROTATED if same[1].all() and
-                         not same[0].all() else
-                         _mistake(step, heads, got, want, partial) or _HEADS)
+                         _NAN if out[row, col].isnan() else _ROTATED if same[1].all() and not
+                         same[0].all() else _mistake(step, heads, got, want, partial) or _HEADS)
         for name, ok, mine, ref in zip("KV", same, cache, lib, strict=True):
             if not bool(ok.all()):
                 blk, off, head = (int(i) for i in (~ok).nonzero()[0][:3])
