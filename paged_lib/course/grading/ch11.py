@@ -186,14 +186,13 @@ class Levels:
     def states(self) -> list[str]:
         """What this case reaches that the named cases do not (``tools/grading_report.py``)."""
         s, w, n = _MODELS[self.model], self.window, self.lengths
-        out = [f"{s.attention} in {({1: 'fp8', 2: 'fp16', 4: 'fp32'})[self.dtype_b]}"]
-        out += ["model in fp32"] if s.dtype_bytes == 4 else []
-        out += ["no window"] if w is None else ["window of 0"] if w == 0 else [
-            "window past max_len"] if w >= self.max_len else []
-        out += ["length at the window"] if w and w in n else []
-        out += ["past the window by at most sinks"] if w is not None and any(
-            w < x <= w + self.sinks for x in n) else []
-        return out
+        return numeric.reached(
+            (f"{s.attention} in {({1: 'fp8', 2: 'fp16', 4: 'fp32'})[self.dtype_b]}", True),
+            ("model in fp32", s.dtype_bytes == 4), ("no window", w is None),
+            ("window of 0", w == 0), ("window past max_len", w is not None and w >= self.max_len),
+            ("length at the window", bool(w) and w in n),
+            ("past the window by at most sinks", w is not None and any(
+                w < x <= w + self.sinks for x in n)))
 
     def smaller(self) -> Iterator[Levels]:
         n = self.lengths
@@ -373,8 +372,7 @@ _EDGES: list[tuple[str, list[int], int, int, int, tuple[int, ...]]] = [
     ("exactly sinks + one block, whole sink block", [1, 2], 8, 4, 4, ()),
     ("a block size of 1 and 3 sinks", [5, 6, 7, 8, 9], 5, 1, 3, ()),
     ("blocks of 2 and 3 sinks", [4, 9, 2, 6], 8, 2, 3, ()),
-    ("a sink block shared with another sequence (never rewritten)", [6, 2, 9], 10, 4, 4,
-     (6,)),
+    ("a sink block shared with another sequence (never rewritten)", [6, 2, 9], 10, 4, 4, (6,)),
     ("a block after the sinks shared with another sequence", [6, 2, 9], 10, 4, 2, (2,)),
     ("the block to release shared with another sequence (4 sinks, blocks of 4)", [6, 2, 9],
      10, 4, 4, (2,)),
