@@ -76,10 +76,9 @@ class Prompt:
 
     def describe(self) -> str:
         t, before = self.tokens(), list(_SIZES[:self.seed % len(_SIZES)])
+        again = f" (the same tokens were hashed at block size(s) {before} just before)"
         return (f"{self.length} tokens {t[:5]}{' ...' if self.length > 5 else ''}, block size "
-                f"{self.block_size}, extra keys {self.extras}" + (
-                    f" (the same tokens were hashed at block size(s) {before} just before)"
-                    if before else ""))
+                f"{self.block_size}, extra keys {self.extras}" + (again if before else ""))
 
     def states(self) -> list[str]:
         return ([f"{len(self.extras)} extra keys"] * (len(self.extras) > 1)
@@ -315,15 +314,13 @@ def _check_hit(fn, num_tokens: int, block_size: int, cached: dict[int, int]) -> 
         return
     n = next((k for k, h in enumerate(hashes) if h not in cache), len(hashes))
     leading, last = [cache[h] for h in hashes[:n]], (num_tokens - 1) // block_size
-    where_last = (f"the prompt's last token (token {num_tokens - 1}, counting from 0) is in "
-                  f"block {last}, " + ("part-filled" if num_tokens % block_size else
-                                       "a full block"))
+    where_last = (f"the prompt's last token (token {num_tokens - 1}, counting from 0) is in block "
+                  f"{last}, " + ("part-filled" if num_tokens % block_size else "a full block"))
     for wrong, hint in [
         (len(got) > len(want) and got[:len(want)] == want and n > len(want), "every block of "
          "this prompt is cached, yet its last token must still be computed (its logits give "
          f"the first new token): {where_last}, so that block is not a hit"),
-        (got == [cache[h] for h in hashes if h in cache] or (len(got) > n and got[:n] ==
-                                                             leading),
+        (got == [cache[h] for h in hashes if h in cache] or (len(got) > n and got[:n] == leading),
          "you counted hits past the first miss: the hit is the leading run only"),
         (len(got) < len(want) and got == want[:len(got)], f"you stopped after {len(got)} "
          f"hit(s), the library reads {len(want)}: block {len(got)} is cached and "
@@ -342,8 +339,7 @@ _POPLEFT = "paged_lib.engine.prefix_cache.FreeBlockQueue.popleft"
 #: removes come first, so that a popleft built on a wrong remove is told about remove
 _SCRIPTS: list[tuple[str, list[int], list[tuple]]] = [
     ("remove the head, then the tail, then the middle", [7, 3, 9, 1, 5],
-     [("remove", 7), ("remove", 5), ("remove", 9), ("append", 7), ("popleft",),
-      ("remove", 7)]),
+     [("remove", 7), ("remove", 5), ("remove", 9), ("append", 7), ("popleft",), ("remove", 7)]),
     ("remove the only block, popleft on the empty queue, then use it again", [4],
      [("remove", 4), ("popleft",), ("append", 2), ("popleft",), ("append", 6), ("append", 4),
       ("remove", 6), ("popleft",)]),
@@ -585,10 +581,9 @@ def diagnose(ask: Ask, want: Any, want_state: State, got: Any, got_state: State)
             "stopping at the first miss; num_computed_tokens their tokens")
     now = min(len(ask.token_ids) - wc, ask.max_new_tokens)
     if len(blocks) != len(wb):
-        return (f"after its hit of {wc} tokens this request computes {now} now (its budget "
-                f"counts only the tokens it computes): the table covers tokens 0.."
-                f"{wc + now - 1}, {len(wb)} blocks; the rest of a chunked prompt takes its "
-                "blocks in later steps")
+        return (f"after its hit of {wc} tokens this request computes {now} now (its budget counts "
+                f"only the tokens it computes): the table covers tokens 0..{wc + now - 1}, "
+                f"{len(wb)} blocks; the rest of a chunked prompt takes its blocks in later steps")
     fresh, wfresh, hits = blocks[wc // bs:], wb[wc // bs:], set(wb[:wc // bs])
     if fresh != wfresh:
         if hits & set(fresh):
@@ -603,8 +598,7 @@ def diagnose(ask: Ask, want: Any, want_state: State, got: Any, got_state: State)
     if got_state.refs != want_state.refs:
         b = next(i for i, g in enumerate(got_state.refs) if g != want_state.refs[i])
         return (f"block {b}'s reference count is {got_state.refs[b]}, the library's "
-                f"{want_state.refs[b]}: a hit takes one more reference, a fresh block "
-                "starts at 1")
+                f"{want_state.refs[b]}: a hit takes one more reference, a fresh block starts at 1")
     if got_state.free != want_state.free:
         left = sorted(set(got_state.free) & set(wb))
         return (f"block {left[0]} is in your table and still in the free queue: a hit on a "
@@ -634,9 +628,8 @@ def diagnose(ask: Ask, want: Any, want_state: State, got: Any, got_state: State)
          "mid-block: a part-filled block gets no hash (its K/V will still change)"),
         (any(not v for _, v in got_state.by_value), lambda: "a hash with no block left must "
          "be deleted from cached_blocks, not kept as an empty list"),
-        (evicted, lambda: f"block {evicted[0]} was evicted but cached_blocks still lists it "
-         "under its old value, and block(s) "
-         f"{sorted(set(want_v.get(value, ())) - set(got_v[value]))} "
+        (evicted, lambda: f"block {evicted[0]} was evicted but cached_blocks still lists it under "
+         f"its old value, and block(s) {sorted(set(want_v.get(value, ())) - set(got_v[value]))} "
          "left the list instead: take out the very block evicted, not the list's first"),
         (unlisted, lambda: f"block {unlisted[0]} is still cached (block_hash), but "
          "cached_blocks no longer lists it under its value, which lists every block cached "
@@ -661,8 +654,7 @@ def compare(fn: Callable, ask: Ask) -> State:
     after = "; ".join(f"{k}: the library's {lib[k]}, yours {mine[k]}" for k in lib
                       if mine[k] != lib[k])
     found = [b for h in ask.hashes for b, c in ask.before.hashes if c == h]
-    grading.fail(f"{ask.where}: the pool holds " + ", ".join(f"{k} {v}" for k, v in
-                                                             before.items())
+    grading.fail(f"{ask.where}: the pool holds " + ", ".join(f"{k} {v}" for k, v in before.items())
                  + f"; asked allocate_slots(pool, {len(ask.token_ids)} token ids, "
                  f"{len(ask.hashes)} hashes (cached: {found or 'none'}), block_size="
                  f"{ask.block_size}, max_new_tokens={ask.max_new_tokens}), "

@@ -54,8 +54,7 @@ def reference_levels(spec: ModelSpec, lengths: Sequence[int], max_len: int,
     base = {"mha": mha_equivalent(spec), "own": spec,
             "hidden": dataclasses.replace(mha_equivalent(spec),
                                           head_dim=spec.hidden_size // spec.num_heads)}[base_heads]
-    base = base.with_dtype({"fp16": 2, "kv": kv_dtype_bytes, "model": spec.dtype_bytes}
-                           [base_dtype])
+    base = base.with_dtype({"fp16": 2, "kv": kv_dtype_bytes, "model": spec.dtype_bytes}[base_dtype])
     per = (spec if own == "own" else mha_equivalent(spec)).with_dtype(
         kv_dtype_bytes if per_dtype == "kv" else spec.dtype_bytes)
     b_base, b_per = kv_bytes_per_token(base), kv_bytes_per_token(per)

@@ -480,9 +480,8 @@ def compare(step: Step, results: list) -> None:
     scale = heads.abs() @ w.o.abs().T + (0 if w.o_bias is None else w.o_bias.abs())
     for rank, (out, cache) in enumerate(results):
         what = f"rank {rank} of {step.tp}"
-        grading.expect_true(isinstance(out, torch.Tensor), f"{what}: returned "
-                            f"{type(out).__name__}", "return the layer's output, a tensor "
-                            "[tokens, hidden]")
+        grading.expect_true(isinstance(out, torch.Tensor), f"{what}: returned {type(out).__name__}",
+                            "return the layer's output, a tensor [tokens, hidden]")
         grading.expect_true(tuple(out.shape) == tuple(want.shape), f"{what}: output of shape "
                             f"{tuple(out.shape)}, expected {tuple(want.shape)}",
                             "return [tokens, hidden]: after o_proj, not the heads")
