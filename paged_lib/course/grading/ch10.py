@@ -1,19 +1,12 @@
-"""Checks for chapter 10 (prefix caching), each next to :mod:`paged_lib.engine.prefix_cache`.
-
-10.1 ``block_hashes``, 10.2 ``longest_cache_hit``: named prompts and caches, a wrong answer
-matched to the slip that gives it, generated cases (:class:`Prompt`: token ids up to 152,000
-at block sizes 16, 5, 3, 2 in turn with up to three extra keys; :class:`Hit`: prompts up to
-131,072 tokens, block ids up to 2**31 - 2, block 0 among them), then random workloads
-(:mod:`~.generated`). 10.3 ``popleft``/``remove`` of a :class:`FreeBlockQueue` subclass:
-scripted operations compared with the library's queue, the time per call at 1,000 and
-100,000 blocks, random workloads. 10.4 ``allocate_slots``: call by call next to the
-library's, on edge states no serving run reaches, then on random workloads (the first that
-differs shrunk and served again); the first call that differs told as a story (the pool
-before, the call, both answers and pools after) with a hint naming the rule.
+"""Checks for chapter 10 (prefix caching), each against :mod:`paged_lib.engine.prefix_cache`:
+named cases, a wrong answer named by the slip that gives it, generated cases (:class:`Prompt`,
+:class:`Hit`), then random workloads (:mod:`~.generated`); 10.3 also times ``popleft``/``remove``
+at 1,000 and 100,000 blocks; 10.4 tells the first call that differs (pool before, call, answers).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import random
@@ -83,10 +76,9 @@ class Prompt:
 
     def describe(self) -> str:
         t, before = self.tokens(), list(_SIZES[:self.seed % len(_SIZES)])
+        again = f" (the same tokens were hashed at block size(s) {before} just before)"
         return (f"{self.length} tokens {t[:5]}{' ...' if self.length > 5 else ''}, block size "
-                f"{self.block_size}, extra keys {self.extras}" + (
-                    f" (the same tokens were hashed at block size(s) {before} just before)"
-                    if before else ""))
+                f"{self.block_size}, extra keys {self.extras}" + (again if before else ""))
 
     def states(self) -> list[str]:
         return ([f"{len(self.extras)} extra keys"] * (len(self.extras) > 1)
@@ -131,8 +123,7 @@ def _check_hashes(fn, name: str, tokens: list[int], block_size: int, extra: tupl
         grading.fail(f"{where}: expected a list of {len(want)} BlockHash, got {got!r}",
                      "return the hashes themselves, one per full block, not how many")
     grading.expect_true(isinstance(got, list), f"{where}: expected a list, got a "
-                        f"{type(got).__name__}", "return a list with one BlockHash per full "
-                        "block")
+                        f"{type(got).__name__}", "return a list with one BlockHash per full block")
     bad = [h for h in got if not isinstance(h, BlockHash)]
     grading.expect_true(not bad, f"{where}: expected BlockHash items, got "
                         f"{(bad or [None])[0]!r}", "each item is what hash_block_tokens returns "
@@ -153,8 +144,7 @@ def _check_hashes(fn, name: str, tokens: list[int], block_size: int, extra: tupl
                             f"expected {len(want)} hashes, got {len(got)}", hint)
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
         if g != w:
-            what = (f"{where}: block {i}'s hash differs (expected {_short(w)}, got "
-                    f"{_short(g)})")
+            what = (f"{where}: block {i}'s hash differs (expected {_short(w)}, got {_short(g)})")
             grading.fail(what, _hash_hint(fn, i, g, got, want, tokens, block_size, extra))
 
 
@@ -167,16 +157,14 @@ def _right_on_new_tokens(fn, tokens: list[int], block_size: int, extra: tuple) -
     names = {t: base + k for k, t in enumerate(dict.fromkeys(tokens))}
     fresh = [names[t] for t in tokens]
     try:
-        return _call(fn, list(fresh), block_size, extra) == block_hashes(fresh, block_size,
-                                                                        extra)
+        return _call(fn, list(fresh), block_size, extra) == block_hashes(fresh, block_size, extra)
     except Exception:  # noqa: BLE001 - the learner's function: the usual hint then
         return False
 
 
 def _hash_hint(fn, i, g, got, want, tokens, block_size, extra) -> str:
-    """Block ``i``'s hash is ``g``: a hash kept from an earlier call (right on new tokens)
-    or from an earlier block with the same tokens (right where no block repeats), else the
-    slip whose hash it is."""
+    """Block ``i``'s hash ``g``: one kept from an earlier call (right on new tokens) or from an
+    earlier block of the same tokens (right where no block repeats), else the slip's."""
     if _right_on_new_tokens(fn, tokens, block_size, extra):
         return ("your hashes are right on this text once its token ids are new to your "
                 "function: it remembers hashes between calls under a key that leaves out "
@@ -212,9 +200,8 @@ def _hash_hint(fn, i, g, got, want, tokens, block_size, extra) -> str:
         (bool(extra) and i > 0 and got[0] == want[0], hash_block_tokens(parent, chunk, ()),
          "extra keys on block 0 only: every block's BlockHash records its extra keys and "
          "the pool compares them on lookup, so every block's hash takes them"),
-        (True, hash_block_tokens(parent, tokens[:(i + 1) * s], extra), "each "
-         "hash_block_tokens call takes only that block's own tokens (the prefix comes in "
-         "through the parent)"),
+        (True, hash_block_tokens(parent, tokens[:(i + 1) * s], extra), "each hash_block_tokens "
+         "call takes only that block's own tokens (the prefix comes in through the parent)"),
         (True, hash_block_tokens(parent, tokens[i * s:(i + 1) * s - 1], extra), "off by one "
          "in the block's slice: block i holds tokens [i * block_size, (i + 1) * block_size)")]:
         if applies and g == guess:
@@ -230,9 +217,8 @@ def _hash_hint(fn, i, g, got, want, tokens, block_size, extra) -> str:
 
 
 def _short(h: Any) -> str:
-    if isinstance(h, BlockHash):
-        return f"BlockHash(value={h.value:#x}, token_ids={h.token_ids})"
-    return repr(h)
+    return f"BlockHash(value={h.value:#x}, token_ids={h.token_ids})" if isinstance(
+        h, BlockHash) else repr(h)
 
 
 # ------------------------------------------------------------------ 10.2 longest_cache_hit
@@ -328,21 +314,18 @@ def _check_hit(fn, num_tokens: int, block_size: int, cached: dict[int, int]) -> 
         return
     n = next((k for k, h in enumerate(hashes) if h not in cache), len(hashes))
     leading, last = [cache[h] for h in hashes[:n]], (num_tokens - 1) // block_size
-    where_last = (f"the prompt's last token (token {num_tokens - 1}, counting from 0) is in "
-                  f"block {last}, " + ("part-filled" if num_tokens % block_size else
-                                       "a full block"))
+    where_last = (f"the prompt's last token (token {num_tokens - 1}, counting from 0) is in block "
+                  f"{last}, " + ("part-filled" if num_tokens % block_size else "a full block"))
     for wrong, hint in [
         (len(got) > len(want) and got[:len(want)] == want and n > len(want), "every block of "
          "this prompt is cached, yet its last token must still be computed (its logits give "
          f"the first new token): {where_last}, so that block is not a hit"),
-        (got == [cache[h] for h in hashes if h in cache] or (len(got) > n and got[:n] ==
-                                                             leading),
+        (got == [cache[h] for h in hashes if h in cache] or (len(got) > n and got[:n] == leading),
          "you counted hits past the first miss: the hit is the leading run only"),
         (len(got) < len(want) and got == want[:len(got)], f"you stopped after {len(got)} "
          f"hit(s), the library reads {len(want)}: block {len(got)} is cached and "
          f"{where_last}; every cached block before that one is a hit"),
-        (sorted(got) == sorted(want), "the blocks in the order of the hashes (the prompt's "
-         "order)"),
+        (sorted(got) == sorted(want), "the blocks in the order of the hashes (the prompt's order)"),
         (True, "the library reads the blocks lookup finds for the leading hashes, up to the "
          f"first miss, and stops before the block that holds the last token: {where_last}")]:
         grading.expect_true(not wrong, f"expected {want}, got {got}", hint)
@@ -356,8 +339,7 @@ _POPLEFT = "paged_lib.engine.prefix_cache.FreeBlockQueue.popleft"
 #: removes come first, so that a popleft built on a wrong remove is told about remove
 _SCRIPTS: list[tuple[str, list[int], list[tuple]]] = [
     ("remove the head, then the tail, then the middle", [7, 3, 9, 1, 5],
-     [("remove", 7), ("remove", 5), ("remove", 9), ("append", 7), ("popleft",),
-      ("remove", 7)]),
+     [("remove", 7), ("remove", 5), ("remove", 9), ("append", 7), ("popleft",), ("remove", 7)]),
     ("remove the only block, popleft on the empty queue, then use it again", [4],
      [("remove", 4), ("popleft",), ("append", 2), ("popleft",), ("append", 6), ("append", 4),
       ("remove", 6), ("popleft",)]),
@@ -383,12 +365,9 @@ _LINKS = {("next", "remove"): "remove left a neighbour pointing at the removed b
 def check_free_queue(cls: Any) -> None:
     """``cls``: a :class:`FreeBlockQueue` subclass with its own ``popleft`` and ``remove``."""
     with grading.exercise("10.3"):
-        calls: list[str] = []
-        try:
-            with grading._refusing_twin(_POPLEFT, calls):  # 10.3's second twin
-                _check_queue(cls)
-        except grading.TwinCalled:
-            pass
+        calls: list[str] = []  # 10.3's second twin: the library's popleft
+        with contextlib.suppress(grading.TwinCalled), grading._refusing_twin(_POPLEFT, calls):
+            _check_queue(cls)
         if calls:
             grading.fail(calls[0], "write popleft yourself from the spec: the check compares "
                          "your queue with the library's, so delegating proves nothing")
@@ -445,9 +424,8 @@ def _same_links(q: Any, lib: FreeBlockQueue, call: str, where: str) -> None:
                             "own next and prev entries too, or it still counts as queued")
         k = min((k for k in set(mine) | set(want) if mine.get(k, ()) != want.get(k, ())),
                 key=str, default=None)
-        grading.expect_true(k is None, f"{where}: {name}[{k!r}] is "
-                            f"{mine.get(k, 'missing')!r}, the library's "
-                            f"{want.get(k, 'missing')!r}", _LINKS.get(
+        grading.expect_true(k is None, f"{where}: {name}[{k!r}] is {mine.get(k, 'missing')!r}, the "
+                            f"library's {want.get(k, 'missing')!r}", _LINKS.get(
                                 (name, call), "check first, then change: a refused call "
                                 "leaves the links as they were"))
     grading.expect_equal(len(q), len(lib), f"{where}: len(queue)",
@@ -504,8 +482,7 @@ def _telling(cls: type) -> type:
 
 @dataclass(frozen=True)
 class State:
-    """A caching pool, comparable: the free queue (head first), every block's reference
-    count, each cached block's hash, and the blocks under each hash value."""
+    """A caching pool, comparable: free queue (head first), ref counts, hashes, blocks per value."""
 
     free: tuple[int, ...]
     refs: tuple[int, ...]
@@ -550,13 +527,11 @@ class Ask:
 
 
 def _parts(s: State) -> dict[str, str]:
-    def cached(h: BlockHash) -> str:
-        return f"tokens {h.token_ids[0]}..{h.token_ids[-1]}" + (
-            f" {h.extra_keys}" if h.extra_keys else "")
+    cached = lambda h: f"tokens {h.token_ids[0]}..{h.token_ids[-1]}" + (
+        f" {h.extra_keys}" if h.extra_keys else "")
     empty = sum(not bs for _, bs in s.by_value)
     return {"free queue (head first)": str(list(s.free)),
-            "held (block: ref count)": str({b: r for b, r in enumerate(s.refs) if r}
-                                           or "none"),
+            "held (block: ref count)": str({b: r for b, r in enumerate(s.refs) if r} or "none"),
             "cached": "{" + ", ".join(f"{b}: {cached(h)}" for b, h in s.hashes) + "}",
             "cached_blocks (blocks per hash value)": str(
                 [list(bs) for _, bs in s.by_value if len(bs) > 1] or "one each")
@@ -580,16 +555,15 @@ def diagnose(ask: Ask, want: Any, want_state: State, got: Any, got_state: State)
     if computed != wc or blocks[:wc // bs] != wb[:wc // bs]:
         adopted = blocks[:computed // bs] if counted else []
         last = (len(ask.token_ids) - 1) // bs
-        for wrong, hint in [
+        return next((hint for wrong, hint in [
             (wc and blocks == wb[wc // bs:], "the table is the whole text's: the hit's blocks "
              "first, then the fresh ones"),
             (counted and computed > wc and computed == leading * bs, "a full hit: every "
              "block is cached, yet the last token must be computed (its logits give the next "
              "token): at most (len(token_ids) - 1) // block_size blocks are adopted"),
             (any(cached_at.get(b) not in (None, h) and cached_at[b].value == h.value
-                 for b, h in zip(adopted, ask.hashes, strict=False)), "a block whose hash "
-             "has the same value is not a hit: compare the whole BlockHash, as pool.lookup "
-             "does"),
+                 for b, h in zip(adopted, ask.hashes, strict=False)), "a block whose hash has the "
+             "same value is not a hit: compare the whole BlockHash, as pool.lookup does"),
             (counted and computed != len(adopted) * bs,
              "num_computed_tokens is the hit blocks times block_size"),
             (counted and computed < wc and adopted == wb[:computed // bs], f"your hit stops "
@@ -602,17 +576,14 @@ def diagnose(ask: Ask, want: Any, want_state: State, got: Any, got_state: State)
              "where two blocks are cached under one hash, the hit is the oldest "
              "(pool.lookup's: the first in cached_blocks[value])"),
             (any(cached_at.get(b) in ask.hashes[leading + 1:] for b in adopted),
-             "a hit must be a leading run: after a miss, later hashes cannot be used")]:
-            if wrong:
-                return hint
-        return ("the hit is the cached blocks of the longest run of leading hashes, in "
-                "order, stopping at the first miss; num_computed_tokens their tokens")
+             "a hit must be a leading run: after a miss, later hashes cannot be used")] if wrong),
+            "the hit is the cached blocks of the longest run of leading hashes, in order, "
+            "stopping at the first miss; num_computed_tokens their tokens")
     now = min(len(ask.token_ids) - wc, ask.max_new_tokens)
     if len(blocks) != len(wb):
-        return (f"after its hit of {wc} tokens this request computes {now} now (its budget "
-                f"counts only the tokens it computes): the table covers tokens 0.."
-                f"{wc + now - 1}, {len(wb)} blocks; the rest of a chunked prompt takes its "
-                "blocks in later steps")
+        return (f"after its hit of {wc} tokens this request computes {now} now (its budget counts "
+                f"only the tokens it computes): the table covers tokens 0..{wc + now - 1}, "
+                f"{len(wb)} blocks; the rest of a chunked prompt takes its blocks in later steps")
     fresh, wfresh, hits = blocks[wc // bs:], wb[wc // bs:], set(wb[:wc // bs])
     if fresh != wfresh:
         if hits & set(fresh):
@@ -625,20 +596,16 @@ def diagnose(ask: Ask, want: Any, want_state: State, got: Any, got_state: State)
                 "which comes first in the free queue: fresh blocks are reused in the queue's "
                 "order, cached or not")
     if got_state.refs != want_state.refs:
-        b = next(i for i, (g, w) in enumerate(zip(got_state.refs, want_state.refs,
-                                                  strict=True)) if g != w)
+        b = next(i for i, g in enumerate(got_state.refs) if g != want_state.refs[i])
         return (f"block {b}'s reference count is {got_state.refs[b]}, the library's "
-                f"{want_state.refs[b]}: a hit takes one more reference, a fresh block "
-                "starts at 1")
+                f"{want_state.refs[b]}: a hit takes one more reference, a fresh block starts at 1")
     if got_state.free != want_state.free:
         left = sorted(set(got_state.free) & set(wb))
         return (f"block {left[0]} is in your table and still in the free queue: a hit on a "
                 "block with ref count 0 takes it out of the queue" if left else
-                "only the blocks of the table leave the free queue; the others keep their "
-                "order")
+                "only the blocks of the table leave the free queue; the others keep their order")
     got_h, want_h = dict(got_state.hashes), dict(want_state.hashes)
-    stale = [b for b in wfresh if b in cached_at and got_h.get(b) == cached_at[b]
-             != want_h.get(b)]
+    stale = [b for b in wfresh if b in cached_at and got_h.get(b) == cached_at[b] != want_h.get(b)]
     full = (wc + now) // bs
     dup = [b for b in wb[:full] if b not in got_h and want_h[b] in cached_at.values()]
     got_v, want_v = dict(got_state.by_value), dict(want_state.by_value)
@@ -646,7 +613,7 @@ def diagnose(ask: Ask, want: Any, want_state: State, got: Any, got_state: State)
     value = cached_at[evicted[0]].value if evicted else None
     unlisted = [b for b, h in got_state.hashes if b not in got_v.get(h.value, ())
                 and b in want_v.get(h.value, ())]
-    for wrong, hint in [
+    return next((hint() for wrong, hint in [
         (stale, lambda: f"block {stale[0]} was cached and is reused: it loses its old hash "
          "(eviction), in block_hash and in cached_blocks"),
         (any(b in want_h and got_h.get(b, want_h[b]) != want_h[b] for b in wb), lambda:
@@ -661,19 +628,16 @@ def diagnose(ask: Ask, want: Any, want_state: State, got: Any, got_state: State)
          "mid-block: a part-filled block gets no hash (its K/V will still change)"),
         (any(not v for _, v in got_state.by_value), lambda: "a hash with no block left must "
          "be deleted from cached_blocks, not kept as an empty list"),
-        (evicted, lambda: f"block {evicted[0]} was evicted but cached_blocks still lists it "
-         "under its old value, and block(s) "
-         f"{sorted(set(want_v.get(value, ())) - set(got_v[value]))} "
+        (evicted, lambda: f"block {evicted[0]} was evicted but cached_blocks still lists it under "
+         f"its old value, and block(s) {sorted(set(want_v.get(value, ())) - set(got_v[value]))} "
          "left the list instead: take out the very block evicted, not the list's first"),
         (unlisted, lambda: f"block {unlisted[0]} is still cached (block_hash), but "
          "cached_blocks no longer lists it under its value, which lists every block cached "
          "under it, oldest first: an eviction takes out only the block reused"),
         (got_state.by_value != want_state.by_value, lambda: "cached_blocks[value] lists every "
          "block cached under that value, oldest first: a block recomputed with the same hash "
-         "is added after the others, a hit is not added again")]:
-        if wrong:
-            return hint()
-    return "the pool after the call differs from the library's"
+         "is added after the others, a hit is not added again")] if wrong),
+        "the pool after the call differs from the library's")
 
 
 def compare(fn: Callable, ask: Ask) -> State:
@@ -690,8 +654,7 @@ def compare(fn: Callable, ask: Ask) -> State:
     after = "; ".join(f"{k}: the library's {lib[k]}, yours {mine[k]}" for k in lib
                       if mine[k] != lib[k])
     found = [b for h in ask.hashes for b, c in ask.before.hashes if c == h]
-    grading.fail(f"{ask.where}: the pool holds " + ", ".join(f"{k} {v}" for k, v in
-                                                             before.items())
+    grading.fail(f"{ask.where}: the pool holds " + ", ".join(f"{k} {v}" for k, v in before.items())
                  + f"; asked allocate_slots(pool, {len(ask.token_ids)} token ids, "
                  f"{len(ask.hashes)} hashes (cached: {found or 'none'}), block_size="
                  f"{ask.block_size}, max_new_tokens={ask.max_new_tokens}), "
@@ -709,8 +672,7 @@ def _prefilled(num_blocks: int, texts: list[tuple[list[int], tuple]], bs: int = 
 
 
 def edge_states() -> list[tuple[str, PrefixCachingAllocator, list[tuple]]]:
-    """(what, the pool, the calls made one after another on it: tokens, extra keys,
-    block size, max_new_tokens)."""
+    """(what, the pool, the calls made on it in turn: tokens, extra keys, block size, budget)."""
     a = list(range(100, 112))
     # lora-1's and lora-2's block over the same tokens, both freed, then a block cached
     # under a forged hash (lora-2's value, lora-1's keys), listed first under that value

@@ -54,15 +54,13 @@ def reference_levels(spec: ModelSpec, lengths: Sequence[int], max_len: int,
     base = {"mha": mha_equivalent(spec), "own": spec,
             "hidden": dataclasses.replace(mha_equivalent(spec),
                                           head_dim=spec.hidden_size // spec.num_heads)}[base_heads]
-    base = base.with_dtype({"fp16": 2, "kv": kv_dtype_bytes, "model": spec.dtype_bytes}
-                           [base_dtype])
+    base = base.with_dtype({"fp16": 2, "kv": kv_dtype_bytes, "model": spec.dtype_bytes}[base_dtype])
     per = (spec if own == "own" else mha_equivalent(spec)).with_dtype(
         kv_dtype_bytes if per_dtype == "kv" else spec.dtype_bytes)
     b_base, b_per = kv_bytes_per_token(base), kv_bytes_per_token(per)
     keep = max_len if window is None or (window == 0 and not zero_window) \
         else window + (sinks if with_sinks else 0)
-    if cap:
-        keep = min(keep, max_len)
+    keep = min(keep, max_len) if cap else keep
     kept = {"kept": [min(n, keep) for n in lengths], "all": list(lengths),
             "max_len": [max_len] * len(lengths), "reserved": [keep] * len(lengths),
             "sinks_on_top": [min(n, max_len if window is None else window)
@@ -100,8 +98,7 @@ _LEVEL_SLIPS: list[tuple[int, list[dict], str]] = [
     (2, [dict(reserve="kept")], "fewer tokens is still a reservation made before a "
      "request's length is known: every request reserves the most the window lets it keep; "
      "what each request really holds is the paged layout's level"),
-    (23, [dict(with_sinks=False)], "the sinks are kept too: a request keeps window + sinks "
-     "tokens"),
+    (23, [dict(with_sinks=False)], "the sinks are kept too: a request keeps window + sinks tokens"),
     (2, [dict(cap=False)], "a request never needs more than max_len tokens, however long "
      "the window is"),
     (2, [dict(zero_window=False)], "a window of 0 keeps only the sinks: test `window is "
@@ -122,10 +119,8 @@ _LEVEL_SLIPS: list[tuple[int, list[dict], str]] = [
 
 
 def _run_levels(fn: Callable, args: tuple, what: str, named: list | None = None) -> None:
-    """11.1 on one case ``args`` (reference_levels' arguments), told as ``what``. With
-    ``named`` (the generated stage's first pass) a wrong level counts only where exactly one
-    mistake explains it, and (once ``named`` holds a hint) only that one: the shrink keeps
-    it. The second pass (``named`` None) fails on any wrong level."""
+    """11.1 on ``args`` (reference_levels'). With ``named`` (the first generated pass) a wrong
+    level counts only where one mistake explains it, and only the one in ``named`` once set."""
     spec, lengths, max_len, dtype_b, b, window, sinks = args
     what, given = what and f"{what}: ", list(lengths)
     got = fn(spec, given, max_len=max_len, kv_dtype_bytes=dtype_b, block_size=b,
@@ -134,8 +129,7 @@ def _run_levels(fn: Callable, args: tuple, what: str, named: list | None = None)
                         "read the lengths, do not change them")
     grading.expect_true(isinstance(got, tuple | list) and len(got) == 4,
                         f"{what}expected a tuple of 4 byte counts, got {got!r}",
-                        "return (baseline, fewer bytes per token, fewer tokens, "
-                        "paged layout)")
+                        "return (baseline, fewer bytes per token, fewer tokens, paged layout)")
     want = reference_levels(*args)
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
         level = f"{what}{LEVELS[i]}"
@@ -191,14 +185,13 @@ class Levels:
     def states(self) -> list[str]:
         """What this case reaches that the named cases do not (``tools/grading_report.py``)."""
         s, w, n = _MODELS[self.model], self.window, self.lengths
-        out = [f"{s.attention} in {({1: 'fp8', 2: 'fp16', 4: 'fp32'})[self.dtype_b]}"]
-        out += ["model in fp32"] if s.dtype_bytes == 4 else []
-        out += ["no window"] if w is None else ["window of 0"] if w == 0 else [
-            "window past max_len"] if w >= self.max_len else []
-        out += ["length at the window"] if w and w in n else []
-        out += ["past the window by at most sinks"] if w is not None and any(
-            w < x <= w + self.sinks for x in n) else []
-        return out
+        return numeric.reached(
+            (f"{s.attention} in {({1: 'fp8', 2: 'fp16', 4: 'fp32'})[self.dtype_b]}", True),
+            ("model in fp32", s.dtype_bytes == 4), ("no window", w is None),
+            ("window of 0", w == 0), ("window past max_len", w is not None and w >= self.max_len),
+            ("length at the window", bool(w) and w in n),
+            ("past the window by at most sinks", w is not None and any(
+                w < x <= w + self.sinks for x in n)))
 
     def smaller(self) -> Iterator[Levels]:
         n = self.lengths
@@ -245,49 +238,40 @@ def check_kv_levels(fn: Callable[..., Any]) -> None:
 # ------------------------------------------------------------ 11.2 kv_bytes_per_token
 
 def _bytes_cases() -> list[ModelSpec]:
-    # fp32 toys first: at 2 bytes per value, a forgotten dtype_bytes and a forgotten K/V
-    # pair give the same wrong number, at 4 they do not, so the hint can name the slip
-    toys = [ModelSpec("toy-gqa", 5, 48, 6, 2, 8, dtype_bytes=4),
+    # fp32 toys first: at 2 bytes per value a forgotten dtype_bytes and a forgotten K/V pair
+    # give the same wrong number, at 4 they do not, so the hint can name the slip
+    return [ModelSpec("toy-gqa", 5, 48, 6, 2, 8, dtype_bytes=4),
             ModelSpec("toy-mla", 3, 32, 4, 4, 8, dtype_bytes=4, kv_lora_rank=16,
                       qk_rope_head_dim=4),
-            ModelSpec("toy-mla-no-rope", 2, 32, 4, 4, 8, kv_lora_rank=24)]
-    return toys + list(SPECS.values()) + list(DEEPSEEK_SPECS.values()) + [
-        SPECS["llama-2-70b"].with_dtype("fp8"), DEEPSEEK_SPECS["deepseek-v2"].with_dtype("fp8")]
+            ModelSpec("toy-mla-no-rope", 2, 32, 4, 4, 8, kv_lora_rank=24),
+            *SPECS.values(), *DEEPSEEK_SPECS.values(), SPECS["llama-2-70b"].with_dtype("fp8"),
+            DEEPSEEK_SPECS["deepseek-v2"].with_dtype("fp8")]
 
 
 def _bytes_slips(s: ModelSpec) -> list[tuple[int, str]]:
     """What typical mistakes return for ``s``, each with the hint that names it."""
-    heads = 2 * s.num_layers * s.head_dim * s.dtype_bytes
-    out: list[tuple[int, str]] = []
-    if s.kv_lora_rank:
-        latent, rope = s.kv_lora_rank, s.qk_rope_head_dim
-        out += [
-            (2 * s.num_layers * (latent + rope) * s.dtype_bytes, "the latent is stored "
-             "once per layer: K and V are both rebuilt from it, so there is no factor 2"),
-            (s.num_layers * (latent + s.num_heads * rope) * s.dtype_bytes, "the RoPE key is "
-             "one qk_rope_head_dim-wide vector per layer, shared by every head"),
-            (s.num_layers * latent * s.dtype_bytes, "the RoPE key (qk_rope_head_dim wide) "
-             "is cached beside the latent"),
-            (s.num_kv_heads * heads, "MLA caches the latent (kv_lora_rank) and the RoPE key "
-             "per layer, not every head's K and V"),
-            ((latent + rope) * s.dtype_bytes, "every layer caches its own latent: multiply "
-             "by num_layers"),
-            (s.num_layers * (latent + rope), "bytes, not numbers: multiply by dtype_bytes"),
-            (s.num_layers * (latent + 2 * rope) * s.dtype_bytes, "the decoupled RoPE key has "
-             "no value beside it: values are rebuilt from the latent"),
-            (s.num_kv_heads * s.num_layers * (latent + rope) * s.dtype_bytes, "the latent and "
-             "the RoPE key are one per token and layer, shared by all heads: not one per "
-             "KV head"),
-        ]
-    else:
-        out += [
-            (s.num_heads * heads, "count KV heads (num_kv_heads), not query heads: queries "
-             "are never cached"),
-            (s.num_kv_heads * heads // 2, "K and V: multiply by 2"),
-            (s.num_kv_heads * heads // s.dtype_bytes, "bytes, not numbers: multiply by "
-             "dtype_bytes"),
-        ]
-    return out
+    n, b, heads = s.num_layers, s.dtype_bytes, 2 * s.num_layers * s.head_dim * s.dtype_bytes
+    if not s.kv_lora_rank:
+        return [(s.num_heads * heads, "count KV heads (num_kv_heads), not query heads: queries "
+                 "are never cached"),
+                (s.num_kv_heads * heads // 2, "K and V: multiply by 2"),
+                (s.num_kv_heads * heads // b, "bytes, not numbers: multiply by dtype_bytes")]
+    latent, rope = s.kv_lora_rank, s.qk_rope_head_dim
+    return [
+        (2 * n * (latent + rope) * b, "the latent is stored once per layer: K and V are both "
+         "rebuilt from it, so there is no factor 2"),
+        (n * (latent + s.num_heads * rope) * b, "the RoPE key is one qk_rope_head_dim-wide "
+         "vector per layer, shared by every head"),
+        (n * latent * b, "the RoPE key (qk_rope_head_dim wide) is cached beside the latent"),
+        (s.num_kv_heads * heads, "MLA caches the latent (kv_lora_rank) and the RoPE key per "
+         "layer, not every head's K and V"),
+        ((latent + rope) * b, "every layer caches its own latent: multiply by num_layers"),
+        (n * (latent + rope), "bytes, not numbers: multiply by dtype_bytes"),
+        (n * (latent + 2 * rope) * b, "the decoupled RoPE key has no value beside it: values "
+         "are rebuilt from the latent"),
+        (s.num_kv_heads * n * (latent + rope) * b, "the latent and the RoPE key are one per "
+         "token and layer, shared by all heads: not one per KV head"),
+    ]
 
 
 def check_kv_bytes_per_token(fn: Callable[[ModelSpec], Any]) -> None:
@@ -314,11 +298,9 @@ def reference_drop(table: BlockTable, num_sink_tokens: int, *, gone: str = "floo
                    copy: str = "partial", rotate: str = "new", shift: int = 1,
                    free: bool = True, check_shared: str = "after", check_short: bool = True,
                    free_first: bool = False) -> tuple[BlockTable, WindowOp]:
-    """The release written out; with a keyword changed, what one typical mistake does
-    (the hints name them). Defaults: the library's rule. ``gone="last_sink"``: the block
-    holding the last sink goes, every sink in it copied on; ``check_shared="rewritten"``:
-    only the blocks after the released one are checked; ``free_first``: the block is
-    freed before the shared check, which then raises on a changed pool."""
+    """The release (defaults: the library's rule); a keyword changed: what one typical mistake
+    does. ``gone="last_sink"``: the last sink's block goes, its sinks copied on;
+    ``free_first``: the block is freed before the shared check (which then sees a changed pool)."""
     bs, sinks, pool = table.block_size, num_sink_tokens, table.allocator
     if check_short and table.num_tokens < sinks + bs:
         raise ValueError("too short")
@@ -368,9 +350,8 @@ _DROP_RULES: list[tuple[list[dict], str]] = [
      "positions"),
     ([dict(free=False)], "the released block goes back to the allocator (allocator.free: "
      "one reference dropped): without it every window step leaks a block"),
-    ([dict(free_first=True)], "a ValueError changes nothing: look at every block the drop "
-     "would touch before freeing one (the pool after your ValueError is not the pool "
-     "before it)"),
+    ([dict(free_first=True)], "a ValueError changes nothing: look at every block the drop would "
+     "touch before freeing one (the pool after your ValueError is not the pool before it)"),
     ([dict(check_short=False)], "a table of fewer than num_sink_tokens + block_size tokens "
      "has no block of recent tokens to drop: ValueError"),
 ]
@@ -390,13 +371,11 @@ _EDGES: list[tuple[str, list[int], int, int, int, tuple[int, ...]]] = [
     ("exactly sinks + one block, whole sink block", [1, 2], 8, 4, 4, ()),
     ("a block size of 1 and 3 sinks", [5, 6, 7, 8, 9], 5, 1, 3, ()),
     ("blocks of 2 and 3 sinks", [4, 9, 2, 6], 8, 2, 3, ()),
-    ("a sink block shared with another sequence (never rewritten)", [6, 2, 9], 10, 4, 4,
-     (6,)),
+    ("a sink block shared with another sequence (never rewritten)", [6, 2, 9], 10, 4, 4, (6,)),
     ("a block after the sinks shared with another sequence", [6, 2, 9], 10, 4, 2, (2,)),
     ("the block to release shared with another sequence (4 sinks, blocks of 4)", [6, 2, 9],
      10, 4, 4, (2,)),
-    ("a table too short to drop a block (5 tokens, 2 sinks, blocks of 4)", [4, 7], 5, 4, 2,
-     ()),
+    ("a table too short to drop a block (5 tokens, 2 sinks, blocks of 4)", [4, 7], 5, 4, 2, ()),
 ]
 _FREED = (5, 0, 11, 2, 9, 4, 10, 1, 8, 3, 6, 7)
 _PARTS = ("the new table's blocks", "its number of tokens", *(
@@ -413,10 +392,8 @@ def _table(edge: tuple) -> BlockTable:
 
 
 def _answer(fn: Callable, edge: tuple, **slip: Any) -> tuple:
-    """What ``fn`` does on the edge's state (slips: reference_drop's keywords), comparably:
-    ("ValueError", ref counts, free list), or one value per part of :data:`_PARTS`, where
-    a shift with no key to rotate, and the blocks of a copy of no slot, are told as the
-    defaults (the model runner reads neither)."""
+    """What ``fn`` does on the edge's state: ("ValueError", ref counts, free list), or one value
+    per part of :data:`_PARTS` (an unread shift or copy source/destination as the defaults)."""
     table = _table(edge)
     pool = table.allocator
     try:
@@ -461,10 +438,9 @@ def _compare(fn: Callable, edge: tuple) -> None:
                  if _slip_answer(edge, slip) == got), None) or (
         ", ".join(parts) + " differ(s) from the library's: compare them above with what the "
         "model runner does with each field" if parts else "return (the new BlockTable, a "
-        "WindowOp)" if "ValueError" not in (got[0], want[0]) else "a ValueError is due where "
-        "the table holds fewer than num_sink_tokens + block_size tokens or a block from the "
-        "released one on is shared, and it changes nothing (the pool after it is the pool "
-        "before it)")
+        "WindowOp)" if "ValueError" not in (got[0], want[0]) else "a ValueError is due where the "
+        "table holds fewer than num_sink_tokens + block_size tokens or a block from the released "
+        "one on is shared, and it changes nothing (the pool after it is the pool before it)")
     grading.fail(f"{where}: a table of {num_tokens} tokens on blocks {blocks} (block size "
                  f"{block_size}), {sinks} sink token(s)" + (
                      f", blocks {list(shared)} held by another sequence too" if shared else "")

@@ -51,8 +51,7 @@ def reference_write(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor,
                 data[b] = rnd(data[b].float() * ratio[None, :, None]).clamp(
                     -127, 127).to(torch.int8)
             scale[b] = new
-            data[b, offsets[part]] = rnd(vals / new[None, :, None]).clamp(
-                -127, 127).to(torch.int8)
+            data[b, offsets[part]] = rnd(vals / new[None, :, None]).clamp(-127, 127).to(torch.int8)
 
 
 def _grown(need: torch.Tensor, old: torch.Tensor, growth: str) -> torch.Tensor:
@@ -68,9 +67,8 @@ def _grown(need: torch.Tensor, old: torch.Tensor, growth: str) -> torch.Tensor:
 _SLIPS: list[tuple[dict, str]] = [
     (dict(doubling=False), "when the scale grows it at least doubles: new = max(need, 2 x "
      "old), so a value requantised many times has lost less than one final step"),
-    (dict(growth="double"), "nothing clips: when the new values need more than twice the "
-     "old scale, doubling is not enough; the scale grows to what they need, new = max(need, "
-     "2 x old)"),
+    (dict(growth="double"), "nothing clips: when the new values need more than twice the old "
+     "scale, doubling is not enough; the scale grows to what they need, new = max(need, 2 x old)"),
     (dict(need_of="call"), "each block's scale follows only the tokens written into that "
      "block: a call that writes into several blocks takes each block's own largest value"),
     (dict(requantise=False), "when the scale grows, the codes already in the block must be "
@@ -118,8 +116,7 @@ def snap(where: str, x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor,
     blocks = list(dict.fromkeys((slots // data.shape[1]).tolist()))
     before = torch.full(data.shape, 77, dtype=torch.int8), torch.full(scale.shape, 0.25)
     before[0][blocks], before[1][blocks] = data[blocks].cpu(), scale[blocks].cpu()
-    call = WriteCall(where, x.detach().float().cpu().clone(), slots.cpu().clone(), *before,
-                     blocks)
+    call = WriteCall(where, x.detach().float().cpu().clone(), slots.cpu().clone(), *before, blocks)
     call.lib = _run(write_int8_blocks, call)
     return call
 
@@ -130,8 +127,7 @@ def _run(fn: Callable, call: WriteCall, **slip: Any) -> tuple[torch.Tensor, torc
     return data, scale
 
 
-def difference(call: WriteCall, data: torch.Tensor, scale: torch.Tensor, ref: tuple
-               ) -> str | None:
+def difference(call: WriteCall, data: torch.Tensor, scale: torch.Tensor, ref: tuple) -> str | None:
     """Where the learner's (data, scale) after the call differ from ``ref``, or None."""
     rd, rs = ref
     if data.dtype != torch.int8 or data.shape != rd.shape:

@@ -1,8 +1,6 @@
 """Chapter 12's checks, each one verdict line and one generated stage (:func:`numeric.check`):
-12.1 ``kv_bytes_per_rank`` on real models, then refused tp_sizes; 12.2 ``rank_heads`` on
-:func:`head_cases` (both name a wrong number by the typical mistakes on the same case); 12.3
-``rank_attention`` on :func:`rank_cases`, every rank run with the all-reduce replayed, then on
-two ``gloo`` ranks serving a workload whose tokens must be the single-device engine's.
+12.1 ``kv_bytes_per_rank`` and 12.2 ``rank_heads`` name a wrong number by the typical mistakes;
+12.3 ``rank_attention`` with the all-reduce replayed, then serving on two ``gloo`` ranks.
 """
 
 from __future__ import annotations
@@ -146,8 +144,7 @@ def _wrong_heads(h: int, kv: int, tp: int, r: int) -> dict[str, Any]:
     }
 
 
-_OWNS = ("rank r owns query heads r*H/T up to (r+1)*H/T and the KV heads those query heads "
-         "read")
+_OWNS = ("rank r owns query heads r*H/T up to (r+1)*H/T and the KV heads those query heads read")
 
 
 #: (query heads, KV heads) of published configurations: Llama 3 8B and 70B, Qwen2 0.5B,
@@ -160,8 +157,7 @@ _HEAD_MODELS = [(32, 8), (64, 8), (14, 2), (12, 2), (28, 4), (40, 8), (40, 10), 
 #: set holds as 8, 6, 7)
 _NAMED_SHARDINGS = [(8, 2, 2), (8, 2, 4), (8, 8, 4), (4, 1, 2), (64, 8, 16), (6, 6, 3), (8, 2, 1),
                      (32, 8, 8), (8, 2, 8), (12, 4, 2), (24, 12, 4)]
-#: (heads, KV heads, tp_size, rank) vLLM refuses: 3 ranks for 8 heads, 4 for 6 KV heads,
-#: 3 for 2, tp_size 0, 16 ranks for 8 heads, 6 for 4 KV heads; rank 2 of 2, rank -1
+#: (heads, KV heads, tp_size, rank) vLLM refuses (a tp_size, then a rank)
 _REFUSED_CASES = [(8, 2, 3, 0), (12, 6, 4, 0), (6, 2, 3, 0), (8, 2, 0, 0), (8, 2, 16, 0),
                   (12, 4, 6, 0), (8, 2, 2, 2), (8, 2, 2, -1)]
 
@@ -284,10 +280,7 @@ class Rank:
     def step(self) -> Step:
         """The step's tensors: its history in a cache whose other slots are NaN."""
         g = torch.Generator().manual_seed(self.seed)
-
-        def rand(*shape: int) -> torch.Tensor:
-            return torch.randn(*shape, generator=g) * 0.3
-
+        rand = lambda *shape: torch.randn(*shape, generator=g) * 0.3
         h, kv, d, bs, hid = self.heads, self.kv_heads, self.head_dim, self.block_size, self.hidden
         w = AttentionWeights(rand(h * d, hid), rand(kv * d, hid), rand(kv * d, hid),
                              rand(hid, h * d), h, kv, d, *((rand(h * d), rand(kv * d),
@@ -298,8 +291,7 @@ class Rank:
         tables = [[order.pop() for _ in range(n)] for n in need]
         cache = poisoned_cache(g, num_blocks, bs, kv, d, tables, [c for c, _ in self.lens],
                                torch.float32)  # the history, written by earlier steps
-        meta = build_metadata(tables, [c + n for c, n in self.lens], [n for _, n in self.lens],
-                              bs)
+        meta = build_metadata(tables, [c + n for c, n in self.lens], [n for _, n in self.lens], bs)
         check_metadata(meta, num_blocks, bs)
         cos, sin = rope_cos_sin(meta.positions, d, 10000.0, torch.float32)
         x = rand(int(meta.query_lens.sum()), hid) * 3 * self.loud
@@ -474,8 +466,7 @@ def _mistake(step: Step, heads: torch.Tensor, got: torch.Tensor, want: torch.Ten
              "over every head)": (want - b) / step.tp + b}
     if w.o.shape[0] == w.o.shape[1]:  # o[its heads' rows, :] multiplies only when square
         wrong[_ROWS] = heads @ w.o + b
-    return next((hint for hint, out in wrong.items()
-                 if torch.allclose(got, out, 1e-4, 1e-5)), None)
+    return next((hint for hint, out in wrong.items() if torch.allclose(got, out, 1e-4, 1e-5)), None)
 
 
 def compare(step: Step, results: list) -> None:
@@ -489,9 +480,8 @@ def compare(step: Step, results: list) -> None:
     scale = heads.abs() @ w.o.abs().T + (0 if w.o_bias is None else w.o_bias.abs())
     for rank, (out, cache) in enumerate(results):
         what = f"rank {rank} of {step.tp}"
-        grading.expect_true(isinstance(out, torch.Tensor), f"{what}: returned "
-                            f"{type(out).__name__}", "return the layer's output, a tensor "
-                            "[tokens, hidden]")
+        grading.expect_true(isinstance(out, torch.Tensor), f"{what}: returned {type(out).__name__}",
+                            "return the layer's output, a tensor [tokens, hidden]")
         grading.expect_true(tuple(out.shape) == tuple(want.shape), f"{what}: output of shape "
                             f"{tuple(out.shape)}, expected {tuple(want.shape)}",
                             "return [tokens, hidden]: after o_proj, not the heads")
@@ -507,9 +497,8 @@ def compare(step: Step, results: list) -> None:
             grading.fail(f"{what}: token {row} (position {int(step.meta.positions[row])}), "
                          f"output {col}: the single-device layer gives {want[row, col]:.5f}, "
                          f"yours {float(out[row, col]):.5f}",
-                         _NAN if out[row, col].isnan() else _ROTATED if same[1].all() and
-                         not same[0].all() else
-                         _mistake(step, heads, got, want, partial) or _HEADS)
+                         _NAN if out[row, col].isnan() else _ROTATED if same[1].all() and not
+                         same[0].all() else _mistake(step, heads, got, want, partial) or _HEADS)
         for name, ok, mine, ref in zip("KV", same, cache, lib, strict=True):
             if not bool(ok.all()):
                 blk, off, head = (int(i) for i in (~ok).nonzero()[0][:3])
