@@ -1,13 +1,15 @@
 """A right answer never gets ❌: each whole-piece grader (06.4, 07.3, 08.2, 09.3, 10.4,
 11.3, 11.4, 12.3) is fed five correct answers of different shapes (the solution's loop,
 a vectorised one, another iteration order, recursion, other equivalent encodings of the
-same answer, an answer that changes the lists it is given: 02.4 too) and all must pass.
+same answer, an answer that changes the lists it is given: 02.4 too) and all must pass;
+so must numpy scalars where the spec asks for an int or a bool (06.2, 06.3).
 """
 
 import heapq
 import math
 from collections import deque
 
+import numpy as np
 import pytest
 import torch
 
@@ -922,4 +924,30 @@ def snapshot_popping(prompt_lens, output_lens, step, slots):
     (ch12.check_rank_attention, rank_that_changes_its_inputs),
 ], ids=["02.4", "08.2", "09.3", "11.3", "12.3"])
 def test_a_right_answer_that_changes_its_inputs_passes(capsys, check, answer):
+    passes(capsys, check, answer)
+
+
+# ------------------------------------------------------------------ numpy scalars
+
+
+def required_blocks_numpy(group, block_size):
+    """06.2, right: a numpy count (np.int64) is an int, as everywhere in the course."""
+    live, prompt = group.live_seqs(), len(group.prompt_token_ids)
+    shared = -(-prompt // block_size)
+    tails = np.array([-(-s.num_tokens // block_size) - shared for s in live])
+    return shared + tails.sum() + (len(live) - 1) * (prompt % block_size > 0)
+
+
+def can_admit_numpy(blocks_needed, num_seqs, num_tokens, budget):
+    """06.3, right: the three limits compared at once, a numpy bool."""
+    return np.all(np.array([blocks_needed + budget.watermark_blocks, budget.num_seqs + num_seqs,
+                            budget.num_batched_tokens + num_tokens])
+                  <= [budget.free_blocks, budget.max_num_seqs, budget.max_num_batched_tokens])
+
+
+@pytest.mark.parametrize("check, answer", [
+    (ch06.check_num_required_blocks, required_blocks_numpy),
+    (ch06.check_can_admit, can_admit_numpy),
+], ids=["06.2", "06.3"])
+def test_a_numpy_scalar_answer_passes(capsys, check, answer):
     passes(capsys, check, answer)
