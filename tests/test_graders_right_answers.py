@@ -2,7 +2,7 @@
 11.3, 11.4, 12.3) is fed five correct answers of different shapes (the solution's loop,
 a vectorised one, another iteration order, recursion, other equivalent encodings of the
 same answer, an answer that changes the lists it is given: 02.4 too) and all must pass;
-so must numpy scalars where the spec asks for an int or a bool (06.2, 06.3).
+so must numpy scalars where the spec asks for an int or a bool (06.2, 06.3, 07.1).
 """
 
 import heapq
@@ -945,9 +945,18 @@ def can_admit_numpy(blocks_needed, num_seqs, num_tokens, budget):
                   <= [budget.free_blocks, budget.max_num_seqs, budget.max_num_batched_tokens])
 
 
+def swap_mapping_numpy(tables, allocate):
+    """07.1, right: the distinct blocks in the order first met, found with np.unique
+    (numpy ints as sources)."""
+    flat = np.concatenate([np.asarray(t, dtype=np.int64) for t in tables])
+    first = np.sort(np.unique(flat, return_index=True)[1])
+    return [(src, allocate()) for src in flat[first]]
+
+
 @pytest.mark.parametrize("check, answer", [
     (ch06.check_num_required_blocks, required_blocks_numpy),
     (ch06.check_can_admit, can_admit_numpy),
-], ids=["06.2", "06.3"])
+    (ch07.check_swap_mapping, swap_mapping_numpy),
+], ids=["06.2", "06.3", "07.1"])
 def test_a_numpy_scalar_answer_passes(capsys, check, answer):
     passes(capsys, check, answer)
