@@ -1,17 +1,20 @@
 """A right answer never gets ❌: each whole-piece grader (06.4, 07.3, 08.2, 09.3, 10.4,
 11.3, 11.4, 12.3) is fed five correct answers of different shapes (the solution's loop,
 a vectorised one, another iteration order, recursion, other equivalent encodings of the
-same answer, an answer that changes the lists it is given: 02.4 too) and all must pass.
+same answer, an answer that changes the lists it is given: 02.4 too) and all must pass;
+so must numpy scalars where the spec asks for an int or a bool (06.2, 06.3, 07.1), and
+answers built on library tools that are not the exercise's twin (06.2, 08.1).
 """
 
 import heapq
 import math
 from collections import deque
 
+import numpy as np
 import pytest
 import torch
 
-from paged_lib.blocks import BlockTable
+from paged_lib.blocks import BlockAllocator, BlockTable
 from paged_lib.course.grading import ch02, ch06, ch07, ch08, ch09, ch10, ch11, ch12
 from paged_lib.engine.window import WindowOp
 from paged_lib.kernels import paged_prefill, reshape_and_cache
@@ -922,4 +925,75 @@ def snapshot_popping(prompt_lens, output_lens, step, slots):
     (ch12.check_rank_attention, rank_that_changes_its_inputs),
 ], ids=["02.4", "08.2", "09.3", "11.3", "12.3"])
 def test_a_right_answer_that_changes_its_inputs_passes(capsys, check, answer):
+    passes(capsys, check, answer)
+
+
+# ------------------------------------------------------------------ numpy scalars
+
+
+def required_blocks_numpy(group, block_size):
+    """06.2, right: a numpy count (np.int64) is an int, as everywhere in the course."""
+    live, prompt = group.live_seqs(), len(group.prompt_token_ids)
+    shared = -(-prompt // block_size)
+    tails = np.array([-(-s.num_tokens // block_size) - shared for s in live])
+    return shared + tails.sum() + (len(live) - 1) * (prompt % block_size > 0)
+
+
+def can_admit_numpy(blocks_needed, num_seqs, num_tokens, budget):
+    """06.3, right: the three limits compared at once, a numpy bool."""
+    return np.all(np.array([blocks_needed + budget.watermark_blocks, budget.num_seqs + num_seqs,
+                            budget.num_batched_tokens + num_tokens])
+                  <= [budget.free_blocks, budget.max_num_seqs, budget.max_num_batched_tokens])
+
+
+def swap_mapping_numpy(tables, allocate):
+    """07.1, right: the distinct blocks in the order first met, found with np.unique
+    (numpy ints as sources)."""
+    flat = np.concatenate([np.asarray(t, dtype=np.int64) for t in tables])
+    first = np.sort(np.unique(flat, return_index=True)[1])
+    return [(src, allocate()) for src in flat[first]]
+
+
+@pytest.mark.parametrize("check, answer", [
+    (ch06.check_num_required_blocks, required_blocks_numpy),
+    (ch06.check_can_admit, can_admit_numpy),
+    (ch07.check_swap_mapping, swap_mapping_numpy),
+], ids=["06.2", "06.3", "07.1"])
+def test_a_numpy_scalar_answer_passes(capsys, check, answer):
+    passes(capsys, check, answer)
+
+
+# ------------------------------------------------------------------ library tools, not twins
+
+
+def required_blocks_simulated(group, block_size):
+    """06.2, right: replay the readmission on a scratch pool with chapter 03's tables (a
+    fresh or single sequence: its whole text; several: prompt once, forks, tails)."""
+    live, prompt = group.live_seqs(), len(group.prompt_token_ids)
+    pool = BlockAllocator(10_000)
+    parent = BlockTable(pool, block_size)
+    for _ in range(prompt if len(live) > 1 else live[0].num_tokens):
+        parent.append_token()
+    if len(live) > 1:
+        for child, seq in [(parent.fork(), s) for s in live]:
+            for _ in range(seq.num_tokens - prompt):
+                child.append_token()
+        parent.free()
+    return pool.num_blocks - pool.num_free
+
+
+def apply_slot_with_the_write_kernel(k_cache, v_cache, slot, key, value):
+    """08.1, right: copy the block with copy_, write the token with chapter 05's kernel."""
+    if slot.copy is not None:
+        k_cache[slot.copy[1]].copy_(k_cache[slot.copy[0]])
+        v_cache[slot.copy[1]].copy_(v_cache[slot.copy[0]])
+    where = torch.tensor([slot.block * k_cache.shape[1] + slot.offset])
+    reshape_and_cache(key[None], value[None], k_cache, v_cache, where, backend="torch")
+
+
+@pytest.mark.parametrize("check, answer", [
+    (ch06.check_num_required_blocks, required_blocks_simulated),
+    (ch08.check_apply_slot, apply_slot_with_the_write_kernel),
+], ids=["06.2", "08.1"])
+def test_a_right_answer_built_on_library_tools_passes(capsys, check, answer):
     passes(capsys, check, answer)

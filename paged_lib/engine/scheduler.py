@@ -63,6 +63,7 @@ longer than the budget left is prefilled in chunks (:mod:`~paged_lib.engine.pref
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from collections import deque
 
 from paged_lib.engine.beam_search import update_beams
@@ -270,10 +271,10 @@ class Scheduler:
     def _required_blocks(self, group: SequenceGroup) -> int:
         """The ``num_required_blocks`` hook's answer for a waiting group, checked."""
         need = self.hooks.num_required_blocks(group, self.block_manager.block_size)
-        if isinstance(need, bool) or not isinstance(need, int) or need < 0:
+        if isinstance(need, bool) or not isinstance(need, numbers.Integral) or need < 0:
             raise ValueError(f"num_required_blocks returned {need!r} for request "
                              f"{group.request_id}: expected an int >= 0 (a block count)")
-        return need
+        return int(need)
 
     def _schedule_tokens(self, group: SequenceGroup, take: list[int], sample: bool,
                          out: SchedulerOutput, decoding: bool) -> None:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import torch
 
 from paged_lib.course import grading
@@ -387,11 +388,10 @@ def check_can_admit(can_admit: Callable[..., Any]) -> None:
     """``can_admit(blocks_needed, num_seqs, num_tokens, budget) -> bool``."""
     with grading.exercise("06.3"):
         for what, need, seqs, tokens, budget, hint in _ADMISSION_CASES:
-            want = lib_can_admit(need, seqs, tokens, budget)
-            got = can_admit(need, seqs, tokens, budget)
-            grading.expect_true(type(got) is bool, f"case '{what}': returned {got!r} "
-                                f"({type(got).__name__}), expected a bool", "return True or "
-                                "False (a comparison's result), not a number or None")
+            want, got = (f(need, seqs, tokens, budget) for f in (lib_can_admit, can_admit))
+            grading.expect_true(isinstance(got, bool | np.bool_), f"case '{what}': returned "
+                                f"{got!r}, expected a bool", "return True or False (a "
+                                "comparison's result), not a number or None")
             grading.expect_equal(got, want, f"case '{what}' with {budget}", hint)
         generated.check("can_admit", can_admit, "after its blocks at least watermark_blocks "
                         "stay free, and the step's sequences and tokens (those already in "

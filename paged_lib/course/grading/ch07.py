@@ -6,6 +6,7 @@ on random workloads."""
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
@@ -71,12 +72,11 @@ def _check_scenario(fn, name: str, tables: list[list[int]], order: list[int]) ->
     grading.expect_true(given == tables, f"{where}: your function changed the tables",
                         "read the tables, do not change them: the block manager "
                         "rebuilds them from your mapping")
-    grading.expect_true(isinstance(got, list) and all(
-        isinstance(p, tuple) and len(p) == 2 and all(type(x) is int for x in p) for p in got),
+    grading.expect_true(isinstance(got, list) and all(isinstance(p, tuple) and len(p) == 2 and all(
+        isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in p) for p in got),
         f"{where}: expected a list of (src, dst) int tuples, got {got!r}",
         "return a list of pairs, e.g. [(7, 0), (3, 1), (5, 2)]")
-    blocks, sources, dsts = {b for t in tables for b in t}, [p[0] for p in got], \
-        [p[1] for p in got]
+    blocks, (sources, dsts) = {b for t in tables for b in t}, ([p[i] for p in got] for i in (0, 1))
     twice = sorted({b for b in sources if sources.count(b) > 1})
     for wrong, what, hint in (
             (twice, f"block(s) {twice} are copied more than once: {got}", "copied a shared "
