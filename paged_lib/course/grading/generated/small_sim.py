@@ -139,7 +139,8 @@ def trace_stage(simulate_paged: Callable) -> None:
         _VICTIM if reference_paged(*p.build())["preemptions"] else _ORDER), "the trace"), (
         numeric.Contrast(lambda p: dataclasses.replace(p, requests=tuple(sorted(
             p.requests, key=lambda r: r[2]))), "it passes once the list is in arrival order: "
-            "requests join by arrival time a, not by the step ceil(a); ties keep list order"),
+            "requests join in order of arrival time a, not of the list or of the step ceil(a); "
+            "ties keep list order"),
         numeric.Contrast(lambda p: dataclasses.replace(p, requests=tuple((x, o, -(-a // 1))
             for x, o, a in p.requests)), "it passes once every arrival is a whole number: one "
             "arriving at time a joins at step ceil(a) (3.2: 4), not round(a) or int(a)")))
