@@ -207,12 +207,7 @@ def _gives_away(printed: str, secrets: list[float], least: int = 10) -> list[str
 def _prose_after(nb, ex, exercises) -> str:
     """The exercise notebook's Markdown from ``ex``'s check to the end, other exercises'
     specs (heading to first solution cell) aside: what a learner reads ahead of time."""
-    sys_path_tools = str(ROOT / "tools")
-    import sys
-
-    if sys_path_tools not in sys.path:
-        sys.path.insert(0, sys_path_tools)
-    from make_exercises import strip_regions
+    from make_exercises import strip_regions  # tools/, on sys.path since the top
 
     specs = set()
     for other in exercises:

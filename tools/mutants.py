@@ -301,12 +301,12 @@ def _try(label: str, ex: Exercise, cells: list[str], ns: dict,
     except Exception as err:
         return Outcome(label, "invalid", f"{type(err).__name__}: {err}")
     try:
+        *middle, check = cells[n:]
         with grading.record_verdicts() as seen:
-            for src in cells[n:-1]:
+            for src in middle:
                 _quietly(src, ns, record)
             with _comparing(record):
-                for src in cells[n:][-1:]:  # the check
-                    _quietly(src, ns, None)
+                _quietly(check, ns, None)
     except Exception as err:
         return Outcome(label, "killed", f"raised outside the grader: {type(err).__name__}")
     marks = [m for m, i, _ in seen if i == ex.ex_id]
