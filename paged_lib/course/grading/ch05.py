@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -16,7 +17,7 @@ import torch
 from paged_lib.course import grading
 from paged_lib.course.grading import slips
 from paged_lib.course.grading.generated import numeric, numeric_decode, small_attention
-from paged_lib.course.grading.generated.numeric import Named
+from paged_lib.course.grading.generated.numeric import Contrast, Named
 from paged_lib.device import interpreter_on as interpreted
 from paged_lib.instruments.load_trace import LoadTrace, trace_loads
 from paged_lib.kernels.reference import ref_paged_attention
@@ -53,6 +54,9 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **constants: Any) -> 
             kernel[grid](*args, **constants)
         except Exception as err:
             cause = err.__cause__
+            if isinstance(cause, NotImplementedError) and str(cause):  # Triton's, not a stub's
+                grading.fail(f"Triton raised NotImplementedError: {cause}", hint="this Triton "
+                             "does not have it: address memory as ptr + offsets, with masks")
             if isinstance(cause, NotImplementedError):
                 raise NotImplementedError from err
             if cause is not None and type(err).__name__ == "InterpreterError":
@@ -293,7 +297,13 @@ def _check_tiles(trace: LoadTrace, kv: Guarded, name: str, n: int, d: int, tile:
             grading.fail(f"{what}: program {b} loaded {int(mask.sum()) // d} tokens of "
                          f"{name} at once, more than TILE={tile}",
                          hint="loop over the keys TILE at a time")
-    for b, counts in seen.items():
+    for b in range(kv.view.shape[0]):
+        counts = seen.get(b, np.zeros(n * d, dtype=np.int64))
+        if counts.min() == 0:
+            grading.fail(f"{what}: program {b} never read {name} at token "
+                         f"{int(np.flatnonzero(counts == 0)[0]) // d}",
+                         hint="every key counts: loop over range(0, N, TILE), the last tile "
+                              "masked (N need not be a multiple of TILE)")
         if counts.max() > 1:
             grading.fail(f"{what}: program {b} read {name} {int(counts.max())} times over",
                          hint="one pass is enough: keep a running max m, sum l and acc, "
@@ -431,12 +441,19 @@ def check_slot_mapping(slot_mapping: Callable[..., torch.Tensor]) -> None:
     """05.6: slot of each new token from its sequence's block table (int64, -1 padding)."""
     with grading.exercise("05.6"):
         numeric.check("05.6", small_attention.slot_cases(), lambda p: small_attention.run_slots(
-            slot_mapping, p), small_attention.SLOT_CONTRASTS)
+            slot_mapping, p), (Contrast(lambda p: replace(p, block_size=32) if p.block_size & (
+                p.block_size - 1) else None, "it passes with block sizes that are powers of two "
+                "and fails with others: use // and %, not shifts and bit masks"),
+                               *small_attention.SLOT_CONTRASTS))
 
 
 def check_merge_partials(merge_partials: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
                          ) -> None:
     """05.7: merge split-KV partial outputs with their log-sum-exps."""
     with grading.exercise("05.7"):
-        numeric.check("05.7", small_attention.partials_cases(), lambda p: small_attention
-                      .run_partials(merge_partials, p), small_attention.PARTIALS_CONTRASTS)
+        numeric.check("05.7", [*small_attention.partials_cases(), small_attention.Partials(
+            30, (1, 1, 1), 2, 1.0, 0.0, None)], lambda p: small_attention.run_partials(
+            merge_partials, p), (*small_attention.PARTIALS_CONTRASTS, Contrast(
+                lambda p: replace(p, shift=30.0) if p.shift == 0 else None, "it passes when "
+                "every log-sum-exp is positive: lse <= 0 is a segment like any other (only "
+                "-inf marks an empty one)")))

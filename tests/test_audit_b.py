@@ -1,0 +1,132 @@
+"""Audit of chapters 05-07's graders (helper h-b): wrong answers that passed, or got a hint
+that did not name their mistake, now get ❌ with one that does; right answers of other shapes
+get ✅."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import paged_lib  # noqa: F401  (sets up the interpreter before anything Triton)
+from paged_lib.course.grading import ch05
+from paged_lib.device import interpreter_on
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+needs_interpreter = pytest.mark.skipif(not interpreter_on(),
+                                       reason="the load trace needs Triton's interpreter")
+
+
+def _verdict(capsys, check, answer) -> str:
+    check(answer)
+    return capsys.readouterr().out
+
+
+def _fails(capsys, check, answer, ex_id: str, words: str) -> None:
+    out = _verdict(capsys, check, answer)
+    assert out.startswith(f"❌ [{ex_id}]") and words in out, (words, out)
+
+
+# ------------------------------------------------------------------------ chapter 05
+
+def _slots_shifts(block_tables, seq_ids, positions, block_size):
+    """Wrong: pos >> log2(block_size) and pos & (block_size - 1), right for powers of two."""
+    shift, pos = block_size.bit_length() - 1, positions.clamp(min=0)
+    slots = block_tables.long()[seq_ids, pos >> shift] * block_size + (pos & (block_size - 1))
+    return torch.where(positions >= 0, slots, -1)
+
+
+def _merge_positive_only(out, lse):
+    """Wrong: a segment whose log-sum-exp is <= 0 taken for an empty one."""
+    keep = lse > 0
+    keep = keep if keep.any() else torch.isfinite(lse)
+    w = torch.exp(lse[keep] - lse[keep].max())
+    return (w[:, None] * out[keep]).sum(0) / w.sum()
+
+
+def test_05_6_and_05_7_wrong_answers_that_passed(capsys):
+    _fails(capsys, ch05.check_slot_mapping, _slots_shifts, "05.6",
+           "powers of two and fails with others: use // and %")
+    _fails(capsys, ch05.check_merge_partials, _merge_positive_only, "05.7",
+           "lse <= 0 is a segment like any other")
+
+
+def test_05_6_padding_tested_as_minus_one_passes(capsys):
+    def slots(block_tables, seq_ids, positions, block_size):  # != -1 rather than >= 0
+        pos = positions.clamp(min=0)
+        flat = block_tables.reshape(-1).long()[seq_ids * block_tables.shape[1] + pos // block_size]
+        return torch.where(positions != -1, flat * block_size + pos % block_size, -1)
+    assert _verdict(capsys, ch05.check_slot_mapping, slots).startswith("✅ [05.6]")
+
+
+# isort: split
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+
+@triton.jit
+def _attention_short(q_ptr, k_ptr, v_ptr, out_ptr, N, scale, D: tl.constexpr,
+                     TILE: tl.constexpr):
+    """Wrong: the loop stops at N - 1, so the last key is never visited (N % TILE == 1)."""
+    b = tl.program_id(0)
+    d, t = tl.arange(0, D), tl.arange(0, TILE)
+    q = tl.load(q_ptr + b * D + d)
+    m_i, l_i, acc = float("-inf"), 0.0, tl.zeros([D], tl.float32)
+    for start in range(0, N - 1, TILE):
+        tok = start + t
+        offs = (b * N + tok[:, None]) * D + d[None, :]
+        k = tl.load(k_ptr + offs, mask=(tok < N)[:, None], other=0.0)
+        v = tl.load(v_ptr + offs, mask=(tok < N)[:, None], other=0.0)
+        s = tl.where(tok < N, tl.sum(k * q[None, :], axis=1) * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=0))
+        alpha, p = tl.exp(m_i - m_new), tl.exp(s - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=0)
+        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+        m_i = m_new
+    tl.store(out_ptr + b * D + d, acc / l_i)
+
+
+@triton.jit
+def _attention_by_lse(q_ptr, k_ptr, v_ptr, out_ptr, N, scale, D: tl.constexpr,
+                      TILE: tl.constexpr):
+    """Right, another shape: each tile normalised on its own, merged by log-sum-exp."""
+    b = tl.program_id(0).to(tl.int64)
+    d, t = tl.arange(0, D), tl.arange(0, TILE)
+    q = tl.load(q_ptr + b * D + d) * scale
+    lse, o = float("-inf"), tl.zeros([D], tl.float32)
+    for start in range(0, N, TILE):
+        tok = start + t
+        offs = (b * N + tok[:, None]) * D + d[None, :]
+        k = tl.load(k_ptr + offs, mask=(tok < N)[:, None], other=0.0)
+        v = tl.load(v_ptr + offs, mask=(tok < N)[:, None], other=0.0)
+        s = tl.where(tok < N, tl.sum(k * q[None, :], axis=1), float("-inf"))
+        p = tl.exp(s - tl.max(s, axis=0))
+        tile_lse = tl.max(s, axis=0) + tl.log(tl.sum(p, axis=0))
+        m = tl.maximum(lse, tile_lse)
+        new = m + tl.log(tl.exp(lse - m) + tl.exp(tile_lse - m))
+        o = o * tl.exp(lse - new) + tl.sum(p[:, None] * v, axis=0) / tl.sum(p, axis=0) \
+            * tl.exp(tile_lse - new)
+        lse = new
+    tl.store(out_ptr + b * D + d, o)
+
+
+@triton.jit
+def _tile_block_ptr(x_ptr, out_ptr, M, N, stride_x, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr):
+    """Block pointers: this Triton raises NotImplementedError (not a stub: no ⏳)."""
+    start = (tl.program_id(0) * BLOCK_M, tl.program_id(1) * BLOCK_N)
+    x = tl.make_block_ptr(x_ptr, (M, N), (stride_x, 1), start, (BLOCK_M, BLOCK_N), (1, 0))
+    out = tl.make_block_ptr(out_ptr, (M, N), (N, 1), start, (BLOCK_M, BLOCK_N), (1, 0))
+    tl.store(out, 2 * tl.load(x, boundary_check=(0, 1)), boundary_check=(0, 1))
+
+
+@needs_interpreter
+def test_05_4_a_key_never_visited_is_named(capsys):
+    _fails(capsys, ch05.check_online_attention, _attention_short, "05.4",
+           "never read K at token 0")
+    assert _verdict(capsys, ch05.check_online_attention, _attention_by_lse).startswith("✅")
+
+
+@needs_interpreter
+def test_05_1_a_feature_triton_lacks_is_not_taken_for_a_stub(capsys):
+    _fails(capsys, ch05.check_scale_tile, _tile_block_ptr, "05.1",
+           "Triton raised NotImplementedError: Block pointers")
