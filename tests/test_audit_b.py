@@ -130,3 +130,64 @@ def test_05_4_a_key_never_visited_is_named(capsys):
 def test_05_1_a_feature_triton_lacks_is_not_taken_for_a_stub(capsys):
     _fails(capsys, ch05.check_scale_tile, _tile_block_ptr, "05.1",
            "Triton raised NotImplementedError: Block pointers")
+
+
+# ------------------------------------------------------------------- chapters 06-07
+# isort: split
+from paged_lib.course.grading import ch06, ch07  # noqa: E402
+
+
+def _waiting_shrinking_chunks(waiting, step):
+    """Wrong: a first chunk cut down until its blocks fit, instead of waiting."""
+    if step.swapped or step.num_preempted:
+        return
+    while waiting:
+        group = waiting[0]
+        seqs = (len(group.live_seqs()) if any(s.output_token_ids for s in group.seqs)
+                else max(len(group.live_seqs()), group.params.num_seqs))
+        tokens = step.prefill_tokens(group)
+        if step.chunked_prefill:
+            tokens = min(tokens, step.tokens_left)
+            if tokens < 1:
+                return
+            while tokens > 1 and step.free_blocks - step.blocks_needed(
+                    group, tokens) < step.watermark_blocks:
+                tokens -= 1
+        need = step.blocks_needed(group, tokens)
+        fits = (step.free_blocks - need >= step.watermark_blocks and tokens <= step.tokens_left
+                and step.num_seqs + seqs <= step.max_num_seqs)
+        alone = (step.is_empty() and not (step.prefill_first and step.running)
+                 and need <= step.free_blocks and tokens <= step.tokens_left)
+        if not (fits or alone):
+            return
+        step.admit(group, tokens)
+
+
+def _preempt_asker_lost(group, step):
+    """Wrong: when the group asking is the victim, it is freed but put in no queue."""
+    while step.blocks_needed > step.free_blocks:
+        after = step.running[step.running.index(group) + 1:]
+        victim = step.hooks.choose_victim([group] + [g for g in after if not step.ran(g)])
+        step.running.remove(victim)
+        if (step.preemption == "swap" and step.is_decoding(victim)
+                and step.can_swap_out(victim)):
+            step.swap_out(victim)
+            step.swapped.appendleft(victim)
+        else:
+            step.free(victim)
+            if victim is not group:
+                step.waiting.appendleft(victim)
+        if victim is group:
+            return False
+    return True
+
+
+def test_06_4_a_chunk_shrunk_to_fit_is_named(capsys):
+    _fails(capsys, ch06.check_schedule_waiting, _waiting_shrinking_chunks, "06.4",
+           "never shrunk to fit the free blocks")
+
+
+def test_07_3_a_victim_in_no_queue_is_named(capsys):
+    out = _verdict(capsys, ch07.check_preempt_until_fits, _preempt_asker_lost)
+    assert out.startswith("❌ [07.3]") and "lost, to position -1 of no queue" in out, out
+    assert "then put it at the front of step.swapped or step.waiting" in out, out

@@ -462,7 +462,8 @@ def _why(st: SimpleNamespace, lib, got) -> str:
              (h is None, "admission"), (i < len(got) and h and got[i][0] != h.rid, "hol"),
              (i < len(got) and i < len(lib), "chunk"))
     if h is not None and more:
-        rules += ((st.chunked and left < 1, "chunk"), (h.need > free, "blocks"),
+        rules += ((st.chunked and (left < 1 or got[i][1] != h.chunk), "chunk"),
+                  (h.need > free, "blocks"),
                   (alone and busy, "alone"), (free - h.need < st.watermark and not alone,
                                               "watermark"),
                   (seqs + h.seqs > st.max_num_seqs, "seqs"), (h.chunk > left, "tokens"))
@@ -488,8 +489,8 @@ _WHY = {
            "(first come, first served)",
     "chunk": "the tokens it brings: its whole prefill (step.prefill_tokens), or with chunked "
              "prefill a first chunk of min(tokens, step.tokens_left), and the blocks are the "
-             "chunk's (step.blocks_needed(group, chunk)); one token is still a chunk: "
-             "admission stops only when no token is left",
+             "chunk's (step.blocks_needed(group, chunk)), never shrunk to fit the free blocks; one "
+             "token is still a chunk: admission stops only when no token is left",
     "blocks": "its blocks are not free: a group never joins without its blocks",
     "alone": "a group alone in an empty step joins when its blocks are free, even into the "
              "watermark (otherwise a long request could wait forever); with prefill_first "

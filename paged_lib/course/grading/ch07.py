@@ -288,7 +288,8 @@ def _why(st: SimpleNamespace, lib, got) -> str:
         return _WHY["loop" if len(mine) != len(lib_v) else "front" if mine != lib_v else
                     "answer"]
     if a[0] == b[0]:
-        return _WHY["waiting" if a[1] == b[1] == "freed" else "mode"]
+        return _WHY["steps" if b[1] == "lost" else "waiting" if a[1] == b[1] == "freed" else
+                    "mode"]
     me = by_id.get(b[0])
     return _WHY[next((rule for cond, rule in (
         (me is not None and me.ran, "ran"),
