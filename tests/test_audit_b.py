@@ -191,3 +191,21 @@ def test_07_3_a_victim_in_no_queue_is_named(capsys):
     out = _verdict(capsys, ch07.check_preempt_until_fits, _preempt_asker_lost)
     assert out.startswith("❌ [07.3]") and "lost, to position -1 of no queue" in out, out
     assert "then put it at the front of step.swapped or step.waiting" in out, out
+
+
+def _required_first_seq(group, block_size):
+    """Wrong: a group with one live sequence measured by group.seqs[0], maybe a finished one."""
+    live, prompt = group.live_seqs(), len(group.prompt_token_ids)
+    if len(live) == 1:
+        return -(-group.seqs[0].num_tokens // block_size)
+    shared = -(-prompt // block_size)
+    return shared + sum(-(-s.num_tokens // block_size) - shared for s in live) + (
+        len(live) - 1 if prompt % block_size else 0)
+
+
+def test_06_2_shrinking_keeps_a_live_sequence(capsys):
+    """A waiting group has a live sequence: the shrunk case told keeps one (it showed a
+    group of 0 live sequences, a state the spec does not have)."""
+    out = _verdict(capsys, ch06.check_num_required_blocks, _required_first_seq)
+    assert out.startswith("❌ [06.2]") and "count only group.live_seqs()" in out, out
+    assert "0 live sequence(s)" not in out and "1 live sequence(s)" in out, out

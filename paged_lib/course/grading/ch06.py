@@ -275,7 +275,7 @@ class Waiting:
     def smaller(self) -> Iterator[Waiting]:
         yield from fewer(self, finished=[()] if self.finished else [])
         for i in range(len(self.tails)):
-            if len(self.tails) > 2 and i not in self.finished:
+            if len(self.tails) > 2 and i not in self.finished and _live(self) > 1:
                 fin = tuple(j - (j > i) for j in self.finished)
                 yield dataclasses.replace(self, tails=self.tails[:i] + self.tails[i + 1:],
                                           finished=fin, n=max(1, self.n - 1))
