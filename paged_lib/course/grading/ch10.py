@@ -630,7 +630,8 @@ def diagnose(ask: Ask, want: Any, want_state: State, got: Any, got_state: State)
          "be deleted from cached_blocks, not kept as an empty list"),
         (evicted, lambda: f"block {evicted[0]} was evicted but cached_blocks still lists it under "
          f"its old value, and block(s) {sorted(set(want_v.get(value, ())) - set(got_v[value]))} "
-         "left the list instead: take out the very block evicted, not the list's first"),
+         "left the list instead: take out the very block evicted (list.remove(block)), not the "
+         "list's first or last"),
         (unlisted, lambda: f"block {unlisted[0]} is still cached (block_hash), but "
          "cached_blocks no longer lists it under its value, which lists every block cached "
          "under it, oldest first: an eviction takes out only the block reused"),
