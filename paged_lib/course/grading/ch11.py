@@ -69,7 +69,9 @@ def reference_levels(spec: ModelSpec, lengths: Sequence[int], max_len: int,
             }[paged_tokens]
     slots = {"ceil": lambda n: cdiv(n, block_size) * block_size, "exact": lambda n: n,
              "floor": lambda n: n // block_size * block_size, "batch": lambda n: n,
-             "count": lambda n: cdiv(n, block_size)}[blocks]
+             "count": lambda n: cdiv(n, block_size),
+             "split": lambda n: n if window is None else cdiv(min(n, sinks), block_size)
+             * block_size + cdiv(n - min(n, sinks), block_size) * block_size}[blocks]
     held = sum(slots(n) for n in kept)
     if blocks == "batch":  # the batch's tokens rounded up once, as if blocks were shared
         held = cdiv(held, block_size) * block_size
@@ -108,6 +110,9 @@ _LEVEL_SLIPS: list[tuple[int, list[dict], str]] = [
      "a whole block too: round up"),
     (3, [dict(blocks="batch")], "a block holds one request's tokens: each request rounds up "
      "to whole blocks on its own, not the batch's total once"),
+    (3, [dict(blocks="split")], "a request's kept tokens, sinks and window together, are "
+     "packed into its whole blocks: ceil(kept / block_size), not the sinks' blocks plus "
+     "the window's"),
     (3, [dict(paged_tokens=t) for t in ("all", "max_len", "reserved")], "the levels stack: "
      "paging holds what each request really has (its length, cut by the window), not a "
      "max_len reservation, not a reservation of window + sinks"),
