@@ -545,8 +545,9 @@ def diagnose(ask: Ask, want: Any, want_state: State, got: Any, got_state: State)
                 else "a fresh block never cached has no hash: pool.block_hash.pop(block, None)"
                 if isinstance(got, KeyError) else "a hit another table holds (ref count > 0) "
                 "is not in the free queue: take it out only when its count is 0"
-                if "not in the free queue" in str(got) else "return a pair: (the table's "
-                "blocks, the number of tokens the cache supplied)")
+                if "not in the free queue" in str(got) else f"your function raised {got!r}: "
+                "rerun it on the pool above" if isinstance(got, Exception) else "return a "
+                "pair: (the table's blocks, the number of tokens the cache supplied)")
     (blocks, computed), (wb, wc), bs = got, want, ask.block_size
     cached_at = dict(ask.before.hashes)
     leading = next((k for k, h in enumerate(ask.hashes) if h not in cached_at.values()),
