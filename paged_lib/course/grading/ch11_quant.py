@@ -86,7 +86,7 @@ _SLIPS: list[tuple[dict, str]] = [
      "new values need, or twice the old scale if that is more, new = max(need, 2 x old), "
      "not the old scale doubled until it fits (that wastes precision)"),
     (dict(grow_at_equal=True), "a value exactly at 127 x scale fits: the scale grows only "
-     "when need > old"),
+     "when need > old, both in fp32 (in float64 the need lands off the fp32 scale)"),
     (dict(rounding="trunc"), "round to the nearest code (torch.round), do not truncate"),
     (dict(rounding="floor"), "round to the nearest code (torch.round), not down"),
     (dict(floor_tiny=False), "a scale never goes below torch.finfo(torch.float32).tiny: a "
