@@ -6,11 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 from test_graders_ch10 import alloc
-from test_graders_ch11 import levels_with, write_with
+from test_graders_ch11 import drop_with, levels_with, write_with
 from test_graders_ch14 import Det
 
 from paged_lib.accounting import kv_bytes_per_token
 from paged_lib.course.grading import ch08, ch10, ch11, ch14
+from paged_lib.engine.window import WindowOp
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -80,6 +81,39 @@ def write_fresh_per_call(x, data, scale, slots):
             torch.int8)
 
 
+def alloc_crashing(pool, token_ids, hashes, block_size, max_new_tokens):
+    """10.4 that crashes (ref_counts read as a dict): the crash is told, not 'return a pair'."""
+    dict(pool.ref_counts)
+    return alloc(pool, token_ids, hashes, block_size, max_new_tokens)
+
+
+def write_in_float64(x, data, scale, slots):
+    """11.3 right but for its arithmetic, done in float64 (the spec fixes fp32)."""
+    tiny, bs = torch.finfo(torch.float32).tiny, data.shape[1]
+    blocks, offsets = slots // bs, slots % bs
+    for b in torch.unique(blocks).tolist():
+        here = blocks == b
+        vals = x[here].double()
+        need = vals.abs().amax(dim=(0, 2)) / 127
+        old = torch.nan_to_num(torch.zeros_like(need) if bool((offsets[here] == 0).any())
+                               else scale[b].double(), nan=0.0)
+        new = torch.where(need > old, torch.maximum(need, 2 * old), old).clamp(min=tiny)
+        ratio = torch.where(old > 0, old / new, torch.zeros_like(old))
+        data[b] = (data[b].double() * ratio[None, :, None]).round().clamp(-127, 127).to(
+            torch.int8)
+        scale[b] = new.float()
+        data[b, offsets[here]] = (vals / new[None, :, None]).round().clamp(-127, 127).to(
+            torch.int8)
+
+
+def drop_then(edit):
+    """11.4 right but for one field of the WindowOp, edited by ``edit(op)``."""
+    def fn(table, sinks):
+        new, op = drop_with()(table, sinks)
+        return new, edit(op)
+    return fn
+
+
 @pytest.mark.parametrize("check, wrong, hint", [
     (ch08.check_apply_slot, apply_through_fp16, "not through another dtype such as float16"),
     (ch10.check_allocate_slots, alloc_evicting_the_newest,
@@ -87,8 +121,13 @@ def write_fresh_per_call(x, data, scale, slots):
     (ch11.check_kv_levels, levels_sinks_apart, "not the sinks' blocks plus the window's"),
     (ch11.check_write_int8_blocks, write_fresh_per_call,
      "decide it for each block on its own, not once for the whole call"),
+    (ch10.check_allocate_slots, alloc_crashing, "your function raised TypeError("),
+    (ch11.check_write_int8_blocks, write_in_float64, "both in fp32 (in float64 the need"),
+    (ch11.check_drop_oldest, drop_then(lambda op: WindowOp(
+        tuple(sorted(op.rotate_slots)), op.shift, op.copy_src, op.copy_dst, op.copy_len)),
+     "(not sorted by slot)"),
 ], ids=["08.1-through-float16", "10.4-evicts-the-newest", "11.1-sinks-in-blocks-apart",
-        "11.3-fresh-once-per-call"])
+        "11.3-fresh-once-per-call", "10.4-a-crash", "11.3-float64", "11.4-sorted-slots"])
 def test_a_wrong_answer_gets_a_hint_naming_its_mistake(capsys, check, wrong, hint):
     out = verdict(capsys, check, wrong)
     assert out.startswith("❌") and hint in out, out
