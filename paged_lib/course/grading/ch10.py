@@ -545,8 +545,9 @@ def diagnose(ask: Ask, want: Any, want_state: State, got: Any, got_state: State)
                 else "a fresh block never cached has no hash: pool.block_hash.pop(block, None)"
                 if isinstance(got, KeyError) else "a hit another table holds (ref count > 0) "
                 "is not in the free queue: take it out only when its count is 0"
-                if "not in the free queue" in str(got) else "return a pair: (the table's "
-                "blocks, the number of tokens the cache supplied)")
+                if "not in the free queue" in str(got) else f"your function raised {got!r}: "
+                "rerun it on the pool above" if isinstance(got, Exception) else "return a "
+                "pair: (the table's blocks, the number of tokens the cache supplied)")
     (blocks, computed), (wb, wc), bs = got, want, ask.block_size
     cached_at = dict(ask.before.hashes)
     leading = next((k for k, h in enumerate(ask.hashes) if h not in cached_at.values()),
@@ -630,7 +631,8 @@ def diagnose(ask: Ask, want: Any, want_state: State, got: Any, got_state: State)
          "be deleted from cached_blocks, not kept as an empty list"),
         (evicted, lambda: f"block {evicted[0]} was evicted but cached_blocks still lists it under "
          f"its old value, and block(s) {sorted(set(want_v.get(value, ())) - set(got_v[value]))} "
-         "left the list instead: take out the very block evicted, not the list's first"),
+         "left the list instead: take out the very block evicted (list.remove(block)), not the "
+         "list's first or last"),
         (unlisted, lambda: f"block {unlisted[0]} is still cached (block_hash), but "
          "cached_blocks no longer lists it under its value, which lists every block cached "
          "under it, oldest first: an eviction takes out only the block reused"),

@@ -69,7 +69,9 @@ def reference_levels(spec: ModelSpec, lengths: Sequence[int], max_len: int,
             }[paged_tokens]
     slots = {"ceil": lambda n: cdiv(n, block_size) * block_size, "exact": lambda n: n,
              "floor": lambda n: n // block_size * block_size, "batch": lambda n: n,
-             "count": lambda n: cdiv(n, block_size)}[blocks]
+             "count": lambda n: cdiv(n, block_size),
+             "split": lambda n: n if window is None else cdiv(min(n, sinks), block_size)
+             * block_size + cdiv(n - min(n, sinks), block_size) * block_size}[blocks]
     held = sum(slots(n) for n in kept)
     if blocks == "batch":  # the batch's tokens rounded up once, as if blocks were shared
         held = cdiv(held, block_size) * block_size
@@ -108,6 +110,9 @@ _LEVEL_SLIPS: list[tuple[int, list[dict], str]] = [
      "a whole block too: round up"),
     (3, [dict(blocks="batch")], "a block holds one request's tokens: each request rounds up "
      "to whole blocks on its own, not the batch's total once"),
+    (3, [dict(blocks="split")], "a request's kept tokens, sinks and window together, are "
+     "packed into its whole blocks: ceil(kept / block_size), not the sinks' blocks plus "
+     "the window's"),
     (3, [dict(paged_tokens=t) for t in ("all", "max_len", "reserved")], "the levels stack: "
      "paging holds what each request really has (its length, cut by the window), not a "
      "max_len reservation, not a reservation of window + sinks"),
@@ -317,9 +322,10 @@ def reference_drop(table: BlockTable, num_sink_tokens: int, *, gone: str = "floo
     new = BlockTable(pool, bs, kept, table.num_tokens - bs)
     if free and not free_first:
         pool.free(blocks[g])
-    source = kept if rotate == "new" else blocks
-    first = {"new": sinks, "old": sinks, "all": 0, "copied": g * bs}[rotate]
-    slots = tuple(source[x // bs] * bs + x % bs for x in range(first, new.num_tokens))
+    source = kept if rotate in ("new", "sorted") else blocks
+    first = {"new": sinks, "sorted": sinks, "old": sinks, "all": 0, "copied": g * bs}[rotate]
+    slots = tuple((sorted if rotate == "sorted" else list)(
+        source[x // bs] * bs + x % bs for x in range(first, new.num_tokens)))
     r = sinks - g * bs if gone == "last_sink" else sinks % bs
     if copy == "partial" and r or copy == "always":
         return new, WindowOp(slots, shift * bs, blocks[g], blocks[g + 1], r or bs)
@@ -342,9 +348,10 @@ _DROP_RULES: list[tuple[list[dict], str]] = [
      "the released block holds r sinks: copy them to the first r slots of the next block "
      "(copy_src, copy_dst, copy_len); with whole sink blocks (r = 0) nothing is copied: "
      "copy_src = copy_dst = -1, copy_len = 0"),
-    ([dict(rotate="old"), dict(rotate="copied"), dict(rotate="all")], "rotate_slots are "
-     "the slots of the kept tokens in the NEW table (each recent token moved one logical "
-     "block back), from position num_sink_tokens on: the sinks keep their positions, and "
+    ([dict(rotate="old"), dict(rotate="copied"), dict(rotate="all"), dict(rotate="sorted")],
+     "rotate_slots are the slots of the kept tokens in the NEW table (each recent token moved "
+     "one logical block back), from position num_sink_tokens on, in the order of their new "
+     "positions (not sorted by slot): the sinks keep their positions, and "
      "the sinks copied on into the next block keep their positions too (only moved)"),
     ([dict(shift=-1)], "shift is block_size: the model runner rotates the keys by -shift "
      "positions"),

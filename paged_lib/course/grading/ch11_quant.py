@@ -25,7 +25,7 @@ _TINY = torch.finfo(torch.float32).tiny
 
 def reference_write(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor,
                     slots: torch.Tensor, *, doubling: bool = True, requantise: bool = True,
-                    fresh_at_zero: bool = True, per_head: bool = True, joint: bool = True,
+                    fresh_at_zero: bool | str = True, per_head: bool = True, joint: bool = True,
                     grow_at_equal: bool = False, rounding: str = "round",
                     floor_tiny: bool = True, growth: str = "least",
                     need_of: str = "block") -> None:
@@ -40,7 +40,7 @@ def reference_write(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor,
             need = (vals if need_of == "block" else x.float()).abs().amax(dim=(0, 2)) / 127
             need = need if per_head else need.amax().expand_as(need)
             old = scale[b].clone()
-            if fresh_at_zero and bool((offsets[part] == 0).any()):
+            if fresh_at_zero and bool((offsets[part if fresh_at_zero is True else ...] == 0).any()):
                 old.zero_()
             old = torch.nan_to_num(old, nan=0.0)
             grows = need >= old if grow_at_equal else need > old
@@ -76,6 +76,8 @@ _SLIPS: list[tuple[dict, str]] = [
      "too large"),
     (dict(fresh_at_zero=False), "a token written at offset 0 starts the block afresh: the "
      "block was just allocated, and its scale belongs to an earlier owner"),
+    (dict(fresh_at_zero="call"), "a block starts afresh only when this call writes its own "
+     "offset 0: decide it for each block on its own, not once for the whole call"),
     (dict(per_head=False), "one scale per (block, KV head): each head grows on its own "
      "largest value"),
     (dict(joint=False), "the tokens of one call that land in one block are taken together: "
@@ -84,7 +86,7 @@ _SLIPS: list[tuple[dict, str]] = [
      "new values need, or twice the old scale if that is more, new = max(need, 2 x old), "
      "not the old scale doubled until it fits (that wastes precision)"),
     (dict(grow_at_equal=True), "a value exactly at 127 x scale fits: the scale grows only "
-     "when need > old"),
+     "when need > old, both in fp32 (in float64 the need lands off the fp32 scale)"),
     (dict(rounding="trunc"), "round to the nearest code (torch.round), do not truncate"),
     (dict(rounding="floor"), "round to the nearest code (torch.round), not down"),
     (dict(floor_tiny=False), "a scale never goes below torch.finfo(torch.float32).tiny: a "
