@@ -306,6 +306,21 @@ def test_09_3_what_chapter_04_shows_reads_too_much_at_once(capsys, shown):
     assert out.startswith("❌ [09.3]") and "not the whole sequence at once" in out, out
 
 
+def test_09_3_the_c_kernel_is_refused(capsys):
+    """The C decode kernel reads by pointer, unseen by the read tracking, and passed the
+    float16 and float32 cases; it is refused, not told its float64 ValueError."""
+    from paged_lib.kernels import cpu_decode
+
+    def delegating(q, k_cache, v_cache, block_table, seq_len, tile):
+        table = torch.as_tensor(block_table)[None].clamp(min=0)
+        lens = torch.tensor([seq_len], dtype=torch.int32)
+        return cpu_decode.paged_attention_cpu(q[None], k_cache, v_cache, table, lens,
+                                              q.shape[-1] ** -0.5)[0]
+
+    out = verdict(capsys, ch09.check_attend_tiles, delegating)
+    assert out.startswith("❌ [09.3]") and "library's paged_attention_cpu" in out, out
+
+
 @pytest.mark.parametrize("wrong, state, hint", [
     (tiles_with(rescale=False), "blocks of 4, tiles of 4", "exp(m_old - m_new)"),
     (tiles_with(block_of="tile"), "tiles of 2 (two tiles per block)", "whatever the tile"),

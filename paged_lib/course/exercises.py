@@ -142,7 +142,7 @@ _ALL = [
         "paged_lib.kernels.reference.flex_paged_attention",
         "paged_lib.attention.paged_blockwise_attention", "paged_lib.attention.blockwise_attention",
         "paged_lib.attention.merge_partials", "paged_lib.attention.merge_states",
-        "paged_lib.attention.merge"),
+        "paged_lib.attention.merge", "paged_lib.kernels.cpu_decode.paged_attention_cpu"),
     _ex("10.1", "A prompt's block hashes", f"{_PC}block_hashes",
         name="block_hashes", role="prefix cache: chained block hashes", hook="block_hashes"),
     _ex("10.2", "The cache hit", f"{_PC}longest_cache_hit",
