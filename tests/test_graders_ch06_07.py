@@ -178,6 +178,14 @@ def required_rounds_down(group, block_size):
     return required_correct(group, block_size)
 
 
+def required_first_tail(group, block_size):  # every live tail as long as the first one
+    seqs = group.live_seqs()
+    base = -(-len(group.prompt_token_ids) // block_size)
+    tail = -(-seqs[0].num_tokens // block_size) - base
+    return base + len(seqs) * tail + (
+        len(seqs) - 1 if len(seqs) > 1 and len(group.prompt_token_ids) % block_size else 0)
+
+
 def required_float(group, block_size):
     return float(required_correct(group, block_size))
 
@@ -195,6 +203,7 @@ def test_06_2_a_correct_answer_passes(capsys):
     (required_copy_for_all, "one copy too many"),
     (required_finished_too, "finished sequences take no blocks"),
     (required_rounds_down, "the partly filled last block counts too"),
+    (required_first_tail, "by its own num_tokens, not by one sequence's"),
     (required_float, "expected an int"),
     (num_required_blocks, "you passed the library's num_required_blocks"),
     (lambda g, b: num_required_blocks(g, b), "your function called the library's"),

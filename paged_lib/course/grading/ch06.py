@@ -332,7 +332,18 @@ _REQUIRED_CONTRASTS = (
              if _live(p) > 1 and p.prompt >= p.block_size > 1 else None,
              "a group preempted by recompute gets its prompt back once, shared by all its "
              "sequences: count the prompt's blocks once, then each sequence's own tail"),
+    Contrast(lambda p: _equal_tails(p), "it passes when the live sequences' tails are equally "
+             "long and fails when they are not: count each live sequence's blocks by its own "
+             "num_tokens, not by one sequence's"),
 )
+
+
+def _equal_tails(p: Waiting) -> Waiting | None:
+    live = [k for i, k in enumerate(p.tails) if i not in p.finished]
+    if len(set(live)) < 2:
+        return None
+    tails = tuple(k if i in p.finished else live[0] for i, k in enumerate(p.tails))
+    return dataclasses.replace(p, tails=tails, agree=min(p.agree, live[0]))
 
 
 # ------------------------------------------------------------------ 06.3 can_admit
