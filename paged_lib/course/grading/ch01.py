@@ -116,6 +116,12 @@ def _max_requests_hint(spec: ModelSpec, budget: int, ctx: int, bs: int, got: obj
         (round(budget // block / blocks), whole), (-(-(budget // block) // blocks), whole),
         (budget // (block // 2) // blocks, f"{spec.name} caches K and V: {per_token:,} bytes "
          "per token (check your kv_bytes_per_token from 01.1: did it multiply by 2?)."),
+        *((budget // (bs * w) // blocks, f"{spec.name} caches {per_token:,} bytes per token, "
+           f"not {w:,}: num_kv_heads x head_dim per layer, as in 01.1 (not hidden_size, not "
+           "num_heads).") for w in (2 * spec.num_layers * spec.hidden_size * spec.dtype_bytes,
+                                    per_token * spec.group_size)),
+        (budget // block // num_blocks(ctx + 1, bs), f"a request holds context_len = "
+         f"{_tokens(ctx)}, no slot for a next one: ceil({ctx} / {bs}) = {blocks} blocks."),
     ]
     return next((hint for wrong, hint in slips if got == wrong != want),
                 "blocks in the budget = budget // (block_size x bytes per token); each request "
