@@ -4,9 +4,10 @@ naming their mistake) and right answers of other shapes than the solution's."""
 from __future__ import annotations
 
 import pytest
+from test_graders_ch00_03 import SIMULATOR, _compile, derivation
 
 from paged_lib.accounting import kv_bytes_per_token
-from paged_lib.course.grading import ch01
+from paged_lib.course.grading import ch01, ch02
 from paged_lib.util import cdiv
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -33,3 +34,39 @@ def _max(spec, budget, bs, per_request):
 def test_01_4_slips_are_named(capsys, answer, hint):
     out = verdict(capsys, ch01.check_max_requests, answer)
     assert out.startswith("❌ [01.4]") and hint in out, out
+
+
+@pytest.mark.parametrize("new, hint", [
+    # ceil(a) as floor + 1 where a has a fraction: whole arrivals (1.0) join a step late
+    ("int(requests[i].arrival) + (requests[i].arrival > 0)", "joins at step ceil(a)"),
+    ("math.floor(requests[i].arrival) + 1", "joins at step ceil(0.0) = 0"),
+])
+def test_02_5_whole_number_arrivals_join_at_their_own_step(capsys, new, hint):
+    bug = _compile(SIMULATOR.replace("math.ceil(requests[i].arrival)", new))
+    out = verdict(capsys, ch02.check_paged_simulator, bug)
+    assert out.startswith("❌ [02.5]") and hint in out, out
+
+
+@pytest.mark.parametrize("pairs", [
+    # numpy arrays for the per-request counts: every total a numpy integer
+    [("done, blocks = [0] * len(requests), [0] * len(requests)",
+      "done, blocks = np.zeros(len(requests), np.int64), np.zeros(len(requests), np.int64)"),
+     ("out[\"num_steps\"] = t", "out = {k: np.int64(x) for k, x in out.items()}\n"
+                               "    out[\"num_steps\"] = np.int64(t)")],
+    # arrivals from a heap of (step, arrival, index): another way to keep ties in list order
+    [("arrivals = deque((max(0, math.ceil(requests[i].arrival)), i) for i in order)",
+      "heap = [(math.ceil(r.arrival), r.arrival, i) for i, r in enumerate(requests)]\n"
+      "    heapq.heapify(heap)\n"
+      "    arrivals = deque(heapq.heappop(heap)[::2] for _ in range(len(requests)))")],
+], ids=["numpy counts", "heap of arrivals"])
+def test_02_5_right_answers_of_other_shapes_pass(capsys, pairs):
+    source = "import heapq\nimport numpy as np\n" + SIMULATOR
+    for old, new in pairs:
+        assert source.count(old) == 1, old
+        source = source.replace(old, new)
+    assert verdict(capsys, ch02.check_paged_simulator, _compile(source)).startswith("✅ [02.5]")
+
+
+def test_02_3_empty_slots_without_the_token_being_produced_is_named(capsys):
+    out = verdict(capsys, ch02.check_derivation, derivation(**{"paged: empty slots held": 8}))
+    assert out.startswith("❌ [02.3]") and "prompt + s + 1" in out, out

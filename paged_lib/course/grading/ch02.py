@@ -224,7 +224,7 @@ DERIVATION_HINTS = {
     "paged: D admitted": "D needs the blocks for its prompt plus the token it produces in its "
     "first step; any free blocks will do, wherever they are",
     "paged: empty slots held": "each running request leaves only the rest of its last block "
-    "empty: blocks x 16 - tokens, for A and C",
+    "empty: blocks x 16 - tokens (prompt + s + 1 during step s), for A and C",
 }
 
 
@@ -248,9 +248,10 @@ SIM_TRACES: list[tuple[str, list[Request], int, int, str]] = [
      [Request(5, 6, 0.0)], 64, 4,
      "during its k-th step (k = 1 .. output_len) a running request stores prompt_len + k "
      "token states and holds ceil(tokens / block_size) blocks, taken one at a time as the "
-     "last fills; nobody waits, so nothing is external"),
-    ("a late arrival listed first: it arrives at 2.3, the other at 0 (pool of 64, blocks of 4)",
-     [Request(2, 1, 2.3), Request(3, 2, 0.0)], 64, 4,
+     "last fills; nobody waits, so nothing is external; arriving at 0.0, it joins at step "
+     "ceil(0.0) = 0 and leaves after step 5: num_steps 6"),
+    ("a late arrival listed first: it arrives at 2.3, the other at 1.0 (pool of 9, blocks of 4)",
+     [Request(2, 1, 2.3), Request(3, 2, 1.0)], 9, 4,
      "requests join the queue in order of arrival, not of the list; one arriving at time a "
      "joins at step ceil(a) (2.3: step 3; round(a) and int(a) say 2); when nothing runs and "
      "nothing waits, time jumps to the next arrival (those steps add no slots)"),
