@@ -3,11 +3,13 @@ naming their mistake) and right answers of other shapes than the solution's."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
-from test_graders_ch00_03 import SIMULATOR, _compile, derivation
+from test_graders_ch00_03 import SIMULATOR, _compile, append_ok, derivation, predictions
 
 from paged_lib.accounting import kv_bytes_per_token
-from paged_lib.course.grading import ch01, ch02
+from paged_lib.blocks import Slot
+from paged_lib.course.grading import ch01, ch02, ch03
 from paged_lib.util import cdiv
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -70,3 +72,40 @@ def test_02_5_right_answers_of_other_shapes_pass(capsys, pairs):
 def test_02_3_empty_slots_without_the_token_being_produced_is_named(capsys):
     out = verdict(capsys, ch02.check_derivation, derivation(**{"paged: empty slots held": 8}))
     assert out.startswith("❌ [02.3]") and "prompt + s + 1" in out, out
+
+
+def test_03_4_counts_and_ids_are_ints(capsys):
+    floats = predictions(**{"refs after the forks": {5: 3.0, 2: 3.0, 9: 3.0}})
+    out = verdict(capsys, ch03.check_predictions, floats)
+    assert out.startswith("❌ [03.4]") and "expected an int, got 3.0" in out, out
+    slot = predictions(**{"parent's slot": Slot(9, 8.0)})
+    assert verdict(capsys, ch03.check_predictions, slot).startswith("❌ [03.4]")
+    numpy = {k: {np.int64(b): np.int32(c) for b, c in v.items()} if isinstance(v, dict)
+             else Slot(np.int64(v.block), np.int64(v.offset), v.copy)
+             for k, v in ch03.prediction_scenario().items()}
+    assert verdict(capsys, ch03.check_predictions, predictions(**numpy)).startswith("✅")
+
+
+def append_rebinds(table):
+    """Builds a new list instead of changing table._blocks in place."""
+    slot = append_ok(table)
+    table._blocks = list(table._blocks)
+    return Slot(np.int64(slot.block), np.int64(slot.offset), slot.copy)
+
+
+def free_by_membership(block, ref_counts, free_block_ids):
+    """A double free found on the free list; the count read through try/except."""
+    try:
+        count = ref_counts[block] if block >= 0 else ref_counts[len(ref_counts)]
+    except IndexError:
+        raise ValueError(f"unknown block {block}") from None
+    if block in free_block_ids:
+        raise ValueError(f"block {block} is already free")
+    ref_counts[block] = count - 1
+    if count == 1:
+        free_block_ids.extend([block])
+
+
+def test_03_right_answers_of_other_shapes_pass(capsys):
+    assert verdict(capsys, ch03.check_append_token, append_rebinds).startswith("✅ [03.1]")
+    assert verdict(capsys, ch03.check_free_block, free_by_membership).startswith("✅ [03.3]")
