@@ -3,13 +3,16 @@ naming their mistake) and right answers of other shapes than the solution's."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
+import torch
 from test_graders_ch00_03 import SIMULATOR, _compile, append_ok, derivation, predictions
 
 from paged_lib.accounting import kv_bytes_per_token
 from paged_lib.blocks import Slot
-from paged_lib.course.grading import ch01, ch02, ch03
+from paged_lib.course.grading import ch01, ch02, ch03, ch04
 from paged_lib.util import cdiv
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -109,3 +112,47 @@ def free_by_membership(block, ref_counts, free_block_ids):
 def test_03_right_answers_of_other_shapes_pass(capsys):
     assert verdict(capsys, ch03.check_append_token, append_rebinds).startswith("✅ [03.1]")
     assert verdict(capsys, ch03.check_free_block, free_by_membership).startswith("✅ [03.3]")
+
+
+def _merge(a, b, *, axis=lambda w: w[..., None], nan_to_num=False):
+    (ma, la, acc_a), (mb, lb, acc_b) = a, b
+    m = torch.maximum(ma, mb)
+    top = m if nan_to_num else torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    wa, wb = torch.exp(ma - top), torch.exp(mb - top)
+    if nan_to_num:  # exp(-inf - -inf) is NaN: 0 instead, after the fact
+        wa, wb = wa.nan_to_num(0.0), wb.nan_to_num(0.0)
+    return m, wa * la + wb * lb, axis(wa) * acc_a + axis(wb) * acc_b
+
+
+def test_04_1_one_leading_dimension_only_is_named(capsys):
+    out = verdict(capsys, ch04.check_merge_states,
+                  lambda a, b: _merge(a, b, axis=lambda w: w.unsqueeze(1)))
+    assert out.startswith("❌ [04.1]") and "w[..., None]" in out, out
+    out = verdict(capsys, ch04.check_merge_states, lambda a, b: _merge(a, b, nan_to_num=True))
+    assert out.startswith("✅ [04.1]"), out
+
+
+def _decode(q, k_cache, v_cache, block_table, seq_len, scale, *, kv_head=None):
+    """Per-head gather of each block, then an online merge; the table read until -1."""
+    heads = q.shape[0]
+    _, bs, kv_heads, _ = k_cache.shape
+    pick = torch.tensor([kv_head(h, heads, kv_heads) if kv_head else h // (heads // kv_heads)
+                         for h in range(heads)])
+    state = (torch.full((heads,), -math.inf, dtype=q.dtype), torch.zeros(heads, dtype=q.dtype),
+             torch.zeros_like(q))
+    for j, b in enumerate(int(x) for x in block_table):
+        if b < 0:
+            break
+        n = min(bs, seq_len - j * bs)
+        k, v = k_cache[b][:n, pick], v_cache[b][:n, pick]
+        s = torch.einsum("hd,thd->ht", q, k) * scale
+        p = torch.exp(s - s.amax(-1, keepdim=True))
+        state = _merge(state, (s.amax(-1), p.sum(-1), torch.einsum("ht,thd->hd", p, v)))
+    return state[2] / state[1][:, None]
+
+
+def test_04_2_a_query_heads_index_as_a_kv_heads_is_named(capsys):
+    out = verdict(capsys, ch04.check_paged_online,
+                  lambda *a: _decode(*a, kv_head=lambda h, heads, kv: h // kv))
+    assert out.startswith("❌ [04.2]") and "not h // num_kv_heads" in out, out
+    assert verdict(capsys, ch04.check_paged_online, _decode).startswith("✅ [04.2]")
