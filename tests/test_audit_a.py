@@ -12,7 +12,7 @@ from test_graders_ch00_03 import SIMULATOR, _compile, append_ok, derivation, pre
 
 from paged_lib.accounting import kv_bytes_per_token
 from paged_lib.blocks import Slot
-from paged_lib.course.grading import ch01, ch02, ch03, ch04
+from paged_lib.course.grading import ch00, ch01, ch02, ch03, ch04
 from paged_lib.util import cdiv
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -23,6 +23,28 @@ def verdict(capsys, check, answer) -> str:
     out = capsys.readouterr().out
     assert out.count("\n") <= 2, out
     return out
+
+
+POW2 = "it passes once the block size is a power of two"
+
+
+@pytest.mark.parametrize("check, answer, hint", [
+    # bit tricks that divide only by powers of two (vLLM's block sizes are, the course's not)
+    (ch00.check_ceil_div, lambda n, b: (n + b - 1) >> (b.bit_length() - 1), POW2),
+    (ch00.check_ceil_div, lambda n, b: ((n + b - 1) & -b) // b, POW2),
+    (ch01.check_logical_blocks, lambda n, b: (n + b - 1) >> (b.bit_length() - 1), POW2),
+    (ch01.check_last_block_fill, lambda n, b: ((n & (b - 1)) or b) / b if n else 0.0, POW2),
+    # float32 is exact when dividing by a power of two: named as float32, not as a bit trick
+    (ch01.check_last_block_fill, lambda n, b: np.float32(((n % b) or b) / b) if n else 0.0,
+     "float32 keeps about 7 digits"),
+    # the slips named before stay named (the contrast would say "power of two" for them)
+    (ch01.check_last_block_fill, lambda n, b: (n % b) / b, "`n % bs` is 0 there"),
+    (ch01.check_last_block_fill, lambda n, b: 0.0 if n == 0 else ((n / b) % 1 or 1.0),
+     "n / b is a float"),
+])
+def test_00_01_bit_tricks_and_float32_are_named(capsys, check, answer, hint):
+    out = verdict(capsys, check, answer)
+    assert out.startswith("❌ [0") and hint in out, out
 
 
 def _max(spec, budget, bs, per_request):

@@ -6,10 +6,12 @@ from __future__ import annotations
 import numbers
 from collections.abc import Callable
 
+import numpy as np
+
 from paged_lib.accounting import SPECS, ModelSpec, kv_bytes_per_token, num_blocks
 from paged_lib.course import grading
 from paged_lib.course.grading import slips
-from paged_lib.course.grading.generated import small_ints
+from paged_lib.course.grading.generated import numeric, small_ints
 
 # A tiny model whose numbers are all different, so a swapped field shows up.
 TOY = ModelSpec("toy-gqa", num_layers=3, hidden_size=96, num_heads=6, num_kv_heads=2,
@@ -64,7 +66,7 @@ def _fill_slips(case: tuple[int, int]) -> dict[str, float]:
     """hint -> what that typical wrong fill returns for ``case`` (n, bs)."""
     n, bs = case
     want = small_ints.fill(n, bs)
-    return {
+    return {numeric.Named(hint): wrong for hint, wrong in {
         "when num_tokens is a multiple of block_size the last block is full (1.0), not empty: "
         "`n % bs` is 0 there.": (n % bs) / bs,
         "0 tokens: 0.0 (there is no last block to fill).": (n % bs or bs) / bs,
@@ -76,7 +78,8 @@ def _fill_slips(case: tuple[int, int]) -> dict[str, float]:
         "`//` floors the fraction to 0 or 1: divide with `/`.": (n % bs or bs) // bs if n else 0,
         "one token off: the last block holds the tokens left after the full blocks before it "
         "(num_tokens - (blocks - 1) x block_size).": ((n - 1) % bs) / bs if n else 0.0,
-    }
+        "float32 keeps about 7 digits: return a Python float.": float(np.float32(want)),
+    }.items()}  # named: no contrast (a block size that is a power of two) replaces them
 
 
 def check_last_block_fill(fn: Callable[[int, int], float]) -> None:
