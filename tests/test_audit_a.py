@@ -74,6 +74,19 @@ def test_02_5_whole_number_arrivals_join_at_their_own_step(capsys, new, hint):
     assert out.startswith("❌ [02.5]") and hint in out, out
 
 
+def test_02_5_two_victims_of_one_step_go_to_the_head_in_turn(capsys):
+    """Victims gathered and put in front as a group, in the order preempted: the most recently
+    admitted ends up first, ahead of one admitted before it."""
+    source = SIMULATOR.replace("            queue.appendleft(victim)\n",
+                               "            victims.append(victim)\n")
+    source = source.replace("        while sum(", "        victims = []\n        while sum(", 1)
+    source = source.replace("        for i in running:\n            num_free -=",
+                            "        queue = deque(victims + list(queue))\n"
+                            "        for i in running:\n            num_free -=")
+    out = verdict(capsys, ch02.check_paged_simulator, _compile(source))
+    assert out.startswith("❌ [02.5]") and "of two preempted in one step" in out, out
+
+
 @pytest.mark.parametrize("pairs", [
     # numpy arrays for the per-request counts: every total a numpy integer
     [("done, blocks = [0] * len(requests), [0] * len(requests)",

@@ -1,6 +1,6 @@
 """Checks for chapter 02 (where KV memory goes): 02.1 and 02.3 compare a dict with the
 answers below; 02.2, 02.4 and 02.5 run the generated cases of :mod:`.generated.small_sim`,
-02.5 after five traces built around one rule each."""
+02.5 after six traces built around one rule each."""
 
 from __future__ import annotations
 
@@ -270,6 +270,10 @@ SIM_TRACES: list[tuple[str, list[Request], int, int, str]] = [
      "needs; if they are short, preempt the most recently admitted running request (free "
      "all its blocks, put it at the head of the queue, keep the tokens it produced) and "
      "retry; count each preemption"),
+    ("two preemptions in one step (pool of 8, blocks of 2)",
+     [Request(1, 2, 0.0), Request(3, 2, 0.0), Request(1, 4, 0.0)], 8, 2,
+     "each victim goes to the head of the queue as it is preempted: of two preempted in one "
+     "step, the one admitted earlier (preempted second) ends up first, in front of the other"),
 ]
 
 
