@@ -270,8 +270,8 @@ SIM_TRACES: list[tuple[str, list[Request], int, int, str]] = [
      "needs; if they are short, preempt the most recently admitted running request (free "
      "all its blocks, put it at the head of the queue, keep the tokens it produced) and "
      "retry; count each preemption"),
-    ("two preemptions in one step (pool of 8, blocks of 2)",
-     [Request(1, 2, 0.0), Request(3, 2, 0.0), Request(1, 4, 0.0)], 8, 2,
+    ("two preemptions in one step (all three join at step 1; pool of 8, blocks of 2)",
+     [Request(1, 2, 0.2), Request(3, 2, 0.5), Request(1, 4, 1.0)], 8, 2,
      "each victim goes to the head of the queue as it is preempted: of two preempted in one "
      "step, the one admitted earlier (preempted second) ends up first, in front of the other"),
 ]
