@@ -144,6 +144,21 @@ def free_by_membership(block, ref_counts, free_block_ids):
         free_block_ids.extend([block])
 
 
+def append_to_the_copy(table):
+    """Changes table.blocks, a copy, instead of table._blocks."""
+    if table._num_tokens % table.block_size == 0:
+        block = table.allocator.allocate()
+        table.blocks.append(block)
+        table._num_tokens += 1
+        return Slot(block, 0)
+    return append_ok(table)
+
+
+def test_03_1_a_change_to_the_copy_of_the_blocks_is_named(capsys):
+    out = verdict(capsys, ch03.check_append_token, append_to_the_copy)
+    assert out.startswith("❌ [03.1]") and "table.blocks is a copy" in out, out
+
+
 def test_03_right_answers_of_other_shapes_pass(capsys):
     assert verdict(capsys, ch03.check_append_token, append_rebinds).startswith("✅ [03.1]")
     assert verdict(capsys, ch03.check_free_block, free_by_membership).startswith("✅ [03.3]")
