@@ -6,10 +6,12 @@ from __future__ import annotations
 import numbers
 from collections.abc import Callable
 
+import numpy as np
+
 from paged_lib.accounting import SPECS, ModelSpec, kv_bytes_per_token, num_blocks
 from paged_lib.course import grading
 from paged_lib.course.grading import slips
-from paged_lib.course.grading.generated import small_ints
+from paged_lib.course.grading.generated import numeric, small_ints
 
 # A tiny model whose numbers are all different, so a swapped field shows up.
 TOY = ModelSpec("toy-gqa", num_layers=3, hidden_size=96, num_heads=6, num_kv_heads=2,
@@ -64,7 +66,7 @@ def _fill_slips(case: tuple[int, int]) -> dict[str, float]:
     """hint -> what that typical wrong fill returns for ``case`` (n, bs)."""
     n, bs = case
     want = small_ints.fill(n, bs)
-    return {
+    return {numeric.Named(hint): wrong for hint, wrong in {
         "when num_tokens is a multiple of block_size the last block is full (1.0), not empty: "
         "`n % bs` is 0 there.": (n % bs) / bs,
         "0 tokens: 0.0 (there is no last block to fill).": (n % bs or bs) / bs,
@@ -76,7 +78,8 @@ def _fill_slips(case: tuple[int, int]) -> dict[str, float]:
         "`//` floors the fraction to 0 or 1: divide with `/`.": (n % bs or bs) // bs if n else 0,
         "one token off: the last block holds the tokens left after the full blocks before it "
         "(num_tokens - (blocks - 1) x block_size).": ((n - 1) % bs) / bs if n else 0.0,
-    }
+        "float32 keeps about 7 digits: return a Python float.": float(np.float32(want)),
+    }.items()}  # named: no contrast (a block size that is a power of two) replaces them
 
 
 def check_last_block_fill(fn: Callable[[int, int], float]) -> None:
@@ -116,6 +119,12 @@ def _max_requests_hint(spec: ModelSpec, budget: int, ctx: int, bs: int, got: obj
         (round(budget // block / blocks), whole), (-(-(budget // block) // blocks), whole),
         (budget // (block // 2) // blocks, f"{spec.name} caches K and V: {per_token:,} bytes "
          "per token (check your kv_bytes_per_token from 01.1: did it multiply by 2?)."),
+        *((budget // (bs * w) // blocks, f"{spec.name} caches {per_token:,} bytes per token, "
+           f"not {w:,}: num_kv_heads x head_dim per layer, as in 01.1 (not hidden_size, not "
+           "num_heads).") for w in (2 * spec.num_layers * spec.hidden_size * spec.dtype_bytes,
+                                    per_token * spec.group_size)),
+        (budget // block // num_blocks(ctx + 1, bs), f"a request holds context_len = "
+         f"{_tokens(ctx)}, no slot for a next one: ceil({ctx} / {bs}) = {blocks} blocks."),
     ]
     return next((hint for wrong, hint in slips if got == wrong != want),
                 "blocks in the budget = budget // (block_size x bytes per token); each request "

@@ -1,6 +1,6 @@
 """Checks for chapter 02 (where KV memory goes): 02.1 and 02.3 compare a dict with the
 answers below; 02.2, 02.4 and 02.5 run the generated cases of :mod:`.generated.small_sim`,
-02.5 after five traces built around one rule each."""
+02.5 after six traces built around one rule each."""
 
 from __future__ import annotations
 
@@ -224,7 +224,7 @@ DERIVATION_HINTS = {
     "paged: D admitted": "D needs the blocks for its prompt plus the token it produces in its "
     "first step; any free blocks will do, wherever they are",
     "paged: empty slots held": "each running request leaves only the rest of its last block "
-    "empty: blocks x 16 - tokens, for A and C",
+    "empty: blocks x 16 - tokens (prompt + s + 1 during step s), for A and C",
 }
 
 
@@ -248,9 +248,10 @@ SIM_TRACES: list[tuple[str, list[Request], int, int, str]] = [
      [Request(5, 6, 0.0)], 64, 4,
      "during its k-th step (k = 1 .. output_len) a running request stores prompt_len + k "
      "token states and holds ceil(tokens / block_size) blocks, taken one at a time as the "
-     "last fills; nobody waits, so nothing is external"),
-    ("a late arrival listed first: it arrives at 2.3, the other at 0 (pool of 64, blocks of 4)",
-     [Request(2, 1, 2.3), Request(3, 2, 0.0)], 64, 4,
+     "last fills; nobody waits, so nothing is external; arriving at 0.0, it joins at step "
+     "ceil(0.0) = 0 and leaves after step 5: num_steps 6"),
+    ("a late arrival listed first: it arrives at 2.3, the other at 1.0 (pool of 9, blocks of 4)",
+     [Request(2, 1, 2.3), Request(3, 2, 1.0)], 9, 4,
      "requests join the queue in order of arrival, not of the list; one arriving at time a "
      "joins at step ceil(a) (2.3: step 3; round(a) and int(a) say 2); when nothing runs and "
      "nothing waits, time jumps to the next arrival (those steps add no slots)"),
@@ -269,6 +270,10 @@ SIM_TRACES: list[tuple[str, list[Request], int, int, str]] = [
      "needs; if they are short, preempt the most recently admitted running request (free "
      "all its blocks, put it at the head of the queue, keep the tokens it produced) and "
      "retry; count each preemption"),
+    ("two preemptions in one step (all three join at step 1; pool of 8, blocks of 2)",
+     [Request(1, 2, 0.2), Request(3, 2, 0.5), Request(1, 4, 1.0)], 8, 2,
+     "each victim goes to the head of the queue as it is preempted: of two preempted in one "
+     "step, the one admitted earlier (preempted second) ends up first, in front of the other"),
 ]
 
 

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -19,7 +20,10 @@ def check_merge_states(merge_states: Callable) -> None:
     """04.1: merging two blocks' (m, l, acc) equals the state of both blocks together."""
     with grading.exercise("04.1"):
         numeric.check("04.1", small_attention.merge_cases(), lambda p: small_attention.run_merge(
-            merge_states, p), small_attention.MERGE_CONTRASTS)
+            merge_states, p), small_attention.MERGE_CONTRASTS + (numeric.Contrast(
+            lambda p: dataclasses.replace(p, two_dims=False) if p.two_dims else None,
+            "it passes with one leading dimension and fails with two: m and l are [...], acc "
+            "[..., d]; give a weight acc's last axis with w[..., None] (not w[:, None])"),))
 
 
 def check_paged_online(paged_decode: Callable) -> None:
@@ -67,6 +71,10 @@ def _run_watched(paged_decode: Callable, q: torch.Tensor, k: torch.Tensor, v: to
         block_reads.check_order(log, table[:cdiv(n, k.shape[1])])
     if log.problem is not None:
         grading.fail(f"{what}: {log.problem}", log.hint)
+    if isinstance(error, IndexError) and q.shape[0] > k.shape[2] and \
+            str(error).endswith(f"size {k.shape[2]}"):  # a query head's index as a KV head's
+        grading.fail(f"{what}: your function raised IndexError: {error}", "query head h "
+                     "reads KV head h // (num_heads // num_kv_heads), not h // num_kv_heads")
     if error is not None:
         raise error
     return got

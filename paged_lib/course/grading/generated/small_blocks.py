@@ -173,7 +173,9 @@ def replay(s: Scenario, append: Callable = BlockTable.append_token,
         for name, table in ref.items():
             grading.expect_equal(mine[name].blocks, table.blocks, f"{where}: {name}'s blocks",
                                  forked or "the table's last block must be where the token "
-                                 "went: a new block is appended, a copied one replaces the shared")
+                                 "went: a new block is appended, a copied one replaces the "
+                                 "shared, in the table's own list _blocks (table.blocks is a "
+                                 "copy)")
             grading.expect_equal(mine[name].num_tokens, table.num_tokens, f"{where}: {name}'s "
                                  "num_tokens", forked or "a successful append adds exactly one "
                                  "token (num_tokens += 1)")

@@ -50,12 +50,15 @@ def fill(n: int, b: int) -> float:
     return ((n % b) or b) / b if n else 0.0
 
 
-FLOAT_HINT = ("stay in integers: n // b and n % b are exact at any size, n / b is a float "
-              "that holds 53 bits and rounds past 2**53")
+FLOAT_HINT = numeric.Named("stay in integers: n // b and n % b are exact at any size, n / b "
+                           "is a float that holds 53 bits and rounds past 2**53")
 
 
 def count_stage(ex: str, run: Callable[[int, int], None]) -> None:
-    numeric.check(ex, count_cases(), lambda p: run(p.n, p.b))
+    numeric.check(ex, count_cases(), lambda p: run(p.n, p.b), (numeric.Contrast(
+        lambda p: dataclasses.replace(p, b=1 << p.b.bit_length()) if p.b & (p.b - 1) else None,
+        "it passes once the block size is a power of two: a bit mask (& (b - 1), & -b) or a "
+        "shift (>> log2 b) divides only by powers of two; count with // and %"),))
 
 
 def _division_hint(n: int, b: int, got: Any) -> str:
