@@ -376,6 +376,25 @@ def test_scale_tile_grader(capsys):
         _expect_fail(capsys, ch05.check_scale_tile, Bugged(_scale_tile, bug), "05.1", words)
 
 
+@triton.jit
+def _scale_rows_one_by_one(x_ptr, out_ptr, M, N, stride_x, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr):
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    for r in range(BLOCK_M):  # right on a GPU: a scalar row test mixed into a vector mask
+        row = tl.program_id(0) * BLOCK_M + r
+        inside = (row < M) & (cols < N)
+        tl.store(out_ptr + row * N + cols, 2 * tl.load(x_ptr + row * stride_x + cols,
+                                                       mask=inside), mask=inside)
+
+
+@needs_interpreter
+def test_a_mask_the_interpreter_refuses_is_told_how_to_write_it(capsys):
+    """Triton 3.9's interpreter fails ``scalar & vector`` masks ("mask has unsupported
+    dtype"); the verdict says so and how to write the mask, not only the raw error."""
+    _expect_fail(capsys, ch05.check_scale_tile, _scale_rows_one_by_one, "05.1",
+                 "(pid + tl.zeros_like(cols) < M) & (cols < N)")
+
+
 # ------------------------------------------------------------- 05.2 gather through a table
 
 @triton.jit

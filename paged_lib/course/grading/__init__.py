@@ -355,6 +355,7 @@ def exercise(ex_id: str, title: str | None = None) -> Iterator[None]:
     except Exception as err:  # a bug in the learner's code: short report, no traceback
         where = _learner_frame(sys.exc_info()[2])
         mark, message = FAIL, f"your code raised {type(err).__name__}: {err}{where}"
+        hint = raised_hint(err)
     else:
         mark, message = PASS, "correct"
     if calls:  # whatever happened after (caught, wrapped by Triton, or a pass)
@@ -366,6 +367,15 @@ def exercise(ex_id: str, title: str | None = None) -> Iterator[None]:
         from paged_lib.course import mine
 
         mine.after_verdict(ex_id, mark == PASS, learner)
+
+
+def raised_hint(err: BaseException) -> str | None:
+    """A hint for an error the learner's code met that is not the learner's mistake."""
+    if "mask has unsupported dtype" in str(err):  # Triton 3.9's interpreter; a GPU takes it
+        return ("Triton's interpreter takes no mask that mixes a scalar condition with a "
+                "vector, as (pid < M) & (cols < N): make the scalar a vector first, "
+                "(pid + tl.zeros_like(cols) < M) & (cols < N)")
+    return None
 
 
 def on_learner_code(run: Callable[[], T], exercises: str, what: str) -> T | None:

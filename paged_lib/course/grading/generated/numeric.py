@@ -59,7 +59,8 @@ def _attempt(run: Callable[[Any], None], p: Any) -> tuple[str, str | None] | Non
     except CheckFailed as err:
         return err.message, err.hint
     except Exception as err:  # noqa: BLE001 - the learner's code on this case
-        return f"your function raised {type(err).__name__}: {err}", None
+        hint = grading.raised_hint(err)  # not the learner's mistake: named, kept
+        return f"your function raised {type(err).__name__}: {err}", hint and Named(hint)
     return None
 
 
