@@ -1,5 +1,5 @@
-"""Audit of chapters 08-14's graders (helper c): wrong answers whose hint did not name their
-mistake, now named; right answers of shapes no other test has, passing."""
+"""Chapters 08-14's graders: wrong answers whose hint once named another mistake get theirs;
+right answers of shapes no other test has get ✅."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""An audit of chapters 00-04's graders: wrong answers that passed (or failed without a hint
-naming their mistake) and right answers of other shapes than the solution's."""
+"""Chapters 00-04's graders: wrong answers that once passed, or failed with a hint that
+named another mistake, get ❌ with theirs; right answers of other shapes than the solution's
+get ✅."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""Audit of chapters 05-07's graders (helper h-b): wrong answers that passed, or got a hint
-that did not name their mistake, now get ❌ with one that does; right answers of other shapes
-get ✅."""
+"""Chapters 05-07's graders: wrong answers that once passed, or got a hint that did not name
+their mistake, get ❌ with one that does; right answers of other shapes get ✅."""
 
 from __future__ import annotations
 
