@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from paged_lib.course.grading import ch06, ch07, ch10
+from paged_lib.course.grading import ch06, ch07, ch08, ch10
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -109,3 +109,30 @@ def test_10_4_a_first_chunk_after_a_hit_counts_from_the_hit(capsys):
     out = verdict(capsys, ch10.check_allocate_slots, allocate)
     assert out.startswith("❌ [10.4]") and "a hit of 3 blocks, then a first chunk" in out, out
     assert "its budget counts only the tokens it computes" in out, out
+
+
+def test_08_2_scores_added_in_float32_are_told_so(capsys):
+    """A vectorised beam_step scoring in a float32 tensor was told only the formula."""
+    import torch
+
+    def beam_step(tables, cum, cands, width):
+        flat = [(i, r, t, lp) for i, o in enumerate(cands) for r, (t, lp) in enumerate(o)]
+        if not flat:
+            scores = []
+        else:
+            scores = (torch.tensor([cum[i] for i, *_ in flat])
+                      + torch.tensor([lp for *_, lp in flat])).tolist()
+        order = sorted(range(len(flat)), key=lambda k: (-scores[k], flat[k][0], flat[k][1]))
+        used, out = set(), []
+        for k in order[:width]:
+            p, t = flat[k][0], flat[k][2]
+            out.append((p, tables[p].fork() if p in used else tables[p], t, scores[k]))
+            used.add(p)
+        for i, table in enumerate(tables):
+            if i not in used:
+                table.free()
+        return out
+
+    out = verdict(capsys, ch08.check_beam_step, beam_step)
+    assert out.startswith("❌ [08.2]") and "cum_logprob" in out, out
+    assert "a float32 tensor (torch.tensor's default) rounds it" in out, out
