@@ -136,3 +136,13 @@ def test_08_2_scores_added_in_float32_are_told_so(capsys):
     out = verdict(capsys, ch08.check_beam_step, beam_step)
     assert out.startswith("❌ [08.2]") and "cum_logprob" in out, out
     assert "a float32 tensor (torch.tensor's default) rounds it" in out, out
+
+
+def test_06_4_prefill_first_has_its_own_scenario(capsys):
+    """prefill_first was drawn by 1 of the 16 random workloads, the only place an alone
+    rule that forgot the running groups was caught: a named scenario now serves it."""
+    from test_graders_ch06_07_pieces import waiting_with
+
+    out = verdict(capsys, ch06.check_schedule_waiting, waiting_with(alone_ignores_running=True))
+    assert out.startswith("❌ [06.4]") and "in 'prefill_first, watermark 2" in out, out
+    assert "with prefill_first it is alone only if nobody is running" in out, out

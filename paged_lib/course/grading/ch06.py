@@ -558,6 +558,9 @@ SCENARIOS: list[Scenario] = [
              "into the watermark", dict(num_blocks=4, block_size=4, watermark_blocks=2,
                                         enable_chunked_prefill=True, max_num_batched_tokens=12,
                                         max_num_seqs=4), ((14, 2, 0, 1), (5, 3, 1, 1))),
+    Scenario("prefill_first, watermark 2: a long request waits while one runs, then joins alone",
+             dict(num_blocks=8, block_size=4, watermark_blocks=2, scheduling="prefill_first"),
+             ((8, 6, 0, 1), (28, 2, 1, 1), (3, 2, 2, 1))),
 ]
 
 
