@@ -146,3 +146,30 @@ def test_06_4_prefill_first_has_its_own_scenario(capsys):
     out = verdict(capsys, ch06.check_schedule_waiting, waiting_with(alone_ignores_running=True))
     assert out.startswith("❌ [06.4]") and "in 'prefill_first, watermark 2" in out, out
     assert "with prefill_first it is alone only if nobody is running" in out, out
+
+
+def test_06_4_nobody_joins_while_swapped_even_with_blocks_free(capsys):
+    """Admitting while a group is swapped out when blocks seemed plenty passed: the one
+    swap scenario never had free blocks then, and 1 of 16 workloads swapped."""
+    def schedule(waiting, step):
+        if (step.swapped and step.free_blocks <= step.watermark_blocks + 2) or step.num_preempted:
+            return
+        while waiting:
+            g = waiting[0]
+            tokens = step.prefill_tokens(g)
+            if step.chunked_prefill:
+                tokens = min(tokens, step.tokens_left)
+                if tokens < 1:
+                    return
+            need = step.blocks_needed(g, tokens)
+            fits = (step.free_blocks - need >= step.watermark_blocks and tokens <= step.tokens_left
+                    and step.num_seqs + _seqs(g) <= step.max_num_seqs)
+            alone = (step.is_empty() and need <= step.free_blocks and tokens <= step.tokens_left
+                     and (not step.prefill_first or not step.running))
+            if not (fits or alone):
+                return
+            step.admit(g, tokens)
+
+    out = verdict(capsys, ch06.check_schedule_waiting, schedule)
+    assert out.startswith("❌ [06.4]") and "1 group(s) swapped out" in out, out
+    assert "nobody new is admitted while any is swapped" in out, out

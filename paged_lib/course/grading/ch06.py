@@ -561,6 +561,11 @@ SCENARIOS: list[Scenario] = [
     Scenario("prefill_first, watermark 2: a long request waits while one runs, then joins alone",
              dict(num_blocks=8, block_size=4, watermark_blocks=2, scheduling="prefill_first"),
              ((8, 6, 0, 1), (28, 2, 1, 1), (3, 2, 2, 1))),
+    Scenario("swap, chunks of 8: a small request arrives while a group is swapped out and "
+             "blocks are free", dict(num_blocks=8, block_size=4, preemption="swap",
+                                     num_cpu_blocks=16, enable_chunked_prefill=True,
+                                     max_num_batched_tokens=8, max_num_seqs=4),
+             ((16, 10, 0, 1), (12, 10, 0, 1), (3, 3, 4, 1))),
 ]
 
 
