@@ -479,7 +479,10 @@ def _why(st: SimpleNamespace, lib, got) -> str:
                                               "watermark"),
                   (seqs + h.seqs > st.max_num_seqs, "seqs"), (h.chunk > left, "tokens"))
     elif h is not None:
+        only_alone = free - h.need < st.watermark or seqs + h.seqs > st.max_num_seqs
         rules += ((h.seqs < h.n and seqs + h.seqs <= st.max_num_seqs < seqs + h.n, "seqs"),
+                  (alone and not busy and h.need <= free and h.chunk <= left and only_alone,
+                   "alone"),
                   (st.chunked and (lib[i][1] < h.tokens or h.chunk == 1 <= left), "chunk"),
                   (alone and not busy and h.need <= free and h.chunk <= left, "alone"),
                   (free - h.need == st.watermark, "watermark"), (h.chunk == left, "tokens"),
@@ -503,8 +506,9 @@ _WHY = {
              "chunk's (step.blocks_needed(group, chunk)), never shrunk to fit the free blocks; one "
              "token is still a chunk: admission stops only when no token is left",
     "blocks": "its blocks are not free: a group never joins without its blocks",
-    "alone": "a group alone in an empty step joins when its blocks are free, even into the "
-             "watermark (otherwise a long request could wait forever); with prefill_first "
+    "alone": "a group alone in an empty step joins when its blocks are free (for its whole "
+             "prefill, or with chunked prefill its first chunk), even into the watermark "
+             "(otherwise a long request could wait forever); with prefill_first "
              "it is alone only if nobody is running either (they decode next step)",
     "watermark": "the watermark: after its blocks at least watermark_blocks must stay free "
                  "(leaving exactly watermark_blocks free is allowed), unless it would be "
@@ -550,6 +554,18 @@ SCENARIOS: list[Scenario] = [
     Scenario("chunks of 8, 8 blocks, watermark 1: a first chunk into it; 3 beams, 3 seqs", dict(
         num_blocks=8, block_size=4, watermark_blocks=1, enable_chunked_prefill=True,
         max_num_batched_tokens=8, max_num_seqs=3), ((23, 3, 0, 1), (12, 2, 3, 1), (4, 3, 4, -3))),
+    Scenario("chunks of 12 on 4 blocks, watermark 2: a first chunk alone in an empty step, "
+             "into the watermark", dict(num_blocks=4, block_size=4, watermark_blocks=2,
+                                        enable_chunked_prefill=True, max_num_batched_tokens=12,
+                                        max_num_seqs=4), ((14, 2, 0, 1), (5, 3, 1, 1))),
+    Scenario("prefill_first, watermark 2: a long request waits while one runs, then joins alone",
+             dict(num_blocks=8, block_size=4, watermark_blocks=2, scheduling="prefill_first"),
+             ((8, 6, 0, 1), (28, 2, 1, 1), (3, 2, 2, 1))),
+    Scenario("swap, chunks of 8: a small request arrives while a group is swapped out and "
+             "blocks are free", dict(num_blocks=8, block_size=4, preemption="swap",
+                                     num_cpu_blocks=16, enable_chunked_prefill=True,
+                                     max_num_batched_tokens=8, max_num_seqs=4),
+             ((16, 10, 0, 1), (12, 10, 0, 1), (3, 3, 4, 1))),
 ]
 
 

@@ -295,7 +295,9 @@ def _why(st: SimpleNamespace, lib, got) -> str:
         (me is not None and me.ran, "ran"),
         (b[0] in order and order.index(b[0]) < order.index(st.rid), "before"),
         (a[1] == "freed" and b[1] == "swapped out", "unswappable"),
-        (st.rule is not None, "hook")) if cond), "latest")]
+        (st.rule is not None, "hook"),
+        (a[0] in by_id and not by_id[a[0]].decoding and a[0] != st.rid, "prefilling"))
+        if cond), "latest")]
 
 
 #: one hint per rule of preemption, whichever way the answer broke it
@@ -313,6 +315,10 @@ _WHY = {
                    "swapped",
     "hook": "ask step.hooks.choose_victim for the victim: the engine's rule may be another "
             "one; offer it group and the groups after it that have not run, oldest first",
+    "prefilling": "a group part way through its prefill (admitted this step, or between "
+                  "chunks) that has not run yet is a candidate too: offer group and every "
+                  "group after it that has not run, decoding or not (one that cannot be "
+                  "swapped is recomputed)",
     "latest": "the latest admitted goes first (vLLM pops its running queue from the end): it "
               "has done the least, and the group asking may be the victim itself",
     "waiting": "a victim whose blocks were freed, not copied, has nothing waiting on the CPU "

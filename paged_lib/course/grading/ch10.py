@@ -700,6 +700,10 @@ def edge_states() -> list[tuple[str, PrefixCachingAllocator, list[tuple]]]:
     twins, (first, again) = _prefilled(6, [(a, ()), (a, ())])
     for block in again[::-1] + first[::-1]:
         twins.free(block)
+    # a prompt prefilled and freed, asked again longer under a chunked budget of 3
+    chunked, (done,) = _prefilled(8, [(a, ())])
+    for block in done[::-1]:
+        chunked.free(block)
     return [
         ("the same 4 tokens asked with extra keys ('lora-2',) then ('lora-1',); another "
          "block's hash has lora-2's value", collision,
@@ -710,6 +714,8 @@ def edge_states() -> list[tuple[str, PrefixCachingAllocator, list[tuple]]]:
         ("LRU eviction took a prefix's first block before its later ones: A's block 0 "
          "evicted, blocks 1 and 2 still cached and free; then block size 3 (not a power "
          "of two)", orphans, [(a + [1], (), 4, 5), (a[:7], (), 3, 7), (a[:7] + [2], (), 3, 5)]),
+        ("a hit of 3 blocks, then a first chunk of 3 tokens (chunked prefill: the budget "
+         "counts only the tokens computed)", chunked, [(a + [1, 2, 3, 4, 5], (), 4, 3)]),
     ]
 
 
