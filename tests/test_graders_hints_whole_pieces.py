@@ -1,6 +1,6 @@
-"""An audit of the whole-piece engine graders (06.4, 07.3, 08.2, 10.4, 11.4, 12.3) on
-combined options and rarer states: wrong pieces that passed, or failed with a hint that
-did not name their mistake."""
+"""The whole-piece engine graders (06.4, 07.3, 08.2, 10.4) on combined options and rarer
+states: wrong pieces that once passed, or failed with a hint that named another mistake,
+get ❌ with the state and the rule they break."""
 
 from __future__ import annotations
 
