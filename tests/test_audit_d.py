@@ -1,0 +1,39 @@
+"""Chapter 13 met as a learner meets it: pieces edited by hand in ``mine/`` after their
+check passed are told in their own words (audit d)."""
+
+from __future__ import annotations
+
+import pytest
+from test_your_engine_blame import APPEND_TOKEN, CAN_ADMIT, save_alone
+
+from paged_lib.course import mine
+from paged_lib.course.demos import your_engine, your_engine_scenarios
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+RIGHT_CAN_ADMIT = CAN_ADMIT.format(
+    watermark="budget.watermark_blocks", seqs="<=",
+    tokens="budget.num_batched_tokens + num_tokens <= budget.max_num_batched_tokens")
+
+
+def test_a_copy_given_as_a_list_is_told_as_such(tmp_path, monkeypatch):
+    """Slot(block, offset, [src, dst]): the copy is there, as a list; the story says so,
+    not that no copy was made."""
+    as_list = APPEND_TOKEN.format(shared="table.allocator.refcount(table._blocks[-1]) > 1"
+                                  ).replace("copy = (src, dst)", "copy = [src, dst]")
+    save_alone(tmp_path / "mine", "03.1", as_list)
+    monkeypatch.setenv(mine.ENV, str(tmp_path / "mine"))
+    pieces, _ = your_engine.gather()
+    verdict = your_engine_scenarios.check_piece("03.1", pieces["03.1"])
+    assert verdict is not None and "(source, destination) tuples" in verdict, verdict
+    assert "nobody wrote" not in verdict, verdict
+
+
+def test_a_section_whose_def_was_renamed_is_not_told_unpassed(tmp_path, monkeypatch):
+    save_alone(tmp_path / "mine", "06.3", RIGHT_CAN_ADMIT.replace("def can_admit(",
+                                                                   "def can_admit_v2("))
+    monkeypatch.setenv(mine.ENV, str(tmp_path / "mine"))
+    pieces, parts = your_engine.gather()
+    part = next(p for p in parts if p.ex_id == "06.3")
+    assert "06.3" not in pieces and not part.yours
+    assert "defines no can_admit" in part.note and "not passed" not in part.note, part.note
