@@ -326,6 +326,9 @@ def _story(scenario: Scenario, key: str, got: Served, err: Exception | None) -> 
     for i, (w, g) in enumerate(zip(want.steps, got.steps, strict=False)):
         if w != g:  # the first step that differs: in its copies only, a missed copy
             if w["copied"] != g["copied"] and w["ran"] == g["ran"]:
+                if [tuple(c) for c in g["copied"]] == w["copied"]:  # the copies, not tuples
+                    return (f"at engine step {i}, Slot's copy: the library gives (source, "
+                            f"destination) tuples {w['copied']}, yours {g['copied']}")
                 return f"at engine step {i}, " + _COPIED.format(want=w["copied"],
                                                                  got=g["copied"])
             break
