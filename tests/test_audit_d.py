@@ -4,7 +4,7 @@ check passed are told in their own words (audit d)."""
 from __future__ import annotations
 
 import pytest
-from test_your_engine_blame import APPEND_TOKEN, CAN_ADMIT, save_alone
+from test_your_engine_blame import APPEND_TOKEN, CAN_ADMIT, CHOOSE_VICTIM, save_alone
 
 from paged_lib.course import mine
 from paged_lib.course.demos import your_engine, your_engine_scenarios
@@ -37,3 +37,22 @@ def test_a_section_whose_def_was_renamed_is_not_told_unpassed(tmp_path, monkeypa
     part = next(p for p in parts if p.ex_id == "06.3")
     assert "06.3" not in pieces and not part.yours
     assert "defines no can_admit" in part.note and "not passed" not in part.note, part.note
+
+
+def test_a_piece_that_never_returns_is_named_not_waited_for(tmp_path, monkeypatch, capsys):
+    """A loop that never ends (edited by hand into mine/, or on a state its exercise never
+    gave): after PIECE_TIME_LIMIT_S the check names the piece in one line."""
+    import signal
+
+    save_alone(tmp_path / "mine", "07.2", CHOOSE_VICTIM.format(which="running[-1]").replace(
+        "    return", "    while len(running) > 1:\n        pass\n    return"))
+    monkeypatch.setenv(mine.ENV, str(tmp_path / "mine"))
+    monkeypatch.setattr(your_engine_scenarios, "PIECE_TIME_LIMIT_S", 2.0)
+    pieces, _ = your_engine.gather()
+    handler = signal.getsignal(signal.SIGALRM)
+    verdicts = your_engine_scenarios.check_pieces(pieces)
+    out = capsys.readouterr().out.splitlines()
+    assert verdicts[0][1] is not None and "still running at engine step" in verdicts[0][1]
+    assert out == [f"❌ your 07.2 (preemption: which group to preempt) {verdicts[0][1]}"]
+    assert signal.getsignal(signal.SIGALRM) is handler and signal.getitimer(
+        signal.ITIMER_REAL) == (0.0, 0.0)

@@ -19,7 +19,11 @@ an entry in :data:`PIECE_SCENARIOS` (and a new :class:`Scenario` if none of
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import signal
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -351,6 +355,36 @@ def _story(scenario: Scenario, key: str, got: Served, err: Exception | None) -> 
     return f"{what}; then {text}" if what is not None else text
 
 
+#: seconds one piece's check may take (a right piece's: a few, a first Triton compile
+#: included) before it is named as a loop that never ends
+PIECE_TIME_LIMIT_S = 300.0
+
+
+class StillRunning(BaseException):
+    """A piece's check ran past :data:`PIECE_TIME_LIMIT_S` (not an ``Exception``: the
+    handlers of a learner's exception, here and in the random stage, let it through)."""
+
+
+@contextlib.contextmanager
+def _time_limit() -> Iterator[None]:
+    """Stop a check that runs past :data:`PIECE_TIME_LIMIT_S` (main thread, Unix only)."""
+    if not hasattr(signal, "setitimer") or \
+            threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(*_: object) -> None:
+        raise StillRunning
+
+    previous = signal.signal(signal.SIGALRM, stop)
+    signal.setitimer(signal.ITIMER_REAL, PIECE_TIME_LIMIT_S)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def check_piece(ex_id: str, obj: Any) -> str | None:
     """None if ``obj`` (exercise ``ex_id``'s saved piece) serves each of its scenarios as
     the library does; else what went wrong, in one line. Remembered per piece object
@@ -361,21 +395,29 @@ def check_piece(ex_id: str, obj: Any) -> str | None:
     kernel = obj if name == "paged_decode_kernel" else None
     pieces: dict[str, Any] = {} if kernel is not None else {
         ex_id: _compared_cache_hit(obj) if ex_id == "10.2" else obj}
-    verdict = None
-    for key in PIECE_SCENARIOS[name]:
-        scenario, steps = SCENARIOS[key], []
-        try:
-            got, err = serve(scenario, pieces, kernel, steps), None
-        except your_engine.AttentionDiffers as caught:
-            verdict = f"on {scenario.story}: {caught}"
-            break
-        except Exception as caught:  # noqa: BLE001 - a learner's bug: a line, no traceback
-            got, err = Served([], steps), caught
-        if (what := _story(scenario, key, got, err)) is not None:
-            verdict = f"on {scenario.story}: {what[:400]}"
-            break
-    if verdict is None and ex_id not in NOT_GENERATED:
-        verdict = generated_verdict(ex_id, obj, pieces.get(ex_id, obj))
+    verdict, where, steps = None, "random workloads", []
+    try:
+        with _time_limit():
+            for key in PIECE_SCENARIOS[name]:
+                scenario, steps = SCENARIOS[key], []
+                where = scenario.story
+                try:
+                    got, err = serve(scenario, pieces, kernel, steps), None
+                except your_engine.AttentionDiffers as caught:
+                    verdict = f"on {scenario.story}: {caught}"
+                    break
+                except Exception as caught:  # noqa: BLE001 - a learner's bug: a line
+                    got, err = Served([], steps), caught
+                if (what := _story(scenario, key, got, err)) is not None:
+                    verdict = f"on {scenario.story}: {what[:400]}"
+                    break
+            if verdict is None and ex_id not in NOT_GENERATED:
+                where, steps = "random workloads", []
+                verdict = generated_verdict(ex_id, obj, pieces.get(ex_id, obj))
+    except StillRunning:
+        at = f" at engine step {len(steps)}" if steps else ""
+        verdict = (f"on {where}: still running{at} after {PIECE_TIME_LIMIT_S:.0f} s (a right "
+                   f"{name} is checked in seconds): a loop of yours that never ends?")
     your_engine.VERDICTS[ex_id, id(obj)] = (obj, verdict)
     return verdict
 
