@@ -4,7 +4,7 @@ check passed are told in their own words (audit d)."""
 from __future__ import annotations
 
 import pytest
-from test_your_engine_blame import APPEND_TOKEN, CAN_ADMIT, CHOOSE_VICTIM, save_alone
+from test_your_engine_blame import APPEND_TOKEN, BLOCK_HASHES, CAN_ADMIT, CHOOSE_VICTIM, save_alone
 
 from paged_lib.course import mine
 from paged_lib.course.demos import your_engine, your_engine_scenarios
@@ -56,3 +56,18 @@ def test_a_piece_that_never_returns_is_named_not_waited_for(tmp_path, monkeypatc
     assert out == [f"❌ your 07.2 (preemption: which group to preempt) {verdicts[0][1]}"]
     assert signal.getsignal(signal.SIGALRM) is handler and signal.getitimer(
         signal.ITIMER_REAL) == (0.0, 0.0)
+
+
+def test_a_two_line_message_from_the_random_stage_stays_one_line(tmp_path, monkeypatch,
+                                                                  capsys):
+    """Right on the scenarios (block size 4), raising a message of two lines on random
+    workloads of another block size: the ❌ is still one line."""
+    save_alone(tmp_path / "mine", "10.1", BLOCK_HASHES.format(
+        count="len(token_ids) // block_size", parent="parent").replace(
+        "    hashes, parent = [], None", "    if block_size != 4:\n        raise ValueError("
+        "'block size\\nnot 4')\n    hashes, parent = [], None"))
+    monkeypatch.setenv(mine.ENV, str(tmp_path / "mine"))
+    verdicts = your_engine_scenarios.check_pieces(your_engine.gather()[0])
+    out = capsys.readouterr().out.splitlines()
+    assert verdicts[0][1] is not None and "block size not 4" in verdicts[0][1], verdicts
+    assert out == [f"❌ your 10.1 (prefix cache: chained block hashes) {verdicts[0][1]}"]
