@@ -4,7 +4,14 @@ check passed are told in their own words (audit d)."""
 from __future__ import annotations
 
 import pytest
-from test_your_engine_blame import APPEND_TOKEN, BLOCK_HASHES, CAN_ADMIT, CHOOSE_VICTIM, save_alone
+from test_your_engine_blame import (
+    APPEND_TOKEN,
+    BLOCK_HASHES,
+    CAN_ADMIT,
+    CHOOSE_VICTIM,
+    RANK_ATTENTION,
+    save_alone,
+)
 
 from paged_lib.course import mine
 from paged_lib.course.demos import your_engine, your_engine_scenarios
@@ -71,3 +78,15 @@ def test_a_two_line_message_from_the_random_stage_stays_one_line(tmp_path, monke
     out = capsys.readouterr().out.splitlines()
     assert verdicts[0][1] is not None and "block size not 4" in verdicts[0][1], verdicts
     assert out == [f"❌ your 10.1 (prefix cache: chained block hashes) {verdicts[0][1]}"]
+
+
+@pytest.mark.slow
+def test_a_rank_that_raises_is_told_with_its_error(tmp_path, monkeypatch):
+    """12.3 raising on rank 1: the line names the rank's error, not only 'Its traceback:'."""
+    raising = "    if rank == 1:\n        raise ValueError('my bug')\n    q_heads,"
+    save_alone(tmp_path / "mine", "12.3", RANK_ATTENTION.format(
+        rank="rank", reduce="all_reduce").replace("    q_heads,", raising))
+    monkeypatch.setenv(mine.ENV, str(tmp_path / "mine"))
+    pieces, _ = your_engine.gather()
+    verdict = your_engine_scenarios.check_piece("12.3", pieces["12.3"])
+    assert verdict is not None and "rank 1" in verdict and "ValueError: my bug" in verdict

@@ -340,7 +340,10 @@ def _story(scenario: Scenario, key: str, got: Served, err: Exception | None) -> 
         return difference(want, got, scenario.numeric)
     partial = Served([], got.steps[:len(want.steps)])
     what = difference(Served([], want.steps[:len(partial.steps)]), partial)
-    text = str(err).split("\n")[0]
+    lines = [x.strip() for x in str(err).splitlines() if x.strip()] or [""]
+    text = lines[0]  # one line; a traceback after it (a rank's): its last line, the error
+    if len(lines) > 1 and text.endswith(":"):
+        text = f"{text} {lines[-1]}"
     at = len(got.steps)  # the step that raised (not recorded)
     if _NAN_SAMPLED in text and what is None and at < len(want.steps) \
             and want.steps[at]["copied"]:
