@@ -9,6 +9,7 @@ from test_your_engine_blame import (
     BLOCK_HASHES,
     CAN_ADMIT,
     CHOOSE_VICTIM,
+    KERNEL,
     RANK_ATTENTION,
     save_alone,
 )
@@ -90,3 +91,15 @@ def test_a_rank_that_raises_is_told_with_its_error(tmp_path, monkeypatch):
     pieces, _ = your_engine.gather()
     verdict = your_engine_scenarios.check_piece("12.3", pieces["12.3"])
     assert verdict is not None and "rank 1" in verdict and "ValueError: my bug" in verdict
+
+
+def test_a_kernel_wrong_only_for_a_padded_group_is_named(tmp_path, monkeypatch):
+    """The tiny model's group (2) needs no padding; SmolLM2's (3) does: an unmasked store of
+    the padded heads passes the scenario and is named on the padded call."""
+    right = KERNEL.format(cmp="<", scale="scale")
+    for source, named in ((right, False), (right.replace(", mask=real)\n", ")\n"), True)):
+        save_alone(tmp_path / "mine", "05.5", source)
+        monkeypatch.setenv(mine.ENV, str(tmp_path / "mine"))
+        verdict = your_engine_scenarios.check_piece("05.5", your_engine.gather()[0]["05.5"])
+        assert (verdict is not None) == named, verdict
+        assert not named or "padded to 4): your kernel wrote outside" in verdict, verdict

@@ -388,6 +388,31 @@ def _time_limit() -> Iterator[None]:
         signal.signal(signal.SIGALRM, previous)
 
 
+PADDED_GROUP = ("one decode call with 3 query heads per KV head (the tiny model has 2; "
+                "SmolLM2 3: the group padded to 4)")
+
+
+def _padded_group(kernel: Any) -> str | None:
+    """The kernel on :data:`PADDED_GROUP` beside the library's attention: what differs."""
+    from paged_lib.kernels import paged_attention
+
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(2, 6, 4, 2, 8, generator=g)
+    args = (torch.randn(2, 6, 8, generator=g), k, v,
+            torch.tensor([[3, 1, 0], [5, 2, 4]], dtype=torch.int32),
+            torch.tensor([9, 12], dtype=torch.int32))
+    try:
+        out = your_engine.run_kernel(kernel, *args)
+    except Exception as err:  # noqa: BLE001 - a learner's kernel: a line, no traceback
+        what = str(err) if isinstance(err, your_engine.AttentionDiffers) else \
+            f"raised {type(err).__name__}: {(str(err).splitlines() or [''])[0][:300]}"
+        return f"on {PADDED_GROUP}: {what}"
+    err = (out - paged_attention(*args, backend="torch")).abs().max().item()
+    return None if err <= 1e-4 else f"on {PADDED_GROUP}: your kernel's " + (
+        your_engine.NAN_READ if out.isnan().any() else f"output is {err:.3g} away from "
+        "the library's (mask the padded query heads of the group)")
+
+
 def check_piece(ex_id: str, obj: Any) -> str | None:
     """None if ``obj`` (exercise ``ex_id``'s saved piece) serves each of its scenarios as
     the library does; else what went wrong, in one line. Remembered per piece object
@@ -414,6 +439,9 @@ def check_piece(ex_id: str, obj: Any) -> str | None:
                 if (what := _story(scenario, key, got, err)) is not None:
                     verdict = f"on {scenario.story}: {what[:400]}"
                     break
+            if verdict is None and kernel is not None:
+                where, steps = PADDED_GROUP, []
+                verdict = _padded_group(kernel)
             if verdict is None and ex_id not in NOT_GENERATED:
                 where, steps = "random workloads", []
                 verdict = generated_verdict(ex_id, obj, pieces.get(ex_id, obj))
