@@ -103,3 +103,27 @@ def test_a_kernel_wrong_only_for_a_padded_group_is_named(tmp_path, monkeypatch):
         verdict = your_engine_scenarios.check_piece("05.5", your_engine.gather()[0]["05.5"])
         assert (verdict is not None) == named, verdict
         assert not named or "padded to 4): your kernel wrote outside" in verdict, verdict
+
+
+def test_a_kernel_raising_without_a_message_is_told_not_a_traceback():
+    """A bare ``assert`` (an AssertionError with no message) in a learner's kernel, on the
+    real layer's call: one line, where ``splitlines()[0]`` raised IndexError."""
+    import torch
+
+    from paged_lib.course.demos import your_engine_check
+
+    class Bare:  # kernel[grid](...) raises AssertionError()
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                raise AssertionError
+            return launch
+
+    k = torch.zeros(4, 4, 2, 8)
+    call = dict(q=torch.zeros(1, 4, 8), k_cache=k, v_cache=k,
+                block_tables=torch.tensor([[0]], dtype=torch.int32),
+                seq_lens=torch.tensor([3], dtype=torch.int32), out=torch.zeros(1, 4, 8))
+    run = your_engine_check.kernel_on_one_layer(Bare(), call)
+    assert run.problem == "raised AssertionError: "
+    assert your_engine_scenarios.error_line(RuntimeError("rank 1 failed. Its traceback:\n"
+                                                         "  File x\nValueError: bug")) == \
+        "rank 1 failed. Its traceback: ValueError: bug"

@@ -324,6 +324,13 @@ _COPIED = ("the library copied blocks (source, destination) {want} for copy-on-w
            "copied into it (Slot's copy), so the model read a block nobody wrote")
 
 
+def error_line(err: BaseException) -> str:
+    """``err``'s message on one line: its first ('' if none), with a traceback's last line
+    (the error) when the first introduces one (a tensor-parallel rank's)."""
+    lines = [x.strip() for x in str(err).splitlines() if x.strip()] or [""]
+    return f"{lines[0]} {lines[-1]}" if len(lines) > 1 and lines[0].endswith(":") else lines[0]
+
+
 def _story(scenario: Scenario, key: str, got: Served, err: Exception | None) -> str | None:
     """The first difference of a run (cut short by ``err``, if any) from the library's."""
     want = library(key)
@@ -340,10 +347,7 @@ def _story(scenario: Scenario, key: str, got: Served, err: Exception | None) -> 
         return difference(want, got, scenario.numeric)
     partial = Served([], got.steps[:len(want.steps)])
     what = difference(Served([], want.steps[:len(partial.steps)]), partial)
-    lines = [x.strip() for x in str(err).splitlines() if x.strip()] or [""]
-    text = lines[0]  # one line; a traceback after it (a rank's): its last line, the error
-    if len(lines) > 1 and text.endswith(":"):
-        text = f"{text} {lines[-1]}"
+    text = error_line(err)
     at = len(got.steps)  # the step that raised (not recorded)
     if _NAN_SAMPLED in text and what is None and at < len(want.steps) \
             and want.steps[at]["copied"]:
@@ -405,7 +409,7 @@ def _padded_group(kernel: Any) -> str | None:
         out = your_engine.run_kernel(kernel, *args)
     except Exception as err:  # noqa: BLE001 - a learner's kernel: a line, no traceback
         what = str(err) if isinstance(err, your_engine.AttentionDiffers) else \
-            f"raised {type(err).__name__}: {(str(err).splitlines() or [''])[0][:300]}"
+            f"raised {type(err).__name__}: {error_line(err)[:300]}"
         return f"on {PADDED_GROUP}: {what}"
     err = (out - paged_attention(*args, backend="torch")).abs().max().item()
     return None if err <= 1e-4 else f"on {PADDED_GROUP}: your kernel's " + (
