@@ -242,7 +242,8 @@ def saved(folder: Path | None = None) -> list[str]:
 
 def load(ex_id: str, folder: Path | None = None) -> Any | None:
     """The saved piece of exercise ``ex_id`` (imported from ``folder/chNN.py``), or None
-    if it was never saved. A saved file that does not import raises ``ImportError``."""
+    if it was never saved. A saved file that does not import, or whose section no longer
+    defines the piece's name, raises ``ImportError``."""
     folder = load_folder() if folder is None else Path(folder)
     piece = SAVED[ex_id]
     path = _file(folder, piece.chapter)
@@ -257,7 +258,9 @@ def load(ex_id: str, folder: Path | None = None) -> Any | None:
     except Exception as err:
         del sys.modules[name]
         raise ImportError(f"{path} does not import ({type(err).__name__}: {err})") from err
-    return getattr(module, piece.name, None)
+    if not hasattr(module, piece.name):  # the section is there, its def renamed by hand
+        raise ImportError(f"{path} has section {ex_id} but defines no {piece.name}")
+    return getattr(module, piece.name)
 
 
 def share_line(folder: Path | None = None) -> str:

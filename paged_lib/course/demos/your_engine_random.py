@@ -42,7 +42,9 @@ def _saved_text(ex_id: str, obj: Any) -> str | None:
 
 
 def _clip(text: str, n: int) -> str:
-    """``text`` cut after its last whole "; "-separated part within ``n`` characters."""
+    """``text`` on one line (a learner's message may span several), cut after its last
+    whole "; "-separated part within ``n`` characters."""
+    text = " ".join(text.split())
     if len(text) <= n:
         return text
     cut = text.rfind("; ", 0, n)
@@ -74,7 +76,7 @@ def generated_verdict(ex_id: str, obj: Any, served: Any,
             f"(the workload, shrunk: {_clip(found[1].describe(tokens=False), 400)})")
     except Exception as caught:  # noqa: BLE001 - a learner's bug: a line, no traceback
         verdict = f"on random workloads drawn for {hook}: raised {type(caught).__name__}: " \
-                  f"{str(caught)[:300]}"
+                  f"{_clip(str(caught), 300)}"
     if key is not None:
         _GENERATED[key] = verdict
     return verdict

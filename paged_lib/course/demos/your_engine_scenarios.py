@@ -19,7 +19,11 @@ an entry in :data:`PIECE_SCENARIOS` (and a new :class:`Scenario` if none of
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import signal
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -320,12 +324,22 @@ _COPIED = ("the library copied blocks (source, destination) {want} for copy-on-w
            "copied into it (Slot's copy), so the model read a block nobody wrote")
 
 
+def error_line(err: BaseException) -> str:
+    """``err``'s message on one line: its first ('' if none), with a traceback's last line
+    (the error) when the first introduces one (a tensor-parallel rank's)."""
+    lines = [x.strip() for x in str(err).splitlines() if x.strip()] or [""]
+    return f"{lines[0]} {lines[-1]}" if len(lines) > 1 and lines[0].endswith(":") else lines[0]
+
+
 def _story(scenario: Scenario, key: str, got: Served, err: Exception | None) -> str | None:
     """The first difference of a run (cut short by ``err``, if any) from the library's."""
     want = library(key)
     for i, (w, g) in enumerate(zip(want.steps, got.steps, strict=False)):
         if w != g:  # the first step that differs: in its copies only, a missed copy
             if w["copied"] != g["copied"] and w["ran"] == g["ran"]:
+                if [tuple(c) for c in g["copied"]] == w["copied"]:  # the copies, not tuples
+                    return (f"at engine step {i}, Slot's copy: the library gives (source, "
+                            f"destination) tuples {w['copied']}, yours {g['copied']}")
                 return f"at engine step {i}, " + _COPIED.format(want=w["copied"],
                                                                  got=g["copied"])
             break
@@ -333,7 +347,7 @@ def _story(scenario: Scenario, key: str, got: Served, err: Exception | None) -> 
         return difference(want, got, scenario.numeric)
     partial = Served([], got.steps[:len(want.steps)])
     what = difference(Served([], want.steps[:len(partial.steps)]), partial)
-    text = str(err).split("\n")[0]
+    text = error_line(err)
     at = len(got.steps)  # the step that raised (not recorded)
     if _NAN_SAMPLED in text and what is None and at < len(want.steps) \
             and want.steps[at]["copied"]:
@@ -348,6 +362,61 @@ def _story(scenario: Scenario, key: str, got: Served, err: Exception | None) -> 
     return f"{what}; then {text}" if what is not None else text
 
 
+#: seconds one piece's check may take (a right piece's: a few, a first Triton compile
+#: included) before it is named as a loop that never ends
+PIECE_TIME_LIMIT_S = 300.0
+
+
+class StillRunning(BaseException):
+    """A piece's check ran past :data:`PIECE_TIME_LIMIT_S` (not an ``Exception``: the
+    handlers of a learner's exception, here and in the random stage, let it through)."""
+
+
+@contextlib.contextmanager
+def _time_limit() -> Iterator[None]:
+    """Stop a check that runs past :data:`PIECE_TIME_LIMIT_S` (main thread, Unix only)."""
+    if not hasattr(signal, "setitimer") or \
+            threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(*_: object) -> None:
+        raise StillRunning
+
+    previous = signal.signal(signal.SIGALRM, stop)
+    signal.setitimer(signal.ITIMER_REAL, PIECE_TIME_LIMIT_S)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+PADDED_GROUP = ("one decode call with 3 query heads per KV head (the tiny model has 2; "
+                "SmolLM2 3: the group padded to 4)")
+
+
+def _padded_group(kernel: Any) -> str | None:
+    """The kernel on :data:`PADDED_GROUP` beside the library's attention: what differs."""
+    from paged_lib.kernels import paged_attention
+
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(2, 6, 4, 2, 8, generator=g)
+    args = (torch.randn(2, 6, 8, generator=g), k, v,
+            torch.tensor([[3, 1, 0], [5, 2, 4]], dtype=torch.int32),
+            torch.tensor([9, 12], dtype=torch.int32))
+    try:
+        out = your_engine.run_kernel(kernel, *args)
+    except Exception as err:  # noqa: BLE001 - a learner's kernel: a line, no traceback
+        what = str(err) if isinstance(err, your_engine.AttentionDiffers) else \
+            f"raised {type(err).__name__}: {error_line(err)[:300]}"
+        return f"on {PADDED_GROUP}: {what}"
+    err = (out - paged_attention(*args, backend="torch")).abs().max().item()
+    return None if err <= 1e-4 else f"on {PADDED_GROUP}: your kernel's " + (
+        your_engine.NAN_READ if out.isnan().any() else f"output is {err:.3g} away from "
+        "the library's (mask the padded query heads of the group)")
+
+
 def check_piece(ex_id: str, obj: Any) -> str | None:
     """None if ``obj`` (exercise ``ex_id``'s saved piece) serves each of its scenarios as
     the library does; else what went wrong, in one line. Remembered per piece object
@@ -358,21 +427,32 @@ def check_piece(ex_id: str, obj: Any) -> str | None:
     kernel = obj if name == "paged_decode_kernel" else None
     pieces: dict[str, Any] = {} if kernel is not None else {
         ex_id: _compared_cache_hit(obj) if ex_id == "10.2" else obj}
-    verdict = None
-    for key in PIECE_SCENARIOS[name]:
-        scenario, steps = SCENARIOS[key], []
-        try:
-            got, err = serve(scenario, pieces, kernel, steps), None
-        except your_engine.AttentionDiffers as caught:
-            verdict = f"on {scenario.story}: {caught}"
-            break
-        except Exception as caught:  # noqa: BLE001 - a learner's bug: a line, no traceback
-            got, err = Served([], steps), caught
-        if (what := _story(scenario, key, got, err)) is not None:
-            verdict = f"on {scenario.story}: {what[:400]}"
-            break
-    if verdict is None and ex_id not in NOT_GENERATED:
-        verdict = generated_verdict(ex_id, obj, pieces.get(ex_id, obj))
+    verdict, where, steps = None, "random workloads", []
+    try:
+        with _time_limit():
+            for key in PIECE_SCENARIOS[name]:
+                scenario, steps = SCENARIOS[key], []
+                where = scenario.story
+                try:
+                    got, err = serve(scenario, pieces, kernel, steps), None
+                except your_engine.AttentionDiffers as caught:
+                    verdict = f"on {scenario.story}: {caught}"
+                    break
+                except Exception as caught:  # noqa: BLE001 - a learner's bug: a line
+                    got, err = Served([], steps), caught
+                if (what := _story(scenario, key, got, err)) is not None:
+                    verdict = f"on {scenario.story}: {what[:400]}"
+                    break
+            if verdict is None and kernel is not None:
+                where, steps = PADDED_GROUP, []
+                verdict = _padded_group(kernel)
+            if verdict is None and ex_id not in NOT_GENERATED:
+                where, steps = "random workloads", []
+                verdict = generated_verdict(ex_id, obj, pieces.get(ex_id, obj))
+    except StillRunning:
+        at = f" at engine step {len(steps)}" if steps else ""
+        verdict = (f"on {where}: still running{at} after {PIECE_TIME_LIMIT_S:.0f} s (a right "
+                   f"{name} is checked in seconds): a loop of yours that never ends?")
     your_engine.VERDICTS[ex_id, id(obj)] = (obj, verdict)
     return verdict
 
