@@ -234,6 +234,38 @@ class YourLLM(LLM):
                             tokenizer=self.tokenizer, **engine_options)
 
 
+def error_line(err: BaseException) -> str:
+    """``err``'s message on one line: its first ('' if none), with a traceback's last line
+    (the error) when the first introduces one (a tensor-parallel rank's)."""
+    lines = [x.strip() for x in str(err).splitlines() if x.strip()] or [""]
+    return f"{lines[0]} {lines[-1]}" if len(lines) > 1 and lines[0].endswith(":") else lines[0]
+
+
+PADDED_GROUP = ("one decode call with 3 query heads per KV head (the tiny model has 2; "
+                "SmolLM2 3: the group padded to 4)")
+
+
+def check_padded_group(kernel: Any) -> str | None:
+    """The kernel on :data:`PADDED_GROUP` beside the library's attention: what differs."""
+    from paged_lib.kernels import paged_attention
+
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(2, 6, 4, 2, 8, generator=g)
+    args = (torch.randn(2, 6, 8, generator=g), k, v,
+            torch.tensor([[3, 1, 0], [5, 2, 4]], dtype=torch.int32),
+            torch.tensor([9, 12], dtype=torch.int32))
+    try:
+        out = run_kernel(kernel, *args)
+    except Exception as err:  # noqa: BLE001 - a learner's kernel: a line, no traceback
+        what = str(err) if isinstance(err, AttentionDiffers) else \
+            f"raised {type(err).__name__}: {error_line(err)[:300]}"
+        return f"on {PADDED_GROUP}: {what}"
+    err = (out - paged_attention(*args, backend="torch")).abs().max().item()
+    return None if err <= 1e-4 else f"on {PADDED_GROUP}: your kernel's " + (
+        NAN_READ if out.isnan().any() else f"output is {err:.3g} away from "
+        "the library's (mask the padded query heads of the group)")
+
+
 def main() -> int:
     """Run chapter 13's notebook on what ``mine/`` holds and print its text outputs (the
     fork's grade workflow does this after ``make grade``); 1 if a check failed."""

@@ -119,7 +119,7 @@ def check(model: TinyLlama, tokenizer, hf, pieces: dict[str, Any],
     try:
         outputs, got = serve(model, pieces, workload, tokenizer)
     except Exception as err:
-        line = your_engine_scenarios.error_line(err)
+        line = your_engine.error_line(err)
         print(f"❌ your engine raised {type(err).__name__}: {line}")
         return False, None, library.steps
     same = hf_reference(hf, outputs, workload[1])
@@ -194,7 +194,7 @@ def kernel_on_one_layer(kernel: Any | None, call: dict) -> KernelRun:
         if out.isnan().any():
             error, problem = float("inf"), f"'s {your_engine.NAN_READ}"
     except Exception as err:  # noqa: BLE001 - a learner's kernel: a line, no traceback
-        line = your_engine_scenarios.error_line(err)
+        line = your_engine.error_line(err)
         error, problem = float("inf"), f"raised {type(err).__name__}: {line}"
         seconds = float("nan")
     return KernelRun(error, seconds, library_seconds, problem)

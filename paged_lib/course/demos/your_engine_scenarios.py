@@ -19,18 +19,16 @@ an entry in :data:`PIECE_SCENARIOS` (and a new :class:`Scenario` if none of
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import signal
-import threading
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from paged_lib.course import grading
 from paged_lib.course.demos import your_engine
 from paged_lib.course.demos.your_engine_random import NOT_GENERATED, generated_verdict
+from paged_lib.course.demos.your_engine_story import PieceDiffers, Served, difference
 from paged_lib.course.exercises import SAVED
 from paged_lib.engine import SamplingParams as P
 from paged_lib.model import TinyLlama
@@ -172,13 +170,6 @@ def missing() -> list[str]:
 
 # ------------------------------------------------------------------ serving, traced
 
-@dataclass
-class Served:
-    tokens: list[list[list[int]]]                     # request -> completion -> tokens
-    steps: list[dict] = field(default_factory=list)   # one record per engine step
-    logprobs: list[list[float]] = field(default_factory=list)  # cumulative, per completion
-
-
 def record(out, stats, steps: list[dict]) -> None:
     steps.append({
         "ran": [(sc.group.request_id, sc.seq.seq_id, sc.num_new_tokens,
@@ -241,62 +232,6 @@ def library(name: str) -> Served:
 
 # ------------------------------------------------------------------ the story
 
-def _one(entry: tuple | None) -> str:
-    if entry is None:
-        return "did not run it"
-    _, _, n, kind, blocks = entry
-    where = f" into block{'s' if len(set(blocks)) > 1 else ''} " \
-        f"{', '.join(map(str, sorted(set(blocks))))}" if blocks else ""
-    return f"ran a {kind} of {n} token{'s' if n > 1 else ''}{where}"
-
-
-def _ran(want: list, got: list) -> str:
-    """The first sequence the two steps ran differently."""
-    w, g = ({(e[0], e[1]): e for e in x} for x in (want, got))
-    for key in [*w, *(k for k in g if k not in w)]:
-        if w.get(key) != g.get(key):
-            return (f"request {key[0]} (sequence {key[1]}): the library "
-                    f"{_one(w.get(key))}, yours {_one(g.get(key))}")
-    return (f"the batch's order of (request, sequence): the library's {list(w)}, "
-            f"yours {list(g)}")
-
-
-def difference(want: Served, got: Served, numeric: bool = False) -> str | None:
-    """The first difference between two runs of one scenario, in a sentence (None: same);
-    ``numeric``: the completions' log-probabilities too (the K/V the model read)."""
-    for i, (w, g) in enumerate(zip(want.steps, got.steps, strict=False)):
-        for key in w:
-            if w[key] != g[key]:
-                if key == "ran":
-                    return f"at engine step {i}, {_ran(w[key], g[key])}"
-                return (f"at engine step {i}, {key}: the library's {w[key]!r}, "
-                        f"yours {g[key]!r}")
-    if len(want.steps) != len(got.steps):
-        return f"the library took {len(want.steps)} steps, yours {len(got.steps)}"
-    for r, (w, g) in enumerate(zip(want.tokens, got.tokens, strict=True)):
-        for k, (wt, gt) in enumerate(zip(w, g, strict=False)):
-            if wt != gt:
-                at = next((j for j, (x, y) in enumerate(zip(wt, gt, strict=False)) if x != y),
-                          min(len(wt), len(gt)))
-                return (f"request {r} completion {k}: token {at} is "
-                        f"{wt[at] if at < len(wt) else 'the end'} with the library's "
-                        f"pieces, {gt[at] if at < len(gt) else 'the end'} with yours")
-        if len(w) != len(g):
-            return f"request {r}: the library returns {len(w)} completions, yours {len(g)}"
-    for r, (w, g) in enumerate(zip(want.logprobs, got.logprobs, strict=True) if numeric
-                               else ()):
-        for k, (x, y) in enumerate(zip(w, g, strict=True)):
-            if not abs(x - y) <= 1e-5:
-                return (f"request {r} completion {k}: the same tokens, but log-probability "
-                        f"{x:.6f} with the library's pieces, {y:.6f} with yours (the "
-                        "model read other K/V values)")
-    return None
-
-
-class PieceDiffers(ValueError):
-    """A piece answered one call otherwise than the library's twin (told in its words)."""
-
-
 def _compared_cache_hit(fn: Any) -> Any:
     """10.2 beside the library's on every call: a difference is told in 10.2's words,
     before 10.4's allocation (which takes the hit) can fail on it in its own."""
@@ -324,13 +259,6 @@ _COPIED = ("the library copied blocks (source, destination) {want} for copy-on-w
            "copied into it (Slot's copy), so the model read a block nobody wrote")
 
 
-def error_line(err: BaseException) -> str:
-    """``err``'s message on one line: its first ('' if none), with a traceback's last line
-    (the error) when the first introduces one (a tensor-parallel rank's)."""
-    lines = [x.strip() for x in str(err).splitlines() if x.strip()] or [""]
-    return f"{lines[0]} {lines[-1]}" if len(lines) > 1 and lines[0].endswith(":") else lines[0]
-
-
 def _story(scenario: Scenario, key: str, got: Served, err: Exception | None) -> str | None:
     """The first difference of a run (cut short by ``err``, if any) from the library's."""
     want = library(key)
@@ -347,7 +275,7 @@ def _story(scenario: Scenario, key: str, got: Served, err: Exception | None) -> 
         return difference(want, got, scenario.numeric)
     partial = Served([], got.steps[:len(want.steps)])
     what = difference(Served([], want.steps[:len(partial.steps)]), partial)
-    text = error_line(err)
+    text = your_engine.error_line(err)
     at = len(got.steps)  # the step that raised (not recorded)
     if _NAN_SAMPLED in text and what is None and at < len(want.steps) \
             and want.steps[at]["copied"]:
@@ -372,49 +300,8 @@ class StillRunning(BaseException):
     handlers of a learner's exception, here and in the random stage, let it through)."""
 
 
-@contextlib.contextmanager
-def _time_limit() -> Iterator[None]:
-    """Stop a check that runs past :data:`PIECE_TIME_LIMIT_S` (main thread, Unix only)."""
-    if not hasattr(signal, "setitimer") or \
-            threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def stop(*_: object) -> None:
-        raise StillRunning
-
-    previous = signal.signal(signal.SIGALRM, stop)
-    signal.setitimer(signal.ITIMER_REAL, PIECE_TIME_LIMIT_S)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-
-
-PADDED_GROUP = ("one decode call with 3 query heads per KV head (the tiny model has 2; "
-                "SmolLM2 3: the group padded to 4)")
-
-
-def _padded_group(kernel: Any) -> str | None:
-    """The kernel on :data:`PADDED_GROUP` beside the library's attention: what differs."""
-    from paged_lib.kernels import paged_attention
-
-    g = torch.Generator().manual_seed(0)
-    k, v = torch.randn(2, 6, 4, 2, 8, generator=g)
-    args = (torch.randn(2, 6, 8, generator=g), k, v,
-            torch.tensor([[3, 1, 0], [5, 2, 4]], dtype=torch.int32),
-            torch.tensor([9, 12], dtype=torch.int32))
-    try:
-        out = your_engine.run_kernel(kernel, *args)
-    except Exception as err:  # noqa: BLE001 - a learner's kernel: a line, no traceback
-        what = str(err) if isinstance(err, your_engine.AttentionDiffers) else \
-            f"raised {type(err).__name__}: {error_line(err)[:300]}"
-        return f"on {PADDED_GROUP}: {what}"
-    err = (out - paged_attention(*args, backend="torch")).abs().max().item()
-    return None if err <= 1e-4 else f"on {PADDED_GROUP}: your kernel's " + (
-        your_engine.NAN_READ if out.isnan().any() else f"output is {err:.3g} away from "
-        "the library's (mask the padded query heads of the group)")
+def _still_running() -> None:
+    raise StillRunning
 
 
 def check_piece(ex_id: str, obj: Any) -> str | None:
@@ -429,7 +316,7 @@ def check_piece(ex_id: str, obj: Any) -> str | None:
         ex_id: _compared_cache_hit(obj) if ex_id == "10.2" else obj}
     verdict, where, steps = None, "random workloads", []
     try:
-        with _time_limit():
+        with grading.time_limit(PIECE_TIME_LIMIT_S, _still_running):
             for key in PIECE_SCENARIOS[name]:
                 scenario, steps = SCENARIOS[key], []
                 where = scenario.story
@@ -444,8 +331,8 @@ def check_piece(ex_id: str, obj: Any) -> str | None:
                     verdict = f"on {scenario.story}: {what[:400]}"
                     break
             if verdict is None and kernel is not None:
-                where, steps = PADDED_GROUP, []
-                verdict = _padded_group(kernel)
+                where, steps = your_engine.PADDED_GROUP, []
+                verdict = your_engine.check_padded_group(kernel)
             if verdict is None and ex_id not in NOT_GENERATED:
                 where, steps = "random workloads", []
                 verdict = generated_verdict(ex_id, obj, pieces.get(ex_id, obj))

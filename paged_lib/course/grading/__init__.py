@@ -28,7 +28,9 @@ import importlib
 import math
 import numbers
 import os
+import signal
 import sys
+import threading
 import traceback
 import types
 from collections.abc import Callable, Iterator
@@ -367,6 +369,24 @@ def exercise(ex_id: str, title: str | None = None) -> Iterator[None]:
         from paged_lib.course import mine
 
         mine.after_verdict(ex_id, mark == PASS, learner)
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float, stop: Callable[[], Any]) -> Iterator[None]:
+    """Run the block; if it is still running after ``seconds``, ``stop()`` is called inside
+    it and raises there (a learner's loop that never ends gets a verdict, not a cell that
+    hangs). Main thread on Unix only (a signal timer); elsewhere, no limit."""
+    if not hasattr(signal, "setitimer") or \
+            threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGALRM, lambda *_: stop())
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def raised_hint(err: BaseException) -> str | None:

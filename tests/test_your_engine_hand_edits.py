@@ -1,5 +1,5 @@
 """Chapter 13 met as a learner meets it: pieces edited by hand in ``mine/`` after their
-check passed are told in their own words (audit d)."""
+check passed are told in their own words, on one line, never as a traceback or a hung cell."""
 
 from __future__ import annotations
 
@@ -124,6 +124,6 @@ def test_a_kernel_raising_without_a_message_is_told_not_a_traceback():
                 seq_lens=torch.tensor([3], dtype=torch.int32), out=torch.zeros(1, 4, 8))
     run = your_engine_check.kernel_on_one_layer(Bare(), call)
     assert run.problem == "raised AssertionError: "
-    assert your_engine_scenarios.error_line(RuntimeError("rank 1 failed. Its traceback:\n"
+    assert your_engine.error_line(RuntimeError("rank 1 failed. Its traceback:\n"
                                                          "  File x\nValueError: bug")) == \
         "rank 1 failed. Its traceback: ValueError: bug"
