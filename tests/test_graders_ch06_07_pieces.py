@@ -35,9 +35,11 @@ def waiting_with(gate_swapped=True, gate_preempted=True, hol=True, watermark=Tru
                  alone_ignores_running=False, token_budget=True, strict_tokens=False,
                  strict_seqs=False, n_always=False, chunk_watermark=True, beams_as_n=False,
                  whole_blocks=False):
-    """A schedule_waiting with one planted mistake (defaults: correct)."""
+    """A schedule_waiting with one planted mistake (defaults: correct; gate_swapped="tight":
+    only while few blocks are free; alone_rule="unchunked": not for a first chunk)."""
     def schedule(waiting, step):
-        if (gate_swapped and step.swapped) or (gate_preempted and step.num_preempted):
+        tight = gate_swapped != "tight" or step.free_blocks <= step.watermark_blocks + 2
+        if (gate_swapped and step.swapped and tight) or (gate_preempted and step.num_preempted):
             return
         k = 0
         while k < len(waiting):
@@ -67,6 +69,7 @@ def waiting_with(gate_swapped=True, gate_preempted=True, hol=True, watermark=Tru
             tokens_ok = (tokens < step.tokens_left if strict_tokens
                          else tokens <= step.tokens_left) if token_budget else True
             alone = (alone_rule and step.is_empty()
+                     and not (alone_rule == "unchunked" and step.chunked_prefill)
                      and (not step.prefill_first or not step.running or alone_ignores_running)
                      and need <= step.free_blocks and tokens <= step.tokens_left)
             if not ((blocks_ok and seqs_ok and tokens_ok) or alone):

@@ -477,7 +477,8 @@ def alloc(pool, token_ids, hashes, block_size, max_new_tokens, *, cap=True, touc
           incref=True, dedupe_list=False, unqueue=True, past_miss=False, drop_empty=True,
           evict_oldest=False, cap_minus_one=False, budget_counts_hit=False,
           uncached_first=False, evict_value=False, no_duplicates=False, index_miss=False,
-          unqueue_held=False, pop_strict=False, misalign=False, only_fresh=False):
+          unqueue_held=False, pop_strict=False, misalign=False, only_fresh=False,
+          chunk_from_zero=False):
     """A new request's table, with one rule swappable, to build the wrong answers."""
     queue, refs = pool.free_block_queue, pool.ref_counts
 
@@ -503,6 +504,8 @@ def alloc(pool, token_ids, hashes, block_size, max_new_tokens, *, cap=True, touc
                       else len(token_ids) - computed)
     if budget_counts_hit:  # the budget read as counting the hit's tokens too
         end = min(len(token_ids), max(max_new_tokens, computed))
+    if chunk_from_zero and max_new_tokens < len(token_ids) - computed:  # not after the hit
+        end = max_new_tokens
 
     def take_hits():
         for b in blocks[:computed // block_size]:

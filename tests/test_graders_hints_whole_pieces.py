@@ -4,7 +4,11 @@ get ❌ with the state and the rule they break."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
+from test_graders_ch06_07_pieces import waiting_with
+from test_graders_ch10 import alloc
 
 from paged_lib.course.grading import ch06, ch07, ch08, ch10
 
@@ -18,35 +22,10 @@ def verdict(capsys, check, answer) -> str:
     return out
 
 
-def _seqs(g) -> int:
-    if any(s.output_token_ids for s in g.seqs):
-        return len(g.live_seqs())
-    return max(len(g.live_seqs()), g.params.num_seqs)
-
-
 def test_06_4_the_alone_rule_holds_for_a_first_chunk_too(capsys):
     """No exception for a group alone in an empty step under chunked prefill: it passed
     (no case put a first chunk alone into the watermark); then its hint blamed the chunk."""
-    def schedule(waiting, step):
-        if step.swapped or step.num_preempted:
-            return
-        while waiting:
-            g = waiting[0]
-            tokens = step.prefill_tokens(g)
-            if step.chunked_prefill:
-                tokens = min(tokens, step.tokens_left)
-                if tokens < 1:
-                    return
-            need = step.blocks_needed(g, tokens)
-            fits = (step.free_blocks - need >= step.watermark_blocks and tokens <= step.tokens_left
-                    and step.num_seqs + _seqs(g) <= step.max_num_seqs)
-            alone = (not step.chunked_prefill and step.is_empty() and need <= step.free_blocks
-                     and (not step.prefill_first or not step.running))
-            if not (fits or alone):
-                return
-            step.admit(g, tokens)
-
-    out = verdict(capsys, ch06.check_schedule_waiting, schedule)
+    out = verdict(capsys, ch06.check_schedule_waiting, waiting_with(alone_rule="unchunked"))
     assert out.startswith("❌ [06.4]") and "a first chunk alone in an empty step" in out, out
     assert "or with chunked prefill its first chunk), even into the watermark" in out, out
 
@@ -78,35 +57,8 @@ def test_07_3_a_group_part_way_through_its_prefill_is_a_candidate(capsys):
 def test_10_4_a_first_chunk_after_a_hit_counts_from_the_hit(capsys):
     """A chunk's end taken as max_new_tokens itself (not after the hit) passed: no case,
     and 1 of 16 workloads, asked for a chunk after a cache hit."""
-    def allocate(pool, token_ids, hashes, block_size, max_new_tokens):
-        queue, refs, blocks = pool.free_block_queue, pool.ref_counts, []
-        for h in hashes[:(len(token_ids) - 1) // block_size]:
-            if pool.lookup(h) is None:
-                break
-            blocks.append(pool.lookup(h))
-        for b in blocks:
-            if refs[b] == 0:
-                queue.remove(b)
-            refs[b] += 1
-        computed = len(blocks) * block_size
-        rest = len(token_ids) - computed
-        end = max_new_tokens if max_new_tokens < rest else len(token_ids)  # from 0, not the hit
-        while len(blocks) * block_size < end:
-            b = queue.popleft()
-            old = pool.block_hash.pop(b, None)
-            if old is not None:
-                pool.cached_blocks[old.value].remove(b)
-                if not pool.cached_blocks[old.value]:
-                    del pool.cached_blocks[old.value]
-            refs[b] = 1
-            blocks.append(b)
-        for b, h in zip(blocks[:end // block_size], hashes, strict=False):
-            if b not in pool.block_hash:
-                pool.block_hash[b] = h
-                pool.cached_blocks.setdefault(h.value, []).append(b)
-        return blocks, computed
-
-    out = verdict(capsys, ch10.check_allocate_slots, allocate)
+    out = verdict(capsys, ch10.check_allocate_slots,
+                  functools.partial(alloc, chunk_from_zero=True))
     assert out.startswith("❌ [10.4]") and "a hit of 3 blocks, then a first chunk" in out, out
     assert "its budget counts only the tokens it computes" in out, out
 
@@ -141,8 +93,6 @@ def test_08_2_scores_added_in_float32_are_told_so(capsys):
 def test_06_4_prefill_first_has_its_own_scenario(capsys):
     """prefill_first was drawn by 1 of the 16 random workloads, the only place an alone
     rule that forgot the running groups was caught: a named scenario now serves it."""
-    from test_graders_ch06_07_pieces import waiting_with
-
     out = verdict(capsys, ch06.check_schedule_waiting, waiting_with(alone_ignores_running=True))
     assert out.startswith("❌ [06.4]") and "in 'prefill_first, watermark 2" in out, out
     assert "with prefill_first it is alone only if nobody is running" in out, out
@@ -151,25 +101,6 @@ def test_06_4_prefill_first_has_its_own_scenario(capsys):
 def test_06_4_nobody_joins_while_swapped_even_with_blocks_free(capsys):
     """Admitting while a group is swapped out when blocks seemed plenty passed: the one
     swap scenario never had free blocks then, and 1 of 16 workloads swapped."""
-    def schedule(waiting, step):
-        if (step.swapped and step.free_blocks <= step.watermark_blocks + 2) or step.num_preempted:
-            return
-        while waiting:
-            g = waiting[0]
-            tokens = step.prefill_tokens(g)
-            if step.chunked_prefill:
-                tokens = min(tokens, step.tokens_left)
-                if tokens < 1:
-                    return
-            need = step.blocks_needed(g, tokens)
-            fits = (step.free_blocks - need >= step.watermark_blocks and tokens <= step.tokens_left
-                    and step.num_seqs + _seqs(g) <= step.max_num_seqs)
-            alone = (step.is_empty() and need <= step.free_blocks and tokens <= step.tokens_left
-                     and (not step.prefill_first or not step.running))
-            if not (fits or alone):
-                return
-            step.admit(g, tokens)
-
-    out = verdict(capsys, ch06.check_schedule_waiting, schedule)
+    out = verdict(capsys, ch06.check_schedule_waiting, waiting_with(gate_swapped="tight"))
     assert out.startswith("❌ [06.4]") and "1 group(s) swapped out" in out, out
     assert "nobody new is admitted while any is swapped" in out, out
