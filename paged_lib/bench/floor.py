@@ -13,8 +13,13 @@ threads torch uses, so every figure a bench prints comes beside its own floor as
 
 On a CPU the bandwidth is the best of two plain reads of a buffer far larger than the
 caches (a sum, and a matrix-vector product that streams a matrix once); the matmul rate
-is fp32 ``torch.mm`` of square matrices. Both are what this machine delivers to PyTorch
-now (other work on shared cores lowers them), not a spec sheet's peak.
+is the faster of two fp32 products of square matrices: ``torch.mm`` (the BLAS PyTorch was
+built with) and oneDNN's, on a weight prepacked as the model's linear maps are
+(:mod:`paged_lib.kernels.cpu_linear`). They can differ by far: on an AMD EPYC with AVX-512
+(2026-12-07, two threads) ``torch.mm`` (Intel's MKL) did 210 GFLOP/s and oneDNN 480, and
+a floor taken from the slower would let a step look closer to the machine than it is.
+Both rates are what this machine delivers to PyTorch now (other work on shared cores
+lowers them), not a spec sheet's peak.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from paged_lib.kernels.cpu_linear import prepack_available
 from paged_lib.model import TinyLlamaConfig
 
 
@@ -58,9 +64,10 @@ def _best_seconds(fn, repeats: int) -> float:
 
 def measure_machine(read_bytes: int = 256 * 2**20, matmul_size: int = 1536,
                     repeats: int = 5) -> Machine:
-    """Memory bandwidth and fp32 matmul rate at ``torch.get_num_threads()`` threads, on
-    the CPU (about a second). The best of ``repeats`` runs (:func:`_best_seconds`): the
-    floor is what the machine *can* do, so a run slowed by other work does not lower it."""
+    """Memory bandwidth and fp32 matmul rate (the faster of ``torch.mm`` and oneDNN's
+    prepacked product) at ``torch.get_num_threads()`` threads, on the CPU (about a
+    second). The best of ``repeats`` runs (:func:`_best_seconds`): the floor is what the
+    machine *can* do, so a run slowed by other work does not lower it."""
     if read_bytes < 2**20 or matmul_size < 64:
         raise ValueError(f"read_bytes must be at least 1 MiB and matmul_size at least 64, "
                          f"got {read_bytes} and {matmul_size}")
@@ -73,6 +80,10 @@ def measure_machine(read_bytes: int = 256 * 2**20, matmul_size: int = 1536,
     x = None  # free it before the matmuls
     a, b = torch.randn(matmul_size, matmul_size), torch.randn(matmul_size, matmul_size)
     mm = _best_seconds(lambda: torch.mm(a, b), repeats)
+    if prepack_available(b):  # the model's linear maps' own kernel (cpu_linear)
+        packed = torch.ops.mkldnn._reorder_linear_weight(b)
+        mm = min(mm, _best_seconds(lambda: torch.ops.mkldnn._linear_pointwise(
+            a, packed, None, "none", [], ""), repeats))
     return Machine(bandwidth=nbytes / read, flops=2 * matmul_size**3 / mm,
                    threads=torch.get_num_threads())
 
