@@ -27,7 +27,7 @@ from torch.nn import functional as F
 
 from paged_lib.accounting import ModelSpec
 from paged_lib.data import TINY_CODE_LLAMA_DIR  # where the course's trained model lives
-from paged_lib.kernels import paged_attention, paged_prefill, reshape_and_cache
+from paged_lib.kernels import cpu_layer, paged_attention, paged_prefill, reshape_and_cache
 from paged_lib.kernels.cpu_linear import linear, stacked_weights
 
 
@@ -183,22 +183,29 @@ class Attention(nn.Module):
                 backend: str, validate: bool = True) -> torch.Tensor:
         cfg, n = self.cfg, x.shape[0]
         heads, kv_heads, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        k_cache, v_cache = kv_cache
         if torch.is_grad_enabled():  # autograd through the modules themselves
             q = apply_rope(self.q_proj(x).view(n, heads, d), cos, sin)
             k = apply_rope(self.k_proj(x).view(n, kv_heads, d), cos, sin)
             v = self.v_proj(x).view(n, kv_heads, d)
-        else:  # inference: Q, K and V as one prepacked map, Q and K rotated together
+        else:  # inference: Q, K and V as one prepacked map
             qkv = linear(x, stacked_weights(self, "qkv", [
                 self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]))
-            qk = apply_rope(qkv[:, :(heads + kv_heads) * d].view(n, heads + kv_heads, d),
-                            cos, sin)
-            q, k = qk[:, :heads], qk[:, heads:]
-            v = qkv[:, (heads + kv_heads) * d:].view(n, kv_heads, d)
-        k_cache, v_cache = kv_cache
-        # 1. write: this step's K/V go to their slots (the cache now holds seq_lens tokens)
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping, backend, validate)
-        # 2. read: attend over the whole history through the block tables
+            if cpu_layer.applies(qkv, backend, validate) and cpu_layer.fits(k_cache, v_cache):
+                # backend="cpu": the rotation and step 1 below in one C pass (cpu_layer)
+                q = cpu_layer.rope_and_write(qkv, cos, sin, k_cache, v_cache,
+                                             meta.slot_mapping, heads, kv_heads)
+                k = v = None
+            else:  # Q and K rotated together
+                qk = apply_rope(qkv[:, :(heads + kv_heads) * d].view(n, heads + kv_heads, d),
+                                cos, sin)
+                q, k = qk[:, :heads], qk[:, heads:]
+                v = qkv[:, (heads + kv_heads) * d:].view(n, kv_heads, d)
+        if k is not None:
+            # 1. write: this step's K/V go to their slots (the cache now holds seq_lens tokens)
+            write_kv(k, v, k_cache, v_cache, meta.slot_mapping, backend, validate)
         q = q.contiguous()
+        # 2. read: attend over the whole history through the block tables
         if meta.is_decode:
             out = paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                   backend=backend, validate=validate,
@@ -247,12 +254,18 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        """``fused``: the activation as one C pass (``backend="cpu"``, see ``cpu_layer``)."""
         if torch.is_grad_enabled():
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        gate_up = stacked_weights(self, "gate_up", [self.gate_proj.weight, self.up_proj.weight])
-        gate, up = gate_up.split(linear(x, gate_up))  # one prepacked map for both
-        return linear(F.silu(gate) * up, stacked_weights(self, "down", [self.down_proj.weight]))
+        weights = stacked_weights(self, "gate_up", [self.gate_proj.weight, self.up_proj.weight])
+        gate_up = linear(x, weights)  # one prepacked map for both
+        if fused:
+            h = cpu_layer.silu_mul(gate_up)
+        else:
+            gate, up = weights.split(gate_up)
+            h = F.silu(gate) * up
+        return linear(h, stacked_weights(self, "down", [self.down_proj.weight]))
 
 
 class DecoderLayer(nn.Module):
@@ -266,10 +279,24 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x, cos, sin, kv_cache, meta, backend, validate=True, all_reduce=None):
+        if cpu_layer.applies(x, backend, validate):  # the same steps, the small ones in C
+            return self._forward_fused(x, cos, sin, kv_cache, meta, backend, all_reduce)
         h = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta, backend,
                            validate)
         x = x + (h if all_reduce is None else all_reduce(h))
         h = self.mlp(self.post_attention_layernorm(x))
+        return x + (h if all_reduce is None else all_reduce(h))
+
+    def _forward_fused(self, x, cos, sin, kv_cache, meta, backend, all_reduce):
+        """:meth:`forward` for ``backend="cpu"`` (:mod:`paged_lib.kernels.cpu_layer`): each
+        norm, the residual add before the second, and SwiGLU's activation are one C pass
+        over the rows."""
+        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
+        h = self.self_attn(cpu_layer.rms_norm(x, norm1.weight, norm1.eps), cos, sin, kv_cache,
+                           meta, backend, False)
+        h = (h if all_reduce is None else all_reduce(h)).contiguous()
+        x, h = cpu_layer.add_rms_norm(x, h, norm2.weight, norm2.eps)
+        h = self.mlp(h, fused=True)
         return x + (h if all_reduce is None else all_reduce(h))
 
 

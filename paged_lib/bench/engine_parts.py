@@ -6,8 +6,11 @@
 Serves :mod:`paged_lib.bench.engine_chat`'s trace with the engine only (after one untimed
 warm-up) and times, around each call, the model forward and inside it the layers' linear
 maps, the decode attention, the cache writes, the prefill attention, the RMSNorms and the
-rotary embedding (what is left, the untimed rest: the embedding, the rotation angles,
-SwiGLU's activation and the residual adds, and the timers' own cost), and after it the
+rotary embedding (with ``backend="cpu"``, whose C loops do the rotation with the cache
+write, the second norm with the residual add before it, and SwiGLU's activation, each as
+one part: :mod:`paged_lib.kernels.cpu_layer`; what is left, the untimed rest: the
+embedding, the rotation angles, the other activation and residual adds, and the timers'
+own cost), and after it the
 LM head (on each sequence's last token): wall seconds and the CPU seconds of the calling
 thread, each part indented under the part it ran inside. Run it at
 ``--threads 1`` and ``2`` to see which parts gain from a second thread; on shared cores
@@ -31,6 +34,7 @@ from paged_lib import model as model_module
 from paged_lib.bench.engine_chat import chat_trace, run_engine
 from paged_lib.bench.floor import measure_machine
 from paged_lib.engine.llm import load_model
+from paged_lib.kernels import cpu_layer
 from paged_lib.models import smollm2
 
 #: (owner, attribute, part) of each timed function. A part called while another runs is
@@ -47,7 +51,12 @@ PARTS = ((model_module.TinyLlama, "forward", "model forward"),
          (model_module, "write_kv", "cache writes"),
          (model_module, "paged_prefill", "prefill attention"),
          (model_module.RMSNorm, "forward", "RMSNorm"),
-         (model_module, "apply_rope", "RoPE"))
+         (model_module, "apply_rope", "RoPE"),
+         # backend="cpu": the same steps as one C pass each (paged_lib.kernels.cpu_layer)
+         (cpu_layer, "rope_and_write", "RoPE and cache writes"),
+         (cpu_layer, "rms_norm", "RMSNorm"),
+         (cpu_layer, "add_rms_norm", "residual add and RMSNorm"),
+         (cpu_layer, "silu_mul", "SwiGLU activation"))
 
 #: The clocks read around each call: wall seconds and the calling thread's CPU seconds.
 CLOCKS = (time.perf_counter, time.thread_time)

@@ -76,8 +76,8 @@ class _ReducedMLP(torch.nn.Module):
         super().__init__()
         self.mlp = mlp
 
-    def forward(self, x):
-        return _all_reduce(self.mlp(x))
+    def forward(self, x, fused: bool = False):
+        return _all_reduce(self.mlp(x, fused))
 
 
 def use_rank_attention(model: TinyLlama, fn, weights: list, rank: int, tp_size: int) -> None:

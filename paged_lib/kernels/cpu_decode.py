@@ -43,7 +43,12 @@ import torch
 
 from paged_lib.util import cache_root, cdiv
 
-SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
+CSRC = Path(__file__).with_name("csrc")
+SOURCE = CSRC / "paged_decode.c"
+#: Built into one library: this kernel, and the layer's small steps of
+#: :mod:`paged_lib.kernels.cpu_layer` (both include ``vec.h``).
+SOURCES = (SOURCE, CSRC / "layer_ops.c")
+HEADERS = (CSRC / "vec.h",)
 #: Flag sets tried in order; the first the compiler accepts is kept.
 FLAG_SETS = (("-O3", "-march=native"), ("-O3",))
 KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -103,7 +108,7 @@ def _torch_libgomp() -> bool:
 def _build() -> tuple[ctypes.CDLL, dict]:
     cc = _compiler()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    source = SOURCE.read_bytes()
+    source = b"".join(f.read_bytes() for f in (*SOURCES, *HEADERS))
     errors = []
     flag_sets = ((*FLAG_SETS[0], *OPENMP_FLAGS),) if _torch_libgomp() else ()
     for flags in (*flag_sets, *FLAG_SETS):
@@ -113,7 +118,8 @@ def _build() -> tuple[ctypes.CDLL, dict]:
         if not target.exists():
             with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
                 built = Path(tmp) / target.name
-                run = subprocess.run([cc, *flags, str(SOURCE), "-o", str(built), "-lm"],
+                run = subprocess.run([cc, *flags, *map(str, SOURCES), "-o", str(built),
+                                      "-lm"],
                                      capture_output=True, text=True)
                 if run.returncode != 0:
                     errors.append(f"{cc} {' '.join(flags)}: {run.stderr.strip()[-400:]}")
@@ -136,7 +142,7 @@ def _build() -> tuple[ctypes.CDLL, dict]:
         return lib, {"compiler": cc, "version": version.splitlines()[0] if version else "",
                      "flags": list(flags), "library": str(target),
                      "threads": "PyTorch's OpenMP team" if openmp else "Python threads"}
-    raise KernelUnavailable("could not build or load paged_lib/kernels/csrc/paged_decode.c:\n"
+    raise KernelUnavailable("could not build or load paged_lib/kernels/csrc/*.c:\n"
                             + "\n".join(errors))
 
 

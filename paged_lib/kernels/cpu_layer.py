@@ -1,0 +1,137 @@
+"""A decoder layer's small steps as C loops, one pass each: ``backend="cpu"`` decode.
+
+Between its linear maps, a Llama layer normalises rows (RMSNorm), rotates queries and
+keys (RoPE), writes K and V into the paged cache and multiplies SwiGLU's two halves. In
+PyTorch each is a handful of operations, each writing a temporary; with one row per
+sequence the arithmetic is nothing, and what costs is the passes over memory that the
+linear maps have just flushed from the caches (SmolLM2 at batch 8: an RMSNorm took about
+40 us inside the model, 9 us alone). :func:`rms_norm`, :func:`add_rms_norm`,
+:func:`rope_and_write` and :func:`silu_mul` do each step in one pass, in C
+(``csrc/layer_ops.c``, built with :mod:`paged_lib.kernels.cpu_decode`'s kernel into one
+library), with PyTorch's float32 arithmetic per element (sums over a row may differ
+in the last bit: the tests hold each to torch's within 1e-6).
+
+The model takes them (:meth:`paged_lib.model.DecoderLayer.forward`) where
+:func:`applies`: ``backend="cpu"``, no gradients, float32 CPU rows, and a step whose
+slots the model runner has checked (``validate=False``). Everything else, and every
+learner-facing chapter, runs the PyTorch operations of :mod:`paged_lib.model`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from paged_lib.kernels import cpu_decode
+
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+
+
+@functools.cache
+def _lib() -> ctypes.CDLL:
+    lib = cpu_decode.library()
+    for name, args in (("rms_norm_rows", [_P, _P, _P, _I, _I, _F]),
+                       ("add_rms_norm_rows", [_P] * 5 + [_I, _I, _F]),
+                       ("rope_write_rows", [_P] * 7 + [_I] * 4),
+                       ("silu_mul_rows", [_P, _P, _I, _I])):
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = None, args
+    return lib
+
+
+@functools.cache
+def available() -> bool:
+    """Can the C library be built and loaded here (a C compiler, see ``cpu_decode``)?"""
+    return cpu_decode.available()
+
+
+def applies(x: torch.Tensor, backend: str, validate: bool) -> bool:
+    """Does the model take these loops for rows ``x``: ``backend="cpu"``, a step the
+    runner checked (``validate=False``), no autograd, contiguous float32 rows on the CPU,
+    and the library built?"""
+    return (backend == "cpu" and not validate and not torch.is_grad_enabled()
+            and x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2
+            and x.is_contiguous() and available())
+
+
+def fits(k_cache, v_cache) -> bool:
+    """Are the caches ones :func:`rope_and_write` writes: contiguous float32 CPU tensors
+    (not the int8 blocks of chapter 11, not a device's)?"""
+    return all(isinstance(c, torch.Tensor) and c.device.type == "cpu"
+               and c.dtype == torch.float32 and c.is_contiguous() for c in (k_cache, v_cache))
+
+
+def _rows(x: torch.Tensor, weight: torch.Tensor) -> tuple[int, int]:
+    rows, dim = x.shape
+    if weight.shape != (dim,) or weight.dtype != torch.float32 or not weight.is_contiguous():
+        raise ValueError(f"need a contiguous float32 weight of {dim}, got "
+                         f"{tuple(weight.shape)} {weight.dtype}")
+    return rows, dim
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x / rms(x) * weight`` per row (``F.rms_norm`` over the last dimension)."""
+    rows, dim = _rows(x, weight)
+    out = torch.empty_like(x)
+    _lib().rms_norm_rows(x.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, dim, eps)
+    return out
+
+
+def add_rms_norm(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual step in one pass: ``x + h`` and its RMSNorm (both returned)."""
+    rows, dim = _rows(x, weight)
+    if h.shape != x.shape or h.dtype != x.dtype or not h.is_contiguous():
+        raise ValueError(f"h must be contiguous {tuple(x.shape)} {x.dtype}, got "
+                         f"{tuple(h.shape)} {h.dtype}")
+    total, out = torch.empty_like(x), torch.empty_like(x)
+    _lib().add_rms_norm_rows(x.data_ptr(), h.data_ptr(), weight.data_ptr(), total.data_ptr(),
+                             out.data_ptr(), rows, dim, eps)
+    return total, out
+
+
+def rope_and_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                   heads: int, kv_heads: int) -> torch.Tensor:
+    """Rotate the queries and keys of ``qkv`` (``[n, (heads + 2 kv_heads) * d]``: Q, K,
+    V heads side by side), write the keys and values into ``slots`` of the caches
+    (``[blocks, block_size, kv_heads, d]``) and return the queries ``[n, heads, d]``.
+
+    The caller vouches for ``slots`` (every one a slot of the pool: the model runner's
+    check, ``validate=False``); the shapes and dtypes are checked here."""
+    n = qkv.shape[0]
+    d = k_cache.shape[-1]
+    if (qkv.dtype != torch.float32 or not qkv.is_contiguous()
+            or qkv.shape[1] != (heads + 2 * kv_heads) * d):
+        raise ValueError(f"qkv must be contiguous float32 [n, {(heads + 2 * kv_heads) * d}], "
+                         f"got {tuple(qkv.shape)} {qkv.dtype}")
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if c.dtype != torch.float32 or not c.is_contiguous() or c.shape[2:] != (kv_heads, d):
+            raise ValueError(f"{name} must be contiguous float32 [blocks, block_size, "
+                             f"{kv_heads}, {d}], got {tuple(c.shape)} {c.dtype}")
+    for name, t in (("cos", cos), ("sin", sin)):
+        if t.shape != (n, d) or t.dtype != torch.float32 or not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous float32 [{n}, {d}], got "
+                             f"{tuple(t.shape)} {t.dtype}")
+    if slots.shape != (n,) or slots.dtype != torch.int64 or not slots.is_contiguous():
+        raise ValueError(f"slots must be contiguous int64 [{n}], got {tuple(slots.shape)} "
+                         f"{slots.dtype}")
+    q = qkv.new_empty(n, heads, d)
+    _lib().rope_write_rows(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
+                           q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), n, heads,
+                           kv_heads, d)
+    return q
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's ``silu(gate) * up`` where ``gate_up`` is ``[n, 2 inter]`` (gate, then up)."""
+    if gate_up.dtype != torch.float32 or gate_up.dim() != 2 or not gate_up.is_contiguous() \
+            or gate_up.shape[1] % 2:
+        raise ValueError(f"gate_up must be contiguous float32 [n, 2 * inter], got "
+                         f"{tuple(gate_up.shape)} {gate_up.dtype}")
+    n, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    out = gate_up.new_empty(n, inter)
+    _lib().silu_mul_rows(gate_up.data_ptr(), out.data_ptr(), n, inter)
+    return out

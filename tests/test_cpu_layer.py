@@ -1,0 +1,150 @@
+"""The decoder layer's small steps in C (``paged_lib.kernels.cpu_layer``) against PyTorch's.
+
+Each loop is held to the PyTorch operations the model runs otherwise: the rotation and the
+cache write exactly (same products, same sums), the norms and SwiGLU's activation to
+float32's last bits. Shapes are the awkward ones (rows not a multiple of the 8-float
+vectors, one row, head sizes other than 64), values span tiny to extreme, and the caches
+start NaN, so a write to a wrong slot or a read of one shows. The model then runs whole
+steps through them (``backend="cpu"``, ``validate=False``) against the PyTorch path.
+Skipped, with the reason, on a machine with no C compiler.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import paged_lib  # noqa: F401  # isort: split
+from paged_lib.kernels import cpu_decode, cpu_layer
+from paged_lib.model import AttentionMetadata, TinyLlama, TinyLlamaConfig, apply_rope, rope_cos_sin
+
+try:
+    cpu_decode.library()
+except cpu_decode.KernelUnavailable as err:  # pragma: no cover - machines without cc
+    pytest.skip(str(err), allow_module_level=True)
+
+
+def rows(n: int, dim: int, seed: int, scale: float = 1.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    # each row its own magnitude, from tiny to large
+    mags = 10.0 ** torch.linspace(-6, 3, n)[:, None] if n > 1 else torch.ones(1, 1)
+    return torch.randn(n, dim, generator=g) * mags * scale
+
+
+@pytest.mark.parametrize("n,dim", [(1, 576), (8, 64), (3, 13), (33, 100)])
+def test_rms_norm_and_the_residual_step_equal_torch(n, dim):
+    x, h, w = rows(n, dim, 0), rows(n, dim, 1), torch.randn(dim)
+    torch.testing.assert_close(cpu_layer.rms_norm(x, w, 1e-5), F.rms_norm(x, (dim,), w, 1e-5),
+                               rtol=2e-6, atol=0)
+    before = x.clone()
+    total, normed = cpu_layer.add_rms_norm(x, h, w, 1e-5)
+    assert torch.equal(x, before) and torch.equal(total, x + h)  # its inputs kept
+    torch.testing.assert_close(normed, F.rms_norm(x + h, (dim,), w, 1e-5), rtol=2e-6, atol=0)
+
+
+@pytest.mark.parametrize("inter", [1536, 7, 24])
+def test_silu_mul_equals_torch_from_tiny_to_overflow(inter):
+    gate_up = torch.cat([rows(6, inter, 2, 30.0), rows(6, inter, 3)], dim=1)
+    gate_up[0, :3] = torch.tensor([-200.0, 200.0, 0.0])  # e^200 overflows; e^-200 is 0
+    want = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+    torch.testing.assert_close(cpu_layer.silu_mul(gate_up), want, rtol=2e-6, atol=1e-30)
+
+
+@pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (4, 4, 16), (6, 2, 40)])
+def test_rope_and_write_rotates_as_apply_rope_and_writes_only_its_slots(heads, kv_heads, d):
+    n, block_size, blocks = 5, 4, 6
+    qkv = rows(n, (heads + 2 * kv_heads) * d, 4)
+    cos, sin = rope_cos_sin(torch.tensor([0, 3, 100, 8000, 4]), d, 1e5, torch.float32)
+    shape = (blocks, block_size, kv_heads, d)
+    k_cache, v_cache = torch.full(shape, float("nan")), torch.full(shape, float("nan"))
+    slots = torch.tensor([23, 0, 9, 10, 17])  # any order, blocks apart
+    q = cpu_layer.rope_and_write(qkv, cos, sin, k_cache, v_cache, slots, heads, kv_heads)
+    qk = apply_rope(qkv[:, :(heads + kv_heads) * d].view(n, heads + kv_heads, d), cos, sin)
+    assert torch.equal(q, qk[:, :heads])  # the same products and sums, bit for bit
+    assert torch.equal(k_cache.view(-1, kv_heads, d)[slots], qk[:, heads:])
+    assert torch.equal(v_cache.view(-1, kv_heads, d)[slots],
+                       qkv[:, (heads + kv_heads) * d:].view(n, kv_heads, d))
+    others = torch.ones(blocks * block_size, dtype=torch.bool)
+    others[slots] = False
+    assert k_cache.view(-1, kv_heads, d)[others].isnan().all()
+    assert v_cache.view(-1, kv_heads, d)[others].isnan().all()
+
+
+def test_bad_input_is_refused_with_what_was_wrong():
+    x, w = torch.ones(2, 8), torch.ones(8)
+    with pytest.raises(ValueError, match="weight of 8"):
+        cpu_layer.rms_norm(x, torch.ones(7), 1e-5)
+    with pytest.raises(ValueError, match="h must be contiguous"):
+        cpu_layer.add_rms_norm(x, torch.ones(2, 7), w, 1e-5)
+    with pytest.raises(ValueError, match="gate_up must be"):
+        cpu_layer.silu_mul(torch.ones(2, 7))
+    cos = sin = torch.ones(2, 4)
+    cache = torch.zeros(2, 2, 1, 4)
+    with pytest.raises(ValueError, match="qkv must be"):
+        cpu_layer.rope_and_write(torch.ones(2, 11), cos, sin, cache, cache.clone(),
+                                 torch.tensor([0, 1]), 1, 1)
+    with pytest.raises(ValueError, match="k_cache must be"):
+        cpu_layer.rope_and_write(torch.ones(2, 12), cos, sin, cache.half(), cache.clone(),
+                                 torch.tensor([0, 1]), 1, 1)
+    with pytest.raises(ValueError, match="slots must be"):
+        cpu_layer.rope_and_write(torch.ones(2, 12), cos, sin, cache, cache.clone(),
+                                 torch.tensor([0, 1], dtype=torch.int32), 1, 1)
+
+
+def test_applies_only_to_checked_float32_inference_steps_of_the_cpu_backend():
+    x = torch.ones(2, 8)
+    with torch.no_grad():
+        assert cpu_layer.applies(x, "cpu", validate=False)
+        assert not cpu_layer.applies(x, "torch", validate=False)
+        assert not cpu_layer.applies(x, "cpu", validate=True)
+        assert not cpu_layer.applies(x.half(), "cpu", validate=False)
+        assert not cpu_layer.applies(x.t(), "cpu", validate=False)
+    assert not cpu_layer.applies(x, "cpu", validate=False)  # autograd on
+
+
+@torch.no_grad()
+def test_model_steps_through_the_c_loops_equal_the_torch_path(monkeypatch):
+    """A prefill of two sequences, then decodes, through ``backend="cpu"`` without and with
+    the C loops (``validate=True`` keeps the PyTorch steps): the same logits, the same
+    caches, and nothing written outside the steps' slots."""
+    cfg = TinyLlamaConfig(num_layers=2, hidden_size=48, num_heads=6, num_kv_heads=2,
+                          head_dim=24, intermediate_size=40, vocab_size=50)
+    torch.manual_seed(0)
+    model = TinyLlama(cfg).eval()
+    block_size, blocks = 4, 8
+    shape = (blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+    calls = []
+    for name in ("rope_and_write", "rms_norm", "add_rms_norm", "silu_mul"):
+        fn = getattr(cpu_layer, name)
+        monkeypatch.setattr(cpu_layer, name,
+                            lambda *a, _fn=fn, _name=name, **k: calls.append(_name) or _fn(*a, **k))
+    runs = {}
+    for validate in (False, True):
+        caches = [(torch.full(shape, float("nan")), torch.full(shape, float("nan")))
+                  for _ in range(cfg.num_layers)]
+        tables = torch.tensor([[5, 2, 7, -1], [0, 3, -1, -1]], dtype=torch.int32)
+        lens, logits = [0, 0], []
+        for step, new in enumerate([(6, 3), (1, 1), (1, 1), (1, 0)]):
+            seqs = [s for s in range(2) if new[s]]
+            pos = torch.cat([torch.arange(lens[s], lens[s] + new[s]) for s in seqs])
+            owner = torch.cat([torch.full((new[s],), s) for s in seqs])
+            slots = tables[owner, pos // block_size].long() * block_size + pos % block_size
+            for s in seqs:
+                lens[s] += new[s]
+            meta = AttentionMetadata(
+                slot_mapping=slots, block_tables=tables[seqs],
+                seq_lens=torch.tensor([lens[s] for s in seqs], dtype=torch.int32),
+                query_lens=torch.tensor([new[s] for s in seqs], dtype=torch.int32),
+                positions=pos, max_seq_len=max(lens), max_query_len=max(new))
+            ids = torch.arange(len(pos)) * 7 % cfg.vocab_size + step
+            hidden = model(ids, caches, meta, backend="cpu", validate=validate)
+            logits.append(model.compute_logits(hidden[meta.logits_indices]))
+        runs[validate] = torch.cat(logits), caches
+    # each layer of each of the 4 steps took the four loops, and only without validate
+    assert sorted(set(calls)) == ["add_rms_norm", "rms_norm", "rope_and_write", "silu_mul"]
+    assert len(calls) == 4 * 4 * cfg.num_layers
+    (fused, fused_caches), (plain, plain_caches) = runs[False], runs[True]
+    torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-5)
+    for (k1, v1), (k2, v2) in zip(fused_caches, plain_caches, strict=True):
+        torch.testing.assert_close(k1, k2, rtol=1e-5, atol=1e-6, equal_nan=True)
+        torch.testing.assert_close(v1, v2, rtol=1e-5, atol=1e-6, equal_nan=True)
+        assert k1.isnan().sum() == k2.isnan().sum() > 0  # untouched slots stay NaN
