@@ -192,7 +192,8 @@ static void values_any(float *acc, const float *w, int group, const float *const
  * anywhere in the pool, so the hardware prefetcher, which follows one address stream, starts
  * cold at each; asked one block ahead, memory serves the next block while this one is
  * computed (measured here: one thread streaming 8 sequences' blocks scattered over a 490 MB
- * pool went from 5.4 to 7.9 GB/s; two blocks ahead gained nothing more). */
+ * pool went from 5.4 to 7.9 GB/s; two blocks ahead gained nothing more). Used for a
+ * sequence's first block; the later ones are asked for row by row (prefetch_rows). */
 static inline void prefetch_block(const void *k_cache, const void *v_cache, int64_t block,
                                   int tokens, int kvh0, int64_t stride_block,
                                   int64_t stride_token, int64_t stride_head, int esize,
@@ -203,6 +204,21 @@ static inline void prefetch_block(const void *k_cache, const void *v_cache, int6
         for (int64_t c = 0; c < span; c += 64) { /* one cache line at a time */
             __builtin_prefetch(k + t * stride_token * esize + c, 0, 3);
             __builtin_prefetch(v + t * stride_token * esize + c, 0, 3);
+        }
+}
+
+/* The next block's K and V rows t0 .. t1 of one KV head (`bytes` each), asked for while this
+ * block's same rows are computed. Asked all at once at the start of a block (prefetch_block),
+ * a block's hundreds of lines overflow the few requests a core keeps in flight and most are
+ * dropped; spread over the block's work they arrive in time (measured, SmolLM2's shapes, 30
+ * layers' caches, two threads: a batch of 32 sequences of 130 tokens went from 420 to 255-300
+ * us a layer, 8 sequences from 150 to 75-105). */
+static inline void prefetch_rows(const char *k, const char *v, int t0, int t1,
+                                 int64_t row_bytes, int bytes) {
+    for (int t = t0; t <= t1; ++t)
+        for (int c = 0; c < bytes; c += 64) {
+            __builtin_prefetch(k + t * row_bytes + c, 0, 3);
+            __builtin_prefetch(v + t * row_bytes + c, 0, 3);
         }
 }
 
@@ -244,11 +260,9 @@ static void attend_item(int s, int kvh0, int kv_heads, const float *q, const voi
     for (int b = 0; b < num_blocks; ++b) {
         const int tokens = len - b * block_size < block_size ? len - b * block_size
                                                              : block_size;
-        if (b + 1 < num_blocks) {
-            const int next = len - (b + 1) * block_size;
-            prefetch_block(k_cache, v_cache, table[b + 1], next < block_size ? next : block_size,
-                           kvh0, stride_block, stride_token, stride_head, esize, span);
-        }
+        /* rows of the next block (0 if none) */
+        const int next = b + 1 < num_blocks ? len - (b + 1) * block_size : 0;
+        const int next_tokens = next < block_size ? next : block_size;
         for (int j = 0; j < kv_heads; ++j) {
             const int64_t base = (int64_t)table[b] * stride_block
                                  + (int64_t)(kvh0 + j) * stride_head;
@@ -258,8 +272,16 @@ static void attend_item(int s, int kvh0, int kv_heads, const float *q, const voi
             /* Scores: each K row is read once for all `group` heads (four at a time), two
              * rows per pass; an odd last row is paired with itself (the two results are
              * the same numbers, written to the same place). */
+            const int64_t next_base = next_tokens ? ((int64_t)table[b + 1] * stride_block
+                                                     + (int64_t)(kvh0 + j) * stride_head) * esize
+                                                  : 0;
             for (int t = 0; t < tokens; t += 2) {
                 const int t1 = t + 1 < tokens ? t + 1 : t;
+                if (t < next_tokens)
+                    prefetch_rows((const char *)k_cache + next_base,
+                                  (const char *)v_cache + next_base, t,
+                                  t + 1 < next_tokens ? t + 1 : t, stride_token * esize,
+                                  head_dim * esize);
                 const float *k0 = row_f32(k_cache, base + t * stride_token, kind, head_dim,
                                           buf + (kind == KIND_F32 ? 0 : t * head_dim));
                 const float *k1 = row_f32(k_cache, base + t1 * stride_token, kind, head_dim,
