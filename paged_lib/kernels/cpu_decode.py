@@ -187,14 +187,13 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     lib = library()
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    qf = q.to(torch.float32).contiguous()
-    tables = block_tables.to(torch.int32).contiguous()
-    lens = seq_lens.to(torch.int32).contiguous()
+    qf = q if q.dtype == torch.float32 and q.is_contiguous() else q.float().contiguous()
+    tables, lens, tokens = _step_metadata(block_tables, seq_lens)
     out = torch.empty_like(qf)
     threads = max(1, num_threads or torch.get_num_threads())
     team = hasattr(lib, "paged_decode_team")
     if num_threads is None:  # a thread's hand-off has a cost: only for enough work
-        kv_bytes = 2 * int(lens.sum()) * num_kv_heads * head_dim * k_cache.element_size()
+        kv_bytes = 2 * tokens * num_kv_heads * head_dim * k_cache.element_size()
         least = MIN_BYTES_PER_TEAM_THREAD if team else MIN_BYTES_PER_THREAD
         threads = min(threads, max(1, kv_bytes // least))
     # A sequence's KV heads in one item (whole blocks streamed), unless that leaves
@@ -217,7 +216,26 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         lib.paged_decode(*args)  # this thread works too
         for h in helpers:
             h.result()
-    return out.to(q.dtype)
+    return out if q.dtype == torch.float32 else out.to(q.dtype)
+
+
+#: The last step's block tables and lengths as the kernel reads them (int32, contiguous) and
+#: their token count, with the tensors they came from: every layer of a step passes the same
+#: two tensors, so the conversions and the sum (a read of the lengths) are done once a step.
+_last_step: tuple | None = None
+
+
+def _step_metadata(block_tables: torch.Tensor, seq_lens: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    global _last_step
+    last = _last_step
+    if (last is not None and last[0] is block_tables and last[1] is seq_lens
+            and last[2] == (block_tables._version, seq_lens._version)):
+        return last[3]
+    lens = seq_lens.to(torch.int32).contiguous()
+    prepared = (block_tables.to(torch.int32).contiguous(), lens, int(lens.sum()))
+    _last_step = (block_tables, seq_lens, (block_tables._version, seq_lens._version), prepared)
+    return prepared
 
 
 def _workers() -> ThreadPoolExecutor:
