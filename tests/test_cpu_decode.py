@@ -61,6 +61,23 @@ def test_scores_in_the_hundreds_do_not_overflow():
                                atol=1e-4, rtol=1e-4)
 
 
+def test_lengths_changed_in_place_between_calls_are_read_again():
+    """The tables and lengths are converted once for the layers of a step (the same tensors
+    passed again): changed in place, they must be converted again, not reused. (int64
+    lengths, which the kernel's own function takes and converts into a copy.)"""
+    case = make_decode_case([40, 25], 4, 2, 64, 8, poison=False)
+    lens = case.seq_lens.long()
+    scale = case.q.shape[-1] ** -0.5
+    first = cpu_decode.paged_attention_cpu(case.q, case.k_cache, case.v_cache,
+                                           case.block_tables, lens, scale)
+    lens[0] = 9  # in place: the same tensor object, a new version
+    got = cpu_decode.paged_attention_cpu(case.q, case.k_cache, case.v_cache,
+                                         case.block_tables, lens, scale)
+    want = ref_paged_attention(case.q, case.k_cache, case.v_cache, case.block_tables, lens)
+    torch.testing.assert_close(got.double(), want.double(), atol=2e-5, rtol=2e-5)
+    assert not torch.allclose(got[0], first[0])
+
+
 def test_strided_caches_one_layer_of_a_stack():
     """The engine's caches may be views (a layer of a stacked tensor): strides are used."""
     case = make_decode_case([30, 7], 4, 2, 64, 8)
