@@ -222,18 +222,16 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x, cos, sin, kv_cache, meta, backend, validate=True, all_reduce=None):
-        if cpu_layer.applies(x, backend, validate):  # the same steps, the small ones in C
-            return self._forward_fused(x, cos, sin, kv_cache, meta, backend, all_reduce)
         h = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta, backend,
                            validate)
         x = x + (h if all_reduce is None else all_reduce(h))
         h = self.mlp(self.post_attention_layernorm(x))
         return x + (h if all_reduce is None else all_reduce(h))
 
-    def _forward_fused(self, x, cos, sin, kv_cache, meta, backend, all_reduce):
-        """:meth:`forward` for ``backend="cpu"`` (:mod:`paged_lib.kernels.cpu_layer`): each
-        norm, the residual add before the second, and SwiGLU's activation are one C pass
-        over the rows."""
+    def forward_fused(self, x, cos, sin, kv_cache, meta, backend, all_reduce=None):
+        """:meth:`forward` for a step :func:`paged_lib.kernels.cpu_layer.applies` to
+        (``backend="cpu"``, checked by the runner): each norm, the residual add before the
+        second, and SwiGLU's activation are one C pass over the rows."""
         norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
         h = self.self_attn(cpu_layer.rms_norm(x, norm1.weight, norm1.eps), cos, sin, kv_cache,
                            meta, backend, False)
@@ -301,8 +299,12 @@ class TinyLlama(nn.Module):
         x = self.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(meta.positions, self.config.head_dim, self.config.rope_theta,
                                 x.dtype)
+        fused = cpu_layer.applies(x, backend, validate)  # the small steps in C
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, kv_cache, meta, backend, validate, self.all_reduce)
+            if fused:
+                x = layer.forward_fused(x, cos, sin, kv_cache, meta, backend, self.all_reduce)
+            else:
+                x = layer(x, cos, sin, kv_cache, meta, backend, validate, self.all_reduce)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
