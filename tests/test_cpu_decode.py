@@ -16,12 +16,13 @@ from paged_lib.engine import LLMEngine, SamplingParams
 from paged_lib.kernels import (
     cpu_decode,
     paged_attention,
+    paged_prefill,
     reshape_and_cache,
     slot_mapping_from_positions,
 )
-from paged_lib.kernels.cases import make_decode_case
+from paged_lib.kernels.cases import make_decode_case, make_prefill_case
 from paged_lib.kernels.kv_quant import allocate_quantized_kv_caches
-from paged_lib.kernels.reference import ref_paged_attention
+from paged_lib.kernels.reference import ref_paged_attention, ref_paged_prefill
 from paged_lib.model import TinyLlama
 
 try:
@@ -45,6 +46,27 @@ def test_equals_the_float64_reference(dtype, lens, heads, kv_heads, head_dim, bl
     assert got.dtype == dtype and got.shape == case.q.shape
     assert not got.isnan().any(), "read a slot no sequence owns (NaN-poisoned)"
     torch.testing.assert_close(got.double(), ref_paged_attention(*case).double(),
+                               atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", list(TOL))
+@pytest.mark.parametrize("contexts,query_lens,heads,kv_heads,head_dim,block_size", [
+    ((0, 0), (40, 7), 9, 3, 64, 16),          # whole prompts, SmolLM2's heads
+    ((30, 0, 5), (1, 17, 12), 4, 2, 40, 12),  # a decode row, a prompt, a chunk after context
+    ((100,), (33,), 8, 1, 128, 8),            # a chunk over many blocks, MQA
+    ((3, 9), (1, 4), 4, 4, 32, 1),            # MHA, blocks of one token
+])
+def test_prefill_equals_the_float64_reference(dtype, contexts, query_lens, heads, kv_heads,
+                                              head_dim, block_size):
+    """Each new token sees its own position and those before it, nothing after (the later
+    tokens' K/V are in the cache too, so a row that reads past its position is wrong, and
+    the NaN-poisoned slots past each sequence's end show any read beyond it)."""
+    case = make_prefill_case(list(contexts), list(query_lens), heads, kv_heads, head_dim,
+                             block_size, dtype=dtype)
+    got = paged_prefill(*case, backend="cpu")
+    assert got.dtype == dtype and got.shape == case.q.shape
+    assert not got.isnan().any(), "read a slot no sequence owns (NaN-poisoned)"
+    torch.testing.assert_close(got.double(), ref_paged_prefill(*case).double(),
                                atol=TOL[dtype], rtol=TOL[dtype])
 
 

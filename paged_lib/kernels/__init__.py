@@ -125,7 +125,12 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     scale = _scale(scale, q.shape[-1])
     if quant is not None and backend != "triton":
         k_cache, v_cache, block_tables = dequantize_used_blocks(*quant, block_tables, seq_lens)
-    if backend != "triton":  # "cpu" prefills with the torch backend
+    if backend == "cpu":  # each new token a decode row of the C kernel
+        from paged_lib.kernels.cpu_decode import paged_prefill_cpu
+
+        return paged_prefill_cpu(q, k_cache, v_cache, block_tables, seq_lens, query_lens,
+                                 scale)
+    if backend == "torch":
         from paged_lib.kernels.torch_backend import paged_prefill_torch
 
         return paged_prefill_torch(q, k_cache, v_cache, block_tables, seq_lens, query_lens,

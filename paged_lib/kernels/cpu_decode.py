@@ -24,7 +24,13 @@ where PyTorch's OpenMP runtime is GNU libgomp (Linux wheels), the kernel is buil
 on a pool of Python threads. The pool is the fallback only: its threads run beside
 PyTorch's, which keep spinning for a while after each matmul, so with as many torch threads
 as cores they fight for the cores and the attention gained nothing from a second thread.
-Decode only: prefill and the cache write of ``backend="cpu"`` are the torch backend's.
+Prefill goes through the same kernel (:func:`paged_prefill_cpu`): each new token is a
+decode row whose length ends at its own position, the definition of causal attention over
+the cache (``kernels.reference.ref_paged_prefill`` says it the same way). Each row reads its
+sequence's K/V again, from the caches by then; against the torch backend's per-sequence
+gather and masked SDPA it was 2.5-5x faster on SmolLM2's shapes from 38 to 1,024 new tokens
+(measured 2026-12-07, two threads). The cache write of ``backend="cpu"`` is the torch
+backend's (the model does it in :mod:`paged_lib.kernels.cpu_layer`).
 """
 
 from __future__ import annotations
@@ -217,6 +223,22 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         for h in helpers:
             h.result()
     return out if q.dtype == torch.float32 else out.to(q.dtype)
+
+
+def paged_prefill_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                      query_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal prefill through the decode kernel, one query row at a time: new token ``i``
+    of sequence ``s`` is a decode row of length ``seq_lens[s] - query_lens[s] + i + 1``
+    through ``s``'s block table, so it sees exactly its own position and those before.
+    Inputs validated by the dispatcher (:func:`paged_lib.kernels.paged_prefill`)."""
+    new = query_lens.long()
+    owner = torch.repeat_interleave(torch.arange(new.shape[0], device=q.device), new)
+    first_row = torch.cumsum(new, 0) - new  # each sequence's first row in q
+    lens = ((seq_lens.long() - new - first_row)[owner]
+            + torch.arange(q.shape[0], device=q.device) + 1)
+    return paged_attention_cpu(q, k_cache, v_cache, block_tables[owner],
+                               lens.to(torch.int32), scale)
 
 
 #: The last step's block tables and lengths as the kernel reads them (int32, contiguous) and
