@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from paged_lib.kernels.cpu_linear import prepack_available
+from paged_lib.kernels.cpu_linear import LinearWeights, linear
 from paged_lib.model import TinyLlamaConfig
 
 
@@ -80,10 +80,9 @@ def measure_machine(read_bytes: int = 256 * 2**20, matmul_size: int = 1536,
     x = None  # free it before the matmuls
     a, b = torch.randn(matmul_size, matmul_size), torch.randn(matmul_size, matmul_size)
     mm = _best_seconds(lambda: torch.mm(a, b), repeats)
-    if prepack_available(b):  # the model's linear maps' own kernel (cpu_linear)
-        packed = torch.ops.mkldnn._reorder_linear_weight(b)
-        mm = min(mm, _best_seconds(lambda: torch.ops.mkldnn._linear_pointwise(
-            a, packed, None, "none", [], ""), repeats))
+    packed = LinearWeights([b], min_prepack_bytes=0)  # the model's linear maps' own kernel
+    if packed.packed is not None:
+        mm = min(mm, _best_seconds(lambda: linear(a, packed), repeats))
     return Machine(bandwidth=nbytes / read, flops=2 * matmul_size**3 / mm,
                    threads=torch.get_num_threads())
 

@@ -1,4 +1,4 @@
-"""A decoder layer's small steps as C loops, one pass each: ``backend="cpu"`` decode.
+"""A decoder layer's small steps as C loops, one pass each: ``backend="cpu"`` steps.
 
 Between its linear maps, a Llama layer normalises rows (RMSNorm), rotates queries and
 keys (RoPE), writes K and V into the paged cache and multiplies SwiGLU's two halves. In
@@ -11,10 +11,11 @@ linear maps have just flushed from the caches (SmolLM2 at batch 8: an RMSNorm to
 library), with PyTorch's float32 arithmetic per element (sums over a row may differ
 in the last bit: the tests hold each to torch's within 1e-6).
 
-The model takes them (:meth:`paged_lib.model.DecoderLayer.forward`) where
-:func:`applies`: ``backend="cpu"``, no gradients, float32 CPU rows, and a step whose
-slots the model runner has checked (``validate=False``). Everything else, and every
-learner-facing chapter, runs the PyTorch operations of :mod:`paged_lib.model`.
+The model takes them (:meth:`paged_lib.model.TinyLlama.forward` runs each layer's
+:meth:`~paged_lib.model.DecoderLayer.forward_fused`) where :func:`applies`:
+``backend="cpu"``, no gradients, float32 CPU rows, and a step whose slots the model
+runner has checked (``validate=False``). Everything else, and every learner-facing
+chapter, runs the PyTorch operations of :mod:`paged_lib.model`.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ static float sum_squares(const float *x, int n) {
         const v8 v = LOAD(x + i);
         acc += v * v;
     }
-    float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    float s = hsum(acc);
     for (; i < n; ++i) s += x[i] * x[i];
     return s;
 }
