@@ -1,4 +1,5 @@
-"""Prepacked, stacked linear maps: the same numbers as F.linear, rebuilt when weights change."""
+"""Prepacked, stacked linear maps (the C kernel's panels, or oneDNN's): the same numbers as
+F.linear, rebuilt when weights change."""
 
 import copy
 
@@ -25,8 +26,10 @@ def test_stacked_maps_equal_f_linear_to_1e6_relative(rows):
 
 
 def test_one_row_on_two_threads_takes_the_prepacked_map_and_agrees(monkeypatch):
-    """One row: the plain product on one thread (BLAS's), oneDNN's on more (BLAS's
-    matrix-vector product stays on one thread); the same numbers to 1e-6 either way."""
+    """Without the C kernel, one row: the plain product on one thread (BLAS's), oneDNN's
+    on more (BLAS's matrix-vector product stays on one thread); the same numbers to 1e-6
+    either way."""
+    monkeypatch.setattr(cpu_linear, "c_kernel_available", lambda weight: False)
     g = torch.Generator().manual_seed(5)
     ws = [torch.randn(64, 96, generator=g) * 0.05]
     w, x = LinearWeights(ws, min_prepack_bytes=0), torch.randn(1, 96, generator=g)
@@ -42,17 +45,85 @@ def test_one_row_on_two_threads_takes_the_prepacked_map_and_agrees(monkeypatch):
     assert ((one - two).abs().max() / one.abs().max()).item() < 1e-6
 
 
-def test_prepacked_where_onednn_works_and_plain_elsewhere(monkeypatch):
+def test_packed_for_the_c_kernel_else_onednn_else_plain(monkeypatch):
     w = torch.randn(16, 8)
-    assert (LinearWeights([w], 0).packed is not None) == cpu_linear.prepack_available(w)
-    assert LinearWeights([w]).packed is None  # 512 bytes: left plain (cache-resident)
+    small = LinearWeights([w], 0)
+    if cpu_linear.c_kernel_available(w):  # one packed copy, not two
+        assert small.tiles is not None and small.packed is None
+    else:
+        assert small.tiles is None
+        assert (small.packed is not None) == cpu_linear.prepack_available(w)
+    left = LinearWeights([w])  # 512 bytes: left plain (cache-resident)
+    assert left.packed is None and left.tiles is None
     big = torch.randn(cpu_linear.MIN_PREPACK_BYTES // 4 // 64, 64)
-    assert (LinearWeights([big]).packed is not None) == cpu_linear.prepack_available(big)
-    assert LinearWeights([w.double()], 0).packed is None  # fp32 only
+    packed = LinearWeights([big])
+    assert (packed.packed is not None or packed.tiles is not None) == (
+        cpu_linear.c_kernel_available(big) or cpu_linear.prepack_available(big))
+    double = LinearWeights([w.double()], 0)  # fp32 only
+    assert double.packed is None and double.tiles is None
+    monkeypatch.setattr(cpu_linear, "c_kernel_available", lambda weight: False)
+    assert (LinearWeights([w], 0).packed is not None) == cpu_linear.prepack_available(w)
     monkeypatch.setattr(cpu_linear, "prepack_available", lambda weight: False)
     plain = LinearWeights([w], 0)
     x = torch.randn(4, 8)
-    assert plain.packed is None and torch.equal(linear(x, plain), F.linear(x, w))
+    assert plain.packed is None and plain.tiles is None
+    assert torch.equal(linear(x, plain), F.linear(x, w))
+
+
+needs_c = pytest.mark.skipif(not cpu_linear.c_kernel_available(torch.ones(1, 1)),
+                             reason="the C kernel is not built here (no C compiler, or "
+                                    "PyTorch's OpenMP is not GNU libgomp)")
+
+
+def _ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return (x.double() @ w.double().T).float()
+
+
+@needs_c
+@pytest.mark.parametrize("n", [1, 31, 32, 33, 95, 960])
+@pytest.mark.parametrize("k", [1, 7, 97, 576])
+def test_c_kernel_equals_float64_at_every_panel_and_tile_edge(n, k):
+    """Columns around the 32-wide panels (the last one part-filled), rows around the
+    8-row tiles, odd input sizes: each output within float32 rounding of the float64
+    product, none left unwritten (a NaN-free result equal to the reference)."""
+    g = torch.Generator().manual_seed(n * 1000 + k)
+    w = torch.randn(n, k, generator=g) / k**0.5
+    lw = LinearWeights([w], 0)
+    assert lw.tiles is not None
+    for rows in (0, 1, 2, 7, 8, 9, 16, 17, 33):
+        x = torch.randn(rows, k, generator=g)
+        got, want = linear(x, lw), _ref(x, w)
+        assert got.shape == (rows, n) and got.dtype == torch.float32
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@needs_c
+def test_c_kernel_reads_strided_rows_and_agrees_on_one_and_two_threads():
+    """Rows with a stride (Q's columns of a stacked output) and a transposed input are read
+    right; each output is one sum in order, so two threads give the same bits as one."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(100, 64, generator=g)
+    lw = LinearWeights([w], 0)
+    wide = torch.randn(12, 200, generator=g)
+    x = wide[:, 10:74]  # stride(0) 200, not 64
+    torch.testing.assert_close(linear(x, lw), _ref(x, w), rtol=1e-5, atol=1e-5)
+    xt = torch.randn(64, 12, generator=g).T  # columns contiguous: copied first
+    torch.testing.assert_close(linear(xt, lw), _ref(xt, w), rtol=1e-5, atol=1e-5)
+    one = linear(x, lw)
+    torch.set_num_threads(2)  # the one_torch_thread fixture puts 1 back
+    assert torch.equal(linear(x, lw), one)
+
+
+@needs_c
+def test_c_kernel_leaves_autograd_and_wrong_sizes_to_f_linear():
+    w = torch.randn(40, 16)
+    lw = LinearWeights([w], 0)
+    x = torch.randn(3, 16, requires_grad=True)
+    y = linear(x, lw)
+    y.sum().backward()  # F.linear: gradients flow
+    torch.testing.assert_close(x.grad, w.sum(0).expand(3, 16))
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+        linear(torch.randn(3, 17), lw)
 
 
 def test_bad_weights_are_refused():

@@ -11,15 +11,16 @@ paper's section 2.3 makes the same point for GPUs, where a decode step is bound 
 reading memory). :func:`measure_machine` measures both rates here and now, at the
 threads torch uses, so every figure a bench prints comes beside its own floor as a ratio.
 
-On a CPU the bandwidth is the best of two plain reads of a buffer far larger than the
-caches (a sum, and a matrix-vector product that streams a matrix once); the matmul rate
-is the faster of two fp32 products of square matrices: ``torch.mm`` (the BLAS PyTorch was
-built with) and oneDNN's, on a weight prepacked as the model's linear maps are
-(:mod:`paged_lib.kernels.cpu_linear`). They can differ by far: on an AMD EPYC with AVX-512
-(2026-12-07, two threads) ``torch.mm`` (Intel's MKL) did 210 GFLOP/s and oneDNN 480, and
-a floor taken from the slower would let a step look closer to the machine than it is.
-Both rates are what this machine delivers to PyTorch now (other work on shared cores
-lowers them), not a spec sheet's peak.
+On a CPU the bandwidth is the best of three reads of a buffer far larger than the caches:
+a sum, a matrix-vector product that streams a matrix once, and the model's own linear map
+of one row (:mod:`paged_lib.kernels.cpu_linear`'s C kernel, which prefetches ahead; on an
+AMD EPYC, 2026-12-07, two threads, it and the sum read 256 MB at 50-58 GB/s).
+The matmul rate is the fastest of the fp32 products of square matrices this machine has:
+``torch.mm`` (the BLAS PyTorch was built with), oneDNN's on a prepacked weight, and the C
+kernel's. They can differ by far: on that EPYC ``torch.mm`` (Intel's MKL) did 210 GFLOP/s
+and the other two about 480, and a floor taken from the slower would let a step look
+closer to the machine than it is. Both rates are what this machine delivers now (other
+work on shared cores lowers them), not a spec sheet's peak.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
-from paged_lib.kernels.cpu_linear import LinearWeights, linear
+from paged_lib.kernels.cpu_linear import (LinearWeights, c_kernel_available, linear,
+                                          prepack_available)
 from paged_lib.model import TinyLlamaConfig
 
 
@@ -64,8 +66,8 @@ def _best_seconds(fn, repeats: int) -> float:
 
 def measure_machine(read_bytes: int = 256 * 2**20, matmul_size: int = 1536,
                     repeats: int = 5) -> Machine:
-    """Memory bandwidth and fp32 matmul rate (the faster of ``torch.mm`` and oneDNN's
-    prepacked product) at ``torch.get_num_threads()`` threads, on the CPU (about a
+    """Memory bandwidth and fp32 matmul rate (the fastest of ``torch.mm``, oneDNN's
+    prepacked product and the C kernel's) at ``torch.get_num_threads()`` threads, on the CPU (about a
     second). The best of ``repeats`` runs (:func:`_best_seconds`): the floor is what the
     machine *can* do, so a run slowed by other work does not lower it."""
     if read_bytes < 2**20 or matmul_size < 64:
@@ -77,12 +79,20 @@ def measure_machine(read_bytes: int = 256 * 2**20, matmul_size: int = 1536,
     nbytes = x.numel() * 4
     read = min(_best_seconds(lambda: x.sum(), repeats),
                _best_seconds(lambda: torch.mv(x, v), repeats))
-    x = None  # free it before the matmuls
+    if c_kernel_available(x):  # the model's own map of one row, on a copy in its layout
+        weights, row = LinearWeights([x]), v[None]
+        x = None
+        read = min(read, _best_seconds(lambda: linear(row, weights), repeats))
+    x = weights = None  # free them before the matmuls
     a, b = torch.randn(matmul_size, matmul_size), torch.randn(matmul_size, matmul_size)
     mm = _best_seconds(lambda: torch.mm(a, b), repeats)
-    packed = LinearWeights([b], min_prepack_bytes=0)  # the model's linear maps' own kernel
-    if packed.packed is not None:
-        mm = min(mm, _best_seconds(lambda: linear(a, packed), repeats))
+    if prepack_available(b):  # oneDNN's product, called directly
+        packed = torch.ops.mkldnn._reorder_linear_weight(b)
+        mm = min(mm, _best_seconds(lambda: torch.ops.mkldnn._linear_pointwise(
+            a, packed, None, "none", [], ""), repeats))
+    if c_kernel_available(b):
+        weights = LinearWeights([b], min_prepack_bytes=0)
+        mm = min(mm, _best_seconds(lambda: linear(a, weights), repeats))
     return Machine(bandwidth=nbytes / read, flops=2 * matmul_size**3 / mm,
                    threads=torch.get_num_threads())
 

@@ -51,9 +51,10 @@ from paged_lib.util import cache_root, cdiv
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCE = CSRC / "paged_decode.c"
-#: Built into one library: this kernel, and the layer's small steps of
-#: :mod:`paged_lib.kernels.cpu_layer` (both include ``vec.h``).
-SOURCES = (SOURCE, CSRC / "layer_ops.c")
+#: Built into one library: this kernel, the layer's small steps of
+#: :mod:`paged_lib.kernels.cpu_layer` (both include ``vec.h``) and the linear maps of
+#: :mod:`paged_lib.kernels.cpu_linear`.
+SOURCES = (SOURCE, CSRC / "layer_ops.c", CSRC / "linear.c")
 HEADERS = (CSRC / "vec.h",)
 #: Flag sets tried in order; the first the compiler accepts is kept.
 FLAG_SETS = (("-O3", "-march=native"), ("-O3",))

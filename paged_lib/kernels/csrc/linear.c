@@ -1,0 +1,107 @@
+/*
+ * y = x @ W.T for float32 rows on a CPU, with W packed once into column panels (loaded by
+ * paged_lib/kernels/cpu_linear.py, built into one library with paged_decode.c).
+ *
+ * A decode step multiplies a few rows (one per sequence) by every weight of the model:
+ * the work is reading the weights, and the product is as fast as they stream in. So the
+ * weight [n, k] is stored as panels of PANEL = 32 output columns, each panel k rows of 32
+ * floats one after the other ([panel][k][32], the last panel padded with zeros): a thread
+ * reads each panel front to back as one stream, and asks for the bytes PREFETCH rows
+ * ahead while it computes the current ones. A tile of up to TILE_ROWS = 8 input rows by
+ * one panel keeps its 8 x 32 sums in 16 vector registers (two 16-float vectors a row), so
+ * each weight vector, once loaded, is used by 8 rows; more rows run the same panel again
+ * from the core's cache. Panels are shared out between the threads of the calling
+ * thread's OpenMP team (PyTorch's own, see paged_decode.c).
+ *
+ * Each output is one sum over k in order, in float32, so results differ from PyTorch's
+ * (whose kernels split and reorder the sum) by rounding only.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#define PANEL 32
+#define TILE_ROWS 8
+/* Rows of a panel ahead to prefetch: 64 rows is 8 KB, a few hundred nanoseconds of
+ * streaming, which on a 2-core AMD EPYC (2026-12-07) took 8 rows x 576 x 4480 weights
+ * from 42 to 60 GB/s; 8 and 16 rows gained little, 128 lost it again. */
+#define PREFETCH 64
+
+typedef float v16 __attribute__((vector_size(64), aligned(4)));
+
+/* W [n, k] (rows contiguous) into panels [ceil(n / 32)][k][32], zero-padded. */
+void linear_pack(const float *w, float *packed, int64_t n, int64_t k) {
+    const int64_t panels = (n + PANEL - 1) / PANEL;
+    for (int64_t p = 0; p < panels; ++p)
+        for (int64_t j = 0; j < PANEL; ++j) {
+            const int64_t col = p * PANEL + j;
+            float *dst = packed + p * k * PANEL + j;
+            if (col < n)
+                for (int64_t i = 0; i < k; ++i) dst[i * PANEL] = w[col * k + i];
+            else
+                for (int64_t i = 0; i < k; ++i) dst[i * PANEL] = 0.0f;
+        }
+}
+
+/* `rows` (1..8, a constant in each case so the row loop unrolls) rows of x by one panel. */
+static inline __attribute__((always_inline)) void tile(
+        const float *x, int64_t ldx, const float *panel, int64_t k, int rows, v16 acc[][2]) {
+    for (int r = 0; r < TILE_ROWS; ++r) acc[r][0] = acc[r][1] = (v16){};
+    const float *w = panel;
+    for (int64_t i = 0; i < k; ++i, w += PANEL) {
+        __builtin_prefetch(w + PREFETCH * PANEL);
+        __builtin_prefetch(w + PREFETCH * PANEL + 16);
+        const v16 w0 = *(const v16 *)w, w1 = *(const v16 *)(w + 16);
+#pragma GCC unroll 8
+        for (int r = 0; r < rows; ++r) {
+            const float xr = x[r * ldx + i];
+            acc[r][0] += xr * w0;
+            acc[r][1] += xr * w1;
+        }
+    }
+}
+
+static void tile_any(const float *x, int64_t ldx, const float *panel, float *y, int64_t ldy,
+                     int64_t k, int rows, int cols) {
+    v16 acc[TILE_ROWS][2];
+    switch (rows) {
+    case 1: tile(x, ldx, panel, k, 1, acc); break;
+    case 2: tile(x, ldx, panel, k, 2, acc); break;
+    case 3: tile(x, ldx, panel, k, 3, acc); break;
+    case 4: tile(x, ldx, panel, k, 4, acc); break;
+    case 5: tile(x, ldx, panel, k, 5, acc); break;
+    case 6: tile(x, ldx, panel, k, 6, acc); break;
+    case 7: tile(x, ldx, panel, k, 7, acc); break;
+    default: tile(x, ldx, panel, k, 8, acc); break;
+    }
+    for (int r = 0; r < rows; ++r) {
+        float out[PANEL];
+        *(v16 *)out = acc[r][0];
+        *(v16 *)(out + 16) = acc[r][1];
+        memcpy(y + r * ldy, out, (size_t)cols * sizeof(float));  /* the last panel: fewer */
+    }
+}
+
+/* y [m, n] (rows contiguous) = x [m, k] (row stride ldx) @ W.T, W packed by linear_pack,
+ * on `num_threads` threads of the calling thread's OpenMP team (one without -fopenmp).
+ * Rows go in blocks of about ROW_BLOCK_BYTES of x, which stay in a core's cache while
+ * every panel passes by: without them, each panel read all of a long prefill's rows from
+ * the shared cache again (1536 rows ran at 200 GFLOP/s against 480 with them). */
+#define ROW_BLOCK_BYTES (256 * 1024)
+void linear_rows(const float *x, int64_t ldx, const float *packed, float *y, int64_t m,
+                 int64_t n, int64_t k, int num_threads) {
+    const int64_t panels = (n + PANEL - 1) / PANEL;
+    int64_t block = ROW_BLOCK_BYTES / ((int64_t)sizeof(float) * k) / TILE_ROWS * TILE_ROWS;
+    if (block < TILE_ROWS) block = TILE_ROWS;
+    (void)num_threads;
+#pragma omp parallel num_threads(num_threads)
+    for (int64_t r0 = 0; r0 < m; r0 += block) {
+        const int64_t r1 = r0 + block < m ? r0 + block : m;
+#pragma omp for schedule(static) nowait
+        for (int64_t p = 0; p < panels; ++p) {
+            const int cols = (int)(n - p * PANEL < PANEL ? n - p * PANEL : PANEL);
+            for (int64_t r = r0; r < r1; r += TILE_ROWS)
+                tile_any(x + r * ldx, ldx, packed + p * k * PANEL, y + r * n + p * PANEL, n,
+                         k, (int)(r1 - r < TILE_ROWS ? r1 - r : TILE_ROWS), cols);
+        }
+    }
+}
