@@ -31,8 +31,12 @@ from dataclasses import dataclass
 
 import torch
 
-from paged_lib.kernels.cpu_linear import (LinearWeights, c_kernel_available, linear,
-                                          prepack_available)
+from paged_lib.kernels.cpu_linear import (
+    LinearWeights,
+    c_kernel_available,
+    linear,
+    prepack_available,
+)
 from paged_lib.model import TinyLlamaConfig
 
 
@@ -67,9 +71,9 @@ def _best_seconds(fn, repeats: int) -> float:
 def measure_machine(read_bytes: int = 256 * 2**20, matmul_size: int = 1536,
                     repeats: int = 5) -> Machine:
     """Memory bandwidth and fp32 matmul rate (the fastest of ``torch.mm``, oneDNN's
-    prepacked product and the C kernel's) at ``torch.get_num_threads()`` threads, on the CPU (about a
-    second). The best of ``repeats`` runs (:func:`_best_seconds`): the floor is what the
-    machine *can* do, so a run slowed by other work does not lower it."""
+    prepacked product and the C kernel's) at ``torch.get_num_threads()`` threads, on the
+    CPU (about a second). The best of ``repeats`` runs (:func:`_best_seconds`): the
+    floor is what the machine *can* do, so a run slowed by other work does not lower it."""
     if read_bytes < 2**20 or matmul_size < 64:
         raise ValueError(f"read_bytes must be at least 1 MiB and matmul_size at least 64, "
                          f"got {read_bytes} and {matmul_size}")
