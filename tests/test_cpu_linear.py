@@ -81,16 +81,16 @@ def _ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 @needs_c
 @pytest.mark.parametrize("n", [1, 31, 32, 33, 95, 960])
-@pytest.mark.parametrize("k", [1, 7, 97, 576])
+@pytest.mark.parametrize("k", [1, 7, 64, 97, 576])
 def test_c_kernel_equals_float64_at_every_panel_and_tile_edge(n, k):
     """Columns around the 32-wide panels (the last one part-filled), rows around the
-    8-row tiles, odd input sizes: each output within float32 rounding of the float64
-    product, none left unwritten (a NaN-free result equal to the reference)."""
+    8-row tiles and past a block of rows (130), input sizes around the 64-row chunks:
+    each output within float32 rounding of the float64 product, none left unwritten."""
     g = torch.Generator().manual_seed(n * 1000 + k)
     w = torch.randn(n, k, generator=g) / k**0.5
     lw = LinearWeights([w], 0)
     assert lw.tiles is not None
-    for rows in (0, 1, 2, 7, 8, 9, 16, 17, 33):
+    for rows in (0, 1, 2, 7, 8, 9, 16, 17, 33, 130):
         x = torch.randn(rows, k, generator=g)
         got, want = linear(x, lw), _ref(x, w)
         assert got.shape == (rows, n) and got.dtype == torch.float32
@@ -112,6 +112,12 @@ def test_c_kernel_reads_strided_rows_and_agrees_on_one_and_two_threads():
     one = linear(x, lw)
     torch.set_num_threads(2)  # the one_torch_thread fixture puts 1 back
     assert torch.equal(linear(x, lw), one)
+
+
+@needs_c
+def test_c_kernel_gives_zeros_for_no_inputs():
+    lw = LinearWeights([torch.ones(40, 0)], 0)
+    assert torch.equal(linear(torch.ones(5, 0), lw), torch.zeros(5, 40))
 
 
 @needs_c
