@@ -1,28 +1,28 @@
-"""Linear maps at the CPU's speed: weights stacked and prepacked once, not per call.
+"""Linear maps at the CPU's speed: weights stacked and packed once, not per call.
 
 ``F.linear`` hands each call's weight to the BLAS as it is, so at small batches (a
 decode step has one row per sequence) a CPU streams the weights well below what its
-memory delivers. oneDNN (PyTorch's ``mkldnn`` backend) can reorder a weight once into
-the blocked layout its fp32 kernels read fastest
-(``torch.ops.mkldnn._reorder_linear_weight``) and then multiply by it with
-``torch.ops.mkldnn._linear_pointwise``: the same products, summed in another order
-(results agree to about 1e-6 relative). A :class:`LinearWeights` holds one or several
-weights stacked by rows (Q, K and V as one map, gate and up as another: one pass over
-the input instead of three) in both forms, the plain one for a single row on one thread
-(a matrix-vector product, already at the bandwidth in BLAS), for maps small enough to sit
-in a core's cache (:data:`MIN_PREPACK_BYTES`), and where oneDNN is missing (not built,
-another device, another dtype).
+memory delivers. A :class:`LinearWeights` holds one or several weights stacked by rows
+(Q, K and V as one map, gate and up as another: one pass over the input instead of
+three), packed once for the fastest kernel this machine has:
 
-Faster still at the row counts a server meets is the course's own C kernel
-(``csrc/linear.c``, built with :mod:`paged_lib.kernels.cpu_decode`'s library where that runs
-on PyTorch's OpenMP threads): the weight packed once into panels of 32 output columns that a
-thread streams front to back, prefetching ahead, with 8 rows' sums in registers. On
-SmolLM2's 30 layers of maps (424 MB, read from memory) at two threads on a 2-core AMD
-EPYC (2026-12-07), per pass: 6.4-6.8 ms against oneDNN's 8.5-12 at 1 to 8 rows (60-66 GB/s
-against 35-50), 10.3-10.5 against 15 at 16, 17.3-17.8 against 23 at 32, 226 against 231
-ms at 512 (480 GFLOP/s, both). Where it is built, :class:`LinearWeights` packs for it
-instead of oneDNN (one packed copy, not two).
+- **the course's own C kernel** (``csrc/linear.c``, built into
+  :mod:`paged_lib.kernels.cpu_decode`'s library where that runs on PyTorch's OpenMP
+  threads): the weight in panels of 32 output columns that a thread streams front to
+  back, prefetching ahead, with 8 rows' sums in registers. On SmolLM2's 30 layers of maps
+  (424 MB, read from memory), two threads of a 2-core AMD EPYC (2026-12-07), one pass took
+  7.2-7.6 ms at 4 to 8 rows against oneDNN's 8.6-11.7, 15.6-15.9 against 22.3 at 32 rows,
+  and as long as oneDNN's (480 GFLOP/s) at 512 and 1,536; on maps that sit in a core's
+  cache (256 to 1,024 wide) 2-3x less than ``F.linear`` at 8 and 32 rows and about as long
+  at one. Every size is packed for it.
+- else **oneDNN** (PyTorch's ``mkldnn`` backend), which reorders a weight once into the
+  blocked layout its fp32 kernels read fastest (``torch.ops.mkldnn._reorder_linear_weight``,
+  then ``torch.ops.mkldnn._linear_pointwise``), for maps of :data:`MIN_PREPACK_BYTES` or
+  more;
+- else the plain weight through ``F.linear`` (another device or dtype, or neither
+  kernel here).
 
+Each sums the same products in another order: results agree to about 1e-6 relative.
 The model builds them from its ``nn.Linear`` weights on first use and again whenever a
 weight changes (:meth:`LinearWeights.stale`), so loading new weights needs no call.
 """
@@ -36,10 +36,10 @@ import weakref
 import torch
 from torch.nn import functional as F
 
-#: Smaller stacked weights stay plain: they sit in a core's cache, where oneDNN's call
-#: costs more than it saves (the course's tiny-code-llama, 512 KB to 1 MB per map: decode
-#: steps at batch 8 and 32 took 3.0 and 5.1 ms prepacked, 2.6 and 4.7 plain); SmolLM2's
-#: maps are 1.3 to 3.5 MB and stream from memory.
+#: Smaller stacked weights are not prepacked for oneDNN: they sit in a core's cache, where
+#: oneDNN's call costs more than it saves (the course's tiny-code-llama, 512 KB to 1 MB per
+#: map: decode steps at batch 8 and 32 took 3.0 and 5.1 ms prepacked, 2.6 and 4.7 plain);
+#: SmolLM2's maps are 1.3 to 3.5 MB and stream from memory.
 MIN_PREPACK_BYTES = 5 * 2**18  # 1.25 MiB
 
 
@@ -94,8 +94,10 @@ def prepack_available(weight: torch.Tensor) -> bool:
 
 
 class LinearWeights:
-    """One or several ``[out_i, in]`` weights stacked by rows, plain and (where it works)
-    prepacked; :func:`linear` multiplies by them, :meth:`split` cuts the output back."""
+    """One or several ``[out_i, in]`` weights stacked by rows: ``plain``, and packed for
+    the C kernel (``tiles``) or else, from ``min_prepack_bytes`` (default
+    :data:`MIN_PREPACK_BYTES`), for oneDNN (``packed``) where either works;
+    :func:`linear` multiplies by them, :meth:`split` cuts the output back."""
 
     def __init__(self, weights: list[torch.Tensor], min_prepack_bytes: int | None = None):
         if not weights or any(w.ndim != 2 or w.shape[1] != weights[0].shape[1]
@@ -110,7 +112,7 @@ class LinearWeights:
             least = MIN_PREPACK_BYTES if min_prepack_bytes is None else min_prepack_bytes
             big = self.plain.numel() * self.plain.element_size() >= least
             self.tiles = self.packed = None
-            if big and c_kernel_available(self.plain):
+            if c_kernel_available(self.plain):  # every size: see the module's docstring
                 n, k = self.plain.shape
                 self.tiles = torch.empty(-(-n // PANEL) * k * PANEL)
                 _c_library().linear_pack(self.plain.data_ptr(), self.tiles.data_ptr(), n, k)
