@@ -228,17 +228,21 @@ class DecoderLayer(nn.Module):
         h = self.mlp(self.post_attention_layernorm(x))
         return x + (h if all_reduce is None else all_reduce(h))
 
-    def forward_fused(self, x, cos, sin, kv_cache, meta, backend, all_reduce=None):
+    def forward_fused(self, x, normed, cos, sin, kv_cache, meta, backend, next_norm,
+                      all_reduce=None):
         """:meth:`forward` for a step :func:`paged_lib.kernels.cpu_layer.applies` to
-        (``backend="cpu"``, checked by the runner): each norm, the residual add before the
-        second, and SwiGLU's activation are one C pass over the rows."""
-        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
-        h = self.self_attn(cpu_layer.rms_norm(x, norm1.weight, norm1.eps), cos, sin, kv_cache,
-                           meta, backend, False)
+        (``backend="cpu"``, checked by the runner), on the residual stream ``x`` and its
+        input norm ``normed``: each residual add and the RMSNorm after it (this layer's
+        second, then ``next_norm``: the next layer's first, or the model's final norm) are
+        one C pass over the rows, and so is SwiGLU's activation. Returns the new ``x``
+        and its ``next_norm``."""
+        norm2 = self.post_attention_layernorm
+        h = self.self_attn(normed, cos, sin, kv_cache, meta, backend, False)
         h = (h if all_reduce is None else all_reduce(h)).contiguous()
         x, h = cpu_layer.add_rms_norm(x, h, norm2.weight, norm2.eps)
         h = self.mlp(h, fused=True)
-        return x + (h if all_reduce is None else all_reduce(h))
+        h = (h if all_reduce is None else all_reduce(h)).contiguous()
+        return cpu_layer.add_rms_norm(x, h, next_norm.weight, next_norm.eps)
 
 
 class TinyLlama(nn.Module):
@@ -299,12 +303,16 @@ class TinyLlama(nn.Module):
         x = self.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(meta.positions, self.config.head_dim, self.config.rope_theta,
                                 x.dtype)
-        fused = cpu_layer.applies(x, backend, validate)  # the small steps in C
+        if cpu_layer.applies(x, backend, validate):  # the small steps in C
+            first = self.layers[0].input_layernorm
+            h = cpu_layer.rms_norm(x, first.weight, first.eps)
+            norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
+            for layer, kv_cache, next_norm in zip(self.layers, kv_caches, norms, strict=True):
+                x, h = layer.forward_fused(x, h, cos, sin, kv_cache, meta, backend, next_norm,
+                                           self.all_reduce)
+            return h
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            if fused:
-                x = layer.forward_fused(x, cos, sin, kv_cache, meta, backend, self.all_reduce)
-            else:
-                x = layer(x, cos, sin, kv_cache, meta, backend, validate, self.all_reduce)
+            x = layer(x, cos, sin, kv_cache, meta, backend, validate, self.all_reduce)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

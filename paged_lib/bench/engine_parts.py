@@ -7,10 +7,9 @@ Serves :mod:`paged_lib.bench.engine_chat`'s trace with the engine only (after on
 warm-up) and times, around each call, the model forward and inside it the layers' linear
 maps, the decode attention, the cache writes, the prefill attention, the RMSNorms and the
 rotary embedding (with ``backend="cpu"``, whose C loops do the rotation with the cache
-write, the second norm with the residual add before it, and SwiGLU's activation, each as
-one part: :mod:`paged_lib.kernels.cpu_layer`; what is left, the untimed rest: the
-embedding, the rotation angles, the other activation and residual adds, and the timers'
-own cost), and after it the
+write, each residual add with the norm after it, and SwiGLU's activation, each as one
+part: :mod:`paged_lib.kernels.cpu_layer`; what is left, the untimed rest: the
+embedding, the rotation angles, and the timers' own cost), and after it the
 LM head (on each sequence's last token): wall seconds and the CPU seconds of the calling
 thread, each part indented under the part it ran inside. Run it at
 ``--threads 1`` and ``2`` to see which parts gain from a second thread; on shared cores
