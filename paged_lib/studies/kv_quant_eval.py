@@ -26,6 +26,7 @@ from paged_lib.accounting import ModelSpec, kv_bytes_per_token
 from paged_lib.data.held_out import held_out_files
 from paged_lib.engine.model_runner import allocate_kv_caches, build_metadata, check_metadata
 from paged_lib.kernels import paged_prefill, reshape_and_cache
+from paged_lib.kernels.cpu_linear import linear, stacked_weights
 from paged_lib.kernels.kv_quant import (
     allocate_quantized_kv_caches,
     check_kv_cache_dtype,
@@ -120,13 +121,16 @@ def model_qkv(model: TinyLlama, token_ids: list[int]
     attention layers compute them in a plain fp32 run."""
     captured = []
 
-    def grab(module, args):
+    def grab(module, args):  # the layer's own stacked map, as its forward takes it
         x, cos, sin = args[:3]
         cfg, n = module.cfg, x.shape[0]
-        q = apply_rope(module.q_proj(x).view(n, cfg.num_heads, cfg.head_dim), cos, sin)
-        k = apply_rope(module.k_proj(x).view(n, cfg.num_kv_heads, cfg.head_dim), cos, sin)
-        captured.append((q.float(), k.float(), module.v_proj(x).view(
-            n, cfg.num_kv_heads, cfg.head_dim).float()))
+        w = stacked_weights(module, "qkv", [module.q_proj.weight, module.k_proj.weight,
+                                            module.v_proj.weight])
+        q, k, v = w.split(linear(x, w))
+        q = apply_rope(q.reshape(n, cfg.num_heads, cfg.head_dim), cos, sin)
+        k = apply_rope(k.reshape(n, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+        captured.append((q.float(), k.float(),
+                         v.reshape(n, cfg.num_kv_heads, cfg.head_dim).float()))
 
     hooks = [layer.self_attn.register_forward_pre_hook(grab) for layer in model.layers]
     try:
