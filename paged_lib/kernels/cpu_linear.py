@@ -10,11 +10,12 @@ three), packed once for the fastest kernel this machine has:
   :mod:`paged_lib.kernels.cpu_decode`'s library where that runs on PyTorch's OpenMP
   threads): the weight in panels of 32 output columns that a thread streams front to
   back, prefetching ahead, with 8 rows' sums in registers. On SmolLM2's 30 layers of maps
-  (424 MB, read from memory), two threads of a 2-core AMD EPYC (2026-12-07), one pass took
-  7.2-7.6 ms at 4 to 8 rows against oneDNN's 8.6-11.7, 15.6-15.9 against 22.3 at 32 rows,
-  and as long as oneDNN's (480 GFLOP/s) at 512 and 1,536; on maps that sit in a core's
-  cache (256 to 1,024 wide) 2-3x less than ``F.linear`` at 8 and 32 rows and about as long
-  at one. Every size is packed for it.
+  (424 MB, read from memory), two threads of a 2-core AMD EPYC (2026-12-07, the two
+  timed in turn in one process), one pass took 9.0, 9.3, 10.4, 15.3 and 58.7 ms at 1, 8,
+  16, 32 and 128 rows against oneDNN's 11.2, 12.3, 15.2, 22.3 and 64.2 (46-47 GB/s
+  against 35-38 at 1-8 rows, 443 GFLOP/s against 304 at 32), and as long (462 GFLOP/s)
+  at 512; on maps that sit in a core's cache (256 to 1,024 wide) 2-3x less than
+  ``F.linear`` at 8 and 32 rows and about as long at one. Every size is packed for it.
 - else **oneDNN** (PyTorch's ``mkldnn`` backend), which reorders a weight once into the
   blocked layout its fp32 kernels read fastest (``torch.ops.mkldnn._reorder_linear_weight``,
   then ``torch.ops.mkldnn._linear_pointwise``), for maps of :data:`MIN_PREPACK_BYTES` or
