@@ -71,6 +71,9 @@ static inline const float *row_f32(const void *cache, int64_t offset, int kind, 
 }
 
 #include "vec.h"
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 /* out[g] = sum of the 8 lanes of acc[g], g < n (n <= 4). */
 static inline __attribute__((always_inline)) void hsum_upto4(const v8 *acc, int n, float *out) {
@@ -277,7 +280,7 @@ static void attend_item(int s, int kvh0, int kv_heads, const float *q, const voi
                         const int32_t *seq_lens, float *out, int num_heads, int group,
                         int head_dim, int block_size, int64_t table_width,
                         int64_t stride_block, int64_t stride_token, int64_t stride_head,
-                        float scale) {
+                        float scale, int after) {
     const int heads = kv_heads * group; /* query heads of this item, adjacent in q and out */
     const int64_t first_row = ((int64_t)s * num_heads + (int64_t)kvh0 * group) * head_dim;
     float *acc = out + first_row; /* accumulate in place */
@@ -305,9 +308,18 @@ static void attend_item(int s, int kvh0, int kv_heads, const float *q, const voi
     for (int b = 0; b < num_blocks; ++b) {
         const int tokens = len - b * block_size < block_size ? len - b * block_size
                                                              : block_size;
-        /* rows of the next block (0 if none) */
-        const int next = b + 1 < num_blocks ? len - (b + 1) * block_size : 0;
-        const int next_tokens = next < block_size ? next : block_size;
+        /* rows of the next block (0 if none): this sequence's, or after its last block the
+         * first of sequence `after`, the item this thread will likely take next (else its
+         * first block arrives cold: measured with SmolLM2's shapes, 30 layers' caches, two
+         * threads, 32 sequences went from 261-263 to 248-250 us a layer, 8 from 52-55 to
+         * 49-51) */
+        int next = b + 1 < num_blocks ? len - (b + 1) * block_size : 0;
+        int64_t next_block = b + 1 < num_blocks ? table[b + 1] : 0;
+        if (b + 1 == num_blocks && after >= 0) {
+            next = seq_lens[after];
+            next_block = block_tables[(int64_t)after * table_width];
+        }
+        const int next_tokens = next < block_size ? (next > 0 ? next : 0) : block_size;
         for (int j = 0; j < kv_heads; ++j) {
             const int64_t base = (int64_t)table[b] * stride_block
                                  + (int64_t)(kvh0 + j) * stride_head;
@@ -317,7 +329,7 @@ static void attend_item(int s, int kvh0, int kv_heads, const float *q, const voi
             /* Scores: each K row is read once for all `group` heads (four at a time), two
              * rows per pass; an odd last row is paired with itself (the two results are
              * the same numbers, written to the same place). */
-            const int64_t next_base = next_tokens ? ((int64_t)table[b + 1] * stride_block
+            const int64_t next_base = next_tokens ? ((int64_t)next_block * stride_block
                                                      + (int64_t)(kvh0 + j) * stride_head) * esize
                                                   : 0;
             for (int t = 0; t < tokens; t += 2) {
@@ -398,9 +410,15 @@ void paged_decode(const float *q, const void *k_cache, const void *v_cache, int 
         const int kvh0 = (int)(it % per_seq) * kv_heads_per_item;
         const int n = num_kv_heads - kvh0 < kv_heads_per_item ? num_kv_heads - kvh0
                                                               : kv_heads_per_item;
+#ifdef _OPENMP /* the counter hands items out in turn: this thread's next is about `it + team` */
+        const int64_t guess = it + omp_get_num_threads();
+#else
+        const int64_t guess = it + 1;
+#endif
+        const int after = per_seq == 1 && guess < items ? (int)guess : -1;
         attend_item((int)(it / per_seq), kvh0, n, q, k_cache, v_cache, kind, block_tables,
                     seq_lens, out, num_heads, group, head_dim, block_size, table_width,
-                    stride_block, stride_token, stride_head, scale);
+                    stride_block, stride_token, stride_head, scale, after);
     }
 }
 
