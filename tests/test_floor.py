@@ -114,3 +114,34 @@ def test_engine_parts_prints_each_part_beside_its_floor():
     head = next(line for line in lines if line.startswith("  LM head"))
     assert head.endswith("(2.00x its floor 0.12 s), 4 calls")
     assert lines[-2].endswith(", 4 calls") and "floor" not in lines[-2]  # the head's map
+
+
+class _TickingClocks:
+    """A wall clock, and a process CPU clock that counts the calling thread exactly but a
+    second torch thread's time only in 4 ms ticks, as Linux's process clock does for a
+    thread running on another core: each call of ``work`` takes 6 ms on both threads."""
+
+    def __init__(self):
+        self.wall = 0.0
+
+    def perf_counter(self):
+        return self.wall
+
+    def process_time(self):
+        return self.wall + (self.wall // 0.004) * 0.004
+
+    def work(self):
+        self.wall += 0.006
+
+
+def test_a_rate_is_timed_over_runs_long_enough_for_the_process_clock(monkeypatch):
+    """One 6-ms call timed alone reads 4 ms of the second thread (or 8), so CPU seconds per
+    thread said 5 ms or less, and a 256 MiB read 'ran' faster than the machine can; runs of
+    MIN_RUN_SECONDS or more bring the error under 4%."""
+    clocks = _TickingClocks()
+    monkeypatch.setattr(floor, "time", clocks)
+    monkeypatch.setattr(floor.torch, "get_num_threads", lambda: 2)
+    seconds = floor._best_seconds(clocks.work, repeats=5)
+    assert 0.006 * 0.96 <= seconds <= 0.006
+    monkeypatch.setattr(floor, "MIN_RUN_SECONDS", 0.0)  # the old way: one call a run
+    assert floor._best_seconds(clocks.work, repeats=5) < 0.006 * 0.9

@@ -11,10 +11,11 @@ paper's section 2.3 makes the same point for GPUs, where a decode step is bound 
 reading memory). :func:`measure_machine` measures both rates here and now, at the
 threads torch uses, so every figure a bench prints comes beside its own floor as a ratio.
 
-On a CPU the bandwidth is the best of three reads of a buffer far larger than the caches:
-a sum, a matrix-vector product that streams a matrix once, and the model's own linear map
-of one row (:mod:`paged_lib.kernels.cpu_linear`'s C kernel, which prefetches ahead; on an
-AMD EPYC, 2026-12-07, two threads, it and the sum read 256 MB at 50-58 GB/s).
+On a CPU the bandwidth is the better of two reads of a buffer far larger than the caches:
+a sum, and the model's own linear map of one row (:mod:`paged_lib.kernels.cpu_linear`'s C
+kernel, which prefetches ahead; on an AMD EPYC, 2026-12-07, two threads, both read 256 MB
+at 50-70 GB/s, as the host's other work allowed). ``torch.mv`` is not timed: BLAS runs it
+on one thread whatever torch's count.
 The matmul rate is the fastest of the fp32 products of square matrices this machine has:
 ``torch.mm`` (the BLAS PyTorch was built with), oneDNN's on a prepacked weight, and the C
 kernel's. They can differ by far: on that EPYC ``torch.mm`` (Intel's MKL) did 210 GFLOP/s
@@ -54,17 +55,27 @@ class Machine:
                 f"{self.bandwidth / 1e9:.1f} GB/s, fp32 matmul {self.flops / 1e9:.0f} GFLOP/s")
 
 
+#: The least wall time of one timed run (the function called as often as that takes).
+#: This process's CPU time counts the threads other than the calling one in the kernel's
+#: ticks (4 ms here): a run of one 6-ms call once gave a 256 MiB read "151 GB/s".
+MIN_RUN_SECONDS = 0.1
+
+
 def _best_seconds(fn, repeats: int) -> float:
-    """The shortest of ``repeats`` runs, each timed by the wall clock and by this process's
-    CPU seconds per torch thread, whichever is shorter: on shared cores a run's wall
-    clock also counts the turns other processes took, which say nothing about the
-    machine's rates."""
+    """The shortest time per call of ``repeats`` runs, each of at least
+    :data:`MIN_RUN_SECONDS` and timed by the wall clock and by this process's CPU seconds
+    per torch thread, whichever is shorter: on shared cores a run's wall clock also
+    counts the turns other processes took, which say nothing about the machine's rates.
+    ``fn`` must keep every torch thread busy (CPU seconds per thread are then its time)."""
     fn()  # warm-up: page faults and first-call costs are not the rate
     threads, times = torch.get_num_threads(), []
     for _ in range(repeats):
-        wall, cpu = time.perf_counter(), time.process_time()
-        fn()
-        times.append(min(time.perf_counter() - wall, (time.process_time() - cpu) / threads))
+        calls, wall, cpu = 0, time.perf_counter(), time.process_time()
+        while calls == 0 or time.perf_counter() - wall < MIN_RUN_SECONDS:
+            fn()
+            calls += 1
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        times.append(min(wall, cpu / threads) / calls)
     return min(times)
 
 
@@ -72,19 +83,17 @@ def measure_machine(read_bytes: int = 256 * 2**20, matmul_size: int = 1536,
                     repeats: int = 5) -> Machine:
     """Memory bandwidth and fp32 matmul rate (the fastest of ``torch.mm``, oneDNN's
     prepacked product and the C kernel's) at ``torch.get_num_threads()`` threads, on the
-    CPU (about a second). The best of ``repeats`` runs (:func:`_best_seconds`): the
+    CPU (about three seconds). The best of ``repeats`` runs (:func:`_best_seconds`): the
     floor is what the machine *can* do, so a run slowed by other work does not lower it."""
     if read_bytes < 2**20 or matmul_size < 64:
         raise ValueError(f"read_bytes must be at least 1 MiB and matmul_size at least 64, "
                          f"got {read_bytes} and {matmul_size}")
     cols = 4096
     x = torch.ones(read_bytes // 4 // cols, cols)
-    v = torch.ones(cols)
     nbytes = x.numel() * 4
-    read = min(_best_seconds(lambda: x.sum(), repeats),
-               _best_seconds(lambda: torch.mv(x, v), repeats))
+    read = _best_seconds(lambda: x.sum(), repeats)
     if c_kernel_available(x):  # the model's own map of one row, on a copy in its layout
-        weights, row = LinearWeights([x]), v[None]
+        weights, row = LinearWeights([x]), torch.ones(1, cols)
         x = None
         read = min(read, _best_seconds(lambda: linear(row, weights), repeats))
     x = weights = None  # free them before the matmuls
