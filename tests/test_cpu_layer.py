@@ -49,6 +49,22 @@ def test_silu_mul_equals_torch_from_tiny_to_overflow(inter):
     torch.testing.assert_close(cpu_layer.silu_mul(gate_up), want, rtol=2e-6, atol=1e-30)
 
 
+def test_many_rows_share_out_between_threads_with_the_same_bits(one_torch_thread):
+    """A prefill's rows (past the C loops' thresholds for a second thread) give the same
+    numbers on two threads as on one, and still torch's."""
+    x, h, w = rows(300, 576, 4), rows(300, 576, 5), torch.randn(576)
+    gate_up = torch.cat([rows(40, 1536, 6, 30.0), rows(40, 1536, 7)], dim=1)
+    one = (cpu_layer.rms_norm(x, w, 1e-5), *cpu_layer.add_rms_norm(x, h, w, 1e-5),
+           cpu_layer.silu_mul(gate_up))
+    torch.set_num_threads(2)  # the fixture puts 1 back
+    two = (cpu_layer.rms_norm(x, w, 1e-5), *cpu_layer.add_rms_norm(x, h, w, 1e-5),
+           cpu_layer.silu_mul(gate_up))
+    assert all(torch.equal(a, b) for a, b in zip(one, two, strict=True))
+    torch.testing.assert_close(two[2], F.rms_norm(x + h, (576,), w, 1e-5), rtol=2e-6, atol=0)
+    torch.testing.assert_close(two[3], F.silu(gate_up[:, :1536]) * gate_up[:, 1536:],
+                               rtol=2e-6, atol=1e-30)
+
+
 @pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (4, 4, 16), (6, 2, 40)])
 def test_rope_and_write_rotates_as_apply_rope_and_writes_only_its_slots(heads, kv_heads, d):
     n, block_size, blocks = 5, 4, 6

@@ -9,7 +9,9 @@ linear maps have just flushed from the caches (SmolLM2 at batch 8: an RMSNorm to
 :func:`rope_and_write` and :func:`silu_mul` do each step in one pass, in C
 (``csrc/layer_ops.c``, built with :mod:`paged_lib.kernels.cpu_decode`'s kernel into one
 library), with PyTorch's float32 arithmetic per element (sums over a row may differ
-in the last bit: the tests hold each to torch's within 1e-6).
+in the last bit: the tests hold each to torch's within 1e-6). A prefill's many rows are
+shared out between PyTorch's threads for the norms and the activation (each row alone,
+so the same numbers on any number of threads).
 
 The model takes them (:meth:`paged_lib.model.TinyLlama.forward` runs each layer's
 :meth:`~paged_lib.model.DecoderLayer.forward_fused`) where :func:`applies`:
@@ -33,10 +35,10 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 @functools.cache
 def _lib() -> ctypes.CDLL:
     lib = cpu_decode.library()
-    for name, args in (("rms_norm_rows", [_P, _P, _P, _I, _I, _F]),
-                       ("add_rms_norm_rows", [_P] * 5 + [_I, _I, _F]),
+    for name, args in (("rms_norm_rows", [_P, _P, _P, _I, _I, _F, _I]),
+                       ("add_rms_norm_rows", [_P] * 5 + [_I, _I, _F, _I]),
                        ("rope_write_rows", [_P] * 7 + [_I] * 4),
-                       ("silu_mul_rows", [_P, _P, _I, _I])):
+                       ("silu_mul_rows", [_P, _P, _I, _I, _I])):
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = None, args
     return lib
@@ -76,7 +78,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``x / rms(x) * weight`` per row (``F.rms_norm`` over the last dimension)."""
     rows, dim = _rows(x, weight)
     out = torch.empty_like(x)
-    _lib().rms_norm_rows(x.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, dim, eps)
+    _lib().rms_norm_rows(x.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, dim, eps,
+                         torch.get_num_threads())
     return out
 
 
@@ -89,7 +92,7 @@ def add_rms_norm(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor,
                          f"{tuple(h.shape)} {h.dtype}")
     total, out = torch.empty_like(x), torch.empty_like(x)
     _lib().add_rms_norm_rows(x.data_ptr(), h.data_ptr(), weight.data_ptr(), total.data_ptr(),
-                             out.data_ptr(), rows, dim, eps)
+                             out.data_ptr(), rows, dim, eps, torch.get_num_threads())
     return total, out
 
 
@@ -134,5 +137,5 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
                          f"{tuple(gate_up.shape)} {gate_up.dtype}")
     n, inter = gate_up.shape[0], gate_up.shape[1] // 2
     out = gate_up.new_empty(n, inter)
-    _lib().silu_mul_rows(gate_up.data_ptr(), out.data_ptr(), n, inter)
+    _lib().silu_mul_rows(gate_up.data_ptr(), out.data_ptr(), n, inter, torch.get_num_threads())
     return out
