@@ -29,10 +29,9 @@ def test_one_row_on_two_threads_takes_the_prepacked_map_and_agrees(monkeypatch):
     """Without the C kernel, one row: the plain product on one thread (BLAS's), oneDNN's
     on more (BLAS's matrix-vector product stays on one thread); the same numbers to 1e-6
     either way."""
-    monkeypatch.setattr(cpu_linear, "c_kernel_available", lambda weight: False)
     g = torch.Generator().manual_seed(5)
     ws = [torch.randn(64, 96, generator=g) * 0.05]
-    w, x = LinearWeights(ws, min_prepack_bytes=0), torch.randn(1, 96, generator=g)
+    w, x = LinearWeights(ws, 0, c_kernel=False), torch.randn(1, 96, generator=g)
     calls = []
     real = torch.ops.mkldnn._linear_pointwise
     monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise",

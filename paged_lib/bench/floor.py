@@ -32,12 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from paged_lib.kernels.cpu_linear import (
-    LinearWeights,
-    c_kernel_available,
-    linear,
-    prepack_available,
-)
+from paged_lib.kernels.cpu_linear import LinearWeights, c_kernel_available, linear
 from paged_lib.model import TinyLlamaConfig
 
 
@@ -99,13 +94,10 @@ def measure_machine(read_bytes: int = 256 * 2**20, matmul_size: int = 1536,
     x = weights = None  # free them before the matmuls
     a, b = torch.randn(matmul_size, matmul_size), torch.randn(matmul_size, matmul_size)
     mm = _best_seconds(lambda: torch.mm(a, b), repeats)
-    if prepack_available(b):  # oneDNN's product, called directly
-        packed = torch.ops.mkldnn._reorder_linear_weight(b)
-        mm = min(mm, _best_seconds(lambda: torch.ops.mkldnn._linear_pointwise(
-            a, packed, None, "none", [], ""), repeats))
-    if c_kernel_available(b):
-        weights = LinearWeights([b], min_prepack_bytes=0)
-        mm = min(mm, _best_seconds(lambda: linear(a, weights), repeats))
+    for c_kernel in (False, True):  # oneDNN's product, then the C kernel's
+        weights = LinearWeights([b], min_prepack_bytes=0, c_kernel=c_kernel)
+        if weights.packed is not None or weights.tiles is not None:
+            mm = min(mm, _best_seconds(lambda w=weights: linear(a, w), repeats))
     return Machine(bandwidth=nbytes / read, flops=2 * matmul_size**3 / mm,
                    threads=torch.get_num_threads())
 

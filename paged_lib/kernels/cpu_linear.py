@@ -96,11 +96,13 @@ def prepack_available(weight: torch.Tensor) -> bool:
 
 class LinearWeights:
     """One or several ``[out_i, in]`` weights stacked by rows: ``plain``, and packed for
-    the C kernel (``tiles``) or else, from ``min_prepack_bytes`` (default
-    :data:`MIN_PREPACK_BYTES`), for oneDNN (``packed``) where either works;
-    :func:`linear` multiplies by them, :meth:`split` cuts the output back."""
+    the C kernel (``tiles``; unless ``c_kernel=False``) or else, from
+    ``min_prepack_bytes`` (default :data:`MIN_PREPACK_BYTES`), for oneDNN (``packed``)
+    where either works; :func:`linear` multiplies by them, :meth:`split` cuts the output
+    back."""
 
-    def __init__(self, weights: list[torch.Tensor], min_prepack_bytes: int | None = None):
+    def __init__(self, weights: list[torch.Tensor], min_prepack_bytes: int | None = None,
+                 c_kernel: bool = True):
         if not weights or any(w.ndim != 2 or w.shape[1] != weights[0].shape[1]
                               for w in weights):
             raise ValueError("LinearWeights needs 2-D weights with the same input size, got "
@@ -113,7 +115,7 @@ class LinearWeights:
             least = MIN_PREPACK_BYTES if min_prepack_bytes is None else min_prepack_bytes
             big = self.plain.numel() * self.plain.element_size() >= least
             self.tiles = self.packed = None
-            if c_kernel_available(self.plain):  # every size: see the module's docstring
+            if c_kernel and c_kernel_available(self.plain):  # every size: see above
                 n, k = self.plain.shape
                 self.tiles = torch.empty(-(-n // PANEL) * k * PANEL)
                 _c_library().linear_pack(self.plain.data_ptr(), self.tiles.data_ptr(), n, k)
