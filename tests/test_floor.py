@@ -117,32 +117,34 @@ def test_engine_parts_prints_each_part_beside_its_floor():
 
 
 class _TickingClocks:
-    """A wall clock, and a process CPU clock that counts the calling thread exactly but a
-    second torch thread's time only in 4 ms ticks, as Linux's process clock does for a
-    thread running on another core: each call of ``work`` takes 6 ms on both threads."""
+    """Fake clocks, in whole microseconds (nothing here reads a real clock): a wall clock,
+    and a process CPU clock that counts the calling thread exactly but a second torch
+    thread's time only in 4 ms ticks, as Linux's process clock does for a thread running
+    on another core. Each call of ``work`` costs 6 ms of both threads."""
 
     def __init__(self):
-        self.wall = 0.0
+        self.us = 0
 
     def perf_counter(self):
-        return self.wall
+        return self.us / 1e6
 
     def process_time(self):
-        return self.wall + (self.wall // 0.004) * 0.004
+        return (self.us + self.us // 4000 * 4000) / 1e6
 
     def work(self):
-        self.wall += 0.006
+        self.us += 6000
 
 
 def test_a_rate_is_timed_over_runs_long_enough_for_the_process_clock(monkeypatch):
-    """One 6-ms call timed alone reads 4 ms of the second thread (or 8), so CPU seconds per
-    thread said 5 ms or less, and a 256 MiB read 'ran' faster than the machine can; runs of
-    MIN_RUN_SECONDS or more bring the error under 4%."""
+    """One 6-ms call timed alone reads one tick (4 ms) of the second thread or two, so CPU
+    seconds per thread said 5 ms: a 256 MiB read 'ran' faster than the machine can. A run
+    of MIN_RUN_SECONDS is 17 calls (102 ms), whose second thread reads 100 or 104 ms: 101
+    ms per thread at worst, within 1% of the truth. The clocks are fake, so these are
+    exact shares of a call's cost, the same on any machine."""
     clocks = _TickingClocks()
     monkeypatch.setattr(floor, "time", clocks)
     monkeypatch.setattr(floor.torch, "get_num_threads", lambda: 2)
-    # the fake clocks' cost of a call is 6 ms: what share of it each way finds
     share = floor._best_seconds(clocks.work, repeats=5) / 0.006
-    assert 0.96 <= share <= 1
+    assert share == pytest.approx(101 / 102)
     monkeypatch.setattr(floor, "MIN_RUN_SECONDS", 0.0)  # the old way: one call a run
-    assert floor._best_seconds(clocks.work, repeats=5) / 0.006 < 0.9
+    assert floor._best_seconds(clocks.work, repeats=5) / 0.006 == pytest.approx(5 / 6)
