@@ -18,9 +18,19 @@ from paged_lib.util import cdiv
 
 def check_merge_states(merge_states: Callable) -> None:
     """04.1: merging two blocks' (m, l, acc) equals the state of both blocks together."""
+    def typed(a: tuple, b: tuple) -> object:  # a float64 constant promotes float32 states
+        got = merge_states(a, b)
+        for name, g in zip(("m", "l", "acc"), got if isinstance(got, tuple | list) else (),
+                           strict=False):
+            grading.expect_true(not isinstance(g, torch.Tensor) or g.dtype == a[0].dtype,
+                                f"{name}: expected dtype {a[0].dtype} (the states'), got "
+                                f"{getattr(g, 'dtype', None)}", hint="compute in the states' "
+                                "own dtype: no float64 constant or .double() mixed in")
+        return got
+
     with grading.exercise("04.1"):
         numeric.check("04.1", small_attention.merge_cases(), lambda p: small_attention.run_merge(
-            merge_states, p), small_attention.MERGE_CONTRASTS + (numeric.Contrast(
+            typed, p), small_attention.MERGE_CONTRASTS + (numeric.Contrast(
             lambda p: dataclasses.replace(p, two_dims=False) if p.two_dims else None,
             "it passes with one leading dimension and fails with two: m and l are [...], acc "
             "[..., d]; give a weight acc's last axis with w[..., None] (not w[:, None])"),))

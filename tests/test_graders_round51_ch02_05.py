@@ -1,0 +1,47 @@
+"""Chapters 02-05's graders, review round 51: wrong answers that passed get ❌ with a hint
+that names their mistake; right answers of other shapes get ✅."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import paged_lib  # noqa: F401  (sets up the interpreter before anything Triton)
+from paged_lib.course.grading import ch04
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def _verdict(capsys, check, answer) -> str:
+    check(answer)
+    return capsys.readouterr().out
+
+
+def _fails(capsys, check, answer, ex_id: str, *words: str) -> None:
+    out = _verdict(capsys, check, answer)
+    assert out.startswith(f"❌ [{ex_id}]") and all(w in out for w in words), (words, out)
+
+
+def _passes(capsys, check, answer, ex_id: str) -> None:
+    out = _verdict(capsys, check, answer)
+    assert out.startswith(f"✅ [{ex_id}]"), out
+
+
+# ---------------------------------------------------------------- 04.1 merge two states
+
+def _merge(a, b, zero):
+    m = torch.maximum(a[0], b[0])
+    safe = torch.where(torch.isinf(m), zero(m), m)
+    wa, wb = torch.exp(a[0] - safe), torch.exp(b[0] - safe)
+    return m, wa * a[1] + wb * b[1], wa[..., None] * a[2] + wb[..., None] * b[2]
+
+
+def test_04_1_a_float64_constant_that_promotes_float32_states_is_named(capsys):
+    """Wrong: the 0 in place of an infinite max is a float64 tensor; float32 states come
+    back float64 (right values, so only the dtype tells)."""
+    _fails(capsys, ch04.check_merge_states,
+           lambda a, b: _merge(a, b, lambda m: torch.zeros(m.shape, dtype=torch.float64)),
+           "04.1", "expected dtype torch.float32", "compute in the states' own dtype")
+    # a default-dtype (float32) constant leaves float64 states float64: right
+    _passes(capsys, ch04.check_merge_states,
+            lambda a, b: _merge(a, b, lambda m: torch.zeros(m.shape)), "04.1")
