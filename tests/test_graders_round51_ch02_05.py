@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import paged_lib  # noqa: F401  (sets up the interpreter before anything Triton)
-from paged_lib.course.grading import ch04
+from paged_lib.course.grading import ch04, ch05
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -45,3 +45,22 @@ def test_04_1_a_float64_constant_that_promotes_float32_states_is_named(capsys):
     # a default-dtype (float32) constant leaves float64 states float64: right
     _passes(capsys, ch04.check_merge_states,
             lambda a, b: _merge(a, b, lambda m: torch.zeros(m.shape)), "04.1")
+
+
+# -------------------------------------------------------------- 05.7 merge_partials
+
+def _merge_centred(center):
+    def merge(out, lse):
+        w = torch.exp(lse - center(lse[torch.isfinite(lse)]))
+        return (w[:, None] * out).sum(0) / w.sum()
+    return merge
+
+
+def test_05_7_log_sum_exps_centred_on_their_mean_are_named(capsys):
+    """Wrong: weights exp(lse - mean), not exp(lse - max): right while the log-sum-exps are
+    within about 1400 of each other, NaN for -821 and 820 (exp(853) overflows)."""
+    _fails(capsys, ch05.check_merge_partials, _merge_centred(torch.mean), "05.7",
+           "the merged output is NaN", "M the max over all segments")
+    _passes(capsys, ch05.check_merge_partials, _merge_centred(torch.max), "05.7")
+    _passes(capsys, ch05.check_merge_partials,
+            lambda out, lse: torch.softmax(lse, 0) @ out, "05.7")
