@@ -340,6 +340,11 @@ def run_decode_kernel(kernel: Any, case) -> tuple[torch.Tensor, LoadTrace, tuple
         if bad:
             grading.fail(f"program {bad[0][:2]} read {name} outside the cache ({bad[2]} "
                          "element(s) in one load)", hint=_ADDRESS)
+    bad = interpreted() and first_outside(q_g, trace, lambda f: (f >= 0) & (f < q.numel()))
+    if bad:
+        grading.fail(f"program {bad[0][:2]} read q past its end ({bad[2]} element(s) in one "
+                     "load)", hint=Named("load q with mask=(g < GROUP)[:, None]: the tile's "
+                                         "GROUP_PAD - GROUP padding rows are no query heads"))
     if interpreted():
         _check_iterations(trace, bt_g, k_g, seq_lens, k_cache.shape[1])
     _expect_wide(trace, bt_g, "this batch", "block id")
