@@ -71,6 +71,41 @@ def test_05_7_log_sum_exps_centred_on_their_mean_are_named(capsys):
             lambda out, lse: torch.softmax(lse, 0) @ out, "05.7")
 
 
+# ------------------------------------------------------------- 05.2 gather through a table
+
+@triton.jit
+def _gather_x_unmasked(x_ptr, idx_ptr, out_ptr, n, D: tl.constexpr, BLOCK_I: tl.constexpr,
+                       MASK_X: tl.constexpr = False):
+    """Wrong (MASK_X False): idx masked (no other), x not: a lane past n loads a row of x at
+    an undefined row id (0 in the interpreter, so the values were right); right otherwise."""
+    i = tl.program_id(0) * BLOCK_I + tl.arange(0, BLOCK_I)
+    d = tl.arange(0, D)
+    live = i < n
+    rows = tl.load(idx_ptr + i, mask=live).to(tl.int64)
+    if MASK_X:
+        x = tl.load(x_ptr + rows[:, None] * D + d[None, :], mask=live[:, None])
+    else:
+        x = tl.load(x_ptr + rows[:, None] * D + d[None, :])
+    tl.store(out_ptr + i[:, None] * D + d[None, :], x, mask=live[:, None])
+
+
+class _With:
+    """A kernel launched with one constexpr switched on."""
+
+    def __init__(self, kernel, **on):
+        self.kernel, self.on = kernel, on
+
+    def __getitem__(self, grid):
+        return lambda *a, **kw: self.kernel[grid](*a, **self.on, **kw)
+
+
+@needs_interpreter
+def test_05_2_rows_of_x_loaded_for_lanes_past_n_are_named(capsys):
+    _fails(capsys, ch05.check_gather_rows, _gather_x_unmasked, "05.2",
+           "row(s) of x for lanes i >= n", "mask the load of x with (i < n)[:, None]")
+    _passes(capsys, ch05.check_gather_rows, _With(_gather_x_unmasked, MASK_X=True), "05.2")
+
+
 # ------------------------------------------------------------ 05.5 paged decode kernel
 
 @triton.jit
@@ -112,13 +147,6 @@ def _decode_q_unmasked(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_pt
     tl.store(out_ptr + q_offs, acc / l_i[:, None], mask=real)
 
 
-class _Masked:
-    """The kernel above launched with MASK_Q=True."""
-
-    def __getitem__(self, grid):
-        return lambda *a, **kw: _decode_q_unmasked[grid](*a, MASK_Q=True, **kw)
-
-
 @needs_interpreter
 @pytest.mark.filterwarnings("ignore:All-NaN slice")  # the padding rows read the guard's NaN
 def test_05_5_q_loaded_past_its_end_is_named(capsys):
@@ -126,4 +154,4 @@ def test_05_5_q_loaded_past_its_end_is_named(capsys):
     last program reads past q's end; only the store was masked, so the output was right."""
     _fails(capsys, ch05.check_paged_decode_kernel, _decode_q_unmasked, "05.5",
            "read q past its end", "mask=(g < GROUP)[:, None]")
-    _passes(capsys, ch05.check_paged_decode_kernel, _Masked(), "05.5")
+    _passes(capsys, ch05.check_paged_decode_kernel, _With(_decode_q_unmasked, MASK_Q=True), "05.5")

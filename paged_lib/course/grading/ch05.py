@@ -193,6 +193,15 @@ def _gather_case(kernel: Any, x: torch.Tensor, ids: torch.Tensor, block: int) ->
         grading.fail(f"{what}: program {bad[0][0]} read idx[{bad[1]}], outside its "
                      f"n={n} entries", hint="mask the load of idx with i < n (other=0)")
     _expect_wide(trace, idx_g, what, "row id")
+    rows: dict[tuple, int] = {}  # per program: x rows loaded minus row ids loaded
+    for sign, g, width in ((1, x_g, d), (-1, idx_g, 1)) if interpreted() else ():
+        for program, _, mask in g.reads(trace):
+            rows[program] = rows.get(program, 0) + sign * int(mask.sum()) // width
+    extra = max(rows.values(), default=0)
+    if extra > 0:
+        grading.fail(f"{what}: a program loaded {extra} row(s) of x for lanes i >= n",
+                     hint=Named("mask the load of x with (i < n)[:, None] too: a lane past n "
+                                "is no row of out, and without other its row id is undefined"))
     grading.expect_true(out_g.guard_intact(),
                         f"{what}: the kernel wrote rows of out at i >= n (or < 0)",
                         hint="mask the store with i < n")
