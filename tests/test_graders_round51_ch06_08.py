@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from paged_lib.course.grading import ch07, ch08
+from paged_lib.course.grading import ch06, ch07, ch08
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -15,6 +15,57 @@ def verdict(capsys, check, answer) -> str:
     out = capsys.readouterr().out
     assert out.count("\n") <= 2, out  # one verdict line, at most one hint line
     return out
+
+
+# ---------------------------------------------------------------- 06.2, 06.4: hints
+
+
+def required_prompt_plus_outputs(group, block_size):
+    """One live sequence counted as its prompt's blocks plus its outputs' blocks: the
+    first outputs fill the prompt's last block, so this counts one block too many."""
+    seqs, prompt = group.live_seqs(), len(group.prompt_token_ids)
+    if len(seqs) == 1:
+        return -(-prompt // block_size) + -(-len(seqs[0].output_token_ids) // block_size)
+    shared = -(-prompt // block_size)
+    return shared + sum(-(-s.num_tokens // block_size) - shared for s in seqs) + (
+        len(seqs) - 1 if prompt % block_size else 0)
+
+
+def waiting_planned_up_front(waiting, step):
+    """Every waiting group's prefill tokens read before admitting any: a prefix the first
+    admitted group cached shortens the next one's, and admit refuses the stale count."""
+    if step.swapped or step.num_preempted:
+        return
+    plan = [(g, step.prefill_tokens(g)) for g in list(waiting)]
+    for group, tokens in plan:
+        if step.chunked_prefill:
+            tokens = min(tokens, step.tokens_left)
+            if tokens < 1:
+                return
+        need = step.blocks_needed(group, tokens)
+        seqs = len(group.live_seqs()) if any(s.output_token_ids for s in group.seqs) else max(
+            len(group.live_seqs()), group.params.num_seqs)
+        ok = tokens <= step.tokens_left
+        fits = ok and step.free_blocks - need >= step.watermark_blocks and (
+            step.num_seqs + seqs <= step.max_num_seqs)
+        alone = step.is_empty() and (not step.prefill_first or not step.running) and ok and (
+            need <= step.free_blocks)
+        if not (fits or alone):
+            return
+        step.admit(group, tokens)
+
+
+def test_06_2_prompt_blocks_plus_output_blocks_is_told_the_text_is_one(capsys):
+    out = verdict(capsys, ch06.check_num_required_blocks, required_prompt_plus_outputs)
+    assert out.startswith("❌ [06.2]") and "1 live sequence(s) preempted by recompute" in out, out
+    assert "not the prompt's blocks plus the outputs' blocks" in out, out
+
+
+def test_06_4_prefill_tokens_read_before_the_loop_is_told_the_prefix(capsys):
+    out = verdict(capsys, ch06.check_schedule_waiting, waiting_planned_up_front)
+    assert out.startswith("❌ [06.4]") and "enable_prefix_caching=True" in out, out
+    assert "its first prefill has 12 tokens to compute" in out, out
+    assert "asked when it is the head (a group admitted just before it may have cached" in out
 
 
 # ---------------------------------------------------------------- 07.3 preempt_until_fits
