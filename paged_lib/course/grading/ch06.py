@@ -323,7 +323,9 @@ _REQUIRED_CONTRASTS = (
              "afterwards and share those blocks, so the prompt's blocks count once, not once "
              "per sample"),
     Contrast(lambda p: dataclasses.replace(p, block_size=1) if _live(p) == 1 else None,
-             "the partly filled last block counts too: ceil(tokens / block_size), in integers"),
+             "the partly filled last block counts too: ceil(tokens / block_size), in integers, "
+             "over the whole text at once (the first generated tokens fill the prompt's last "
+             "block: not the prompt's blocks plus the outputs' blocks)"),
     Contrast(lambda p: dataclasses.replace(p, tails=(0,), finished=(), agree=0, n=1)
              if _live(p) == 1 and p.tails != (0,) else None,
              "a sequence preempted by recompute prefills its whole text again: the prompt "
@@ -493,7 +495,8 @@ def _why(st: SimpleNamespace, lib, got) -> str:
 #: one hint per rule of admission, whichever way the answer broke it
 _WHY = {
     "raise": "step.admit(group, num_tokens) takes the group out of waiting itself: call it "
-             "for the head of waiting, with 1 to step.prefill_tokens(group) tokens",
+             "for the head of waiting, with 1 to step.prefill_tokens(group) tokens, asked when it "
+             "is the head (a group admitted just before it may have cached its prompt's prefix)",
     "swapped": "groups are swapped out: they come back first, and nobody new is admitted "
                "while any is swapped (their blocks would be taken)",
     "preempted": "this step preempted a group: as in vLLM v1, a step that preempts admits "

@@ -294,9 +294,9 @@ def _why(st: SimpleNamespace, lib, got) -> str:
     return _WHY[next((rule for cond, rule in (
         (me is not None and me.ran, "ran"),
         (b[0] in order and order.index(b[0]) < order.index(st.rid), "before"),
+        (a[0] in by_id and not by_id[a[0]].decoding and a[0] != st.rid, "prefilling"),
         (a[1] == "freed" and b[1] == "swapped out", "unswappable"),
-        (st.rule is not None, "hook"),
-        (a[0] in by_id and not by_id[a[0]].decoding and a[0] != st.rid, "prefilling"))
+        (st.rule is not None, "hook"))
         if cond), "latest")]
 
 
@@ -328,7 +328,8 @@ _WHY = {
             "'recompute' frees its blocks (step.free); a group part way through a prefill "
             "cannot be swapped (its K/V is not all written; step.is_decoding says, outputs or "
             "not: a recomputed group prefills them again), nor one the CPU pool cannot "
-            "take (step.can_swap_out): swap falls back to recompute",
+            "take (step.can_swap_out): swap falls back to recompute, for that victim alone (the "
+            "next one is swapped if it can be)",
     "loop": "keep preempting until the group's blocks fit: one victim may free too few (a "
             "group shares blocks, or holds few); stop as soon as they fit "
             "(step.blocks_needed <= step.free_blocks), and preempt nobody at all when they "
@@ -364,6 +365,11 @@ SCENARIOS: list[Scenario] = [
              "decoding group that needs a block", dict(num_blocks=11, block_size=2,
              enable_chunked_prefill=True, max_num_batched_tokens=8, max_num_seqs=4),
              ((3, 8, 0, 1), (9, 5, 1, 2), (1, 5, 3, 1))),
+    Scenario("by swap, chunks of 6, a CPU pool of 3 blocks: in one call a victim part way "
+             "through its prompt is recomputed, then a decoding one swapped",
+             dict(num_blocks=7, block_size=4, preemption="swap", num_cpu_blocks=3,
+                  enable_chunked_prefill=True, max_num_batched_tokens=6, max_num_seqs=4),
+             ((10, 4, 1, 2), (8, 4, 1, 1), (15, 9, 2, 1))),
 ]
 
 

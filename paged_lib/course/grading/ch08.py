@@ -439,6 +439,10 @@ _SCRIPTED: list[tuple[str, int, int, int, list]] = [
      [[[(1, -0.5), (2, -1.0)]],
       [[(3, -0.25)], [(4, -0.25), (5, -0.5)]],
       [[], [(6, -0.5)], []]]),
+    ("two beams die at once: beam 1's one candidate loses, beam 2 offers none (EOS took "
+     "them); both are freed in beam order", 2, 3, 3,
+     [[[(1, -0.1), (2, -0.2), (3, -0.3)]],
+      [[(4, -0.1), (5, -0.2), (7, -0.3)], [(6, -5.0)], []]]),
     ("a near tie: beam 1's token 4 scores 1e-9 above beam 0's tokens 3 and 5 (equal in "
      "float32, not in the float64 of Python's floats)", 4, 5, 2,
      [[[(1, -0.5), (2, -0.7)]],
