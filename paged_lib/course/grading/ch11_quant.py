@@ -337,6 +337,17 @@ def check_write_int8_blocks(fn: Callable[..., Any]) -> None:
                          torch.tensor([[[1.0, -2.0], [0.5, 0.25]]]),
                          torch.zeros(3, 4, 2, 2, dtype=torch.int8),
                          torch.full((3, 2), float("nan")), torch.tensor([6])))
+        # a value exactly between two codes, which a comparison with ties let by and no
+        # served value reaches: 125.5 x 1.1015625 times the reciprocal lands below the tie
+        tie = snap("a block never written given 127 and 125.5 times 1.1015625 at offsets 0 "
+                   "and 1 in one call (its scale 1.1015625)",
+                   torch.tensor([[[139.8984375]], [[138.24609375]]]), torch.zeros(
+                       2, 4, 1, 1, dtype=torch.int8), torch.full((2, 1), float("nan")),
+                   torch.tensor([4, 5]))
+        compare(fn, tie)
+        grading.expect_equal(int(_run(fn, tie)[0][1, 1, 0, 0]), 126, f"{tie.where}: its code",
+                             "a value becomes torch.round(v / scale): v * (1 / scale) rounds "
+                             "1 / scale first and misses an exact tie (125.5 -> 126, the even)")
         generated.check("write_int8_blocks", lambda x, data, scale, slots: fn(
             x.clone(), data, scale, slots.clone()), "every generated call agreed up to a "
             "code one off at an exact tie, which the engine's next layer sees: ties round half "
