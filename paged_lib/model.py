@@ -229,14 +229,28 @@ class DecoderLayer(nn.Module):
         return x + (h if all_reduce is None else all_reduce(h))
 
     def forward_fused(self, x, normed, cos, sin, kv_cache, meta, backend, next_norm,
-                      all_reduce=None):
+                      all_reduce=None, in_one_call=False):
         """:meth:`forward` for a step :func:`paged_lib.kernels.cpu_layer.applies` to
         (``backend="cpu"``, checked by the runner), on the residual stream ``x`` and its
         input norm ``normed``: each residual add and the RMSNorm after it (this layer's
         second, then ``next_norm``: the next layer's first, or the model's final norm) are
         one C pass over the rows, and so is SwiGLU's activation. Returns the new ``x``
-        and its ``next_norm``."""
+        and its ``next_norm``. With ``in_one_call``, a decode step on one device takes all
+        of it as one C call (:func:`~paged_lib.kernels.cpu_layer.decode_layer`: the same
+        steps, the same bits, updating ``x`` and ``normed`` in place).
+        """
         norm2 = self.post_attention_layernorm
+        if in_one_call and all_reduce is None and meta.is_decode:
+            attn, mlp = self.self_attn, self.mlp
+            done = cpu_layer.decode_layer(x, normed, (
+                stacked_weights(attn, "qkv", [attn.q_proj.weight, attn.k_proj.weight,
+                                              attn.v_proj.weight]),
+                stacked_weights(attn, "o", [attn.o_proj.weight]),
+                stacked_weights(mlp, "gate_up", [mlp.gate_proj.weight, mlp.up_proj.weight]),
+                stacked_weights(mlp, "down", [mlp.down_proj.weight])), (norm2, next_norm),
+                cos, sin, *kv_cache, meta, attn.cfg.num_heads, attn.cfg.num_kv_heads)
+            if done is not None:
+                return done
         h = self.self_attn(normed, cos, sin, kv_cache, meta, backend, False)
         h = (h if all_reduce is None else all_reduce(h)).contiguous()
         x, h = cpu_layer.add_rms_norm(x, h, norm2.weight, norm2.eps)
@@ -251,6 +265,11 @@ class TinyLlama(nn.Module):
     Parameter names follow Hugging Face's ``LlamaForCausalLM`` without the ``model.``
     prefix, so loading weights is a rename, not a conversion.
     """
+
+    #: ``backend="cpu"``: run each layer of a decode step as one C call
+    #: (:meth:`DecoderLayer.forward_fused`); ``False`` keeps its steps apart, e.g. to time
+    #: them one by one (``python -m paged_lib.bench.engine_parts --layers-apart``)
+    decode_layers_in_one_call: bool = True
 
     def __init__(self, config: TinyLlamaConfig):
         super().__init__()
@@ -309,7 +328,7 @@ class TinyLlama(nn.Module):
             norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
             for layer, kv_cache, next_norm in zip(self.layers, kv_caches, norms, strict=True):
                 x, h = layer.forward_fused(x, h, cos, sin, kv_cache, meta, backend, next_norm,
-                                           self.all_reduce)
+                                           self.all_reduce, self.decode_layers_in_one_call)
             return h
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, cos, sin, kv_cache, meta, backend, validate, self.all_reduce)

@@ -129,7 +129,7 @@ def test_model_steps_through_the_c_loops_equal_the_torch_path(monkeypatch):
     block_size, blocks = 4, 8
     shape = (blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
     calls = []
-    for name in ("rope_and_write", "rms_norm", "add_rms_norm", "silu_mul"):
+    for name in ("rope_and_write", "rms_norm", "add_rms_norm", "silu_mul", "decode_layer"):
         fn = getattr(cpu_layer, name)
         monkeypatch.setattr(cpu_layer, name,
                             lambda *a, _fn=fn, _name=name, **k: calls.append(_name) or _fn(*a, **k))
@@ -155,11 +155,12 @@ def test_model_steps_through_the_c_loops_equal_the_torch_path(monkeypatch):
             hidden = model(ids, caches, meta, backend="cpu", validate=validate)
             logits.append(model.compute_logits(hidden[meta.logits_indices]))
         runs[validate] = torch.cat(logits), caches
-    # each layer of each of the 4 steps took the four loops, and only without validate
-    assert sorted(set(calls)) == ["add_rms_norm", "rms_norm", "rope_and_write", "silu_mul"]
-    # (per step: the first layer's norm, then per layer the rotation, two residual adds
-    # with the norm after each, and the activation)
-    assert len(calls) == 4 * (1 + 4 * cfg.num_layers)
+    # each step took the C loops, and only without validate: per step the first layer's
+    # norm, then per layer the prefill's rotation, two residual adds with the norm after
+    # each and the activation; each of the three decode steps' layers as one call
+    assert sorted(set(calls)) == ["add_rms_norm", "decode_layer", "rms_norm",
+                                  "rope_and_write", "silu_mul"]
+    assert len(calls) == (1 + 4 * cfg.num_layers) + 3 * (1 + cfg.num_layers)
     assert calls.count("rms_norm") == 4
     (fused, fused_caches), (plain, plain_caches) = runs[False], runs[True]
     torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-5)
@@ -167,3 +168,105 @@ def test_model_steps_through_the_c_loops_equal_the_torch_path(monkeypatch):
         torch.testing.assert_close(k1, k2, rtol=1e-5, atol=1e-6, equal_nan=True)
         torch.testing.assert_close(v1, v2, rtol=1e-5, atol=1e-6, equal_nan=True)
         assert k1.isnan().sum() == k2.isnan().sum() > 0  # untouched slots stay NaN
+
+
+def decode_steps(model, caches, tables: torch.Tensor, lens: list[int], steps: int,
+                 block_size: int) -> list[torch.Tensor]:
+    """``steps`` decode steps (one new token per sequence, its K/V at its next slot) after
+    the cache already holds ``lens`` tokens each; the logits of each step."""
+    out, lens = [], list(lens)
+    for step in range(steps):
+        lens = [n + 1 for n in lens]
+        pos = torch.tensor(lens) - 1
+        slots = tables[torch.arange(len(lens)), pos // block_size].long() * block_size \
+            + pos % block_size
+        meta = AttentionMetadata(
+            slot_mapping=slots, block_tables=tables, seq_lens=torch.tensor(
+                lens, dtype=torch.int32), query_lens=torch.ones(len(lens), dtype=torch.int32),
+            positions=pos, max_seq_len=max(lens), max_query_len=1)
+        ids = (torch.arange(len(lens)) * 5 + step) % model.config.vocab_size
+        out.append(model.compute_logits(model(ids, caches, meta, backend="cpu",
+                                              validate=False)))
+    return out
+
+
+@pytest.mark.parametrize("batch,threads", [(1, 1), (3, 2), (8, 2), (130, 2), (5, 1)])
+@torch.no_grad()
+def test_a_decode_layer_in_one_call_gives_the_same_bits_as_its_steps(monkeypatch, batch,
+                                                                     threads):
+    """``cpu_layer.decode_layer`` (a decode step's layer on one thread team) against the
+    same layer's steps called one by one: the same logits and caches, bit for bit, at
+    batches from one sequence to past a 128-row block of the linear kernel, with head
+    sizes that are not ``hidden / heads``, lengths that end anywhere in a block, tables in
+    any order, and the untouched slots still NaN."""
+    cfg = TinyLlamaConfig(num_layers=2, hidden_size=48, num_heads=6, num_kv_heads=2,
+                          head_dim=24, intermediate_size=40, vocab_size=50)
+    torch.manual_seed(batch)
+    model = TinyLlama(cfg).eval()
+    for i, norm in enumerate(m for m in model.modules() if m.__class__.__name__ == "RMSNorm"):
+        norm.weight.normal_()  # each norm its own weights and eps, so none stands in for
+        norm.eps = 10.0 ** -(i + 1)  # another
+    block_size, per_seq = 4, 4
+    blocks = batch * per_seq
+    g = torch.Generator().manual_seed(batch)
+    tables = torch.randperm(blocks, generator=g).to(torch.int32).view(batch, per_seq)
+    lens = torch.randint(1, block_size * per_seq - 3, (batch,), generator=g).tolist()
+    start = (torch.randn(blocks, block_size, cfg.num_kv_heads, cfg.head_dim, generator=g),
+             torch.randn(blocks, block_size, cfg.num_kv_heads, cfg.head_dim, generator=g))
+    for b, n in zip(tables.tolist(), lens, strict=True):  # past each length: NaN
+        for i in range(n, block_size * per_seq):
+            start[0][b[i // block_size], i % block_size] = float("nan")
+            start[1][b[i // block_size], i % block_size] = float("nan")
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    runs, calls = {}, []
+    real = cpu_layer.decode_layer
+    monkeypatch.setattr(cpu_layer, "decode_layer", lambda *a, **k: calls.append(1) or real(
+        *a, **k))
+    for fused in (True, False):
+        model.decode_layers_in_one_call = fused
+        caches = [(start[0].clone(), start[1].clone()) for _ in range(cfg.num_layers)]
+        runs[fused] = decode_steps(model, caches, tables, lens, 3, block_size), caches
+    assert len(calls) == 3 * cfg.num_layers  # every layer of every step took one call
+    (fused, fused_caches), (steps, step_caches) = runs[True], runs[False]
+    assert all(torch.equal(a, b) for a, b in zip(fused, steps, strict=True))
+    assert all(f.isfinite().all() for f in fused)
+    for (k1, v1), (k2, v2) in zip(fused_caches, step_caches, strict=True):
+        assert torch.equal(k1.nan_to_num(7.0), k2.nan_to_num(7.0))
+        assert torch.equal(v1.nan_to_num(7.0), v2.nan_to_num(7.0))
+        written = 3 * batch * cfg.num_kv_heads * cfg.head_dim  # 3 slots a sequence
+        assert k1.isnan().sum() == start[0].isnan().sum() - written
+
+
+@torch.no_grad()
+def test_decode_layer_leaves_to_the_steps_what_it_does_not_run():
+    """A prefill, int8 caches or a map the C kernel did not pack: ``None`` (the caller then
+    runs the steps one by one); maps that do not fit the shapes: a ValueError saying so."""
+    from paged_lib.kernels.cpu_linear import LinearWeights
+
+    cfg = TinyLlamaConfig(num_layers=1, hidden_size=16, num_heads=2, num_kv_heads=1,
+                          head_dim=8, intermediate_size=12, vocab_size=20)
+    torch.manual_seed(0)
+    layer = TinyLlama(cfg).eval().layers[0]
+    attn, mlp, norm = layer.self_attn, layer.mlp, layer.post_attention_layernorm
+    maps = (LinearWeights([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
+            LinearWeights([attn.o_proj.weight]),
+            LinearWeights([mlp.gate_proj.weight, mlp.up_proj.weight]),
+            LinearWeights([mlp.down_proj.weight]))
+    x, cache = torch.randn(1, 16), torch.zeros(2, 4, 1, 8)
+    cos, sin = rope_cos_sin(torch.tensor([2]), 8, 1e4, torch.float32)
+    meta = AttentionMetadata(slot_mapping=torch.tensor([2]), block_tables=torch.tensor(
+        [[1, -1]], dtype=torch.int32), seq_lens=torch.tensor([3], dtype=torch.int32),
+        query_lens=torch.tensor([1], dtype=torch.int32), positions=torch.tensor([2]),
+        max_seq_len=3, max_query_len=1)
+
+    def call(maps=maps, k_cache=cache, meta=meta):
+        return cpu_layer.decode_layer(x.clone(), x.clone(), maps, (norm, norm), cos, sin,
+                                      k_cache, cache.clone(), meta, 2, 1)
+
+    assert call() is not None
+    prefill = AttentionMetadata(**{**vars(meta), "max_query_len": 2})
+    assert call(meta=prefill) is None
+    assert call(k_cache=cache.half()) is None
+    assert call(maps=(*maps[:3], LinearWeights([mlp.down_proj.weight], c_kernel=False))) is None
+    with pytest.raises(ValueError, match="do not fit"):
+        call(maps=(maps[1], *maps[1:]))

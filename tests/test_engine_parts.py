@@ -89,13 +89,21 @@ def test_the_bench_prints_every_part_under_its_parent_and_unwraps(capsys):
     lines = capsys.readouterr().out.splitlines()
     names = [line.split(" wall")[0].rstrip() for line in lines[1:]]
     assert names[0] == "  model forward"
-    assert {"    linear maps", "    decode attention", "    prefill attention",
-            "    RMSNorm", "    rest (untimed)", "  LM head"} <= set(names)
-    # backend="cpu" (auto, where the C library builds) rotates and writes in one pass
+    assert {"    linear maps", "    prefill attention", "    RMSNorm", "    rest (untimed)",
+            "  LM head"} <= set(names)
+    # backend="cpu" (auto, where the C library builds) rotates and writes in one pass, and
+    # runs a decode step's layers as one call each (their parts timed with --layers-apart)
     fused = {"    RoPE and cache writes", "    residual add and RMSNorm",
              "    SwiGLU activation"}
-    assert fused <= set(names) if cpu_layer.available() else (
-        {"    RoPE", "    cache writes"} <= set(names))
+    if cpu_layer.available():
+        assert fused | {"    decode layers"} <= set(names)
+        assert "    decode attention" not in names
+        assert engine_parts.main(["--requests", "3", "--max-tokens", "6",
+                                  "--layers-apart"]) == 0
+        apart = capsys.readouterr().out
+        assert "    decode attention" in apart and "decode layers" not in apart
+    else:
+        assert {"    RoPE", "    cache writes", "    decode attention"} <= set(names)
     head = names.index("  LM head")
     assert names[head + 1:] == ["    linear maps", "    rest (untimed)"]
     calls = {n: int(line.rsplit(", ", 1)[1].split()[0]) for n, line in zip(names, lines[1:],

@@ -95,6 +95,21 @@ def test_the_parts_floors_add_up_to_the_steps_arithmetic():
     assert sum(parts.values()) == pytest.approx(whole.seconds - norms / 1e9, rel=1e-12)
 
 
+def test_a_decode_steps_layers_in_one_call_are_one_part_with_their_maps_and_attention():
+    for machine in (floor.Machine(1e30, 1e9, 1), floor.Machine(1e9, 1e30, 1)):
+        apart = floor.part_floors(SMOLLM2, [40, 9], [1, 1], machine)
+        fused = floor.part_floors(SMOLLM2, [40, 9], [1, 1], machine, decode_layers=True)
+        assert list(fused) == ["LM head", "decode layers"]
+        assert fused["LM head"] == apart["LM head"]
+        # one bound over the sum of both parts' bytes and FLOPs: here one of the two binds
+        # both parts, so the sum of their floors
+        assert fused["decode layers"] == pytest.approx(
+            apart["linear maps"] + apart["decode attention"], rel=1e-12)
+        # a step with a prefill keeps its parts (its layers run step by step)
+        assert floor.part_floors(SMOLLM2, [40, 9], [1, 9], machine, decode_layers=True) == \
+            floor.part_floors(SMOLLM2, [40, 9], [1, 9], machine)
+
+
 def test_engine_parts_prints_each_part_beside_its_floor():
     from paged_lib.bench import engine_parts
 

@@ -1,7 +1,7 @@
 """Where the paged engine's time goes on the chat benchmark's trace, part by part.
 
     python -m paged_lib.bench.engine_parts [--threads 1] [--requests 32] [--max-tokens 160]
-        [--backend auto]
+        [--backend auto] [--layers-apart]
 
 Serves :mod:`paged_lib.bench.engine_chat`'s trace with the engine only (after one untimed
 warm-up) and times, around each call, the model forward and inside it the layers' linear
@@ -16,6 +16,10 @@ thread, each part indented under the part it ran inside. Run it at
 repeat it (wall clocks there are noisy, the calling thread's CPU seconds less so).
 Each part is printed beside its floor (:mod:`paged_lib.bench.floor`, this machine's
 bandwidth and matmul rate measured first): the least time its bytes or FLOPs allow.
+With ``backend="cpu"`` each layer of a decode step is one C call
+(:func:`paged_lib.kernels.cpu_layer.decode_layer`), timed as one part ("decode layers");
+``--layers-apart`` runs those layers step by step instead, so the parts above show inside
+decode steps too (at the cost of the calls between them).
 """
 
 from __future__ import annotations
@@ -55,7 +59,8 @@ PARTS = ((model_module.TinyLlama, "forward", "model forward"),
          (cpu_layer, "rope_and_write", "RoPE and cache writes"),
          (cpu_layer, "rms_norm", "RMSNorm"),
          (cpu_layer, "add_rms_norm", "residual add and RMSNorm"),
-         (cpu_layer, "silu_mul", "SwiGLU activation"))
+         (cpu_layer, "silu_mul", "SwiGLU activation"),
+         (cpu_layer, "decode_layer", "decode layers"))
 
 #: The clocks read around each call: wall seconds and the calling thread's CPU seconds.
 CLOCKS = (time.perf_counter, time.thread_time)
@@ -119,10 +124,12 @@ def rows(parts: dict) -> list[tuple[tuple[str, ...], float, float, int]]:
 
 
 def run(threads: int = 1, num_requests: int = 32, max_tokens: int = 160,
-        num_blocks: int = 96, block_size: int = 16, backend: str = "auto") -> dict:
+        num_blocks: int = 96, block_size: int = 16, backend: str = "auto",
+        layers_apart: bool = False) -> dict:
     torch.set_num_threads(threads)
     machine = measure_machine()  # the floor: this machine's bandwidth and FLOP/s now
     model, tokenizer = load_model(smollm2.NAME)
+    model.decode_layers_in_one_call = not layers_apart
     questions, lens = chat_trace(num_requests, max_tokens)
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}])
                for q in questions]
@@ -138,7 +145,8 @@ def run(threads: int = 1, num_requests: int = 32, max_tokens: int = 160,
             "cpu": cpu, "tokens": sum(map(len, tokens)), "steps": engine.stats.steps,
             "parts": {path: tuple(row) for path, row in acc.items()}, "machine": machine,
             "floor": recorders[-1].floor(model.config, machine).seconds,
-            "part_floors": recorders[-1].part_floors(model.config, machine)}
+            "part_floors": recorders[-1].part_floors(  # decode steps' layers fused or not
+                model.config, machine, any(p[-1] == "decode layers" for p in acc))}
 
 
 def format_parts(res: dict) -> str:
@@ -179,9 +187,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=160)
     p.add_argument("--backend", choices=["auto", "cpu", "torch"], default="auto")
+    p.add_argument("--layers-apart", action="store_true",
+                   help="backend='cpu': run a decode step's layers step by step, not as one "
+                        "C call each, to time their parts")
     args = p.parse_args(argv)
     print(format_parts(run(args.threads, args.requests, args.max_tokens,
-                           backend=args.backend)))
+                           backend=args.backend, layers_apart=args.layers_apart)))
     return 0
 
 

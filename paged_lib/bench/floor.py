@@ -159,27 +159,32 @@ def step_floor(cfg: TinyLlamaConfig, seq_lens: list[int], query_lens: list[int],
 
 
 def part_floors(cfg: TinyLlamaConfig, seq_lens: list[int], query_lens: list[int],
-                machine: Machine) -> dict[str, float]:
+                machine: Machine, decode_layers: bool = False) -> dict[str, float]:
     """Seconds at best of each part of one step, each bounded on its own the same way:
     the layers' linear maps (their weights, their FLOPs), the LM head (its weights, one
     row per sequence), and attention (the K/V read and written, its FLOPs) of the
-    decoding sequences (one new token) and of the prefilling ones apart."""
+    decoding sequences (one new token) and of the prefilling ones apart. With
+    ``decode_layers``, a decode step's layers (each one C call: ``backend="cpu"``) are one
+    part, "decode layers", bounded by their maps' and attention's bytes and FLOPs together."""
     step_floor(cfg, seq_lens, query_lens, machine)  # checks the lengths
     tokens, seqs, kv = sum(query_lens), len(seq_lens), kv_bytes_per_token(cfg)
-    linear_bytes = cfg.num_layers * linear_params(cfg) * cfg.dtype_bytes
-    linear_flops = 2 * tokens * cfg.num_layers * linear_params(cfg)
     head = cfg.vocab_size * cfg.hidden_size
-    out = {"linear maps": max(linear_bytes / machine.bandwidth, linear_flops / machine.flops),
-           "LM head": max(head * cfg.dtype_bytes / machine.bandwidth,
-                          2 * seqs * head / machine.flops)}
+    work = {"linear maps": (cfg.num_layers * linear_params(cfg) * cfg.dtype_bytes,
+                            2 * tokens * cfg.num_layers * linear_params(cfg)),
+            "LM head": (head * cfg.dtype_bytes, 2 * seqs * head)}  # (bytes, FLOPs)
     for part, decoding in (("decode attention", True), ("prefill attention", False)):
         pairs = [(s, q) for s, q in zip(seq_lens, query_lens, strict=True)
                  if (q == 1) == decoding]
         scores = sum(q * s - q * (q - 1) // 2 for s, q in pairs)
-        flops = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * scores
-        nbytes = kv * sum(s + q for s, q in pairs)
-        out[part] = max(nbytes / machine.bandwidth, flops / machine.flops)
-    return out
+        work[part] = (kv * sum(s + q for s, q in pairs),
+                      4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * scores)
+    if decode_layers and all(q == 1 for q in query_lens):
+        (maps_bytes, maps_flops), (kv_bytes, kv_flops) = (work.pop("linear maps"),
+                                                          work.pop("decode attention"))
+        del work["prefill attention"]
+        work["decode layers"] = (maps_bytes + kv_bytes, maps_flops + kv_flops)
+    return {part: max(nbytes / machine.bandwidth, flops / machine.flops)
+            for part, (nbytes, flops) in work.items()}
 
 
 def decode_floor(cfg: TinyLlamaConfig, batch: int, context: int, machine: Machine) -> Floor:
@@ -212,11 +217,12 @@ class StepRecorder:
         return Floor(sum(f.bytes for f in floors), sum(f.flops for f in floors),
                      sum(f.seconds for f in floors))
 
-    def part_floors(self, cfg: TinyLlamaConfig, machine: Machine) -> dict[str, float]:
+    def part_floors(self, cfg: TinyLlamaConfig, machine: Machine,
+                    decode_layers: bool = False) -> dict[str, float]:
         """:func:`part_floors` summed over the recorded steps."""
         total: dict[str, float] = {}
         for s, q in self.steps:
-            for part, sec in part_floors(cfg, s, q, machine).items():
+            for part, sec in part_floors(cfg, s, q, machine, decode_layers).items():
                 total[part] = total.get(part, 0.0) + sec
         return total
 

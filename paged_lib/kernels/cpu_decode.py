@@ -52,10 +52,11 @@ from paged_lib.util import cache_root, cdiv
 CSRC = Path(__file__).with_name("csrc")
 SOURCE = CSRC / "paged_decode.c"
 #: Built into one library: this kernel, the layer's small steps of
-#: :mod:`paged_lib.kernels.cpu_layer` (both include ``vec.h``) and the linear maps of
-#: :mod:`paged_lib.kernels.cpu_linear`.
-SOURCES = (SOURCE, CSRC / "layer_ops.c", CSRC / "linear.c")
-HEADERS = (CSRC / "vec.h",)
+#: :mod:`paged_lib.kernels.cpu_layer` (both include ``vec.h``), the linear maps of
+#: :mod:`paged_lib.kernels.cpu_linear`, and a decode step's whole layer on one thread team
+#: (``decode_layer.c``, which calls the other three through ``team.h``).
+SOURCES = (SOURCE, CSRC / "layer_ops.c", CSRC / "linear.c", CSRC / "decode_layer.c")
+HEADERS = (CSRC / "vec.h", CSRC / "team.h")
 #: Flag sets tried in order; the first the compiler accepts is kept.
 FLAG_SETS = (("-O3", "-march=native"), ("-O3",))
 KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -177,6 +178,15 @@ def available() -> bool:
     return True
 
 
+def kv_heads_per_item(num_seqs: int, num_kv_heads: int, threads: int) -> int:
+    """A work item's KV heads: all of a sequence's (whole blocks streamed), unless that
+    leaves fewer than two items per thread; then the heads are split between items."""
+    per_item = num_kv_heads
+    while per_item > 1 and num_seqs * cdiv(num_kv_heads, per_item) < 2 * threads:
+        per_item = cdiv(per_item, 2)
+    return per_item
+
+
 def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                         *, num_threads: int | None = None) -> torch.Tensor:
@@ -203,11 +213,7 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         kv_bytes = 2 * tokens * num_kv_heads * head_dim * k_cache.element_size()
         least = MIN_BYTES_PER_TEAM_THREAD if team else MIN_BYTES_PER_THREAD
         threads = min(threads, max(1, kv_bytes // least))
-    # A sequence's KV heads in one item (whole blocks streamed), unless that leaves
-    # fewer than two items per thread: then the heads are split between items.
-    per_item = num_kv_heads
-    while per_item > 1 and num_seqs * cdiv(num_kv_heads, per_item) < 2 * threads:
-        per_item = cdiv(per_item, 2)
+    per_item = kv_heads_per_item(num_seqs, num_kv_heads, threads)
     counter = ctypes.c_int64(0)
     args = (qf.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), KINDS[k_cache.dtype],
             tables.data_ptr(), lens.data_ptr(), out.data_ptr(), num_seqs, num_heads,

@@ -20,6 +20,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "team.h"
 #include "vec.h"
 
 /* sum of x[i]^2, i < n: 8 lanes at a time, then the tail */
@@ -51,27 +52,41 @@ static void norm_row(const float *x, const float *w, float *out, int dim, float 
 #define NORM_PARALLEL (32 * 1024)
 #define SILU_PARALLEL (8 * 1024)
 
+/* Each step below has a _team form, whose rows are shared out between the threads of the
+ * enclosing OpenMP team (all on the calling thread outside one; decode_layer.c runs them
+ * inside its team), and a _rows form that starts a team of `threads` for enough rows. */
+
 /* out = x / rms(x) * w, row by row ([rows, dim], contiguous). */
-void rms_norm_rows(const float *x, const float *w, float *out, int rows, int dim, float eps,
-                   int threads) {
-    (void)threads;
-#pragma omp parallel for num_threads(threads) schedule(static) \
-    if ((int64_t)rows * dim >= NORM_PARALLEL)
+static void rms_norm_team(const float *x, const float *w, float *out, int rows, int dim,
+                          float eps) {
+#pragma omp for schedule(static)
     for (int r = 0; r < rows; ++r)
         norm_row(x + (int64_t)r * dim, w, out + (int64_t)r * dim, dim, eps);
 }
 
-/* The residual step: sum = x + h, then out = sum / rms(sum) * w. */
-void add_rms_norm_rows(const float *x, const float *h, const float *w, float *sum, float *out,
-                       int rows, int dim, float eps, int threads) {
+void rms_norm_rows(const float *x, const float *w, float *out, int rows, int dim, float eps,
+                   int threads) {
     (void)threads;
-#pragma omp parallel for num_threads(threads) schedule(static) \
-    if ((int64_t)rows * dim >= NORM_PARALLEL)
+#pragma omp parallel num_threads(threads) if ((int64_t)rows * dim >= NORM_PARALLEL)
+    rms_norm_team(x, w, out, rows, dim, eps);
+}
+
+/* The residual step: sum = x + h, then out = sum / rms(sum) * w (sum may be x itself). */
+void add_rms_norm_team(const float *x, const float *h, const float *w, float *sum,
+                       float *out, int rows, int dim, float eps) {
+#pragma omp for schedule(static)
     for (int r = 0; r < rows; ++r) {
         const int64_t o = (int64_t)r * dim;
         for (int i = 0; i < dim; ++i) sum[o + i] = x[o + i] + h[o + i];
         norm_row(sum + o, w, out + o, dim, eps);
     }
+}
+
+void add_rms_norm_rows(const float *x, const float *h, const float *w, float *sum, float *out,
+                       int rows, int dim, float eps, int threads) {
+    (void)threads;
+#pragma omp parallel num_threads(threads) if ((int64_t)rows * dim >= NORM_PARALLEL)
+    add_rms_norm_team(x, h, w, sum, out, rows, dim, eps);
 }
 
 /* One head's rotation ("rotate half": pair (i, i + d/2)), from src to dst. Each product
@@ -101,10 +116,11 @@ static void rotate(const float *src, const float *c, const float *s, float *dst,
  * rotated straight into its cache slot, each value head copied into its: the caches are
  * [slots, kv_heads, d] contiguous (blocks of slots flattened), and slots[r] is a slot of
  * the pool (checked by the caller). cos and sin are [rows, d]. */
-void rope_write_rows(const float *qkv, const float *cos_, const float *sin_,
+void rope_write_team(const float *qkv, const float *cos_, const float *sin_,
                      const int64_t *slots, float *q_out, float *k_cache, float *v_cache,
                      int rows, int heads, int kv_heads, int d) {
     const int64_t width = (int64_t)(heads + 2 * kv_heads) * d, kv = (int64_t)kv_heads * d;
+#pragma omp for schedule(static)
     for (int r = 0; r < rows; ++r) {
         const float *row = qkv + r * width, *c = cos_ + (int64_t)r * d,
                     *s = sin_ + (int64_t)r * d;
@@ -117,13 +133,18 @@ void rope_write_rows(const float *qkv, const float *cos_, const float *sin_,
     }
 }
 
+/* On the calling thread: a step's few rows are less work than a team's start. */
+void rope_write_rows(const float *qkv, const float *cos_, const float *sin_,
+                     const int64_t *slots, float *q_out, float *k_cache, float *v_cache,
+                     int rows, int heads, int kv_heads, int d) {
+    rope_write_team(qkv, cos_, sin_, slots, q_out, k_cache, v_cache, rows, heads, kv_heads, d);
+}
+
 /* SwiGLU's middle: out = silu(gate) * up, where row r of gate_up ([rows, 2 * inter]) is
  * the gate's inter columns, then up's. silu(x) = x / (1 + e^-x), with e^-|x| only (it
  * never overflows): x / (1 + t) for x >= 0, x * t / (1 + t) below, t = e^-|x|. */
-void silu_mul_rows(const float *gate_up, float *out, int rows, int inter, int threads) {
-    (void)threads;
-#pragma omp parallel for num_threads(threads) schedule(static) \
-    if ((int64_t)rows * inter >= SILU_PARALLEL)
+void silu_mul_team(const float *gate_up, float *out, int rows, int inter) {
+#pragma omp for schedule(static)
     for (int r = 0; r < rows; ++r) {
         const float *g = gate_up + (int64_t)r * 2 * inter, *u = g + inter;
         float *o = out + (int64_t)r * inter;
@@ -142,4 +163,10 @@ void silu_mul_rows(const float *gate_up, float *out, int rows, int inter, int th
             o[i] = (x >= 0.0f ? x : x * t) / (1.0f + t) * u[i];
         }
     }
+}
+
+void silu_mul_rows(const float *gate_up, float *out, int rows, int inter, int threads) {
+    (void)threads;
+#pragma omp parallel num_threads(threads) if ((int64_t)rows * inter >= SILU_PARALLEL)
+    silu_mul_team(gate_up, out, rows, inter);
 }

@@ -19,6 +19,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "team.h"
+
 #define PANEL 32
 #define TILE_ROWS 8
 /* Rows of a panel ahead to prefetch (past a panel's end, the next panel's; past the last,
@@ -86,7 +88,8 @@ static void tile_any(const float *x, int64_t ldx, const float *w, int64_t kn, in
 }
 
 /* y [m, n] (rows contiguous) = x [m, k] (row stride ldx) @ W.T, W packed by linear_pack,
- * on `num_threads` threads of the calling thread's OpenMP team (one without -fopenmp).
+ * on `num_threads` threads of the calling thread's OpenMP team (one without -fopenmp);
+ * linear_team() is the same work inside a team the caller already runs (decode_layer.c).
  * Rows go in blocks of about ROW_BLOCK_BYTES of x (at most MAX_BLOCK), which stay in a
  * core's cache while every panel passes by: without them, each panel read all of a long
  * prefill's rows from the shared cache again (1536 rows ran at 200 GFLOP/s against 480
@@ -98,21 +101,21 @@ static void tile_any(const float *x, int64_t ldx, const float *w, int64_t kn, in
 #define K_CHUNK 64
 #define ROW_BLOCK_BYTES (256 * 1024)
 #define MAX_BLOCK 128
-void linear_rows(const float *x, int64_t ldx, const float *packed, float *y, int64_t m,
-                 int64_t n, int64_t k, int num_threads) {
+/* The product's work, shared out between the threads of the enclosing OpenMP team (each
+ * takes some panels; outside a team, the calling thread takes them all), with no barrier
+ * at the end: the caller waits where it reads y. */
+void linear_team(const float *x, int64_t ldx, const float *packed, float *y, int64_t m,
+                 int64_t n, int64_t k) {
     const int64_t panels = (n + PANEL - 1) / PANEL;
-    int64_t block = ROW_BLOCK_BYTES / ((int64_t)sizeof(float) * k) / TILE_ROWS * TILE_ROWS;
+    int64_t block = k ? ROW_BLOCK_BYTES / ((int64_t)sizeof(float) * k) / TILE_ROWS * TILE_ROWS
+                      : MAX_BLOCK;
     if (block < TILE_ROWS) block = TILE_ROWS;
     if (block > MAX_BLOCK) block = MAX_BLOCK;
-    (void)num_threads;
-    if (k == 0) {  /* empty sums */
-        memset(y, 0, (size_t)(m * n) * sizeof(float));
-        return;
-    }
-#pragma omp parallel num_threads(num_threads)
     for (int64_t r0 = 0; r0 < m; r0 += block) {
         const int64_t r1 = r0 + block < m ? r0 + block : m;
         float sums[MAX_BLOCK * PANEL] __attribute__((aligned(64)));
+        if (k == 0)  /* empty sums */
+            memset(sums, 0, sizeof sums);
 #pragma omp for schedule(static) nowait
         for (int64_t p = 0; p < panels; ++p) {
             const int cols = (int)(n - p * PANEL < PANEL ? n - p * PANEL : PANEL);
@@ -129,4 +132,11 @@ void linear_rows(const float *x, int64_t ldx, const float *packed, float *y, int
                        (size_t)cols * sizeof(float));
         }
     }
+}
+
+void linear_rows(const float *x, int64_t ldx, const float *packed, float *y, int64_t m,
+                 int64_t n, int64_t k, int num_threads) {
+    (void)num_threads;
+#pragma omp parallel num_threads(num_threads)
+    linear_team(x, ldx, packed, y, m, n, k);
 }

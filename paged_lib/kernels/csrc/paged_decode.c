@@ -70,6 +70,7 @@ static inline const float *row_f32(const void *cache, int64_t offset, int kind, 
     return buf;
 }
 
+#include "team.h"
 #include "vec.h"
 #ifdef _OPENMP
 #include <omp.h>
