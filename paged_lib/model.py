@@ -221,6 +221,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
+    def stacked_maps(self) -> tuple:
+        """The layer's maps as inference stacks them (QKV, o, gate-up, down)."""
+        attn, mlp = self.self_attn, self.mlp
+        return (stacked_weights(attn, "qkv", [attn.q_proj.weight, attn.k_proj.weight,
+                                              attn.v_proj.weight]),
+                stacked_weights(attn, "o", [attn.o_proj.weight]),
+                stacked_weights(mlp, "gate_up", [mlp.gate_proj.weight, mlp.up_proj.weight]),
+                stacked_weights(mlp, "down", [mlp.down_proj.weight]))
+
     def forward(self, x, cos, sin, kv_cache, meta, backend, validate=True, all_reduce=None):
         h = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta, backend,
                            validate)
@@ -229,28 +238,14 @@ class DecoderLayer(nn.Module):
         return x + (h if all_reduce is None else all_reduce(h))
 
     def forward_fused(self, x, normed, cos, sin, kv_cache, meta, backend, next_norm,
-                      all_reduce=None, in_one_call=False):
+                      all_reduce=None):
         """:meth:`forward` for a step :func:`paged_lib.kernels.cpu_layer.applies` to
         (``backend="cpu"``, checked by the runner), on the residual stream ``x`` and its
         input norm ``normed``: each residual add and the RMSNorm after it (this layer's
         second, then ``next_norm``: the next layer's first, or the model's final norm) are
         one C pass over the rows, and so is SwiGLU's activation. Returns the new ``x``
-        and its ``next_norm``. With ``in_one_call``, a decode step on one device takes all
-        of it as one C call (:func:`~paged_lib.kernels.cpu_layer.decode_layer`: the same
-        steps, the same bits, updating ``x`` and ``normed`` in place).
-        """
+        and its ``next_norm``. (A decode step takes all layers in one C call instead.)"""
         norm2 = self.post_attention_layernorm
-        if in_one_call and all_reduce is None and meta.is_decode:
-            attn, mlp = self.self_attn, self.mlp
-            done = cpu_layer.decode_layer(x, normed, (
-                stacked_weights(attn, "qkv", [attn.q_proj.weight, attn.k_proj.weight,
-                                              attn.v_proj.weight]),
-                stacked_weights(attn, "o", [attn.o_proj.weight]),
-                stacked_weights(mlp, "gate_up", [mlp.gate_proj.weight, mlp.up_proj.weight]),
-                stacked_weights(mlp, "down", [mlp.down_proj.weight])), (norm2, next_norm),
-                cos, sin, *kv_cache, meta, attn.cfg.num_heads, attn.cfg.num_kv_heads)
-            if done is not None:
-                return done
         h = self.self_attn(normed, cos, sin, kv_cache, meta, backend, False)
         h = (h if all_reduce is None else all_reduce(h)).contiguous()
         x, h = cpu_layer.add_rms_norm(x, h, norm2.weight, norm2.eps)
@@ -266,9 +261,8 @@ class TinyLlama(nn.Module):
     prefix, so loading weights is a rename, not a conversion.
     """
 
-    #: ``backend="cpu"``: run each layer of a decode step as one C call
-    #: (:meth:`DecoderLayer.forward_fused`); ``False`` keeps its steps apart, e.g. to time
-    #: them one by one (``python -m paged_lib.bench.engine_parts --layers-apart``)
+    #: ``backend="cpu"``: a decode step's layers in one C call (``cpu_layer.decode_layers``);
+    #: ``False`` keeps their steps apart (``bench.engine_parts --layers-apart`` times them)
     decode_layers_in_one_call: bool = True
 
     def __init__(self, config: TinyLlamaConfig):
@@ -326,9 +320,16 @@ class TinyLlama(nn.Module):
             first = self.layers[0].input_layernorm
             h = cpu_layer.rms_norm(x, first.weight, first.eps)
             norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
+            if self.decode_layers_in_one_call and self.all_reduce is None and meta.is_decode:
+                done = cpu_layer.decode_layers(x, h, [
+                    (layer.stacked_maps(), (layer.post_attention_layernorm, next_norm), kv)
+                    for layer, next_norm, kv in zip(self.layers, norms, kv_caches, strict=True)
+                ], cos, sin, meta, self.config.num_heads, self.config.num_kv_heads)
+                if done is not None:
+                    return done[1]
             for layer, kv_cache, next_norm in zip(self.layers, kv_caches, norms, strict=True):
                 x, h = layer.forward_fused(x, h, cos, sin, kv_cache, meta, backend, next_norm,
-                                           self.all_reduce, self.decode_layers_in_one_call)
+                                           self.all_reduce)
             return h
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, cos, sin, kv_cache, meta, backend, validate, self.all_reduce)

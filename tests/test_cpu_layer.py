@@ -129,7 +129,7 @@ def test_model_steps_through_the_c_loops_equal_the_torch_path(monkeypatch):
     block_size, blocks = 4, 8
     shape = (blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
     calls = []
-    for name in ("rope_and_write", "rms_norm", "add_rms_norm", "silu_mul", "decode_layer"):
+    for name in ("rope_and_write", "rms_norm", "add_rms_norm", "silu_mul", "decode_layers"):
         fn = getattr(cpu_layer, name)
         monkeypatch.setattr(cpu_layer, name,
                             lambda *a, _fn=fn, _name=name, **k: calls.append(_name) or _fn(*a, **k))
@@ -158,9 +158,9 @@ def test_model_steps_through_the_c_loops_equal_the_torch_path(monkeypatch):
     # each step took the C loops, and only without validate: per step the first layer's
     # norm, then per layer the prefill's rotation, two residual adds with the norm after
     # each and the activation; each of the three decode steps' layers as one call
-    assert sorted(set(calls)) == ["add_rms_norm", "decode_layer", "rms_norm",
+    assert sorted(set(calls)) == ["add_rms_norm", "decode_layers", "rms_norm",
                                   "rope_and_write", "silu_mul"]
-    assert len(calls) == (1 + 4 * cfg.num_layers) + 3 * (1 + cfg.num_layers)
+    assert len(calls) == (1 + 4 * cfg.num_layers) + 3 * 2
     assert calls.count("rms_norm") == 4
     (fused, fused_caches), (plain, plain_caches) = runs[False], runs[True]
     torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-5)
@@ -192,10 +192,10 @@ def decode_steps(model, caches, tables: torch.Tensor, lens: list[int], steps: in
 
 @pytest.mark.parametrize("batch,threads", [(1, 1), (3, 2), (8, 2), (130, 2), (5, 1)])
 @torch.no_grad()
-def test_a_decode_layer_in_one_call_gives_the_same_bits_as_its_steps(monkeypatch, batch,
-                                                                     threads):
-    """``cpu_layer.decode_layer`` (a decode step's layer on one thread team) against the
-    same layer's steps called one by one: the same logits and caches, bit for bit, at
+def test_a_decode_steps_layers_in_one_call_give_the_same_bits_as_their_steps(
+        monkeypatch, batch, threads):
+    """``cpu_layer.decode_layers`` (a decode step's layers on one thread team) against the
+    same layers' steps called one by one: the same logits and caches, bit for bit, at
     batches from one sequence to past a 128-row block of the linear kernel, with head
     sizes that are not ``hidden / heads``, lengths that end anywhere in a block, tables in
     any order, and the untouched slots still NaN."""
@@ -219,14 +219,14 @@ def test_a_decode_layer_in_one_call_gives_the_same_bits_as_its_steps(monkeypatch
             start[1][b[i // block_size], i % block_size] = float("nan")
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     runs, calls = {}, []
-    real = cpu_layer.decode_layer
-    monkeypatch.setattr(cpu_layer, "decode_layer", lambda *a, **k: calls.append(1) or real(
+    real = cpu_layer.decode_layers
+    monkeypatch.setattr(cpu_layer, "decode_layers", lambda *a, **k: calls.append(1) or real(
         *a, **k))
     for fused in (True, False):
         model.decode_layers_in_one_call = fused
         caches = [(start[0].clone(), start[1].clone()) for _ in range(cfg.num_layers)]
         runs[fused] = decode_steps(model, caches, tables, lens, 3, block_size), caches
-    assert len(calls) == 3 * cfg.num_layers  # every layer of every step took one call
+    assert len(calls) == 3  # each step's layers took one call
     (fused, fused_caches), (steps, step_caches) = runs[True], runs[False]
     assert all(torch.equal(a, b) for a, b in zip(fused, steps, strict=True))
     assert all(f.isfinite().all() for f in fused)
@@ -238,7 +238,7 @@ def test_a_decode_layer_in_one_call_gives_the_same_bits_as_its_steps(monkeypatch
 
 
 @torch.no_grad()
-def test_decode_layer_leaves_to_the_steps_what_it_does_not_run():
+def test_decode_layers_leave_to_the_steps_what_they_do_not_run():
     """A prefill, int8 caches or a map the C kernel did not pack: ``None`` (the caller then
     runs the steps one by one); maps that do not fit the shapes: a ValueError saying so."""
     from paged_lib.kernels.cpu_linear import LinearWeights
@@ -247,11 +247,7 @@ def test_decode_layer_leaves_to_the_steps_what_it_does_not_run():
                           head_dim=8, intermediate_size=12, vocab_size=20)
     torch.manual_seed(0)
     layer = TinyLlama(cfg).eval().layers[0]
-    attn, mlp, norm = layer.self_attn, layer.mlp, layer.post_attention_layernorm
-    maps = (LinearWeights([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
-            LinearWeights([attn.o_proj.weight]),
-            LinearWeights([mlp.gate_proj.weight, mlp.up_proj.weight]),
-            LinearWeights([mlp.down_proj.weight]))
+    maps, norm = layer.stacked_maps(), layer.post_attention_layernorm
     x, cache = torch.randn(1, 16), torch.zeros(2, 4, 1, 8)
     cos, sin = rope_cos_sin(torch.tensor([2]), 8, 1e4, torch.float32)
     meta = AttentionMetadata(slot_mapping=torch.tensor([2]), block_tables=torch.tensor(
@@ -260,13 +256,14 @@ def test_decode_layer_leaves_to_the_steps_what_it_does_not_run():
         max_seq_len=3, max_query_len=1)
 
     def call(maps=maps, k_cache=cache, meta=meta):
-        return cpu_layer.decode_layer(x.clone(), x.clone(), maps, (norm, norm), cos, sin,
-                                      k_cache, cache.clone(), meta, 2, 1)
+        return cpu_layer.decode_layers(x.clone(), x.clone(), [(maps, (norm, norm), (
+            k_cache, cache.clone()))], cos, sin, meta, 2, 1)
 
     assert call() is not None
     prefill = AttentionMetadata(**{**vars(meta), "max_query_len": 2})
     assert call(meta=prefill) is None
     assert call(k_cache=cache.half()) is None
-    assert call(maps=(*maps[:3], LinearWeights([mlp.down_proj.weight], c_kernel=False))) is None
-    with pytest.raises(ValueError, match="do not fit"):
+    assert call(maps=(*maps[:3], LinearWeights([layer.mlp.down_proj.weight], c_kernel=False))
+                ) is None
+    with pytest.raises(ValueError, match="layer 0's maps"):
         call(maps=(maps[1], *maps[1:]))

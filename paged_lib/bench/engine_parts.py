@@ -16,8 +16,8 @@ thread, each part indented under the part it ran inside. Run it at
 repeat it (wall clocks there are noisy, the calling thread's CPU seconds less so).
 Each part is printed beside its floor (:mod:`paged_lib.bench.floor`, this machine's
 bandwidth and matmul rate measured first): the least time its bytes or FLOPs allow.
-With ``backend="cpu"`` each layer of a decode step is one C call
-(:func:`paged_lib.kernels.cpu_layer.decode_layer`), timed as one part ("decode layers");
+With ``backend="cpu"`` a decode step's layers are one C call
+(:func:`paged_lib.kernels.cpu_layer.decode_layers`), timed as one part ("decode layers");
 ``--layers-apart`` runs those layers step by step instead, so the parts above show inside
 decode steps too (at the cost of the calls between them).
 """
@@ -60,7 +60,7 @@ PARTS = ((model_module.TinyLlama, "forward", "model forward"),
          (cpu_layer, "rms_norm", "RMSNorm"),
          (cpu_layer, "add_rms_norm", "residual add and RMSNorm"),
          (cpu_layer, "silu_mul", "SwiGLU activation"),
-         (cpu_layer, "decode_layer", "decode layers"))
+         (cpu_layer, "decode_layers", "decode layers"))
 
 #: The clocks read around each call: wall seconds and the calling thread's CPU seconds.
 CLOCKS = (time.perf_counter, time.thread_time)

@@ -13,9 +13,9 @@ in the last bit: the tests hold each to torch's within 1e-6). A prefill's many r
 shared out between PyTorch's threads for the norms and the activation (each row alone,
 so the same numbers on any number of threads).
 
-In a decode step, :func:`decode_layer` runs a whole layer (its four linear maps, these
-steps and the attention) as one C call on PyTorch's thread team, so no Python runs between
-them (``csrc/decode_layer.c``).
+In a decode step, :func:`decode_layers` runs every layer (its four linear maps, these steps
+and the attention) in one C call on PyTorch's thread team, so no Python runs between them
+(``csrc/decode_layer.c``).
 
 The model takes them (:meth:`paged_lib.model.TinyLlama.forward` runs each layer's
 :meth:`~paged_lib.model.DecoderLayer.forward_fused`) where :func:`applies`:
@@ -43,8 +43,8 @@ def _lib() -> ctypes.CDLL:
                        ("add_rms_norm_rows", [_P] * 5 + [_I, _I, _F, _I]),
                        ("rope_write_rows", [_P] * 7 + [_I] * 4),
                        ("silu_mul_rows", [_P, _P, _I, _I, _I]),
-                       ("decode_layer", [_P, _P, _P] + [_I] * 6 + [_P] * 5 + [_F, _P, _F]
-                        + [_P] * 7 + [ctypes.c_int64, _I, _F, _I, _I])):
+                       ("decode_layers", [_I, _P, _P, _P, _P] + [_I] * 6 + [_P] * 5
+                        + [ctypes.c_int64, _I, _F, _I, _I])):
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = None, args
     lib.decode_layer_scratch.restype = ctypes.c_int64
@@ -149,53 +149,67 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def decode_layer(x: torch.Tensor, normed: torch.Tensor, maps: tuple, norms: tuple,
-                 cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, meta, heads: int, kv_heads: int
-                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """A decode step's whole layer in one C call on PyTorch's thread team
-    (``csrc/decode_layer.c``): the same steps as
+
+class _LayerArgs(ctypes.Structure):
+    """``struct decode_layer_args`` of ``csrc/decode_layer.c``: one layer's arrays."""
+
+    _fields_ = [(name, _P) for name in ("w_qkv", "w_o", "w_gate_up", "w_down", "norm2",
+                                        "next_norm", "k_cache", "v_cache")] + [
+        ("eps2", _F), ("eps_next", _F)]
+
+
+def decode_layers(x: torch.Tensor, normed: torch.Tensor, layers: list, cos: torch.Tensor,
+                  sin: torch.Tensor, meta, heads: int, kv_heads: int
+                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A decode step's decoder layers in one C call on PyTorch's thread team
+    (``csrc/decode_layer.c``): the same steps as each layer's
     :meth:`~paged_lib.model.DecoderLayer.forward_fused`, with the same bits, without a
-    return to Python between them. ``maps`` are the layer's stacked
-    :class:`~paged_lib.kernels.cpu_linear.LinearWeights` (QKV, o, gate-up, down),
-    ``norms`` the post-attention norm and the next one (modules with ``weight`` and
-    ``eps``). ``x`` and ``normed`` are updated in place and returned.
+    return to Python between them. ``layers`` holds, per layer, its stacked
+    :class:`~paged_lib.kernels.cpu_linear.LinearWeights` (QKV, o, gate-up, down), its two
+    norms (the post-attention one and the next layer's input norm, or the model's final
+    one: modules with ``weight`` and ``eps``) and its ``(k_cache, v_cache)``. ``x`` and
+    ``normed`` (the first layer's input norm) are updated in place and returned: the
+    residual stream after the last layer and its final norm.
 
     Returns ``None`` where the step is not one it runs (the caller then takes the steps one
     by one): a step with a prefill, caches that :func:`fits` refuses, or a map the C kernel
     has not packed. The caller vouches for ``meta`` (checked once a step by the runner)."""
     rows, hidden = x.shape
-    if (not meta.is_decode or not fits(k_cache, v_cache) or normed.shape != x.shape
-            or not normed.is_contiguous() or any(m.tiles is None for m in maps)):
+    if (not layers or not meta.is_decode or normed.shape != x.shape
+            or not normed.is_contiguous() or any(
+                m.tiles is None for maps, _, _ in layers for m in maps)
+            or not all(fits(*caches) for _, _, caches in layers)):
         return None
-    d = k_cache.shape[-1]
-    qkv, o, gate_up, down = maps
-    inter = down.plain.shape[1]
-    if (qkv.plain.shape != ((heads + 2 * kv_heads) * d, hidden) or o.plain.shape != (
-            hidden, heads * d) or gate_up.plain.shape != (2 * inter, hidden)
-            or down.plain.shape != (hidden, inter) or k_cache.shape[2] != kv_heads):
-        raise ValueError(f"decode_layer: maps {[tuple(m.plain.shape) for m in maps]} do not "
-                         f"fit hidden={hidden}, {heads} heads, {kv_heads} KV heads of {d}")
+    d = layers[0][2][0].shape[-1]
+    inter = layers[0][0][3].plain.shape[1]
+    shapes = (((heads + 2 * kv_heads) * d, hidden), (hidden, heads * d), (2 * inter, hidden),
+              (hidden, inter))
+    for i, (maps, norms, (k_cache, v_cache)) in enumerate(layers):
+        got = tuple(tuple(m.plain.shape) for m in maps)
+        if got != shapes or k_cache.shape[2:] != (kv_heads, d) or v_cache.shape != k_cache.shape:
+            raise ValueError(f"decode_layers: layer {i}'s maps {list(got)} or caches "
+                             f"{tuple(k_cache.shape)} do not fit hidden={hidden}, {heads} "
+                             f"heads, {kv_heads} KV heads of {d}")
+        for norm in norms:
+            _rows(x, norm.weight)
     for name, t in (("cos", cos), ("sin", sin)):
         if t.shape != (rows, d) or t.dtype != torch.float32 or not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous float32 [{rows}, {d}], got "
                              f"{tuple(t.shape)} {t.dtype}")
-    for norm in norms:
-        _rows(x, norm.weight)
     slots = meta.slot_mapping
     if slots.shape != (rows,) or slots.dtype != torch.int64 or not slots.is_contiguous():
         raise ValueError(f"slots must be contiguous int64 [{rows}], got {tuple(slots.shape)} "
                          f"{slots.dtype}")
     tables, lens, _ = cpu_decode._step_metadata(meta.block_tables, meta.seq_lens)
+    args = (_LayerArgs * len(layers))(*(_LayerArgs(
+        *(m.tiles.data_ptr() for m in maps), norm2.weight.data_ptr(),
+        next_norm.weight.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), norm2.eps,
+        next_norm.eps) for maps, (norm2, next_norm), (k_cache, v_cache) in layers))
     lib, threads = _lib(), torch.get_num_threads()
-    per_item = cpu_decode.kv_heads_per_item(rows, kv_heads, threads)
     scratch = torch.empty(lib.decode_layer_scratch(rows, hidden, heads, kv_heads, d, inter))
-    (norm2, next_norm) = norms
-    lib.decode_layer(x.data_ptr(), normed.data_ptr(), scratch.data_ptr(), rows, hidden,
-                     heads, kv_heads, d, inter, qkv.tiles.data_ptr(), o.tiles.data_ptr(),
-                     gate_up.tiles.data_ptr(), down.tiles.data_ptr(), norm2.weight.data_ptr(),
-                     norm2.eps, next_norm.weight.data_ptr(), next_norm.eps, cos.data_ptr(),
-                     sin.data_ptr(), slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                     tables.data_ptr(), lens.data_ptr(), tables.shape[1], k_cache.shape[1],
-                     d ** -0.5, per_item, threads)
+    lib.decode_layers(len(layers), args, x.data_ptr(), normed.data_ptr(), scratch.data_ptr(),
+                      rows, hidden, heads, kv_heads, d, inter, cos.data_ptr(), sin.data_ptr(),
+                      slots.data_ptr(), tables.data_ptr(), lens.data_ptr(), tables.shape[1],
+                      layers[0][2][0].shape[1], d ** -0.5,
+                      cpu_decode.kv_heads_per_item(rows, kv_heads, threads), threads)
     return x, normed
