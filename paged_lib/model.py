@@ -321,10 +321,8 @@ class TinyLlama(nn.Module):
             h = cpu_layer.rms_norm(x, first.weight, first.eps)
             norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
             if self.decode_layers_in_one_call and self.all_reduce is None and meta.is_decode:
-                done = cpu_layer.decode_layers(x, h, [
-                    (layer.stacked_maps(), (layer.post_attention_layernorm, next_norm), kv)
-                    for layer, next_norm, kv in zip(self.layers, norms, kv_caches, strict=True)
-                ], cos, sin, meta, self.config.num_heads, self.config.num_kv_heads)
+                done = cpu_layer.decode_layers(x, h, cpu_layer.decode_plan(self, norms),
+                                               kv_caches, cos, sin, meta)
                 if done is not None:
                     return done[1]
             for layer, kv_cache, next_norm in zip(self.layers, kv_caches, norms, strict=True):

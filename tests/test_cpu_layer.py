@@ -256,8 +256,9 @@ def test_decode_layers_leave_to_the_steps_what_they_do_not_run():
         max_seq_len=3, max_query_len=1)
 
     def call(maps=maps, k_cache=cache, meta=meta):
-        return cpu_layer.decode_layers(x.clone(), x.clone(), [(maps, (norm, norm), (
-            k_cache, cache.clone()))], cos, sin, meta, 2, 1)
+        plan = cpu_layer.DecodeLayers([(maps, (norm, norm))], 16, 2, 1)
+        return cpu_layer.decode_layers(x.clone(), x.clone(), plan, [(k_cache, cache.clone())],
+                                       cos, sin, meta)
 
     assert call() is not None
     prefill = AttentionMetadata(**{**vars(meta), "max_query_len": 2})
@@ -267,3 +268,34 @@ def test_decode_layers_leave_to_the_steps_what_they_do_not_run():
                 ) is None
     with pytest.raises(ValueError, match="layer 0's maps"):
         call(maps=(maps[1], *maps[1:]))
+    with pytest.raises(ValueError, match="caches must be"):
+        call(k_cache=torch.zeros(2, 4, 1, 6))
+
+
+@torch.no_grad()
+def test_a_weight_changed_in_place_or_replaced_between_steps_is_read_anew():
+    """The plan of a model's layers is kept between steps: a weight multiplied in place, a
+    weight replaced by another tensor, or another cache must each be read anew (the same
+    logits as the steps apart, which look the weights up at every call)."""
+    cfg = TinyLlamaConfig(num_layers=2, hidden_size=48, num_heads=6, num_kv_heads=2,
+                          head_dim=24, intermediate_size=40, vocab_size=50)
+    block_size, g = 4, torch.Generator().manual_seed(3)
+    tables = torch.randperm(12, generator=g).to(torch.int32).view(3, 4)
+    runs = {}
+    for fused in (True, False):
+        torch.manual_seed(0)
+        model = TinyLlama(cfg).eval()
+        model.decode_layers_in_one_call = fused
+        caches = [(torch.randn(12, block_size, 2, 24, generator=torch.Generator().manual_seed(
+            i)), torch.randn(12, block_size, 2, 24)) for i in range(2)]
+        out = decode_steps(model, caches, tables, [3, 5, 8], 2, block_size)
+        model.layers[1].mlp.down_proj.weight.mul_(3.0)  # in place: its version changes
+        out += decode_steps(model, caches, tables, [5, 7, 10], 1, block_size)
+        model.layers[0].self_attn.k_proj.weight = torch.nn.Parameter(
+            torch.randn(48, 48, generator=torch.Generator().manual_seed(4)))  # replaced
+        out += decode_steps(model, caches, tables, [6, 8, 11], 1, block_size)
+        caches = [(k.clone(), v.clone()) for k, v in caches]  # the same values elsewhere
+        out += decode_steps(model, caches, tables, [7, 9, 12], 1, block_size)
+        runs[fused] = out
+    assert all(torch.equal(a, b) for a, b in zip(runs[True], runs[False], strict=True))
+    assert not torch.equal(runs[True][1], runs[True][2])

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import weakref
 
 import torch
 
@@ -158,40 +159,100 @@ class _LayerArgs(ctypes.Structure):
         ("eps2", _F), ("eps_next", _F)]
 
 
-def decode_layers(x: torch.Tensor, normed: torch.Tensor, layers: list, cos: torch.Tensor,
-                  sin: torch.Tensor, meta, heads: int, kv_heads: int
+class DecodeLayers:
+    """A model's decoder layers as :func:`decode_layers` reads them, checked and laid out
+    once (kept by the model until a weight or a norm changes). ``layers`` holds, per
+    layer, its stacked :class:`~paged_lib.kernels.cpu_linear.LinearWeights` (QKV, o,
+    gate-up, down) and its two norms (the post-attention one and the next layer's input
+    norm, or the model's final one: modules with ``weight`` and ``eps``). ``runs`` is
+    False where a map is not packed for the C kernel (the caller then runs each layer's
+    steps); maps or norms that do not fit the shapes raise ``ValueError``."""
+
+    def __init__(self, layers: list, hidden: int, heads: int, kv_heads: int):
+        self.layers, self.hidden, self.heads, self.kv_heads = layers, hidden, heads, kv_heads
+        self.runs = bool(layers) and all(m.tiles is not None for maps, _ in layers
+                                         for m in maps)
+        if not self.runs:
+            return
+        qkv = layers[0][0][0].plain.shape[0]
+        self.head_dim = d = qkv // (heads + 2 * kv_heads)
+        self.inter = inter = layers[0][0][3].plain.shape[1]
+        shapes = (((heads + 2 * kv_heads) * d, hidden), (hidden, heads * d),
+                  (2 * inter, hidden), (hidden, inter))
+        for i, (maps, norms) in enumerate(layers):
+            got = tuple(tuple(m.plain.shape) for m in maps)
+            if got != shapes:
+                raise ValueError(f"decode_layers: layer {i}'s maps {list(got)} do not fit "
+                                 f"hidden={hidden}, {heads} heads and {kv_heads} KV heads")
+            for norm in norms:
+                _rows(torch.empty(0, hidden), norm.weight)
+        # the caches' addresses are filled in at each call, from the caches it is given
+        self.args = (_LayerArgs * len(layers))(*(_LayerArgs(
+            *(m.tiles.data_ptr() for m in maps), norm2.weight.data_ptr(),
+            next_norm.weight.data_ptr(), 0, 0, norm2.eps, next_norm.eps)
+            for maps, (norm2, next_norm) in layers))
+
+
+#: each model's last plan (:func:`decode_plan`), outside the model so that a copy or a
+#: pickle of it never carries one
+_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _parameters(module, out: list) -> list:
+    """Every parameter under ``module``, by a walk of the modules' own dictionaries (a few
+    times faster than ``module.parameters()``, which also removes duplicates)."""
+    out.extend(p for p in module._parameters.values() if p is not None)
+    for child in module._modules.values():
+        if child is not None:
+            _parameters(child, out)
+    return out
+
+
+def decode_plan(model, norms: list) -> DecodeLayers:
+    """A :class:`~paged_lib.model.TinyLlama`'s layers as :func:`decode_layers` reads them,
+    with ``norms`` (each layer's next norm: the next layer's input norm, the model's final
+    one last): the last step's plan unless a parameter was replaced or changed in place, or
+    a norm's eps changed. One walk over the parameters a step tells (not a lookup per map;
+    the last plan's parameters are kept, so no new one can take an old one's id)."""
+    params = _parameters(model, [])
+    key = ([(id(p), p.data_ptr(), -1 if p.is_inference() else p._version) for p in params],
+           [n.eps for n in norms])
+    last = _PLANS.get(model)
+    if last is None or last[0] != key:
+        cfg = model.config
+        last = _PLANS[model] = key, params, DecodeLayers(
+            [(layer.stacked_maps(), (layer.post_attention_layernorm, next_norm))
+             for layer, next_norm in zip(model.layers, norms, strict=True)],
+            cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads)
+    return last[2]
+
+
+def decode_layers(x: torch.Tensor, normed: torch.Tensor, plan: DecodeLayers, kv_caches,
+                  cos: torch.Tensor, sin: torch.Tensor, meta
                   ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """A decode step's decoder layers in one C call on PyTorch's thread team
-    (``csrc/decode_layer.c``): the same steps as each layer's
-    :meth:`~paged_lib.model.DecoderLayer.forward_fused`, with the same bits, without a
-    return to Python between them. ``layers`` holds, per layer, its stacked
-    :class:`~paged_lib.kernels.cpu_linear.LinearWeights` (QKV, o, gate-up, down), its two
-    norms (the post-attention one and the next layer's input norm, or the model's final
-    one: modules with ``weight`` and ``eps``) and its ``(k_cache, v_cache)``. ``x`` and
-    ``normed`` (the first layer's input norm) are updated in place and returned: the
-    residual stream after the last layer and its final norm.
+    """A decode step's decoder layers (``plan``, with ``kv_caches``: a ``(k_cache,
+    v_cache)`` per layer) in one C call on PyTorch's thread team (``csrc/decode_layer.c``):
+    the same steps as each layer's :meth:`~paged_lib.model.DecoderLayer.forward_fused`,
+    with the same bits, without a return to Python between them. ``x`` and ``normed`` (the
+    first layer's input norm) are updated in place and returned: the residual stream after
+    the last layer and its final norm.
 
     Returns ``None`` where the step is not one it runs (the caller then takes the steps one
-    by one): a step with a prefill, caches that :func:`fits` refuses, or a map the C kernel
-    has not packed. The caller vouches for ``meta`` (checked once a step by the runner)."""
+    by one): a step with a prefill, caches that :func:`fits` refuses, or a plan that does
+    not run. The caller vouches for ``meta`` (checked once a step by the runner)."""
     rows, hidden = x.shape
-    if (not layers or not meta.is_decode or normed.shape != x.shape
-            or not normed.is_contiguous() or any(
-                m.tiles is None for maps, _, _ in layers for m in maps)
-            or not all(fits(*caches) for _, _, caches in layers)):
+    if (not plan.runs or not meta.is_decode or len(kv_caches) != len(plan.layers)
+            or not all(fits(*kv) for kv in kv_caches)):
         return None
-    d = layers[0][2][0].shape[-1]
-    inter = layers[0][0][3].plain.shape[1]
-    shapes = (((heads + 2 * kv_heads) * d, hidden), (hidden, heads * d), (2 * inter, hidden),
-              (hidden, inter))
-    for i, (maps, norms, (k_cache, v_cache)) in enumerate(layers):
-        got = tuple(tuple(m.plain.shape) for m in maps)
-        if got != shapes or k_cache.shape[2:] != (kv_heads, d) or v_cache.shape != k_cache.shape:
-            raise ValueError(f"decode_layers: layer {i}'s maps {list(got)} or caches "
-                             f"{tuple(k_cache.shape)} do not fit hidden={hidden}, {heads} "
-                             f"heads, {kv_heads} KV heads of {d}")
-        for norm in norms:
-            _rows(x, norm.weight)
+    d, heads, kv_heads = plan.head_dim, plan.heads, plan.kv_heads
+    block_size = kv_caches[0][0].shape[1]
+    if any(c.shape[1:] != (block_size, kv_heads, d) for kv in kv_caches for c in kv):
+        raise ValueError(f"decode_layers: caches must be [blocks, block_size, {kv_heads}, "
+                         f"{d}] with one block size, got "
+                         f"{sorted({tuple(c.shape) for kv in kv_caches for c in kv})}")
+    if hidden != plan.hidden or normed.shape != x.shape or not normed.is_contiguous():
+        raise ValueError(f"x and normed must be contiguous [rows, {plan.hidden}], got "
+                         f"{tuple(x.shape)} and {tuple(normed.shape)}")
     for name, t in (("cos", cos), ("sin", sin)):
         if t.shape != (rows, d) or t.dtype != torch.float32 or not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous float32 [{rows}, {d}], got "
@@ -200,16 +261,15 @@ def decode_layers(x: torch.Tensor, normed: torch.Tensor, layers: list, cos: torc
     if slots.shape != (rows,) or slots.dtype != torch.int64 or not slots.is_contiguous():
         raise ValueError(f"slots must be contiguous int64 [{rows}], got {tuple(slots.shape)} "
                          f"{slots.dtype}")
+    for args, (k_cache, v_cache) in zip(plan.args, kv_caches, strict=True):
+        args.k_cache, args.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
     tables, lens, _ = cpu_decode._step_metadata(meta.block_tables, meta.seq_lens)
-    args = (_LayerArgs * len(layers))(*(_LayerArgs(
-        *(m.tiles.data_ptr() for m in maps), norm2.weight.data_ptr(),
-        next_norm.weight.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), norm2.eps,
-        next_norm.eps) for maps, (norm2, next_norm), (k_cache, v_cache) in layers))
     lib, threads = _lib(), torch.get_num_threads()
-    scratch = torch.empty(lib.decode_layer_scratch(rows, hidden, heads, kv_heads, d, inter))
-    lib.decode_layers(len(layers), args, x.data_ptr(), normed.data_ptr(), scratch.data_ptr(),
-                      rows, hidden, heads, kv_heads, d, inter, cos.data_ptr(), sin.data_ptr(),
-                      slots.data_ptr(), tables.data_ptr(), lens.data_ptr(), tables.shape[1],
-                      layers[0][2][0].shape[1], d ** -0.5,
+    scratch = torch.empty(lib.decode_layer_scratch(rows, hidden, heads, kv_heads, d,
+                                                   plan.inter))
+    lib.decode_layers(len(plan.layers), plan.args, x.data_ptr(), normed.data_ptr(),
+                      scratch.data_ptr(), rows, hidden, heads, kv_heads, d, plan.inter,
+                      cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), tables.data_ptr(),
+                      lens.data_ptr(), tables.shape[1], block_size, d ** -0.5,
                       cpu_decode.kv_heads_per_item(rows, kv_heads, threads), threads)
     return x, normed
