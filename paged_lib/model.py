@@ -30,6 +30,9 @@ from paged_lib.kernels import cpu_layer, paged_attention, paged_prefill, reshape
 from paged_lib.kernels.cpu_linear import linear, stacked_weights
 from paged_lib.model_config import TinyLlamaConfig
 
+#: the kernels' decode attention; another in its place (chapter 13) keeps the layers apart
+LIBRARY_ATTENTION = paged_attention
+
 
 @dataclass
 class AttentionMetadata:
@@ -221,15 +224,6 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def stacked_maps(self) -> tuple:
-        """The layer's maps as inference stacks them (QKV, o, gate-up, down)."""
-        attn, mlp = self.self_attn, self.mlp
-        return (stacked_weights(attn, "qkv", [attn.q_proj.weight, attn.k_proj.weight,
-                                              attn.v_proj.weight]),
-                stacked_weights(attn, "o", [attn.o_proj.weight]),
-                stacked_weights(mlp, "gate_up", [mlp.gate_proj.weight, mlp.up_proj.weight]),
-                stacked_weights(mlp, "down", [mlp.down_proj.weight]))
-
     def forward(self, x, cos, sin, kv_cache, meta, backend, validate=True, all_reduce=None):
         h = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta, backend,
                            validate)
@@ -320,7 +314,8 @@ class TinyLlama(nn.Module):
             first = self.layers[0].input_layernorm
             h = cpu_layer.rms_norm(x, first.weight, first.eps)
             norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
-            if self.decode_layers_in_one_call and self.all_reduce is None and meta.is_decode:
+            if (self.decode_layers_in_one_call and self.all_reduce is None and meta.is_decode
+                    and paged_attention is LIBRARY_ATTENTION):  # none swapped in (ch. 13)
                 done = cpu_layer.decode_layers(x, h, cpu_layer.decode_plan(self, norms),
                                                kv_caches, cos, sin, meta)
                 if done is not None:

@@ -247,7 +247,7 @@ def test_decode_layers_leave_to_the_steps_what_they_do_not_run():
                           head_dim=8, intermediate_size=12, vocab_size=20)
     torch.manual_seed(0)
     layer = TinyLlama(cfg).eval().layers[0]
-    maps, norm = layer.stacked_maps(), layer.post_attention_layernorm
+    maps, norm = cpu_layer.stacked_maps(layer), layer.post_attention_layernorm
     x, cache = torch.randn(1, 16), torch.zeros(2, 4, 1, 8)
     cos, sin = rope_cos_sin(torch.tensor([2]), 8, 1e4, torch.float32)
     meta = AttentionMetadata(slot_mapping=torch.tensor([2]), block_tables=torch.tensor(
@@ -299,3 +299,24 @@ def test_a_weight_changed_in_place_or_replaced_between_steps_is_read_anew():
         runs[fused] = out
     assert all(torch.equal(a, b) for a, b in zip(runs[True], runs[False], strict=True))
     assert not torch.equal(runs[True][1], runs[True][2])
+
+
+@torch.no_grad()
+def test_a_decode_attention_put_in_the_models_place_is_the_one_decode_steps_call(
+        monkeypatch):
+    """Chapter 13 serves the learner's kernel by putting it in place of
+    ``paged_lib.model.paged_attention``: decode steps must then call it for every layer,
+    not run the layers in one C call that would skip it."""
+    import paged_lib.model as model_module
+
+    cfg = TinyLlamaConfig(num_layers=2, hidden_size=48, num_heads=6, num_kv_heads=2,
+                          head_dim=24, intermediate_size=40, vocab_size=50)
+    torch.manual_seed(0)
+    model, calls = TinyLlama(cfg).eval(), []
+    library = model_module.paged_attention
+    monkeypatch.setattr(model_module, "paged_attention",
+                        lambda *a, **k: calls.append(1) or library(*a, **k))
+    caches = [(torch.randn(8, 4, 2, 24), torch.randn(8, 4, 2, 24)) for _ in range(2)]
+    tables = torch.arange(8, dtype=torch.int32).view(2, 4)
+    decode_steps(model, caches, tables, [3, 6], 2, 4)
+    assert len(calls) == 2 * cfg.num_layers

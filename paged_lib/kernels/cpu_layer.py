@@ -33,6 +33,7 @@ import weakref
 import torch
 
 from paged_lib.kernels import cpu_decode
+from paged_lib.kernels.cpu_linear import stacked_weights
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
@@ -208,6 +209,18 @@ def _parameters(module, out: list) -> list:
     return out
 
 
+def stacked_maps(layer) -> tuple:
+    """A :class:`~paged_lib.model.DecoderLayer`'s linear maps as inference stacks them
+    (:func:`~paged_lib.kernels.cpu_linear.stacked_weights`, under the names the layer's
+    own modules use): QKV, o, gate-up, down."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return (stacked_weights(attn, "qkv", [attn.q_proj.weight, attn.k_proj.weight,
+                                          attn.v_proj.weight]),
+            stacked_weights(attn, "o", [attn.o_proj.weight]),
+            stacked_weights(mlp, "gate_up", [mlp.gate_proj.weight, mlp.up_proj.weight]),
+            stacked_weights(mlp, "down", [mlp.down_proj.weight]))
+
+
 def decode_plan(model, norms: list) -> DecodeLayers:
     """A :class:`~paged_lib.model.TinyLlama`'s layers as :func:`decode_layers` reads them,
     with ``norms`` (each layer's next norm: the next layer's input norm, the model's final
@@ -221,7 +234,7 @@ def decode_plan(model, norms: list) -> DecodeLayers:
     if last is None or last[0] != key:
         cfg = model.config
         last = _PLANS[model] = key, params, DecodeLayers(
-            [(layer.stacked_maps(), (layer.post_attention_layernorm, next_norm))
+            [(stacked_maps(layer), (layer.post_attention_layernorm, next_norm))
              for layer, next_norm in zip(model.layers, norms, strict=True)],
             cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads)
     return last[2]
