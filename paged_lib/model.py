@@ -17,6 +17,7 @@ from a Hugging Face-format folder of ``config.json`` + ``model.safetensors``
 
 from __future__ import annotations
 
+import inspect
 import json
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -30,7 +31,8 @@ from paged_lib.kernels import cpu_layer, paged_attention, paged_prefill, reshape
 from paged_lib.kernels.cpu_linear import linear, stacked_weights
 from paged_lib.model_config import TinyLlamaConfig
 
-#: the kernels' decode attention; another in its place (chapter 13) keeps the layers apart
+#: the kernels' decode attention; another in its place (chapter 13: not a wrapper of it,
+#: whose ``__wrapped__`` names it) keeps the layers apart
 LIBRARY_ATTENTION = paged_attention
 
 
@@ -315,7 +317,7 @@ class TinyLlama(nn.Module):
             h = cpu_layer.rms_norm(x, first.weight, first.eps)
             norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
             if (self.decode_layers_in_one_call and self.all_reduce is None and meta.is_decode
-                    and paged_attention is LIBRARY_ATTENTION):  # none swapped in (ch. 13)
+                    and inspect.unwrap(paged_attention) is LIBRARY_ATTENTION):  # (ch. 13)
                 done = cpu_layer.decode_layers(x, h, cpu_layer.decode_plan(self, norms),
                                                kv_caches, cos, sin, meta)
                 if done is not None:

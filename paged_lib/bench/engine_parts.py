@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import time
 from collections import defaultdict
 from collections.abc import Sequence
@@ -78,6 +79,7 @@ def timed_parts(acc: dict, clocks=CLOCKS):
     stack: list[str] = []
 
     def wrap(fn, part):
+        @functools.wraps(fn)  # the model sees through it (its __wrapped__) to the library's
         def timed(*args, **kwargs):
             stack.append(part)
             path = tuple(stack)
