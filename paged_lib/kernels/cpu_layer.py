@@ -106,6 +106,18 @@ def add_rms_norm(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor,
     return total, out
 
 
+def _check_step_rows(cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, n: int,
+                     d: int) -> None:
+    """The rotation angles ``[n, d]`` and the slots ``[n]`` of a step's ``n`` new tokens."""
+    for name, t in (("cos", cos), ("sin", sin)):
+        if t.shape != (n, d) or t.dtype != torch.float32 or not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous float32 [{n}, {d}], got "
+                             f"{tuple(t.shape)} {t.dtype}")
+    if slots.shape != (n,) or slots.dtype != torch.int64 or not slots.is_contiguous():
+        raise ValueError(f"slots must be contiguous int64 [{n}], got {tuple(slots.shape)} "
+                         f"{slots.dtype}")
+
+
 def rope_and_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                    heads: int, kv_heads: int) -> torch.Tensor:
@@ -125,13 +137,7 @@ def rope_and_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         if c.dtype != torch.float32 or not c.is_contiguous() or c.shape[2:] != (kv_heads, d):
             raise ValueError(f"{name} must be contiguous float32 [blocks, block_size, "
                              f"{kv_heads}, {d}], got {tuple(c.shape)} {c.dtype}")
-    for name, t in (("cos", cos), ("sin", sin)):
-        if t.shape != (n, d) or t.dtype != torch.float32 or not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous float32 [{n}, {d}], got "
-                             f"{tuple(t.shape)} {t.dtype}")
-    if slots.shape != (n,) or slots.dtype != torch.int64 or not slots.is_contiguous():
-        raise ValueError(f"slots must be contiguous int64 [{n}], got {tuple(slots.shape)} "
-                         f"{slots.dtype}")
+    _check_step_rows(cos, sin, slots, n, d)
     q = qkv.new_empty(n, heads, d)
     _lib().rope_write_rows(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
                            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), n, heads,
@@ -266,14 +272,8 @@ def decode_layers(x: torch.Tensor, normed: torch.Tensor, plan: DecodeLayers, kv_
     if hidden != plan.hidden or normed.shape != x.shape or not normed.is_contiguous():
         raise ValueError(f"x and normed must be contiguous [rows, {plan.hidden}], got "
                          f"{tuple(x.shape)} and {tuple(normed.shape)}")
-    for name, t in (("cos", cos), ("sin", sin)):
-        if t.shape != (rows, d) or t.dtype != torch.float32 or not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous float32 [{rows}, {d}], got "
-                             f"{tuple(t.shape)} {t.dtype}")
     slots = meta.slot_mapping
-    if slots.shape != (rows,) or slots.dtype != torch.int64 or not slots.is_contiguous():
-        raise ValueError(f"slots must be contiguous int64 [{rows}], got {tuple(slots.shape)} "
-                         f"{slots.dtype}")
+    _check_step_rows(cos, sin, slots, rows, d)
     for args, (k_cache, v_cache) in zip(plan.args, kv_caches, strict=True):
         args.k_cache, args.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
     tables, lens, _ = cpu_decode._step_metadata(meta.block_tables, meta.seq_lens)
