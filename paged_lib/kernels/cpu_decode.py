@@ -53,7 +53,7 @@ CSRC = Path(__file__).with_name("csrc")
 SOURCE = CSRC / "paged_decode.c"
 #: Built into one library: this kernel, the layer's small steps of
 #: :mod:`paged_lib.kernels.cpu_layer` (both include ``vec.h``), the linear maps of
-#: :mod:`paged_lib.kernels.cpu_linear`, and a decode step's whole layer on one thread team
+#: :mod:`paged_lib.kernels.cpu_linear`, and a decode step's layers on one thread team
 #: (``decode_layer.c``, which calls the other three through ``team.h``).
 SOURCES = (SOURCE, CSRC / "layer_ops.c", CSRC / "linear.c", CSRC / "decode_layer.c")
 HEADERS = (CSRC / "vec.h", CSRC / "team.h")

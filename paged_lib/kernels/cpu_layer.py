@@ -274,13 +274,14 @@ def decode_layers(x: torch.Tensor, normed: torch.Tensor, plan: DecodeLayers, kv_
                          f"{tuple(x.shape)} and {tuple(normed.shape)}")
     slots = meta.slot_mapping
     _check_step_rows(cos, sin, slots, rows, d)
-    for args, (k_cache, v_cache) in zip(plan.args, kv_caches, strict=True):
-        args.k_cache, args.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
+    args = type(plan.args).from_buffer_copy(plan.args)  # this call's own: a plan is shared
+    for layer, (k_cache, v_cache) in zip(args, kv_caches, strict=True):
+        layer.k_cache, layer.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
     tables, lens, _ = cpu_decode._step_metadata(meta.block_tables, meta.seq_lens)
     lib, threads = _lib(), torch.get_num_threads()
     scratch = torch.empty(lib.decode_layer_scratch(rows, hidden, heads, kv_heads, d,
                                                    plan.inter))
-    lib.decode_layers(len(plan.layers), plan.args, x.data_ptr(), normed.data_ptr(),
+    lib.decode_layers(len(plan.layers), args, x.data_ptr(), normed.data_ptr(),
                       scratch.data_ptr(), rows, hidden, heads, kv_heads, d, plan.inter,
                       cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), tables.data_ptr(),
                       lens.data_ptr(), tables.shape[1], block_size, d ** -0.5,
