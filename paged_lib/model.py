@@ -31,8 +31,7 @@ from paged_lib.kernels import cpu_layer, paged_attention, paged_prefill, reshape
 from paged_lib.kernels.cpu_linear import linear, stacked_weights
 from paged_lib.model_config import TinyLlamaConfig
 
-#: the kernels' decode attention; another in its place (chapter 13: not a wrapper of it,
-#: whose ``__wrapped__`` names it) keeps the layers apart
+#: the kernels' decode attention; another in its place (not a wrapper) keeps layers apart
 LIBRARY_ATTENTION = paged_attention
 
 
@@ -126,6 +125,11 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=False)
         self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=False)
 
+    def maps(self) -> tuple:  # inference's, stacked and packed once: QKV as one, o_proj
+        return (stacked_weights(self, "qkv", [self.q_proj.weight, self.k_proj.weight,
+                                              self.v_proj.weight]),
+                stacked_weights(self, "o", [self.o_proj.weight]))
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
                 backend: str, validate: bool = True) -> torch.Tensor:
@@ -137,8 +141,7 @@ class Attention(nn.Module):
             k = apply_rope(self.k_proj(x).view(n, kv_heads, d), cos, sin)
             v = self.v_proj(x).view(n, kv_heads, d)
         else:  # inference: Q, K and V as one prepacked map
-            qkv = linear(x, stacked_weights(self, "qkv", [
-                self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]))
+            qkv = linear(x, self.maps()[0])
             if cpu_layer.applies(qkv, backend, validate) and cpu_layer.fits(k_cache, v_cache):
                 # backend="cpu": the rotation and step 1 below in one C pass (cpu_layer)
                 q = cpu_layer.rope_and_write(qkv, cos, sin, k_cache, v_cache,
@@ -174,7 +177,7 @@ class Attention(nn.Module):
         out = out.reshape(n, heads * d)
         if torch.is_grad_enabled():
             return self.o_proj(out)
-        return linear(out, stacked_weights(self, "o", [self.o_proj.weight]))
+        return linear(out, self.maps()[1])
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache, v_cache, slot_mapping: torch.Tensor,
@@ -202,18 +205,22 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
+    def maps(self) -> tuple:  # inference's, stacked and packed once: gate-up as one, down
+        return (stacked_weights(self, "gate_up", [self.gate_proj.weight, self.up_proj.weight]),
+                stacked_weights(self, "down", [self.down_proj.weight]))
+
     def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
         """``fused``: the activation as one C pass (``backend="cpu"``, see ``cpu_layer``)."""
         if torch.is_grad_enabled():
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        weights = stacked_weights(self, "gate_up", [self.gate_proj.weight, self.up_proj.weight])
+        weights, down = self.maps()
         gate_up = linear(x, weights)  # one prepacked map for both
         if fused:
             h = cpu_layer.silu_mul(gate_up)
         else:
             gate, up = weights.split(gate_up)
             h = F.silu(gate) * up
-        return linear(h, stacked_weights(self, "down", [self.down_proj.weight]))
+        return linear(h, down)
 
 
 class DecoderLayer(nn.Module):
@@ -257,8 +264,7 @@ class TinyLlama(nn.Module):
     prefix, so loading weights is a rename, not a conversion.
     """
 
-    #: ``backend="cpu"``: a decode step's layers in one C call (``cpu_layer.decode_layers``);
-    #: ``False`` keeps their steps apart (``bench.engine_parts --layers-apart`` times them)
+    #: ``backend="cpu"``: a decode step's layers in one C call (False: apart, to time them)
     decode_layers_in_one_call: bool = True
 
     def __init__(self, config: TinyLlamaConfig):
@@ -318,9 +324,8 @@ class TinyLlama(nn.Module):
             norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
             if (self.decode_layers_in_one_call and self.all_reduce is None and meta.is_decode
                     and inspect.unwrap(paged_attention) is LIBRARY_ATTENTION):  # (ch. 13)
-                done = cpu_layer.decode_layers(x, h, cpu_layer.decode_plan(self, norms),
-                                               kv_caches, cos, sin, meta)
-                if done is not None:
+                plan = cpu_layer.decode_plan(self, norms)
+                if done := cpu_layer.decode_layers(x, h, plan, kv_caches, cos, sin, meta):
                     return done[1]
             for layer, kv_cache, next_norm in zip(self.layers, kv_caches, norms, strict=True):
                 x, h = layer.forward_fused(x, h, cos, sin, kv_cache, meta, backend, next_norm,

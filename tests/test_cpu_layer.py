@@ -247,7 +247,7 @@ def test_decode_layers_leave_to_the_steps_what_they_do_not_run():
                           head_dim=8, intermediate_size=12, vocab_size=20)
     torch.manual_seed(0)
     layer = TinyLlama(cfg).eval().layers[0]
-    maps, norm = cpu_layer.stacked_maps(layer), layer.post_attention_layernorm
+    maps, norm = (*layer.self_attn.maps(), *layer.mlp.maps()), layer.post_attention_layernorm
     x, cache = torch.randn(1, 16), torch.zeros(2, 4, 1, 8)
     cos, sin = rope_cos_sin(torch.tensor([2]), 8, 1e4, torch.float32)
     meta = AttentionMetadata(slot_mapping=torch.tensor([2]), block_tables=torch.tensor(

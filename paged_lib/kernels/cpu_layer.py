@@ -33,7 +33,6 @@ import weakref
 import torch
 
 from paged_lib.kernels import cpu_decode
-from paged_lib.kernels.cpu_linear import stacked_weights
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
@@ -76,11 +75,15 @@ def fits(k_cache, v_cache) -> bool:
                and c.dtype == torch.float32 and c.is_contiguous() for c in (k_cache, v_cache))
 
 
-def _rows(x: torch.Tensor, weight: torch.Tensor) -> tuple[int, int]:
-    rows, dim = x.shape
+def _check_weight(weight: torch.Tensor, dim: int) -> None:
     if weight.shape != (dim,) or weight.dtype != torch.float32 or not weight.is_contiguous():
         raise ValueError(f"need a contiguous float32 weight of {dim}, got "
                          f"{tuple(weight.shape)} {weight.dtype}")
+
+
+def _rows(x: torch.Tensor, weight: torch.Tensor) -> tuple[int, int]:
+    rows, dim = x.shape
+    _check_weight(weight, dim)
     return rows, dim
 
 
@@ -192,7 +195,7 @@ class DecodeLayers:
                 raise ValueError(f"decode_layers: layer {i}'s maps {list(got)} do not fit "
                                  f"hidden={hidden}, {heads} heads and {kv_heads} KV heads")
             for norm in norms:
-                _rows(torch.empty(0, hidden), norm.weight)
+                _check_weight(norm.weight, hidden)
         # the caches' addresses are filled in at each call, from the caches it is given
         self.args = (_LayerArgs * len(layers))(*(_LayerArgs(
             *(m.tiles.data_ptr() for m in maps), norm2.weight.data_ptr(),
@@ -215,18 +218,6 @@ def _parameters(module, out: list) -> list:
     return out
 
 
-def stacked_maps(layer) -> tuple:
-    """A :class:`~paged_lib.model.DecoderLayer`'s linear maps as inference stacks them
-    (:func:`~paged_lib.kernels.cpu_linear.stacked_weights`, under the names the layer's
-    own modules use): QKV, o, gate-up, down."""
-    attn, mlp = layer.self_attn, layer.mlp
-    return (stacked_weights(attn, "qkv", [attn.q_proj.weight, attn.k_proj.weight,
-                                          attn.v_proj.weight]),
-            stacked_weights(attn, "o", [attn.o_proj.weight]),
-            stacked_weights(mlp, "gate_up", [mlp.gate_proj.weight, mlp.up_proj.weight]),
-            stacked_weights(mlp, "down", [mlp.down_proj.weight]))
-
-
 def decode_plan(model, norms: list) -> DecodeLayers:
     """A :class:`~paged_lib.model.TinyLlama`'s layers as :func:`decode_layers` reads them,
     with ``norms`` (each layer's next norm: the next layer's input norm, the model's final
@@ -240,7 +231,8 @@ def decode_plan(model, norms: list) -> DecodeLayers:
     if last is None or last[0] != key:
         cfg = model.config
         last = _PLANS[model] = key, params, DecodeLayers(
-            [(stacked_maps(layer), (layer.post_attention_layernorm, next_norm))
+            [((*layer.self_attn.maps(), *layer.mlp.maps()),
+              (layer.post_attention_layernorm, next_norm))
              for layer, next_norm in zip(model.layers, norms, strict=True)],
             cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads)
     return last[2]
