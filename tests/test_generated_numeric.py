@@ -103,8 +103,9 @@ TINY = torch.finfo(torch.float32).tiny
 
 
 def int8_write(x, data, scale, slots, *, shifts=False, requantise=True, fresh=True,
-               rnd=torch.round):
-    """The block write; ``shifts``: block and offset by >> and & (powers of two only)."""
+               rnd=torch.round, code=None):
+    """The block write; ``shifts``: block and offset by >> and & (powers of two only);
+    ``code(v, scale)``: how a new value becomes a code (default ``rnd(v / scale)``)."""
     bs = data.shape[1]
     if shifts:
         blocks, offsets = slots >> (bs.bit_length() - 1), slots & (bs - 1)
@@ -124,8 +125,8 @@ def int8_write(x, data, scale, slots, *, shifts=False, requantise=True, fresh=Tr
             data[b] = rnd(data[b].float() * ratio[None, :, None]).clamp(-127, 127).to(
                 torch.int8)
         scale[b] = new
-        data[b, offsets[here]] = rnd(vals / new[None, :, None]).clamp(-127, 127).to(
-            torch.int8)
+        new_codes = (code or (lambda v, s: rnd(v / s)))(vals, new[None, :, None])
+        data[b, offsets[here]] = new_codes.clamp(-127, 127).to(torch.int8)
 
 
 def int8_shifts(x, data, scale, slots):

@@ -3,8 +3,11 @@ hint naming it, and the right answers of another shape beside them (✅)."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
+from test_generated_numeric import int8_write  # 11.3 block by block; code= how a value codes
 
 from paged_lib.course.grading import ch11
 
@@ -18,35 +21,11 @@ def verdict(capsys, check, answer) -> str:
     return out
 
 
-def int8_write(code=lambda v, s: torch.round(v / s)):
-    """11.3's write block by block; ``code``: how a value becomes a code (default: right)."""
-    def fn(x, data, scale, slots):
-        bs = data.shape[1]
-        blocks, offsets = slots // bs, slots % bs
-        for b in torch.unique(blocks).tolist():
-            here = blocks == b
-            vals = x[here].float()
-            need = vals.abs().amax(dim=(0, 2)) / 127
-            old = scale[b].clone()
-            if bool((offsets[here] == 0).any()):
-                old.zero_()
-            old = torch.nan_to_num(old, nan=0.0)
-            new = torch.where(need > old, torch.maximum(need, 2 * old), old).clamp(
-                min=torch.finfo(torch.float32).tiny)
-            ratio = torch.where(old > 0, old / new, torch.zeros_like(old))
-            data[b] = (data[b].float() * ratio[None, :, None]).round().clamp(
-                -127, 127).to(torch.int8)
-            scale[b] = new
-            data[b, offsets[here]] = code(vals, new[None, :, None]).clamp(
-                -127, 127).to(torch.int8)
-    return fn
-
-
 def test_11_3_codes_by_the_reciprocal_of_the_scale_are_named(capsys):
     """v * (1 / scale) misses exact ties (the generated comparison lets a code one off at a
     tie by, and served values hold none): a named value 125.5 x its scale shows it."""
     out = verdict(capsys, ch11.check_write_int8_blocks,
-                  int8_write(lambda v, s: torch.round(v * (1 / s))))
+                  functools.partial(int8_write, code=lambda v, s: torch.round(v * (1 / s))))
     assert out.startswith("❌ [11.3]") and "125.5 times 1.1015625" in out \
         and "v * (1 / scale) rounds 1 / scale first" in out, out
 
@@ -69,7 +48,7 @@ def int8_whole_call(x, data, scale, slots):
     data[blocks, offsets] = (x / new[blocks][:, :, None]).round().clamp(-127, 127).to(torch.int8)
 
 
-@pytest.mark.parametrize("right", [int8_write(), int8_whole_call])
+@pytest.mark.parametrize("right", [int8_write, int8_whole_call])
 def test_11_3_codes_by_division_pass(capsys, right):
     out = verdict(capsys, ch11.check_write_int8_blocks, right)
     assert out.startswith("✅ [11.3]"), out

@@ -56,20 +56,21 @@ class Machine:
 MIN_RUN_SECONDS = 0.1
 
 
-def _best_seconds(fn, repeats: int) -> float:
+def _best_seconds(fn, repeats: int, clocks=(time.perf_counter, time.process_time)) -> float:
     """The shortest time per call of ``repeats`` runs, each of at least
     :data:`MIN_RUN_SECONDS` and timed by the wall clock and by this process's CPU seconds
     per torch thread, whichever is shorter: on shared cores a run's wall clock also
     counts the turns other processes took, which say nothing about the machine's rates.
-    ``fn`` must keep every torch thread busy (CPU seconds per thread are then its time)."""
+    ``fn`` must keep every torch thread busy (CPU seconds per thread are then its time).
+    ``clocks`` (wall, process CPU) are there for tests that drive the timing by hand."""
     fn()  # warm-up: page faults and first-call costs are not the rate
-    threads, times = torch.get_num_threads(), []
+    (wall_clock, cpu_clock), threads, times = clocks, torch.get_num_threads(), []
     for _ in range(repeats):
-        calls, wall, cpu = 0, time.perf_counter(), time.process_time()
-        while calls == 0 or time.perf_counter() - wall < MIN_RUN_SECONDS:
+        calls, wall, cpu = 0, wall_clock(), cpu_clock()
+        while calls == 0 or wall_clock() - wall < MIN_RUN_SECONDS:
             fn()
             calls += 1
-        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        wall, cpu = wall_clock() - wall, cpu_clock() - cpu
         times.append(min(wall, cpu / threads) / calls)
     return min(times)
 
