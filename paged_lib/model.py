@@ -321,7 +321,7 @@ class TinyLlama(nn.Module):
         if cpu_layer.applies(x, backend, validate):  # the small steps in C
             first = self.layers[0].input_layernorm
             h = cpu_layer.rms_norm(x, first.weight, first.eps)
-            norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
+            norms = [layer.input_layernorm for layer in list(self.layers)[1:]] + [self.norm]
             if (self.decode_layers_in_one_call and self.all_reduce is None and meta.is_decode
                     and inspect.unwrap(paged_attention) is LIBRARY_ATTENTION):  # (ch. 13)
                 plan = cpu_layer.decode_plan(self, norms)
