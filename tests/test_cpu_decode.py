@@ -39,6 +39,8 @@ TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
     ((5, 100, 7), 8, 1, 40, 12),             # MQA, odd head size and block size
     ((64, 3), 4, 4, 128, 1),                 # MHA, one token per block
     ((300,), 16, 2, 32, 16),                 # group of 8, many blocks
+    ((130, 1, 16), 9, 3, 64, 16),            # group of 3 (SmolLM2's heads)
+    ((20, 9), 12, 2, 32, 16),                # group of 6: no case of its own in the kernel
 ])
 def test_equals_the_float64_reference(dtype, lens, heads, kv_heads, head_dim, block_size):
     case = make_decode_case(list(lens), heads, kv_heads, head_dim, block_size, dtype=dtype)

@@ -311,7 +311,8 @@ static inline int32_t touch_block(const char *k, const char *v, int tokens, int6
  * next block: a block's rows for all KV heads are adjacent in memory (the cache is
  * [block, token, kv_head, d]), so the item streams through whole blocks instead of
  * touching one 4 KB page per token per head. */
-static void attend_item(int s, int kvh0, int kv_heads, const float *q, const void *k_cache,
+static inline __attribute__((always_inline)) void attend_item_group(
+                        int s, int kvh0, int kv_heads, const float *q, const void *k_cache,
                         const void *v_cache, int kind, const int32_t *block_tables,
                         const int32_t *seq_lens, float *out, int num_heads, int group,
                         int head_dim, int block_size, int64_t table_width,
@@ -435,6 +436,35 @@ static void attend_item(int s, int kvh0, int kv_heads, const float *q, const voi
     __asm__ volatile("" : : "r"(touched)); /* the loads of touch_block stay */
     for (int h = 0; h < heads; ++h)
         for (int i = 0; i < head_dim; ++i) acc[h * head_dim + i] /= l[h];
+}
+
+/* attend_item_group with the group size a constant for the usual ones (MHA's 1, and the
+ * 2, 3, 4 and 8 query heads per KV head of common GQA models), so that the loops over a KV
+ * head's query heads (scores, softmax, weights) unroll. Measured with SmolLM2's shapes
+ * (group 3) on a 2-core AMD EPYC (2026-12-07), two threads: alone on 30 layers' caches, 32
+ * sequences went from 220-230 to 211-222 us a layer, 8 from 43-45 to 39; a whole decode step
+ * of 32 sequences (the two kernels in turn in one process) from 29.87 to 29.38 ms with the
+ * blocks shuffled, 26.03 to 25.87 in order (medians of 4). The library then takes about 4 s
+ * to compile instead of 1, once per machine. */
+static void attend_item(int s, int kvh0, int kv_heads, const float *q, const void *k_cache,
+                        const void *v_cache, int kind, const int32_t *block_tables,
+                        const int32_t *seq_lens, float *out, int num_heads, int group,
+                        int head_dim, int block_size, int64_t table_width,
+                        int64_t stride_block, int64_t stride_token, int64_t stride_head,
+                        float scale, int after) {
+#define ATTEND(g) attend_item_group(s, kvh0, kv_heads, q, k_cache, v_cache, kind, block_tables, \
+                                    seq_lens, out, num_heads, g, head_dim, block_size,      \
+                                    table_width, stride_block, stride_token, stride_head,   \
+                                    scale, after)
+    switch (group) {
+    case 1: ATTEND(1); break;
+    case 2: ATTEND(2); break;
+    case 3: ATTEND(3); break;
+    case 4: ATTEND(4); break;
+    case 8: ATTEND(8); break;
+    default: ATTEND(group); break;
+    }
+#undef ATTEND
 }
 
 /* Work items (sequence, `kv_heads_per_item` KV heads) are taken from *next_item until
