@@ -290,7 +290,16 @@ static inline void prefetch_rows(const char *k, const char *v, int t0, int t1,
  * from 27.3-27.8 to 26.6-27.0 ms with each sequence's blocks shuffled in the pool (26.5-27.0
  * to 26.2-26.6 in order), 8 sequences 13.9-15.0 to 13.7-14.5, one the same. A load of one
  * byte per line gained little (235 against 239 us). Returns the lines' bits OR-ed together,
- * which the caller keeps, so that the compiler keeps the loads. */
+ * which the caller keeps, so that the compiler keeps the loads.
+ * What is left is memory and arithmetic taking turns. Measured the same way (2026-12-07,
+ * 32 sequences, two threads), loading each block's lines with no arithmetic took 97 us a
+ * layer with blocks in order and 152-156 shuffled, the arithmetic alone from the last level
+ * cache 121-153, and this kernel from memory 184-209 and 191-229: the reads hide under the
+ * arithmetic only in part. A kernel whose arithmetic took 104 us in cache (a block's 16
+ * scores of a head added up into one 16-float vector) was no faster from memory (192-200
+ * against 184-188 in order) nor in a whole step (28.21 against 28.14 ms, medians); nor was
+ * asking for the block after next into L2 (prefetcht1/t2), or for the first lines of each
+ * 4 KB page of the next block. */
 typedef int32_t vi16 __attribute__((vector_size(64), aligned(4)));
 static inline int32_t touch_block(const void *k_cache, const void *v_cache, int64_t block,
                                   int tokens, int kvh0, int64_t stride_block,
