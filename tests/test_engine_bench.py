@@ -9,7 +9,12 @@ from paged_lib.bench import engine as bench
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def test_engine_bench_small_run(capsys):
+def test_engine_bench_small_run(capsys, monkeypatch):
+    from paged_lib.bench import floor
+
+    calls = []  # the run's floor, then one reading before each decode step's round
+    monkeypatch.setattr(bench, "measure_machine", lambda: calls.append(1) or floor.measure_machine(
+        read_bytes=2**20, matmul_size=64, repeats=1))
     assert bench.main(["--requests", "6", "--num-blocks", "40", "--block-size", "8",
                        "--max-len", "80", "--random-model", "--repeats", "1"]) == 0
     text = capsys.readouterr().out
@@ -23,6 +28,7 @@ def test_engine_bench_small_run(capsys):
     assert "floor: this machine now, 1 thread(s): reads memory at" in text
     assert "paged engine over the trace:" in text and "x the floor" in text
     assert "decode step at batch 32 (64 tokens each)" in text
+    assert len(calls) == 1 + 3 * 3
     parts = next(line for line in text.splitlines() if line.startswith("paged engine, ms per"))
     for part in ("scheduling", "model input", "model", "sampling", "other", "total"):
         assert f"{part} " in parts

@@ -80,6 +80,22 @@ def test_machine_and_decode_step_lines(tiny_model):
         floor.time_decode_steps(tiny_model, 0, 9)
 
 
+def test_decode_step_lines_set_each_step_beside_its_own_reading(tiny_model):
+    # three rounds a batch, a reading right before each; the line is the median round's,
+    # whatever the machine measured before the run (stale)
+    rates = [1e8, 1e10, 1e12, 1e12, 1e8, 1e10]  # 100x apart: no timing noise reorders them
+    readings = iter(floor.Machine(r, r, 1) for r in rates)
+    stale = floor.Machine(99e9, 99e9, 1)
+    lines = floor.decode_step_lines(tiny_model, stale, batches=(1, 3), context=9,
+                                    measure=lambda: next(readings), rounds=3)
+    assert next(readings, None) is None
+    assert all("at 10.0 GB/s, 10 GFLOP/s)" in line for line in lines)
+    assert all(line.endswith("median of 3 rounds, each beside its own reading")
+               for line in lines)
+    with pytest.raises(ValueError, match="rounds must be at least 1"):
+        floor.decode_step_lines(tiny_model, stale, batches=(1,), context=9, rounds=0)
+
+
 def test_the_parts_floors_add_up_to_the_steps_arithmetic():
     slow_math = floor.Machine(bandwidth=1e30, flops=1e9, threads=1)
     seq_lens, query_lens = [40, 7, 9], [1, 7, 2]

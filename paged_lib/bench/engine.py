@@ -163,7 +163,8 @@ def run(num_requests: int = 48, num_blocks: int = 120, block_size: int = 8,
             "overhead_ms": scheduling_overhead_ms(), "machine": machine,
             "trace_floor": recorders[-1].floor(model.config, machine),
             "weight_bytes": weight_bytes(model.config),
-            "decode_steps": decode_step_lines(model, machine, context=64, backend=backend)}
+            "decode_steps": decode_step_lines(model, machine, context=64, backend=backend,
+                                              measure=measure_machine)}
 
 
 def _median_timed(fn, repeats: int) -> tuple[float, float]:

@@ -227,10 +227,11 @@ def run(model_name: str = smollm2.NAME, num_requests: int = 32, num_blocks: int 
         **engine_options) -> dict:
     """Serve one chat trace three ways; rows of (system, tokens, wall s, CPU s), the
     token checks, the KV budgets, the engine's time per phase, and the floor
-    (:mod:`paged_lib.bench.floor`, measured first): of the engine's own steps over the
-    trace, and of a decode step at batch 1, 8 and 32 (``decode_steps``), each beside
-    the time. ``engine_options`` go to the engine (``watermark``, ``preemption``,
-    ``num_cpu_blocks``: how the trace's preemptions are served)."""
+    (:mod:`paged_lib.bench.floor`): of the engine's own steps over the trace (the machine
+    measured first), and of a decode step at batch 1, 8 and 32 (``decode_steps``; the
+    machine measured again right before each of three timings), each beside the time.
+    ``engine_options`` go to the engine (``watermark``, ``preemption``, ``num_cpu_blocks``:
+    how the trace's preemptions are served)."""
     machine = measure_machine()  # this run's floor: bandwidth and matmul rate now
     model, tokenizer = load_model(model_name)
     model = model.to("cpu")
@@ -266,8 +267,8 @@ def run(model_name: str = smollm2.NAME, num_requests: int = 32, num_blocks: int 
             "computed": sum(engine.stats.computed_tokens),
             "swapped_blocks": engine.stats.swapped_blocks,
             "engine_options": engine_options,
-            "decode_steps": decode_step_lines(model, machine, backend=backend)
-            if decode_steps else [],
+            "decode_steps": decode_step_lines(model, machine, backend=backend,
+                                              measure=measure_machine) if decode_steps else [],
             "model": model_name, "requests": num_requests, "rows": rows,
             "prompt_tokens": sum(map(len, prompts)), "max_tokens": max_tokens,
             "lens": lens, "batch_size": batch_size, "longest": longest,

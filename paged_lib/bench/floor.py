@@ -263,15 +263,32 @@ def time_decode_steps(model, batch: int, context: int, steps: int = 5,
 
 
 def decode_step_lines(model, machine: Machine, batches=(1, 8, 32), context: int = 128,
-                      backend: str = "auto") -> list[str]:
+                      backend: str = "auto", measure=None, rounds: int = 3) -> list[str]:
     """One line per batch size: a decode step's time (wall and thread CPU) beside its
-    floor, as a ratio."""
+    floor, as a ratio.
+
+    ``measure`` (e.g. :func:`measure_machine`), where given, is called right before each
+    timing, ``rounds`` timings a batch, and the line reports the round whose ratio is the
+    median, with the rates its floor used; without it, every floor uses ``machine``. A shared
+    machine's rates drift within seconds (on the EPYC above, reading memory went from 88 to
+    54 GB/s and back between one call and the next), so a floor measured a minute earlier,
+    before a benchmark's other work, can be far from the one the step met."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be at least 1, got {rounds}")
     lines = []
     for batch in batches:
-        wall, cpu = time_decode_steps(model, batch, context, backend=backend)
-        f = decode_floor(model.config, batch, context + 3, machine)
+        timed = []
+        for _ in range(rounds if measure is not None else 1):
+            now = measure() if measure is not None else machine
+            wall, cpu = time_decode_steps(model, batch, context, backend=backend)
+            f = decode_floor(model.config, batch, context + 3, now)
+            timed.append((f.ratio(wall), wall, cpu, f, now))
+        ratio, wall, cpu, f, now = sorted(timed, key=lambda t: t[0])[len(timed) // 2]
         lines.append(f"decode step at batch {batch} ({context} tokens each): {1e3 * wall:.1f}"
                      f" ms wall, {1e3 * cpu:.1f} ms thread CPU; floor {1e3 * f.seconds:.1f} ms"
-                     f" ({f.bytes / 1e6:.0f} MB, {f.flops / 1e6:.0f} MFLOP): "
-                     f"{f.ratio(wall):.2f}x the floor ({f.ratio(cpu):.2f}x by CPU time)")
+                     f" ({f.bytes / 1e6:.0f} MB, {f.flops / 1e6:.0f} MFLOP at "
+                     f"{now.bandwidth / 1e9:.1f} GB/s, {now.flops / 1e9:.0f} GFLOP/s): "
+                     f"{ratio:.2f}x the floor ({f.ratio(cpu):.2f}x by CPU time)"
+                     + (f"; median of {len(timed)} rounds, each beside its own reading"
+                        if measure is not None else ""))
     return lines
