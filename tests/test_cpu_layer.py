@@ -9,6 +9,8 @@ steps through them (``backend="cpu"``, ``validate=False``) against the PyTorch p
 Skipped, with the reason, on a machine with no C compiler.
 """
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -275,8 +277,9 @@ def test_decode_layers_leave_to_the_steps_what_they_do_not_run():
 @torch.no_grad()
 def test_a_weight_changed_in_place_or_replaced_between_steps_is_read_anew():
     """The plan of a model's layers is kept between steps: a weight multiplied in place, a
-    weight replaced by another tensor, or another cache must each be read anew (the same
-    logits as the steps apart, which look the weights up at every call)."""
+    weight replaced by another tensor, a layer's MLP swapped for another, or another cache
+    must each be read anew (the same logits as the steps apart, which look the weights up
+    at every call)."""
     cfg = TinyLlamaConfig(num_layers=2, hidden_size=48, num_heads=6, num_kv_heads=2,
                           head_dim=24, intermediate_size=40, vocab_size=50)
     block_size, g = 4, torch.Generator().manual_seed(3)
@@ -296,6 +299,11 @@ def test_a_weight_changed_in_place_or_replaced_between_steps_is_read_anew():
         out += decode_steps(model, caches, tables, [6, 8, 11], 1, block_size)
         caches = [(k.clone(), v.clone()) for k, v in caches]  # the same values elsewhere
         out += decode_steps(model, caches, tables, [7, 9, 12], 1, block_size)
+        mlp = copy.deepcopy(model.layers[1].mlp)  # (registers modules: a plan built anew)
+        mlp.up_proj.weight.mul_(-1.0)
+        out += decode_steps(model, caches, tables, [8, 10, 13], 1, block_size)
+        model.layers[1].mlp = mlp  # swapped: none of the plan's own weights changed
+        out += decode_steps(model, caches, tables, [9, 11, 14], 1, block_size)
         runs[fused] = out
     assert all(torch.equal(a, b) for a, b in zip(runs[True], runs[False], strict=True))
     assert not torch.equal(runs[True][1], runs[True][2])
