@@ -275,20 +275,21 @@ def decode_step_lines(model, machine: Machine, batches=(1, 8, 32), context: int 
     before a benchmark's other work, can be far from the one the step met."""
     if rounds < 1:
         raise ValueError(f"rounds must be at least 1, got {rounds}")
+    read, rounds = (measure, rounds) if measure is not None else (lambda: machine, 1)
     lines = []
     for batch in batches:
         timed = []
-        for _ in range(rounds if measure is not None else 1):
-            now = measure() if measure is not None else machine
+        for _ in range(rounds):
+            now = read()
             wall, cpu = time_decode_steps(model, batch, context, backend=backend)
             f = decode_floor(model.config, batch, context + 3, now)
             timed.append((f.ratio(wall), wall, cpu, f, now))
-        ratio, wall, cpu, f, now = sorted(timed, key=lambda t: t[0])[len(timed) // 2]
+        ratio, wall, cpu, f, now = sorted(timed, key=lambda t: t[0])[rounds // 2]
         lines.append(f"decode step at batch {batch} ({context} tokens each): {1e3 * wall:.1f}"
                      f" ms wall, {1e3 * cpu:.1f} ms thread CPU; floor {1e3 * f.seconds:.1f} ms"
                      f" ({f.bytes / 1e6:.0f} MB, {f.flops / 1e6:.0f} MFLOP at "
                      f"{now.bandwidth / 1e9:.1f} GB/s, {now.flops / 1e9:.0f} GFLOP/s): "
                      f"{ratio:.2f}x the floor ({f.ratio(cpu):.2f}x by CPU time)"
-                     + (f"; median of {len(timed)} rounds, each beside its own reading"
+                     + (f"; median of {rounds} rounds, each beside its own reading"
                         if measure is not None else ""))
     return lines
